@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up .venv and run the main job on its built-in default
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+# torchrec 1.8.0 declares a dependency on fbgemm-gpu (the CUDA build), which overwrites the CPU
+# build and then fails to import; so torchrec goes in with --no-deps, its other dependencies by
+# name, and FBGEMM's CPU build last.
+TORCHREC_DEPS := tensordict==0.15.3 torchmetrics==1.0.3 tqdm==4.70.1 pyre-extensions==0.0.32
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PIP) install -q $(TORCHREC_DEPS)
+	$(PIP) install -q -e '.[fbgemm,dev]'
+	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/dynarec demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/dynarec bench fused-step
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,24 @@
+"""Embedding tables (fixed and dynamic), their row stores and the collection.
+
+Imports with torch alone: FBGEMM is imported only when a table asks for backend 'fbgemm'.
+"""
+
+from dynarec.embedding.collection import EmbeddingCollection
+from dynarec.embedding.config import AdmissionConfig, FeatureConfig, TableConfig
+from dynarec.embedding.dynamic import DynamicTable, TableFullError
+from dynarec.embedding.initializers import Initializer
+from dynarec.embedding.jagged import JaggedBatch
+from dynarec.embedding.table import EmbeddingTable, FixedTable
+
+__all__ = [
+    "AdmissionConfig",
+    "DynamicTable",
+    "EmbeddingCollection",
+    "EmbeddingTable",
+    "FeatureConfig",
+    "FixedTable",
+    "Initializer",
+    "JaggedBatch",
+    "TableConfig",
+    "TableFullError",
+]

@@ -1,0 +1,138 @@
+"""Row store on FBGEMM's TBE (``SplitTableBatchedEmbeddingBagsCodegen``, CPU build).
+
+FBGEMM runs the lookup and the fused optimizer; dynarec only configures it from the table's
+optimizer spec and reads/writes rows through TBE's public accessors
+(``split_embedding_weights``, ``split_optimizer_states``, ``set_learning_rate``). Nothing of
+FBGEMM is patched or copied, and no environment variable is involved.
+
+Pitfalls of FBGEMM's CPU build and how this store handles them (see docs/optimizers.md):
+- ``initial_accumulator_value``: TBE has no such argument; the store fills ``momentum1``
+  through ``split_optimizer_states()`` right after building the TBE.
+- RowWiseAdagrad weight decay: the CPU kernel's fast path for a table used by one feature drops
+  it. When a spec has weight decay, the store maps a second, always-empty feature onto the
+  table (``feature_table_map=[0, 0]``), which takes TBE's generic path that applies it.
+- Mean pooling with per-sample weights: the CPU kernel skips ``1/L``. The store never asks TBE
+  to pool by mean; callers pass ``1/L`` in the per-sample weights (SUM pooling), which is
+  exactly the GPU meaning.
+- Adam: the CPU TBE refuses it; so does this store, naming the native backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dynarec.embedding.row_store import RowStore
+from dynarec.optim.specs import Adagrad, Adam, OptimizerSpec, RowWiseAdagrad, SGD
+
+__all__ = ["FbgemmRowStore", "fbgemm_available", "check_fbgemm_supports"]
+
+
+def fbgemm_available() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception:
+        return False
+    return True
+
+
+def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str) -> None:
+    """Raises ValueError naming the ``native`` backend for what the fbgemm backend cannot do."""
+    if not fbgemm_available():
+        raise ValueError(
+            f"{where}: backend 'fbgemm' needs FBGEMM (fbgemm-gpu-cpu==1.8.0) installed; "
+            "use backend='native'"
+        )
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"{where}: backend 'fbgemm' runs on CPU only here (FBGEMM's CUDA build is not "
+            f"installed); got device {device}; use backend='native'"
+        )
+    if isinstance(spec, Adam):
+        raise ValueError(
+            f"{where}: Adam is not supported by backend 'fbgemm' on CPU (FBGEMM's CPU TBE "
+            "refuses it); use backend='native'"
+        )
+    if not isinstance(spec, (SGD, Adagrad, RowWiseAdagrad)):
+        raise ValueError(f"{where}: {type(spec).__name__} is not supported by backend 'fbgemm'; use backend='native'")
+
+
+class FbgemmRowStore(RowStore):
+    """Rows in one FBGEMM TBE table on CPU, its optimizer fused by FBGEMM."""
+
+    def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu",
+                 where: str = "table"):
+        check_fbgemm_supports(spec, torch.device(device), where)
+        super().__init__(num_rows, dim, spec, torch.device(device))
+        self._shared_feature_map = isinstance(spec, RowWiseAdagrad) and spec.weight_decay > 0
+        self._allocate(num_rows)
+
+    def _tbe_kwargs(self) -> dict:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+        spec = self.spec
+        kwargs: dict = {"learning_rate": self.lr}
+        if isinstance(spec, SGD):
+            kwargs["optimizer"] = EmbOptimType.EXACT_SGD
+        elif isinstance(spec, Adagrad):
+            kwargs.update(optimizer=EmbOptimType.EXACT_ADAGRAD, eps=spec.eps)
+        elif isinstance(spec, RowWiseAdagrad):
+            mode = {"none": WeightDecayMode.NONE, "l2": WeightDecayMode.L2,
+                    "decoupled": WeightDecayMode.DECOUPLE}[spec.weight_decay_mode]
+            kwargs.update(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, eps=spec.eps,
+                          weight_decay=spec.weight_decay, weight_decay_mode=mode)
+        return kwargs
+
+    def _allocate(self, num_rows: int) -> None:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.tbe.config.embedding_config import (
+            BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode,
+        )
+
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(num_rows, self.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            feature_table_map=[0, 0] if self._shared_feature_map else [0],
+            pooling_mode=PoolingMode.SUM,
+            bounds_check_mode=BoundsCheckMode.NONE,  # ids are validated before they get here
+            **self._tbe_kwargs(),
+        )
+        self.tbe.train()
+        self._weight_view = self.tbe.split_embedding_weights()[0]
+        self._weight_view.zero_()
+        raw_states = self.tbe.split_optimizer_states()[0] if self.spec.state_specs() else []
+        self._state_views = {}
+        for spec, t in zip(self.spec.state_specs(), raw_states):
+            view = t.view(num_rows, spec.width(self.dim))
+            view.fill_(spec.initial_value)
+            self._state_views[spec.name] = view
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight_view
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return self._state_views
+
+    def set_learning_rate(self, lr: float) -> None:
+        super().set_learning_rate(lr)
+        self.tbe.set_learning_rate(self.lr)
+
+    def lookup(self, rows, offsets, per_sample_weights: Optional[torch.Tensor], train):
+        num_bags = offsets.numel() - 1
+        if self._shared_feature_map:  # the second feature: num_bags empty bags
+            offsets = torch.cat([offsets, offsets[-1:].expand(num_bags)])
+        psw = None if per_sample_weights is None else per_sample_weights.contiguous()
+        if train and torch.is_grad_enabled():
+            out = self.tbe(rows, offsets, per_sample_weights=psw)
+        else:
+            with torch.no_grad():
+                out = self.tbe(rows, offsets, per_sample_weights=psw)
+        return out[:, : self.dim] if self._shared_feature_map else out

@@ -1,0 +1,106 @@
+"""Key-seeded initializers: a row's initial values are a function of ``(seed, key)`` only.
+
+That makes a dynamic table independent of insertion order and sharding, and lets a fixed table
+(keys ``0..N-1``) start from exactly the weights a dynamic table gives the same keys. Every value
+comes from a counter-based integer hash (SplitMix64) computed with int64 tensor ops, so CPU and
+CUDA produce the same bits for uniform and constant initializers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Initializer", "mix64", "INITIALIZER_KINDS"]
+
+INITIALIZER_KINDS = ("uniform", "normal", "truncated_normal", "constant")
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer over int64 with wrap-around arithmetic: a bijection on 64 bits."""
+    x = x ^ _srl(x, 30)
+    x = x * _M1
+    x = x ^ _srl(x, 27)
+    x = x * _M2
+    return x ^ _srl(x, 31)
+
+
+def _uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
+    """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column)."""
+    base = mix64(keys ^ mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64, device=keys.device)))
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
+    h = mix64(base[:, None] + cols[None, :])
+    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """How a row's initial weights are drawn.
+
+    ``uniform``: U(-bound, bound); ``normal``: N(mean, std); ``truncated_normal``: N(mean, std)
+    cut at two std; ``constant``: ``value``. ``bound``/``std`` default to the table's default
+    bound (``sqrt(1/num_embeddings)`` for fixed tables, ``sqrt(1/max_capacity)`` for dynamic
+    ones) when left None.
+    """
+
+    kind: str = "uniform"
+    bound: Optional[float] = None
+    mean: float = 0.0
+    std: Optional[float] = None
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INITIALIZER_KINDS:
+            raise ValueError(f"initializer kind must be one of {INITIALIZER_KINDS}, got {self.kind!r}")
+        for field in ("bound", "std"):
+            v = getattr(self, field)
+            if v is not None and (not math.isfinite(v) or v < 0):
+                raise ValueError(f"initializer {field} must be finite and >= 0, got {v!r}")
+        for field in ("mean", "value"):
+            if not math.isfinite(getattr(self, field)):
+                raise ValueError(f"initializer {field} must be finite, got {getattr(self, field)!r}")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.kind == "constant" and self.value == 0.0
+
+    def values(
+        self, keys: torch.Tensor, dim: int, seed: int, default_bound: float, chunk_rows: int = 1 << 16
+    ) -> torch.Tensor:
+        """Initial weights ``[len(keys), dim]`` float32 for int64 ``keys``, on their device."""
+        keys = keys.long()
+        if self.kind == "constant":
+            return torch.full((keys.numel(), dim), self.value, dtype=torch.float32, device=keys.device)
+        chunks = [self._draw(keys[i : i + chunk_rows], dim, seed, default_bound)
+                  for i in range(0, keys.numel(), chunk_rows)]
+        if not chunks:
+            return torch.empty(0, dim, dtype=torch.float32, device=keys.device)
+        return torch.cat(chunks)
+
+    def _draw(self, keys: torch.Tensor, dim: int, seed: int, default_bound: float) -> torch.Tensor:
+        u = _uniform01(keys, dim, seed, 0)
+        if self.kind == "uniform":
+            b = default_bound if self.bound is None else self.bound
+            return ((2.0 * u - 1.0) * b).float()
+        std = default_bound if self.std is None else self.std
+        if self.kind == "normal":
+            u2 = _uniform01(keys, dim, seed, 1)
+            z = torch.sqrt(-2.0 * torch.log(u)) * torch.cos(2.0 * math.pi * u2)
+        else:  # truncated_normal: inverse CDF restricted to [-2, 2]
+            lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))
+            p = lo + u * (1.0 - 2.0 * lo)
+            z = math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
+        return (self.mean + std * z).float()
+

@@ -1,0 +1,195 @@
+"""Row stores: the rows of a table (weights + optimizer states) and its fused lookup.
+
+A fixed table and a dynamic table both keep their rows in a :class:`RowStore`; a dynamic table
+only adds a key -> row index in front. Every lookup is a list of weighted bags over row indices
+(``offsets`` in CSR form, SUM pooling with per-sample weights), so mean pooling and sequences
+are expressed by the caller as weights and singleton bags, and every backend gives them the same
+meaning. In training the backward pass aggregates each unique row's gradient over all its bags
+and applies the table's optimizer in place, once per unique row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dynarec.optim.fused import fused_row_update
+from dynarec.optim.specs import OptimizerSpec
+
+__all__ = ["RowStore", "NativeRowStore", "bag_gradients"]
+
+
+class RowStore(ABC):
+    """Rows ``[num_rows, dim]`` float32 with the optimizer states ``spec`` lays out.
+
+    ``lr`` is the current learning rate (a schedule changes it with ``set_learning_rate``);
+    ``step`` is the table's step counter ``t``, advanced once per training step.
+    """
+
+    def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device):
+        self.num_rows = num_rows
+        self.dim = dim
+        self.spec = spec
+        self.device = torch.device(device)
+        self.lr = float(spec.lr)
+        self.step = 0
+
+    @property
+    @abstractmethod
+    def weight(self) -> torch.Tensor:
+        """``[num_rows, dim]`` float32 (a view: writing it writes the table)."""
+
+    @property
+    @abstractmethod
+    def states(self) -> dict[str, torch.Tensor]:
+        """``{name: [num_rows, dim or 1]}`` float32 views, in ``spec.state_specs()`` order."""
+
+    @abstractmethod
+    def lookup(
+        self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], train: bool
+    ) -> torch.Tensor:
+        """Weighted-sum bags: ``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``.
+
+        Args:
+            rows: ``[n]`` int64 row indices in ``[0, num_rows)``.
+            offsets: ``[num_bags + 1]`` int64, CSR offsets into ``rows``.
+            per_sample_weights: ``[n]`` float32 or None (all ones).
+            train: when True and grad is enabled, the output's backward applies the fused
+                optimizer update to the looked-up rows.
+        Returns:
+            ``[num_bags, dim]`` float32.
+        """
+
+    @abstractmethod
+    def _allocate(self, num_rows: int) -> None:
+        """Replaces the storage by ``num_rows`` rows: zero weights, states at initial values."""
+
+    def reallocate(self, num_rows: int) -> None:
+        """Drops every row and allocates ``num_rows`` fresh ones."""
+        self._allocate(num_rows)
+        self.num_rows = num_rows
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = float(lr)
+
+    def advance_step(self) -> None:
+        self.step += 1
+
+    def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of ``weight`` and every state at ``rows``."""
+        out = {"weight": self.weight.index_select(0, rows).clone()}
+        for name, t in self.states.items():
+            out[name] = t.index_select(0, rows).clone()
+        return out
+
+    @torch.no_grad()
+    def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Writes the given tensors (``weight`` and/or state names) at ``rows``."""
+        targets = {"weight": self.weight, **self.states}
+        for name, v in values.items():
+            if name not in targets:
+                raise ValueError(f"unknown row field '{name}'; this table has {sorted(targets)}")
+            t = targets[name]
+            v = v.to(device=t.device, dtype=t.dtype)
+            if v.dim() == 1 and t.shape[1] == 1:
+                v = v[:, None]
+            if tuple(v.shape) != (rows.numel(), t.shape[1]):
+                raise ValueError(f"'{name}' must have shape {(rows.numel(), t.shape[1])}, got {tuple(v.shape)}")
+            t.index_copy_(0, rows, v)
+
+    @torch.no_grad()
+    def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
+        """Gives ``rows`` fresh contents: ``weight`` and every state at its initial value."""
+        self.weight.index_copy_(0, rows, weight)
+        for spec in self.spec.state_specs():
+            self.states[spec.name].index_fill_(0, rows, spec.initial_value)
+
+    @torch.no_grad()
+    def resize(self, num_rows: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Reallocates to ``num_rows`` rows, moving row ``src[i]`` to ``dst[i]`` bit-exactly."""
+        old = self.read(src)
+        self.reallocate(num_rows)
+        self.write(dst, old)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, *self.states.values()))
+
+
+def bag_gradients(
+    grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
+) -> torch.Tensor:
+    """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
+    )
+    g = grad_out.index_select(0, bag_of_id)
+    if per_sample_weights is not None:
+        g.mul_(per_sample_weights[:, None])
+    return g
+
+
+class _NativeFusedLookup(torch.autograd.Function):
+    """Forward: weighted-sum bags. Backward: aggregate per unique row, apply the optimizer.
+
+    ``anchor`` is an empty tensor that requires grad, so autograd calls backward; the weights
+    themselves are not autograd leaves (no dense optimizer may ever see them).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, store, rows, offsets, per_sample_weights):  # type: ignore[override]
+        ctx.store = store
+        ctx.save_for_backward(rows, offsets, per_sample_weights)
+        return F.embedding_bag(
+            rows, store.weight, offsets, mode="sum",
+            per_sample_weights=per_sample_weights, include_last_offset=True,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        rows, offsets, psw = ctx.saved_tensors
+        store: NativeRowStore = ctx.store
+        g = bag_gradients(grad_out.contiguous(), offsets, psw, rows.numel())
+        unique_rows, inverse = torch.unique(rows, return_inverse=True)
+        agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
+        fused_row_update(
+            store.spec, lr=store.lr, step=store.step, weight=store.weight,
+            states=store.states, rows=unique_rows, grad=agg,
+        )
+        return None, None, None, None, None
+
+
+class NativeRowStore(RowStore):
+    """Plain-torch rows and fused update; runs on any device torch supports."""
+
+    def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu"):
+        super().__init__(num_rows, dim, spec, torch.device(device))
+        self._allocate(num_rows)
+
+    def _allocate(self, num_rows: int) -> None:
+        self._weight = torch.zeros(num_rows, self.dim, dtype=torch.float32, device=self.device)
+        self._states = {
+            s.name: torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
+            for s in self.spec.state_specs()
+        }
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return self._states
+
+    def lookup(self, rows, offsets, per_sample_weights, train):
+        if train and torch.is_grad_enabled():
+            anchor = torch.empty(0, device=self.device, requires_grad=True)
+            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights)
+        return F.embedding_bag(
+            rows, self._weight, offsets, mode="sum",
+            per_sample_weights=per_sample_weights, include_last_offset=True,
+        )
