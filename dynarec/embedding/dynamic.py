@@ -63,7 +63,7 @@ class DynamicTable(EmbeddingTable):
             self.admission_initializer = config.admission.initializer or self.missing_initializer
         self.dropped_keys = 0
         self.evicted_keys = 0
-        self._training = False
+        self._generation = 0  # bumped by every rehash, which moves rows
 
     @property
     def store(self) -> RowStore:
@@ -105,12 +105,12 @@ class DynamicTable(EmbeddingTable):
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def missing_values(self, ids: torch.Tensor) -> torch.Tensor:
-        init = self.admission_initializer if (self.counter is not None and self._training) else self.missing_initializer
-        return init.values(ids, self.dim, self.config.seed, self.config.default_bound)
+    def missing_initializer_for(self, train: bool):
+        """In training, a table with admission reads the admission initializer for keys without a
+        row (not yet admitted, or dropped); eval always reads the eval initializer."""
+        return self.admission_initializer if (train and self.counter is not None) else self.missing_initializer
 
     def rows_for(self, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self._training = train
         if not train:
             slots = self.index.find(ids)
             return slots, slots >= 0
@@ -123,7 +123,10 @@ class DynamicTable(EmbeddingTable):
             if self.counter is not None:
                 candidates = candidates[self._count_admission(keys[candidates], counts[candidates])]
             if candidates.numel():
+                generation = self._generation
                 slots[candidates] = self._insert(keys[candidates])
+                if self._generation != generation:  # the table grew: every row moved
+                    slots = self.index.find(keys)
         present = slots >= 0
         touched, touched_counts = slots[present], counts[present]
         strategy = self.config.score_strategy
@@ -223,6 +226,7 @@ class DynamicTable(EmbeddingTable):
         pinned = self._pinned[slots[ok]]
         self.store.resize(index.capacity, slots[ok], plan.slots[ok])
         self.index = index
+        self._generation += 1
         self._pinned = torch.zeros(index.capacity, dtype=torch.bool, device=self.device)
         self._pinned[plan.slots[ok]] = pinned
         dropped = int((~ok).sum())

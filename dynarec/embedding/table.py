@@ -70,9 +70,9 @@ class EmbeddingTable(ABC):
     def validate(self, feature: str, ids: torch.Tensor) -> None:
         """Raises ValueError for ids this table cannot take, before anything is written."""
 
-    def missing_values(self, ids: torch.Tensor) -> torch.Tensor:
-        """Values ``[n, D]`` read by ids that have no row."""
-        return self.missing_initializer.values(ids, self.dim, self.config.seed, self.config.default_bound)
+    def missing_initializer_for(self, train: bool) -> Initializer:
+        """What an id with no row reads in a forward of this mode."""
+        return self.missing_initializer
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """Key-seeded initial weights ``[n, D]`` of a new row for each id."""
@@ -131,8 +131,9 @@ class EmbeddingTable(ABC):
             bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=ids.device), lengths,
                                                 output_size=ids.numel())
             absent = ~valid
-            if bool(absent.any()) and not self.missing_initializer.is_zero:
-                values = self.missing_values(ids[absent])
+            init = self.missing_initializer_for(train)
+            if bool(absent.any()) and not init.is_zero:
+                values = init.values(ids[absent], self.dim, self.config.seed, self.config.default_bound)
                 if psw is not None:
                     values = values * psw[absent][:, None]
                 missing_out = values.new_zeros(num_bags, self.dim).index_add_(0, bag_of_id[absent], values)

@@ -1,0 +1,389 @@
+"""Dynamic tables: same optimizer meaning as fixed tables, row lifecycle, capacity, dump/load."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec import AdmissionConfig, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec.embedding import TableFullError
+from dynarec.embedding.fbgemm_store import fbgemm_available
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.reference_model import zipf_batch
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+D = 4
+BACKENDS = ["native", pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="no FBGEMM"))]
+INIT = Initializer("uniform", bound=0.5)
+
+
+def dynamic(name="d", backend="native", spec=None, features=("f",), **kw):
+    kw.setdefault("max_capacity", 1024)
+    kw.setdefault("bucket_size", 4)
+    feats = [f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in features]
+    return TableConfig(name=name, dim=D, kind="dynamic", features=feats, backend=backend, optimizer=spec,
+                       initializer=kw.pop("initializer", INIT), seed=kw.pop("seed", 11), **kw)
+
+
+def one(coll, feats, backward=True, weights=None):
+    out = coll(JaggedBatch.from_lists(feats, weights))
+    if backward:
+        g = torch.Generator().manual_seed(sum(len(s) for v in feats.values() for s in v))
+        sum((v * torch.randn(v.shape, generator=g)).sum() for v in out.values()).backward()
+    return out
+
+
+# -- the same optimizer on both kinds --------------------------------------------------------------
+
+SPECS = [SGD(lr=0.3)] + [
+    s for iav in (0.0, 0.1)
+    for s in (Adagrad(lr=0.2, initial_accumulator_value=iav),
+              RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav),
+              RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav, weight_decay=0.2, weight_decay_mode="decoupled"))
+] + [Adam(lr=0.05), Adam(lr=0.05, weight_decay=0.1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_dynamic_equals_fixed(backend, spec):
+    if backend == "fbgemm" and isinstance(spec, Adam):
+        with pytest.raises(ValueError, match="backend='native'"):
+            EmbeddingCollection([dynamic(backend=backend)], spec)
+        return
+    n = 40
+    features = ["item_id", FeatureConfig("hist_item_id", pooling="none"), FeatureConfig("m", pooling="mean")]
+    fixed = EmbeddingCollection([TableConfig(name="d", dim=D, num_embeddings=n, features=features, backend=backend,
+                                             initializer=INIT, seed=11)], spec)
+    dyn = EmbeddingCollection([dynamic(backend=backend, features=features, max_capacity=256, init_capacity=16)], spec)
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        feats = {f: zipf_batch(rng, 5, 4, n) for f in ("item_id", "hist_item_id", "m")}
+        out_f = one(fixed, feats)
+        out_d = one(dyn, feats)
+        for k in out_f:
+            torch.testing.assert_close(out_d[k].detach(), out_f[k].detach(), **TOL)
+    keys = torch.arange(n)
+    rf, rd = fixed.read_rows("d", keys), dyn.read_rows("d", keys)
+    present = rd.pop("present")
+    assert int(present.sum()) == dyn.tables["d"].size() > 10
+    assert dyn.tables["d"].capacity > 16  # it grew on the way
+    for k in rf:
+        torch.testing.assert_close(rd[k][present], rf[k][present], **TOL)
+    assert dyn.tables["d"].step == fixed.tables["d"].step == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls", [Adagrad, RowWiseAdagrad])
+@pytest.mark.parametrize("iav", [0.0, 0.1])
+def test_fresh_and_returning_rows_start_at_initial_accumulator_value(backend, cls, iav):
+    spec = cls(lr=0.5, initial_accumulator_value=iav)
+    # One bucket of 4 slots at max capacity: the 5th key evicts the lowest-score row.
+    coll = EmbeddingCollection([dynamic(backend=backend, max_capacity=4, bucket_size=4)], spec)
+    coll(JaggedBatch.from_lists({"f": [[100]]}))["f"].sum().backward()  # step 1 inserts 100
+    # Fresh row, through the real path: train forward inserts, read before backward.
+    out = coll(JaggedBatch.from_lists({"f": [[7]]}))
+    row = coll.read_rows("d", torch.tensor([7]))
+    assert bool(row["present"][0])
+    assert torch.equal(row["momentum1"], torch.full_like(row["momentum1"], iav))
+    torch.testing.assert_close(row["weight"][0], INIT.values(torch.tensor([7]), D, 11, 0.0)[0], rtol=0, atol=0)
+    out["f"].sum().backward()
+    after = coll.read_rows("d", torch.tensor([7]))
+    h = torch.tensor(iav) + 1.0  # g = 1 in every column: g*g = mean(g*g) = 1
+    torch.testing.assert_close(after["momentum1"], torch.full_like(after["momentum1"], float(h)), rtol=1e-6, atol=0)
+    torch.testing.assert_close(after["weight"][0], row["weight"][0] - 0.5 / (h.sqrt() + 1e-8), rtol=1e-6, atol=1e-7)
+    # Fill the bucket (keys 1, 2 at step 3), then key 9 evicts the lowest score: key 100 (step 1).
+    one(coll, {"f": [[1, 2]]})
+    one(coll, {"f": [[9]]})
+    assert not bool(coll.read_rows("d", torch.tensor([100]))["present"][0])
+    # Key 100 comes back: a fresh row again, accumulator at the initial value before its update.
+    coll(JaggedBatch.from_lists({"f": [[100]]}))
+    back = coll.read_rows("d", torch.tensor([100]))
+    assert bool(back["present"][0])
+    assert torch.equal(back["momentum1"], torch.full_like(back["momentum1"], iav))
+    assert coll.tables["d"].evicted_keys == 2
+
+
+# -- eviction order ---------------------------------------------------------------------------------
+
+def full_bucket(strategy, **kw):
+    coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=4, score_strategy=strategy, **kw)], SGD(lr=0.1))
+    return coll, coll.tables["d"]
+
+
+def keys_present(table, keys):
+    return [k for k in keys if bool(table.read_rows(torch.tensor([k]))["present"][0])]
+
+
+def test_step_strategy_evicts_least_recently_touched():
+    coll, t = full_bucket("step")
+    for k in (10, 20, 30, 40):  # steps 1..4
+        one(coll, {"f": [[k]]})
+    one(coll, {"f": [[10]]})  # step 5 touches 10 again; 20 is now the oldest
+    one(coll, {"f": [[50]]})
+    assert keys_present(t, [10, 20, 30, 40, 50]) == [10, 30, 40, 50]
+
+
+def test_lfu_strategy_evicts_least_frequent():
+    coll, t = full_bucket("lfu")
+    one(coll, {"f": [[10, 10, 10], [20], [30, 30], [40, 40]]})
+    one(coll, {"f": [[20, 20]]})  # counts: 10:3, 20:3, 30:2, 40:2 -> evict 30 or 40 (tie: smaller slot)
+    one(coll, {"f": [[50]]})
+    present = keys_present(t, [10, 20, 30, 40, 50])
+    assert 50 in present and 10 in present and 20 in present and len(present) == 4
+    slot_of = {k: int(t.index.find(torch.tensor([k]))[0]) for k in (10, 20, 30, 40) if k in present}
+    evicted = ({30, 40} - set(present)).pop()
+    survivor = ({30, 40} - {evicted}).pop()
+    # keys were inserted in ascending order into slots 0..3, so 30 sat in the smaller slot
+    assert evicted == 30 and slot_of[survivor] == 3
+
+
+def test_timestamp_strategy_evicts_oldest_wall_clock():
+    coll, t = full_bucket("timestamp")
+    for k in (40, 30, 20, 10):
+        one(coll, {"f": [[k]]})
+    one(coll, {"f": [[50]]})
+    assert keys_present(t, [10, 20, 30, 40, 50]) == [10, 20, 30, 50]
+
+
+def test_ties_go_to_the_smaller_slot():
+    coll, t = full_bucket("step")
+    one(coll, {"f": [[40, 10, 30, 20]]})  # same step: equal scores; ascending keys take slots 0..3
+    assert [int(t.index.find(torch.tensor([k]))[0]) for k in (10, 20, 30, 40)] == [0, 1, 2, 3]
+    one(coll, {"f": [[50]]})
+    assert keys_present(t, [10, 20, 30, 40, 50]) == [20, 30, 40, 50]
+
+
+def test_rows_looked_up_in_a_step_are_pinned():
+    coll, t = full_bucket("step", check_mode="ignore")
+    one(coll, {"f": [[10, 20, 30, 40]]})
+    before = t.read_rows(torch.tensor([10, 20, 30, 40]))
+    out = one(coll, {"f": [[10, 20, 30, 40], [50]]})  # every row pinned: 50 cannot get one
+    assert keys_present(t, [10, 20, 30, 40, 50]) == [10, 20, 30, 40]
+    assert t.dropped_keys == 1
+    assert torch.equal(out["f"][1].detach(), torch.zeros(D))  # 50 read the eval initializer (0)
+    # Pins last until backward: a second forward before backward cannot evict the first's rows.
+    out1 = coll(JaggedBatch.from_lists({"f": [[10]]}))
+    out2 = coll(JaggedBatch.from_lists({"f": [[60]]}))  # 10 pinned by out1; 20/30/40 free: 20 goes (ties)
+    assert keys_present(t, [10, 20, 60]) == [10, 60]
+    out1["f"].sum().backward()
+    assert t._pinned.sum() == 2  # 10 and 60: out2's backward is still pending
+    out2["f"].sum().backward()
+    assert not bool(t._pinned.any())
+    del before
+
+
+@pytest.mark.parametrize("mode", ["error", "warn", "ignore"])
+def test_score_none_never_evicts_and_follows_check_mode(mode):
+    coll, t = full_bucket("none", check_mode=mode)
+    one(coll, {"f": [[10, 20, 30, 40]]})
+    kjt = JaggedBatch.from_lists({"f": [[50, 10]]})
+    if mode == "error":
+        with pytest.raises(TableFullError, match="table 'd': 1 new key"):
+            coll(kjt)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = coll(kjt)
+    assert (len(caught) == 1) == (mode == "warn")
+    assert keys_present(t, [10, 20, 30, 40, 50]) == [10, 20, 30, 40]
+    assert t.dropped_keys == 1
+    w10 = t.read_rows(torch.tensor([10]))["weight"][0]
+    torch.testing.assert_close(out["f"][0].detach(), w10)  # 50 contributes the eval initializer, 0
+
+
+def test_score_none_default_check_mode_is_error():
+    assert dynamic(score_strategy="none").check_mode == "error"
+    assert dynamic(score_strategy="step").check_mode == "warn"
+
+
+# -- capacity -------------------------------------------------------------------------------------
+
+def test_growth_preserves_rows_bit_exactly_and_stops_at_max_capacity():
+    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)],
+                               Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    t = coll.tables["d"]
+    one(coll, {"f": [[1, 2, 3], [4]]})
+    keys = torch.tensor([1, 2, 3, 4])
+    snapshot = t.read_rows(keys)
+    assert t.capacity == 8
+    one(coll, {"f": [list(range(100, 110))]})  # 14 keys > 0.75 * 8: grows
+    assert t.capacity > 8
+    grown = t.read_rows(keys)
+    for k in snapshot:
+        assert torch.equal(grown[k], snapshot[k]), k
+    with pytest.warns(UserWarning, match="136 new key"):  # 210 keys in one step, 64 slots, all pinned
+        one(coll, {"f": [list(range(1000, 1200))]})
+    assert t.capacity == 64 and t.size() <= 64
+
+
+def test_no_growth_while_a_backward_is_pending():
+    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
+    t = coll.tables["d"]
+    out = coll(JaggedBatch.from_lists({"f": [[1, 2]]}))
+    with pytest.warns(UserWarning, match="4 new key"):  # would grow, but out's rows must not move
+        coll(JaggedBatch.from_lists({"f": [list(range(100, 110))]}))
+    assert t.capacity == 8
+    out["f"].sum().backward()
+
+
+def test_keys_anywhere_in_int64_range():
+    coll = EmbeddingCollection([dynamic()], SGD(lr=1.0))
+    extremes = [-(2**63), -1, 0, 2**63 - 1, 2**40]
+    one(coll, {"f": [extremes]})
+    rows = coll.read_rows("d", torch.tensor(extremes))
+    assert bool(rows["present"].all())
+    assert coll.tables["d"].size() == 5
+
+
+def test_eval_mode_leaves_table_bit_identical():
+    coll = EmbeddingCollection([dynamic(eval_initializer=Initializer("constant", value=0.25))],
+                               Adam(lr=0.1))
+    one(coll, {"f": [[1, 2], [3]]})
+    t = coll.tables["d"]
+    before = t.dump()
+    coll.eval()
+    out = coll(JaggedBatch.from_lists({"f": [[1, 99], [98]]}))
+    after = t.dump()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    w1 = t.read_rows(torch.tensor([1]))["weight"][0]
+    torch.testing.assert_close(out["f"][0], w1 + 0.25)
+    torch.testing.assert_close(out["f"][1], torch.full((D,), 0.25))
+
+
+def test_soak_million_keys_into_bounded_table():
+    max_capacity, bucket = 100_000, 16
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=8, kind="dynamic", max_capacity=max_capacity, init_capacity=8192,
+                     bucket_size=bucket, features=["f"])],
+        SGD(lr=0.0),
+    )
+    t = coll.tables["d"]
+    stream = torch.randperm(1_000_000, generator=torch.Generator().manual_seed(0)).long() * 7_919 - 3_000_000_000
+    written = {}
+    for i, chunk in enumerate(stream.split(20_000)):
+        if i % 2 == 0:  # a training forward inserts (and evicts)
+            coll(JaggedBatch(["f"], chunk, torch.ones_like(chunk)))["f"].sum().backward()
+        else:  # write_rows inserts and sets known values
+            values = chunk.double().remainder(1000.0).float()[:, None].expand(-1, 8).contiguous()
+            t.write_rows(chunk, {"weight": values})
+            written.update(dict.fromkeys(chunk.tolist(), True))
+        assert t.size() <= t.capacity <= max_capacity
+    # Bytes bound from max capacity: per slot the weight (32 B), key, score (8 + 8 B), flags (2 B).
+    assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 2)
+    assert t.size() > 0.9 * t.capacity
+    slots, keys, _ = t.index.entries()
+    rows = t.read_rows(keys)
+    assert bool(rows["present"].all())
+    from_write = torch.tensor([k in written for k in keys.tolist()])
+    expect_written = keys.double().remainder(1000.0).float()[:, None].expand(-1, 8)
+    expect_init = t.initial_weights(keys)
+    expected = torch.where(from_write[:, None], expect_written, expect_init)
+    assert torch.equal(rows["weight"], expected)  # lr 0: every present key reads its last write
+
+
+# -- admission --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_admission_threshold_counts_occurrences(backend):
+    adm = AdmissionConfig(threshold=3, initializer=Initializer("constant", value=0.5))
+    coll = EmbeddingCollection([dynamic(backend=backend, admission=adm)], SGD(lr=1.0))
+    t = coll.tables["d"]
+    out = one(coll, {"f": [[7, 7], [8]]})  # 7 seen twice, 8 once: no rows
+    assert t.size() == 0
+    torch.testing.assert_close(out["f"].detach(), torch.tensor([[1.0] * D, [0.5] * D]))
+    dump = t.dump()
+    assert dump["admission_keys"].tolist() == [7, 8] and dump["admission_counts"].tolist() == [2, 1]
+    coll(JaggedBatch.from_lists({"f": [[7]]}))  # third sighting: created in this step...
+    row = t.read_rows(torch.tensor([7]))
+    assert bool(row["present"][0])
+    w0 = row["weight"][0].clone()
+    coll(JaggedBatch.from_lists({"f": [[7]]}))["f"].sum().backward()  # ...and updated from then on
+    torch.testing.assert_close(t.read_rows(torch.tensor([7]))["weight"][0], w0 - 1.0)
+    assert t.dump()["admission_keys"].tolist() == [8]
+
+
+def test_admitted_key_is_updated_in_the_step_it_is_admitted():
+    coll = EmbeddingCollection([dynamic(admission=AdmissionConfig(threshold=2))], SGD(lr=1.0))
+    t = coll.tables["d"]
+    one(coll, {"f": [[5]]}, backward=False)
+    coll.train()
+    out = coll(JaggedBatch.from_lists({"f": [[5]]}))
+    w0 = t.read_rows(torch.tensor([5]))["weight"][0].clone()
+    out["f"].sum().backward()
+    torch.testing.assert_close(t.read_rows(torch.tensor([5]))["weight"][0], w0 - 1.0)
+
+
+# -- dump and load ----------------------------------------------------------------------------------
+
+def trained_table(spec=None, **kw):
+    coll = EmbeddingCollection([dynamic(**kw)], spec or Adam(lr=0.1))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        one(coll, {"f": zipf_batch(rng, 8, 5, 200)})
+    return coll.tables["d"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dump_load_round_trip_bit_exact_any_larger_capacity(backend):
+    spec = RowWiseAdagrad(lr=0.1, initial_accumulator_value=0.1)
+    src = trained_table(spec, backend=backend, max_capacity=256, init_capacity=32,
+                        admission=AdmissionConfig(threshold=2))
+    dump = src.dump()
+    for cap in (256, 1024):
+        coll = EmbeddingCollection([dynamic(backend=backend, max_capacity=cap, init_capacity=32,
+                                            admission=AdmissionConfig(threshold=2))], spec)
+        dst = coll.tables["d"]
+        assert dst.load(dump) == {"loaded": dump["keys"].numel(), "dropped": 0}
+        again = dst.dump()
+        for k in dump:
+            assert torch.equal(dump[k], again[k]), k
+
+
+def test_load_into_smaller_capacity_keeps_highest_scores():
+    src = trained_table(max_capacity=256, score_strategy="lfu")
+    dump = src.dump()
+    n = dump["keys"].numel()
+    assert n > 16
+    coll = EmbeddingCollection([dynamic(max_capacity=16, bucket_size=16)], Adam(lr=0.1))
+    report = coll.tables["d"].load(dump)
+    assert report == {"loaded": 16, "dropped": n - 16}
+    kept = coll.tables["d"].dump()
+    order = torch.argsort(-dump["scores"], stable=True)[:16]  # keys ascend in a dump: ties -> smaller key
+    assert sorted(kept["keys"].tolist()) == sorted(dump["keys"][order].tolist())
+    idx = torch.searchsorted(dump["keys"], kept["keys"])
+    for k in ("weight", "momentum1", "momentum2", "scores"):
+        assert torch.equal(kept[k], dump[k][idx])
+
+
+def test_load_weights_only_resets_states():
+    src = trained_table(Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    dump = src.dump()
+    coll = EmbeddingCollection([dynamic()], Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    t = coll.tables["d"]
+    t.load(dump, weights_only=True)
+    got = t.dump()
+    assert torch.equal(got["weight"], dump["weight"])
+    assert torch.equal(got["momentum1"], torch.full_like(dump["momentum1"], 0.1))
+    assert int(got["step"]) == 0 and int(dump["step"]) == 5
+
+
+def test_report():
+    t = trained_table(max_capacity=256, init_capacity=64)
+    r = t.report()
+    assert r["size"] == t.size() and r["capacity"] == t.capacity and r["max_capacity"] == 256
+    assert r["load_factor"] == pytest.approx(r["size"] / r["capacity"])
+    assert r["bytes"] == t.nbytes > 0
+
+
+def test_deterministic_and_independent_of_insertion_order():
+    keys = list(range(-50, 50, 3))
+    a = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=512)], SGD(lr=0.1))
+    b = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=512)], SGD(lr=0.1))
+    a(JaggedBatch.from_lists({"f": [keys]}))
+    for k in reversed(keys):
+        b(JaggedBatch.from_lists({"f": [[k]]}))
+    da, db = a.tables["d"].dump(), b.tables["d"].dump()
+    assert torch.equal(da["keys"], db["keys"]) and torch.equal(da["weight"], db["weight"])
