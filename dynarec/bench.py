@@ -36,7 +36,11 @@ class Workload:
     num_batches: int = 8
     seed: int = 0
 
-    def batches(self, keys_over_int64: bool = False, device: str = "cpu") -> list[JaggedBatch]:
+    def batches(self, keys_over_int64: bool = False, scatter_rows: bool = False,
+                device: str = "cpu") -> list[JaggedBatch]:
+        """``keys_over_int64``: ids hashed over the int64 range (dynamic tables);
+        ``scatter_rows``: ids hashed over ``[0, num_embeddings)`` (a fixed table whose hot rows
+        are spread like a dynamic table's slots, not packed at the low ids)."""
         rng = np.random.default_rng(self.seed)
         out = []
         n = self.bags * self.pooling_factor
@@ -44,6 +48,8 @@ class Workload:
             ids = torch.from_numpy((rng.zipf(self.zipf_a, size=n) - 1) % self.num_embeddings).long()
             if keys_over_int64:
                 ids = mix64(ids)  # a bijection: same duplicate structure, keys spread over int64
+            elif scatter_rows:
+                ids = (mix64(ids) & ((1 << 63) - 1)) % self.num_embeddings
             lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
             out.append(JaggedBatch(["f"], ids.to(device), lengths.to(device)))
         return out
@@ -100,6 +106,7 @@ def bench_dynamic_step(args) -> dict:
     """Dynamic vs fixed table step on the same backend, keys spread over the int64 range."""
     w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
     fixed_batches = w.batches(device=args.device)
+    scattered_batches = w.batches(scatter_rows=True, device=args.device)
     dynamic_batches = w.batches(keys_over_int64=True, device=args.device)
     spec = Adagrad(lr=0.01)
     backends = ["native"] + (["fbgemm"] if fbgemm_available() and args.device == "cpu" else [])
@@ -109,13 +116,18 @@ def bench_dynamic_step(args) -> dict:
                          fixed_batches, args.steps, args.runs, args.warmup, args.device)
         dyn = _measure(lambda: EmbeddingCollection([_table("dynamic", backend, w)], spec, device=args.device),
                        dynamic_batches, args.steps, args.runs, args.warmup, args.device)
+        scattered = _measure(lambda: EmbeddingCollection([_table("fixed", backend, w)], spec, device=args.device),
+                             scattered_batches, args.steps, args.runs, args.warmup, args.device)
         table = dyn.pop("coll").tables["t"]
         fixed.pop("coll")
+        scattered.pop("coll")
         state_bytes = 4 * (w.dim + w.dim)  # weight + Adagrad momentum1, fp32
         results[backend] = {
             "fixed": fixed,
             "dynamic": dyn,
+            "fixed_scattered": scattered,
             "dynamic_over_fixed": dyn["ids_per_s_median"] / fixed["ids_per_s_median"],
+            "dynamic_over_fixed_scattered": dyn["ids_per_s_median"] / scattered["ids_per_s_median"],
             "dynamic_report": table.report(),
             "bytes_per_stored_row": table.nbytes / table.capacity,
             "weight_and_state_bytes_per_row": state_bytes,
@@ -139,8 +151,10 @@ def _fmt(report: dict) -> str:
     else:
         for backend, r in report["results"].items():
             lines.append(f"[{backend}] fixed:   {rate(r['fixed'])}")
+            lines.append(f"[{backend}] fixed, hot rows scattered: {rate(r['fixed_scattered'])}")
             lines.append(f"[{backend}] dynamic: {rate(r['dynamic'])}")
-            lines.append(f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; "
+            lines.append(f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
+                         f"{r['dynamic_over_fixed_scattered']:.2f}x; "
                          f"{r['bytes_per_stored_row']:.1f} bytes per slot vs {r['weight_and_state_bytes_per_row']} "
                          f"bytes of weight+state; table {r['dynamic_report']}")
     return "\n".join(lines)

@@ -69,8 +69,10 @@ class BucketedHashIndex:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64."""
         buckets = self.bucket_of(keys)
-        cand = self._bucket_slots(buckets)
-        match = (self.keys[cand] == keys[:, None]) & self.occupied[cand]
+        # Gather whole buckets as contiguous rows: one index_select of bucket_size keys each.
+        bucket_keys = self.keys.view(self.num_buckets, self.bucket_size).index_select(0, buckets)
+        bucket_occ = self.occupied.view(self.num_buckets, self.bucket_size).index_select(0, buckets)
+        match = (bucket_keys == keys[:, None]) & bucket_occ
         lane = match.to(torch.uint8).argmax(dim=1)
         return torch.where(match.any(dim=1), buckets * self.bucket_size + lane, torch.full_like(keys, -1))
 

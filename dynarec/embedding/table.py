@@ -127,6 +127,8 @@ class EmbeddingTable(ABC):
                              for w, (_, s) in zip(weights, inputs)])
 
         missing_out = None
+        if valid is not None and bool(valid.all()):
+            valid = None
         if valid is not None:
             bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=ids.device), lengths,
                                                 output_size=ids.numel())
