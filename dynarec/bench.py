@@ -64,16 +64,63 @@ def _time_steps(coll: EmbeddingCollection, batches: list[JaggedBatch], steps: in
     return time.perf_counter() - start
 
 
-def _measure(make: Callable[[], EmbeddingCollection], batches, steps: int, runs: int, warmup: int,
-             device: str) -> dict[str, float]:
+def _measure(makers: dict[str, Callable[[], EmbeddingCollection]], batches: dict[str, list[JaggedBatch]],
+             steps: int, runs: int, warmup: int, device: str) -> dict[str, dict]:
+    """Times several setups with their timed runs interleaved (a, b, a, b, ...), so that every
+    setup sees the same machine state; reports each one's median and per-run rates."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    coll = make()
-    _time_steps(coll, batches, warmup, sync)
+    colls = {}
+    for name, make in makers.items():
+        colls[name] = make()
+        _time_steps(colls[name], batches[name], warmup, sync)
+    rates: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(runs):
+        for name, coll in colls.items():
+            ids_per_step = batches[name][0].values().numel()
+            rates[name].append(ids_per_step * steps / _time_steps(coll, batches[name], steps, sync))
+    out = {}
+    for name in makers:
+        unique = statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches[name])
+        out[name] = {"ids_per_s_median": statistics.median(rates[name]), "ids_per_s_runs": rates[name],
+                     "unique_fraction": unique, "coll": colls[name]}
+    return out
+
+
+def _ratio(results: dict, a: str, b: str) -> float:
+    """Median over runs of a's rate / b's rate in the same (interleaved) run."""
+    return statistics.median(x / y for x, y in zip(results[a]["ids_per_s_runs"], results[b]["ids_per_s_runs"]))
+
+
+def _measure_torch_sparse(w: Workload, batches, steps: int, runs: int, warmup: int, device: str) -> dict:
+    """Baseline: what a user writes without a fused library — nn.EmbeddingBag(sparse=True) and
+    torch.optim.Adagrad (unfused, sparse gradients)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    bag = torch.nn.EmbeddingBag(w.num_embeddings, w.dim, mode="sum", sparse=True, device=device)
+    opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
+
+    def run(n):
+        sync()
+        start = time.perf_counter()
+        for i in range(n):
+            b = batches[i % len(batches)]
+            opt.zero_grad()
+            bag(b.values(), b.offsets()[:-1]).sum().backward()
+            opt.step()
+        sync()
+        return time.perf_counter() - start
+
+    run(warmup)
     ids_per_step = batches[0].values().numel()
-    rates = [ids_per_step * steps / _time_steps(coll, batches, steps, sync) for _ in range(runs)]
-    unique = statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches)
-    return {"ids_per_s_median": statistics.median(rates), "ids_per_s_runs": rates, "unique_fraction": unique,
-            "coll": coll}  # type: ignore[dict-item]
+    rates = [ids_per_step * steps / run(steps) for _ in range(runs)]
+    return {"ids_per_s_median": statistics.median(rates), "ids_per_s_runs": rates, "unique_fraction": float("nan")}
+
+
+def roofline_bytes_per_id(w: Workload, unique_fraction: float) -> float:
+    """DESIGN.md's byte count of a fused fp32 Adagrad step, per looked-up id: forward 4D per id
+    + 4D per pooled output; backward 4D per output gradient + 8D per id + 16D per unique row."""
+    d = w.dim
+    per_output = (4 * d + 4 * d) / w.pooling_factor
+    return 4 * d + 8 * d + per_output + 16 * d * unique_fraction
 
 
 def _table(kind: str, backend: str, w: Workload, capacity: Optional[int] = None) -> TableConfig:
@@ -89,16 +136,24 @@ def bench_fused_step(args) -> dict:
     w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
     batches = w.batches(device=args.device)
     spec = Adagrad(lr=0.01)
-    results = {}
     backends = ["native"] + (["fbgemm"] if fbgemm_available() and args.device == "cpu" else [])
-    for backend in backends:
-        r = _measure(lambda: EmbeddingCollection([_table("fixed", backend, w)], spec, device=args.device),
-                     batches, args.steps, args.runs, args.warmup, args.device)
+    results = _measure({b: (lambda b=b: EmbeddingCollection([_table("fixed", b, w)], spec, device=args.device))
+                        for b in backends}, {b: batches for b in backends},
+                       args.steps, args.runs, args.warmup, args.device)
+    for r in results.values():
         r.pop("coll")
-        results[backend] = r
+    if args.device.startswith("cuda"):
+        results["torch_sparse_adagrad"] = _measure_torch_sparse(w, batches, args.steps, args.runs, args.warmup, args.device)
+        r = results["native"]
+        bytes_per_id = roofline_bytes_per_id(w, r["unique_fraction"])
+        r["achieved_GBps"] = r["ids_per_s_median"] * bytes_per_id / 1e9
+        r["fraction_of_4300GBps"] = r["achieved_GBps"] / 4300
     report = {"benchmark": "fused-step", "workload": vars(w), "results": results}
+    if args.device.startswith("cuda"):
+        report["native_over_torch_sparse"] = (results["native"]["ids_per_s_median"]
+                                              / results["torch_sparse_adagrad"]["ids_per_s_median"])
     if "fbgemm" in results:
-        report["native_over_fbgemm"] = results["native"]["ids_per_s_median"] / results["fbgemm"]["ids_per_s_median"]
+        report["native_over_fbgemm"] = _ratio(results, "native", "fbgemm")
     return report
 
 
@@ -112,22 +167,19 @@ def bench_dynamic_step(args) -> dict:
     backends = ["native"] + (["fbgemm"] if fbgemm_available() and args.device == "cpu" else [])
     results = {}
     for backend in backends:
-        fixed = _measure(lambda: EmbeddingCollection([_table("fixed", backend, w)], spec, device=args.device),
-                         fixed_batches, args.steps, args.runs, args.warmup, args.device)
-        dyn = _measure(lambda: EmbeddingCollection([_table("dynamic", backend, w)], spec, device=args.device),
-                       dynamic_batches, args.steps, args.runs, args.warmup, args.device)
-        scattered = _measure(lambda: EmbeddingCollection([_table("fixed", backend, w)], spec, device=args.device),
-                             scattered_batches, args.steps, args.runs, args.warmup, args.device)
-        table = dyn.pop("coll").tables["t"]
-        fixed.pop("coll")
-        scattered.pop("coll")
+        def make(kind, backend=backend):
+            return lambda: EmbeddingCollection([_table(kind, backend, w)], spec, device=args.device)
+        r = _measure({"fixed": make("fixed"), "fixed_scattered": make("fixed"), "dynamic": make("dynamic")},
+                     {"fixed": fixed_batches, "fixed_scattered": scattered_batches, "dynamic": dynamic_batches},
+                     args.steps, args.runs, args.warmup, args.device)
+        table = r["dynamic"]["coll"].tables["t"]
+        for v in r.values():
+            v.pop("coll")
         state_bytes = 4 * (w.dim + w.dim)  # weight + Adagrad momentum1, fp32
         results[backend] = {
-            "fixed": fixed,
-            "dynamic": dyn,
-            "fixed_scattered": scattered,
-            "dynamic_over_fixed": dyn["ids_per_s_median"] / fixed["ids_per_s_median"],
-            "dynamic_over_fixed_scattered": dyn["ids_per_s_median"] / scattered["ids_per_s_median"],
+            **r,
+            "dynamic_over_fixed": _ratio(r, "dynamic", "fixed"),
+            "dynamic_over_fixed_scattered": _ratio(r, "dynamic", "fixed_scattered"),
             "dynamic_report": table.report(),
             "bytes_per_stored_row": table.nbytes / table.capacity,
             "weight_and_state_bytes_per_row": state_bytes,
@@ -135,7 +187,40 @@ def bench_dynamic_step(args) -> dict:
     return {"benchmark": "dynamic-step", "workload": vars(w), "results": results}
 
 
-BENCHMARKS = {"fused-step": bench_fused_step, "dynamic-step": bench_dynamic_step}
+def bench_hash_find(args) -> dict:
+    """Bucketed hash find: a table of ``--slots`` slots at load 0.5 and 0.9, queried with 1M
+    present and 1M absent uniformly drawn int64 keys."""
+    from dynarec.embedding.hash_index import BucketedHashIndex
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    results = {}
+    for load in (0.5, 0.9):
+        index = BucketedHashIndex(args.slots // 16, 16, args.device)
+        n = int(args.slots * load)
+        keys = torch.randint(-(2**62), 2**62, (n,), generator=gen).to(args.device)
+        keys = torch.unique(keys)
+        for chunk in keys.split(1 << 22):
+            plan = index.plan_insert(chunk, allow_evict=False)
+            index.commit(plan, torch.zeros_like(chunk))
+        present = keys[torch.randint(0, keys.numel(), (1 << 20,), generator=gen).to(args.device)]
+        absent = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).to(args.device)
+        query = torch.cat([present, absent])
+        index.find(query)
+        rates = []
+        for _ in range(args.runs):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                index.find(query)
+            sync()
+            rates.append(query.numel() * args.steps / (time.perf_counter() - start))
+        results[f"load_{load}"] = {"keys_per_s_median": statistics.median(rates), "runs": rates,
+                                   "actual_load": index.size() / index.capacity}
+    return {"benchmark": "hash-find", "slots": args.slots, "results": results}
+
+
+BENCHMARKS = {"fused-step": bench_fused_step, "dynamic-step": bench_dynamic_step, "hash-find": bench_hash_find}
 
 
 def _fmt(report: dict) -> str:
@@ -143,9 +228,15 @@ def _fmt(report: dict) -> str:
              f"{torch.get_num_threads()} threads)"]
     def rate(r):
         return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs: {', '.join(f'{x / 1e6:.2f}' for x in r['ids_per_s_runs'])}; unique fraction {r['unique_fraction']:.3f})"
-    if report["benchmark"] == "fused-step":
+    if report["benchmark"] == "hash-find":
+        for load, r in report["results"].items():
+            lines.append(f"{load}: {r['keys_per_s_median'] / 1e9:.3f} B keys/s (load {r['actual_load']:.3f})")
+    elif report["benchmark"] == "fused-step":
         for name, r in report["results"].items():
-            lines.append(f"{name:>8}: {rate(r)}")
+            extra = f"; {r['achieved_GBps']:.0f} GB/s = {100 * r['fraction_of_4300GBps']:.1f}% of 4.3 TB/s" if "achieved_GBps" in r else ""
+            lines.append(f"{name:>8}: {rate(r)}{extra}")
+        if "native_over_torch_sparse" in report:
+            lines.append(f"native / torch sparse Adagrad = {report['native_over_torch_sparse']:.2f}x")
         if "native_over_fbgemm" in report:
             lines.append(f"native / fbgemm = {report['native_over_fbgemm']:.2f}x")
     else:
@@ -170,6 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--slots", type=int, default=1 << 22, help="hash-find: slots in the table")
     parser.add_argument("--json", help="also write the report to this JSON file")
 
 

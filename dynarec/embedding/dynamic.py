@@ -203,7 +203,7 @@ class DynamicTable(EmbeddingTable):
             if self.config.check_mode == "warn":
                 warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=4)
             self.dropped_keys += overflow
-        self.evicted_keys += int(plan.evicts.sum())
+        self.evicted_keys += plan.evicted_slots.numel()
         self.index.commit(plan, torch.zeros_like(keys))
         ok = plan.slots >= 0
         new_slots = plan.slots[ok]

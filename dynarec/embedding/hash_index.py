@@ -25,11 +25,11 @@ _POSITIVE = (1 << 63) - 1
 @dataclass
 class InsertPlan:
     """Where each new key would go. ``slots[i] == -1``: key ``i`` found no slot (overflow).
-    ``evicts`` marks slots whose current key is evicted by the insert."""
+    ``evicted_slots`` are the occupied slots the insert takes over (their keys are evicted)."""
 
     keys: torch.Tensor
     slots: torch.Tensor
-    evicts: torch.Tensor
+    evicted_slots: torch.Tensor
 
     @property
     def overflow(self) -> torch.Tensor:
@@ -47,6 +47,7 @@ class BucketedHashIndex:
         self.keys = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self.occupied = torch.zeros(cap, dtype=torch.bool, device=self.device)
+        self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
 
     @property
@@ -54,7 +55,7 @@ class BucketedHashIndex:
         return self.num_buckets * self.bucket_size
 
     def size(self) -> int:
-        return int(self.occupied.sum())
+        return self._size
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +94,7 @@ class BucketedHashIndex:
         n = keys.numel()
         if n == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return InsertPlan(keys, empty, torch.zeros_like(self.occupied))
+            return InsertPlan(keys, empty, empty)
         # Order newcomers by (bucket, priority desc, key asc) with stable sorts.
         perm = torch.argsort(keys, stable=True)
         if priority is not None:
@@ -125,23 +126,24 @@ class BucketedHashIndex:
         chosen = torch.where(ok, chosen, torch.full_like(chosen, -1))
         out = torch.empty_like(chosen)
         out[perm] = chosen
-        evicts = torch.zeros_like(self.occupied)
         taken = chosen[ok]
-        evicts[taken] = self.occupied[taken]
-        return InsertPlan(keys, out, evicts)
+        return InsertPlan(keys, out, taken[self.occupied[taken]])
 
     def commit(self, plan: InsertPlan, scores: torch.Tensor) -> torch.Tensor:
         """Writes a plan's keys with their ``scores``; returns the evicted keys."""
-        evicted = self.keys[plan.evicts]
+        evicted = self.keys[plan.evicted_slots]
         ok = plan.slots >= 0
         slots = plan.slots[ok]
         self.keys[slots] = plan.keys[ok]
         self.scores[slots] = scores[ok]
         self.occupied[slots] = True
+        self._size += slots.numel() - evicted.numel()
         return evicted
 
     def remove(self, slots: torch.Tensor) -> None:
+        """Frees ``slots`` (each occupied, no duplicates)."""
         self.occupied[slots] = False
+        self._size -= slots.numel()
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(slots, keys, scores)`` of every occupied slot, ordered by key."""

@@ -275,6 +275,7 @@ def test_soak_million_keys_into_bounded_table():
             t.write_rows(chunk, {"weight": values})
             written.update(dict.fromkeys(chunk.tolist(), True))
         assert t.size() <= t.capacity <= max_capacity
+        assert t.size() == int(t.index.occupied.sum())
     # Bytes bound from max capacity: per slot the weight (32 B), key, score (8 + 8 B), flags (2 B).
     assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 2)
     assert t.size() > 0.9 * t.capacity

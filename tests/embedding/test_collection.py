@@ -1,0 +1,96 @@
+"""EmbeddingCollection across table kinds and backends."""
+
+import pytest
+import torch
+
+from dynarec import EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec.embedding.fbgemm_store import fbgemm_available
+from dynarec.optim import SGD, Adagrad
+
+BACKENDS = ["native"] + (["fbgemm"] if fbgemm_available() else [])
+
+
+def mixed(spec):
+    tables = []
+    for backend in BACKENDS:
+        tables.append(TableConfig(name=f"fixed_{backend}", dim=4, num_embeddings=10, features=[f"fx_{backend}"],
+                                  backend=backend))
+        tables.append(TableConfig(name=f"dyn_{backend}", dim=4, kind="dynamic", max_capacity=64, bucket_size=4,
+                                  features=[f"dy_{backend}"], backend=backend))
+    return EmbeddingCollection(tables, spec)
+
+
+def test_learning_rate_schedule_reaches_every_table():
+    coll = mixed(SGD(lr=0.1))
+    batch = JaggedBatch.from_lists({f: [[3]] for f in coll.feature_names})
+    ids = {name: torch.tensor([3]) for name in coll.tables}
+    deltas = []
+    for lr in (None, 0.5, 0.02):
+        if lr is not None:
+            coll.set_learning_rate(lr)
+        before = {n: coll.read_rows(n, i)["weight"] for n, i in ids.items()} if lr else None
+        out = coll(batch)
+        sum(v.sum() for v in out.values()).backward()  # g = 1 in every column of every table
+        if before is not None:
+            deltas.append({n: before[n] - coll.read_rows(n, i)["weight"] for n, i in ids.items()})
+    for lr, delta in zip((0.5, 0.02), deltas):
+        assert len(delta) == 2 * len(BACKENDS)
+        for name, d in delta.items():
+            torch.testing.assert_close(d, torch.full_like(d, lr), rtol=1e-5, atol=1e-7, msg=name)
+    assert all(t.learning_rate == 0.02 for t in coll.tables.values())
+
+
+def test_one_update_per_row_across_features_of_a_table():
+    # item 3 is looked up by the pooled feature and twice by the sequence: one Adagrad update with
+    # the summed gradient (3), not three updates.
+    coll = EmbeddingCollection(
+        [TableConfig(name="item", dim=2, num_embeddings=10,
+                     features=["item_id", FeatureConfig("hist", pooling="none")])],
+        Adagrad(lr=1.0, initial_accumulator_value=0.0),
+    )
+    w0 = coll.read_rows("item", torch.tensor([3]))["weight"][0]
+    out = coll(JaggedBatch.from_lists({"item_id": [[3]], "hist": [[3, 3]]}))
+    (out["item_id"].sum() + out["hist"].sum()).backward()
+    row = coll.read_rows("item", torch.tensor([3]))
+    torch.testing.assert_close(row["momentum1"][0], torch.full((2,), 9.0))
+    torch.testing.assert_close(row["weight"][0], w0 - 3.0 / 3.0)
+
+
+def test_sequence_output_is_zero_padded():
+    coll = EmbeddingCollection([TableConfig(name="t", dim=3, num_embeddings=10, features=["s"], pooling="none")],
+                               SGD())
+    coll.eval()
+    out = coll(JaggedBatch.from_lists({"s": [[1, 2, 3], [], [4]]}))["s"]
+    w = coll.read_rows("t", torch.arange(10))["weight"]
+    assert out.shape == (3, 3, 3)
+    torch.testing.assert_close(out[0], w[[1, 2, 3]])
+    assert torch.equal(out[1], torch.zeros(3, 3))
+    torch.testing.assert_close(out[2, 0], w[4])
+    assert torch.equal(out[2, 1:], torch.zeros(2, 3))
+
+
+def test_duplicate_table_or_feature_is_an_error():
+    t = TableConfig(name="a", dim=2, num_embeddings=3, features=["f"])
+    with pytest.raises(ValueError, match="table 'a' is configured twice"):
+        EmbeddingCollection([t, TableConfig(name="a", dim=2, num_embeddings=3, features=["g"])], SGD())
+    with pytest.raises(ValueError, match="feature 'f' is served by tables 'a' and 'b'"):
+        EmbeddingCollection([t, TableConfig(name="b", dim=2, num_embeddings=3, features=["f"])], SGD())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="fixed"), "needs num_embeddings"),
+        (dict(kind="dynamic", num_embeddings=4), "takes max_capacity, not num_embeddings"),
+        (dict(kind="dynamic"), "needs max_capacity"),
+        (dict(num_embeddings=4, max_capacity=8), "'max_capacity' applies to dynamic tables only"),
+        (dict(num_embeddings=4, pooling="max"), "pooling must be one of"),
+        (dict(num_embeddings=4, backend="tpu"), "backend must be one of"),
+        (dict(kind="dynamic", max_capacity=64, score_strategy="lru"), "score_strategy must be one of"),
+        (dict(kind="dynamic", max_capacity=64, check_mode="silent"), "check_mode must be one of"),
+    ],
+)
+def test_table_config_errors_name_the_table(kwargs, message):
+    with pytest.raises(ValueError, match=message) as e:
+        TableConfig(name="tbl", dim=4, features=["f"], **kwargs)
+    assert "table 'tbl'" in str(e.value)

@@ -1,0 +1,48 @@
+"""The native backend on CUDA equals the CPU run (skipped where no GPU is present)."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec import EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.reference_model import zipf_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+SPECS = [SGD(lr=0.3), Adagrad(lr=0.2, initial_accumulator_value=0.1),
+         RowWiseAdagrad(lr=0.2, initial_accumulator_value=0.1, weight_decay=0.1, weight_decay_mode="l2"),
+         Adam(lr=0.05, weight_decay=0.01)]
+
+
+def build(kind, spec, device):
+    features = ["item_id", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
+    extra = dict(num_embeddings=60) if kind == "fixed" else dict(max_capacity=512, init_capacity=32, bucket_size=8)
+    return EmbeddingCollection([TableConfig(name="t", dim=8, kind=kind, features=features, seed=3,
+                                            initializer=Initializer("uniform", bound=0.5), **extra)], spec, device=device)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_cuda_matches_cpu(kind, spec):
+    cpu, gpu = build(kind, spec, "cpu"), build(kind, spec, "cuda")
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        feats = {f: zipf_batch(rng, 16, 6, 60) for f in ("item_id", "hist", "m")}
+        weights = {f: [[0.5 + 0.1 * j for j in range(len(s))] for s in v] for f, v in feats.items()}
+        kjt = JaggedBatch.from_lists(feats, weights)
+        g = torch.Generator().manual_seed(step)
+        out_c = cpu(kjt)
+        out_g = gpu(kjt.to("cuda"))
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in out_c.items()}
+        sum((out_c[k] * grads[k]).sum() for k in out_c).backward()
+        sum((out_g[k] * grads[k].cuda()).sum() for k in out_g).backward()
+        for k in out_c:
+            torch.testing.assert_close(out_g[k].detach().cpu(), out_c[k].detach(), rtol=1e-5, atol=1e-6)
+    keys = torch.arange(60)
+    rc, rg = cpu.read_rows("t", keys), gpu.read_rows("t", keys.cuda())
+    for k in rc:
+        torch.testing.assert_close(rg[k].cpu(), rc[k], rtol=1e-5, atol=1e-6)
+    if kind == "dynamic":
+        dc, dg = cpu.tables["t"].dump(), gpu.tables["t"].dump()
+        assert torch.equal(dc["keys"], dg["keys"]) and torch.equal(dc["scores"], dg["scores"])
