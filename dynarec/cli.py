@@ -1,23 +1,154 @@
-"""The ``dynarec`` command."""
+"""The ``dynarec`` command: make-data, train, evaluate, export, predict, plan, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["main"]
 
 
+def _config_for(args):
+    from dynarec.config import load_config
+
+    path = args.config or (Path(args.model_dir) / "config.yaml" if getattr(args, "model_dir", None) else None)
+    if path is None:
+        raise ValueError("give --config (or --model-dir holding config.yaml)")
+    return load_config(path)
+
+
+def cmd_make_data(args) -> None:
+    from dynarec.data.synthetic import SyntheticSpec, make_click_log
+
+    spec = SyntheticSpec(train_rows=args.train_rows, eval_rows=args.eval_rows, num_users=args.num_users,
+                         num_items=args.num_items, seed=args.seed)
+    meta = make_click_log(args.output_dir, spec)
+    print(f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows under {args.output_dir}; "
+          f"click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}")
+
+
+def cmd_plan(args) -> None:
+    from dynarec.planner import plan_from_config
+
+    print(plan_from_config(_config_for(args)).describe())
+
+
+def cmd_train(args) -> None:
+    from dynarec.train.trainer import Trainer
+
+    config = _config_for(args)
+    trainer = Trainer(config, args.model_dir, device=args.device, progress=not args.no_progress)
+    print(trainer.task.plan.describe())
+    report = trainer.fit(resume=args.resume)
+    print(json.dumps(report, indent=1))
+
+
+def _restored(args):
+    from dynarec.train.trainer import Trainer
+
+    trainer = Trainer(_config_for(args), args.model_dir, device=args.device, progress=False)
+    path = trainer.restore()
+    print(f"restored {path}", file=sys.stderr)
+    return trainer
+
+
+def cmd_evaluate(args) -> None:
+    trainer = _restored(args)
+    print(json.dumps(trainer.evaluate(args.input or None), indent=1))
+
+
+def cmd_export(args) -> None:
+    from dynarec.train.export import export_model
+
+    trainer = _restored(args)
+    print(f"exported to {export_model(trainer.task, trainer.example_batch(), args.export_dir)}")
+
+
+def cmd_predict(args) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dynarec.data.reader import read_table, resolve_files
+
+    files = resolve_files(args.input)
+    if args.export_dir:
+        from dynarec.serving import ExportedModel
+
+        model = ExportedModel(args.export_dir, device=args.device)
+        probs, label_field = model.predict_files(files), model.config.data.label_field
+    else:
+        trainer = _restored(args)
+        probs, _, _ = trainer.predict(files, with_labels=False)
+        label_field = trainer.config.data.label_field
+    keep = {}
+    for f in files:  # pass the label through when the input has one
+        t = read_table(f)
+        if label_field in t.column_names:
+            keep.setdefault(label_field, []).append(t.column(label_field).to_numpy())
+    columns = {"probability": pa.array(probs.astype(np.float32))}
+    if keep.get(label_field) and len(keep[label_field]) == len(files):
+        columns[label_field] = pa.array(np.concatenate(keep[label_field]))
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), args.output)
+    print(f"wrote {probs.size} predictions to {args.output}")
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    from dynarec import bench, demo
+
     parser = argparse.ArgumentParser(prog="dynarec", description="Recommendation models with fixed and dynamic embeddings.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from dynarec import bench, demo
-
-    p = sub.add_parser("demo", help="train the built-in demo and print its metrics")
+    p = sub.add_parser("demo", help="generate data, train the demo MultiTowerDIN and a baseline, evaluate, export, predict")
     demo.add_arguments(p)
     p.set_defaults(run=demo.main)
+
+    p = sub.add_parser("make-data", help="write a synthetic click log (train/eval Parquet + meta.json)")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--train-rows", type=int, default=200_000)
+    p.add_argument("--eval-rows", type=int, default=40_000)
+    p.add_argument("--num-users", type=int, default=20_000)
+    p.add_argument("--num-items", type=int, default=5_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_make_data)
+
+    def common(p, model_dir_required=True):
+        p.add_argument("--config", help="the YAML config (default: <model-dir>/config.yaml)")
+        p.add_argument("--model-dir", required=model_dir_required)
+        p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("plan", help="print the per-table plan of a config")
+    common(p, model_dir_required=False)
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("train", help="train with periodic eval and checkpoints")
+    common(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("evaluate", help="evaluate the latest checkpoint")
+    common(p)
+    p.add_argument("--input", nargs="*", help="data to evaluate (default: data.eval_input_path)")
+    p.set_defaults(run=cmd_evaluate)
+
+    p = sub.add_parser("export", help="export the latest checkpoint for serving")
+    common(p)
+    p.add_argument("--export-dir", required=True)
+    p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("predict", help="score data from an export directory or a checkpoint")
+    p.add_argument("--export-dir")
+    p.add_argument("--model-dir")
+    p.add_argument("--config")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--output", required=True, help="a Parquet file: column 'probability' (+ the label if present)")
+    p.set_defaults(run=cmd_predict)
 
     p = sub.add_parser("bench", help="run a benchmark (medians, with its baseline in the same run)")
     bench.add_arguments(p)
@@ -27,9 +158,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.command == "predict" and bool(args.export_dir) == bool(args.model_dir):
+        print("dynarec predict: error: give exactly one of --export-dir or --model-dir", file=sys.stderr)
+        return 2
+    from dynarec.train.checkpoint import CheckpointError
+
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.hash_index import BucketedHashIndex, InsertPlan
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.table import EmbeddingTable, make_row_store
 from dynarec.optim.specs import OptimizerSpec
@@ -269,26 +269,38 @@ class DynamicTable(EmbeddingTable):
         """Every key (ascending) with its weight, optimizer states and score; the step counter;
         the admission counter's keys and counts. CPU tensors."""
         slots, keys, scores = self.index.entries()
-        out: dict[str, torch.Tensor] = {"keys": keys, "scores": scores}
+        out: dict[str, torch.Tensor] = {"keys": keys, "scores": scores, "slots": slots}
         out.update(self.store.read(slots))
         out["step"] = torch.tensor(self.store.step, dtype=torch.int64)
+        out["layout"] = torch.tensor([self.index.num_buckets, self.bucket_size], dtype=torch.int64)
         if self.counter is not None:
-            _, ckeys, ccounts = self.counter.entries()
-            out["admission_keys"], out["admission_counts"] = ckeys, ccounts
+            cslots, ckeys, ccounts = self.counter.entries()
+            out["admission_keys"], out["admission_counts"], out["admission_slots"] = ckeys, ccounts, cslots
         return {k: v.cpu() for k, v in out.items()}
 
     @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
         """Replaces the table's contents by ``dump`` (from :meth:`dump`, of any capacity).
 
-        The capacity becomes the smallest that holds every key at ``growth_load_factor``, capped
-        at ``max_capacity``; when the rows do not fit, the highest scores are kept (ties to the
-        smaller key). ``weights_only`` resets optimizer states to their initial values and the
-        step counter to 0. Returns ``{"loaded": n, "dropped": m}``.
+        When the dump's bucket layout fits this table (same bucket size, no more buckets than
+        ``max_capacity`` allows), every key goes back to its own slot at the dump's capacity, so
+        a resumed run evicts exactly as the original would have. Otherwise the capacity becomes
+        the smallest that holds every key at ``growth_load_factor``, capped at ``max_capacity``;
+        when the rows do not fit, the highest scores are kept (ties to the smaller key).
+        ``weights_only`` resets optimizer states to their initial values and the step counter to
+        0. Returns ``{"loaded": n, "dropped": m}``.
         """
         keys = dump["keys"].to(self.device)
         scores = dump["scores"].to(self.device)
         n = keys.numel()
+        layout = dump.get("layout")
+        if layout is not None and "slots" in dump:
+            num_buckets, bucket_size = (int(x) for x in layout)
+            if bucket_size == self.bucket_size and num_buckets <= self.max_buckets:
+                index = BucketedHashIndex(num_buckets, bucket_size, self.device)
+                slots = dump["slots"].to(self.device)
+                index.commit(InsertPlan(keys, slots, slots[:0]), scores)
+                return self._restore(index, slots, torch.arange(n, device=self.device), dump, weights_only)
         num_buckets = _num_buckets(self.config.init_capacity, self.bucket_size)  # type: ignore[arg-type]
         num_buckets = min(num_buckets, self.max_buckets)
         while num_buckets < self.max_buckets and n > self.config.growth_load_factor * num_buckets * self.bucket_size:
@@ -301,13 +313,18 @@ class DynamicTable(EmbeddingTable):
         plan = index.plan_insert(keys[keep], allow_evict=False, priority=scores[keep])
         index.commit(plan, scores[keep])
         ok = plan.slots >= 0
-        src = keep[ok]
+        return self._restore(index, plan.slots[ok], keep[ok], dump, weights_only)
+
+    def _restore(self, index: BucketedHashIndex, slots: torch.Tensor, src: torch.Tensor,
+                 dump: dict[str, torch.Tensor], weights_only: bool) -> dict[str, int]:
+        """Installs ``index`` and writes dump rows ``src`` into ``slots``."""
         self.index = index
+        self._generation += 1
         self.store.reallocate(index.capacity)
         self._pinned = torch.zeros(index.capacity, dtype=torch.bool, device=self.device)
         self._pending_backward = 0
         fields = ["weight"] if weights_only else ["weight", *self.store.states]
-        self.store.write(plan.slots[ok], {f: dump[f].to(self.device)[src] for f in fields})
+        self.store.write(slots, {f: dump[f].to(self.device)[src] for f in fields})
         self.store.step = 0 if weights_only else int(dump["step"])
         if self.counter is not None:
             cap = self.counter.capacity
@@ -315,7 +332,13 @@ class DynamicTable(EmbeddingTable):
             if not weights_only and "admission_keys" in dump:
                 ckeys = dump["admission_keys"].to(self.device)
                 ccounts = dump["admission_counts"].to(self.device)
-                cplan = self.counter.plan_insert(ckeys, allow_evict=False, priority=ccounts)
+                cslots = dump.get("admission_slots")
+                if cslots is not None and (cslots.numel() == 0 or int(cslots.max()) < cap):
+                    cslots = cslots.to(self.device)
+                    cplan = InsertPlan(ckeys, cslots, cslots[:0])  # the counter's own layout
+                else:
+                    cplan = self.counter.plan_insert(ckeys, allow_evict=False, priority=ccounts)
                 self.counter.commit(cplan, ccounts)
             assert self.counter.capacity == cap
-        return {"loaded": int(ok.sum()), "dropped": n - int(ok.sum())}
+        n = dump["keys"].numel()
+        return {"loaded": slots.numel(), "dropped": n - slots.numel()}

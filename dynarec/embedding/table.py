@@ -166,6 +166,14 @@ class EmbeddingTable(ABC):
     @abstractmethod
     def write_rows(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None: ...
 
+    @abstractmethod
+    def dump(self) -> dict[str, torch.Tensor]:
+        """Everything needed to restore the table exactly (CPU tensors)."""
+
+    @abstractmethod
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
+        """Restores from :meth:`dump`; ``weights_only`` resets optimizer states and the step."""
+
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "kind": self.config.kind, "backend": self.config.backend,
                 "dim": self.dim, "optimizer": type(self.spec).__name__, "step": self.step}
@@ -212,6 +220,28 @@ class FixedTable(EmbeddingTable):
         ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         self.validate("write_rows", ids)
         self.store.write(ids, values)
+
+    def dump(self) -> dict[str, torch.Tensor]:
+        out = {"weight": self.store.weight.detach().cpu().clone()}
+        out.update({k: v.detach().cpu().clone() for k, v in self.store.states.items()})
+        out["step"] = torch.tensor(self.store.step, dtype=torch.int64)
+        return out
+
+    @torch.no_grad()
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
+        weight = dump["weight"]
+        if tuple(weight.shape) != (self.num_embeddings, self.dim):
+            raise ValueError(f"table '{self.name}': dump holds weight {tuple(weight.shape)}, "
+                             f"the table is {(self.num_embeddings, self.dim)}")
+        rows = torch.arange(self.num_embeddings, device=self.device)
+        self.store.reallocate(self.num_embeddings)
+        fields = ["weight"] if weights_only else ["weight", *self.store.states]
+        missing = [f for f in fields if f not in dump]
+        if missing:
+            raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {type(self.spec).__name__})")
+        self.store.write(rows, {f: dump[f] for f in fields})
+        self.store.step = 0 if weights_only else int(dump["step"])
+        return {"loaded": self.num_embeddings, "dropped": 0}
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "num_embeddings": self.num_embeddings, "bytes": self.store.nbytes}

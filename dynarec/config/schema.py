@@ -1,0 +1,374 @@
+"""The YAML config, validated with pydantic: unknown keys are errors, and every error names the
+field path (e.g. ``train.sparse_optimizer.adagrad_optimizer``).
+
+Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` with
+``id_feature`` / ``sequence_feature`` / ``raw_feature``, ``embedding_name`` to share a table,
+``num_buckets`` for a fixed table or a ``dynamicemb`` block for a dynamic one, and
+``sparse_optimizer`` with ``adagrad_optimizer`` etc.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from dynarec.optim.specs import OPTIMIZERS, OptimizerSpec
+
+__all__ = [
+    "Config",
+    "FeatureCfg",
+    "IdFeatureCfg",
+    "SequenceFeatureCfg",
+    "RawFeatureCfg",
+    "DynamicEmbCfg",
+    "SparseOptimizerCfg",
+    "ModelCfg",
+]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InitializerCfg(Strict):
+    kind: Literal["uniform", "normal", "truncated_normal", "constant"] = "uniform"
+    bound: Optional[float] = Field(None, ge=0)
+    mean: float = 0.0
+    std: Optional[float] = Field(None, ge=0)
+    value: float = 0.0
+
+
+class AdmissionCfg(Strict):
+    threshold: PositiveInt
+    capacity: Optional[PositiveInt] = None
+    initializer: Optional[InitializerCfg] = None
+
+
+class DynamicEmbCfg(Strict):
+    """A dynamic table's capacity and row lifecycle (dynarec's ``TableConfig`` fields)."""
+
+    max_capacity: PositiveInt
+    init_capacity: Optional[PositiveInt] = None
+    bucket_size: PositiveInt = 16
+    growth_load_factor: float = Field(0.75, gt=0, le=1)
+    initializer: Optional[InitializerCfg] = None
+    score_strategy: Literal["step", "timestamp", "lfu", "none"] = "step"
+    check_mode: Optional[Literal["error", "warn", "ignore"]] = None
+    admission: Optional[AdmissionCfg] = None
+    eval_initializer: Optional[InitializerCfg] = None
+
+
+class _EmbeddedFeature(Strict):
+    feature_name: str
+    input_name: Optional[str] = None  # the data column; default feature_name
+    embedding_dim: PositiveInt
+    embedding_name: Optional[str] = None  # the table; features with the same name share it
+    num_buckets: Optional[PositiveInt] = None
+    dynamicemb: Optional[DynamicEmbCfg] = None
+    initializer: Optional[InitializerCfg] = None
+    backend: Optional[Literal["native", "fbgemm"]] = None
+    # "int": values are integer ids (integer columns, or string tokens that must be decimal
+    # integers); "string": values are strings hashed with FarmHash Fingerprint64.
+    value_type: Literal["int", "string"] = "int"
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.num_buckets is None) == (self.dynamicemb is None):
+            raise ValueError("give exactly one of num_buckets (a fixed table) or dynamicemb (a dynamic table)")
+        return self
+
+    @property
+    def column(self) -> str:
+        return self.input_name or self.feature_name
+
+    @property
+    def table_name(self) -> str:
+        return self.embedding_name or self.feature_name
+
+
+class IdFeatureCfg(_EmbeddedFeature):
+    """One id (or several, with ``separator``) per sample, pooled."""
+
+    pooling: Literal["sum", "mean"] = "sum"
+    separator: Optional[str] = None
+
+
+class SequenceFeatureCfg(_EmbeddedFeature):
+    """A behaviour history: the last ``sequence_length`` ids, one embedding each."""
+
+    sequence_length: PositiveInt
+    separator: str = "|"
+
+
+class NormalizerCfg(Strict):
+    """``x -> log1p(x)`` (when ``log1p``), then ``(x - mean) / std``."""
+
+    log1p: bool = False
+    mean: float = 0.0
+    std: float = Field(1.0, gt=0)
+
+
+class RawFeatureCfg(Strict):
+    """A dense float feature."""
+
+    feature_name: str
+    input_name: Optional[str] = None
+    normalizer: Optional[NormalizerCfg] = None
+
+    @property
+    def column(self) -> str:
+        return self.input_name or self.feature_name
+
+
+class FeatureCfg(Strict):
+    id_feature: Optional[IdFeatureCfg] = None
+    sequence_feature: Optional[SequenceFeatureCfg] = None
+    raw_feature: Optional[RawFeatureCfg] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("id_feature", "sequence_feature", "raw_feature") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of id_feature, sequence_feature, raw_feature (got {given or 'none'})")
+        return self
+
+    @property
+    def feature(self) -> Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]:
+        return self.id_feature or self.sequence_feature or self.raw_feature  # type: ignore[return-value]
+
+
+class SparseOptimizerCfg(Strict):
+    """Exactly one ``<name>_optimizer`` block; its fields are the spec's (dynarec.optim)."""
+
+    sgd_optimizer: Optional[dict[str, Any]] = None
+    adagrad_optimizer: Optional[dict[str, Any]] = None
+    rowwise_adagrad_optimizer: Optional[dict[str, Any]] = None
+    adam_optimizer: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _exactly_one_valid(self):
+        given = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {list(type(self).model_fields)} (got {given or 'none'})")
+        self.spec()  # validates the fields; the message names the block and the key
+        return self
+
+    def spec(self) -> OptimizerSpec:
+        for key in type(self).model_fields:
+            fields = getattr(self, key)
+            if fields is not None:
+                return OPTIMIZERS[key.removesuffix("_optimizer")].from_dict(fields, where=key)
+        raise AssertionError("unreachable")
+
+
+class DenseOptimizerCfg(Strict):
+    sgd_optimizer: Optional[dict[str, float]] = None
+    adagrad_optimizer: Optional[dict[str, float]] = None
+    adam_optimizer: Optional[dict[str, float]] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {list(type(self).model_fields)} (got {given or 'none'})")
+        name, fields = given[0], getattr(self, given[0])
+        allowed = {"sgd_optimizer": {"lr", "momentum", "weight_decay"},
+                   "adagrad_optimizer": {"lr", "eps", "initial_accumulator_value", "weight_decay"},
+                   "adam_optimizer": {"lr", "beta1", "beta2", "eps", "weight_decay"}}[name]
+        unknown = sorted(set(fields) - allowed)
+        if unknown:
+            raise ValueError(f"{name}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        if fields.get("lr", 1e-3) <= 0:
+            raise ValueError(f"{name}.lr must be > 0")
+        return self
+
+
+class LRScheduleCfg(Strict):
+    """A multiplier on the optimizer's lr as a function of the training step.
+
+    ``constant``; ``exponential_decay``: ``decay_rate ** (step / decay_steps)``; ``warmup``:
+    linear from 0 to 1 over ``warmup_steps``, then ``exponential_decay`` if decay_steps given.
+    """
+
+    kind: Literal["constant", "exponential_decay", "warmup"] = "constant"
+    decay_steps: Optional[PositiveInt] = None
+    decay_rate: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _needs(self):
+        if self.kind == "exponential_decay" and self.decay_steps is None:
+            raise ValueError("exponential_decay needs decay_steps")
+        if self.kind == "warmup" and self.warmup_steps == 0:
+            raise ValueError("warmup needs warmup_steps > 0")
+        return self
+
+    def factor(self, step: int) -> float:
+        f = 1.0
+        if self.kind == "warmup":
+            f = min(1.0, (step + 1) / self.warmup_steps)
+        if self.kind in ("exponential_decay", "warmup") and self.decay_steps:
+            f *= self.decay_rate ** (max(step - self.warmup_steps, 0) / self.decay_steps)
+        return f
+
+
+class FeatureGroupCfg(Strict):
+    group_name: str
+    feature_names: list[str] = Field(min_length=1)
+    group_type: Literal["deep", "sequence", "wide"] = "deep"
+
+
+class TowerCfg(Strict):
+    input: str
+    hidden_units: list[PositiveInt] = Field(min_length=1)
+
+
+class DinTowerCfg(Strict):
+    input: str
+    attn_hidden_units: list[PositiveInt] = [64, 32]
+    pooling: Literal["attention", "mean"] = "attention"  # "mean": the no-attention baseline
+
+
+class MultiTowerDINCfg(Strict):
+    towers: list[TowerCfg] = []
+    din_towers: list[DinTowerCfg] = []
+    final_hidden_units: list[PositiveInt] = [64]
+
+
+class DINCfg(Strict):
+    din_tower: DinTowerCfg
+    deep_hidden_units: list[PositiveInt] = [128, 64]
+
+
+class DeepFMCfg(Strict):
+    deep_hidden_units: list[PositiveInt] = [128, 64]
+
+
+class WideAndDeepCfg(Strict):
+    deep_hidden_units: list[PositiveInt] = [128, 64]
+
+
+class DLRMCfg(Strict):
+    bottom_hidden_units: list[PositiveInt] = [64]
+    top_hidden_units: list[PositiveInt] = [64, 32]
+
+
+MODEL_KEYS = ("multi_tower_din", "din", "deepfm", "wide_and_deep", "dlrm")
+
+
+class ModelCfg(Strict):
+    feature_groups: list[FeatureGroupCfg] = Field(min_length=1)
+    multi_tower_din: Optional[MultiTowerDINCfg] = None
+    din: Optional[DINCfg] = None
+    deepfm: Optional[DeepFMCfg] = None
+    wide_and_deep: Optional[WideAndDeepCfg] = None
+    dlrm: Optional[DLRMCfg] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in MODEL_KEYS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one model block of {list(MODEL_KEYS)} (got {given or 'none'})")
+        names = [g.group_name for g in self.feature_groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature_groups: duplicate group_name in {names}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return next(k for k in MODEL_KEYS if getattr(self, k) is not None)
+
+    @property
+    def params(self) -> Strict:
+        return getattr(self, self.name)
+
+    def group(self, name: str) -> FeatureGroupCfg:
+        for g in self.feature_groups:
+            if g.group_name == name:
+                return g
+        raise KeyError(name)
+
+
+class DataCfg(Strict):
+    train_input_path: Union[str, list[str]]
+    eval_input_path: Union[str, list[str], None] = None
+    label_field: str = "label"
+    batch_size: PositiveInt = 1024
+    eval_batch_size: Optional[PositiveInt] = None
+    num_workers: int = Field(0, ge=0)
+    input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
+
+
+class TrainCfg(Strict):
+    sparse_optimizer: SparseOptimizerCfg
+    table_optimizers: dict[str, SparseOptimizerCfg] = {}  # per-table overrides, by table name
+    dense_optimizer: DenseOptimizerCfg = DenseOptimizerCfg(adam_optimizer={"lr": 1e-3})
+    sparse_lr_schedule: LRScheduleCfg = LRScheduleCfg()
+    dense_lr_schedule: LRScheduleCfg = LRScheduleCfg()
+    sparse_backend: Literal["native", "fbgemm"] = "native"
+    num_epochs: PositiveInt = 1
+    num_steps: Optional[PositiveInt] = None
+    save_checkpoints_steps: Optional[PositiveInt] = None
+    keep_checkpoints: PositiveInt = 3
+    log_step_count_steps: PositiveInt = 50
+    eval_every_steps: Optional[PositiveInt] = None
+    seed: int = 0
+
+
+class EvalCfg(Strict):
+    metrics: list[Literal["auc", "grouped_auc", "log_loss"]] = ["auc", "grouped_auc", "log_loss"]
+    grouped_auc_field: Optional[str] = None  # the column to group by; default the first id feature's
+    max_steps: Optional[PositiveInt] = None
+
+
+class ExportCfg(Strict):
+    pass
+
+
+class Config(Strict):
+    feature_configs: list[FeatureCfg] = Field(min_length=1)
+    model: ModelCfg
+    data: DataCfg
+    train: TrainCfg
+    eval: EvalCfg = EvalCfg()
+    export: ExportCfg = ExportCfg()
+
+    @model_validator(mode="after")
+    def _cross_references(self):
+        names = [f.feature.feature_name for f in self.feature_configs]
+        seen: set[str] = set()
+        for i, n in enumerate(names):
+            if n in seen:
+                raise ValueError(f"feature_configs[{i}]: feature_name '{n}' is defined twice")
+            seen.add(n)
+        tables: dict[str, _EmbeddedFeature] = {}
+        for i, f in enumerate(self.feature_configs):
+            feat = f.feature
+            if isinstance(feat, RawFeatureCfg):
+                continue
+            other = tables.setdefault(feat.table_name, feat)
+            if other is not feat:
+                for attr in ("embedding_dim", "num_buckets", "dynamicemb"):
+                    if getattr(other, attr) != getattr(feat, attr):
+                        raise ValueError(
+                            f"feature_configs[{i}] ({feat.feature_name}): shares table "
+                            f"'{feat.table_name}' with '{other.feature_name}' but its {attr} differs"
+                        )
+        for gi, g in enumerate(self.model.feature_groups):
+            for fi, n in enumerate(g.feature_names):
+                if n not in seen:
+                    raise ValueError(f"model.feature_groups[{gi}].feature_names[{fi}]: unknown feature '{n}'")
+        for name in self.train.table_optimizers:
+            if name not in tables:
+                raise ValueError(f"train.table_optimizers: unknown table '{name}'; tables: {sorted(tables)}")
+        return self
+
+    def features(self) -> list[Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]]:
+        return [f.feature for f in self.feature_configs]
+
+    def feature(self, name: str):
+        for f in self.features():
+            if f.feature_name == name:
+                return f
+        raise KeyError(name)

@@ -1,0 +1,228 @@
+"""Arrow record batches -> model inputs (a KJT-shaped sparse batch, dense features, labels).
+
+Every bad value is an error naming the feature, the column, the file and the row: a missing
+column, a null id, a NaN or null dense value, a malformed multi-value field, a negative or
+out-of-range id of a fixed feature, a label outside {0, 1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.embedding.jagged import JaggedBatch
+from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+
+__all__ = ["Batch", "BatchBuilder", "DataError"]
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the feature/column, the file and the row."""
+
+
+@dataclass
+class Batch:
+    """One batch of rows.
+
+    ``sparse``: every id and sequence feature, KJT layout (key-major lengths ``[F * B]``).
+    ``dense``: ``{feature: [B]}`` float32, normalized. ``labels``: ``[B]`` float32 in {0, 1}.
+    ``groups``: ``[B]`` int64 ids of the grouped-AUC field (or None).
+    """
+
+    sparse: JaggedBatch
+    dense: dict[str, torch.Tensor]
+    labels: torch.Tensor
+    groups: Optional[torch.Tensor]
+    num_rows: int
+
+    def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
+        b = self.num_rows
+        keys = self.sparse.keys()
+        lengths = self.sparse.lengths().view(len(keys), b)
+        return {n: lengths[keys.index(n)] for n in names}
+
+
+Feature = Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]
+
+
+class BatchBuilder:
+    """Builds :class:`Batch` objects from Arrow tables for one config."""
+
+    def __init__(self, config: Config, with_labels: bool = True):
+        self.config = config
+        self.with_labels = with_labels
+        self.sparse_features = [f for f in config.features() if not isinstance(f, RawFeatureCfg)]
+        self.dense_features = [f for f in config.features() if isinstance(f, RawFeatureCfg)]
+        self.label_field = config.data.label_field
+        self.group_field = self._group_field()
+
+    def _group_field(self) -> Optional[str]:
+        if "grouped_auc" not in self.config.eval.metrics:
+            return None
+        if self.config.eval.grouped_auc_field:
+            return self.config.eval.grouped_auc_field
+        ids = [f for f in self.sparse_features if isinstance(f, IdFeatureCfg)]
+        return ids[0].column if ids else None
+
+    def columns(self) -> list[str]:
+        """Every column a batch needs, in a stable order."""
+        cols = [f.column for f in self.sparse_features] + [f.column for f in self.dense_features]
+        if self.with_labels:
+            cols.append(self.label_field)
+        if self.group_field and self.with_labels:
+            cols.append(self.group_field)
+        return list(dict.fromkeys(cols))
+
+    def check_schema(self, schema: pa.Schema, source: str) -> None:
+        """Raises DataError naming the first missing column (and the feature that needs it)."""
+        names = set(schema.names)
+        for f in self.sparse_features + self.dense_features:
+            if f.column not in names:
+                raise DataError(f"{source}: missing column '{f.column}' (feature '{f.feature_name}')")
+        if self.with_labels and self.label_field not in names:
+            raise DataError(f"{source}: missing column '{self.label_field}' (data.label_field)")
+        if self.with_labels and self.group_field and self.group_field not in names:
+            raise DataError(f"{source}: missing column '{self.group_field}' (eval.grouped_auc_field)")
+
+    def build(self, table: pa.Table, source: str, first_row: int = 0) -> Batch:
+        """``table``'s rows -> Batch. ``first_row`` is the row number of ``table``'s row 0 in
+        ``source``, for error messages."""
+        self.check_schema(table.schema, source)
+        n = table.num_rows
+        keys, values, lengths = [], [], []
+        for f in self.sparse_features:
+            v, l = self._ids(f, table.column(f.column), source, first_row)
+            keys.append(f.feature_name)
+            values.append(v)
+            lengths.append(l)
+        sparse = JaggedBatch(keys, torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
+                             torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64))
+        dense = {f.feature_name: self._dense(f, table.column(f.column), source, first_row) for f in self.dense_features}
+        labels = torch.zeros(n)
+        groups = None
+        if self.with_labels:
+            labels = self._labels(table.column(self.label_field), source, first_row)
+            if self.group_field:
+                groups = self._group_ids(table.column(self.group_field))
+        return Batch(sparse, dense, labels, groups, n)
+
+    # -- columns ---------------------------------------------------------------------------
+
+    def _where(self, f: Feature, source: str, row: int) -> str:
+        return f"{source}, row {row}: feature '{f.feature_name}' (column '{f.column}')"
+
+    def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.ChunkedArray, source: str, first_row: int):
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        null = col.is_null()
+        if pc.any(null).as_py():
+            row = first_row + int(pc.index(null, True).as_py())
+            raise DataError(f"{self._where(f, source, row)}: missing value")
+        separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
+        t = col.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            tokens, lengths = col.flatten(), np.diff(col.offsets.to_numpy()).astype(np.int64)
+        elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            empty = pc.equal(col, "")
+            parts = pc.split_pattern(col, separator)
+            lengths = np.where(empty.to_numpy(zero_copy_only=False), 0,
+                               np.diff(parts.offsets.to_numpy())).astype(np.int64)
+            tokens = pc.split_pattern(pc.if_else(empty, pa.scalar(None, pa.string()), col), separator).flatten()
+            bad = pc.equal(pc.utf8_length(tokens), 0)
+            if pc.any(bad).as_py():
+                row = first_row + int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
+                raise DataError(f"{self._where(f, source, row)}: malformed multi-value field "
+                                f"(empty token between '{separator}' separators)")
+        else:
+            tokens, lengths = col, np.ones(len(col), dtype=np.int64)
+        ids = self._token_ids(f, tokens, lengths, source, first_row)
+        if isinstance(f, SequenceFeatureCfg) and (lengths > f.sequence_length).any():
+            ids, lengths = _keep_last(ids, lengths, f.sequence_length)
+        return ids, lengths
+
+    def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, source: str, first_row: int) -> np.ndarray:
+        dynamic = f.dynamicemb is not None
+
+        def row_of(i: int) -> int:
+            return first_row + int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+
+        is_string = pa.types.is_string(tokens.type) or pa.types.is_large_string(tokens.type)
+        if f.value_type == "string":
+            strings = tokens.to_pylist() if is_string else [str(x) for x in tokens.to_pylist()]
+            return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.num_buckets)
+        if is_string:
+            try:
+                tokens = pc.cast(pc.utf8_trim_whitespace(tokens), pa.int64())
+            except pa.ArrowInvalid:
+                strings = tokens.to_pylist()
+                i = next(k for k, s in enumerate(strings) if not _is_int(s))
+                raise DataError(f"{self._where(f, source, row_of(i))}: malformed value {strings[i]!r} "
+                                "(value_type 'int' expects integer ids)") from None
+        elif not pa.types.is_integer(tokens.type):
+            raise DataError(f"{source}: feature '{f.feature_name}' (column '{f.column}') has type "
+                            f"{tokens.type}; value_type 'int' expects integers")
+        ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        if not dynamic and ids.size:
+            bad = np.nonzero((ids < 0) | (ids >= f.num_buckets))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise DataError(f"{self._where(f, source, row_of(i))}: id {int(ids[i])} is out of range "
+                                f"[0, {f.num_buckets}) (num_buckets)")
+        return ids
+
+    def _dense(self, f: RawFeatureCfg, col, source: str, first_row: int) -> torch.Tensor:
+        try:
+            x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            raise DataError(f"{source}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})") from None
+        bad = np.nonzero(~np.isfinite(x))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(f"{self._where(f, source, first_row + i)}: value {x[i]} is not a finite number")
+        norm = f.normalizer
+        if norm is not None:
+            if norm.log1p:
+                if (x <= -1).any():
+                    i = int(np.nonzero(x <= -1)[0][0])
+                    raise DataError(f"{self._where(f, source, first_row + i)}: log1p normalizer needs values > -1, got {x[i]}")
+                x = np.log1p(x)
+            x = (x - norm.mean) / norm.std
+        return torch.from_numpy(x.astype(np.float32))
+
+    def _labels(self, col, source: str, first_row: int) -> torch.Tensor:
+        x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        bad = np.nonzero(~((x == 0) | (x == 1)))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(f"{source}, row {first_row + i}: label column '{self.label_field}' holds {x[i]}; "
+                            "labels must be 0 or 1")
+        return torch.from_numpy(x.astype(np.float32))
+
+    def _group_ids(self, col) -> torch.Tensor:
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if pa.types.is_integer(col.type):
+            return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
+        return torch.from_numpy(to_hash_bucket_fast([str(s) for s in col.to_pylist()], DYNAMIC_KEY_BUCKETS))
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s.strip())
+        return True
+    except (ValueError, AttributeError):
+        return False
+
+
+def _keep_last(ids: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keeps the last ``max_len`` ids of each row (histories end with the most recent)."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    row = np.repeat(np.arange(lengths.size), lengths)
+    pos = np.arange(ids.size) - starts[row]
+    keep = pos >= (lengths - max_len)[row]
+    return ids[keep], np.minimum(lengths, max_len)

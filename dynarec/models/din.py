@@ -1,0 +1,26 @@
+"""DIN: one attention tower over a sequence group, concatenated with every deep group, one MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynarec.config.schema import Config
+from dynarec.models.blocks import MLP, DeepGroup, DINAttention, SequenceGroup
+
+
+class DIN(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        cfg = config.model.din
+        self.seq = SequenceGroup(config, config.model.group(cfg.din_tower.input))
+        self.attention = DINAttention(self.seq.dim, cfg.din_tower.attn_hidden_units, cfg.din_tower.pooling)
+        self.deep = nn.ModuleList(DeepGroup(config, g) for g in config.model.feature_groups
+                                  if g.group_type != "sequence")
+        self.mlp = MLP(2 * self.seq.dim + sum(g.out_dim for g in self.deep), cfg.deep_hidden_units)
+        self.out = nn.Linear(self.mlp.out_dim, 1)
+
+    def forward(self, embeddings, seq_lengths, dense):
+        query, keys, lengths = self.seq(embeddings, seq_lengths)
+        parts = [self.attention(query, keys, lengths), query] + [g(embeddings, seq_lengths, dense) for g in self.deep]
+        return self.out(self.mlp(torch.cat(parts, dim=1))).squeeze(1)

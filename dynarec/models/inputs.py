@@ -1,0 +1,26 @@
+"""The dense models' input contract, shared by training and serving."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["align_sequences"]
+
+
+def align_sequences(embeddings: dict[str, torch.Tensor], names: list[str], min_len: int = 2) -> dict[str, torch.Tensor]:
+    """Zero-pads every sequence embedding ``[B, L_f, D]`` to one length ``L = max(L_f, min_len)``.
+
+    Sequence groups concatenate their features along the dim, which needs one ``L``; a fixed
+    minimum of 2 keeps exported programs free of 0/1-length specialisation. Padding is masked
+    out by the lengths, so it changes no result.
+    """
+    if not names:
+        return embeddings
+    target = max([min_len] + [embeddings[n].shape[1] for n in names])
+    out = dict(embeddings)
+    for n in names:
+        extra = target - out[n].shape[1]
+        if extra:
+            out[n] = F.pad(out[n], (0, 0, 0, extra))
+    return out

@@ -1,0 +1,27 @@
+"""Models by name (the key of the model block in the config)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dynarec.config.schema import Config
+from dynarec.models.deepfm import DeepFM
+from dynarec.models.din import DIN
+from dynarec.models.dlrm import DLRM
+from dynarec.models.multi_tower_din import MultiTowerDIN
+from dynarec.models.wide_and_deep import WideAndDeep
+
+__all__ = ["MODELS", "build_model"]
+
+MODELS: dict[str, type[nn.Module]] = {
+    "multi_tower_din": MultiTowerDIN,
+    "din": DIN,
+    "deepfm": DeepFM,
+    "wide_and_deep": WideAndDeep,
+    "dlrm": DLRM,
+}
+
+
+def build_model(config: Config) -> nn.Module:
+    """The dense part of the model: ``(embeddings, seq_lengths, dense) -> logits [B]``."""
+    return MODELS[config.model.name](config)

@@ -1,0 +1,27 @@
+"""Wide & Deep: a linear model over the ``wide`` groups plus an MLP over the ``deep`` groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynarec.config.schema import Config
+from dynarec.models.blocks import MLP, DeepGroup
+
+
+class WideAndDeep(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        groups = config.model.feature_groups
+        self.wide = nn.ModuleList(DeepGroup(config, g) for g in groups if g.group_type == "wide")
+        self.deep = nn.ModuleList(DeepGroup(config, g) for g in groups if g.group_type == "deep")
+        if not self.wide or not self.deep:
+            raise ValueError("model.wide_and_deep: needs at least one 'wide' and one 'deep' feature group")
+        self.linear = nn.Linear(sum(g.out_dim for g in self.wide), 1)
+        self.mlp = MLP(sum(g.out_dim for g in self.deep), config.model.wide_and_deep.deep_hidden_units)
+        self.out = nn.Linear(self.mlp.out_dim, 1)
+
+    def forward(self, embeddings, seq_lengths, dense):
+        wide = torch.cat([g(embeddings, seq_lengths, dense) for g in self.wide], dim=1)
+        deep = torch.cat([g(embeddings, seq_lengths, dense) for g in self.deep], dim=1)
+        return (self.linear(wide) + self.out(self.mlp(deep))).squeeze(1)
