@@ -25,9 +25,9 @@ __all__ = ["main"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default="demo_out", help="where data, model dirs and the export go")
-    p.add_argument("--train-rows", type=int, default=200_000)
+    p.add_argument("--train-rows", type=int, default=400_000)
     p.add_argument("--eval-rows", type=int, default=40_000)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-attention baseline")
     p.add_argument("--no-progress", action="store_true")
 

@@ -297,7 +297,8 @@ def plot_curves(history: dict[str, list], path: Path) -> None:
             ax2.plot(*zip(*pts), marker="o", label=f"eval {key}")
     ax2.set_xlabel("step")
     ax2.set_title("eval")
-    ax2.legend(loc="lower right")
+    if ax2.lines:
+        ax2.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

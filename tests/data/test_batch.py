@@ -1,0 +1,104 @@
+"""Batch building and readers: values, layouts, and an error naming the culprit per bad input."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader
+from dynarec.features import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+from tests.pipeline_fixtures import config_dict
+
+ROWS = {
+    "user_id": ["u1", "u2", "u1"],
+    "age": [1, 2, 3],
+    "item_id": [5, 6, 7],
+    "cate_id": [1, 2, 3],
+    "hist_item_id": ["1|2|3|4|5|6|7|8", "", "9"],
+    "hist_cate_id": ["1|1|1|1|1|1|1|2", "", "3"],
+    "price": [10.0, 20.0, 30.0],
+    "clk": [1, 0, 1],
+}
+
+
+def builder():
+    return BatchBuilder(config_from_dict(config_dict(eval={"metrics": ["auc", "grouped_auc"]})))
+
+
+def table(**changes):
+    rows = {**ROWS, **changes}
+    return pa.table(rows)
+
+
+def test_batch_values_and_layout():
+    b = builder().build(table(), "t.parquet")
+    kjt = b.sparse
+    assert kjt.keys() == ["user_id", "age", "item_id", "cate_id", "hist_item_id", "hist_cate_id"]
+    lengths = kjt.lengths().view(6, 3)
+    assert lengths[4].tolist() == [6, 0, 1]  # truncated to sequence_length 6, empty, one
+    values = kjt.values()
+    users = to_hash_bucket_fast(["u1", "u2", "u1"], DYNAMIC_KEY_BUCKETS).tolist()
+    assert values[:3].tolist() == users
+    start = int(lengths[:4].sum())
+    assert values[start:start + 7].tolist() == [3, 4, 5, 6, 7, 8, 9]  # the last 6 of row 0, then row 2
+    torch.testing.assert_close(b.dense["price"], torch.tensor((np.log1p([10.0, 20.0, 30.0]) - 3.0) / 0.8, dtype=torch.float32))
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert b.groups.tolist() == users
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(price=[1.0, float("nan"), 2.0]), r"t.parquet, row 1: feature 'price' \(column 'price'\): value nan is not a finite number"),
+        (dict(hist_item_id=["1|2", "3||4", "5"]), r"t.parquet, row 1: feature 'hist_item_id' .*malformed multi-value field"),
+        (dict(hist_item_id=["1|2", "3|x", "5"]), r"t.parquet, row 1: feature 'hist_item_id' .*malformed value 'x'"),
+        (dict(item_id=[5, -1, 7]), r"t.parquet, row 1: feature 'item_id' \(column 'item_id'\): id -1 is out of range \[0, 200\)"),
+        (dict(cate_id=[1, 2, 10]), r"t.parquet, row 2: feature 'cate_id' .*id 10 is out of range \[0, 10\)"),
+        (dict(clk=[1, 2, 0]), r"t.parquet, row 1: label column 'clk' holds 2.0"),
+        (dict(user_id=["a", None, "b"]), r"t.parquet, row 1: feature 'user_id' .*missing value"),
+    ],
+)
+def test_bad_values_name_feature_file_and_row(changes, message):
+    with pytest.raises(DataError, match=message):
+        builder().build(table(**changes), "t.parquet")
+
+
+def test_missing_column_names_column_and_feature():
+    t = table().drop_columns(["hist_cate_id"])
+    with pytest.raises(DataError, match=r"t.parquet: missing column 'hist_cate_id' \(feature 'hist_cate_id'\)"):
+        builder().build(t, "t.parquet")
+
+
+def test_parquet_and_csv_give_the_same_batches_of_exact_size(tmp_path):
+    big = pa.concat_tables([table()] * 7)  # 21 rows
+    pq.write_table(big.slice(0, 10), tmp_path / "a.parquet", row_group_size=3)
+    pq.write_table(big.slice(10), tmp_path / "b.parquet", row_group_size=4)
+    pacsv.write_csv(big, tmp_path / "all.csv")
+    b = builder()
+    pq_batches = list(make_loader(ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], b, 8), 0))
+    csv_batches = list(make_loader(ArrowBatchDataset([str(tmp_path / "all.csv")], b, 8), 0))
+    assert [x.num_rows for x in pq_batches] == [x.num_rows for x in csv_batches] == [8, 8, 5]
+    for x, y in zip(pq_batches, csv_batches):
+        assert torch.equal(x.sparse.values(), y.sparse.values())
+        assert torch.equal(x.sparse.lengths(), y.sparse.lengths())
+        assert torch.equal(x.labels, y.labels)
+
+
+def test_workers_are_deterministic(tmp_path):
+    for i in range(4):
+        pq.write_table(table(item_id=[i, i, i]), tmp_path / f"p{i}.parquet")
+    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    ds = ArrowBatchDataset(files, builder(), 3)
+    runs = [[int(b.sparse.values()[3 * 2]) for b in make_loader(ds, 2)] for _ in range(2)]
+    assert runs[0] == runs[1] and sorted(runs[0]) == [0, 1, 2, 3]
+
+
+def test_error_in_second_file_names_that_file(tmp_path):
+    pq.write_table(table(), tmp_path / "a.parquet")
+    pq.write_table(table(price=[1.0, 2.0, float("nan")]), tmp_path / "b.parquet")
+    ds = ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], builder(), 4)
+    with pytest.raises(DataError, match=r"b.parquet, row 2: feature 'price'"):
+        list(make_loader(ds, 0))

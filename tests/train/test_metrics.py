@@ -1,0 +1,31 @@
+import numpy as np
+import pytest
+import torch
+
+from dynarec.metrics import auc, grouped_auc, log_loss
+
+
+def test_auc_matches_torchmetrics_with_ties():
+    tm = pytest.importorskip("torchmetrics.functional.classification")
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 20, 500) / 20.0  # many ties
+    labels = (rng.random(500) < 0.3).astype(int)
+    expected = float(tm.binary_auroc(torch.tensor(scores), torch.tensor(labels)))
+    assert auc(scores, labels) == pytest.approx(expected, abs=1e-6)
+
+
+def test_auc_by_hand():
+    assert auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert auc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)
+    assert np.isnan(auc([0.1, 0.2], [1, 1]))
+
+
+def test_grouped_auc_weights_groups_by_size_and_skips_single_class():
+    scores = [0.1, 0.9, 0.8, 0.9, 0.3, 0.5, 0.7]
+    labels = [0, 1, 0, 1, 1, 0, 1]
+    groups = [1, 1, 2, 2, 2, 3, 4]  # group 1: AUC 1 (2 rows); group 2: AUC 0.5 (3 rows); 3, 4 single class
+    assert grouped_auc(scores, labels, groups) == pytest.approx((1.0 * 2 + 0.5 * 3) / 5)
+
+
+def test_log_loss():
+    assert log_loss([0.5, 0.5], [0, 1]) == pytest.approx(np.log(2))

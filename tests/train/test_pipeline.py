@@ -1,0 +1,238 @@
+"""End to end on tiny data: train -> evaluate -> export -> predict, exact resume, atomic
+checkpoints, and bad input that names the culprit and writes nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.cli import main
+from dynarec.config import load_config
+from dynarec.serving import ExportedModel
+from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
+from dynarec.train.trainer import Trainer
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    make_data(root)
+    return root
+
+
+def run_cli(*args) -> tuple[int, str]:
+    """The CLI in a fresh process (as a user runs it)."""
+    proc = subprocess.run([sys.executable, "-m", "dynarec.cli", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_train_evaluate_export_predict(data_root, tmp_path, capsys):
+    cfg_path = write_config(data_root, config_dict(train__eval_every_steps=6, train__save_checkpoints_steps=5),
+                            "e2e.yaml")
+    model_dir, export_dir = tmp_path / "model", tmp_path / "export"
+    assert main(["train", "--config", str(cfg_path), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    for name in ("config.yaml", "metrics.json", "curves.png"):
+        assert (model_dir / name).is_file(), name
+    assert any((model_dir / "tb").iterdir())
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert metrics["final"]["step"] == 12 and 0.0 < metrics["final"]["eval"]["auc"] <= 1.0
+    assert [s for s, _ in metrics["history"]["eval"]] == [6, 12, 12]
+
+    capsys.readouterr()
+    assert main(["evaluate", "--model-dir", str(model_dir)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["auc"] == pytest.approx(metrics["final"]["eval"]["auc"], abs=1e-12)
+
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    assert (export_dir / "dense.pt2").is_file() and (export_dir / "tables" / "user_id.safetensors").is_file()
+
+    eval_file = data_root / "data" / "eval" / "part-0.parquet"
+    out_export, out_ckpt = tmp_path / "p_export.parquet", tmp_path / "p_ckpt.parquet"
+    assert main(["predict", "--export-dir", str(export_dir), "--input", str(eval_file), "--output", str(out_export)]) == 0
+    assert main(["predict", "--model-dir", str(model_dir), "--input", str(eval_file), "--output", str(out_ckpt)]) == 0
+    served = pq.read_table(out_export).column("probability").to_numpy()
+    from_ckpt = pq.read_table(out_ckpt).column("probability").to_numpy()
+
+    trainer = Trainer(load_config(model_dir / "config.yaml"), model_dir, progress=False)
+    trainer.restore()
+    eval_probs, labels, _ = trainer.predict(str(eval_file))
+    assert served.shape == eval_probs.shape == (400,)
+    np.testing.assert_allclose(served, eval_probs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(from_ckpt, eval_probs, rtol=0, atol=1e-6)
+    assert pq.read_table(out_export).column("clk").to_numpy().tolist() == labels.astype(int).tolist()
+    # One row at a time through the export, too (batch of 1 against a batch-dynamic program).
+    one = ExportedModel(export_dir).predict_files(str(eval_file), batch_size=1)
+    np.testing.assert_allclose(one, eval_probs, rtol=0, atol=1e-5)
+
+
+def snapshot(model_dir: Path):
+    state, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    return state, tables
+
+
+def assert_same(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def test_resume_is_exact_across_processes(data_root, tmp_path):
+    # Two epochs of 12 steps; stop at 15 (mid-epoch 2), resume in a fresh process to 24.
+    common = dict(train__num_epochs=2, data__eval_input_path=None)
+    c = config_dict(**common)
+    c["train"]["sparse_optimizer"] = {"adagrad_optimizer": {"lr": 0.05, "initial_accumulator_value": 0.1}}
+    straight = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 24}}, "straight.yaml")
+    half = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 15}}, "half.yaml")
+    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "a", "--no-progress")
+    assert rc == 0, out
+    rc, out = run_cli("train", "--config", half, "--model-dir", tmp_path / "b", "--no-progress")
+    assert rc == 0, out
+    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "b", "--no-progress", "--resume")
+    assert rc == 0, out
+    (sa, ta), (sb, tb) = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    assert sa["step"] == sb["step"] == 24
+    assert ta["user_id"]["keys"].numel() > 64  # the dynamic table grew past init_capacity
+    assert_same(ta, tb, "tables")
+    assert_same(sa["dense"], sb["dense"], "dense")
+    assert_same(sa["dense_optimizer"], sb["dense_optimizer"], "dense_optimizer")
+
+
+KILL_SCRIPT = r"""
+import sys, time
+from dynarec.config import load_config
+from dynarec.train import checkpoint
+from dynarec.train.trainer import Trainer
+
+trainer = Trainer(load_config(sys.argv[1]), sys.argv[2], progress=False)
+trainer.fit()  # 12 steps, checkpoint ckpt-12 committed
+
+real_write = checkpoint._write_file
+def slow_write(path, obj):
+    real_write(path, obj)
+    with open(path, "r+b") as f:  # leave a half-written file behind, then hang
+        f.truncate(f.seek(0, 2) // 2)
+    print("WRITING", flush=True)
+    time.sleep(120)
+checkpoint._write_file = slow_write
+trainer.step += 1
+trainer.save()
+"""
+
+
+def test_kill_during_checkpoint_leaves_previous_loadable(data_root, tmp_path):
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "kill.yaml")
+    model_dir = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(cfg), str(model_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.time() + 120
+    line = ""
+    while time.time() < deadline and "WRITING" not in line:
+        line = proc.stdout.readline()
+    assert "WRITING" in line
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(p.name.startswith(".ckpt-") for p in (model_dir / "checkpoints").iterdir())  # the debris
+    state, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    assert state["step"] == 12
+    trainer = Trainer(load_config(cfg), model_dir, progress=False)
+    assert trainer.restore().name == "ckpt-0000000012"
+
+
+# -- bad input: the culprit is named, nothing is written ----------------------------------------------
+
+def _bad_train_file(root: Path, name: str, change) -> Path:
+    src = pq.read_table(root / "data" / "train" / "part-0.parquet").slice(0, 200)
+    d = root / name
+    d.mkdir(exist_ok=True)
+    pq.write_table(change(src), d / "part-0.parquet")
+    return d
+
+
+def _set(col: str, row: int, value):
+    def change(t: pa.Table) -> pa.Table:
+        values = t.column(col).to_pylist()
+        values[row] = value
+        return t.set_column(t.schema.get_field_index(col), col, pa.array(values, type=t.schema.field(col).type))
+    return change
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("missing_column", lambda t: t.drop_columns(["price"]), "missing column 'price' (feature 'price')"),
+        ("nan_dense", _set("price", 7, float("nan")), "row 7: feature 'price' (column 'price'): value nan"),
+        ("malformed_multi", _set("hist_item_id", 3, "12||7"), "row 3: feature 'hist_item_id' (column 'hist_item_id'): malformed"),
+        ("negative_id", _set("item_id", 5, -3), "row 5: feature 'item_id' (column 'item_id'): id -3 is out of range"),
+        ("out_of_range_id", _set("cate_id", 9, 10), "row 9: feature 'cate_id' (column 'cate_id'): id 10 is out of range [0, 10)"),
+    ],
+)
+def test_bad_data_names_culprit_and_writes_nothing(data_root, tmp_path, name, change, message):
+    bad = _bad_train_file(data_root, name, change)
+    cfg = write_config(data_root, config_dict(data__train_input_path=str(bad), data__eval_input_path=None), f"{name}.yaml")
+    model_dir = tmp_path / "m"
+    rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--no-progress")
+    assert rc == 2, out
+    assert message in out and "part-0.parquet" in out, out
+    assert not model_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def trained(data_root, tmp_path_factory):
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "trained.yaml")
+    model_dir = tmp_path_factory.mktemp("trained") / "m"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    return cfg, model_dir
+
+
+def _listing(d: Path) -> dict[str, int]:
+    return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_checkpoint_on_resume_names_the_file(trained, tmp_path, damage):
+    cfg, src = trained
+    model_dir = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(src), str(model_dir)], check=True)
+    state = latest_checkpoint(model_dir / "checkpoints") / "tables.pt"
+    data = state.read_bytes()
+    state.write_bytes(data[: len(data) // 3] if damage == "truncate" else data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    before = _listing(model_dir)
+    rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--resume", "--no-progress")
+    assert rc == 2 and "corrupt checkpoint" in out and str(state) in out, out
+    assert _listing(model_dir) == before
+
+
+def test_model_dir_of_a_different_config_is_refused(trained, data_root):
+    cfg, model_dir = trained
+    other = config_dict(data__eval_input_path=None)
+    other["feature_configs"][1]["id_feature"]["embedding_dim"] = 6
+    other_cfg = write_config(data_root, other, "other.yaml")
+    before = _listing(model_dir)
+    rc, out = run_cli("train", "--config", other_cfg, "--model-dir", model_dir, "--resume", "--no-progress")
+    assert rc == 2 and "was written with a different config" in out and "feature_configs" in out, out
+    rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--no-progress")
+    assert rc == 2 and "already holds checkpoints" in out and "--resume" in out, out
+    assert _listing(model_dir) == before
