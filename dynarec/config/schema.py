@@ -31,6 +31,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _exactly_one(model: BaseModel, keys) -> str:
+    """The one of ``keys`` that ``model`` sets; ValueError naming them otherwise."""
+    given = [k for k in keys if getattr(model, k) is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {list(keys)} (got {given or 'none'})")
+    return given[0]
+
+
 class InitializerCfg(Strict):
     kind: Literal["uniform", "normal", "truncated_normal", "constant"] = "uniform"
     bound: Optional[float] = Field(None, ge=0)
@@ -127,10 +135,8 @@ class FeatureCfg(Strict):
     raw_feature: Optional[RawFeatureCfg] = None
 
     @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [k for k in ("id_feature", "sequence_feature", "raw_feature") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of id_feature, sequence_feature, raw_feature (got {given or 'none'})")
+    def _one_kind(self):
+        _exactly_one(self, ("id_feature", "sequence_feature", "raw_feature"))
         return self
 
     @property
@@ -147,10 +153,8 @@ class SparseOptimizerCfg(Strict):
     adam_optimizer: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
-    def _exactly_one_valid(self):
-        given = [k for k in type(self).model_fields if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {list(type(self).model_fields)} (got {given or 'none'})")
+    def _one_valid(self):
+        _exactly_one(self, type(self).model_fields)
         self.spec()  # validates the fields; the message names the block and the key
         return self
 
@@ -168,11 +172,9 @@ class DenseOptimizerCfg(Strict):
     adam_optimizer: Optional[dict[str, float]] = None
 
     @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [k for k in type(self).model_fields if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {list(type(self).model_fields)} (got {given or 'none'})")
-        name, fields = given[0], getattr(self, given[0])
+    def _one_valid(self):
+        name = _exactly_one(self, type(self).model_fields)
+        fields = getattr(self, name)
         allowed = {"sgd_optimizer": {"lr", "momentum", "weight_decay"},
                    "adagrad_optimizer": {"lr", "eps", "initial_accumulator_value", "weight_decay"},
                    "adam_optimizer": {"lr", "beta1", "beta2", "eps", "weight_decay"}}[name]
@@ -266,10 +268,8 @@ class ModelCfg(Strict):
     dlrm: Optional[DLRMCfg] = None
 
     @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [k for k in MODEL_KEYS if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one model block of {list(MODEL_KEYS)} (got {given or 'none'})")
+    def _one_model(self):
+        _exactly_one(self, MODEL_KEYS)
         names = [g.group_name for g in self.feature_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"feature_groups: duplicate group_name in {names}")

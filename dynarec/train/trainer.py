@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -191,9 +192,12 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{running:.4f}", epoch=epoch)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
-                self._record_eval(self.evaluate())
+                metrics = self.evaluate()
+                self._record_eval(metrics)
+                self._report(running, start, start_step, f"; eval auc {metrics.get('auc', math.nan):.4f}")
             if cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0:
                 self.save()
+                self._report(running, start, start_step, "; checkpoint saved")
         if bar is not None:
             bar.close()
         seconds = time.perf_counter() - start
@@ -209,12 +213,18 @@ class Trainer:
         return final_report
 
     def _progress_bar(self):
-        if not self.progress:
+        """A tqdm bar on a terminal; elsewhere (logs, CI) :meth:`_report` prints plain lines."""
+        if not self.progress or not sys.stderr.isatty():
             return None
         from tqdm import tqdm
 
         total = self.config.train.num_steps
         return tqdm(total=total, initial=self.step if total else 0, unit="step", dynamic_ncols=True, desc="train")
+
+    def _report(self, running: float, start: float, start_step: int, extra: str = "") -> None:
+        if self.progress and not sys.stderr.isatty():
+            rate = (self.step - start_step) / max(time.perf_counter() - start, 1e-9)
+            print(f"step {self.step}: running loss {running:.4f}, {rate:.1f} steps/s{extra}", file=sys.stderr, flush=True)
 
     # -- evaluation ------------------------------------------------------------------------
 
