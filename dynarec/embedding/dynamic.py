@@ -111,33 +111,35 @@ class DynamicTable(EmbeddingTable):
         return self.admission_initializer if (train and self.counter is not None) else self.missing_initializer
 
     def rows_for(self, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        slots = self.index.find(ids)  # every occurrence; duplicates are harmless below
         if not train:
-            slots = self.index.find(ids)
             return slots, slots >= 0
-        keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        slots = self.index.find(keys)
-        self._pinned[slots[slots >= 0]] = True
         absent = slots < 0
         if bool(absent.any()):
-            candidates = torch.nonzero(absent).flatten()
+            self._pinned[slots[~absent]] = True  # before inserting: this step's rows stay
+            keys, inverse, counts = torch.unique(ids[absent], return_inverse=True, return_counts=True)
+            candidates = torch.arange(keys.numel(), device=ids.device)
             if self.counter is not None:
-                candidates = candidates[self._count_admission(keys[candidates], counts[candidates])]
+                candidates = candidates[self._count_admission(keys, counts)]
             if candidates.numel():
                 generation = self._generation
-                slots[candidates] = self._insert(keys[candidates])
+                new_slots = torch.full_like(keys, -1)
+                new_slots[candidates] = self._insert(keys[candidates])
                 if self._generation != generation:  # the table grew: every row moved
-                    slots = self.index.find(keys)
+                    slots = self.index.find(ids)
+                else:
+                    slots[absent] = new_slots[inverse]
         present = slots >= 0
-        touched, touched_counts = slots[present], counts[present]
+        touched = slots[present]  # one entry per occurrence
+        self._pinned[touched] = True
         strategy = self.config.score_strategy
         if strategy == "step":
             self.index.scores[touched] = self.store.step
         elif strategy == "lfu":
-            self.index.scores.index_add_(0, touched, touched_counts)
+            self.index.scores.index_add_(0, touched, torch.ones_like(touched))
         elif strategy == "timestamp":
             self.index.scores[touched] = time.time_ns() // 1000
-        rows = slots[inverse]
-        return rows, rows >= 0
+        return slots, present
 
     def on_lookup(self, out: torch.Tensor, train: bool) -> None:
         if not train:

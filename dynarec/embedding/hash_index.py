@@ -74,8 +74,8 @@ class BucketedHashIndex:
         bucket_keys = self.keys.view(self.num_buckets, self.bucket_size).index_select(0, buckets)
         bucket_occ = self.occupied.view(self.num_buckets, self.bucket_size).index_select(0, buckets)
         match = (bucket_keys == keys[:, None]) & bucket_occ
-        lane = match.to(torch.uint8).argmax(dim=1)
-        return torch.where(match.any(dim=1), buckets * self.bucket_size + lane, torch.full_like(keys, -1))
+        hit, lane = match.view(torch.uint8).max(dim=1)  # one pass: whether and where
+        return torch.where(hit.bool(), buckets * self.bucket_size + lane, torch.full_like(keys, -1))
 
     def plan_insert(
         self,
