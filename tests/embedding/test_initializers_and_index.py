@@ -1,0 +1,71 @@
+"""Key-seeded initializers and the bucketed hash index."""
+
+import math
+
+import pytest
+import torch
+
+from dynarec.embedding.fbgemm_store import check_fbgemm_supports
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.initializers import Initializer
+from dynarec.optim import Adagrad
+
+KEYS = torch.arange(-20_000, 20_000) * 7919
+
+
+@pytest.mark.parametrize("kind", ["uniform", "normal", "truncated_normal", "constant"])
+def test_values_depend_on_seed_and_key_only(kind):
+    init = Initializer(kind, value=0.3)
+    a = init.values(KEYS, 8, seed=5, default_bound=0.1)
+    b = init.values(KEYS.flip(0), 8, seed=5, default_bound=0.1).flip(0)  # another order
+    c = init.values(KEYS[:1000], 8, seed=5, default_bound=0.1, chunk_rows=7)  # other chunking
+    assert a.dtype == torch.float32 and a.shape == (KEYS.numel(), 8)
+    assert torch.equal(a, b) and torch.equal(a[:1000], c)
+    if kind != "constant":
+        assert not torch.equal(a, init.values(KEYS, 8, seed=6, default_bound=0.1))
+
+
+def test_distributions():
+    u = Initializer("uniform").values(KEYS, 16, seed=1, default_bound=0.25)
+    assert float(u.min()) >= -0.25 and float(u.max()) <= 0.25
+    assert abs(float(u.mean())) < 2e-3 and abs(float(u.std()) - 0.25 / math.sqrt(3)) < 2e-3
+    n = Initializer("normal", mean=1.0, std=0.5).values(KEYS, 16, seed=1, default_bound=0.1)
+    assert abs(float(n.mean()) - 1.0) < 5e-3 and abs(float(n.std()) - 0.5) < 5e-3
+    t = Initializer("truncated_normal", std=0.5).values(KEYS, 16, seed=1, default_bound=0.1)
+    assert float(t.abs().max()) <= 1.0 + 1e-6  # cut at two std
+    assert abs(float(t.std()) - 0.5 * 0.8796) < 5e-3  # std of N(0,1) truncated at +-2
+    assert torch.equal(Initializer("constant", value=0.3).values(KEYS[:3], 2, 0, 0.1), torch.full((3, 2), 0.3))
+
+
+def test_initializer_validation():
+    with pytest.raises(ValueError, match="initializer kind must be one of"):
+        Initializer("xavier")
+    with pytest.raises(ValueError, match="initializer bound"):
+        Initializer(bound=-1.0)
+
+
+def test_fbgemm_backend_refuses_cuda_naming_native():
+    with pytest.raises(ValueError, match="CPU only.*backend='native'"):
+        check_fbgemm_supports(Adagrad(), torch.device("cuda"), "table 't'")
+
+
+def test_index_find_insert_remove_and_priority():
+    index = BucketedHashIndex(num_buckets=1, bucket_size=4)
+    plan = index.plan_insert(torch.tensor([30, 10, 20]))
+    assert plan.slots.tolist() == [2, 0, 1]  # ascending keys take free slots in order
+    index.commit(plan, torch.tensor([5, 7, 6]))
+    assert index.size() == 3 and index.find(torch.tensor([10, 20, 30, 40])).tolist() == [0, 1, 2, -1]
+    # Key 40 takes the free slot 3; key 50 then evicts the lowest unprotected score: key 30 (score
+    # 5) sits in the protected slot 2, so key 20 (score 6, slot 1) goes.
+    protected = torch.tensor([False, False, True, False])
+    plan = index.plan_insert(torch.tensor([50, 40]), protected=protected)
+    assert plan.slots.tolist() == [1, 3] and plan.evicted_slots.tolist() == [1]
+    assert index.commit(plan, torch.tensor([9, 9])).tolist() == [20]
+    assert index.size() == 4 and index.find(torch.tensor([20, 30, 40, 50])).tolist() == [-1, 2, 3, 1]
+    # Priority: the highest priorities win the slots (ties to the smaller key).
+    fresh = BucketedHashIndex(num_buckets=1, bucket_size=2)
+    plan = fresh.plan_insert(torch.tensor([1, 2, 3]), allow_evict=False, priority=torch.tensor([5, 9, 5]))
+    assert plan.slots.tolist() == [1, 0, -1]
+    fresh.commit(plan, torch.tensor([5, 9, 5]))
+    fresh.remove(torch.tensor([0]))
+    assert fresh.size() == 1 and fresh.find(torch.tensor([2, 1])).tolist() == [-1, 1]
