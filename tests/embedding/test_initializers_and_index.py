@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dynarec.embedding.fbgemm_store import check_fbgemm_supports
+from dynarec.embedding.fbgemm_store import check_fbgemm_supports, fbgemm_available
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import Initializer
 from dynarec.optim import Adagrad
@@ -44,8 +44,11 @@ def test_initializer_validation():
         Initializer(bound=-1.0)
 
 
-def test_fbgemm_backend_refuses_cuda_naming_native():
-    with pytest.raises(ValueError, match="CPU only.*backend='native'"):
+def test_fbgemm_backend_refuses_what_it_cannot_run_naming_native():
+    # Where FBGEMM is installed, CUDA is refused (its CUDA build is not in the stack); where it
+    # is not (the GPU machines), the backend itself is.
+    expected = "CPU only" if fbgemm_available() else "needs FBGEMM"
+    with pytest.raises(ValueError, match=f"table 't': backend 'fbgemm' .*{expected}.*backend='native'"):
         check_fbgemm_supports(Adagrad(), torch.device("cuda"), "table 't'")
 
 
@@ -69,3 +72,11 @@ def test_index_find_insert_remove_and_priority():
     fresh.commit(plan, torch.tensor([5, 9, 5]))
     fresh.remove(torch.tensor([0]))
     assert fresh.size() == 1 and fresh.find(torch.tensor([2, 1])).tolist() == [-1, 1]
+
+
+def test_fbgemm_backend_without_fbgemm_names_native(monkeypatch):
+    import dynarec.embedding.fbgemm_store as store
+
+    monkeypatch.setattr(store, "fbgemm_available", lambda: False)
+    with pytest.raises(ValueError, match=r"table 't': backend 'fbgemm' needs FBGEMM \(fbgemm-gpu-cpu==1.8.0\) installed; use backend='native'"):
+        check_fbgemm_supports(Adagrad(), torch.device("cpu"), "table 't'")
