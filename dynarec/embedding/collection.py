@@ -82,9 +82,19 @@ class EmbeddingCollection(nn.Module):
         for name, (table, _) in self._features.items():
             table.validate(name, slices[name].values)
         out: dict[str, torch.Tensor] = {}
-        for table in self.tables.values():
-            inputs = [(feature, slices[feature.name]) for feature in table.features]
-            out.update(table.forward(inputs, train=self.training))
+        done: list[EmbeddingTable] = []
+        try:
+            for table in self.tables.values():
+                inputs = [(feature, slices[feature.name]) for feature in table.features]
+                out.update(table.forward(inputs, train=self.training))
+                done.append(table)
+        except BaseException:
+            # The step will never have a backward: undo it on the tables that completed it
+            # (the failing table undid its own), so step counters and pins stay consistent.
+            if self.training:
+                for table in done:
+                    table.abort_step(looked_up=True)
+            raise
         return out
 
     def read_rows(self, table: str, ids) -> dict[str, torch.Tensor]:

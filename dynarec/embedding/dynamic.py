@@ -56,6 +56,7 @@ class DynamicTable(EmbeddingTable):
         self._store = make_row_store(config, spec, self.index.capacity, self.device)
         self._pinned = torch.zeros(self.index.capacity, dtype=torch.bool, device=self.device)
         self._pending_backward = 0
+        self._last_lookup_pending = False
         self.counter: Optional[BucketedHashIndex] = None
         if config.admission is not None:
             cap = config.admission.capacity or config.max_capacity
@@ -144,15 +145,24 @@ class DynamicTable(EmbeddingTable):
     def on_lookup(self, out: torch.Tensor, train: bool) -> None:
         if not train:
             return
+        self._last_lookup_pending = out.requires_grad
         if out.requires_grad:
             self._pending_backward += 1
             out.register_hook(self._backward_done)
         elif self._pending_backward == 0:
             self._pinned.zero_()
 
-    def _backward_done(self, grad: torch.Tensor) -> None:
+    def _backward_done(self, grad: Optional[torch.Tensor]) -> None:
         self._pending_backward = max(0, self._pending_backward - 1)
         if self._pending_backward == 0:
+            self._pinned.zero_()
+
+    def abort_step(self, looked_up: bool) -> None:
+        """Also releases the aborted forward's pins (and its pending backward)."""
+        super().abort_step(looked_up)
+        if looked_up and self._last_lookup_pending:
+            self._backward_done(None)
+        elif self._pending_backward == 0:
             self._pinned.zero_()
 
     # -- admission -----------------------------------------------------------------------------

@@ -81,6 +81,11 @@ class EmbeddingTable(ABC):
     def on_lookup(self, out: torch.Tensor, train: bool) -> None:
         """Hook for subclasses, called with the row store's output."""
 
+    def abort_step(self, looked_up: bool) -> None:
+        """Undoes a training forward whose backward will never run: it raised (``looked_up``
+        False) or a later table of the same step raised (True). The step counter goes back."""
+        self.store.step -= 1
+
     @property
     def step(self) -> int:
         return self.store.step
@@ -100,8 +105,16 @@ class EmbeddingTable(ABC):
         Per-sample weights scale each id's row; mean pooling divides by the bag's full length
         (ids without a row included), with weights or without.
         """
-        if train:
-            self.store.advance_step()
+        if not train:
+            return self._forward(inputs, train)
+        self.store.advance_step()
+        try:
+            return self._forward(inputs, train)
+        except BaseException:
+            self.abort_step(looked_up=False)
+            raise
+
+    def _forward(self, inputs: Sequence[tuple[FeatureConfig, FeatureSlice]], train: bool) -> dict[str, torch.Tensor]:
         ids = torch.cat([s.values for _, s in inputs]) if inputs else torch.empty(0, dtype=torch.int64)
         rows, valid = self.rows_for(ids, train)
 

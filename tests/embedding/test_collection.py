@@ -94,3 +94,29 @@ def test_table_config_errors_name_the_table(kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         TableConfig(name="tbl", dim=4, features=["f"], **kwargs)
     assert "table 'tbl'" in str(e.value)
+
+
+def test_a_failed_training_forward_leaves_every_table_as_it_was():
+    coll = EmbeddingCollection(
+        [TableConfig(name="fixed", dim=2, num_embeddings=10, features=["fx"]),
+         TableConfig(name="grow", dim=2, kind="dynamic", max_capacity=64, init_capacity=8, bucket_size=4,
+                     features=["g"]),
+         TableConfig(name="full", dim=2, kind="dynamic", max_capacity=4, bucket_size=4, score_strategy="none",
+                     features=["fl"])],
+        SGD(lr=0.1),
+    )
+    ok = JaggedBatch.from_lists({"fx": [[1]], "g": [[1]], "fl": [[1, 2, 3, 4]]})
+    sum(v.sum() for v in coll(ok).values()).backward()
+    steps = {n: t.step for n, t in coll.tables.items()}
+    from dynarec.embedding import TableFullError
+
+    with pytest.raises(TableFullError, match="table 'full'"):
+        coll(JaggedBatch.from_lists({"fx": [[2]], "g": [[2]], "fl": [[5]]}))
+    assert {n: t.step for n, t in coll.tables.items()} == steps
+    grow = coll.tables["grow"]
+    assert grow._pending_backward == 0 and not bool(grow._pinned.any())
+    # The table can still grow: nothing waits for the aborted step's backward.
+    out = coll(JaggedBatch.from_lists({"fx": [[2]], "g": [list(range(100, 120))], "fl": [[1]]}))
+    sum(v.sum() for v in out.values()).backward()
+    # Rows the failed step created stay (fresh, never updated): keys 1, 2 and the 20 new ones.
+    assert grow.capacity > 8 and grow.size() == 22
