@@ -55,8 +55,9 @@ class DynamicTable(EmbeddingTable):
         self.index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         self._store = make_row_store(config, spec, self.index.capacity, self.device)
         self._pinned = torch.zeros(self.index.capacity, dtype=torch.bool, device=self.device)
-        self._pending_backward = 0
-        self._last_lookup_pending = False
+        self._pending: list[int] = []  # sequence numbers of training lookups awaiting backward
+        self._lookups = 0
+        self._last_seq: Optional[int] = None
         self.counter: Optional[BucketedHashIndex] = None
         if config.admission is not None:
             cap = config.admission.capacity or config.max_capacity
@@ -145,24 +146,32 @@ class DynamicTable(EmbeddingTable):
     def on_lookup(self, out: torch.Tensor, train: bool) -> None:
         if not train:
             return
-        self._last_lookup_pending = out.requires_grad
+        self._last_seq = None
         if out.requires_grad:
-            self._pending_backward += 1
-            out.register_hook(self._backward_done)
-        elif self._pending_backward == 0:
+            self._lookups += 1
+            seq = self._last_seq = self._lookups
+            self._pending.append(seq)
+            out.register_hook(lambda grad: self._settle(seq))
+        elif not self._pending:
             self._pinned.zero_()
 
-    def _backward_done(self, grad: Optional[torch.Tensor]) -> None:
-        self._pending_backward = max(0, self._pending_backward - 1)
-        if self._pending_backward == 0:
+    @property
+    def _pending_backward(self) -> int:
+        return len(self._pending)
+
+    def _settle(self, seq: int) -> None:
+        """The backward of lookup ``seq`` ran: it settles every lookup up to ``seq`` (an earlier
+        one whose backward never came was abandoned); with none left, pins are released."""
+        self._pending = [s for s in self._pending if s > seq]
+        if not self._pending:
             self._pinned.zero_()
 
     def abort_step(self, looked_up: bool) -> None:
         """Also releases the aborted forward's pins (and its pending backward)."""
         super().abort_step(looked_up)
-        if looked_up and self._last_lookup_pending:
-            self._backward_done(None)
-        elif self._pending_backward == 0:
+        if looked_up and self._last_seq in self._pending:
+            self._pending.remove(self._last_seq)
+        if not self._pending:
             self._pinned.zero_()
 
     # -- admission -----------------------------------------------------------------------------
@@ -334,7 +343,7 @@ class DynamicTable(EmbeddingTable):
         self._generation += 1
         self.store.reallocate(index.capacity)
         self._pinned = torch.zeros(index.capacity, dtype=torch.bool, device=self.device)
-        self._pending_backward = 0
+        self._pending = []
         fields = ["weight"] if weights_only else ["weight", *self.store.states]
         self.store.write(slots, {f: dump[f].to(self.device)[src] for f in fields})
         self.store.step = 0 if weights_only else int(dump["step"])

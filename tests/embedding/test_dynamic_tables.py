@@ -221,6 +221,17 @@ def test_growth_preserves_rows_bit_exactly_and_stops_at_max_capacity():
     assert t.capacity == 64 and t.size() <= 64
 
 
+def test_an_abandoned_forward_is_settled_by_the_next_backward():
+    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
+    t = coll.tables["d"]
+    coll(JaggedBatch.from_lists({"f": [[1, 2]]}))  # a training forward whose backward never runs
+    assert t._pending_backward == 1 and bool(t._pinned.any())
+    one(coll, {"f": [[3]]})  # the next step's backward settles it
+    assert t._pending_backward == 0 and not bool(t._pinned.any())
+    one(coll, {"f": [list(range(100, 120))]})
+    assert t.capacity > 8 and t.size() == 23
+
+
 def test_no_growth_while_a_backward_is_pending():
     coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
     t = coll.tables["d"]
