@@ -72,7 +72,7 @@ def cmd_predict(args) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dynarec.data.reader import read_table, resolve_files
+    from dynarec.data.reader import file_schema, read_table, resolve_files
 
     files = resolve_files(args.input)
     if args.export_dir:
@@ -84,14 +84,10 @@ def cmd_predict(args) -> None:
         trainer = _restored(args)
         probs, _, _ = trainer.predict(files, with_labels=False)
         label_field = trainer.config.data.label_field
-    keep = {}
-    for f in files:  # pass the label through when the input has one
-        t = read_table(f)
-        if label_field in t.column_names:
-            keep.setdefault(label_field, []).append(t.column(label_field).to_numpy())
     columns = {"probability": pa.array(probs.astype(np.float32))}
-    if keep.get(label_field) and len(keep[label_field]) == len(files):
-        columns[label_field] = pa.array(np.concatenate(keep[label_field]))
+    if all(label_field in file_schema(f).names for f in files):  # pass the label through
+        labels = [read_table(f, [label_field]).column(label_field).to_numpy() for f in files]
+        columns[label_field] = pa.array(np.concatenate(labels))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), args.output)
     print(f"wrote {probs.size} predictions to {args.output}")
