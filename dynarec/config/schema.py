@@ -279,10 +279,6 @@ class ModelCfg(Strict):
     def name(self) -> str:
         return next(k for k in MODEL_KEYS if getattr(self, k) is not None)
 
-    @property
-    def params(self) -> Strict:
-        return getattr(self, self.name)
-
     def group(self, name: str) -> FeatureGroupCfg:
         for g in self.feature_groups:
             if g.group_name == name:

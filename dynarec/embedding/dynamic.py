@@ -152,8 +152,8 @@ class DynamicTable(EmbeddingTable):
             seq = self._last_seq = self._lookups
             self._pending.append(seq)
             out.register_hook(lambda grad: self._settle(seq))
-        elif not self._pending:
-            self._pinned.zero_()
+        else:
+            self._release_pins_if_settled()
 
     @property
     def _pending_backward(self) -> int:
@@ -163,6 +163,10 @@ class DynamicTable(EmbeddingTable):
         """The backward of lookup ``seq`` ran: it settles every lookup up to ``seq`` (an earlier
         one whose backward never came was abandoned); with none left, pins are released."""
         self._pending = [s for s in self._pending if s > seq]
+        self._release_pins_if_settled()
+
+    def _release_pins_if_settled(self) -> None:
+        """Pins last until every training lookup's backward has run (or been settled)."""
         if not self._pending:
             self._pinned.zero_()
 
@@ -171,8 +175,7 @@ class DynamicTable(EmbeddingTable):
         super().abort_step(looked_up)
         if looked_up and self._last_seq in self._pending:
             self._pending.remove(self._last_seq)
-        if not self._pending:
-            self._pinned.zero_()
+        self._release_pins_if_settled()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -277,8 +280,7 @@ class DynamicTable(EmbeddingTable):
         absent = slots < 0
         if bool(absent.any()):
             new = self._insert(keys[absent])
-            if self._pending_backward == 0:
-                self._pinned.zero_()
+            self._release_pins_if_settled()  # write_rows has no backward to wait for
             slots[absent] = new
             if bool((new < 0).any()):
                 raise TableFullError(f"table '{self.name}': write_rows could not place every key")
@@ -360,6 +362,5 @@ class DynamicTable(EmbeddingTable):
                 else:
                     cplan = self.counter.plan_insert(ckeys, allow_evict=False, priority=ccounts)
                 self.counter.commit(cplan, ccounts)
-            assert self.counter.capacity == cap
         n = dump["keys"].numel()
         return {"loaded": slots.numel(), "dropped": n - slots.numel()}
