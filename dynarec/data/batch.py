@@ -19,7 +19,7 @@ from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceF
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
 
-__all__ = ["Batch", "BatchBuilder", "DataError"]
+__all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
 
 
 class DataError(ValueError):
@@ -49,6 +49,30 @@ class Batch:
 
 
 Feature = Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where a batch's rows came from: contiguous runs ``(file, first row in file, rows)``, in
+    batch order, so that an error about batch row ``i`` names its own file and row."""
+
+    runs: tuple[tuple[str, int, int], ...]
+
+    @classmethod
+    def of(cls, source: str, rows: int, first_row: int = 0) -> "RowOrigin":
+        return cls(((source, first_row, rows),))
+
+    @property
+    def label(self) -> str:
+        extra = len({path for path, _, _ in self.runs}) - 1
+        return self.runs[0][0] + (f" (+{extra} more file(s))" if extra else "")
+
+    def locate(self, i: int) -> str:
+        for path, first, rows in self.runs:
+            if i < rows:
+                return f"{path}, row {first + i}"
+            i -= rows
+        raise IndexError(i)
 
 
 class BatchBuilder:
@@ -90,39 +114,41 @@ class BatchBuilder:
         if self.with_labels and self.group_field and self.group_field not in names:
             raise DataError(f"{source}: missing column '{self.group_field}' (eval.grouped_auc_field)")
 
-    def build(self, table: pa.Table, source: str, first_row: int = 0) -> Batch:
-        """``table``'s rows -> Batch. ``first_row`` is the row number of ``table``'s row 0 in
-        ``source``, for error messages."""
-        self.check_schema(table.schema, source)
+    def build(self, table: pa.Table, origin: Union[RowOrigin, str]) -> Batch:
+        """``table``'s rows -> Batch. ``origin`` says where the rows came from (a file name:
+        all of them, from its row 0), for error messages."""
+        if isinstance(origin, str):
+            origin = RowOrigin.of(origin, table.num_rows)
+        self.check_schema(table.schema, origin.label)
         n = table.num_rows
         keys, values, lengths = [], [], []
         for f in self.sparse_features:
-            v, l = self._ids(f, table.column(f.column), source, first_row)
+            v, l = self._ids(f, table.column(f.column), origin)
             keys.append(f.feature_name)
             values.append(v)
             lengths.append(l)
         sparse = JaggedBatch(keys, torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
                              torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64))
-        dense = {f.feature_name: self._dense(f, table.column(f.column), source, first_row) for f in self.dense_features}
+        dense = {f.feature_name: self._dense(f, table.column(f.column), origin) for f in self.dense_features}
         labels = torch.zeros(n)
         groups = None
         if self.with_labels:
-            labels = self._labels(table.column(self.label_field), source, first_row)
+            labels = self._labels(table.column(self.label_field), origin)
             if self.group_field:
                 groups = self._group_ids(table.column(self.group_field))
         return Batch(sparse, dense, labels, groups, n)
 
     # -- columns ---------------------------------------------------------------------------
 
-    def _where(self, f: Feature, source: str, row: int) -> str:
-        return f"{source}, row {row}: feature '{f.feature_name}' (column '{f.column}')"
+    def _where(self, f: Feature, origin: RowOrigin, i: int) -> str:
+        """Batch row ``i`` of feature ``f``, located in its source file."""
+        return f"{origin.locate(i)}: feature '{f.feature_name}' (column '{f.column}')"
 
-    def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.ChunkedArray, source: str, first_row: int):
+    def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.ChunkedArray, origin: RowOrigin):
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         null = col.is_null()
         if pc.any(null).as_py():
-            row = first_row + int(pc.index(null, True).as_py())
-            raise DataError(f"{self._where(f, source, row)}: missing value")
+            raise DataError(f"{self._where(f, origin, int(pc.index(null, True).as_py()))}: missing value")
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
         t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t):
@@ -135,21 +161,21 @@ class BatchBuilder:
             tokens = pc.split_pattern(pc.if_else(empty, pa.scalar(None, pa.string()), col), separator).flatten()
             bad = pc.equal(pc.utf8_length(tokens), 0)
             if pc.any(bad).as_py():
-                row = first_row + int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
-                raise DataError(f"{self._where(f, source, row)}: malformed multi-value field "
+                row = int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
+                raise DataError(f"{self._where(f, origin, row)}: malformed multi-value field "
                                 f"(empty token between '{separator}' separators)")
         else:
             tokens, lengths = col, np.ones(len(col), dtype=np.int64)
-        ids = self._token_ids(f, tokens, lengths, source, first_row)
+        ids = self._token_ids(f, tokens, lengths, origin)
         if isinstance(f, SequenceFeatureCfg) and (lengths > f.sequence_length).any():
             ids, lengths = _keep_last(ids, lengths, f.sequence_length)
         return ids, lengths
 
-    def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, source: str, first_row: int) -> np.ndarray:
+    def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
         dynamic = f.dynamicemb is not None
 
-        def row_of(i: int) -> int:
-            return first_row + int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+        def row_of(i: int) -> int:  # the batch row of token i
+            return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
 
         is_string = pa.types.is_string(tokens.type) or pa.types.is_large_string(tokens.type)
         if f.value_type == "string":
@@ -161,45 +187,45 @@ class BatchBuilder:
             except pa.ArrowInvalid:
                 strings = tokens.to_pylist()
                 i = next(k for k, s in enumerate(strings) if not _is_int(s))
-                raise DataError(f"{self._where(f, source, row_of(i))}: malformed value {strings[i]!r} "
+                raise DataError(f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} "
                                 "(value_type 'int' expects integer ids)") from None
         elif not pa.types.is_integer(tokens.type):
-            raise DataError(f"{source}: feature '{f.feature_name}' (column '{f.column}') has type "
+            raise DataError(f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') has type "
                             f"{tokens.type}; value_type 'int' expects integers")
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         if not dynamic and ids.size:
             bad = np.nonzero((ids < 0) | (ids >= f.num_buckets))[0]
             if bad.size:
                 i = int(bad[0])
-                raise DataError(f"{self._where(f, source, row_of(i))}: id {int(ids[i])} is out of range "
+                raise DataError(f"{self._where(f, origin, row_of(i))}: id {int(ids[i])} is out of range "
                                 f"[0, {f.num_buckets}) (num_buckets)")
         return ids
 
-    def _dense(self, f: RawFeatureCfg, col, source: str, first_row: int) -> torch.Tensor:
+    def _dense(self, f: RawFeatureCfg, col, origin: RowOrigin) -> torch.Tensor:
         try:
             x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise DataError(f"{source}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})") from None
+            raise DataError(f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})") from None
         bad = np.nonzero(~np.isfinite(x))[0]
         if bad.size:
             i = int(bad[0])
-            raise DataError(f"{self._where(f, source, first_row + i)}: value {x[i]} is not a finite number")
+            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number")
         norm = f.normalizer
         if norm is not None:
             if norm.log1p:
                 if (x <= -1).any():
                     i = int(np.nonzero(x <= -1)[0][0])
-                    raise DataError(f"{self._where(f, source, first_row + i)}: log1p normalizer needs values > -1, got {x[i]}")
+                    raise DataError(f"{self._where(f, origin, i)}: log1p normalizer needs values > -1, got {x[i]}")
                 x = np.log1p(x)
             x = (x - norm.mean) / norm.std
         return torch.from_numpy(x.astype(np.float32))
 
-    def _labels(self, col, source: str, first_row: int) -> torch.Tensor:
+    def _labels(self, col, origin: RowOrigin) -> torch.Tensor:
         x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
         bad = np.nonzero(~((x == 0) | (x == 1)))[0]
         if bad.size:
             i = int(bad[0])
-            raise DataError(f"{source}, row {first_row + i}: label column '{self.label_field}' holds {x[i]}; "
+            raise DataError(f"{origin.locate(i)}: label column '{self.label_field}' holds {x[i]}; "
                             "labels must be 0 or 1")
         return torch.from_numpy(x.astype(np.float32))
 

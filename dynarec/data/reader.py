@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from dynarec.data.batch import Batch, BatchBuilder, DataError
+from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
 
 __all__ = ["resolve_files", "ArrowBatchDataset", "make_loader", "read_table"]
 
@@ -101,46 +101,36 @@ class ArrowBatchDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Batch]:
         columns = self.builder.columns()
-        pending: list[pa.Table] = []
-        pending_rows = 0
-        # Where pending's first row came from (for error messages).
-        origin: list[tuple[str, int, int]] = []  # (file, first row in file, rows)
+        pieces: list[tuple[str, int, pa.Table]] = []  # (file, first row in file, zero-copy slice)
+        rows = 0
         for path in self._my_files():
             row_in_file = 0
             for rb in _record_batches(path, columns, self.input_type):
-                pending.append(pa.Table.from_batches([rb]))
-                origin.append((path, row_in_file, rb.num_rows))
-                pending_rows += rb.num_rows
-                row_in_file += rb.num_rows
-                while pending_rows >= self.batch_size:
-                    yield self._take(pending, origin, self.batch_size)
-                    pending_rows -= self.batch_size
-        if pending_rows:
-            yield self._take(pending, origin, pending_rows)
+                table = pa.Table.from_batches([rb])
+                start = 0
+                while start < table.num_rows:
+                    take = min(table.num_rows - start, self.batch_size - rows)
+                    pieces.append((path, row_in_file + start, table.slice(start, take)))
+                    rows += take
+                    start += take
+                    if rows == self.batch_size:
+                        yield self._build(pieces)
+                        pieces, rows = [], 0
+                row_in_file += table.num_rows
+        if pieces:
+            yield self._build(pieces)
 
-    def _take(self, pending: list[pa.Table], origin: list, n: int) -> Batch:
-        table = pa.concat_tables(pending).combine_chunks()
-        head, tail = table.slice(0, n), table.slice(n)
-        # Build per source file so errors name the right file and row.
-        parts, consumed = [], 0
-        while consumed < n:
-            path, first, rows = origin[0]
-            take = min(rows, n - consumed)
-            parts.append((path, first, head.slice(consumed, take)))
-            consumed += take
-            if take == rows:
-                origin.pop(0)
+    def _build(self, pieces: list[tuple[str, int, pa.Table]]) -> Batch:
+        """One Batch from consecutive slices; contiguous slices of a file form one run of the
+        batch's :class:`RowOrigin`, so errors name the right file and row."""
+        runs: list[tuple[str, int, int]] = []
+        for path, first, t in pieces:
+            if runs and runs[-1][0] == path and runs[-1][1] + runs[-1][2] == first:
+                runs[-1] = (path, runs[-1][1], runs[-1][2] + t.num_rows)
             else:
-                origin[0] = (path, first + take, rows - take)
-        pending.clear()
-        if tail.num_rows:
-            pending.append(tail)
-        for path, first, part in parts[1:]:
-            self.builder.build(part, path, first)  # validate every source; cheap at batch scale
-        path, first, _ = parts[0]
-        if len(parts) == 1:
-            return self.builder.build(head, path, first)
-        return self.builder.build(head, f"{path} (+{len(parts) - 1} more file(s))", first)
+                runs.append((path, first, t.num_rows))
+        table = pa.concat_tables([t for _, _, t in pieces]) if len(pieces) > 1 else pieces[0][2]
+        return self.builder.build(table, RowOrigin(tuple(runs)))
 
 
 def make_loader(dataset: ArrowBatchDataset, num_workers: int) -> DataLoader:

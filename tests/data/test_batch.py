@@ -102,3 +102,22 @@ def test_error_in_second_file_names_that_file(tmp_path):
     ds = ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], builder(), 4)
     with pytest.raises(DataError, match=r"b.parquet, row 2: feature 'price'"):
         list(make_loader(ds, 0))
+
+
+def test_error_in_a_batch_spanning_files_names_its_own_file_and_row(tmp_path):
+    pq.write_table(table(), tmp_path / "a.parquet")
+    pq.write_table(table(price=[float("nan"), 2.0, 3.0]), tmp_path / "b.parquet")
+    ds = ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], builder(), 4)
+    with pytest.raises(DataError, match=r"b.parquet, row 0: feature 'price'"):  # batch 0 = a[0:3] + b[0:1]
+        list(make_loader(ds, 0))
+
+
+def test_row_origin_locates_batch_rows():
+    from dynarec.data import RowOrigin
+
+    origin = RowOrigin((("a.parquet", 10, 2), ("b.parquet", 0, 3)))
+    assert [origin.locate(i) for i in (0, 1, 2, 4)] == ["a.parquet, row 10", "a.parquet, row 11",
+                                                       "b.parquet, row 0", "b.parquet, row 2"]
+    assert origin.label == "a.parquet (+1 more file(s))"
+    with pytest.raises(IndexError):
+        origin.locate(5)
