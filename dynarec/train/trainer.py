@@ -14,6 +14,7 @@ has been read, so bad input leaves an empty (or untouched) model directory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -178,8 +179,8 @@ class Trainer:
         (self.model_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         bar = self._progress_bar()
         start, start_step, running = time.perf_counter(), self.step, None
-        pending = [first] if first is not None else []
-        for epoch, index, batch in _chain(pending, batches):
+        evaluated_at = saved_at = None
+        for epoch, index, batch in itertools.chain([first] if first is not None else [], batches):
             if cfg.train.num_steps is not None and self.step >= cfg.train.num_steps:
                 break
             loss = self.train_step(batch)
@@ -192,20 +193,25 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{running:.4f}", epoch=epoch)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
-                metrics = self.evaluate()
+                metrics, evaluated_at = self.evaluate(), self.step
                 self._record_eval(metrics)
                 self._report(running, start, start_step, f"; eval auc {metrics.get('auc', math.nan):.4f}")
             if cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0:
                 self.save()
+                saved_at = self.step
                 self._report(running, start, start_step, "; checkpoint saved")
         if bar is not None:
             bar.close()
         seconds = time.perf_counter() - start
-        self.save()
+        if saved_at != self.step:
+            self.save()
         final: dict[str, Any] = {}
         if cfg.data.eval_input_path:
-            final = self.evaluate()
-            self._record_eval(final)
+            if evaluated_at == self.step:
+                final = self.history["eval"][-1][1]
+            else:
+                final = self.evaluate()
+                self._record_eval(final)
         final_report = {"step": self.step, "train_seconds": seconds,
                         "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
                         "eval": final}
@@ -281,11 +287,6 @@ class Trainer:
             self._writer.flush()
         (self.model_dir / "metrics.json").write_text(json.dumps({"final": final, "history": self.history}, indent=1))
         plot_curves(self.history, self.model_dir / "curves.png")
-
-
-def _chain(first: list, rest: Iterator) -> Iterator:
-    yield from first
-    yield from rest
 
 
 def plot_curves(history: dict[str, list], path: Path) -> None:
