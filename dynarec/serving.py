@@ -20,7 +20,7 @@ from dynarec.config.schema import Config, SequenceFeatureCfg
 from dynarec.data.batch import Batch, BatchBuilder
 from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
 from dynarec.embedding.collection import EmbeddingCollection
-from dynarec.models.inputs import align_sequences
+from dynarec.models.inputs import model_inputs
 from dynarec.optim.specs import SGD
 from dynarec.planner.plan import plan_from_config
 
@@ -56,9 +56,7 @@ class ExportedModel:
     @torch.no_grad()
     def predict_batch(self, batch: Batch) -> torch.Tensor:
         """Click probabilities ``[B]``."""
-        emb = align_sequences(self.embeddings(batch.sparse), self.sequence_features)
-        lengths = batch.sequence_lengths(self.sequence_features)
-        return torch.sigmoid(self.dense(emb, lengths, dict(batch.dense)))
+        return torch.sigmoid(self.dense(*model_inputs(self.embeddings, batch, self.sequence_features, self.device)))
 
     def predict_files(self, paths, batch_size: int = 4096) -> np.ndarray:
         builder = BatchBuilder(self.config, with_labels=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["align_sequences"]
+__all__ = ["align_sequences", "model_inputs"]
 
 
 def align_sequences(embeddings: dict[str, torch.Tensor], names: list[str], min_len: int = 2) -> dict[str, torch.Tensor]:
@@ -24,3 +24,14 @@ def align_sequences(embeddings: dict[str, torch.Tensor], names: list[str], min_l
         if extra:
             out[n] = F.pad(out[n], (0, 0, 0, extra))
     return out
+
+
+def model_inputs(embeddings, batch, sequence_features: list[str], device: torch.device | str = "cpu"):
+    """``(embeddings, sequence lengths, dense features)`` for a dense model, from a batch with
+    ``.sparse`` (a KJT), ``.dense`` and ``.sequence_lengths(names)``, looked up in the
+    ``embeddings`` collection. Training, export and serving all go through here, so exported
+    predictions see exactly the inputs eval does."""
+    emb = align_sequences(embeddings(batch.sparse), sequence_features)
+    lengths = {k: v.to(device) for k, v in batch.sequence_lengths(sequence_features).items()}
+    dense = {k: v.to(device) for k, v in batch.dense.items()}
+    return emb, lengths, dense

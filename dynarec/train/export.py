@@ -24,20 +24,12 @@ from safetensors.torch import save_file
 
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.models.inputs import align_sequences
+from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask
 
 __all__ = ["export_model", "EXPORT_FORMAT"]
 
 EXPORT_FORMAT = 1
-
-
-def _dense_inputs(task: RankingTask, batch: Batch):
-    task.eval()
-    with torch.no_grad():
-        emb = align_sequences(task.embeddings(batch.sparse), task.sequence_features)
-    lengths = batch.sequence_lengths(task.sequence_features)
-    return emb, lengths, dict(batch.dense)
 
 
 def export_model(task: RankingTask, example: Batch, export_dir: str | Path) -> Path:
@@ -53,7 +45,9 @@ def export_model(task: RankingTask, example: Batch, export_dir: str | Path) -> P
         shutil.rmtree(tmp)
     (tmp / "tables").mkdir(parents=True)
 
-    emb, lengths, dense = _dense_inputs(task, example)
+    task.eval()
+    with torch.no_grad():
+        emb, lengths, dense = model_inputs(task.embeddings, example, task.sequence_features, task.device)
     batch_dim = torch.export.Dim("batch", min=1)
     seq_dim = torch.export.Dim("seq", min=2)
     shapes = (

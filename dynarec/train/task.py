@@ -8,7 +8,7 @@ from torch import nn
 from dynarec.config.schema import Config, SequenceFeatureCfg
 from dynarec.data.batch import Batch
 from dynarec.embedding.collection import EmbeddingCollection
-from dynarec.models.inputs import align_sequences
+from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
 
@@ -29,7 +29,4 @@ class RankingTask(nn.Module):
         self.device = torch.device(device)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        emb = align_sequences(self.embeddings(batch.sparse), self.sequence_features)
-        lengths = {k: v.to(self.device) for k, v in batch.sequence_lengths(self.sequence_features).items()}
-        dense = {k: v.to(self.device) for k, v in batch.dense.items()}
-        return self.dense(emb, lengths, dense)
+        return self.dense(*model_inputs(self.embeddings, batch, self.sequence_features, self.device))
