@@ -21,7 +21,7 @@ from dynarec.data.batch import Batch, BatchBuilder
 from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
 from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.models.inputs import model_inputs
-from dynarec.optim.specs import SGD
+from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
 __all__ = ["ExportedModel"]

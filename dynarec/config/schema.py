@@ -9,11 +9,13 @@ Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` w
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, PositiveInt, model_validator
 
-from dynarec.optim.specs import OPTIMIZERS, OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
+from dynarec.optim.registry import spec_from_yaml, spec_to_yaml
 
 __all__ = [
     "Config",
@@ -22,7 +24,8 @@ __all__ = [
     "SequenceFeatureCfg",
     "RawFeatureCfg",
     "DynamicEmbCfg",
-    "SparseOptimizerCfg",
+    "SparseOptimizer",
+    "DenseOptimizer",
     "ModelCfg",
 ]
 
@@ -144,46 +147,20 @@ class FeatureCfg(Strict):
         return self.id_feature or self.sequence_feature or self.raw_feature  # type: ignore[return-value]
 
 
-class SparseOptimizerCfg(Strict):
-    """Exactly one ``<name>_optimizer`` block; its fields are the spec's (dynarec.optim)."""
+# A sparse optimizer block, ``{adagrad_optimizer: {lr: 0.05, ...}}``: exactly one of the registered
+# optimizers' YAML keys (dynarec.optim.registry), validated straight into its spec.
+SparseOptimizer = Annotated[
+    OptimizerSpec,
+    PlainValidator(lambda block: spec_from_yaml(block, where="")),
+    PlainSerializer(spec_to_yaml, return_type=dict),
+]
 
-    sgd_optimizer: Optional[dict[str, Any]] = None
-    adagrad_optimizer: Optional[dict[str, Any]] = None
-    rowwise_adagrad_optimizer: Optional[dict[str, Any]] = None
-    adam_optimizer: Optional[dict[str, Any]] = None
-
-    @model_validator(mode="after")
-    def _one_valid(self):
-        _exactly_one(self, type(self).model_fields)
-        self.spec()  # validates the fields; the message names the block and the key
-        return self
-
-    def spec(self) -> OptimizerSpec:
-        for key in type(self).model_fields:
-            fields = getattr(self, key)
-            if fields is not None:
-                return OPTIMIZERS[key.removesuffix("_optimizer")].from_dict(fields, where=key)
-        raise AssertionError("unreachable")
-
-
-class DenseOptimizerCfg(Strict):
-    sgd_optimizer: Optional[dict[str, float]] = None
-    adagrad_optimizer: Optional[dict[str, float]] = None
-    adam_optimizer: Optional[dict[str, float]] = None
-
-    @model_validator(mode="after")
-    def _one_valid(self):
-        name = _exactly_one(self, type(self).model_fields)
-        fields = getattr(self, name)
-        allowed = {"sgd_optimizer": {"lr", "momentum", "weight_decay"},
-                   "adagrad_optimizer": {"lr", "eps", "initial_accumulator_value", "weight_decay"},
-                   "adam_optimizer": {"lr", "beta1", "beta2", "eps", "weight_decay"}}[name]
-        unknown = sorted(set(fields) - allowed)
-        if unknown:
-            raise ValueError(f"{name}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-        if fields.get("lr", 1e-3) <= 0:
-            raise ValueError(f"{name}.lr must be > 0")
-        return self
+# A dense optimizer block, ``{adam_optimizer: {lr: 0.002}}`` (dynarec.optim.dense).
+DenseOptimizer = Annotated[
+    DenseOptimizerSpec,
+    PlainValidator(lambda block: dense_spec_from_yaml(block, where="")),
+    PlainSerializer(dense_spec_to_yaml, return_type=dict),
+]
 
 
 class LRScheduleCfg(Strict):
@@ -297,9 +274,9 @@ class DataCfg(Strict):
 
 
 class TrainCfg(Strict):
-    sparse_optimizer: SparseOptimizerCfg
-    table_optimizers: dict[str, SparseOptimizerCfg] = {}  # per-table overrides, by table name
-    dense_optimizer: DenseOptimizerCfg = DenseOptimizerCfg(adam_optimizer={"lr": 1e-3})
+    sparse_optimizer: SparseOptimizer
+    table_optimizers: dict[str, SparseOptimizer] = {}  # per-table overrides, by table name
+    dense_optimizer: DenseOptimizer = Field(default_factory=lambda: dense_spec_from_yaml({"adam_optimizer": {}}, ""))
     sparse_lr_schedule: LRScheduleCfg = LRScheduleCfg()
     dense_lr_schedule: LRScheduleCfg = LRScheduleCfg()
     sparse_backend: Literal["native", "fbgemm"] = "native"

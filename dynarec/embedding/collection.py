@@ -11,7 +11,7 @@ from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import KeyedJaggedLike, split_features
 from dynarec.embedding.table import EmbeddingTable, FixedTable
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["EmbeddingCollection"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from dynarec.embedding.initializers import Initializer
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = [
     "POOLINGS",

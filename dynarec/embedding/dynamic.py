@@ -33,7 +33,7 @@ from dynarec.embedding.config import TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex, InsertPlan
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.table import EmbeddingTable, make_row_store
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["DynamicTable", "TableFullError"]
 

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.row_store import RowStore
-from dynarec.optim.specs import Adagrad, Adam, OptimizerSpec, RowWiseAdagrad, SGD
+from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.registry import FbgemmMapping, definition
 
 __all__ = ["FbgemmRowStore", "fbgemm_available", "check_fbgemm_supports"]
 
@@ -52,13 +53,16 @@ def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str)
             f"{where}: backend 'fbgemm' runs on CPU only here (FBGEMM's CUDA build is not "
             f"installed); got device {device}; use backend='native'"
         )
-    if isinstance(spec, Adam):
-        raise ValueError(
-            f"{where}: Adam is not supported by backend 'fbgemm' on CPU (FBGEMM's CPU TBE "
-            "refuses it); use backend='native'"
-        )
-    if not isinstance(spec, (SGD, Adagrad, RowWiseAdagrad)):
-        raise ValueError(f"{where}: {type(spec).__name__} is not supported by backend 'fbgemm'; use backend='native'")
+    fbgemm_mapping(spec, where)
+
+
+def fbgemm_mapping(spec: OptimizerSpec, where: str) -> FbgemmMapping:
+    """The registry's FBGEMM mapping of ``spec``; ValueError naming ``native`` where it refuses."""
+    defn = definition(spec)
+    if isinstance(defn.fbgemm, str):
+        raise ValueError(f"{where}: {defn.name} is not supported by backend 'fbgemm' ({defn.fbgemm}); "
+                         "use backend='native'")
+    return defn.fbgemm(spec)
 
 
 class FbgemmRowStore(RowStore):
@@ -68,24 +72,18 @@ class FbgemmRowStore(RowStore):
                  where: str = "table"):
         check_fbgemm_supports(spec, torch.device(device), where)
         super().__init__(num_rows, dim, spec, torch.device(device))
-        self._shared_feature_map = isinstance(spec, RowWiseAdagrad) and spec.weight_decay > 0
+        self._mapping = fbgemm_mapping(spec, where)
+        self._shared_feature_map = self._mapping.needs_generic_path
         self._allocate(num_rows)
 
     def _tbe_kwargs(self) -> dict:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
-        spec = self.spec
-        kwargs: dict = {"learning_rate": self.lr}
-        if isinstance(spec, SGD):
-            kwargs["optimizer"] = EmbOptimType.EXACT_SGD
-        elif isinstance(spec, Adagrad):
-            kwargs.update(optimizer=EmbOptimType.EXACT_ADAGRAD, eps=spec.eps)
-        elif isinstance(spec, RowWiseAdagrad):
-            mode = {"none": WeightDecayMode.NONE, "l2": WeightDecayMode.L2,
-                    "decoupled": WeightDecayMode.DECOUPLE}[spec.weight_decay_mode]
-            kwargs.update(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, eps=spec.eps,
-                          weight_decay=spec.weight_decay, weight_decay_mode=mode)
+        m = self._mapping
+        kwargs: dict = {"learning_rate": self.lr, "optimizer": EmbOptimType[m.optimizer], **m.kwargs}
+        if m.weight_decay_mode is not None:
+            kwargs["weight_decay_mode"] = WeightDecayMode[m.weight_decay_mode]
         return kwargs
 
     def _allocate(self, num_rows: int) -> None:

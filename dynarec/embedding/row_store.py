@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dynarec.optim.fused import fused_row_update
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["RowStore", "NativeRowStore", "bag_gradients"]
 

@@ -18,7 +18,7 @@ from dynarec.embedding.fbgemm_store import FbgemmRowStore
 from dynarec.embedding.initializers import Initializer
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.row_store import NativeRowStore, RowStore
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["EmbeddingTable", "FixedTable", "make_row_store", "pad_sequence_rows"]
 

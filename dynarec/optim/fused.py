@@ -1,15 +1,17 @@
-"""The fused sparse update: the one implementation of every optimizer's row update.
+"""The fused sparse update: the one entry point of every optimizer's row update.
 
 Every native row store (fixed and dynamic tables, CPU and CUDA) calls :func:`fused_row_update`
-from its backward with the unique touched rows and their aggregated gradients. It is written
-with batched tensor ops only, so it runs unchanged on any device.
+from its backward with the unique touched rows and their aggregated gradients. It runs the
+optimizer's registered ``native_update`` (batched tensor ops, any device), or its GPU kernel
+where one is registered and the rows live on a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynarec.optim.specs import Adagrad, Adam, OptimizerSpec, RowWiseAdagrad, SGD
+from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.registry import definition
 
 __all__ = ["fused_row_update"]
 
@@ -37,35 +39,6 @@ def fused_row_update(
     """
     if rows.numel() == 0:
         return
-    if isinstance(spec, SGD):
-        weight.index_add_(0, rows, grad, alpha=-lr)
-        return
-    w = weight.index_select(0, rows)
-    if isinstance(spec, Adagrad):
-        h = states["momentum1"].index_select(0, rows).addcmul_(grad, grad)
-        states["momentum1"].index_copy_(0, rows, h)
-        w.addcdiv_(grad, h.sqrt_().add_(spec.eps), value=-lr)
-    elif isinstance(spec, RowWiseAdagrad):
-        wd, mode = spec.weight_decay, spec.weight_decay_mode
-        g = grad + wd * w if (mode == "l2" and wd > 0) else grad
-        h = states["momentum1"].index_select(0, rows).add_((g * g).mean(dim=1, keepdim=True))
-        states["momentum1"].index_copy_(0, rows, h)
-        multiplier = lr / (h.sqrt() + spec.eps)
-        if mode == "decoupled" and wd > 0:
-            w.mul_(1.0 - lr * wd)
-        w.sub_(multiplier * g)
-    elif isinstance(spec, Adam):
-        b1, b2 = spec.beta1, spec.beta2
-        m = states["momentum1"].index_select(0, rows).mul_(b1).add_(grad, alpha=1.0 - b1)
-        v = states["momentum2"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        states["momentum1"].index_copy_(0, rows, m)
-        states["momentum2"].index_copy_(0, rows, v)
-        m_hat = m / (1.0 - b1**step)
-        v_hat = v / (1.0 - b2**step)
-        update = m_hat / (v_hat.sqrt() + spec.eps)
-        if spec.weight_decay > 0:
-            update.add_(w, alpha=spec.weight_decay)
-        w.sub_(update, alpha=lr)
-    else:  # pragma: no cover - every spec class is handled above
-        raise TypeError(f"no fused update for {type(spec).__name__}")
-    weight.index_copy_(0, rows, w)
+    defn = definition(spec)
+    update = defn.gpu_kernel if (defn.gpu_kernel is not None and weight.is_cuda) else defn.native_update
+    update(spec, lr=lr, step=step, weight=weight, states=states, rows=rows, grad=grad)

@@ -11,7 +11,7 @@ from typing import Optional
 from dynarec.config.schema import Config, InitializerCfg, RawFeatureCfg, SequenceFeatureCfg
 from dynarec.embedding.config import AdmissionConfig, FeatureConfig, TableConfig
 from dynarec.embedding.initializers import Initializer
-from dynarec.optim.specs import OptimizerSpec
+from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["Plan", "TablePlan", "plan_from_config"]
 
@@ -50,8 +50,8 @@ def _initializer(cfg: Optional[InitializerCfg]) -> Optional[Initializer]:
 
 
 def plan_from_config(config: Config) -> Plan:
-    default = config.train.sparse_optimizer.spec()
-    overrides = {name: o.spec() for name, o in config.train.table_optimizers.items()}
+    default = config.train.sparse_optimizer
+    overrides = config.train.table_optimizers
     grouped: dict[str, list] = {}
     for f in config.features():
         if not isinstance(f, RawFeatureCfg):

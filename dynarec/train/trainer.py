@@ -28,24 +28,14 @@ import yaml
 from torch import nn
 
 from dynarec.config.load import config_fingerprint
-from dynarec.config.schema import Config, DenseOptimizerCfg
+from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder
 from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
 from dynarec.metrics import auc, grouped_auc, log_loss
 from dynarec.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from dynarec.train.task import RankingTask
 
-__all__ = ["Trainer", "make_dense_optimizer"]
-
-
-def make_dense_optimizer(cfg: DenseOptimizerCfg, params) -> torch.optim.Optimizer:
-    if cfg.adam_optimizer is not None:
-        o = dict(cfg.adam_optimizer)
-        betas = (o.pop("beta1", 0.9), o.pop("beta2", 0.999))
-        return torch.optim.Adam(params, betas=betas, **o)
-    if cfg.adagrad_optimizer is not None:
-        return torch.optim.Adagrad(params, **cfg.adagrad_optimizer)
-    return torch.optim.SGD(params, **cfg.sgd_optimizer)  # type: ignore[arg-type]
+__all__ = ["Trainer"]
 
 
 class Trainer:
@@ -57,7 +47,7 @@ class Trainer:
         self.progress = progress
         torch.manual_seed(config.train.seed)
         self.task = RankingTask(config, self.device)
-        self.dense_optimizer = make_dense_optimizer(config.train.dense_optimizer, self.task.dense.parameters())
+        self.dense_optimizer = config.train.dense_optimizer.build(self.task.dense.parameters())
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.step = 0
         self.epoch = 0

@@ -15,7 +15,7 @@ def error_of(cfg) -> str:
 
 def test_valid_config_builds_specs():
     cfg = config_from_dict(config_dict())
-    assert cfg.train.sparse_optimizer.spec() == Adagrad(lr=0.05, initial_accumulator_value=0.1)
+    assert cfg.train.sparse_optimizer == Adagrad(lr=0.05, initial_accumulator_value=0.1)
     assert cfg.model.name == "multi_tower_din"
 
 
@@ -75,7 +75,7 @@ def test_cross_reference_errors():
 def test_table_override_is_typed():
     c = config_dict(train__table_optimizers={"item": {"rowwise_adagrad_optimizer": {"lr": 0.2}}})
     cfg = config_from_dict(c)
-    assert cfg.train.table_optimizers["item"].spec() == RowWiseAdagrad(lr=0.2)
+    assert cfg.train.table_optimizers["item"] == RowWiseAdagrad(lr=0.2)
 
 
 def test_load_config_resolves_paths_and_reports_file(tmp_path):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from dynarec.optim import OPTIMIZERS, SGD, Adagrad, Adam, RowWiseAdagrad, optimizer_from_dict
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, registered, spec_from_yaml, spec_to_yaml
 
 
 def test_defaults_match_fbgemm():
@@ -80,11 +80,16 @@ def test_from_dict_builds_and_validates():
         Adam.from_dict({"beta2": 1.0}, where="cfg")
 
 
-def test_optimizer_from_dict_by_type():
-    assert optimizer_from_dict({"type": "rowwise_adagrad", "lr": 0.2}) == RowWiseAdagrad(lr=0.2)
-    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
-        optimizer_from_dict({"type": "lamb"})
-    assert set(OPTIMIZERS) == {"sgd", "adagrad", "rowwise_adagrad", "adam"}
+def test_spec_from_yaml_by_registered_key():
+    assert spec_from_yaml({"rowwise_adagrad_optimizer": {"lr": 0.2}}, "cfg") == RowWiseAdagrad(lr=0.2)
+    with pytest.raises(ValueError, match="cfg: unknown optimizer 'lamb_optimizer'"):
+        spec_from_yaml({"lamb_optimizer": {}}, "cfg")
+    with pytest.raises(ValueError, match="cfg: give exactly one of"):
+        spec_from_yaml({"sgd_optimizer": {}, "adam_optimizer": {}}, "cfg")
+    assert {d.yaml_key for d in registered()} == {
+        "sgd_optimizer", "adagrad_optimizer", "rowwise_adagrad_optimizer", "adam_optimizer"}
+    for spec in (SGD(lr=0.3), Adagrad(initial_accumulator_value=0.1), Adam(beta1=0.5)):
+        assert spec_from_yaml(spec_to_yaml(spec), "cfg") == spec
 
 
 def test_state_layout():

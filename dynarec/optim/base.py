@@ -1,0 +1,126 @@
+"""The base of every sparse-optimizer spec: typed, immutable, validated on construction.
+
+A spec is the only way optimizer settings travel in dynarec: the planner gives every table one
+spec object, and every backend (native, fbgemm, the GPU kernels), table kind (fixed, dynamic),
+device and shard reads the same fields. A setting a spec does not have is an error, never a
+silent no-op. Each concrete spec lives in its own module beside its update code and registers
+itself (:mod:`dynarec.optim.registry`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+__all__ = ["OptimizerSpec", "StateSpec", "check_finite", "check_positive", "check_non_negative"]
+
+# Settings users bring from other libraries that dynarec deliberately does not offer, with the
+# reason given in the error message.
+NOT_OFFERED = {
+    "gradient_clipping": "gradient clipping is not offered (FBGEMM's CPU build clamps per bag, "
+    "before aggregation, which differs from its GPU meaning)",
+    "max_gradient": "gradient clipping is not offered",
+    "max_norm": "max-norm clipping is not offered",
+    "counter_based_regularization": "COUNTER weight decay is not offered",
+    "cowclip_regularization": "COWCLIP is not offered",
+    "momentum": "momentum SGD is not offered",
+}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One optimizer state tensor of a table: ``[num_rows, width]`` float32.
+
+    ``rowwise`` states have width 1; the others have the table's embedding dim.
+    """
+
+    name: str
+    rowwise: bool
+    initial_value: float
+
+    def width(self, dim: int) -> int:
+        return 1 if self.rowwise else dim
+
+
+def check_finite(cls_name: str, field: str, value: Any) -> float:
+    """``value`` as a float; ValueError naming ``cls_name.field`` unless a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{cls_name}.{field} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{cls_name}.{field} must be finite, got {value!r}")
+    return value
+
+
+def check_positive(cls_name: str, field: str, value: Any) -> None:
+    if check_finite(cls_name, field, value) <= 0:
+        raise ValueError(f"{cls_name}.{field} must be > 0, got {value!r}")
+
+
+def check_non_negative(cls_name: str, field: str, value: Any) -> None:
+    if check_finite(cls_name, field, value) < 0:
+        raise ValueError(f"{cls_name}.{field} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Base of the sparse optimizer specs. ``lr`` is the initial learning rate; a schedule may
+    change a table's current learning rate at run time (``set_learning_rate``)."""
+
+    lr: float = 0.01
+
+    # Hints for keys a spec does not have, keyed by the key (see ``from_dict``).
+    missing_key_hints: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        check_non_negative(type(self).__name__, "lr", self.lr)
+        self._validate()
+
+    def _validate(self) -> None:  # overridden by specs with more fields
+        pass
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """The optimizer state tensors every row of a table carries, in a fixed order."""
+        return ()
+
+    def replace(self, **changes: Any) -> "OptimizerSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def describe(self) -> str:
+        """``Adagrad(lr=0.05, eps=1e-08, initial_accumulator_value=0.1)``: every parameter."""
+        return repr(self)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any], where: str = "") -> "OptimizerSpec":
+        """Builds the spec from a mapping of its fields.
+
+        Unknown keys are an error naming the key (and ``where``, the place the mapping came
+        from, e.g. a config path); so is a key that another optimizer has, such as
+        ``initial_accumulator_value`` given to SGD or Adam.
+        """
+        label = where or cls.__name__
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"{label}: expected a mapping of optimizer fields, got {mapping!r}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        for key in mapping:
+            if key in allowed:
+                continue
+            if key in NOT_OFFERED:
+                raise ValueError(f"{label}: '{key}' is not supported: {NOT_OFFERED[key]}")
+            hint = ""
+            if key == "initial_accumulator_value":
+                hint = f" ({cls.__name__} has no accumulator to initialize)"
+            elif key in cls.missing_key_hints:
+                hint = f" ({cls.missing_key_hints[key]})"
+            raise ValueError(
+                f"{label}: unknown key '{key}' for {cls.__name__}{hint}; allowed keys: {', '.join(allowed)}"
+            )
+        try:
+            return cls(**dict(mapping))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{label}: {e}") from None
