@@ -2,6 +2,7 @@
 
 from dynarec.embedding import (
     AdmissionConfig,
+    DynamicTableOptions,
     EmbeddingCollection,
     FeatureConfig,
     Initializer,
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionConfig",
+    "DynamicTableOptions",
     "EmbeddingCollection",
     "FeatureConfig",
     "Initializer",

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from dynarec.embedding import EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
 from dynarec.optim import Adagrad
@@ -127,7 +127,7 @@ def _table(kind: str, backend: str, w: Workload, capacity: Optional[int] = None)
     if kind == "fixed":
         return TableConfig(name="t", dim=w.dim, num_embeddings=w.num_embeddings, features=["f"], backend=backend)
     cap = capacity or w.num_embeddings
-    return TableConfig(name="t", dim=w.dim, kind="dynamic", max_capacity=cap, init_capacity=cap,
+    return TableConfig(name="t", dim=w.dim, dynamic=DynamicTableOptions(cap, init_capacity=cap),
                        features=["f"], backend=backend)
 
 

@@ -35,9 +35,8 @@ def _format(e: ValidationError, source: str) -> str:
         # Drop pydantic's internal union/function tags from the location.
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = f"unknown key '{loc[-1]}'"
-            loc = loc[:-1] + (loc[-1],)
         elif err["type"] == "missing":
             msg = "required field is missing"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):

@@ -9,10 +9,15 @@ Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` w
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, PositiveInt, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator, StrictInt,
+                      model_validator)
 
+from dynarec.embedding.config import Backend, DynamicTableOptions
+from dynarec.embedding.initializers import Initializer
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
 from dynarec.optim.registry import spec_from_yaml, spec_to_yaml
@@ -23,7 +28,7 @@ __all__ = [
     "IdFeatureCfg",
     "SequenceFeatureCfg",
     "RawFeatureCfg",
-    "DynamicEmbCfg",
+    "TABLE_SETTINGS",
     "SparseOptimizer",
     "DenseOptimizer",
     "ModelCfg",
@@ -42,46 +47,47 @@ def _exactly_one(model: BaseModel, keys) -> str:
     return given[0]
 
 
-class InitializerCfg(Strict):
-    kind: Literal["uniform", "normal", "truncated_normal", "constant"] = "uniform"
-    bound: Optional[float] = Field(None, ge=0)
-    mean: float = 0.0
-    std: Optional[float] = Field(None, ge=0)
-    value: float = 0.0
+# A positive integer that YAML's ``true`` does not pass for.
+Count = Annotated[StrictInt, Field(gt=0)]
 
 
-class AdmissionCfg(Strict):
-    threshold: PositiveInt
-    capacity: Optional[PositiveInt] = None
-    initializer: Optional[InitializerCfg] = None
+def _refuse_bool_numbers(cls: type, data: Any) -> Any:
+    """Before pydantic validates a mapping into the dataclass ``cls`` (lax mode, which would read
+    ``true`` as 1), refuses a bool given for a numeric field, in ``cls`` and its nested
+    dataclasses."""
+    if not isinstance(data, dict):
+        return data
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        hint = hints.get(key)
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if isinstance(value, bool) and any(a in (int, float) for a in args):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        for a in args:
+            if dataclasses.is_dataclass(a):
+                _refuse_bool_numbers(a, value)  # type: ignore[arg-type]
+    return data
 
 
-class DynamicEmbCfg(Strict):
-    """A dynamic table's capacity and row lifecycle (dynarec's ``TableConfig`` fields)."""
+def core_type(cls: type) -> Any:
+    """A core dataclass (dynarec.embedding) as a YAML field: validated straight into ``cls``."""
+    return Annotated[cls, BeforeValidator(lambda data: _refuse_bool_numbers(cls, data))]
 
-    max_capacity: PositiveInt
-    init_capacity: Optional[PositiveInt] = None
-    bucket_size: PositiveInt = 16
-    growth_load_factor: float = Field(0.75, gt=0, le=1)
-    initializer: Optional[InitializerCfg] = None
-    score_strategy: Literal["step", "timestamp", "lfu", "none"] = "step"
-    check_mode: Optional[Literal["error", "warn", "ignore"]] = None
-    admission: Optional[AdmissionCfg] = None
-    eval_initializer: Optional[InitializerCfg] = None
+ValueType = Literal["int", "string"]
 
 
 class _EmbeddedFeature(Strict):
     feature_name: str
     input_name: Optional[str] = None  # the data column; default feature_name
-    embedding_dim: PositiveInt
+    embedding_dim: Count
     embedding_name: Optional[str] = None  # the table; features with the same name share it
-    num_buckets: Optional[PositiveInt] = None
-    dynamicemb: Optional[DynamicEmbCfg] = None
-    initializer: Optional[InitializerCfg] = None
-    backend: Optional[Literal["native", "fbgemm"]] = None
+    num_buckets: Optional[Count] = None  # a fixed table of this many rows ...
+    dynamicemb: Optional[core_type(DynamicTableOptions)] = None  # ... or a dynamic table (the core's own type)
+    initializer: Optional[core_type(Initializer)] = None
+    backend: Optional[Backend] = None  # default: train.sparse_backend
     # "int": values are integer ids (integer columns, or string tokens that must be decimal
     # integers); "string": values are strings hashed with FarmHash Fingerprint64.
-    value_type: Literal["int", "string"] = "int"
+    value_type: ValueType = "int"
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -98,6 +104,11 @@ class _EmbeddedFeature(Strict):
         return self.embedding_name or self.feature_name
 
 
+# The settings of a feature that belong to its table: every feature of one table must give the
+# same values (else the config is refused, naming both features).
+TABLE_SETTINGS = ("embedding_dim", "num_buckets", "dynamicemb", "initializer", "backend", "value_type")
+
+
 class IdFeatureCfg(_EmbeddedFeature):
     """One id (or several, with ``separator``) per sample, pooled."""
 
@@ -108,7 +119,7 @@ class IdFeatureCfg(_EmbeddedFeature):
 class SequenceFeatureCfg(_EmbeddedFeature):
     """A behaviour history: the last ``sequence_length`` ids, one embedding each."""
 
-    sequence_length: PositiveInt
+    sequence_length: Count
     separator: str = "|"
 
 
@@ -171,7 +182,7 @@ class LRScheduleCfg(Strict):
     """
 
     kind: Literal["constant", "exponential_decay", "warmup"] = "constant"
-    decay_steps: Optional[PositiveInt] = None
+    decay_steps: Optional[Count] = None
     decay_rate: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
 
@@ -200,37 +211,37 @@ class FeatureGroupCfg(Strict):
 
 class TowerCfg(Strict):
     input: str
-    hidden_units: list[PositiveInt] = Field(min_length=1)
+    hidden_units: list[Count] = Field(min_length=1)
 
 
 class DinTowerCfg(Strict):
     input: str
-    attn_hidden_units: list[PositiveInt] = [64, 32]
+    attn_hidden_units: list[Count] = [64, 32]
     pooling: Literal["attention", "mean"] = "attention"  # "mean": the no-attention baseline
 
 
 class MultiTowerDINCfg(Strict):
     towers: list[TowerCfg] = []
     din_towers: list[DinTowerCfg] = []
-    final_hidden_units: list[PositiveInt] = [64]
+    final_hidden_units: list[Count] = [64]
 
 
 class DINCfg(Strict):
     din_tower: DinTowerCfg
-    deep_hidden_units: list[PositiveInt] = [128, 64]
+    deep_hidden_units: list[Count] = [128, 64]
 
 
 class DeepFMCfg(Strict):
-    deep_hidden_units: list[PositiveInt] = [128, 64]
+    deep_hidden_units: list[Count] = [128, 64]
 
 
 class WideAndDeepCfg(Strict):
-    deep_hidden_units: list[PositiveInt] = [128, 64]
+    deep_hidden_units: list[Count] = [128, 64]
 
 
 class DLRMCfg(Strict):
-    bottom_hidden_units: list[PositiveInt] = [64]
-    top_hidden_units: list[PositiveInt] = [64, 32]
+    bottom_hidden_units: list[Count] = [64]
+    top_hidden_units: list[Count] = [64, 32]
 
 
 MODEL_KEYS = ("multi_tower_din", "din", "deepfm", "wide_and_deep", "dlrm")
@@ -267,8 +278,8 @@ class DataCfg(Strict):
     train_input_path: Union[str, list[str]]
     eval_input_path: Union[str, list[str], None] = None
     label_field: str = "label"
-    batch_size: PositiveInt = 1024
-    eval_batch_size: Optional[PositiveInt] = None
+    batch_size: Count = 1024
+    eval_batch_size: Optional[Count] = None
     num_workers: int = Field(0, ge=0)
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
 
@@ -279,20 +290,20 @@ class TrainCfg(Strict):
     dense_optimizer: DenseOptimizer = Field(default_factory=lambda: dense_spec_from_yaml({"adam_optimizer": {}}, ""))
     sparse_lr_schedule: LRScheduleCfg = LRScheduleCfg()
     dense_lr_schedule: LRScheduleCfg = LRScheduleCfg()
-    sparse_backend: Literal["native", "fbgemm"] = "native"
-    num_epochs: PositiveInt = 1
-    num_steps: Optional[PositiveInt] = None
-    save_checkpoints_steps: Optional[PositiveInt] = None
-    keep_checkpoints: PositiveInt = 3
-    log_step_count_steps: PositiveInt = 50
-    eval_every_steps: Optional[PositiveInt] = None
+    sparse_backend: Backend = "native"
+    num_epochs: Count = 1
+    num_steps: Optional[Count] = None
+    save_checkpoints_steps: Optional[Count] = None
+    keep_checkpoints: Count = 3
+    log_step_count_steps: Count = 50
+    eval_every_steps: Optional[Count] = None
     seed: int = 0
 
 
 class EvalCfg(Strict):
     metrics: list[Literal["auc", "grouped_auc", "log_loss"]] = ["auc", "grouped_auc", "log_loss"]
     grouped_auc_field: Optional[str] = None  # the column to group by; default the first id feature's
-    max_steps: Optional[PositiveInt] = None
+    max_steps: Optional[Count] = None
 
 
 class ExportCfg(Strict):
@@ -322,11 +333,13 @@ class Config(Strict):
                 continue
             other = tables.setdefault(feat.table_name, feat)
             if other is not feat:
-                for attr in ("embedding_dim", "num_buckets", "dynamicemb"):
+                for attr in TABLE_SETTINGS:
                     if getattr(other, attr) != getattr(feat, attr):
                         raise ValueError(
                             f"feature_configs[{i}] ({feat.feature_name}): shares table "
-                            f"'{feat.table_name}' with '{other.feature_name}' but its {attr} differs"
+                            f"'{feat.table_name}' with '{other.feature_name}' but its {attr} differs "
+                            f"({other.feature_name}: {getattr(other, attr)!r}, "
+                            f"{feat.feature_name}: {getattr(feat, attr)!r}); give both features the same {attr}"
                         )
         for gi, g in enumerate(self.model.feature_groups):
             for fi, n in enumerate(g.feature_names):

@@ -4,7 +4,7 @@ Imports with torch alone: FBGEMM is imported only when a table asks for backend 
 """
 
 from dynarec.embedding.collection import EmbeddingCollection
-from dynarec.embedding.config import AdmissionConfig, FeatureConfig, TableConfig
+from dynarec.embedding.config import AdmissionConfig, DynamicTableOptions, FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable, TableFullError
 from dynarec.embedding.initializers import Initializer
 from dynarec.embedding.jagged import JaggedBatch
@@ -12,6 +12,7 @@ from dynarec.embedding.table import EmbeddingTable, FixedTable
 
 __all__ = [
     "AdmissionConfig",
+    "DynamicTableOptions",
     "DynamicTable",
     "EmbeddingCollection",
     "EmbeddingTable",

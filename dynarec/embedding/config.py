@@ -1,30 +1,59 @@
-"""Typed table and feature configs."""
+"""Typed table and feature configs: the one definition of every table setting.
+
+These dataclasses are the vocabulary of the whole project. The YAML layer validates its
+``dynamicemb``, ``initializer`` and ``admission`` blocks straight into them (pydantic validates
+stdlib dataclasses; ``__pydantic_config__`` forbids unknown keys), and the planner passes the
+objects through to :class:`TableConfig` — no field is ever copied by hand, so none can be
+dropped on the way.
+"""
 
 from __future__ import annotations
 
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union, get_args
 
 from dynarec.embedding.initializers import Initializer
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = [
-    "POOLINGS",
-    "BACKENDS",
-    "SCORE_STRATEGIES",
-    "CHECK_MODES",
-    "FeatureConfig",
     "AdmissionConfig",
+    "Backend",
+    "BACKENDS",
+    "CheckMode",
+    "CHECK_MODES",
+    "DynamicTableOptions",
+    "FeatureConfig",
+    "Pooling",
+    "POOLINGS",
+    "ScoreStrategy",
+    "SCORE_STRATEGIES",
     "TableConfig",
+    "check_count",
 ]
 
-POOLINGS = ("sum", "mean", "none")  # "none": a sequence feature, one embedding per id
-BACKENDS = ("native", "fbgemm")
-KINDS = ("fixed", "dynamic")
-SCORE_STRATEGIES = ("step", "timestamp", "lfu", "none")
-CHECK_MODES = ("error", "warn", "ignore")
+Pooling = Literal["sum", "mean", "none"]  # "none": a sequence feature, one embedding per id
+Backend = Literal["native", "fbgemm"]
+ScoreStrategy = Literal["step", "timestamp", "lfu", "none"]
+CheckMode = Literal["error", "warn", "ignore"]
+
+POOLINGS: tuple[str, ...] = get_args(Pooling)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+SCORE_STRATEGIES: tuple[str, ...] = get_args(ScoreStrategy)
+CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
+
+_FORBID = {"extra": "forbid"}  # pydantic's config for these dataclasses: unknown keys are errors
+
+
+def check_count(where: str, name: str, value: object, minimum: int = 1, maximum: Optional[int] = None) -> None:
+    """ValueError naming ``where`` and ``name`` unless ``value`` is an int (not a bool) in
+    ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{where}: {name} must be {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +61,7 @@ class FeatureConfig:
     """A feature served by a table. ``pooling`` None takes the table's default pooling."""
 
     name: str
-    pooling: Optional[str] = None
+    pooling: Optional[Pooling] = None
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLINGS:
@@ -43,31 +72,83 @@ class FeatureConfig:
 class AdmissionConfig:
     """A key gets a row only once it was seen ``threshold`` times in training batches.
 
-    Counts live in a bounded counter table of ``capacity`` keys (default: the table's
-    ``max_capacity``) that evicts its lowest counts when a bucket is full. Until admitted a key
-    reads ``initializer`` (default: the table's eval initializer) and gets no update.
+    Counts live in a bounded counter of ``capacity`` keys (default: the table's ``max_capacity``)
+    that evicts its lowest counts when full. Until admitted a key reads ``initializer``
+    (default: the table's eval initializer) and gets no update.
     """
 
     threshold: int
     capacity: Optional[int] = None
     initializer: Optional[Initializer] = None
 
+    __pydantic_config__ = _FORBID
+
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 1:
-            raise ValueError(f"admission threshold must be an integer >= 1, got {self.threshold!r}")
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"admission capacity must be >= 1, got {self.capacity!r}")
+        check_count("admission", "threshold", self.threshold)
+        if self.capacity is not None:
+            check_count("admission", "capacity", self.capacity)
 
 
-@dataclass
+@dataclass(frozen=True)
+class DynamicTableOptions:
+    """A dynamic table's capacity and row lifecycle (the YAML ``dynamicemb`` block).
+
+    Args:
+        max_capacity: the most rows the table ever holds (a promise: below 90% of it, keys are
+            not evicted; see docs/dynamic_tables.md).
+        init_capacity: rows allocated at the start (default ``max_capacity``); the table grows by
+            doubling up to ``max_capacity``.
+        bucket_size: slots per hash bucket.
+        growth_load_factor: grow when an insert would pass this load.
+        score_strategy: the eviction score: ``step`` (last training step that touched the row),
+            ``timestamp`` (wall clock, microseconds), ``lfu`` (touch count), ``none`` (no
+            eviction).
+        check_mode: what happens to a key that cannot get a row: ``error``, ``warn`` or
+            ``ignore`` (it reads the eval initializer and gets no update). Default ``error`` for
+            score ``none``, ``warn`` otherwise.
+        admission: optional :class:`AdmissionConfig`.
+        eval_initializer: what a key without a row reads (default constant 0).
+    """
+
+    max_capacity: int
+    init_capacity: Optional[int] = None
+    bucket_size: int = 16
+    growth_load_factor: float = 0.75
+    score_strategy: ScoreStrategy = "step"
+    check_mode: Optional[CheckMode] = None
+    admission: Optional[AdmissionConfig] = None
+    eval_initializer: Optional[Initializer] = None
+
+    __pydantic_config__ = _FORBID
+
+    def __post_init__(self) -> None:
+        where = "dynamic table"
+        check_count(where, "bucket_size", self.bucket_size, 1, 1024)
+        check_count(where, "max_capacity", self.max_capacity, self.bucket_size)
+        if self.init_capacity is None:
+            object.__setattr__(self, "init_capacity", self.max_capacity)
+        check_count(where, "init_capacity", self.init_capacity, self.bucket_size, self.max_capacity)
+        g = self.growth_load_factor
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0 or math.isnan(g):
+            raise ValueError(f"{where}: growth_load_factor must be in (0, 1], got {g!r}")
+        if self.score_strategy not in SCORE_STRATEGIES:
+            raise ValueError(f"{where}: score_strategy must be one of {SCORE_STRATEGIES}, got {self.score_strategy!r}")
+        if self.check_mode is None:
+            object.__setattr__(self, "check_mode", "error" if self.score_strategy == "none" else "warn")
+        if self.check_mode not in CHECK_MODES:
+            raise ValueError(f"{where}: check_mode must be one of {CHECK_MODES}, got {self.check_mode!r}")
+
+
+@dataclass(frozen=True)
 class TableConfig:
-    """One embedding table.
+    """One embedding table: fixed (``num_embeddings`` rows, ids ``[0, num_embeddings)``) or
+    dynamic (``dynamic`` options: any int64 key, rows created on demand).
 
     Args:
         name: table name, unique in a collection.
         dim: embedding dim D.
-        kind: ``"fixed"`` (``num_embeddings`` rows, ids in ``[0, num_embeddings)``) or
-            ``"dynamic"`` (any int64 key; rows created on demand, up to ``max_capacity``).
+        num_embeddings: rows of a fixed table.
+        dynamic: the options of a dynamic table (give exactly one of these two).
         features: the features the table serves, names or :class:`FeatureConfig` (to give a
             feature its own pooling, e.g. a sequence feature sharing the candidate's table).
         pooling: default pooling of the table's features: ``sum``, ``mean`` or ``none``.
@@ -76,96 +157,58 @@ class TableConfig:
         initializer: initial weights (key-seeded); default uniform +-sqrt(1/rows), rows being
             ``num_embeddings`` or ``max_capacity``.
         seed: initializer seed; default derived from the table name.
-        init_capacity, max_capacity, bucket_size, growth_load_factor: dynamic-table capacity.
-        score_strategy: dynamic tables' eviction score: ``step`` (last training step that
-            touched the row), ``timestamp`` (wall clock, microseconds), ``lfu`` (touch count),
-            ``none`` (no eviction).
-        check_mode: what happens to a key that cannot get a row: ``error``, ``warn`` or
-            ``ignore`` (the key reads the eval initializer and gets no update). Default
-            ``error`` for score ``none``, ``warn`` otherwise.
-        admission: optional :class:`AdmissionConfig`.
-        eval_initializer: what a key with no row reads (default constant 0).
     """
 
     name: str
     dim: int
-    kind: str = "fixed"
     num_embeddings: Optional[int] = None
-    features: Sequence[Union[str, FeatureConfig]] = field(default_factory=list)
-    pooling: str = "sum"
-    backend: str = "native"
+    dynamic: Optional[DynamicTableOptions] = None
+    features: Sequence[Union[str, FeatureConfig]] = field(default_factory=tuple)
+    pooling: Pooling = "sum"
+    backend: Backend = "native"
     optimizer: Optional[OptimizerSpec] = None
     initializer: Optional[Initializer] = None
     seed: Optional[int] = None
-    init_capacity: Optional[int] = None
-    max_capacity: Optional[int] = None
-    bucket_size: int = 16
-    growth_load_factor: float = 0.75
-    score_strategy: str = "step"
-    check_mode: Optional[str] = None
-    admission: Optional[AdmissionConfig] = None
-    eval_initializer: Optional[Initializer] = None
 
     def __post_init__(self) -> None:
         where = f"table '{self.name}'"
-        if not isinstance(self.dim, int) or self.dim < 1:
-            raise ValueError(f"{where}: dim must be a positive integer, got {self.dim!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
+        check_count(where, "dim", self.dim)
         if self.pooling not in POOLINGS:
             raise ValueError(f"{where}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
             raise ValueError(f"{where}: optimizer must be an OptimizerSpec, got {self.optimizer!r}")
-        self.features = [f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in self.features]
-        if not self.features:
+        features = tuple(f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in self.features)
+        object.__setattr__(self, "features", features)
+        if not features:
             raise ValueError(f"{where}: features must name at least one feature")
-        names = [f.name for f in self.features]
+        names = [f.name for f in features]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}: a feature is listed twice in {names}")
         if self.seed is None:
-            self.seed = zlib.crc32(self.name.encode())
-        dynamic_fields = ("init_capacity", "max_capacity", "admission")
-        if self.kind == "fixed":
-            if not isinstance(self.num_embeddings, int) or self.num_embeddings < 1:
-                raise ValueError(f"{where}: a fixed table needs num_embeddings >= 1, got {self.num_embeddings!r}")
-            for f in dynamic_fields:
-                if getattr(self, f) is not None:
-                    raise ValueError(f"{where}: '{f}' applies to dynamic tables only")
-            return
+            object.__setattr__(self, "seed", zlib.crc32(self.name.encode()))
+        if (self.num_embeddings is None) == (self.dynamic is None):
+            raise ValueError(f"{where}: give exactly one of num_embeddings (a fixed table) or dynamic "
+                             f"(DynamicTableOptions, a dynamic table)")
         if self.num_embeddings is not None:
-            raise ValueError(f"{where}: a dynamic table takes max_capacity, not num_embeddings")
-        if not isinstance(self.bucket_size, int) or not 1 <= self.bucket_size <= 1024:
-            raise ValueError(f"{where}: bucket_size must be an integer in [1, 1024], got {self.bucket_size!r}")
-        if not isinstance(self.max_capacity, int) or self.max_capacity < self.bucket_size:
-            raise ValueError(
-                f"{where}: a dynamic table needs max_capacity >= bucket_size ({self.bucket_size}), "
-                f"got {self.max_capacity!r}"
-            )
-        if self.init_capacity is None:
-            self.init_capacity = self.max_capacity
-        if not isinstance(self.init_capacity, int) or not self.bucket_size <= self.init_capacity <= self.max_capacity:
-            raise ValueError(
-                f"{where}: init_capacity must be in [bucket_size, max_capacity], got {self.init_capacity!r}"
-            )
-        if not 0.0 < self.growth_load_factor <= 1.0 or math.isnan(self.growth_load_factor):
-            raise ValueError(f"{where}: growth_load_factor must be in (0, 1], got {self.growth_load_factor!r}")
-        if self.score_strategy not in SCORE_STRATEGIES:
-            raise ValueError(f"{where}: score_strategy must be one of {SCORE_STRATEGIES}, got {self.score_strategy!r}")
-        if self.check_mode is None:
-            self.check_mode = "error" if self.score_strategy == "none" else "warn"
-        if self.check_mode not in CHECK_MODES:
-            raise ValueError(f"{where}: check_mode must be one of {CHECK_MODES}, got {self.check_mode!r}")
+            check_count(where, "num_embeddings", self.num_embeddings)
+        elif not isinstance(self.dynamic, DynamicTableOptions):
+            raise ValueError(f"{where}: dynamic must be a DynamicTableOptions, got {self.dynamic!r}")
+
+    @property
+    def kind(self) -> Literal["fixed", "dynamic"]:
+        return "fixed" if self.dynamic is None else "dynamic"
 
     @property
     def num_rows_bound(self) -> int:
-        """Rows the default initializer bound is computed from."""
-        return self.num_embeddings if self.kind == "fixed" else self.max_capacity  # type: ignore[return-value]
+        """Rows the default initializer bound is computed from: ``num_embeddings`` or
+        ``max_capacity`` (of the whole table, whatever its sharding)."""
+        return self.num_embeddings if self.dynamic is None else self.dynamic.max_capacity  # type: ignore[return-value]
 
     @property
     def default_bound(self) -> float:
         return math.sqrt(1.0 / self.num_rows_bound)
 
-    def pooling_of(self, feature: FeatureConfig) -> str:
+    def pooling_of(self, feature: FeatureConfig) -> Pooling:
         return feature.pooling or self.pooling

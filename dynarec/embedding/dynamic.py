@@ -49,9 +49,11 @@ def _num_buckets(capacity: int, bucket_size: int) -> int:
 class DynamicTable(EmbeddingTable):
     def __init__(self, config: TableConfig, spec: OptimizerSpec, device: torch.device):
         super().__init__(config, spec, device)
-        self.bucket_size = config.bucket_size
-        self.max_buckets = _num_buckets(config.max_capacity, config.bucket_size)  # type: ignore[arg-type]
-        num_buckets = min(self.max_buckets, _num_buckets(config.init_capacity, config.bucket_size))  # type: ignore[arg-type]
+        assert config.dynamic is not None
+        self.options = options = config.dynamic
+        self.bucket_size = options.bucket_size
+        self.max_buckets = _num_buckets(options.max_capacity, options.bucket_size)  # type: ignore[arg-type]
+        num_buckets = min(self.max_buckets, _num_buckets(options.init_capacity, options.bucket_size))  # type: ignore[arg-type]
         self.index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         self._store = make_row_store(config, spec, self.index.capacity, self.device)
         self._pinned = torch.zeros(self.index.capacity, dtype=torch.bool, device=self.device)
@@ -59,10 +61,10 @@ class DynamicTable(EmbeddingTable):
         self._lookups = 0
         self._last_seq: Optional[int] = None
         self.counter: Optional[BucketedHashIndex] = None
-        if config.admission is not None:
-            cap = config.admission.capacity or config.max_capacity
+        if options.admission is not None:
+            cap = options.admission.capacity or options.max_capacity
             self.counter = BucketedHashIndex(_num_buckets(cap, self.bucket_size), self.bucket_size, self.device)
-            self.admission_initializer = config.admission.initializer or self.missing_initializer
+            self.admission_initializer = options.admission.initializer or self.eval_initializer
         self.dropped_keys = 0
         self.evicted_keys = 0
         self._generation = 0  # bumped by every rehash, which moves rows
@@ -107,10 +109,10 @@ class DynamicTable(EmbeddingTable):
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def missing_initializer_for(self, train: bool):
+    def eval_initializer_for(self, train: bool):
         """In training, a table with admission reads the admission initializer for keys without a
         row (not yet admitted, or dropped); eval always reads the eval initializer."""
-        return self.admission_initializer if (train and self.counter is not None) else self.missing_initializer
+        return self.admission_initializer if (train and self.counter is not None) else self.eval_initializer
 
     def rows_for(self, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         slots = self.index.find(ids)  # every occurrence; duplicates are harmless below
@@ -134,7 +136,7 @@ class DynamicTable(EmbeddingTable):
         present = slots >= 0
         touched = slots[present]  # one entry per occurrence
         self._pinned[touched] = True
-        strategy = self.config.score_strategy
+        strategy = self.options.score_strategy
         if strategy == "step":
             self.index.scores[touched] = self.store.step
         elif strategy == "lfu":
@@ -183,7 +185,7 @@ class DynamicTable(EmbeddingTable):
         """Adds this batch's occurrences; returns the mask of keys that reach the threshold
         (removed from the counter, to be inserted)."""
         counter = self.counter
-        assert counter is not None and self.config.admission is not None
+        assert counter is not None and self.options.admission is not None
         slots = counter.find(keys)
         seen = slots >= 0
         counter.scores.index_add_(0, slots[seen], counts[seen])
@@ -193,7 +195,7 @@ class DynamicTable(EmbeddingTable):
         counter.commit(plan, counts[~seen])
         slots[~seen] = plan.slots
         totals = torch.where(slots >= 0, counter.scores[slots.clamp(min=0)], torch.zeros_like(counts))
-        admitted = totals >= self.config.admission.threshold
+        admitted = totals >= self.options.admission.threshold
         counter.remove(slots[admitted])
         return admitted
 
@@ -204,11 +206,11 @@ class DynamicTable(EmbeddingTable):
 
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
         """Gives rows to absent ``keys`` (unique); returns their slots (-1: no row)."""
-        while self._can_grow() and self.size() + keys.numel() > self.config.growth_load_factor * self.capacity:
+        while self._can_grow() and self.size() + keys.numel() > self.options.growth_load_factor * self.capacity:
             self._grow()
         while True:
             at_max = self.index.num_buckets == self.max_buckets
-            allow_evict = self.config.score_strategy != "none" and (at_max or not self._can_grow())
+            allow_evict = self.options.score_strategy != "none" and (at_max or not self._can_grow())
             plan = self.index.plan_insert(keys, protected=self._pinned, allow_evict=allow_evict)
             if bool(plan.overflow.any()) and self._can_grow():
                 self._grow()
@@ -219,12 +221,12 @@ class DynamicTable(EmbeddingTable):
             message = (
                 f"table '{self.name}': {overflow} new key(s) could not get a row (capacity "
                 f"{self.capacity}, max_capacity {self.max_capacity}, score_strategy "
-                f"'{self.config.score_strategy}'; their buckets are full of rows "
-                f"{'pinned in this step' if self.config.score_strategy != 'none' else 'that cannot be evicted'})"
+                f"'{self.options.score_strategy}'; their buckets are full of rows "
+                f"{'pinned in this step' if self.options.score_strategy != 'none' else 'that cannot be evicted'})"
             )
-            if self.config.check_mode == "error":
+            if self.options.check_mode == "error":
                 raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
-            if self.config.check_mode == "warn":
+            if self.options.check_mode == "warn":
                 warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=4)
             self.dropped_keys += overflow
         self.evicted_keys += plan.evicted_slots.numel()
@@ -324,9 +326,9 @@ class DynamicTable(EmbeddingTable):
                 slots = dump["slots"].to(self.device)
                 index.commit(InsertPlan(keys, slots, slots[:0]), scores)
                 return self._restore(index, slots, torch.arange(n, device=self.device), dump, weights_only)
-        num_buckets = _num_buckets(self.config.init_capacity, self.bucket_size)  # type: ignore[arg-type]
+        num_buckets = _num_buckets(self.options.init_capacity, self.bucket_size)  # type: ignore[arg-type]
         num_buckets = min(num_buckets, self.max_buckets)
-        while num_buckets < self.max_buckets and n > self.config.growth_load_factor * num_buckets * self.bucket_size:
+        while num_buckets < self.max_buckets and n > self.options.growth_load_factor * num_buckets * self.bucket_size:
             num_buckets = min(self.max_buckets, num_buckets * 2)
         keep = torch.arange(n, device=self.device)
         capacity = num_buckets * self.bucket_size

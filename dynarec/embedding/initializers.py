@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 
-__all__ = ["Initializer", "mix64", "INITIALIZER_KINDS"]
+__all__ = ["Initializer", "InitializerKind", "mix64", "INITIALIZER_KINDS"]
 
-INITIALIZER_KINDS = ("uniform", "normal", "truncated_normal", "constant")
+InitializerKind = Literal["uniform", "normal", "truncated_normal", "constant"]
+INITIALIZER_KINDS: tuple[str, ...] = get_args(InitializerKind)
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -55,22 +56,25 @@ class Initializer:
     ones) when left None.
     """
 
-    kind: str = "uniform"
+    kind: InitializerKind = "uniform"
     bound: Optional[float] = None
     mean: float = 0.0
     std: Optional[float] = None
     value: float = 0.0
 
+    __pydantic_config__ = {"extra": "forbid"}  # validated straight from YAML; unknown keys are errors
+
     def __post_init__(self) -> None:
         if self.kind not in INITIALIZER_KINDS:
             raise ValueError(f"initializer kind must be one of {INITIALIZER_KINDS}, got {self.kind!r}")
-        for field in ("bound", "std"):
+        for field in ("bound", "std", "mean", "value"):
             v = getattr(self, field)
-            if v is not None and (not math.isfinite(v) or v < 0):
-                raise ValueError(f"initializer {field} must be finite and >= 0, got {v!r}")
-        for field in ("mean", "value"):
-            if not math.isfinite(getattr(self, field)):
-                raise ValueError(f"initializer {field} must be finite, got {getattr(self, field)!r}")
+            if v is None and field in ("bound", "std"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"initializer {field} must be a finite number, got {v!r}")
+            if field in ("bound", "std") and v < 0:
+                raise ValueError(f"initializer {field} must be >= 0, got {v!r}")
 
     @property
     def is_zero(self) -> bool:

@@ -57,7 +57,7 @@ class EmbeddingTable(ABC):
         self.device = torch.device(device)
         self.features: list[FeatureConfig] = list(config.features)  # type: ignore[arg-type]
         self.initializer = config.initializer or Initializer()
-        self.missing_initializer = config.eval_initializer or _ZERO
+        self.eval_initializer = (config.dynamic and config.dynamic.eval_initializer) or _ZERO
 
     @property
     @abstractmethod
@@ -70,9 +70,9 @@ class EmbeddingTable(ABC):
     def validate(self, feature: str, ids: torch.Tensor) -> None:
         """Raises ValueError for ids this table cannot take, before anything is written."""
 
-    def missing_initializer_for(self, train: bool) -> Initializer:
+    def eval_initializer_for(self, train: bool) -> Initializer:
         """What an id with no row reads in a forward of this mode."""
-        return self.missing_initializer
+        return self.eval_initializer
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """Key-seeded initial weights ``[n, D]`` of a new row for each id."""
@@ -146,7 +146,7 @@ class EmbeddingTable(ABC):
             bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=ids.device), lengths,
                                                 output_size=ids.numel())
             absent = ~valid
-            init = self.missing_initializer_for(train)
+            init = self.eval_initializer_for(train)
             if bool(absent.any()) and not init.is_zero:
                 values = init.values(ids[absent], self.dim, self.config.seed, self.config.default_bound)
                 if psw is not None:

@@ -1,16 +1,18 @@
 """The plan: for every table, its kind, backend, rows, features and the one optimizer spec it
 is trained with. The config's ``sparse_optimizer`` (and ``table_optimizers`` overrides) reach
 every table, fixed or dynamic, only through this typed spec — there is no other channel.
+
+The planner groups features into tables and passes the config's objects through: a table's
+``DynamicTableOptions`` and ``Initializer`` are the very objects the YAML validated into, so a
+setting cannot be lost between the config and the table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from dynarec.config.schema import Config, InitializerCfg, RawFeatureCfg, SequenceFeatureCfg
-from dynarec.embedding.config import AdmissionConfig, FeatureConfig, TableConfig
-from dynarec.embedding.initializers import Initializer
+from dynarec.config.schema import Config, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["Plan", "TablePlan", "plan_from_config"]
@@ -23,10 +25,10 @@ class TablePlan:
 
     def row(self) -> dict[str, object]:
         t = self.table
-        rows = t.num_embeddings if t.kind == "fixed" else f"{t.init_capacity}..{t.max_capacity}"
+        rows = t.num_embeddings if t.dynamic is None else f"{t.dynamic.init_capacity}..{t.dynamic.max_capacity}"
         feats = ", ".join(f"{f.name}({t.pooling_of(f)})" for f in t.features)  # type: ignore[union-attr]
         return {"table": t.name, "kind": t.kind, "backend": t.backend, "rows": rows, "dim": t.dim,
-                "optimizer": repr(self.optimizer), "features": feats}
+                "optimizer": self.optimizer.describe(), "features": feats}
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Plan:
         return [t.table for t in self.tables]
 
     def describe(self) -> str:
+        """The plan as a text table, one line per table."""
         rows = [t.row() for t in self.tables]
         cols = list(rows[0]) if rows else []
         widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
@@ -45,13 +48,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def _initializer(cfg: Optional[InitializerCfg]) -> Optional[Initializer]:
-    return None if cfg is None else Initializer(**cfg.model_dump())
-
-
 def plan_from_config(config: Config) -> Plan:
-    default = config.train.sparse_optimizer
-    overrides = config.train.table_optimizers
+    """One :class:`TablePlan` per table (features sharing an ``embedding_name`` share a table;
+    the config has checked that they agree on every table setting)."""
     grouped: dict[str, list] = {}
     for f in config.features():
         if not isinstance(f, RawFeatureCfg):
@@ -61,24 +60,10 @@ def plan_from_config(config: Config) -> Plan:
         first = feats[0]
         features = [FeatureConfig(f.feature_name, "none" if isinstance(f, SequenceFeatureCfg) else f.pooling)
                     for f in feats]
-        backend = next((f.backend for f in feats if f.backend), config.train.sparse_backend)
-        initializer = next((_initializer(f.initializer) for f in feats if f.initializer), None)
-        kwargs: dict = {}
-        if first.dynamicemb is None:
-            kwargs["num_embeddings"] = first.num_buckets
-        else:
-            d = first.dynamicemb
-            initializer = _initializer(d.initializer) or initializer
-            admission = None
-            if d.admission is not None:
-                admission = AdmissionConfig(d.admission.threshold, d.admission.capacity,
-                                            _initializer(d.admission.initializer))
-            kwargs.update(kind="dynamic", max_capacity=d.max_capacity, init_capacity=d.init_capacity,
-                          bucket_size=d.bucket_size, growth_load_factor=d.growth_load_factor,
-                          score_strategy=d.score_strategy, check_mode=d.check_mode, admission=admission,
-                          eval_initializer=_initializer(d.eval_initializer))
-        spec = overrides.get(name, default)
-        table = TableConfig(name=name, dim=first.embedding_dim, features=features, backend=backend,
-                            optimizer=spec, initializer=initializer, **kwargs)
+        spec = config.train.table_optimizers.get(name, config.train.sparse_optimizer)
+        table = TableConfig(name=name, dim=first.embedding_dim, num_embeddings=first.num_buckets,
+                            dynamic=first.dynamicemb, features=features,
+                            backend=first.backend or config.train.sparse_backend, optimizer=spec,
+                            initializer=first.initializer)
         tables.append(TablePlan(table, spec))
     return Plan(tuple(tables))

@@ -37,7 +37,7 @@ def export_model(task: RankingTask, example: Batch, export_dir: str | Path) -> P
     if example.num_rows < 2:
         raise ValueError("export needs an example batch of at least 2 rows")
     for t in task.embeddings.tables.values():
-        if isinstance(t, DynamicTable) and t.missing_initializer.kind != "constant":
+        if isinstance(t, DynamicTable) and t.eval_initializer.kind != "constant":
             raise ValueError(f"table '{t.name}': export supports constant eval initializers only")
     export_dir = Path(export_dir)
     tmp = export_dir.with_name(f".{export_dir.name}.tmp-{os.getpid()}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dynarec import EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad
 
@@ -15,7 +15,7 @@ def mixed(spec):
     for backend in BACKENDS:
         tables.append(TableConfig(name=f"fixed_{backend}", dim=4, num_embeddings=10, features=[f"fx_{backend}"],
                                   backend=backend))
-        tables.append(TableConfig(name=f"dyn_{backend}", dim=4, kind="dynamic", max_capacity=64, bucket_size=4,
+        tables.append(TableConfig(name=f"dyn_{backend}", dim=4, dynamic=DynamicTableOptions(64, bucket_size=4),
                                   features=[f"dy_{backend}"], backend=backend))
     return EmbeddingCollection(tables, spec)
 
@@ -80,14 +80,13 @@ def test_duplicate_table_or_feature_is_an_error():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(kind="fixed"), "needs num_embeddings"),
-        (dict(kind="dynamic", num_embeddings=4), "takes max_capacity, not num_embeddings"),
-        (dict(kind="dynamic"), "needs max_capacity"),
-        (dict(num_embeddings=4, max_capacity=8), "'max_capacity' applies to dynamic tables only"),
+        (dict(), "give exactly one of num_embeddings .* or dynamic"),
+        (dict(num_embeddings=4, dynamic=DynamicTableOptions(64)), "give exactly one of num_embeddings"),
+        (dict(dynamic={"max_capacity": 64}), "dynamic must be a DynamicTableOptions"),
+        (dict(num_embeddings=0), "num_embeddings must be >= 1"),
+        (dict(num_embeddings=True), "num_embeddings must be an integer"),
         (dict(num_embeddings=4, pooling="max"), "pooling must be one of"),
         (dict(num_embeddings=4, backend="tpu"), "backend must be one of"),
-        (dict(kind="dynamic", max_capacity=64, score_strategy="lru"), "score_strategy must be one of"),
-        (dict(kind="dynamic", max_capacity=64, check_mode="silent"), "check_mode must be one of"),
     ],
 )
 def test_table_config_errors_name_the_table(kwargs, message):
@@ -96,12 +95,29 @@ def test_table_config_errors_name_the_table(kwargs, message):
     assert "table 'tbl'" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_capacity=8), "max_capacity must be >= 16"),
+        (dict(max_capacity=64, init_capacity=128), r"init_capacity must be in \[16, 64\]"),
+        (dict(max_capacity=64, bucket_size=0), r"bucket_size must be in \[1, 1024\]"),
+        (dict(max_capacity=64, growth_load_factor=1.5), r"growth_load_factor must be in \(0, 1\]"),
+        (dict(max_capacity=64, score_strategy="lru"), "score_strategy must be one of"),
+        (dict(max_capacity=64, check_mode="silent"), "check_mode must be one of"),
+        (dict(max_capacity=True), "max_capacity must be an integer"),
+    ],
+)
+def test_dynamic_table_options_errors_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicTableOptions(**kwargs)
+
+
 def test_a_failed_training_forward_leaves_every_table_as_it_was():
     coll = EmbeddingCollection(
         [TableConfig(name="fixed", dim=2, num_embeddings=10, features=["fx"]),
-         TableConfig(name="grow", dim=2, kind="dynamic", max_capacity=64, init_capacity=8, bucket_size=4,
+         TableConfig(name="grow", dim=2, dynamic=DynamicTableOptions(64, init_capacity=8, bucket_size=4),
                      features=["g"]),
-         TableConfig(name="full", dim=2, kind="dynamic", max_capacity=4, bucket_size=4, score_strategy="none",
+         TableConfig(name="full", dim=2, dynamic=DynamicTableOptions(4, bucket_size=4, score_strategy="none"),
                      features=["fl"])],
         SGD(lr=0.1),
     )

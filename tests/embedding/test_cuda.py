@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynarec import EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.reference_model import zipf_batch
 
@@ -17,8 +17,9 @@ SPECS = [SGD(lr=0.3), Adagrad(lr=0.2, initial_accumulator_value=0.1),
 
 def build(kind, spec, device):
     features = ["item_id", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
-    extra = dict(num_embeddings=60) if kind == "fixed" else dict(max_capacity=512, init_capacity=32, bucket_size=8)
-    return EmbeddingCollection([TableConfig(name="t", dim=8, kind=kind, features=features, seed=3,
+    extra = (dict(num_embeddings=60) if kind == "fixed"
+             else dict(dynamic=DynamicTableOptions(512, init_capacity=32, bucket_size=8)))
+    return EmbeddingCollection([TableConfig(name="t", dim=8, features=features, seed=3,
                                             initializer=Initializer("uniform", bound=0.5), **extra)], spec, device=device)
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dynarec import AdmissionConfig, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec import (AdmissionConfig, DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer,
+                     JaggedBatch, TableConfig)
 from dynarec.embedding import TableFullError
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -19,11 +20,13 @@ INIT = Initializer("uniform", bound=0.5)
 
 
 def dynamic(name="d", backend="native", spec=None, features=("f",), **kw):
+    """A dynamic table; ``kw`` are DynamicTableOptions fields (and ``initializer``, ``seed``)."""
     kw.setdefault("max_capacity", 1024)
     kw.setdefault("bucket_size", 4)
     feats = [f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in features]
-    return TableConfig(name=name, dim=D, kind="dynamic", features=feats, backend=backend, optimizer=spec,
-                       initializer=kw.pop("initializer", INIT), seed=kw.pop("seed", 11), **kw)
+    return TableConfig(name=name, dim=D, features=feats, backend=backend, optimizer=spec,
+                       initializer=kw.pop("initializer", INIT), seed=kw.pop("seed", 11),
+                       dynamic=DynamicTableOptions(**kw))
 
 
 def one(coll, feats, backward=True, weights=None):
@@ -197,8 +200,8 @@ def test_score_none_never_evicts_and_follows_check_mode(mode):
 
 
 def test_score_none_default_check_mode_is_error():
-    assert dynamic(score_strategy="none").check_mode == "error"
-    assert dynamic(score_strategy="step").check_mode == "warn"
+    assert dynamic(score_strategy="none").dynamic.check_mode == "error"
+    assert dynamic(score_strategy="step").dynamic.check_mode == "warn"
 
 
 # -- capacity -------------------------------------------------------------------------------------
@@ -271,8 +274,8 @@ def test_eval_mode_leaves_table_bit_identical():
 def test_soak_million_keys_into_bounded_table():
     max_capacity, bucket = 100_000, 16
     coll = EmbeddingCollection(
-        [TableConfig(name="d", dim=8, kind="dynamic", max_capacity=max_capacity, init_capacity=8192,
-                     bucket_size=bucket, features=["f"])],
+        [TableConfig(name="d", dim=8, features=["f"],
+                     dynamic=DynamicTableOptions(max_capacity=max_capacity, init_capacity=8192, bucket_size=bucket))],
         SGD(lr=0.0),
     )
     t = coll.tables["d"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynarec import EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from dynarec.optim.reference import initial_states
@@ -164,7 +164,7 @@ def test_fbgemm_cpu_fast_path_still_drops_rowwise_weight_decay():
 def test_out_of_range_ids_name_table_feature_value_and_write_nothing(backend, bad):
     coll = EmbeddingCollection(
         [TableConfig(name="cate", dim=4, num_embeddings=10, features=["cate_id"], backend=backend),
-         TableConfig(name="user", dim=4, kind="dynamic", max_capacity=64, features=["user_id"])],
+         TableConfig(name="user", dim=4, dynamic=DynamicTableOptions(64), features=["user_id"])],
         optimizer=SGD(lr=1.0),
     )
     before = coll.read_rows("cate", torch.arange(10))["weight"]

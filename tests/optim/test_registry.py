@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dynarec import EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.config import ConfigError, config_from_dict
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import OptimizerDef, OptimizerSpec, StateSpec, definition, register, registered
@@ -56,7 +56,7 @@ def test_a_registered_optimizer_reaches_yaml_plan_tables_and_reference(sign_sgd)
     # A fixed and a dynamic table trained by it, against the registered reference.
     spec = SignSGD(lr=0.1, scale=2.0)
     coll = EmbeddingCollection([TableConfig(name="f", dim=3, num_embeddings=6, features=["a"]),
-                                TableConfig(name="d", dim=3, kind="dynamic", max_capacity=64, features=["b"])], spec)
+                                TableConfig(name="d", dim=3, dynamic=DynamicTableOptions(64), features=["b"])], spec)
     weight = coll.read_rows("f", torch.arange(6))["weight"]
     states = initial_states(spec, 6, 3)
     assert torch.equal(coll.read_rows("f", torch.arange(6))["velocity"], states["velocity"])

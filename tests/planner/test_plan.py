@@ -76,3 +76,91 @@ def test_sparse_lr_schedule_changes_every_tables_updates(backend, tmp_path):
                                        msg=f"{name} step {step}")
     if backend == "fbgemm":
         assert coll.tables["item"].store.tbe.get_learning_rate() == pytest.approx(0.125)
+
+
+# -- one vocabulary: every dynamic-table setting set in YAML arrives in the plan and the table -------
+
+# A non-default value for every field of the core dynamic-table settings. A field added to
+# DynamicTableOptions (or AdmissionConfig) without a value here fails the test below.
+DYNAMIC_VALUES = {
+    "max_capacity": 4096,
+    "init_capacity": 128,
+    "bucket_size": 8,
+    "growth_load_factor": 0.5,
+    "score_strategy": "lfu",
+    "check_mode": "ignore",
+    "admission": {"threshold": 3, "capacity": 1024, "initializer": {"kind": "constant", "value": 0.125}},
+    "eval_initializer": {"kind": "normal", "mean": 0.5, "std": 0.01},
+}
+
+
+def test_every_dynamic_table_setting_reaches_plan_and_table():
+    import dataclasses
+
+    from dynarec.embedding import AdmissionConfig, DynamicTableOptions, Initializer
+
+    assert {f.name for f in dataclasses.fields(DynamicTableOptions)} == set(DYNAMIC_VALUES)
+    assert {f.name for f in dataclasses.fields(AdmissionConfig)} == set(DYNAMIC_VALUES["admission"])
+    defaults = DynamicTableOptions(max_capacity=16)
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = DYNAMIC_VALUES
+    plan = plan_from_config(config_from_dict(c))
+    (user,) = [t.table for t in plan.tables if t.table.name == "user_id"]
+    options = user.dynamic
+    for name, value in DYNAMIC_VALUES.items():
+        got = getattr(options, name)
+        if name == "admission":
+            value = AdmissionConfig(3, 1024, Initializer("constant", value=0.125))
+        elif name == "eval_initializer":
+            value = Initializer("normal", mean=0.5, std=0.01)
+        assert got == value, name
+        assert got != getattr(defaults, name), f"{name}: the test value must differ from the default"
+    task = RankingTask(config_from_dict(c))
+    assert task.embeddings.tables["user_id"].options is not None
+    assert task.embeddings.tables["user_id"].options == options
+
+
+@pytest.mark.parametrize("setting, a, b", [
+    ("backend", "native", "fbgemm"),
+    ("initializer", {"kind": "constant", "value": 0.1}, {"kind": "normal", "std": 0.1}),
+    ("value_type", "int", "string"),
+    ("num_buckets", 200, 300),
+])
+def test_settings_of_one_table_given_by_two_features_must_agree(setting, a, b):
+    from dynarec.config import ConfigError
+
+    c = config_dict()
+    c["feature_configs"][2]["id_feature"][setting] = a  # item_id
+    c["feature_configs"][4]["sequence_feature"][setting] = b  # hist_item_id, the same table 'item'
+    with pytest.raises(ConfigError, match=rf"feature_configs\[4\] \(hist_item_id\): shares table 'item' with "
+                                          rf"'item_id' but its {setting} differs \(item_id: .*, hist_item_id: .*\)"):
+        config_from_dict(c)
+    c["feature_configs"][4]["sequence_feature"][setting] = a
+    if setting != "backend" or fbgemm_available():
+        table = {t.table.name: t.table for t in plan_from_config(config_from_dict(c)).tables}["item"]
+        assert table.backend == a if setting == "backend" else True
+
+
+def test_yaml_refuses_bools_and_unknown_keys_in_core_types():
+    from dynarec.config import ConfigError
+
+    c = config_dict()
+    c["feature_configs"][2]["id_feature"]["embedding_dim"] = True
+    with pytest.raises(ConfigError, match=r"feature_configs\[2\].id_feature.embedding_dim"):
+        config_from_dict(c)
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"]["max_capacity"] = True
+    with pytest.raises(ConfigError, match=r"dynamicemb: max_capacity must be a number, got True"):
+        config_from_dict(c)
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"]["admission"] = {"threshold": True}
+    with pytest.raises(ConfigError, match=r"dynamicemb: threshold must be a number, got True"):
+        config_from_dict(c)
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"]["max_capacty"] = 5
+    with pytest.raises(ConfigError, match=r"feature_configs\[0\].id_feature.dynamicemb.max_capacty: unknown key"):
+        config_from_dict(c)
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["initializer"] = {"kind": "uniform", "bund": 0.1}
+    with pytest.raises(ConfigError, match=r"feature_configs\[0\].id_feature.initializer.bund: unknown key"):
+        config_from_dict(c)
