@@ -10,6 +10,7 @@ from torch import nn
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import KeyedJaggedLike, split_features
+from dynarec.embedding.pack import unpack
 from dynarec.embedding.table import EmbeddingTable, FixedTable
 from dynarec.optim.base import OptimizerSpec
 
@@ -74,28 +75,37 @@ class EmbeddingCollection(nn.Module):
         missing = [f for f in self._features if f not in slices]
         if missing:
             raise ValueError(f"batch is missing feature(s) {missing}")
+        # Validate every table's ids where the batch is (a CPU batch: no device sync), before any
+        # table creates, evicts or updates a row.
         for name, s in slices.items():
-            if s.values.device != self.device:
-                s.values, s.lengths = s.values.to(self.device), s.lengths.to(self.device)
-                s.weights = None if s.weights is None else s.weights.to(self.device)
-        # Validate every table's ids before any table creates, evicts or updates a row.
-        for name, (table, _) in self._features.items():
-            table.validate(name, slices[name].values)
+            self._features[name][0].validate(name, s.values)
+            if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
+                bad = s.weights[~torch.isfinite(s.weights)][0].item()
+                raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
+        slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
         out: dict[str, torch.Tensor] = {}
-        done: list[EmbeddingTable] = []
+        begun: list[EmbeddingTable] = []
         try:
             for table in self.tables.values():
-                inputs = [(feature, slices[feature.name]) for feature in table.features]
-                out.update(table.forward(inputs, train=self.training))
-                done.append(table)
+                if self.training:
+                    table.begin_step()
+                    begun.append(table)
+                bags, layout = table.pack(slices)
+                out.update(unpack(table.lookup(bags, self.training), layout))
         except BaseException:
-            # The step will never have a backward: undo it on the tables that completed it
-            # (the failing table undid its own), so step counters and pins stay consistent.
-            if self.training:
-                for table in done:
-                    table.abort_step(looked_up=True)
+            for table in reversed(begun):  # the step never happened, on any table
+                table.abort_step()
             raise
+        if self.training and not torch.is_grad_enabled():  # no backward will come to commit it
+            for table in begun:
+                table.commit_pending()
         return out
+
+    def abort_step(self) -> None:
+        """Undoes the last training forward on every table (its backward will not run, e.g. its
+        loss was NaN): rows it created, keys it evicted, admission counts, growth, step counts."""
+        for table in reversed(list(self.tables.values())):
+            table.abort_step()
 
     def read_rows(self, table: str, ids) -> dict[str, torch.Tensor]:
         """Weights and optimizer states at ``ids`` (row ids of a fixed table, keys of a dynamic
@@ -111,6 +121,7 @@ class EmbeddingCollection(nn.Module):
             t.set_learning_rate(lr)
 
     def describe(self) -> list[dict[str, object]]:
+        """One dict per table: name, kind, backend, dim, optimizer, step, bytes (and capacity)."""
         return [t.describe() for t in self.tables.values()]
 
     def _table(self, name: str) -> EmbeddingTable:

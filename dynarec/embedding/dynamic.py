@@ -6,9 +6,9 @@ code exists once, and ``initial_accumulator_value`` (or any other optimizer sett
 same thing here as on a fixed table: a created row gets the initializer's weights and every
 state at the spec's initial value — on first insertion and again when an evicted key returns.
 
-Row lifecycle in a training forward:
-1. The step counter advances; keys found in the index are pinned (no insert of this step, or
-   of another forward before this step's backward, may evict them).
+Row lifecycle in a training lookup (the table's step is open, ``begin_step()``):
+1. Keys found in the index are pinned: no insert of this step, or of another step pending
+   before its backward, may evict them.
 2. Absent keys are counted by the admission counter, if any; those that reach the threshold
    (or all absent keys, without admission) are inserted. Below ``max_capacity`` the table grows
    (doubling the buckets, rehashing, rows moved bit-exactly) when the load would pass
@@ -16,9 +16,18 @@ Row lifecycle in a training forward:
    of the key's bucket is evicted, ties to the smaller slot.
 3. A key left without a row follows ``check_mode`` (error / warn / ignore): it reads the eval
    initializer and gets no update; ``dropped_keys`` counts them.
-4. Scores are updated: ``step`` = this step, ``lfu`` += occurrences, ``timestamp`` = now (us).
+4. When the step commits (its backward ran), the scores of the touched rows are updated:
+   ``step`` = the step, ``lfu`` += occurrences, ``timestamp`` = the forward's wall clock (us).
+
+Everything 1-3 change is journaled: ``abort_step()`` restores evicted keys with their rows,
+removes created rows, takes back admission counts and a growth.
 
 Eval mode only finds: nothing is created, evicted, counted or updated.
+
+Host syncs on this plain-torch path, per training lookup (the GPU kernels remove them): whether
+any key is absent (``absent.any()``), the unique absent keys (a data-dependent size), and whether
+every key got a row (``present.all()``); the fused backward's ``unique``. A warm table with no new
+keys pays only the first and the last.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import BucketedHashIndex, InsertPlan
+from dynarec.embedding.hash_index import PIN_WRAP, BucketedHashIndex
+from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
+from dynarec.embedding.step import Journal, Step
 from dynarec.embedding.table import EmbeddingTable, make_row_store
 from dynarec.optim.base import OptimizerSpec
 
@@ -52,15 +63,12 @@ class DynamicTable(EmbeddingTable):
         assert config.dynamic is not None
         self.options = options = config.dynamic
         self.bucket_size = options.bucket_size
-        self.max_buckets = _num_buckets(options.max_capacity, options.bucket_size)  # type: ignore[arg-type]
+        self.max_buckets = _num_buckets(options.max_capacity, options.bucket_size)
         num_buckets = min(self.max_buckets, _num_buckets(options.init_capacity, options.bucket_size))  # type: ignore[arg-type]
         self.index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         self._store = make_row_store(config, spec, self.index.capacity, self.device)
-        self._pinned = torch.zeros(self.index.capacity, dtype=torch.bool, device=self.device)
-        self._pending: list[int] = []  # sequence numbers of training lookups awaiting backward
-        self._lookups = 0
-        self._last_seq: Optional[int] = None
         self.counter: Optional[BucketedHashIndex] = None
+        self.admission_initializer = self.eval_initializer
         if options.admission is not None:
             cap = options.admission.capacity or options.max_capacity
             self.counter = BucketedHashIndex(_num_buckets(cap, self.bucket_size), self.bucket_size, self.device)
@@ -75,25 +83,28 @@ class DynamicTable(EmbeddingTable):
 
     @property
     def capacity(self) -> int:
+        """Slots allocated now."""
         return self.index.capacity
 
     @property
     def max_capacity(self) -> int:
         return self.max_buckets * self.bucket_size
 
+    @property
     def size(self) -> int:
-        return self.index.size()
+        """Keys with a row."""
+        return self.index.size
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the table: rows, states, index, pins and admission counter."""
-        total = self.store.nbytes + self.index.nbytes + self._pinned.numel()
+        """Bytes held by the table: rows, states, index and admission counter."""
+        total = self.store.nbytes + self.index.nbytes
         if self.counter is not None:
             total += self.counter.nbytes
         return total
 
     def report(self) -> dict[str, object]:
-        size = self.size()
+        size = self.size
         return {
             "size": size,
             "capacity": self.capacity,
@@ -107,113 +118,117 @@ class DynamicTable(EmbeddingTable):
     def describe(self) -> dict[str, object]:
         return {**super().describe(), **self.report()}
 
-    # -- lookups -------------------------------------------------------------------------------
+    # -- the lookup stage ----------------------------------------------------------------------
 
-    def eval_initializer_for(self, train: bool):
-        """In training, a table with admission reads the admission initializer for keys without a
-        row (not yet admitted, or dropped); eval always reads the eval initializer."""
-        return self.admission_initializer if (train and self.counter is not None) else self.eval_initializer
+    def lookup(self, bags: Bags, train: bool) -> torch.Tensor:
+        """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
+        initializer (in training with admission: the admission initializer), weighted like a row;
+        mean pooling still divides by the bag's full length."""
+        keys, offsets, weights = bags.ids, bags.offsets, bags.weights
+        step = self.steps.current if train else None
+        slots = self.index.find(keys) if step is None else self._slots_for_training(keys, step)
+        present = slots >= 0
+        missing_out = None
+        if not bool(present.all()):
+            num_bags = bags.num_bags
+            lengths = offsets[1:] - offsets[:-1]
+            bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
+                                                output_size=keys.numel())
+            absent = ~present
+            init = self.admission_initializer if (step is not None) else self.eval_initializer
+            if not init.is_zero:
+                values = init.values(keys[absent], self.dim, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
+                if weights is not None:
+                    values = values * weights[absent][:, None]
+                missing_out = values.new_zeros(num_bags, self.dim).index_add_(0, bag_of_id[absent], values)
+            lengths = torch.bincount(bag_of_id[present], minlength=num_bags)
+            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+            slots = slots[present]
+            weights = None if weights is None else weights[present]
+        out = self.store.lookup(slots, offsets, weights, train, step=step.t if step else 0)
+        if step is not None:
+            self._commit_on_backward(out, step)
+        return out if missing_out is None else out + missing_out
 
-    def rows_for(self, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        slots = self.index.find(ids)  # every occurrence; duplicates are harmless below
-        if not train:
-            return slots, slots >= 0
+    def _slots_for_training(self, keys: torch.Tensor, step: Step) -> torch.Tensor:
+        """Slot of every key occurrence, creating rows (admission permitting); -1: no row."""
+        slots = self.index.find(keys)  # every occurrence; duplicates are harmless below
         absent = slots < 0
         if bool(absent.any()):
-            self._pinned[slots[~absent]] = True  # before inserting: this step's rows stay
-            keys, inverse, counts = torch.unique(ids[absent], return_inverse=True, return_counts=True)
-            candidates = torch.arange(keys.numel(), device=ids.device)
+            self.index.pin(slots[~absent], step.id)  # before inserting: this step's rows stay
+            uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
+            candidates = torch.arange(uniq.numel(), device=keys.device)
             if self.counter is not None:
-                candidates = candidates[self._count_admission(keys, counts)]
+                candidates = candidates[self._count_admission(uniq, counts, step)]
             if candidates.numel():
                 generation = self._generation
-                new_slots = torch.full_like(keys, -1)
-                new_slots[candidates] = self._insert(keys[candidates])
+                new_slots = torch.full_like(uniq, -1)
+                new_slots[candidates] = self._insert(uniq[candidates], step)
                 if self._generation != generation:  # the table grew: every row moved
-                    slots = self.index.find(ids)
+                    slots = self.index.find(keys)
                 else:
                     slots[absent] = new_slots[inverse]
-        present = slots >= 0
-        touched = slots[present]  # one entry per occurrence
-        self._pinned[touched] = True
-        strategy = self.options.score_strategy
-        if strategy == "step":
-            self.index.scores[touched] = self.store.step
-        elif strategy == "lfu":
-            self.index.scores.index_add_(0, touched, torch.ones_like(touched))
-        elif strategy == "timestamp":
-            self.index.scores[touched] = time.time_ns() // 1000
-        return slots, present
+        touched = slots[slots >= 0]  # one entry per occurrence
+        self.index.pin(touched, step.id)
+        step.on_commit.append(self._score_update(touched, step))
+        return slots
 
-    def on_lookup(self, out: torch.Tensor, train: bool) -> None:
-        if not train:
-            return
-        self._last_seq = None
-        if out.requires_grad:
-            self._lookups += 1
-            seq = self._last_seq = self._lookups
-            self._pending.append(seq)
-            out.register_hook(lambda grad: self._settle(seq))
-        else:
-            self._release_pins_if_settled()
+    def _score_update(self, touched: torch.Tensor, step: Step):
+        """The score change of a step's touched slots, applied when the step commits (no growth
+        can move them before: growth waits for every other pending step)."""
+        strategy = self.options.score_strategy
+        if strategy == "lfu":
+            return lambda: self.index.add(touched, torch.ones_like(touched))
+        value = {"step": step.t, "timestamp": time.time_ns() // 1000}.get(strategy)
+        return (lambda: None) if value is None else (lambda: self.index.touch(touched, value))
 
     @property
-    def _pending_backward(self) -> int:
-        return len(self._pending)
+    def pinned(self) -> torch.Tensor:
+        """``[capacity]`` bool: the slots a pending training step has pinned (not evictable)."""
+        return torch.isin(self.index.pins, self._pending_ids() % PIN_WRAP) & self.index.occupied
 
-    def _settle(self, seq: int) -> None:
-        """The backward of lookup ``seq`` ran: it settles every lookup up to ``seq`` (an earlier
-        one whose backward never came was abandoned); with none left, pins are released."""
-        self._pending = [s for s in self._pending if s > seq]
-        self._release_pins_if_settled()
-
-    def _release_pins_if_settled(self) -> None:
-        """Pins last until every training lookup's backward has run (or been settled)."""
-        if not self._pending:
-            self._pinned.zero_()
-
-    def abort_step(self, looked_up: bool) -> None:
-        """Also releases the aborted forward's pins (and its pending backward)."""
-        super().abort_step(looked_up)
-        if looked_up and self._last_seq in self._pending:
-            self._pending.remove(self._last_seq)
-        self._release_pins_if_settled()
+    def _pending_ids(self) -> torch.Tensor:
+        return torch.tensor([s.id for s in self.steps.pending], dtype=torch.int64, device=self.device)
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _count_admission(self, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _count_admission(self, keys: torch.Tensor, counts: torch.Tensor, step: Step) -> torch.Tensor:
         """Adds this batch's occurrences; returns the mask of keys that reach the threshold
         (removed from the counter, to be inserted)."""
-        counter = self.counter
-        assert counter is not None and self.options.admission is not None
+        counter, admission = self.counter, self.options.admission
+        assert counter is not None and admission is not None
+        journal = step.journal
         slots = counter.find(keys)
         seen = slots >= 0
-        counter.scores.index_add_(0, slots[seen], counts[seen])
-        protected = torch.zeros_like(counter.occupied)
-        protected[slots[seen]] = True
-        plan = counter.plan_insert(keys[~seen], protected=protected, allow_evict=True)
-        counter.commit(plan, counts[~seen])
+        counter.add(slots[seen], counts[seen], journal)
+        counter.pin(slots[seen], step.id)  # this batch's counts are not evicted by its new keys
+        plan = counter.plan_insert(keys[~seen], pinned_by=self._pending_ids(), allow_evict=True)
+        counter.commit(plan, counts[~seen], journal)
         slots[~seen] = plan.slots
         totals = torch.where(slots >= 0, counter.scores[slots.clamp(min=0)], torch.zeros_like(counts))
-        admitted = totals >= self.options.admission.threshold
-        counter.remove(slots[admitted])
+        admitted = totals >= admission.threshold
+        counter.remove(slots[admitted], journal)
         return admitted
 
     # -- insertion, growth, eviction -------------------------------------------------------------
 
     def _can_grow(self) -> bool:
-        return self.index.num_buckets < self.max_buckets and self._pending_backward == 0
+        """Growth moves rows: only when no step but the current one is pending."""
+        return self.index.num_buckets < self.max_buckets and len(self.steps.pending) <= 1
 
-    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """Gives rows to absent ``keys`` (unique); returns their slots (-1: no row)."""
-        while self._can_grow() and self.size() + keys.numel() > self.options.growth_load_factor * self.capacity:
-            self._grow()
+    def _insert(self, keys: torch.Tensor, step: Optional[Step]) -> torch.Tensor:
+        """Gives rows to absent ``keys`` (unique); returns their slots (-1: no row). ``step``:
+        the training step doing it (its journal records the changes), or None (``write_rows``)."""
+        journal = step.journal if step is not None else None
+        options = self.options
+        while self._can_grow() and self.size + keys.numel() > options.growth_load_factor * self.capacity:
+            self._grow(journal)
         while True:
             at_max = self.index.num_buckets == self.max_buckets
-            allow_evict = self.options.score_strategy != "none" and (at_max or not self._can_grow())
-            plan = self.index.plan_insert(keys, protected=self._pinned, allow_evict=allow_evict)
+            allow_evict = options.score_strategy != "none" and (at_max or not self._can_grow())
+            plan = self.index.plan_insert(keys, pinned_by=self._pending_ids(), allow_evict=allow_evict)
             if bool(plan.overflow.any()) and self._can_grow():
-                self._grow()
+                self._grow(journal)
                 continue
             break
         overflow = int(plan.overflow.sum())
@@ -221,43 +236,56 @@ class DynamicTable(EmbeddingTable):
             message = (
                 f"table '{self.name}': {overflow} new key(s) could not get a row (capacity "
                 f"{self.capacity}, max_capacity {self.max_capacity}, score_strategy "
-                f"'{self.options.score_strategy}'; their buckets are full of rows "
-                f"{'pinned in this step' if self.options.score_strategy != 'none' else 'that cannot be evicted'})"
+                f"'{options.score_strategy}'; their buckets are full of rows "
+                f"{'pinned in this step' if options.score_strategy != 'none' else 'that cannot be evicted'})"
             )
-            if self.options.check_mode == "error":
+            if options.check_mode == "error":
                 raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
-            if self.options.check_mode == "warn":
-                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=4)
-            self.dropped_keys += overflow
-        self.evicted_keys += plan.evicted_slots.numel()
-        self.index.commit(plan, torch.zeros_like(keys))
+            if options.check_mode == "warn":
+                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=5)
+        self._count(journal, dropped=overflow, evicted=plan.evicted_slots.numel())
+        if journal is not None and plan.evicted_slots.numel():  # the evicted keys' rows come back on abort
+            evicted_slots, rows = plan.evicted_slots, self.store.read(plan.evicted_slots)
+            journal.record(lambda: self.store.write(evicted_slots, rows))
+        self.index.commit(plan, torch.zeros_like(keys), journal)
         ok = plan.slots >= 0
         new_slots = plan.slots[ok]
         self.store.reset_rows(new_slots, self.initial_weights(keys[ok]))
-        self._pinned[new_slots] = True
+        if step is not None:
+            self.index.pin(new_slots, step.id)
         return plan.slots
 
-    def _grow(self) -> None:
+    def _count(self, journal: Optional[Journal], dropped: int = 0, evicted: int = 0) -> None:
+        before = (self.dropped_keys, self.evicted_keys)
+        self.dropped_keys += dropped
+        self.evicted_keys += evicted
+
+        def undo() -> None:
+            self.dropped_keys, self.evicted_keys = before
+
+        if journal is not None and (dropped or evicted):
+            journal.record(undo)
+
+    def _grow(self, journal: Optional[Journal]) -> None:
+        old = (self.index, self.store.storage(), self.evicted_keys)
         self._rehash(min(self.max_buckets, self.index.num_buckets * 2))
+        if journal is not None:
+            journal.record(lambda: self._install(*old))
+
+    def _install(self, index: BucketedHashIndex, storage, evicted_keys: int) -> None:
+        self.index = index
+        self.store.restore_storage(storage)
+        self.evicted_keys = evicted_keys
+        self._generation += 1
 
     @torch.no_grad()
-    def _rehash(self, num_buckets: int) -> int:
-        """Moves every row into an index of ``num_buckets`` buckets; returns rows dropped (only
-        possible when a bucket of the new index overflows, i.e. not on a doubling)."""
-        slots, keys, scores = self.index.entries()
-        index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-        plan = index.plan_insert(keys, allow_evict=False, priority=scores)
-        index.commit(plan, scores)
-        ok = plan.slots >= 0
-        pinned = self._pinned[slots[ok]]
-        self.store.resize(index.capacity, slots[ok], plan.slots[ok])
+    def _rehash(self, num_buckets: int) -> None:
+        """Moves every row into an index of ``num_buckets`` (more than now) buckets."""
+        index, src, dst = self.index.rehashed(num_buckets)
+        self.evicted_keys += self.index.size - src.numel()  # only a growth to a non-multiple drops keys
+        self.store.resize(index.capacity, src, dst)
         self.index = index
         self._generation += 1
-        self._pinned = torch.zeros(index.capacity, dtype=torch.bool, device=self.device)
-        self._pinned[plan.slots[ok]] = pinned
-        dropped = int((~ok).sum())
-        self.evicted_keys += dropped
-        return dropped
 
     # -- rows by key ---------------------------------------------------------------------------
 
@@ -281,8 +309,7 @@ class DynamicTable(EmbeddingTable):
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
-            new = self._insert(keys[absent])
-            self._release_pins_if_settled()  # write_rows has no backward to wait for
+            new = self._insert(keys[absent], step=None)
             slots[absent] = new
             if bool((new < 0).any()):
                 raise TableFullError(f"table '{self.name}': write_rows could not place every key")
@@ -296,7 +323,7 @@ class DynamicTable(EmbeddingTable):
         slots, keys, scores = self.index.entries()
         out: dict[str, torch.Tensor] = {"keys": keys, "scores": scores, "slots": slots}
         out.update(self.store.read(slots))
-        out["step"] = torch.tensor(self.store.step, dtype=torch.int64)
+        out["step"] = torch.tensor(self.step, dtype=torch.int64)
         out["layout"] = torch.tensor([self.index.num_buckets, self.bucket_size], dtype=torch.int64)
         if self.counter is not None:
             cslots, ckeys, ccounts = self.counter.entries()
@@ -315,6 +342,7 @@ class DynamicTable(EmbeddingTable):
         ``weights_only`` resets optimizer states to their initial values and the step counter to
         0. Returns ``{"loaded": n, "dropped": m}``.
         """
+        fields = self._dump_fields(dump, weights_only)
         keys = dump["keys"].to(self.device)
         scores = dump["scores"].to(self.device)
         n = keys.numel()
@@ -324,11 +352,11 @@ class DynamicTable(EmbeddingTable):
             if bucket_size == self.bucket_size and num_buckets <= self.max_buckets:
                 index = BucketedHashIndex(num_buckets, bucket_size, self.device)
                 slots = dump["slots"].to(self.device)
-                index.commit(InsertPlan(keys, slots, slots[:0]), scores)
-                return self._restore(index, slots, torch.arange(n, device=self.device), dump, weights_only)
-        num_buckets = _num_buckets(self.options.init_capacity, self.bucket_size)  # type: ignore[arg-type]
-        num_buckets = min(num_buckets, self.max_buckets)
-        while num_buckets < self.max_buckets and n > self.options.growth_load_factor * num_buckets * self.bucket_size:
+                index.install(slots, keys, scores)
+                return self._restore(index, slots, torch.arange(n, device=self.device), dump, fields, weights_only)
+        options = self.options
+        num_buckets = min(_num_buckets(options.init_capacity, self.bucket_size), self.max_buckets)  # type: ignore[arg-type]
+        while num_buckets < self.max_buckets and n > options.growth_load_factor * num_buckets * self.bucket_size:
             num_buckets = min(self.max_buckets, num_buckets * 2)
         keep = torch.arange(n, device=self.device)
         capacity = num_buckets * self.bucket_size
@@ -338,31 +366,29 @@ class DynamicTable(EmbeddingTable):
         plan = index.plan_insert(keys[keep], allow_evict=False, priority=scores[keep])
         index.commit(plan, scores[keep])
         ok = plan.slots >= 0
-        return self._restore(index, plan.slots[ok], keep[ok], dump, weights_only)
+        return self._restore(index, plan.slots[ok], keep[ok], dump, fields, weights_only)
 
     def _restore(self, index: BucketedHashIndex, slots: torch.Tensor, src: torch.Tensor,
-                 dump: dict[str, torch.Tensor], weights_only: bool) -> dict[str, int]:
+                 dump: dict[str, torch.Tensor], fields: list[str], weights_only: bool) -> dict[str, int]:
         """Installs ``index`` and writes dump rows ``src`` into ``slots``."""
         self.index = index
         self._generation += 1
         self.store.reallocate(index.capacity)
-        self._pinned = torch.zeros(index.capacity, dtype=torch.bool, device=self.device)
-        self._pending = []
-        fields = ["weight"] if weights_only else ["weight", *self.store.states]
-        self.store.write(slots, {f: dump[f].to(self.device)[src] for f in fields})
-        self.store.step = 0 if weights_only else int(dump["step"])
+        self._load_rows(slots, src, dump, fields, weights_only)
         if self.counter is not None:
-            cap = self.counter.capacity
-            self.counter = BucketedHashIndex(self.counter.num_buckets, self.bucket_size, self.device)
-            if not weights_only and "admission_keys" in dump:
-                ckeys = dump["admission_keys"].to(self.device)
-                ccounts = dump["admission_counts"].to(self.device)
-                cslots = dump.get("admission_slots")
-                if cslots is not None and (cslots.numel() == 0 or int(cslots.max()) < cap):
-                    cslots = cslots.to(self.device)
-                    cplan = InsertPlan(ckeys, cslots, cslots[:0])  # the counter's own layout
-                else:
-                    cplan = self.counter.plan_insert(ckeys, allow_evict=False, priority=ccounts)
-                self.counter.commit(cplan, ccounts)
+            self.counter = self._restored_counter(self.counter, None if weights_only else dump)
         n = dump["keys"].numel()
         return {"loaded": slots.numel(), "dropped": n - slots.numel()}
+
+    def _restored_counter(self, counter: BucketedHashIndex, dump: Optional[dict[str, torch.Tensor]]):
+        fresh = BucketedHashIndex(counter.num_buckets, self.bucket_size, self.device)
+        if dump is None or "admission_keys" not in dump:
+            return fresh
+        ckeys = dump["admission_keys"].to(self.device)
+        ccounts = dump["admission_counts"].to(self.device)
+        cslots = dump.get("admission_slots")
+        if cslots is not None and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
+            fresh.install(cslots.to(self.device), ckeys, ccounts)  # the counter's own layout
+        else:
+            fresh.commit(fresh.plan_insert(ckeys, allow_evict=False, priority=ccounts), ccounts)
+        return fresh

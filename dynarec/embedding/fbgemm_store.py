@@ -115,6 +115,13 @@ class FbgemmRowStore(RowStore):
     def weight(self) -> torch.Tensor:
         return self._weight_view
 
+    def storage(self):
+        return (self.num_rows, self.tbe, self._weight_view, self._state_views)
+
+    def restore_storage(self, handle) -> None:
+        self.num_rows, self.tbe, self._weight_view, self._state_views = handle
+        self.tbe.set_learning_rate(self.lr)
+
     @property
     def states(self) -> dict[str, torch.Tensor]:
         return self._state_views
@@ -123,7 +130,7 @@ class FbgemmRowStore(RowStore):
         super().set_learning_rate(lr)
         self.tbe.set_learning_rate(self.lr)
 
-    def lookup(self, rows, offsets, per_sample_weights: Optional[torch.Tensor], train):
+    def lookup(self, rows, offsets, per_sample_weights: Optional[torch.Tensor], train, step=0):
         num_bags = offsets.numel() - 1
         if self._shared_feature_map:  # the second feature: num_bags empty bags
             offsets = torch.cat([offsets, offsets[-1:].expand(num_bags)])

@@ -4,11 +4,16 @@ dynarec's tables accept any object with torchrec ``KeyedJaggedTensor``'s accesso
 (``keys()``, ``values()``, ``lengths()``, ``weights_or_none()``): torchrec's KJT where it is
 installed, :class:`JaggedBatch` everywhere else. The layout is key-major: ``lengths`` holds
 ``len(keys) * B`` entries, feature 0's B lengths first.
+
+Splitting a batch into features needs each feature's id count on the host. A
+:class:`JaggedBatch` built from CPU tensors computes them (and each feature's longest sample)
+once, on the CPU, and carries them through ``to(device)``, so a GPU step never waits on the
+device for them; torchrec's KJT gives ``length_per_key()`` (cached by torchrec).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -23,6 +28,29 @@ class KeyedJaggedLike(Protocol):
     def weights_or_none(self) -> Optional[torch.Tensor]: ...
 
 
+@dataclass(frozen=True)
+class _HostStats:
+    """Per key: ids (sum of lengths), longest sample, shortest length (negative: invalid)."""
+
+    length_per_key: tuple[int, ...]
+    max_length_per_key: tuple[int, ...]
+    min_length_per_key: tuple[int, ...]
+
+
+def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
+    if not keys:
+        return _HostStats((), (), ())
+    if lengths.numel() % len(keys) != 0:
+        raise ValueError(f"lengths has {lengths.numel()} entries, not a multiple of {len(keys)} keys")
+    per_key = lengths.long().view(len(keys), -1)
+    if per_key.shape[1] == 0:
+        zeros = (0,) * len(keys)
+        return _HostStats(zeros, zeros, zeros)
+    # One transfer of 3 * F numbers (free when lengths are on the CPU).
+    stats = torch.stack([per_key.sum(1), per_key.max(1).values, per_key.min(1).values]).tolist()
+    return _HostStats(tuple(stats[0]), tuple(stats[1]), tuple(stats[2]))
+
+
 @dataclass
 class JaggedBatch:
     """A minimal KeyedJaggedTensor: ``values`` int64 ``[sum(lengths)]``, ``lengths`` int64
@@ -32,6 +60,11 @@ class JaggedBatch:
     _values: torch.Tensor
     _lengths: torch.Tensor
     _weights: Optional[torch.Tensor] = None
+    _stats: Optional[_HostStats] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._stats is None and self._lengths.device.type == "cpu":
+            self._stats = _host_stats(self._keys, self._lengths)
 
     def keys(self) -> list[str]:
         return self._keys
@@ -51,9 +84,18 @@ class JaggedBatch:
     def stride(self) -> int:
         return self._lengths.numel() // max(len(self._keys), 1)
 
-    def to(self, device: torch.device | str) -> "JaggedBatch":
-        w = None if self._weights is None else self._weights.to(device)
-        return JaggedBatch(list(self._keys), self._values.to(device), self._lengths.to(device), w)
+    def length_per_key(self) -> list[int]:
+        return list(self.host_stats().length_per_key)
+
+    def host_stats(self) -> _HostStats:
+        if self._stats is None:
+            self._stats = _host_stats(self._keys, self._lengths)
+        return self._stats
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
+        w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
+        return JaggedBatch(list(self._keys), self._values.to(device, non_blocking=non_blocking),
+                           self._lengths.to(device, non_blocking=non_blocking), w, self._stats)
 
     @classmethod
     def from_lists(
@@ -71,32 +113,35 @@ class JaggedBatch:
         lengths = [len(sample) for k in keys for sample in features[k]]
         w = None
         if weights is not None:
-            w = torch.tensor(
-                [x for k in keys for sample in weights[k] for x in sample], dtype=torch.float32
-            )
-        return cls(
-            keys,
-            torch.tensor(values, dtype=torch.int64),
-            torch.tensor(lengths, dtype=torch.int64),
-            w,
-        )
+            w = torch.tensor([x for k in keys for sample in weights[k] for x in sample], dtype=torch.float32)
+        return cls(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64), w)
 
 
 @dataclass
 class FeatureSlice:
-    """One feature of a batch: ``values [n]`` int64, ``lengths [B]`` int64, ``weights [n]``."""
+    """One feature of a batch: ``values [n]`` int64, ``lengths [B]`` int64, ``weights [n]``
+    float32 or None; ``num_ids`` (= n) and ``max_length`` (the longest sample) on the host."""
 
     name: str
     values: torch.Tensor
     lengths: torch.Tensor
     weights: Optional[torch.Tensor]
+    num_ids: int
+    max_length: int
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "FeatureSlice":
+        if self.values.device == device:
+            return self
+        w = None if self.weights is None else self.weights.to(device, non_blocking=non_blocking)
+        return FeatureSlice(self.name, self.values.to(device, non_blocking=non_blocking),
+                            self.lengths.to(device, non_blocking=non_blocking), w, self.num_ids, self.max_length)
 
 
 def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     """Splits a KJT-shaped batch into per-feature slices, validating its layout.
 
-    Raises ValueError naming the feature for negative lengths, and for lengths that do not
-    add up to the number of values.
+    Raises ValueError naming the feature for a negative length or a feature given twice, and
+    for lengths that do not add up to the number of values.
     """
     keys = list(kjt.keys())
     values = kjt.values()
@@ -104,33 +149,28 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     weights = kjt.weights_or_none()
     if values.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ids must be int64 (or int32), got {values.dtype}")
-    values = values.long()
-    lengths = lengths.long()
-    if keys and lengths.numel() % len(keys) != 0:
-        raise ValueError(f"lengths has {lengths.numel()} entries, not a multiple of {len(keys)} keys")
-    batch = lengths.numel() // max(len(keys), 1)
-    per_key = lengths.view(len(keys), batch) if keys else lengths.view(0, 0)
-    if lengths.numel() and bool((lengths < 0).any()):
-        bad = int(torch.nonzero((per_key < 0).any(dim=1))[0])
-        raise ValueError(
-            f"feature '{keys[bad]}' has a negative length ({int(per_key[bad].min())})"
-        )
-    totals = per_key.sum(dim=1).tolist()
-    if sum(totals) != values.numel():
-        raise ValueError(
-            f"lengths add up to {sum(totals)} ids but values holds {values.numel()}"
-        )
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"feature(s) {twice} appear more than once in the batch's keys {keys}")
+    if lengths.device != values.device:
+        raise ValueError(f"lengths are on {lengths.device} but values on {values.device}; "
+                         "move the whole batch to one device")
+    stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else _host_stats(keys, lengths)
+    for key, low in zip(keys, stats.min_length_per_key):
+        if low < 0:
+            raise ValueError(f"feature '{key}' has a negative length ({low})")
+    total = sum(stats.length_per_key)
+    if total != values.numel():
+        raise ValueError(f"lengths add up to {total} ids but values holds {values.numel()}")
     if weights is not None and weights.numel() != values.numel():
         raise ValueError(f"weights has {weights.numel()} entries, values {values.numel()}")
+    values, lengths = values.long(), lengths.long()
+    per_key = lengths.view(len(keys), -1) if keys else lengths.view(0, 0)
     out: dict[str, FeatureSlice] = {}
     start = 0
     for i, key in enumerate(keys):
-        end = start + int(totals[i])
-        out[key] = FeatureSlice(
-            key,
-            values[start:end],
-            per_key[i],
-            None if weights is None else weights[start:end].float(),
-        )
-        start = end
+        n = stats.length_per_key[i]
+        w = None if weights is None else weights[start : start + n].float()
+        out[key] = FeatureSlice(key, values[start : start + n], per_key[i], w, n, stats.max_length_per_key[i])
+        start += n
     return out

@@ -11,7 +11,7 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,9 @@ __all__ = ["RowStore", "NativeRowStore", "bag_gradients"]
 class RowStore(ABC):
     """Rows ``[num_rows, dim]`` float32 with the optimizer states ``spec`` lays out.
 
-    ``lr`` is the current learning rate (a schedule changes it with ``set_learning_rate``);
-    ``step`` is the table's step counter ``t``, advanced once per training step.
+    ``lr`` is the current learning rate (a schedule changes it with ``set_learning_rate``). The
+    step counter ``t`` is the table's (:class:`~dynarec.embedding.step.StepLifecycle`); a lookup
+    is given the ``t`` its backward updates with.
     """
 
     def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device):
@@ -35,7 +36,6 @@ class RowStore(ABC):
         self.spec = spec
         self.device = torch.device(device)
         self.lr = float(spec.lr)
-        self.step = 0
 
     @property
     @abstractmethod
@@ -49,7 +49,8 @@ class RowStore(ABC):
 
     @abstractmethod
     def lookup(
-        self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], train: bool
+        self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], train: bool,
+        step: int = 0,
     ) -> torch.Tensor:
         """Weighted-sum bags: ``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``.
 
@@ -59,6 +60,7 @@ class RowStore(ABC):
             per_sample_weights: ``[n]`` float32 or None (all ones).
             train: when True and grad is enabled, the output's backward applies the fused
                 optimizer update to the looked-up rows.
+            step: the table's step counter ``t`` of this training step (>= 1).
         Returns:
             ``[num_bags, dim]`` float32.
         """
@@ -75,8 +77,13 @@ class RowStore(ABC):
     def set_learning_rate(self, lr: float) -> None:
         self.lr = float(lr)
 
-    def advance_step(self) -> None:
-        self.step += 1
+    @abstractmethod
+    def storage(self) -> Any:
+        """An opaque handle to the current storage (no copy): :meth:`restore_storage` puts it
+        back after a resize, which allocates new storage (undoing a growth)."""
+
+    @abstractmethod
+    def restore_storage(self, handle: Any) -> None: ...
 
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of ``weight`` and every state at ``rows``."""
@@ -141,8 +148,9 @@ class _NativeFusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, store, rows, offsets, per_sample_weights):  # type: ignore[override]
+    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step):  # type: ignore[override]
         ctx.store = store
+        ctx.step = step
         ctx.save_for_backward(rows, offsets, per_sample_weights)
         return F.embedding_bag(
             rows, store.weight, offsets, mode="sum",
@@ -157,10 +165,10 @@ class _NativeFusedLookup(torch.autograd.Function):
         unique_rows, inverse = torch.unique(rows, return_inverse=True)
         agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
         fused_row_update(
-            store.spec, lr=store.lr, step=store.step, weight=store.weight,
+            store.spec, lr=store.lr, step=ctx.step, weight=store.weight,
             states=store.states, rows=unique_rows, grad=agg,
         )
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 class NativeRowStore(RowStore):
@@ -185,10 +193,16 @@ class NativeRowStore(RowStore):
     def states(self) -> dict[str, torch.Tensor]:
         return self._states
 
-    def lookup(self, rows, offsets, per_sample_weights, train):
+    def storage(self):
+        return (self.num_rows, self._weight, self._states)
+
+    def restore_storage(self, handle) -> None:
+        self.num_rows, self._weight, self._states = handle
+
+    def lookup(self, rows, offsets, per_sample_weights, train, step=0):
         if train and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
-            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights)
+            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step)
         return F.embedding_bag(
             rows, self._weight, offsets, mode="sum",
             per_sample_weights=per_sample_weights, include_last_offset=True,

@@ -73,7 +73,7 @@ def test_dynamic_equals_fixed(backend, spec):
     keys = torch.arange(n)
     rf, rd = fixed.read_rows("d", keys), dyn.read_rows("d", keys)
     present = rd.pop("present")
-    assert int(present.sum()) == dyn.tables["d"].size() > 10
+    assert int(present.sum()) == dyn.tables["d"].size > 10
     assert dyn.tables["d"].capacity > 16  # it grew on the way
     for k in rf:
         torch.testing.assert_close(rd[k][present], rf[k][present], **TOL)
@@ -174,9 +174,10 @@ def test_rows_looked_up_in_a_step_are_pinned():
     out2 = coll(JaggedBatch.from_lists({"f": [[60]]}))  # 10 pinned by out1; 20/30/40 free: 20 goes (ties)
     assert keys_present(t, [10, 20, 60]) == [10, 60]
     out1["f"].sum().backward()
-    assert t._pinned.sum() == 2  # 10 and 60: out2's backward is still pending
+    # A row is pinned until its own step's backward: 10 is free again, 60 waits for out2's backward.
+    assert t.pinned.nonzero().flatten().tolist() == t.index.find(torch.tensor([60])).tolist()
     out2["f"].sum().backward()
-    assert not bool(t._pinned.any())
+    assert not bool(t.pinned.any())
     del before
 
 
@@ -221,18 +222,18 @@ def test_growth_preserves_rows_bit_exactly_and_stops_at_max_capacity():
         assert torch.equal(grown[k], snapshot[k]), k
     with pytest.warns(UserWarning, match="136 new key"):  # 210 keys in one step, 64 slots, all pinned
         one(coll, {"f": [list(range(1000, 1200))]})
-    assert t.capacity == 64 and t.size() <= 64
+    assert t.capacity == 64 and t.size <= 64
 
 
 def test_an_abandoned_forward_is_settled_by_the_next_backward():
     coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
     t = coll.tables["d"]
     coll(JaggedBatch.from_lists({"f": [[1, 2]]}))  # a training forward whose backward never runs
-    assert t._pending_backward == 1 and bool(t._pinned.any())
+    assert len(t.steps.pending) == 1 and bool(t.pinned.any())
     one(coll, {"f": [[3]]})  # the next step's backward settles it
-    assert t._pending_backward == 0 and not bool(t._pinned.any())
+    assert len(t.steps.pending) == 0 and not bool(t.pinned.any())
     one(coll, {"f": [list(range(100, 120))]})
-    assert t.capacity > 8 and t.size() == 23
+    assert t.capacity > 8 and t.size == 23
 
 
 def test_no_growth_while_a_backward_is_pending():
@@ -251,7 +252,7 @@ def test_keys_anywhere_in_int64_range():
     one(coll, {"f": [extremes]})
     rows = coll.read_rows("d", torch.tensor(extremes))
     assert bool(rows["present"].all())
-    assert coll.tables["d"].size() == 5
+    assert coll.tables["d"].size == 5
 
 
 def test_eval_mode_leaves_table_bit_identical():
@@ -288,11 +289,12 @@ def test_soak_million_keys_into_bounded_table():
             values = chunk.double().remainder(1000.0).float()[:, None].expand(-1, 8).contiguous()
             t.write_rows(chunk, {"weight": values})
             written.update(dict.fromkeys(chunk.tolist(), True))
-        assert t.size() <= t.capacity <= max_capacity
-        assert t.size() == int(t.index.occupied.sum())
-    # Bytes bound from max capacity: per slot the weight (32 B), key, score (8 + 8 B), flags (2 B).
-    assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 2)
-    assert t.size() > 0.9 * t.capacity
+        assert t.size <= t.capacity <= max_capacity
+        assert t.size == int(t.index.occupied.sum())
+    # Bytes bound from max capacity: per slot the weight (32 B), key, score (8 + 8 B), the pin (4 B:
+    # the id of the step that pinned it) and the occupied flag (1 B).
+    assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 4 + 1)
+    assert t.size > 0.9 * t.capacity
     slots, keys, _ = t.index.entries()
     rows = t.read_rows(keys)
     assert bool(rows["present"].all())
@@ -311,7 +313,7 @@ def test_admission_threshold_counts_occurrences(backend):
     coll = EmbeddingCollection([dynamic(backend=backend, admission=adm)], SGD(lr=1.0))
     t = coll.tables["d"]
     out = one(coll, {"f": [[7, 7], [8]]})  # 7 seen twice, 8 once: no rows
-    assert t.size() == 0
+    assert t.size == 0
     torch.testing.assert_close(out["f"].detach(), torch.tensor([[1.0] * D, [0.5] * D]))
     dump = t.dump()
     assert dump["admission_keys"].tolist() == [7, 8] and dump["admission_counts"].tolist() == [2, 1]
@@ -392,7 +394,7 @@ def test_load_weights_only_resets_states():
 def test_report():
     t = trained_table(max_capacity=256, init_capacity=64)
     r = t.report()
-    assert r["size"] == t.size() and r["capacity"] == t.capacity and r["max_capacity"] == 256
+    assert r["size"] == t.size and r["capacity"] == t.capacity and r["max_capacity"] == 256
     assert r["load_factor"] == pytest.approx(r["size"] / r["capacity"])
     assert r["bytes"] == t.nbytes > 0
 

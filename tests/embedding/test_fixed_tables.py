@@ -172,7 +172,7 @@ def test_out_of_range_ids_name_table_feature_value_and_write_nothing(backend, ba
     with pytest.raises(ValueError, match=rf"table 'cate', feature 'cate_id': id {bad} is out of range \[0, 10\)"):
         coll(kjt)
     assert torch.equal(coll.read_rows("cate", torch.arange(10))["weight"], before)
-    assert coll.tables["user"].size() == 0 and coll.tables["user"].step == 0
+    assert coll.tables["user"].size == 0 and coll.tables["user"].step == 0
 
 
 def test_negative_length_names_feature():

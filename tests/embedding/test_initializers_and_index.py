@@ -57,21 +57,21 @@ def test_index_find_insert_remove_and_priority():
     plan = index.plan_insert(torch.tensor([30, 10, 20]))
     assert plan.slots.tolist() == [2, 0, 1]  # ascending keys take free slots in order
     index.commit(plan, torch.tensor([5, 7, 6]))
-    assert index.size() == 3 and index.find(torch.tensor([10, 20, 30, 40])).tolist() == [0, 1, 2, -1]
-    # Key 40 takes the free slot 3; key 50 then evicts the lowest unprotected score: key 30 (score
-    # 5) sits in the protected slot 2, so key 20 (score 6, slot 1) goes.
-    protected = torch.tensor([False, False, True, False])
-    plan = index.plan_insert(torch.tensor([50, 40]), protected=protected)
+    assert index.size == 3 and index.find(torch.tensor([10, 20, 30, 40])).tolist() == [0, 1, 2, -1]
+    # Key 40 takes the free slot 3; key 50 then evicts the lowest unpinned score: key 30 (score
+    # 5) sits in slot 2, pinned by pending step 7, so key 20 (score 6, slot 1) goes.
+    index.pin(torch.tensor([2]), step_id=7)
+    plan = index.plan_insert(torch.tensor([50, 40]), pinned_by=torch.tensor([7]))
     assert plan.slots.tolist() == [1, 3] and plan.evicted_slots.tolist() == [1]
     assert index.commit(plan, torch.tensor([9, 9])).tolist() == [20]
-    assert index.size() == 4 and index.find(torch.tensor([20, 30, 40, 50])).tolist() == [-1, 2, 3, 1]
+    assert index.size == 4 and index.find(torch.tensor([20, 30, 40, 50])).tolist() == [-1, 2, 3, 1]
     # Priority: the highest priorities win the slots (ties to the smaller key).
     fresh = BucketedHashIndex(num_buckets=1, bucket_size=2)
     plan = fresh.plan_insert(torch.tensor([1, 2, 3]), allow_evict=False, priority=torch.tensor([5, 9, 5]))
     assert plan.slots.tolist() == [1, 0, -1]
     fresh.commit(plan, torch.tensor([5, 9, 5]))
     fresh.remove(torch.tensor([0]))
-    assert fresh.size() == 1 and fresh.find(torch.tensor([2, 1])).tolist() == [-1, 1]
+    assert fresh.size == 1 and fresh.find(torch.tensor([2, 1])).tolist() == [-1, 1]
 
 
 def test_fbgemm_backend_without_fbgemm_names_native(monkeypatch):

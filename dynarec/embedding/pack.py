@@ -1,0 +1,121 @@
+"""Stages 1 and 3 of a table's forward: **pack** (features -> weighted bags) and **unpack**
+(pooled bags -> feature outputs).
+
+A table's forward is ``unpack(lookup(pack(features)))``:
+
+1. :func:`pack` turns every feature a table serves into one list of weighted bags over ids: a
+   pooled feature's sample is a bag; a sequence feature's every id is a bag of its own; mean
+   pooling puts ``1/L`` (``L`` the sample's full length) into the per-sample weights. It is pure
+   and runs where the batch is — sharding sends its output to the rows' owners.
+2. ``lookup`` (the table's) turns ids into rows and pools each bag: ``[num_bags, D]``; it is the
+   autograd boundary where the fused optimizer runs in backward. GPU kernels replace it.
+3. :func:`unpack` splits the pooled bags back into features: ``[B, D]`` for pooled features,
+   zero-padded ``[B, L, D]`` for sequences.
+
+Neither pack nor unpack reads a tensor's value on the host (no device sync): every size they need
+is carried on the host by the batch (``FeatureSlice.num_ids`` / ``max_length``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from dynarec.embedding.config import Pooling
+from dynarec.embedding.jagged import FeatureSlice
+
+__all__ = ["Bags", "BagLayout", "FeatureBags", "pack", "unpack", "pad_sequence_rows"]
+
+
+@dataclass
+class Bags:
+    """Weighted bags over ids: what pack produces and lookup consumes.
+
+    ``ids`` ``[n]`` int64 (row ids of a fixed table, keys of a dynamic one); ``offsets``
+    ``[num_bags + 1]`` int64 CSR offsets into ``ids``; ``weights`` ``[n]`` float32 or None (all
+    ones). Bag ``b`` pools ``sum_i weights[i] * row(ids[i])`` over ``i`` in its range.
+    """
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+
+    @property
+    def num_bags(self) -> int:
+        return self.offsets.numel() - 1
+
+
+@dataclass(frozen=True)
+class FeatureBags:
+    """One feature's share of the bags: ``num_bags`` consecutive bags, unpacked as ``pooling``.
+    ``lengths`` ``[B]`` are the samples' lengths; ``max_length`` their max (host int)."""
+
+    name: str
+    pooling: Pooling
+    num_bags: int
+    lengths: torch.Tensor
+    max_length: int
+
+
+@dataclass(frozen=True)
+class BagLayout:
+    """How :func:`unpack` splits ``[num_bags, D]`` back into features (stays on the batch's rank)."""
+
+    features: tuple[FeatureBags, ...]
+
+
+def pack(inputs: Sequence[tuple[str, Pooling, FeatureSlice]]) -> tuple[Bags, BagLayout]:
+    """Packs the features ``(name, pooling, slice)`` of one table into one list of bags.
+
+    Mean pooling divides by each sample's full length ``L`` through the per-sample weights
+    (FBGEMM's GPU meaning, with or without per-sample weights); an empty bag pools to zeros.
+    """
+    ids, lengths, weights, layout = [], [], [], []
+    need_weights = any(p == "mean" or s.weights is not None for _, p, s in inputs)
+    for name, pooling, s in inputs:
+        ids.append(s.values)
+        if pooling == "none":
+            lengths.append(torch.ones_like(s.values))
+            num_bags = s.num_ids
+        else:
+            lengths.append(s.lengths)
+            num_bags = s.lengths.numel()
+        w = s.weights
+        if pooling == "mean":
+            inv = 1.0 / s.lengths.clamp(min=1).to(torch.float32)
+            scale = torch.repeat_interleave(inv, s.lengths, output_size=s.num_ids)
+            w = scale if w is None else w * scale
+        if need_weights:
+            weights.append(w if w is not None else torch.ones(s.num_ids, device=s.values.device))
+        layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length))
+    all_lengths = torch.cat(lengths)
+    offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
+    bags = Bags(torch.cat(ids), offsets, torch.cat(weights) if need_weights else None)
+    return bags, BagLayout(tuple(layout))
+
+
+def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
+    """``[num_bags, D]`` -> ``{feature: [B, D]}`` (pooled) or ``{feature: [B, L, D]}`` (sequence,
+    zero-padded, ``L`` the batch's longest)."""
+    out: dict[str, torch.Tensor] = {}
+    start = 0
+    for f in layout.features:
+        chunk = pooled[start : start + f.num_bags]
+        start += f.num_bags
+        out[f.name] = pad_sequence_rows(chunk, f.lengths, f.max_length) if f.pooling == "none" else chunk
+    return out
+
+
+def pad_sequence_rows(rows: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """Jagged ``[n, D]`` (sample-major) -> padded ``[B, max_length, D]``, zeros past each length.
+
+    Differentiable w.r.t. ``rows``; ``max_length`` must be ``lengths.max()`` (0 when empty).
+    """
+    batch, n, dim = lengths.numel(), rows.shape[0], rows.shape[1]
+    starts = torch.cumsum(lengths, 0) - lengths
+    sample = torch.repeat_interleave(torch.arange(batch, device=rows.device), lengths, output_size=n)
+    position = torch.arange(n, device=rows.device) - starts[sample]
+    flat = rows.new_zeros(batch * max_length, dim).index_copy(0, sample * max_length + position, rows)
+    return flat.view(batch, max_length, dim)

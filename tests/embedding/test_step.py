@@ -1,0 +1,142 @@
+"""A table's training step: begin -> commit (backward) or abort, and an abort leaves no trace."""
+
+import pytest
+import torch
+
+from dynarec import AdmissionConfig, DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.embedding.pack import unpack
+from dynarec.embedding.jagged import split_features
+from dynarec.embedding.step import StepPendingError
+from dynarec.optim import Adagrad, Adam
+
+D = 4
+
+
+def dumps(coll):
+    return {n: t.dump() for n, t in coll.tables.items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+def train(coll, feats):
+    out = coll(JaggedBatch.from_lists(feats))
+    sum(v.sum() for v in out.values()).backward()
+
+
+def test_abort_restores_evicted_keys_with_their_rows_and_states():
+    # One bucket of 4 slots at max capacity, step scores: new keys evict the oldest rows.
+    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
+                                            dynamic=DynamicTableOptions(4, bucket_size=4))],
+                               Adam(lr=0.1))
+    for keys in ([1, 2], [3, 4], [1, 3]):
+        train(coll, {"f": [keys]})
+    t = coll.tables["d"]
+    before = dumps(coll)
+    evicted_before = t.evicted_keys
+    coll(JaggedBatch.from_lists({"f": [[7, 8]]}))  # evicts 2 and 4 (scores 1 and 2)
+    assert t.evicted_keys == evicted_before + 2 and t.step == 4
+    assert not bool(t.read_rows(torch.tensor([2]))["present"][0])
+    coll.abort_step()  # e.g. the loss was NaN: no backward will run
+    assert_same(before, dumps(coll))
+    assert t.evicted_keys == evicted_before and t.step == 3 and not t.steps.pending
+    # Training goes on as if the aborted step never happened.
+    train(coll, {"f": [[1]]})
+    assert t.step == 4
+
+
+def test_abort_takes_back_admission_counts_and_admitted_rows():
+    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
+                                            dynamic=DynamicTableOptions(64, bucket_size=4,
+                                                                        admission=AdmissionConfig(threshold=2)))],
+                               Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    train(coll, {"f": [[5, 6]]})  # counts 5:1, 6:1; no rows yet
+    t = coll.tables["d"]
+    assert t.size == 0
+    before = dumps(coll)
+    coll(JaggedBatch.from_lists({"f": [[5, 9]]}))  # 5 reaches 2: admitted; 9 counted
+    assert t.size == 1
+    coll.abort_step()
+    assert_same(before, dumps(coll))
+    assert t.size == 0
+
+
+def test_abort_undoes_a_growth():
+    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
+                                            dynamic=DynamicTableOptions(256, init_capacity=8, bucket_size=4))],
+                               Adagrad(lr=0.1))
+    train(coll, {"f": [[1, 2, 3]]})
+    t = coll.tables["d"]
+    before = dumps(coll)
+    coll(JaggedBatch.from_lists({"f": [list(range(10, 60))]}))
+    assert t.capacity > 8
+    coll.abort_step()
+    assert t.capacity == 8 and t.size == 3
+    assert_same(before, dumps(coll))
+
+
+def test_scores_change_only_when_the_step_commits():
+    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
+                                            dynamic=DynamicTableOptions(64, bucket_size=4, score_strategy="lfu"))],
+                               Adagrad(lr=0.1))
+    train(coll, {"f": [[1, 1, 2]]})
+    t = coll.tables["d"]
+    assert dict(zip(t.dump()["keys"].tolist(), t.dump()["scores"].tolist())) == {1: 2, 2: 1}
+    out = coll(JaggedBatch.from_lists({"f": [[1]]}))
+    assert dict(zip(t.dump()["keys"].tolist(), t.dump()["scores"].tolist())) == {1: 2, 2: 1}
+    out["f"].sum().backward()
+    assert dict(zip(t.dump()["keys"].tolist(), t.dump()["scores"].tolist())) == {1: 3, 2: 1}
+
+
+def test_step_counter_moves_only_through_the_lifecycle():
+    coll = EmbeddingCollection([TableConfig(name="f", dim=D, num_embeddings=10, features=["a"])], Adam(lr=0.1))
+    t = coll.tables["f"]
+    assert t.step == 0
+    out = coll(JaggedBatch.from_lists({"a": [[1]]}))
+    assert t.step == 1 and len(t.steps.pending) == 1
+    with pytest.raises(StepPendingError, match="table 'f': load while a training step is pending"):
+        t.load(t.dump())
+    out["a"].sum().backward()
+    assert t.step == 1 and not t.steps.pending
+    coll.eval()
+    coll(JaggedBatch.from_lists({"a": [[1]]}))
+    assert t.step == 1
+    with pytest.raises(AttributeError):
+        t.step = 5  # no setter: the counter is the lifecycle's
+
+
+def test_a_no_grad_training_forward_commits_at_once():
+    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(64))],
+                               Adagrad(lr=0.1))
+    with torch.no_grad():
+        coll(JaggedBatch.from_lists({"f": [[1, 2]]}))
+    t = coll.tables["d"]
+    assert t.size == 2 and t.step == 1 and not t.steps.pending
+
+
+def test_forward_is_pack_lookup_unpack():
+    from dynarec import FeatureConfig
+
+    features = ["item", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
+    coll = EmbeddingCollection([TableConfig(name="t", dim=D, num_embeddings=20, features=features)], Adagrad())
+    coll.eval()
+    kjt = JaggedBatch.from_lists({"item": [[1], [2, 3]], "hist": [[4, 5, 6], []], "m": [[7, 8], [9]]},
+                                 {"item": [[1.0], [0.5, 2.0]], "hist": [[1.0, 1.0, 3.0], []], "m": [[1.0, 1.0], [4.0]]})
+    table = coll.tables["t"]
+    bags, layout = table.pack(split_features(kjt))
+    # item: 2 bags; hist: one bag per id (3); m: 2 bags with 1/L in the weights.
+    assert bags.offsets.tolist() == [0, 1, 3, 4, 5, 6, 8, 9]
+    assert bags.weights.tolist() == [1.0, 0.5, 2.0, 1.0, 1.0, 3.0, 0.5, 0.5, 4.0]
+    pooled = table.lookup(bags, train=False)
+    assert pooled.shape == (7, D)
+    out = unpack(pooled, layout)
+    expected = coll(kjt)
+    assert out.keys() == expected.keys()
+    for k in out:
+        assert torch.equal(out[k], expected[k]), k
+    assert out["hist"].shape == (2, 3, D) and torch.equal(out["hist"][1], torch.zeros(3, D))
