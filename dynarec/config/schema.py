@@ -291,13 +291,23 @@ class TrainCfg(Strict):
     sparse_lr_schedule: LRScheduleCfg = LRScheduleCfg()
     dense_lr_schedule: LRScheduleCfg = LRScheduleCfg()
     sparse_backend: Backend = "native"
-    num_epochs: Count = 1
-    num_steps: Optional[Count] = None
+    num_epochs: Optional[Count] = None  # passes over the training data (default 1) ...
+    num_steps: Optional[Count] = None  # ... or exactly this many steps, cycling the data as needed
     save_checkpoints_steps: Optional[Count] = None
     keep_checkpoints: Count = 3
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self):
+        if self.num_epochs is not None and self.num_steps is not None:
+            raise ValueError("give one of num_epochs or num_steps, not both")
+        return self
+
+    @property
+    def epochs(self) -> int:
+        return self.num_epochs or 1
 
 
 class EvalCfg(Strict):

@@ -1,15 +1,15 @@
 """Parquet and CSV readers (pyarrow): files -> fixed-size batches, in a deterministic order.
 
 Files are read in sorted order, rows in file order; batches hold exactly ``batch_size`` rows
-(the last one of an epoch may hold fewer), whatever the files' row groups. With DataLoader
-workers, worker ``w`` of ``W`` reads files ``w, w + W, ...`` and the loader interleaves their
-batches round-robin, which is deterministic too.
+(the last one of an epoch may hold fewer), whatever the files' row groups or the number of
+DataLoader workers. A data position (epoch, rows consumed) seeks straight to its row.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
 
-__all__ = ["resolve_files", "ArrowBatchDataset", "make_loader", "read_table"]
+__all__ = ["resolve_files", "ArrowBatchDataset", "DataPosition", "make_loader", "num_rows", "read_table"]
 
 
 def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list[str]:
@@ -72,53 +72,161 @@ def _record_batches(path: str, columns: list[str], input_type: Optional[str]) ->
             yield from reader
 
 
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def num_rows(path: str, input_type: Optional[str] = None) -> int:
+    """Rows of a file: a Parquet footer's count, or a CSV file's rows (read once)."""
+    if _file_type(path, input_type) == "parquet":
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
+        return sum(b.num_rows for b in reader)
+
+
+def _record_batches_from(path: str, columns: list[str], input_type: Optional[str],
+                         skip: int) -> Iterator[tuple[int, pa.Table]]:
+    """``(first row in file, table)`` of ``path`` from row ``skip`` on; Parquet row groups before
+    it are not read."""
+    row = 0
+    source: Iterator[pa.RecordBatch]
+    if _file_type(path, input_type) == "parquet":
+        f = pq.ParquetFile(path)
+        groups = []
+        for g in range(f.metadata.num_row_groups):
+            n = f.metadata.row_group(g).num_rows
+            if not groups and row + n <= skip:  # every group before the one holding row `skip`
+                row += n
+            else:
+                groups.append(g)
+        source = f.iter_batches(batch_size=65536, columns=columns, row_groups=groups) if groups else iter(())
+    else:
+        source = _record_batches(path, columns, input_type)
+    for rb in source:
+        table = pa.Table.from_batches([rb])
+        if row + table.num_rows > skip:
+            cut = max(skip - row, 0)
+            yield row + cut, table.slice(cut)
+        row += table.num_rows
+
+
 def read_table(path: str, columns: Optional[list[str]] = None, input_type: Optional[str] = None) -> pa.Table:
     batches = list(_record_batches(path, columns or file_schema(path, input_type).names, input_type))
     return pa.Table.from_batches(batches) if batches else file_schema(path, input_type).empty_table()
 
 
-class ArrowBatchDataset(IterableDataset):
-    """Yields :class:`Batch` objects from ``files``; ``skip`` batches (of this dataset's own
-    stream, before worker interleaving) are read and dropped first."""
+@dataclass(frozen=True)
+class DataPosition:
+    """Where training stands in its input: ``epoch`` and the rows of it already consumed (a
+    multiple of the global batch). A checkpoint stores it; a resume seeks to it."""
 
-    def __init__(self, files: list[str], builder: BatchBuilder, batch_size: int, input_type: Optional[str] = None):
+    epoch: int = 0
+    row: int = 0
+
+
+class ArrowBatchDataset(IterableDataset):
+    """Yields :class:`Batch` objects from ``files``, read in order from row ``start_row`` on.
+
+    Step ``s`` consumes rows ``[start_row + s*G, start_row + (s+1)*G)`` of the files' rows in
+    order, ``G = batch_size * world_size`` (the global batch); rank ``r`` of ``world_size``
+    builds its contiguous ``r``-th share of them (``batch_size`` rows; of a short last global
+    batch of ``R`` rows, rows ``[r*R//W, (r+1)*R//W)``). DataLoader worker ``w`` of ``W``
+    builds steps ``w, w + W, ...``, so the batches are the same whatever the number of workers.
+    Seeking to ``start_row`` reads no row before it: Parquet row groups are skipped by their
+    metadata, whole files by their row counts.
+    """
+
+    def __init__(self, files: list[str], builder: BatchBuilder, batch_size: int, input_type: Optional[str] = None,
+                 start_row: int = 0, rank: int = 0, world_size: int = 1):
         super().__init__()
         self.files = files
         self.builder = builder
         self.batch_size = batch_size
         self.input_type = input_type
+        self.start_row = start_row
+        self.rank = rank
+        self.world_size = world_size
+        self._row_counts: Optional[list[int]] = None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
 
     def check_files(self) -> None:
-        """Validates every file's schema before anything is read or written."""
+        """Validates every file's schema before anything is read or written: each has every
+        column a batch needs, and a column has one type in every file (numbers of any width
+        and sign mix: they are widened)."""
+        first: dict[str, tuple[str, pa.DataType]] = {}
         for f in self.files:
-            self.builder.check_schema(file_schema(f, self.input_type), f)
+            schema = file_schema(f, self.input_type)
+            self.builder.check_schema(schema, f)
+            for column in self.builder.columns():
+                t = schema.field(column).type
+                seen = first.setdefault(column, (f, t))
+                if seen[1] != t and not (_numeric(seen[1]) and _numeric(t)):
+                    raise DataError(f"column '{column}' has type {seen[1]} in {seen[0]} but {t} in {f}; "
+                                    "give every file the same type")
 
-    def _my_files(self) -> list[str]:
-        info = get_worker_info()
-        if info is None:
-            return self.files
-        return self.files[info.id :: info.num_workers]
+    def row_counts(self) -> list[int]:
+        """Rows of each file (Parquet: from the footer; CSV: counted once)."""
+        if self._row_counts is None:
+            self._row_counts = [num_rows(f, self.input_type) for f in self.files]
+        return self._row_counts
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_counts())
+
+    def num_steps(self) -> int:
+        """Global batches in one pass from ``start_row``."""
+        return -(-max(self.num_rows - self.start_row, 0) // self.global_batch_size)
+
+    def _pieces(self) -> Iterator[tuple[str, int, pa.Table]]:
+        """``(file, first row in file, slice)`` covering every row from ``start_row`` on."""
+        skip = self.start_row
+        columns = self.builder.columns()
+        for path, count in zip(self.files, self.row_counts()):
+            if skip >= count:
+                skip -= count
+                continue
+            for first, table in _record_batches_from(path, columns, self.input_type, skip):
+                yield path, first, table
+            skip = 0
 
     def __iter__(self) -> Iterator[Batch]:
-        columns = self.builder.columns()
-        pieces: list[tuple[str, int, pa.Table]] = []  # (file, first row in file, zero-copy slice)
-        rows = 0
-        for path in self._my_files():
-            row_in_file = 0
-            for rb in _record_batches(path, columns, self.input_type):
-                table = pa.Table.from_batches([rb])
-                start = 0
-                while start < table.num_rows:
-                    take = min(table.num_rows - start, self.batch_size - rows)
-                    pieces.append((path, row_in_file + start, table.slice(start, take)))
-                    rows += take
-                    start += take
-                    if rows == self.batch_size:
-                        yield self._build(pieces)
-                        pieces, rows = [], 0
-                row_in_file += table.num_rows
-        if pieces:
-            yield self._build(pieces)
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        global_batch = self.global_batch_size
+        pieces: list[tuple[str, int, pa.Table]] = []  # the current global batch
+        rows = step = 0
+        for path, first, table in self._pieces():
+            start = 0
+            while start < table.num_rows:
+                take = min(table.num_rows - start, global_batch - rows)
+                if step % workers == worker:  # only this worker's steps are kept and built
+                    pieces.append((path, first + start, table.slice(start, take)))
+                rows += take
+                start += take
+                if rows == global_batch:
+                    if pieces:
+                        yield self._build_share(pieces, rows)
+                    pieces, rows, step = [], 0, step + 1
+        if rows and pieces:
+            yield self._build_share(pieces, rows)
+
+    def _build_share(self, pieces: list[tuple[str, int, pa.Table]], rows: int) -> Batch:
+        """This rank's contiguous share of a global batch of ``rows`` rows."""
+        lo, hi = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
+        mine, offset = [], 0
+        for path, first, t in pieces:
+            a, b = max(lo - offset, 0), min(hi - offset, t.num_rows)
+            if a < b:
+                mine.append((path, first + a, t.slice(a, b - a)))
+            offset += t.num_rows
+        return self._build(mine)
 
     def _build(self, pieces: list[tuple[str, int, pa.Table]]) -> Batch:
         """One Batch from consecutive slices; contiguous slices of a file form one run of the
@@ -129,7 +237,8 @@ class ArrowBatchDataset(IterableDataset):
                 runs[-1] = (path, runs[-1][1], runs[-1][2] + t.num_rows)
             else:
                 runs.append((path, first, t.num_rows))
-        table = pa.concat_tables([t for _, _, t in pieces]) if len(pieces) > 1 else pieces[0][2]
+        tables = [t for _, _, t in pieces]
+        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         return self.builder.build(table, RowOrigin(tuple(runs)))
 
 

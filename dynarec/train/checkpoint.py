@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointError", "CheckpointManager", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "list_checkpoints"]
 
 STATE, TABLES, MANIFEST, LATEST = "state.pt", "tables.pt", "manifest.json", "latest"
 
@@ -140,3 +141,29 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, tor
         except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is bad
             raise CheckpointError(f"corrupt checkpoint: {f} cannot be loaded ({e})") from None
     return loaded[0], loaded[1]
+
+
+class CheckpointManager:
+    """The checkpoints of one model directory (``model_dir/checkpoints``): atomic saves that keep
+    the newest ``keep``, the latest one, verified loads."""
+
+    def __init__(self, model_dir: Path, keep: int = 3):
+        self.dir = Path(model_dir) / "checkpoints"
+        self.keep = keep
+
+    def list(self) -> list[Path]:
+        return list_checkpoints(self.dir)
+
+    def latest(self) -> Optional[Path]:
+        return latest_checkpoint(self.dir)
+
+    def save(self, step: int, state: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> Path:
+        return save_checkpoint(self.dir, step, state, tables, keep=self.keep)
+
+    def load(self, path: Optional[Path] = None) -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """``(path, state, tables)`` of ``path`` (default: the latest checkpoint)."""
+        path = path or self.latest()
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {self.dir}")
+        state, tables = load_checkpoint(path)
+        return path, state, tables

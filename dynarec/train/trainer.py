@@ -1,4 +1,8 @@
-"""The trainer: train with periodic eval, evaluate, checkpoint and resume.
+"""The trainer: the step loop, with periodic eval and checkpoints, and exact resume.
+
+Three parts, each with one job: this step loop (data position, learning rates, the step, eval),
+:class:`~dynarec.train.checkpoint.CheckpointManager` (atomic checkpoints) and
+:class:`~dynarec.train.sink.TrainingLog` (progress, TensorBoard, history, metrics.json, curves).
 
 Model directory layout::
 
@@ -9,16 +13,13 @@ Model directory layout::
     metrics.json           loss and eval history, final eval metrics
 
 Nothing is written until the config and the input files have been checked and the first batch
-has been read, so bad input leaves an empty (or untouched) model directory.
+has been read, so bad input leaves an empty (or untouched) model directory. A checkpoint holds
+the data position (epoch, rows consumed): a resume seeks straight to it, reading no earlier row.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import math
-import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -29,10 +30,11 @@ from torch import nn
 
 from dynarec.config.load import config_fingerprint
 from dynarec.config.schema import Config
-from dynarec.data.batch import Batch, BatchBuilder
-from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
+from dynarec.data.batch import Batch, BatchBuilder, DataError
+from dynarec.data.reader import ArrowBatchDataset, DataPosition, make_loader, resolve_files
 from dynarec.metrics import auc, grouped_auc, log_loss
-from dynarec.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from dynarec.train.checkpoint import CheckpointError, CheckpointManager
+from dynarec.train.sink import TrainingLog
 from dynarec.train.task import RankingTask
 
 __all__ = ["Trainer"]
@@ -42,24 +44,28 @@ class Trainer:
     def __init__(self, config: Config, model_dir: str | Path, device: str = "cpu", progress: bool = True):
         self.config = config
         self.model_dir = Path(model_dir)
-        self.ckpt_dir = self.model_dir / "checkpoints"
         self.device = torch.device(device)
-        self.progress = progress
-        torch.manual_seed(config.train.seed)
-        self.task = RankingTask(config, self.device)
+        # The dense model's initial weights come from the config's seed, without touching the
+        # process's global RNG (nothing else in a training step draws random numbers).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.train.seed)
+            self.task = RankingTask(config, self.device)
         self.dense_optimizer = config.train.dense_optimizer.build(self.task.dense.parameters())
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
+        self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
+        self.log = TrainingLog(self.model_dir, progress=progress)
         self.step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self.history: dict[str, list] = {"train_loss": [], "eval": []}
-        self._writer = None
+        self.position = DataPosition()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.data.batch_size
 
     # -- data ------------------------------------------------------------------------------
 
-    def _dataset(self, paths, batch_size: int, with_labels: bool = True) -> ArrowBatchDataset:
+    def _dataset(self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0) -> ArrowBatchDataset:
         ds = ArrowBatchDataset(resolve_files(paths), BatchBuilder(self.config, with_labels), batch_size,
-                               self.config.data.input_type)
+                               self.config.data.input_type, start_row=start_row)
         ds.check_files()
         return ds
 
@@ -72,23 +78,42 @@ class Trainer:
     def _eval_batch_size(self) -> int:
         return self.config.data.eval_batch_size or self.config.data.batch_size
 
+    def _train_batches(self) -> Iterator[tuple[Batch, DataPosition]]:
+        """``(batch, the data position after it)`` from the current position on, epoch after
+        epoch (with ``num_steps``: as many epochs as it takes)."""
+        cfg = self.config
+        position = self.position
+        while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
+            dataset = self._dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
+            if dataset.num_rows == 0:
+                raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
+            for batch in make_loader(dataset, cfg.data.num_workers):
+                row = min(position.row + self.global_batch_size, dataset.num_rows)
+                position = DataPosition(position.epoch, row) if row < dataset.num_rows else \
+                    DataPosition(position.epoch + 1, 0)
+                yield batch, position
+            if position.row:  # the input ended early (files changed since the position was saved)
+                position = DataPosition(position.epoch + 1, 0)
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
         return {
-            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step,
+            "epoch": self.position.epoch,
+            "row": self.position.row,
+            "global_batch_size": self.global_batch_size,
             "dense": self.task.dense.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "fingerprint": config_fingerprint(self.config),
-            "torch_rng": torch.get_rng_state(),
-            "history": json.dumps(self.history),
+            "history": self.log.state(),
         }
 
     def save(self) -> Path:
         tables = {name: t.dump() for name, t in self.task.embeddings.tables.items()}
-        return save_checkpoint(self.ckpt_dir, self.step, self._state(), tables, keep=self.config.train.keep_checkpoints)
+        return self.checkpoints.save(self.step, self._state(), tables)
 
-    def _check_fingerprint(self, state: dict, where: Path) -> None:
+    def _check_compatible(self, state: dict, where: Path) -> None:
         mine = config_fingerprint(self.config)
         theirs = state.get("fingerprint", {})
         differ = [k for k in mine if theirs.get(k) != mine[k]]
@@ -97,14 +122,15 @@ class Trainer:
                 f"{where} was written with a different config: its {' and '.join(differ)} differ from this "
                 f"config's; use the config it was trained with, or another model_dir"
             )
+        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
+            raise CheckpointError(
+                f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
+                f"{self.global_batch_size} (data.batch_size); resume with the same batch size")
 
     def restore(self, path: Optional[Path] = None) -> Path:
         """Loads ``path`` (default: the latest checkpoint of the model directory)."""
-        path = path or latest_checkpoint(self.ckpt_dir)
-        if path is None:
-            raise CheckpointError(f"no checkpoint in {self.ckpt_dir}")
-        state, tables = load_checkpoint(path)
-        self._check_fingerprint(state, path)
+        path, state, tables = self.checkpoints.load(path)
+        self._check_compatible(state, path)
         mine = set(self.task.embeddings.tables)
         if set(tables) != mine:
             raise CheckpointError(f"{path}: holds tables {sorted(tables)}, the config has {sorted(mine)}")
@@ -112,9 +138,9 @@ class Trainer:
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         for name, dump in tables.items():
             self.task.embeddings.tables[name].load(dump)
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        torch.set_rng_state(state["torch_rng"])
-        self.history = json.loads(state["history"])
+        self.step = state["step"]
+        self.position = DataPosition(state["epoch"], state["row"])
+        self.log.load_state(state["history"])
         return path
 
     # -- training --------------------------------------------------------------------------
@@ -128,7 +154,8 @@ class Trainer:
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
             g["lr"] = base * f
 
-    def train_step(self, batch: Batch) -> float:
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One step; returns the loss (on the device: reading it is the caller's choice)."""
         self.task.train()
         self._set_learning_rates()
         logits = self.task(batch)
@@ -137,90 +164,61 @@ class Trainer:
         loss.backward()  # the fused sparse optimizer updates the touched rows here
         self.dense_optimizer.step()
         self.step += 1
-        return float(loss.detach())
-
-    def _batches(self, dataset: ArrowBatchDataset) -> Iterator[tuple[int, int, Batch]]:
-        """(epoch, index in epoch, batch) from the current data position on."""
-        while self.epoch < self.config.train.num_epochs:
-            for i, batch in enumerate(make_loader(dataset, self.config.data.num_workers)):
-                if i < self.batch_in_epoch:
-                    continue  # consumed before the checkpoint this run resumed from
-                yield self.epoch, i, batch
-            self.epoch += 1
-            self.batch_in_epoch = 0
+        return loss.detach()
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
         """Trains to ``num_steps`` (or ``num_epochs``), evaluating and checkpointing on the way;
-        returns the final eval metrics (empty without eval data)."""
+        returns the final report (eval metrics empty without eval data)."""
         cfg = self.config
-        dataset = self._dataset(cfg.data.train_input_path, cfg.data.batch_size)
+        self._dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
         if cfg.data.eval_input_path:
-            self._dataset(cfg.data.eval_input_path, self._eval_batch_size())  # check before writing
-        existing = list_checkpoints(self.ckpt_dir)
+            self._dataset(cfg.data.eval_input_path, self._eval_batch_size())
+        existing = self.checkpoints.list()
         if resume:
             if existing:
                 self.restore()
         elif existing:
             raise CheckpointError(f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "
                                   "pass --resume to continue, or choose another model_dir")
-        batches = self._batches(dataset)
-        first = next(batches, None)  # reads (and validates) the first batch before anything is written
+        batches = self._train_batches()
+        # The first batch is read (and validated) before anything is written.
+        first = next(batches, None) if self._more_steps() else None
         self.model_dir.mkdir(parents=True, exist_ok=True)
         (self.model_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        bar = self._progress_bar()
-        start, start_step, running = time.perf_counter(), self.step, None
+        self.log.start(self.step, cfg.train.num_steps)
+        start_step = self.step
         evaluated_at = saved_at = None
-        for epoch, index, batch in itertools.chain([first] if first is not None else [], batches):
-            if cfg.train.num_steps is not None and self.step >= cfg.train.num_steps:
-                break
+        item = first
+        while item is not None:
+            batch, self.position = item
             loss = self.train_step(batch)
-            self.batch_in_epoch = index + 1
-            running = loss if running is None else 0.98 * running + 0.02 * loss
-            if self.step % cfg.train.log_step_count_steps == 0 or self.step == 1:
-                self.history["train_loss"].append([self.step, loss])
-                self._log({"train/loss": loss, "train/running_loss": running})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{running:.4f}", epoch=epoch)
+            record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
+            self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
-                metrics, evaluated_at = self.evaluate(), self.step
-                self._record_eval(metrics)
-                self._report(running, start, start_step, f"; eval auc {metrics.get('auc', math.nan):.4f}")
+                self.log.eval(self.step, self.evaluate())
+                evaluated_at = self.step
             if cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0:
                 self.save()
                 saved_at = self.step
-                self._report(running, start, start_step, "; checkpoint saved")
-        if bar is not None:
-            bar.close()
-        seconds = time.perf_counter() - start
+                self.log.line(self.step, "checkpoint saved")
+            item = next(batches, None) if self._more_steps() else None
+        seconds = self.log.seconds
         if saved_at != self.step:
             self.save()
         final: dict[str, Any] = {}
         if cfg.data.eval_input_path:
             if evaluated_at == self.step:
-                final = self.history["eval"][-1][1]
+                final = self.log.history["eval"][-1][1]
             else:
                 final = self.evaluate()
-                self._record_eval(final)
-        final_report = {"step": self.step, "train_seconds": seconds,
-                        "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
-                        "eval": final}
-        self._write_outputs(final_report)
-        return final_report
+                self.log.eval(self.step, final)
+        report = {"step": self.step, "train_seconds": seconds,
+                  "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan, "eval": final}
+        self.log.finish(report)
+        return report
 
-    def _progress_bar(self):
-        """A tqdm bar on a terminal; elsewhere (logs, CI) :meth:`_report` prints plain lines."""
-        if not self.progress or not sys.stderr.isatty():
-            return None
-        from tqdm import tqdm
-
-        total = self.config.train.num_steps
-        return tqdm(total=total, initial=self.step if total else 0, unit="step", dynamic_ncols=True, desc="train")
-
-    def _report(self, running: float, start: float, start_step: int, extra: str = "") -> None:
-        if self.progress and not sys.stderr.isatty():
-            rate = (self.step - start_step) / max(time.perf_counter() - start, 1e-9)
-            print(f"step {self.step}: running loss {running:.4f}, {rate:.1f} steps/s{extra}", file=sys.stderr, flush=True)
+    def _more_steps(self) -> bool:
+        return self.config.train.num_steps is None or self.step < self.config.train.num_steps
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -256,50 +254,3 @@ class Trainer:
             elif m == "grouped_auc" and groups is not None:
                 metrics["grouped_auc"] = grouped_auc(probs, labels, groups)
         return metrics
-
-    def _record_eval(self, metrics: dict[str, float]) -> None:
-        self.history["eval"].append([self.step, metrics])
-        self._log({f"eval/{k}": v for k, v in metrics.items() if k != "num_examples"})
-
-    # -- outputs ---------------------------------------------------------------------------
-
-    def _log(self, scalars: dict[str, float]) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.model_dir / "tb"))
-        for k, v in scalars.items():
-            if not (isinstance(v, float) and math.isnan(v)):
-                self._writer.add_scalar(k, v, self.step)
-
-    def _write_outputs(self, final: dict[str, Any]) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-        (self.model_dir / "metrics.json").write_text(json.dumps({"final": final, "history": self.history}, indent=1))
-        plot_curves(self.history, self.model_dir / "curves.png")
-
-
-def plot_curves(history: dict[str, list], path: Path) -> None:
-    """Training loss and eval metrics against the step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    if history["train_loss"]:
-        steps, losses = zip(*history["train_loss"])
-        ax1.plot(steps, losses, label="train loss")
-    ax1.set_xlabel("step")
-    ax1.set_title("training loss (BCE)")
-    for key in ("auc", "grouped_auc"):
-        pts = [(s, m[key]) for s, m in history["eval"] if key in m and not math.isnan(m[key])]
-        if pts:
-            ax2.plot(*zip(*pts), marker="o", label=f"eval {key}")
-    ax2.set_xlabel("step")
-    ax2.set_title("eval")
-    if ax2.lines:
-        ax2.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)

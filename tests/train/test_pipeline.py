@@ -101,8 +101,8 @@ def assert_same(a, b, path="") -> None:
 
 def test_resume_is_exact_across_processes(data_root, tmp_path):
     # Two epochs of 12 steps; stop at 15 (mid-epoch 2), resume in a fresh process to 24.
-    common = dict(train__num_epochs=2, data__eval_input_path=None)
-    c = config_dict(**common)
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
     c["train"]["sparse_optimizer"] = {"adagrad_optimizer": {"lr": 0.05, "initial_accumulator_value": 0.1}}
     straight = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 24}}, "straight.yaml")
     half = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 15}}, "half.yaml")

@@ -1,0 +1,136 @@
+"""Where a training run reports: progress, TensorBoard, the loss/eval history, metrics.json and
+curves.png. The trainer hands it numbers; it owns every file it writes under the model dir.
+
+On a terminal a tqdm bar shows progress; elsewhere (logs, CI) plain lines do. A sink made with
+``enabled=False`` (the non-zero ranks of a multi-process run) writes and prints nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["TrainingLog", "plot_curves"]
+
+
+class TrainingLog:
+    def __init__(self, model_dir: Path, progress: bool = True, enabled: bool = True):
+        self.model_dir = Path(model_dir)
+        self.progress = progress and enabled
+        self.enabled = enabled
+        self.history: dict[str, list] = {"train_loss": [], "eval": []}
+        self._writer = None
+        self._bar = None
+        self._start = time.perf_counter()
+        self._start_step = 0
+        self.running_loss: Optional[float] = None
+
+    # -- state carried in checkpoints --------------------------------------------------------
+
+    def state(self) -> str:
+        return json.dumps(self.history)
+
+    def load_state(self, state: str) -> None:
+        self.history = json.loads(state)
+
+    # -- a run -------------------------------------------------------------------------------
+
+    def start(self, step: int, total_steps: Optional[int]) -> None:
+        self._start, self._start_step = time.perf_counter(), step
+        if self.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, desc="train")
+
+    def steps_per_second(self, step: int) -> float:
+        seconds = time.perf_counter() - self._start
+        return (step - self._start_step) / seconds if seconds > 0 else math.nan
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self._start
+
+    def train_step(self, step: int, loss: Optional[float], epoch: int, record: bool) -> None:
+        """After a training step; ``loss`` is given (read from the device) only when ``record``."""
+        if loss is not None:
+            self.running_loss = loss if self.running_loss is None else 0.98 * self.running_loss + 0.02 * loss
+        if record and loss is not None:
+            self.history["train_loss"].append([step, loss])
+            self.scalars(step, {"train/loss": loss, "train/running_loss": self.running_loss})
+        if self._bar is not None:
+            self._bar.update(1)
+            if self.running_loss is not None:
+                self._bar.set_postfix(loss=f"{self.running_loss:.4f}", epoch=epoch)
+
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.history["eval"].append([step, metrics])
+        self.scalars(step, {f"eval/{k}": v for k, v in metrics.items() if k != "num_examples"})
+        self.line(step, f"eval auc {metrics.get('auc', math.nan):.4f}")
+
+    def line(self, step: int, text: str) -> None:
+        """A plain progress line (not on a terminal, where the bar shows progress)."""
+        if self.progress and self._bar is None:
+            loss = f"running loss {self.running_loss:.4f}, " if self.running_loss is not None else ""
+            print(f"step {step}: {loss}{self.steps_per_second(step):.1f} steps/s; {text}", file=sys.stderr,
+                  flush=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.model_dir / "tb"))
+        for k, v in values.items():
+            if not (isinstance(v, float) and math.isnan(v)):
+                self._writer.add_scalar(k, v, step)
+
+    def finish(self, final: dict[str, Any]) -> None:
+        """Closes the bar, flushes TensorBoard, writes metrics.json and curves.png."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self.enabled:
+            return
+        if self._writer is not None:
+            self._writer.flush()
+        (self.model_dir / "metrics.json").write_text(json.dumps({"final": final, "history": self.history}, indent=1))
+        plot_curves(self.history, self.model_dir / "curves.png")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def plot_curves(history: dict[str, list], path: Path) -> None:
+    """Training loss and eval metrics against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if history["train_loss"]:
+        steps, losses = zip(*history["train_loss"])
+        ax1.plot(steps, losses, label="train loss")
+    ax1.set_xlabel("step")
+    ax1.set_title("training loss (BCE)")
+    for key in ("auc", "grouped_auc"):
+        pts = [(s, m[key]) for s, m in history["eval"] if key in m and not math.isnan(m[key])]
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=f"eval {key}")
+    ax2.set_xlabel("step")
+    ax2.set_title("eval")
+    if ax2.lines:
+        ax2.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

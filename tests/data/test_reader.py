@@ -1,0 +1,107 @@
+"""The reader: batches by row position, seeking without reading earlier rows, ranks and workers."""
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.data import ArrowBatchDataset, BatchBuilder, make_loader
+from dynarec.data import reader as reader_module
+from tests.pipeline_fixtures import config_dict
+
+COLUMNS = ("user_id", "age", "item_id", "cate_id", "hist_item_id", "hist_cate_id", "price", "clk")
+
+
+def rows_table(n: int, start: int = 0) -> pa.Table:
+    ids = list(range(start, start + n))
+    return pa.table({
+        "user_id": [f"u{i}" for i in ids], "age": [i % 8 for i in ids], "item_id": [i % 200 for i in ids],
+        "cate_id": [i % 10 for i in ids], "hist_item_id": [f"{i % 200}|{(i + 1) % 200}" for i in ids],
+        "hist_cate_id": [f"{i % 10}|1" for i in ids], "price": [float(i) for i in ids], "clk": [i % 2 for i in ids],
+    })
+
+
+class CountingBuilder(BatchBuilder):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.built = 0
+
+    def build(self, table, origin):
+        self.built += 1
+        return super().build(table, origin)
+
+
+def builder():
+    return CountingBuilder(config_from_dict(config_dict()))
+
+
+@pytest.fixture
+def files(tmp_path):
+    """37 rows in three files (Parquet with small row groups, and a CSV)."""
+    pq.write_table(rows_table(10), tmp_path / "a.parquet", row_group_size=3)
+    pq.write_table(rows_table(15, 10), tmp_path / "b.parquet", row_group_size=4)
+    pacsv.write_csv(rows_table(12, 25), tmp_path / "c.csv")
+    return [str(tmp_path / n) for n in ("a.parquet", "b.parquet", "c.csv")]
+
+
+def prices(batches):
+    return [b.dense["price"].tolist() for b in batches]
+
+
+@pytest.mark.parametrize("start_row", [0, 4, 9, 10, 25, 31, 36])
+def test_seek_yields_exactly_the_batches_after_the_position(files, start_row):
+    full = ArrowBatchDataset(files, builder(), 4, start_row=0)
+    every_row = [p for batch in prices(make_loader(full, 0)) for p in batch]
+    b = builder()
+    ds = ArrowBatchDataset(files, b, 4, start_row=start_row)
+    got = prices(make_loader(ds, 0))
+    assert [p for batch in got for p in batch] == every_row[start_row:]
+    assert [len(x) for x in got[:-1]] == [4] * (len(got) - 1)
+    assert b.built == len(got) == ds.num_steps()
+
+
+def test_seek_reads_no_parquet_row_group_before_the_position(files, monkeypatch):
+    read_groups = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self, *a, row_groups=None, **kw):
+        read_groups.append(list(row_groups) if row_groups is not None else "all")
+        return real(self, *a, row_groups=row_groups, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    list(make_loader(ArrowBatchDataset(files, builder(), 4, start_row=17), 0))
+    assert read_groups == [[1, 2, 3]]  # a.parquet skipped whole; b.parquet from the group holding row 7
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_do_not_depend_on_the_number_of_workers(files, workers):
+    one = prices(make_loader(ArrowBatchDataset(files, builder(), 5), 0))
+    assert prices(make_loader(ArrowBatchDataset(files, builder(), 5), workers)) == one
+
+
+def test_ranks_take_contiguous_shares_of_each_global_batch(files):
+    every_row = [p for batch in prices(make_loader(ArrowBatchDataset(files, builder(), 8), 0)) for p in batch]
+    shares = [prices(make_loader(ArrowBatchDataset(files, builder(), 4, rank=r, world_size=2), 0)) for r in (0, 1)]
+    # Global batches of 8: rank 0 takes rows 0-3, rank 1 rows 4-7; the last global batch of 5 rows
+    # splits 2 / 3.
+    assert [len(x) for x in shares[0]] == [4, 4, 4, 4, 2] and [len(x) for x in shares[1]] == [4, 4, 4, 4, 3]
+    merged = [p for a, b in zip(*shares) for p in a + b]
+    assert merged == every_row
+
+
+def test_num_rows_of_parquet_and_csv(files):
+    assert [reader_module.num_rows(f) for f in files] == [10, 15, 12]
+
+
+def test_a_column_typed_differently_in_two_files_names_both(tmp_path):
+    pq.write_table(rows_table(4), tmp_path / "a.parquet")
+    t = rows_table(4, 4)
+    t = t.set_column(t.schema.get_field_index("item_id"), "item_id", pa.array([str(x) for x in range(4)]))
+    pq.write_table(t, tmp_path / "b.parquet")
+    ds = ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], builder(), 4)
+    from dynarec.data import DataError
+
+    with pytest.raises(DataError, match=r"column 'item_id' has type int64 in .*a.parquet but string in .*b.parquet"):
+        ds.check_files()

@@ -1,0 +1,107 @@
+"""The trainer's parts: data position and seeking resume, num_steps, RNG, refusals."""
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.data.batch import BatchBuilder, DataError
+from dynarec.data.reader import DataPosition
+from dynarec.train.checkpoint import CheckpointError
+from dynarec.train.trainer import Trainer
+from tests.pipeline_fixtures import config_dict
+
+pytestmark = pytest.mark.slow
+
+
+def small_config(path, **train):
+    """One fixed and one dynamic id feature, integer ids: cheap to read at a million rows."""
+    return config_from_dict({
+        "feature_configs": [
+            {"id_feature": {"feature_name": "item", "embedding_dim": 4, "num_buckets": 100}},
+            {"id_feature": {"feature_name": "user", "embedding_dim": 4, "dynamicemb": {"max_capacity": 4096}}},
+        ],
+        "model": {"feature_groups": [{"group_name": "all", "feature_names": ["item", "user"]}],
+                  "multi_tower_din": {"towers": [{"input": "all", "hidden_units": [4]}]}},
+        "data": {"train_input_path": str(path), "label_field": "clk", "batch_size": 100},
+        "train": {"sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05}}, **train},
+        "eval": {"metrics": ["auc"]},
+    })
+
+
+@pytest.fixture(scope="module")
+def million(tmp_path_factory):
+    """1,000,000 rows in one Parquet file of 16 row groups."""
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    path = tmp_path_factory.mktemp("big") / "train.parquet"
+    pq.write_table(pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10_000, n),
+                             "clk": rng.integers(0, 2, n)}), path, row_group_size=n // 16)
+    return path
+
+
+def test_resume_deep_into_a_large_file_seeks_instead_of_replaying(million, tmp_path, monkeypatch):
+    # A checkpoint at step 9,990 (row 999,000); the resumed run trains steps 9,991 and 9,992.
+    first = Trainer(small_config(million, num_steps=9990), tmp_path / "m", progress=False)
+    first.step, first.position = 9990, DataPosition(0, 999_000)
+    first.save()
+    built = []
+    real_build = BatchBuilder.build
+    monkeypatch.setattr(BatchBuilder, "build", lambda self, t, o: built.append(t.num_rows) or real_build(self, t, o))
+    resumed = Trainer(small_config(million, num_steps=9992), tmp_path / "m", progress=False)
+    start = time.perf_counter()
+    report = resumed.fit(resume=True)
+    seconds = time.perf_counter() - start
+    assert report["step"] == 9992 and resumed.position == DataPosition(0, 999_200)
+    assert built == [100, 100]  # exactly the two batches trained: nothing replayed
+    # Replaying 9,990 batches would take over 10 s at this machine's ~500 batches/s.
+    assert seconds < 5, f"resume took {seconds:.1f}s"
+    print(f"resume at row 999,000 of 1,000,000: {seconds:.2f}s for 2 steps (incl. checkpoint)")
+
+
+def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
+    rng = np.random.default_rng(1)
+    pacsv.write_csv(pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250),
+                              "clk": rng.integers(0, 2, 250)}), tmp_path / "t.csv")
+    trainer = Trainer(small_config(tmp_path / "t.csv", num_steps=7), tmp_path / "m", progress=False)
+    assert trainer.fit()["step"] == 7  # 3 batches per epoch (100, 100, 50): epochs 0, 1 and step 1 of 2
+    assert trainer.position == DataPosition(2, 100)
+
+
+def test_num_steps_and_num_epochs_together_are_refused(tmp_path):
+    from dynarec.config import ConfigError
+
+    with pytest.raises(ConfigError, match="give one of num_epochs or num_steps"):
+        small_config(tmp_path, num_steps=7, num_epochs=2)
+
+
+def test_input_without_rows_is_an_error_and_writes_nothing(tmp_path):
+    (tmp_path / "empty.csv").write_text("item,user,clk\n")
+    trainer = Trainer(small_config(tmp_path / "empty.csv"), tmp_path / "m", progress=False)
+    with pytest.raises(DataError, match=r"data.train_input_path: the input holds no rows \(.*empty.csv\)"):
+        trainer.fit()
+    assert not (tmp_path / "m").exists()
+
+
+def test_resume_with_another_batch_size_is_refused_naming_both(million, tmp_path):
+    first = Trainer(small_config(million, num_steps=2), tmp_path / "m", progress=False)
+    first.fit()
+    cfg = small_config(million, num_steps=4)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"batch_size": 64})})
+    with pytest.raises(CheckpointError, match="global batch of 100 rows, this run's is 64"):
+        Trainer(cfg, tmp_path / "m", progress=False).fit(resume=True)
+
+
+def test_the_dense_model_is_seeded_without_touching_the_global_rng(tmp_path):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = Trainer(config_from_dict(config_dict()), tmp_path / "a", progress=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    b = Trainer(config_from_dict(config_dict()), tmp_path / "b", progress=False)
+    for (name, x), (_, y) in zip(a.task.dense.state_dict().items(), b.task.dense.state_dict().items()):
+        assert torch.equal(x, y), name
