@@ -29,6 +29,9 @@ demo: setup
 	$(VENV)/bin/dynarec demo
 
 test: setup
+	$(VENV)/bin/ruff check dynarec tests benchmarks
+	$(VENV)/bin/ruff format --check dynarec tests benchmarks
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 bench: setup

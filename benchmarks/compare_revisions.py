@@ -26,9 +26,9 @@ def _rates(node, path=()):
     if isinstance(node, dict):
         for k, v in node.items():
             if isinstance(v, (int, float)) and k.endswith("_per_s_median"):
-                out["/".join(path + (k.removesuffix("_per_s_median"),))] = float(v)
+                out["/".join((*path, k.removesuffix("_per_s_median")))] = float(v)
             else:
-                out.update(_rates(v, path + (k,)))
+                out.update(_rates(v, (*path, k)))
     return out
 
 
@@ -37,8 +37,13 @@ def run(tree: str, bench_args: list[str]) -> dict[str, float]:
         report = os.path.join(tmp, "report.json")
         code = "import sys; from dynarec.cli import main; sys.exit(main(sys.argv[1:]))"
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-        subprocess.run([sys.executable, "-c", code, "bench", *bench_args, "--json", report], env=env, check=True,
-                       cwd=tmp, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-c", code, "bench", *bench_args, "--json", report],
+            env=env,
+            check=True,
+            cwd=tmp,
+            stdout=subprocess.DEVNULL,
+        )
         with open(report) as f:
             return _rates(json.load(f)["results"])
 
@@ -55,8 +60,9 @@ def main() -> None:
     for r in range(args.rounds):
         before, after = run(args.before, bench_args), run(args.after, bench_args)
         rounds.append((before, after))
-        print(f"round {r + 1}: " + "; ".join(f"{k} {after[k] / before[k]:.3f}x" for k in before if k in after),
-              flush=True)
+        print(
+            f"round {r + 1}: " + "; ".join(f"{k} {after[k] / before[k]:.3f}x" for k in before if k in after), flush=True
+        )
     print(f"\n{' '.join(bench_args)}: {args.rounds} interleaved rounds (medians)")
     print(f"{'rate':<40} {'before':>12} {'after':>12} {'after/before':>13}")
     for k in rounds[0][0]:

@@ -12,13 +12,15 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.embedding.config import Backend
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
 from dynarec.optim import Adagrad
@@ -36,8 +38,9 @@ class Workload:
     num_batches: int = 8
     seed: int = 0
 
-    def batches(self, keys_over_int64: bool = False, scatter_rows: bool = False,
-                device: str = "cpu") -> list[JaggedBatch]:
+    def batches(
+        self, keys_over_int64: bool = False, scatter_rows: bool = False, device: str = "cpu"
+    ) -> list[JaggedBatch]:
         """``keys_over_int64``: ids hashed over the int64 range (dynamic tables);
         ``scatter_rows``: ids hashed over ``[0, num_embeddings)`` (a fixed table whose hot rows
         are spread like a dynamic table's slots, not packed at the low ids)."""
@@ -64,8 +67,14 @@ def _time_steps(coll: EmbeddingCollection, batches: list[JaggedBatch], steps: in
     return time.perf_counter() - start
 
 
-def _measure(makers: dict[str, Callable[[], EmbeddingCollection]], batches: dict[str, list[JaggedBatch]],
-             steps: int, runs: int, warmup: int, device: str) -> dict[str, dict]:
+def _measure(
+    makers: dict[str, Callable[[], EmbeddingCollection]],
+    batches: dict[str, list[JaggedBatch]],
+    steps: int,
+    runs: int,
+    warmup: int,
+    device: str,
+) -> dict[str, dict]:
     """Times several setups with their timed runs interleaved (a, b, a, b, ...), so that every
     setup sees the same machine state; reports each one's median and per-run rates."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -81,8 +90,12 @@ def _measure(makers: dict[str, Callable[[], EmbeddingCollection]], batches: dict
     out = {}
     for name in makers:
         unique = statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches[name])
-        out[name] = {"ids_per_s_median": statistics.median(rates[name]), "ids_per_s_runs": rates[name],
-                     "unique_fraction": unique, "coll": colls[name]}
+        out[name] = {
+            "ids_per_s_median": statistics.median(rates[name]),
+            "ids_per_s_runs": rates[name],
+            "unique_fraction": unique,
+            "coll": colls[name],
+        }
     return out
 
 
@@ -116,19 +129,20 @@ def _measure_torch_sparse(w: Workload, batches, steps: int, runs: int, warmup: i
 
 
 def roofline_bytes_per_id(w: Workload, unique_fraction: float) -> float:
-    """DESIGN.md's byte count of a fused fp32 Adagrad step, per looked-up id: forward 4D per id
+    """docs/benchmarks.md's byte count of a fused fp32 Adagrad step, per looked-up id: forward 4D per id
     + 4D per pooled output; backward 4D per output gradient + 8D per id + 16D per unique row."""
     d = w.dim
     per_output = (4 * d + 4 * d) / w.pooling_factor
     return 4 * d + 8 * d + per_output + 16 * d * unique_fraction
 
 
-def _table(kind: str, backend: str, w: Workload, capacity: Optional[int] = None) -> TableConfig:
+def _table(kind: str, backend: Backend, w: Workload, capacity: Optional[int] = None) -> TableConfig:
     if kind == "fixed":
         return TableConfig(name="t", dim=w.dim, num_embeddings=w.num_embeddings, features=["f"], backend=backend)
     cap = capacity or w.num_embeddings
-    return TableConfig(name="t", dim=w.dim, dynamic=DynamicTableOptions(cap, init_capacity=cap),
-                       features=["f"], backend=backend)
+    return TableConfig(
+        name="t", dim=w.dim, dynamic=DynamicTableOptions(cap, init_capacity=cap), features=["f"], backend=backend
+    )
 
 
 def bench_fused_step(args) -> dict:
@@ -136,13 +150,22 @@ def bench_fused_step(args) -> dict:
     w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
     batches = w.batches(device=args.device)
     spec = Adagrad(lr=0.01)
-    backends = ["native"] + (["fbgemm"] if fbgemm_available() and args.device == "cpu" else [])
-    results = _measure({b: (lambda b=b: EmbeddingCollection([_table("fixed", b, w)], spec, device=args.device))
-                        for b in backends}, {b: batches for b in backends},
-                       args.steps, args.runs, args.warmup, args.device)
+    backends: list[Backend] = ["native", "fbgemm"] if fbgemm_available() and args.device == "cpu" else ["native"]
+
+    def make(backend: Backend) -> Callable[[], EmbeddingCollection]:
+        return lambda: EmbeddingCollection([_table("fixed", backend, w)], spec, device=args.device)
+
+    results: dict[str, dict[str, Any]] = _measure(
+        {b: make(b) for b in backends},
+        {b: batches for b in backends},
+        args.steps,
+        args.runs,
+        args.warmup,
+        args.device,
+    )
     for r in results.values():
         r.pop("coll")
-    report = {"benchmark": "fused-step", "workload": vars(w), "results": results}
+    report: dict[str, Any] = {"benchmark": "fused-step", "workload": vars(w), "results": results}
     if args.device.startswith("cuda"):
         baseline = _measure_torch_sparse(w, batches, args.steps, args.runs, args.warmup, args.device)
         results["torch_sparse_adagrad"] = baseline
@@ -162,14 +185,21 @@ def bench_dynamic_step(args) -> dict:
     scattered_batches = w.batches(scatter_rows=True, device=args.device)
     dynamic_batches = w.batches(keys_over_int64=True, device=args.device)
     spec = Adagrad(lr=0.01)
-    backends = ["native"] + (["fbgemm"] if fbgemm_available() and args.device == "cpu" else [])
+    backends: list[Backend] = ["native", "fbgemm"] if fbgemm_available() and args.device == "cpu" else ["native"]
     results = {}
     for backend in backends:
+
         def make(kind, backend=backend):
             return lambda: EmbeddingCollection([_table(kind, backend, w)], spec, device=args.device)
-        r = _measure({"fixed": make("fixed"), "fixed_scattered": make("fixed"), "dynamic": make("dynamic")},
-                     {"fixed": fixed_batches, "fixed_scattered": scattered_batches, "dynamic": dynamic_batches},
-                     args.steps, args.runs, args.warmup, args.device)
+
+        r = _measure(
+            {"fixed": make("fixed"), "fixed_scattered": make("fixed"), "dynamic": make("dynamic")},
+            {"fixed": fixed_batches, "fixed_scattered": scattered_batches, "dynamic": dynamic_batches},
+            args.steps,
+            args.runs,
+            args.warmup,
+            args.device,
+        )
         table = r["dynamic"]["coll"].tables["t"]
         for v in r.values():
             v.pop("coll")
@@ -213,8 +243,11 @@ def bench_hash_find(args) -> dict:
                 index.find(query)
             sync()
             rates.append(query.numel() * args.steps / (time.perf_counter() - start))
-        results[f"load_{load}"] = {"keys_per_s_median": statistics.median(rates), "runs": rates,
-                                   "actual_load": index.size() / index.capacity}
+        results[f"load_{load}"] = {
+            "keys_per_s_median": statistics.median(rates),
+            "runs": rates,
+            "actual_load": index.size / index.capacity,
+        }
     return {"benchmark": "hash-find", "slots": args.slots, "results": results}
 
 
@@ -222,16 +255,24 @@ BENCHMARKS = {"fused-step": bench_fused_step, "dynamic-step": bench_dynamic_step
 
 
 def _fmt(report: dict) -> str:
-    lines = [f"== {report['benchmark']} ({platform.node()}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads)"]
+    lines = [
+        f"== {report['benchmark']} ({platform.node()}, torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    ]
+
     def rate(r):
-        return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs: {', '.join(f'{x / 1e6:.2f}' for x in r['ids_per_s_runs'])}; unique fraction {r['unique_fraction']:.3f})"
+        runs = ", ".join(f"{x / 1e6:.2f}" for x in r["ids_per_s_runs"])
+        return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs: {runs}; unique fraction {r['unique_fraction']:.3f})"
+
     if report["benchmark"] == "hash-find":
         for load, r in report["results"].items():
             lines.append(f"{load}: {r['keys_per_s_median'] / 1e9:.3f} B keys/s (load {r['actual_load']:.3f})")
     elif report["benchmark"] == "fused-step":
         for name, r in report["results"].items():
-            extra = f"; {r['achieved_GBps']:.0f} GB/s = {100 * r['fraction_of_4300GBps']:.1f}% of 4.3 TB/s" if "achieved_GBps" in r else ""
+            extra = (
+                f"; {r['achieved_GBps']:.0f} GB/s = {100 * r['fraction_of_4300GBps']:.1f}% of 4.3 TB/s"
+                if "achieved_GBps" in r
+                else ""
+            )
             lines.append(f"{name:>8}: {rate(r)}{extra}")
         if "native_over_torch_sparse" in report:
             lines.append(f"native / torch sparse Adagrad = {report['native_over_torch_sparse']:.2f}x")
@@ -242,10 +283,12 @@ def _fmt(report: dict) -> str:
             lines.append(f"[{backend}] fixed:   {rate(r['fixed'])}")
             lines.append(f"[{backend}] fixed, hot rows scattered: {rate(r['fixed_scattered'])}")
             lines.append(f"[{backend}] dynamic: {rate(r['dynamic'])}")
-            lines.append(f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
-                         f"{r['dynamic_over_fixed_scattered']:.2f}x; "
-                         f"{r['bytes_per_stored_row']:.1f} bytes per slot vs {r['weight_and_state_bytes_per_row']} "
-                         f"bytes of weight+state; table {r['dynamic_report']}")
+            lines.append(
+                f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
+                f"{r['dynamic_over_fixed_scattered']:.2f}x; "
+                f"{r['bytes_per_stored_row']:.1f} bytes per slot vs {r['weight_and_state_bytes_per_row']} "
+                f"bytes of weight+state; table {r['dynamic_report']}"
+            )
     return "\n".join(lines)
 
 

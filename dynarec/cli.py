@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 __all__ = ["main"]
 
@@ -23,17 +24,24 @@ def _config_for(args):
 def cmd_make_data(args) -> None:
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
-    spec = SyntheticSpec(train_rows=args.train_rows, eval_rows=args.eval_rows, num_users=args.num_users,
-                         num_items=args.num_items, seed=args.seed)
+    spec = SyntheticSpec(
+        train_rows=args.train_rows,
+        eval_rows=args.eval_rows,
+        num_users=args.num_users,
+        num_items=args.num_items,
+        seed=args.seed,
+    )
     meta = make_click_log(args.output_dir, spec)
-    print(f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows under {args.output_dir}; "
-          f"click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}")
+    print(
+        f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows under {args.output_dir}; "
+        f"click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
+    )
 
 
 def cmd_plan(args) -> None:
     from dynarec.planner import plan_from_config
 
-    print(plan_from_config(_config_for(args)).describe())
+    print(plan_from_config(_config_for(args)).format())
 
 
 def cmd_train(args) -> None:
@@ -41,7 +49,7 @@ def cmd_train(args) -> None:
 
     config = _config_for(args)
     trainer = Trainer(config, args.model_dir, device=args.device, progress=not args.no_progress)
-    print(trainer.task.plan.describe())
+    print(trainer.task.plan.format())
     report = trainer.fit(resume=args.resume)
     print(json.dumps(report, indent=1))
 
@@ -96,10 +104,14 @@ def cmd_predict(args) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     from dynarec import bench, demo
 
-    parser = argparse.ArgumentParser(prog="dynarec", description="Recommendation models with fixed and dynamic embeddings.")
+    parser = argparse.ArgumentParser(
+        prog="dynarec", description="Recommendation models with fixed and dynamic embeddings."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="generate data, train the demo MultiTowerDIN and a baseline, evaluate, export, predict")
+    p = sub.add_parser(
+        "demo", help="generate data, train the demo MultiTowerDIN and a baseline, evaluate, export, predict"
+    )
     demo.add_arguments(p)
     p.set_defaults(run=demo.main)
 

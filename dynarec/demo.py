@@ -53,8 +53,7 @@ def main(args) -> None:
     work.mkdir(parents=True)
     meta = make_click_log(work / "data", SyntheticSpec(train_rows=args.train_rows, eval_rows=args.eval_rows))
     bayes = meta["bayes_optimal_eval_auc"]
-    print(f"[make-data] {meta['train_rows']} train / {meta['eval_rows']} eval rows; "
-          f"Bayes-optimal eval AUC {bayes:.4f}")
+    print(f"[make-data] {meta['train_rows']} train / {meta['eval_rows']} eval rows; Bayes-optimal eval AUC {bayes:.4f}")
 
     raw = yaml.safe_load(resources.files("dynarec").joinpath("resources/demo.yaml").read_text())
     raw["train"]["num_epochs"] = args.epochs
@@ -62,15 +61,17 @@ def main(args) -> None:
     config = config_from_dict(raw, source=str(work / "demo.yaml"), base_dir=work)
 
     trainer = Trainer(config, work / "model", progress=not args.no_progress)
-    print("[plan]\n" + trainer.task.plan.describe())
+    print("[plan]\n" + trainer.task.plan.format())
     for name, table in trainer.task.embeddings.tables.items():
         m1 = table.read_rows(torch_arange_or_keys(table))["momentum1"] if table.spec.state_specs() else None
         if m1 is not None and m1.numel():
             print(f"[check] table '{name}' momentum1 before training: {float(m1.min()):.3g}..{float(m1.max()):.3g}")
     report = trainer.fit()
     ev = report["eval"]
-    print(f"[train] {report['step']} steps in {report['train_seconds']:.1f}s "
-          f"({report['steps_per_second']:.1f} steps/s); eval {json.dumps(ev)}")
+    print(
+        f"[train] {report['step']} steps in {report['train_seconds']:.1f}s "
+        f"({report['steps_per_second']:.1f} steps/s); eval {json.dumps(ev)}"
+    )
 
     probs_eval, labels, _ = trainer.predict(config.data.eval_input_path)
     export_dir = export_model(trainer.task, trainer.example_batch(), work / "export")
@@ -94,16 +95,25 @@ def main(args) -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print()
     print("==================== dynarec demo ====================")
-    print(f"MultiTowerDIN eval AUC          {demo_auc:.4f}  (grouped AUC {ev.get('grouped_auc', float('nan')):.4f}, "
-          f"log loss {ev.get('log_loss', float('nan')):.4f})")
+    print(
+        f"MultiTowerDIN eval AUC          {demo_auc:.4f}  (grouped AUC {ev.get('grouped_auc', float('nan')):.4f}, "
+        f"log loss {ev.get('log_loss', float('nan')):.4f})"
+    )
     print(f"no-attention baseline eval AUC  {baseline_auc:.4f}")
     print(f"Bayes-optimal eval AUC          {bayes:.4f}")
     print(f"fraction of the way 0.5 -> Bayes: {fraction:.3f}")
     print(f"export == eval predictions: max |diff| {max_diff:.2e}")
     print(f"wall time {time.perf_counter() - start:.0f}s, peak RSS {peak_mb:.0f} MB; outputs in {work}/")
-    summary = {"demo_auc": demo_auc, "baseline_auc": baseline_auc, "bayes_optimal_auc": bayes,
-               "fraction_of_bayes": fraction, "export_max_abs_diff": max_diff, "eval": ev,
-               "wall_seconds": time.perf_counter() - start, "peak_rss_mb": peak_mb}
+    summary = {
+        "demo_auc": demo_auc,
+        "baseline_auc": baseline_auc,
+        "bayes_optimal_auc": bayes,
+        "fraction_of_bayes": fraction,
+        "export_max_abs_diff": max_diff,
+        "eval": ev,
+        "wall_seconds": time.perf_counter() - start,
+        "peak_rss_mb": peak_mb,
+    }
     (work / "demo_summary.json").write_text(json.dumps(summary, indent=1))
 
 

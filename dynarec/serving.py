@@ -24,7 +24,10 @@ from dynarec.models.inputs import model_inputs
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
-__all__ = ["ExportedModel"]
+__all__ = ["EXPORT_FORMAT", "ExportedModel"]
+
+# The layout version of an export directory (train/export.py writes it, ExportedModel checks it).
+EXPORT_FORMAT = 1
 
 
 class ExportedModel:
@@ -34,20 +37,26 @@ class ExportedModel:
         if not meta_path.is_file():
             raise FileNotFoundError(f"{export_dir} is not an export directory (no export.json)")
         meta = json.loads(meta_path.read_text())
-        if meta.get("format") != 1:
-            raise ValueError(f"{meta_path}: unsupported export format {meta.get('format')!r}")
+        if meta.get("format") != EXPORT_FORMAT:
+            raise ValueError(
+                f"{meta_path}: export format {meta.get('format')!r}, this dynarec reads format {EXPORT_FORMAT}"
+            )
         self.config = Config.model_validate(meta["config"])
         self.device = torch.device(device)
         # Serving tables: native backend, no optimizer state (SGD has none).
-        tables = [dataclasses.replace(t, backend="native", optimizer=SGD(lr=0.0))
-                  for t in plan_from_config(self.config).table_configs()]
+        tables = [
+            dataclasses.replace(t, backend="native", optimizer=SGD(lr=0.0))
+            for t in plan_from_config(self.config).table_configs()
+        ]
         self.embeddings = EmbeddingCollection(tables, device=self.device)
         self.embeddings.eval()
         for name, table in self.embeddings.tables.items():
             tensors = load_file(str(export_dir / "tables" / f"{name}.safetensors"))
             if "scores" in tensors:  # dynamic
-                table.load({"keys": tensors["keys"], "scores": tensors["scores"], "weight": tensors["weight"]},
-                           weights_only=True)
+                table.load(
+                    {"keys": tensors["keys"], "scores": tensors["scores"], "weight": tensors["weight"]},
+                    weights_only=True,
+                )
             else:
                 table.load({"weight": tensors["weight"]}, weights_only=True)
         self.dense = torch.export.load(str(export_dir / "dense.pt2")).module()

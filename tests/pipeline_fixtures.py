@@ -9,38 +9,66 @@ import yaml
 
 from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
-TINY = SyntheticSpec(train_rows=1200, eval_rows=400, train_files=2, num_users=300, num_items=200, num_cates=10,
-                     max_hist_len=8, seed=1)
+TINY = SyntheticSpec(
+    train_rows=1200, eval_rows=400, train_files=2, num_users=300, num_items=200, num_cates=10, max_hist_len=8, seed=1
+)
 
 BASE_CONFIG = {
     "feature_configs": [
-        {"id_feature": {"feature_name": "user_id", "embedding_dim": 8, "value_type": "string",
-                        "dynamicemb": {"max_capacity": 512, "init_capacity": 64, "bucket_size": 8}}},
+        {
+            "id_feature": {
+                "feature_name": "user_id",
+                "embedding_dim": 8,
+                "value_type": "string",
+                "dynamicemb": {"max_capacity": 512, "init_capacity": 64, "bucket_size": 8},
+            }
+        },
         {"id_feature": {"feature_name": "age", "embedding_dim": 4, "num_buckets": 8}},
         {"id_feature": {"feature_name": "item_id", "embedding_dim": 8, "num_buckets": 200, "embedding_name": "item"}},
         {"id_feature": {"feature_name": "cate_id", "embedding_dim": 4, "num_buckets": 10, "embedding_name": "cate"}},
-        {"sequence_feature": {"feature_name": "hist_item_id", "sequence_length": 6, "embedding_dim": 8,
-                              "num_buckets": 200, "embedding_name": "item"}},
-        {"sequence_feature": {"feature_name": "hist_cate_id", "sequence_length": 6, "embedding_dim": 4,
-                              "num_buckets": 10, "embedding_name": "cate"}},
+        {
+            "sequence_feature": {
+                "feature_name": "hist_item_id",
+                "sequence_length": 6,
+                "embedding_dim": 8,
+                "num_buckets": 200,
+                "embedding_name": "item",
+            }
+        },
+        {
+            "sequence_feature": {
+                "feature_name": "hist_cate_id",
+                "sequence_length": 6,
+                "embedding_dim": 4,
+                "num_buckets": 10,
+                "embedding_name": "cate",
+            }
+        },
         {"raw_feature": {"feature_name": "price", "normalizer": {"log1p": True, "mean": 3.0, "std": 0.8}}},
     ],
     "model": {
         "feature_groups": [
             {"group_name": "user", "feature_names": ["user_id", "age"]},
             {"group_name": "item", "feature_names": ["item_id", "cate_id", "price"]},
-            {"group_name": "seq", "group_type": "sequence",
-             "feature_names": ["item_id", "cate_id", "hist_item_id", "hist_cate_id"]},
+            {
+                "group_name": "seq",
+                "group_type": "sequence",
+                "feature_names": ["item_id", "cate_id", "hist_item_id", "hist_cate_id"],
+            },
         ],
-        "multi_tower_din": {"towers": [{"input": "user", "hidden_units": [8]}, {"input": "item", "hidden_units": [8]}],
-                            "din_towers": [{"input": "seq", "attn_hidden_units": [8]}],
-                            "final_hidden_units": [8]},
+        "multi_tower_din": {
+            "towers": [{"input": "user", "hidden_units": [8]}, {"input": "item", "hidden_units": [8]}],
+            "din_towers": [{"input": "seq", "attn_hidden_units": [8]}],
+            "final_hidden_units": [8],
+        },
     },
-    "data": {"train_input_path": "data/train", "eval_input_path": "data/eval", "label_field": "clk",
-             "batch_size": 100},
-    "train": {"sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05, "initial_accumulator_value": 0.1}},
-              "dense_optimizer": {"adam_optimizer": {"lr": 0.01}},
-              "num_epochs": 1, "log_step_count_steps": 5},
+    "data": {"train_input_path": "data/train", "eval_input_path": "data/eval", "label_field": "clk", "batch_size": 100},
+    "train": {
+        "sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05, "initial_accumulator_value": 0.1}},
+        "dense_optimizer": {"adam_optimizer": {"lr": 0.01}},
+        "num_epochs": 1,
+        "log_step_count_steps": 5,
+    },
 }
 
 

@@ -60,6 +60,13 @@ def reference_table_step(spec, *, lr, step, weight, states, features, poolings, 
         touched += [i for s in samples for i in s]
     loss.backward()
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(weight)
-    reference_update(spec, lr=lr, step=step, weight=weight, states=states,
-                     touched=torch.tensor(touched, dtype=torch.int64), dense_grad=grad)
+    reference_update(
+        spec,
+        lr=lr,
+        step=step,
+        weight=weight,
+        states=states,
+        touched=torch.tensor(touched, dtype=torch.int64),
+        dense_grad=grad,
+    )
     return outs

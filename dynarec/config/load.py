@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 import yaml
 from pydantic import ValidationError
 
 from dynarec.config.schema import Config
 
-__all__ = ["ConfigError", "load_config", "config_from_dict", "config_fingerprint"]
+__all__ = ["ConfigError", "config_fingerprint", "config_from_dict", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -45,7 +46,9 @@ def _format(e: ValidationError, source: str) -> str:
     return f"invalid config {source}:\n" + "\n".join(lines)
 
 
-def config_from_dict(data: Mapping[str, Any], source: str = "<dict>", base_dir: Union[str, Path, None] = None) -> Config:
+def config_from_dict(
+    data: Mapping[str, Any], source: str = "<dict>", base_dir: Union[str, Path, None] = None
+) -> Config:
     """Validates ``data``; relative data paths are resolved against ``base_dir``."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")

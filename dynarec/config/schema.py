@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator, StrictInt,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    StrictInt,
+    model_validator,
+)
 
 from dynarec.embedding.config import Backend, DynamicTableOptions
 from dynarec.embedding.initializers import Initializer
@@ -23,15 +31,15 @@ from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_
 from dynarec.optim.registry import spec_from_yaml, spec_to_yaml
 
 __all__ = [
+    "TABLE_SETTINGS",
     "Config",
+    "DenseOptimizer",
     "FeatureCfg",
     "IdFeatureCfg",
-    "SequenceFeatureCfg",
-    "RawFeatureCfg",
-    "TABLE_SETTINGS",
-    "SparseOptimizer",
-    "DenseOptimizer",
     "ModelCfg",
+    "RawFeatureCfg",
+    "SequenceFeatureCfg",
+    "SparseOptimizer",
 ]
 
 
@@ -73,6 +81,15 @@ def core_type(cls: type) -> Any:
     """A core dataclass (dynarec.embedding) as a YAML field: validated straight into ``cls``."""
     return Annotated[cls, BeforeValidator(lambda data: _refuse_bool_numbers(cls, data))]
 
+
+if TYPE_CHECKING:
+    DynamicEmbField = DynamicTableOptions
+    InitializerField = Initializer
+else:
+    DynamicEmbField = core_type(DynamicTableOptions)
+    InitializerField = core_type(Initializer)
+
+
 ValueType = Literal["int", "string"]
 
 
@@ -82,8 +99,8 @@ class _EmbeddedFeature(Strict):
     embedding_dim: Count
     embedding_name: Optional[str] = None  # the table; features with the same name share it
     num_buckets: Optional[Count] = None  # a fixed table of this many rows ...
-    dynamicemb: Optional[core_type(DynamicTableOptions)] = None  # ... or a dynamic table (the core's own type)
-    initializer: Optional[core_type(Initializer)] = None
+    dynamicemb: Optional[DynamicEmbField] = None  # ... or a dynamic table (the core's own type)
+    initializer: Optional[InitializerField] = None
     backend: Optional[Backend] = None  # default: train.sparse_backend
     # "int": values are integer ids (integer columns, or string tokens that must be decimal
     # integers); "string": values are strings hashed with FarmHash Fingerprint64.

@@ -59,7 +59,7 @@ class RowOrigin:
     runs: tuple[tuple[str, int, int], ...]
 
     @classmethod
-    def of(cls, source: str, rows: int, first_row: int = 0) -> "RowOrigin":
+    def of(cls, source: str, rows: int, first_row: int = 0) -> RowOrigin:
         return cls(((source, first_row, rows),))
 
     @property
@@ -123,12 +123,15 @@ class BatchBuilder:
         n = table.num_rows
         keys, values, lengths = [], [], []
         for f in self.sparse_features:
-            v, l = self._ids(f, table.column(f.column), origin)
+            ids, lens = self._ids(f, table.column(f.column), origin)
             keys.append(f.feature_name)
-            values.append(v)
-            lengths.append(l)
-        sparse = JaggedBatch(keys, torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
-                             torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64))
+            values.append(ids)
+            lengths.append(lens)
+        sparse = JaggedBatch(
+            keys,
+            torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
+            torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64),
+        )
         dense = {f.feature_name: self._dense(f, table.column(f.column), origin) for f in self.dense_features}
         labels = torch.zeros(n)
         groups = None
@@ -156,14 +159,17 @@ class BatchBuilder:
         elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
             empty = pc.equal(col, "")
             parts = pc.split_pattern(col, separator)
-            lengths = np.where(empty.to_numpy(zero_copy_only=False), 0,
-                               np.diff(parts.offsets.to_numpy())).astype(np.int64)
+            lengths = np.where(empty.to_numpy(zero_copy_only=False), 0, np.diff(parts.offsets.to_numpy())).astype(
+                np.int64
+            )
             tokens = pc.split_pattern(pc.if_else(empty, pa.scalar(None, pa.string()), col), separator).flatten()
             bad = pc.equal(pc.utf8_length(tokens), 0)
             if pc.any(bad).as_py():
                 row = int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
-                raise DataError(f"{self._where(f, origin, row)}: malformed multi-value field "
-                                f"(empty token between '{separator}' separators)")
+                raise DataError(
+                    f"{self._where(f, origin, row)}: malformed multi-value field "
+                    f"(empty token between '{separator}' separators)"
+                )
         else:
             tokens, lengths = col, np.ones(len(col), dtype=np.int64)
         ids = self._token_ids(f, tokens, lengths, origin)
@@ -187,25 +193,33 @@ class BatchBuilder:
             except pa.ArrowInvalid:
                 strings = tokens.to_pylist()
                 i = next(k for k, s in enumerate(strings) if not _is_int(s))
-                raise DataError(f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} "
-                                "(value_type 'int' expects integer ids)") from None
+                raise DataError(
+                    f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} "
+                    "(value_type 'int' expects integer ids)"
+                ) from None
         elif not pa.types.is_integer(tokens.type):
-            raise DataError(f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') has type "
-                            f"{tokens.type}; value_type 'int' expects integers")
+            raise DataError(
+                f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') has type "
+                f"{tokens.type}; value_type 'int' expects integers"
+            )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         if not dynamic and ids.size:
             bad = np.nonzero((ids < 0) | (ids >= f.num_buckets))[0]
             if bad.size:
                 i = int(bad[0])
-                raise DataError(f"{self._where(f, origin, row_of(i))}: id {int(ids[i])} is out of range "
-                                f"[0, {f.num_buckets}) (num_buckets)")
+                raise DataError(
+                    f"{self._where(f, origin, row_of(i))}: id {int(ids[i])} is out of range "
+                    f"[0, {f.num_buckets}) (num_buckets)"
+                )
         return ids
 
     def _dense(self, f: RawFeatureCfg, col, origin: RowOrigin) -> torch.Tensor:
         try:
             x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise DataError(f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})") from None
+            raise DataError(
+                f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})"
+            ) from None
         bad = np.nonzero(~np.isfinite(x))[0]
         if bad.size:
             i = int(bad[0])
@@ -225,8 +239,9 @@ class BatchBuilder:
         bad = np.nonzero(~((x == 0) | (x == 1)))[0]
         if bad.size:
             i = int(bad[0])
-            raise DataError(f"{origin.locate(i)}: label column '{self.label_field}' holds {x[i]}; "
-                            "labels must be 0 or 1")
+            raise DataError(
+                f"{origin.locate(i)}: label column '{self.label_field}' holds {x[i]}; labels must be 0 or 1"
+            )
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
 
-__all__ = ["resolve_files", "ArrowBatchDataset", "DataPosition", "make_loader", "num_rows", "read_table"]
+__all__ = ["ArrowBatchDataset", "DataPosition", "make_loader", "num_rows", "read_table", "resolve_files"]
 
 
 def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list[str]:
@@ -87,15 +87,16 @@ def num_rows(path: str, input_type: Optional[str] = None) -> int:
         return sum(b.num_rows for b in reader)
 
 
-def _record_batches_from(path: str, columns: list[str], input_type: Optional[str],
-                         skip: int) -> Iterator[tuple[int, pa.Table]]:
+def _record_batches_from(
+    path: str, columns: list[str], input_type: Optional[str], skip: int
+) -> Iterator[tuple[int, pa.Table]]:
     """``(first row in file, table)`` of ``path`` from row ``skip`` on; Parquet row groups before
     it are not read."""
     row = 0
     source: Iterator[pa.RecordBatch]
     if _file_type(path, input_type) == "parquet":
         f = pq.ParquetFile(path)
-        groups = []
+        groups: list[int] = []
         for g in range(f.metadata.num_row_groups):
             n = f.metadata.row_group(g).num_rows
             if not groups and row + n <= skip:  # every group before the one holding row `skip`
@@ -139,8 +140,16 @@ class ArrowBatchDataset(IterableDataset):
     metadata, whole files by their row counts.
     """
 
-    def __init__(self, files: list[str], builder: BatchBuilder, batch_size: int, input_type: Optional[str] = None,
-                 start_row: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        files: list[str],
+        builder: BatchBuilder,
+        batch_size: int,
+        input_type: Optional[str] = None,
+        start_row: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         super().__init__()
         self.files = files
         self.builder = builder
@@ -167,8 +176,10 @@ class ArrowBatchDataset(IterableDataset):
                 t = schema.field(column).type
                 seen = first.setdefault(column, (f, t))
                 if seen[1] != t and not (_numeric(seen[1]) and _numeric(t)):
-                    raise DataError(f"column '{column}' has type {seen[1]} in {seen[0]} but {t} in {f}; "
-                                    "give every file the same type")
+                    raise DataError(
+                        f"column '{column}' has type {seen[1]} in {seen[0]} but {t} in {f}; "
+                        "give every file the same type"
+                    )
 
     def row_counts(self) -> list[int]:
         """Rows of each file (Parquet: from the footer; CSV: counted once)."""
@@ -244,6 +255,10 @@ class ArrowBatchDataset(IterableDataset):
 
 def make_loader(dataset: ArrowBatchDataset, num_workers: int) -> DataLoader:
     """A DataLoader over already-built batches (``batch_size=None``)."""
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers,
-                      persistent_workers=False, multiprocessing_context="fork" if num_workers else None)
-
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=False,
+        multiprocessing_context="fork" if num_workers else None,
+    )

@@ -75,37 +75,50 @@ class _World:
         lengths = rng.integers(s.min_hist_len, s.max_hist_len + 1, n)
         owner = np.repeat(users, lengths)
         from_interest = rng.random(owner.size) < 0.8
-        cates = np.where(from_interest,
-                         self.user_interest[owner, rng.integers(0, s.interests_per_user, owner.size)],
-                         rng.integers(0, s.num_cates, owner.size))
+        cates = np.where(
+            from_interest,
+            self.user_interest[owner, rng.integers(0, s.interests_per_user, owner.size)],
+            rng.integers(0, s.num_cates, owner.size),
+        )
         hist = self.items_in(cates, rng)
         hist_cate = self.item_cate[hist]
         cand_interest = rng.random(n) < 0.5
-        cand_cate = np.where(cand_interest, self.user_interest[users, rng.integers(0, s.interests_per_user, n)],
-                             rng.integers(0, s.num_cates, n))
+        cand_cate = np.where(
+            cand_interest,
+            self.user_interest[users, rng.integers(0, s.interests_per_user, n)],
+            rng.integers(0, s.num_cates, n),
+        )
         cand = self.items_in(cand_cate, rng)
         cand_cate = self.item_cate[cand]
         row = np.repeat(np.arange(n), lengths)
         same_cate = np.bincount(row, weights=(hist_cate == cand_cate[row]), minlength=n) / lengths
         in_hist = np.bincount(row, weights=(hist == cand[row]), minlength=n) > 0
         price = self.item_price[cand] * np.exp(rng.normal(0, 0.1, n))
-        logit = (-1.6 + 3.5 * same_cate + 1.0 * in_hist + self.user_bias[users] + self.item_bias[cand]
-                 - 0.4 * (np.log(price) - 3.0))
+        logit = (
+            -1.6
+            + 3.5 * same_cate
+            + 1.0 * in_hist
+            + self.user_bias[users]
+            + self.item_bias[cand]
+            - 0.4 * (np.log(price) - 3.0)
+        )
         p = 1.0 / (1.0 + np.exp(-logit))
         clk = (rng.random(n) < p).astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        hist_str = ["|".join(map(str, hist[offsets[i]:offsets[i + 1]])) for i in range(n)]
-        hist_cate_str = ["|".join(map(str, hist_cate[offsets[i]:offsets[i + 1]])) for i in range(n)]
-        table = pa.table({
-            "user_id": pa.array([f"u{u}" for u in users]),
-            "age": pa.array(self.user_age[users]),
-            "item_id": pa.array(cand),
-            "cate_id": pa.array(cand_cate),
-            "hist_item_id": pa.array(hist_str),
-            "hist_cate_id": pa.array(hist_cate_str),
-            "price": pa.array(price.round(2)),
-            "clk": pa.array(clk),
-        })
+        hist_str = ["|".join(map(str, hist[offsets[i] : offsets[i + 1]])) for i in range(n)]
+        hist_cate_str = ["|".join(map(str, hist_cate[offsets[i] : offsets[i + 1]])) for i in range(n)]
+        table = pa.table(
+            {
+                "user_id": pa.array([f"u{u}" for u in users]),
+                "age": pa.array(self.user_age[users]),
+                "item_id": pa.array(cand),
+                "cate_id": pa.array(cand_cate),
+                "hist_item_id": pa.array(hist_str),
+                "hist_cate_id": pa.array(hist_cate_str),
+                "price": pa.array(price.round(2)),
+                "clk": pa.array(clk),
+            }
+        )
         return table, p
 
 

@@ -12,8 +12,8 @@ from dynarec.embedding.table import EmbeddingTable, FixedTable
 
 __all__ = [
     "AdmissionConfig",
-    "DynamicTableOptions",
     "DynamicTable",
+    "DynamicTableOptions",
     "EmbeddingCollection",
     "EmbeddingTable",
     "FeatureConfig",

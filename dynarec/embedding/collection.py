@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -47,12 +48,13 @@ class EmbeddingCollection(nn.Module):
                 raise ValueError(f"table '{config.name}' is configured twice")
             spec = config.optimizer or optimizer
             if spec is None:
-                raise ValueError(f"table '{config.name}' has no optimizer: give the collection one or the table its own")
+                raise ValueError(
+                    f"table '{config.name}' has no optimizer: give the collection one or the table its own"
+                )
             table_cls = FixedTable if config.kind == "fixed" else DynamicTable
             table = table_cls(config, spec, self.device)
             self.tables[config.name] = table
-            for feature in config.features:
-                assert isinstance(feature, FeatureConfig)
+            for feature in config.feature_configs:
                 if feature.name in self._features:
                     raise ValueError(
                         f"feature '{feature.name}' is served by tables "
@@ -117,7 +119,7 @@ class EmbeddingCollection(nn.Module):
 
     def set_learning_rate(self, lr: float, table: Optional[str] = None) -> None:
         """Sets the current learning rate of one table, or of every table."""
-        for t in ([self._table(table)] if table is not None else self.tables.values()):
+        for t in [self._table(table)] if table is not None else self.tables.values():
             t.set_learning_rate(lr)
 
     def describe(self) -> list[dict[str, object]]:

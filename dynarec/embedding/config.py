@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence, Union, get_args
+from typing import ClassVar, Literal, Optional, Union, get_args
 
 from dynarec.embedding.initializers import Initializer
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = [
+    "BACKENDS",
+    "CHECK_MODES",
+    "POOLINGS",
+    "SCORE_STRATEGIES",
     "AdmissionConfig",
     "Backend",
-    "BACKENDS",
     "CheckMode",
-    "CHECK_MODES",
     "DynamicTableOptions",
     "FeatureConfig",
     "Pooling",
-    "POOLINGS",
     "ScoreStrategy",
-    "SCORE_STRATEGIES",
     "TableConfig",
     "check_count",
 ]
@@ -81,7 +82,7 @@ class AdmissionConfig:
     capacity: Optional[int] = None
     initializer: Optional[Initializer] = None
 
-    __pydantic_config__ = _FORBID
+    __pydantic_config__: ClassVar[dict] = _FORBID
 
     def __post_init__(self) -> None:
         check_count("admission", "threshold", self.threshold)
@@ -119,7 +120,7 @@ class DynamicTableOptions:
     admission: Optional[AdmissionConfig] = None
     eval_initializer: Optional[Initializer] = None
 
-    __pydantic_config__ = _FORBID
+    __pydantic_config__: ClassVar[dict] = _FORBID
 
     def __post_init__(self) -> None:
         where = "dynamic table"
@@ -189,12 +190,19 @@ class TableConfig:
         if self.seed is None:
             object.__setattr__(self, "seed", zlib.crc32(self.name.encode()))
         if (self.num_embeddings is None) == (self.dynamic is None):
-            raise ValueError(f"{where}: give exactly one of num_embeddings (a fixed table) or dynamic "
-                             f"(DynamicTableOptions, a dynamic table)")
+            raise ValueError(
+                f"{where}: give exactly one of num_embeddings (a fixed table) or dynamic "
+                f"(DynamicTableOptions, a dynamic table)"
+            )
         if self.num_embeddings is not None:
             check_count(where, "num_embeddings", self.num_embeddings)
         elif not isinstance(self.dynamic, DynamicTableOptions):
             raise ValueError(f"{where}: dynamic must be a DynamicTableOptions, got {self.dynamic!r}")
+
+    @property
+    def feature_configs(self) -> tuple[FeatureConfig, ...]:
+        """``features``, every one a :class:`FeatureConfig` (names are normalized on construction)."""
+        return self.features  # type: ignore[return-value]
 
     @property
     def kind(self) -> Literal["fixed", "dynamic"]:

@@ -132,8 +132,9 @@ class DynamicTable(EmbeddingTable):
         if not bool(present.all()):
             num_bags = bags.num_bags
             lengths = offsets[1:] - offsets[:-1]
-            bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
-                                                output_size=keys.numel())
+            bag_of_id = torch.repeat_interleave(
+                torch.arange(num_bags, device=keys.device), lengths, output_size=keys.numel()
+            )
             absent = ~present
             init = self.admission_initializer if (step is not None) else self.eval_initializer
             if not init.is_zero:
@@ -368,8 +369,15 @@ class DynamicTable(EmbeddingTable):
         ok = plan.slots >= 0
         return self._restore(index, plan.slots[ok], keep[ok], dump, fields, weights_only)
 
-    def _restore(self, index: BucketedHashIndex, slots: torch.Tensor, src: torch.Tensor,
-                 dump: dict[str, torch.Tensor], fields: list[str], weights_only: bool) -> dict[str, int]:
+    def _restore(
+        self,
+        index: BucketedHashIndex,
+        slots: torch.Tensor,
+        src: torch.Tensor,
+        dump: dict[str, torch.Tensor],
+        fields: list[str],
+        weights_only: bool,
+    ) -> dict[str, int]:
         """Installs ``index`` and writes dump rows ``src`` into ``slots``."""
         self.index = index
         self._generation += 1

@@ -27,7 +27,7 @@ from dynarec.embedding.row_store import RowStore
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import FbgemmMapping, definition
 
-__all__ = ["FbgemmRowStore", "fbgemm_available", "check_fbgemm_supports"]
+__all__ = ["FbgemmRowStore", "check_fbgemm_supports", "fbgemm_available"]
 
 
 def fbgemm_available() -> bool:
@@ -45,8 +45,7 @@ def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str)
     """Raises ValueError naming the ``native`` backend for what the fbgemm backend cannot do."""
     if not fbgemm_available():
         raise ValueError(
-            f"{where}: backend 'fbgemm' needs FBGEMM (fbgemm-gpu-cpu==1.8.0) installed; "
-            "use backend='native'"
+            f"{where}: backend 'fbgemm' needs FBGEMM (fbgemm-gpu-cpu==1.8.0) installed; use backend='native'"
         )
     if torch.device(device).type != "cpu":
         raise ValueError(
@@ -60,16 +59,18 @@ def fbgemm_mapping(spec: OptimizerSpec, where: str) -> FbgemmMapping:
     """The registry's FBGEMM mapping of ``spec``; ValueError naming ``native`` where it refuses."""
     defn = definition(spec)
     if isinstance(defn.fbgemm, str):
-        raise ValueError(f"{where}: {defn.name} is not supported by backend 'fbgemm' ({defn.fbgemm}); "
-                         "use backend='native'")
+        raise ValueError(
+            f"{where}: {defn.name} is not supported by backend 'fbgemm' ({defn.fbgemm}); use backend='native'"
+        )
     return defn.fbgemm(spec)
 
 
 class FbgemmRowStore(RowStore):
     """Rows in one FBGEMM TBE table on CPU, its optimizer fused by FBGEMM."""
 
-    def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu",
-                 where: str = "table"):
+    def __init__(
+        self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu", where: str = "table"
+    ):
         check_fbgemm_supports(spec, torch.device(device), where)
         super().__init__(num_rows, dim, spec, torch.device(device))
         self._mapping = fbgemm_mapping(spec, where)
@@ -91,7 +92,10 @@ class FbgemmRowStore(RowStore):
             SplitTableBatchedEmbeddingBagsCodegen,
         )
         from fbgemm_gpu.tbe.config.embedding_config import (
-            BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode,
+            BoundsCheckMode,
+            ComputeDevice,
+            EmbeddingLocation,
+            PoolingMode,
         )
 
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(

@@ -199,7 +199,7 @@ class BucketedHashIndex:
         """Pins ``slots`` for the step ``step_id`` (duplicates allowed)."""
         self.pins[slots] = step_id % PIN_WRAP
 
-    def rehashed(self, num_buckets: int) -> tuple["BucketedHashIndex", torch.Tensor, torch.Tensor]:
+    def rehashed(self, num_buckets: int) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
         """A new index of ``num_buckets`` holding every key with its score and pin, and the
         ``(old slots, new slots)`` of the keys moved. Keys are placed by descending score (ties
         to the smaller key); a multiple of the bucket count never overflows a bucket, any other

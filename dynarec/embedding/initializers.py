@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, get_args
+from typing import ClassVar, Literal, Optional, get_args
 
 import torch
 
-__all__ = ["Initializer", "InitializerKind", "mix64", "INITIALIZER_KINDS"]
+__all__ = ["INITIALIZER_KINDS", "Initializer", "InitializerKind", "mix64"]
 
 InitializerKind = Literal["uniform", "normal", "truncated_normal", "constant"]
 INITIALIZER_KINDS: tuple[str, ...] = get_args(InitializerKind)
@@ -62,7 +62,8 @@ class Initializer:
     std: Optional[float] = None
     value: float = 0.0
 
-    __pydantic_config__ = {"extra": "forbid"}  # validated straight from YAML; unknown keys are errors
+    # Validated straight from YAML by pydantic; unknown keys are errors.
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid"}
 
     def __post_init__(self) -> None:
         if self.kind not in INITIALIZER_KINDS:
@@ -87,8 +88,9 @@ class Initializer:
         keys = keys.long()
         if self.kind == "constant":
             return torch.full((keys.numel(), dim), self.value, dtype=torch.float32, device=keys.device)
-        chunks = [self._draw(keys[i : i + chunk_rows], dim, seed, default_bound)
-                  for i in range(0, keys.numel(), chunk_rows)]
+        chunks = [
+            self._draw(keys[i : i + chunk_rows], dim, seed, default_bound) for i in range(0, keys.numel(), chunk_rows)
+        ]
         if not chunks:
             return torch.empty(0, dim, dtype=torch.float32, device=keys.device)
         return torch.cat(chunks)
@@ -107,4 +109,3 @@ class Initializer:
             p = lo + u * (1.0 - 2.0 * lo)
             z = math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
         return (self.mean + std * z).float()
-

@@ -13,12 +13,13 @@ device for them; torchrec's KJT gives ``length_per_key()`` (cached by torchrec).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import torch
 
-__all__ = ["KeyedJaggedLike", "JaggedBatch", "FeatureSlice", "split_features"]
+__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "split_features"]
 
 
 class KeyedJaggedLike(Protocol):
@@ -92,17 +93,22 @@ class JaggedBatch:
             self._stats = _host_stats(self._keys, self._lengths)
         return self._stats
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:
         w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        return JaggedBatch(list(self._keys), self._values.to(device, non_blocking=non_blocking),
-                           self._lengths.to(device, non_blocking=non_blocking), w, self._stats)
+        return JaggedBatch(
+            list(self._keys),
+            self._values.to(device, non_blocking=non_blocking),
+            self._lengths.to(device, non_blocking=non_blocking),
+            w,
+            self._stats,
+        )
 
     @classmethod
     def from_lists(
         cls,
         features: Mapping[str, Sequence[Sequence[int]]],
         weights: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
-    ) -> "JaggedBatch":
+    ) -> JaggedBatch:
         """Builds a batch from ``{feature: [ids of sample 0, ids of sample 1, ...]}``; every
         feature must have the same number of samples. ``weights`` (optional) mirrors it."""
         keys = list(features)
@@ -129,12 +135,18 @@ class FeatureSlice:
     num_ids: int
     max_length: int
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "FeatureSlice":
+    def to(self, device: torch.device, non_blocking: bool = False) -> FeatureSlice:
         if self.values.device == device:
             return self
         w = None if self.weights is None else self.weights.to(device, non_blocking=non_blocking)
-        return FeatureSlice(self.name, self.values.to(device, non_blocking=non_blocking),
-                            self.lengths.to(device, non_blocking=non_blocking), w, self.num_ids, self.max_length)
+        return FeatureSlice(
+            self.name,
+            self.values.to(device, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+            w,
+            self.num_ids,
+            self.max_length,
+        )
 
 
 def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
@@ -153,8 +165,9 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"feature(s) {twice} appear more than once in the batch's keys {keys}")
     if lengths.device != values.device:
-        raise ValueError(f"lengths are on {lengths.device} but values on {values.device}; "
-                         "move the whole batch to one device")
+        raise ValueError(
+            f"lengths are on {lengths.device} but values on {values.device}; move the whole batch to one device"
+        )
     stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else _host_stats(keys, lengths)
     for key, low in zip(keys, stats.min_length_per_key):
         if low < 0:

@@ -18,15 +18,16 @@ is carried on the host by the batch (``FeatureSlice.num_ids`` / ``max_length``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from dynarec.embedding.config import Pooling
 from dynarec.embedding.jagged import FeatureSlice
 
-__all__ = ["Bags", "BagLayout", "FeatureBags", "pack", "unpack", "pad_sequence_rows"]
+__all__ = ["BagLayout", "Bags", "FeatureBags", "pack", "pad_sequence_rows", "unpack"]
 
 
 @dataclass

@@ -16,10 +16,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from dynarec.optim.fused import fused_row_update
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.fused import fused_row_update
 
-__all__ = ["RowStore", "NativeRowStore", "bag_gradients"]
+__all__ = ["NativeRowStore", "RowStore", "bag_gradients"]
 
 
 class RowStore(ABC):
@@ -49,7 +49,11 @@ class RowStore(ABC):
 
     @abstractmethod
     def lookup(
-        self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], train: bool,
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor],
+        train: bool,
         step: int = 0,
     ) -> torch.Tensor:
         """Weighted-sum bags: ``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``.
@@ -148,25 +152,34 @@ class _NativeFusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step):  # type: ignore[override]
+    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step):
         ctx.store = store
         ctx.step = step
         ctx.save_for_backward(rows, offsets, per_sample_weights)
         return F.embedding_bag(
-            rows, store.weight, offsets, mode="sum",
-            per_sample_weights=per_sample_weights, include_last_offset=True,
+            rows,
+            store.weight,
+            offsets,
+            mode="sum",
+            per_sample_weights=per_sample_weights,
+            include_last_offset=True,
         )
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         rows, offsets, psw = ctx.saved_tensors
         store: NativeRowStore = ctx.store
         g = bag_gradients(grad_out.contiguous(), offsets, psw, rows.numel())
         unique_rows, inverse = torch.unique(rows, return_inverse=True)
         agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
         fused_row_update(
-            store.spec, lr=store.lr, step=ctx.step, weight=store.weight,
-            states=store.states, rows=unique_rows, grad=agg,
+            store.spec,
+            lr=store.lr,
+            step=ctx.step,
+            weight=store.weight,
+            states=store.states,
+            rows=unique_rows,
+            grad=agg,
         )
         return None, None, None, None, None, None
 
@@ -204,6 +217,10 @@ class NativeRowStore(RowStore):
             anchor = torch.empty(0, device=self.device, requires_grad=True)
             return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step)
         return F.embedding_bag(
-            rows, self._weight, offsets, mode="sum",
-            per_sample_weights=per_sample_weights, include_last_offset=True,
+            rows,
+            self._weight,
+            offsets,
+            mode="sum",
+            per_sample_weights=per_sample_weights,
+            include_last_offset=True,
         )

@@ -13,8 +13,9 @@ backward never came was abandoned, and keeping its rows is what a no-grad forwar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 __all__ = ["Journal", "Step", "StepLifecycle", "StepPendingError"]
 
@@ -104,4 +105,5 @@ class StepLifecycle:
         if self.pending:
             raise StepPendingError(
                 f"{self.where}: {what} while a training step is pending (a training forward whose backward has "
-                f"not run); run its backward, or abort_step(), first")
+                f"not run); run its backward, or abort_step(), first"
+            )

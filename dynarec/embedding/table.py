@@ -13,7 +13,7 @@ first, then ``lookup``; the lookup output's backward commits the step, ``abort_s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -47,7 +47,7 @@ class EmbeddingTable(ABC):
         self.dim = config.dim
         self.spec = spec
         self.device = torch.device(device)
-        self.features: tuple[FeatureConfig, ...] = tuple(config.features)  # type: ignore[arg-type]
+        self.features: tuple[FeatureConfig, ...] = config.feature_configs
         self.initializer = config.initializer or Initializer()
         self.eval_initializer = (config.dynamic and config.dynamic.eval_initializer) or _ZERO
         self.steps = StepLifecycle(f"table '{self.name}'")
@@ -103,7 +103,7 @@ class EmbeddingTable(ABC):
         output's backward apply the fused optimizer to the touched rows and commit the step.
         """
 
-    def validate(self, feature: str, ids: torch.Tensor) -> None:
+    def validate(self, feature: str, ids: torch.Tensor) -> None:  # noqa: B027 - a hook: most kinds take any id
         """Raises ValueError for ids this table cannot take, before anything is written."""
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
@@ -136,15 +136,28 @@ class EmbeddingTable(ABC):
             raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {type(self.spec).__name__})")
         return fields
 
-    def _load_rows(self, rows: torch.Tensor, src: torch.Tensor, dump: dict[str, torch.Tensor],
-                   fields: list[str], weights_only: bool) -> None:
+    def _load_rows(
+        self,
+        rows: torch.Tensor,
+        src: torch.Tensor,
+        dump: dict[str, torch.Tensor],
+        fields: list[str],
+        weights_only: bool,
+    ) -> None:
         """Writes dump rows ``src`` (``fields``) into ``rows``; sets the step counter."""
         self.store.write(rows, {f: dump[f].to(self.device)[src] for f in fields})
         self.steps.reset(0 if weights_only else int(dump["step"]))
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "kind": self.config.kind, "backend": self.config.backend, "dim": self.dim,
-                "optimizer": self.spec.describe(), "step": self.step, "bytes": self.nbytes}
+        return {
+            "name": self.name,
+            "kind": self.config.kind,
+            "backend": self.config.backend,
+            "dim": self.dim,
+            "optimizer": repr(self.spec),
+            "step": self.step,
+            "bytes": self.nbytes,
+        }
 
     @property
     def nbytes(self) -> int:
@@ -207,8 +220,10 @@ class FixedTable(EmbeddingTable):
         fields = self._dump_fields(dump, weights_only)
         weight = dump["weight"]
         if tuple(weight.shape) != (self.num_embeddings, self.dim):
-            raise ValueError(f"table '{self.name}': dump holds weight {tuple(weight.shape)}, "
-                             f"the table is {(self.num_embeddings, self.dim)}")
+            raise ValueError(
+                f"table '{self.name}': dump holds weight {tuple(weight.shape)}, "
+                f"the table is {(self.num_embeddings, self.dim)}"
+            )
         self.store.reallocate(self.num_embeddings)
         rows = torch.arange(self.num_embeddings, device=self.device)
         self._load_rows(rows, rows, dump, fields, weights_only)

@@ -8,12 +8,12 @@ tables take ``fingerprint64(s) % num_buckets``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import farmhash
 import numpy as np
 
-__all__ = ["fingerprint64", "to_hash_bucket_fast", "DYNAMIC_KEY_BUCKETS"]
+__all__ = ["DYNAMIC_KEY_BUCKETS", "fingerprint64", "to_hash_bucket_fast"]
 
 DYNAMIC_KEY_BUCKETS = 2**62
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -14,6 +14,8 @@ __all__ = ["MLP", "DINAttention", "DeepGroup", "SequenceGroup"]
 
 class MLP(nn.Sequential):
     """Linear + ReLU layers: ``[B, in_dim] -> [B, hidden_units[-1]]``."""
+
+    out_dim: int
 
     def __init__(self, in_dim: int, hidden_units: Sequence[int]):
         layers: list[nn.Module] = []
@@ -59,13 +61,22 @@ class DeepGroup(nn.Module):
     """A deep (or wide) group: its pooled embeddings and dense features concatenated,
     ``[B, out_dim]``. Sequence features in a deep group are mean-pooled."""
 
+    out_dim: int
+
     def __init__(self, config: Config, group: FeatureGroupCfg):
         super().__init__()
         dims = _dims(config)
         self.names = list(group.feature_names)
-        self.kinds = {n: ("dense" if isinstance(config.feature(n), RawFeatureCfg) else
-                          "sequence" if isinstance(config.feature(n), SequenceFeatureCfg) else "pooled")
-                      for n in self.names}
+        self.kinds = {
+            n: (
+                "dense"
+                if isinstance(config.feature(n), RawFeatureCfg)
+                else "sequence"
+                if isinstance(config.feature(n), SequenceFeatureCfg)
+                else "pooled"
+            )
+            for n in self.names
+        }
         self.out_dim = sum(dims[n] for n in self.names)
         self.mean = DINAttention(1, [1], pooling="mean")
 
@@ -89,10 +100,14 @@ class SequenceGroup(nn.Module):
     """A sequence group: its id features form the query ``[B, Dq]`` and its sequence features
     the keys ``[B, L, Dq]`` (each concatenated along the dim, in the group's order)."""
 
+    dim: int
+
     def __init__(self, config: Config, group: FeatureGroupCfg):
         super().__init__()
         dims = _dims(config)
-        self.query = [n for n in group.feature_names if not isinstance(config.feature(n), (SequenceFeatureCfg, RawFeatureCfg))]
+        self.query = [
+            n for n in group.feature_names if not isinstance(config.feature(n), (SequenceFeatureCfg, RawFeatureCfg))
+        ]
         self.sequence = [n for n in group.feature_names if isinstance(config.feature(n), SequenceFeatureCfg)]
         where = f"model.feature_groups '{group.group_name}'"
         if any(isinstance(config.feature(n), RawFeatureCfg) for n in group.feature_names):

@@ -6,27 +6,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config, RawFeatureCfg
+from dynarec.config.schema import Config, DeepFMCfg, RawFeatureCfg
 from dynarec.models.blocks import MLP, DeepGroup
 
 
 class DeepFM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, cfg: DeepFMCfg):
         super().__init__()
-        self.groups = nn.ModuleList(DeepGroup(config, g) for g in config.model.feature_groups)
-        self.fm_features = [n for g in config.model.feature_groups for n in g.feature_names
-                            if not isinstance(config.feature(n), RawFeatureCfg)]
+        groups = [DeepGroup(config, g) for g in config.model.feature_groups]
+        self.groups = nn.ModuleList(groups)
+        self.fm_features = [
+            n
+            for g in config.model.feature_groups
+            for n in g.feature_names
+            if not isinstance(config.feature(n), RawFeatureCfg)
+        ]
         dims = {config.feature(n).embedding_dim for n in self.fm_features}
         if len(dims) > 1:
             raise ValueError(f"model.deepfm: FM needs equal embedding dims, got {sorted(dims)}")
-        width = sum(g.out_dim for g in self.groups)
+        width = sum(g.out_dim for g in groups)
         self.first_order = nn.Linear(width, 1)
-        self.mlp = MLP(width, config.model.deepfm.deep_hidden_units)
+        self.mlp = MLP(width, cfg.deep_hidden_units)
         self.out = nn.Linear(self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
         x = torch.cat([g(embeddings, seq_lengths, dense) for g in self.groups], dim=1)
-        v = torch.stack([embeddings[n] if embeddings[n].dim() == 2 else embeddings[n].mean(1)
-                         for n in self.fm_features], dim=1)  # [B, F, D]
+        v = torch.stack(
+            [embeddings[n] if embeddings[n].dim() == 2 else embeddings[n].mean(1) for n in self.fm_features], dim=1
+        )  # [B, F, D]
         fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
         return self.first_order(x).squeeze(1) + fm + self.out(self.mlp(x)).squeeze(1)

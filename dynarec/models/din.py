@@ -5,19 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config
+from dynarec.config.schema import Config, DINCfg
 from dynarec.models.blocks import MLP, DeepGroup, DINAttention, SequenceGroup
 
 
 class DIN(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, cfg: DINCfg):
         super().__init__()
-        cfg = config.model.din
         self.seq = SequenceGroup(config, config.model.group(cfg.din_tower.input))
         self.attention = DINAttention(self.seq.dim, cfg.din_tower.attn_hidden_units, cfg.din_tower.pooling)
-        self.deep = nn.ModuleList(DeepGroup(config, g) for g in config.model.feature_groups
-                                  if g.group_type != "sequence")
-        self.mlp = MLP(2 * self.seq.dim + sum(g.out_dim for g in self.deep), cfg.deep_hidden_units)
+        deep = [DeepGroup(config, g) for g in config.model.feature_groups if g.group_type != "sequence"]
+        self.deep = nn.ModuleList(deep)
+        self.mlp = MLP(2 * self.seq.dim + sum(g.out_dim for g in deep), cfg.deep_hidden_units)
         self.out = nn.Linear(self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.config.schema import Config, DLRMCfg, RawFeatureCfg, SequenceFeatureCfg
 from dynarec.models.blocks import MLP
 
 
 class DLRM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, cfg: DLRMCfg):
         super().__init__()
         names = [n for g in config.model.feature_groups for n in g.feature_names]
         self.dense_names = [n for n in names if isinstance(config.feature(n), RawFeatureCfg)]
@@ -19,10 +19,11 @@ class DLRM(nn.Module):
         self.sequence = {n for n in self.sparse_names if isinstance(config.feature(n), SequenceFeatureCfg)}
         dims = {config.feature(n).embedding_dim for n in self.sparse_names}
         if len(dims) != 1 or not self.dense_names:
-            raise ValueError(f"model.dlrm: needs dense features and sparse features of one dim, got dims {sorted(dims)}")
+            raise ValueError(
+                f"model.dlrm: needs dense features and sparse features of one dim, got dims {sorted(dims)}"
+            )
         dim = dims.pop()
-        cfg = config.model.dlrm
-        self.bottom = MLP(len(self.dense_names), list(cfg.bottom_hidden_units) + [dim])
+        self.bottom = MLP(len(self.dense_names), [*cfg.bottom_hidden_units, dim])
         n = len(self.sparse_names) + 1
         self.pairs = torch.triu_indices(n, n, offset=1)
         self.top = MLP(dim + self.pairs.shape[1], cfg.top_hidden_units)
@@ -30,8 +31,10 @@ class DLRM(nn.Module):
 
     def forward(self, embeddings, seq_lengths, dense):
         x = self.bottom(torch.stack([dense[n] for n in self.dense_names], dim=1))
-        vs = [x] + [embeddings[n].sum(1) / seq_lengths[n].clamp(min=1)[:, None] if n in self.sequence else embeddings[n]
-                    for n in self.sparse_names]
+        vs = [x] + [
+            embeddings[n].sum(1) / seq_lengths[n].clamp(min=1)[:, None] if n in self.sequence else embeddings[n]
+            for n in self.sparse_names
+        ]
         v = torch.stack(vs, dim=1)  # [B, F + 1, D]
         inter = torch.bmm(v, v.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.out(self.top(torch.cat([x, inter], dim=1))).squeeze(1)

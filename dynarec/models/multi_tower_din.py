@@ -6,34 +6,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config
+from dynarec.config.schema import Config, MultiTowerDINCfg
 from dynarec.models.blocks import MLP, DeepGroup, DINAttention, SequenceGroup
 
 
 class MultiTowerDIN(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, cfg: MultiTowerDINCfg):
         super().__init__()
-        cfg = config.model.multi_tower_din
         self.groups = nn.ModuleDict()
         self.towers = nn.ModuleDict()
         width = 0
-        for t in cfg.towers:
-            group = DeepGroup(config, config.model.group(t.input))
-            self.groups[t.input] = group
-            self.towers[t.input] = MLP(group.out_dim, t.hidden_units)
-            width += self.towers[t.input].out_dim
+        for tower in cfg.towers:
+            group = DeepGroup(config, config.model.group(tower.input))
+            mlp = MLP(group.out_dim, tower.hidden_units)
+            self.groups[tower.input], self.towers[tower.input] = group, mlp
+            width += mlp.out_dim
         self.seq_groups = nn.ModuleDict()
         self.din_towers = nn.ModuleDict()
-        for t in cfg.din_towers:
-            group = SequenceGroup(config, config.model.group(t.input))
-            self.seq_groups[t.input] = group
-            self.din_towers[t.input] = DINAttention(group.dim, t.attn_hidden_units, t.pooling)
-            width += 2 * group.dim  # attention output and the query itself
+        for din in cfg.din_towers:
+            seq = SequenceGroup(config, config.model.group(din.input))
+            self.seq_groups[din.input] = seq
+            self.din_towers[din.input] = DINAttention(seq.dim, din.attn_hidden_units, din.pooling)
+            width += 2 * seq.dim  # attention output and the query itself
         self.final = MLP(width, cfg.final_hidden_units)
         self.out = nn.Linear(self.final.out_dim, 1)
 
-    def forward(self, embeddings: dict[str, torch.Tensor], seq_lengths: dict[str, torch.Tensor],
-                dense: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, embeddings: dict[str, torch.Tensor], seq_lengths: dict[str, torch.Tensor], dense: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         parts = [self.towers[n](g(embeddings, seq_lengths, dense)) for n, g in self.groups.items()]
         for n, g in self.seq_groups.items():
             query, keys, lengths = g(embeddings, seq_lengths)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from dynarec.config.schema import Config
@@ -13,7 +15,7 @@ from dynarec.models.wide_and_deep import WideAndDeep
 
 __all__ = ["MODELS", "build_model"]
 
-MODELS: dict[str, type[nn.Module]] = {
+MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model block)
     "multi_tower_din": MultiTowerDIN,
     "din": DIN,
     "deepfm": DeepFM,
@@ -24,4 +26,5 @@ MODELS: dict[str, type[nn.Module]] = {
 
 def build_model(config: Config) -> nn.Module:
     """The dense part of the model: ``(embeddings, seq_lengths, dense) -> logits [B]``."""
-    return MODELS[config.model.name](config)
+    name = config.model.name
+    return MODELS[name](config, getattr(config.model, name))

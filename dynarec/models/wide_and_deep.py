@@ -5,20 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config
+from dynarec.config.schema import Config, WideAndDeepCfg
 from dynarec.models.blocks import MLP, DeepGroup
 
 
 class WideAndDeep(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, cfg: WideAndDeepCfg):
         super().__init__()
         groups = config.model.feature_groups
-        self.wide = nn.ModuleList(DeepGroup(config, g) for g in groups if g.group_type == "wide")
-        self.deep = nn.ModuleList(DeepGroup(config, g) for g in groups if g.group_type == "deep")
-        if not self.wide or not self.deep:
+        wide = [DeepGroup(config, g) for g in groups if g.group_type == "wide"]
+        deep = [DeepGroup(config, g) for g in groups if g.group_type == "deep"]
+        if not wide or not deep:
             raise ValueError("model.wide_and_deep: needs at least one 'wide' and one 'deep' feature group")
-        self.linear = nn.Linear(sum(g.out_dim for g in self.wide), 1)
-        self.mlp = MLP(sum(g.out_dim for g in self.deep), config.model.wide_and_deep.deep_hidden_units)
+        self.wide, self.deep = nn.ModuleList(wide), nn.ModuleList(deep)
+        self.linear = nn.Linear(sum(g.out_dim for g in wide), 1)
+        self.mlp = MLP(sum(g.out_dim for g in deep), cfg.deep_hidden_units)
         self.out = nn.Linear(self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):

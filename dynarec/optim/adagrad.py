@@ -7,8 +7,9 @@ and FBGEMM's 0.0). No weight decay: FBGEMM's kernel has none.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
@@ -54,7 +55,12 @@ def reference_update(spec: Adagrad, *, lr, step, w, states, g) -> None:
     w -= lr * g / (torch.sqrt(h) + spec.eps)
 
 
-register(OptimizerDef(
-    spec=Adagrad, yaml_key="adagrad_optimizer", native_update=native_update, reference_update=reference_update,
-    fbgemm=lambda spec: FbgemmMapping("EXACT_ADAGRAD", {"eps": spec.eps}),
-))
+register(
+    OptimizerDef(
+        spec=Adagrad,
+        yaml_key="adagrad_optimizer",
+        native_update=native_update,
+        reference_update=reference_update,
+        fbgemm=lambda spec: FbgemmMapping("EXACT_ADAGRAD", {"eps": spec.eps}),
+    )
+)

@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
@@ -72,7 +73,12 @@ def reference_update(spec: Adam, *, lr, step, w, states, g) -> None:
     w -= lr * (m_hat / (torch.sqrt(v_hat) + spec.eps) + spec.weight_decay * w)
 
 
-register(OptimizerDef(
-    spec=Adam, yaml_key="adam_optimizer", native_update=native_update, reference_update=reference_update,
-    fbgemm="FBGEMM's CPU TBE refuses Adam",
-))
+register(
+    OptimizerDef(
+        spec=Adam,
+        yaml_key="adam_optimizer",
+        native_update=native_update,
+        reference_update=reference_update,
+        fbgemm="FBGEMM's CPU TBE refuses Adam",
+    )
+)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
-__all__ = ["OptimizerSpec", "StateSpec", "check_finite", "check_positive", "check_non_negative"]
+__all__ = ["OptimizerSpec", "StateSpec", "check_finite", "check_non_negative", "check_positive"]
 
 # Settings users bring from other libraries that dynarec deliberately does not offer, with the
 # reason given in the error message.
@@ -85,18 +86,14 @@ class OptimizerSpec:
         """The optimizer state tensors every row of a table carries, in a fixed order."""
         return ()
 
-    def replace(self, **changes: Any) -> "OptimizerSpec":
+    def replace(self, **changes: Any) -> OptimizerSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def describe(self) -> str:
-        """``Adagrad(lr=0.05, eps=1e-08, initial_accumulator_value=0.1)``: every parameter."""
-        return repr(self)
-
     @classmethod
-    def from_dict(cls, mapping: Mapping[str, Any], where: str = "") -> "OptimizerSpec":
+    def from_dict(cls, mapping: Mapping[str, Any], where: str = "") -> OptimizerSpec:
         """Builds the spec from a mapping of its fields.
 
         Unknown keys are an error naming the key (and ``where``, the place the mapping came

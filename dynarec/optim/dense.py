@@ -7,15 +7,23 @@ Each spec's fields are the only settings its YAML block (``dense_optimizer: {ada
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
 from dynarec.optim.base import check_finite, check_non_negative, check_positive
 
-__all__ = ["DENSE_OPTIMIZERS", "DenseAdagrad", "DenseAdam", "DenseOptimizerSpec", "DenseSGD", "dense_spec_from_yaml",
-           "dense_spec_to_yaml"]
+__all__ = [
+    "DENSE_OPTIMIZERS",
+    "DenseAdagrad",
+    "DenseAdam",
+    "DenseOptimizerSpec",
+    "DenseSGD",
+    "dense_spec_from_yaml",
+    "dense_spec_to_yaml",
+]
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,13 @@ class DenseAdagrad(DenseOptimizerSpec):
         check_non_negative(type(self).__name__, "initial_accumulator_value", self.initial_accumulator_value)
 
     def build(self, params):
-        return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
-                                   initial_accumulator_value=self.initial_accumulator_value)
+        return torch.optim.Adagrad(
+            params,
+            lr=self.lr,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            initial_accumulator_value=self.initial_accumulator_value,
+        )
 
 
 @dataclass(frozen=True)
@@ -83,8 +96,9 @@ class DenseAdam(DenseOptimizerSpec):
                 raise ValueError(f"{cls}.{name} must be in [0, 1), got {getattr(self, name)!r}")
 
     def build(self, params):
-        return torch.optim.Adam(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
-                                weight_decay=self.weight_decay)
+        return torch.optim.Adam(
+            params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay
+        )
 
 
 DENSE_OPTIMIZERS: dict[str, type[DenseOptimizerSpec]] = {c.yaml_key: c for c in (DenseSGD, DenseAdagrad, DenseAdam)}
@@ -99,8 +113,9 @@ def dense_spec_from_yaml(block: Any, where: str) -> DenseOptimizerSpec:
         raise ValueError(f"{where + ': ' if where else ''}give exactly one of {list(DENSE_OPTIMIZERS)} (got {given!r})")
     ((key, fields),) = block.items()
     if key not in DENSE_OPTIMIZERS:
-        raise ValueError(f"{where + ': ' if where else ''}unknown optimizer '{key}'; "
-                         f"expected one of {list(DENSE_OPTIMIZERS)}")
+        raise ValueError(
+            f"{where + ': ' if where else ''}unknown optimizer '{key}'; expected one of {list(DENSE_OPTIMIZERS)}"
+        )
     label = f"{where}.{key}" if where else key
     cls = DENSE_OPTIMIZERS[key]
     fields = fields or {}

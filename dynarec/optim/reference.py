@@ -30,5 +30,11 @@ def reference_update(
     allowed) using ``dense_grad[row]``, the row's full gradient of the loss."""
     update = definition(spec).reference_update
     for row in sorted(set(int(r) for r in touched.tolist())):
-        update(spec, lr=lr, step=step, w=weight[row], states={k: v[row] for k, v in states.items()},
-               g=dense_grad[row].clone())
+        update(
+            spec,
+            lr=lr,
+            step=step,
+            w=weight[row],
+            states={k: v[row] for k, v in states.items()},
+            g=dense_grad[row].clone(),
+        )

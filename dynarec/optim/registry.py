@@ -18,8 +18,9 @@ switches on the spec's type.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -113,8 +114,9 @@ def definition(spec: Union[OptimizerSpec, type[OptimizerSpec]]) -> OptimizerDef:
     try:
         return _REGISTRY[cls]
     except KeyError:
-        raise TypeError(f"{cls.__name__} is not a registered optimizer; registered: "
-                        f"{[d.name for d in _REGISTRY.values()]}") from None
+        raise TypeError(
+            f"{cls.__name__} is not a registered optimizer; registered: {[d.name for d in _REGISTRY.values()]}"
+        ) from None
 
 
 def registered() -> list[OptimizerDef]:
@@ -146,8 +148,9 @@ def spec_to_yaml(spec: OptimizerSpec) -> dict[str, dict[str, Any]]:
     return {definition(spec).yaml_key: spec.to_dict()}
 
 
-def initial_states(spec: OptimizerSpec, num_rows: int, dim: int,
-                   device: Union[torch.device, str] = "cpu") -> dict[str, torch.Tensor]:
+def initial_states(
+    spec: OptimizerSpec, num_rows: int, dim: int, device: Union[torch.device, str] = "cpu"
+) -> dict[str, torch.Tensor]:
     """Fresh optimizer states of a table: ``{name: [num_rows, D or 1]}`` float32."""
     return {
         s.name: torch.full((num_rows, s.width(dim)), s.initial_value, dtype=torch.float32, device=device)

@@ -14,7 +14,7 @@ import torch
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_non_negative, check_positive
 from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 
-__all__ = ["RowWiseAdagrad", "WeightDecayMode", "WEIGHT_DECAY_MODES"]
+__all__ = ["WEIGHT_DECAY_MODES", "RowWiseAdagrad", "WeightDecayMode"]
 
 WeightDecayMode = Literal["none", "l2", "decoupled"]
 WEIGHT_DECAY_MODES: tuple[str, ...] = get_args(WeightDecayMode)
@@ -78,13 +78,20 @@ def reference_update(spec: RowWiseAdagrad, *, lr, step, w, states, g) -> None:
 def fbgemm_mapping(spec: RowWiseAdagrad) -> FbgemmMapping:
     mode = {"none": "NONE", "l2": "L2", "decoupled": "DECOUPLE"}[spec.weight_decay_mode]
     return FbgemmMapping(
-        "EXACT_ROWWISE_ADAGRAD", {"eps": spec.eps, "weight_decay": spec.weight_decay}, weight_decay_mode=mode,
+        "EXACT_ROWWISE_ADAGRAD",
+        {"eps": spec.eps, "weight_decay": spec.weight_decay},
+        weight_decay_mode=mode,
         # CPU TBE's single-feature fast path passes weight_decay=0 (docs/optimizers.md).
         needs_generic_path=spec.weight_decay > 0,
     )
 
 
-register(OptimizerDef(
-    spec=RowWiseAdagrad, yaml_key="rowwise_adagrad_optimizer", native_update=native_update,
-    reference_update=reference_update, fbgemm=fbgemm_mapping,
-))
+register(
+    OptimizerDef(
+        spec=RowWiseAdagrad,
+        yaml_key="rowwise_adagrad_optimizer",
+        native_update=native_update,
+        reference_update=reference_update,
+        fbgemm=fbgemm_mapping,
+    )
+)

@@ -27,7 +27,12 @@ def reference_update(spec: SGD, *, lr, step, w, states, g) -> None:
     w -= lr * g
 
 
-register(OptimizerDef(
-    spec=SGD, yaml_key="sgd_optimizer", native_update=native_update, reference_update=reference_update,
-    fbgemm=lambda spec: FbgemmMapping("EXACT_SGD"),
-))
+register(
+    OptimizerDef(
+        spec=SGD,
+        yaml_key="sgd_optimizer",
+        native_update=native_update,
+        reference_update=reference_update,
+        fbgemm=lambda spec: FbgemmMapping("EXACT_SGD"),
+    )
+)

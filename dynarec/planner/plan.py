@@ -26,9 +26,16 @@ class TablePlan:
     def row(self) -> dict[str, object]:
         t = self.table
         rows = t.num_embeddings if t.dynamic is None else f"{t.dynamic.init_capacity}..{t.dynamic.max_capacity}"
-        feats = ", ".join(f"{f.name}({t.pooling_of(f)})" for f in t.features)  # type: ignore[union-attr]
-        return {"table": t.name, "kind": t.kind, "backend": t.backend, "rows": rows, "dim": t.dim,
-                "optimizer": self.optimizer.describe(), "features": feats}
+        feats = ", ".join(f"{f.name}({t.pooling_of(f)})" for f in t.feature_configs)
+        return {
+            "table": t.name,
+            "kind": t.kind,
+            "backend": t.backend,
+            "rows": rows,
+            "dim": t.dim,
+            "optimizer": repr(self.optimizer),
+            "features": feats,
+        }
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,13 @@ class Plan:
     def table_configs(self) -> list[TableConfig]:
         return [t.table for t in self.tables]
 
-    def describe(self) -> str:
+    def describe(self) -> list[dict[str, object]]:
+        """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter), features."""
+        return [t.row() for t in self.tables]
+
+    def format(self) -> str:
         """The plan as a text table, one line per table."""
-        rows = [t.row() for t in self.tables]
+        rows = self.describe()
         cols = list(rows[0]) if rows else []
         widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
         lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
@@ -58,12 +69,19 @@ def plan_from_config(config: Config) -> Plan:
     tables = []
     for name, feats in grouped.items():
         first = feats[0]
-        features = [FeatureConfig(f.feature_name, "none" if isinstance(f, SequenceFeatureCfg) else f.pooling)
-                    for f in feats]
+        features = [
+            FeatureConfig(f.feature_name, "none" if isinstance(f, SequenceFeatureCfg) else f.pooling) for f in feats
+        ]
         spec = config.train.table_optimizers.get(name, config.train.sparse_optimizer)
-        table = TableConfig(name=name, dim=first.embedding_dim, num_embeddings=first.num_buckets,
-                            dynamic=first.dynamicemb, features=features,
-                            backend=first.backend or config.train.sparse_backend, optimizer=spec,
-                            initializer=first.initializer)
+        table = TableConfig(
+            name=name,
+            dim=first.embedding_dim,
+            num_embeddings=first.num_buckets,
+            dynamic=first.dynamicemb,
+            features=features,
+            backend=first.backend or config.train.sparse_backend,
+            optimizer=spec,
+            initializer=first.initializer,
+        )
         tables.append(TablePlan(table, spec))
     return Plan(tuple(tables))

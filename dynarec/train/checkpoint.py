@@ -21,8 +21,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointManager", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "list_checkpoints"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 STATE, TABLES, MANIFEST, LATEST = "state.pt", "tables.pt", "manifest.json", "latest"
 
@@ -71,8 +77,9 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("ckpt-") and "." not in p.name)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]],
-                    keep: int = 3) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path, step: int, state: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]], keep: int = 3
+) -> Path:
     """Writes ``ckpt-<step>`` atomically, points ``latest`` at it, keeps the newest ``keep``."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +90,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], tables: di
     tmp.mkdir()
     _write_file(tmp / STATE, state)
     _write_file(tmp / TABLES, tables)
-    manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in (STATE, TABLES)}
+    manifest: dict[str, Any] = {
+        name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in (STATE, TABLES)
+    }
     manifest["step"] = step
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_dir(tmp)
@@ -133,12 +142,14 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, tor
             raise CheckpointError(f"corrupt checkpoint: {f} is missing")
         size = f.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"corrupt checkpoint: {f} has {size} bytes, its manifest says {entry['bytes']} (truncated?)")
+            raise CheckpointError(
+                f"corrupt checkpoint: {f} has {size} bytes, its manifest says {entry['bytes']} (truncated?)"
+            )
         if _sha256(f) != entry["sha256"]:
             raise CheckpointError(f"corrupt checkpoint: {f} does not match its SHA-256 in {manifest_path}")
         try:
             loaded.append(torch.load(f, map_location="cpu", weights_only=True))
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is bad
+        except Exception as e:
             raise CheckpointError(f"corrupt checkpoint: {f} cannot be loaded ({e})") from None
     return loaded[0], loaded[1]
 

@@ -25,11 +25,10 @@ from safetensors.torch import save_file
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.models.inputs import model_inputs
+from dynarec.serving import EXPORT_FORMAT
 from dynarec.train.task import RankingTask
 
-__all__ = ["export_model", "EXPORT_FORMAT"]
-
-EXPORT_FORMAT = 1
+__all__ = ["EXPORT_FORMAT", "export_model"]
 
 
 def export_model(task: RankingTask, example: Batch, export_dir: str | Path) -> Path:

@@ -23,8 +23,8 @@ class TrainingLog:
         self.progress = progress and enabled
         self.enabled = enabled
         self.history: dict[str, list] = {"train_loss": [], "eval": []}
-        self._writer = None
-        self._bar = None
+        self._writer: Any = None  # a TensorBoard SummaryWriter, made at the first scalar
+        self._bar: Any = None  # a tqdm bar, on a terminal
         self._start = time.perf_counter()
         self._start_step = 0
         self.running_loss: Optional[float] = None
@@ -58,7 +58,7 @@ class TrainingLog:
         """After a training step; ``loss`` is given (read from the device) only when ``record``."""
         if loss is not None:
             self.running_loss = loss if self.running_loss is None else 0.98 * self.running_loss + 0.02 * loss
-        if record and loss is not None:
+        if record and loss is not None and self.running_loss is not None:
             self.history["train_loss"].append([step, loss])
             self.scalars(step, {"train/loss": loss, "train/running_loss": self.running_loss})
         if self._bar is not None:
@@ -75,8 +75,7 @@ class TrainingLog:
         """A plain progress line (not on a terminal, where the bar shows progress)."""
         if self.progress and self._bar is None:
             loss = f"running loss {self.running_loss:.4f}, " if self.running_loss is not None else ""
-            print(f"step {step}: {loss}{self.steps_per_second(step):.1f} steps/s; {text}", file=sys.stderr,
-                  flush=True)
+            print(f"step {step}: {loss}{self.steps_per_second(step):.1f} steps/s; {text}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:

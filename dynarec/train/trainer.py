@@ -20,8 +20,9 @@ the data position (epoch, rows consumed): a resume seeks straight to it, reading
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -64,8 +65,13 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------
 
     def _dataset(self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0) -> ArrowBatchDataset:
-        ds = ArrowBatchDataset(resolve_files(paths), BatchBuilder(self.config, with_labels), batch_size,
-                               self.config.data.input_type, start_row=start_row)
+        ds = ArrowBatchDataset(
+            resolve_files(paths),
+            BatchBuilder(self.config, with_labels),
+            batch_size,
+            self.config.data.input_type,
+            start_row=start_row,
+        )
         ds.check_files()
         return ds
 
@@ -89,8 +95,9 @@ class Trainer:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             for batch in make_loader(dataset, cfg.data.num_workers):
                 row = min(position.row + self.global_batch_size, dataset.num_rows)
-                position = DataPosition(position.epoch, row) if row < dataset.num_rows else \
-                    DataPosition(position.epoch + 1, 0)
+                position = (
+                    DataPosition(position.epoch, row) if row < dataset.num_rows else DataPosition(position.epoch + 1, 0)
+                )
                 yield batch, position
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
@@ -125,7 +132,8 @@ class Trainer:
         if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
             raise CheckpointError(
                 f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
-                f"{self.global_batch_size} (data.batch_size); resume with the same batch size")
+                f"{self.global_batch_size} (data.batch_size); resume with the same batch size"
+            )
 
     def restore(self, path: Optional[Path] = None) -> Path:
         """Loads ``path`` (default: the latest checkpoint of the model directory)."""
@@ -178,8 +186,10 @@ class Trainer:
             if existing:
                 self.restore()
         elif existing:
-            raise CheckpointError(f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "
-                                  "pass --resume to continue, or choose another model_dir")
+            raise CheckpointError(
+                f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "
+                "pass --resume to continue, or choose another model_dir"
+            )
         batches = self._train_batches()
         # The first batch is read (and validated) before anything is written.
         first = next(batches, None) if self._more_steps() else None
@@ -212,8 +222,12 @@ class Trainer:
             else:
                 final = self.evaluate()
                 self.log.eval(self.step, final)
-        report = {"step": self.step, "train_seconds": seconds,
-                  "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan, "eval": final}
+        report = {
+            "step": self.step,
+            "train_seconds": seconds,
+            "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
+            "eval": final,
+        }
         self.log.finish(report)
         return report
 
@@ -237,7 +251,7 @@ class Trainer:
             if batch.groups is not None:
                 groups.append(batch.groups.numpy())
         self.task.train()
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0)  # noqa: E731
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0)
         return cat(probs), (cat(labels) if with_labels else None), (cat(groups) if groups else None)
 
     def evaluate(self, paths=None) -> dict[str, float]:

@@ -43,8 +43,10 @@ def test_batch_values_and_layout():
     users = to_hash_bucket_fast(["u1", "u2", "u1"], DYNAMIC_KEY_BUCKETS).tolist()
     assert values[:3].tolist() == users
     start = int(lengths[:4].sum())
-    assert values[start:start + 7].tolist() == [3, 4, 5, 6, 7, 8, 9]  # the last 6 of row 0, then row 2
-    torch.testing.assert_close(b.dense["price"], torch.tensor((np.log1p([10.0, 20.0, 30.0]) - 3.0) / 0.8, dtype=torch.float32))
+    assert values[start : start + 7].tolist() == [3, 4, 5, 6, 7, 8, 9]  # the last 6 of row 0, then row 2
+    torch.testing.assert_close(
+        b.dense["price"], torch.tensor((np.log1p([10.0, 20.0, 30.0]) - 3.0) / 0.8, dtype=torch.float32)
+    )
     assert b.labels.tolist() == [1.0, 0.0, 1.0]
     assert b.groups.tolist() == users
 
@@ -52,10 +54,19 @@ def test_batch_values_and_layout():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(price=[1.0, float("nan"), 2.0]), r"t.parquet, row 1: feature 'price' \(column 'price'\): value nan is not a finite number"),
-        (dict(hist_item_id=["1|2", "3||4", "5"]), r"t.parquet, row 1: feature 'hist_item_id' .*malformed multi-value field"),
+        (
+            dict(price=[1.0, float("nan"), 2.0]),
+            r"t.parquet, row 1: feature 'price' \(column 'price'\): value nan is not a finite number",
+        ),
+        (
+            dict(hist_item_id=["1|2", "3||4", "5"]),
+            r"t.parquet, row 1: feature 'hist_item_id' .*malformed multi-value field",
+        ),
         (dict(hist_item_id=["1|2", "3|x", "5"]), r"t.parquet, row 1: feature 'hist_item_id' .*malformed value 'x'"),
-        (dict(item_id=[5, -1, 7]), r"t.parquet, row 1: feature 'item_id' \(column 'item_id'\): id -1 is out of range \[0, 200\)"),
+        (
+            dict(item_id=[5, -1, 7]),
+            r"t.parquet, row 1: feature 'item_id' \(column 'item_id'\): id -1 is out of range \[0, 200\)",
+        ),
         (dict(cate_id=[1, 2, 10]), r"t.parquet, row 2: feature 'cate_id' .*id 10 is out of range \[0, 10\)"),
         (dict(clk=[1, 2, 0]), r"t.parquet, row 1: label column 'clk' holds 2.0"),
         (dict(user_id=["a", None, "b"]), r"t.parquet, row 1: feature 'user_id' .*missing value"),
@@ -78,7 +89,9 @@ def test_parquet_and_csv_give_the_same_batches_of_exact_size(tmp_path):
     pq.write_table(big.slice(10), tmp_path / "b.parquet", row_group_size=4)
     pacsv.write_csv(big, tmp_path / "all.csv")
     b = builder()
-    pq_batches = list(make_loader(ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], b, 8), 0))
+    pq_batches = list(
+        make_loader(ArrowBatchDataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], b, 8), 0)
+    )
     csv_batches = list(make_loader(ArrowBatchDataset([str(tmp_path / "all.csv")], b, 8), 0))
     assert [x.num_rows for x in pq_batches] == [x.num_rows for x in csv_batches] == [8, 8, 5]
     for x, y in zip(pq_batches, csv_batches):
@@ -116,8 +129,12 @@ def test_row_origin_locates_batch_rows():
     from dynarec.data import RowOrigin
 
     origin = RowOrigin((("a.parquet", 10, 2), ("b.parquet", 0, 3)))
-    assert [origin.locate(i) for i in (0, 1, 2, 4)] == ["a.parquet, row 10", "a.parquet, row 11",
-                                                       "b.parquet, row 0", "b.parquet, row 2"]
+    assert [origin.locate(i) for i in (0, 1, 2, 4)] == [
+        "a.parquet, row 10",
+        "a.parquet, row 11",
+        "b.parquet, row 0",
+        "b.parquet, row 2",
+    ]
     assert origin.label == "a.parquet (+1 more file(s))"
     with pytest.raises(IndexError):
         origin.locate(5)

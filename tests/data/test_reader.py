@@ -4,7 +4,6 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from dynarec.config import config_from_dict
 from dynarec.data import ArrowBatchDataset, BatchBuilder, make_loader
@@ -16,11 +15,18 @@ COLUMNS = ("user_id", "age", "item_id", "cate_id", "hist_item_id", "hist_cate_id
 
 def rows_table(n: int, start: int = 0) -> pa.Table:
     ids = list(range(start, start + n))
-    return pa.table({
-        "user_id": [f"u{i}" for i in ids], "age": [i % 8 for i in ids], "item_id": [i % 200 for i in ids],
-        "cate_id": [i % 10 for i in ids], "hist_item_id": [f"{i % 200}|{(i + 1) % 200}" for i in ids],
-        "hist_cate_id": [f"{i % 10}|1" for i in ids], "price": [float(i) for i in ids], "clk": [i % 2 for i in ids],
-    })
+    return pa.table(
+        {
+            "user_id": [f"u{i}" for i in ids],
+            "age": [i % 8 for i in ids],
+            "item_id": [i % 200 for i in ids],
+            "cate_id": [i % 10 for i in ids],
+            "hist_item_id": [f"{i % 200}|{(i + 1) % 200}" for i in ids],
+            "hist_cate_id": [f"{i % 10}|1" for i in ids],
+            "price": [float(i) for i in ids],
+            "clk": [i % 2 for i in ids],
+        }
+    )
 
 
 class CountingBuilder(BatchBuilder):

@@ -4,24 +4,31 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
-from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad
+from tests.matrix import needs_fbgemm
 
-BACKENDS = ["native"] + (["fbgemm"] if fbgemm_available() else [])
 
-
-def mixed(spec):
+def mixed(spec, backends):
     tables = []
-    for backend in BACKENDS:
-        tables.append(TableConfig(name=f"fixed_{backend}", dim=4, num_embeddings=10, features=[f"fx_{backend}"],
-                                  backend=backend))
-        tables.append(TableConfig(name=f"dyn_{backend}", dim=4, dynamic=DynamicTableOptions(64, bucket_size=4),
-                                  features=[f"dy_{backend}"], backend=backend))
+    for backend in backends:
+        tables.append(
+            TableConfig(name=f"fixed_{backend}", dim=4, num_embeddings=10, features=[f"fx_{backend}"], backend=backend)
+        )
+        tables.append(
+            TableConfig(
+                name=f"dyn_{backend}",
+                dim=4,
+                dynamic=DynamicTableOptions(64, bucket_size=4),
+                features=[f"dy_{backend}"],
+                backend=backend,
+            )
+        )
     return EmbeddingCollection(tables, spec)
 
 
-def test_learning_rate_schedule_reaches_every_table():
-    coll = mixed(SGD(lr=0.1))
+@pytest.mark.parametrize("backends", [["native"], pytest.param(["native", "fbgemm"], marks=needs_fbgemm)])
+def test_learning_rate_schedule_reaches_every_table(backends):
+    coll = mixed(SGD(lr=0.1), backends)
     batch = JaggedBatch.from_lists({f: [[3]] for f in coll.feature_names})
     ids = {name: torch.tensor([3]) for name in coll.tables}
     deltas = []
@@ -34,7 +41,7 @@ def test_learning_rate_schedule_reaches_every_table():
         if before is not None:
             deltas.append({n: before[n] - coll.read_rows(n, i)["weight"] for n, i in ids.items()})
     for lr, delta in zip((0.5, 0.02), deltas):
-        assert len(delta) == 2 * len(BACKENDS)
+        assert len(delta) == 2 * len(backends)
         for name, d in delta.items():
             torch.testing.assert_close(d, torch.full_like(d, lr), rtol=1e-5, atol=1e-7, msg=name)
     assert all(t.learning_rate == 0.02 for t in coll.tables.values())
@@ -44,8 +51,11 @@ def test_one_update_per_row_across_features_of_a_table():
     # item 3 is looked up by the pooled feature and twice by the sequence: one Adagrad update with
     # the summed gradient (3), not three updates.
     coll = EmbeddingCollection(
-        [TableConfig(name="item", dim=2, num_embeddings=10,
-                     features=["item_id", FeatureConfig("hist", pooling="none")])],
+        [
+            TableConfig(
+                name="item", dim=2, num_embeddings=10, features=["item_id", FeatureConfig("hist", pooling="none")]
+            )
+        ],
         Adagrad(lr=1.0, initial_accumulator_value=0.0),
     )
     w0 = coll.read_rows("item", torch.tensor([3]))["weight"][0]
@@ -57,8 +67,7 @@ def test_one_update_per_row_across_features_of_a_table():
 
 
 def test_sequence_output_is_zero_padded():
-    coll = EmbeddingCollection([TableConfig(name="t", dim=3, num_embeddings=10, features=["s"], pooling="none")],
-                               SGD())
+    coll = EmbeddingCollection([TableConfig(name="t", dim=3, num_embeddings=10, features=["s"], pooling="none")], SGD())
     coll.eval()
     out = coll(JaggedBatch.from_lists({"s": [[1, 2, 3], [], [4]]}))["s"]
     w = coll.read_rows("t", torch.arange(10))["weight"]
@@ -114,11 +123,18 @@ def test_dynamic_table_options_errors_name_the_field(kwargs, message):
 
 def test_a_failed_training_forward_leaves_every_table_as_it_was():
     coll = EmbeddingCollection(
-        [TableConfig(name="fixed", dim=2, num_embeddings=10, features=["fx"]),
-         TableConfig(name="grow", dim=2, dynamic=DynamicTableOptions(64, init_capacity=8, bucket_size=4),
-                     features=["g"]),
-         TableConfig(name="full", dim=2, dynamic=DynamicTableOptions(4, bucket_size=4, score_strategy="none"),
-                     features=["fl"])],
+        [
+            TableConfig(name="fixed", dim=2, num_embeddings=10, features=["fx"]),
+            TableConfig(
+                name="grow", dim=2, dynamic=DynamicTableOptions(64, init_capacity=8, bucket_size=4), features=["g"]
+            ),
+            TableConfig(
+                name="full",
+                dim=2,
+                dynamic=DynamicTableOptions(4, bucket_size=4, score_strategy="none"),
+                features=["fl"],
+            ),
+        ],
         SGD(lr=0.1),
     )
     ok = JaggedBatch.from_lists({"fx": [[1]], "g": [[1]], "fl": [[1, 2, 3, 4]]})

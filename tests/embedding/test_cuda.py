@@ -6,21 +6,35 @@ import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.matrix import needs_cuda
 from tests.reference_model import zipf_batch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = needs_cuda
 
-SPECS = [SGD(lr=0.3), Adagrad(lr=0.2, initial_accumulator_value=0.1),
-         RowWiseAdagrad(lr=0.2, initial_accumulator_value=0.1, weight_decay=0.1, weight_decay_mode="l2"),
-         Adam(lr=0.05, weight_decay=0.01)]
+SPECS = [
+    SGD(lr=0.3),
+    Adagrad(lr=0.2, initial_accumulator_value=0.1),
+    RowWiseAdagrad(lr=0.2, initial_accumulator_value=0.1, weight_decay=0.1, weight_decay_mode="l2"),
+    Adam(lr=0.05, weight_decay=0.01),
+]
 
 
 def build(kind, spec, device):
     features = ["item_id", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
-    extra = (dict(num_embeddings=60) if kind == "fixed"
-             else dict(dynamic=DynamicTableOptions(512, init_capacity=32, bucket_size=8)))
-    return EmbeddingCollection([TableConfig(name="t", dim=8, features=features, seed=3,
-                                            initializer=Initializer("uniform", bound=0.5), **extra)], spec, device=device)
+    extra = (
+        dict(num_embeddings=60)
+        if kind == "fixed"
+        else dict(dynamic=DynamicTableOptions(512, init_capacity=32, bucket_size=8))
+    )
+    return EmbeddingCollection(
+        [
+            TableConfig(
+                name="t", dim=8, features=features, seed=3, initializer=Initializer("uniform", bound=0.5), **extra
+            )
+        ],
+        spec,
+        device=device,
+    )
 
 
 @pytest.mark.parametrize("kind", ["fixed", "dynamic"])

@@ -6,16 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from dynarec import (AdmissionConfig, DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer,
-                     JaggedBatch, TableConfig)
+from dynarec import (
+    AdmissionConfig,
+    DynamicTableOptions,
+    EmbeddingCollection,
+    FeatureConfig,
+    Initializer,
+    JaggedBatch,
+    TableConfig,
+)
 from dynarec.embedding import TableFullError
-from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.reference_model import zipf_batch
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 D = 4
-BACKENDS = ["native", pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="no FBGEMM"))]
 INIT = Initializer("uniform", bound=0.5)
 
 
@@ -24,9 +29,16 @@ def dynamic(name="d", backend="native", spec=None, features=("f",), **kw):
     kw.setdefault("max_capacity", 1024)
     kw.setdefault("bucket_size", 4)
     feats = [f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in features]
-    return TableConfig(name=name, dim=D, features=feats, backend=backend, optimizer=spec,
-                       initializer=kw.pop("initializer", INIT), seed=kw.pop("seed", 11),
-                       dynamic=DynamicTableOptions(**kw))
+    return TableConfig(
+        name=name,
+        dim=D,
+        features=feats,
+        backend=backend,
+        optimizer=spec,
+        initializer=kw.pop("initializer", INIT),
+        seed=kw.pop("seed", 11),
+        dynamic=DynamicTableOptions(**kw),
+    )
 
 
 def one(coll, feats, backward=True, weights=None):
@@ -43,15 +55,21 @@ def one(coll, feats, backward=True, weights=None):
 
 # -- the same optimizer on both kinds --------------------------------------------------------------
 
-SPECS = [SGD(lr=0.3)] + [
-    s for iav in (0.0, 0.1)
-    for s in (Adagrad(lr=0.2, initial_accumulator_value=iav),
-              RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav),
-              RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav, weight_decay=0.2, weight_decay_mode="decoupled"))
-] + [Adam(lr=0.05), Adam(lr=0.05, weight_decay=0.1)]
+SPECS = (
+    [SGD(lr=0.3)]
+    + [
+        s
+        for iav in (0.0, 0.1)
+        for s in (
+            Adagrad(lr=0.2, initial_accumulator_value=iav),
+            RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav),
+            RowWiseAdagrad(lr=0.2, initial_accumulator_value=iav, weight_decay=0.2, weight_decay_mode="decoupled"),
+        )
+    ]
+    + [Adam(lr=0.05), Adam(lr=0.05, weight_decay=0.1)]
+)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_dynamic_equals_fixed(backend, spec):
     if backend == "fbgemm" and isinstance(spec, Adam):
@@ -60,11 +78,13 @@ def test_dynamic_equals_fixed(backend, spec):
         return
     n = 40
     features = ["item_id", FeatureConfig("hist_item_id", pooling="none"), FeatureConfig("m", pooling="mean")]
-    fixed = EmbeddingCollection([TableConfig(name="d", dim=D, num_embeddings=n, features=features, backend=backend,
-                                             initializer=INIT, seed=11)], spec)
+    fixed = EmbeddingCollection(
+        [TableConfig(name="d", dim=D, num_embeddings=n, features=features, backend=backend, initializer=INIT, seed=11)],
+        spec,
+    )
     dyn = EmbeddingCollection([dynamic(backend=backend, features=features, max_capacity=256, init_capacity=16)], spec)
     rng = np.random.default_rng(1)
-    for step in range(4):
+    for _ in range(4):
         feats = {f: zipf_batch(rng, 5, 4, n) for f in ("item_id", "hist_item_id", "m")}
         out_f = one(fixed, feats)
         out_d = one(dyn, feats)
@@ -80,7 +100,6 @@ def test_dynamic_equals_fixed(backend, spec):
     assert dyn.tables["d"].step == fixed.tables["d"].step == 4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cls", [Adagrad, RowWiseAdagrad])
 @pytest.mark.parametrize("iav", [0.0, 0.1])
 def test_fresh_and_returning_rows_start_at_initial_accumulator_value(backend, cls, iav):
@@ -112,6 +131,7 @@ def test_fresh_and_returning_rows_start_at_initial_accumulator_value(backend, cl
 
 
 # -- eviction order ---------------------------------------------------------------------------------
+
 
 def full_bucket(strategy, **kw):
     coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=4, score_strategy=strategy, **kw)], SGD(lr=0.1))
@@ -207,9 +227,11 @@ def test_score_none_default_check_mode_is_error():
 
 # -- capacity -------------------------------------------------------------------------------------
 
+
 def test_growth_preserves_rows_bit_exactly_and_stops_at_max_capacity():
-    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)],
-                               Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    coll = EmbeddingCollection(
+        [dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], Adagrad(lr=0.1, initial_accumulator_value=0.1)
+    )
     t = coll.tables["d"]
     one(coll, {"f": [[1, 2, 3], [4]]})
     keys = torch.tensor([1, 2, 3, 4])
@@ -256,8 +278,7 @@ def test_keys_anywhere_in_int64_range():
 
 
 def test_eval_mode_leaves_table_bit_identical():
-    coll = EmbeddingCollection([dynamic(eval_initializer=Initializer("constant", value=0.25))],
-                               Adam(lr=0.1))
+    coll = EmbeddingCollection([dynamic(eval_initializer=Initializer("constant", value=0.25))], Adam(lr=0.1))
     one(coll, {"f": [[1, 2], [3]]})
     t = coll.tables["d"]
     before = t.dump()
@@ -275,8 +296,14 @@ def test_eval_mode_leaves_table_bit_identical():
 def test_soak_million_keys_into_bounded_table():
     max_capacity, bucket = 100_000, 16
     coll = EmbeddingCollection(
-        [TableConfig(name="d", dim=8, features=["f"],
-                     dynamic=DynamicTableOptions(max_capacity=max_capacity, init_capacity=8192, bucket_size=bucket))],
+        [
+            TableConfig(
+                name="d",
+                dim=8,
+                features=["f"],
+                dynamic=DynamicTableOptions(max_capacity=max_capacity, init_capacity=8192, bucket_size=bucket),
+            )
+        ],
         SGD(lr=0.0),
     )
     t = coll.tables["d"]
@@ -295,7 +322,7 @@ def test_soak_million_keys_into_bounded_table():
     # the id of the step that pinned it) and the occupied flag (1 B).
     assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 4 + 1)
     assert t.size > 0.9 * t.capacity
-    slots, keys, _ = t.index.entries()
+    _, keys, _ = t.index.entries()
     rows = t.read_rows(keys)
     assert bool(rows["present"].all())
     from_write = torch.tensor([k in written for k in keys.tolist()])
@@ -307,7 +334,7 @@ def test_soak_million_keys_into_bounded_table():
 
 # -- admission --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", BACKENDS)
+
 def test_admission_threshold_counts_occurrences(backend):
     adm = AdmissionConfig(threshold=3, initializer=Initializer("constant", value=0.5))
     coll = EmbeddingCollection([dynamic(backend=backend, admission=adm)], SGD(lr=1.0))
@@ -339,6 +366,7 @@ def test_admitted_key_is_updated_in_the_step_it_is_admitted():
 
 # -- dump and load ----------------------------------------------------------------------------------
 
+
 def trained_table(spec=None, **kw):
     coll = EmbeddingCollection([dynamic(**kw)], spec or Adam(lr=0.1))
     rng = np.random.default_rng(0)
@@ -347,15 +375,16 @@ def trained_table(spec=None, **kw):
     return coll.tables["d"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_dump_load_round_trip_bit_exact_any_larger_capacity(backend):
     spec = RowWiseAdagrad(lr=0.1, initial_accumulator_value=0.1)
-    src = trained_table(spec, backend=backend, max_capacity=256, init_capacity=32,
-                        admission=AdmissionConfig(threshold=2))
+    src = trained_table(
+        spec, backend=backend, max_capacity=256, init_capacity=32, admission=AdmissionConfig(threshold=2)
+    )
     dump = src.dump()
     for cap in (256, 1024):
-        coll = EmbeddingCollection([dynamic(backend=backend, max_capacity=cap, init_capacity=32,
-                                            admission=AdmissionConfig(threshold=2))], spec)
+        coll = EmbeddingCollection(
+            [dynamic(backend=backend, max_capacity=cap, init_capacity=32, admission=AdmissionConfig(threshold=2))], spec
+        )
         dst = coll.tables["d"]
         assert dst.load(dump) == {"loaded": dump["keys"].numel(), "dropped": 0}
         again = dst.dump()

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
-from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from dynarec.optim.reference import initial_states
+from tests.matrix import needs_fbgemm
 from tests.reference_model import reference_table_step, zipf_batch
 
 N, D, B, STEPS = 50, 8, 6, 3
@@ -34,8 +34,6 @@ SCENARIOS = {
     "pooled_and_sequence": ({"item_id": "sum", "hist_item_id": "none"}, False),
 }
 
-needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM not installed")
-
 
 def supported(backend, spec):
     return not (backend == "fbgemm" and isinstance(spec, Adam))
@@ -44,8 +42,17 @@ def supported(backend, spec):
 def make_collection(backend, spec, poolings, num_embeddings=N):
     features = [FeatureConfig(name, pooling) for name, pooling in poolings.items()]
     return EmbeddingCollection(
-        [TableConfig(name="t", dim=D, num_embeddings=num_embeddings, features=features, backend=backend,
-                     initializer=Initializer("uniform", bound=0.5), seed=7)],
+        [
+            TableConfig(
+                name="t",
+                dim=D,
+                num_embeddings=num_embeddings,
+                features=features,
+                backend=backend,
+                initializer=Initializer("uniform", bound=0.5),
+                seed=7,
+            )
+        ],
         optimizer=spec,
     )
 
@@ -57,8 +64,10 @@ def random_batches(poolings, weighted, seed):
         feats = {name: zipf_batch(rng, B, 5, N) for name in poolings}
         weights = None
         if weighted:
-            weights = {name: [[float(x) for x in rng.uniform(0.1, 2.0, size=len(s))] for s in samples]
-                       for name, samples in feats.items()}
+            weights = {
+                name: [[float(x) for x in rng.uniform(0.1, 2.0, size=len(s))] for s in samples]
+                for name, samples in feats.items()
+            }
         batches.append((feats, weights))
     return batches
 
@@ -77,8 +86,17 @@ def run_and_compare(backend, spec, poolings, weighted, seed=0):
         kjt = JaggedBatch.from_lists(feats, weights)
         out = coll(kjt)
         grads = grads_for(out, seed + step)
-        ref_out = reference_table_step(spec, lr=spec.lr, step=step, weight=weight, states=states,
-                                       features=feats, poolings=poolings, grads=grads, weights=weights)
+        ref_out = reference_table_step(
+            spec,
+            lr=spec.lr,
+            step=step,
+            weight=weight,
+            states=states,
+            features=feats,
+            poolings=poolings,
+            grads=grads,
+            weights=weights,
+        )
         for k in out:
             torch.testing.assert_close(out[k].detach(), ref_out[k], **TOL)
         sum((out[k] * grads[k]).sum() for k in out).backward()
@@ -92,7 +110,6 @@ def run_and_compare(backend, spec, poolings, weighted, seed=0):
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("spec_name", list(SPECS))
-@pytest.mark.parametrize("backend", ["native", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_matches_reference(backend, spec_name, scenario):
     spec = SPECS[spec_name]
     poolings, weighted = SCENARIOS[scenario]
@@ -114,7 +131,6 @@ def test_native_and_fbgemm_agree(spec_name):
         torch.testing.assert_close(native[k], fbgemm[k], **TOL)
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("fbgemm", marks=needs_fbgemm)])
 @pytest.mark.parametrize("cls", [Adagrad, RowWiseAdagrad])
 @pytest.mark.parametrize("iav", [0.0, 0.1, 1.0])
 def test_initial_accumulator_value_visible_and_drives_first_update(backend, cls, iav):
@@ -145,26 +161,41 @@ def test_fbgemm_cpu_fast_path_still_drops_rowwise_weight_decay():
     from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(4, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=0.1, weight_decay=0.5, weight_decay_mode=WeightDecayMode.L2)
+        [(4, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.1,
+        weight_decay=0.5,
+        weight_decay_mode=WeightDecayMode.L2,
+    )
     tbe.split_embedding_weights()[0].fill_(1.0)
     tbe(torch.tensor([1]), torch.tensor([0, 1])).sum().backward()
     assert torch.allclose(tbe.split_optimizer_states()[0][0][1], torch.tensor(1.0))  # mean(g^2), no wd*w
 
     # Our store, same settings: the L2 term is applied.
-    coll = EmbeddingCollection([TableConfig(name="t", dim=4, num_embeddings=4, features=["f"], backend="fbgemm",
-                                            initializer=Initializer("constant", value=1.0))],
-                               optimizer=RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="l2"))
+    coll = EmbeddingCollection(
+        [
+            TableConfig(
+                name="t",
+                dim=4,
+                num_embeddings=4,
+                features=["f"],
+                backend="fbgemm",
+                initializer=Initializer("constant", value=1.0),
+            )
+        ],
+        optimizer=RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="l2"),
+    )
     coll(JaggedBatch.from_lists({"f": [[1]]}))["f"].sum().backward()
     assert torch.allclose(coll.read_rows("t", torch.tensor([1]))["momentum1"], torch.tensor([[1.5**2]]))
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("fbgemm", marks=needs_fbgemm)])
 @pytest.mark.parametrize("bad", [-1, 10, 2**40])
 def test_out_of_range_ids_name_table_feature_value_and_write_nothing(backend, bad):
     coll = EmbeddingCollection(
-        [TableConfig(name="cate", dim=4, num_embeddings=10, features=["cate_id"], backend=backend),
-         TableConfig(name="user", dim=4, dynamic=DynamicTableOptions(64), features=["user_id"])],
+        [
+            TableConfig(name="cate", dim=4, num_embeddings=10, features=["cate_id"], backend=backend),
+            TableConfig(name="user", dim=4, dynamic=DynamicTableOptions(64), features=["user_id"]),
+        ],
         optimizer=SGD(lr=1.0),
     )
     before = coll.read_rows("cate", torch.arange(10))["weight"]
@@ -190,7 +221,6 @@ def test_unknown_and_missing_features_are_errors():
         coll(JaggedBatch.from_lists({}))
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_eval_mode_changes_nothing(backend):
     coll = make_collection(backend, Adagrad(lr=0.5, initial_accumulator_value=0.1), {"f": "sum"})
     before = coll.read_rows("t", torch.arange(N))
@@ -203,7 +233,6 @@ def test_eval_mode_changes_nothing(backend):
     assert coll.tables["t"].step == 0
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_collection_has_no_parameters_for_dense_optimizers(backend):
     # FBGEMM's TBE registers weights_host / momentum1_host as parameters on CPU; they must never
     # reach a dense optimizer through the collection.
@@ -213,8 +242,10 @@ def test_collection_has_no_parameters_for_dense_optimizers(backend):
 
 def test_per_table_optimizer_override():
     coll = EmbeddingCollection(
-        [TableConfig(name="a", dim=4, num_embeddings=5, features=["fa"]),
-         TableConfig(name="b", dim=4, num_embeddings=5, features=["fb"], optimizer=SGD(lr=1.0))],
+        [
+            TableConfig(name="a", dim=4, num_embeddings=5, features=["fa"]),
+            TableConfig(name="b", dim=4, num_embeddings=5, features=["fb"], optimizer=SGD(lr=1.0)),
+        ],
         optimizer=Adagrad(lr=0.1, initial_accumulator_value=0.1),
     )
     assert coll.tables["a"].spec == Adagrad(lr=0.1, initial_accumulator_value=0.1)
@@ -227,8 +258,9 @@ def test_per_table_optimizer_override():
 def test_torchrec_keyed_jagged_tensor_is_accepted():
     kjt_mod = pytest.importorskip("torchrec.sparse.jagged_tensor")
     coll = make_collection("native", SGD(lr=0.1), {"f": "sum"})
-    kjt = kjt_mod.KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([1, 2, 3]),
-                                                      lengths=torch.tensor([2, 1]))
+    kjt = kjt_mod.KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])
+    )
     out = coll(kjt)
     w = coll.read_rows("t", torch.tensor([1, 2, 3]))["weight"]
     torch.testing.assert_close(out["f"].detach(), torch.stack([w[0] + w[1], w[2]]))

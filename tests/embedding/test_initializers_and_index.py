@@ -78,5 +78,8 @@ def test_fbgemm_backend_without_fbgemm_names_native(monkeypatch):
     import dynarec.embedding.fbgemm_store as store
 
     monkeypatch.setattr(store, "fbgemm_available", lambda: False)
-    with pytest.raises(ValueError, match=r"table 't': backend 'fbgemm' needs FBGEMM \(fbgemm-gpu-cpu==1.8.0\) installed; use backend='native'"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 't': backend 'fbgemm' needs FBGEMM \(fbgemm-gpu-cpu==1.8.0\) installed; use backend='native'",
+    ):
         check_fbgemm_supports(Adagrad(), torch.device("cpu"), "table 't'")

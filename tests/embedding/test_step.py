@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dynarec import AdmissionConfig, DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
-from dynarec.embedding.pack import unpack
 from dynarec.embedding.jagged import split_features
+from dynarec.embedding.pack import unpack
 from dynarec.embedding.step import StepPendingError
 from dynarec.optim import Adagrad, Adam
 
@@ -31,9 +31,9 @@ def train(coll, feats):
 
 def test_abort_restores_evicted_keys_with_their_rows_and_states():
     # One bucket of 4 slots at max capacity, step scores: new keys evict the oldest rows.
-    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
-                                            dynamic=DynamicTableOptions(4, bucket_size=4))],
-                               Adam(lr=0.1))
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(4, bucket_size=4))], Adam(lr=0.1)
+    )
     for keys in ([1, 2], [3, 4], [1, 3]):
         train(coll, {"f": [keys]})
     t = coll.tables["d"]
@@ -51,10 +51,17 @@ def test_abort_restores_evicted_keys_with_their_rows_and_states():
 
 
 def test_abort_takes_back_admission_counts_and_admitted_rows():
-    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
-                                            dynamic=DynamicTableOptions(64, bucket_size=4,
-                                                                        admission=AdmissionConfig(threshold=2)))],
-                               Adagrad(lr=0.1, initial_accumulator_value=0.1))
+    coll = EmbeddingCollection(
+        [
+            TableConfig(
+                name="d",
+                dim=D,
+                features=["f"],
+                dynamic=DynamicTableOptions(64, bucket_size=4, admission=AdmissionConfig(threshold=2)),
+            )
+        ],
+        Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    )
     train(coll, {"f": [[5, 6]]})  # counts 5:1, 6:1; no rows yet
     t = coll.tables["d"]
     assert t.size == 0
@@ -67,9 +74,14 @@ def test_abort_takes_back_admission_counts_and_admitted_rows():
 
 
 def test_abort_undoes_a_growth():
-    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
-                                            dynamic=DynamicTableOptions(256, init_capacity=8, bucket_size=4))],
-                               Adagrad(lr=0.1))
+    coll = EmbeddingCollection(
+        [
+            TableConfig(
+                name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(256, init_capacity=8, bucket_size=4)
+            )
+        ],
+        Adagrad(lr=0.1),
+    )
     train(coll, {"f": [[1, 2, 3]]})
     t = coll.tables["d"]
     before = dumps(coll)
@@ -81,9 +93,14 @@ def test_abort_undoes_a_growth():
 
 
 def test_scores_change_only_when_the_step_commits():
-    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"],
-                                            dynamic=DynamicTableOptions(64, bucket_size=4, score_strategy="lfu"))],
-                               Adagrad(lr=0.1))
+    coll = EmbeddingCollection(
+        [
+            TableConfig(
+                name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(64, bucket_size=4, score_strategy="lfu")
+            )
+        ],
+        Adagrad(lr=0.1),
+    )
     train(coll, {"f": [[1, 1, 2]]})
     t = coll.tables["d"]
     assert dict(zip(t.dump()["keys"].tolist(), t.dump()["scores"].tolist())) == {1: 2, 2: 1}
@@ -111,8 +128,9 @@ def test_step_counter_moves_only_through_the_lifecycle():
 
 
 def test_a_no_grad_training_forward_commits_at_once():
-    coll = EmbeddingCollection([TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(64))],
-                               Adagrad(lr=0.1))
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(64))], Adagrad(lr=0.1)
+    )
     with torch.no_grad():
         coll(JaggedBatch.from_lists({"f": [[1, 2]]}))
     t = coll.tables["d"]
@@ -125,8 +143,10 @@ def test_forward_is_pack_lookup_unpack():
     features = ["item", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
     coll = EmbeddingCollection([TableConfig(name="t", dim=D, num_embeddings=20, features=features)], Adagrad())
     coll.eval()
-    kjt = JaggedBatch.from_lists({"item": [[1], [2, 3]], "hist": [[4, 5, 6], []], "m": [[7, 8], [9]]},
-                                 {"item": [[1.0], [0.5, 2.0]], "hist": [[1.0, 1.0, 3.0], []], "m": [[1.0, 1.0], [4.0]]})
+    kjt = JaggedBatch.from_lists(
+        {"item": [[1], [2, 3]], "hist": [[4, 5, 6], []], "m": [[7, 8], [9]]},
+        {"item": [[1.0], [0.5, 2.0]], "hist": [[1.0, 1.0, 3.0], []], "m": [[1.0, 1.0], [4.0]]},
+    )
     table = coll.tables["t"]
     bags, layout = table.pack(split_features(kjt))
     # item: 2 bags; hist: one bag per id (3); m: 2 bags with 1/L in the weights.

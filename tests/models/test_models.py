@@ -11,14 +11,26 @@ from tests.pipeline_fixtures import config_dict
 SAME_DIM = [  # DeepFM and DLRM want one embedding dim
     {"id_feature": {"feature_name": "a", "embedding_dim": 4, "num_buckets": 10}},
     {"id_feature": {"feature_name": "b", "embedding_dim": 4, "num_buckets": 10}},
-    {"sequence_feature": {"feature_name": "s", "sequence_length": 5, "embedding_dim": 4, "num_buckets": 10,
-                          "embedding_name": "b"}},
+    {
+        "sequence_feature": {
+            "feature_name": "s",
+            "sequence_length": 5,
+            "embedding_dim": 4,
+            "num_buckets": 10,
+            "embedding_name": "b",
+        }
+    },
     {"raw_feature": {"feature_name": "x"}},
 ]
 
 MODEL_BLOCKS = {
-    "multi_tower_din": ({"towers": [{"input": "deep", "hidden_units": [8]}],
-                         "din_towers": [{"input": "seq", "attn_hidden_units": [8]}]}, True),
+    "multi_tower_din": (
+        {
+            "towers": [{"input": "deep", "hidden_units": [8]}],
+            "din_towers": [{"input": "seq", "attn_hidden_units": [8]}],
+        },
+        True,
+    ),
     "din": ({"din_tower": {"input": "seq"}}, True),
     "deepfm": ({}, False),
     "wide_and_deep": ({}, False),
@@ -42,8 +54,11 @@ def model_config(name):
 
 def inputs(batch=5, seq=3):
     g = torch.Generator().manual_seed(0)
-    emb = {"a": torch.randn(batch, 4, generator=g), "b": torch.randn(batch, 4, generator=g),
-           "s": torch.randn(batch, seq, 4, generator=g)}
+    emb = {
+        "a": torch.randn(batch, 4, generator=g),
+        "b": torch.randn(batch, 4, generator=g),
+        "s": torch.randn(batch, seq, 4, generator=g),
+    }
     lengths = {"s": torch.tensor([3, 0, 1, 2, 3][:batch])}
     return emb, lengths, {"x": torch.randn(batch, generator=g)}
 

@@ -7,12 +7,12 @@ import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.config import ConfigError, config_from_dict
-from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import OptimizerDef, OptimizerSpec, StateSpec, definition, register, registered
 from dynarec.optim.base import check_positive
 from dynarec.optim.reference import initial_states, reference_update
 from dynarec.optim.registry import unregister
 from dynarec.planner import plan_from_config
+from tests.matrix import needs_fbgemm
 from tests.pipeline_fixtures import config_dict
 
 
@@ -41,8 +41,15 @@ def _reference(spec, *, lr, step, w, states, g):
 
 @pytest.fixture
 def sign_sgd():
-    defn = register(OptimizerDef(spec=SignSGD, yaml_key="sign_sgd_optimizer", native_update=_native,
-                                 reference_update=_reference, fbgemm="FBGEMM has no sign SGD"))
+    defn = register(
+        OptimizerDef(
+            spec=SignSGD,
+            yaml_key="sign_sgd_optimizer",
+            native_update=_native,
+            reference_update=_reference,
+            fbgemm="FBGEMM has no sign SGD",
+        )
+    )
     yield defn
     unregister(SignSGD)
     assert SignSGD not in [d.spec for d in registered()]
@@ -55,8 +62,13 @@ def test_a_registered_optimizer_reaches_yaml_plan_tables_and_reference(sign_sgd)
     assert {t.optimizer for t in plan.tables} == {SignSGD(lr=0.1, scale=2.0)}
     # A fixed and a dynamic table trained by it, against the registered reference.
     spec = SignSGD(lr=0.1, scale=2.0)
-    coll = EmbeddingCollection([TableConfig(name="f", dim=3, num_embeddings=6, features=["a"]),
-                                TableConfig(name="d", dim=3, dynamic=DynamicTableOptions(64), features=["b"])], spec)
+    coll = EmbeddingCollection(
+        [
+            TableConfig(name="f", dim=3, num_embeddings=6, features=["a"]),
+            TableConfig(name="d", dim=3, dynamic=DynamicTableOptions(64), features=["b"]),
+        ],
+        spec,
+    )
     weight = coll.read_rows("f", torch.arange(6))["weight"]
     states = initial_states(spec, 6, 3)
     assert torch.equal(coll.read_rows("f", torch.arange(6))["velocity"], states["velocity"])
@@ -68,8 +80,9 @@ def test_a_registered_optimizer_reaches_yaml_plan_tables_and_reference(sign_sgd)
     dense[1] += 2 * g[0]
     dense[4] += g[0]
     dense[2] += g[1]
-    reference_update(spec, lr=0.1, step=1, weight=weight, states=states, touched=torch.tensor([1, 4, 2]),
-                     dense_grad=dense)
+    reference_update(
+        spec, lr=0.1, step=1, weight=weight, states=states, touched=torch.tensor([1, 4, 2]), dense_grad=dense
+    )
     rows = coll.read_rows("f", torch.arange(6))
     torch.testing.assert_close(rows["weight"], weight, rtol=0, atol=0)
     torch.testing.assert_close(rows["velocity"], states["velocity"], rtol=0, atol=0)
@@ -80,19 +93,26 @@ def test_a_registered_optimizer_reaches_yaml_plan_tables_and_reference(sign_sgd)
 
 
 def test_a_registered_optimizer_validates_its_yaml_fields(sign_sgd):
-    with pytest.raises(ConfigError, match=r"train.sparse_optimizer: sign_sgd_optimizer: unknown key 'eps' for "
-                                          r"SignSGD; allowed keys: lr, scale"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.sparse_optimizer: sign_sgd_optimizer: unknown key 'eps' for "
+        r"SignSGD; allowed keys: lr, scale",
+    ):
         config_from_dict(config_dict(train__sparse_optimizer={"sign_sgd_optimizer": {"eps": 0.1}}))
     with pytest.raises(ConfigError, match=r"SignSGD.scale must be > 0"):
         config_from_dict(config_dict(train__sparse_optimizer={"sign_sgd_optimizer": {"scale": 0}}))
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM not installed")
+@needs_fbgemm
 def test_a_registered_optimizer_without_fbgemm_mapping_is_refused_by_fbgemm(sign_sgd):
-    with pytest.raises(ValueError, match=r"table 't': SignSGD is not supported by backend 'fbgemm' "
-                                         r"\(FBGEMM has no sign SGD\); use backend='native'"):
-        EmbeddingCollection([TableConfig(name="t", dim=3, num_embeddings=6, features=["a"], backend="fbgemm")],
-                            SignSGD())
+    with pytest.raises(
+        ValueError,
+        match=r"table 't': SignSGD is not supported by backend 'fbgemm' "
+        r"\(FBGEMM has no sign SGD\); use backend='native'",
+    ):
+        EmbeddingCollection(
+            [TableConfig(name="t", dim=3, num_embeddings=6, features=["a"], backend="fbgemm")], SignSGD()
+        )
 
 
 def test_unregistered_spec_is_a_type_error():
@@ -103,5 +123,12 @@ def test_unregistered_spec_is_a_type_error():
     with pytest.raises(TypeError, match="Stray is not a registered optimizer"):
         definition(Stray())
     with pytest.raises(ValueError, match="yaml_key 'adagrad_optimizer' is taken"):
-        register(OptimizerDef(spec=Stray, yaml_key="adagrad_optimizer", native_update=_native,
-                              reference_update=_reference, fbgemm="no"))
+        register(
+            OptimizerDef(
+                spec=Stray,
+                yaml_key="adagrad_optimizer",
+                native_update=_native,
+                reference_update=_reference,
+                fbgemm="no",
+            )
+        )

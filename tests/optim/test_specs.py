@@ -87,7 +87,11 @@ def test_spec_from_yaml_by_registered_key():
     with pytest.raises(ValueError, match="cfg: give exactly one of"):
         spec_from_yaml({"sgd_optimizer": {}, "adam_optimizer": {}}, "cfg")
     assert {d.yaml_key for d in registered()} == {
-        "sgd_optimizer", "adagrad_optimizer", "rowwise_adagrad_optimizer", "adam_optimizer"}
+        "sgd_optimizer",
+        "adagrad_optimizer",
+        "rowwise_adagrad_optimizer",
+        "adam_optimizer",
+    }
     for spec in (SGD(lr=0.3), Adagrad(initial_accumulator_value=0.1), Adam(beta1=0.5)):
         assert spec_from_yaml(spec_to_yaml(spec), "cfg") == spec
 

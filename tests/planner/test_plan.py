@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from dynarec.config import config_from_dict, load_config
-from dynarec.embedding import JaggedBatch
+from dynarec.embedding import Initializer, JaggedBatch
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.optim import SGD, Adagrad
 from dynarec.planner import plan_from_config
 from dynarec.train.task import RankingTask
@@ -26,8 +25,14 @@ def test_initial_accumulator_value_from_yaml_reaches_every_table(tmp_path):
             assert torch.equal(m1, torch.full_like(m1, 0.1)), t.name
     # One training forward: pooled user_id (dynamic), item_id and cate_id (pooled) and the
     # histories (sequences) on the shared item and cate tables.
-    batch = {"user_id": [[2**40]], "age": [[3]], "item_id": [[7]], "cate_id": [[2]],
-             "hist_item_id": [[8, 9]], "hist_cate_id": [[4, 5]]}
+    batch = {
+        "user_id": [[2**40]],
+        "age": [[3]],
+        "item_id": [[7]],
+        "cate_id": [[2]],
+        "hist_item_id": [[8, 9]],
+        "hist_cate_id": [[4, 5]],
+    }
     out = coll(JaggedBatch.from_lists(batch))
     ids = {"user_id": [2**40], "age": [3], "item": [7, 8, 9], "cate": [2, 4, 5]}
     before = {}
@@ -48,21 +53,27 @@ def test_table_overrides_and_backend():
     plan = plan_from_config(config_from_dict(c))
     specs = {t.table.name: t.optimizer for t in plan.tables}
     assert specs["cate"] == SGD(lr=0.5) and specs["item"] == Adagrad(lr=0.05, initial_accumulator_value=0.1)
-    assert "item_id(sum), hist_item_id(none)" in plan.describe()
+    assert "item_id(sum), hist_item_id(none)" in plan.format()
 
 
-BACKENDS = ["native"] + (["fbgemm"] if fbgemm_available() else [])
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_lr_schedule_changes_every_tables_updates(backend, tmp_path):
-    c = config_dict(train__sparse_optimizer={"sgd_optimizer": {"lr": 0.5}},
-                    train__sparse_backend=backend,
-                    train__sparse_lr_schedule={"kind": "exponential_decay", "decay_steps": 1, "decay_rate": 0.5})
+    c = config_dict(
+        train__sparse_optimizer={"sgd_optimizer": {"lr": 0.5}},
+        train__sparse_backend=backend,
+        train__sparse_lr_schedule={"kind": "exponential_decay", "decay_steps": 1, "decay_rate": 0.5},
+    )
     trainer = Trainer(config_from_dict(c), tmp_path / "m", progress=False)
     coll = trainer.task.embeddings
-    batch = JaggedBatch.from_lists({"user_id": [[11]], "age": [[3]], "item_id": [[7]], "cate_id": [[2]],
-                                    "hist_item_id": [[8]], "hist_cate_id": [[4]]})
+    batch = JaggedBatch.from_lists(
+        {
+            "user_id": [[11]],
+            "age": [[3]],
+            "item_id": [[7]],
+            "cate_id": [[2]],
+            "hist_item_id": [[8]],
+            "hist_cate_id": [[4]],
+        }
+    )
     ids = {"user_id": [11], "age": [3], "item": [7], "cate": [2]}
     for step in range(3):
         trainer.step = step
@@ -72,8 +83,9 @@ def test_sparse_lr_schedule_changes_every_tables_updates(backend, tmp_path):
         sum(v.sum() for v in out.values()).backward()
         for name, keys in ids.items():
             delta = before[name] - coll.read_rows(name, torch.tensor(keys))["weight"]
-            torch.testing.assert_close(delta, torch.full_like(delta, 0.5 * 0.5**step), rtol=1e-5, atol=1e-7,
-                                       msg=f"{name} step {step}")
+            torch.testing.assert_close(
+                delta, torch.full_like(delta, 0.5 * 0.5**step), rtol=1e-5, atol=1e-7, msg=f"{name} step {step}"
+            )
     if backend == "fbgemm":
         assert coll.tables["item"].store.tbe.get_learning_rate() == pytest.approx(0.125)
 
@@ -120,25 +132,32 @@ def test_every_dynamic_table_setting_reaches_plan_and_table():
     assert task.embeddings.tables["user_id"].options == options
 
 
-@pytest.mark.parametrize("setting, a, b", [
-    ("backend", "native", "fbgemm"),
-    ("initializer", {"kind": "constant", "value": 0.1}, {"kind": "normal", "std": 0.1}),
-    ("value_type", "int", "string"),
-    ("num_buckets", 200, 300),
-])
+@pytest.mark.parametrize(
+    "setting, a, b",
+    [
+        ("backend", "native", "fbgemm"),
+        ("initializer", {"kind": "constant", "value": 0.1}, {"kind": "normal", "std": 0.1}),
+        ("value_type", "int", "string"),
+        ("num_buckets", 200, 300),
+    ],
+)
 def test_settings_of_one_table_given_by_two_features_must_agree(setting, a, b):
     from dynarec.config import ConfigError
 
     c = config_dict()
     c["feature_configs"][2]["id_feature"][setting] = a  # item_id
     c["feature_configs"][4]["sequence_feature"][setting] = b  # hist_item_id, the same table 'item'
-    with pytest.raises(ConfigError, match=rf"feature_configs\[4\] \(hist_item_id\): shares table 'item' with "
-                                          rf"'item_id' but its {setting} differs \(item_id: .*, hist_item_id: .*\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"feature_configs\[4\] \(hist_item_id\): shares table 'item' with "
+        rf"'item_id' but its {setting} differs \(item_id: .*, hist_item_id: .*\)",
+    ):
         config_from_dict(c)
     c["feature_configs"][4]["sequence_feature"][setting] = a
-    if setting != "backend" or fbgemm_available():
-        table = {t.table.name: t.table for t in plan_from_config(config_from_dict(c)).tables}["item"]
-        assert table.backend == a if setting == "backend" else True
+    table = {t.table.name: t.table for t in plan_from_config(config_from_dict(c)).tables}["item"]
+    assert {"backend": table.backend, "initializer": table.initializer, "num_buckets": table.num_embeddings}.get(
+        setting, a
+    ) == (Initializer(**a) if setting == "initializer" else a)
 
 
 def test_yaml_refuses_bools_and_unknown_keys_in_core_types():

@@ -35,14 +35,16 @@ def data_root(tmp_path_factory):
 
 def run_cli(*args) -> tuple[int, str]:
     """The CLI in a fresh process (as a user runs it)."""
-    proc = subprocess.run([sys.executable, "-m", "dynarec.cli", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynarec.cli", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_train_evaluate_export_predict(data_root, tmp_path, capsys):
-    cfg_path = write_config(data_root, config_dict(train__eval_every_steps=6, train__save_checkpoints_steps=5),
-                            "e2e.yaml")
+    cfg_path = write_config(
+        data_root, config_dict(train__eval_every_steps=6, train__save_checkpoints_steps=5), "e2e.yaml"
+    )
     model_dir, export_dir = tmp_path / "model", tmp_path / "export"
     assert main(["train", "--config", str(cfg_path), "--model-dir", str(model_dir), "--no-progress"]) == 0
     for name in ("config.yaml", "metrics.json", "curves.png"):
@@ -62,7 +64,9 @@ def test_train_evaluate_export_predict(data_root, tmp_path, capsys):
 
     eval_file = data_root / "data" / "eval" / "part-0.parquet"
     out_export, out_ckpt = tmp_path / "p_export.parquet", tmp_path / "p_ckpt.parquet"
-    assert main(["predict", "--export-dir", str(export_dir), "--input", str(eval_file), "--output", str(out_export)]) == 0
+    assert (
+        main(["predict", "--export-dir", str(export_dir), "--input", str(eval_file), "--output", str(out_export)]) == 0
+    )
     assert main(["predict", "--model-dir", str(model_dir), "--input", str(eval_file), "--output", str(out_ckpt)]) == 0
     served = pq.read_table(out_export).column("probability").to_numpy()
     from_ckpt = pq.read_table(out_ckpt).column("probability").to_numpy()
@@ -145,8 +149,13 @@ trainer.save()
 def test_kill_during_checkpoint_leaves_previous_loadable(data_root, tmp_path):
     cfg = write_config(data_root, config_dict(data__eval_input_path=None), "kill.yaml")
     model_dir = tmp_path / "m"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(cfg), str(model_dir)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(cfg), str(model_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     deadline = time.time() + 120
     line = ""
     while time.time() < deadline and "WRITING" not in line:
@@ -155,13 +164,14 @@ def test_kill_during_checkpoint_leaves_previous_loadable(data_root, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert any(p.name.startswith(".ckpt-") for p in (model_dir / "checkpoints").iterdir())  # the debris
-    state, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    state, _ = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
     assert state["step"] == 12
     trainer = Trainer(load_config(cfg), model_dir, progress=False)
     assert trainer.restore().name == "ckpt-0000000012"
 
 
 # -- bad input: the culprit is named, nothing is written ----------------------------------------------
+
 
 def _bad_train_file(root: Path, name: str, change) -> Path:
     src = pq.read_table(root / "data" / "train" / "part-0.parquet").slice(0, 200)
@@ -176,6 +186,7 @@ def _set(col: str, row: int, value):
         values = t.column(col).to_pylist()
         values[row] = value
         return t.set_column(t.schema.get_field_index(col), col, pa.array(values, type=t.schema.field(col).type))
+
     return change
 
 
@@ -184,14 +195,24 @@ def _set(col: str, row: int, value):
     [
         ("missing_column", lambda t: t.drop_columns(["price"]), "missing column 'price' (feature 'price')"),
         ("nan_dense", _set("price", 7, float("nan")), "row 7: feature 'price' (column 'price'): value nan"),
-        ("malformed_multi", _set("hist_item_id", 3, "12||7"), "row 3: feature 'hist_item_id' (column 'hist_item_id'): malformed"),
+        (
+            "malformed_multi",
+            _set("hist_item_id", 3, "12||7"),
+            "row 3: feature 'hist_item_id' (column 'hist_item_id'): malformed",
+        ),
         ("negative_id", _set("item_id", 5, -3), "row 5: feature 'item_id' (column 'item_id'): id -3 is out of range"),
-        ("out_of_range_id", _set("cate_id", 9, 10), "row 9: feature 'cate_id' (column 'cate_id'): id 10 is out of range [0, 10)"),
+        (
+            "out_of_range_id",
+            _set("cate_id", 9, 10),
+            "row 9: feature 'cate_id' (column 'cate_id'): id 10 is out of range [0, 10)",
+        ),
     ],
 )
 def test_bad_data_names_culprit_and_writes_nothing(data_root, tmp_path, name, change, message):
     bad = _bad_train_file(data_root, name, change)
-    cfg = write_config(data_root, config_dict(data__train_input_path=str(bad), data__eval_input_path=None), f"{name}.yaml")
+    cfg = write_config(
+        data_root, config_dict(data__train_input_path=str(bad), data__eval_input_path=None), f"{name}.yaml"
+    )
     model_dir = tmp_path / "m"
     rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--no-progress")
     assert rc == 2, out
@@ -218,7 +239,9 @@ def test_corrupt_checkpoint_on_resume_names_the_file(trained, tmp_path, damage):
     subprocess.run(["cp", "-r", str(src), str(model_dir)], check=True)
     state = latest_checkpoint(model_dir / "checkpoints") / "tables.pt"
     data = state.read_bytes()
-    state.write_bytes(data[: len(data) // 3] if damage == "truncate" else data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    state.write_bytes(
+        data[: len(data) // 3] if damage == "truncate" else data[:100] + bytes([data[100] ^ 1]) + data[101:]
+    )
     before = _listing(model_dir)
     rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--resume", "--no-progress")
     assert rc == 2 and "corrupt checkpoint" in out and str(state) in out, out

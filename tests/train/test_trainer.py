@@ -21,17 +21,21 @@ pytestmark = pytest.mark.slow
 
 def small_config(path, **train):
     """One fixed and one dynamic id feature, integer ids: cheap to read at a million rows."""
-    return config_from_dict({
-        "feature_configs": [
-            {"id_feature": {"feature_name": "item", "embedding_dim": 4, "num_buckets": 100}},
-            {"id_feature": {"feature_name": "user", "embedding_dim": 4, "dynamicemb": {"max_capacity": 4096}}},
-        ],
-        "model": {"feature_groups": [{"group_name": "all", "feature_names": ["item", "user"]}],
-                  "multi_tower_din": {"towers": [{"input": "all", "hidden_units": [4]}]}},
-        "data": {"train_input_path": str(path), "label_field": "clk", "batch_size": 100},
-        "train": {"sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05}}, **train},
-        "eval": {"metrics": ["auc"]},
-    })
+    return config_from_dict(
+        {
+            "feature_configs": [
+                {"id_feature": {"feature_name": "item", "embedding_dim": 4, "num_buckets": 100}},
+                {"id_feature": {"feature_name": "user", "embedding_dim": 4, "dynamicemb": {"max_capacity": 4096}}},
+            ],
+            "model": {
+                "feature_groups": [{"group_name": "all", "feature_names": ["item", "user"]}],
+                "multi_tower_din": {"towers": [{"input": "all", "hidden_units": [4]}]},
+            },
+            "data": {"train_input_path": str(path), "label_field": "clk", "batch_size": 100},
+            "train": {"sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05}}, **train},
+            "eval": {"metrics": ["auc"]},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,11 @@ def million(tmp_path_factory):
     rng = np.random.default_rng(0)
     n = 1_000_000
     path = tmp_path_factory.mktemp("big") / "train.parquet"
-    pq.write_table(pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10_000, n),
-                             "clk": rng.integers(0, 2, n)}), path, row_group_size=n // 16)
+    pq.write_table(
+        pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10_000, n), "clk": rng.integers(0, 2, n)}),
+        path,
+        row_group_size=n // 16,
+    )
     return path
 
 
@@ -66,8 +73,10 @@ def test_resume_deep_into_a_large_file_seeks_instead_of_replaying(million, tmp_p
 
 def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
     rng = np.random.default_rng(1)
-    pacsv.write_csv(pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250),
-                              "clk": rng.integers(0, 2, 250)}), tmp_path / "t.csv")
+    pacsv.write_csv(
+        pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
+        tmp_path / "t.csv",
+    )
     trainer = Trainer(small_config(tmp_path / "t.csv", num_steps=7), tmp_path / "m", progress=False)
     assert trainer.fit()["step"] == 7  # 3 batches per epoch (100, 100, 50): epochs 0, 1 and step 1 of 2
     assert trainer.position == DataPosition(2, 100)
