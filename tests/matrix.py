@@ -15,3 +15,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 BACKENDS = [pytest.param("native", id="native"), pytest.param("fbgemm", id="fbgemm", marks=needs_fbgemm)]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
+
+
+def _cpu_kernels_available() -> bool:
+    from dynarec.kernels import cpu
+
+    return cpu.available()
+
+
+needs_cpu_kernels = pytest.mark.skipif(not _cpu_kernels_available(), reason="dynarec's CPU extension did not build")

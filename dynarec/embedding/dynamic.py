@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import PIN_WRAP, BucketedHashIndex
+from dynarec.embedding.hash_index import LAYOUT_VERSION, PIN_WRAP, BucketedHashIndex
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal, Step
@@ -73,8 +73,9 @@ class DynamicTable(EmbeddingTable):
             cap = options.admission.capacity or options.max_capacity
             self.counter = BucketedHashIndex(_num_buckets(cap, self.bucket_size), self.bucket_size, self.device)
             self.admission_initializer = options.admission.initializer or self.eval_initializer
-        self.dropped_keys = 0
-        self.evicted_keys = 0
+        # dropped: keys left without a row; evicted: keys whose row a new key took; premature: of
+        # those, evicted while a slot was free somewhere; moved: residents moved to their other bucket.
+        self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
         self._generation = 0  # bumped by every rehash, which moves rows
 
     @property
@@ -111,7 +112,9 @@ class DynamicTable(EmbeddingTable):
             "max_capacity": self.max_capacity,
             "load_factor": size / self.capacity,
             "evicted_keys": self.evicted_keys,
+            "evicted_below_full_capacity": self.counters["premature"],
             "dropped_keys": self.dropped_keys,
+            "moved_keys": self.counters["moved"],
             "bytes": self.nbytes,
         }
 
@@ -244,10 +247,23 @@ class DynamicTable(EmbeddingTable):
                 raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
             if options.check_mode == "warn":
                 warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=5)
-        self._count(journal, dropped=overflow, evicted=plan.evicted_slots.numel())
-        if journal is not None and plan.evicted_slots.numel():  # the evicted keys' rows come back on abort
-            evicted_slots, rows = plan.evicted_slots, self.store.read(plan.evicted_slots)
-            journal.record(lambda: self.store.write(evicted_slots, rows))
+        evicted = plan.evicted_slots.numel()
+        # Evictions while a slot was still free somewhere (below full capacity) are the ones
+        # max_capacity promises to avoid; report() counts them apart.
+        free_left = self.max_capacity - (self.size + int((plan.slots >= 0).sum()) - evicted)
+        self._count(
+            journal,
+            dropped=overflow,
+            evicted=evicted,
+            premature=min(evicted, max(free_left, 0)),
+            moved=plan.moved_from.numel(),
+        )
+        overwritten = plan.overwritten_slots
+        if journal is not None and overwritten.numel():  # evicted and moved rows come back on abort
+            rows = self.store.read(overwritten)
+            journal.record(lambda: self.store.write(overwritten, rows))
+        if plan.moved_from.numel():  # residents moved to their other bucket take their rows along
+            self.store.write(plan.moved_to, self.store.read(plan.moved_from))
         self.index.commit(plan, torch.zeros_like(keys), journal)
         ok = plan.slots >= 0
         new_slots = plan.slots[ok]
@@ -256,34 +272,44 @@ class DynamicTable(EmbeddingTable):
             self.index.pin(new_slots, step.id)
         return plan.slots
 
-    def _count(self, journal: Optional[Journal], dropped: int = 0, evicted: int = 0) -> None:
-        before = (self.dropped_keys, self.evicted_keys)
-        self.dropped_keys += dropped
-        self.evicted_keys += evicted
+    def _count(self, journal: Optional[Journal], **counts: int) -> None:
+        """Adds to the report's counters (``dropped``, ``evicted``, ``premature``, ``moved``)."""
+        before = dict(self.counters)
+        for name, n in counts.items():
+            self.counters[name] += n
 
         def undo() -> None:
-            self.dropped_keys, self.evicted_keys = before
+            self.counters.update(before)
 
-        if journal is not None and (dropped or evicted):
+        if journal is not None and any(counts.values()):
             journal.record(undo)
 
+    @property
+    def evicted_keys(self) -> int:
+        return self.counters["evicted"]
+
+    @property
+    def dropped_keys(self) -> int:
+        return self.counters["dropped"]
+
     def _grow(self, journal: Optional[Journal]) -> None:
-        old = (self.index, self.store.storage(), self.evicted_keys)
+        old = (self.index, self.store.storage(), dict(self.counters))
         self._rehash(min(self.max_buckets, self.index.num_buckets * 2))
         if journal is not None:
             journal.record(lambda: self._install(*old))
 
-    def _install(self, index: BucketedHashIndex, storage, evicted_keys: int) -> None:
+    def _install(self, index: BucketedHashIndex, storage, counters: dict[str, int]) -> None:
         self.index = index
         self.store.restore_storage(storage)
-        self.evicted_keys = evicted_keys
+        self.counters = counters
         self._generation += 1
 
     @torch.no_grad()
     def _rehash(self, num_buckets: int) -> None:
         """Moves every row into an index of ``num_buckets`` (more than now) buckets."""
         index, src, dst = self.index.rehashed(num_buckets)
-        self.evicted_keys += self.index.size - src.numel()  # only a growth to a non-multiple drops keys
+        lost = self.index.size - src.numel()  # a growth never loses keys in practice (load <= 0.375)
+        self._count(None, evicted=lost, premature=lost)
         self.store.resize(index.capacity, src, dst)
         self.index = index
         self._generation += 1
@@ -325,7 +351,7 @@ class DynamicTable(EmbeddingTable):
         out: dict[str, torch.Tensor] = {"keys": keys, "scores": scores, "slots": slots}
         out.update(self.store.read(slots))
         out["step"] = torch.tensor(self.step, dtype=torch.int64)
-        out["layout"] = torch.tensor([self.index.num_buckets, self.bucket_size], dtype=torch.int64)
+        out["layout"] = torch.tensor([self.index.num_buckets, self.bucket_size, LAYOUT_VERSION], dtype=torch.int64)
         if self.counter is not None:
             cslots, ckeys, ccounts = self.counter.entries()
             out["admission_keys"], out["admission_counts"], out["admission_slots"] = ckeys, ccounts, cslots
@@ -348,9 +374,9 @@ class DynamicTable(EmbeddingTable):
         scores = dump["scores"].to(self.device)
         n = keys.numel()
         layout = dump.get("layout")
-        if layout is not None and "slots" in dump:
-            num_buckets, bucket_size = (int(x) for x in layout)
-            if bucket_size == self.bucket_size and num_buckets <= self.max_buckets:
+        if layout is not None and "slots" in dump and layout.numel() == 3:
+            num_buckets, bucket_size, version = (int(x) for x in layout)
+            if version == LAYOUT_VERSION and bucket_size == self.bucket_size and num_buckets <= self.max_buckets:
                 index = BucketedHashIndex(num_buckets, bucket_size, self.device)
                 slots = dump["slots"].to(self.device)
                 index.install(slots, keys, scores)
@@ -395,7 +421,8 @@ class DynamicTable(EmbeddingTable):
         ckeys = dump["admission_keys"].to(self.device)
         ccounts = dump["admission_counts"].to(self.device)
         cslots = dump.get("admission_slots")
-        if cslots is not None and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
+        same_layout = "layout" in dump and dump["layout"].numel() == 3 and int(dump["layout"][2]) == LAYOUT_VERSION
+        if cslots is not None and same_layout and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
             fresh.install(cslots.to(self.device), ckeys, ccounts)  # the counter's own layout
         else:
             fresh.commit(fresh.plan_insert(ckeys, allow_evict=False, priority=ccounts), ccounts)

@@ -40,6 +40,16 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 def _uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
     """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column)."""
+    from dynarec.kernels import cpu as cpu_kernels  # the same bits, without [n, dim] int64 temporaries
+
+    kernels = cpu_kernels.ops() if keys.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.uniform01(keys.contiguous(), dim, seed, stream)
+    return uniform01_reference(keys, dim, seed, stream)
+
+
+def uniform01_reference(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
+    """Plain-torch :func:`_uniform01` (any device)."""
     base = mix64(keys ^ mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64, device=keys.device)))
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
     h = mix64(base[:, None] + cols[None, :])

@@ -1,0 +1,179 @@
+"""The two-choice hash index: placement, the cuckoo step, eviction order, and max_capacity's promise."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets
+from dynarec.optim import SGD, Adagrad
+
+
+def keys_with_buckets(num_buckets, wanted, start=0):
+    """The first keys >= start whose (first, second) candidate buckets match each of ``wanted``."""
+    found = {}
+    k = start
+    while len(found) < len(wanted):
+        batch = torch.arange(k, k + 4096)
+        b1, b2 = candidate_buckets(batch, num_buckets)
+        for key, x, y in zip(batch.tolist(), b1.tolist(), b2.tolist()):
+            for i, w in enumerate(wanted):
+                if i not in found and (x, y) == w:
+                    found[i] = key  # each key serves one wanted pair
+                    break
+        k += 4096
+    return [found[i] for i in range(len(wanted))]
+
+
+def check_invariants(index: BucketedHashIndex):
+    slots, keys, _ = index.entries()
+    assert index.size == slots.numel() == int(index.occupied.sum())
+    assert torch.unique(keys).numel() == keys.numel()
+    b1, b2 = candidate_buckets(keys, index.num_buckets)
+    bucket = slots // index.bucket_size
+    assert bool(((bucket == b1) | (bucket == b2)).all()), "a key sits outside its two buckets"
+    assert torch.equal(index.find(keys), slots)
+
+
+def test_a_key_goes_to_the_emptier_of_its_two_buckets():
+    index = BucketedHashIndex(num_buckets=4, bucket_size=2)
+    a, b, c = keys_with_buckets(4, [(0, 1), (0, 3), (0, 1)])
+    index.commit(index.plan_insert(torch.tensor([a])), torch.zeros(1, dtype=torch.int64))
+    assert index.find(torch.tensor([a])).tolist() == [0]  # both empty: the first bucket
+    plan = index.plan_insert(torch.tensor([b]))
+    assert plan.slots.tolist() == [6]  # bucket 0 holds one key, bucket 3 none
+    index.commit(plan, torch.zeros(1, dtype=torch.int64))
+    plan = index.plan_insert(torch.tensor([c]))
+    assert plan.slots.tolist() == [2]  # bucket 0 (1 free) vs bucket 1 (2 free)
+    index.commit(plan, torch.zeros(1, dtype=torch.int64))
+    check_invariants(index)
+
+
+def test_both_buckets_full_moves_a_resident_to_its_other_bucket():
+    index = BucketedHashIndex(num_buckets=4, bucket_size=2)
+    # Buckets 0 and 1 full; resident r0 of bucket 0 can move to bucket 2, which has room.
+    r0, r1, r2, r3, new = keys_with_buckets(4, [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)])
+    for k in (r0, r1, r2, r3):
+        index.commit(index.plan_insert(torch.tensor([k]), allow_evict=False), torch.tensor([7]))
+    where = dict(zip((r0, r1, r2, r3), index.find(torch.tensor([r0, r1, r2, r3])).tolist()))
+    assert sorted(s // 2 for s in where.values()) == [0, 0, 1, 1]
+    plan = index.plan_insert(torch.tensor([new]), allow_evict=True)
+    assert plan.evicted_slots.numel() == 0
+    assert plan.moved_from.tolist() == [where[r0]] and plan.slots.tolist() == [where[r0]]
+    assert plan.moved_to.tolist() == [4]  # bucket 2, lane 0
+    index.commit(plan, torch.tensor([9]))
+    assert index.find(torch.tensor([new, r0])).tolist() == [where[r0], 4]
+    assert index.scores[4] == 7  # the resident keeps its score
+    check_invariants(index)
+
+
+def test_at_full_capacity_the_lowest_score_of_both_buckets_is_evicted():
+    index = BucketedHashIndex(num_buckets=2, bucket_size=2)
+    keys = keys_with_buckets(2, [(0, 1), (0, 1), (1, 0), (1, 0), (0, 1)])
+    residents, new = keys[:4], keys[4]
+    index.commit(index.plan_insert(torch.tensor(residents), allow_evict=False), torch.tensor([5, 3, 4, 3]))
+    slot_of = dict(zip(residents, index.find(torch.tensor(residents)).tolist()))
+    plan = index.plan_insert(torch.tensor([new]))
+    # Scores 3 (in bucket 0 and in bucket 1): the tie goes to the smaller slot.
+    lowest = min(s for k, s in slot_of.items() if index.scores[s] == 3)
+    assert plan.evicted_slots.tolist() == [lowest] and plan.slots.tolist() == [lowest]
+    # A pinned row is not evicted: the next lowest is.
+    index.pin(torch.tensor([lowest]), step_id=11)
+    plan = index.plan_insert(torch.tensor([new]), pinned_by=torch.tensor([11]))
+    other3 = max(s for k, s in slot_of.items() if index.scores[s] == 3)
+    assert plan.evicted_slots.tolist() == [other3]
+
+
+def test_random_inserts_keep_the_invariants_and_are_deterministic():
+    rng = np.random.default_rng(0)
+    batches = [torch.from_numpy(rng.integers(-(2**62), 2**62, 40)) for _ in range(12)]
+    runs = []
+    for _ in range(2):
+        index = BucketedHashIndex(num_buckets=64, bucket_size=4)
+        for step, keys in enumerate(batches):
+            absent = torch.unique(keys[index.find(keys) < 0])
+            plan = index.plan_insert(absent, allow_evict=True)
+            index.commit(plan, torch.full_like(plan.keys, step))
+            check_invariants(index)
+        runs.append(index.entries())
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("init_capacity", [262_144, 16_384])
+def test_max_capacity_is_a_promise_below_ninety_percent(init_capacity):
+    """The issue's case: 235,929 distinct keys (90% of max_capacity 262,144) through training
+    steps. One-choice 16-slot buckets evicted 13,837 of them (5.9%); the goal is at most 1 in
+    10,000."""
+    max_capacity = 262_144
+    coll = EmbeddingCollection(
+        [
+            TableConfig(
+                name="u", dim=2, features=["f"], dynamic=DynamicTableOptions(max_capacity, init_capacity=init_capacity)
+            )
+        ],
+        SGD(lr=0.1),
+    )
+    keys = torch.randperm(1 << 20, generator=torch.Generator().manual_seed(1))[:235_929] * 1_000_003 - (1 << 41)
+    for chunk in keys.split(8192):
+        coll(JaggedBatch(["f"], chunk, torch.ones_like(chunk)))["f"].sum().backward()
+    report = coll.tables["u"].report()
+    assert report["size"] + report["evicted_keys"] == 235_929
+    assert report["evicted_keys"] <= 235_929 // 10_000
+    assert report["evicted_below_full_capacity"] == report["evicted_keys"]
+    assert bool(coll.read_rows("u", keys)["present"].float().mean() >= 0.9999)
+    print(f"init_capacity {init_capacity}: {report}")
+
+
+def test_an_aborted_step_undoes_moves():
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=3, features=["f"], dynamic=DynamicTableOptions(8, bucket_size=2))],
+        Adagrad(lr=0.1),
+    )
+    t = coll.tables["d"]
+    r0, r1, r2, r3, new = keys_with_buckets(4, [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)])
+    for k in (r0, r1, r2, r3):
+        out = coll(JaggedBatch.from_lists({"f": [[k]]}))
+        out["f"].sum().backward()
+    before = t.dump()
+    coll(JaggedBatch.from_lists({"f": [[new]]}))
+    assert t.report()["moved_keys"] == 1 and t.evicted_keys == 0
+    coll.abort_step()
+    after = t.dump()
+    assert t.report()["moved_keys"] == 0
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    # And committed: the moved resident keeps its row.
+    w = t.read_rows(torch.tensor([r0]))["weight"]
+    out = coll(JaggedBatch.from_lists({"f": [[new]]}))
+    (out["f"] * 0).sum().backward()
+    assert torch.equal(t.read_rows(torch.tensor([r0]))["weight"], w)
+
+
+def test_a_dump_of_the_one_choice_layout_loads_by_reinserting():
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=2, features=["f"], dynamic=DynamicTableOptions(256))], SGD(lr=0.1)
+    )
+    t = coll.tables["d"]
+    keys = torch.arange(100) * 1_000_003
+    t.write_rows(keys, {"weight": keys.float()[:, None].expand(-1, 2)})
+    dump = t.dump()
+    dump["layout"] = dump["layout"][:2]  # what a dump of the old layout carries
+    dump["slots"] = torch.arange(keys.numel())  # slots meaningless under the new hashing
+    assert t.load(dump) == {"loaded": 100, "dropped": 0}
+    assert torch.equal(t.read_rows(keys)["weight"][:, 0], keys.float())
+    check_invariants(t.index)
+
+
+def test_evictions_with_free_slots_elsewhere_are_reported_apart():
+    coll = EmbeddingCollection(
+        [TableConfig(name="d", dim=2, features=["f"], dynamic=DynamicTableOptions(64, bucket_size=4))], SGD(lr=0.1)
+    )
+    t = coll.tables["d"]
+    keys = torch.arange(1, 200) * 7919
+    for chunk in keys.split(8):
+        coll(JaggedBatch(["f"], chunk, torch.ones_like(chunk)))["f"].sum().backward()
+    r = t.report()
+    assert r["size"] == 64 and r["evicted_keys"] == 199 - 64
+    # Some keys were evicted while the table still had a free slot (both their buckets full):
+    # counted apart, never more than all evictions.
+    assert 0 <= r["evicted_below_full_capacity"] < r["evicted_keys"]
