@@ -9,7 +9,7 @@ from torch import nn
 
 from dynarec.config.schema import Config, FeatureGroupCfg, RawFeatureCfg, SequenceFeatureCfg
 
-__all__ = ["MLP", "DINAttention", "DeepGroup", "SequenceGroup"]
+__all__ = ["MLP", "DINAttention", "DeepGroup", "SequenceGroup", "masked_mean", "sequence_mask"]
 
 
 class MLP(nn.Sequential):
@@ -24,6 +24,20 @@ class MLP(nn.Sequential):
             in_dim = units
         super().__init__(*layers)
         self.out_dim = in_dim
+
+
+def sequence_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, max_len]`` bool: position ``l`` of sample ``b`` holds an element (``l < lengths[b]``)."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def masked_mean(seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean of each sample's first ``lengths[b]`` rows of a padded ``[B, L, D]``: ``[B, D]``,
+    zeros for an empty sequence. What the padding holds, and how long ``L`` is (the longest
+    sequence of the batch), never changes the result: a row's score depends on that row alone.
+    Every model pools a sequence through here."""
+    mask = sequence_mask(lengths, seq.shape[1]).to(seq.dtype)
+    return torch.bmm(mask[:, None, :], seq).squeeze(1) / lengths.clamp(min=1).to(seq.dtype)[:, None]
 
 
 class DINAttention(nn.Module):
@@ -41,15 +55,13 @@ class DINAttention(nn.Module):
             self.score = nn.Sequential(MLP(4 * dim, attn_hidden_units), nn.Linear(attn_hidden_units[-1], 1))
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        max_len = keys.shape[1]
-        mask = torch.arange(max_len, device=keys.device)[None, :] < lengths[:, None]  # [B, L]
         if self.pooling == "mean":
-            w = mask.to(keys.dtype) / lengths.clamp(min=1).to(keys.dtype)[:, None]
-        else:
-            q = query[:, None, :].expand_as(keys)
-            logits = self.score(torch.cat([q, keys, q - keys, q * keys], dim=-1)).squeeze(-1)
-            logits = logits.masked_fill(~mask, -1e9)
-            w = torch.softmax(logits, dim=1) * mask.to(keys.dtype)
+            return masked_mean(keys, lengths)
+        mask = sequence_mask(lengths, keys.shape[1])  # [B, L]
+        q = query[:, None, :].expand_as(keys)
+        logits = self.score(torch.cat([q, keys, q - keys, q * keys], dim=-1)).squeeze(-1)
+        logits = logits.masked_fill(~mask, -1e9)
+        w = torch.softmax(logits, dim=1) * mask.to(keys.dtype)
         return torch.bmm(w[:, None, :], keys).squeeze(1)
 
 
@@ -78,7 +90,6 @@ class DeepGroup(nn.Module):
             for n in self.names
         }
         self.out_dim = sum(dims[n] for n in self.names)
-        self.mean = DINAttention(1, [1], pooling="mean")
 
     def parts(self, embeddings, seq_lengths, dense) -> list[torch.Tensor]:
         out = []
@@ -87,7 +98,7 @@ class DeepGroup(nn.Module):
             if kind == "dense":
                 out.append(dense[n][:, None])
             elif kind == "sequence":
-                out.append(self.mean(embeddings[n][:, 0], embeddings[n], seq_lengths[n]))
+                out.append(masked_mean(embeddings[n], seq_lengths[n]))
             else:
                 out.append(embeddings[n])
         return out

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dynarec.config.schema import Config, DeepFMCfg, RawFeatureCfg
-from dynarec.models.blocks import MLP, DeepGroup
+from dynarec.models.blocks import MLP, DeepGroup, masked_mean
 
 
 class DeepFM(nn.Module):
@@ -32,7 +32,11 @@ class DeepFM(nn.Module):
     def forward(self, embeddings, seq_lengths, dense):
         x = torch.cat([g(embeddings, seq_lengths, dense) for g in self.groups], dim=1)
         v = torch.stack(
-            [embeddings[n] if embeddings[n].dim() == 2 else embeddings[n].mean(1) for n in self.fm_features], dim=1
+            [
+                embeddings[n] if embeddings[n].dim() == 2 else masked_mean(embeddings[n], seq_lengths[n])
+                for n in self.fm_features
+            ],
+            dim=1,
         )  # [B, F, D]
         fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
         return self.first_order(x).squeeze(1) + fm + self.out(self.mlp(x)).squeeze(1)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dynarec.config.schema import Config, DLRMCfg, RawFeatureCfg, SequenceFeatureCfg
-from dynarec.models.blocks import MLP
+from dynarec.models.blocks import MLP, masked_mean
 
 
 class DLRM(nn.Module):
@@ -32,7 +32,7 @@ class DLRM(nn.Module):
     def forward(self, embeddings, seq_lengths, dense):
         x = self.bottom(torch.stack([dense[n] for n in self.dense_names], dim=1))
         vs = [x] + [
-            embeddings[n].sum(1) / seq_lengths[n].clamp(min=1)[:, None] if n in self.sequence else embeddings[n]
+            masked_mean(embeddings[n], seq_lengths[n]) if n in self.sequence else embeddings[n]
             for n in self.sparse_names
         ]
         v = torch.stack(vs, dim=1)  # [B, F + 1, D]

@@ -1,0 +1,55 @@
+"""A row's score depends on that row alone: every model in the registry scores the same rows
+identically at batch sizes 1, 37 and 4096, through an export (padding masked everywhere)."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynarec.config import config_from_dict
+from dynarec.models import MODELS
+from dynarec.serving import ExportedModel
+from dynarec.train.export import export_model
+from dynarec.train.trainer import Trainer
+from tests.models.test_models import model_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """300 rows; histories of 0 to 5 ids, so batches pad to different lengths."""
+    rng = np.random.default_rng(0)
+    n = 300
+    lengths = rng.integers(0, 5, n)
+    lengths[7] = 5  # the longest history sits in one row only
+    root = tmp_path_factory.mktemp("rows")
+    pq.write_table(
+        pa.table(
+            {
+                "a": rng.integers(0, 10, n),
+                "b": rng.integers(0, 10, n),
+                "s": ["|".join(str(x) for x in rng.integers(0, 10, k)) for k in lengths],
+                "x": rng.normal(size=n),
+                "label": rng.integers(0, 2, n),
+            }
+        ),
+        root / "rows.parquet",
+    )
+    return root / "rows.parquet"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
+    raw = model_config(name).model_dump(mode="json")
+    raw["data"] = {"train_input_path": str(data), "label_field": "label", "batch_size": 64}
+    raw["train"]["num_epochs"] = 1
+    raw["eval"] = {"metrics": ["auc"]}
+    trainer = Trainer(config_from_dict(raw), tmp_path / "m", progress=False)
+    trainer.fit()
+    export = export_model(trainer.task, trainer.example_batch(), tmp_path / "export")
+    model = ExportedModel(export)
+    scores = {b: model.predict_files(str(data), batch_size=b) for b in (1, 37, 4096)}
+    assert scores[1].shape == (300,)
+    np.testing.assert_allclose(scores[37], scores[1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(scores[4096], scores[1], rtol=0, atol=1e-6)
