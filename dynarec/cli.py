@@ -72,7 +72,8 @@ def cmd_export(args) -> None:
     from dynarec.train.export import export_model
 
     trainer = _restored(args)
-    print(f"exported to {export_model(trainer.task, trainer.example_batch(), args.export_dir)}")
+    export_dir = export_model(trainer.task, trainer.example_batch(), args.export_dir, step=trainer.step)
+    print(f"exported step {trainer.step} to {export_dir}")
 
 
 def cmd_predict(args) -> None:
@@ -169,11 +170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "predict" and bool(args.export_dir) == bool(args.model_dir):
         print("dynarec predict: error: give exactly one of --export-dir or --model-dir", file=sys.stderr)
         return 2
+    from dynarec.files import DirectoryBusyError
     from dynarec.train.checkpoint import CheckpointError
 
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, DirectoryBusyError) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

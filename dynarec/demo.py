@@ -74,7 +74,7 @@ def main(args) -> None:
     )
 
     probs_eval, labels, _ = trainer.predict(config.data.eval_input_path)
-    export_dir = export_model(trainer.task, trainer.example_batch(), work / "export")
+    export_dir = export_model(trainer.task, trainer.example_batch(), work / "export", step=trainer.step)
     served = ExportedModel(export_dir).predict_files(config.data.eval_input_path)
     max_diff = float(np.max(np.abs(served - probs_eval))) if served.size else 0.0
     print(f"[export] {export_dir}: predictions of the export vs the training model's eval: max |diff| {max_diff:.2e}")

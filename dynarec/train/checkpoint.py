@@ -3,23 +3,28 @@
 A checkpoint is a directory ``checkpoints/ckpt-<step>/`` holding ``state.pt`` (dense model,
 dense optimizer, step, data position, config fingerprint) and ``tables.pt`` (every table's dump:
 weights, optimizer states, step counter; dynamic tables with keys, scores, slots and admission
-counters), plus ``manifest.json`` with each file's size and SHA-256. It is written under a
-temporary name, fsynced, and renamed into place; only then does ``checkpoints/latest`` (itself
-replaced atomically) point at it. A crash at any moment leaves the previous checkpoint intact and
-``latest`` pointing at it. On load, a checkpoint whose files do not match its manifest is
-reported as corrupt, naming the file.
+counters), plus ``manifest.json`` with each file's size and SHA-256, written last: a checkpoint
+without its manifest is incomplete and never used. It is written under a temporary name,
+fsynced, and renamed into place; only then does ``checkpoints/latest`` (itself replaced
+atomically) point at it. A crash at any moment — a kill, a full disk — leaves the previous
+checkpoint intact and ``latest`` pointing at it. On load, a checkpoint whose files do not match
+its manifest is reported as corrupt, naming the file. When ``latest`` is missing or names no
+checkpoint, the newest complete checkpoint (by its manifest) is used.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from dynarec.files import atomic_write_text, file_manifest, fsync_dir, read_json, verify_manifest
 
 __all__ = [
     "CheckpointError",
@@ -34,23 +39,7 @@ STATE, TABLES, MANIFEST, LATEST = "state.pt", "tables.pt", "manifest.json", "lat
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and why."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """A checkpoint cannot be used (or written); the message names the file and why."""
 
 
 def _write_file(path: Path, obj: Any) -> None:
@@ -60,21 +49,15 @@ def _write_file(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Committed checkpoint directories, oldest first."""
+    """Complete checkpoint directories (with a manifest), oldest first."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("ckpt-") and "." not in p.name)
+    return sorted(
+        p
+        for p in ckpt_dir.iterdir()
+        if p.is_dir() and p.name.startswith("ckpt-") and "." not in p.name and (p / MANIFEST).is_file()
+    )
 
 
 def save_checkpoint(
@@ -82,71 +65,75 @@ def save_checkpoint(
 ) -> Path:
     """Writes ``ckpt-<step>`` atomically, points ``latest`` at it, keeps the newest ``keep``."""
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"ckpt-{step:010d}"
     tmp = ckpt_dir / f".ckpt-{step:010d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    _write_file(tmp / STATE, state)
-    _write_file(tmp / TABLES, tables)
-    manifest: dict[str, Any] = {
-        name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in (STATE, TABLES)
-    }
-    manifest["step"] = step
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync_dir(tmp)
-    if final.exists():  # a checkpoint of this step exists (e.g. re-saved at the end): replace it
-        old = ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-    _atomic_write_text(ckpt_dir / LATEST, final.name + "\n")
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _write_file(tmp / STATE, state)
+        _write_file(tmp / TABLES, tables)
+        manifest: dict[str, Any] = {"files": file_manifest(tmp, (STATE, TABLES)), "step": step}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        fsync_dir(tmp)
+        if final.exists():  # a checkpoint of this step exists (e.g. re-saved at the end): replace it
+            old = ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(ckpt_dir)
+        atomic_write_text(ckpt_dir / LATEST, final.name + "\n")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(ckpt_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        reason = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+        raise CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}") from None
     for stale in list_checkpoints(ckpt_dir)[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
     for leftover in ckpt_dir.glob(".ckpt-*.tmp-*"):  # debris of crashed saves
-        if leftover != tmp:
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
-    """The checkpoint ``latest`` names (None when there is none)."""
+    """The checkpoint ``latest`` names; where ``latest`` is missing or names no complete
+    checkpoint, the newest complete one (with a warning); None when there is none."""
     ckpt_dir = Path(ckpt_dir)
+    complete = list_checkpoints(ckpt_dir)
     pointer = ckpt_dir / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = ckpt_dir / name
-    if not name.startswith("ckpt-") or not path.is_dir():
-        raise CheckpointError(f"{pointer} names '{name}', which is not a checkpoint directory")
-    return path
+    name = ""
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        pass
+    if name.startswith("ckpt-") and "/" not in name and (ckpt_dir / name / MANIFEST).is_file():
+        return ckpt_dir / name
+    if complete and (pointer.exists() or ckpt_dir.is_dir()):
+        problem = f"names '{name[:40]}', which is not a complete checkpoint" if pointer.exists() else "is missing"
+        warnings.warn(
+            f"{pointer} {problem}; using the newest complete checkpoint {complete[-1].name} (by its manifest)",
+            stacklevel=2,
+        )
+        return complete[-1]
+    return None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """Verifies ``path`` against its manifest and loads ``(state, tables)``."""
     path = Path(path)
     manifest_path = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"corrupt checkpoint: {manifest_path} is unreadable ({e})") from None
+    manifest = read_json(manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or set(files) != {STATE, TABLES}:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not list {STATE} and {TABLES}")
+    verify_manifest(path, files, manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
     loaded = []
     for name in (STATE, TABLES):
         f = path / name
-        entry = manifest.get(name)
-        if entry is None or not f.is_file():
-            raise CheckpointError(f"corrupt checkpoint: {f} is missing")
-        size = f.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(
-                f"corrupt checkpoint: {f} has {size} bytes, its manifest says {entry['bytes']} (truncated?)"
-            )
-        if _sha256(f) != entry["sha256"]:
-            raise CheckpointError(f"corrupt checkpoint: {f} does not match its SHA-256 in {manifest_path}")
         try:
             loaded.append(torch.load(f, map_location="cpu", weights_only=True))
         except Exception as e:
@@ -175,6 +162,6 @@ class CheckpointManager:
         """``(path, state, tables)`` of ``path`` (default: the latest checkpoint)."""
         path = path or self.latest()
         if path is None:
-            raise CheckpointError(f"no checkpoint in {self.dir}")
+            raise CheckpointError(f"no complete checkpoint in {self.dir}")
         state, tables = load_checkpoint(path)
         return path, state, tables

@@ -33,6 +33,7 @@ from dynarec.config.load import config_fingerprint
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
 from dynarec.data.reader import ArrowBatchDataset, DataPosition, make_loader, resolve_files
+from dynarec.files import DirectoryLock
 from dynarec.metrics import auc, grouped_auc, log_loss
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.sink import TrainingLog
@@ -181,6 +182,11 @@ class Trainer:
         self._dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
         if cfg.data.eval_input_path:
             self._dataset(cfg.data.eval_input_path, self._eval_batch_size())
+        with DirectoryLock(self.model_dir):  # one writer per model directory
+            return self._fit_locked(resume)
+
+    def _fit_locked(self, resume: bool) -> dict[str, Any]:
+        cfg = self.config
         existing = self.checkpoints.list()
         if resume:
             if existing:

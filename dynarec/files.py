@@ -1,0 +1,193 @@
+"""Files written so that a crash never breaks what was there, and nothing a user made is lost.
+
+- :func:`atomic_write_text` and :func:`fsync_dir`: a file is replaced whole or not at all.
+- :func:`file_manifest` / :func:`verify_manifest`: each file's size and SHA-256, checked on load;
+  a mismatch names the file.
+- :func:`replace_dir`: a directory written under a temporary sibling name is renamed into
+  place; an existing target is replaced only if it is dynarec's own (the caller says how to tell),
+  never a user's directory.
+- :class:`DirectoryLock`: one writer per directory, held with an OS file lock that the kernel
+  releases when the process dies (no stale lock after SIGKILL).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = [
+    "DirectoryBusyError",
+    "DirectoryLock",
+    "atomic_write_text",
+    "file_manifest",
+    "fsync_dir",
+    "read_json",
+    "replace_dir",
+    "sha256",
+    "verify_manifest",
+]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsyncs every file and directory under ``root`` (and ``root``)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replaces ``path`` by ``text`` atomically (a temporary sibling, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def file_manifest(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": hex}}`` of files under ``root``."""
+    return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256(root / name)} for name in names}
+
+
+def verify_manifest(root: Path, manifest: Any, where: Path, error: Callable[[str], Exception]) -> None:
+    """Checks every file a manifest lists (present, size, SHA-256); raises ``error(message)``
+    naming the first file that does not match (``where`` is the manifest's own file)."""
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) for v in manifest.values()):
+        raise error(f"{where}: its file list is malformed")
+    for name, entry in manifest.items():
+        f = root / name
+        if not f.is_file():
+            raise error(f"{f} is missing (listed in {where})")
+        size = f.stat().st_size
+        if size != entry.get("bytes"):
+            raise error(f"{f} has {size} bytes, {where} says {entry.get('bytes')} (truncated or overwritten?)")
+        if sha256(f) != entry.get("sha256"):
+            raise error(f"{f} does not match its SHA-256 in {where} (corrupt)")
+
+
+def read_json(path: Path, error: Callable[[str], Exception]) -> Any:
+    """The JSON in ``path``; ``error(message)`` naming the file if it is missing or malformed."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is unreadable or not valid JSON ({e})") from None
+
+
+def replace_dir(tmp: Path, target: Path, is_ours: Callable[[Path], bool], what: str) -> None:
+    """Moves the finished directory ``tmp`` to ``target``.
+
+    An existing ``target`` is replaced only when it is empty or ``is_ours(target)``; anything
+    else raises FileExistsError naming it (and ``tmp`` is removed). The old directory is renamed
+    aside before the new one takes its name, then deleted.
+    """
+    if target.exists():
+        if not target.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(f"{target} exists and is not a directory; choose another {what} path")
+        if any(target.iterdir()) and not is_ours(target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(
+                f"{target} is a non-empty directory that is not a dynarec {what}; dynarec replaces only its own "
+                f"{what}s: choose an empty or new directory"
+            )
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+
+
+class DirectoryBusyError(RuntimeError):
+    """Another process holds a directory's lock; the message names its PID and host."""
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``directory/.lock``, naming its holder (PID, host) in the file.
+
+    The kernel releases it when the holding process dies, so a SIGKILLed run leaves no stale
+    lock. :meth:`release` unlocks; if the lock created the directory and nothing else was written
+    there (a run refused before writing anything), it removes both.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, directory: Path, what: str = "model directory"):
+        self.directory = Path(directory)
+        self.what = what
+        self._fd: Optional[int] = None
+        self._created_dir = False
+
+    def acquire(self) -> DirectoryLock:
+        self._created_dir = not self.directory.exists()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / self.NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = path.read_text().strip() or "another process"
+            raise DirectoryBusyError(
+                f"{self.what} {self.directory} is in use by {holder} (lock {path}); wait for it to finish, "
+                f"or use another {self.what}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()} on host {socket.gethostname()}\n".encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        # The lock file stays (unlinking it would let a waiter and a newcomer lock two different
+        # files), unless this lock created the directory and nothing else was written there.
+        try:
+            if self._created_dir and [p.name for p in self.directory.iterdir()] == [self.NAME]:
+                (self.directory / self.NAME).unlink()
+                self.directory.rmdir()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

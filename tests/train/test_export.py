@@ -1,0 +1,186 @@
+"""Exports: never delete what they are pointed at, carry a checked manifest, serve every key."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec.cli import main
+from dynarec.config import load_config
+from dynarec.serving import ExportedModel, ExportError
+from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
+from dynarec.train.trainer import Trainer
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    make_data(root)
+    cfg = write_config(root, config_dict(), "cfg.yaml")
+    model_dir = root / "m"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    export_dir = root / "export"
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    return root, cfg, model_dir, export_dir
+
+
+def listing(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_export_into_the_model_dir_is_refused_and_deletes_nothing(trained, capsys):
+    _, _, model_dir, _ = trained
+    before = listing(model_dir)
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"{model_dir} is a non-empty directory that is not a dynarec export" in err
+    assert listing(model_dir) == before
+
+
+def test_export_into_a_users_directory_or_file_is_refused(trained, tmp_path, capsys):
+    _, _, model_dir, _ = trained
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my work")
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(mine)]) == 2
+    assert "not a dynarec export" in capsys.readouterr().err
+    assert listing(mine) == {"notes.txt": b"my work"}
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(a_file)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err and a_file.read_text() == "x"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_an_export_is_replaced_and_a_failed_export_keeps_the_previous_one(trained, tmp_path, monkeypatch):
+    _, cfg, model_dir, _ = trained
+    target = tmp_path / "e"
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(target)]) == 0
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(target)]) == 0  # replaced
+    before = listing(target)
+    import dynarec.train.export as export_module
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_module, "save_file", broken)
+    with pytest.raises(OSError):
+        export_module.export_model(
+            Trainer(load_config(cfg), model_dir, progress=False).task,
+            Trainer(load_config(cfg), model_dir, progress=False).example_batch(),
+            target,
+        )
+    assert listing(target) == before
+
+
+def test_serving_loads_every_exported_key(trained):
+    root, _, model_dir, export_dir = trained
+    meta = json.loads((export_dir / "export.json").read_text())
+    _, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    model = ExportedModel(export_dir)
+    for name, dump in tables.items():
+        in_ckpt = dump["keys"].numel() if "keys" in dump else dump["weight"].shape[0]
+        assert meta["keys"][name] == model.key_counts[name] == in_ckpt, name
+    # The rows of every exported user key score the same from the export and the checkpoint.
+    eval_file = root / "data" / "eval" / "part-0.parquet"
+    trainer = Trainer(load_config(model_dir / "config.yaml"), model_dir, progress=False)
+    trainer.restore()
+    from_ckpt, _, _ = trainer.predict(str(eval_file))
+    np.testing.assert_allclose(model.predict_files(str(eval_file)), from_ckpt, rtol=0, atol=1e-6)
+    users = model.embeddings.tables["user_id"].read_rows(tables["user_id"]["keys"])
+    assert bool(users["present"].all())
+    assert torch.equal(users["weight"], tables["user_id"]["weight"])
+
+
+def test_an_export_whose_keys_do_not_fit_fails_loudly(trained, tmp_path):
+    _, _, _, export_dir = trained
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(export_dir), str(copy)], check=True)
+    meta = json.loads((copy / "export.json").read_text())
+    meta["config"]["feature_configs"][0]["id_feature"]["dynamicemb"].update(max_capacity=64, init_capacity=64)
+    (copy / "export.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        ExportError,
+        match=r"table 'user_id': .*user_id.safetensors holds \d+ keys .* the serving "
+        r"table took \d+; serving loads every exported key or none",
+    ):
+        ExportedModel(copy)
+
+
+@pytest.mark.parametrize("damage", ["tables", "dense", "manifest", "json"])
+def test_a_damaged_export_names_the_file(trained, tmp_path, damage, capsys):
+    root, _, _, export_dir = trained
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(export_dir), str(copy)], check=True)
+    if damage in ("tables", "dense"):
+        f = copy / ("tables/user_id.safetensors" if damage == "tables" else "dense.pt2")
+        data = bytearray(f.read_bytes())
+        data[100:2100] = bytes(2000)  # the issue's case: 2,000 bytes overwritten
+        f.write_bytes(bytes(data))
+        expected = f"{f} does not match its SHA-256"
+    elif damage == "manifest":
+        meta = json.loads((copy / "export.json").read_text())
+        meta["files"] = ["dense.pt2"]
+        (copy / "export.json").write_text(json.dumps(meta))
+        expected = "its file list is malformed"
+    else:
+        (copy / "export.json").write_text("{not json")
+        expected = "export.json is unreadable or not valid JSON"
+    with pytest.raises(ExportError, match=expected.replace(".", r"\.")):
+        ExportedModel(copy)
+    eval_file = root / "data" / "eval" / "part-0.parquet"
+    rc = main(
+        ["predict", "--export-dir", str(copy), "--input", str(eval_file), "--output", str(tmp_path / "p.parquet")]
+    )
+    assert rc == 2 and expected in capsys.readouterr().err
+    assert not (tmp_path / "p.parquet").exists()
+
+
+HOLD = r"""
+import sys, time
+from dynarec.files import DirectoryLock
+DirectoryLock(sys.argv[1]).acquire()
+print("LOCKED", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_writer_per_model_dir_and_no_stale_lock_after_sigkill(trained, tmp_path):
+    _, cfg, _, _ = trained
+    target = tmp_path / "m"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(target)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dynarec",
+                "train",
+                "--config",
+                str(cfg),
+                "--model-dir",
+                str(target),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert f"is in use by process {holder.pid} on host " in proc.stderr
+        assert not (target / "checkpoints").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    time.sleep(0.1)
+    assert main(["train", "--config", str(cfg), "--model-dir", str(target), "--no-progress"]) == 0
