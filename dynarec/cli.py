@@ -24,6 +24,9 @@ def _config_for(args):
 def cmd_make_data(args) -> None:
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise FileExistsError(f"--output-dir {args.output_dir} is a file; make-data writes a directory")
+
     spec = SyntheticSpec(
         train_rows=args.train_rows,
         eval_rows=args.eval_rows,
@@ -84,6 +87,8 @@ def cmd_predict(args) -> None:
     from dynarec.data.reader import file_schema, read_table, resolve_files
 
     files = resolve_files(args.input)
+    if Path(args.output).is_dir():
+        raise FileExistsError(f"--output {args.output} is a directory; predict writes one Parquet file")
     if args.export_dir:
         from dynarec.serving import ExportedModel
 
@@ -172,13 +177,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from dynarec.files import DirectoryBusyError
     from dynarec.train.checkpoint import CheckpointError
+    from dynarec.train.trainer import TrainingError
 
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, DirectoryBusyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, DirectoryBusyError, TrainingError) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"dynarec {args.command}: interrupted{_latest_note(args)}", file=sys.stderr)
+        return 130
     return 0
+
+
+def _latest_note(args) -> str:
+    """'; the latest checkpoint is ...' for commands with a model directory."""
+    model_dir = getattr(args, "model_dir", None)
+    if not model_dir:
+        return ""
+    import warnings
+
+    from dynarec.train.checkpoint import latest_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        latest = latest_checkpoint(Path(model_dir) / "checkpoints")
+    if latest is None:
+        return f"; {model_dir} holds no complete checkpoint"
+    return f"; the latest checkpoint is {latest} (continue with --resume)"
 
 
 if __name__ == "__main__":

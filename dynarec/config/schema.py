@@ -44,7 +44,8 @@ __all__ = [
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys, and NaN or infinite numbers, are errors wherever they appear.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _exactly_one(model: BaseModel, keys) -> str:
@@ -274,11 +275,39 @@ class ModelCfg(Strict):
 
     @model_validator(mode="after")
     def _one_model(self):
-        _exactly_one(self, MODEL_KEYS)
+        name = _exactly_one(self, MODEL_KEYS)
         names = [g.group_name for g in self.feature_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"feature_groups: duplicate group_name in {names}")
+        for i, g in enumerate(self.feature_groups):
+            twice = sorted({n for n in g.feature_names if g.feature_names.count(n) > 1})
+            if twice:
+                raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
+        kinds = {g.group_name: g.group_type for g in self.feature_groups}
+        for where, group, wanted in self._tower_inputs(name):
+            if group not in kinds:
+                raise ValueError(f"{where}: input '{group}' names no feature group; groups: {sorted(kinds)}")
+            if (kinds[group] == "sequence") != (wanted == "sequence"):
+                raise ValueError(
+                    f"{where}: input '{group}' is a '{kinds[group]}' group; this tower needs a "
+                    f"{'sequence' if wanted == 'sequence' else 'deep'} group"
+                )
         return self
+
+    def _tower_inputs(self, name: str) -> list[tuple[str, str, str]]:
+        """``(config path, group name, 'deep' | 'sequence')`` of every tower input of the model."""
+        if name == "multi_tower_din":
+            cfg = self.multi_tower_din
+            assert cfg is not None
+            if not cfg.towers and not cfg.din_towers:
+                raise ValueError("multi_tower_din: give at least one of towers or din_towers")
+            return [(f"multi_tower_din.towers[{i}]", t.input, "deep") for i, t in enumerate(cfg.towers)] + [
+                (f"multi_tower_din.din_towers[{i}]", t.input, "sequence") for i, t in enumerate(cfg.din_towers)
+            ]
+        if name == "din":
+            assert self.din is not None
+            return [("din.din_tower", self.din.din_tower.input, "sequence")]
+        return []
 
     @property
     def name(self) -> str:
@@ -315,6 +344,9 @@ class TrainCfg(Strict):
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0
+    # A step whose loss is NaN or infinite writes nothing: 'error' stops training naming the step;
+    # 'skip_batch' skips the batch (it does not count as a step) and reports how many were skipped.
+    nan_policy: Literal["error", "skip_batch"] = "error"
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -372,6 +404,17 @@ class Config(Strict):
             for fi, n in enumerate(g.feature_names):
                 if n not in seen:
                     raise ValueError(f"model.feature_groups[{gi}].feature_names[{fi}]: unknown feature '{n}'")
+            if g.group_type == "sequence":
+                seqs = {
+                    n: self.feature(n).sequence_length
+                    for n in g.feature_names
+                    if isinstance(self.feature(n), SequenceFeatureCfg)
+                }
+                if len(set(seqs.values())) > 1:
+                    raise ValueError(
+                        f"model.feature_groups[{gi}] ({g.group_name}): its sequence features are "
+                        f"concatenated position by position and need one sequence_length, got {seqs}"
+                    )
         for name in self.train.table_optimizers:
             if name not in tables:
                 raise ValueError(f"train.table_optimizers: unknown table '{name}'; tables: {sorted(tables)}")

@@ -85,6 +85,12 @@ class BatchBuilder:
         self.dense_features = [f for f in config.features() if isinstance(f, RawFeatureCfg)]
         self.label_field = config.data.label_field
         self.group_field = self._group_field()
+        sequences = {f.feature_name for f in self.sparse_features if isinstance(f, SequenceFeatureCfg)}
+        self.sequence_groups = [
+            [n for n in g.feature_names if n in sequences]
+            for g in config.model.feature_groups
+            if g.group_type == "sequence" and sum(n in sequences for n in g.feature_names) > 1
+        ]
 
     def _group_field(self) -> Optional[str]:
         if "grouped_auc" not in self.config.eval.metrics:
@@ -127,6 +133,7 @@ class BatchBuilder:
             keys.append(f.feature_name)
             values.append(ids)
             lengths.append(lens)
+        self._check_sequence_groups(dict(zip(keys, lengths)), origin)
         sparse = JaggedBatch(
             keys,
             torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
@@ -140,6 +147,21 @@ class BatchBuilder:
             if self.group_field:
                 groups = self._group_ids(table.column(self.group_field))
         return Batch(sparse, dense, labels, groups, n)
+
+    def _check_sequence_groups(self, lengths: dict[str, np.ndarray], origin: RowOrigin) -> None:
+        """The sequence features of one sequence group are concatenated position by position: in
+        every row they must have the same length."""
+        for names in self.sequence_groups:
+            first = names[0]
+            for other in names[1:]:
+                bad = np.nonzero(lengths[first] != lengths[other])[0]
+                if bad.size:
+                    i = int(bad[0])
+                    raise DataError(
+                        f"{origin.locate(i)}: sequence features '{first}' and '{other}' of one sequence group "
+                        f"have {lengths[first][i]} and {lengths[other][i]} elements; every sequence of a group "
+                        "needs one length per row"
+                    )
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -156,6 +178,10 @@ class BatchBuilder:
         t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             tokens, lengths = col.flatten(), np.diff(col.offsets.to_numpy()).astype(np.int64)
+            if tokens.null_count:
+                i = int(pc.index(tokens.is_null(), True).as_py())
+                row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+                raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
         elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
             empty = pc.equal(col, "")
             parts = pc.split_pattern(col, separator)
@@ -192,15 +218,21 @@ class BatchBuilder:
                 tokens = pc.cast(pc.utf8_trim_whitespace(tokens), pa.int64())
             except pa.ArrowInvalid:
                 strings = tokens.to_pylist()
-                i = next(k for k, s in enumerate(strings) if not _is_int(s))
+                i = next(k for k, s in enumerate(strings) if not _is_int64(s))
+                why = "does not fit int64" if _is_int(strings[i]) else "value_type 'int' expects integer ids"
                 raise DataError(
-                    f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} "
-                    "(value_type 'int' expects integer ids)"
+                    f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} ({why})"
                 ) from None
         elif not pa.types.is_integer(tokens.type):
             raise DataError(
                 f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') has type "
                 f"{tokens.type}; value_type 'int' expects integers"
+            )
+        elif tokens.type == pa.uint64() and len(tokens) and pc.max(tokens).as_py() >= 1 << 63:
+            i = int(pc.index(pc.greater_equal(tokens, pa.scalar(1 << 63, pa.uint64())), True).as_py())
+            raise DataError(
+                f"{self._where(f, origin, row_of(i))}: id {tokens[i].as_py()} does not fit int64 "
+                "(uint64 ids of 2^63 and more would wrap to negative keys)"
             )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         if not dynamic and ids.size:
@@ -214,12 +246,7 @@ class BatchBuilder:
         return ids
 
     def _dense(self, f: RawFeatureCfg, col, origin: RowOrigin) -> torch.Tensor:
-        try:
-            x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise DataError(
-                f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') is not numeric ({col.type})"
-            ) from None
+        x = _float64(col, lambda i: self._where(f, origin, i), origin.label)
         bad = np.nonzero(~np.isfinite(x))[0]
         if bad.size:
             i = int(bad[0])
@@ -235,7 +262,7 @@ class BatchBuilder:
         return torch.from_numpy(x.astype(np.float32))
 
     def _labels(self, col, origin: RowOrigin) -> torch.Tensor:
-        x = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{self.label_field}'", origin.label)
         bad = np.nonzero(~((x == 0) | (x == 1)))[0]
         if bad.size:
             i = int(bad[0])
@@ -251,12 +278,31 @@ class BatchBuilder:
         return torch.from_numpy(to_hash_bucket_fast([str(s) for s in col.to_pylist()], DYNAMIC_KEY_BUCKETS))
 
 
+def _float64(col, where, label: str) -> np.ndarray:
+    """A numeric (or numeric-string) column as float64 (nulls become NaN); DataError naming the
+    row (``where(i)``) and the value that is not a number."""
+    try:
+        return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        values = col.to_pylist()
+        for i, v in enumerate(values):
+            try:
+                float(v) if v is not None else None
+            except (TypeError, ValueError):
+                raise DataError(f"{where(i)}: {v!r} is not a number") from None
+        raise DataError(f"{label}: a column of type {col.type} is not numeric") from None
+
+
 def _is_int(s: str) -> bool:
     try:
         int(s.strip())
         return True
     except (ValueError, AttributeError):
         return False
+
+
+def _is_int64(s: str) -> bool:
+    return _is_int(s) and -(1 << 63) <= int(s.strip()) < (1 << 63)
 
 
 def _keep_last(ids: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

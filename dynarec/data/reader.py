@@ -59,8 +59,11 @@ def file_schema(path: str, input_type: Optional[str] = None) -> pa.Schema:
             return pq.read_schema(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-    with pacsv.open_csv(path) as reader:
-        return reader.schema
+    try:
+        with pacsv.open_csv(path) as reader:
+            return reader.schema
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
 
 
 def _record_batches(path: str, columns: list[str], input_type: Optional[str]) -> Iterator[pa.RecordBatch]:
@@ -83,8 +86,11 @@ def num_rows(path: str, input_type: Optional[str] = None) -> int:
             return pq.ParquetFile(path).metadata.num_rows
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-    with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
-        return sum(b.num_rows for b in reader)
+    try:
+        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
+            return sum(b.num_rows for b in reader)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
 
 
 def _record_batches_from(
@@ -106,12 +112,34 @@ def _record_batches_from(
         source = f.iter_batches(batch_size=65536, columns=columns, row_groups=groups) if groups else iter(())
     else:
         source = _record_batches(path, columns, input_type)
-    for rb in source:
+    while True:
+        try:
+            rb = next(source, None)
+        except (pa.ArrowInvalid, OSError) as e:  # a corrupt page, a malformed CSV row
+            raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
+        if rb is None:
+            return
         table = pa.Table.from_batches([rb])
         if row + table.num_rows > skip:
             cut = max(skip - row, 0)
             yield row + cut, table.slice(cut)
         row += table.num_rows
+
+
+def _csv_row_of(path: str, input_type: Optional[str]) -> str:
+    """ ", row N" of a CSV file's first row whose field count differs from its header's (pyarrow's
+    parse errors quote the row but not its number); "" when there is none or the file is not CSV."""
+    if _file_type(path, input_type) != "csv":
+        return ""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = csv.reader(f)
+        width = len(next(rows, []))
+        for i, fields in enumerate(rows):
+            if len(fields) != width:
+                return f", row {i}"
+    return ""
 
 
 def read_table(path: str, columns: Optional[list[str]] = None, input_type: Optional[str] = None) -> pa.Table:

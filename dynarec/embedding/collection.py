@@ -11,6 +11,7 @@ from torch import nn
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import KeyedJaggedLike, split_features
+from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import unpack
 from dynarec.embedding.table import EmbeddingTable, FixedTable
 from dynarec.optim.base import OptimizerSpec
@@ -25,6 +26,8 @@ class EmbeddingCollection(nn.Module):
         tables: the tables; feature names must be unique across tables.
         optimizer: the sparse optimizer of every table without its own ``TableConfig.optimizer``.
         device: where the tables live.
+        memory_budget: bytes the tables may take at their largest (default: the memory available
+            on ``device``); more is refused before anything is allocated.
 
     ``forward(kjt)`` returns ``{feature: tensor}``: ``[B, D]`` for pooled features (sum or mean)
     and ``[B, L, D]`` for sequence features (pooling ``none``), zero-padded to the batch's longest
@@ -38,19 +41,26 @@ class EmbeddingCollection(nn.Module):
         tables: Sequence[TableConfig],
         optimizer: Optional[OptimizerSpec] = None,
         device: torch.device | str = "cpu",
+        memory_budget: Optional[int] = None,
     ):
         super().__init__()
         self.device = torch.device(device)
         self.tables: dict[str, EmbeddingTable] = {}
         self._features: dict[str, tuple[EmbeddingTable, FeatureConfig]] = {}
+        specs: dict[str, OptimizerSpec] = {}
         for config in tables:
-            if config.name in self.tables:
+            if config.name in specs:
                 raise ValueError(f"table '{config.name}' is configured twice")
             spec = config.optimizer or optimizer
             if spec is None:
                 raise ValueError(
                     f"table '{config.name}' has no optimizer: give the collection one or the table its own"
                 )
+            specs[config.name] = spec
+        # Before allocating anything: the tables at their largest must fit the device's memory.
+        check_fits([(c, specs[c.name]) for c in tables], self.device, memory_budget)
+        for config in tables:
+            spec = specs[config.name]
             table_cls = FixedTable if config.kind == "fixed" else DynamicTable
             table = table_cls(config, spec, self.device)
             self.tables[config.name] = table

@@ -53,6 +53,7 @@ class Step:
     t: int
     journal: Journal = field(default_factory=Journal)
     on_commit: list[Callable[[], None]] = field(default_factory=list)
+    backward_ran: bool = False
 
 
 class StepLifecycle:

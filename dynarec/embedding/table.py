@@ -78,9 +78,22 @@ class EmbeddingTable(ABC):
             self.steps.commit(self.steps.pending[-1])
 
     def _commit_on_backward(self, out: torch.Tensor, step: Step) -> None:
-        """The backward of ``out`` commits ``step`` (and every earlier pending step)."""
-        if out.requires_grad:
-            out.register_hook(lambda grad: self.steps.commit(step))
+        """The backward of ``out`` commits ``step`` (and every earlier pending step); a second
+        backward through it (``retain_graph=True``) would update the rows twice and is refused."""
+        if not out.requires_grad:
+            return
+
+        def on_backward(grad: torch.Tensor) -> None:
+            if step.backward_ran:
+                raise RuntimeError(
+                    f"table '{self.name}': a second backward through the lookup of training step {step.t} "
+                    "(retain_graph=True?) would apply the fused optimizer to its rows twice; run one backward "
+                    "per training forward"
+                )
+            step.backward_ran = True
+            self.steps.commit(step)
+
+        out.register_hook(on_backward)
 
     @property
     def learning_rate(self) -> float:

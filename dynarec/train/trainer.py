@@ -39,7 +39,11 @@ from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.sink import TrainingLog
 from dynarec.train.task import RankingTask
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainingError"]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a NaN loss under nan_policy 'error'); the message names the step."""
 
 
 class Trainer:
@@ -57,6 +61,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress)
         self.step = 0
+        self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         self.position = DataPosition()
 
     @property
@@ -163,12 +168,28 @@ class Trainer:
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
             g["lr"] = base * f
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """One step; returns the loss (on the device: reading it is the caller's choice)."""
+    def train_step(self, batch: Batch) -> Optional[torch.Tensor]:
+        """One step; returns the loss (on the device: reading it is the caller's choice), or None
+        when the batch was skipped (its loss was not finite, under nan_policy 'skip_batch').
+
+        A loss that is NaN or infinite writes nothing: the forward is undone on every table (rows
+        it created, evictions, admission counts) before any update. This check is the step's one
+        host sync by design: every rank must agree on a step's outcome before it commits."""
         self.task.train()
         self._set_learning_rates()
         logits = self.task(batch)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+        if not bool(torch.isfinite(loss)):
+            self.task.embeddings.abort_step()
+            if self.config.train.nan_policy == "skip_batch":
+                self.skipped_batches += 1
+                return None
+            latest = self.checkpoints.latest()
+            raise TrainingError(
+                f"step {self.step + 1}: the loss is {float(loss.detach())}; nothing of this step was written "
+                f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
+                "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
+            )
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the fused sparse optimizer updates the touched rows here
         self.dense_optimizer.step()
@@ -208,6 +229,9 @@ class Trainer:
         while item is not None:
             batch, self.position = item
             loss = self.train_step(batch)
+            if loss is None:  # skipped (nan_policy 'skip_batch')
+                item = next(batches, None) if self._more_steps() else None
+                continue
             record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
             self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
@@ -231,6 +255,7 @@ class Trainer:
         report = {
             "step": self.step,
             "train_seconds": seconds,
+            "skipped_batches": self.skipped_batches,
             "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
             "eval": final,
         }
@@ -265,6 +290,8 @@ class Trainer:
         if not paths:
             raise ValueError("no eval data: set data.eval_input_path")
         probs, labels, groups = self.predict(paths, max_steps=self.config.eval.max_steps)
+        if probs.size == 0:
+            raise DataError(f"nothing to evaluate: {paths} holds no rows")
         metrics: dict[str, float] = {"num_examples": float(probs.size)}
         for m in self.config.eval.metrics:
             if m == "auc":

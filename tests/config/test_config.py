@@ -88,3 +88,70 @@ def test_load_config_resolves_paths_and_reports_file(tmp_path):
         load_config(write_config(tmp_path, bad, "bad.yaml").rename(path))
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda c: c["model"]["multi_tower_din"]["towers"][0].update(input="usr"),
+            r"model: multi_tower_din.towers\[0\]: input 'usr' names no feature group; "
+            r"groups: \['item', 'seq', 'user'\]",
+        ),
+        (
+            lambda c: c["model"]["multi_tower_din"]["din_towers"][0].update(input="user"),
+            r"multi_tower_din.din_towers\[0\]: input 'user' is a 'deep' group; this tower needs a sequence group",
+        ),
+        (
+            lambda c: c["model"]["multi_tower_din"].update(towers=[], din_towers=[]),
+            r"multi_tower_din: give at least one of towers or din_towers",
+        ),
+        (
+            lambda c: c["model"]["feature_groups"][0]["feature_names"].append("user_id"),
+            r"feature_groups\[0\] \(user\): feature\(s\) \['user_id'\] listed twice",
+        ),
+        (
+            lambda c: c["feature_configs"][5]["sequence_feature"].update(sequence_length=4),
+            r"model.feature_groups\[2\] \(seq\): its sequence features are concatenated position by position and need "
+            r"one sequence_length",
+        ),
+    ],
+)
+def test_model_config_errors_name_the_path(change, message):
+    c = config_dict()
+    change(c)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(c)
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (
+            "train__sparse_optimizer",
+            {"adagrad_optimizer": {"lr": float("nan")}},
+            r"train.sparse_optimizer: .*Adagrad.lr must be finite",
+        ),
+        (
+            "train__dense_optimizer",
+            {"adam_optimizer": {"lr": float("nan")}},
+            r"train.dense_optimizer: .*lr must be finite",
+        ),
+        (
+            "train__sparse_lr_schedule",
+            {"kind": "exponential_decay", "decay_steps": 10, "decay_rate": float("nan")},
+            r"train.sparse_lr_schedule.decay_rate: Input should be a finite number",
+        ),
+    ],
+)
+def test_nan_numbers_name_the_config_path(path, value, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(config_dict(**{path: value}))
+
+
+def test_a_capacity_beyond_int64_in_yaml_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    write_config(tmp_path, config_dict(), "c.yaml")
+    path.write_text(path.read_text().replace("max_capacity: 512", "max_capacity: 1.0e+30"))
+    with pytest.raises(ConfigError, match=r"dynamicemb.max_capacity"):
+        load_config(path)

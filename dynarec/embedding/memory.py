@@ -1,0 +1,98 @@
+"""What tables will hold in memory, checked before anything is allocated.
+
+A table's bytes at its largest: weights and optimizer states of every row (``num_embeddings``,
+or ``max_capacity`` of a dynamic table), plus a dynamic table's index (key, score, pin and
+occupancy per slot) and admission counter. :func:`check_fits` refuses a collection whose tables
+do not fit the memory available on their device, naming the tables and the numbers — instead of
+an allocation failure, or the OOM killer, hours into a run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dynarec.embedding.config import TableConfig
+from dynarec.optim.base import OptimizerSpec
+
+__all__ = ["INDEX_BYTES_PER_SLOT", "TableBytes", "available_memory", "check_fits", "format_bytes", "table_bytes"]
+
+INDEX_BYTES_PER_SLOT = 8 + 8 + 4 + 1  # key, score, pin, occupancy
+
+
+@dataclass(frozen=True)
+class TableBytes:
+    rows: int
+    weights: int
+    states: int
+    index: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.states + self.index
+
+
+def table_bytes(config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = None) -> TableBytes:
+    """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest)."""
+    if rows is None:
+        if config.dynamic is None:
+            rows = config.num_embeddings
+        else:
+            bs = config.dynamic.bucket_size
+            rows = max(1, config.dynamic.max_capacity // bs) * bs
+    assert rows is not None
+    state_width = sum(s.width(config.dim) for s in spec.state_specs())
+    index = 0
+    if config.dynamic is not None:
+        index = rows * INDEX_BYTES_PER_SLOT
+        if config.dynamic.admission is not None:
+            index += (config.dynamic.admission.capacity or config.dynamic.max_capacity) * INDEX_BYTES_PER_SLOT
+    return TableBytes(rows, rows * config.dim * 4, rows * state_width * 4, index)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on ``device`` (free GPU memory; the OS's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_fits(
+    tables: Sequence[tuple[TableConfig, OptimizerSpec]], device: torch.device, budget: Optional[int] = None
+) -> None:
+    """Raises ValueError when the tables at their largest exceed ``budget`` bytes (default: the
+    memory available on ``device``), naming each table's bytes and the knob that sets them."""
+    budget = available_memory(device) if budget is None else budget
+    sizes = [(config, table_bytes(config, spec)) for config, spec in tables]
+    total = sum(b.total for _, b in sizes)
+    if total <= budget:
+        return
+    lines = [
+        f"  table '{c.name}': {format_bytes(b.total)} = {b.rows:,} rows x dim {c.dim} (weights "
+        f"{format_bytes(b.weights)}, optimizer states {format_bytes(b.states)}, index {format_bytes(b.index)}); "
+        f"set by {'num_buckets' if c.dynamic is None else 'dynamicemb.max_capacity'} and embedding_dim"
+        for c, b in sorted(sizes, key=lambda x: -x[1].total)
+    ]
+    raise ValueError(
+        f"the tables need {format_bytes(total)} at their largest but {format_bytes(budget)} is available on "
+        f"{device}:\n" + "\n".join(lines) + "\nlower them, or train with more memory"
+    )

@@ -1,0 +1,80 @@
+"""Library misuse is refused before anything is written."""
+
+import pytest
+import torch
+
+from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.optim import Adagrad, Adam
+
+
+def collection():
+    return EmbeddingCollection(
+        [
+            TableConfig(name="f", dim=4, num_embeddings=10, features=["a"]),
+            TableConfig(name="d", dim=4, dynamic=DynamicTableOptions(64), features=["b"]),
+        ],
+        Adam(lr=0.1),
+    )
+
+
+def dumps(coll):
+    return {n: t.dump() for n, t in coll.tables.items()}
+
+
+def same(a, b):
+    return all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_per_sample_weight_is_refused_and_writes_nothing(bad):
+    coll = collection()
+    before = dumps(coll)
+    kjt = JaggedBatch.from_lists({"a": [[1, 2]], "b": [[5]]}, {"a": [[1.0, bad]], "b": [[1.0]]})
+    with pytest.raises(ValueError, match=rf"feature 'a': per-sample weight {bad} is not a finite number"):
+        coll(kjt)
+    assert same(before, dumps(coll)) and coll.tables["d"].size == 0
+
+
+def test_a_feature_twice_in_one_batch_is_refused():
+    coll = collection()
+    kjt = JaggedBatch(["a", "b", "a"], torch.tensor([1, 5, 2]), torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"feature\(s\) \['a'\] appear more than once"):
+        coll(kjt)
+
+
+def test_lengths_and_values_on_different_devices_are_refused():
+    kjt = JaggedBatch(["a", "b"], torch.tensor([1, 5]), torch.tensor([1, 1], device="meta"))
+    with pytest.raises(ValueError, match=r"lengths are on meta but values on cpu; move the whole batch to one device"):
+        collection()(kjt)
+
+
+def test_a_second_backward_through_a_step_is_refused_and_updates_once():
+    coll = EmbeddingCollection([TableConfig(name="f", dim=4, num_embeddings=10, features=["a"])], Adagrad(lr=0.5))
+    out = coll(JaggedBatch.from_lists({"a": [[3]]}))["a"].sum()
+    out.backward(retain_graph=True)
+    once = coll.read_rows("f", torch.tensor([3]))
+    with pytest.raises(RuntimeError, match=r"table 'f': a second backward through the lookup of training step 1"):
+        out.backward()
+    again = coll.read_rows("f", torch.tensor([3]))
+    assert all(torch.equal(once[k], again[k]) for k in once)
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        (
+            TableConfig(name="huge", dim=16, dynamic=DynamicTableOptions(10**12, init_capacity=4096), features=["x"]),
+            r"table 'huge': 135\.5 TiB = 1,000,000,000,000 rows x dim 16 .* dynamicemb\.max_capacity",
+        ),
+        (
+            TableConfig(name="wide", dim=10**6, num_embeddings=100_000, features=["x"]),
+            r"table 'wide': 745\.1 GiB = 100,000 rows x dim 1000000 .* num_buckets and embedding_dim",
+        ),
+        (TableConfig(name="long", dim=8, num_embeddings=10**12, features=["x"]), r"table 'long'"),
+    ],
+)
+def test_tables_that_do_not_fit_are_refused_before_allocating(table, message):
+    with pytest.raises(ValueError, match=r"the tables need .* at their largest but .* is available on cpu"):
+        EmbeddingCollection([table], Adagrad())
+    with pytest.raises(ValueError, match=message):
+        EmbeddingCollection([table], Adagrad())

@@ -1,0 +1,193 @@
+"""Faults during training and around checkpoints: named errors, exact recovery, nothing lost."""
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from dynarec.cli import main
+from dynarec.config import config_from_dict
+from dynarec.data.batch import DataError
+from dynarec.train import checkpoint as checkpoint_module
+from dynarec.train.checkpoint import CheckpointError
+from dynarec.train.trainer import Trainer, TrainingError
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    make_data(root)
+    return root
+
+
+def trainer_for(data_root, model_dir, **train):
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(train)
+    c["data"]["train_input_path"] = str(data_root / "data" / "train")
+    return Trainer(config_from_dict(c), model_dir, progress=False)
+
+
+def first_batch(trainer):
+    return next(trainer._train_batches())[0]
+
+
+def state_of(trainer):
+    tables = {n: t.dump() for n, t in trainer.task.embeddings.tables.items()}
+    return tables, {k: v.clone() for k, v in trainer.task.dense.state_dict().items()}
+
+
+def assert_same_state(a, b):
+    for name in a[0]:
+        for k in a[0][name]:
+            assert torch.equal(a[0][name][k], b[0][name][k]), (name, k)
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+@pytest.mark.parametrize("policy", ["error", "skip_batch"])
+def test_a_nan_loss_writes_nothing(data_root, tmp_path, policy):
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=5, nan_policy=policy)
+    batch = first_batch(trainer)
+    trainer.train_step(batch)
+    before = state_of(trainer)
+    batch.labels[3] = float("nan")  # what a diverging model or a bad label would give
+    if policy == "error":
+        with pytest.raises(TrainingError, match=r"step 2: the loss is nan; nothing of this step was written"):
+            trainer.train_step(batch)
+    else:
+        assert trainer.train_step(batch) is None and trainer.skipped_batches == 1
+    assert trainer.step == 1
+    assert_same_state(before, state_of(trainer))
+    assert all(not t.steps.pending and t.step == 1 for t in trainer.task.embeddings.tables.values())
+
+
+def test_evaluate_on_zero_rows_is_an_error(data_root, tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text(
+        ",".join(["user_id", "age", "item_id", "cate_id", "hist_item_id", "hist_cate_id", "price", "clk"]) + "\n"
+    )
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=1)
+    with pytest.raises(DataError, match=r"nothing to evaluate: .*empty\.csv holds no rows"):
+        trainer.evaluate(str(empty))
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(data_root, tmp_path, monkeypatch):
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=2)
+    trainer.fit()
+    previous = trainer.checkpoints.latest()
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "_write_file", full)
+    trainer.step += 1
+    with pytest.raises(CheckpointError, match=rf"the disk is full; the previous checkpoint {previous} is intact"):
+        trainer.save()
+    monkeypatch.undo()
+    assert trainer.checkpoints.latest() == previous
+    assert not list((tmp_path / "m" / "checkpoints").glob(".ckpt-*"))
+    checkpoint_module.load_checkpoint(previous)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage"])
+def test_a_missing_or_garbage_latest_resumes_from_the_newest_complete_checkpoint(data_root, tmp_path, damage):
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=4, save_checkpoints_steps=2)
+    trainer.fit()
+    pointer = tmp_path / "m" / "checkpoints" / "latest"
+    if damage == "deleted":
+        pointer.unlink()
+    else:
+        pointer.write_bytes(b"\x00\xffnot a checkpoint")
+    resumed = trainer_for(data_root, tmp_path / "m", num_steps=6)
+    with pytest.warns(UserWarning, match=r"using the newest complete checkpoint ckpt-0000000004 \(by its manifest\)"):
+        assert resumed.fit(resume=True)["step"] == 6
+
+
+def test_a_malformed_checkpoint_manifest_is_named(data_root, tmp_path):
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=2)
+    trainer.fit()
+    manifest = trainer.checkpoints.latest() / "manifest.json"
+    manifest.write_text("{truncated")
+    with pytest.raises(CheckpointError, match=rf"corrupt checkpoint: {manifest} is unreadable or not valid JSON"):
+        trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
+    manifest.write_text(json.dumps({"step": 2}))
+    with pytest.raises(CheckpointError, match=r"manifest.json does not list state.pt and tables.pt"):
+        trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
+
+
+def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_root, tmp_path):
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(num_steps=100_000, save_checkpoints_steps=5)
+    cfg = write_config(data_root, c, "ctrl_c.yaml")
+    model_dir = tmp_path / "m"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dynarec",
+            "train",
+            "--config",
+            str(cfg),
+            "--model-dir",
+            str(model_dir),
+            "--no-progress",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (model_dir / "checkpoints" / "latest").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "dynarec train: interrupted; the latest checkpoint is" in err and "continue with --resume" in err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        latest = checkpoint_module.latest_checkpoint(model_dir / "checkpoints")
+    checkpoint_module.load_checkpoint(latest)
+
+
+def test_cli_output_paths_of_the_wrong_kind_are_refused(data_root, tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("mine")
+    assert main(["make-data", "--output-dir", str(a_file), "--train-rows", "10", "--eval-rows", "10"]) == 2
+    assert "is a file; make-data writes a directory" in capsys.readouterr().err and a_file.read_text() == "mine"
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "p.yaml")
+    assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
+    capsys.readouterr()
+    eval_file = data_root / "data" / "eval" / "part-0.parquet"
+    assert (
+        main(["predict", "--model-dir", str(tmp_path / "m"), "--input", str(eval_file), "--output", str(tmp_path)]) == 2
+    )
+    assert "is a directory; predict writes one Parquet file" in capsys.readouterr().err
+
+
+def test_predict_needs_exactly_one_source(tmp_path, capsys):
+    args = ["predict", "--input", str(tmp_path / "x.parquet"), "--output", str(tmp_path / "p.parquet")]
+    assert main(args) == 2
+    assert main([*args, "--export-dir", "e", "--model-dir", "m"]) == 2
+    assert capsys.readouterr().err.count("give exactly one of --export-dir or --model-dir") == 2
+
+
+def test_write_rows_with_duplicate_keys_is_refused():
+    from dynarec import DynamicTableOptions, EmbeddingCollection, TableConfig
+    from dynarec.optim import SGD
+
+    coll = EmbeddingCollection([TableConfig(name="d", dim=2, dynamic=DynamicTableOptions(64), features=["f"])], SGD())
+    with pytest.raises(ValueError, match="table 'd': write_rows got duplicate keys"):
+        coll.write_rows("d", torch.tensor([3, 3]), {"weight": torch.zeros(2, 2)})
+    assert coll.tables["d"].size == 0
