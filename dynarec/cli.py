@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,24 +45,57 @@ def cmd_make_data(args) -> None:
 def cmd_plan(args) -> None:
     from dynarec.planner import plan_from_config
 
-    print(plan_from_config(_config_for(args)).format())
+    print(plan_from_config(_config_for(args), world_size=args.world_size).format())
 
 
 def cmd_train(args) -> None:
+    """One process, or one rank of a torchrun job (``--nproc N`` starts that job: torchrun
+    --standalone --nproc-per-node N -m dynarec train ...)."""
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _launch_torchrun(args.nproc, args.argv)
+        return
+    from dynarec.distributed.context import init_distributed
     from dynarec.train.trainer import Trainer
 
     config = _config_for(args)
-    trainer = Trainer(config, args.model_dir, device=args.device, progress=not args.no_progress)
-    print(trainer.task.plan.format())
-    report = trainer.fit(resume=args.resume)
-    print(json.dumps(report, indent=1))
+    ctx = init_distributed(args.device, config.train.collective_timeout_seconds)
+    try:
+        trainer = Trainer(config, args.model_dir, device=args.device, progress=not args.no_progress, ctx=ctx)
+        if ctx.is_main:
+            print(trainer.task.plan.format())
+        report = trainer.fit(resume=args.resume)
+        if ctx.is_main:
+            print(json.dumps(report, indent=1))
+    finally:
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _launch_torchrun(nproc: int, argv: list[str]) -> None:
+    """Runs this very command (``argv``) as a torchrun job of ``nproc`` processes on this host."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    from dynarec.train.trainer import TrainingError
+
+    i = next(k for k, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
+    argv = argv[:i] + argv[i + (1 if "=" in argv[i] else 2) :]
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "dynarec", *argv])
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        raise TrainingError(
+            f"the {nproc}-process job failed (exit codes {codes}); the ranks' messages are above"
+        ) from None
 
 
 def _restored(args):
     from dynarec.train.trainer import Trainer
 
     trainer = Trainer(_config_for(args), args.model_dir, device=args.device, progress=False)
-    path = trainer.restore()
+    path = trainer.restore(training=False)
     print(f"restored {path}", file=sys.stderr)
     return trainer
 
@@ -135,14 +169,18 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model-dir", required=model_dir_required)
         p.add_argument("--device", default="cpu")
 
-    p = sub.add_parser("plan", help="print the per-table plan of a config")
+    p = sub.add_parser("plan", help="print the per-table plan of a config (sharding, bytes per rank, exchange)")
     common(p, model_dir_required=False)
+    p.add_argument("--world-size", type=int, default=1, help="plan for this many processes")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("train", help="train with periodic eval and checkpoints")
     common(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="processes on this host (a torchrun job); data.batch_size is per process"
+    )
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("evaluate", help="evaluate the latest checkpoint")
@@ -171,17 +209,30 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser().parse_args(argv)
+    args.argv = argv
+    from dynarec.train.trainer import TrainingError
+
     if args.command == "predict" and bool(args.export_dir) == bool(args.model_dir):
         print("dynarec predict: error: give exactly one of --export-dir or --model-dir", file=sys.stderr)
         return 2
+    from dynarec.distributed.context import DistributedError, StepFailedError
     from dynarec.files import DirectoryBusyError
     from dynarec.train.checkpoint import CheckpointError
-    from dynarec.train.trainer import TrainingError
 
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, DirectoryBusyError, TrainingError) as e:
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        CheckpointError,
+        DirectoryBusyError,
+        TrainingError,
+        DistributedError,
+        StepFailedError,
+    ) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 from pydantic import (
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -24,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from dynarec.embedding.config import Backend, DynamicTableOptions
+from dynarec.embedding.config import Backend, DynamicTableOptions, ShardingType
 from dynarec.embedding.initializers import Initializer
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
@@ -103,6 +104,7 @@ class _EmbeddedFeature(Strict):
     dynamicemb: Optional[DynamicEmbField] = None  # ... or a dynamic table (the core's own type)
     initializer: Optional[InitializerField] = None
     backend: Optional[Backend] = None  # default: train.sparse_backend
+    sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
     # "int": values are integer ids (integer columns, or string tokens that must be decimal
     # integers); "string": values are strings hashed with FarmHash Fingerprint64.
     value_type: ValueType = "int"
@@ -124,7 +126,7 @@ class _EmbeddedFeature(Strict):
 
 # The settings of a feature that belong to its table: every feature of one table must give the
 # same values (else the config is refused, naming both features).
-TABLE_SETTINGS = ("embedding_dim", "num_buckets", "dynamicemb", "initializer", "backend", "value_type")
+TABLE_SETTINGS = ("embedding_dim", "num_buckets", "dynamicemb", "initializer", "backend", "value_type", "sharding")
 
 
 class IdFeatureCfg(_EmbeddedFeature):
@@ -347,6 +349,12 @@ class TrainCfg(Strict):
     # A step whose loss is NaN or infinite writes nothing: 'error' stops training naming the step;
     # 'skip_batch' skips the batch (it does not count as a step) and reports how many were skipped.
     nan_policy: Literal["error", "skip_batch"] = "error"
+    # Bytes a rank's tables may take at their largest ("80GiB", or an integer); default: the memory
+    # available on the rank's device. A plan that does not fit is an error naming the table.
+    memory_budget_per_rank: Optional[ByteSize] = None
+    # Seconds a rank waits in a collective of a multi-process run before it gives up, naming what
+    # it waited for.
+    collective_timeout_seconds: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):

@@ -23,6 +23,7 @@ __all__ = [
     "CHECK_MODES",
     "POOLINGS",
     "SCORE_STRATEGIES",
+    "SHARDING_TYPES",
     "AdmissionConfig",
     "Backend",
     "CheckMode",
@@ -30,6 +31,7 @@ __all__ = [
     "FeatureConfig",
     "Pooling",
     "ScoreStrategy",
+    "ShardingType",
     "TableConfig",
     "check_count",
 ]
@@ -38,11 +40,14 @@ Pooling = Literal["sum", "mean", "none"]  # "none": a sequence feature, one embe
 Backend = Literal["native", "fbgemm"]
 ScoreStrategy = Literal["step", "timestamp", "lfu", "none"]
 CheckMode = Literal["error", "warn", "ignore"]
+# How a multi-process run spreads a table over its ranks (dynarec.planner.sharding).
+ShardingType = Literal["data_parallel", "table_wise", "row_wise", "key_hash"]
 
 POOLINGS: tuple[str, ...] = get_args(Pooling)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 SCORE_STRATEGIES: tuple[str, ...] = get_args(ScoreStrategy)
 CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
+SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
 
 _FORBID = {"extra": "forbid"}  # pydantic's config for these dataclasses: unknown keys are errors
 
@@ -158,6 +163,7 @@ class TableConfig:
         initializer: initial weights (key-seeded); default uniform +-sqrt(1/rows), rows being
             ``num_embeddings`` or ``max_capacity``.
         seed: initializer seed; default derived from the table name.
+        sharding: forces how a multi-process run shards the table (default: the planner decides).
     """
 
     name: str
@@ -170,9 +176,12 @@ class TableConfig:
     optimizer: Optional[OptimizerSpec] = None
     initializer: Optional[Initializer] = None
     seed: Optional[int] = None
+    sharding: Optional[ShardingType] = None
 
     def __post_init__(self) -> None:
         where = f"table '{self.name}'"
+        if self.sharding is not None and self.sharding not in SHARDING_TYPES:
+            raise ValueError(f"{where}: sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
         check_count(where, "dim", self.dim)
         if self.pooling not in POOLINGS:
             raise ValueError(f"{where}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
@@ -196,8 +205,14 @@ class TableConfig:
             )
         if self.num_embeddings is not None:
             check_count(where, "num_embeddings", self.num_embeddings)
+            if self.sharding == "key_hash":
+                raise ValueError(f"{where}: key_hash sharding is for dynamic tables; a fixed table takes row_wise")
         elif not isinstance(self.dynamic, DynamicTableOptions):
             raise ValueError(f"{where}: dynamic must be a DynamicTableOptions, got {self.dynamic!r}")
+        elif self.sharding in ("row_wise", "data_parallel"):
+            raise ValueError(
+                f"{where}: {self.sharding} sharding is for fixed tables; a dynamic table takes key_hash or table_wise"
+            )
 
     @property
     def feature_configs(self) -> tuple[FeatureConfig, ...]:

@@ -58,19 +58,27 @@ def _num_buckets(capacity: int, bucket_size: int) -> int:
 
 
 class DynamicTable(EmbeddingTable):
-    def __init__(self, config: TableConfig, spec: OptimizerSpec, device: torch.device):
+    """``capacity``: a key-hash shard's ``(init_capacity, max_capacity)`` (its share of the
+    table's); initializers still use the whole table's bound, so a key's row is the same
+    whatever the sharding."""
+
+    def __init__(
+        self, config: TableConfig, spec: OptimizerSpec, device: torch.device, capacity: Optional[tuple[int, int]] = None
+    ):
         super().__init__(config, spec, device)
         assert config.dynamic is not None
         self.options = options = config.dynamic
+        init_capacity, max_capacity = capacity or (options.init_capacity, options.max_capacity)
         self.bucket_size = options.bucket_size
-        self.max_buckets = _num_buckets(options.max_capacity, options.bucket_size)
-        num_buckets = min(self.max_buckets, _num_buckets(options.init_capacity, options.bucket_size))  # type: ignore[arg-type]
+        self.max_buckets = _num_buckets(max_capacity, options.bucket_size)
+        self.init_buckets = min(self.max_buckets, _num_buckets(init_capacity, options.bucket_size))  # type: ignore[arg-type]
+        num_buckets = self.init_buckets
         self.index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         self._store = make_row_store(config, spec, self.index.capacity, self.device)
         self.counter: Optional[BucketedHashIndex] = None
         self.admission_initializer = self.eval_initializer
-        if options.admission is not None:
-            cap = options.admission.capacity or options.max_capacity
+        if options.admission is not None:  # a shard's counter holds its share of the keys
+            cap = -(-(options.admission.capacity or options.max_capacity) * self.max_capacity // options.max_capacity)
             self.counter = BucketedHashIndex(_num_buckets(cap, self.bucket_size), self.bucket_size, self.device)
             self.admission_initializer = options.admission.initializer or self.eval_initializer
         # dropped: keys left without a row; evicted: keys whose row a new key took; premature: of
@@ -308,7 +316,9 @@ class DynamicTable(EmbeddingTable):
     def _rehash(self, num_buckets: int) -> None:
         """Moves every row into an index of ``num_buckets`` (more than now) buckets."""
         index, src, dst = self.index.rehashed(num_buckets)
-        lost = self.index.size - src.numel()  # a growth never loses keys in practice (load <= 0.375)
+        while src.numel() < self.index.size and index.num_buckets < self.max_buckets:  # a bucket pair overflowed
+            index, src, dst = self.index.rehashed(min(self.max_buckets, index.num_buckets * 2))
+        lost = self.index.size - src.numel()  # only at max_capacity, never seen in practice
         self._count(None, evicted=lost, premature=lost)
         self.store.resize(index.capacity, src, dst)
         self.index = index
@@ -382,17 +392,23 @@ class DynamicTable(EmbeddingTable):
                 index.install(slots, keys, scores)
                 return self._restore(index, slots, torch.arange(n, device=self.device), dump, fields, weights_only)
         options = self.options
-        num_buckets = min(_num_buckets(options.init_capacity, self.bucket_size), self.max_buckets)  # type: ignore[arg-type]
+        num_buckets = self.init_buckets
         while num_buckets < self.max_buckets and n > options.growth_load_factor * num_buckets * self.bucket_size:
             num_buckets = min(self.max_buckets, num_buckets * 2)
-        keep = torch.arange(n, device=self.device)
-        capacity = num_buckets * self.bucket_size
-        if n > capacity:  # globally highest scores first, ties to the smaller key (keys ascend)
-            keep = torch.argsort(-scores, stable=True)[:capacity]
-        index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-        plan = index.plan_insert(keys[keep], allow_evict=False, priority=scores[keep])
+        while True:
+            keep = torch.arange(n, device=self.device)
+            capacity = num_buckets * self.bucket_size
+            if n > capacity:  # globally highest scores first, ties to the smaller key (keys ascend)
+                keep = torch.argsort(-scores, stable=True)[:capacity]
+            index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
+            plan = index.plan_insert(keys[keep], allow_evict=False, priority=scores[keep])
+            ok = plan.slots >= 0
+            # Every key placed in one plan is new to the index, so none can make room by moving: a
+            # bucket pair can overflow below full capacity; then more buckets, while allowed.
+            if bool(ok.all()) or num_buckets == self.max_buckets:
+                break
+            num_buckets = min(self.max_buckets, num_buckets * 2)
         index.commit(plan, scores[keep])
-        ok = plan.slots >= 0
         return self._restore(index, plan.slots[ok], keep[ok], dump, fields, weights_only)
 
     def _restore(

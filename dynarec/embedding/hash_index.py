@@ -416,7 +416,7 @@ class BucketedHashIndex:
         slots, keys, scores = self.entries()
         index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         plan = index.plan_insert(keys, allow_evict=False, priority=scores)
-        index.commit(plan, scores)  # a fresh index has no residents: nothing moves
+        index.commit(plan, scores)  # a fresh index has no residents: nothing moves (and nothing can)
         ok = plan.slots >= 0
         index.pins[plan.slots[ok]] = self.pins[slots[ok]]
         return index, slots[ok], plan.slots[ok]

@@ -36,8 +36,11 @@ class TableBytes:
         return self.weights + self.states + self.index
 
 
-def table_bytes(config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = None) -> TableBytes:
-    """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest)."""
+def table_bytes(
+    config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = None, world_size: int = 1
+) -> TableBytes:
+    """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest); a
+    key-hash shard of ``world_size`` holds a ``1/world_size`` share of the admission counter."""
     if rows is None:
         if config.dynamic is None:
             rows = config.num_embeddings
@@ -50,7 +53,8 @@ def table_bytes(config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = 
     if config.dynamic is not None:
         index = rows * INDEX_BYTES_PER_SLOT
         if config.dynamic.admission is not None:
-            index += (config.dynamic.admission.capacity or config.dynamic.max_capacity) * INDEX_BYTES_PER_SLOT
+            counter = config.dynamic.admission.capacity or config.dynamic.max_capacity
+            index += -(-counter // world_size) * INDEX_BYTES_PER_SLOT
     return TableBytes(rows, rows * config.dim * 4, rows * state_width * 4, index)
 
 
@@ -77,22 +81,34 @@ def format_bytes(n: float) -> str:
 
 
 def check_fits(
-    tables: Sequence[tuple[TableConfig, OptimizerSpec]], device: torch.device, budget: Optional[int] = None
+    tables: Sequence[tuple[TableConfig, OptimizerSpec]],
+    device: torch.device,
+    budget: Optional[int] = None,
+    sizes: Optional[Sequence[int]] = None,
 ) -> None:
     """Raises ValueError when the tables at their largest exceed ``budget`` bytes (default: the
-    memory available on ``device``), naming each table's bytes and the knob that sets them."""
+    memory available on ``device``), naming each table's bytes and the knob that sets them.
+    ``sizes``: the tables' bytes when they are shards (default: whole tables)."""
     budget = available_memory(device) if budget is None else budget
-    sizes = [(config, table_bytes(config, spec)) for config, spec in tables]
-    total = sum(b.total for _, b in sizes)
+    breakdown = [(config, table_bytes(config, spec)) for config, spec in tables]
+    if sizes is not None:  # shards: their share of each table
+        breakdown = [(config, _scaled(b, n)) for (config, b), n in zip(breakdown, sizes)]
+    total = sum(b.total for _, b in breakdown)
     if total <= budget:
         return
     lines = [
         f"  table '{c.name}': {format_bytes(b.total)} = {b.rows:,} rows x dim {c.dim} (weights "
         f"{format_bytes(b.weights)}, optimizer states {format_bytes(b.states)}, index {format_bytes(b.index)}); "
         f"set by {'num_buckets' if c.dynamic is None else 'dynamicemb.max_capacity'} and embedding_dim"
-        for c, b in sorted(sizes, key=lambda x: -x[1].total)
+        for c, b in sorted(breakdown, key=lambda x: -x[1].total)
     ]
     raise ValueError(
         f"the tables need {format_bytes(total)} at their largest but {format_bytes(budget)} is available on "
         f"{device}:\n" + "\n".join(lines) + "\nlower them, or train with more memory"
     )
+
+
+def _scaled(full: TableBytes, total: int) -> TableBytes:
+    """``full``'s breakdown scaled to ``total`` bytes (a shard holding that share of it)."""
+    f = total / max(full.total, 1)
+    return TableBytes(int(full.rows * f), int(full.weights * f), int(full.states * f), int(full.index * f))

@@ -11,6 +11,7 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,9 @@ class RowStore(ABC):
         self.spec = spec
         self.device = torch.device(device)
         self.lr = float(spec.lr)
+        # Data-parallel tables: sums a step's row gradients over the ranks before the update,
+        # ``(unique rows, their gradients) -> (rows, gradients)`` (native stores only).
+        self.grad_reducer: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
     @abstractmethod
@@ -172,6 +176,8 @@ class _NativeFusedLookup(torch.autograd.Function):
         g = bag_gradients(grad_out.contiguous(), offsets, psw, rows.numel())
         unique_rows, inverse = torch.unique(rows, return_inverse=True)
         agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
+        if store.grad_reducer is not None:
+            unique_rows, agg = store.grad_reducer(unique_rows, agg)
         fused_row_update(
             store.spec,
             lr=store.lr,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
@@ -179,17 +180,25 @@ class EmbeddingTable(ABC):
 
 class FixedTable(EmbeddingTable):
     """``num_embeddings`` rows; id ``i`` is row ``i``. Initial weights are key-seeded with the
-    ids as keys, so a fixed table starts from the rows a dynamic table gives the same keys."""
+    ids as keys, so a fixed table starts from the rows a dynamic table gives the same keys.
 
-    def __init__(self, config: TableConfig, spec: OptimizerSpec, device: torch.device):
+    ``rows``: a row-wise shard holds only the global rows ``[start, end)``, as its local rows
+    ``0 .. end - start - 1`` (initialized with their global ids as keys)."""
+
+    def __init__(
+        self, config: TableConfig, spec: OptimizerSpec, device: torch.device, rows: Optional[tuple[int, int]] = None
+    ):
         super().__init__(config, spec, device)
-        self.num_embeddings: int = config.num_embeddings  # type: ignore[assignment]
+        assert config.num_embeddings is not None
+        start, end = rows if rows is not None else (0, config.num_embeddings)
+        self.row_offset = start
+        self.num_embeddings = end - start
         self._store = make_row_store(config, spec, self.num_embeddings, self.device)
         chunk = 1 << 16
         with torch.no_grad():
-            for start in range(0, self.num_embeddings, chunk):
-                ids = torch.arange(start, min(start + chunk, self.num_embeddings), device=self.device)
-                self._store.weight[start : start + ids.numel()] = self.initial_weights(ids)
+            for first in range(0, self.num_embeddings, chunk):
+                ids = torch.arange(first, min(first + chunk, self.num_embeddings), device=self.device)
+                self._store.weight[first : first + ids.numel()] = self.initial_weights(ids + start)
 
     @property
     def store(self) -> RowStore:

@@ -52,7 +52,9 @@ class DINAttention(nn.Module):
         super().__init__()
         self.pooling = pooling
         if pooling == "attention":
-            self.score = nn.Sequential(MLP(4 * dim, attn_hidden_units), nn.Linear(attn_hidden_units[-1], 1))
+            # No bias on the last layer: a softmax ignores a shift of all scores, so its gradient
+            # is zero in theory and pure rounding noise in practice (which Adam would amplify).
+            self.score = nn.Sequential(MLP(4 * dim, attn_hidden_units), nn.Linear(attn_hidden_units[-1], 1, bias=False))
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if self.pooling == "mean":

@@ -1,33 +1,86 @@
-"""The plan: for every table, its kind, backend, rows, features and the one optimizer spec it
-is trained with. The config's ``sparse_optimizer`` (and ``table_optimizers`` overrides) reach
-every table, fixed or dynamic, only through this typed spec — there is no other channel.
+"""The plan: for every table, its kind, backend, rows, features, the one optimizer spec it is
+trained with, and — for a run of several processes — how it is sharded, what each rank holds and
+what crosses the network per step.
 
-The planner groups features into tables and passes the config's objects through: a table's
-``DynamicTableOptions`` and ``Initializer`` are the very objects the YAML validated into, so a
-setting cannot be lost between the config and the table.
+The config's ``sparse_optimizer`` (and ``table_optimizers`` overrides) reach every table, fixed or
+dynamic, only through this typed spec — there is no other channel. The planner groups features
+into tables and passes the config's objects through: a table's ``DynamicTableOptions`` and
+``Initializer`` are the very objects the YAML validated into, so no setting is lost on the way.
+
+Sharding decisions (``world_size > 1``), unless a table forces its own (``sharding:``):
+dynamic tables are ``key_hash``; fixed tables whose whole gradient is small enough to all-reduce
+every step (``DATA_PARALLEL_MAX_BYTES``) are ``data_parallel`` (native backend); fixed tables that
+fit a quarter of a rank's budget are ``table_wise``, placed on the least loaded rank; larger ones
+are ``row_wise``. A plan whose rank exceeds the budget is an error naming the table and numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dynarec.config.schema import Config, RawFeatureCfg, SequenceFeatureCfg
-from dynarec.embedding.config import FeatureConfig, TableConfig
+from dynarec.embedding.config import FeatureConfig, ShardingType, TableConfig
+from dynarec.embedding.memory import format_bytes, table_bytes
 from dynarec.optim.base import OptimizerSpec
+from dynarec.planner.sharding import TableSharding
 
-__all__ = ["Plan", "TablePlan", "plan_from_config"]
+__all__ = ["DATA_PARALLEL_MAX_BYTES", "Plan", "PlanError", "TablePlan", "plan_from_config"]
+
+# A fixed table is replicated (data_parallel) when its weights are at most this many bytes: its
+# dense gradient is all-reduced every step.
+DATA_PARALLEL_MAX_BYTES = 1 << 20
+
+# Bytes per routed id in each direction of a lookup: the id (8), its bag (8), its weight (4).
+_ROUTED_ID_BYTES = 20
+
+
+class PlanError(ValueError):
+    """A plan that cannot run (a rank over its memory budget, an impossible forced sharding)."""
 
 
 @dataclass(frozen=True)
 class TablePlan:
     table: TableConfig
     optimizer: OptimizerSpec
+    sharding: TableSharding
+    # Ids per sample of each feature (as table.feature_configs): 1 for an id feature, the
+    # sequence length for a sequence; used for the exchange estimate.
+    ids_per_sample: tuple[int, ...] = ()
 
-    def row(self) -> dict[str, object]:
-        t = self.table
+    def bytes_on(self, rank: int) -> int:
+        """Bytes this table takes on ``rank`` at its largest (weights, optimizer states, index)."""
+        s, t = self.sharding, self.table
+        if not s.holds(rank):
+            return 0
+        if s.kind == "row_wise":
+            start, end = s.rows_of(rank)
+            return table_bytes(t, self.optimizer, rows=end - start).total
+        if s.kind == "key_hash":
+            return table_bytes(t, self.optimizer, rows=s.capacity_per_rank, world_size=s.world_size).total
+        return table_bytes(t, self.optimizer).total
+
+    def exchange_bytes(self, batch_size: int) -> int:
+        """Estimated bytes a rank sends per training step for this table (forward and backward):
+        routed ids out and pooled rows back (a (W-1)/W share leaves the rank), or a data-parallel
+        table's gradient all-reduce (a ring moves 2 (W-1)/W of it)."""
+        w = self.sharding.world_size
+        if w == 1:
+            return 0
+        leave = (w - 1) / w
+        if self.sharding.kind == "data_parallel":
+            return int(2 * leave * table_bytes(self.table, self.optimizer).weights)
+        features = self.table.feature_configs
+        per_sample = self.ids_per_sample or (1,) * len(features)
+        ids = batch_size * sum(per_sample)
+        bags = batch_size * sum(1 if self.table.pooling_of(f) != "none" else n for f, n in zip(features, per_sample))
+        return int(leave * (ids * _ROUTED_ID_BYTES + 2 * bags * self.table.dim * 4))
+
+    def row(self, batch_size: int = 0) -> dict[str, object]:
+        t, s = self.table, self.sharding
         rows = t.num_embeddings if t.dynamic is None else f"{t.dynamic.init_capacity}..{t.dynamic.max_capacity}"
         feats = ", ".join(f"{f.name}({t.pooling_of(f)})" for f in t.feature_configs)
-        return {
+        row: dict[str, object] = {
             "table": t.name,
             "kind": t.kind,
             "backend": t.backend,
@@ -36,37 +89,61 @@ class TablePlan:
             "optimizer": repr(self.optimizer),
             "features": feats,
         }
+        if s.world_size > 1:
+            row["sharding"] = s.kind
+            row["ranks"] = s.describe_ranks()
+        row["bytes/rank"] = format_bytes(max(self.bytes_on(r) for r in range(s.world_size)))
+        if s.world_size > 1:
+            row["exchange/step/rank"] = format_bytes(self.exchange_bytes(batch_size))
+        return row
 
 
 @dataclass(frozen=True)
 class Plan:
     tables: tuple[TablePlan, ...]
+    world_size: int = 1
+    batch_size: int = 0  # per rank
 
     def table_configs(self) -> list[TableConfig]:
         return [t.table for t in self.tables]
 
+    def table(self, name: str) -> TablePlan:
+        return next(t for t in self.tables if t.table.name == name)
+
+    def bytes_on(self, rank: int) -> int:
+        return sum(t.bytes_on(rank) for t in self.tables)
+
     def describe(self) -> list[dict[str, object]]:
-        """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter), features."""
-        return [t.row() for t in self.tables]
+        """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter),
+        features; bytes per rank; with several ranks its sharding, ranks and exchange per step."""
+        return [t.row(self.batch_size) for t in self.tables]
 
     def format(self) -> str:
-        """The plan as a text table, one line per table."""
+        """The plan as a text table, one line per table, and the per-rank totals."""
         rows = self.describe()
         cols = list(rows[0]) if rows else []
         widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
         lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
         lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
+        if self.world_size > 1:
+            worst = max(range(self.world_size), key=self.bytes_on)
+            exchange = sum(t.exchange_bytes(self.batch_size) for t in self.tables)
+            lines.append(
+                f"{self.world_size} ranks: at most {format_bytes(self.bytes_on(worst))} of tables on a rank "
+                f"(rank {worst}); about {format_bytes(exchange)} exchanged per step per rank at batch "
+                f"{self.batch_size} per rank"
+            )
         return "\n".join(lines)
 
 
-def plan_from_config(config: Config) -> Plan:
-    """One :class:`TablePlan` per table (features sharing an ``embedding_name`` share a table;
-    the config has checked that they agree on every table setting)."""
+def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[int, ...]]]:
+    """``(table, optimizer, ids per sample)`` of every table; features sharing an
+    ``embedding_name`` share a table (the config has checked that they agree)."""
     grouped: dict[str, list] = {}
     for f in config.features():
         if not isinstance(f, RawFeatureCfg):
             grouped.setdefault(f.table_name, []).append(f)
-    tables = []
+    out = []
     for name, feats in grouped.items():
         first = feats[0]
         features = [
@@ -82,6 +159,78 @@ def plan_from_config(config: Config) -> Plan:
             backend=first.backend or config.train.sparse_backend,
             optimizer=spec,
             initializer=first.initializer,
+            sharding=first.sharding,
         )
-        tables.append(TablePlan(table, spec))
-    return Plan(tuple(tables))
+        ids = tuple(
+            f.sequence_length if isinstance(f, SequenceFeatureCfg) else 8 if f.separator else 1  # 8: a guess
+            for f in feats
+        )
+        out.append((table, spec, ids))
+    return out
+
+
+def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optional[int] = None) -> Plan:
+    """One :class:`TablePlan` per table, sharded over ``world_size`` ranks.
+
+    ``memory_budget``: bytes per rank (default ``train.memory_budget_per_rank``; None: unchecked
+    here — the tables check the device's memory when they are built)."""
+    budget = memory_budget if memory_budget is not None else config.train.memory_budget_per_rank
+    load = [0] * world_size
+    plans = []
+    for table, spec, ids in _tables_of(config):
+        sharding = _decide(table, spec, world_size, budget, load)
+        plan = TablePlan(table, spec, sharding, ids)
+        for r in range(world_size):
+            load[r] += plan.bytes_on(r)
+        plans.append(plan)
+    result = Plan(tuple(plans), world_size, config.data.batch_size)
+    if budget is not None:
+        _check_budget(result, int(budget))
+    return result
+
+
+def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optional[int], load: list[int]):
+    """The sharding of one table (see the module docstring)."""
+    kind: ShardingType
+    full = table_bytes(table, spec)
+    if table.sharding is not None:
+        kind = table.sharding
+        if kind == "data_parallel" and table.backend != "native":
+            raise PlanError(
+                f"table '{table.name}': data_parallel sharding needs backend 'native' (its row "
+                "gradients are all-reduced before the fused update); use table_wise or row_wise"
+            )
+    elif world == 1:
+        kind = "table_wise"
+    elif table.dynamic is not None:
+        kind = "key_hash"
+    elif full.weights <= DATA_PARALLEL_MAX_BYTES and table.backend == "native":
+        kind = "data_parallel"
+    elif budget is None or full.total <= budget // 4:
+        kind = "table_wise"
+    else:
+        kind = "row_wise"
+    if kind == "data_parallel":
+        return TableSharding(kind, world, tuple(range(world)))
+    if kind == "table_wise":
+        owner = min(range(world), key=lambda r: (load[r], r))
+        return TableSharding(kind, world, (owner,))
+    if kind == "row_wise":
+        return TableSharding.row_wise(table.num_embeddings, world)  # type: ignore[arg-type]
+    assert table.dynamic is not None
+    bs = table.dynamic.bucket_size
+    per_rank = max(bs, -(-table.dynamic.max_capacity // world // bs) * bs)
+    return TableSharding(kind, world, tuple(range(world)), capacity_per_rank=per_rank)
+
+
+def _check_budget(plan: Plan, budget: int) -> None:
+    for rank in range(plan.world_size):
+        used = plan.bytes_on(rank)
+        if used > budget:
+            parts = sorted(((t.bytes_on(rank), t) for t in plan.tables), key=lambda x: -x[0])
+            detail = "; ".join(f"table '{t.table.name}' ({t.sharding.kind}) {format_bytes(b)}" for b, t in parts if b)
+            raise PlanError(
+                f"the plan puts {format_bytes(used)} of tables on rank {rank} of {plan.world_size}, over "
+                f"train.memory_budget_per_rank {format_bytes(budget)}: {detail}; lower max_capacity / num_buckets / "
+                "embedding_dim, force another sharding, or use more ranks"
+            )

@@ -1,9 +1,10 @@
 """Checkpoints, written atomically.
 
 A checkpoint is a directory ``checkpoints/ckpt-<step>/`` holding ``state.pt`` (dense model,
-dense optimizer, step, data position, config fingerprint) and ``tables.pt`` (every table's dump:
-weights, optimizer states, step counter; dynamic tables with keys, scores, slots and admission
-counters), plus ``manifest.json`` with each file's size and SHA-256, written last: a checkpoint
+dense optimizer, step, data position, config fingerprint, the plan) and ``tables.pt`` (every
+table's dump: weights, optimizer states, step counter; dynamic tables with keys, scores, slots
+and admission counters) — or, written by N ranks, ``tables-rank<r>.pt`` per rank — plus
+``manifest.json`` with each file's size and SHA-256, written last: a checkpoint
 without its manifest is incomplete and never used. It is written under a temporary name,
 fsynced, and renamed into place; only then does ``checkpoints/latest`` (itself replaced
 atomically) point at it. A crash at any moment — a kill, a full disk — leaves the previous
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from dynarec.distributed.context import DistContext, StepFailedError
 from dynarec.files import atomic_write_text, file_manifest, fsync_dir, read_json, verify_manifest
 
 __all__ = [
@@ -61,42 +63,88 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    ckpt_dir: Path, step: int, state: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]], keep: int = 3
+    ckpt_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    tables: dict[str, dict[str, torch.Tensor]],
+    keep: int = 3,
+    ctx: Optional[DistContext] = None,
 ) -> Path:
-    """Writes ``ckpt-<step>`` atomically, points ``latest`` at it, keeps the newest ``keep``."""
+    """Writes ``ckpt-<step>`` atomically, points ``latest`` at it, keeps the newest ``keep``.
+
+    In a multi-process run every rank calls it with its own ``tables`` (rank 0 also with
+    ``state``): each rank writes ``tables-rank<r>.pt``; once every rank's files are fsynced
+    (a barrier), rank 0 writes the manifest and commits. A rank that dies on the way leaves the
+    checkpoint uncommitted and the previous one ``latest``."""
     ckpt_dir = Path(ckpt_dir)
+    world = ctx.world_size if ctx is not None else 1
+    main = ctx is None or ctx.is_main
     final = ckpt_dir / f"ckpt-{step:010d}"
-    tmp = ckpt_dir / f".ckpt-{step:010d}.tmp-{os.getpid()}"
+    # Every rank of a multi-process run writes into one temporary directory: a name they agree on.
+    tmp = ckpt_dir / (f".ckpt-{step:010d}.tmp" + ("" if world > 1 else f"-{os.getpid()}"))
+    table_file = TABLES if ctx is None or world == 1 else f"tables-rank{ctx.rank}.pt"
+    error: Optional[BaseException] = None
     try:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        _write_file(tmp / STATE, state)
-        _write_file(tmp / TABLES, tables)
-        manifest: dict[str, Any] = {"files": file_manifest(tmp, (STATE, TABLES)), "step": step}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        fsync_dir(tmp)
-        if final.exists():  # a checkpoint of this step exists (e.g. re-saved at the end): replace it
-            old = ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(ckpt_dir)
-        atomic_write_text(ckpt_dir / LATEST, final.name + "\n")
+        if main:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(ckpt_dir)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        reason = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-        raise CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}") from None
-    for stale in list_checkpoints(ckpt_dir)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
-    for leftover in ckpt_dir.glob(".ckpt-*.tmp-*"):  # debris of crashed saves
-        shutil.rmtree(leftover, ignore_errors=True)
+        error = e
+    _agree(ctx, error, f"creating checkpoint {final}", tmp)
+    try:
+        _write_file(tmp / table_file, tables)
+        if main:
+            _write_file(tmp / STATE, state)
+    except OSError as e:
+        error = e
+    _agree(ctx, error, f"writing the files of checkpoint {final}", tmp)
+    try:
+        if main:
+            files = [STATE, TABLES] if world == 1 else [STATE, *(f"tables-rank{r}.pt" for r in range(world))]
+            manifest: dict[str, Any] = {"files": file_manifest(tmp, files), "step": step, "world_size": world}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            fsync_dir(tmp)
+            if final.exists():  # a checkpoint of this step exists (e.g. re-saved at the end): replace it
+                old = ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            fsync_dir(ckpt_dir)
+            atomic_write_text(ckpt_dir / LATEST, final.name + "\n")
+    except OSError as e:
+        error = e
+    _agree(ctx, error, f"committing checkpoint {final}", tmp)
+    if main:
+        for stale in list_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+        for leftover in ckpt_dir.glob(".ckpt-*.tmp*"):  # debris of crashed saves
+            shutil.rmtree(leftover, ignore_errors=True)
     return final
+
+
+def _agree(ctx: Optional[DistContext], error: Optional[BaseException], what: str, tmp: Path) -> None:
+    """Every rank learns whether ``what`` failed anywhere. A failure removes the unfinished
+    ``tmp`` and is a CheckpointError (a full disk named as such) saying that the previous
+    checkpoint stays in use."""
+    if error is None and (ctx is None or not ctx.distributed):
+        return
+    try:
+        if ctx is not None:
+            ctx.agree(error, what)
+        elif error is not None:
+            raise error
+    except (OSError, StepFailedError) as e:
+        if ctx is None or ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e)
+        reason = "the disk is full" if full else str(e)
+        previous = latest_checkpoint(tmp.parent)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"{what} failed: {reason}; {kept}") from None
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
@@ -122,23 +170,27 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
     return None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """Verifies ``path`` against its manifest and loads ``(state, tables)``."""
+def load_checkpoint(path: Path) -> tuple[dict[str, Any], list[dict[str, dict[str, torch.Tensor]]]]:
+    """Verifies ``path`` against its manifest and loads ``(state, shards)``: ``shards[r]`` holds
+    the tables rank ``r`` wrote (one entry for a single-process checkpoint)."""
     path = Path(path)
     manifest_path = path / MANIFEST
     manifest = read_json(manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or set(files) != {STATE, TABLES}:
-        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not list {STATE} and {TABLES}")
+    world = manifest.get("world_size", 1) if isinstance(manifest, dict) else 1
+    expected = {STATE, TABLES} if world == 1 else {STATE, *(f"tables-rank{r}.pt" for r in range(world))}
+    if not isinstance(files, dict) or set(files) != expected:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not list {', '.join(sorted(expected))}")
     verify_manifest(path, files, manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
+    names = [STATE, TABLES] if world == 1 else [STATE, *(f"tables-rank{r}.pt" for r in range(world))]
     loaded = []
-    for name in (STATE, TABLES):
+    for name in names:
         f = path / name
         try:
             loaded.append(torch.load(f, map_location="cpu", weights_only=True))
         except Exception as e:
             raise CheckpointError(f"corrupt checkpoint: {f} cannot be loaded ({e})") from None
-    return loaded[0], loaded[1]
+    return loaded[0], loaded[1:]
 
 
 class CheckpointManager:
@@ -155,13 +207,19 @@ class CheckpointManager:
     def latest(self) -> Optional[Path]:
         return latest_checkpoint(self.dir)
 
-    def save(self, step: int, state: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> Path:
-        return save_checkpoint(self.dir, step, state, tables, keep=self.keep)
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        tables: dict[str, dict[str, torch.Tensor]],
+        ctx: Optional[DistContext] = None,
+    ) -> Path:
+        return save_checkpoint(self.dir, step, state, tables, keep=self.keep, ctx=ctx)
 
-    def load(self, path: Optional[Path] = None) -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-        """``(path, state, tables)`` of ``path`` (default: the latest checkpoint)."""
+    def load(self, path: Optional[Path] = None):
+        """``(path, state, shards)`` of ``path`` (default: the latest checkpoint)."""
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no complete checkpoint in {self.dir}")
-        state, tables = load_checkpoint(path)
-        return path, state, tables
+        state, shards = load_checkpoint(path)
+        return path, state, shards

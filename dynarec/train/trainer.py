@@ -19,10 +19,11 @@ the data position (epoch, rows consumed): a resume seeks straight to it, reading
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -33,7 +34,9 @@ from dynarec.config.load import config_fingerprint
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
 from dynarec.data.reader import ArrowBatchDataset, DataPosition, make_loader, resolve_files
-from dynarec.files import DirectoryLock
+from dynarec.distributed.context import DistContext, single_process
+from dynarec.distributed.reshard import plan_state, single_process_plan_state, tables_for_rank
+from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.metrics import auc, grouped_auc, log_loss
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.sink import TrainingLog
@@ -47,36 +50,53 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, config: Config, model_dir: str | Path, device: str = "cpu", progress: bool = True):
+    """Trains one model directory, in one process or as one rank of a multi-process run
+    (``ctx``): the same code, each rank taking its share of every global batch."""
+
+    def __init__(
+        self,
+        config: Config,
+        model_dir: str | Path,
+        device: str = "cpu",
+        progress: bool = True,
+        ctx: Optional[DistContext] = None,
+    ):
         self.config = config
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
+        self.ctx = ctx or single_process(device)
+        self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
         # The dense model's initial weights come from the config's seed, without touching the
         # process's global RNG (nothing else in a training step draws random numbers).
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(config.train.seed)
-            self.task = RankingTask(config, self.device)
+            self.task = RankingTask(config, self.device, self.ctx)
         self.dense_optimizer = config.train.dense_optimizer.build(self.task.dense.parameters())
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
-        self.log = TrainingLog(self.model_dir, progress=progress)
+        self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         self.position = DataPosition()
 
     @property
     def global_batch_size(self) -> int:
-        return self.config.data.batch_size
+        """Rows of one training step over all ranks (``data.batch_size`` is per rank)."""
+        return self.config.data.batch_size * self.ctx.world_size
 
     # -- data ------------------------------------------------------------------------------
 
-    def _dataset(self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0) -> ArrowBatchDataset:
+    def _dataset(
+        self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0, sharded: bool = True
+    ) -> ArrowBatchDataset:
+        """This rank's share of ``paths`` (``sharded``) or all of it."""
         ds = ArrowBatchDataset(
             resolve_files(paths),
             BatchBuilder(self.config, with_labels),
             batch_size,
             self.config.data.input_type,
             start_row=start_row,
+            rank=self.ctx.rank if sharded else 0,
+            world_size=self.ctx.world_size if sharded else 1,
         )
         ds.check_files()
         return ds
@@ -84,27 +104,40 @@ class Trainer:
     def example_batch(self, rows: int = 256) -> Batch:
         """The first ``rows`` rows of the eval (else train) data, without labels."""
         cfg = self.config
-        dataset = self._dataset(cfg.data.eval_input_path or cfg.data.train_input_path, rows, with_labels=False)
+        paths = cfg.data.eval_input_path or cfg.data.train_input_path
+        dataset = self._dataset(paths, rows, with_labels=False, sharded=False)
         return next(iter(make_loader(dataset, 0)))
 
     def _eval_batch_size(self) -> int:
         return self.config.data.eval_batch_size or self.config.data.batch_size
 
-    def _train_batches(self) -> Iterator[tuple[Batch, DataPosition]]:
-        """``(batch, the data position after it)`` from the current position on, epoch after
-        epoch (with ``num_steps``: as many epochs as it takes)."""
+    def _train_batches(self) -> Iterator[tuple[Union[Batch, DataError], DataPosition, int]]:
+        """``(batch, the data position after it, the global batch's rows)`` from the current
+        position on, epoch after epoch (with ``num_steps``: as many epochs as it takes). In a
+        multi-process run a batch this rank cannot read is yielded as its DataError, so that
+        every rank takes part in the step that fails."""
         cfg = self.config
         position = self.position
         while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
             dataset = self._dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            for batch in make_loader(dataset, cfg.data.num_workers):
-                row = min(position.row + self.global_batch_size, dataset.num_rows)
+            batches = iter(make_loader(dataset, cfg.data.num_workers))
+            for _ in range(dataset.num_steps()):
+                rows = min(self.global_batch_size, dataset.num_rows - position.row)
+                try:
+                    batch: Union[Batch, DataError] = next(batches)
+                except DataError as e:
+                    if not self.ctx.distributed:
+                        raise
+                    batch = e
+                end = position.row + rows
                 position = (
-                    DataPosition(position.epoch, row) if row < dataset.num_rows else DataPosition(position.epoch + 1, 0)
+                    DataPosition(position.epoch, end) if end < dataset.num_rows else DataPosition(position.epoch + 1, 0)
                 )
-                yield batch, position
+                yield batch, position, rows
+                if isinstance(batch, DataError):
+                    return  # the step failed on every rank
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
 
@@ -120,13 +153,20 @@ class Trainer:
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "fingerprint": config_fingerprint(self.config),
             "history": self.log.state(),
+            "plan": plan_state(self.task.plan),
         }
 
     def save(self) -> Path:
-        tables = {name: t.dump() for name, t in self.task.embeddings.tables.items()}
-        return self.checkpoints.save(self.step, self._state(), tables)
+        """A checkpoint of this step (every rank calls it: each writes the tables it holds, a
+        data-parallel table only once)."""
+        tables = {
+            name: t.dump()
+            for name, t in self.task.embeddings.tables.items()
+            if self.ctx.is_main or self.task.plan.table(name).sharding.kind != "data_parallel"
+        }
+        return self.checkpoints.save(self.step, self._state() if self.ctx.is_main else {}, tables, ctx=self.ctx)
 
-    def _check_compatible(self, state: dict, where: Path) -> None:
+    def _check_compatible(self, state: dict, where: Path, training: bool) -> None:
         mine = config_fingerprint(self.config)
         theirs = state.get("fingerprint", {})
         differ = [k for k in mine if theirs.get(k) != mine[k]]
@@ -135,23 +175,36 @@ class Trainer:
                 f"{where} was written with a different config: its {' and '.join(differ)} differ from this "
                 f"config's; use the config it was trained with, or another model_dir"
             )
-        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
+        if training and state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
             raise CheckpointError(
                 f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
                 f"{self.global_batch_size} (data.batch_size); resume with the same batch size"
             )
 
-    def restore(self, path: Optional[Path] = None) -> Path:
-        """Loads ``path`` (default: the latest checkpoint of the model directory)."""
-        path, state, tables = self.checkpoints.load(path)
-        self._check_compatible(state, path)
-        mine = set(self.task.embeddings.tables)
-        if set(tables) != mine:
-            raise CheckpointError(f"{path}: holds tables {sorted(tables)}, the config has {sorted(mine)}")
+    def restore(self, path: Optional[Path] = None, training: bool = True) -> Path:
+        """Loads ``path`` (default: the latest checkpoint of the model directory), written by any
+        number of ranks: every rank takes its own part of every table (see distributed.reshard).
+        ``training``: to continue training (the global batch must match the checkpoint's)."""
+        path, state, shards = self.checkpoints.load(path)
+        self._check_compatible(state, path, training)
+        saved_plan = state.get("plan") or single_process_plan_state(shards[0])
+        theirs, mine = set(saved_plan["tables"]), {t.table.name for t in self.task.plan.tables}
+        if theirs != mine:
+            raise CheckpointError(f"{path}: holds tables {sorted(theirs)}, the config has {sorted(mine)}")
         self.task.dense.load_state_dict(state["dense"])
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        for name, dump in tables.items():
-            self.task.embeddings.tables[name].load(dump)
+        try:
+            dumps = tables_for_rank(self.task.plan, self.ctx.rank, saved_plan, shards)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        for name, dump in dumps.items():
+            report = self.task.embeddings.tables[name].load(dump)
+            if report["dropped"]:
+                raise CheckpointError(
+                    f"{path}: table '{name}' on rank {self.ctx.rank}: {report['dropped']} of "
+                    f"{report['loaded'] + report['dropped']} keys find no row in this run's shard (its "
+                    "max_capacity share); raise dynamicemb.max_capacity, or resume with the world size it was written at"
+                )
         self.step = state["step"]
         self.position = DataPosition(state["epoch"], state["row"])
         self.log.load_state(state["history"])
@@ -168,25 +221,38 @@ class Trainer:
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
             g["lr"] = base * f
 
-    def train_step(self, batch: Batch) -> Optional[torch.Tensor]:
+    def train_step(self, batch: Union[Batch, DataError], global_rows: Optional[int] = None) -> Optional[torch.Tensor]:
         """One step; returns the loss (on the device: reading it is the caller's choice), or None
         when the batch was skipped (its loss was not finite, under nan_policy 'skip_batch').
 
-        A loss that is NaN or infinite writes nothing: the forward is undone on every table (rows
-        it created, evictions, admission counts) before any update. This check is the step's one
-        host sync by design: every rank must agree on a step's outcome before it commits."""
+        The loss is this rank's share of the global batch's mean (``global_rows`` rows over all
+        ranks), so summing every rank's gradients gives the gradient of the global mean. A loss
+        that is NaN or infinite (on any rank) writes nothing: the forward is undone on every
+        table (rows it created, evictions, admission counts) before any update. This check is the
+        step's one host sync by design: every rank must agree on a step's outcome before it
+        commits."""
         self.task.train()
         self._set_learning_rates()
+        if isinstance(batch, DataError):  # this rank could not read its share: the step fails everywhere
+            self.task.embeddings(None, error=batch)
+            raise AssertionError("unreachable: the failed step raises on every rank")
         logits = self.task(batch)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
-        if not bool(torch.isfinite(loss)):
+        labels = batch.labels.to(self.device)
+        global_rows = global_rows or batch.num_rows
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / global_rows
+        bad = not bool(torch.isfinite(loss))
+        if self.ctx.distributed:
+            bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")
+        if bad:
             self.task.embeddings.abort_step()
             if self.config.train.nan_policy == "skip_batch":
                 self.skipped_batches += 1
                 return None
             latest = self.checkpoints.latest()
             raise TrainingError(
-                f"step {self.step + 1}: the loss is {float(loss.detach())}; nothing of this step was written "
+                f"step {self.step + 1}: the loss is {float(loss.detach())}{' on some rank' if self.ctx.distributed else ''}; "
+                "nothing of this step "
+                "was written "
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
@@ -203,7 +269,14 @@ class Trainer:
         self._dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
         if cfg.data.eval_input_path:
             self._dataset(cfg.data.eval_input_path, self._eval_batch_size())
-        with DirectoryLock(self.model_dir):  # one writer per model directory
+        with contextlib.ExitStack() as stack:  # one writer per model directory: rank 0 holds the lock
+            error = None
+            if self.ctx.is_main:
+                try:
+                    stack.enter_context(DirectoryLock(self.model_dir))
+                except DirectoryBusyError as e:
+                    error = e
+            self.ctx.agree(error, f"locking {self.model_dir}")
             return self._fit_locked(resume)
 
     def _fit_locked(self, resume: bool) -> dict[str, Any]:
@@ -218,17 +291,20 @@ class Trainer:
                 "pass --resume to continue, or choose another model_dir"
             )
         batches = self._train_batches()
-        # The first batch is read (and validated) before anything is written.
+        # The first batch is read (and validated, on every rank) before anything is written.
         first = next(batches, None) if self._more_steps() else None
-        self.model_dir.mkdir(parents=True, exist_ok=True)
-        (self.model_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        if first is not None and self.ctx.distributed:
+            self.ctx.agree(first[0] if isinstance(first[0], DataError) else None, "reading the first batch")
+        if self.ctx.is_main:
+            self.model_dir.mkdir(parents=True, exist_ok=True)
+            (self.model_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.log.start(self.step, cfg.train.num_steps)
         start_step = self.step
         evaluated_at = saved_at = None
         item = first
         while item is not None:
-            batch, self.position = item
-            loss = self.train_step(batch)
+            batch, self.position, rows = item
+            loss = self.train_step(batch, rows)
             if loss is None:  # skipped (nan_policy 'skip_batch')
                 item = next(batches, None) if self._more_steps() else None
                 continue
@@ -269,19 +345,26 @@ class Trainer:
 
     @torch.no_grad()
     def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None):
-        """Eval-mode predictions over ``paths``: ``(probabilities, labels, groups)`` numpy
-        arrays (labels/groups None without labels)."""
+        """Eval-mode predictions over ``paths``, in row order: ``(probabilities, labels,
+        groups)`` numpy arrays (labels/groups None without labels). In a multi-process run every
+        rank scores its share of each global batch and every rank gets all predictions."""
         self.task.eval()
         dataset = self._dataset(paths, self._eval_batch_size(), with_labels)
         probs, labels, groups = [], [], []
-        for i, batch in enumerate(make_loader(dataset, self.config.data.num_workers)):
-            if max_steps is not None and i >= max_steps:
-                break
+        steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
+        batches = iter(make_loader(dataset, self.config.data.num_workers))
+        for _ in range(steps):
+            batch = next(batches)
             probs.append(torch.sigmoid(self.task(batch)).cpu().numpy())
             labels.append(batch.labels.numpy())
             if batch.groups is not None:
                 groups.append(batch.groups.numpy())
         self.task.train()
+        if self.ctx.distributed:  # global batch s is rank 0's share, then rank 1's, ...
+            parts = self.ctx.all_gather_objects((probs, labels, groups), "the eval predictions")
+            probs = [p for s in range(steps) for part in parts for p in part[0][s : s + 1]]
+            labels = [x for s in range(steps) for part in parts for x in part[1][s : s + 1]]
+            groups = [x for s in range(steps) for part in parts for x in part[2][s : s + 1]]
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0)
         return cat(probs), (cat(labels) if with_labels else None), (cat(groups) if groups else None)
 

@@ -85,7 +85,7 @@ def test_an_export_is_replaced_and_a_failed_export_keeps_the_previous_one(traine
 def test_serving_loads_every_exported_key(trained):
     root, _, model_dir, export_dir = trained
     meta = json.loads((export_dir / "export.json").read_text())
-    _, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    _, (tables,) = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
     model = ExportedModel(export_dir)
     for name, dump in tables.items():
         in_ckpt = dump["keys"].numel() if "keys" in dump else dump["weight"].shape[0]

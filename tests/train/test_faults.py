@@ -121,7 +121,7 @@ def test_a_malformed_checkpoint_manifest_is_named(data_root, tmp_path):
     with pytest.raises(CheckpointError, match=rf"corrupt checkpoint: {manifest} is unreadable or not valid JSON"):
         trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
     manifest.write_text(json.dumps({"step": 2}))
-    with pytest.raises(CheckpointError, match=r"manifest.json does not list state.pt and tables.pt"):
+    with pytest.raises(CheckpointError, match=r"manifest.json does not list state.pt, tables.pt"):
         trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
 
 

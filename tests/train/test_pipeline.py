@@ -84,7 +84,7 @@ def test_train_evaluate_export_predict(data_root, tmp_path, capsys):
 
 
 def snapshot(model_dir: Path):
-    state, tables = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    state, (tables,) = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
     return state, tables
 
 

@@ -1,0 +1,232 @@
+"""Multi-process training on CPU (gloo, torchrun): the same results as one process on the same
+global batches, checkpoints that reshard across world sizes, and faults that stop every rank."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.cli import main
+from dynarec.config import load_config
+from dynarec.distributed.reshard import tables_for_rank
+from dynarec.planner import plan_from_config
+from dynarec.serving import ExportedModel
+from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+TOL = dict(rtol=1e-5, atol=1e-6)
+STEPS = 10
+
+
+def run(*args, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynarec", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def mixed_config(root, batch_size, **train):
+    """Every sharding type at 2 ranks: a dynamic user table (key_hash), a replicated age table
+    (data_parallel), an item table shared by the candidate and the history (row_wise) and a
+    category table (table_wise); Adagrad with initial_accumulator_value 0.1."""
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = {"max_capacity": 4096, "init_capacity": 64, "bucket_size": 8}
+    for i in (2, 4):
+        next(iter(c["feature_configs"][i].values()))["sharding"] = "row_wise"
+    for i in (3, 5):
+        next(iter(c["feature_configs"][i].values()))["sharding"] = "table_wise"
+    c["data"]["batch_size"] = batch_size
+    del c["train"]["num_epochs"]
+    c["train"].update({"num_steps": STEPS, "save_checkpoints_steps": 5, **train})
+    return c
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 10 global batches of 120 rows: one process (batch 120), two (60 each)."""
+    root = tmp_path_factory.mktemp("dist")
+    make_data(root)
+    one = write_config(root, mixed_config(root, 120), "one.yaml")
+    two = write_config(root, mixed_config(root, 60), "two.yaml")
+    rc, out = run("train", "--config", one, "--model-dir", root / "m1", "--no-progress")
+    assert rc == 0, out
+    rc, out = run("train", "--config", two, "--model-dir", root / "m2", "--no-progress", "--nproc", 2)
+    assert rc == 0, out
+    return root
+
+
+def merged_tables(model_dir):
+    """Every table of a model dir's latest checkpoint, whole (merged from its shards)."""
+    state, shards = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    plan = plan_from_config(load_config(model_dir / "config.yaml"))
+    from dynarec.distributed.reshard import single_process_plan_state
+
+    saved = state.get("plan") or single_process_plan_state(shards[0])
+    return state, tables_for_rank(plan, 0, saved, shards)
+
+
+def assert_tables_close(a, b, exact=False):
+    assert a.keys() == b.keys()
+    for name in a:
+        ka, kb = a[name].get("keys"), b[name].get("keys")
+        if ka is not None:  # dynamic: the same keys, compared by key
+            assert torch.equal(ka.sort().values, kb.sort().values), name
+            ia, ib = torch.argsort(ka), torch.argsort(kb)
+        else:
+            ia = ib = slice(None)
+        for field in ("weight", "momentum1"):
+            x, y = a[name][field][ia], b[name][field][ib]
+            if exact:
+                assert torch.equal(x, y), (name, field)
+            else:
+                torch.testing.assert_close(x, y, **TOL, msg=f"{name}.{field}")
+        assert int(a[name]["step"]) == int(b[name]["step"]) == STEPS
+
+
+def test_two_processes_equal_one_on_the_same_global_batches(runs):
+    s1, t1 = merged_tables(runs / "m1")
+    s2, t2 = merged_tables(runs / "m2")
+    assert s1["step"] == s2["step"] == STEPS and s2["plan"]["world_size"] == 2
+    assert {n: t["kind"] for n, t in s2["plan"]["tables"].items()} == {
+        "user_id": "key_hash",
+        "age": "data_parallel",
+        "item": "row_wise",
+        "cate": "table_wise",
+    }
+    assert t1["user_id"]["keys"].numel() > 64  # the dynamic shards grew on the way
+    assert_tables_close(t1, t2)
+    for k in s1["dense"]:
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+
+
+def test_the_export_of_a_two_process_run_equals_the_one_process_export(runs, tmp_path):
+    for m in ("m1", "m2"):
+        assert main(["export", "--model-dir", str(runs / m), "--export-dir", str(tmp_path / m)]) == 0
+    e1, e2 = ExportedModel(tmp_path / "m1"), ExportedModel(tmp_path / "m2")
+    assert e1.key_counts == e2.key_counts
+    for name, table in e1.embeddings.tables.items():
+        keys = table.dump().get("keys", torch.arange(table.dump()["weight"].shape[0]))
+        torch.testing.assert_close(
+            table.read_rows(keys)["weight"], e2.embeddings.tables[name].read_rows(keys)["weight"], **TOL
+        )
+    eval_file = runs / "data" / "eval" / "part-0.parquet"
+    np.testing.assert_allclose(e1.predict_files(str(eval_file)), e2.predict_files(str(eval_file)), rtol=0, atol=1e-5)
+
+
+def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):
+    # A resume needs the same global batch: 2 x 60 -> 3 x 50 is refused naming both.
+    subprocess.run(["cp", "-r", str(runs / "m2"), str(tmp_path / "m3")], check=True)
+    wrong = write_config(runs, mixed_config(runs, 50), "wrong.yaml")
+    rc, out = run("train", "--config", wrong, "--model-dir", tmp_path / "m3", "--resume", "--no-progress", "--nproc", 3)
+    assert rc != 0 and "global batch of 120 rows, this run's is 150" in out, out
+    # 2 -> 3 (3 x 40): no step left, so the checkpoint is rewritten by 3 ranks, every row and
+    # state as it was; then 3 -> 1 (merged_tables loads it whole).
+    three = write_config(runs, mixed_config(runs, 40), "three.yaml")
+    rc, out = run("train", "--config", three, "--model-dir", tmp_path / "m3", "--resume", "--no-progress", "--nproc", 3)
+    assert rc == 0, out
+    s3, t3 = merged_tables(tmp_path / "m3")
+    assert s3["plan"]["world_size"] == 3
+    _, t2 = merged_tables(runs / "m2")
+    assert_tables_close(t2, t3, exact=True)
+    # 1 -> 2: the one-process checkpoint resumed by two ranks, then merged back: unchanged.
+    subprocess.run(["cp", "-r", str(runs / "m1"), str(tmp_path / "m12")], check=True)
+    rc, out = run(
+        "train",
+        "--config",
+        runs / "two.yaml",
+        "--model-dir",
+        tmp_path / "m12",
+        "--resume",
+        "--no-progress",
+        "--nproc",
+        2,
+    )
+    assert rc == 0, out
+    _, t12 = merged_tables(tmp_path / "m12")
+    _, t1 = merged_tables(runs / "m1")
+    assert_tables_close(t1, t12, exact=True)
+
+
+def test_a_bad_row_in_one_ranks_share_stops_both_ranks_with_its_message(runs, tmp_path):
+    src = pq.read_table(runs / "data" / "train" / "part-0.parquet")
+    values = src.column("cate_id").to_pylist()
+    values[305] = 10_000  # step 3 (rows 240-359): rank 1's share is rows 300-359
+    bad = src.set_column(
+        src.schema.get_field_index("cate_id"), "cate_id", pa.array(values, src.schema.field("cate_id").type)
+    )
+    (tmp_path / "data").mkdir()
+    pq.write_table(bad, tmp_path / "data" / "part-0.parquet")
+    c = mixed_config(runs, 60)
+    c["data"].update(train_input_path=str(tmp_path / "data"), eval_input_path=None)
+    rc, out = run(
+        "train",
+        "--config",
+        write_config(runs, c, "bad.yaml"),
+        "--model-dir",
+        tmp_path / "m",
+        "--no-progress",
+        "--nproc",
+        2,
+        timeout=240,
+    )
+    assert rc != 0
+    message = "part-0.parquet, row 305: feature 'cate_id' (column 'cate_id'): id 10000 is out of range"
+    assert out.count(message) >= 2, out  # both ranks report rank 1's message
+    assert "rank 1: DataError" in out
+
+
+KILL = r"""
+import os, signal, sys
+from dynarec.config import load_config
+from dynarec.distributed.context import init_distributed
+from dynarec.train import checkpoint
+from dynarec.train.trainer import Trainer
+
+ctx = init_distributed("cpu", timeout_s=60)
+trainer = Trainer(load_config(sys.argv[1]), sys.argv[2], progress=False, ctx=ctx)
+trainer.fit()  # 10 steps; ckpt-10 committed
+if ctx.rank == 1:
+    real = checkpoint._write_file
+    def die(path, obj):
+        real(path, obj)
+        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of writing its files
+    checkpoint._write_file = die
+trainer.step += 1
+trainer.save()
+"""
+
+
+def test_a_rank_killed_mid_checkpoint_leaves_the_previous_one_latest(runs, tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL)
+    cfg = runs / "two.yaml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(cfg),
+            str(tmp_path / "m"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode != 0
+    latest = latest_checkpoint(tmp_path / "m" / "checkpoints")
+    assert latest.name == "ckpt-0000000010"
+    state, shards = load_checkpoint(latest)
+    assert state["step"] == STEPS and len(shards) == 2
