@@ -85,6 +85,7 @@ class DynamicTable(EmbeddingTable):
         # those, evicted while a slot was free somewhere; moved: residents moved to their other bucket.
         self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
         self._generation = 0  # bumped by every rehash, which moves rows
+        self._deferred_pins: list[tuple[Step, torch.Tensor]] = []
 
     @property
     def store(self) -> RowStore:
@@ -137,10 +138,14 @@ class DynamicTable(EmbeddingTable):
         mean pooling still divides by the bag's full length."""
         keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
-        slots = self.index.find(keys) if step is None else self._slots_for_training(keys, step)
-        present = slots >= 0
+        if step is None:
+            slots = self.index.find(keys)
+            all_present = not bool((slots < 0).any())
+        else:
+            slots, all_present = self._slots_for_training(keys, step)
         missing_out = None
-        if not bool(present.all()):
+        if not all_present:
+            present = slots >= 0
             num_bags = bags.num_bags
             lengths = offsets[1:] - offsets[:-1]
             bag_of_id = torch.repeat_interleave(
@@ -162,28 +167,37 @@ class DynamicTable(EmbeddingTable):
             self._commit_on_backward(out, step)
         return out if missing_out is None else out + missing_out
 
-    def _slots_for_training(self, keys: torch.Tensor, step: Step) -> torch.Tensor:
-        """Slot of every key occurrence, creating rows (admission permitting); -1: no row."""
+    def _slots_for_training(self, keys: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
+        """Slot of every key occurrence, creating rows (admission permitting); -1: no row. And
+        whether every key has a row. A warm table (no new key) reads one number on the host."""
         slots = self.index.find(keys)  # every occurrence; duplicates are harmless below
         absent = slots < 0
-        if bool(absent.any()):
-            self.index.pin(slots[~absent], step.id)  # before inserting: this step's rows stay
-            uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
-            candidates = torch.arange(uniq.numel(), device=keys.device)
-            if self.counter is not None:
-                candidates = candidates[self._count_admission(uniq, counts, step)]
-            if candidates.numel():
-                generation = self._generation
-                new_slots = torch.full_like(uniq, -1)
-                new_slots[candidates] = self._insert(uniq[candidates], step)
-                if self._generation != generation:  # the table grew: every row moved
-                    slots = self.index.find(keys)
-                else:
-                    slots[absent] = new_slots[inverse]
-        touched = slots[slots >= 0]  # one entry per occurrence
+        if not bool(absent.any()):
+            # Pins matter only to an insert while this step is pending: they are written then.
+            pending = {s.id for s in self.steps.pending}
+            self._deferred_pins = [(st, t) for st, t in self._deferred_pins if st.id in pending]
+            self._deferred_pins.append((step, slots))
+            step.on_commit.append(self._score_update(slots, step))
+            return slots, True
+        self._write_pins()
+        self.index.pin(slots[~absent], step.id)  # before inserting: this step's rows stay
+        uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
+        candidates = torch.arange(uniq.numel(), device=keys.device)
+        if self.counter is not None:
+            candidates = candidates[self._count_admission(uniq, counts, step)]
+        if candidates.numel():
+            generation = self._generation
+            new_slots = torch.full_like(uniq, -1)
+            new_slots[candidates] = self._insert(uniq[candidates], step)
+            if self._generation != generation:  # the table grew: every row moved
+                slots = self.index.find(keys)
+            else:
+                slots[absent] = new_slots[inverse]
+        present = slots >= 0
+        touched = slots[present]  # one entry per occurrence
         self.index.pin(touched, step.id)
         step.on_commit.append(self._score_update(touched, step))
-        return slots
+        return slots, bool(present.all())
 
     def _score_update(self, touched: torch.Tensor, step: Step):
         """The score change of a step's touched slots, applied when the step commits (no growth
@@ -197,7 +211,17 @@ class DynamicTable(EmbeddingTable):
     @property
     def pinned(self) -> torch.Tensor:
         """``[capacity]`` bool: the slots a pending training step has pinned (not evictable)."""
+        self._write_pins()
         return torch.isin(self.index.pins, self._pending_ids() % PIN_WRAP) & self.index.occupied
+
+    def _write_pins(self) -> None:
+        """Writes the deferred pins of the steps still pending (before anything inserts or moves
+        rows); those of committed or aborted steps are dropped."""
+        pending = {s.id for s in self.steps.pending}
+        for step, slots in self._deferred_pins:
+            if step.id in pending:
+                self.index.pin(slots, step.id)
+        self._deferred_pins.clear()
 
     def _pending_ids(self) -> torch.Tensor:
         return torch.tensor([s.id for s in self.steps.pending], dtype=torch.int64, device=self.device)
@@ -233,6 +257,7 @@ class DynamicTable(EmbeddingTable):
         the training step doing it (its journal records the changes), or None (``write_rows``)."""
         journal = step.journal if step is not None else None
         options = self.options
+        self._write_pins()
         while self._can_grow() and self.size + keys.numel() > options.growth_load_factor * self.capacity:
             self._grow(journal)
         while True:

@@ -27,6 +27,7 @@ import torch
 from dynarec.embedding.initializers import mix64
 from dynarec.embedding.step import Journal
 from dynarec.kernels import cpu as cpu_kernels
+from dynarec.kernels import gpu as gpu_kernels
 
 __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets"]
 
@@ -186,6 +187,8 @@ class BucketedHashIndex:
             return kernels.find_two_choice(
                 self.keys, self.occupied, self.num_buckets, self.bucket_size, keys.contiguous()
             )
+        if gpu_kernels.available(self.device):
+            return gpu_kernels.find_two_choice(self.keys, self.occupied, self.num_buckets, self.bucket_size, keys)
         return self.find_reference(keys)
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:

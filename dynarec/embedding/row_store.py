@@ -17,10 +17,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from dynarec.kernels import gpu as gpu_kernels
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.fused import fused_row_update
+from dynarec.optim.fused import fused_bag_update
 
-__all__ = ["NativeRowStore", "RowStore", "bag_gradients"]
+__all__ = ["NativeRowStore", "RowStore"]
 
 
 class RowStore(ABC):
@@ -134,20 +135,6 @@ class RowStore(ABC):
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.states.values()))
 
 
-def bag_gradients(
-    grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
-) -> torch.Tensor:
-    """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_id = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
-    )
-    g = grad_out.index_select(0, bag_of_id)
-    if per_sample_weights is not None:
-        g.mul_(per_sample_weights[:, None])
-    return g
-
-
 class _NativeFusedLookup(torch.autograd.Function):
     """Forward: weighted-sum bags. Backward: aggregate per unique row, apply the optimizer.
 
@@ -160,32 +147,23 @@ class _NativeFusedLookup(torch.autograd.Function):
         ctx.store = store
         ctx.step = step
         ctx.save_for_backward(rows, offsets, per_sample_weights)
-        return F.embedding_bag(
-            rows,
-            store.weight,
-            offsets,
-            mode="sum",
-            per_sample_weights=per_sample_weights,
-            include_last_offset=True,
-        )
+        return store.pooled(rows, offsets, per_sample_weights)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, offsets, psw = ctx.saved_tensors
         store: NativeRowStore = ctx.store
-        g = bag_gradients(grad_out.contiguous(), offsets, psw, rows.numel())
-        unique_rows, inverse = torch.unique(rows, return_inverse=True)
-        agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
-        if store.grad_reducer is not None:
-            unique_rows, agg = store.grad_reducer(unique_rows, agg)
-        fused_row_update(
+        fused_bag_update(
             store.spec,
             lr=store.lr,
             step=ctx.step,
             weight=store.weight,
             states=store.states,
-            rows=unique_rows,
-            grad=agg,
+            rows=rows,
+            offsets=offsets,
+            per_sample_weights=psw,
+            grad_out=grad_out,
+            reducer=store.grad_reducer,
         )
         return None, None, None, None, None, None
 
@@ -222,6 +200,13 @@ class NativeRowStore(RowStore):
         if train and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
             return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step)
+        return self.pooled(rows, offsets, per_sample_weights)
+
+    def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
+        """The weighted-sum bags of the current weights (no autograd): the Triton kernel on a GPU,
+        ``F.embedding_bag`` elsewhere."""
+        if gpu_kernels.available(self.device):
+            return gpu_kernels.pooled_forward(self._weight, rows, offsets, per_sample_weights)
         return F.embedding_bag(
             rows,
             self._weight,

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_non_negative, check_positive
-from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
+from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
 
 __all__ = ["Adagrad"]
 
@@ -62,5 +62,6 @@ register(
         native_update=native_update,
         reference_update=reference_update,
         fbgemm=lambda spec: FbgemmMapping("EXACT_ADAGRAD", {"eps": spec.eps}),
+        kernel=lambda spec, step: KernelArgs(1, eps=spec.eps),
     )
 )

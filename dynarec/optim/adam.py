@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_finite, check_non_negative, check_positive
-from dynarec.optim.registry import OptimizerDef, register
+from dynarec.optim.registry import KernelArgs, OptimizerDef, register
 
 __all__ = ["Adam"]
 
@@ -73,6 +73,19 @@ def reference_update(spec: Adam, *, lr, step, w, states, g) -> None:
     w -= lr * (m_hat / (torch.sqrt(v_hat) + spec.eps) + spec.weight_decay * w)
 
 
+def kernel_args(spec: Adam, step: int) -> KernelArgs:
+    return KernelArgs(
+        3,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        weight_decay_mode=2 if spec.weight_decay > 0 else 0,
+        beta1=spec.beta1,
+        beta2=spec.beta2,
+        bias1=1.0 - spec.beta1**step,
+        bias2=1.0 - spec.beta2**step,
+    )
+
+
 register(
     OptimizerDef(
         spec=Adam,
@@ -80,5 +93,6 @@ register(
         native_update=native_update,
         reference_update=reference_update,
         fbgemm="FBGEMM's CPU TBE refuses Adam",
+        kernel=kernel_args,
     )
 )

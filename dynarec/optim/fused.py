@@ -1,19 +1,27 @@
-"""The fused sparse update: the one entry point of every optimizer's row update.
+"""The fused sparse update: the one entry point of every optimizer's update in backward.
 
-Every native row store (fixed and dynamic tables, CPU and CUDA) calls :func:`fused_row_update`
-from its backward with the unique touched rows and their aggregated gradients. It runs the
-optimizer's registered ``native_update`` (batched tensor ops, any device), or its GPU kernel
-where one is registered and the rows live on a GPU.
+Every native row store (fixed and dynamic tables, CPU and CUDA) calls :func:`fused_bag_update`
+from its backward with the step's weighted bags and their output gradients. Where the optimizer
+fills the registry's kernel slot (``OptimizerDef.kernel``) and the device has its kernels
+(``dynarec.kernels``: Triton on GPUs, the C++ extension on CPUs), one kernel aggregates each
+unique row's gradient and updates it; otherwise the gradients are aggregated per unique row with
+torch ops and :func:`fused_row_update` runs the optimizer's ``native_update`` (batched tensor
+ops, any device), which is also the reference the kernels are tested against.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
 
-__all__ = ["fused_row_update"]
+__all__ = ["bag_gradients", "fused_bag_update", "fused_row_update"]
+
+GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
@@ -39,6 +47,63 @@ def fused_row_update(
     """
     if rows.numel() == 0:
         return
-    defn = definition(spec)
-    update = defn.gpu_kernel if (defn.gpu_kernel is not None and weight.is_cuda) else defn.native_update
-    update(spec, lr=lr, step=step, weight=weight, states=states, rows=rows, grad=grad)
+    definition(spec).native_update(spec, lr=lr, step=step, weight=weight, states=states, rows=rows, grad=grad)
+
+
+def bag_gradients(
+    grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
+) -> torch.Tensor:
+    """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
+    )
+    g = grad_out.index_select(0, bag_of_id)
+    if per_sample_weights is not None:
+        g.mul_(per_sample_weights[:, None])
+    return g
+
+
+@torch.no_grad()
+def fused_bag_update(
+    spec: OptimizerSpec,
+    *,
+    lr: float,
+    step: int,
+    weight: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    grad_out: torch.Tensor,
+    reducer: Optional[GradReducer] = None,
+) -> None:
+    """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
+    ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
+    ``[num_bags, D]``: each unique row once, with the sum of its occurrences' gradients.
+    ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first."""
+    if rows.numel() == 0 and reducer is None:
+        return
+    kernel = definition(spec).kernel
+    if kernel is not None and reducer is None:
+        from dynarec.kernels import bag_update_kernel  # the device kernels (imports torch only)
+
+        run = bag_update_kernel(weight.device)
+        if run is not None:
+            run(
+                kernel(spec, step),
+                lr=lr,
+                weight=weight,
+                states=states,
+                rows=rows,
+                offsets=offsets,
+                per_sample_weights=per_sample_weights,
+                grad_out=grad_out,
+            )
+            return
+    g = bag_gradients(grad_out.contiguous(), offsets, per_sample_weights, rows.numel())
+    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
+    if reducer is not None:
+        unique_rows, agg = reducer(unique_rows, agg)
+    fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)

@@ -9,7 +9,9 @@ generates every kernel of an optimizer from one template):
 - ``native_update``: the fused update every native row store runs (CPU and CUDA);
 - ``reference_update``: the plain per-row reference the tests hold every backend to;
 - ``fbgemm``: how FBGEMM's TBE is configured for it, or the reason the fbgemm backend refuses it;
-- ``gpu_kernel``: a slot for a device kernel of the fused update (None: the native update runs).
+- ``kernel``: the slot for the device kernels (``dynarec.kernels``: Triton on GPUs, C++ on CPUs):
+  how their fused backward + update template runs this optimizer (:class:`KernelArgs`); None:
+  the native update runs on every device.
 
 Adding an optimizer is one ``register(OptimizerDef(...))`` call. Nothing else in dynarec
 switches on the spec's type.
@@ -17,7 +19,6 @@ switches on the spec's type.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -28,12 +29,12 @@ from dynarec.optim.base import OptimizerSpec
 
 __all__ = [
     "FbgemmMapping",
+    "KernelArgs",
     "NativeUpdate",
     "OptimizerDef",
     "ReferenceUpdate",
     "definition",
     "register",
-    "register_gpu_kernel",
     "registered",
     "spec_from_yaml",
     "spec_to_yaml",
@@ -67,6 +68,22 @@ class FbgemmMapping:
 
 
 @dataclass(frozen=True)
+class KernelArgs:
+    """How the device kernels' fused update template runs an optimizer for one step: its code
+    (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam) and scalars. ``weight_decay_mode``: 0 none,
+    1 l2, 2 decoupled; ``bias1`` / ``bias2``: Adam's ``1 - beta^t`` of this step."""
+
+    code: int
+    eps: float = 0.0
+    weight_decay: float = 0.0
+    weight_decay_mode: int = 0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    bias1: float = 1.0
+    bias2: float = 1.0
+
+
+@dataclass(frozen=True)
 class OptimizerDef:
     spec: type[OptimizerSpec]
     yaml_key: str
@@ -74,7 +91,7 @@ class OptimizerDef:
     reference_update: ReferenceUpdate
     # A mapping for a spec, or the reason (one sentence) the fbgemm backend refuses the optimizer.
     fbgemm: Union[Callable[[Any], FbgemmMapping], str]
-    gpu_kernel: Optional[Callable[..., None]] = None
+    kernel: Optional[Callable[[Any, int], KernelArgs]] = None  # (spec, step) -> KernelArgs
 
     @property
     def name(self) -> str:
@@ -101,11 +118,6 @@ def register(defn: OptimizerDef) -> OptimizerDef:
 def unregister(spec_cls: type[OptimizerSpec]) -> None:
     """Removes an optimizer (for tests that register a throwaway one)."""
     _REGISTRY.pop(spec_cls, None)
-
-
-def register_gpu_kernel(spec_cls: type[OptimizerSpec], kernel: Optional[Callable[..., None]]) -> None:
-    """Fills (or empties) an optimizer's GPU-kernel slot; same signature as ``native_update``."""
-    _REGISTRY[spec_cls] = dataclasses.replace(definition(spec_cls), gpu_kernel=kernel)
 
 
 def definition(spec: Union[OptimizerSpec, type[OptimizerSpec]]) -> OptimizerDef:

@@ -12,7 +12,7 @@ from typing import Literal, get_args
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_non_negative, check_positive
-from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
+from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
 
 __all__ = ["WEIGHT_DECAY_MODES", "RowWiseAdagrad", "WeightDecayMode"]
 
@@ -75,6 +75,11 @@ def reference_update(spec: RowWiseAdagrad, *, lr, step, w, states, g) -> None:
         w -= multiplier * g_used
 
 
+def kernel_args(spec: RowWiseAdagrad, step: int) -> KernelArgs:
+    mode = {"none": 0, "l2": 1, "decoupled": 2}[spec.weight_decay_mode] if spec.weight_decay > 0 else 0
+    return KernelArgs(2, eps=spec.eps, weight_decay=spec.weight_decay, weight_decay_mode=mode)
+
+
 def fbgemm_mapping(spec: RowWiseAdagrad) -> FbgemmMapping:
     mode = {"none": "NONE", "l2": "L2", "decoupled": "DECOUPLE"}[spec.weight_decay_mode]
     return FbgemmMapping(
@@ -93,5 +98,6 @@ register(
         native_update=native_update,
         reference_update=reference_update,
         fbgemm=fbgemm_mapping,
+        kernel=kernel_args,
     )
 )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
+from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
 
 __all__ = ["SGD"]
 
@@ -34,5 +34,6 @@ register(
         native_update=native_update,
         reference_update=reference_update,
         fbgemm=lambda spec: FbgemmMapping("EXACT_SGD"),
+        kernel=lambda spec, step: KernelArgs(0),
     )
 )

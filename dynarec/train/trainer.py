@@ -203,7 +203,8 @@ class Trainer:
                 raise CheckpointError(
                     f"{path}: table '{name}' on rank {self.ctx.rank}: {report['dropped']} of "
                     f"{report['loaded'] + report['dropped']} keys find no row in this run's shard (its "
-                    "max_capacity share); raise dynamicemb.max_capacity, or resume with the world size it was written at"
+                    "max_capacity share); raise dynamicemb.max_capacity, or resume with the world size it was "
+                    "written at"
                 )
         self.step = state["step"]
         self.position = DataPosition(state["epoch"], state["row"])
@@ -250,7 +251,8 @@ class Trainer:
                 return None
             latest = self.checkpoints.latest()
             raise TrainingError(
-                f"step {self.step + 1}: the loss is {float(loss.detach())}{' on some rank' if self.ctx.distributed else ''}; "
+                f"step {self.step + 1}: the loss is {float(loss.detach())}"
+                f"{' on some rank' if self.ctx.distributed else ''}; "
                 "nothing of this step "
                 "was written "
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "

@@ -6,6 +6,7 @@ import torch
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, candidate_buckets_reference
 from dynarec.embedding.initializers import Initializer, _uniform01, uniform01_reference
 from dynarec.kernels import cpu
+from tests.kernels import gpu_checks
 from tests.matrix import needs_cpu_kernels
 
 pytestmark = needs_cpu_kernels
@@ -52,3 +53,10 @@ def test_initializers_equal_their_reference(monkeypatch):
     monkeypatch.setattr(cpu, "ops", lambda: None)  # the plain-torch path
     for kind, values in fast.items():
         assert torch.equal(values, Initializer(kind).values(keys, 16, 99, 0.05)), kind
+
+
+@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_bag_update_equals_torch_aggregation_and_native_update(spec, weighted):
+    gpu_checks.check_update("cpu", spec, weighted=weighted, update=cpu.bag_update)
+    gpu_checks.check_update("cpu", spec, dim=5, weighted=weighted, update=cpu.bag_update)

@@ -14,9 +14,9 @@ import os
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["available", "build", "ops"]
+__all__ = ["available", "bag_update", "build", "ops"]
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), "hash_ops.cpp")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), "ops.cpp")]
 _log = logging.getLogger(__name__)
 
 
@@ -46,3 +46,29 @@ def build(verbose: bool = False) -> ModuleType:
 
 def available() -> bool:
     return ops() is not None
+
+
+def bag_update(args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out) -> None:
+    """The fused backward + update of weighted-sum bags (see ``fused_bag_update``) in C++;
+    ``args``: the optimizer's ``KernelArgs``."""
+    kernels = ops()
+    assert kernels is not None
+    empty = weight.new_empty(0)
+    kernels.fused_bag_update(
+        weight,
+        states.get("momentum1", empty),
+        states.get("momentum2", empty),
+        grad_out.contiguous(),
+        rows.contiguous(),
+        offsets.contiguous(),
+        per_sample_weights,
+        args.code,
+        args.weight_decay_mode,
+        float(lr),
+        args.eps,
+        args.weight_decay,
+        args.beta1,
+        args.beta2,
+        args.bias1,
+        args.bias2,
+    )

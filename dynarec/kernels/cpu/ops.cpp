@@ -1,0 +1,211 @@
+// CPU kernels of dynarec: the hash index, the key-seeded initializer, the fused bag update.
+//
+// Each one computes exactly what its plain-torch twin in dynarec/embedding computes (the tests
+// compare them bit for bit); these only avoid materializing [n, bucket_size] and [n, dim]
+// intermediates. Parallel over keys with ATen's thread pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// SplitMix64's finalizer (a bijection on 64 bits), as dynarec.embedding.initializers.mix64.
+inline uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+constexpr int64_t kGrain = 2048;
+
+void check_cpu_int64(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kInt64, name, " must be int64");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// Slot of each query key in a two-choice bucketed index, -1 where absent
+// (dynarec.embedding.hash_index.BucketedHashIndex.find).
+torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& occupied,
+                              int64_t num_buckets, int64_t bucket_size, const torch::Tensor& query) {
+  check_cpu_int64(table_keys, "table_keys");
+  check_cpu_int64(query, "query");
+  TORCH_CHECK(occupied.scalar_type() == torch::kBool && occupied.is_contiguous(), "occupied must be contiguous bool");
+  TORCH_CHECK(table_keys.numel() == num_buckets * bucket_size, "table_keys size != num_buckets * bucket_size");
+  auto out = torch::empty_like(query);
+  const int64_t* tk = table_keys.data_ptr<int64_t>();
+  const bool* occ = occupied.data_ptr<bool>();
+  const int64_t* q = query.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint64_t nb = static_cast<uint64_t>(num_buckets);
+  at::parallel_for(0, query.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t key = q[i];
+      const uint64_t h = mix64(static_cast<uint64_t>(key));
+      const uint64_t buckets[2] = {(h & 0xFFFFFFFFULL) % nb, ((h >> 32) & 0xFFFFFFFFULL) % nb};
+      int64_t slot = -1;
+      for (int c = 0; c < 2 && slot < 0; ++c) {
+        const int64_t base = static_cast<int64_t>(buckets[c]) * bucket_size;
+        for (int64_t lane = 0; lane < bucket_size; ++lane) {
+          if (tk[base + lane] == key && occ[base + lane]) {
+            slot = base + lane;
+            break;
+          }
+        }
+      }
+      o[i] = slot;
+    }
+  });
+  return out;
+}
+
+// The two candidate buckets of each key (dynarec.embedding.hash_index.candidate_buckets).
+std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t num_buckets) {
+  check_cpu_int64(keys, "keys");
+  auto b1 = torch::empty_like(keys);
+  auto b2 = torch::empty_like(keys);
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t* p1 = b1.data_ptr<int64_t>();
+  int64_t* p2 = b2.data_ptr<int64_t>();
+  const uint64_t nb = static_cast<uint64_t>(num_buckets);
+  at::parallel_for(0, keys.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
+      p1[i] = static_cast<int64_t>((h & 0xFFFFFFFFULL) % nb);
+      p2[i] = static_cast<int64_t>(((h >> 32) & 0xFFFFFFFFULL) % nb);
+    }
+  });
+  return {b1, b2};
+}
+
+// [n, dim] float64 in (0, 1) from 53 hash bits of (seed, stream, key, column), as
+// dynarec.embedding.initializers._uniform01.
+torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, int64_t stream) {
+  check_cpu_int64(keys, "keys");
+  auto out = torch::empty({keys.numel(), dim}, keys.options().dtype(torch::kFloat64));
+  const int64_t* k = keys.data_ptr<int64_t>();
+  double* o = out.data_ptr<double>();
+  const uint64_t salt = mix64(static_cast<uint64_t>(seed * 4 + stream));
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  constexpr double kScale = 1.0 / static_cast<double>(1ULL << 53);
+  at::parallel_for(0, keys.numel(), kGrain / 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t base = mix64(static_cast<uint64_t>(k[i]) ^ salt);
+      for (int64_t c = 0; c < dim; ++c) {
+        const uint64_t h = mix64(base + static_cast<uint64_t>(c + 1) * kGolden);
+        o[i * dim + c] = (static_cast<double>(h >> 11) + 0.5) * kScale;
+      }
+    }
+  });
+  return out;
+}
+
+// The fused backward + update of weighted-sum bags (dynarec.optim.fused.fused_bag_update): the
+// ids sorted once by row (stable); each run of equal rows sums its occurrences' gradients
+// (psw[i] * grad_out[bag(i)], in sorted order) and applies the optimizer to the row's weight and
+// states in place. No [n, D] or [U, D] intermediate; rows are independent, so threads split
+// them with no atomics. opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam; wd_mode: 0 none, 1 l2,
+// 2 decoupled. Mirrors dynarec/kernels/gpu.py's _update_kernel.
+void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
+                      const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
+                      int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
+                      double bias1, double bias2) {
+  // Scalars rounded to float32 the way torch rounds them in the native update (its ``alpha`` and
+  // ``value`` arguments are computed in double, then cast), so both give the same bits.
+  check_cpu_int64(rows, "rows");
+  check_cpu_int64(offsets, "offsets");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight must be contiguous float32");
+  TORCH_CHECK(grad_out.is_contiguous() && grad_out.scalar_type() == torch::kFloat32, "grad_out must be contiguous float32");
+  const int64_t n = rows.numel();
+  const int64_t D = weight.size(1);
+  const int64_t num_bags = offsets.numel() - 1;
+  if (n == 0) return;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  std::vector<int64_t> bag(n);
+  for (int64_t b = 0; b < num_bags; ++b)
+    for (int64_t i = off[b]; i < off[b + 1]; ++i) bag[i] = b;
+  auto sorted = at::sort(rows, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const torch::Tensor sorted_rows = std::get<0>(sorted).contiguous();
+  const torch::Tensor order_t = std::get<1>(sorted).contiguous();
+  const int64_t* srow = sorted_rows.data_ptr<int64_t>();
+  const int64_t* order = order_t.data_ptr<int64_t>();
+  std::vector<int64_t> heads;
+  heads.reserve(n + 1);
+  for (int64_t q = 0; q < n; ++q)
+    if (q == 0 || srow[q] != srow[q - 1]) heads.push_back(q);
+  heads.push_back(n);
+  const int64_t segments = static_cast<int64_t>(heads.size()) - 1;
+  float* w_all = weight.data_ptr<float>();
+  float* s1 = state1.numel() ? state1.data_ptr<float>() : nullptr;
+  float* s2 = state2.numel() ? state2.data_ptr<float>() : nullptr;
+  const float* go = grad_out.data_ptr<float>();
+  torch::Tensor psw_c;
+  const float* pw = nullptr;
+  if (psw.has_value()) {
+    psw_c = psw->contiguous();
+    pw = psw_c.data_ptr<float>();
+  }
+  const float flr = static_cast<float>(lr), feps = static_cast<float>(eps), fwd = static_cast<float>(wd);
+  const float fb1 = static_cast<float>(beta1), fb2 = static_cast<float>(beta2);
+  const float c1 = static_cast<float>(1.0 - beta1), c2 = static_cast<float>(1.0 - beta2);
+  const float decay = static_cast<float>(1.0 - lr * wd);
+  const float fbias1 = static_cast<float>(bias1), fbias2 = static_cast<float>(bias2);
+  at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(D), gu(D);
+    for (int64_t s = begin; s < end; ++s) {
+      std::fill(g.begin(), g.end(), 0.0f);
+      for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
+        const int64_t i = order[q];
+        const float* gr = go + bag[i] * D;
+        const float scale = pw ? pw[i] : 1.0f;
+        for (int64_t d = 0; d < D; ++d) g[d] += gr[d] * scale;
+      }
+      const int64_t row = srow[heads[s]];
+      float* w = w_all + row * D;
+      if (opt == 0) {
+        for (int64_t d = 0; d < D; ++d) w[d] -= flr * g[d];
+      } else if (opt == 1) {
+        float* h = s1 + row * D;
+        for (int64_t d = 0; d < D; ++d) {
+          h[d] += g[d] * g[d];
+          w[d] -= flr * g[d] / (std::sqrt(h[d]) + feps);
+        }
+      } else if (opt == 2) {
+        float sq = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          gu[d] = wd_mode == 1 ? g[d] + fwd * w[d] : g[d];
+          sq += gu[d] * gu[d];
+        }
+        float& h = s1[row];
+        h += sq / static_cast<float>(D);
+        const float m = flr / (std::sqrt(h) + feps);
+        for (int64_t d = 0; d < D; ++d)
+          w[d] = wd_mode == 2 ? decay * w[d] - m * g[d] : w[d] - m * gu[d];
+      } else {
+        float* m1 = s1 + row * D;
+        float* m2 = s2 + row * D;
+        for (int64_t d = 0; d < D; ++d) {
+          m1[d] = m1[d] * fb1 + c1 * g[d];
+          m2[d] = m2[d] * fb2 + c2 * g[d] * g[d];
+          float upd = (m1[d] / fbias1) / (std::sqrt(m2[d] / fbias2) + feps);
+          if (wd_mode == 2) upd += fwd * w[d];
+          w[d] -= flr * upd;
+        }
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
+  m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
+  m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");
+  m.def("uniform01", &uniform01, "key-seeded uniform (0, 1) draws");
+}

@@ -1,0 +1,97 @@
+"""The GPU kernels against the plain-torch code, on any device the kernels run on (CUDA; or the
+CPU under Triton's interpreter while developing). Used by tests/kernels/test_gpu_kernels.py."""
+
+import torch
+
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.kernels import gpu
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
+from dynarec.optim.fused import bag_gradients, fused_row_update
+
+SPECS = [
+    SGD(lr=0.3),
+    Adagrad(lr=0.2, initial_accumulator_value=0.1),
+    RowWiseAdagrad(lr=0.2, initial_accumulator_value=0.1),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="l2"),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled"),
+    Adam(lr=0.05),
+    Adam(lr=0.05, weight_decay=0.01, beta1=0.8, beta2=0.99),
+]
+
+
+def check_find(device, num_buckets=64, bucket_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (int(0.8 * index.capacity),), generator=g)).to(device)
+    index.commit(index.plan_insert(keys, allow_evict=False), torch.zeros_like(keys))
+    query = torch.cat(
+        [
+            keys,
+            torch.randint(-(2**63), 2**63 - 1, (500,), generator=g).to(device),
+            torch.tensor([-(2**63), 0, 2**63 - 1], device=device),
+        ]
+    )
+    got = gpu.find_two_choice(index.keys, index.occupied, index.num_buckets, index.bucket_size, query)
+    assert torch.equal(got, index.find_reference(query))
+    assert int((got >= 0).sum()) == keys.numel()
+
+
+def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=g)
+    n = int(lengths.sum())
+    rows = (torch.randint(0, 10, (n,), generator=g) ** 2 % num_rows).to(device)  # duplicates
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(device)
+    psw = torch.rand(n, generator=g).to(device) + 0.5 if weighted else None
+    return rows, offsets, psw
+
+
+def check_pooled(device, dim=8, weighted=True):
+    rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted)
+    weight = torch.randn(50, dim, generator=torch.Generator().manual_seed(1)).to(device)
+    got = gpu.pooled_forward(weight, rows, offsets, psw)
+    ref = torch.nn.functional.embedding_bag(
+        rows, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def check_update(device, spec, dim=8, weighted=True, steps=3, update=None):
+    """``update`` (default the GPU kernel) against torch aggregation + the native update."""
+    update = update or gpu.bag_update
+    g = torch.Generator().manual_seed(2)
+    w_ref = torch.randn(50, dim, generator=g).to(device)
+    states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
+    w, states = w_ref.clone(), {k: v.clone() for k, v in states_ref.items()}
+    for step in range(1, steps + 1):
+        rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, seed=step)
+        grad_out = torch.randn(offsets.numel() - 1, dim, generator=g).to(device)
+        update(
+            definition(spec).kernel(spec, step),
+            lr=spec.lr,
+            weight=w,
+            states=states,
+            rows=rows,
+            offsets=offsets,
+            per_sample_weights=psw,
+            grad_out=grad_out,
+        )
+        per_id = bag_gradients(grad_out, offsets, psw, rows.numel())
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        agg = per_id.new_zeros(unique.numel(), dim).index_add_(0, inverse, per_id)
+        fused_row_update(spec, lr=spec.lr, step=step, weight=w_ref, states=states_ref, rows=unique, grad=agg)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    for k in states:
+        torch.testing.assert_close(states[k], states_ref[k], rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_checks
+    check_find("cpu", num_buckets=8, bucket_size=16)
+    check_find("cpu", num_buckets=3, bucket_size=4)
+    for weighted in (True, False):
+        check_pooled("cpu", weighted=weighted)
+        check_pooled("cpu", dim=5, weighted=weighted)
+    for spec in SPECS:
+        check_update("cpu", spec)
+        check_update("cpu", spec, dim=5, weighted=False)
+    print("all GPU kernel checks passed on the interpreter")

@@ -1,0 +1,26 @@
+"""The Triton kernels against the plain-torch code on a CUDA device (skipped elsewhere)."""
+
+import pytest
+
+from tests.kernels import gpu_checks
+from tests.matrix import needs_cuda
+
+pytestmark = [needs_cuda, pytest.mark.skipif(not gpu_checks.gpu.HAVE_TRITON, reason="Triton is not installed")]
+
+
+@pytest.mark.parametrize("num_buckets, bucket_size", [(3, 4), (64, 16), (1 << 16, 16)])
+def test_find(num_buckets, bucket_size):
+    gpu_checks.check_find("cuda", num_buckets, bucket_size)
+
+
+@pytest.mark.parametrize("dim", [5, 8, 128])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_pooled_forward(dim, weighted):
+    gpu_checks.check_pooled("cuda", dim=dim, weighted=weighted)
+
+
+@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+@pytest.mark.parametrize("dim", [5, 8, 128])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_update(spec, dim, weighted):
+    gpu_checks.check_update("cuda", spec, dim=dim, weighted=weighted)
