@@ -51,25 +51,30 @@ if HAVE_TRITON:
 
     @triton.jit
     def _find_kernel(keys_ptr, occ_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BLOCK: tl.constexpr):
+        # Per key: one 128-byte line of keys per bucket read (the second only for keys the first
+        # lacks); occupancy only at the lanes whose key matches (rare for absent keys). The
+        # bucket is each 32-bit half of mix64 modulo num_buckets (< 2^32): 32-bit arithmetic.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
-        nb = num_buckets.to(tl.uint64)
-        b1 = ((h & 0xFFFFFFFF) % nb).to(tl.int64)
-        b2 = ((h >> 32) % nb).to(tl.int64)
+        nb = num_buckets.to(tl.uint32)
+        b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
+        b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
         lanes = tl.arange(0, BS)
         s1 = b1[:, None] * BS + lanes[None, :]
         k1 = tl.load(keys_ptr + s1, mask=valid[:, None], other=0)
-        o1 = tl.load(occ_ptr + s1, mask=valid[:, None], other=0)
-        hit1 = (k1 == q[:, None]) & (o1 != 0)
+        eq1 = (k1 == q[:, None]) & valid[:, None]
+        o1 = tl.load(occ_ptr + s1, mask=eq1, other=0)
+        hit1 = eq1 & (o1 != 0)
         found1 = tl.max(hit1.to(tl.int32), axis=1) > 0
         lane1 = tl.argmax(hit1.to(tl.int32), axis=1)
-        need2 = valid & (found1 == 0)  # the second line is read only for keys the first lacks
+        need2 = valid & (found1 == 0)
         s2 = b2[:, None] * BS + lanes[None, :]
         k2 = tl.load(keys_ptr + s2, mask=need2[:, None], other=0)
-        o2 = tl.load(occ_ptr + s2, mask=need2[:, None], other=0)
-        hit2 = (k2 == q[:, None]) & (o2 != 0) & need2[:, None]
+        eq2 = (k2 == q[:, None]) & need2[:, None]
+        o2 = tl.load(occ_ptr + s2, mask=eq2, other=0)
+        hit2 = eq2 & (o2 != 0)
         found2 = tl.max(hit2.to(tl.int32), axis=1) > 0
         lane2 = tl.argmax(hit2.to(tl.int32), axis=1)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
@@ -96,83 +101,135 @@ if HAVE_TRITON:
         tl.store(out_ptr + bag * D + d, acc, mask=dm)
 
     @triton.jit
-    def _update_kernel(
-        weight_ptr,
-        s1_ptr,
-        s2_ptr,
-        grad_ptr,
-        order_ptr,
-        sorted_rows_ptr,
-        seg_start_ptr,
-        bag_ptr,
-        psw_ptr,
-        n,
-        D,
-        lr,
-        eps,
-        wd,
-        beta1,
-        beta2,
-        bias1,
-        bias2,
-        c1,
-        c2,
-        decay,
-        OPT: tl.constexpr,
-        WD_MODE: tl.constexpr,
-        HAS_W: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
+    def _apply_update(
+        weight_ptr, s1_ptr, s2_ptr, row, g, d, dm, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr,
+    ):  # fmt: skip
+        """One row's optimizer step from its aggregated gradient ``g`` ([BLOCK_D] float32)."""
+        w = tl.load(weight_ptr + row * D + d, mask=dm, other=0.0)
+        if OPT == 0:  # SGD
+            w = w - lr * g
+        elif OPT == 1:  # Adagrad: h += g*g; w -= lr * g / (sqrt(h) + eps)
+            h = tl.load(s1_ptr + row * D + d, mask=dm, other=0.0) + g * g
+            tl.store(s1_ptr + row * D + d, h, mask=dm)
+            w = w - lr * g / (tl.sqrt(h) + eps)
+        elif OPT == 2:  # RowWiseAdagrad
+            gu = g
+            if WD_MODE == 1:
+                gu = g + wd * w
+            gu = tl.where(dm, gu, 0.0)
+            h = tl.load(s1_ptr + row) + tl.sum(gu * gu, axis=0) / D
+            tl.store(s1_ptr + row, h)
+            m = lr / (tl.sqrt(h) + eps)
+            if WD_MODE == 2:
+                w = decay * w - m * g
+            else:
+                w = w - m * gu
+        else:  # Adam with bias correction and decoupled weight decay
+            m1 = tl.load(s1_ptr + row * D + d, mask=dm, other=0.0) * beta1 + c1 * g
+            m2 = tl.load(s2_ptr + row * D + d, mask=dm, other=0.0) * beta2 + c2 * g * g
+            tl.store(s1_ptr + row * D + d, m1, mask=dm)
+            tl.store(s2_ptr + row * D + d, m2, mask=dm)
+            upd = (m1 / bias1) / (tl.sqrt(m2 / bias2) + eps)
+            if WD_MODE == 2:
+                upd = upd + wd * w
+            w = w - lr * upd
+        tl.store(weight_ptr + row * D + d, w, mask=dm)
+
+    @triton.jit
+    def _occurrence_sum(grad_ptr, order_ptr, bag_ptr, psw_ptr, p0, end, D, d, dm, HAS_W: tl.constexpr, L: tl.constexpr):
+        """Sum of ``psw[i] * grad[bag(i)]`` over the sorted occurrences ``p0 .. end-1`` (at most
+        ``L``), as one [L, BLOCK_D] tile: a fixed reduction order, whatever the timing."""
+        p = p0 + tl.arange(0, L)
+        pm = p < end
+        i = tl.load(order_ptr + p, mask=pm, other=0)
+        bag = tl.load(bag_ptr + i, mask=pm, other=0)
+        gi = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        if HAS_W:
+            gi = gi * tl.load(psw_ptr + i, mask=pm, other=0.0)[:, None]
+        return tl.sum(gi, axis=0)
+
+    @triton.jit
+    def _update_cold_kernel(
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, seg_start_ptr, bag_ptr, psw_ptr,
+        n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+    ):  # fmt: skip
+        """One program per segment of at most ``L`` occurrences (most rows: one or two): sum in
+        sorted order, then update the row."""
         seg = tl.program_id(0).to(tl.int64)
         start = tl.load(seg_start_ptr + seg)
-        if start < n:
-            end = tl.load(seg_start_ptr + seg + 1)
-            row = tl.load(sorted_rows_ptr + start)
+        end = tl.load(seg_start_ptr + seg + 1)
+        if (start < n) & (end - start <= L):
             d = tl.arange(0, BLOCK_D)
             dm = d < D
             g = tl.zeros([BLOCK_D], dtype=tl.float32)
             q = start
-            while q < end:  # the row's occurrences, in sorted (stable) order
+            while q < end:
                 i = tl.load(order_ptr + q)
-                bag = tl.load(bag_ptr + i)
-                gi = tl.load(grad_ptr + bag * D + d, mask=dm, other=0.0)
+                gi = tl.load(grad_ptr + tl.load(bag_ptr + i) * D + d, mask=dm, other=0.0)
                 if HAS_W:
                     gi = gi * tl.load(psw_ptr + i)
                 g += gi
                 q += 1
-            w = tl.load(weight_ptr + row * D + d, mask=dm, other=0.0)
-            if OPT == 0:  # SGD
-                w = w - lr * g
-            elif OPT == 1:  # Adagrad: h += g*g; w -= lr * g / (sqrt(h) + eps)
-                h = tl.load(s1_ptr + row * D + d, mask=dm, other=0.0) + g * g
-                tl.store(s1_ptr + row * D + d, h, mask=dm)
-                w = w - lr * g / (tl.sqrt(h) + eps)
-            elif OPT == 2:  # RowWiseAdagrad
-                gu = g
-                if WD_MODE == 1:
-                    gu = g + wd * w
-                gu = tl.where(dm, gu, 0.0)
-                h = tl.load(s1_ptr + row) + tl.sum(gu * gu, axis=0) / D
-                tl.store(s1_ptr + row, h)
-                m = lr / (tl.sqrt(h) + eps)
-                if WD_MODE == 2:
-                    w = decay * w - m * g
-                else:
-                    w = w - m * gu
-            else:  # Adam with bias correction and decoupled weight decay
-                m1 = tl.load(s1_ptr + row * D + d, mask=dm, other=0.0) * beta1 + c1 * g
-                m2 = tl.load(s2_ptr + row * D + d, mask=dm, other=0.0) * beta2 + c2 * g * g
-                tl.store(s1_ptr + row * D + d, m1, mask=dm)
-                tl.store(s2_ptr + row * D + d, m2, mask=dm)
-                upd = (m1 / bias1) / (tl.sqrt(m2 / bias2) + eps)
-                if WD_MODE == 2:
-                    upd = upd + wd * w
-                w = w - lr * upd
-            tl.store(weight_ptr + row * D + d, w, mask=dm)
+            row = tl.load(sorted_rows_ptr + start)
+            _apply_update(
+                weight_ptr, s1_ptr, s2_ptr, row, g, d, dm, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2,
+                decay, OPT, WD_MODE,
+            )  # fmt: skip
+
+    @triton.jit
+    def _hot_chunk_kernel(
+        grad_ptr, order_ptr, bag_ptr, psw_ptr, chunk_start_ptr, chunk_end_ptr, partial_ptr, n, D,
+        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+    ):  # fmt: skip
+        """One program per chunk of ``L`` occurrences of a hot row: its partial gradient sum."""
+        c = tl.program_id(0).to(tl.int64)
+        p0 = tl.load(chunk_start_ptr + c)
+        if p0 < n:
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            end = tl.load(chunk_end_ptr + c)
+            g = _occurrence_sum(grad_ptr, order_ptr, bag_ptr, psw_ptr, p0, end, D, d, dm, HAS_W, L)
+            tl.store(partial_ptr + c * D + d, g, mask=dm)
+
+    @triton.jit
+    def _update_hot_kernel(
+        weight_ptr, s1_ptr, s2_ptr, partial_ptr, hot_row_ptr, hot_first_ptr, hot_chunks_ptr,
+        D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
+    ):  # fmt: skip
+        """One program per hot row: its chunks' partial sums, ``P`` at a time, then the update."""
+        h = tl.program_id(0).to(tl.int64)
+        row = tl.load(hot_row_ptr + h)
+        if row >= 0:
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            first = tl.load(hot_first_ptr + h)
+            last = first + tl.load(hot_chunks_ptr + h)
+            g = tl.zeros([BLOCK_D], dtype=tl.float32)
+            c = first
+            while c < last:
+                cs = c + tl.arange(0, P)
+                part = tl.load(
+                    partial_ptr + cs[:, None] * D + d[None, :], mask=(cs < last)[:, None] & dm[None, :], other=0.0
+                )
+                g += tl.sum(part, axis=0)
+                c += P
+            _apply_update(
+                weight_ptr, s1_ptr, s2_ptr, row, g, d, dm, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2,
+                decay, OPT, WD_MODE,
+            )  # fmt: skip
 
 
 def _block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
+
+
+def _row_warps(block_d: int) -> int:
+    """Warps of a one-row program: four floats a thread (one 16-byte access), at most 4 warps.
+    Latency-bound programs: fewer warps each let more of them be resident per multiprocessor."""
+    return max(1, min(4, block_d // 128))
 
 
 def find_two_choice(
@@ -211,17 +268,55 @@ def pooled_forward(
     return out
 
 
-def _segments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, sorted rows, segment starts [n + 1])``: a stable sort by row, and the start of
-    each run of equal rows (runs beyond the last hold ``n``). Static shapes: no host sync."""
+def _segments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, sorted rows, segment starts [n + 1], segment of each sorted position)``: a stable
+    sort by row, and the start of each run of equal rows (runs beyond the last hold ``n``; the
+    heads scatter their positions, the rest go to a spare slot). Static shapes: no host sync."""
     n = rows.numel()
     sorted_rows, order = torch.sort(rows, stable=True)
     head = torch.ones(n, dtype=torch.bool, device=rows.device)
     head[1:] = sorted_rows[1:] != sorted_rows[:-1]
     seg = torch.cumsum(head.to(torch.int64), 0) - 1
-    starts = torch.full((n + 1,), n, dtype=torch.int64, device=rows.device)
-    starts.scatter_reduce_(0, seg, torch.arange(n, device=rows.device), reduce="amin", include_self=True)
-    return order, sorted_rows, starts
+    starts = torch.full((n + 2,), n, dtype=torch.int64, device=rows.device)
+    starts.scatter_(0, torch.where(head, seg, n + 1), torch.arange(n, device=rows.device))  # heads only
+    return order, sorted_rows, starts[: n + 1], seg
+
+
+def _compact(mask: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """``values[mask]`` in order, padded with ``fill`` to ``size`` (>= mask.sum()): a static
+    shape, so no host sync."""
+    out = torch.full((size + 1,), fill, dtype=values.dtype, device=values.device)
+    index = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, size)
+    return out.scatter_(0, index, values)[:size]
+
+
+def _hot_chunks(
+    starts: torch.Tensor, seg: torch.Tensor, sorted_rows: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, ...]:
+    """The segments longer than ``chunk`` (hot rows) split into chunks of ``chunk`` occurrences.
+
+    Returns ``(chunk_start, chunk_end, hot_row, hot_first, hot_chunks)``: each chunk's sorted
+    positions (start ``n`` = no chunk), and each hot row with its first chunk and chunk count
+    (row ``-1`` = none). Sizes are bounds known from ``n`` alone: at most ``n // chunk`` hot rows
+    and ``2 n // chunk`` chunks."""
+    n = seg.numel()
+    dev = seg.device
+    counts = starts[1:] - starts[:-1]  # [n]; 0 past the last segment
+    pos = torch.arange(n, device=dev)
+    seg_start = starts[seg]
+    hot_pos = counts[seg] > chunk
+    head = hot_pos & ((pos - seg_start) % chunk == 0)
+    max_chunks, max_hot = 2 * (n // chunk) + 1, n // chunk + 1
+    chunk_start = _compact(head, pos, max_chunks, n)
+    seg_end = starts[seg + 1]
+    chunk_end = _compact(head, torch.minimum(pos + chunk, seg_end), max_chunks, n)
+    chunk_id = torch.cumsum(head.to(torch.int64), 0) - 1  # at a hot segment's start: its first chunk
+    hot_seg = counts > chunk
+    first_pos = starts[:n].clamp(max=n - 1)
+    hot_row = _compact(hot_seg, sorted_rows[first_pos], max_hot, -1)
+    hot_first = _compact(hot_seg, chunk_id[first_pos], max_hot, 0)
+    hot_chunks = _compact(hot_seg, (counts + chunk - 1) // chunk, max_hot, 0)
+    return chunk_start, chunk_end, hot_row, hot_first, hot_chunks
 
 
 def bag_update(
@@ -234,29 +329,28 @@ def bag_update(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
+    chunk: int = 32,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
-    the row, in place."""
+    the row, in place.
+
+    A row of at most ``chunk`` occurrences is summed and updated by one program. A hot row (a
+    Zipf head can hold a tenth of a step's ids) is summed in parallel chunks of ``chunk``
+    occurrences, whose partial sums one program then adds in chunk order and applies: no
+    program walks a long row alone, and every sum has a fixed order."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
     lengths = offsets[1:] - offsets[:-1]
     bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=n)
-    order, sorted_rows, starts = _segments(rows)
+    order, sorted_rows, starts, seg = _segments(rows)
     s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
-    psw = per_sample_weights.contiguous() if per_sample_weights is not None else rows
-    _update_kernel[(n,)](
-        weight,
-        s1,
-        s2,
-        grad_out.contiguous(),
-        order,
-        sorted_rows,
-        starts,
-        bag_of_id,
-        psw,
-        n,
+    grad_out = grad_out.contiguous()
+    psw = per_sample_weights.contiguous() if per_sample_weights is not None else grad_out
+    has_w = per_sample_weights is not None
+    block_d = _block_d(dim)
+    scalars = (
         dim,
         float(lr),
         float(args.eps),
@@ -269,8 +363,21 @@ def bag_update(
         1.0 - args.beta1,
         1.0 - args.beta2,
         1.0 - lr * args.weight_decay,
-        OPT=args.code,
-        WD_MODE=args.weight_decay_mode,
-        HAS_W=per_sample_weights is not None,
-        BLOCK_D=_block_d(dim),
     )
+    opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode)
+    warps = _row_warps(block_d)
+    _update_cold_kernel[(n,)](
+        weight, s1, s2, grad_out, order, sorted_rows, starts, bag_of_id, psw, n, *scalars,
+        **opt, HAS_W=has_w, BLOCK_D=block_d, L=chunk, num_warps=warps,
+    )  # fmt: skip
+    if n > chunk:  # a hot row needs more than `chunk` ids (the grid sizes depend on n alone)
+        chunk_start, chunk_end, hot_row, hot_first, hot_chunks = _hot_chunks(starts, seg, sorted_rows, chunk)
+        partial = torch.empty(chunk_start.numel(), dim, dtype=torch.float32, device=weight.device)
+        _hot_chunk_kernel[(chunk_start.numel(),)](
+            grad_out, order, bag_of_id, psw, chunk_start, chunk_end, partial, n, dim,
+            HAS_W=has_w, BLOCK_D=block_d, L=chunk,
+        )  # fmt: skip
+        _update_hot_kernel[(hot_row.numel(),)](
+            weight, s1, s2, partial, hot_row, hot_first, hot_chunks, *scalars, **opt, BLOCK_D=block_d, P=16,
+            num_warps=warps,
+        )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The native backend on CUDA equals the CPU run (skipped where no GPU is present)."""
+"""The native backend on CUDA equals the CPU run, also through a dynamic table's growth and
+evictions: the same keys in the same slots (skipped where no GPU is present)."""
 
 import numpy as np
 import pytest
@@ -19,13 +20,18 @@ SPECS = [
 ]
 
 
+VOCAB = {"fixed": 60, "dynamic": 60, "dynamic_evicting": 2000}
+TABLE = {
+    "fixed": dict(num_embeddings=60),
+    "dynamic": dict(dynamic=DynamicTableOptions(512, init_capacity=32, bucket_size=8)),
+    # 2000 ids through 256 slots: grows 64 -> 256, then evicts the coldest every step.
+    "dynamic_evicting": dict(dynamic=DynamicTableOptions(256, init_capacity=64, bucket_size=8)),
+}
+
+
 def build(kind, spec, device):
     features = ["item_id", FeatureConfig("hist", pooling="none"), FeatureConfig("m", pooling="mean")]
-    extra = (
-        dict(num_embeddings=60)
-        if kind == "fixed"
-        else dict(dynamic=DynamicTableOptions(512, init_capacity=32, bucket_size=8))
-    )
+    extra = TABLE[kind]
     return EmbeddingCollection(
         [
             TableConfig(
@@ -37,13 +43,14 @@ def build(kind, spec, device):
     )
 
 
-@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
+@pytest.mark.parametrize("kind", list(TABLE))
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_cuda_matches_cpu(kind, spec):
     cpu, gpu = build(kind, spec, "cpu"), build(kind, spec, "cuda")
     rng = np.random.default_rng(0)
-    for step in range(4):
-        feats = {f: zipf_batch(rng, 16, 6, 60) for f in ("item_id", "hist", "m")}
+    for step in range(4 if kind != "dynamic_evicting" else 12):
+        # at most 8 x 4 x 3 = 96 ids a step, so that a step's rows always fit the 256 slots
+        feats = {f: zipf_batch(rng, 8, 4, VOCAB[kind], a=1.1) for f in ("item_id", "hist", "m")}
         weights = {f: [[0.5 + 0.1 * j for j in range(len(s))] for s in v] for f, v in feats.items()}
         kjt = JaggedBatch.from_lists(feats, weights)
         g = torch.Generator().manual_seed(step)
@@ -54,10 +61,15 @@ def test_cuda_matches_cpu(kind, spec):
         sum((out_g[k] * grads[k].cuda()).sum() for k in out_g).backward()
         for k in out_c:
             torch.testing.assert_close(out_g[k].detach().cpu(), out_c[k].detach(), rtol=1e-5, atol=1e-6)
-    keys = torch.arange(60)
+    keys = torch.arange(VOCAB[kind])
     rc, rg = cpu.read_rows("t", keys), gpu.read_rows("t", keys.cuda())
     for k in rc:
         torch.testing.assert_close(rg[k].cpu(), rc[k], rtol=1e-5, atol=1e-6)
-    if kind == "dynamic":
+    if kind != "fixed":
         dc, dg = cpu.tables["t"].dump(), gpu.tables["t"].dump()
-        assert torch.equal(dc["keys"], dg["keys"]) and torch.equal(dc["scores"], dg["scores"])
+        for field in ("keys", "scores", "slots", "layout"):
+            assert torch.equal(dc[field], dg[field]), field
+        assert cpu.tables["t"].report() == gpu.tables["t"].report()
+    if kind == "dynamic_evicting":
+        report = gpu.tables["t"].report()
+        assert report["capacity"] == 256 and report["evicted_keys"] > 100, report

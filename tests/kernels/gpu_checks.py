@@ -1,6 +1,8 @@
 """The GPU kernels against the plain-torch code, on any device the kernels run on (CUDA; or the
 CPU under Triton's interpreter while developing). Used by tests/kernels/test_gpu_kernels.py."""
 
+import functools
+
 import torch
 
 from dynarec.embedding.hash_index import BucketedHashIndex
@@ -23,7 +25,10 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (int(0.8 * index.capacity),), generator=g)).to(device)
-    index.commit(index.plan_insert(keys, allow_evict=False), torch.zeros_like(keys))
+    plan = index.plan_insert(keys, allow_evict=False)
+    index.commit(plan, torch.zeros_like(keys))
+    placed = keys[plan.slots >= 0]  # one bulk plan at load 0.8 may leave a few keys out
+    assert placed.numel() >= 0.99 * keys.numel()
     query = torch.cat(
         [
             keys,
@@ -33,7 +38,8 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     )
     got = gpu.find_two_choice(index.keys, index.occupied, index.num_buckets, index.bucket_size, query)
     assert torch.equal(got, index.find_reference(query))
-    assert int((got >= 0).sum()) == keys.numel()
+    assert int((got >= 0).sum()) == placed.numel()
+    assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
 
 
 def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, seed=0):
@@ -56,15 +62,17 @@ def check_pooled(device, dim=8, weighted=True):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def check_update(device, spec, dim=8, weighted=True, steps=3, update=None):
-    """``update`` (default the GPU kernel) against torch aggregation + the native update."""
-    update = update or gpu.bag_update
+def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, chunk=None):
+    """``update`` (default the GPU kernel, with hot rows above ``chunk`` occurrences) against
+    torch aggregation + the native update. ``max_len`` 60 gives rows of ~100 occurrences."""
+    if update is None:
+        update = gpu.bag_update if chunk is None else functools.partial(gpu.bag_update, chunk=chunk)
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
     w, states = w_ref.clone(), {k: v.clone() for k, v in states_ref.items()}
     for step in range(1, steps + 1):
-        rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, seed=step)
+        rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, seed=step, max_len=max_len)
         grad_out = torch.randn(offsets.numel() - 1, dim, generator=g).to(device)
         update(
             definition(spec).kernel(spec, step),
@@ -80,9 +88,12 @@ def check_update(device, spec, dim=8, weighted=True, steps=3, update=None):
         unique, inverse = torch.unique(rows, return_inverse=True)
         agg = per_id.new_zeros(unique.numel(), dim).index_add_(0, inverse, per_id)
         fused_row_update(spec, lr=spec.lr, step=step, weight=w_ref, states=states_ref, rows=unique, grad=agg)
-    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    # A hot row sums ~100 float32 terms of size ~1 in another order than index_add: its gradient
+    # differs by ~1e-5 absolute, and lr times that shows in the weight.
+    tol = dict(rtol=1e-5, atol=1e-6 if max_len <= 6 else 2e-5)
+    torch.testing.assert_close(w, w_ref, **tol)
     for k in states:
-        torch.testing.assert_close(states[k], states_ref[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(states[k], states_ref[k], **tol)
 
 
 if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_checks
@@ -94,4 +105,6 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     for spec in SPECS:
         check_update("cpu", spec)
         check_update("cpu", spec, dim=5, weighted=False)
+        check_update("cpu", spec, max_len=60, chunk=4)  # hot rows: ~30 chunks each
+        check_update("cpu", spec, dim=5, weighted=False, max_len=60, chunk=1)
     print("all GPU kernel checks passed on the interpreter")

@@ -24,3 +24,10 @@ def test_pooled_forward(dim, weighted):
 @pytest.mark.parametrize("weighted", [True, False])
 def test_fused_update(spec, dim, weighted):
     gpu_checks.check_update("cuda", spec, dim=dim, weighted=weighted)
+
+
+@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+@pytest.mark.parametrize("chunk", [1, 4, 32])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_update_of_hot_rows_in_chunks(spec, chunk, weighted):
+    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, chunk=chunk)

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/results/*-h200*.txt, as they were made on an H200 machine with
+# the image's python3 (torch + Triton). Usage: benchmarks/h200.sh STAGE OUT_DIR
+#   tests    CUDA tests (Triton kernels vs the plain-torch code, CUDA vs CPU runs); hash-find
+#   before   hash-find / fused-step / dynamic-step of the pre-kernel revision (copied to .before/)
+#   steps    fused-step / dynamic-step on one GPU; the profile of a fixed and a dynamic step
+#   sweep    the GPU sweep (optimizers x D x ids per step)
+#   train    train-step on one GPU (dynarec vs plain torch)
+#   nccl     two GPUs: the NCCL equality test, train-step weak scaling 1 -> 2 GPUs
+# Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
+set -uo pipefail
+stage=$1
+out=$2
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+dyn=(python3 -m dynarec bench)
+before=(env -C .before PYTHONPATH=/tmp/site:$PWD/.before python3 -m dynarec.cli bench)
+shape=(--rows 10000000 --dim 128 --bags 65536 --pooling-factor 16)
+
+case $stage in
+tests)
+    python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
+        2>&1 | tee "$out/tests-h200.txt"
+    {
+        timeout 120 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26))
+    } 2>&1 | tee "$out/hash-find-h200.txt"
+    ;;
+steps)
+    {
+        timeout 90 "${dyn[@]}" fused-step --device cuda "${shape[@]}" --optimizer adagrad
+        timeout 120 "${dyn[@]}" dynamic-step --device cuda "${shape[@]}"
+    } 2>&1 | tee "$out/steps-h200.txt"
+    for kind in fixed dynamic; do
+        timeout 90 python3 benchmarks/profile_step.py --device cuda --kind $kind --rows 10000000 --dim 128
+    done 2>&1 | tee "$out/profile-h200.txt"
+    ;;
+before)
+    {
+        timeout 120 "${before[@]}" hash-find --device cuda --slots $((1 << 26))
+        timeout 90 "${before[@]}" fused-step --device cuda "${shape[@]}"
+        timeout 120 "${before[@]}" dynamic-step --device cuda "${shape[@]}"
+    } 2>&1 | tee "$out/before-h200.txt"
+    ;;
+sweep)
+    timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
+    ;;
+train)
+    timeout 400 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 8 --runs 3 --steps 10 \
+        --json "$out/train-step-h200.json" 2>&1 | tee "$out/train-step-h200.txt"
+    ;;
+nccl)
+    nvidia-smi topo -m
+    timeout 60 python3 benchmarks/profile_step.py --device cuda --rows 10000000 --dim 128 --bags 4096 \
+        --steps 50 --host --rows-shown 30 2>&1 | tee "$out/profile-host-h200.txt"
+    timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/distributed/test_nccl.py 2>&1 | tee "$out/nccl-h200x2.txt"
+    {
+        timeout 150 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 8 --runs 3 --steps 10
+        timeout 200 torchrun --standalone --nproc-per-node 2 -m dynarec bench train-step --device cuda \
+            --batch 16384 --workers 8 --runs 3 --steps 10
+    } 2>&1 | tee "$out/train-step-h200x2.txt"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac

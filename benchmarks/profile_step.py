@@ -1,0 +1,59 @@
+"""Where a fused step's time goes: the torch profiler over a few steps of one table (fixed or
+dynamic), kernels sorted by device time. Usage:
+
+    python benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128
+
+``--host`` profiles the host side instead (cProfile: Python and launch overhead per step).
+"""
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dynarec.bench.common import Workload, make_table
+from dynarec.embedding import EmbeddingCollection
+from dynarec.optim import Adagrad
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kind", choices=["fixed", "dynamic"], default="fixed")
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--bags", type=int, default=65536)
+    p.add_argument("--pooling-factor", type=int, default=16)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rows-shown", type=int, default=25)
+    p.add_argument("--host", action="store_true", help="cProfile the host side")
+    a = p.parse_args()
+    w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
+    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
+    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    for b in batches:  # warm-up: compiles the kernels, inserts every key
+        coll(b)["f"].sum().backward()
+    if a.host:
+        host = cProfile.Profile()
+        host.enable()
+        for i in range(a.steps):
+            coll(batches[i % len(batches)])["f"].sum().backward()
+        host.disable()
+        print(f"== host side of {a.steps} steps, {a.kind} table, {w.ids_per_step:,} ids a step")
+        pstats.Stats(host).sort_stats("tottime").print_stats(a.rows_shown)
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for i in range(a.steps):
+            coll(batches[i % len(batches)])["f"].sum().backward()
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
+    print(f"== {a.kind} table, {w.ids_per_step:,} ids a step, {a.steps} steps")
+    print(prof.key_averages().table(sort_by=key, row_limit=a.rows_shown, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""What every benchmark shares: workloads, interleaved timing, the roofline accounting."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
+from dynarec.embedding.config import Backend
+from dynarec.embedding.initializers import mix64
+
+__all__ = ["Workload", "copy_bandwidth", "make_table", "measure", "ratio", "roofline_bytes_per_id", "synchronizer"]
+
+HBM_ROOFLINE_GBPS = 4300.0  # H200 HBM3e as measured by a device-to-device copy here (docs/benchmarks.md)
+
+
+@dataclass
+class Workload:
+    num_embeddings: int = 1_000_000
+    dim: int = 64
+    bags: int = 4096
+    pooling_factor: int = 20
+    zipf_a: float = 1.05
+    num_batches: int = 8
+    seed: int = 0
+
+    @property
+    def ids_per_step(self) -> int:
+        return self.bags * self.pooling_factor
+
+    def batches(
+        self, keys_over_int64: bool = False, scatter_rows: bool = False, device: str = "cpu"
+    ) -> list[JaggedBatch]:
+        """Batches on the host (pinned where ``device`` is CUDA: the collection validates them
+        there, with no device sync, and copies them over asynchronously, as in training).
+        ``keys_over_int64``: ids hashed over the int64 range (dynamic tables);
+        ``scatter_rows``: ids hashed over ``[0, num_embeddings)`` (a fixed table whose hot rows
+        are spread like a dynamic table's slots, not packed at the low ids)."""
+        rng = np.random.default_rng(self.seed)
+        out = []
+        for _ in range(self.num_batches):
+            ids = torch.from_numpy((rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings).long()
+            if keys_over_int64:
+                ids = mix64(ids)  # a bijection: same duplicate structure, keys spread over int64
+            elif scatter_rows:
+                ids = (mix64(ids) & ((1 << 63) - 1)) % self.num_embeddings
+            lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
+            if device.startswith("cuda"):  # on the host, pinned: as the trainer's DataLoader gives them
+                out.append(JaggedBatch(["f"], ids.pin_memory(), lengths.pin_memory()))
+            else:
+                out.append(JaggedBatch(["f"], ids, lengths))
+        return out
+
+    def unique_fraction(self, batches: list[JaggedBatch]) -> float:
+        return statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches)
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def make_table(kind: str, backend: Backend, w: Workload) -> TableConfig:
+    if kind == "fixed":
+        return TableConfig(name="t", dim=w.dim, num_embeddings=w.num_embeddings, features=["f"], backend=backend)
+    # The same ids must fit without eviction: max_capacity's promise holds below 90% of it.
+    cap = 16 * -(-w.num_embeddings * 10 // (9 * 16))
+    return TableConfig(
+        name="t", dim=w.dim, dynamic=DynamicTableOptions(cap, init_capacity=cap), features=["f"], backend=backend
+    )
+
+
+def _time_steps(coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    for i in range(steps):
+        coll(batches[i % len(batches)])["f"].sum().backward()
+    sync()
+    return time.perf_counter() - start
+
+
+def measure(
+    makers: dict[str, Callable[[], EmbeddingCollection]],
+    batches: dict[str, list[JaggedBatch]],
+    steps: int,
+    runs: int,
+    warmup: int,
+    device: str,
+) -> dict[str, dict[str, Any]]:
+    """Times several setups with their timed runs interleaved (a, b, a, b, ...), so that every
+    setup sees the same machine state; reports each one's median and per-run rates (ids/s).
+    Warm-up covers every batch once, so a dynamic table's timed steps meet no new key."""
+    sync = synchronizer(device)
+    gc.collect()  # the previous measurement's tables, before this one's are allocated
+    colls = {}
+    for name, make in makers.items():
+        colls[name] = make()
+        _time_steps(colls[name], batches[name], max(warmup, len(batches[name])), sync)
+    rates: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(runs):
+        for name, coll in colls.items():
+            ids = batches[name][0].values().numel()
+            rates[name].append(ids * steps / _time_steps(coll, batches[name], steps, sync))
+    return {
+        name: {"ids_per_s_median": statistics.median(rates[name]), "ids_per_s_runs": rates[name], "coll": colls[name]}
+        for name in makers
+    }
+
+
+def ratio(results: dict, a: str, b: str) -> float:
+    """Median over runs of a's rate / b's rate in the same (interleaved) run."""
+    return statistics.median(x / y for x, y in zip(results[a]["ids_per_s_runs"], results[b]["ids_per_s_runs"]))
+
+
+def roofline_bytes_per_id(w: Workload, unique_fraction: float, state_floats: Optional[int] = None) -> float:
+    """docs/benchmarks.md's byte count of a fused fp32 step, per looked-up id: forward 4D per id
+    + 4D per pooled output; backward 4D per output gradient + 8D per id + per unique row the weight
+    and the optimizer state read and written (16D for Adagrad; ``state_floats`` per row)."""
+    d = w.dim
+    per_output = (4 * d + 4 * d) / w.pooling_factor
+    state = d if state_floats is None else state_floats
+    return 4 * d + 8 * d + per_output + 8 * (d + state) * unique_fraction
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 31) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), median of 5 — the ceiling to quote."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    sync = synchronizer(device)
+    y.copy_(x)
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        y.copy_(x)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times) / 1e9

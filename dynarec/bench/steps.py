@@ -1,0 +1,307 @@
+"""Embedding-step benchmarks: the fused step of a fixed table, dynamic vs fixed, the hash index,
+and sweeps over the workload (``dynarec bench fused-step | dynamic-step | hash-find | sweep``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from dynarec.bench.common import (
+    HBM_ROOFLINE_GBPS,
+    Workload,
+    copy_bandwidth,
+    make_table,
+    measure,
+    ratio,
+    roofline_bytes_per_id,
+    synchronizer,
+)
+from dynarec.embedding import EmbeddingCollection
+from dynarec.embedding.config import Backend
+from dynarec.embedding.fbgemm_store import fbgemm_available
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.step import Journal
+from dynarec.optim import SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
+
+__all__ = ["bench_dynamic_step", "bench_fused_step", "bench_hash_find", "bench_sweep"]
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "sgd": SGD(lr=0.01),
+    "adagrad": Adagrad(lr=0.01),
+    "rowwise_adagrad": RowWiseAdagrad(lr=0.01),
+    "adam": Adam(lr=0.01),
+}
+
+
+def _backends(device: str, spec: OptimizerSpec) -> list[Backend]:
+    fbgemm = fbgemm_available() and device == "cpu" and not isinstance(spec, Adam)
+    return ["native", "fbgemm"] if fbgemm else ["native"]
+
+
+def _state_floats(spec: OptimizerSpec, dim: int) -> int:
+    return sum(s.width(dim) for s in spec.state_specs())
+
+
+def _torch_sparse_baseline(w: Workload, batches, steps: int, runs: int, warmup: int, device: str) -> list[float]:
+    """What a user writes without a fused library: nn.EmbeddingBag(sparse=True) and
+    torch.optim.Adagrad (unfused, sparse gradients), its inputs already on the device. Rates in
+    ids/s."""
+    sync = synchronizer(device)
+    batches = [b.to(device) for b in batches]
+    bag = torch.nn.EmbeddingBag(w.num_embeddings, w.dim, mode="sum", sparse=True, device=device)
+    opt = torch.optim.Adagrad(bag.parameters(), lr=0.01)
+
+    def run(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for i in range(n):
+            b = batches[i % len(batches)]
+            opt.zero_grad()
+            bag(b.values(), b.offsets()[:-1]).sum().backward()
+            opt.step()
+        sync()
+        return time.perf_counter() - start
+
+    run(warmup)
+    return [w.ids_per_step * steps / run(steps) for _ in range(runs)]
+
+
+def _fused_step(
+    w: Workload,
+    spec: OptimizerSpec,
+    device: str,
+    steps: int,
+    runs: int,
+    warmup: int,
+    baseline: bool,
+    copy_gbps: float = 0.0,
+) -> dict[str, Any]:
+    batches = w.batches(device=device)
+    backends = _backends(device, spec)
+
+    def make(backend: Backend):
+        return lambda: EmbeddingCollection([make_table("fixed", backend, w)], spec, device=device)
+
+    results = measure({b: make(b) for b in backends}, {b: batches for b in backends}, steps, runs, warmup, device)
+    unique = w.unique_fraction(batches)
+    report: dict[str, Any] = {"workload": vars(w), "optimizer": repr(spec), "unique_fraction": unique}
+    for name, r in results.items():
+        r.pop("coll")
+        report[name] = r
+    if device.startswith("cuda"):
+        r = results["native"]
+        gbps = r["ids_per_s_median"] * roofline_bytes_per_id(w, unique, _state_floats(spec, w.dim)) / 1e9
+        report.update(
+            GBps=gbps,
+            fraction_of_roofline=gbps / HBM_ROOFLINE_GBPS,
+            fraction_of_copy=gbps / copy_gbps if copy_gbps else float("nan"),
+        )
+        if baseline:
+            rates = _torch_sparse_baseline(w, batches, steps, runs, warmup, device)
+            report["torch_sparse_adagrad"] = {"ids_per_s_median": statistics.median(rates), "ids_per_s_runs": rates}
+            report["native_over_torch_sparse"] = r["ids_per_s_median"] / statistics.median(rates)
+    if "fbgemm" in results:
+        report["native_over_fbgemm"] = ratio(results, "native", "fbgemm")
+    return report
+
+
+def _rate(r: dict) -> str:
+    runs = ", ".join(f"{x / 1e6:.2f}" for x in r["ids_per_s_runs"])
+    return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs {runs})"
+
+
+def bench_fused_step(args) -> dict:
+    """A fixed table's fused step: native vs FBGEMM on CPU; on a GPU, bytes/s against the HBM
+    roofline and a measured copy, and against nn.EmbeddingBag(sparse) + torch.optim.Adagrad."""
+    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    spec = OPTIMIZERS[args.optimizer]
+    copy = copy_bandwidth(args.device) if args.device.startswith("cuda") else 0.0
+    r = _fused_step(
+        w, spec, args.device, args.steps, args.runs, args.warmup, baseline=isinstance(spec, Adagrad), copy_gbps=copy
+    )
+    lines = [f"{b:>8}: {_rate(r[b])}" for b in ("native", "fbgemm") if b in r]
+    if "GBps" in r:
+        lines.append(
+            f"native: {r['GBps']:.0f} GB/s = {100 * r['fraction_of_roofline']:.1f}% of the "
+            f"{HBM_ROOFLINE_GBPS:.0f} GB/s roofline, {100 * r['fraction_of_copy']:.1f}% of a measured "
+            f"copy ({copy:.0f} GB/s); unique fraction {r['unique_fraction']:.3f}"
+        )
+    if "native_over_torch_sparse" in r:
+        lines.append(
+            f"torch sparse Adagrad: {_rate(r['torch_sparse_adagrad'])}; native / it = "
+            f"{r['native_over_torch_sparse']:.2f}x"
+        )
+    if "native_over_fbgemm" in r:
+        lines.append(f"native / fbgemm = {r['native_over_fbgemm']:.2f}x")
+    return {"benchmark": "fused-step", "copy_GBps": copy, "results": r, "summary": lines}
+
+
+def _dynamic_step(
+    w: Workload, spec: OptimizerSpec, device: str, steps: int, runs: int, warmup: int, scattered: bool = True
+) -> dict:
+    """Dynamic vs fixed on each backend; ``scattered`` adds a fixed table fed ids scattered over
+    its rows (the dynamic table's access pattern) — a third table in memory."""
+    batches = {"fixed": w.batches(device=device), "dynamic": w.batches(keys_over_int64=True, device=device)}
+    if scattered:
+        batches["fixed_scattered"] = w.batches(scatter_rows=True, device=device)
+    out = {}
+    for backend in _backends(device, spec):
+
+        def make(kind, backend=backend):
+            return lambda: EmbeddingCollection([make_table(kind, backend, w)], spec, device=device)
+
+        r = measure({name: make(name.split("_")[0]) for name in batches}, batches, steps, runs, warmup, device)
+        table = r["dynamic"]["coll"].tables["t"]
+        for v in r.values():
+            v.pop("coll")
+        out[backend] = {
+            **r,
+            "dynamic_over_fixed": ratio(r, "dynamic", "fixed"),
+            "dynamic_report": table.report(),
+            "bytes_per_slot": table.nbytes / table.capacity,
+        }
+        if scattered:
+            out[backend]["dynamic_over_fixed_scattered"] = ratio(r, "dynamic", "fixed_scattered")
+        del table, r
+    return out
+
+
+def bench_dynamic_step(args) -> dict:
+    """Dynamic vs fixed table step on the same backend, keys spread over the int64 range (after a
+    warm-up that has seen every batch: the timed steps meet no new key)."""
+    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    spec = OPTIMIZERS[args.optimizer]
+    results = _dynamic_step(w, spec, args.device, args.steps, args.runs, args.warmup)
+    lines = []
+    for backend, r in results.items():
+        lines += [f"[{backend}] {k:<16} {_rate(r[k])}" for k in ("fixed", "fixed_scattered", "dynamic")]
+        lines.append(
+            f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
+            f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot"
+        )
+    return {"benchmark": "dynamic-step", "workload": vars(w), "results": results, "summary": lines}
+
+
+def bench_hash_find(args) -> dict:
+    """The hash index of ``--slots`` slots at load 0.5 and 0.9: find with 1M present and 1M
+    absent uniformly drawn int64 keys; find-or-insert of a batch of new keys (1M or 1/64 of the
+    slots, whichever is smaller). Every insert run starts from the same load: it is undone
+    through the step journal after its clock stops."""
+    sync = synchronizer(args.device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    results: dict[str, Any] = {}
+    lines = []
+    for load in (0.5, 0.9):
+        index = BucketedHashIndex(args.slots // 16, 16, args.device)
+        keys = torch.unique(torch.randint(-(2**62), 2**62, (int(args.slots * load),), generator=gen)).to(args.device)
+        for chunk in keys.split(1 << 22):
+            index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+        present = keys[torch.randint(0, keys.numel(), (1 << 20,), generator=gen).to(args.device)]
+        query = torch.cat([present, torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).to(args.device)])
+        index.find(query)
+        find_rates, insert_rates = [], []
+        for _ in range(args.runs):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                index.find(query)
+            sync()
+            find_rates.append(query.numel() * args.steps / (time.perf_counter() - start))
+        batch = min(1 << 20, args.slots // 64)
+        for _ in range(args.runs):
+            new = torch.randint(-(2**62), 2**62, (batch,), generator=gen).to(args.device)
+            journal = Journal()
+            sync()
+            start = time.perf_counter()
+            slots = index.find(new)
+            fresh = torch.unique(new[slots < 0])
+            index.commit(index.plan_insert(fresh, allow_evict=False), torch.zeros_like(fresh), journal)
+            sync()
+            insert_rates.append(new.numel() / (time.perf_counter() - start))
+            journal.undo()
+        results[f"load_{load}"] = {
+            "find_keys_per_s_median": statistics.median(find_rates),
+            "find_runs": find_rates,
+            "find_or_insert_keys_per_s_median": statistics.median(insert_rates),
+            "insert_runs": insert_rates,
+            "insert_batch": batch,
+            "actual_load": index.size / index.capacity,
+        }
+        r = results[f"load_{load}"]
+        lines.append(
+            f"load {r['actual_load']:.3f}: find {r['find_keys_per_s_median'] / 1e6:,.0f} M keys/s; "
+            f"find-or-insert of {batch:,} new keys {r['find_or_insert_keys_per_s_median'] / 1e6:,.1f} M keys/s"
+        )
+    return {"benchmark": "hash-find", "slots": args.slots, "results": results, "summary": lines}
+
+
+def bench_sweep(args) -> dict:
+    """The fused step across the workload, worst and best case.
+
+    CPU: bags 1k/4k/16k x rows 100k/1M/10M (dim 64, 20 ids a bag, Adagrad): native / FBGEMM on a
+    fixed table, and dynamic / fixed on each row store. GPU: every optimizer at D=128 and 1M ids
+    a step; Adagrad at D = 32, 64, 128 and 64K to 4M ids (16 ids a bag), bytes/s against the
+    roofline; dynamic / fixed at D=128."""
+    rows: list[dict[str, Any]] = []
+    lines = []
+    if args.device.startswith("cuda"):
+        copy = copy_bandwidth(args.device)
+        lines.append(f"measured device-to-device copy: {copy:.0f} GB/s")
+        configs = [(name, 128, 65536) for name in OPTIMIZERS] + [
+            ("adagrad", d, bags) for d in (32, 64, 128) for bags in (4096, 262144) if (d, bags) != (128, 65536)
+        ]
+        for name, dim, bags in configs:
+            w = Workload(num_embeddings=10_000_000, dim=dim, bags=bags, pooling_factor=16, num_batches=4)
+            r = _fused_step(
+                w, OPTIMIZERS[name], args.device, args.steps, args.runs, args.warmup, baseline=False, copy_gbps=copy
+            )
+            rows.append(
+                {
+                    "optimizer": name,
+                    "dim": dim,
+                    "ids": w.ids_per_step,
+                    **{k: v for k, v in r.items() if k != "workload"},
+                }
+            )
+            lines.append(
+                f"{name:<16} D={dim:<4} {w.ids_per_step / 1e6:5.2f}M ids: "
+                f"{r['native']['ids_per_s_median'] / 1e6:8.1f} M ids/s, {r['GBps']:6.0f} GB/s = "
+                f"{100 * r['fraction_of_roofline']:4.1f}% of roofline ({100 * r['fraction_of_copy']:.1f}% of copy)"
+            )
+        w = Workload(num_embeddings=10_000_000, dim=128, bags=65536, pooling_factor=16, num_batches=4)
+        d = _dynamic_step(w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, scattered=False)[
+            "native"
+        ]
+        rows.append({"dynamic_over_fixed": d["dynamic_over_fixed"], "dim": 128, "ids": w.ids_per_step})
+        lines.append(
+            f"dynamic / fixed, D=128, 1M ids: {d['dynamic_over_fixed']:.2f}x "
+            f"(dynamic {d['dynamic']['ids_per_s_median'] / 1e6:.1f} vs fixed "
+            f"{d['fixed']['ids_per_s_median'] / 1e6:.1f} M ids/s)"
+        )
+    else:
+        for bags in (1024, 4096, 16384):
+            for num_rows in (100_000, 1_000_000, 10_000_000):
+                w = Workload(num_embeddings=num_rows, dim=64, bags=bags, pooling_factor=20, num_batches=4)
+                f = _fused_step(w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, False)
+                d = _dynamic_step(
+                    w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, scattered=False
+                )
+                row = {
+                    "bags": bags,
+                    "rows": num_rows,
+                    "native_over_fbgemm": f.get("native_over_fbgemm"),
+                    **{f"dynamic_over_fixed_{b}": d[b]["dynamic_over_fixed"] for b in d},
+                }
+                rows.append(row)
+                lines.append(
+                    f"bags {bags:>5} rows {num_rows:>10,}: native/FBGEMM {row['native_over_fbgemm']:.2f}x; "
+                    + "; ".join(f"dynamic/fixed [{b}] {d[b]['dynamic_over_fixed']:.2f}x" for b in d)
+                )
+        for key in [k for k in rows[0] if k.endswith("fbgemm") or k.startswith("dynamic")]:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            if values:
+                lines.append(f"{key}: worst {min(values):.2f}x, best {max(values):.2f}x")
+    return {"benchmark": "sweep", "device": args.device, "results": rows, "summary": lines}

@@ -1,0 +1,202 @@
+"""End-to-end training throughput (``dynarec bench train-step``): the demo model trained by
+dynarec — data pipeline included (Parquet reading and batch building) — against a plain-torch
+baseline of the same model in the same run: ``nn.Embedding(sparse=True)`` tables,
+``torch.optim.Adagrad``, the same dense tower, ids pre-hashed and batches tensorized up front.
+
+Under torchrun (``torchrun --nproc-per-node N -m dynarec bench train-step``) every rank trains its
+own per-GPU batch, the item table row-wise and the user table key-hashed, both sized per rank:
+the weak-scaling figure (samples/s at N ranks over N times samples/s at 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+__all__ = ["bench_train_step"]
+
+
+def _config(data_dir: Path, batch: int, workers: int, world: int, users: int, items: int):
+    from dynarec.config import config_from_dict
+
+    raw = yaml.safe_load(resources.files("dynarec").joinpath("resources/demo.yaml").read_text())
+    raw["data"].update(
+        train_input_path=str(data_dir / "train"), eval_input_path=None, batch_size=batch, num_workers=workers
+    )
+    raw["train"].update(
+        num_epochs=None, num_steps=10**9, save_checkpoints_steps=None, eval_every_steps=None, log_step_count_steps=10**9
+    )
+    raw["eval"] = {"metrics": ["auc"]}
+    for f in raw["feature_configs"]:
+        feat = next(iter(f.values()))
+        if feat["feature_name"] == "user_id":
+            feat["dynamicemb"].update(max_capacity=2 * users, init_capacity=2 * users)
+        if feat.get("embedding_name") == "item":
+            feat["num_buckets"] = items
+            if world > 1:
+                feat["sharding"] = "row_wise"
+    return config_from_dict(raw)
+
+
+class _PlainTorchModel(nn.Module):
+    """The baseline: one ``nn.Embedding(sparse=True)`` per table (the user table hashed into
+    ``user_rows`` rows), the demo's dense tower."""
+
+    def __init__(self, config, user_rows: int, device: torch.device):
+        super().__init__()
+        from dynarec.models.registry import build_model
+        from dynarec.planner import plan_from_config
+
+        self.tables = nn.ModuleDict()
+        self.table_of: dict[str, str] = {}
+        for t in plan_from_config(config).table_configs():
+            rows = t.num_embeddings if t.num_embeddings is not None else user_rows
+            self.tables[t.name] = nn.Embedding(rows, t.dim, sparse=True, device=device)
+            for f in t.feature_configs:
+                self.table_of[f.name] = t.name
+        self.user_rows = user_rows
+        self.dense = build_model(config).to(device)
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        emb = {}
+        for name, (ids, mask) in inputs["ids"].items():
+            e = self.tables[self.table_of[name]](ids)
+            emb[name] = e if mask is None else e * mask[..., None]
+        return self.dense(emb, inputs["lengths"], inputs["dense"])
+
+
+def _tensorize(batch, sequences: list[str], user_rows: int, device: torch.device) -> dict[str, Any]:
+    """A dynarec Batch as the baseline's up-front tensors: ids (sequences padded, with a mask)."""
+    keys, values, lengths = batch.sparse.keys(), batch.sparse.values(), batch.sparse.lengths()
+    b = batch.num_rows
+    per_key = lengths.view(len(keys), b)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_key.sum(1), 0)])
+    ids: dict[str, Any] = {}
+    for k, name in enumerate(keys):
+        v = values[starts[k] : starts[k + 1]]
+        if name == "user_id":
+            v = v % user_rows  # ids pre-hashed into the baseline's fixed table
+        if name in sequences:
+            lens = per_key[k]
+            width = max(int(lens.max()), 2)
+            mask = torch.arange(width)[None, :] < lens[:, None]
+            padded = torch.zeros(b, width, dtype=torch.int64)
+            padded[mask] = v
+            ids[name] = (padded.to(device), mask.to(device=device, dtype=torch.float32))
+        else:
+            ids[name] = (v.to(device), None)
+    return {
+        "ids": ids,
+        "lengths": {n: per_key[keys.index(n)].to(device) for n in sequences},
+        "dense": {k: x.to(device) for k, x in batch.dense.items()},
+        "labels": batch.labels.to(device),
+    }
+
+
+def bench_train_step(args) -> dict:
+    """samples/s of the demo model's training step, dynarec vs plain torch (see module doc)."""
+    from dynarec.data.synthetic import SyntheticSpec, make_click_log
+    from dynarec.distributed.context import init_distributed
+    from dynarec.train.trainer import Trainer
+
+    ctx = init_distributed(args.device, timeout_s=600)
+    world, batch = ctx.world_size, args.batch
+    device = ctx.device if ctx.distributed else torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    total_steps = args.warmup + args.runs * args.steps
+    users, items = args.users * world, args.items * world
+    tmp = Path(tempfile.gettempdir()) / f"dynarec-bench-train-{batch}-{world}"
+    if ctx.is_main and not (tmp / "data" / "meta.json").exists():
+        make_click_log(
+            tmp / "data",
+            SyntheticSpec(
+                train_rows=batch * world * (total_steps + 2),
+                eval_rows=1000,
+                num_users=users,
+                num_items=items,
+                train_files=max(4, world),
+            ),
+        )
+    ctx.barrier("the benchmark data")
+    config = _config(tmp / "data", batch, args.workers, world, users, items)
+    model_dir = tmp / f"model-rank{ctx.rank}"
+    trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
+    batches = trainer._train_batches()
+
+    def run_dynarec(steps: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            b, trainer.position, rows = next(batches)
+            trainer.train_step(b, rows)
+        sync()
+        return time.perf_counter() - start
+
+    baseline = None
+    if not ctx.distributed:  # the plain-torch model of the same shape, batches tensorized up front
+        torch.manual_seed(config.train.seed)
+        model = _PlainTorchModel(config, user_rows=2 * users, device=device)
+        sparse = torch.optim.Adagrad(model.tables.parameters(), lr=0.05, initial_accumulator_value=0.1)
+        dense = torch.optim.Adam(model.dense.parameters(), lr=0.002)
+        sequences = trainer.task.sequence_features
+        source = trainer._train_batches()
+        loaded = [_tensorize(next(source)[0], sequences, 2 * users, device) for _ in range(min(total_steps, 32))]
+
+        def run_baseline(steps: int) -> float:
+            sync()
+            start = time.perf_counter()
+            for i in range(steps):
+                inputs = loaded[i % len(loaded)]
+                loss = nn.functional.binary_cross_entropy_with_logits(model(inputs), inputs["labels"])
+                sparse.zero_grad()
+                dense.zero_grad()
+                loss.backward()
+                sparse.step()
+                dense.step()
+            sync()
+            return time.perf_counter() - start
+
+        baseline = run_baseline
+    run_dynarec(args.warmup)
+    if baseline is not None:
+        baseline(args.warmup)
+    ours, theirs = [], []
+    for _ in range(args.runs):
+        ours.append(batch * world * args.steps / run_dynarec(args.steps))
+        if baseline is not None:
+            theirs.append(batch * args.steps / baseline(args.steps))
+    result: dict[str, Any] = {
+        "world_size": world,
+        "batch_per_rank": batch,
+        "device": str(device),
+        "workers": args.workers,
+        "dynarec_samples_per_s_median": statistics.median(ours),
+        "dynarec_runs": ours,
+    }
+    lines = [
+        f"dynarec: {statistics.median(ours):,.0f} samples/s on {world} rank(s) x batch {batch} "
+        f"(runs: {', '.join(f'{x:,.0f}' for x in ours)}; data pipeline on {args.workers} worker(s) per rank)"
+    ]
+    if theirs:
+        result.update(
+            baseline_samples_per_s_median=statistics.median(theirs),
+            baseline_runs=theirs,
+            dynarec_over_baseline=statistics.median(a / b for a, b in zip(ours, theirs)),
+        )
+        lines.append(
+            f"plain torch (nn.Embedding(sparse) + Adagrad, batches up front): "
+            f"{statistics.median(theirs):,.0f} samples/s; dynarec / it = {result['dynarec_over_baseline']:.2f}x"
+        )
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {"benchmark": "train-step", "results": result, "summary": lines if ctx.is_main else []}
