@@ -1,4 +1,4 @@
-"""The ``dynarec`` command: make-data, train, evaluate, export, predict, plan, demo, bench."""
+"""The ``dynarec`` command: make-data, plan, verify, train, evaluate, export, predict, demo, bench."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def cmd_predict(args) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from dynarec import bench, demo
+    from dynarec import bench, demo, verify
 
     parser = argparse.ArgumentParser(
         prog="dynarec", description="Recommendation models with fixed and dynamic embeddings."
@@ -173,6 +173,14 @@ def _build_parser() -> argparse.ArgumentParser:
     common(p, model_dir_required=False)
     p.add_argument("--world-size", type=int, default=1, help="plan for this many processes")
     p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser(
+        "verify", help="check every table's optimizer (weights and states, step by step) against the reference"
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=8, help="training steps per table")
+    p.set_defaults(run=verify.main)
 
     p = sub.add_parser("train", help="train with periodic eval and checkpoints")
     common(p)
@@ -222,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dynarec.train.checkpoint import CheckpointError
 
     try:
-        args.run(args)
+        rc = args.run(args)  # a command that finds a problem without an error returns its status
     except (
         ValueError,
         FileNotFoundError,
@@ -238,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"dynarec {args.command}: interrupted{_latest_note(args)}", file=sys.stderr)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 def _latest_note(args) -> str:
