@@ -55,12 +55,15 @@ def cmd_train(args) -> None:
         _launch_torchrun(args.nproc, args.argv)
         return
     from dynarec.distributed.context import init_distributed
-    from dynarec.train.trainer import Trainer
+    from dynarec.train.trainer import FollowOptions, Trainer
 
     config = _config_for(args)
+    follow = FollowOptions(args.poll_seconds, args.idle_timeout) if args.follow else None
     ctx = init_distributed(args.device, config.train.collective_timeout_seconds)
     try:
-        trainer = Trainer(config, args.model_dir, device=args.device, progress=not args.no_progress, ctx=ctx)
+        trainer = Trainer(
+            config, args.model_dir, device=args.device, progress=not args.no_progress, ctx=ctx, follow=follow
+        )
         if ctx.is_main:
             print(trainer.task.plan.format())
         report = trainer.fit(resume=args.resume)
@@ -109,8 +112,11 @@ def cmd_export(args) -> None:
     from dynarec.train.export import export_model
 
     trainer = _restored(args)
-    export_dir = export_model(trainer.task, trainer.example_batch(), args.export_dir, step=trainer.step)
-    print(f"exported step {trainer.step} to {export_dir}")
+    export_dir = export_model(
+        trainer.task, trainer.example_batch(), args.export_dir, step=trainer.step, since=args.since
+    )
+    kind = f"a delta on {args.since}" if args.since else "a full export"
+    print(f"exported step {trainer.step} to {export_dir} ({kind})")
 
 
 def cmd_predict(args) -> None:
@@ -139,6 +145,37 @@ def cmd_predict(args) -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), args.output)
     print(f"wrote {probs.size} predictions to {args.output}")
+
+
+def cmd_import_config(args) -> None:
+    import yaml
+
+    from dynarec.config import config_from_dict
+    from dynarec.config.tzrec import convert_pipeline_config
+
+    source = Path(args.pipeline_config)
+    result = convert_pipeline_config(
+        source.read_text(),
+        train_input_path=args.train_input_path,
+        eval_input_path=args.eval_input_path,
+        lenient=args.lenient,
+    )
+    config_from_dict(result.config)  # what is written must load
+    header = [f"# Converted by `dynarec import-config` from {source}.", "# Mapped and ignored fields:"]
+    header += [f"#   {n}" for n in result.notes] or ["#   (none)"]
+    if result.dropped:
+        header += ["# Dropped (--lenient):"] + [f"#   {d}" for d in result.dropped]
+    body = yaml.safe_dump(result.config, sort_keys=False, allow_unicode=True)
+    output = Path(args.output)
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text("\n".join(header) + "\n" + body)
+    tmp.replace(output)
+    for n in result.notes:
+        print(f"note: {n}")
+    for d in result.dropped:
+        print(f"dropped: {d}")
+    model = next(k for k in result.config["model"] if k != "feature_groups")
+    print(f"wrote {output} ({len(result.config['feature_configs'])} features, model {model})")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -174,6 +211,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1, help="plan for this many processes")
     p.set_defaults(run=cmd_plan)
 
+    p = sub.add_parser("import-config", help="convert a TorchEasyRec pipeline.config into a dynarec YAML config")
+    p.add_argument("pipeline_config")
+    p.add_argument("-o", "--output", required=True, help="the YAML file to write")
+    p.add_argument("--train-input-path", help="replaces train_input_path (needed for odps:// tables)")
+    p.add_argument("--eval-input-path", help="replaces eval_input_path")
+    p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
+    p.set_defaults(run=cmd_import_config)
+
     p = sub.add_parser(
         "verify", help="check every table's optimizer (weights and states, step by step) against the reference"
     )
@@ -187,6 +232,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
+        "--follow",
+        action="store_true",
+        help="data.train_input_path is a directory receiving new files: train on them as they arrive",
+    )
+    p.add_argument("--poll-seconds", type=float, default=5.0, help="--follow: how often to look for new files")
+    p.add_argument(
+        "--idle-timeout", type=float, default=None, help="--follow: stop after this many seconds without a new file"
+    )
+    p.add_argument(
         "--nproc", type=int, default=1, help="processes on this host (a torchrun job); data.batch_size is per process"
     )
     p.set_defaults(run=cmd_train)
@@ -199,6 +253,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export the latest checkpoint for serving")
     common(p)
     p.add_argument("--export-dir", required=True)
+    p.add_argument("--since", help="a previous export of this model: write only what changed since (a delta)")
     p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("predict", help="score data from an export directory or a checkpoint")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -25,44 +25,125 @@ from dynarec.models.inputs import model_inputs
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
-__all__ = ["EXPORT_FORMAT", "META", "ExportError", "ExportedModel"]
+__all__ = [
+    "EXPORT_FORMAT",
+    "META",
+    "ExportError",
+    "ExportedModel",
+    "export_chain",
+    "export_tensors",
+    "materialize",
+    "merge_tables",
+    "read_export_meta",
+]
 
 # The layout version of an export directory (train/export.py writes it, ExportedModel checks it).
 # 2: export.json carries a manifest (size and SHA-256 of every file) and each table's key count;
-# dynamic tables carry their slots and bucket layout.
-EXPORT_FORMAT = 2
+# dynamic tables carry their slots and bucket layout. 3: every export has an id; a delta export
+# (kind "delta") names the export it is based on. Format 2 exports still load (as full ones).
+EXPORT_FORMAT = 3
+READABLE_FORMATS = (2, 3)
 META = "export.json"
+# The tensors of a table in an export (a fixed table's keys are 0..N-1); a delta adds tombstones.
+TABLE_FIELDS = ("keys", "weight", "scores", "slots", "layout")
 
 
 class ExportError(ValueError):
     """An export directory cannot be served; the message names the file and why."""
 
 
+def read_export_meta(export_dir: Union[str, Path]) -> dict[str, Any]:
+    """``export.json`` of an export directory, its files checked against the manifest."""
+    export_dir = Path(export_dir)
+    meta_path = export_dir / META
+    if not meta_path.is_file():
+        raise ExportError(f"{export_dir} is not an export directory (no {META})")
+    meta = read_json(meta_path, ExportError)
+    if not isinstance(meta, dict) or not all(k in meta for k in ("format", "config", "files", "keys")):
+        raise ExportError(f"{meta_path} is not an export description (format, config, files, keys)")
+    if meta["format"] not in READABLE_FORMATS:
+        raise ExportError(
+            f"{meta_path}: export format {meta['format']!r}, this dynarec reads formats {list(READABLE_FORMATS)}; "
+            "export the model again with this version"
+        )
+    verify_manifest(export_dir, meta["files"], meta_path, ExportError)
+    return meta
+
+
+def export_chain(export_dir: Union[str, Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """``[(directory, meta), ...]`` from the full export a delta is based on, through every delta,
+    to ``export_dir``: each delta's base is the export it names (by path), and must carry the id
+    the delta recorded."""
+    chain = [(Path(export_dir), read_export_meta(export_dir))]
+    while chain[0][1].get("kind") == "delta":
+        directory, meta = chain[0]
+        base = meta.get("base") or {}
+        base_dir = Path(base.get("path", ""))
+        if not (base_dir / META).is_file():
+            raise ExportError(
+                f"{directory}: a delta on export {base.get('id')} (step {base.get('step')}), which is not at "
+                f"{base_dir} any more; keep the base exports of a delta chain where they were written"
+            )
+        base_meta = read_export_meta(base_dir)
+        if base_meta.get("id") != base.get("id"):
+            raise ExportError(
+                f"{directory}: a delta on export {base.get('id')} (step {base.get('step')}), but {base_dir} holds "
+                f"export {base_meta.get('id')} (step {base_meta.get('step')}); apply a delta to the export it was "
+                "computed from"
+            )
+        chain.insert(0, (base_dir, base_meta))
+    return chain
+
+
+def read_export_tables(export_dir: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The table files of one export (full or delta), by table name."""
+    names = [n[len("tables/") : -len(".safetensors")] for n in meta["files"] if n.startswith("tables/")]
+    return {name: _load(export_dir / "tables" / f"{name}.safetensors", load_file) for name in names}
+
+
+def merge_tables(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A table's export tensors after a delta: its rows replace the base's rows of the same keys
+    (new keys are added), its tombstones remove keys; dynamic tables stay ordered by key and take
+    the delta's bucket layout."""
+    if "slots" not in base:  # a fixed table: keys are row ids
+        weight = base["weight"].clone()
+        weight[delta["keys"]] = delta["weight"]
+        return {"keys": base["keys"], "weight": weight}
+    gone = torch.isin(base["keys"], torch.cat([delta["keys"], delta["tombstones"]]))
+    fields = ("keys", "weight", "scores", "slots")
+    merged = {f: torch.cat([base[f][~gone], delta[f]]) for f in fields}
+    order = torch.argsort(merged["keys"])
+    out = {f: merged[f][order] for f in fields}
+    out["layout"] = delta["layout"]
+    return out
+
+
+def materialize(chain: list[tuple[Path, dict[str, Any]]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every table of the last export of ``chain`` (full export + deltas, in order)."""
+    tables = read_export_tables(*chain[0])
+    for directory, meta in chain[1:]:
+        delta = read_export_tables(directory, meta)
+        if set(delta) != set(tables):
+            raise ExportError(f"{directory}: its tables {sorted(delta)} differ from its base's {sorted(tables)}")
+        tables = {name: merge_tables(tables[name], delta[name]) for name in tables}
+    return tables
+
+
 class ExportedModel:
-    """A model loaded from an export directory: every file checked against the export's
-    manifest, every exported key of every table loaded (or an error), the dense program."""
+    """A model loaded from an export directory — a full export, or a delta, with the chain of
+    exports it is based on applied in order: every file checked against its export's manifest,
+    every key of every table loaded (or an error), the dense program of the last export.
+    :meth:`apply_delta` moves a loaded model forward by one delta (online learning)."""
 
     def __init__(self, export_dir: Union[str, Path], device: str = "cpu"):
-        export_dir = Path(export_dir)
-        meta_path = export_dir / META
-        if not meta_path.is_file():
-            raise ExportError(f"{export_dir} is not an export directory (no {META})")
-        meta = read_json(meta_path, ExportError)
-        if not isinstance(meta, dict) or not all(k in meta for k in ("format", "config", "files", "keys")):
-            raise ExportError(f"{meta_path} is not an export description (format, config, files, keys)")
-        if meta["format"] != EXPORT_FORMAT:
-            raise ExportError(
-                f"{meta_path}: export format {meta['format']!r}, this dynarec reads format {EXPORT_FORMAT}; "
-                "export the model again with this version"
-            )
-        verify_manifest(export_dir, meta["files"], meta_path, ExportError)
+        chain = export_chain(export_dir)
+        export_dir, meta = chain[-1]
         try:
             self.config = Config.model_validate(meta["config"])
         except ValidationError as e:
             raise ExportError(
-                f"{meta_path}: its config is invalid ({e.error_count()} error(s): {e.errors()[0]['msg']})"
+                f"{export_dir / META}: its config is invalid ({e.error_count()} error(s): {e.errors()[0]['msg']})"
             ) from None
-        self.step = meta.get("step")
         self.device = torch.device(device)
         # Serving tables: native backend, no optimizer state (SGD has none).
         tables = [
@@ -72,19 +153,45 @@ class ExportedModel:
         self.embeddings = EmbeddingCollection(tables, device=self.device)
         self.embeddings.eval()
         self.key_counts: dict[str, int] = {}
+        self._install(export_dir, meta, materialize(chain))
+        self.sequence_features = [f.feature_name for f in self.config.features() if isinstance(f, SequenceFeatureCfg)]
+
+    def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, table in self.embeddings.tables.items():
-            path = export_dir / "tables" / f"{name}.safetensors"
-            tensors = _load(path, load_file)
+            if name not in tables:
+                raise ExportError(f"{export_dir / META}: no file for table '{name}'")
+            tensors = tables[name]
             report = table.load(tensors, weights_only=True)
             exported = meta["keys"].get(name)
             if report["dropped"] or report["loaded"] != exported:
                 raise ExportError(
-                    f"table '{name}': {path} holds {tensors['keys'].numel()} keys ({META} says {exported}) but the "
-                    f"serving table took {report['loaded']}; serving loads every exported key or none"
+                    f"table '{name}': {export_dir / 'tables' / f'{name}.safetensors'} holds "
+                    f"{tensors['keys'].numel()} keys ({META} says {exported}) but the serving table took "
+                    f"{report['loaded']}; serving loads every exported key or none"
                 )
             self.key_counts[name] = report["loaded"]
         self.dense = _load(export_dir / "dense.pt2", lambda p: torch.export.load(p).module())
-        self.sequence_features = [f.feature_name for f in self.config.features() if isinstance(f, SequenceFeatureCfg)]
+        self.step = meta.get("step")
+        self.export_id = meta.get("id")
+
+    def apply_delta(self, delta_dir: Union[str, Path]) -> None:
+        """Applies one delta export on top of what this model serves (it must be based on this
+        model's export): changed rows replaced, evicted keys removed, the dense program swapped."""
+        delta_dir = Path(delta_dir)
+        meta = read_export_meta(delta_dir)
+        base = meta.get("base") or {}
+        if meta.get("kind") != "delta":
+            raise ExportError(
+                f"{delta_dir} is a full export, not a delta; load it with ExportedModel({str(delta_dir)!r})"
+            )
+        if base.get("id") != self.export_id:
+            raise ExportError(
+                f"{delta_dir}: a delta on export {base.get('id')} (step {base.get('step')}), but this model serves "
+                f"export {self.export_id} (step {self.step}); apply the deltas of its chain in order"
+            )
+        delta = read_export_tables(delta_dir, meta)
+        current = {name: export_tensors(t.dump()) for name, t in self.embeddings.tables.items()}
+        self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current})
 
     @torch.no_grad()
     def predict_batch(self, batch: Batch) -> torch.Tensor:
@@ -97,6 +204,14 @@ class ExportedModel:
         dataset.check_files()
         out = [self.predict_batch(b).cpu().numpy() for b in make_loader(dataset, 0)]
         return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+def export_tensors(dump: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A table dump's export tensors (a fixed table's keys are its row ids)."""
+    out = {k: dump[k] for k in TABLE_FIELDS if k in dump}
+    if "keys" not in out:
+        out["keys"] = torch.arange(dump["weight"].shape[0])
+    return out
 
 
 def _load(path: Path, loader):

@@ -9,9 +9,11 @@ Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` w
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import typing
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -27,6 +29,7 @@ from pydantic import (
 
 from dynarec.embedding.config import Backend, DynamicTableOptions, ShardingType
 from dynarec.embedding.initializers import Initializer
+from dynarec.features.expression import Expression
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
 from dynarec.optim.registry import spec_from_yaml, spec_to_yaml
@@ -95,45 +98,114 @@ else:
 ValueType = Literal["int", "string"]
 
 
+_SIDES = ("user", "item", "context")
+
+
+def _expression_column(expression: str) -> str:
+    """TorchEasyRec's ``"side:column"`` (side user, item or context) -> the column."""
+    side, sep, column = expression.partition(":")
+    if not sep or side not in _SIDES or not column:
+        raise ValueError(
+            f"expression must be 'side:column' with side one of {list(_SIDES)} (a column of the input), got "
+            f"{expression!r}"
+        )
+    return column
+
+
 class _EmbeddedFeature(Strict):
     feature_name: str
     input_name: Optional[str] = None  # the data column; default feature_name
+    expression: Optional[str] = None  # or TorchEasyRec's "side:column" (e.g. "user:user_id")
     embedding_dim: Count
     embedding_name: Optional[str] = None  # the table; features with the same name share it
-    num_buckets: Optional[Count] = None  # a fixed table of this many rows ...
+    num_buckets: Optional[Count] = None  # a fixed table of this many rows, ids used as they are ...
+    hash_bucket_size: Optional[Count] = None  # ... or of this many rows, values hashed into it ...
     dynamicemb: Optional[DynamicEmbField] = None  # ... or a dynamic table (the core's own type)
     initializer: Optional[InitializerField] = None
     backend: Optional[Backend] = None  # default: train.sparse_backend
     sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
     # "int": values are integer ids (integer columns, or string tokens that must be decimal
-    # integers); "string": values are strings hashed with FarmHash Fingerprint64.
+    # integers); "string": values are strings hashed with FarmHash Fingerprint64. A
+    # hash_bucket_size feature always hashes (the string form of integers too).
     value_type: ValueType = "int"
+
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("num_buckets", "hash_bucket_size", "dynamicemb")
 
     @model_validator(mode="after")
     def _one_kind(self):
-        if (self.num_buckets is None) == (self.dynamicemb is None):
-            raise ValueError("give exactly one of num_buckets (a fixed table) or dynamicemb (a dynamic table)")
+        given = [k for k in self.TABLE_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of {list(self.TABLE_KINDS)} (num_buckets: a fixed table, ids as they are; "
+                "hash_bucket_size: a fixed table, values hashed into it; dynamicemb: a dynamic table"
+                f"{'; boundaries: numbers bucketized into a fixed table' if 'boundaries' in self.TABLE_KINDS else ''}"
+                f"), got {given or 'none'}"
+            )
+        if self.expression is not None:
+            if self.input_name is not None:
+                raise ValueError("give input_name or expression, not both")
+            _expression_column(self.expression)
         return self
 
     @property
     def column(self) -> str:
+        if self.expression is not None:
+            return _expression_column(self.expression)
         return self.input_name or self.feature_name
 
     @property
     def table_name(self) -> str:
         return self.embedding_name or self.feature_name
 
+    @property
+    def table_rows(self) -> Optional[int]:
+        """Rows of the feature's fixed table (None for a dynamic one)."""
+        return self.num_buckets or self.hash_bucket_size
+
+    @property
+    def hashed(self) -> bool:
+        """Whether values are hashed (FarmHash Fingerprint64 of their string form)."""
+        return self.hash_bucket_size is not None or self.value_type == "string"
+
 
 # The settings of a feature that belong to its table: every feature of one table must give the
 # same values (else the config is refused, naming both features).
-TABLE_SETTINGS = ("embedding_dim", "num_buckets", "dynamicemb", "initializer", "backend", "value_type", "sharding")
+TABLE_SETTINGS = (
+    "embedding_dim",
+    "num_buckets",
+    "hash_bucket_size",
+    "boundaries",
+    "dynamicemb",
+    "initializer",
+    "backend",
+    "value_type",
+    "sharding",
+)
 
 
 class IdFeatureCfg(_EmbeddedFeature):
-    """One id (or several, with ``separator``) per sample, pooled."""
+    """One id (or several, with ``separator``) per sample, pooled. With ``boundaries`` the
+    column holds numbers, bucketized into ``len(boundaries) + 1`` rows: bucket ``i`` holds
+    ``boundaries[i-1] <= x < boundaries[i]`` (TorchEasyRec's raw_feature with boundaries)."""
 
     pooling: Literal["sum", "mean"] = "sum"
     separator: Optional[str] = None
+    boundaries: Optional[list[float]] = Field(None, min_length=1)
+
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("num_buckets", "hash_bucket_size", "dynamicemb", "boundaries")
+
+    @model_validator(mode="after")
+    def _sorted_boundaries(self):
+        b = self.boundaries
+        if b is not None and any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
+            raise ValueError(f"boundaries must be strictly increasing, got {b}")
+        if b is not None and self.separator is not None:
+            raise ValueError("boundaries bucketize one number per sample; remove separator")
+        return self
+
+    @property
+    def table_rows(self) -> Optional[int]:
+        return len(self.boundaries) + 1 if self.boundaries is not None else super().table_rows
 
 
 class SequenceFeatureCfg(_EmbeddedFeature):
@@ -141,14 +213,25 @@ class SequenceFeatureCfg(_EmbeddedFeature):
 
     sequence_length: Count
     separator: str = "|"
+    boundaries: ClassVar[None] = None
 
 
 class NormalizerCfg(Strict):
-    """``x -> log1p(x)`` (when ``log1p``), then ``(x - mean) / std``."""
+    """``x -> expression(x)`` (e.g. ``"log(x+3)"``, :mod:`dynarec.features.expression`) or
+    ``log1p(x)`` (when ``log1p``), then ``(x - mean) / std``."""
 
+    expression: Optional[str] = None
     log1p: bool = False
     mean: float = 0.0
     std: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _valid_expression(self):
+        if self.expression is not None:
+            if self.log1p:
+                raise ValueError("give expression or log1p, not both")
+            Expression(self.expression)
+        return self
 
 
 class RawFeatureCfg(Strict):
@@ -156,10 +239,21 @@ class RawFeatureCfg(Strict):
 
     feature_name: str
     input_name: Optional[str] = None
+    expression: Optional[str] = None  # or TorchEasyRec's "side:column"
     normalizer: Optional[NormalizerCfg] = None
+
+    @model_validator(mode="after")
+    def _one_column(self):
+        if self.expression is not None:
+            if self.input_name is not None:
+                raise ValueError("give input_name or expression, not both")
+            _expression_column(self.expression)
+        return self
 
     @property
     def column(self) -> str:
+        if self.expression is not None:
+            return _expression_column(self.expression)
         return self.input_name or self.feature_name
 
 
@@ -195,16 +289,28 @@ DenseOptimizer = Annotated[
 
 
 class LRScheduleCfg(Strict):
-    """A multiplier on the optimizer's lr as a function of the training step.
+    """The learning rate as a function of the training step ``k`` (0 for the first step), given
+    the optimizer's ``lr`` (``base``); TorchEasyRec's schedules, stepped every step.
 
-    ``constant``; ``exponential_decay``: ``decay_rate ** (step / decay_steps)``; ``warmup``:
-    linear from 0 to 1 over ``warmup_steps``, then ``exponential_decay`` if decay_steps given.
+    ``constant``: ``base``. ``warmup``: ``base * min(1, (k + 1) / warmup_steps)``, then
+    ``exponential_decay``'s factor when ``decay_steps`` is given. ``exponential_decay``: for
+    ``k < warmup_steps`` linear from ``warmup_learning_rate`` to ``base``; then
+    ``max(base * decay_rate ** p, min_learning_rate)`` with ``p = (k - warmup_steps) /
+    decay_steps``, floored when ``staircase``. ``manual_step``: ``learning_rates[j]`` once ``k``
+    passes ``schedule_steps[j]`` (``k > schedule_steps[j]``); before the first, ``base`` (or,
+    with ``warmup``, linear from ``base`` to ``learning_rates[0]``).
     """
 
-    kind: Literal["constant", "exponential_decay", "warmup"] = "constant"
+    kind: Literal["constant", "exponential_decay", "warmup", "manual_step"] = "constant"
     decay_steps: Optional[Count] = None
     decay_rate: float = Field(1.0, gt=0)
+    staircase: bool = False
+    min_learning_rate: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    warmup_learning_rate: float = Field(0.0, ge=0)
+    schedule_steps: list[Count] = []
+    learning_rates: list[Annotated[float, Field(ge=0)]] = []
+    warmup: bool = False
 
     @model_validator(mode="after")
     def _needs(self):
@@ -212,15 +318,39 @@ class LRScheduleCfg(Strict):
             raise ValueError("exponential_decay needs decay_steps")
         if self.kind == "warmup" and self.warmup_steps == 0:
             raise ValueError("warmup needs warmup_steps > 0")
+        if self.kind == "manual_step":
+            if not self.schedule_steps or len(self.schedule_steps) != len(self.learning_rates):
+                raise ValueError("manual_step needs schedule_steps and learning_rates of one length (at least 1)")
+            if any(a >= b for a, b in zip(self.schedule_steps, self.schedule_steps[1:])):
+                raise ValueError(f"manual_step: schedule_steps must increase, got {self.schedule_steps}")
+        elif self.schedule_steps or self.learning_rates or self.warmup:
+            raise ValueError("schedule_steps, learning_rates and warmup belong to kind manual_step")
         return self
 
-    def factor(self, step: int) -> float:
-        f = 1.0
+    def learning_rate(self, step: int, base: float) -> float:
+        """The learning rate of step ``step`` (0-based) for an optimizer of ``lr`` ``base``."""
+        k = step
+        if self.kind == "constant":
+            return base
         if self.kind == "warmup":
-            f = min(1.0, (step + 1) / self.warmup_steps)
-        if self.kind in ("exponential_decay", "warmup") and self.decay_steps:
-            f *= self.decay_rate ** (max(step - self.warmup_steps, 0) / self.decay_steps)
-        return f
+            f = min(1.0, (k + 1) / self.warmup_steps)
+            if self.decay_steps:
+                f *= self.decay_rate ** (max(k - self.warmup_steps, 0) / self.decay_steps)
+            return base * f
+        if self.kind == "exponential_decay":
+            assert self.decay_steps is not None
+            if k < self.warmup_steps:
+                return self.warmup_learning_rate + (base - self.warmup_learning_rate) * k / self.warmup_steps
+            p = (k - self.warmup_steps) / self.decay_steps
+            if self.staircase:
+                p = math.floor(p)
+            return max(base * self.decay_rate**p, self.min_learning_rate)
+        j = bisect.bisect_left(self.schedule_steps, k)
+        if j > 0:
+            return self.learning_rates[j - 1]
+        if self.warmup:
+            return base + (self.learning_rates[0] - base) * k / self.schedule_steps[0]
+        return base
 
 
 class FeatureGroupCfg(Strict):
@@ -252,16 +382,24 @@ class DINCfg(Strict):
 
 
 class DeepFMCfg(Strict):
+    """First order over the ``wide`` groups (every group when there is none), FM over
+    ``fm_group``'s id features (default: every other group's), an MLP over the groups that are
+    neither wide nor ``fm_group``; ``final_hidden_units``: an MLP over [first order, FM, deep]."""
+
     deep_hidden_units: list[Count] = [128, 64]
+    final_hidden_units: list[Count] = []
+    fm_group: Optional[str] = None
 
 
 class WideAndDeepCfg(Strict):
     deep_hidden_units: list[Count] = [128, 64]
+    final_hidden_units: list[Count] = []  # an MLP over [wide logit, deep MLP] before the output
 
 
 class DLRMCfg(Strict):
     bottom_hidden_units: list[Count] = [64]
     top_hidden_units: list[Count] = [64, 32]
+    arch_with_sparse: bool = False  # the top MLP also reads the embeddings themselves
 
 
 MODEL_KEYS = ("multi_tower_din", "din", "deepfm", "wide_and_deep", "dlrm")
@@ -309,6 +447,8 @@ class ModelCfg(Strict):
         if name == "din":
             assert self.din is not None
             return [("din.din_tower", self.din.din_tower.input, "sequence")]
+        if name == "deepfm" and self.deepfm is not None and self.deepfm.fm_group is not None:
+            return [("deepfm.fm_group", self.deepfm.fm_group, "deep")]
         return []
 
     @property

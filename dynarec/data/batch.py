@@ -17,6 +17,7 @@ import torch
 
 from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceFeatureCfg
 from dynarec.embedding.jagged import JaggedBatch
+from dynarec.features.expression import Expression
 from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
 
 __all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
@@ -174,6 +175,8 @@ class BatchBuilder:
         null = col.is_null()
         if pc.any(null).as_py():
             raise DataError(f"{self._where(f, origin, int(pc.index(null, True).as_py()))}: missing value")
+        if f.boundaries is not None:
+            return self._bucketized(f, col, origin), np.ones(len(col), dtype=np.int64)
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
         t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t):
@@ -203,6 +206,15 @@ class BatchBuilder:
             ids, lengths = _keep_last(ids, lengths, f.sequence_length)
         return ids, lengths
 
+    def _bucketized(self, f: IdFeatureCfg, col, origin: RowOrigin) -> np.ndarray:
+        """A number per row -> its bucket: ``i`` for ``boundaries[i-1] <= x < boundaries[i]``."""
+        x = _float64(col, lambda i: self._where(f, origin, i), origin.label)
+        bad = np.nonzero(~np.isfinite(x))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number (boundaries)")
+        return np.searchsorted(np.asarray(f.boundaries, dtype=np.float64), x, side="right").astype(np.int64)
+
     def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
         dynamic = f.dynamicemb is not None
 
@@ -210,9 +222,9 @@ class BatchBuilder:
             return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
 
         is_string = pa.types.is_string(tokens.type) or pa.types.is_large_string(tokens.type)
-        if f.value_type == "string":
+        if f.hashed:
             strings = tokens.to_pylist() if is_string else [str(x) for x in tokens.to_pylist()]
-            return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.num_buckets)
+            return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.table_rows)
         if is_string:
             try:
                 tokens = pc.cast(pc.utf8_trim_whitespace(tokens), pa.int64())
@@ -236,12 +248,12 @@ class BatchBuilder:
             )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         if not dynamic and ids.size:
-            bad = np.nonzero((ids < 0) | (ids >= f.num_buckets))[0]
+            bad = np.nonzero((ids < 0) | (ids >= f.table_rows))[0]
             if bad.size:
                 i = int(bad[0])
                 raise DataError(
                     f"{self._where(f, origin, row_of(i))}: id {int(ids[i])} is out of range "
-                    f"[0, {f.num_buckets}) (num_buckets)"
+                    f"[0, {f.table_rows}) (num_buckets)"
                 )
         return ids
 
@@ -253,6 +265,15 @@ class BatchBuilder:
             raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number")
         norm = f.normalizer
         if norm is not None:
+            if norm.expression is not None:
+                x = Expression(norm.expression)(x)
+                bad = np.nonzero(~np.isfinite(x))[0]
+                if bad.size:
+                    i = int(bad[0])
+                    raise DataError(
+                        f"{self._where(f, origin, i)}: normalizer {norm.expression!r} gives {x[i]} for this row's "
+                        "value; the expression must be finite on the data"
+                    )
             if norm.log1p:
                 if (x <= -1).any():
                     i = int(np.nonzero(x <= -1)[0][0])

@@ -21,7 +21,25 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
 
-__all__ = ["ArrowBatchDataset", "DataPosition", "make_loader", "num_rows", "read_table", "resolve_files"]
+__all__ = [
+    "ArrowBatchDataset",
+    "DataPosition",
+    "data_files",
+    "make_loader",
+    "num_rows",
+    "read_table",
+    "resolve_files",
+]
+
+
+def data_files(directory: Union[str, Path]) -> list[str]:
+    """The ``.parquet`` / ``.csv`` files of a directory, by name; hidden and ``_``-prefixed names
+    are writers' temporaries (Spark's, a streaming writer's before its rename) and are skipped."""
+    return [
+        str(x)
+        for x in sorted(Path(directory).iterdir())
+        if x.suffix in (".parquet", ".csv") and not x.name.startswith((".", "_")) and x.is_file()
+    ]
 
 
 def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list[str]:
@@ -31,7 +49,7 @@ def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            files += [str(x) for x in sorted(Path(p).iterdir()) if x.suffix in (".parquet", ".csv")]
+            files += data_files(p)
         elif any(c in p for c in "*?["):
             files += sorted(glob.glob(p))
         elif os.path.isfile(p):

@@ -41,7 +41,7 @@ def fbgemm_available() -> bool:
     return True
 
 
-def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str) -> None:
+def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str, dim: Optional[int] = None) -> None:
     """Raises ValueError naming the ``native`` backend for what the fbgemm backend cannot do."""
     if not fbgemm_available():
         raise ValueError(
@@ -53,6 +53,11 @@ def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str)
             f"installed); got device {device}; use backend='native'"
         )
     fbgemm_mapping(spec, where)
+    if dim is not None and dim % 4:
+        raise ValueError(
+            f"{where}: backend 'fbgemm' needs an embedding dim that is a multiple of 4 (FBGEMM's TBE), got {dim}; "
+            "use backend='native' or another dim"
+        )
 
 
 def fbgemm_mapping(spec: OptimizerSpec, where: str) -> FbgemmMapping:
@@ -71,7 +76,7 @@ class FbgemmRowStore(RowStore):
     def __init__(
         self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu", where: str = "table"
     ):
-        check_fbgemm_supports(spec, torch.device(device), where)
+        check_fbgemm_supports(spec, torch.device(device), where, dim)
         super().__init__(num_rows, dim, spec, torch.device(device))
         self._mapping = fbgemm_mapping(spec, where)
         self._shared_feature_map = self._mapping.needs_generic_path

@@ -1,5 +1,6 @@
-"""DeepFM: first-order linear term + FM second-order interactions over the deep groups' pooled
-embeddings (equal dims) + a deep MLP, summed into one logit."""
+"""DeepFM, in TorchEasyRec's layout: a first-order term over the wide groups, FM interactions
+over the FM group's id features, a deep MLP over the deep groups; summed into one logit, or
+combined by a final MLP."""
 
 from __future__ import annotations
 
@@ -11,26 +12,35 @@ from dynarec.models.blocks import MLP, DeepGroup, masked_mean
 
 
 class DeepFM(nn.Module):
+    """First order: a linear layer over the ``wide`` groups (every group when the model has
+    none). FM: ``0.5 * ((sum_i v_i)^2 - sum_i v_i^2)`` over ``fm_group``'s id features
+    (default: every non-wide group's; equal dims). Deep: an MLP over the non-wide groups other
+    than ``fm_group``. Logit: ``first + sum(FM) + linear(deep)``, or with
+    ``final_hidden_units`` ``linear(final_mlp([first, FM, deep]))``."""
+
     def __init__(self, config: Config, cfg: DeepFMCfg):
         super().__init__()
-        groups = [DeepGroup(config, g) for g in config.model.feature_groups]
-        self.groups = nn.ModuleList(groups)
-        self.fm_features = [
-            n
-            for g in config.model.feature_groups
-            for n in g.feature_names
-            if not isinstance(config.feature(n), RawFeatureCfg)
-        ]
+        groups = config.model.feature_groups
+        wide = [g for g in groups if g.group_type == "wide"]
+        deep = [g for g in groups if g.group_type != "wide" and g.group_name != cfg.fm_group]
+        fm = [config.model.group(cfg.fm_group)] if cfg.fm_group else [g for g in groups if g.group_type != "wide"]
+        if not deep:
+            raise ValueError("model.deepfm: needs a deep feature group besides fm_group")
+        first = [DeepGroup(config, g) for g in (wide or groups)]
+        deep_groups = [DeepGroup(config, g) for g in deep]
+        self.first, self.deep = nn.ModuleList(first), nn.ModuleList(deep_groups)
+        self.first_order = nn.Linear(sum(g.out_dim for g in first), 1)
+        self.fm_features = [n for g in fm for n in g.feature_names if not isinstance(config.feature(n), RawFeatureCfg)]
         dims = {config.feature(n).embedding_dim for n in self.fm_features}
-        if len(dims) > 1:
-            raise ValueError(f"model.deepfm: FM needs equal embedding dims, got {sorted(dims)}")
-        width = sum(g.out_dim for g in groups)
-        self.first_order = nn.Linear(width, 1)
-        self.mlp = MLP(width, cfg.deep_hidden_units)
-        self.out = nn.Linear(self.mlp.out_dim, 1)
+        if len(dims) != 1:
+            raise ValueError(f"model.deepfm: FM needs id features of one embedding dim, got {sorted(dims) or 'none'}")
+        self.mlp = MLP(sum(g.out_dim for g in deep_groups), cfg.deep_hidden_units)
+        fm_dim = dims.pop()
+        self.final = MLP(1 + fm_dim + self.mlp.out_dim, cfg.final_hidden_units) if cfg.final_hidden_units else None
+        self.out = nn.Linear(self.final.out_dim if self.final is not None else self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
-        x = torch.cat([g(embeddings, seq_lengths, dense) for g in self.groups], dim=1)
+        first = self.first_order(torch.cat([g(embeddings, seq_lengths, dense) for g in self.first], dim=1))
         v = torch.stack(
             [
                 embeddings[n] if embeddings[n].dim() == 2 else masked_mean(embeddings[n], seq_lengths[n])
@@ -38,5 +48,8 @@ class DeepFM(nn.Module):
             ],
             dim=1,
         )  # [B, F, D]
-        fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
-        return self.first_order(x).squeeze(1) + fm + self.out(self.mlp(x)).squeeze(1)
+        fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1))  # [B, D]
+        deep = self.mlp(torch.cat([g(embeddings, seq_lengths, dense) for g in self.deep], dim=1))
+        if self.final is not None:
+            return self.out(self.final(torch.cat([first, fm, deep], dim=1))).squeeze(1)
+        return first.squeeze(1) + fm.sum(1) + self.out(deep).squeeze(1)

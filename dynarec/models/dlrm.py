@@ -1,5 +1,6 @@
 """DLRM: a bottom MLP over the dense features, pairwise dot products between its output and
-every pooled embedding (equal dims), and a top MLP."""
+every pooled embedding (equal dims), and a top MLP (over the embeddings too, with
+``arch_with_sparse``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class DLRM(nn.Module):
         self.bottom = MLP(len(self.dense_names), [*cfg.bottom_hidden_units, dim])
         n = len(self.sparse_names) + 1
         self.pairs = torch.triu_indices(n, n, offset=1)
-        self.top = MLP(dim + self.pairs.shape[1], cfg.top_hidden_units)
+        self.arch_with_sparse = cfg.arch_with_sparse
+        width = dim + self.pairs.shape[1] + (dim * len(self.sparse_names) if cfg.arch_with_sparse else 0)
+        self.top = MLP(width, cfg.top_hidden_units)
         self.out = nn.Linear(self.top.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
@@ -37,4 +40,5 @@ class DLRM(nn.Module):
         ]
         v = torch.stack(vs, dim=1)  # [B, F + 1, D]
         inter = torch.bmm(v, v.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
-        return self.out(self.top(torch.cat([x, inter], dim=1))).squeeze(1)
+        parts = [x, inter] + ([v[:, 1:].flatten(1)] if self.arch_with_sparse else [])
+        return self.out(self.top(torch.cat(parts, dim=1))).squeeze(1)

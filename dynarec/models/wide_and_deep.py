@@ -1,4 +1,5 @@
-"""Wide & Deep: a linear model over the ``wide`` groups plus an MLP over the ``deep`` groups."""
+"""Wide & Deep: a linear model over the ``wide`` groups plus an MLP over the ``deep`` groups,
+summed into one logit, or combined by a final MLP (``final_hidden_units``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ class WideAndDeep(nn.Module):
         self.wide, self.deep = nn.ModuleList(wide), nn.ModuleList(deep)
         self.linear = nn.Linear(sum(g.out_dim for g in wide), 1)
         self.mlp = MLP(sum(g.out_dim for g in deep), cfg.deep_hidden_units)
-        self.out = nn.Linear(self.mlp.out_dim, 1)
+        self.final = MLP(1 + self.mlp.out_dim, cfg.final_hidden_units) if cfg.final_hidden_units else None
+        self.out = nn.Linear(self.final.out_dim if self.final is not None else self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
-        wide = torch.cat([g(embeddings, seq_lengths, dense) for g in self.wide], dim=1)
-        deep = torch.cat([g(embeddings, seq_lengths, dense) for g in self.deep], dim=1)
-        return (self.linear(wide) + self.out(self.mlp(deep))).squeeze(1)
+        wide = self.linear(torch.cat([g(embeddings, seq_lengths, dense) for g in self.wide], dim=1))
+        deep = self.mlp(torch.cat([g(embeddings, seq_lengths, dense) for g in self.deep], dim=1))
+        if self.final is not None:
+            return self.out(self.final(torch.cat([wide, deep], dim=1))).squeeze(1)
+        return (wide + self.out(deep)).squeeze(1)

@@ -19,6 +19,7 @@ __all__ = [
     "DENSE_OPTIMIZERS",
     "DenseAdagrad",
     "DenseAdam",
+    "DenseAdamW",
     "DenseOptimizerSpec",
     "DenseSGD",
     "dense_spec_from_yaml",
@@ -101,7 +102,22 @@ class DenseAdam(DenseOptimizerSpec):
         )
 
 
-DENSE_OPTIMIZERS: dict[str, type[DenseOptimizerSpec]] = {c.yaml_key: c for c in (DenseSGD, DenseAdagrad, DenseAdam)}
+@dataclass(frozen=True)
+class DenseAdamW(DenseAdam):
+    """Adam with decoupled weight decay (``torch.optim.AdamW``); weight_decay defaults to 0, as
+    TorchEasyRec's adamw_optimizer (torch's default is 0.01)."""
+
+    yaml_key: ClassVar[str] = "adamw_optimizer"
+
+    def build(self, params):
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay
+        )
+
+
+DENSE_OPTIMIZERS: dict[str, type[DenseOptimizerSpec]] = {
+    c.yaml_key: c for c in (DenseSGD, DenseAdagrad, DenseAdam, DenseAdamW)
+}
 
 
 def dense_spec_from_yaml(block: Any, where: str) -> DenseOptimizerSpec:

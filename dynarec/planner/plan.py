@@ -153,7 +153,7 @@ def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[i
         table = TableConfig(
             name=name,
             dim=first.embedding_dim,
-            num_embeddings=first.num_buckets,
+            num_embeddings=first.table_rows,
             dynamic=first.dynamicemb,
             features=features,
             backend=first.backend or config.train.sparse_backend,

@@ -174,6 +174,8 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], list[dict[str, dict[str
     """Verifies ``path`` against its manifest and loads ``(state, shards)``: ``shards[r]`` holds
     the tables rank ``r`` wrote (one entry for a single-process checkpoint)."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or is a file)")
     manifest_path = path / MANIFEST
     manifest = read_json(manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
     files = manifest.get("files") if isinstance(manifest, dict) else None

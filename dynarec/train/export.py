@@ -8,8 +8,16 @@
       tables/<table>.safetensors   keys (int64) and weights per table (a fixed table's keys are
                                    0..N-1); a dynamic table adds scores, slots and its bucket
                                    layout, so serving puts every key back in its own slot
-      export.json                  format version, the config, the training step, each table's
-                                   key count, and every file's size and SHA-256 (checked on load)
+      export.json                  format version, id, kind (full | delta), the config, the training
+                                   step, each table's key count, and every file's size and SHA-256
+                                   (checked on load)
+
+A **delta** (``since=`` a previous export, full or delta) holds the dense program and, per table,
+only the rows that changed since that export — weights (and, for a dynamic table, slots or
+scores: a row touched by training) — plus ``tombstones``, the keys gone since (evicted); its
+export.json names the export it is based on (id, step, path). ``serving.ExportedModel`` applies
+the chain in order; the result equals a full export at the delta's step, row for row. A table
+that grew (another bucket layout) since its base carries every row in the delta.
 
 The directory is written under a temporary sibling name and renamed into place. An existing
 ``export_dir`` is replaced only when it is itself an export (it holds ``export.json``) or is
@@ -21,7 +29,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -30,14 +40,21 @@ from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.files import file_manifest, fsync_tree, replace_dir
 from dynarec.models.inputs import model_inputs
-from dynarec.serving import EXPORT_FORMAT, META
+from dynarec.serving import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
 from dynarec.train.task import RankingTask
 
-__all__ = ["EXPORT_FORMAT", "export_model"]
+__all__ = ["EXPORT_FORMAT", "diff_tables", "export_model"]
 
 
-def export_model(task: RankingTask, example: Batch, export_dir: str | Path, step: int = 0) -> Path:
+def export_model(
+    task: RankingTask,
+    example: Batch,
+    export_dir: str | Path,
+    step: int = 0,
+    since: Optional[str | Path] = None,
+) -> Path:
     """Exports ``task`` (trained ``step`` steps); ``example`` (>= 2 rows) traces the dense program.
+    ``since``: a previous export (full or delta) of this model; write a delta on top of it.
 
     Raises FileExistsError, before writing anything, when ``export_dir`` is a non-empty
     directory that is not an export (a model directory, a user's own directory) or a file."""
@@ -48,6 +65,7 @@ def export_model(task: RankingTask, example: Batch, export_dir: str | Path, step
             raise ValueError(f"table '{t.name}': export supports constant eval initializers only")
     export_dir = Path(export_dir)
     _check_target(export_dir)
+    base = _delta_base(Path(since), export_dir, task) if since is not None else None
     tmp = export_dir.with_name(f".{export_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -67,28 +85,83 @@ def export_model(task: RankingTask, example: Batch, export_dir: str | Path, step
     torch.export.save(program, str(tmp / "dense.pt2"))
     task.train()
 
-    key_counts = {}
+    key_counts, rows, tombstones = {}, {}, {}
     for name, table in task.embeddings.tables.items():
-        dump = table.dump()
-        keys = dump["keys"] if "keys" in dump else torch.arange(dump["weight"].shape[0])
-        tensors = {"keys": keys, "weight": dump["weight"]}
-        for field in ("scores", "slots", "layout"):
-            if field in dump:
-                tensors[field] = dump[field]
+        tensors = export_tensors(table.dump())
+        key_counts[name] = int(tensors["keys"].numel())
+        if base is not None:
+            tensors = diff_tables(base[1][name], tensors, f"table '{name}'")
+            rows[name], tombstones[name] = int(tensors["keys"].numel()), int(tensors["tombstones"].numel())
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tables" / f"{name}.safetensors"))
-        key_counts[name] = int(keys.numel())
     files = ["dense.pt2", *(f"tables/{name}.safetensors" for name in task.embeddings.tables)]
-    meta = {
+    meta: dict[str, Any] = {
         "format": EXPORT_FORMAT,
+        "id": uuid.uuid4().hex,
+        "kind": "full" if base is None else "delta",
         "step": step,
         "keys": key_counts,
-        "files": file_manifest(tmp, files),
-        "config": task.config.model_dump(mode="json"),
     }
+    if base is not None:
+        assert since is not None
+        base_meta = base[0]
+        meta["base"] = {"id": base_meta["id"], "step": base_meta["step"], "path": str(Path(since).resolve())}
+        meta["rows"], meta["tombstones"] = rows, tombstones
+    meta["files"] = file_manifest(tmp, files)
+    meta["config"] = task.config.model_dump(mode="json")
     (tmp / META).write_text(json.dumps(meta, indent=1))
     fsync_tree(tmp)
     replace_dir(tmp, export_dir, is_ours=lambda d: (d / META).is_file(), what="export")
     return export_dir
+
+
+def _delta_base(since: Path, export_dir: Path, task: RankingTask):
+    """``(meta, tables)`` of the export a delta is computed from, checked to be this model's."""
+    if export_dir.resolve() == since.resolve():
+        raise ValueError(f"--since {since} is the export directory itself; write the delta to a new directory")
+    chain = export_chain(since)
+    meta = chain[-1][1]
+    if meta.get("id") is None:
+        raise ValueError(f"{since}: an export of format 2 (no id) cannot be a delta's base; write a full export first")
+    tables = materialize(chain)
+    ours = sorted(task.embeddings.tables)
+    if sorted(tables) != ours:
+        raise ValueError(f"{since}: its tables {sorted(tables)} are not this model's {ours}; write a full export")
+    return meta, tables
+
+
+def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The delta of one table from ``base`` to ``current`` (export tensors): the rows whose
+    weight — or, in a dynamic table, slot or score — changed, new keys, and the ``tombstones``
+    of keys gone. Weights are compared bit for bit."""
+    if "slots" not in current:
+        if base["weight"].shape != current["weight"].shape:
+            raise ValueError(
+                f"{where}: {tuple(base['weight'].shape)} rows x dim in the base export, "
+                f"{tuple(current['weight'].shape)} now; write a full export"
+            )
+        changed = (_bits(base["weight"]) != _bits(current["weight"])).any(1)
+        keys = changed.nonzero().flatten()
+        return {"keys": keys, "weight": current["weight"][keys], "tombstones": torch.empty(0, dtype=torch.int64)}
+    kb, kc = base["keys"], current["keys"]
+    if kb.numel():
+        pos = torch.searchsorted(kb, kc).clamp(max=kb.numel() - 1)
+        same = kb[pos] == kc
+        changed = (
+            ~same
+            | (_bits(base["weight"][pos]) != _bits(current["weight"])).any(1)
+            | (base["slots"][pos] != current["slots"])
+            | (base["scores"][pos] != current["scores"])
+        )
+    else:
+        changed = torch.ones_like(kc, dtype=torch.bool)
+    out = {f: current[f][changed] for f in ("keys", "weight", "scores", "slots")}
+    out["layout"] = current["layout"]
+    out["tombstones"] = kb[~torch.isin(kb, kc)]
+    return out
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
 
 
 def _check_target(export_dir: Path) -> None:

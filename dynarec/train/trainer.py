@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -33,7 +36,7 @@ from torch import nn
 from dynarec.config.load import config_fingerprint
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
-from dynarec.data.reader import ArrowBatchDataset, DataPosition, make_loader, resolve_files
+from dynarec.data.reader import ArrowBatchDataset, DataPosition, data_files, make_loader, resolve_files
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.distributed.reshard import plan_state, single_process_plan_state, tables_for_rank
 from dynarec.files import DirectoryBusyError, DirectoryLock
@@ -42,11 +45,33 @@ from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.sink import TrainingLog
 from dynarec.train.task import RankingTask
 
-__all__ = ["Trainer", "TrainingError"]
+__all__ = ["FollowOptions", "Trainer", "TrainingError"]
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (a NaN loss under nan_policy 'error'); the message names the step."""
+
+
+@dataclass(frozen=True)
+class FollowOptions:
+    """Streaming input (``dynarec train --follow``): ``data.train_input_path`` is a directory
+    that keeps receiving files (each renamed in when complete; hidden and ``_``-prefixed names
+    are ignored). Training consumes full global batches in file-name order as rows arrive, and
+    stops after ``num_steps``, or once no new file came for ``idle_timeout_seconds`` (None:
+    never; Ctrl-C stops it with a checkpoint)."""
+
+    poll_seconds: float = 5.0
+    idle_timeout_seconds: Optional[float] = None
+
+
+def _check_followable(config: Config) -> None:
+    path = config.data.train_input_path
+    if not isinstance(path, str) or not Path(path).is_dir():
+        raise ValueError(
+            f"data.train_input_path: --follow polls one directory for new files; got {path!r}, which is not one"
+        )
+    if config.train.num_epochs is not None:
+        raise ValueError("train.num_epochs: --follow reads a growing input; give train.num_steps, or neither")
 
 
 class Trainer:
@@ -60,8 +85,12 @@ class Trainer:
         device: str = "cpu",
         progress: bool = True,
         ctx: Optional[DistContext] = None,
+        follow: Optional[FollowOptions] = None,
     ):
         self.config = config
+        self.follow = follow
+        if follow is not None:
+            _check_followable(config)
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
@@ -77,6 +106,9 @@ class Trainer:
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         self.position = DataPosition()
+        # --follow: the files consumed so far (names and row counts, in order); they must stay the
+        # first files of the directory, so that a row position always means the same rows.
+        self.followed_files: list[tuple[str, int]] = []
 
     @property
     def global_batch_size(self) -> int:
@@ -111,11 +143,91 @@ class Trainer:
     def _eval_batch_size(self) -> int:
         return self.config.data.eval_batch_size or self.config.data.batch_size
 
+    def _follow_batches(self) -> Iterator[tuple[Union[Batch, DataError], DataPosition, int]]:
+        """``--follow``: full global batches of the directory's rows as files arrive."""
+        assert self.follow is not None
+        directory = Path(str(self.config.data.train_input_path))
+        position, idle_since = self.position, time.monotonic()
+        while True:
+            names = self._listing(directory)
+            if not names:
+                if self._idle(idle_since):
+                    return
+                time.sleep(self.follow.poll_seconds)
+                continue
+            dataset = self._dataset(
+                [str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row
+            )
+            counts = dataset.row_counts()
+            self._check_prefix(directory, names, counts)
+            steps = (dataset.num_rows - position.row) // self.global_batch_size
+            if steps == 0:
+                if self._idle(idle_since):
+                    if self.ctx.is_main:
+                        print(
+                            f"follow: no new file in {self.follow.idle_timeout_seconds}s; stopping at step {self.step} "
+                            f"({position.row} rows of {len(self.followed_files)} file(s) consumed)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    return
+                time.sleep(self.follow.poll_seconds)
+                continue
+            idle_since = time.monotonic()
+            end_row = position.row + steps * self.global_batch_size
+            consumed, total = [], 0
+            for n, c in zip(names, counts):  # the files the rows up to end_row come from
+                if total >= end_row:
+                    break
+                consumed.append((n, c))
+                total += c
+            batches = iter(make_loader(dataset, self.config.data.num_workers))
+            for _ in range(steps):
+                try:
+                    batch: Union[Batch, DataError] = next(batches)
+                except DataError as e:
+                    if not self.ctx.distributed:
+                        raise
+                    batch = e
+                position = DataPosition(0, position.row + self.global_batch_size)
+                self.followed_files = consumed
+                yield batch, position, self.global_batch_size
+                if isinstance(batch, DataError):
+                    return
+
+    def _listing(self, directory: Path) -> list[str]:
+        """The directory's data files by name (rank 0's listing, on every rank)."""
+        names = [Path(f).name for f in data_files(directory)]
+        if self.ctx.distributed:
+            names = self.ctx.all_gather_objects(names, "listing the followed directory")[0]
+        return names
+
+    def _idle(self, since: float) -> bool:
+        assert self.follow is not None
+        timeout = self.follow.idle_timeout_seconds
+        return timeout is not None and time.monotonic() - since >= timeout
+
+    def _check_prefix(self, directory: Path, names: list[str], counts: list[int]) -> None:
+        """The files consumed so far must still be the first files, unchanged: a row position
+        is an offset into the files in name order."""
+        for i, (name, rows) in enumerate(self.followed_files):
+            if i >= len(names) or names[i] != name:
+                now = names[i] if i < len(names) else "nothing"
+                raise DataError(
+                    f"{directory}: '{now}' sorts where the consumed file '{name}' was: files must arrive in "
+                    "name order (timestamped names) and consumed files stay in place"
+                )
+            if counts[i] != rows:
+                raise DataError(f"{directory / name}: held {rows} rows when it was consumed, {counts[i]} now")
+
     def _train_batches(self) -> Iterator[tuple[Union[Batch, DataError], DataPosition, int]]:
         """``(batch, the data position after it, the global batch's rows)`` from the current
         position on, epoch after epoch (with ``num_steps``: as many epochs as it takes). In a
         multi-process run a batch this rank cannot read is yielded as its DataError, so that
         every rank takes part in the step that fails."""
+        if self.follow is not None:
+            yield from self._follow_batches()
+            return
         cfg = self.config
         position = self.position
         while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
@@ -154,6 +266,7 @@ class Trainer:
             "fingerprint": config_fingerprint(self.config),
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
+            "followed_files": [list(f) for f in self.followed_files],
         }
 
     def save(self) -> Path:
@@ -208,6 +321,7 @@ class Trainer:
                 )
         self.step = state["step"]
         self.position = DataPosition(state["epoch"], state["row"])
+        self.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
         self.log.load_state(state["history"])
         return path
 
@@ -215,12 +329,10 @@ class Trainer:
 
     def _set_learning_rates(self) -> None:
         train = self.config.train
-        f = train.sparse_lr_schedule.factor(self.step)
         for table in self.task.embeddings.tables.values():
-            table.set_learning_rate(table.spec.lr * f)
-        f = train.dense_lr_schedule.factor(self.step)
+            table.set_learning_rate(train.sparse_lr_schedule.learning_rate(self.step, table.spec.lr))
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
-            g["lr"] = base * f
+            g["lr"] = train.dense_lr_schedule.learning_rate(self.step, base)
 
     def train_step(self, batch: Union[Batch, DataError], global_rows: Optional[int] = None) -> Optional[torch.Tensor]:
         """One step; returns the loss (on the device: reading it is the caller's choice), or None
@@ -268,7 +380,8 @@ class Trainer:
         """Trains to ``num_steps`` (or ``num_epochs``), evaluating and checkpointing on the way;
         returns the final report (eval metrics empty without eval data)."""
         cfg = self.config
-        self._dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
+        if self.follow is None or data_files(str(cfg.data.train_input_path)):
+            self._dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
         if cfg.data.eval_input_path:
             self._dataset(cfg.data.eval_input_path, self._eval_batch_size())
         with contextlib.ExitStack() as stack:  # one writer per model directory: rank 0 holds the lock

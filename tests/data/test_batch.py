@@ -138,3 +138,67 @@ def test_row_origin_locates_batch_rows():
     assert origin.label == "a.parquet (+1 more file(s))"
     with pytest.raises(IndexError):
         origin.locate(5)
+
+
+def feature_builder(*features):
+    """A builder whose config adds ``features`` (feature blocks) to the tiny config's model."""
+    c = config_dict()
+    c["feature_configs"] += list(features)
+    names = [next(iter(f.values()))["feature_name"] for f in features]
+    c["model"]["feature_groups"][1]["feature_names"] += names
+    return BatchBuilder(config_from_dict(c))
+
+
+def ids_of(batch, name):
+    kjt = batch.sparse
+    per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()
+    start = sum(per_key[: kjt.keys().index(name)])
+    return kjt.values()[start : start + per_key[kjt.keys().index(name)]].tolist()
+
+
+def test_boundaries_bucketize_left_closed():
+    b = feature_builder(
+        {"id_feature": {"feature_name": "p", "input_name": "price", "embedding_dim": 4, "boundaries": [10, 20]}}
+    )
+    batch = b.build(table(price=[9.99, 10.0, 20.0]), "t.parquet")
+    assert ids_of(batch, "p") == [0, 1, 2]  # [.., 10) -> 0, [10, 20) -> 1, [20, ..) -> 2
+    with pytest.raises(DataError, match=r"t.parquet, row 1: feature 'p' \(column 'price'\): value nan is not a finite"):
+        b.build(table(price=[1.0, float("nan"), 2.0]), "t.parquet")
+
+
+def test_hash_bucket_size_hashes_the_string_form_of_ids():
+    b = feature_builder(
+        {"id_feature": {"feature_name": "h", "input_name": "age", "embedding_dim": 4, "hash_bucket_size": 7}},
+        {"id_feature": {"feature_name": "u", "expression": "user:user_id", "embedding_dim": 4, "hash_bucket_size": 7}},
+    )
+    batch = b.build(table(), "t.parquet")
+    assert ids_of(batch, "h") == to_hash_bucket_fast(["1", "2", "3"], 7).tolist()
+    assert ids_of(batch, "u") == to_hash_bucket_fast(["u1", "u2", "u1"], 7).tolist()
+
+
+def test_an_expression_normalizer_applies_and_a_non_finite_result_names_the_row():
+    b = feature_builder(
+        {"raw_feature": {"feature_name": "lp", "input_name": "price", "normalizer": {"expression": "log(x - 15)"}}}
+    )
+    with pytest.raises(
+        DataError, match=r"row 0: feature 'lp' \(column 'price'\): normalizer 'log\(x - 15\)' gives nan"
+    ):
+        b.build(table(), "t.parquet")
+    batch = b.build(table(price=[16.0, 15.0 + np.e, 20.0]), "t.parquet")
+    assert batch.dense["lp"].tolist() == pytest.approx([0.0, 1.0, np.log(5.0)])
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"normalizer": {"expression": "os.system(1)"}}, r"normalizer: expression 'os.system\(1\)': .* is not allowed"),
+        ({"normalizer": {"expression": "foo(x)"}}, "unknown function 'foo'"),
+        ({"expression": "feature:price"}, "expression must be 'side:column'"),
+        ({"expression": "item:price", "input_name": "price"}, "give input_name or expression, not both"),
+    ],
+)
+def test_bad_expressions_are_config_errors(block, message):
+    c = config_dict()
+    c["feature_configs"].append({"raw_feature": {"feature_name": "x", **block}})
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(c)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from dynarec.embedding import EmbeddingCollection, TableConfig
 from dynarec.embedding.fbgemm_store import check_fbgemm_supports, fbgemm_available
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import Initializer
@@ -83,3 +84,13 @@ def test_fbgemm_backend_without_fbgemm_names_native(monkeypatch):
         match=r"table 't': backend 'fbgemm' needs FBGEMM \(fbgemm-gpu-cpu==1.8.0\) installed; use backend='native'",
     ):
         check_fbgemm_supports(Adagrad(), torch.device("cpu"), "table 't'")
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is not installed")
+def test_fbgemm_refuses_a_dim_that_is_not_a_multiple_of_4_by_name():
+    with pytest.raises(
+        ValueError, match=r"table 't': backend 'fbgemm' needs an embedding dim that is a multiple of 4.*got 6"
+    ):
+        EmbeddingCollection(
+            [TableConfig(name="t", dim=6, num_embeddings=10, features=["f"], backend="fbgemm")], Adagrad()
+        )

@@ -1,0 +1,387 @@
+"""`dynarec import-config`: TorchEasyRec pipeline.config files converted, refused field by field,
+and the converted configs trained.
+
+tests/config/tzrec/*.config are TorchEasyRec's own examples (alibaba/TorchEasyRec, Apache-2.0,
+examples/ at 54cac31), unmodified; the configs below are hand-written in its format.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynarec.cli import main
+from dynarec.config import config_from_dict, load_config
+from dynarec.config.textproto import Enum, TextFormatError, parse
+from dynarec.config.tzrec import ConversionError, convert_pipeline_config
+from dynarec.optim import SGD, Adagrad, RowWiseAdagrad
+from dynarec.planner import plan_from_config
+from dynarec.train.trainer import Trainer
+from dynarec.verify import verify_config
+
+EXAMPLES = Path(__file__).parent / "tzrec"
+
+
+def convert_example(name: str, **kw):
+    text = (EXAMPLES / f"{name}.config").read_text()
+    return convert_pipeline_config(text, train_input_path="data/train", eval_input_path="data/eval", **kw)
+
+
+# -- TorchEasyRec's own examples -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["multi_tower_din_taobao", "deepfm_criteo", "dlrm_criteo"])
+def test_torcheasyrecs_examples_convert_without_lenient(name):
+    result = convert_example(name)
+    assert not result.dropped
+    config = config_from_dict(result.config)
+    assert config.train.sparse_optimizer == Adagrad(lr=0.001)
+    assert config.data.batch_size == 8192 and config.eval.metrics == ["auc"]
+    assert any("model_dir: pass it to dynarec as --model-dir" in n for n in result.notes)
+
+
+def test_the_taobao_din_example_maps_features_as_torcheasyrec_names_them():
+    config = config_from_dict(convert_example("multi_tower_din_taobao").config)
+    seq = config.feature("click_50_seq__adgroup_id")
+    assert seq.column == "click_50_seq__adgroup_id" and seq.sequence_length == 100 and seq.separator == "|"
+    assert config.feature("user_id").column == "user_id" and config.feature("user_id").expression == "user:user_id"
+    price = config.feature("price")
+    assert price.boundaries[:3] == [1.1, 2.2, 3.6] and price.table_rows == len(price.boundaries) + 1 == 99
+    assert price.embedding_dim == 16
+    assert config.feature("pid").hash_bucket_size == 20 and config.feature("pid").hashed
+    din = config.model.multi_tower_din
+    assert din.towers[0].hidden_units == [512, 256, 128] and din.din_towers[0].attn_hidden_units == [256, 64]
+    assert din.final_hidden_units == [64]
+    assert config.model.group("seq").group_type == "sequence"
+
+
+def test_fg_none_reads_encoded_ids_and_wide_groups_get_their_own_tables():
+    config = config_from_dict(convert_example("deepfm_criteo").config)
+    cat = config.feature("cat_0")
+    assert cat.num_buckets == 40_000_000 and cat.separator == "\x03"
+    wide = config.feature("cat_0_wide")
+    assert (wide.embedding_dim, wide.table_name, wide.column, wide.num_buckets) == (
+        4,
+        "cat_0_wide",
+        "cat_0",
+        40_000_000,
+    )
+    assert config.model.group("wide").feature_names[0] == "cat_0_wide"
+    assert config.model.deepfm.fm_group == "fm" and config.model.deepfm.final_hidden_units == [64]
+    assert config.eval.max_steps == 100
+
+
+def test_the_dlrm_example_keeps_its_expression_normalizer():
+    config = config_from_dict(convert_example("dlrm_criteo").config)
+    assert config.feature("int_0").normalizer.expression == "log(x+3)"
+    dlrm = config.model.dlrm
+    assert (dlrm.bottom_hidden_units, dlrm.top_hidden_units, dlrm.arch_with_sparse) == ([64], [64, 32], True)
+
+
+def test_a_table_service_path_needs_a_replacement_named_in_the_error():
+    text = (EXAMPLES / "deepfm_criteo.config").read_text()
+    with pytest.raises(ConversionError, match=r"train_input_path: 'odps://.*' is a table service.*--train-input-path"):
+        convert_pipeline_config(text)
+
+
+# -- refusals --------------------------------------------------------------------------------------
+
+
+def test_a_field_dynarec_cannot_carry_is_an_error_naming_its_path_or_dropped_with_lenient():
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    text = text.replace("hidden_units: [256, 64]\n", "hidden_units: [256, 64]\n                use_bn: true\n")
+    text = text.replace(
+        "din_towers {", "towers { input: 'deep' mlp { hidden_units: [8] dropout_ratio: 0.5 } }\n din_towers {"
+    )
+    with pytest.raises(ConversionError) as e:
+        convert_pipeline_config(text, train_input_path="a", eval_input_path="b")
+    message = str(e.value)
+    assert "model_config.multi_tower_din.din_towers.attn_mlp.use_bn: not supported" in message
+    assert "model_config.multi_tower_din.towers[1].mlp.dropout_ratio: dropout is not supported" in message
+    result = convert_pipeline_config(text, train_input_path="a", eval_input_path="b", lenient=True)
+    assert len(result.dropped) == 2 and config_from_dict(result.config)
+
+
+@pytest.mark.parametrize(
+    "edit, path",
+    [
+        (("num_epochs: 1", "num_epochs: 1\n    unknown_field: 3"), "train_config.unknown_field: not supported"),
+        (
+            ('label_fields: "clk"', 'label_fields: "clk"\n    sample_weight_fields: "w"'),
+            "data_config.sample_weight_fields",
+        ),
+        (
+            ("lr: 0.001\n        }\n        constant", "lr: 0.001\n gradient_clipping: true }\n constant"),
+            "gradient_clipping",
+        ),
+        (("binary_cross_entropy {}", "softmax_cross_entropy {}"), "model_config.losses: ['softmax_cross_entropy']"),
+        (("auc {}", "accuracy {}"), "model_config.metrics: ['accuracy'] is not supported"),
+        (
+            ("hash_bucket_size: 20", 'hash_bucket_size: 20\n        vocab_list: ["a"]'),
+            "feature_configs[15].id_feature.vocab_list",
+        ),
+        (("fg_mode: FG_DAG", "fg_mode: FG_BUCKETIZE"), "data_config.fg_mode: FG_BUCKETIZE is not supported"),
+    ],
+)
+def test_each_refusal_names_the_field(edit, path):
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    assert edit[0] in text
+    with pytest.raises(ConversionError, match=None) as e:
+        convert_pipeline_config(text.replace(edit[0], edit[1], 1), train_input_path="a", eval_input_path="b")
+    assert path in str(e.value)
+
+
+# -- the text format -------------------------------------------------------------------------------
+
+
+def test_the_text_format_parser():
+    m = parse(
+        """
+        # a comment
+        a: -1.5e3  b: 0x10 c: "x\\ty" 'z'
+        d: [1, 2, 3]
+        e < f: FOO >
+        g [{h: 1}, {h: 2}]
+        i: true j: 2.0f
+        """
+    )
+    assert m.values("a") == [-1500.0] and m.values("b") == [16] and m.values("c") == ["x\tyz"]
+    assert m.values("d") == [1, 2, 3] and m.values("i") == [True] and m.values("j") == [2.0]
+    (e,) = m.values("e")
+    assert e.values("f") == ["FOO"] and isinstance(e.values("f")[0], Enum)
+    assert [g.values("h") for g in m.values("g")] == [[1], [2]]
+    with pytest.raises(TextFormatError, match="line 2: missing '}'"):
+        parse("a {\n b: 1")
+    with pytest.raises(TextFormatError, match=r"line 1: expected ':' or '\{' after 'a'"):
+        parse("a 1")
+
+
+# -- hand-written configs, converted and trained ---------------------------------------------------
+
+COMMON_TRAIN = """
+train_input_path: "{data}"
+model_dir: "experiments/x"
+train_config {{
+    sparse_optimizer {{
+        {sparse}
+    }}
+    dense_optimizer {{
+        adam_optimizer {{ lr: 0.01 }}
+        constant_learning_rate {{}}
+    }}
+    num_steps: 4
+    save_checkpoints_steps: 2
+    log_step_count_steps: 1
+}}
+data_config {{
+    batch_size: 32
+    dataset_type: ParquetDataset
+    fg_mode: {fg_mode}
+    label_fields: "clk"
+    num_workers: 0
+}}
+"""
+
+MULTI_TOWER_DIN = """
+feature_configs {
+    id_feature {
+        feature_name: "user_id"
+        expression: "user:user_id"
+        embedding_dim: 8
+        dynamicemb {
+            max_capacity: 4096
+            init_capacity_per_rank: 256
+            score_strategy: "STEP"
+            bucket_capacity: 16
+            eval_initializer_args { mode: "CONSTANT" value: 0.0 }
+        }
+    }
+}
+feature_configs { id_feature { feature_name: "age" expression: "user:age" num_buckets: 10 embedding_dim: 4 } }
+feature_configs {
+    id_feature { feature_name: "item_id" expression: "item:item_id" num_buckets: 500 embedding_dim: 8 embedding_name: "item" }
+}
+feature_configs {
+    id_feature { feature_name: "cate_id" expression: "item:cate_id" num_buckets: 50 embedding_dim: 4 embedding_name: "cate" }
+}
+feature_configs {
+    raw_feature { feature_name: "price" expression: "item:price" boundaries: [1, 5, 10, 50] embedding_dim: 4 }
+}
+feature_configs { id_feature { feature_name: "pid" expression: "context:pid" hash_bucket_size: 20 embedding_dim: 4 } }
+feature_configs {
+    sequence_feature {
+        sequence_name: "click_seq"
+        sequence_length: 10
+        sequence_delim: "|"
+        features {
+            id_feature { feature_name: "item_id" expression: "item:item_id" num_buckets: 500 embedding_dim: 8 embedding_name: "item" }
+        }
+        features {
+            id_feature { feature_name: "cate_id" expression: "item:cate_id" num_buckets: 50 embedding_dim: 4 embedding_name: "cate" }
+        }
+    }
+}
+model_config {
+    feature_groups { group_name: "deep" feature_names: ["user_id", "age", "price", "pid"] group_type: DEEP }
+    feature_groups {
+        group_name: "seq"
+        feature_names: ["item_id", "cate_id", "click_seq__item_id", "click_seq__cate_id"]
+        group_type: SEQUENCE
+    }
+    multi_tower_din {
+        towers { input: "deep" mlp { hidden_units: [16] } }
+        din_towers { input: "seq" attn_mlp { hidden_units: [8] } }
+        final { hidden_units: [8] }
+    }
+    metrics { auc {} }
+    losses { binary_cross_entropy {} }
+}
+"""
+
+DEEPFM = """
+feature_configs { raw_feature { feature_name: "int_0" } }
+feature_configs { raw_feature { feature_name: "int_1" } }
+feature_configs { id_feature { feature_name: "cat_0" num_buckets: 100 embedding_dim: 8 } }
+feature_configs { id_feature { feature_name: "cat_1" num_buckets: 50 embedding_dim: 8 } }
+model_config {
+    feature_groups { group_name: "wide" feature_names: ["cat_0", "cat_1"] group_type: WIDE }
+    feature_groups { group_name: "fm" feature_names: ["cat_0", "cat_1"] group_type: DEEP }
+    feature_groups { group_name: "deep" feature_names: ["int_0", "int_1", "cat_0", "cat_1"] group_type: DEEP }
+    deepfm { deep { hidden_units: [16, 8] } final { hidden_units: [8] } wide_embedding_dim: 4 }
+    metrics { auc {} }
+    losses { binary_cross_entropy {} }
+}
+"""
+
+DLRM = """
+feature_configs {
+    raw_feature { feature_name: "int_0" expression: "user:int_0" normalizer: "method=expression,expr=log(x+3)" }
+}
+feature_configs { raw_feature { feature_name: "int_1" expression: "user:int_1" normalizer: "method=zscore,mean=1,standard_deviation=2" } }
+feature_configs { id_feature { feature_name: "cat_0" expression: "item:cat_0" hash_bucket_size: 100 embedding_dim: 8 } }
+feature_configs { id_feature { feature_name: "cat_1" expression: "item:cat_1" num_buckets: 50 embedding_dim: 8 } }
+model_config {
+    feature_groups { group_name: "dense" feature_names: ["int_0", "int_1"] group_type: DEEP }
+    feature_groups { group_name: "sparse" feature_names: ["cat_0", "cat_1"] group_type: DEEP }
+    dlrm { dense_mlp { hidden_units: [16, 8] } final { hidden_units: [16] } }
+    num_class: 1
+    metrics { auc {} }
+    losses { binary_cross_entropy {} }
+}
+"""
+
+WIDE_AND_DEEP = """
+feature_configs { raw_feature { feature_name: "int_0" } }
+feature_configs { id_feature { feature_name: "cat_0" num_buckets: 100 embedding_dim: 8 init_fn: "nn.init.uniform_,a=-0.05,b=0.05" } }
+feature_configs { id_feature { feature_name: "cat_1" num_buckets: 50 embedding_dim: 8 } }
+model_config {
+    feature_groups { group_name: "wide" feature_names: ["cat_0", "cat_1"] group_type: WIDE }
+    feature_groups { group_name: "deep" feature_names: ["int_0", "cat_0", "cat_1"] group_type: DEEP }
+    wide_and_deep { deep { hidden_units: [16] } wide_embedding_dim: 2 wide_init_fn: "nn.init.zeros_" }
+    metrics { auc {} }
+    losses { binary_cross_entropy {} }
+}
+"""
+
+MULTI_TOWER = """
+feature_configs { id_feature { feature_name: "cat_0" num_buckets: 100 embedding_dim: 8 pooling: "mean" } }
+feature_configs {
+    sequence_id_feature { feature_name: "hist" sequence_length: 5 sequence_delim: ";" num_buckets: 100 embedding_dim: 8 }
+}
+feature_configs { raw_feature { feature_name: "int_0" } }
+model_config {
+    feature_groups { group_name: "all" feature_names: ["cat_0", "hist", "int_0"] group_type: DEEP }
+    multi_tower { towers { input: "all" mlp { hidden_units: [8] } } final { hidden_units: [4] } }
+    metrics { auc {} }
+    losses { binary_cross_entropy {} }
+}
+"""
+
+ADAGRAD = "adagrad_optimizer { lr: 0.05 initial_accumulator_value: 0.1 }\n exponential_decay_learning_rate { decay_size: 2 decay_factor: 0.5 }"
+CASES = {
+    "multi_tower_din": (MULTI_TOWER_DIN, "FG_DAG", ADAGRAD),
+    "deepfm": (DEEPFM, "FG_NONE", ADAGRAD),
+    "dlrm": (
+        DLRM,
+        "FG_DAG",
+        "sgd_optimizer { lr: 0.1 }\n manual_step_learning_rate { schedule_sizes: [2] learning_rates: [0.01] }",
+    ),
+    "wide_and_deep": (WIDE_AND_DEEP, "FG_NONE", "rowwise_adagrad_optimizer { lr: 0.05 }"),
+    "multi_tower": (MULTI_TOWER, "FG_NONE", ADAGRAD),
+}
+
+
+def write_data(path: Path, rows: int = 256, seed: int = 0) -> None:
+    """Every column the hand-written configs read, in one Parquet file."""
+    rng = np.random.default_rng(seed)
+
+    def seq(n):
+        return ["|".join(str(x) for x in rng.integers(0, n, rng.integers(0, 8))) for _ in range(rows)]
+
+    items = seq(500)
+    cates = ["|".join(str(int(x) % 50) for x in s.split("|")) if s else "" for s in items]
+    columns = {
+        "user_id": [f"u{x}" for x in rng.integers(0, 300, rows)],
+        "age": rng.integers(0, 10, rows),
+        "item_id": rng.integers(0, 500, rows),
+        "cate_id": rng.integers(0, 50, rows),
+        "price": rng.exponential(10.0, rows),
+        "pid": [f"p{x}" for x in rng.integers(0, 7, rows)],
+        "click_seq__item_id": items,
+        "click_seq__cate_id": cates,
+        "int_0": rng.exponential(3.0, rows),
+        "int_1": rng.normal(size=rows),
+        "cat_0": rng.integers(0, 100, rows),
+        "cat_1": rng.integers(0, 50, rows),
+        "hist": [";".join(str(x) for x in rng.integers(0, 100, rng.integers(0, 6))) for _ in range(rows)],
+        "clk": rng.integers(0, 2, rows),
+    }
+    path.mkdir(parents=True)
+    pq.write_table(pa.table(columns), path / "part-0.parquet")
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_a_hand_written_config_converts_trains_and_verifies(model, tmp_path):
+    body, fg_mode, sparse = CASES[model]
+    write_data(tmp_path / "data")
+    text = COMMON_TRAIN.format(data=tmp_path / "data", sparse=sparse, fg_mode=fg_mode) + body
+    (tmp_path / "pipeline.config").write_text(text)
+    out = tmp_path / "config.yaml"
+    assert main(["import-config", str(tmp_path / "pipeline.config"), "-o", str(out)]) == 0
+    config = load_config(out)
+    assert config.model.name == ("multi_tower_din" if model == "multi_tower" else model)
+    trainer = Trainer(config, tmp_path / "model", progress=False)
+    trainer.fit()
+    assert trainer.step == 4
+    verdicts = verify_config(config, steps=3)
+    assert all(v.ok for v in verdicts), [v.line() for v in verdicts]
+    specs = {t.name: t.optimizer for t in plan_from_config(config).table_configs()}
+    if sparse == ADAGRAD:  # initial_accumulator_value reaches every table, fixed and dynamic
+        assert set(specs.values()) == {Adagrad(lr=0.05, initial_accumulator_value=0.1)}
+    if model == "multi_tower_din":
+        kinds = {t.name: t.dynamic is not None for t in plan_from_config(config).table_configs()}
+        assert kinds["user_id"] and not kinds["item"]
+        assert config.feature("user_id").dynamicemb.init_capacity == 256
+    if model == "dlrm":
+        assert set(specs.values()) == {SGD(lr=0.1)}
+        schedule = config.train.sparse_lr_schedule
+        assert [schedule.learning_rate(k, 0.1) for k in range(4)] == [0.1, 0.1, 0.1, 0.01]
+    if model == "wide_and_deep":
+        assert specs["cat_0_wide"] == RowWiseAdagrad(lr=0.05)
+        assert config.feature("cat_0_wide").initializer.kind == "constant"
+        assert config.feature("cat_0").initializer.bound == 0.05
+
+
+def test_exponential_decay_is_torcheasyrecs_formula():
+    text = COMMON_TRAIN.format(
+        data="d",
+        fg_mode="FG_NONE",
+        sparse="adagrad_optimizer { lr: 0.1 }\n exponential_decay_learning_rate { decay_size: 10 decay_factor: 0.5 "
+        "warmup_size: 4 warmup_learning_rate: 0.02 min_learning_rate: 0.03 }",
+    )
+    schedule = config_from_dict(convert_pipeline_config(text + DEEPFM).config).train.sparse_lr_schedule
+    got = [schedule.learning_rate(k, 0.1) for k in (0, 2, 4, 13, 14, 24, 60)]
+    # warmup 0.02 -> 0.1 over 4 steps; then 0.1 * 0.5 ** floor((k - 4) / 10), never below 0.03
+    assert got == pytest.approx([0.02, 0.06, 0.1, 0.1, 0.05, 0.03, 0.03])

@@ -1,0 +1,128 @@
+"""`dynarec train --follow`: a directory receiving files, trained as they arrive, gives what one
+run over the finished directory gives; a restart resumes at the right file; files arriving out
+of name order or changing after use are refused by name."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.cli import main
+from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12  # 1,200 rows in 4 files of 300, batches of 100
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """The tiny click log's 1,200 training rows as 4 files of 300."""
+    root = tmp_path_factory.mktemp("follow")
+    make_data(root)
+    rows = pa.concat_tables(pq.read_table(p) for p in sorted((root / "data" / "train").glob("*.parquet")))
+    return root, [rows.slice(300 * i, 300) for i in range(4)]
+
+
+def add(directory: Path, name: str, table) -> None:
+    """Writes a file the way a streaming writer should: a hidden name, then a rename."""
+    pq.write_table(table, directory / f".{name}.tmp")
+    (directory / f".{name}.tmp").rename(directory / name)
+
+
+def config(root, data_dir, name, **train):
+    c = config_dict()
+    c["data"].update(train_input_path=str(data_dir), eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(save_checkpoints_steps=3, **train)
+    return write_config(root, c, name)
+
+
+def tables_of(model_dir):
+    _, (tables,) = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    return tables
+
+
+def assert_same_tables(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for field in a[name]:
+            assert torch.equal(a[name][field], b[name][field]), (name, field)
+
+
+@pytest.fixture(scope="module")
+def reference(parts, tmp_path_factory):
+    """One ordinary run over the four finished files."""
+    root, tables = parts
+    d = tmp_path_factory.mktemp("all")
+    for i, t in enumerate(tables):
+        add(d, f"part-{i}.parquet", t)
+    cfg = config(root, d, "all.yaml", num_steps=STEPS)
+    assert main(["train", "--config", str(cfg), "--model-dir", str(d / "m"), "--no-progress"]) == 0
+    return tables_of(d / "m")
+
+
+def follow(cfg, model_dir, *extra, idle=6.0):
+    args = [sys.executable, "-m", "dynarec", "train", "--config", str(cfg), "--model-dir", str(model_dir)]
+    args += ["--no-progress", "--follow", "--poll-seconds", "0.1", "--idle-timeout", str(idle), *extra]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_files_trained_as_they_arrive_equal_one_run_over_all_of_them(parts, reference, tmp_path):
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    add(stream, "part-0.parquet", tables[0])
+    proc = follow(config(root, stream, "stream.yaml"), tmp_path / "m")
+    for i in (1, 2, 3):
+        time.sleep(0.7)
+        (stream / "_SUCCESS").write_text("")  # a writer's marker file: ignored
+        add(stream, f"part-{i}.parquet", tables[i])
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "follow: no new file in 6.0s; stopping" in out
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
+    assert state["step"] == STEPS and state["row"] == 1200
+    assert [n for n, _ in state["followed_files"]] == [f"part-{i}.parquet" for i in range(4)]
+    assert_same_tables(tables_of(tmp_path / "m"), reference)
+
+
+def test_a_restart_resumes_at_the_right_file_and_out_of_order_files_are_refused(parts, reference, tmp_path):
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    for i in (0, 1):
+        add(stream, f"part-{i}.parquet", tables[i])
+    cfg = config(root, stream, "stream.yaml")
+    out, _ = follow(cfg, tmp_path / "m", idle=1.0).communicate(timeout=240)
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
+    assert state["step"] == 6 and [n for n, _ in state["followed_files"]] == ["part-0.parquet", "part-1.parquet"]
+    # A file sorting before a consumed one would shift every row position: refused by name.
+    add(stream, "part-0a.parquet", tables[2])
+    proc = follow(cfg, tmp_path / "m", "--resume", idle=1.0)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and "'part-0a.parquet' sorts where the consumed file 'part-1.parquet' was" in out
+    (stream / "part-0a.parquet").unlink()
+    for i in (2, 3):
+        add(stream, f"part-{i}.parquet", tables[i])
+    proc = follow(cfg, tmp_path / "m", "--resume", idle=1.0)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert_same_tables(tables_of(tmp_path / "m"), reference)
+
+
+def test_follow_needs_a_directory_and_no_epochs(parts, tmp_path, capsys):
+    root, tables = parts
+    add(tmp_path, "one.parquet", tables[0])
+    cfg = config(root, tmp_path / "one.parquet", "file.yaml")
+    assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--follow"]) == 2
+    assert "--follow polls one directory for new files" in capsys.readouterr().err
+    cfg = config(root, tmp_path, "epochs.yaml", num_epochs=2)
+    assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--follow"]) == 2
+    assert "train.num_epochs: --follow reads a growing input" in capsys.readouterr().err
