@@ -7,6 +7,7 @@
 #   sweep    the GPU sweep (optimizers x D x ids per step)
 #   train    train-step on one GPU (dynarec vs plain torch)
 #   nccl     two GPUs: the NCCL equality test, train-step weak scaling 1 -> 2 GPUs
+#   demo2    two GPUs: the demo config trained on 2 GPUs (NCCL) and on 1, evaluated
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -63,6 +64,20 @@ nccl)
         timeout 200 torchrun --standalone --nproc-per-node 2 -m dynarec bench train-step --device cuda \
             --batch 16384 --workers 8 --runs 3 --steps 10
     } 2>&1 | tee "$out/train-step-h200x2.txt"
+    ;;
+demo2)
+    {
+        mkdir -p /tmp/demo && cp dynarec/resources/demo.yaml /tmp/demo/demo.yaml
+        python3 -m dynarec make-data --output-dir /tmp/demo/data
+        for n in 2 1; do
+            echo "## dynarec train --config demo.yaml --nproc $n --device cuda (data.batch_size 512 per rank)"
+            start=$SECONDS
+            timeout 240 python3 -m dynarec train --config /tmp/demo/demo.yaml \
+                --model-dir /tmp/demo/m$n --nproc $n --device cuda --no-progress | grep -v '^ ' | tail -3
+            echo "wall $((SECONDS - start)) s (process start, data checks and final eval included)"
+            timeout 60 python3 -m dynarec evaluate --model-dir /tmp/demo/m$n --device cuda
+        done
+    } 2>&1 | tee "$out/demo-h200x2.txt"
     ;;
 *)
     echo "unknown stage $stage" >&2

@@ -183,3 +183,17 @@ def test_yaml_refuses_bools_and_unknown_keys_in_core_types():
     c["feature_configs"][0]["id_feature"]["initializer"] = {"kind": "uniform", "bund": 0.1}
     with pytest.raises(ConfigError, match=r"feature_configs\[0\].id_feature.initializer.bund: unknown key"):
         config_from_dict(c)
+
+
+def test_a_billion_key_dynamic_table_and_a_100m_row_table_plan_onto_64_ranks_of_80_gib():
+    """The on-paper check that the design scales past the machines here (benchmarks/configs)."""
+    from pathlib import Path
+
+    from dynarec.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "plan_world64.yaml")
+    plan = plan_from_config(config, world_size=64, memory_budget=80 << 30)
+    assert {t.table.name: t.sharding.kind for t in plan.tables} == {"user_id": "key_hash", "item": "row_wise"}
+    worst = max(plan.bytes_on(r) for r in range(64))
+    assert 15 << 30 < worst < 20 << 30  # ~16.7 GiB: 1e9 x 128 x (weight + Adagrad state) / 64, plus the index
+    assert "exchanged per step per rank" in plan.format()
