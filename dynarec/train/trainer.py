@@ -149,20 +149,18 @@ class Trainer:
         directory = Path(str(self.config.data.train_input_path))
         position, idle_since = self.position, time.monotonic()
         while True:
-            names = self._listing(directory)
-            if not names:
-                if self._idle(idle_since):
-                    return
-                time.sleep(self.follow.poll_seconds)
-                continue
-            dataset = self._dataset(
-                [str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row
+            names, timed_out = self._poll(directory, idle_since)
+            dataset = (
+                self._dataset([str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row)
+                if names
+                else None
             )
-            counts = dataset.row_counts()
-            self._check_prefix(directory, names, counts)
-            steps = (dataset.num_rows - position.row) // self.global_batch_size
+            steps = 0
+            if dataset is not None:
+                self._check_prefix(directory, names, dataset.row_counts())
+                steps = (dataset.num_rows - position.row) // self.global_batch_size
             if steps == 0:
-                if self._idle(idle_since):
+                if timed_out:
                     if self.ctx.is_main:
                         print(
                             f"follow: no new file in {self.follow.idle_timeout_seconds}s; stopping at step {self.step} "
@@ -173,10 +171,11 @@ class Trainer:
                     return
                 time.sleep(self.follow.poll_seconds)
                 continue
+            assert dataset is not None
             idle_since = time.monotonic()
             end_row = position.row + steps * self.global_batch_size
             consumed, total = [], 0
-            for n, c in zip(names, counts):  # the files the rows up to end_row come from
+            for n, c in zip(names, dataset.row_counts()):  # the files the rows up to end_row come from
                 if total >= end_row:
                     break
                 consumed.append((n, c))
@@ -195,17 +194,18 @@ class Trainer:
                 if isinstance(batch, DataError):
                     return
 
-    def _listing(self, directory: Path) -> list[str]:
-        """The directory's data files by name (rank 0's listing, on every rank)."""
-        names = [Path(f).name for f in data_files(directory)]
-        if self.ctx.distributed:
-            names = self.ctx.all_gather_objects(names, "listing the followed directory")[0]
-        return names
-
-    def _idle(self, since: float) -> bool:
+    def _poll(self, directory: Path, idle_since: float) -> tuple[list[str], bool]:
+        """The directory's data files by name, and whether no new file came for the idle
+        timeout — rank 0's view, on every rank, so that all ranks stop at the same poll."""
         assert self.follow is not None
         timeout = self.follow.idle_timeout_seconds
-        return timeout is not None and time.monotonic() - since >= timeout
+        view = (
+            [Path(f).name for f in data_files(directory)],
+            timeout is not None and time.monotonic() - idle_since >= timeout,
+        )
+        if self.ctx.distributed:
+            view = self.ctx.all_gather_objects(view, "polling the followed directory")[0]
+        return view
 
     def _check_prefix(self, directory: Path, names: list[str], counts: list[int]) -> None:
         """The files consumed so far must still be the first files, unchanged: a row position

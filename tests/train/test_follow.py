@@ -126,3 +126,40 @@ def test_follow_needs_a_directory_and_no_epochs(parts, tmp_path, capsys):
     cfg = config(root, tmp_path, "epochs.yaml", num_epochs=2)
     assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--follow"]) == 2
     assert "train.num_epochs: --follow reads a growing input" in capsys.readouterr().err
+
+
+def test_two_ranks_follow_the_directory_as_one_process_does(parts, reference, tmp_path):
+    """torchrun ranks see rank 0's listing of the directory: 2 x 50 rows a step = 1 x 100."""
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    for i, t in enumerate(tables):
+        add(stream, f"part-{i}.parquet", t)
+    c = config_dict(data__batch_size=50)
+    c["data"].update(train_input_path=str(stream), eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(save_checkpoints_steps=3)
+    cfg = write_config(root, c, "two.yaml")
+    proc = follow(cfg, tmp_path / "m", "--nproc", "2", idle=1.0)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    mine = tables_of_any_world(tmp_path / "m")
+    for name, dump in reference.items():
+        keys = dump.get("keys")
+        order = torch.argsort(keys) if keys is not None else slice(None)
+        theirs = mine[name]
+        their_order = torch.argsort(theirs["keys"]) if keys is not None else slice(None)
+        if keys is not None:
+            assert torch.equal(keys[order], theirs["keys"][their_order]), name
+        torch.testing.assert_close(theirs["weight"][their_order], dump["weight"][order], rtol=1e-5, atol=1e-6)
+
+
+def tables_of_any_world(model_dir):
+    """A model dir's latest tables, merged from however many ranks wrote them."""
+    from dynarec.config import load_config
+    from dynarec.distributed.reshard import tables_for_rank
+    from dynarec.planner import plan_from_config
+
+    state, shards = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
+    plan = plan_from_config(load_config(model_dir / "config.yaml"))
+    return tables_for_rank(plan, 0, state["plan"], shards)
