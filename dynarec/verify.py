@@ -28,7 +28,7 @@ from dynarec.embedding.config import Backend, FeatureConfig, TableConfig
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.registry import definition
+from dynarec.optim.registry import definition, initial_states
 from dynarec.planner import plan_from_config
 
 __all__ = ["MAX_ROWS", "TableVerdict", "verify_config", "verify_table"]
@@ -163,10 +163,9 @@ class _Reference:
         if not keys:
             return
         weights = self.table.initial_weights(torch.tensor(keys, dtype=torch.int64, device=self.table.device)).cpu()
-        dim = weights.shape[1]
-        for key, w in zip(keys, weights):
-            states = {s.name: torch.full((s.width(dim),), s.initial_value) for s in self.spec.state_specs()}
-            self.rows[key] = (w.clone(), states)
+        states = initial_states(self.spec, len(keys), weights.shape[1])
+        for i, key in enumerate(keys):
+            self.rows[key] = (weights[i].clone(), {name: v[i].clone() for name, v in states.items()})
 
     def step(self, held: set[int], grads: dict[int, torch.Tensor]) -> None:
         """One step: rows that left the table are forgotten, new ones start fresh, and every

@@ -112,10 +112,30 @@ def _expression_column(expression: str) -> str:
     return column
 
 
-class _EmbeddedFeature(Strict):
+class _FeatureColumn(Strict):
+    """A feature and the data column it reads: ``input_name`` (default ``feature_name``), or
+    TorchEasyRec's ``expression: "side:column"`` (e.g. ``"user:user_id"``)."""
+
     feature_name: str
-    input_name: Optional[str] = None  # the data column; default feature_name
-    expression: Optional[str] = None  # or TorchEasyRec's "side:column" (e.g. "user:user_id")
+    input_name: Optional[str] = None
+    expression: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_column(self):
+        if self.expression is not None:
+            if self.input_name is not None:
+                raise ValueError("give input_name or expression, not both")
+            _expression_column(self.expression)
+        return self
+
+    @property
+    def column(self) -> str:
+        if self.expression is not None:
+            return _expression_column(self.expression)
+        return self.input_name or self.feature_name
+
+
+class _EmbeddedFeature(_FeatureColumn):
     embedding_dim: Count
     embedding_name: Optional[str] = None  # the table; features with the same name share it
     num_buckets: Optional[Count] = None  # a fixed table of this many rows, ids used as they are ...
@@ -141,17 +161,7 @@ class _EmbeddedFeature(Strict):
                 f"{'; boundaries: numbers bucketized into a fixed table' if 'boundaries' in self.TABLE_KINDS else ''}"
                 f"), got {given or 'none'}"
             )
-        if self.expression is not None:
-            if self.input_name is not None:
-                raise ValueError("give input_name or expression, not both")
-            _expression_column(self.expression)
         return self
-
-    @property
-    def column(self) -> str:
-        if self.expression is not None:
-            return _expression_column(self.expression)
-        return self.input_name or self.feature_name
 
     @property
     def table_name(self) -> str:
@@ -234,27 +244,10 @@ class NormalizerCfg(Strict):
         return self
 
 
-class RawFeatureCfg(Strict):
+class RawFeatureCfg(_FeatureColumn):
     """A dense float feature."""
 
-    feature_name: str
-    input_name: Optional[str] = None
-    expression: Optional[str] = None  # or TorchEasyRec's "side:column"
     normalizer: Optional[NormalizerCfg] = None
-
-    @model_validator(mode="after")
-    def _one_column(self):
-        if self.expression is not None:
-            if self.input_name is not None:
-                raise ValueError("give input_name or expression, not both")
-            _expression_column(self.expression)
-        return self
-
-    @property
-    def column(self) -> str:
-        if self.expression is not None:
-            return _expression_column(self.expression)
-        return self.input_name or self.feature_name
 
 
 class FeatureCfg(Strict):

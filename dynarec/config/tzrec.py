@@ -110,6 +110,13 @@ class _Reader:
         if value != default:
             self.ctx.refuse(self.at(name), f"{why} (only {default!r}, its default, is)")
 
+    def refuse(self, *names: str, why: str = "not supported") -> None:
+        """Fields dynarec has nothing for: taken, and refused when given."""
+        for name in names:
+            self.taken.add(name)
+            if self.msg.values(name):
+                self.ctx.refuse(self.at(name), why)
+
     def ignore(self, name: str, why: str) -> None:
         """A field with no effect on what is trained here: taken, with a note when given."""
         self.taken.add(name)
@@ -248,10 +255,7 @@ def _sparse_optimizer(r: _Reader) -> tuple[dict[str, Any], dict[str, Any]]:
 def _dense_optimizer(r: _Reader) -> tuple[dict[str, Any], dict[str, Any]]:
     found = _one_of(r, _DENSE_OPTIMIZERS)
     schedule = _lr_schedule(r)
-    for name in ("part_optimizers", "ema"):
-        if r.has(name):
-            r.taken.add(name)
-            r.ctx.refuse(r.at(name))
+    r.refuse("part_optimizers", "ema")
     r.done()
     if found is None:
         return {"adam_optimizer": {"lr": 0.002}}, schedule
@@ -465,16 +469,10 @@ def _id_feature(
         r.ctx.refuse(r.at("default_value"), "filling missing values is not supported (dynarec refuses a null id)")
     for key, value in _COMMON_DEFAULTS:
         r.default_only(key, value)
-    for key in ("fg_encoded_default_value", "default_bucketize_value", "fg_value_type", "asset_dir"):
-        if r.has(key):
-            r.taken.add(key)
-            r.ctx.refuse(r.at(key))
+    r.refuse("fg_encoded_default_value", "default_bucketize_value", "fg_value_type", "asset_dir")
     r.ignore("embedding_constraints", "sharding constraints; dynarec's planner shards tables")
     if sequence is None:
-        for key in ("sequence_length", "sequence_delim", "sequence_fields"):
-            if r.has(key):
-                r.taken.add(key)
-                r.ctx.refuse(r.at(key), "belongs to sequence features")
+        r.refuse("sequence_length", "sequence_delim", "sequence_fields", why="belongs to sequence features")
     r.done()
     return {"sequence_feature" if sequence is not None else "id_feature": out}
 
@@ -520,10 +518,7 @@ def _raw_feature(r: _Reader, mode: _Mode) -> dict[str, Any]:
         r.ctx.refuse(r.at("default_value"), "filling missing values is not supported (dynarec refuses a NaN)")
     for key, value in _COMMON_DEFAULTS[:4]:
         r.default_only(key, value)
-    for key in ("autodis", "mlp", "fg_encoded_default_value", "sequence_length", "sequence_delim", "sequence_fields"):
-        if r.has(key):
-            r.taken.add(key)
-            r.ctx.refuse(r.at(key))
+    r.refuse("autodis", "mlp", "fg_encoded_default_value", "sequence_length", "sequence_delim", "sequence_fields")
     r.ignore("embedding_constraints", "sharding constraints; dynarec's planner shards tables")
     r.scalar("pooling")
     if boundaries:
@@ -542,10 +537,7 @@ def _raw_feature(r: _Reader, mode: _Mode) -> dict[str, Any]:
             out["boundaries"] = boundaries
         r.done()
         return {"id_feature": out}
-    for key in ("embedding_dim", "embedding_name", "init_fn"):
-        if r.has(key):
-            r.taken.add(key)
-            r.ctx.refuse(r.at(key), "an embedding of a raw feature needs boundaries")
+    r.refuse("embedding_dim", "embedding_name", "init_fn", why="an embedding of a raw feature needs boundaries")
     r.done()
     raw: dict[str, Any] = {"feature_name": name, **column}
     if normalizer is not None:
@@ -665,10 +657,7 @@ def _groups(r: _Reader, wide_rename: dict[str, str]) -> list[dict[str, Any]]:
         names = [str(n) for n in g.repeated("feature_names")]
         if kind == "WIDE":
             names = [wide_rename.get(n, n) for n in names]
-        for key in ("sequence_groups", "sequence_encoders", "embedding_name_suffix"):
-            if g.has(key):
-                g.taken.add(key)
-                g.ctx.refuse(g.at(key))
+        g.refuse("sequence_groups", "sequence_encoders", "embedding_name_suffix")
         out.append(
             {
                 "group_name": str(g.scalar("group_name", "")),
@@ -806,10 +795,7 @@ def _model(r: _Reader, features: list[dict[str, Any]], ctx: _Context) -> tuple[d
         eval_cfg["metrics"] = list(dict.fromkeys(metrics))
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False)):
         r.default_only(key, default)
-    for key in ("variational_dropout", "train_metrics"):
-        if r.has(key):
-            r.taken.add(key)
-            ctx.refuse(r.at(key))
+    r.refuse("variational_dropout", "train_metrics")
     r.done()
     return out, eval_cfg
 
@@ -983,9 +969,7 @@ def _data_config(d: _Reader, data: dict[str, Any], replaced: bool) -> _Mode:
         ctx.refuse(d.at("dataset_type"), f"{dataset} is not supported")
     for key in ("is_orderby_partition", "odps_data_quota_name", "odps_data_compression"):
         d.ignore(key, "a MaxCompute reading setting")
-    if d.has("input_fields"):
-        d.taken.add("input_fields")
-        ctx.refuse(d.at("input_fields"), "column types come from the files (Parquet schema, CSV header)")
+    d.refuse("input_fields", why="column types come from the files (Parquet schema, CSV header)")
     mode_name = str(d.scalar("fg_mode", "")) or None
     if mode_name is None and d.has("fg_encoded"):
         mode_name = "FG_NONE" if d.scalar("fg_encoded") else "FG_NORMAL"
@@ -1004,7 +988,7 @@ def _data_config(d: _Reader, data: dict[str, Any], replaced: bool) -> _Mode:
     for key in ("sample_mask_prob", "negative_sample_mask_prob"):
         d.default_only(key, 0.0)
     d.default_only("force_base_data_group", False)
-    for key in (
+    d.refuse(
         "sample_weight_fields",
         "sample_cost_field",
         "batch_cost_size",
@@ -1014,10 +998,7 @@ def _data_config(d: _Reader, data: dict[str, Any], replaced: bool) -> _Mode:
         "hard_negative_sampler",
         "hard_negative_sampler_v2",
         "tdm_sampler",
-    ):
-        if d.has(key):
-            d.taken.add(key)
-            ctx.refuse(d.at(key))
+    )
     d.done()
     return _Mode(encoded=encoded, multival_sep=multival_sep)
 
@@ -1058,7 +1039,7 @@ def _train_config(t: _Reader, train: dict[str, Any]) -> None:
             g.scalar(key)
         g.done()
     t.ignore("global_embedding_constraints", "sharding constraints; dynarec's planner shards tables")
-    for key in (
+    t.refuse(
         "fine_tune_checkpoint",
         "fine_tune_ckpt_param_map",
         "grad_scaler",
@@ -1066,8 +1047,5 @@ def _train_config(t: _Reader, train: dict[str, Any]) -> None:
         "save_checkpoints_timestamps",
         "save_checkpoints_timestamp_quorum",
         "delta_embedding_dump_config",
-    ):
-        if t.has(key):
-            t.taken.add(key)
-            ctx.refuse(t.at(key))
+    )
     t.done()

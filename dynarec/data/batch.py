@@ -206,13 +206,19 @@ class BatchBuilder:
             ids, lengths = _keep_last(ids, lengths, f.sequence_length)
         return ids, lengths
 
-    def _bucketized(self, f: IdFeatureCfg, col, origin: RowOrigin) -> np.ndarray:
-        """A number per row -> its bucket: ``i`` for ``boundaries[i-1] <= x < boundaries[i]``."""
+    def _finite_float64(self, f: Feature, col, origin: RowOrigin, what: str = "") -> np.ndarray:
+        """A number per row as float64; DataError naming the row of a missing, NaN or infinite
+        value (``what``: a note on why the feature needs numbers)."""
         x = _float64(col, lambda i: self._where(f, origin, i), origin.label)
         bad = np.nonzero(~np.isfinite(x))[0]
         if bad.size:
             i = int(bad[0])
-            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number (boundaries)")
+            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number{what}")
+        return x
+
+    def _bucketized(self, f: IdFeatureCfg, col, origin: RowOrigin) -> np.ndarray:
+        """A number per row -> its bucket: ``i`` for ``boundaries[i-1] <= x < boundaries[i]``."""
+        x = self._finite_float64(f, col, origin, " (boundaries)")
         return np.searchsorted(np.asarray(f.boundaries, dtype=np.float64), x, side="right").astype(np.int64)
 
     def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
@@ -258,11 +264,7 @@ class BatchBuilder:
         return ids
 
     def _dense(self, f: RawFeatureCfg, col, origin: RowOrigin) -> torch.Tensor:
-        x = _float64(col, lambda i: self._where(f, origin, i), origin.label)
-        bad = np.nonzero(~np.isfinite(x))[0]
-        if bad.size:
-            i = int(bad[0])
-            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number")
+        x = self._finite_float64(f, col, origin)
         norm = f.normalizer
         if norm is not None:
             if norm.expression is not None:

@@ -26,12 +26,13 @@ from torch import nn
 
 from dynarec.distributed.context import DistContext
 from dynarec.distributed.routing import return_pooled, route_bags
+from dynarec.embedding.collection import checked_slices
 from dynarec.embedding.config import FeatureConfig
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
+from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import Bags, pack, unpack
-from dynarec.embedding.table import EmbeddingTable, FixedTable
+from dynarec.embedding.table import EmbeddingTable, FixedTable, check_id_range
 from dynarec.planner.plan import Plan, TablePlan
 
 __all__ = ["ShardedEmbeddingCollection"]
@@ -157,25 +158,12 @@ class ShardedEmbeddingCollection(nn.Module):
         return return_pooled(pooled, routed, self.ctx, name, dim), error
 
     def _checked_slices(self, kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
-        slices = split_features(kjt)
-        unknown = [k for k in slices if k not in self._features]
-        if unknown:
-            raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {self.feature_names}")
-        missing = [f for f in self._features if f not in slices]
-        if missing:
-            raise ValueError(f"batch is missing feature(s) {missing}")
-        for name, s in slices.items():
-            tp = self._features[name][0]
-            if tp.table.num_embeddings is not None and s.num_ids:  # the whole table's range
-                lo, hi = torch.aminmax(s.values)
-                if int(lo) < 0 or int(hi) >= tp.table.num_embeddings:
-                    bad = int(lo) if int(lo) < 0 else int(hi)
-                    raise ValueError(
-                        f"table '{tp.table.name}', feature '{name}': id {bad} is out of range "
-                        f"[0, {tp.table.num_embeddings})"
-                    )
-            if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
-                raise ValueError(f"feature '{name}': a per-sample weight is not a finite number")
+        def validate(name: str, ids: torch.Tensor) -> None:  # against the whole table, not this shard
+            table = self._features[name][0].table
+            if table.num_embeddings is not None:
+                check_id_range(table.name, name, ids, table.num_embeddings)
+
+        slices = checked_slices(kjt, list(self._features), validate)
         return {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
 
     def abort_step(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -10,13 +10,34 @@ from torch import nn
 
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.jagged import KeyedJaggedLike, split_features
+from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import unpack
 from dynarec.embedding.table import EmbeddingTable, FixedTable
 from dynarec.optim.base import OptimizerSpec
 
-__all__ = ["EmbeddingCollection"]
+__all__ = ["EmbeddingCollection", "checked_slices"]
+
+
+def checked_slices(
+    kjt: KeyedJaggedLike, features: Sequence[str], validate: Callable[[str, torch.Tensor], None]
+) -> dict[str, FeatureSlice]:
+    """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
+    table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
+    ids)`` (a table's id check), finite per-sample weights. Errors name the features."""
+    slices = split_features(kjt)
+    unknown = [k for k in slices if k not in features]
+    if unknown:
+        raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {list(features)}")
+    missing = [f for f in features if f not in slices]
+    if missing:
+        raise ValueError(f"batch is missing feature(s) {missing}")
+    for name, s in slices.items():
+        validate(name, s.values)
+        if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
+            bad = s.weights[~torch.isfinite(s.weights)][0].item()
+            raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
+    return slices
 
 
 class EmbeddingCollection(nn.Module):
@@ -80,20 +101,9 @@ class EmbeddingCollection(nn.Module):
         return self._features[feature][0]
 
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
-        slices = split_features(kjt)
-        unknown = [k for k in slices if k not in self._features]
-        if unknown:
-            raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {self.feature_names}")
-        missing = [f for f in self._features if f not in slices]
-        if missing:
-            raise ValueError(f"batch is missing feature(s) {missing}")
-        # Validate every table's ids where the batch is (a CPU batch: no device sync), before any
-        # table creates, evicts or updates a row.
-        for name, s in slices.items():
-            self._features[name][0].validate(name, s.values)
-            if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
-                bad = s.weights[~torch.isfinite(s.weights)][0].item()
-                raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
+        slices = checked_slices(
+            kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
+        )
         slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
         out: dict[str, torch.Tensor] = {}
         begun: list[EmbeddingTable] = []

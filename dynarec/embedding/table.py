@@ -27,7 +27,18 @@ from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.optim.base import OptimizerSpec
 
-__all__ = ["EmbeddingTable", "FixedTable", "make_row_store"]
+__all__ = ["EmbeddingTable", "FixedTable", "check_id_range", "make_row_store"]
+
+
+def check_id_range(table: str, feature: str, ids: torch.Tensor, num_rows: int) -> None:
+    """ValueError naming the table, the feature and the id, for an id outside ``[0, num_rows)``."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    if int(lo) < 0 or int(hi) >= num_rows:
+        bad = int(lo) if int(lo) < 0 else int(hi)
+        raise ValueError(f"table '{table}', feature '{feature}': id {bad} is out of range [0, {num_rows})")
+
 
 _ZERO = Initializer(kind="constant", value=0.0)
 
@@ -205,14 +216,7 @@ class FixedTable(EmbeddingTable):
         return self._store
 
     def validate(self, feature: str, ids: torch.Tensor) -> None:
-        if ids.numel() == 0:
-            return
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= self.num_embeddings:
-            bad = int(lo) if int(lo) < 0 else int(hi)
-            raise ValueError(
-                f"table '{self.name}', feature '{feature}': id {bad} is out of range [0, {self.num_embeddings})"
-            )
+        check_id_range(self.name, feature, ids, self.num_embeddings)
 
     def lookup(self, bags: Bags, train: bool) -> torch.Tensor:
         step = self.steps.current if train else None

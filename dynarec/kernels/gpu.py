@@ -50,6 +50,16 @@ if HAVE_TRITON:
         return x ^ (x >> 31)
 
     @triton.jit
+    def _probe_bucket(keys_ptr, occ_ptr, bucket, q, need, BS: tl.constexpr):
+        """``(found, lane)`` of each query ``q`` in its ``bucket`` (one line of ``BS`` keys), read
+        only where ``need``; occupancy only at the lanes whose key matches."""
+        slots = bucket[:, None] * BS + tl.arange(0, BS)[None, :]
+        keys = tl.load(keys_ptr + slots, mask=need[:, None], other=0)
+        eq = (keys == q[:, None]) & need[:, None]
+        hit = eq & (tl.load(occ_ptr + slots, mask=eq, other=0) != 0)
+        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
+
+    @triton.jit
     def _find_kernel(keys_ptr, occ_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BLOCK: tl.constexpr):
         # Per key: one 128-byte line of keys per bucket read (the second only for keys the first
         # lacks); occupancy only at the lanes whose key matches (rare for absent keys). The
@@ -61,22 +71,8 @@ if HAVE_TRITON:
         nb = num_buckets.to(tl.uint32)
         b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
         b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
-        lanes = tl.arange(0, BS)
-        s1 = b1[:, None] * BS + lanes[None, :]
-        k1 = tl.load(keys_ptr + s1, mask=valid[:, None], other=0)
-        eq1 = (k1 == q[:, None]) & valid[:, None]
-        o1 = tl.load(occ_ptr + s1, mask=eq1, other=0)
-        hit1 = eq1 & (o1 != 0)
-        found1 = tl.max(hit1.to(tl.int32), axis=1) > 0
-        lane1 = tl.argmax(hit1.to(tl.int32), axis=1)
-        need2 = valid & (found1 == 0)
-        s2 = b2[:, None] * BS + lanes[None, :]
-        k2 = tl.load(keys_ptr + s2, mask=need2[:, None], other=0)
-        eq2 = (k2 == q[:, None]) & need2[:, None]
-        o2 = tl.load(occ_ptr + s2, mask=eq2, other=0)
-        hit2 = eq2 & (o2 != 0)
-        found2 = tl.max(hit2.to(tl.int32), axis=1) > 0
-        lane2 = tl.argmax(hit2.to(tl.int32), axis=1)
+        found1, lane1 = _probe_bucket(keys_ptr, occ_ptr, b1, q, valid, BS)
+        found2, lane2 = _probe_bucket(keys_ptr, occ_ptr, b2, q, valid & (found1 == 0), BS)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
         tl.store(out_ptr + offs, slot, mask=valid)
 

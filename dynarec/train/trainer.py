@@ -148,17 +148,18 @@ class Trainer:
         assert self.follow is not None
         directory = Path(str(self.config.data.train_input_path))
         position, idle_since = self.position, time.monotonic()
+        seen: list[tuple[str, int]] = []  # the listing last read, with file sizes
         while True:
-            names, timed_out = self._poll(directory, idle_since)
-            dataset = (
-                self._dataset([str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row)
-                if names
-                else None
-            )
-            steps = 0
-            if dataset is not None:
+            listing, timed_out = self._poll(directory, idle_since)
+            names = [n for n, _ in listing]
+            dataset, steps = None, 0
+            if listing and listing != seen:  # schemas and row counts are read only when files change
+                dataset = self._dataset(
+                    [str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row
+                )
                 self._check_prefix(directory, names, dataset.row_counts())
                 steps = (dataset.num_rows - position.row) // self.global_batch_size
+                seen = listing
             if steps == 0:
                 if timed_out:
                     if self.ctx.is_main:
@@ -182,27 +183,30 @@ class Trainer:
                 total += c
             batches = iter(make_loader(dataset, self.config.data.num_workers))
             for _ in range(steps):
-                try:
-                    batch: Union[Batch, DataError] = next(batches)
-                except DataError as e:
-                    if not self.ctx.distributed:
-                        raise
-                    batch = e
+                batch = self._next_batch(batches)
                 position = DataPosition(0, position.row + self.global_batch_size)
                 self.followed_files = consumed
                 yield batch, position, self.global_batch_size
                 if isinstance(batch, DataError):
                     return
 
-    def _poll(self, directory: Path, idle_since: float) -> tuple[list[str], bool]:
-        """The directory's data files by name, and whether no new file came for the idle
-        timeout — rank 0's view, on every rank, so that all ranks stop at the same poll."""
+    def _next_batch(self, batches: Iterator[Batch]) -> Union[Batch, DataError]:
+        """The next batch; in a multi-process run a batch this rank cannot read comes back as its
+        DataError, so that every rank takes part in the step that fails."""
+        try:
+            return next(batches)
+        except DataError as e:
+            if not self.ctx.distributed:
+                raise
+            return e
+
+    def _poll(self, directory: Path, idle_since: float) -> tuple[list[tuple[str, int]], bool]:
+        """The directory's data files (name and size in bytes), and whether no new file came for
+        the idle timeout — rank 0's view, on every rank, so that all ranks stop at the same poll."""
         assert self.follow is not None
         timeout = self.follow.idle_timeout_seconds
-        view = (
-            [Path(f).name for f in data_files(directory)],
-            timeout is not None and time.monotonic() - idle_since >= timeout,
-        )
+        files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]
+        view = (files, timeout is not None and time.monotonic() - idle_since >= timeout)
         if self.ctx.distributed:
             view = self.ctx.all_gather_objects(view, "polling the followed directory")[0]
         return view
@@ -237,12 +241,7 @@ class Trainer:
             batches = iter(make_loader(dataset, cfg.data.num_workers))
             for _ in range(dataset.num_steps()):
                 rows = min(self.global_batch_size, dataset.num_rows - position.row)
-                try:
-                    batch: Union[Batch, DataError] = next(batches)
-                except DataError as e:
-                    if not self.ctx.distributed:
-                        raise
-                    batch = e
+                batch = self._next_batch(batches)
                 end = position.row + rows
                 position = (
                     DataPosition(position.epoch, end) if end < dataset.num_rows else DataPosition(position.epoch + 1, 0)
