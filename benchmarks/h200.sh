@@ -3,6 +3,8 @@
 # the image's python3 (torch + Triton). Usage: benchmarks/h200.sh STAGE OUT_DIR
 #   tests    CUDA tests (Triton kernels vs the plain-torch code, CUDA vs CPU runs); hash-find
 #   before   hash-find / fused-step / dynamic-step of the pre-kernel revision (copied to .before/)
+#   compare  the same three of the previous revision (copied to .prev/) then of this one; the
+#            fused update alone by tile height (benchmarks/tune_update.py)
 #   steps    fused-step / dynamic-step on one GPU; the profile of a fixed and a dynamic step
 #   sweep    the GPU sweep (optimizers x D x ids per step)
 #   train    train-step on one GPU (dynarec vs plain torch)
@@ -46,6 +48,19 @@ before)
         timeout 90 "${before[@]}" fused-step --device cuda "${shape[@]}"
         timeout 120 "${before[@]}" dynamic-step --device cuda "${shape[@]}"
     } 2>&1 | tee "$out/before-h200.txt"
+    ;;
+compare)
+    prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
+    {
+        for who in prev now; do
+            if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
+            timeout 90 "${cmd[@]}" fused-step --device cuda "${shape[@]}" --optimizer adagrad
+            timeout 110 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}"
+        done
+        timeout 120 python3 benchmarks/tune_update.py
+    } 2>&1 | tee "$out/compare-h200.txt"
     ;;
 sweep)
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"

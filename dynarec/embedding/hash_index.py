@@ -10,7 +10,10 @@ Every operation is a batched tensor op with no Python loop per key, identical on
 and deterministic: the keys of one insert are ranked (priority descending, then key ascending)
 and claim slots in rounds in that order, never raced with atomics.
 
-The whole int64 range is a valid key: occupancy is a separate mask, no key value is reserved.
+The whole int64 range is a valid key: occupancy is a separate byte per slot, its *tag*: 0 for an
+empty slot, else a nonzero byte of the key's hash (:func:`key_tags`). A lookup compares a lane's
+tag before its key, so a bucket costs 16 bytes of tags plus the one key whose tag matches (on a
+GPU, one 32-byte sector instead of the 128-byte line of keys; an absent key rarely reads a key).
 
 The index owns its arrays; callers change them only through its methods (``commit``, ``remove``,
 ``touch``, ``add``, ``pin``, ``install``, ``rehashed``). Each mutating method takes an optional
@@ -29,7 +32,7 @@ from dynarec.embedding.step import Journal
 from dynarec.kernels import cpu as cpu_kernels
 from dynarec.kernels import gpu as gpu_kernels
 
-__all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets"]
+__all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets", "key_tags"]
 
 PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
@@ -45,6 +48,14 @@ def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tenso
         b1, b2 = kernels.candidate_buckets(keys.contiguous(), num_buckets)
         return b1, b2
     return candidate_buckets_reference(keys, num_buckets)
+
+
+def key_tags(keys: torch.Tensor) -> torch.Tensor:
+    """The tag of each key: the top byte of ``mix64(key)``, 1 where that byte is 0 (0 marks an
+    empty slot). ``[n]`` uint8. Bucket choice uses ``mix64``'s two 32-bit halves modulo the
+    bucket count, so for up to 2^24 buckets (a power of two) the tag bits are independent of it."""
+    tag = (mix64(keys) >> 56) & 0xFF
+    return torch.where(tag == 0, 1, tag).to(torch.uint8)
 
 
 def candidate_buckets_reference(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +108,7 @@ class _Buckets:
         if not new.numel():
             return
         bs = self.index.bucket_size
-        occupied = self.index.occupied.view(-1, bs).index_select(0, new)
+        occupied = self.index.tags.view(-1, bs).index_select(0, new) != 0
         ids = torch.cat([self.ids, new])
         order = torch.argsort(ids)
         self.ids = ids[order]
@@ -156,7 +167,7 @@ class BucketedHashIndex:
         cap = num_buckets * bucket_size
         self.keys = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.occupied = torch.zeros(cap, dtype=torch.bool, device=self.device)
+        self.tags = torch.zeros(cap, dtype=torch.uint8, device=self.device)  # 0: empty (key_tags)
         # The id of the last training step that pinned the slot (-1: never); a slot is pinned while
         # that step is pending (StepLifecycle). Step ids are never reused (int32: they wrap after
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
@@ -170,13 +181,18 @@ class BucketedHashIndex:
         return self.num_buckets * self.bucket_size
 
     @property
+    def occupied(self) -> torch.Tensor:
+        """``[capacity]`` bool, a new tensor: whether each slot holds a key."""
+        return self.tags != 0
+
+    @property
     def size(self) -> int:
         """Occupied slots."""
         return self._size
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.scores, self.occupied, self.pins))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.scores, self.tags, self.pins))
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -184,11 +200,9 @@ class BucketedHashIndex:
         """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64."""
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         if kernels is not None:
-            return kernels.find_two_choice(
-                self.keys, self.occupied, self.num_buckets, self.bucket_size, keys.contiguous()
-            )
+            return kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
         if gpu_kernels.available(self.device):
-            return gpu_kernels.find_two_choice(self.keys, self.occupied, self.num_buckets, self.bucket_size, keys)
+            return gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys)
         return self.find_reference(keys)
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
@@ -198,7 +212,7 @@ class BucketedHashIndex:
         buckets = torch.cat([b1, b2])
         # Gather both buckets of every key as contiguous rows (one index_select each array).
         bucket_keys = self.keys.view(-1, bs).index_select(0, buckets)
-        bucket_occ = self.occupied.view(-1, bs).index_select(0, buckets)
+        bucket_occ = self.tags.view(-1, bs).index_select(0, buckets) != 0
         match = (bucket_keys == torch.cat([keys, keys])[:, None]) & bucket_occ
         hit, lane = match.view(torch.uint8).max(dim=1)  # one pass: whether and where
         slots = buckets * bs + lane
@@ -206,7 +220,7 @@ class BucketedHashIndex:
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(slots, keys, scores)`` of every occupied slot, ordered by key."""
-        slots = torch.nonzero(self.occupied).flatten()
+        slots = torch.nonzero(self.tags).flatten()
         keys = self.keys[slots]
         order = torch.argsort(keys)
         slots = slots[order]
@@ -275,7 +289,7 @@ class BucketedHashIndex:
 
     def _movable(self, slots: torch.Tensor, work: _Buckets, pinned_by: Optional[torch.Tensor]) -> torch.Tensor:
         """Occupied slots holding a resident that may be moved or evicted (not pinned, not claimed)."""
-        ok = self.occupied[slots] & ~work.is_claimed(slots)
+        ok = (self.tags[slots] != 0) & ~work.is_claimed(slots)
         if pinned_by is not None and pinned_by.numel():
             ok &= ~torch.isin(self.pins[slots], pinned_by % PIN_WRAP)
         return ok
@@ -363,15 +377,15 @@ class BucketedHashIndex:
     # -- writes ------------------------------------------------------------------------------
 
     def _record(self, journal: Optional[Journal], slots: torch.Tensor) -> None:
-        """Records how to restore ``slots`` (keys, scores, occupancy, pins) and the size as now."""
+        """Records how to restore ``slots`` (keys, scores, tags, pins) and the size as now."""
         if journal is None:
             return
-        saved = (slots.clone(), self.keys[slots], self.scores[slots], self.occupied[slots], self.pins[slots])
+        saved = (slots.clone(), self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots])
         size = self._size
 
         def undo() -> None:
-            s, k, sc, occ, pins = saved
-            self.keys[s], self.scores[s], self.occupied[s], self.pins[s] = k, sc, occ, pins
+            s, k, sc, tags, pins = saved
+            self.keys[s], self.scores[s], self.tags[s], self.pins[s] = k, sc, tags, pins
             self._size = size
 
         journal.record(undo)
@@ -385,17 +399,17 @@ class BucketedHashIndex:
         evicted = self.keys[plan.evicted_slots]
         src, dst = plan.moved_from, plan.moved_to
         self.keys[dst], self.scores[dst], self.pins[dst] = self.keys[src], self.scores[src], self.pins[src]
-        self.occupied[dst] = True
+        self.tags[dst] = self.tags[src]
         self.keys[slots] = plan.keys[ok]
         self.scores[slots] = scores[ok]
-        self.occupied[slots] = True
+        self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
         """Frees ``slots`` (each occupied, no duplicates)."""
         self._record(journal, slots)
-        self.occupied[slots] = False
+        self.tags[slots] = 0
         self._size -= slots.numel()
 
     def touch(self, slots: torch.Tensor, score: int) -> None:
@@ -428,5 +442,5 @@ class BucketedHashIndex:
         """Places ``keys`` at the given ``slots`` (a fresh index restoring a dump's layout)."""
         self.keys[slots] = keys
         self.scores[slots] = scores
-        self.occupied[slots] = True
-        self._size = int(self.occupied.sum())
+        self.tags[slots] = key_tags(keys)
+        self._size = int(torch.count_nonzero(self.tags))

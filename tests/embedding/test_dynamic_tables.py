@@ -319,7 +319,7 @@ def test_soak_million_keys_into_bounded_table():
         assert t.size <= t.capacity <= max_capacity
         assert t.size == int(t.index.occupied.sum())
     # Bytes bound from max capacity: per slot the weight (32 B), key, score (8 + 8 B), the pin (4 B:
-    # the id of the step that pinned it) and the occupied flag (1 B).
+    # the id of the step that pinned it) and the tag (1 B: 0 for an empty slot).
     assert t.nbytes <= max_capacity * (8 * 4 + 8 + 8 + 4 + 1)
     assert t.size > 0.9 * t.capacity
     _, keys, _ = t.index.entries()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
-from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets
+from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
+from dynarec.embedding.initializers import mix64
 from dynarec.optim import SGD, Adagrad
 
 
@@ -33,6 +34,34 @@ def check_invariants(index: BucketedHashIndex):
     bucket = slots // index.bucket_size
     assert bool(((bucket == b1) | (bucket == b2)).all()), "a key sits outside its two buckets"
     assert torch.equal(index.find(keys), slots)
+    expect_tags = torch.zeros_like(index.tags)
+    expect_tags[slots] = key_tags(keys)
+    assert torch.equal(index.tags, expect_tags), "a slot's tag is not its key's (or an empty slot's is not 0)"
+
+
+def test_keys_sharing_a_tag_in_one_bucket_are_told_apart_by_their_keys():
+    index = BucketedHashIndex(num_buckets=1, bucket_size=16)
+    keys = torch.arange(-100_000, 100_000)
+    tags = key_tags(keys)
+    same = keys[tags == tags[0]][:3]  # one tag, and the only bucket
+    index.commit(index.plan_insert(same[:2]), torch.zeros(2, dtype=torch.int64))
+    slot_a, slot_b = index.find(same[:2]).tolist()
+    assert sorted([slot_a, slot_b]) == [0, 1]
+    assert index.find(same).tolist() == index.find_reference(same).tolist() == [slot_a, slot_b, -1]
+    index.remove(torch.tensor([slot_a]))
+    assert index.find(same).tolist() == [-1, slot_b, -1] and index.tags[slot_a] == 0
+    check_invariants(index)
+
+
+def test_a_key_whose_hash_has_a_zero_top_byte_gets_tag_1():
+    keys = torch.arange(0, 20_000)
+    zero_top = keys[((mix64(keys) >> 56) & 0xFF) == 0]
+    assert zero_top.numel() > 0
+    assert key_tags(zero_top).eq(1).all() and key_tags(keys).ne(0).all()
+    index = BucketedHashIndex(num_buckets=64, bucket_size=16)
+    index.commit(index.plan_insert(zero_top), torch.zeros_like(zero_top))
+    assert index.find(zero_top).ge(0).all()
+    check_invariants(index)
 
 
 def test_a_key_goes_to_the_emptier_of_its_two_buckets():

@@ -36,7 +36,7 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
             torch.tensor([-(2**63), 0, 2**63 - 1], device=device),
         ]
     )
-    got = gpu.find_two_choice(index.keys, index.occupied, index.num_buckets, index.bucket_size, query)
+    got = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
@@ -52,8 +52,8 @@ def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, s
     return rows, offsets, psw
 
 
-def check_pooled(device, dim=8, weighted=True):
-    rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted)
+def check_pooled(device, dim=8, weighted=True, max_len=6):
+    rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, max_len=max_len)
     weight = torch.randn(50, dim, generator=torch.Generator().manual_seed(1)).to(device)
     got = gpu.pooled_forward(weight, rows, offsets, psw)
     ref = torch.nn.functional.embedding_bag(
@@ -62,11 +62,13 @@ def check_pooled(device, dim=8, weighted=True):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, chunk=None):
-    """``update`` (default the GPU kernel, with hot rows above ``chunk`` occurrences) against
-    torch aggregation + the native update. ``max_len`` 60 gives rows of ~100 occurrences."""
+def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, chunk=None, tile_rows=None):
+    """``update`` (default the GPU kernel, with hot rows above ``chunk`` occurrences and
+    ``tile_rows`` rows per cold program) against torch aggregation + the native update.
+    ``max_len`` 60 gives rows of ~100 occurrences."""
     if update is None:
-        update = gpu.bag_update if chunk is None else functools.partial(gpu.bag_update, chunk=chunk)
+        kwargs = {"chunk": chunk, "rows_per_program": tile_rows}
+        update = functools.partial(gpu.bag_update, **{k: v for k, v in kwargs.items() if v is not None})
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
@@ -102,9 +104,12 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     for weighted in (True, False):
         check_pooled("cpu", weighted=weighted)
         check_pooled("cpu", dim=5, weighted=weighted)
+        check_pooled("cpu", dim=128, weighted=weighted, max_len=60)
     for spec in SPECS:
         check_update("cpu", spec)
         check_update("cpu", spec, dim=5, weighted=False)
         check_update("cpu", spec, max_len=60, chunk=4)  # hot rows: ~30 chunks each
         check_update("cpu", spec, dim=5, weighted=False, max_len=60, chunk=1)
+        check_update("cpu", spec, dim=128, max_len=20, chunk=8, tile_rows=1)
+        check_update("cpu", spec, dim=5, max_len=20, chunk=8, tile_rows=2)
     print("all GPU kernel checks passed on the interpreter")

@@ -33,15 +33,17 @@ void check_cpu_int64(const torch::Tensor& t, const char* name) {
 
 // Slot of each query key in a two-choice bucketed index, -1 where absent
 // (dynarec.embedding.hash_index.BucketedHashIndex.find).
-torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& occupied,
+// A slot matches when its tag (0: empty, else key_tags of its key) and its key both do.
+torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& tags,
                               int64_t num_buckets, int64_t bucket_size, const torch::Tensor& query) {
   check_cpu_int64(table_keys, "table_keys");
   check_cpu_int64(query, "query");
-  TORCH_CHECK(occupied.scalar_type() == torch::kBool && occupied.is_contiguous(), "occupied must be contiguous bool");
+  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
+  TORCH_CHECK(tags.numel() == table_keys.numel(), "tags and table_keys differ in size");
   TORCH_CHECK(table_keys.numel() == num_buckets * bucket_size, "table_keys size != num_buckets * bucket_size");
   auto out = torch::empty_like(query);
   const int64_t* tk = table_keys.data_ptr<int64_t>();
-  const bool* occ = occupied.data_ptr<bool>();
+  const uint8_t* tg = tags.data_ptr<uint8_t>();
   const int64_t* q = query.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const uint64_t nb = static_cast<uint64_t>(num_buckets);
@@ -50,11 +52,12 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
       const int64_t key = q[i];
       const uint64_t h = mix64(static_cast<uint64_t>(key));
       const uint64_t buckets[2] = {(h & 0xFFFFFFFFULL) % nb, ((h >> 32) & 0xFFFFFFFFULL) % nb};
+      const uint8_t tag = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
       int64_t slot = -1;
       for (int c = 0; c < 2 && slot < 0; ++c) {
         const int64_t base = static_cast<int64_t>(buckets[c]) * bucket_size;
         for (int64_t lane = 0; lane < bucket_size; ++lane) {
-          if (tk[base + lane] == key && occ[base + lane]) {
+          if (tg[base + lane] == tag && tk[base + lane] == key) {
             slot = base + lane;
             break;
           }
