@@ -1,7 +1,7 @@
-"""The Triton fused update alone, by cold-program tile height: device time of ``bag_update``
+"""The Triton fused update alone, by block length: device time of ``bag_update``
 (Adagrad) on Zipf(1.05) ids of a 10M-row table, median of 7 (CUDA events), and the bytes it must
 move (docs/benchmarks.md's backward share: gradient reads, and per unique row its weight and
-state read and written) over that time. Picks ``_cold_rows``' default. Usage:
+state read and written) over that time. Picks ``bag_update``'s default block. Usage:
 
     python benchmarks/tune_update.py            # on a CUDA machine with Triton
 """
@@ -16,7 +16,7 @@ from dynarec.optim import Adagrad
 from dynarec.optim.registry import definition
 
 
-def time_update(w: Workload, tile_rows: int, reps: int = 7) -> tuple[float, float]:
+def time_update(w: Workload, block: int, reps: int = 7) -> tuple[float, float]:
     """``(median ms, unique fraction)`` of one fused update of a step of ``w``."""
     dev = "cuda"
     batch = w.batches(device="cpu")[0]
@@ -39,7 +39,7 @@ def time_update(w: Workload, tile_rows: int, reps: int = 7) -> tuple[float, floa
             offsets=offsets,
             per_sample_weights=None,
             grad_out=grad_out,
-            rows_per_program=tile_rows,
+            block=block,
         )
         end.record()
         torch.cuda.synchronize()
@@ -49,15 +49,15 @@ def time_update(w: Workload, tile_rows: int, reps: int = 7) -> tuple[float, floa
 
 
 def main() -> None:
-    print(f"{'D':>4} {'ids':>9} {'rows/program':>12} {'ms':>8} {'GB/s':>7}")
+    print(f"{'D':>4} {'ids':>9} {'block':>6} {'ms':>8} {'GB/s':>7}")
     for dim in (32, 128):
         for bags in (65_536, 262_144):
             w = Workload(num_embeddings=10_000_000, dim=dim, bags=bags, pooling_factor=16, num_batches=1)
-            for tile_rows in (1, 2, 4, 8, 16):
-                ms, unique = time_update(w, tile_rows)
+            for block in (8, 16, 32, 64):
+                ms, unique = time_update(w, block)
                 n = w.ids_per_step
                 nbytes = n * 4 * dim + n / w.pooling_factor * 4 * dim + unique * n * 16 * dim
-                print(f"{dim:>4} {n:>9,} {tile_rows:>12} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f}", flush=True)
+                print(f"{dim:>4} {n:>9,} {block:>6} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":

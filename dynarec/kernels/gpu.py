@@ -8,11 +8,11 @@ without host syncs:
 - :func:`find_two_choice`: one program per block of keys; a key reads its first bucket's 16 tag
   bytes and only then its second's, and a key only where a tag matches.
 - :func:`pooled_forward`: one program per bag, rows summed in bag order (weighted).
-- :func:`bag_update`: the ids of a step sorted once (stable); each run of equal rows is a segment,
-  whose gradient occurrences are summed in sorted order and whose row's weight and states the
-  optimizer updates in one pass, several segments a program as one tile. Segment starts are
-  scattered into a buffer of ``n`` slots, so the grid is static (no ``unique``, no host sync), and no
-  floating-point value is ever accumulated with atomics: the result does not depend on timing.
+- :func:`bag_update`: the ids of a step sorted once (stable) and cut into fixed blocks; a block's
+  runs of equal rows are summed by a segmented scan and their rows updated in one pass, and a
+  run crossing blocks is finished from the blocks' partial sums, in block order. Static grids (no
+  ``unique``, no host sync), and no floating-point value is ever accumulated with atomics: the
+  result does not depend on timing.
 
 The update kernel is a template over the optimizer: a compile-time code and its scalars, the
 ``KernelArgs`` each optimizer registers in ``OptimizerDef.kernel``.
@@ -141,94 +141,81 @@ if HAVE_TRITON:
         tl.store(weight_ptr + off, w, mask=dm)
 
     @triton.jit
-    def _occurrence_sum(grad_ptr, order_ptr, bag_ptr, psw_ptr, p0, end, D, d, dm, HAS_W: tl.constexpr, L: tl.constexpr):
-        """Sum of ``psw[i] * grad[bag(i)]`` over the sorted occurrences ``p0 .. end-1`` (at most
-        ``L``), as one [L, BLOCK_D] tile: a fixed reduction order, whatever the timing."""
-        p = p0 + tl.arange(0, L)
-        pm = p < end
+    def _segmented_add(v1, f1, v2, f2):
+        """Combine of a segmented sum scan: a set flag starts a new segment."""
+        return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
+
+    @triton.jit
+    def _update_block_kernel(
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr,
+        part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+    ):  # fmt: skip
+        """One program per block of ``L`` sorted occurrences, as one [L, BLOCK_D] tile: their
+        gradients gathered, summed per run of equal rows by a segmented scan, and every row whose
+        run starts and ends in the block updated. A run crossing the block's start leaves its
+        sum here in ``part_first``, one crossing its end in ``part_last``, for
+        :func:`_update_crossing_kernel`."""
+        b = tl.program_id(0).to(tl.int64)
+        lane = tl.arange(0, L)
+        p = b * L + lane
+        pm = p < n
+        row = tl.load(sorted_rows_ptr + p, mask=pm, other=-1).to(tl.int64)
+        prev = tl.load(sorted_rows_ptr + p - 1, mask=pm & (p > 0), other=-1).to(tl.int64)
+        nxt = tl.load(sorted_rows_ptr + p + 1, mask=(p + 1) < n, other=-1).to(tl.int64)
         i = tl.load(order_ptr + p, mask=pm, other=0)
         bag = tl.load(bag_ptr + i, mask=pm, other=0)
-        gi = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        d = tl.arange(0, BLOCK_D)
+        dm = (d < D)[None, :]
+        g = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm, other=0.0)
         if HAS_W:
-            gi = gi * tl.load(psw_ptr + i, mask=pm, other=0.0)[:, None]
-        return tl.sum(gi, axis=0)
+            g = g * tl.load(psw_ptr + i, mask=pm, other=0.0)[:, None]
+        starts = ((row != prev) | (lane == 0)).to(tl.int32)
+        sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (L, BLOCK_D))), 0, _segmented_add)
+        ends = pm & (row != nxt)  # the last occurrence of a run (sums: the run's total in the block)
+        row0 = tl.load(sorted_rows_ptr + b * L).to(tl.int64)
+        before = tl.load(sorted_rows_ptr + b * L - 1, mask=b > 0, other=-1).to(tl.int64)
+        crosses_start = row == (tl.where(before == row0, row0, -2))  # lanes of a run begun earlier
+        whole = ends & ~crosses_start
+        _apply_update(
+            weight_ptr, s1_ptr, s2_ptr, row, whole, sums, d, D, lr, eps, wd, beta1, beta2,
+            bias1, bias2, c1, c2, decay, OPT, WD_MODE,
+        )  # fmt: skip
+        first_end = crosses_start & ((row != nxt) | (lane == L - 1))
+        if tl.max(first_end.to(tl.int32), axis=0) > 0:
+            part = tl.sum(tl.where(first_end[:, None], sums, 0.0), axis=0)
+            tl.store(part_first_ptr + b * BLOCK_D + d, part)
+        last = pm & (lane == L - 1) & (row == nxt)  # the block's last run goes on into the next
+        if tl.max(last.to(tl.int32), axis=0) > 0:
+            tl.store(part_last_ptr + b * BLOCK_D + d, tl.sum(tl.where(last[:, None], sums, 0.0), axis=0))
 
     @triton.jit
-    def _update_cold_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, seg_start_ptr, bag_ptr, psw_ptr,
+    def _update_crossing_kernel(
+        weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr,
         n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
-        R: tl.constexpr,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     ):  # fmt: skip
-        """One program per ``R`` consecutive segments of at most ``L`` occurrences each (most rows:
-        one or two), as one [R, BLOCK_D] tile: each row's gradient summed in sorted order, then
-        the ``R`` rows updated. ``R`` rows' loads in flight at once hide the latency of the
-        dependent reads (occurrence -> bag -> gradient row)."""
-        segs = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-        start = tl.load(seg_start_ptr + segs, mask=segs < n, other=n)
-        end = tl.load(seg_start_ptr + segs + 1, mask=segs < n, other=n)
-        count = end - start
-        live = (start < n) & (count <= L)
-        if tl.max(live.to(tl.int32), axis=0) > 0:
+        """One program per block whose last run begins in it and goes on past it (a hot row, or
+        a run cut by a block boundary): its ``part_last``, then the ``part_first`` of each next
+        block that the run covers, ``P`` blocks at a time, in block order; then the update."""
+        b = tl.program_id(0).to(tl.int64)
+        q = b * L + L - 1
+        blocks = tl.cdiv(n, L)
+        row = tl.load(sorted_rows_ptr + q, mask=q + 1 < n, other=-1).to(tl.int64)
+        nxt = tl.load(sorted_rows_ptr + q + 1, mask=q + 1 < n, other=-2).to(tl.int64)
+        row0 = tl.load(sorted_rows_ptr + b * L).to(tl.int64)
+        before = tl.load(sorted_rows_ptr + b * L - 1, mask=b > 0, other=-1).to(tl.int64)
+        if (row == nxt) & ((row0 != row) | (before != row0)):
             d = tl.arange(0, BLOCK_D)
-            dm = (d < D)[None, :]
-            count = tl.where(live, count, 0)
-            g = tl.zeros([R, BLOCK_D], dtype=tl.float32)
-            j = 0
-            longest = tl.max(count, axis=0)
-            while j < longest:
-                m = j < count
-                i = tl.load(order_ptr + start + j, mask=m, other=0)
-                bag = tl.load(bag_ptr + i, mask=m, other=0)
-                gi = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=m[:, None] & dm, other=0.0)
-                if HAS_W:
-                    gi = gi * tl.load(psw_ptr + i, mask=m, other=0.0)[:, None]
-                g += gi
-                j += 1
-            row = tl.load(sorted_rows_ptr + start, mask=live, other=0).to(tl.int64)
-            _apply_update(
-                weight_ptr, s1_ptr, s2_ptr, row, live, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2,
-                decay, OPT, WD_MODE,
-            )  # fmt: skip
-
-    @triton.jit
-    def _hot_chunk_kernel(
-        grad_ptr, order_ptr, bag_ptr, psw_ptr, chunk_start_ptr, chunk_end_ptr, partial_ptr, n, D,
-        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
-    ):  # fmt: skip
-        """One program per chunk of ``L`` occurrences of a hot row: its partial gradient sum."""
-        c = tl.program_id(0).to(tl.int64)
-        p0 = tl.load(chunk_start_ptr + c)
-        if p0 < n:
-            d = tl.arange(0, BLOCK_D)
-            dm = d < D
-            end = tl.load(chunk_end_ptr + c)
-            g = _occurrence_sum(grad_ptr, order_ptr, bag_ptr, psw_ptr, p0, end, D, d, dm, HAS_W, L)
-            tl.store(partial_ptr + c * D + d, g, mask=dm)
-
-    @triton.jit
-    def _update_hot_kernel(
-        weight_ptr, s1_ptr, s2_ptr, partial_ptr, hot_row_ptr, hot_first_ptr, hot_chunks_ptr,
-        D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-    ):  # fmt: skip
-        """One program per hot row: its chunks' partial sums, ``P`` at a time, then the update."""
-        h = tl.program_id(0).to(tl.int64)
-        row = tl.load(hot_row_ptr + h).to(tl.int64)
-        if row >= 0:
-            d = tl.arange(0, BLOCK_D)
-            dm = d < D
-            first = tl.load(hot_first_ptr + h)
-            last = first + tl.load(hot_chunks_ptr + h)
-            g = tl.zeros([BLOCK_D], dtype=tl.float32)
-            c = first
-            while c < last:
+            g = tl.load(part_last_ptr + b * BLOCK_D + d)
+            c = b + 1
+            while c < blocks:
                 cs = c + tl.arange(0, P)
-                part = tl.load(
-                    partial_ptr + cs[:, None] * D + d[None, :], mask=(cs < last)[:, None] & dm[None, :], other=0.0
+                on = tl.load(sorted_rows_ptr + cs * L, mask=cs < blocks, other=-1).to(tl.int64) == row
+                g += tl.sum(
+                    tl.load(part_first_ptr + cs[:, None] * BLOCK_D + d[None, :], mask=on[:, None], other=0.0), 0
                 )
-                g += tl.sum(part, axis=0)
-                c += P
+                c = tl.where(tl.min(on.to(tl.int32), axis=0) > 0, c + P, blocks)  # a block off the run: done
             _apply_update(
                 weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
                 g[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, OPT, WD_MODE,
@@ -239,18 +226,16 @@ def _block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _row_warps(block_d: int) -> int:
-    """Warps of a one-row program: four floats a thread (one 16-byte access), at most 4 warps.
-    Latency-bound programs: fewer warps each let more of them be resident per multiprocessor."""
-    return max(1, min(4, block_d // 128))
+def _block_length(block_d: int) -> int:
+    """Occurrences a block of the fused update takes: a tile of about 4096 floats, 8 to 64 rows.
+    benchmarks/tune_update.py on an H200 (a 1M-id Adagrad update, Zipf ids): D = 128 at 8 / 16 /
+    32 / 64 rows: 2.56 / 1.87 / 1.29 / 1.70 ms; D = 32: 0.70 / 0.59 / 0.57 / 0.50 ms."""
+    return max(8, min(64, 4096 // block_d))
 
 
-def _cold_rows(block_d: int) -> int:
-    """Rows a cold-update program takes: a [R, BLOCK_D] tile of at most 1024 floats and 8 rows
-    (benchmarks/tune_update.py on an H200: at D = 128, 8 rows take 1.49 ms a 1M-id update, 1 row
-    1.92 ms; at D = 32, 8 rows are within 3% of the best of 1-16 at 1M and 4M ids). One row a
-    program leaves an H200 at 32 resident one-warp programs per multiprocessor: half its warps."""
-    return max(1, min(8, 1024 // block_d))
+def _tile_warps(elements: int) -> int:
+    """Warps for a tile of ``elements`` floats: four a thread (one 16-byte access), 1 to 8."""
+    return max(1, min(8, elements // 128))
 
 
 def find_two_choice(
@@ -290,58 +275,6 @@ def pooled_forward(
     return out
 
 
-def _segments(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, sorted rows, segment starts [n + 1], segment of each sorted position)``: a stable
-    sort by row, and the start of each run of equal rows (runs beyond the last hold ``n``; the
-    heads scatter their positions, the rest go to a spare slot). Static shapes: no host sync.
-    Rows of a table under 2^31 rows are sorted as int32: half the radix passes of int64."""
-    n = rows.numel()
-    sorted_rows, order = torch.sort(rows.to(torch.int32) if num_rows < 2**31 else rows, stable=True)
-    head = torch.ones(n, dtype=torch.bool, device=rows.device)
-    head[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    seg = torch.cumsum(head.to(torch.int64), 0) - 1
-    starts = torch.full((n + 2,), n, dtype=torch.int64, device=rows.device)
-    starts.scatter_(0, torch.where(head, seg, n + 1), torch.arange(n, device=rows.device))  # heads only
-    return order, sorted_rows, starts[: n + 1], seg
-
-
-def _compact(mask: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
-    """``values[mask]`` in order, padded with ``fill`` to ``size`` (>= mask.sum()): a static
-    shape, so no host sync."""
-    out = torch.full((size + 1,), fill, dtype=values.dtype, device=values.device)
-    index = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, size)
-    return out.scatter_(0, index, values)[:size]
-
-
-def _hot_chunks(
-    starts: torch.Tensor, seg: torch.Tensor, sorted_rows: torch.Tensor, chunk: int
-) -> tuple[torch.Tensor, ...]:
-    """The segments longer than ``chunk`` (hot rows) split into chunks of ``chunk`` occurrences.
-
-    Returns ``(chunk_start, chunk_end, hot_row, hot_first, hot_chunks)``: each chunk's sorted
-    positions (start ``n`` = no chunk), and each hot row with its first chunk and chunk count
-    (row ``-1`` = none). Sizes are bounds known from ``n`` alone: at most ``n // chunk`` hot rows
-    and ``2 n // chunk`` chunks."""
-    n = seg.numel()
-    dev = seg.device
-    counts = starts[1:] - starts[:-1]  # [n]; 0 past the last segment
-    pos = torch.arange(n, device=dev)
-    seg_start = starts[seg]
-    hot_pos = counts[seg] > chunk
-    head = hot_pos & ((pos - seg_start) % chunk == 0)
-    max_chunks, max_hot = 2 * (n // chunk) + 1, n // chunk + 1
-    chunk_start = _compact(head, pos, max_chunks, n)
-    seg_end = starts[seg + 1]
-    chunk_end = _compact(head, torch.minimum(pos + chunk, seg_end), max_chunks, n)
-    chunk_id = torch.cumsum(head.to(torch.int64), 0) - 1  # at a hot segment's start: its first chunk
-    hot_seg = counts > chunk
-    first_pos = starts[:n].clamp(max=n - 1)
-    hot_row = _compact(hot_seg, sorted_rows[first_pos], max_hot, -1)
-    hot_first = _compact(hot_seg, chunk_id[first_pos], max_hot, 0)
-    hot_chunks = _compact(hot_seg, (counts + chunk - 1) // chunk, max_hot, 0)
-    return chunk_start, chunk_end, hot_row, hot_first, hot_chunks
-
-
 def bag_update(
     args,
     *,
@@ -352,29 +285,34 @@ def bag_update(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
-    chunk: int = 32,
-    rows_per_program: Optional[int] = None,
+    block: Optional[int] = None,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
     the row, in place.
 
-    A row of at most ``chunk`` occurrences is summed and updated by one program. A hot row (a
-    Zipf head can hold a tenth of a step's ids) is summed in parallel chunks of ``chunk``
-    occurrences, whose partial sums one program then adds in chunk order and applies: no
-    program walks a long row alone, and every sum has a fixed order. ``rows_per_program``: the
-    cold programs' tile height (default :func:`_cold_rows`; a tuning knob, same results)."""
+    The occurrences are sorted by row once (stable; int32 keys where the table has under 2^31
+    rows: half the radix passes), then cut into blocks of ``block`` (a power of two; default
+    :func:`_block_length`). A block's
+    program sums its runs of equal rows by a segmented scan and updates each run that starts
+    and ends in it; a run crossing blocks (a hot row: a Zipf head can hold a tenth of a step's
+    ids) is finished by the block where it starts, from the other blocks' partial sums, in block
+    order. Every sum has a fixed order, no floating-point atomics, no host sync; four torch ops
+    and two kernels a step."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
     lengths = offsets[1:] - offsets[:-1]
     bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=n)
-    order, sorted_rows, starts, seg = _segments(rows, weight.shape[0])
+    sorted_rows, order = torch.sort(rows.to(torch.int32) if weight.shape[0] < 2**31 else rows, stable=True)
     s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
     grad_out = grad_out.contiguous()
     psw = per_sample_weights.contiguous() if per_sample_weights is not None else grad_out
-    has_w = per_sample_weights is not None
     block_d = _block_d(dim)
+    block = block or _block_length(block_d)
+    blocks = triton.cdiv(n, block)
+    part_first = torch.empty(blocks, block_d, dtype=torch.float32, device=weight.device)
+    part_last = torch.empty_like(part_first)
     scalars = (
         dim,
         float(lr),
@@ -389,21 +327,13 @@ def bag_update(
         1.0 - args.beta2,
         1.0 - lr * args.weight_decay,
     )
-    opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode)
-    warps = _row_warps(block_d)
-    cold_rows = rows_per_program or _cold_rows(block_d)
-    _update_cold_kernel[(triton.cdiv(n, cold_rows),)](
-        weight, s1, s2, grad_out, order, sorted_rows, starts, bag_of_id, psw, n, *scalars,
-        **opt, HAS_W=has_w, BLOCK_D=block_d, L=chunk, R=cold_rows, num_warps=max(1, min(4, cold_rows * block_d // 128)),
+    opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode, BLOCK_D=block_d, L=block)
+    _update_block_kernel[(blocks,)](
+        weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
+        **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block * block_d),
     )  # fmt: skip
-    if n > chunk:  # a hot row needs more than `chunk` ids (the grid sizes depend on n alone)
-        chunk_start, chunk_end, hot_row, hot_first, hot_chunks = _hot_chunks(starts, seg, sorted_rows, chunk)
-        partial = torch.empty(chunk_start.numel(), dim, dtype=torch.float32, device=weight.device)
-        _hot_chunk_kernel[(chunk_start.numel(),)](
-            grad_out, order, bag_of_id, psw, chunk_start, chunk_end, partial, n, dim,
-            HAS_W=has_w, BLOCK_D=block_d, L=chunk,
-        )  # fmt: skip
-        _update_hot_kernel[(hot_row.numel(),)](
-            weight, s1, s2, partial, hot_row, hot_first, hot_chunks, *scalars, **opt, BLOCK_D=block_d, P=16,
-            num_warps=warps,
+    if blocks > 1:
+        _update_crossing_kernel[(blocks - 1,)](
+            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, **opt, P=16,
+            num_warps=_tile_warps(block_d),
         )  # fmt: skip

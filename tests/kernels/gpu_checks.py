@@ -62,13 +62,11 @@ def check_pooled(device, dim=8, weighted=True, max_len=6):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, chunk=None, tile_rows=None):
-    """``update`` (default the GPU kernel, with hot rows above ``chunk`` occurrences and
-    ``tile_rows`` rows per cold program) against torch aggregation + the native update.
-    ``max_len`` 60 gives rows of ~100 occurrences."""
+def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None):
+    """``update`` (default the GPU kernel, its occurrences in blocks of ``block``) against torch
+    aggregation + the native update. ``max_len`` 60 gives rows of ~100 occurrences."""
     if update is None:
-        kwargs = {"chunk": chunk, "rows_per_program": tile_rows}
-        update = functools.partial(gpu.bag_update, **{k: v for k, v in kwargs.items() if v is not None})
+        update = gpu.bag_update if block is None else functools.partial(gpu.bag_update, block=block)
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
@@ -108,8 +106,8 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     for spec in SPECS:
         check_update("cpu", spec)
         check_update("cpu", spec, dim=5, weighted=False)
-        check_update("cpu", spec, max_len=60, chunk=4)  # hot rows: ~30 chunks each
-        check_update("cpu", spec, dim=5, weighted=False, max_len=60, chunk=1)
-        check_update("cpu", spec, dim=128, max_len=20, chunk=8, tile_rows=1)
-        check_update("cpu", spec, dim=5, max_len=20, chunk=8, tile_rows=2)
+        check_update("cpu", spec, max_len=60, block=4)  # hot rows: ~30 blocks each
+        check_update("cpu", spec, dim=5, weighted=False, max_len=60, block=1)
+        check_update("cpu", spec, dim=128, max_len=20, block=64)
+        check_update("cpu", spec, dim=5, max_len=20, block=2)
     print("all GPU kernel checks passed on the interpreter")

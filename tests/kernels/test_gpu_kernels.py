@@ -28,14 +28,15 @@ def test_fused_update(spec, dim, weighted):
 
 
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-@pytest.mark.parametrize("chunk", [1, 4, 32])
+@pytest.mark.parametrize("block", [1, 4, 32])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_fused_update_of_hot_rows_in_chunks(spec, chunk, weighted):
-    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, chunk=chunk)
+def test_fused_update_of_rows_across_blocks(spec, block, weighted):
+    """Rows of ~100 occurrences: most runs cross blocks (the partial-sum path)."""
+    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, block=block)
 
 
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-@pytest.mark.parametrize("dim, tile_rows", [(128, 1), (128, 16), (5, 2), (64, 8)])
-def test_fused_update_any_tile_height(spec, dim, tile_rows):
-    """Rows per cold program is a tuning knob: every height gives the reference's result."""
-    gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, chunk=8, tile_rows=tile_rows)
+@pytest.mark.parametrize("dim, block", [(128, 2), (128, 64), (5, 128), (64, 16)])
+def test_fused_update_any_block_length(spec, dim, block):
+    """The block length is a tuning knob: every length gives the reference's result."""
+    gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, block=block)
