@@ -180,7 +180,9 @@ def bench_dynamic_step(args) -> dict:
         lines += [f"[{backend}] {k:<16} {_rate(r[k])}" for k in ("fixed", "fixed_scattered", "dynamic")]
         lines.append(
             f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
-            f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot"
+            f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot; "
+            f"{r['dynamic_report']['size']:,} keys at load {r['dynamic_report']['load_factor']:.2f} "
+            f"({r['dynamic_report']['dropped_keys']} insert(s) dropped, warm-up included)"
         )
     return {"benchmark": "dynamic-step", "workload": vars(w), "results": results, "summary": lines}
 

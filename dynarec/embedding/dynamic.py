@@ -85,6 +85,7 @@ class DynamicTable(EmbeddingTable):
         # those, evicted while a slot was free somewhere; moved: residents moved to their other bucket.
         self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
         self._generation = 0  # bumped by every rehash, which moves rows
+        self._served_step: Optional[int] = None  # the last training step this table looked up
         self._deferred_pins: list[tuple[Step, torch.Tensor]] = []
 
     @property
@@ -143,6 +144,7 @@ class DynamicTable(EmbeddingTable):
             all_present = not bool((slots < 0).any())
         else:
             slots, all_present = self._slots_for_training(keys, step)
+            self._served_step = step.id
         missing_out = None
         if not all_present:
             present = slots >= 0
@@ -186,10 +188,10 @@ class DynamicTable(EmbeddingTable):
         if self.counter is not None:
             candidates = candidates[self._count_admission(uniq, counts, step)]
         if candidates.numel():
-            generation = self._generation
+            generation, moved = self._generation, self.counters["moved"]
             new_slots = torch.full_like(uniq, -1)
             new_slots[candidates] = self._insert(uniq[candidates], step)
-            if self._generation != generation:  # the table grew: every row moved
+            if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
             else:
                 slots[absent] = new_slots[inverse]
@@ -254,7 +256,11 @@ class DynamicTable(EmbeddingTable):
 
     def _insert(self, keys: torch.Tensor, step: Optional[Step]) -> torch.Tensor:
         """Gives rows to absent ``keys`` (unique); returns their slots (-1: no row). ``step``:
-        the training step doing it (its journal records the changes), or None (``write_rows``)."""
+        the training step doing it (its journal records the changes), or None (``write_rows``).
+
+        A row this step already looked up may move to its other bucket to make room (its slot
+        changes; the caller finds its keys again), unless the table served this step before:
+        that lookup's slots are final. Rows pinned by other pending steps never move."""
         journal = step.journal if step is not None else None
         options = self.options
         self._write_pins()
@@ -263,7 +269,9 @@ class DynamicTable(EmbeddingTable):
         while True:
             at_max = self.index.num_buckets == self.max_buckets
             allow_evict = options.score_strategy != "none" and (at_max or not self._can_grow())
-            plan = self.index.plan_insert(keys, pinned_by=self._pending_ids(), allow_evict=allow_evict)
+            plan = self.index.plan_insert(
+                keys, pinned_by=self._pending_ids(), allow_evict=allow_evict, movable_pins=self._movable_pins(step)
+            )
             if bool(plan.overflow.any()) and self._can_grow():
                 self._grow(journal)
                 continue
@@ -304,6 +312,11 @@ class DynamicTable(EmbeddingTable):
         if step is not None:
             self.index.pin(new_slots, step.id)
         return plan.slots
+
+    def _movable_pins(self, step: Optional[Step]) -> Optional[torch.Tensor]:
+        if step is None or self._served_step == step.id:
+            return None
+        return torch.tensor([step.id], dtype=torch.int64, device=self.device)
 
     def _count(self, journal: Optional[Journal], **counts: int) -> None:
         """Adds to the report's counters (``dropped``, ``evicted``, ``premature``, ``moved``)."""

@@ -16,7 +16,9 @@ from dynarec import (
     TableConfig,
 )
 from dynarec.embedding import TableFullError
+from dynarec.embedding.jagged import split_features
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.embedding.test_hash_index import check_invariants, keys_with_buckets
 from tests.reference_model import zipf_batch
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -199,6 +201,62 @@ def test_rows_looked_up_in_a_step_are_pinned():
     out2["f"].sum().backward()
     assert not bool(t.pinned.any())
     del before
+
+
+def _crowded_table():
+    """4 buckets of 4; buckets 0 and 1 full of rows whose keys have no other bucket, but for
+    ``residents[0]`` (buckets 0 and 2), placed in bucket 0. Returns ``(coll, table, residents, x,
+    y)``: ``x`` and ``y`` new keys whose two buckets are 0 and 1."""
+    coll = EmbeddingCollection(
+        [dynamic(max_capacity=16, init_capacity=16, bucket_size=4, score_strategy="step")], SGD(lr=0.1)
+    )
+    t = coll.tables["d"]
+    r, *others = keys_with_buckets(4, [(0, 2)] + [(0, 1)] * 3 + [(1, 0)] * 4 + [(0, 1)] * 2)
+    others, (x, y) = others[:7], others[7:]
+    one(coll, {"f": [[r]]})  # both buckets empty: the first one
+    one(coll, {"f": [others]})
+    residents = [r, *others]
+    assert sorted(int(s) // 4 for s in t.index.find(torch.tensor(residents))) == [0] * 4 + [1] * 4
+    return coll, t, residents, x, y
+
+
+def test_a_row_of_this_step_moves_to_make_room_for_a_new_key():
+    coll, t, residents, x, _ = _crowded_table()
+    r = residents[0]
+    before = t.read_rows(torch.tensor(residents))["weight"]
+    # Every resident is looked up in this step (pinned), and the new key's buckets are full:
+    # r moves to its other bucket (its row with it), x takes its slot; nothing is dropped.
+    out = coll(JaggedBatch.from_lists({"f": [[k] for k in residents] + [[x]]}))
+    assert t.dropped_keys == 0 and t.report()["moved_keys"] == 1
+    assert int(t.index.find(torch.tensor([r]))[0]) // 4 == 2
+    torch.testing.assert_close(out["f"][:-1].detach(), before, rtol=0, atol=0)
+    torch.testing.assert_close(out["f"][-1].detach(), t.initial_weights(torch.tensor([x]))[0], rtol=0, atol=0)
+    out["f"].sum().backward()  # the update lands on the rows' new slots
+    after = t.read_rows(torch.tensor([*residents, x]))["weight"]
+    torch.testing.assert_close(after[:-1], before - 0.1, rtol=1e-6, atol=1e-6)
+
+
+def test_an_aborted_step_puts_a_moved_row_back():
+    coll, t, residents, x, _ = _crowded_table()
+    slots = t.index.find(torch.tensor(residents))
+    before = t.read_rows(torch.tensor(residents))["weight"]
+    coll(JaggedBatch.from_lists({"f": [[k] for k in residents] + [[x]]}))  # r moves, x placed
+    coll.abort_step()
+    assert torch.equal(t.index.find(torch.tensor(residents)), slots) and keys_present(t, [x]) == []
+    assert torch.equal(t.read_rows(torch.tensor(residents))["weight"], before)
+    check_invariants(t.index)
+
+
+def test_a_table_that_served_the_step_moves_none_of_its_rows():
+    coll, t, residents, x, y = _crowded_table()
+    out = coll(JaggedBatch.from_lists({"f": [[k] for k in residents] + [[x]]}))  # r moves; x placed
+    slots = t.index.find(torch.tensor([*residents, x]))
+    # A second lookup in the same step (its first one's slots are final): y finds no room.
+    bags, _ = t.pack(split_features(JaggedBatch.from_lists({"f": [[y]]})))
+    with pytest.warns(UserWarning, match="1 new key"):
+        t.lookup(bags, train=True)
+    assert t.dropped_keys == 1 and torch.equal(t.index.find(torch.tensor([*residents, x])), slots)
+    out["f"].sum().backward()
 
 
 @pytest.mark.parametrize("mode", ["error", "warn", "ignore"])

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace {
 
 // SplitMix64's finalizer (a bijection on 64 bits), as dynarec.embedding.initializers.mix64.
@@ -22,6 +26,29 @@ inline uint64_t mix64(uint64_t x) {
 }
 
 constexpr int64_t kGrain = 2048;
+
+// The lane of `key` in the bucket starting at slot `base` (`bs` slots), -1 if absent: tags first,
+// the key only where the tag matches. A 16-slot bucket compares its 16 tags in one SSE2 op.
+inline int64_t probe_bucket(const uint8_t* tg, const int64_t* tk, int64_t base, int64_t bs, uint8_t tag,
+                            int64_t key) {
+#if defined(__SSE2__)
+  if (bs == 16) {
+    const __m128i tags = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + base));
+    unsigned match = static_cast<unsigned>(
+        _mm_movemask_epi8(_mm_cmpeq_epi8(tags, _mm_set1_epi8(static_cast<char>(tag)))));
+    while (match) {
+      const int lane = __builtin_ctz(match);
+      if (tk[base + lane] == key) return lane;
+      match &= match - 1;
+    }
+    return -1;
+  }
+#endif
+  for (int64_t lane = 0; lane < bs; ++lane) {
+    if (tg[base + lane] == tag && tk[base + lane] == key) return lane;
+  }
+  return -1;
+}
 
 void check_cpu_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -47,8 +74,14 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
   const int64_t* q = query.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const uint64_t nb = static_cast<uint64_t>(num_buckets);
+  constexpr int64_t kAhead = 8;  // keys whose tag lines are prefetched ahead of their probe
   at::parallel_for(0, query.numel(), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end) {
+        const uint64_t ha = mix64(static_cast<uint64_t>(q[i + kAhead]));
+        __builtin_prefetch(tg + static_cast<int64_t>((ha & 0xFFFFFFFFULL) % nb) * bucket_size);
+        __builtin_prefetch(tg + static_cast<int64_t>(((ha >> 32) & 0xFFFFFFFFULL) % nb) * bucket_size);
+      }
       const int64_t key = q[i];
       const uint64_t h = mix64(static_cast<uint64_t>(key));
       const uint64_t buckets[2] = {(h & 0xFFFFFFFFULL) % nb, ((h >> 32) & 0xFFFFFFFFULL) % nb};
@@ -56,12 +89,8 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
       int64_t slot = -1;
       for (int c = 0; c < 2 && slot < 0; ++c) {
         const int64_t base = static_cast<int64_t>(buckets[c]) * bucket_size;
-        for (int64_t lane = 0; lane < bucket_size; ++lane) {
-          if (tg[base + lane] == tag && tk[base + lane] == key) {
-            slot = base + lane;
-            break;
-          }
-        }
+        const int64_t lane = probe_bucket(tg, tk, base, bucket_size, tag, key);
+        if (lane >= 0) slot = base + lane;
       }
       o[i] = slot;
     }
