@@ -66,7 +66,9 @@ sweep)
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
     ;;
 train)
-    timeout 400 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 8 --runs 3 --steps 10 \
+    # 14 DataLoader workers of the machine's 16 cores: the data pipeline bounds the step (with
+    # 8 workers it gives 2.78x, with 0 1.03x: benchmarks/results/issue12-h200.txt)
+    timeout 400 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 5 --steps 20 \
         --json "$out/train-step-h200.json" 2>&1 | tee "$out/train-step-h200.txt"
     ;;
 nccl)

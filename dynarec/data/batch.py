@@ -172,9 +172,8 @@ class BatchBuilder:
 
     def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.ChunkedArray, origin: RowOrigin):
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-        null = col.is_null()
-        if pc.any(null).as_py():
-            raise DataError(f"{self._where(f, origin, int(pc.index(null, True).as_py()))}: missing value")
+        if col.null_count:
+            raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
         if f.boundaries is not None:
             return self._bucketized(f, col, origin), np.ones(len(col), dtype=np.int64)
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
@@ -186,14 +185,16 @@ class BatchBuilder:
                 row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
                 raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
         elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            empty = pc.equal(col, "")
+            # One split; an empty field is an empty list (its one empty token dropped).
             parts = pc.split_pattern(col, separator)
-            lengths = np.where(empty.to_numpy(zero_copy_only=False), 0, np.diff(parts.offsets.to_numpy())).astype(
-                np.int64
-            )
-            tokens = pc.split_pattern(pc.if_else(empty, pa.scalar(None, pa.string()), col), separator).flatten()
+            per_row = np.diff(parts.offsets.to_numpy()).astype(np.int64)
+            empty = (pc.utf8_length(col).to_numpy(zero_copy_only=False) == 0) & (per_row == 1)
+            lengths = np.where(empty, 0, per_row)
+            tokens = parts.flatten()
+            if empty.any():
+                tokens = tokens.filter(pa.array(np.repeat(~empty, per_row)))
             bad = pc.equal(pc.utf8_length(tokens), 0)
-            if pc.any(bad).as_py():
+            if bad.true_count:
                 row = int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
                 raise DataError(
                     f"{self._where(f, origin, row)}: malformed multi-value field "
@@ -229,11 +230,11 @@ class BatchBuilder:
 
         is_string = pa.types.is_string(tokens.type) or pa.types.is_large_string(tokens.type)
         if f.hashed:
-            strings = tokens.to_pylist() if is_string else [str(x) for x in tokens.to_pylist()]
+            strings = tokens if is_string else [str(x) for x in tokens.to_pylist()]
             return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.table_rows)
         if is_string:
-            try:
-                tokens = pc.cast(pc.utf8_trim_whitespace(tokens), pa.int64())
+            try:  # most ids have no surrounding whitespace: trim only when the plain cast fails
+                tokens = _cast_int64(tokens)
             except pa.ArrowInvalid:
                 strings = tokens.to_pylist()
                 i = next(k for k, s in enumerate(strings) if not _is_int64(s))
@@ -298,7 +299,16 @@ class BatchBuilder:
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if pa.types.is_integer(col.type):
             return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
-        return torch.from_numpy(to_hash_bucket_fast([str(s) for s in col.to_pylist()], DYNAMIC_KEY_BUCKETS))
+        strings = col if pa.types.is_string(col.type) else [str(s) for s in col.to_pylist()]
+        return torch.from_numpy(to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS))
+
+
+def _cast_int64(tokens: pa.Array) -> pa.Array:
+    """Decimal strings (surrounding whitespace allowed) -> int64; ArrowInvalid if one is not."""
+    try:
+        return pc.cast(tokens, pa.int64())
+    except pa.ArrowInvalid:
+        return pc.cast(pc.utf8_trim_whitespace(tokens), pa.int64())
 
 
 def _float64(col, where, label: str) -> np.ndarray:

@@ -9,9 +9,12 @@ tables take ``fingerprint64(s) % num_buckets``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Union
 
 import farmhash
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 __all__ = ["DYNAMIC_KEY_BUCKETS", "fingerprint64", "to_hash_bucket_fast"]
 
@@ -23,17 +26,15 @@ def fingerprint64(s: str | bytes) -> int:
     return farmhash.fingerprint64(s)
 
 
-def to_hash_bucket_fast(strings: Iterable[str], num_buckets: int) -> np.ndarray:
+def to_hash_bucket_fast(strings: Union[Iterable[str], pa.Array], num_buckets: int) -> np.ndarray:
     """``tf.strings.to_hash_bucket_fast(strings, num_buckets)`` as an int64 array.
 
-    Each distinct string is hashed once.
+    Each distinct string is hashed once: a pyarrow string array is dictionary-encoded (in C++)
+    and only its dictionary goes through Python.
     """
-    strings = list(strings)
-    uniq: dict[str, int] = {}
-    out = np.empty(len(strings), dtype=np.int64)
-    for i, s in enumerate(strings):
-        v = uniq.get(s)
-        if v is None:
-            v = uniq[s] = fingerprint64(s) % num_buckets
-        out[i] = v
-    return out
+    if not isinstance(strings, pa.Array):
+        strings = pa.array(list(strings), pa.string())
+    encoded = pc.dictionary_encode(strings)
+    fp, uniq = farmhash.fingerprint64, encoded.dictionary.to_pylist()
+    hashes = np.fromiter((fp(s) % num_buckets for s in uniq), dtype=np.int64, count=len(uniq))
+    return hashes[encoded.indices.to_numpy(zero_copy_only=False)]

@@ -343,7 +343,8 @@ class Trainer:
         table (rows it created, evictions, admission counts) before any update. This check is the
         step's one host sync by design: every rank must agree on a step's outcome before it
         commits."""
-        self.task.train()
+        if not self.task.training:  # (train() walks every module: a cost per step when repeated)
+            self.task.train()
         self._set_learning_rates()
         if isinstance(batch, DataError):  # this rank could not read its share: the step fails everywhere
             self.task.embeddings(None, error=batch)
