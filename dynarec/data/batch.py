@@ -19,6 +19,7 @@ from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceF
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features.expression import Expression
 from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+from dynarec.kernels import cpu as cpu_kernels
 
 __all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
 
@@ -184,6 +185,15 @@ class BatchBuilder:
                 i = int(pc.index(tokens.is_null(), True).as_py())
                 row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
                 raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
+        elif (
+            separator is not None
+            and (pa.types.is_string(t) or pa.types.is_large_string(t))
+            and not f.hashed
+            and (parsed := _split_int64(col, separator)) is not None
+        ):
+            ids, lengths = parsed
+            ids = self._checked_range(f, ids, lengths, origin)
+            tokens = None
         elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
             # One split; an empty field is an empty list (its one empty token dropped).
             parts = pc.split_pattern(col, separator)
@@ -202,7 +212,8 @@ class BatchBuilder:
                 )
         else:
             tokens, lengths = col, np.ones(len(col), dtype=np.int64)
-        ids = self._token_ids(f, tokens, lengths, origin)
+        if tokens is not None:
+            ids = self._token_ids(f, tokens, lengths, origin)
         if isinstance(f, SequenceFeatureCfg) and (lengths > f.sequence_length).any():
             ids, lengths = _keep_last(ids, lengths, f.sequence_length)
         return ids, lengths
@@ -254,13 +265,17 @@ class BatchBuilder:
                 "(uint64 ids of 2^63 and more would wrap to negative keys)"
             )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        if not dynamic and ids.size:
+        return self._checked_range(f, ids, lengths, origin)
+
+    def _checked_range(self, f, ids: np.ndarray, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
+        """``ids``; DataError naming the row of the first id outside a fixed table's rows."""
+        if f.dynamicemb is None and ids.size:
             bad = np.nonzero((ids < 0) | (ids >= f.table_rows))[0]
             if bad.size:
                 i = int(bad[0])
+                row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
                 raise DataError(
-                    f"{self._where(f, origin, row_of(i))}: id {int(ids[i])} is out of range "
-                    f"[0, {f.table_rows}) (num_buckets)"
+                    f"{self._where(f, origin, row)}: id {int(ids[i])} is out of range [0, {f.table_rows}) (num_buckets)"
                 )
         return ids
 
@@ -301,6 +316,21 @@ class BatchBuilder:
             return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
         strings = col if pa.types.is_string(col.type) else [str(s) for s in col.to_pylist()]
         return torch.from_numpy(to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS))
+
+
+def _split_int64(col: pa.Array, separator: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, lengths)`` of a separator-joined id column without nulls, split and parsed in one
+    pass by the C++ extension; None where it is not built or the column needs pyarrow's path
+    (whitespace, a malformed value: that path names it)."""
+    kernels = cpu_kernels.ops()
+    if kernels is None:
+        return None
+    _, offsets_buffer, data_buffer = col.buffers()
+    width = np.int64 if pa.types.is_large_string(col.type) else np.int32
+    offsets = np.frombuffer(offsets_buffer, dtype=width, count=col.offset + len(col) + 1)[col.offset :]
+    data = torch.frombuffer(data_buffer, dtype=torch.uint8) if data_buffer else torch.empty(0, dtype=torch.uint8)
+    ids, lengths, ok = kernels.split_parse_int64(data, torch.from_numpy(offsets.astype(np.int64)), separator)
+    return (ids.numpy(), lengths.numpy()) if ok else None
 
 
 def _cast_int64(tokens: pa.Array) -> pa.Array:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from dynarec.config import config_from_dict
 from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader
+from dynarec.data import batch as batch_module
 from dynarec.features import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
 from tests.pipeline_fixtures import config_dict
 
@@ -202,3 +204,36 @@ def test_bad_expressions_are_config_errors(block, message):
     c["feature_configs"].append({"raw_feature": {"feature_name": "x", **block}})
     with pytest.raises(ValueError, match=message):
         config_from_dict(c)
+
+
+def _split_and_cast(col: pa.Array, sep: str) -> tuple[np.ndarray, np.ndarray]:
+    """pyarrow's path: split, an empty field an empty list, cast."""
+    lists = pa.array([[] if s == "" else s.split(sep) for s in col.to_pylist()], pa.list_(pa.string()))
+    ids = pc.cast(lists.flatten(), pa.int64()).to_numpy(zero_copy_only=False)
+    return ids, np.diff(lists.offsets.to_numpy()).astype(np.int64)
+
+
+@pytest.mark.parametrize("sep", ["|", "::"])
+@pytest.mark.parametrize("large", [False, True])
+def test_the_one_pass_id_list_parser_equals_split_and_cast(sep, large):
+    if batch_module._split_int64(pa.array(["1"]), "|") is None:
+        pytest.skip("the C++ extension is not built")
+    rng = np.random.default_rng(0)
+    rows = ["", "007" + sep + "-0", str(2**63 - 1), str(-(2**63)), "5"]
+    for _ in range(300):
+        wide = rng.integers(-(2**63), 2**63 - 1, size=rng.integers(0, 5), dtype=np.int64)
+        small = rng.integers(0, 100, size=rng.integers(0, 5))
+        rows.append(sep.join(str(v) for v in [*wide, *small]))
+    col = pa.array(rows, pa.large_string() if large else pa.string()).slice(2)  # buffers start earlier
+    ids, lengths = batch_module._split_int64(col, sep)
+    want_ids, want_lengths = _split_and_cast(col, sep)
+    assert np.array_equal(ids, want_ids) and np.array_equal(lengths, want_lengths)
+
+
+@pytest.mark.parametrize(
+    "field", [" 5", "5 ", "+5", "1||2", "1|", "|1", "-", "1|x", "9223372036854775808", "-9223372036854775809"]
+)
+def test_the_one_pass_parser_leaves_what_it_does_not_take_to_pyarrow(field):
+    if batch_module._split_int64(pa.array(["1"]), "|") is None:
+        pytest.skip("the C++ extension is not built")
+    assert batch_module._split_int64(pa.array(["1|2", field]), "|") is None

@@ -1,4 +1,5 @@
-"""The CPU extension: C++ kernels for the hash index and the key-seeded initializer.
+"""The CPU extension: C++ kernels for the hash index, the key-seeded initializer, the fused bag
+update and the one-pass parse of separator-joined id lists (batch building).
 
 Built on first use with ``torch.utils.cpp_extension.load`` (g++, ninja) and cached by torch
 under its extensions directory, keyed by the source's hash; ``make setup`` builds it once. Each

@@ -8,6 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -235,7 +238,60 @@ void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor 
   });
 }
 
+// Separator-joined decimal int64 lists -> (values, lengths, ok), in one pass over a string
+// column's bytes (`data`, uint8) and offsets (`offsets`, int64 [n + 1], into data): what
+// dynarec.data.batch does with pyarrow's split_pattern + cast, for the strict common case. An
+// empty string is an empty list. ok = false at the first thing this parser does not take (an
+// empty token, anything but an optional '-' and digits, an int64 overflow): the caller then takes
+// pyarrow's path, which trims whitespace and names a malformed value.
+std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Tensor& data, const torch::Tensor& offsets,
+                                                                const std::string& sep) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kUInt8 && data.is_contiguous(),
+              "data must be contiguous uint8");
+  check_cpu_int64(offsets, "offsets");
+  TORCH_CHECK(!sep.empty(), "the separator is empty");
+  const int64_t n = offsets.numel() - 1;
+  const char* d = reinterpret_cast<const char*>(data.data_ptr<uint8_t>());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  auto lengths = torch::empty({std::max<int64_t>(n, 0)}, offsets.options());
+  int64_t* len = lengths.data_ptr<int64_t>();
+  std::vector<int64_t> values;
+  values.reserve(n > 0 ? static_cast<size_t>(off[n] - off[0]) / 2 + 1 : 0);
+  const auto fail = [&]() { return std::make_tuple(torch::empty({0}, offsets.options()), lengths, false); };
+  constexpr uint64_t kMaxPositive = static_cast<uint64_t>(INT64_MAX);
+  for (int64_t r = 0; r < n; ++r) {
+    const char* p = d + off[r];
+    const char* const end = d + off[r + 1];
+    int64_t count = 0;
+    while (p < end) {
+      const bool negative = *p == '-';
+      if (negative) ++p;
+      const uint64_t limit = negative ? kMaxPositive + 1 : kMaxPositive;
+      const char* const digits = p;
+      uint64_t v = 0;
+      while (p < end && *p >= '0' && *p <= '9') {
+        const uint64_t digit = static_cast<uint64_t>(*p - '0');
+        if (v > (limit - digit) / 10) return fail();
+        v = v * 10 + digit;
+        ++p;
+      }
+      if (p == digits) return fail();
+      values.push_back(negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v));
+      ++count;
+      if (p == end) break;
+      if (static_cast<size_t>(end - p) < sep.size() || std::memcmp(p, sep.data(), sep.size()) != 0) return fail();
+      p += sep.size();
+      if (p == end) return fail();  // a trailing separator: an empty last token
+    }
+    len[r] = count;
+  }
+  auto out = torch::empty({static_cast<int64_t>(values.size())}, offsets.options());
+  std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  return std::make_tuple(out, lengths, true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
   m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");
