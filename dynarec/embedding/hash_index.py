@@ -262,9 +262,16 @@ class BucketedHashIndex:
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
         b1, b2 = candidate_buckets(keys, self.num_buckets)
-        work = _Buckets(self, torch.cat([b1, b2]))
-        todo = order
-        todo = self._claim_free_slots(work, todo, b1, b2, out)
+        kernels = cpu_kernels.ops() if self.device.type == "cpu" and self.bucket_size <= 64 else None
+        if kernels is not None:  # the same rounds in C++; the working copy only if keys are left
+            todo = kernels.claim_free_slots(self.tags, self.bucket_size, b1, b2, order, out)
+            if not todo.numel():
+                return InsertPlan(keys, out, empty, empty, empty)
+            work = _Buckets(self, torch.cat([b1, b2]))
+            work.claim(out[out >= 0])
+        else:
+            work = _Buckets(self, torch.cat([b1, b2]))
+            todo = self._claim_free_slots(work, order, b1, b2, out)
         moved_from, moved_to = empty, empty
         if todo.numel():
             move_pins = pinned_by
@@ -279,7 +286,8 @@ class BucketedHashIndex:
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        """Step 1; returns the keys (indices, in rank order) whose two buckets are full."""
+        """Step 1; returns the keys (indices, in rank order) whose two buckets are full. (On a CPU
+        the extension's ``claim_free_slots`` runs the same rounds; the tests hold them equal.)"""
         while todo.numel():
             f1, f2 = work.free(b1[todo]), work.free(b2[todo])
             live = (f1 > 0) | (f2 > 0)

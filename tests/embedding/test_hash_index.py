@@ -206,3 +206,28 @@ def test_evictions_with_free_slots_elsewhere_are_reported_apart():
     # Some keys were evicted while the table still had a free slot (both their buckets full):
     # counted apart, never more than all evictions.
     assert 0 <= r["evicted_below_full_capacity"] < r["evicted_keys"]
+
+
+@pytest.mark.parametrize("num_buckets, bucket_size, load", [(4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8)])
+def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, bucket_size, load):
+    from dynarec.embedding.hash_index import _Buckets
+    from dynarec.kernels import cpu as cpu_kernels
+
+    kernels = cpu_kernels.ops()
+    if kernels is None:
+        pytest.skip("the C++ extension is not built")
+    index = BucketedHashIndex(num_buckets, bucket_size)
+    gen = torch.Generator().manual_seed(num_buckets + bucket_size)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
+    index.commit(index.plan_insert(resident, allow_evict=False), torch.zeros_like(resident))
+    for seed in range(5):  # more new keys than free slots: rounds, full buckets, keys left over
+        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + seed * 7,), generator=gen)
+        keys = keys[~torch.isin(keys, resident)].unique()
+        order = torch.randperm(keys.numel(), generator=gen)
+        b1, b2 = candidate_buckets(keys, num_buckets)
+        want = torch.full_like(keys, -1)
+        want_left = index._claim_free_slots(_Buckets(index, torch.cat([b1, b2])), order, b1, b2, want)
+        got = torch.full_like(keys, -1)
+        got_left = kernels.claim_free_slots(index.tags, bucket_size, b1, b2, order, got)
+        assert torch.equal(got, want) and torch.equal(got_left, want_left)
+        assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)

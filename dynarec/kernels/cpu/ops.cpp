@@ -11,6 +11,8 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -238,6 +240,70 @@ void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor 
   });
 }
 
+// Step 1 of BucketedHashIndex.plan_insert (_claim_free_slots), the same rounds in one call: each
+// round, every key still to place (`todo`: indices into b1/b2/out, in rank order) takes, from the
+// free counts at the round's start, the emptier of its two buckets (ties: the first); the first
+// `free` keys choosing a bucket get its free lanes in ascending order, the rest try again next
+// round. Writes the slots into `out`; returns the keys whose two buckets are both full, in order.
+torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& b1,
+                               const torch::Tensor& b2, const torch::Tensor& todo, torch::Tensor& out) {
+  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
+  check_cpu_int64(b1, "b1");
+  check_cpu_int64(b2, "b2");
+  check_cpu_int64(todo, "todo");
+  check_cpu_int64(out, "out");
+  TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
+  const uint8_t* tg = tags.data_ptr<uint8_t>();
+  const int64_t* p1 = b1.data_ptr<int64_t>();
+  const int64_t* p2 = b2.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint64_t all = bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1);
+  std::unordered_map<int64_t, uint64_t> taken;  // bucket -> its occupied or claimed lanes
+  const auto taken_of = [&](int64_t bucket) -> uint64_t& {
+    auto it = taken.find(bucket);
+    if (it == taken.end()) {
+      uint64_t mask = 0;
+      for (int64_t lane = 0; lane < bucket_size; ++lane) {
+        if (tg[bucket * bucket_size + lane]) mask |= 1ULL << lane;
+      }
+      it = taken.emplace(bucket, mask).first;
+    }
+    return it->second;
+  };
+  const auto free_in = [&](int64_t bucket) { return bucket_size - __builtin_popcountll(taken_of(bucket)); };
+  std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel()), next;
+  std::vector<std::pair<int64_t, int64_t>> counts;  // per key this round: (free in b1, free in b2)
+  std::unordered_map<int64_t, int64_t> rank;        // keys of this round that chose a bucket so far
+  while (!cur.empty()) {
+    counts.clear();
+    bool live = false;
+    for (const int64_t k : cur) {
+      counts.emplace_back(free_in(p1[k]), free_in(p2[k]));
+      live = live || counts.back().first > 0 || counts.back().second > 0;
+    }
+    if (!live) break;
+    rank.clear();
+    next.clear();
+    for (size_t i = 0; i < cur.size(); ++i) {
+      const int64_t k = cur[i];
+      const auto [f1, f2] = counts[i];
+      const int64_t choice = f2 > f1 ? p2[k] : p1[k];
+      if ((f1 > 0 || f2 > 0) && rank[choice]++ < std::max(f1, f2)) {
+        uint64_t& mask = taken_of(choice);
+        const int lane = __builtin_ctzll(~mask & all);  // the lowest free lane: this round's next
+        mask |= 1ULL << lane;
+        o[k] = choice * bucket_size + lane;
+      } else {
+        next.push_back(k);
+      }
+    }
+    cur.swap(next);
+  }
+  auto left = torch::empty({static_cast<int64_t>(cur.size())}, todo.options());
+  std::copy(cur.begin(), cur.end(), left.data_ptr<int64_t>());
+  return left;
+}
+
 // Separator-joined decimal int64 lists -> (values, lengths, ok), in one pass over a string
 // column's bytes (`data`, uint8) and offsets (`offsets`, int64 [n + 1], into data): what
 // dynarec.data.batch does with pyarrow's split_pattern + cast, for the strict common case. An
@@ -291,6 +357,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("claim_free_slots", &claim_free_slots, "step 1 of an insert plan: free slots in ranked rounds");
   m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
