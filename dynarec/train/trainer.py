@@ -88,6 +88,9 @@ class Trainer:
         follow: Optional[FollowOptions] = None,
     ):
         self.config = config
+        # Once: a checkpoint written every few steps serializes nothing (a Ctrl-C inside pydantic's
+        # serializer would come out as a serialization error, not as KeyboardInterrupt).
+        self.fingerprint = config_fingerprint(config)
         self.follow = follow
         if follow is not None:
             _check_followable(config)
@@ -262,7 +265,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             "dense": self.task.dense.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "fingerprint": config_fingerprint(self.config),
+            "fingerprint": self.fingerprint,
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.followed_files],
@@ -279,7 +282,7 @@ class Trainer:
         return self.checkpoints.save(self.step, self._state() if self.ctx.is_main else {}, tables, ctx=self.ctx)
 
     def _check_compatible(self, state: dict, where: Path, training: bool) -> None:
-        mine = config_fingerprint(self.config)
+        mine = self.fingerprint
         theirs = state.get("fingerprint", {})
         differ = [k for k in mine if theirs.get(k) != mine[k]]
         if differ:
