@@ -67,7 +67,7 @@ sweep)
     ;;
 train)
     # 14 DataLoader workers of the machine's 16 cores: the data pipeline bounds the step (with
-    # 8 workers it gives 2.78x, with 0 1.03x: benchmarks/results/issue12-h200.txt)
+    # 8 workers it gives 2.78x, with 0 1.03x: benchmarks/results/issue12-round2-h200.txt)
     timeout 400 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 5 --steps 20 \
         --json "$out/train-step-h200.json" 2>&1 | tee "$out/train-step-h200.txt"
     ;;

@@ -182,41 +182,36 @@ class BatchBuilder:
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             tokens, lengths = col.flatten(), np.diff(col.offsets.to_numpy()).astype(np.int64)
             if tokens.null_count:
-                i = int(pc.index(tokens.is_null(), True).as_py())
-                row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+                row = _row_of(lengths, int(pc.index(tokens.is_null(), True).as_py()))
                 raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
-        elif (
-            separator is not None
-            and (pa.types.is_string(t) or pa.types.is_large_string(t))
-            and not f.hashed
-            and (parsed := _split_int64(col, separator)) is not None
-        ):
-            ids, lengths = parsed
-            ids = self._checked_range(f, ids, lengths, origin)
-            tokens = None
-        elif separator is not None and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            # One split; an empty field is an empty list (its one empty token dropped).
-            parts = pc.split_pattern(col, separator)
-            per_row = np.diff(parts.offsets.to_numpy()).astype(np.int64)
-            empty = (pc.utf8_length(col).to_numpy(zero_copy_only=False) == 0) & (per_row == 1)
-            lengths = np.where(empty, 0, per_row)
-            tokens = parts.flatten()
-            if empty.any():
-                tokens = tokens.filter(pa.array(np.repeat(~empty, per_row)))
-            bad = pc.equal(pc.utf8_length(tokens), 0)
-            if bad.true_count:
-                row = int(np.searchsorted(np.cumsum(lengths), int(pc.index(bad, True).as_py()), side="right"))
-                raise DataError(
-                    f"{self._where(f, origin, row)}: malformed multi-value field "
-                    f"(empty token between '{separator}' separators)"
-                )
+        elif separator is not None and _is_string(t):
+            parsed = None if f.hashed else _split_int64(col, separator)
+            if parsed is not None:  # the C++ extension's one pass
+                ids, lengths = parsed
+                return _keep_last(f, self._checked_range(f, ids, lengths, origin), lengths)
+            tokens, lengths = self._split(f, col, separator, origin)
         else:
             tokens, lengths = col, np.ones(len(col), dtype=np.int64)
-        if tokens is not None:
-            ids = self._token_ids(f, tokens, lengths, origin)
-        if isinstance(f, SequenceFeatureCfg) and (lengths > f.sequence_length).any():
-            ids, lengths = _keep_last(ids, lengths, f.sequence_length)
-        return ids, lengths
+        return _keep_last(f, self._token_ids(f, tokens, lengths, origin), lengths)
+
+    def _split(self, f: Feature, col: pa.Array, separator: str, origin: RowOrigin) -> tuple[pa.Array, np.ndarray]:
+        """``(tokens, lengths)`` of a separator-joined column, by pyarrow: one split; an empty field
+        is an empty list (its one empty token dropped); DataError naming the row of an empty token."""
+        parts = pc.split_pattern(col, separator)
+        per_row = np.diff(parts.offsets.to_numpy()).astype(np.int64)
+        empty = (pc.utf8_length(col).to_numpy(zero_copy_only=False) == 0) & (per_row == 1)
+        lengths = np.where(empty, 0, per_row)
+        tokens = parts.flatten()
+        if empty.any():
+            tokens = tokens.filter(pa.array(np.repeat(~empty, per_row)))
+        bad = pc.equal(pc.utf8_length(tokens), 0)
+        if bad.true_count:
+            row = _row_of(lengths, int(pc.index(bad, True).as_py()))
+            raise DataError(
+                f"{self._where(f, origin, row)}: malformed multi-value field "
+                f"(empty token between '{separator}' separators)"
+            )
+        return tokens, lengths
 
     def _finite_float64(self, f: Feature, col, origin: RowOrigin, what: str = "") -> np.ndarray:
         """A number per row as float64; DataError naming the row of a missing, NaN or infinite
@@ -235,11 +230,7 @@ class BatchBuilder:
 
     def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
         dynamic = f.dynamicemb is not None
-
-        def row_of(i: int) -> int:  # the batch row of token i
-            return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
-
-        is_string = pa.types.is_string(tokens.type) or pa.types.is_large_string(tokens.type)
+        is_string = _is_string(tokens.type)
         if f.hashed:
             strings = tokens if is_string else [str(x) for x in tokens.to_pylist()]
             return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.table_rows)
@@ -251,7 +242,7 @@ class BatchBuilder:
                 i = next(k for k, s in enumerate(strings) if not _is_int64(s))
                 why = "does not fit int64" if _is_int(strings[i]) else "value_type 'int' expects integer ids"
                 raise DataError(
-                    f"{self._where(f, origin, row_of(i))}: malformed value {strings[i]!r} ({why})"
+                    f"{self._where(f, origin, _row_of(lengths, i))}: malformed value {strings[i]!r} ({why})"
                 ) from None
         elif not pa.types.is_integer(tokens.type):
             raise DataError(
@@ -261,7 +252,7 @@ class BatchBuilder:
         elif tokens.type == pa.uint64() and len(tokens) and pc.max(tokens).as_py() >= 1 << 63:
             i = int(pc.index(pc.greater_equal(tokens, pa.scalar(1 << 63, pa.uint64())), True).as_py())
             raise DataError(
-                f"{self._where(f, origin, row_of(i))}: id {tokens[i].as_py()} does not fit int64 "
+                f"{self._where(f, origin, _row_of(lengths, i))}: id {tokens[i].as_py()} does not fit int64 "
                 "(uint64 ids of 2^63 and more would wrap to negative keys)"
             )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -273,9 +264,9 @@ class BatchBuilder:
             bad = np.nonzero((ids < 0) | (ids >= f.table_rows))[0]
             if bad.size:
                 i = int(bad[0])
-                row = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
                 raise DataError(
-                    f"{self._where(f, origin, row)}: id {int(ids[i])} is out of range [0, {f.table_rows}) (num_buckets)"
+                    f"{self._where(f, origin, _row_of(lengths, i))}: id {int(ids[i])} is out of range "
+                    f"[0, {f.table_rows}) (num_buckets)"
                 )
         return ids
 
@@ -314,8 +305,17 @@ class BatchBuilder:
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if pa.types.is_integer(col.type):
             return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
-        strings = col if pa.types.is_string(col.type) else [str(s) for s in col.to_pylist()]
+        strings = col if _is_string(col.type) else [str(s) for s in col.to_pylist()]
         return torch.from_numpy(to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS))
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _row_of(lengths: np.ndarray, i: int) -> int:
+    """The batch row of token ``i`` of rows of ``lengths`` tokens."""
+    return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
 
 
 def _split_int64(col: pa.Array, separator: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -368,8 +368,12 @@ def _is_int64(s: str) -> bool:
     return _is_int(s) and -(1 << 63) <= int(s.strip()) < (1 << 63)
 
 
-def _keep_last(ids: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keeps the last ``max_len`` ids of each row (histories end with the most recent)."""
+def _keep_last(f: Feature, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence feature keeps the last ``sequence_length`` ids of each row (histories end with
+    the most recent); any other feature's ids pass through."""
+    if not isinstance(f, SequenceFeatureCfg) or not (lengths > f.sequence_length).any():
+        return ids, lengths
+    max_len = f.sequence_length
     ends = np.cumsum(lengths)
     starts = ends - lengths
     row = np.repeat(np.arange(lengths.size), lengths)

@@ -35,6 +35,6 @@ def to_hash_bucket_fast(strings: Union[Iterable[str], pa.Array], num_buckets: in
     if not isinstance(strings, pa.Array):
         strings = pa.array(list(strings), pa.string())
     encoded = pc.dictionary_encode(strings)
-    fp, uniq = farmhash.fingerprint64, encoded.dictionary.to_pylist()
-    hashes = np.fromiter((fp(s) % num_buckets for s in uniq), dtype=np.int64, count=len(uniq))
+    uniq = encoded.dictionary.to_pylist()
+    hashes = np.fromiter((fingerprint64(s) % num_buckets for s in uniq), dtype=np.int64, count=len(uniq))
     return hashes[encoded.indices.to_numpy(zero_copy_only=False)]
