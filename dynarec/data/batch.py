@@ -43,6 +43,16 @@ class Batch:
     groups: Optional[torch.Tensor]
     num_rows: int
 
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
+        return Batch(
+            self.sparse.pin_memory(),
+            {k: v.pin_memory() for k, v in self.dense.items()},
+            self.labels.pin_memory(),
+            None if self.groups is None else self.groups.pin_memory(),
+            self.num_rows,
+        )
+
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
         b = self.num_rows
         keys = self.sparse.keys()

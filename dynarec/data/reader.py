@@ -299,12 +299,14 @@ class ArrowBatchDataset(IterableDataset):
         return self.builder.build(table, RowOrigin(tuple(runs)))
 
 
-def make_loader(dataset: ArrowBatchDataset, num_workers: int) -> DataLoader:
-    """A DataLoader over already-built batches (``batch_size=None``)."""
+def make_loader(dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over already-built batches (``batch_size=None``); ``pin_memory``: batches in
+    page-locked memory (for a CUDA device: their copy then overlaps the GPU's work)."""
     return DataLoader(
         dataset,
         batch_size=None,
         num_workers=num_workers,
+        pin_memory=pin_memory,
         persistent_workers=False,
         multiprocessing_context="fork" if num_workers else None,
     )

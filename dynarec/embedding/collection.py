@@ -13,6 +13,7 @@ from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import unpack
+from dynarec.embedding.streams import input_stage
 from dynarec.embedding.table import EmbeddingTable, FixedTable
 from dynarec.optim.base import OptimizerSpec
 
@@ -104,16 +105,25 @@ class EmbeddingCollection(nn.Module):
         slices = checked_slices(
             kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
         )
-        slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
+        # Stage 1 on the input stream (CUDA): the copy, the packing and the hash finds run beside
+        # the previous step's backward; the host waits only for them (see .streams).
+        on_host = all(s.values.device.type == "cpu" for s in slices.values())
+        with input_stage(self.device, batch_on_host=on_host) as stage:
+            slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
+            packed = {name: table.pack(slices) for name, table in self.tables.items()}
+            found = {name: self.tables[name].find(bags) for name, (bags, _) in packed.items()}
+            stage.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
+            stage.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
+            stage.hand_over(*(f.slots for f in found.values() if f is not None))
         out: dict[str, torch.Tensor] = {}
         begun: list[EmbeddingTable] = []
         try:
-            for table in self.tables.values():
+            for name, table in self.tables.items():
                 if self.training:
                     table.begin_step()
                     begun.append(table)
-                bags, layout = table.pack(slices)
-                out.update(unpack(table.lookup(bags, self.training), layout))
+                bags, layout = packed[name]
+                out.update(unpack(table.lookup(bags, self.training, found[name]), layout))
         except BaseException:
             for table in reversed(begun):  # the step never happened, on any table
                 table.abort_step()

@@ -24,10 +24,10 @@ removes created rows, takes back admission counts and a growth.
 
 Eval mode only finds: nothing is created, evicted, counted or updated.
 
-Host syncs on this plain-torch path, per training lookup (the GPU kernels remove them): whether
-any key is absent (``absent.any()``), the unique absent keys (a data-dependent size), and whether
-every key got a row (``present.all()``); the fused backward's ``unique``. A warm table with no new
-keys pays only the first and the last.
+Host reads per training lookup: whether any key is absent (in :meth:`find`, which a CUDA
+collection runs on its input stream, beside the previous step's backward); when some are, the
+unique absent keys (a data-dependent size), the insert plan's rounds, and whether every key got
+a row. A warm table with no new keys pays only the first.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dynarec.embedding.hash_index import LAYOUT_VERSION, PIN_WRAP, BucketedHashI
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal, Step
-from dynarec.embedding.table import EmbeddingTable, make_row_store
+from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["DynamicTable", "TableFullError"]
@@ -133,17 +133,21 @@ class DynamicTable(EmbeddingTable):
 
     # -- the lookup stage ----------------------------------------------------------------------
 
-    def lookup(self, bags: Bags, train: bool) -> torch.Tensor:
+    def find(self, bags: Bags) -> FoundKeys:
+        slots = self.index.find(bags.ids)
+        return FoundKeys(slots, not bool((slots < 0).any()))
+
+    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
         initializer (in training with admission: the admission initializer), weighted like a row;
         mean pooling still divides by the bag's full length."""
         keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
+        found = found if found is not None else self.find(bags)
         if step is None:
-            slots = self.index.find(keys)
-            all_present = not bool((slots < 0).any())
+            slots, all_present = found.slots, found.all_present
         else:
-            slots, all_present = self._slots_for_training(keys, step)
+            slots, all_present = self._slots_for_training(keys, found, step)
             self._served_step = step.id
         missing_out = None
         if not all_present:
@@ -169,18 +173,19 @@ class DynamicTable(EmbeddingTable):
             self._commit_on_backward(out, step)
         return out if missing_out is None else out + missing_out
 
-    def _slots_for_training(self, keys: torch.Tensor, step: Step) -> tuple[torch.Tensor, bool]:
-        """Slot of every key occurrence, creating rows (admission permitting); -1: no row. And
-        whether every key has a row. A warm table (no new key) reads one number on the host."""
-        slots = self.index.find(keys)  # every occurrence; duplicates are harmless below
-        absent = slots < 0
-        if not bool(absent.any()):
+    def _slots_for_training(self, keys: torch.Tensor, found: FoundKeys, step: Step) -> tuple[torch.Tensor, bool]:
+        """Slot of every key occurrence (``found``: the find's, every occurrence), creating rows
+        (admission permitting); -1: no row. And whether every key has a row. A warm table (no new
+        key) reads nothing more on the host than the find did."""
+        slots = found.slots
+        if found.all_present:
             # Pins matter only to an insert while this step is pending: they are written then.
             pending = {s.id for s in self.steps.pending}
             self._deferred_pins = [(st, t) for st, t in self._deferred_pins if st.id in pending]
             self._deferred_pins.append((step, slots))
             step.on_commit.append(self._score_update(slots, step))
             return slots, True
+        absent = slots < 0
         self._write_pins()
         self.index.pin(slots[~absent], step.id)  # before inserting: this step's rows stay
         uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)

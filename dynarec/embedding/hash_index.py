@@ -175,6 +175,16 @@ class BucketedHashIndex:
         self.pins = torch.full((cap,), -1, dtype=torch.int32, device=self.device)
         self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
+        self._written: Optional[torch.cuda.Event] = None
+        self._wrote()
+
+    def _wrote(self) -> None:
+        """Marks the keys and tags as written by the work queued so far on the current stream:
+        a later :meth:`find`, on any stream, waits for it (a collection runs its finds on its
+        input stream, ahead of the main stream's work: :mod:`.streams`)."""
+        if self.device.type == "cuda":
+            self._written = torch.cuda.Event()
+            self._written.record()
 
     @property
     def capacity(self) -> int:
@@ -198,6 +208,8 @@ class BucketedHashIndex:
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64."""
+        if self._written is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._written)
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         if kernels is not None:
             return kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
@@ -262,16 +274,15 @@ class BucketedHashIndex:
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
         b1, b2 = candidate_buckets(keys, self.num_buckets)
-        kernels = cpu_kernels.ops() if self.device.type == "cpu" and self.bucket_size <= 64 else None
-        if kernels is not None:  # the same rounds in C++; the working copy only if keys are left
-            todo = kernels.claim_free_slots(self.tags, self.bucket_size, b1, b2, order, out)
-            if not todo.numel():
-                return InsertPlan(keys, out, empty, empty, empty)
-            work = _Buckets(self, torch.cat([b1, b2]))
-            work.claim(out[out >= 0])
-        else:
+        todo = self._claim_free_slots_kernel(b1, b2, order, out)
+        if todo is None:
             work = _Buckets(self, torch.cat([b1, b2]))
             todo = self._claim_free_slots(work, order, b1, b2, out)
+        elif not todo.numel():
+            return InsertPlan(keys, out, empty, empty, empty)
+        else:  # the working copy only if keys are left
+            work = _Buckets(self, torch.cat([b1, b2]))
+            work.claim(out[out >= 0])
         moved_from, moved_to = empty, empty
         if todo.numel():
             move_pins = pinned_by
@@ -282,6 +293,20 @@ class BucketedHashIndex:
         if todo.numel() and allow_evict:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
         return InsertPlan(keys, out, evicted, moved_from, moved_to)
+
+    def _claim_free_slots_kernel(
+        self, b1: torch.Tensor, b2: torch.Tensor, order: torch.Tensor, out: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Step 1 by the CPU extension or the GPU kernels (the same rounds as
+        :meth:`_claim_free_slots`; the tests hold them equal), or None where neither serves."""
+        if self.bucket_size > 64:
+            return None
+        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
+        if kernels is not None:
+            return kernels.claim_free_slots(self.tags, self.bucket_size, b1, b2, order, out)
+        if gpu_kernels.available(self.device):
+            return gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, b1, b2, order, out)
+        return None
 
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor
@@ -401,6 +426,7 @@ class BucketedHashIndex:
             s, k, sc, tags, pins = saved
             self.keys[s], self.scores[s], self.tags[s], self.pins[s] = k, sc, tags, pins
             self._size = size
+            self._wrote()
 
         journal.record(undo)
 
@@ -418,6 +444,7 @@ class BucketedHashIndex:
         self.scores[slots] = scores[ok]
         self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
+        self._wrote()
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
@@ -425,6 +452,7 @@ class BucketedHashIndex:
         self._record(journal, slots)
         self.tags[slots] = 0
         self._size -= slots.numel()
+        self._wrote()
 
     def touch(self, slots: torch.Tensor, score: int) -> None:
         """Sets the score of ``slots`` (duplicates allowed)."""
@@ -458,3 +486,4 @@ class BucketedHashIndex:
         self.scores[slots] = scores
         self.tags[slots] = key_tags(keys)
         self._size = int(torch.count_nonzero(self.tags))
+        self._wrote()

@@ -103,6 +103,11 @@ class JaggedBatch:
             self._stats,
         )
 
+    def pin_memory(self) -> JaggedBatch:
+        """A copy in page-locked host memory (its copy to a GPU can overlap the GPU's work)."""
+        w = None if self._weights is None else self._weights.pin_memory()
+        return JaggedBatch(list(self._keys), self._values.pin_memory(), self._lengths.pin_memory(), w, self._stats)
+
     @classmethod
     def from_lists(
         cls,

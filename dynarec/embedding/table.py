@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,7 +28,16 @@ from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.optim.base import OptimizerSpec
 
-__all__ = ["EmbeddingTable", "FixedTable", "check_id_range", "make_row_store"]
+__all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
+
+
+@dataclass
+class FoundKeys:
+    """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row) and
+    whether every key has a row (read on the host: it decides whether the lookup inserts)."""
+
+    slots: torch.Tensor
+    all_present: bool
 
 
 def check_id_range(table: str, feature: str, ids: torch.Tensor, num_rows: int) -> None:
@@ -120,9 +130,16 @@ class EmbeddingTable(ABC):
         """Stage 1: this table's features of a batch -> weighted bags (see :func:`.pack.pack`)."""
         return pack([(f.name, self.config.pooling_of(f), slices[f.name]) for f in self.features])
 
+    def find(self, bags: Bags) -> Optional[FoundKeys]:
+        """Stage 1's end: where the rows of ``bags`` are, when the table must search for them
+        (a dynamic table's hash find); None for a fixed table, whose ids are its rows. Writes
+        nothing; a collection runs it on its input stream (:mod:`.streams`) ahead of the lookup."""
+        return None
+
     @abstractmethod
-    def lookup(self, bags: Bags, train: bool) -> torch.Tensor:
-        """Stage 2: bags -> pooled rows ``[num_bags, D]``.
+    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+        """Stage 2: bags -> pooled rows ``[num_bags, D]``. ``found``: :meth:`find`'s answer for
+        these bags, if already computed (nothing may have written the table since).
 
         In training (after ``begin_step()``), creates rows as the table's kind does and makes the
         output's backward apply the fused optimizer to the touched rows and commit the step.
@@ -218,7 +235,7 @@ class FixedTable(EmbeddingTable):
     def validate(self, feature: str, ids: torch.Tensor) -> None:
         check_id_range(self.name, feature, ids, self.num_embeddings)
 
-    def lookup(self, bags: Bags, train: bool) -> torch.Tensor:
+    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         step = self.steps.current if train else None
         out = self.store.lookup(bags.ids, bags.offsets, bags.weights, train, step=step.t if step else 0)
         if step is not None:

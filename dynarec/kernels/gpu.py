@@ -32,7 +32,7 @@ try:
 except ImportError:  # the CPU machines: the plain-torch path runs
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "available", "bag_update", "find_two_choice", "pooled_forward"]
+__all__ = ["HAVE_TRITON", "available", "bag_update", "claim_free_slots", "find_two_choice", "pooled_forward"]
 
 
 def available(device: torch.device) -> bool:
@@ -50,17 +50,83 @@ if HAVE_TRITON:
         return x ^ (x >> 31)
 
     @triton.jit
-    def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr):
-        """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots), read only where
-        ``need``: the bucket's ``BS`` tag bytes, then the keys only at the lanes whose tag matches
-        (a nonzero tag is an occupied slot)."""
-        slots = bucket[:, None] * BS + tl.arange(0, BS)[None, :]
-        cand = (tl.load(tags_ptr + slots, mask=need[:, None], other=0) == tag[:, None]) & need[:, None]
+    def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
+        """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
+        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
+        at the lanes whose tag matches (a nonzero tag is an occupied slot)."""
+        lanes = tl.arange(0, BSP)
+        slots = bucket[:, None] * BS + lanes[None, :]
+        need2 = need[:, None] & (lanes < BS)[None, :]
+        cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
         hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
         return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
 
     @triton.jit
-    def _find_kernel(keys_ptr, tags_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BLOCK: tl.constexpr):
+    def _free_lanes(tags_ptr, claimed_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
+        """``[BLOCK, BSP]`` mask of each ``bucket``'s free lanes: tag 0 (empty) and not claimed by
+        the insert plan so far (``claimed``: one int64 bit mask per bucket)."""
+        lanes = tl.arange(0, BSP)
+        ok = valid[:, None] & (lanes < BS)[None, :]
+        empty = tl.load(tags_ptr + bucket[:, None] * BS + lanes[None, :], mask=ok, other=1) == 0
+        claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
+        return ok & empty & (((claimed[:, None] >> lanes.to(tl.int64)[None, :]) & 1) == 0)
+
+    @triton.jit
+    def _choose_kernel(
+        tags_ptr, claimed_ptr, b1_ptr, b2_ptr, order_ptr, out_ptr, choice_ptr, m, num_buckets,
+        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per key still without a slot (rank order): the emptier of its buckets at the round's
+        # start (ties: the first), or num_buckets (sorts last) when both are full.
+        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = p < m
+        k = tl.load(order_ptr + p, mask=valid, other=0)
+        todo = valid & (tl.load(out_ptr + k, mask=valid, other=0) < 0)
+        b1 = tl.load(b1_ptr + k, mask=todo, other=0)
+        b2 = tl.load(b2_ptr + k, mask=todo, other=0)
+        f1 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b1, todo, BS, BSP).to(tl.int32), axis=1)
+        f2 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b2, todo, BS, BSP).to(tl.int32), axis=1)
+        choice = tl.where(f2 > f1, b2, b1)
+        choice = tl.where(todo & ((f1 > 0) | (f2 > 0)), choice, num_buckets)
+        tl.store(choice_ptr + p, choice.to(tl.int32), mask=valid)
+
+    @triton.jit
+    def _claim_kernel(
+        tags_ptr, claimed_ptr, sorted_ptr, perm_ptr, first_ptr, order_ptr, out_ptr, lane_ptr, m, num_buckets,
+        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Keys sorted by chosen bucket (stable: rank order within a bucket): the r-th key of a
+        # bucket takes its r-th free lane (ascending) if the bucket has more than r free lanes.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < m
+        c = tl.load(sorted_ptr + i, mask=valid, other=0).to(tl.int64)
+        live = valid & (c < num_buckets)
+        rank = (i - tl.load(first_ptr + i, mask=live, other=0)).to(tl.int32)
+        free = _free_lanes(tags_ptr, claimed_ptr, c, live, BS, BSP)
+        nth = tl.cumsum(free.to(tl.int32), axis=1)
+        pick = free & (nth == (rank + 1)[:, None])
+        placed = live & (tl.max(pick.to(tl.int32), axis=1) > 0)
+        lane = tl.argmax(pick.to(tl.int32), axis=1).to(tl.int64)
+        k = tl.load(order_ptr + tl.load(perm_ptr + i, mask=placed, other=0), mask=placed, other=0)
+        tl.store(out_ptr + k, c * BS + lane, mask=placed)
+        tl.store(lane_ptr + i, tl.where(placed, lane, -1), mask=valid)
+
+    @triton.jit
+    def _mark_claimed_kernel(claimed_ptr, sorted_ptr, lane_ptr, m, BLOCK: tl.constexpr):
+        # After the round's claims: their lanes join the buckets' claimed masks (an integer OR:
+        # the result does not depend on the order the atomics land in).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < m
+        lane = tl.load(lane_ptr + i, mask=valid, other=-1)
+        placed = valid & (lane >= 0)
+        c = tl.load(sorted_ptr + i, mask=placed, other=0).to(tl.int64)
+        tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
+
+    @triton.jit
+    def _find_kernel(
+        keys_ptr, tags_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
         # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
         # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
         # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
@@ -74,8 +140,8 @@ if HAVE_TRITON:
         b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
         tag = (h >> 56).to(tl.uint8)
         tag = tl.where(tag == 0, 1, tag).to(tl.uint8)
-        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS)
-        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS)
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
         tl.store(out_ptr + offs, slot, mask=valid)
 
@@ -249,9 +315,56 @@ def find_two_choice(
     if n:
         block = 128
         _find_kernel[(triton.cdiv(n, block),)](
-            table_keys, tags, query, out, n, num_buckets, BS=bucket_size, BLOCK=block
-        )
+            table_keys, tags, query, out, n, num_buckets, BS=bucket_size, BSP=triton.next_power_of_2(bucket_size),
+            BLOCK=block,
+        )  # fmt: skip
     return out
+
+
+def claim_free_slots(
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    b1: torch.Tensor,
+    b2: torch.Tensor,
+    order: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Step 1 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
+    ``_claim_free_slots`` (and the CPU extension's): each round, every key without a slot
+    (``order``: key indices in rank order) takes, from the free counts at the round's start, the
+    emptier of its two buckets ``b1`` / ``b2`` (ties: the first); the first ``free`` keys
+    choosing a bucket get its free lanes in ascending order. Writes slots into ``out`` (int64,
+    -1 = none yet); returns the keys (indices, rank order) whose two buckets are full.
+
+    A round is a kernel choosing buckets, a stable sort by bucket, a searchsorted for each key's
+    rank in its bucket, a kernel claiming lanes and one OR-ing them into per-bucket masks (no
+    slot is written to the index: a plan writes nothing). Two rounds run before the host reads
+    whether a third is needed; ``bucket_size`` <= 64."""
+    m = order.numel()
+    if m == 0:
+        return order
+    device = tags.device
+    bsp = triton.next_power_of_2(bucket_size)
+    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device)
+    choice = torch.empty(m, dtype=torch.int32, device=device)
+    lane = torch.empty(m, dtype=torch.int64, device=device)
+    block = 128
+    grid = (triton.cdiv(m, block),)
+    consts = dict(BS=bucket_size, BSP=bsp, BLOCK=block)
+    rounds, left = 0, m
+    while True:
+        _choose_kernel[grid](tags, claimed, b1, b2, order, out, choice, m, num_buckets, **consts)
+        rounds += 1
+        if rounds > 2:  # one host read: whether a key can still be placed, and how many are left
+            live, left = torch.stack([(choice < num_buckets).sum(), (out < 0).sum()]).tolist()
+            if not live:
+                break
+        sorted_choice, perm = torch.sort(choice, stable=True)
+        first = torch.searchsorted(sorted_choice, sorted_choice)  # where each key's bucket starts
+        _claim_kernel[grid](tags, claimed, sorted_choice, perm, first, order, out, lane, m, num_buckets, **consts)
+        _mark_claimed_kernel[grid](claimed, sorted_choice, lane, m, BLOCK=block)
+    return order[out[order] < 0] if left else order[:0]
 
 
 def pooled_forward(

@@ -32,6 +32,6 @@ def model_inputs(embeddings, batch, sequence_features: list[str], device: torch.
     ``embeddings`` collection. Training, export and serving all go through here, so exported
     predictions see exactly the inputs eval does."""
     emb = align_sequences(embeddings(batch.sparse), sequence_features)
-    lengths = {k: v.to(device) for k, v in batch.sequence_lengths(sequence_features).items()}
-    dense = {k: v.to(device) for k, v in batch.dense.items()}
+    lengths = {k: v.to(device, non_blocking=True) for k, v in batch.sequence_lengths(sequence_features).items()}
+    dense = {k: v.to(device, non_blocking=True) for k, v in batch.dense.items()}
     return emb, lengths, dense

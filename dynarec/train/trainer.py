@@ -97,6 +97,7 @@ class Trainer:
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
+        self._pin = self.device.type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
         # The dense model's initial weights come from the config's seed, without touching the
         # process's global RNG (nothing else in a training step draws random numbers).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -184,7 +185,7 @@ class Trainer:
                     break
                 consumed.append((n, c))
                 total += c
-            batches = iter(make_loader(dataset, self.config.data.num_workers))
+            batches = iter(make_loader(dataset, self.config.data.num_workers, self._pin))
             for _ in range(steps):
                 batch = self._next_batch(batches)
                 position = DataPosition(0, position.row + self.global_batch_size)
@@ -241,7 +242,7 @@ class Trainer:
             dataset = self._dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            batches = iter(make_loader(dataset, cfg.data.num_workers))
+            batches = iter(make_loader(dataset, cfg.data.num_workers, self._pin))
             for _ in range(dataset.num_steps()):
                 rows = min(self.global_batch_size, dataset.num_rows - position.row)
                 batch = self._next_batch(batches)
@@ -353,7 +354,7 @@ class Trainer:
             self.task.embeddings(None, error=batch)
             raise AssertionError("unreachable: the failed step raises on every rank")
         logits = self.task(batch)
-        labels = batch.labels.to(self.device)
+        labels = batch.labels.to(self.device, non_blocking=True)
         global_rows = global_rows or batch.num_rows
         loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / global_rows
         bad = not bool(torch.isfinite(loss))
@@ -470,7 +471,7 @@ class Trainer:
         dataset = self._dataset(paths, self._eval_batch_size(), with_labels)
         probs, labels, groups = [], [], []
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
-        batches = iter(make_loader(dataset, self.config.data.num_workers))
+        batches = iter(make_loader(dataset, self.config.data.num_workers, self._pin))
         for _ in range(steps):
             batch = next(batches)
             probs.append(torch.sigmoid(self.task(batch)).cpu().numpy())

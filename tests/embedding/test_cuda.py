@@ -43,9 +43,12 @@ def build(kind, spec, device):
     )
 
 
+@pytest.mark.parametrize("batch_on", ["device", "pinned"])
 @pytest.mark.parametrize("kind", list(TABLE))
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
-def test_cuda_matches_cpu(kind, spec):
+def test_cuda_matches_cpu(kind, spec, batch_on):
+    """``pinned``: the batch comes from page-locked host memory (the trainer's), copied and
+    found on the input stream; ``device``: made on the device, so the input stream waits for it."""
     cpu, gpu = build(kind, spec, "cpu"), build(kind, spec, "cuda")
     rng = np.random.default_rng(0)
     for step in range(4 if kind != "dynamic_evicting" else 12):
@@ -55,7 +58,7 @@ def test_cuda_matches_cpu(kind, spec):
         kjt = JaggedBatch.from_lists(feats, weights)
         g = torch.Generator().manual_seed(step)
         out_c = cpu(kjt)
-        out_g = gpu(kjt.to("cuda"))
+        out_g = gpu(kjt.to("cuda") if batch_on == "device" else kjt.pin_memory())
         grads = {k: torch.randn(v.shape, generator=g) for k, v in out_c.items()}
         sum((out_c[k] * grads[k]).sum() for k in out_c).backward()
         sum((out_g[k] * grads[k].cuda()).sum() for k in out_g).backward()
@@ -73,3 +76,46 @@ def test_cuda_matches_cpu(kind, spec):
     if kind == "dynamic_evicting":
         report = gpu.tables["t"].report()
         assert report["capacity"] == 256 and report["evicted_keys"] > 100, report
+
+
+def _dynamic_collection(spec=SGD(lr=0.1)):
+    table = TableConfig(
+        name="t",
+        dim=4,
+        features=["f"],
+        dynamic=DynamicTableOptions(64, bucket_size=8),
+        initializer=Initializer("constant", value=1.0),
+    )
+    return EmbeddingCollection([table], spec, device="cuda")
+
+
+def test_input_stream_find_waits_for_the_index_writes_queued_on_the_main_stream():
+    """An aborted step's undo (removing the key it created) is queued behind a long kernel on the
+    main stream; the next lookup's find, on the input stream, must wait for it and see no key."""
+    coll = _dynamic_collection()
+    batch = JaggedBatch.from_lists({"f": [[7]]}).pin_memory()
+    coll(batch)  # creates key 7 (a training step, never backpropagated)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the main stream
+    coll.abort_step()  # the index writes that remove key 7 queue behind the sleep
+    assert not torch.cuda.current_stream().query(), "the undo must still be queued for this test to mean anything"
+    coll.eval()
+    out = coll(batch)["f"]
+    assert torch.equal(out.cpu(), torch.zeros(1, 4))  # key 7 is gone: the eval initializer (zeros)
+    assert coll.tables["t"].size == 0
+
+
+def test_a_warm_lookup_does_not_wait_for_the_main_stream():
+    """The find's host read waits only for the input stream: with the main stream busy, a
+    training forward of a warm dynamic table returns before the main stream is done."""
+    coll = _dynamic_collection()
+    batch = JaggedBatch.from_lists({"f": [[1, 2], [3]]}).pin_memory()
+    coll(batch)["f"].sum().backward()  # every key now has a row
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    out = coll(batch)["f"]
+    assert not torch.cuda.current_stream().query(), "the forward waited for the main stream"
+    out.sum().backward()
+    expected = torch.full((2, 4), 1.0)
+    expected[0] = 2 * (1.0 - 0.1)  # bag 0 sums rows 1 and 2, each stepped once by SGD
+    expected[1] = 1.0 - 0.1
+    assert torch.equal(out.detach().cpu(), expected)

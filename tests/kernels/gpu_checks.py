@@ -42,6 +42,29 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
 
 
+def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0):
+    """Step 1 of an insert plan: the kernels' rounds give every key the slot the plain-torch
+    rounds give it, and leave the same keys (in rank order), at loads up to full buckets."""
+    from dynarec.embedding.hash_index import _Buckets, candidate_buckets
+
+    gen = torch.Generator().manual_seed(seed)
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
+    resident = resident.to(device)
+    index.commit(index.plan_insert(resident, allow_evict=False), torch.zeros_like(resident))
+    for i in range(3):  # more new keys than free slots: rounds, full buckets, keys left over
+        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + i * 7,), generator=gen).to(device)
+        keys = keys[~torch.isin(keys, resident)].unique()
+        order = torch.randperm(keys.numel(), generator=gen).to(device)
+        b1, b2 = candidate_buckets(keys, num_buckets)
+        want = torch.full_like(keys, -1)
+        want_left = index._claim_free_slots(_Buckets(index, torch.cat([b1, b2])), order, b1, b2, want)
+        got = torch.full_like(keys, -1)
+        got_left = gpu.claim_free_slots(index.tags, num_buckets, bucket_size, b1, b2, order, got)
+        assert torch.equal(got, want) and torch.equal(got_left, want_left)
+        assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
+
+
 def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, max_len + 1, (bags,), generator=g)
@@ -99,6 +122,9 @@ def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_l
 if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_checks
     check_find("cpu", num_buckets=8, bucket_size=16)
     check_find("cpu", num_buckets=3, bucket_size=4)
+    check_find("cpu", num_buckets=5, bucket_size=12)
+    for nb, bs, load in [(4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)]:
+        check_claim_free_slots("cpu", nb, bs, load)
     for weighted in (True, False):
         check_pooled("cpu", weighted=weighted)
         check_pooled("cpu", dim=5, weighted=weighted)

@@ -1,0 +1,73 @@
+"""Where a find-or-insert's time goes: the hash-find benchmark's insert (find a batch of new
+keys, take the absent ones, plan their slots, commit) under the torch profiler, ops sorted by
+device time, and the wall time of each part. Usage:
+
+    python benchmarks/profile_insert.py --device cuda --slots 67108864 --load 0.5
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dynarec.bench.common import synchronizer
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.step import Journal
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--slots", type=int, default=1 << 22)
+    p.add_argument("--load", type=float, default=0.5)
+    p.add_argument("--batch", type=int, default=1 << 20)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--rows-shown", type=int, default=25)
+    a = p.parse_args()
+    sync = synchronizer(a.device)
+    gen = torch.Generator().manual_seed(0)
+    index = BucketedHashIndex(a.slots // 16, 16, a.device)
+    keys = torch.unique(torch.randint(-(2**62), 2**62, (int(a.slots * a.load),), generator=gen)).to(a.device)
+    for chunk in keys.split(1 << 22):
+        index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+    parts: dict[str, list[float]] = {"find + unique": [], "plan": [], "commit": []}
+
+    def insert_once(new: torch.Tensor) -> None:
+        journal = Journal()
+        sync()
+        t0 = time.perf_counter()
+        slots = index.find(new)
+        fresh = torch.unique(new[slots < 0])
+        sync()
+        t1 = time.perf_counter()
+        plan = index.plan_insert(fresh, allow_evict=False)
+        sync()
+        t2 = time.perf_counter()
+        index.commit(plan, torch.zeros_like(fresh), journal)
+        sync()
+        t3 = time.perf_counter()
+        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[name].append(dt * 1e3)
+        journal.undo()
+
+    def new_keys() -> torch.Tensor:
+        return torch.randint(-(2**62), 2**62, (a.batch,), generator=gen).to(a.device)
+
+    insert_once(new_keys())  # warm-up: compiles the kernels
+    for v in parts.values():
+        v.clear()
+    for _ in range(a.runs):
+        insert_once(new_keys())
+    print(f"== find-or-insert of {a.batch:,} new keys into {a.slots:,} slots at load {index.size / index.capacity:.3f}")
+    for name, v in parts.items():
+        print(f"{name:<14} median {sorted(v)[len(v) // 2]:.3f} ms  runs {' '.join(f'{x:.3f}' for x in v)}")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        insert_once(new_keys())
+    key = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=a.rows_shown, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

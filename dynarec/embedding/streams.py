@@ -1,0 +1,72 @@
+"""The input stage of a CUDA collection on a side stream.
+
+A training step's lookup needs its ids on the device, packed into bags, and, for a dynamic
+table, the hash find's answer read on the host (whether any key is new decides whether to
+insert). On the main stream all three would queue behind the previous step's backward, and the
+host read would wait for it: the GPU would then idle while the host launches the next step. On
+the input stream the copy (pinned host memory -> device, on the copy engine), the packing and the
+finds run beside the previous step's backward, and the host waits only for them.
+
+Ordering, the whole contract:
+
+- the input stream waits for nothing of the main stream when the batch comes from the host;
+  a batch already on the device was made by the main stream, so the input stream waits for it;
+- a hash index records an event after every write of its keys (``BucketedHashIndex``), and a
+  find waits for it on whatever stream it runs: it never reads keys an insert is still writing;
+- the main stream waits for the input stream before the lookup, and every tensor the input
+  stage hands over is recorded on the main stream (``record_stream``), so the caching allocator
+  does not give its memory to the input stream's next allocation while the main stream reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+__all__ = ["InputStage", "input_stage"]
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
+
+
+def _input_stream(device: torch.device) -> torch.cuda.Stream:
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _STREAMS:  # high priority: its small kernels go ahead of the backward's blocks
+        _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _STREAMS[device]
+
+
+class InputStage:
+    """What runs inside :func:`input_stage`; :meth:`hand_over` the tensors the main stream uses."""
+
+    def __init__(self, main: Optional[torch.cuda.Stream]):
+        self._main = main
+
+    def hand_over(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Marks ``tensors`` (made in the stage) as used by the main stream; None is skipped."""
+        if self._main is None:
+            return
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(self._main)
+
+
+@contextmanager
+def input_stage(device: torch.device, batch_on_host: bool) -> Iterator[InputStage]:
+    """Runs the block on ``device``'s input stream (CUDA; elsewhere in place) and makes the
+    current stream wait for it at the end. ``batch_on_host``: the block reads no tensor the
+    current stream is still making (else the input stream first waits for the current one)."""
+    if device.type != "cuda":
+        yield InputStage(None)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _input_stream(device)
+    if not batch_on_host:
+        side.wait_stream(main)
+    try:
+        with torch.cuda.stream(side):
+            yield InputStage(main)
+    finally:
+        main.wait_stream(side)
