@@ -1,4 +1,5 @@
-"""The Triton fused update alone, by block length: device time of ``bag_update``
+"""The Triton fused update alone, by kernel (``scan``: a block as one tile summed by a segmented
+scan; ``run``: a block's occurrences read one at a time) and block length: device time of ``bag_update``
 (Adagrad) on Zipf(1.05) ids of a 10M-row table, median of 7 (CUDA events), and the bytes it must
 move (docs/benchmarks.md's backward share: gradient reads, and per unique row its weight and
 state read and written) over that time. Picks ``bag_update``'s default block. Usage:
@@ -16,7 +17,7 @@ from dynarec.optim import Adagrad
 from dynarec.optim.registry import definition
 
 
-def time_update(w: Workload, block: int, reps: int = 7) -> tuple[float, float]:
+def time_update(w: Workload, block: int, kernel: str, reps: int = 7) -> tuple[float, float]:
     """``(median ms, unique fraction)`` of one fused update of a step of ``w``."""
     dev = "cuda"
     batch = w.batches(device="cpu")[0]
@@ -40,6 +41,7 @@ def time_update(w: Workload, block: int, reps: int = 7) -> tuple[float, float]:
             per_sample_weights=None,
             grad_out=grad_out,
             block=block,
+            kernel=kernel,
         )
         end.record()
         torch.cuda.synchronize()
@@ -49,15 +51,16 @@ def time_update(w: Workload, block: int, reps: int = 7) -> tuple[float, float]:
 
 
 def main() -> None:
-    print(f"{'D':>4} {'ids':>9} {'block':>6} {'ms':>8} {'GB/s':>7}")
-    for dim in (32, 128):
+    print(f"{'D':>4} {'ids':>9} {'kernel':>7} {'block':>6} {'ms':>8} {'GB/s':>7}")
+    for dim in (32, 64, 128):
         for bags in (65_536, 262_144):
             w = Workload(num_embeddings=10_000_000, dim=dim, bags=bags, pooling_factor=16, num_batches=1)
-            for block in (8, 16, 32, 64):
-                ms, unique = time_update(w, block)
-                n = w.ids_per_step
-                nbytes = n * 4 * dim + n / w.pooling_factor * 4 * dim + unique * n * 16 * dim
-                print(f"{dim:>4} {n:>9,} {block:>6} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f}", flush=True)
+            for kernel, blocks in (("scan", (16, 32, 64)), ("run", (16, 32, 64, 128, 256))):
+                for block in blocks:
+                    ms, unique = time_update(w, block, kernel)
+                    n = w.ids_per_step
+                    nbytes = n * 4 * dim + n / w.pooling_factor * 4 * dim + unique * n * 16 * dim
+                    print(f"{dim:>4} {n:>9,} {kernel:>7} {block:>6} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ without host syncs:
 - :func:`find_two_choice`: one program per block of keys; a key reads its first bucket's 16 tag
   bytes and only then its second's, and a key only where a tag matches.
 - :func:`pooled_forward`: one program per bag, rows summed in bag order (weighted).
+- :func:`claim_free_slots`: step 1 of an insert plan (free slots in ranked rounds), the
+  plain-torch planner's slots exactly, with one host read instead of several per round.
 - :func:`bag_update`: the ids of a step sorted once (stable) and cut into fixed blocks; a block's
-  runs of equal rows are summed by a segmented scan and their rows updated in one pass, and a
-  run crossing blocks is finished from the blocks' partial sums, in block order. Static grids (no
+  runs of equal rows are summed (one occurrence at a time for wide rows, by a segmented scan of
+  the block as one tile for narrow ones) and their rows updated in one pass, and a run crossing
+  blocks is finished from the blocks' partial sums, in block order. Static grids (no
   ``unique``, no host sync), and no floating-point value is ever accumulated with atomics: the
   result does not depend on timing.
 
@@ -256,6 +259,51 @@ if HAVE_TRITON:
             tl.store(part_last_ptr + b * BLOCK_D + d, tl.sum(tl.where(last[:, None], sums, 0.0), axis=0))
 
     @triton.jit
+    def _update_run_kernel(
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr,
+        part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+    ):  # fmt: skip
+        """One program per block of ``L`` sorted occurrences, read one at a time: each gradient
+        row added to its run's sum in occurrence order, and a run's row updated where the run
+        ends, when it began in the block. A run crossing the block's start leaves its sum in
+        ``part_first``, one crossing its end in ``part_last``, for
+        :func:`_update_crossing_kernel`."""
+        b = tl.program_id(0).to(tl.int64)
+        start = b * L
+        end = tl.minimum(start + L, n)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        before = tl.load(sorted_rows_ptr + start - 1, mask=b > 0, other=-1).to(tl.int64)
+        row = tl.load(sorted_rows_ptr + start).to(tl.int64)
+        first = row == before  # the block's first run began in an earlier block
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        p = start
+        while p < end:
+            i = tl.load(order_ptr + p)
+            g = tl.load(grad_ptr + tl.load(bag_ptr + i) * D + d, mask=dm, other=0.0)
+            if HAS_W:
+                g = g * tl.load(psw_ptr + i)
+            acc += g
+            nxt = tl.load(sorted_rows_ptr + p + 1, mask=p + 1 < n, other=-1).to(tl.int64)
+            if nxt != row:  # the run ends here
+                if first:
+                    tl.store(part_first_ptr + b * BLOCK_D + d, acc)
+                else:
+                    _apply_update(
+                        weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
+                        acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, OPT, WD_MODE,
+                    )  # fmt: skip
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                first = False
+                row = nxt
+            elif p == end - 1:  # the run goes on into the next block
+                tl.store(part_last_ptr + b * BLOCK_D + d, acc)
+                if first:  # the block lies inside one run
+                    tl.store(part_first_ptr + b * BLOCK_D + d, acc)
+            p += 1
+
+    @triton.jit
     def _update_crossing_kernel(
         weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr,
         n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
@@ -292,11 +340,19 @@ def _block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _block_length(block_d: int) -> int:
-    """Occurrences a block of the fused update takes: a tile of about 4096 floats, 8 to 64 rows.
-    benchmarks/tune_update.py on an H200 (a 1M-id Adagrad update, Zipf ids): D = 128 at 8 / 16 /
-    32 / 64 rows: 2.56 / 1.87 / 1.29 / 1.70 ms; D = 32: 0.70 / 0.59 / 0.57 / 0.50 ms."""
-    return max(8, min(64, 4096 // block_d))
+def _update_kernel(block_d: int) -> str:
+    """The fused update's block kernel for a row width: ``run`` (occurrences read one at a time)
+    from 64 floats, ``scan`` (a block as one tile, summed by a segmented scan) below.
+    benchmarks/tune_update.py on an H200, Adagrad on Zipf ids of a 10M-row table (ms, 1M / 4.2M
+    ids a step, each kernel at its best block length): D = 128: run 0.77 / 2.45, scan 1.32 /
+    4.59; D = 32: scan 0.47 / 1.38, run 0.52 / 1.60."""
+    return "run" if block_d >= 64 else "scan"
+
+
+def _block_length(kernel: str, block_d: int) -> int:
+    """Occurrences a block takes: 128 for ``run`` (128 and 256 tie; 64 is 10% slower), for
+    ``scan`` a tile of about 4096 floats, 8 to 64 occurrences."""
+    return 128 if kernel == "run" else max(8, min(64, 4096 // block_d))
 
 
 def _tile_warps(elements: int) -> int:
@@ -399,19 +455,21 @@ def bag_update(
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
     block: Optional[int] = None,
+    kernel: Optional[str] = None,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
     the row, in place.
 
     The occurrences are sorted by row once (stable; int32 keys where the table has under 2^31
-    rows: half the radix passes), then cut into blocks of ``block`` (a power of two; default
-    :func:`_block_length`). A block's
-    program sums its runs of equal rows by a segmented scan and updates each run that starts
-    and ends in it; a run crossing blocks (a hot row: a Zipf head can hold a tenth of a step's
-    ids) is finished by the block where it starts, from the other blocks' partial sums, in block
-    order. Every sum has a fixed order, no floating-point atomics, no host sync; four torch ops
-    and two kernels a step."""
+    rows: half the radix passes), then cut into blocks of ``block`` occurrences (a power of
+    two). A block's program sums its runs of equal rows (``kernel`` ``run``: one occurrence at a
+    time; ``scan``: as one tile, by a segmented scan) and updates each run that starts and ends
+    in it; a run crossing blocks (a hot row: a Zipf head can hold a tenth of a step's ids) is
+    finished by the block where it starts, from the other blocks' partial sums, in block order.
+    ``kernel`` and ``block`` default to :func:`_update_kernel` and :func:`_block_length`. Every
+    sum has a fixed order, no floating-point atomics, no host sync; four torch ops and two
+    kernels a step."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
@@ -422,7 +480,8 @@ def bag_update(
     grad_out = grad_out.contiguous()
     psw = per_sample_weights.contiguous() if per_sample_weights is not None else grad_out
     block_d = _block_d(dim)
-    block = block or _block_length(block_d)
+    kernel = kernel or _update_kernel(block_d)
+    block = block or _block_length(kernel, block_d)
     blocks = triton.cdiv(n, block)
     part_first = torch.empty(blocks, block_d, dtype=torch.float32, device=weight.device)
     part_last = torch.empty_like(part_first)
@@ -441,10 +500,16 @@ def bag_update(
         1.0 - lr * args.weight_decay,
     )
     opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode, BLOCK_D=block_d, L=block)
-    _update_block_kernel[(blocks,)](
-        weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
-        **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block * block_d),
-    )  # fmt: skip
+    if kernel == "run":
+        _update_run_kernel[(blocks,)](
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
+            **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block_d),
+        )  # fmt: skip
+    else:
+        _update_block_kernel[(blocks,)](
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
+            **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block * block_d),
+        )  # fmt: skip
     if blocks > 1:
         _update_crossing_kernel[(blocks - 1,)](
             weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, **opt, P=16,

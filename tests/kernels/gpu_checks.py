@@ -85,11 +85,12 @@ def check_pooled(device, dim=8, weighted=True, max_len=6):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None):
-    """``update`` (default the GPU kernel, its occurrences in blocks of ``block``) against torch
-    aggregation + the native update. ``max_len`` 60 gives rows of ~100 occurrences."""
+def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None, kernel=None):
+    """``update`` (default the GPU kernels, their ``kernel`` (``run`` / ``scan``, default the row
+    width's) in blocks of ``block`` occurrences) against torch aggregation + the native update.
+    ``max_len`` 60 gives rows of ~100 occurrences."""
     if update is None:
-        update = gpu.bag_update if block is None else functools.partial(gpu.bag_update, block=block)
+        update = functools.partial(gpu.bag_update, block=block, kernel=kernel)
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
@@ -130,10 +131,11 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
         check_pooled("cpu", dim=5, weighted=weighted)
         check_pooled("cpu", dim=128, weighted=weighted, max_len=60)
     for spec in SPECS:
-        check_update("cpu", spec)
-        check_update("cpu", spec, dim=5, weighted=False)
-        check_update("cpu", spec, max_len=60, block=4)  # hot rows: ~30 blocks each
-        check_update("cpu", spec, dim=5, weighted=False, max_len=60, block=1)
-        check_update("cpu", spec, dim=128, max_len=20, block=64)
-        check_update("cpu", spec, dim=5, max_len=20, block=2)
+        for kernel in ("scan", "run"):
+            check_update("cpu", spec, kernel=kernel)
+            check_update("cpu", spec, dim=5, weighted=False, kernel=kernel)
+            check_update("cpu", spec, max_len=60, block=4, kernel=kernel)  # hot rows: ~30 blocks each
+            check_update("cpu", spec, dim=5, weighted=False, max_len=60, block=1, kernel=kernel)
+            check_update("cpu", spec, dim=128, max_len=20, block=64, kernel=kernel)
+            check_update("cpu", spec, dim=5, max_len=20, block=2, kernel=kernel)
     print("all GPU kernel checks passed on the interpreter")

@@ -28,23 +28,45 @@ def test_pooled_forward(dim, weighted, max_len):
     gpu_checks.check_pooled("cuda", dim=dim, weighted=weighted, max_len=max_len)
 
 
+KERNELS = ["run", "scan"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
 @pytest.mark.parametrize("dim", [5, 8, 128])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_fused_update(spec, dim, weighted):
-    gpu_checks.check_update("cuda", spec, dim=dim, weighted=weighted)
+def test_fused_update(spec, dim, weighted, kernel):
+    gpu_checks.check_update("cuda", spec, dim=dim, weighted=weighted, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
 @pytest.mark.parametrize("block", [1, 4, 32])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_fused_update_of_rows_across_blocks(spec, block, weighted):
+def test_fused_update_of_rows_across_blocks(spec, block, weighted, kernel):
     """Rows of ~100 occurrences: most runs cross blocks (the partial-sum path)."""
-    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, block=block)
+    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, block=block, kernel=kernel)
 
 
+@pytest.mark.parametrize(
+    "kernel, dim, block",
+    [
+        *[("run", 128, 2), ("run", 128, 256), ("run", 5, 128), ("run", 64, 16)],
+        # the scan kernel holds a block as one tile: [256, 128] floats do not fit its shared memory
+        *[("scan", 128, 2), ("scan", 128, 64), ("scan", 5, 128), ("scan", 64, 16)],
+    ],
+)
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-@pytest.mark.parametrize("dim, block", [(128, 2), (128, 64), (5, 128), (64, 16)])
-def test_fused_update_any_block_length(spec, dim, block):
-    """The block length is a tuning knob: every length gives the reference's result."""
-    gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, block=block)
+def test_fused_update_any_block_length(spec, dim, block, kernel):
+    """The kernel and its block length are tuning knobs: every choice gives the reference's result."""
+    gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, block=block, kernel=kernel)
+
+
+def test_the_update_kernel_follows_the_row_width():
+    assert [gpu_checks.gpu._update_kernel(gpu_checks.gpu._block_d(d)) for d in (8, 32, 33, 64, 128)] == [
+        "scan",
+        "scan",
+        "run",
+        "run",
+        "run",
+    ]
