@@ -10,6 +10,7 @@
 #   train    train-step on one GPU (dynarec vs plain torch)
 #   nccl     two GPUs: the NCCL equality test, train-step weak scaling 1 -> 2 GPUs
 #   demo2    two GPUs: the demo config trained on 2 GPUs (NCCL) and on 1, evaluated
+#   round3   hash-find, fused-step, dynamic-step (twice) and the GPU sweep of this revision
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -81,6 +82,16 @@ nccl)
         timeout 200 torchrun --standalone --nproc-per-node 2 -m dynarec bench train-step --device cuda \
             --batch 16384 --workers 8 --runs 3 --steps 10
     } 2>&1 | tee "$out/train-step-h200x2.txt"
+    ;;
+round3)
+    # issue 12, round 3: the step figures after the input stream and the run kernel, the dynamic
+    # step twice (its fixed baseline is noisy), and the GPU sweep
+    {
+        timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26))
+        timeout 90 "${dyn[@]}" fused-step --device cuda "${shape[@]}" --optimizer adagrad
+        for _ in 1 2; do timeout 110 "${dyn[@]}" dynamic-step --device cuda "${shape[@]}"; done
+    } 2>&1 | tee "$out/steps-h200.txt"
+    timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
     ;;
 demo2)
     {

@@ -91,10 +91,16 @@ def pack(inputs: Sequence[tuple[str, Pooling, FeatureSlice]]) -> tuple[Bags, Bag
         if need_weights:
             weights.append(w if w is not None else torch.ones(s.num_ids, device=s.values.device))
         layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length))
-    all_lengths = torch.cat(lengths)
+    all_lengths = _cat(lengths)
     offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
-    bags = Bags(torch.cat(ids), offsets, torch.cat(weights) if need_weights else None)
+    bags = Bags(_cat(ids), offsets, _cat(weights) if need_weights else None)
     return bags, BagLayout(tuple(layout))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat``, without its copy for a table of one feature (the tensor itself: no stage
+    writes into its inputs)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
