@@ -105,7 +105,7 @@ def bench_train_step(args) -> dict:
     """samples/s of the demo model's training step, dynarec vs plain torch (see module doc)."""
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
     from dynarec.distributed.context import init_distributed
-    from dynarec.train.trainer import Trainer
+    from dynarec.train.trainer import ReadAhead, Trainer
 
     ctx = init_distributed(args.device, timeout_s=600)
     world, batch = ctx.world_size, args.batch
@@ -129,14 +129,18 @@ def bench_train_step(args) -> dict:
     config = _config(tmp / "data", batch, args.workers, world, users, items)
     model_dir = tmp / f"model-rank{ctx.rank}"
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
-    batches = trainer._train_batches()
+    # as Trainer.fit: the next batch is read, and its input stage started, before a backward
+    ahead = ReadAhead(trainer._train_batches(), trainer.task.embeddings)
+    before_backward = None if ctx.distributed else ahead.read
 
     def run_dynarec(steps: int) -> float:
         sync()
         start = time.perf_counter()
         for _ in range(steps):
-            b, trainer.position, rows = next(batches)
-            trainer.train_step(b, rows)
+            item = ahead.next()
+            assert item is not None, "the benchmark data holds a batch for every step"
+            b, trainer.position, rows = item
+            trainer.train_step(b, rows, before_backward=before_backward)
         sync()
         return time.perf_counter() - start
 

@@ -93,6 +93,10 @@ class ShardedEmbeddingCollection(nn.Module):
     def feature_names(self) -> list[str]:
         return list(self._features)
 
+    def prefetch(self, kjt: KeyedJaggedLike) -> None:
+        """Nothing: a sharded lookup's input stage is collective (every rank's ids go to their
+        owners), so it runs inside its own step, in step order on every rank."""
+
     def forward(self, kjt: Optional[KeyedJaggedLike], error: Optional[BaseException] = None) -> dict[str, torch.Tensor]:
         """Looks up every feature of ``kjt`` (see :class:`EmbeddingCollection`). ``error``: this
         rank has no valid batch (its reading failed): it still takes part in every collective,

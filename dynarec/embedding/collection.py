@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,9 +13,9 @@ from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
 from dynarec.embedding.memory import check_fits
-from dynarec.embedding.pack import unpack
-from dynarec.embedding.streams import input_stage
-from dynarec.embedding.table import EmbeddingTable, FixedTable
+from dynarec.embedding.pack import BagLayout, Bags, unpack
+from dynarec.embedding.streams import StagedInput, input_stage
+from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["EmbeddingCollection", "checked_slices"]
@@ -39,6 +40,17 @@ def checked_slices(
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
     return slices
+
+
+@dataclass
+class _Prepared:
+    """A batch's input stage (:meth:`EmbeddingCollection.prefetch`): its packed bags and finds
+    per table, and what the main stream takes before using them."""
+
+    kjt: KeyedJaggedLike
+    packed: dict[str, tuple[Bags, BagLayout]]
+    found: dict[str, Optional[FoundKeys]]
+    staged: StagedInput
 
 
 class EmbeddingCollection(nn.Module):
@@ -67,6 +79,7 @@ class EmbeddingCollection(nn.Module):
     ):
         super().__init__()
         self.device = torch.device(device)
+        self._prefetched: Optional[_Prepared] = None
         self.tables: dict[str, EmbeddingTable] = {}
         self._features: dict[str, tuple[EmbeddingTable, FeatureConfig]] = {}
         specs: dict[str, OptimizerSpec] = {}
@@ -101,20 +114,44 @@ class EmbeddingCollection(nn.Module):
     def table_of(self, feature: str) -> EmbeddingTable:
         return self._features[feature][0]
 
-    def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
+    def prefetch(self, kjt: KeyedJaggedLike) -> None:
+        """Runs the input stage of ``kjt``, the batch of the next forward, now: its checks, its
+        copy to the device, its packing and the dynamic tables' hash finds. On a GPU they run on
+        the input stream beside this step's backward, and the next forward reads the finds'
+        answer without waiting. Call it between a training forward and its backward (the
+        backward writes no key; a lookup that inserts must come before).
+
+        The next forward uses it if it gets the same batch object, unchanged; a table written in
+        between (an aborted step, a load) finds again, and a forward of another batch drops it.
+        A batch the checks refuse is left to its own forward, which raises the error."""
+        self._prefetched = None
+        try:
+            self._prefetched = self._prepare(kjt)
+        except Exception:  # its own forward raises it, at its own step
+            pass
+
+    def _prepare(self, kjt: KeyedJaggedLike) -> _Prepared:
+        """Stage 1, before any table writes: on the input stream (CUDA) the copy, the packing and
+        the hash finds run beside the main stream's work (see :mod:`.streams`)."""
         slices = checked_slices(
             kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
         )
-        # Stage 1 on the input stream (CUDA): the copy, the packing and the hash finds run beside
-        # the previous step's backward; the host waits only for them (see .streams).
         on_host = all(s.values.device.type == "cpu" for s in slices.values())
-        with input_stage(self.device, batch_on_host=on_host) as stage:
+        with input_stage(self.device, batch_on_host=on_host) as staged:
             slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
             packed = {name: table.pack(slices) for name, table in self.tables.items()}
             found = {name: self.tables[name].find(bags) for name, (bags, _) in packed.items()}
-            stage.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
-            stage.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
-            stage.hand_over(*(f.slots for f in found.values() if f is not None))
+            staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
+            staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
+            staged.hand_over(*(f.slots for f in found.values() if f is not None))
+        return _Prepared(kjt, packed, found, staged)
+
+    def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
+        prepared, self._prefetched = self._prefetched, None
+        if prepared is None or prepared.kjt is not kjt:
+            prepared = self._prepare(kjt)
+        prepared.staged.take()
+        packed, found = prepared.packed, prepared.found
         out: dict[str, torch.Tensor] = {}
         begun: list[EmbeddingTable] = []
         try:

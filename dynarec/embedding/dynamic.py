@@ -134,8 +134,7 @@ class DynamicTable(EmbeddingTable):
     # -- the lookup stage ----------------------------------------------------------------------
 
     def find(self, bags: Bags) -> FoundKeys:
-        slots = self.index.find(bags.ids)
-        return FoundKeys(slots, not bool((slots < 0).any()))
+        return FoundKeys(self.index.find(bags.ids), self.index.stamp)
 
     def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
@@ -143,7 +142,8 @@ class DynamicTable(EmbeddingTable):
         mean pooling still divides by the bag's full length."""
         keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
-        found = found if found is not None else self.find(bags)
+        if found is None or found.stamp != self.index.stamp:  # none, or the index was written since
+            found = self.find(bags)
         if step is None:
             slots, all_present = found.slots, found.all_present
         else:

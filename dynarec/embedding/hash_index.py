@@ -22,6 +22,7 @@ The index owns its arrays; callers change them only through its methods (``commi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +38,7 @@ __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "can
 PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
 _LOW32 = (1 << 32) - 1
+_SERIALS = itertools.count()  # of index objects: a stamp never matches another index's
 _NONE = -1
 
 
@@ -176,15 +178,25 @@ class BucketedHashIndex:
         self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
         self._written: Optional[torch.cuda.Event] = None
+        self._serial = next(_SERIALS)
+        self._writes = 0
         self._wrote()
 
     def _wrote(self) -> None:
         """Marks the keys and tags as written by the work queued so far on the current stream:
         a later :meth:`find`, on any stream, waits for it (a collection runs its finds on its
-        input stream, ahead of the main stream's work: :mod:`.streams`)."""
+        input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
+        changes."""
+        self._writes += 1
         if self.device.type == "cuda":
             self._written = torch.cuda.Event()
             self._written.record()
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        """The state of the keys: equal stamps, equal keys in equal slots (a find made at one
+        stamp holds at the other). ``(this index's serial number, its writes so far)``."""
+        return self._serial, self._writes
 
     @property
     def capacity(self) -> int:

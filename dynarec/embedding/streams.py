@@ -13,9 +13,13 @@ Ordering, the whole contract:
   a batch already on the device was made by the main stream, so the input stream waits for it;
 - a hash index records an event after every write of its keys (``BucketedHashIndex``), and a
   find waits for it on whatever stream it runs: it never reads keys an insert is still writing;
-- the main stream waits for the input stream before the lookup, and every tensor the input
-  stage hands over is recorded on the main stream (``record_stream``), so the caching allocator
-  does not give its memory to the input stream's next allocation while the main stream reads it.
+- the main stream waits for the input stream's event before the lookup, and every tensor the
+  input stage hands over is recorded on the main stream (``record_stream``), so the caching
+  allocator does not give its memory to the input stream's next allocation while the main
+  stream reads it.
+
+A stage may run a step ahead (``EmbeddingCollection.prefetch``): the next batch's copy and finds
+then run beside this step's backward, and the next forward reads their answer without waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["InputStage", "input_stage"]
+__all__ = ["StagedInput", "input_stage"]
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
 
@@ -38,35 +42,43 @@ def _input_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-class InputStage:
-    """What runs inside :func:`input_stage`; :meth:`hand_over` the tensors the main stream uses."""
+class StagedInput:
+    """What an input stage made: the tensors it hands over, and (CUDA) the event after its work.
+    :meth:`take` before using them, on the stream that uses them."""
 
-    def __init__(self, main: Optional[torch.cuda.Stream]):
-        self._main = main
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ready: Optional[torch.cuda.Event] = None
+        self._tensors: list[torch.Tensor] = []
 
     def hand_over(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Marks ``tensors`` (made in the stage) as used by the main stream; None is skipped."""
-        if self._main is None:
+        """Adds ``tensors`` (made in the stage) to those :meth:`take` gives; None is skipped."""
+        self._tensors += [t for t in tensors if t is not None and t.is_cuda]
+
+    def take(self) -> None:
+        """Makes the current stream wait for the stage's work and marks the handed-over tensors
+        as used by it (``record_stream``: their memory is not reused before it is done)."""
+        if self.ready is None:
             return
-        for t in tensors:
-            if t is not None and t.is_cuda:
-                t.record_stream(self._main)
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.ready)
+        for t in self._tensors:
+            t.record_stream(stream)
 
 
 @contextmanager
-def input_stage(device: torch.device, batch_on_host: bool) -> Iterator[InputStage]:
-    """Runs the block on ``device``'s input stream (CUDA; elsewhere in place) and makes the
-    current stream wait for it at the end. ``batch_on_host``: the block reads no tensor the
-    current stream is still making (else the input stream first waits for the current one)."""
+def input_stage(device: torch.device, batch_on_host: bool) -> Iterator[StagedInput]:
+    """Runs the block on ``device``'s input stream (CUDA; elsewhere in place); the consumer then
+    calls :meth:`StagedInput.take`, possibly a step later. ``batch_on_host``: the block reads no
+    tensor the current stream is still making (else the input stream first waits for it)."""
+    staged = StagedInput(device)
     if device.type != "cuda":
-        yield InputStage(None)
+        yield staged
         return
-    main = torch.cuda.current_stream(device)
     side = _input_stream(device)
     if not batch_on_host:
-        side.wait_stream(main)
-    try:
-        with torch.cuda.stream(side):
-            yield InputStage(main)
-    finally:
-        main.wait_stream(side)
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield staged
+        staged.ready = torch.cuda.Event()
+        staged.ready.record()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,13 +30,34 @@ from dynarec.optim.base import OptimizerSpec
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
 
 
-@dataclass
 class FoundKeys:
-    """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row) and
-    whether every key has a row (read on the host: it decides whether the lookup inserts)."""
+    """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row), found
+    in the index state ``stamp`` (the lookup finds again if the index was written since), and
+    :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned
+    memory behind the find, so a find made ahead is read without waiting)."""
 
-    slots: torch.Tensor
-    all_present: bool
+    def __init__(self, slots: torch.Tensor, stamp: object):
+        self.slots = slots
+        self.stamp = stamp
+        absent = (slots < 0).any()
+        self._ready: Optional[torch.cuda.Event] = None
+        if absent.is_cuda:
+            self._absent = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._absent.copy_(absent, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._absent = absent
+        self._all_present: Optional[bool] = None
+
+    @property
+    def all_present(self) -> bool:
+        """Whether every key has a row (the one host read of a warm table's lookup)."""
+        if self._all_present is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._all_present = not bool(self._absent)
+        return self._all_present
 
 
 def check_id_range(table: str, feature: str, ids: torch.Tensor, num_rows: int) -> None:
@@ -133,13 +153,14 @@ class EmbeddingTable(ABC):
     def find(self, bags: Bags) -> Optional[FoundKeys]:
         """Stage 1's end: where the rows of ``bags`` are, when the table must search for them
         (a dynamic table's hash find); None for a fixed table, whose ids are its rows. Writes
-        nothing; a collection runs it on its input stream (:mod:`.streams`) ahead of the lookup."""
+        nothing and reads nothing on the host; a collection runs it on its input stream
+        (:mod:`.streams`) ahead of the lookup, possibly a step ahead (``prefetch``)."""
         return None
 
     @abstractmethod
     def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         """Stage 2: bags -> pooled rows ``[num_bags, D]``. ``found``: :meth:`find`'s answer for
-        these bags, if already computed (nothing may have written the table since).
+        these bags, if already computed (found again if the table was written since).
 
         In training (after ``begin_step()``), creates rows as the table's kind does and makes the
         output's backward apply the fused optimizer to the touched rows and commit the step.

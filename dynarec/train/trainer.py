@@ -23,7 +23,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -337,7 +337,12 @@ class Trainer:
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
             g["lr"] = train.dense_lr_schedule.learning_rate(self.step, base)
 
-    def train_step(self, batch: Union[Batch, DataError], global_rows: Optional[int] = None) -> Optional[torch.Tensor]:
+    def train_step(
+        self,
+        batch: Union[Batch, DataError],
+        global_rows: Optional[int] = None,
+        before_backward: Optional[Callable[[], None]] = None,
+    ) -> Optional[torch.Tensor]:
         """One step; returns the loss (on the device: reading it is the caller's choice), or None
         when the batch was skipped (its loss was not finite, under nan_policy 'skip_batch').
 
@@ -346,7 +351,8 @@ class Trainer:
         that is NaN or infinite (on any rank) writes nothing: the forward is undone on every
         table (rows it created, evictions, admission counts) before any update. This check is the
         step's one host sync by design: every rank must agree on a step's outcome before it
-        commits."""
+        commits. ``before_backward`` runs once the loss is known to be finite (the training loop
+        reads the next batch there and starts its input stage)."""
         if not self.task.training:  # (train() walks every module: a cost per step when repeated)
             self.task.train()
         self._set_learning_rates()
@@ -374,6 +380,8 @@ class Trainer:
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
+        if before_backward is not None:
+            before_backward()
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the fused sparse optimizer updates the touched rows here
         self.dense_optimizer.step()
@@ -421,11 +429,16 @@ class Trainer:
         start_step = self.step
         evaluated_at = saved_at = None
         item = first
+        ahead = ReadAhead(batches, self.task.embeddings)
+        # Not in a multi-process run (its input stage is collective), nor when following a
+        # directory (reading ahead would hold a step's backward until the next file arrives).
+        read_ahead = not self.ctx.distributed and self.follow is None
         while item is not None:
             batch, self.position, rows = item
-            loss = self.train_step(batch, rows)
+            last = cfg.train.num_steps is not None and self.step + 1 >= cfg.train.num_steps
+            loss = self.train_step(batch, rows, before_backward=ahead.read if read_ahead and not last else None)
             if loss is None:  # skipped (nan_policy 'skip_batch')
-                item = next(batches, None) if self._more_steps() else None
+                item = ahead.next() if self._more_steps() else None
                 continue
             record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
             self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
@@ -436,7 +449,7 @@ class Trainer:
                 self.save()
                 saved_at = self.step
                 self.log.line(self.step, "checkpoint saved")
-            item = next(batches, None) if self._more_steps() else None
+            item = ahead.next() if self._more_steps() else None
         seconds = self.log.seconds
         if saved_at != self.step:
             self.save()
@@ -503,3 +516,35 @@ class Trainer:
             elif m == "grouped_auc" and groups is not None:
                 metrics["grouped_auc"] = grouped_auc(probs, labels, groups)
         return metrics
+
+
+class ReadAhead:
+    """The training loop's next batch, read while a step's backward is still to run (so that the
+    embeddings' input stage of the next batch, its copy to the GPU and its hash finds, overlaps
+    that backward: ``prefetch``). An error reading it is raised where the loop asks for the
+    batch, after the step: the step it interrupts is not the one it belongs to."""
+
+    def __init__(self, batches: Iterator[tuple[Union[Batch, DataError], DataPosition, int]], embeddings):
+        self._batches = batches
+        self._embeddings = embeddings
+        self._read: Optional[tuple[str, Any]] = None
+
+    def read(self) -> None:
+        try:
+            item = next(self._batches, None)
+        except Exception as e:  # raised by next(), after this step
+            self._read = ("error", e)
+            return
+        self._read = ("item", item)
+        if item is not None and isinstance(item[0], Batch):
+            self._embeddings.prefetch(item[0].sparse)
+
+    def next(self) -> Optional[tuple[Union[Batch, DataError], DataPosition, int]]:
+        """The batch read ahead, else the next one."""
+        read, self._read = self._read, None
+        if read is None:
+            return next(self._batches, None)
+        kind, value = read
+        if kind == "error":
+            raise value
+        return value

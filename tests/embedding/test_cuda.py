@@ -119,3 +119,18 @@ def test_a_warm_lookup_does_not_wait_for_the_main_stream():
     expected[0] = 2 * (1.0 - 0.1)  # bag 0 sums rows 1 and 2, each stepped once by SGD
     expected[1] = 1.0 - 0.1
     assert torch.equal(out.detach().cpu(), expected)
+
+
+def test_a_prefetched_lookup_reads_its_answer_without_waiting():
+    """With the main stream busy, prefetch and the forward that takes it both return at once:
+    the find's answer was copied to pinned memory behind the find, on the input stream."""
+    coll = _dynamic_collection()
+    batch = JaggedBatch.from_lists({"f": [[1, 2], [3]]}).pin_memory()
+    coll(batch)["f"].sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    coll.prefetch(batch)
+    out = coll(batch)["f"]
+    assert not torch.cuda.current_stream().query(), "prefetch or the forward waited for the main stream"
+    out.sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), torch.tensor([[1.8] * 4, [0.9] * 4]))

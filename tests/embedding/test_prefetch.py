@@ -1,0 +1,107 @@
+"""EmbeddingCollection.prefetch: the next batch's input stage run ahead (on a GPU, on the input
+stream beside the step's backward) changes nothing a training run computes, and a prefetched
+find that the table outgrew is redone."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec.optim import Adagrad
+from tests.reference_model import zipf_batch
+
+
+def collection(device):
+    features = ["user", FeatureConfig("hist", pooling="none")]
+    tables = [
+        # 300 keys through 64 slots: grows, then evicts every step
+        TableConfig(
+            name="dyn", dim=4, features=features, dynamic=DynamicTableOptions(64, init_capacity=16, bucket_size=4)
+        ),
+        TableConfig(name="fix", dim=4, num_embeddings=50, features=["item"], initializer=Initializer("uniform", 0.3)),
+    ]
+    return EmbeddingCollection(tables, Adagrad(lr=0.1, initial_accumulator_value=0.1), device=device)
+
+
+def batches(device, n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        feats = {"user": zipf_batch(rng, 6, 3, 300, a=1.1), "hist": zipf_batch(rng, 6, 4, 300, a=1.1)}
+        feats["item"] = zipf_batch(rng, 6, 3, 50)
+        kjt = JaggedBatch.from_lists(feats)
+        out.append(kjt.pin_memory() if device == "cuda" else kjt)
+    return out
+
+
+def loss_of(out):
+    return sum((v * (1 + torch.arange(v.numel(), device=v.device).view(v.shape) % 3)).sum() for v in out.values())
+
+
+def assert_same_tables(a, b):
+    for name in a.tables:
+        da, db = a.tables[name].dump(), b.tables[name].dump()
+        assert da.keys() == db.keys()
+        for field in da:
+            assert torch.equal(da[field], db[field]), (name, field)
+
+
+def test_a_prefetched_run_equals_one_without(device):
+    plain, ahead = collection(device), collection(device)
+    data = batches(device)
+    table, finds = ahead.tables["dyn"], []
+    find = table.find
+    table.find = lambda bags: finds.append(1) or find(bags)  # counts the finds of `ahead`
+    for i, kjt in enumerate(data):
+        out_plain = plain(kjt)
+        loss_of(out_plain).backward()
+        out_ahead = ahead(kjt)
+        if i + 1 < len(data):
+            ahead.prefetch(data[i + 1])  # between the forward and its backward, as the trainer does
+        loss_of(out_ahead).backward()
+        for k in out_plain:
+            assert torch.equal(out_plain[k], out_ahead[k]), (i, k)
+    assert ahead.tables["dyn"].report()["evicted_keys"] > 0  # the finds ran ahead of evictions
+    assert len(finds) == len(data)  # every prefetched find was used, none redone
+    assert_same_tables(plain, ahead)
+
+
+def test_a_prefetched_find_is_redone_when_the_table_was_written_since(device):
+    coll = collection(device)
+    coll.eval()
+    kjt = JaggedBatch.from_lists({"user": [[5]], "hist": [[]], "item": [[1]]})
+    kjt = kjt.pin_memory() if device == "cuda" else kjt
+    coll.prefetch(kjt)  # key 5 has no row yet
+    coll.write_rows("dyn", torch.tensor([5]), {"weight": torch.full((1, 4), 3.0)})
+    out = coll(kjt)
+    assert torch.equal(out["user"].cpu(), torch.full((1, 4), 3.0))  # the written row, not the eval zeros
+
+
+def test_a_prefetched_find_is_redone_after_an_aborted_step(device):
+    plain, ahead = collection(device), collection(device)
+    first, second = batches(device, n=2, seed=1)
+    for coll in (plain, ahead):
+        coll(first)  # creates rows...
+        if coll is ahead:
+            coll.prefetch(second)  # ...that this find sees
+        coll.abort_step()  # ...and the abort takes back
+        loss_of(coll(second)).backward()
+    assert_same_tables(plain, ahead)
+
+
+def test_a_forward_of_another_batch_drops_the_prefetch(device):
+    plain, ahead = collection(device), collection(device)
+    a, b = batches(device, n=2, seed=2)
+    ahead.prefetch(a)
+    for kjt in (b, a):
+        loss_of(plain(kjt)).backward()
+        loss_of(ahead(kjt)).backward()
+    assert_same_tables(plain, ahead)
+
+
+def test_a_prefetched_bad_batch_raises_at_its_own_forward(device):
+    coll = collection(device)
+    bad = JaggedBatch.from_lists({"user": [[1]], "hist": [[2]], "item": [[50]]})  # item has rows 0..49
+    coll.prefetch(bad)  # nothing raised here: the step being run is not the bad batch's
+    with pytest.raises(ValueError, match="table 'fix', feature 'item': id 50 is out of range"):
+        coll(bad)
