@@ -28,8 +28,8 @@ case $stage in
 tests)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
-        2>&1 | tee "$out/tests-h200.txt"
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
+        tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tee "$out/tests-h200.txt"
     {
         timeout 120 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26))
     } 2>&1 | tee "$out/hash-find-h200.txt"

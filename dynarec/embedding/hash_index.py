@@ -427,15 +427,21 @@ class BucketedHashIndex:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _record(self, journal: Optional[Journal], slots: torch.Tensor) -> None:
-        """Records how to restore ``slots`` (keys, scores, tags, pins) and the size as now."""
+    def _record(
+        self, journal: Optional[Journal], slots: torch.Tensor, saved: Optional[tuple[torch.Tensor, ...]] = None
+    ) -> None:
+        """Records how to restore ``slots`` (keys, scores, tags, pins; a -1 slot is none) and the
+        size as now; ``saved``: those four at ``slots`` when already read (a kernel did)."""
         if journal is None:
             return
-        saved = (slots.clone(), self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots])
-        size = self._size
+        if saved is None:
+            saved = (self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots])
+        slots, size = slots.clone(), self._size
 
         def undo() -> None:
-            s, k, sc, tags, pins = saved
+            ok = slots >= 0
+            s = slots[ok]
+            k, sc, tags, pins = (t[ok] for t in saved)
             self.keys[s], self.scores[s], self.tags[s], self.pins[s] = k, sc, tags, pins
             self._size = size
             self._wrote()
@@ -445,6 +451,15 @@ class BucketedHashIndex:
     def commit(self, plan: InsertPlan, scores: torch.Tensor, journal: Optional[Journal] = None) -> torch.Tensor:
         """Writes a plan: moves residents, then places its keys with their ``scores``; returns
         the evicted keys."""
+        if gpu_kernels.available(self.device) and not (plan.evicted_slots.numel() or plan.moved_from.numel()):
+            # Only new keys into free slots: one kernel places them (and reads what the journal keeps).
+            saved = gpu_kernels.place_keys(
+                self.keys, self.scores, self.tags, self.pins, plan.slots, plan.keys, scores, save=journal is not None
+            )
+            self._record(journal, plan.slots, saved)
+            self._size += int((plan.slots >= 0).sum())
+            self._wrote()
+            return plan.evicted_slots.clone()
         ok = plan.slots >= 0
         slots = plan.slots[ok]
         self._record(journal, torch.cat([slots, plan.moved_to]))

@@ -9,7 +9,8 @@ without host syncs:
   bytes and only then its second's, and a key only where a tag matches.
 - :func:`pooled_forward`: one program per bag, rows summed in bag order (weighted).
 - :func:`claim_free_slots`: step 1 of an insert plan (free slots in ranked rounds), the
-  plain-torch planner's slots exactly, with one host read instead of several per round.
+  plain-torch planner's slots exactly, with one host read instead of several per round;
+  :func:`place_keys`: a plan of new keys into free slots committed in one kernel.
 - :func:`bag_update`: the ids of a step sorted once (stable) and cut into fixed blocks; a block's
   runs of equal rows are summed (one occurrence at a time for wide rows, by a segmented scan of
   the block as one tile for narrow ones) and their rows updated in one pass, and a run crossing
@@ -35,7 +36,15 @@ try:
 except ImportError:  # the CPU machines: the plain-torch path runs
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "available", "bag_update", "claim_free_slots", "find_two_choice", "pooled_forward"]
+__all__ = [
+    "HAVE_TRITON",
+    "available",
+    "bag_update",
+    "claim_free_slots",
+    "find_two_choice",
+    "place_keys",
+    "pooled_forward",
+]
 
 
 def available(device: torch.device) -> bool:
@@ -124,6 +133,28 @@ if HAVE_TRITON:
         placed = valid & (lane >= 0)
         c = tl.load(sorted_ptr + i, mask=placed, other=0).to(tl.int64)
         tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
+
+    @triton.jit
+    def _place_kernel(
+        keys_ptr, scores_ptr, tags_ptr, pins_ptr, slots_ptr, new_keys_ptr, new_scores_ptr,
+        old_keys_ptr, old_scores_ptr, old_tags_ptr, old_pins_ptr, n, SAVE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Key i goes to slots[i] (-1: none) with its score and tag; SAVE: first read what the slot
+        # held (the journal's undo). Slots are distinct: no two programs write one.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < n
+        s = tl.load(slots_ptr + i, mask=valid, other=-1)
+        ok = valid & (s >= 0)
+        if SAVE:
+            tl.store(old_keys_ptr + i, tl.load(keys_ptr + s, mask=ok, other=0), mask=valid)
+            tl.store(old_scores_ptr + i, tl.load(scores_ptr + s, mask=ok, other=0), mask=valid)
+            tl.store(old_tags_ptr + i, tl.load(tags_ptr + s, mask=ok, other=0), mask=valid)
+            tl.store(old_pins_ptr + i, tl.load(pins_ptr + s, mask=ok, other=0), mask=valid)
+        k = tl.load(new_keys_ptr + i, mask=ok, other=0)
+        tag = (_mix64(k.to(tl.uint64)) >> 56).to(tl.uint8)
+        tl.store(keys_ptr + s, k, mask=ok)
+        tl.store(scores_ptr + s, tl.load(new_scores_ptr + i, mask=ok, other=0), mask=ok)
+        tl.store(tags_ptr + s, tl.where(tag == 0, 1, tag).to(tl.uint8), mask=ok)
 
     @triton.jit
     def _find_kernel(
@@ -375,6 +406,30 @@ def find_two_choice(
             BLOCK=block,
         )  # fmt: skip
     return out
+
+
+def place_keys(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    tags: torch.Tensor,
+    pins: torch.Tensor,
+    slots: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_scores: torch.Tensor,
+    save: bool,
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Writes ``new_keys[i]`` with ``new_scores[i]`` and its tag into slot ``slots[i]`` (distinct;
+    -1: not placed) of a hash index's arrays, in one kernel; ``save``: returns what each slot
+    held before (keys, scores, tags, pins at ``slots``; unspecified where the slot is -1)."""
+    n = slots.numel()
+    old = (torch.empty_like(new_keys), torch.empty_like(scores[:n]), tags.new_empty(n), pins.new_empty(n))
+    if n:
+        block = 256
+        _place_kernel[(triton.cdiv(n, block),)](
+            keys, scores, tags, pins, slots.contiguous(), new_keys.contiguous(), new_scores.contiguous(), *old, n,
+            SAVE=save, BLOCK=block,
+        )  # fmt: skip
+    return old if save else None
 
 
 def claim_free_slots(

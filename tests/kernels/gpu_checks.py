@@ -65,6 +65,55 @@ def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, see
         assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
 
 
+def check_place_keys(device, seed=0):
+    """The one-kernel commit of new keys into free slots (CUDA's) writes what the plain-torch
+    commit writes and reads what the slots held (a -1 slot: nothing); through ``commit`` with a
+    journal (the kernel on CUDA), the undo restores the index exactly."""
+    from dynarec.embedding.hash_index import key_tags
+    from dynarec.embedding.step import Journal
+
+    gen = torch.Generator().manual_seed(seed)
+    index = BucketedHashIndex(64, 16, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (400,), generator=gen)).to(device)
+    index.commit(index.plan_insert(resident, allow_evict=False), torch.zeros_like(resident))
+    new = torch.randint(-(2**62), 2**62, (150,), generator=gen).to(device)
+    new = new[~torch.isin(new, resident)].unique()
+    scores = torch.randint(0, 1000, new.shape, generator=gen).to(device)
+    plan = index.plan_insert(new, allow_evict=False)
+    assert bool((plan.slots >= 0).all()) and not plan.moved_from.numel()  # free slots only: the kernel's case
+    names = ("keys", "scores", "tags", "pins")
+    before = {k: getattr(index, k).clone() for k in names}
+
+    def expected(slots):
+        ok = slots >= 0
+        out = {k: v.clone() for k, v in before.items()}
+        out["keys"][slots[ok]], out["scores"][slots[ok]], out["tags"][slots[ok]] = (
+            new[ok],
+            scores[ok],
+            key_tags(new[ok]),
+        )
+        return out
+
+    slots = plan.slots.clone()
+    slots[::7] = -1  # keys left without a slot
+    arrays = {k: v.clone() for k, v in before.items()}
+    saved = gpu.place_keys(*arrays.values(), slots, new, scores, save=True)
+    ok = slots >= 0
+    for k, want in expected(slots).items():
+        assert torch.equal(arrays[k], want), k
+    for k, old in zip(names, saved):
+        assert torch.equal(old[ok], before[k][slots[ok]]), k
+    journal, size = Journal(), index.size
+    index.commit(plan, scores, journal)
+    assert index.size == size + new.numel()
+    for k, want in expected(plan.slots).items():
+        assert torch.equal(getattr(index, k), want), k
+    journal.undo()
+    assert index.size == size
+    for k in names:
+        assert torch.equal(getattr(index, k), before[k]), k
+
+
 def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, max_len + 1, (bags,), generator=g)
@@ -126,6 +175,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     check_find("cpu", num_buckets=5, bucket_size=12)
     for nb, bs, load in [(4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)]:
         check_claim_free_slots("cpu", nb, bs, load)
+    check_place_keys("cpu")
     for weighted in (True, False):
         check_pooled("cpu", weighted=weighted)
         check_pooled("cpu", dim=5, weighted=weighted)

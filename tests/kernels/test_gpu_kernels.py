@@ -28,6 +28,11 @@ def test_pooled_forward(dim, weighted, max_len):
     gpu_checks.check_pooled("cuda", dim=dim, weighted=weighted, max_len=max_len)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_place_keys(seed):
+    gpu_checks.check_place_keys("cuda", seed)
+
+
 KERNELS = ["run", "scan"]
 
 
