@@ -428,10 +428,15 @@ class BucketedHashIndex:
     # -- writes ------------------------------------------------------------------------------
 
     def _record(
-        self, journal: Optional[Journal], slots: torch.Tensor, saved: Optional[tuple[torch.Tensor, ...]] = None
+        self,
+        journal: Optional[Journal],
+        slots: torch.Tensor,
+        saved: Optional[tuple[torch.Tensor, ...]] = None,
+        some_none: bool = False,
     ) -> None:
-        """Records how to restore ``slots`` (keys, scores, tags, pins; a -1 slot is none) and the
-        size as now; ``saved``: those four at ``slots`` when already read (a kernel did)."""
+        """Records how to restore ``slots`` (keys, scores, tags, pins) and the size as now;
+        ``saved``: those four at ``slots`` when already read (a kernel did); ``some_none``: some
+        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
         if journal is None:
             return
         if saved is None:
@@ -439,9 +444,10 @@ class BucketedHashIndex:
         slots, size = slots.clone(), self._size
 
         def undo() -> None:
-            ok = slots >= 0
-            s = slots[ok]
-            k, sc, tags, pins = (t[ok] for t in saved)
+            s, (k, sc, tags, pins) = slots, saved
+            if some_none:
+                ok = s >= 0
+                s, k, sc, tags, pins = s[ok], k[ok], sc[ok], tags[ok], pins[ok]
             self.keys[s], self.scores[s], self.tags[s], self.pins[s] = k, sc, tags, pins
             self._size = size
             self._wrote()
@@ -456,8 +462,9 @@ class BucketedHashIndex:
             saved = gpu_kernels.place_keys(
                 self.keys, self.scores, self.tags, self.pins, plan.slots, plan.keys, scores, save=journal is not None
             )
-            self._record(journal, plan.slots, saved)
-            self._size += int((plan.slots >= 0).sum())
+            placed = int((plan.slots >= 0).sum())
+            self._record(journal, plan.slots, saved, some_none=placed < plan.slots.numel())
+            self._size += placed
             self._wrote()
             return plan.evicted_slots.clone()
         ok = plan.slots >= 0

@@ -69,7 +69,7 @@ def check_place_keys(device, seed=0):
     """The one-kernel commit of new keys into free slots (CUDA's) writes what the plain-torch
     commit writes and reads what the slots held (a -1 slot: nothing); through ``commit`` with a
     journal (the kernel on CUDA), the undo restores the index exactly."""
-    from dynarec.embedding.hash_index import key_tags
+    from dynarec.embedding.hash_index import InsertPlan, key_tags
     from dynarec.embedding.step import Journal
 
     gen = torch.Generator().manual_seed(seed)
@@ -110,6 +110,16 @@ def check_place_keys(device, seed=0):
         assert torch.equal(getattr(index, k), want), k
     journal.undo()
     assert index.size == size
+    for k in names:
+        assert torch.equal(getattr(index, k), before[k]), k
+    # a plan that leaves keys without a slot (-1), through commit and undo
+    empty = plan.evicted_slots
+    journal = Journal()
+    index.commit(InsertPlan(new, slots, empty, empty, empty), scores, journal)
+    assert index.size == size + int(ok.sum())
+    for k, want in expected(slots).items():
+        assert torch.equal(getattr(index, k), want), k
+    journal.undo()
     for k in names:
         assert torch.equal(getattr(index, k), before[k]), k
 
