@@ -190,7 +190,7 @@ class BucketedHashIndex:
         self._writes += 1
         if self.device.type == "cuda":
             self._written = torch.cuda.Event()
-            self._written.record()
+            self._written.record(torch.cuda.current_stream(self.device))
 
     @property
     def stamp(self) -> tuple[int, int]:

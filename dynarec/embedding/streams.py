@@ -81,4 +81,4 @@ def input_stage(device: torch.device, batch_on_host: bool) -> Iterator[StagedInp
     with torch.cuda.stream(side):
         yield staged
         staged.ready = torch.cuda.Event()
-        staged.ready.record()
+        staged.ready.record(side)

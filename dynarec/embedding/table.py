@@ -45,7 +45,7 @@ class FoundKeys:
             self._absent = torch.empty((), dtype=torch.bool, pin_memory=True)
             self._absent.copy_(absent, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(slots.device))
         else:
             self._absent = absent
         self._all_present: Optional[bool] = None

@@ -422,7 +422,7 @@ def place_keys(
     -1: not placed) of a hash index's arrays, in one kernel; ``save``: returns what each slot
     held before (keys, scores, tags, pins at ``slots``; unspecified where the slot is -1)."""
     n = slots.numel()
-    old = (torch.empty_like(new_keys), torch.empty_like(scores[:n]), tags.new_empty(n), pins.new_empty(n))
+    old = (torch.empty_like(new_keys), torch.empty_like(new_scores), tags.new_empty(n), pins.new_empty(n))
     if n:
         block = 256
         _place_kernel[(triton.cdiv(n, block),)](

@@ -112,6 +112,14 @@ def check_place_keys(device, seed=0):
     assert index.size == size
     for k in names:
         assert torch.equal(getattr(index, k), before[k]), k
+    # more keys than slots (an overflowing plan: most get -1): what is read back has one entry a key
+    small = BucketedHashIndex(2, 4, device)
+    small_slots = torch.full_like(new, -1)
+    small_slots[:5] = torch.arange(5, device=device)
+    held = gpu.place_keys(small.keys, small.scores, small.tags, small.pins, small_slots, new, scores, save=True)
+    assert new.numel() > small.capacity and all(t.numel() == new.numel() for t in held)
+    assert torch.equal(small.keys[:5], new[:5]) and torch.equal(small.scores[:5], scores[:5])
+    assert not bool(small.tags[5:].any())
     # a plan that leaves keys without a slot (-1), through commit and undo
     empty = plan.evicted_slots
     journal = Journal()
