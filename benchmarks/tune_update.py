@@ -8,6 +8,7 @@ state read and written) over that time. Picks ``bag_update``'s default block. Us
 """
 
 import statistics
+from typing import Optional
 
 import torch
 
@@ -17,37 +18,48 @@ from dynarec.optim import Adagrad
 from dynarec.optim.registry import definition
 
 
-def time_update(w: Workload, block: int, kernel: str, reps: int = 7) -> tuple[float, float]:
-    """``(median ms, unique fraction)`` of one fused update of a step of ``w``."""
-    dev = "cuda"
-    batch = w.batches(device="cpu")[0]
-    rows = batch.values().to(dev)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(batch.lengths(), 0)]).to(dev)
-    weight = torch.zeros(w.num_embeddings, w.dim, device=dev)
-    states = {"momentum1": torch.zeros_like(weight)}
-    grad_out = torch.randn(w.bags, w.dim, device=dev)
-    spec = Adagrad(lr=0.01)
-    times = []
-    for i in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+class AdagradUpdate:
+    """One step of ``w`` on the GPU (its Zipf ids and bag offsets), a zeroed table of
+    ``w.num_embeddings`` rows with its Adagrad state, and :meth:`apply`, the fused update of a
+    gradient of the step's bags. benchmarks/ncu_update.py profiles the same update."""
+
+    def __init__(self, w: Workload):
+        batch = w.batches(device="cpu")[0]
+        self.rows = batch.values().cuda()
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(batch.lengths(), 0)]).cuda()
+        self.weight = torch.zeros(w.num_embeddings, w.dim, device="cuda")
+        self.states = {"momentum1": torch.zeros_like(self.weight)}
+        self.spec = Adagrad(lr=0.01)
+
+    def apply(self, step: int, grad_out: torch.Tensor, block: Optional[int] = None, kernel: Optional[str] = None):
         gpu.bag_update(
-            definition(spec).kernel(spec, i + 1),
-            lr=spec.lr,
-            weight=weight,
-            states=states,
-            rows=rows,
-            offsets=offsets,
+            definition(self.spec).kernel(self.spec, step),
+            lr=self.spec.lr,
+            weight=self.weight,
+            states=self.states,
+            rows=self.rows,
+            offsets=self.offsets,
             per_sample_weights=None,
             grad_out=grad_out,
             block=block,
             kernel=kernel,
         )
+
+
+def time_update(w: Workload, block: int, kernel: str, reps: int = 7) -> tuple[float, float]:
+    """``(median ms, unique fraction)`` of one fused update of a step of ``w``."""
+    update = AdagradUpdate(w)
+    grad_out = torch.randn(w.bags, w.dim, device="cuda")
+    times = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        update.apply(i + 1, grad_out, block=block, kernel=kernel)
         end.record()
         torch.cuda.synchronize()
         if i >= 2:
             times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.unique(rows).numel() / rows.numel()
+    return statistics.median(times), torch.unique(update.rows).numel() / update.rows.numel()
 
 
 def main() -> None:

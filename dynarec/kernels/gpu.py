@@ -62,6 +62,13 @@ if HAVE_TRITON:
         return x ^ (x >> 31)
 
     @triton.jit
+    def _tag(h):
+        """A key's tag from its ``mix64`` hash ``h`` (uint64): the top byte, 1 where it is 0
+        (``hash_index.key_tags``)."""
+        tag = (h >> 56).to(tl.uint8)
+        return tl.where(tag == 0, 1, tag).to(tl.uint8)
+
+    @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
         """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
         power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
@@ -151,10 +158,9 @@ if HAVE_TRITON:
             tl.store(old_tags_ptr + i, tl.load(tags_ptr + s, mask=ok, other=0), mask=valid)
             tl.store(old_pins_ptr + i, tl.load(pins_ptr + s, mask=ok, other=0), mask=valid)
         k = tl.load(new_keys_ptr + i, mask=ok, other=0)
-        tag = (_mix64(k.to(tl.uint64)) >> 56).to(tl.uint8)
         tl.store(keys_ptr + s, k, mask=ok)
         tl.store(scores_ptr + s, tl.load(new_scores_ptr + i, mask=ok, other=0), mask=ok)
-        tl.store(tags_ptr + s, tl.where(tag == 0, 1, tag).to(tl.uint8), mask=ok)
+        tl.store(tags_ptr + s, _tag(_mix64(k.to(tl.uint64))), mask=ok)
 
     @triton.jit
     def _find_kernel(
@@ -172,8 +178,7 @@ if HAVE_TRITON:
         nb = num_buckets.to(tl.uint32)
         b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
         b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
-        tag = (h >> 56).to(tl.uint8)
-        tag = tl.where(tag == 0, 1, tag).to(tl.uint8)
+        tag = _tag(h)
         found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
         found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))

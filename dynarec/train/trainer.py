@@ -435,8 +435,8 @@ class Trainer:
         read_ahead = not self.ctx.distributed and self.follow is None
         while item is not None:
             batch, self.position, rows = item
-            last = cfg.train.num_steps is not None and self.step + 1 >= cfg.train.num_steps
-            loss = self.train_step(batch, rows, before_backward=ahead.read if read_ahead and not last else None)
+            more = read_ahead and self._more_steps(after=1)
+            loss = self.train_step(batch, rows, before_backward=ahead.read if more else None)
             if loss is None:  # skipped (nan_policy 'skip_batch')
                 item = ahead.next() if self._more_steps() else None
                 continue
@@ -470,8 +470,9 @@ class Trainer:
         self.log.finish(report)
         return report
 
-    def _more_steps(self) -> bool:
-        return self.config.train.num_steps is None or self.step < self.config.train.num_steps
+    def _more_steps(self, after: int = 0) -> bool:
+        """Whether a step follows the ``after`` next ones (``num_steps`` permitting)."""
+        return self.config.train.num_steps is None or self.step + after < self.config.train.num_steps
 
     # -- evaluation ------------------------------------------------------------------------
 
