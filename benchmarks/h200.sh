@@ -11,6 +11,8 @@
 #   nccl     two GPUs: the NCCL equality test, train-step weak scaling 1 -> 2 GPUs
 #   demo2    two GPUs: the demo config trained on 2 GPUs (NCCL) and on 1, evaluated
 #   round3   hash-find, fused-step, dynamic-step (twice) and the GPU sweep of this revision
+#   round4   the prefetch tests; fused-step and dynamic-step (30 steps a run, 7 runs) of the
+#            previous revision (.prev/) and of this one, in turn; the host side of a step
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -92,6 +94,24 @@ round3)
         for _ in 1 2; do timeout 110 "${dyn[@]}" dynamic-step --device cuda "${shape[@]}"; done
     } 2>&1 | tee "$out/steps-h200.txt"
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
+    ;;
+round4)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/embedding/test_prefetch.py tests/embedding/test_cuda.py \
+        tests/train/test_cuda_training.py 2>&1 | tail -3 | tee "$out/tests-h200.txt"
+    prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
+    long=(--steps 30 --runs 7)
+    {
+        for who in prev now now; do
+            if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 90 "${cmd[@]}" fused-step --device cuda "${shape[@]}" "${long[@]}" --optimizer adagrad
+            timeout 110 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" "${long[@]}"
+        done
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    for kind in fixed dynamic; do
+        timeout 60 python3 benchmarks/profile_step.py --device cuda --kind $kind --rows 10000000 --dim 128 \
+            --steps 30 --host --rows-shown 25
+    done 2>&1 | tee "$out/profile-host-h200.txt"
     ;;
 demo2)
     {

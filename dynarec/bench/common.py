@@ -79,15 +79,20 @@ def make_table(kind: str, backend: Backend, w: Workload) -> TableConfig:
     )
 
 
-def _time_steps(coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]) -> float:
+def _time_steps(
+    coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]
+) -> tuple[float, float]:
+    """Runs ``steps`` training steps as the trainer does (the next batch's input stage once the
+    backward is queued); returns ``(host, total)`` seconds: the host's loop alone, and until the
+    device finished. ``host / total`` near 1: the host bounds the step (or waits in it)."""
     sync()
     start = time.perf_counter()
-    for i in range(steps):  # as the trainer runs a step: the next batch's input stage before the backward
-        out = coll(batches[i % len(batches)])["f"]
+    for i in range(steps):
+        coll(batches[i % len(batches)])["f"].sum().backward()
         coll.prefetch(batches[(i + 1) % len(batches)])
-        out.sum().backward()
+    host = time.perf_counter() - start
     sync()
-    return time.perf_counter() - start
+    return host, time.perf_counter() - start
 
 
 def measure(
@@ -99,8 +104,9 @@ def measure(
     device: str,
 ) -> dict[str, dict[str, Any]]:
     """Times several setups with their timed runs interleaved (a, b, a, b, ...), so that every
-    setup sees the same machine state; reports each one's median and per-run rates (ids/s).
-    Warm-up covers every batch once, so a dynamic table's timed steps meet no new key."""
+    setup sees the same machine state; reports each one's median and per-run rates (ids/s), and
+    the median share of a run's time the host's loop took (``host_share``). Warm-up covers every
+    batch once, so a dynamic table's timed steps meet no new key."""
     sync = synchronizer(device)
     gc.collect()  # the previous measurement's tables, before this one's are allocated
     colls = {}
@@ -108,12 +114,20 @@ def measure(
         colls[name] = make()
         _time_steps(colls[name], batches[name], max(warmup, len(batches[name])), sync)
     rates: dict[str, list[float]] = {name: [] for name in makers}
+    shares: dict[str, list[float]] = {name: [] for name in makers}
     for _ in range(runs):
         for name, coll in colls.items():
             ids = batches[name][0].values().numel()
-            rates[name].append(ids * steps / _time_steps(coll, batches[name], steps, sync))
+            host, total = _time_steps(coll, batches[name], steps, sync)
+            rates[name].append(ids * steps / total)
+            shares[name].append(host / total)
     return {
-        name: {"ids_per_s_median": statistics.median(rates[name]), "ids_per_s_runs": rates[name], "coll": colls[name]}
+        name: {
+            "ids_per_s_median": statistics.median(rates[name]),
+            "ids_per_s_runs": rates[name],
+            "host_share": statistics.median(shares[name]),
+            "coll": colls[name],
+        }
         for name in makers
     }
 

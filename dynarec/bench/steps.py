@@ -108,9 +108,11 @@ def _fused_step(
     return report
 
 
-def _rate(r: dict) -> str:
+def _rate(r: dict, device: str = "cpu") -> str:
+    """Median and runs; on a GPU also the host loop's share of the time (near 100%: host-bound)."""
     runs = ", ".join(f"{x / 1e6:.2f}" for x in r["ids_per_s_runs"])
-    return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs {runs})"
+    host = f"; host loop {100 * r['host_share']:.0f}% of the time" if "host_share" in r and device != "cpu" else ""
+    return f"{r['ids_per_s_median'] / 1e6:.2f} M ids/s (runs {runs}{host})"
 
 
 def bench_fused_step(args) -> dict:
@@ -122,7 +124,7 @@ def bench_fused_step(args) -> dict:
     r = _fused_step(
         w, spec, args.device, args.steps, args.runs, args.warmup, baseline=isinstance(spec, Adagrad), copy_gbps=copy
     )
-    lines = [f"{b:>8}: {_rate(r[b])}" for b in ("native", "fbgemm") if b in r]
+    lines = [f"{b:>8}: {_rate(r[b], args.device)}" for b in ("native", "fbgemm") if b in r]
     if "GBps" in r:
         lines.append(
             f"native: {r['GBps']:.0f} GB/s = {100 * r['fraction_of_roofline']:.1f}% of the "
@@ -177,7 +179,7 @@ def bench_dynamic_step(args) -> dict:
     results = _dynamic_step(w, spec, args.device, args.steps, args.runs, args.warmup)
     lines = []
     for backend, r in results.items():
-        lines += [f"[{backend}] {k:<16} {_rate(r[k])}" for k in ("fixed", "fixed_scattered", "dynamic")]
+        lines += [f"[{backend}] {k:<16} {_rate(r[k], args.device)}" for k in ("fixed", "fixed_scattered", "dynamic")]
         lines.append(
             f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
             f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot; "

@@ -129,9 +129,8 @@ def bench_train_step(args) -> dict:
     config = _config(tmp / "data", batch, args.workers, world, users, items)
     model_dir = tmp / f"model-rank{ctx.rank}"
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
-    # as Trainer.fit: the next batch is read, and its input stage started, before a backward
+    # as Trainer.fit: the next batch is read, and its input stage started, while a backward runs
     ahead = ReadAhead(trainer._train_batches(), trainer.task.embeddings)
-    before_backward = None if ctx.distributed else ahead.read
 
     def run_dynarec(steps: int) -> float:
         sync()
@@ -140,7 +139,8 @@ def bench_train_step(args) -> dict:
             item = ahead.next()
             assert item is not None, "the benchmark data holds a batch for every step"
             b, trainer.position, rows = item
-            trainer.train_step(b, rows, before_backward=before_backward)
+            if trainer.train_step(b, rows) is not None and not ctx.distributed:
+                ahead.read()
         sync()
         return time.perf_counter() - start
 

@@ -116,10 +116,11 @@ class EmbeddingCollection(nn.Module):
 
     def prefetch(self, kjt: KeyedJaggedLike) -> None:
         """Runs the input stage of ``kjt``, the batch of the next forward, now: its checks, its
-        copy to the device, its packing and the dynamic tables' hash finds. On a GPU they run on
-        the input stream beside this step's backward, and the next forward reads the finds'
-        answer without waiting. Call it between a training forward and its backward (the
-        backward writes no key; a lookup that inserts must come before).
+        copy to the device, its packing and the dynamic tables' hash finds. Call it once this
+        step's backward is queued: on a GPU the host's part then overlaps the backward, the copy
+        and the finds run on the input stream beside it, and the next forward reads the finds'
+        answer without waiting. (Called before this step's forward, whose lookup may insert
+        keys, its finds would be redone: a find holds only for the index state it saw.)
 
         The next forward uses it if it gets the same batch object, unchanged; a table written in
         between (an aborted step, a load) finds again, and a forward of another batch drops it.

@@ -23,7 +23,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -341,7 +341,6 @@ class Trainer:
         self,
         batch: Union[Batch, DataError],
         global_rows: Optional[int] = None,
-        before_backward: Optional[Callable[[], None]] = None,
     ) -> Optional[torch.Tensor]:
         """One step; returns the loss (on the device: reading it is the caller's choice), or None
         when the batch was skipped (its loss was not finite, under nan_policy 'skip_batch').
@@ -351,8 +350,11 @@ class Trainer:
         that is NaN or infinite (on any rank) writes nothing: the forward is undone on every
         table (rows it created, evictions, admission counts) before any update. This check is the
         step's one host sync by design: every rank must agree on a step's outcome before it
-        commits. ``before_backward`` runs once the loss is known to be finite (the training loop
-        reads the next batch there and starts its input stage)."""
+        commits.
+
+        Nothing else waits for the device: when it returns, the backward and the optimizer steps
+        are queued, and the caller may read the next batch and start its input stage
+        (``EmbeddingCollection.prefetch``) while they run, as :meth:`fit` does."""
         if not self.task.training:  # (train() walks every module: a cost per step when repeated)
             self.task.train()
         self._set_learning_rates()
@@ -380,8 +382,6 @@ class Trainer:
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
-        if before_backward is not None:
-            before_backward()
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the fused sparse optimizer updates the touched rows here
         self.dense_optimizer.step()
@@ -435,11 +435,12 @@ class Trainer:
         read_ahead = not self.ctx.distributed and self.follow is None
         while item is not None:
             batch, self.position, rows = item
-            more = read_ahead and self._more_steps(after=1)
-            loss = self.train_step(batch, rows, before_backward=ahead.read if more else None)
+            loss = self.train_step(batch, rows)
             if loss is None:  # skipped (nan_policy 'skip_batch')
                 item = ahead.next() if self._more_steps() else None
                 continue
+            if read_ahead and self._more_steps():  # while the step's backward runs on the device
+                ahead.read()
             record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
             self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
@@ -470,9 +471,9 @@ class Trainer:
         self.log.finish(report)
         return report
 
-    def _more_steps(self, after: int = 0) -> bool:
-        """Whether a step follows the ``after`` next ones (``num_steps`` permitting)."""
-        return self.config.train.num_steps is None or self.step + after < self.config.train.num_steps
+    def _more_steps(self) -> bool:
+        """Whether another step is to run (``num_steps`` permitting)."""
+        return self.config.train.num_steps is None or self.step < self.config.train.num_steps
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -520,10 +521,11 @@ class Trainer:
 
 
 class ReadAhead:
-    """The training loop's next batch, read while a step's backward is still to run (so that the
-    embeddings' input stage of the next batch, its copy to the GPU and its hash finds, overlaps
-    that backward: ``prefetch``). An error reading it is raised where the loop asks for the
-    batch, after the step: the step it interrupts is not the one it belongs to."""
+    """The training loop's next batch, read once a step's backward is queued, while the device
+    runs it: the host's work on the next batch (reading it, its checks, its packing) and the
+    embeddings' input stage (its copy to the GPU and its hash finds: ``prefetch``) overlap that
+    backward. An error reading it is raised where the loop asks for the batch, after the step:
+    the step it interrupts is not the one it belongs to."""
 
     def __init__(self, batches: Iterator[tuple[Union[Batch, DataError], DataPosition, int]], embeddings):
         self._batches = batches
