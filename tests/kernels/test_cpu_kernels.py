@@ -6,6 +6,8 @@ import torch
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, candidate_buckets_reference
 from dynarec.embedding.initializers import Initializer, _uniform01, uniform01_reference
 from dynarec.kernels import cpu
+from dynarec.optim.fused import bag_gradients, fused_row_update
+from dynarec.optim.registry import definition
 from tests.kernels import gpu_checks
 from tests.matrix import needs_cpu_kernels
 
@@ -60,3 +62,50 @@ def test_initializers_equal_their_reference(monkeypatch):
 def test_fused_bag_update_equals_torch_aggregation_and_native_update(spec, weighted):
     gpu_checks.check_update("cpu", spec, weighted=weighted, update=cpu.bag_update)
     gpu_checks.check_update("cpu", spec, dim=5, weighted=weighted, update=cpu.bag_update)
+
+
+@pytest.mark.parametrize("high", [1, 2, 2**11, 2**11 + 1, 2**22 + 5, 2**40, 2**62])
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_stable_sort_rows_equals_torch_stable_sort(high, n):
+    g = torch.Generator().manual_seed(n + high % 1000)
+    distinct = torch.randint(0, high, (max(1, n // 3),), generator=g)
+    rows = distinct[torch.randint(0, distinct.numel(), (n,), generator=g)]  # each row ~3 times
+    got_sorted, got_order = cpu.ops().stable_sort_rows(rows)
+    want_sorted, want_order = torch.sort(rows, stable=True)
+    assert torch.equal(got_sorted, want_sorted) and torch.equal(got_order, want_order)
+
+
+def test_fused_bag_update_refuses_a_negative_row():
+    weight = torch.zeros(4, 2)
+    with pytest.raises(RuntimeError, match="row -3 at position 1 is negative"):
+        cpu.ops().fused_bag_update(
+            weight, weight.new_empty(0), weight.new_empty(0), torch.ones(1, 2), torch.tensor([0, -3]),
+            torch.tensor([0, 2]), None, 0, 0, 0.1, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_rows", [1, 70_000, 3_000_000])
+def test_fused_bag_update_over_any_row_range(num_rows):
+    """Rows over 1 to 22 bits (one to two radix passes): torch aggregation + the native update
+    (check_update's tolerance: the kernel rounds the optimizer's formula in its own order)."""
+    spec = gpu_checks.SPECS[1]
+    g = torch.Generator().manual_seed(num_rows)
+    distinct = torch.randint(0, num_rows, (300,), generator=g)
+    rows = distinct[torch.randint(0, 300, (2000,), generator=g)]
+    offsets = torch.arange(0, 2001, 4)
+    grad_out = torch.randn(500, 3, generator=g)
+    weight = torch.randn(num_rows, 3, generator=g)
+    states = {s.name: torch.full((num_rows, s.width(3)), s.initial_value) for s in spec.state_specs()}
+    w_ref, states_ref = weight.clone(), {k: v.clone() for k, v in states.items()}
+    w_before = weight.clone()
+    args = definition(spec).kernel(spec, 1)
+    cpu.bag_update(args, lr=spec.lr, weight=weight, states=states, rows=rows, offsets=offsets,
+                   per_sample_weights=None, grad_out=grad_out)  # fmt: skip
+    per_id = bag_gradients(grad_out, offsets, None, rows.numel())
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    agg = per_id.new_zeros(unique.numel(), 3).index_add_(0, inverse, per_id)
+    fused_row_update(spec, lr=spec.lr, step=1, weight=w_ref, states=states_ref, rows=unique, grad=agg)
+    assert not torch.equal(weight, w_before)  # the update ran
+    torch.testing.assert_close(weight, w_ref, rtol=1e-5, atol=1e-6)
+    for k in states:
+        torch.testing.assert_close(states[k], states_ref[k], rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -144,6 +145,57 @@ torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, in
   return out;
 }
 
+// The stable sort of `n` row indices (all >= 0): `order` such that rows[order] ascends with equal
+// rows in occurrence order, and `sorted` = rows[order] (the permutation a stable sort gives).
+// An LSD radix sort of (row << 32 | position) words over the bits of the largest row: one read
+// for every pass's histogram, then a scatter per pass of at most 11 bits (one pass of up to 16
+// bits where the buckets are no more than 4 per id). at::sort's comparison sort took 1.0 ms for
+// 16k ids on a 2-core VM; this about 0.1 ms (benchmarks/results/issue12-round4-cpu.txt).
+void stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& order, std::vector<int64_t>& sorted) {
+  int64_t max_row = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rows[i] >= 0, "fused_bag_update: row ", rows[i], " at position ", i, " is negative");
+    max_row = std::max(max_row, rows[i]);
+  }
+  order.resize(n);
+  sorted.resize(n);
+  if (max_row >> 32 || n >> 32) {  // beyond any CPU table: the comparison sort
+    auto st = at::sort(torch::from_blob(const_cast<int64_t*>(rows), {n}, torch::kInt64), true, 0, false);
+    std::memcpy(sorted.data(), std::get<0>(st).contiguous().data_ptr<int64_t>(), n * sizeof(int64_t));
+    std::memcpy(order.data(), std::get<1>(st).contiguous().data_ptr<int64_t>(), n * sizeof(int64_t));
+    return;
+  }
+  int bits = 0;
+  while ((max_row >> bits) != 0) ++bits;
+  const bool one_pass = bits <= 16 && (int64_t{1} << bits) <= 4 * n;
+  const int passes = one_pass ? 1 : std::max(1, (bits + 10) / 11);
+  const int width = std::max(1, (bits + passes - 1) / passes);
+  const int64_t radix = int64_t{1} << width;
+  std::vector<uint64_t> a(n), b(n);
+  std::vector<int64_t> start(passes * radix, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t r = static_cast<uint64_t>(rows[i]);
+    a[i] = (r << 32) | static_cast<uint64_t>(i);
+    for (int p = 0; p < passes; ++p) ++start[p * radix + ((r >> (p * width)) & (radix - 1))];
+  }
+  for (int p = 0; p < passes; ++p) {
+    int64_t* st = start.data() + p * radix;
+    int64_t sum = 0;
+    for (int64_t d = 0; d < radix; ++d) {
+      const int64_t c = st[d];
+      st[d] = sum;
+      sum += c;
+    }
+    const int shift = 32 + p * width;
+    for (int64_t i = 0; i < n; ++i) b[st[(a[i] >> shift) & (radix - 1)]++] = a[i];
+    a.swap(b);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    sorted[i] = static_cast<int64_t>(a[i] >> 32);
+    order[i] = static_cast<int64_t>(a[i] & 0xFFFFFFFFULL);
+  }
+}
+
 // The fused backward + update of weighted-sum bags (dynarec.optim.fused.fused_bag_update): the
 // ids sorted once by row (stable); each run of equal rows sums its occurrences' gradients
 // (psw[i] * grad_out[bag(i)], in sorted order) and applies the optimizer to the row's weight and
@@ -168,11 +220,10 @@ void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor 
   std::vector<int64_t> bag(n);
   for (int64_t b = 0; b < num_bags; ++b)
     for (int64_t i = off[b]; i < off[b + 1]; ++i) bag[i] = b;
-  auto sorted = at::sort(rows, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const torch::Tensor sorted_rows = std::get<0>(sorted).contiguous();
-  const torch::Tensor order_t = std::get<1>(sorted).contiguous();
-  const int64_t* srow = sorted_rows.data_ptr<int64_t>();
-  const int64_t* order = order_t.data_ptr<int64_t>();
+  std::vector<int64_t> order_v, srow_v;
+  stable_row_order(rows.data_ptr<int64_t>(), n, order_v, srow_v);
+  const int64_t* srow = srow_v.data();
+  const int64_t* order = order_v.data();
   std::vector<int64_t> heads;
   heads.reserve(n + 1);
   for (int64_t q = 0; q < n; ++q)
@@ -356,10 +407,23 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
   return std::make_tuple(out, lengths, true);
 }
 
+// stable_row_order as tensors: (rows sorted, the permutation), for the tests.
+std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
+  check_cpu_int64(rows, "rows");
+  const torch::Tensor r = rows.contiguous();
+  std::vector<int64_t> order, sorted;
+  stable_row_order(r.data_ptr<int64_t>(), r.numel(), order, sorted);
+  torch::Tensor sorted_t = torch::empty({r.numel()}, torch::kInt64), order_t = torch::empty_like(sorted_t);
+  std::memcpy(sorted_t.data_ptr<int64_t>(), sorted.data(), sorted.size() * sizeof(int64_t));
+  std::memcpy(order_t.data_ptr<int64_t>(), order.data(), order.size() * sizeof(int64_t));
+  return {sorted_t, order_t};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("claim_free_slots", &claim_free_slots, "step 1 of an insert plan: free slots in ranked rounds");
   m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
+  m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
   m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");
   m.def("uniform01", &uniform01, "key-seeded uniform (0, 1) draws");
