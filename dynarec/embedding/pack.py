@@ -124,5 +124,6 @@ def pad_sequence_rows(rows: torch.Tensor, lengths: torch.Tensor, max_length: int
     starts = torch.cumsum(lengths, 0) - lengths
     sample = torch.repeat_interleave(torch.arange(batch, device=rows.device), lengths, output_size=n)
     position = torch.arange(n, device=rows.device) - starts[sample]
-    flat = rows.new_zeros(batch * max_length, dim).index_copy(0, sample * max_length + position, rows)
+    # in place into fresh zeros: index_copy would clone them first (a pass over [B * L, D])
+    flat = rows.new_zeros(batch * max_length, dim).index_copy_(0, sample * max_length + position, rows)
     return flat.view(batch, max_length, dim)
