@@ -13,6 +13,8 @@
 #   round3   hash-find, fused-step, dynamic-step (twice) and the GPU sweep of this revision
 #   round4   the prefetch tests; fused-step and dynamic-step (30 steps a run, 7 runs) of the
 #            previous revision (.prev/) and of this one, in turn; the host side of a step
+#   round4b  dynamic-step at 4.2M ids a step (where the GPU, not the host, bounds the step);
+#            the GPU sweep
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -112,6 +114,13 @@ round4)
         timeout 60 python3 benchmarks/profile_step.py --device cuda --kind $kind --rows 10000000 --dim 128 \
             --steps 30 --host --rows-shown 25
     done 2>&1 | tee "$out/profile-host-h200.txt"
+    ;;
+round4b)
+    {
+        timeout 150 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
+            --pooling-factor 16 --steps 10 --runs 7
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-4m-h200.txt"
+    timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
     ;;
 demo2)
     {

@@ -99,9 +99,33 @@ def test_a_forward_of_another_batch_drops_the_prefetch(device):
     assert_same_tables(plain, ahead)
 
 
-def test_a_prefetched_bad_batch_raises_at_its_own_forward(device):
+BAD_BATCHES = {  # on the host: a CUDA collection checks them on its check thread
+    "id": (
+        lambda: JaggedBatch.from_lists({"user": [[1]], "hist": [[2]], "item": [[50]]}),  # item has rows 0..49
+        "table 'fix', feature 'item': id 50 is out of range",
+    ),
+    "weight": (
+        lambda: JaggedBatch.from_lists(
+            {"user": [[1, 2]], "hist": [[3]], "item": [[4]]},
+            {"user": [[1.0, float("nan")]], "hist": [[1.0]], "item": [[1.0]]},
+        ),
+        "feature 'user': per-sample weight nan is not a finite number",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_BATCHES))
+@pytest.mark.parametrize("prefetched", [True, False])
+def test_a_bad_batch_raises_at_its_own_forward_and_writes_nothing(device, bad, prefetched):
     coll = collection(device)
-    bad = JaggedBatch.from_lists({"user": [[1]], "hist": [[2]], "item": [[50]]})  # item has rows 0..49
-    coll.prefetch(bad)  # nothing raised here: the step being run is not the bad batch's
-    with pytest.raises(ValueError, match="table 'fix', feature 'item': id 50 is out of range"):
-        coll(bad)
+    loss_of(coll(batches(device, n=1)[0])).backward()
+    before = {name: t.dump() for name, t in coll.tables.items()}
+    make, message = BAD_BATCHES[bad]
+    kjt = make()
+    if prefetched:
+        coll.prefetch(kjt)  # nothing raised here: the step being run is not the bad batch's
+    with pytest.raises(ValueError, match=message):
+        coll(kjt)
+    after = {name: t.dump() for name, t in coll.tables.items()}
+    for name in before:
+        assert all(torch.equal(before[name][k], after[name][k]) for k in before[name]), name
