@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,8 +21,12 @@ from dynarec.optim.base import OptimizerSpec
 __all__ = ["EmbeddingCollection", "checked_slices"]
 
 
-def split_checked(kjt: KeyedJaggedLike, features: Sequence[str]) -> dict[str, FeatureSlice]:
-    """The batch split by feature, with exactly the ``features`` served (errors name them)."""
+def checked_slices(
+    kjt: KeyedJaggedLike, features: Sequence[str], validate: Callable[[str, torch.Tensor], None]
+) -> dict[str, FeatureSlice]:
+    """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
+    table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
+    ids)`` (a table's id check), finite per-sample weights. Errors name the features."""
     slices = split_features(kjt)
     unknown = [k for k in slices if k not in features]
     if unknown:
@@ -31,33 +34,12 @@ def split_checked(kjt: KeyedJaggedLike, features: Sequence[str]) -> dict[str, Fe
     missing = [f for f in features if f not in slices]
     if missing:
         raise ValueError(f"batch is missing feature(s) {missing}")
-    return slices
-
-
-def check_values(slices: dict[str, FeatureSlice], validate: Callable[[str, torch.Tensor], None]) -> None:
-    """``validate(name, ids)`` (a table's id check) and finite per-sample weights, per feature."""
     for name, s in slices.items():
         validate(name, s.values)
         if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
-
-
-def checked_slices(
-    kjt: KeyedJaggedLike, features: Sequence[str], validate: Callable[[str, torch.Tensor], None]
-) -> dict[str, FeatureSlice]:
-    """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
-    table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
-    ids)`` (a table's id check), finite per-sample weights. Errors name the features."""
-    slices = split_checked(kjt, features)
-    check_values(slices, validate)
     return slices
-
-
-# A host batch bound for a GPU is checked on this thread while the main thread queues its copy,
-# packing and finds (torch releases the GIL in its ops): the checks read every id, a tenth of a
-# step's host time at 1M ids. The forward waits for them before any table writes.
-_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-batch-checks")
 
 
 @dataclass
@@ -69,7 +51,6 @@ class _Prepared:
     packed: dict[str, tuple[Bags, BagLayout]]
     found: dict[str, Optional[FoundKeys]]
     staged: StagedInput
-    checks: Optional[Future] = None  # the value checks, when they run beside the input stage
 
 
 class EmbeddingCollection(nn.Module):
@@ -153,13 +134,10 @@ class EmbeddingCollection(nn.Module):
     def _prepare(self, kjt: KeyedJaggedLike) -> _Prepared:
         """Stage 1, before any table writes: on the input stream (CUDA) the copy, the packing and
         the hash finds run beside the main stream's work (see :mod:`.streams`)."""
-        slices = split_checked(kjt, list(self._features))
+        slices = checked_slices(
+            kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
+        )
         on_host = all(s.values.device.type == "cpu" for s in slices.values())
-        checks = None
-        if on_host and self.device.type == "cuda":
-            checks = _CHECKS.submit(check_values, slices, self._validate)
-        else:
-            check_values(slices, self._validate)
         with input_stage(self.device, batch_on_host=on_host) as staged:
             slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
             packed = {name: table.pack(slices) for name, table in self.tables.items()}
@@ -167,17 +145,12 @@ class EmbeddingCollection(nn.Module):
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
             staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
             staged.hand_over(*(f.slots for f in found.values() if f is not None))
-        return _Prepared(kjt, packed, found, staged, checks)
-
-    def _validate(self, feature: str, ids: torch.Tensor) -> None:
-        self._features[feature][0].validate(feature, ids)
+        return _Prepared(kjt, packed, found, staged)
 
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
         prepared, self._prefetched = self._prefetched, None
         if prepared is None or prepared.kjt is not kjt:
             prepared = self._prepare(kjt)
-        if prepared.checks is not None:
-            prepared.checks.result()  # raises a check's error, before any table writes
         prepared.staged.take()
         packed, found = prepared.packed, prepared.found
         out: dict[str, torch.Tensor] = {}

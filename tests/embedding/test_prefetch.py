@@ -99,7 +99,7 @@ def test_a_forward_of_another_batch_drops_the_prefetch(device):
     assert_same_tables(plain, ahead)
 
 
-BAD_BATCHES = {  # on the host: a CUDA collection checks them on its check thread
+BAD_BATCHES = {
     "id": (
         lambda: JaggedBatch.from_lists({"user": [[1]], "hist": [[2]], "item": [[50]]}),  # item has rows 0..49
         "table 'fix', feature 'item': id 50 is out of range",

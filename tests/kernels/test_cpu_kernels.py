@@ -75,13 +75,16 @@ def test_stable_sort_rows_equals_torch_stable_sort(high, n):
     assert torch.equal(got_sorted, want_sorted) and torch.equal(got_order, want_order)
 
 
-def test_fused_bag_update_refuses_a_negative_row():
-    weight = torch.zeros(4, 2)
-    with pytest.raises(RuntimeError, match="row -3 at position 1 is negative"):
-        cpu.ops().fused_bag_update(
-            weight, weight.new_empty(0), weight.new_empty(0), torch.ones(1, 2), torch.tensor([0, -3]),
-            torch.tensor([0, 2]), None, 0, 0, 0.1, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0,
-        )  # fmt: skip
+def test_fused_bag_update_refuses_a_negative_row_and_writes_nothing():
+    spec = gpu_checks.SPECS[1]
+    weight = torch.ones(4, 2)
+    states = {"momentum1": torch.zeros(4, 2)}
+    with pytest.raises(ValueError, match="row -3 at position 1 is negative; nothing was written"):
+        cpu.bag_update(definition(spec).kernel(spec, 1), lr=0.1, weight=weight, states=states,
+                       rows=torch.tensor([0, -3]), offsets=torch.tensor([0, 2]), per_sample_weights=None,
+                       grad_out=torch.ones(1, 2))  # fmt: skip
+    assert torch.equal(weight, torch.ones(4, 2)) and torch.equal(states["momentum1"], torch.zeros(4, 2))
+    assert cpu.ops().stable_sort_rows(torch.tensor([2, -1])) == []
 
 
 @pytest.mark.parametrize("num_rows", [1, 70_000, 3_000_000])

@@ -55,7 +55,7 @@ def bag_update(args, *, lr: float, weight, states, rows, offsets, per_sample_wei
     kernels = ops()
     assert kernels is not None
     empty = weight.new_empty(0)
-    kernels.fused_bag_update(
+    negative = kernels.fused_bag_update(
         weight,
         states.get("momentum1", empty),
         states.get("momentum2", empty),
@@ -73,3 +73,7 @@ def bag_update(args, *, lr: float, weight, states, rows, offsets, per_sample_wei
         args.bias1,
         args.bias2,
     )
+    if negative >= 0:
+        raise ValueError(
+            f"fused_bag_update: row {int(rows[negative])} at position {negative} is negative; nothing was written"
+        )

@@ -151,10 +151,12 @@ torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, in
 // for every pass's histogram, then a scatter per pass of at most 11 bits (one pass of up to 16
 // bits where the buckets are no more than 4 per id). at::sort's comparison sort took 1.0 ms for
 // 16k ids on a 2-core VM; this about 0.1 ms (benchmarks/results/issue12-round4-cpu.txt).
-void stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& order, std::vector<int64_t>& sorted) {
+// Returns -1, or the position of the first negative row (then nothing is sorted): errors go back
+// as values, not C++ exceptions (a throw across the extension boundary crashed one torch build).
+int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& order, std::vector<int64_t>& sorted) {
   int64_t max_row = 0;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(rows[i] >= 0, "fused_bag_update: row ", rows[i], " at position ", i, " is negative");
+    if (rows[i] < 0) return i;
     max_row = std::max(max_row, rows[i]);
   }
   order.resize(n);
@@ -163,7 +165,7 @@ void stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& orde
     auto st = at::sort(torch::from_blob(const_cast<int64_t*>(rows), {n}, torch::kInt64), true, 0, false);
     std::memcpy(sorted.data(), std::get<0>(st).contiguous().data_ptr<int64_t>(), n * sizeof(int64_t));
     std::memcpy(order.data(), std::get<1>(st).contiguous().data_ptr<int64_t>(), n * sizeof(int64_t));
-    return;
+    return -1;
   }
   int bits = 0;
   while ((max_row >> bits) != 0) ++bits;
@@ -194,6 +196,7 @@ void stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& orde
     sorted[i] = static_cast<int64_t>(a[i] >> 32);
     order[i] = static_cast<int64_t>(a[i] & 0xFFFFFFFFULL);
   }
+  return -1;
 }
 
 // The fused backward + update of weighted-sum bags (dynarec.optim.fused.fused_bag_update): the
@@ -202,7 +205,8 @@ void stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& orde
 // states in place. No [n, D] or [U, D] intermediate; rows are independent, so threads split
 // them with no atomics. opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam; wd_mode: 0 none, 1 l2,
 // 2 decoupled. Mirrors dynarec/kernels/gpu.py's _update_kernel.
-void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
+// Returns -1, or the position of a negative row (then nothing is written).
+int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
                       const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
                       int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
                       double bias1, double bias2) {
@@ -215,13 +219,14 @@ void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor 
   const int64_t n = rows.numel();
   const int64_t D = weight.size(1);
   const int64_t num_bags = offsets.numel() - 1;
-  if (n == 0) return;
+  if (n == 0) return -1;
   const int64_t* off = offsets.data_ptr<int64_t>();
   std::vector<int64_t> bag(n);
   for (int64_t b = 0; b < num_bags; ++b)
     for (int64_t i = off[b]; i < off[b + 1]; ++i) bag[i] = b;
   std::vector<int64_t> order_v, srow_v;
-  stable_row_order(rows.data_ptr<int64_t>(), n, order_v, srow_v);
+  const int64_t negative = stable_row_order(rows.data_ptr<int64_t>(), n, order_v, srow_v);
+  if (negative >= 0) return negative;
   const int64_t* srow = srow_v.data();
   const int64_t* order = order_v.data();
   std::vector<int64_t> heads;
@@ -289,6 +294,7 @@ void fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor 
       }
     }
   });
+  return -1;
 }
 
 // Step 1 of BucketedHashIndex.plan_insert (_claim_free_slots), the same rounds in one call: each
@@ -407,12 +413,13 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
   return std::make_tuple(out, lengths, true);
 }
 
-// stable_row_order as tensors: (rows sorted, the permutation), for the tests.
+// stable_row_order as tensors: (rows sorted, the permutation), for the tests; empty where a row
+// is negative.
 std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
   check_cpu_int64(rows, "rows");
   const torch::Tensor r = rows.contiguous();
   std::vector<int64_t> order, sorted;
-  stable_row_order(r.data_ptr<int64_t>(), r.numel(), order, sorted);
+  if (stable_row_order(r.data_ptr<int64_t>(), r.numel(), order, sorted) >= 0) return {};  // a negative row
   torch::Tensor sorted_t = torch::empty({r.numel()}, torch::kInt64), order_t = torch::empty_like(sorted_t);
   std::memcpy(sorted_t.data_ptr<int64_t>(), sorted.data(), sorted.size() * sizeof(int64_t));
   std::memcpy(order_t.data_ptr<int64_t>(), order.data(), order.size() * sizeof(int64_t));
