@@ -15,6 +15,8 @@
 #            previous revision (.prev/) and of this one, in turn; the host side of a step
 #   round4b  dynamic-step at 4.2M ids a step (where the GPU, not the host, bounds the step);
 #            the GPU sweep
+#   round4c  the prefetch tests; fused-step and dynamic-step of .prev/ and of this revision;
+#            dynamic-step at 4.2M ids; train-step
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -121,6 +123,24 @@ round4b)
             --pooling-factor 16 --steps 10 --runs 7
     } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-4m-h200.txt"
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
+    ;;
+round4c)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/embedding/test_prefetch.py tests/embedding/test_cuda.py \
+        tests/train/test_cuda_training.py 2>&1 | tail -3 | tee "$out/tests-h200.txt"
+    prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
+    long=(--steps 30 --runs 7)
+    {
+        for who in prev now; do
+            if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 60 "${cmd[@]}" fused-step --device cuda "${shape[@]}" "${long[@]}" --optimizer adagrad
+            timeout 80 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" "${long[@]}"
+        done
+        timeout 90 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
+            --pooling-factor 16 --steps 10 --runs 7
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    timeout 150 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 5 --steps 20 \
+        --json "$out/train-step-h200.json" 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/train-step-h200.txt"
     ;;
 demo2)
     {

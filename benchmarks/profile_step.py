@@ -34,9 +34,9 @@ def main() -> None:
     batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
     coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
 
-    def step(i: int) -> None:  # as the trainer runs one: the next batch's input stage once the backward is queued
+    def step(i: int) -> None:  # as the trainer runs one: a coming batch's input stage once the backward is queued
         coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + 1) % len(batches)])
+        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
 
     for i in range(len(batches)):  # warm-up: compiles the kernels, inserts every key
         step(i)

@@ -82,14 +82,18 @@ def make_table(kind: str, backend: Backend, w: Workload) -> TableConfig:
 def _time_steps(
     coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]
 ) -> tuple[float, float]:
-    """Runs ``steps`` training steps as the trainer does (the next batch's input stage once the
-    backward is queued); returns ``(host, total)`` seconds: the host's loop alone, and until the
-    device finished. ``host / total`` near 1: the host bounds the step (or waits in it)."""
+    """Runs ``steps`` training steps as the trainer does (the input stage of the batch
+    ``prefetch_depth`` steps ahead once the backward is queued); returns ``(host, total)``
+    seconds: the host's loop alone, and until the device finished. ``host / total`` near 1: the
+    host bounds the step (or waits in it)."""
+    depth = coll.prefetch_depth
+    for i in range(depth):  # ready as the step before would have left them
+        coll.prefetch(batches[i % len(batches)])
     sync()
     start = time.perf_counter()
     for i in range(steps):
         coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + 1) % len(batches)])
+        coll.prefetch(batches[(i + depth) % len(batches)])
     host = time.perf_counter() - start
     sync()
     return host, time.perf_counter() - start

@@ -93,6 +93,8 @@ class ShardedEmbeddingCollection(nn.Module):
     def feature_names(self) -> list[str]:
         return list(self._features)
 
+    prefetch_depth = 1
+
     def prefetch(self, kjt: KeyedJaggedLike) -> None:
         """Nothing: a sharded lookup's input stage is collective (every rank's ids go to their
         owners), so it runs inside its own step, in step order on every rank."""

@@ -142,7 +142,7 @@ class DynamicTable(EmbeddingTable):
         mean pooling still divides by the bag's full length."""
         keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
-        if found is None or found.stamp != self.index.stamp:  # none, or the index was written since
+        if found is None or not self._still_holds(found):
             found = self.find(bags)
         if step is None:
             slots, all_present = found.slots, found.all_present
@@ -172,6 +172,14 @@ class DynamicTable(EmbeddingTable):
         if step is not None:
             self._commit_on_backward(out, step)
         return out if missing_out is None else out + missing_out
+
+    def _still_holds(self, found: FoundKeys) -> bool:
+        """Whether a find made earlier gives this lookup's slots: the same index, no key moved or
+        removed since, and either nothing written since or every key found (keys added since
+        cannot be among them)."""
+        serial, displacements, writes = self.index.stamp
+        then = found.stamp
+        return then[:2] == (serial, displacements) and (then[2] == writes or found.all_present)
 
     def _slots_for_training(self, keys: torch.Tensor, found: FoundKeys, step: Step) -> tuple[torch.Tensor, bool]:
         """Slot of every key occurrence (``found``: the find's, every occurrence), creating rows

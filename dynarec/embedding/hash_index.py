@@ -180,23 +180,29 @@ class BucketedHashIndex:
         self._written: Optional[torch.cuda.Event] = None
         self._serial = next(_SERIALS)
         self._writes = 0
+        self._displacements = 0
         self._wrote()
 
-    def _wrote(self) -> None:
+    def _wrote(self, only_added: bool = False) -> None:
         """Marks the keys and tags as written by the work queued so far on the current stream:
         a later :meth:`find`, on any stream, waits for it (a collection runs its finds on its
         input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
-        changes."""
+        changes. ``only_added``: the write only placed keys in free slots (every key present
+        before is still in its slot)."""
         self._writes += 1
+        if not only_added:
+            self._displacements += 1
         if self.device.type == "cuda":
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.device))
 
     @property
-    def stamp(self) -> tuple[int, int]:
-        """The state of the keys: equal stamps, equal keys in equal slots (a find made at one
-        stamp holds at the other). ``(this index's serial number, its writes so far)``."""
-        return self._serial, self._writes
+    def stamp(self) -> tuple[int, int, int]:
+        """The state of the keys: ``(this index's serial number, writes that moved or removed
+        keys, all writes)``. Equal stamps: equal keys in equal slots (a find made at one stamp
+        holds at the other). Equal but for the last: keys were only added, so a key found then
+        is still in its slot (a key absent then may be present now)."""
+        return self._serial, self._displacements, self._writes
 
     @property
     def capacity(self) -> int:
@@ -465,7 +471,7 @@ class BucketedHashIndex:
             placed = int((plan.slots >= 0).sum())
             self._record(journal, plan.slots, saved, some_none=placed < plan.slots.numel())
             self._size += placed
-            self._wrote()
+            self._wrote(only_added=True)
             return plan.evicted_slots.clone()
         ok = plan.slots >= 0
         slots = plan.slots[ok]
@@ -478,7 +484,7 @@ class BucketedHashIndex:
         self.scores[slots] = scores[ok]
         self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
-        self._wrote()
+        self._wrote(only_added=not (plan.evicted_slots.numel() or plan.moved_from.numel()))
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:

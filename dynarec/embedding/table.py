@@ -32,11 +32,12 @@ __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_
 
 class FoundKeys:
     """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row), found
-    in the index state ``stamp`` (the lookup finds again if the index was written since), and
+    in the index state ``stamp`` (``BucketedHashIndex.stamp``: the lookup finds again where the
+    index changed in a way that can change the answer), and
     :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned
     memory behind the find, so a find made ahead is read without waiting)."""
 
-    def __init__(self, slots: torch.Tensor, stamp: object):
+    def __init__(self, slots: torch.Tensor, stamp: tuple[int, int, int]):
         self.slots = slots
         self.stamp = stamp
         absent = (slots < 0).any()

@@ -23,6 +23,7 @@ import contextlib
 import math
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,7 +441,7 @@ class Trainer:
                 item = ahead.next() if self._more_steps() else None
                 continue
             if read_ahead and self._more_steps():  # while the step's backward runs on the device
-                ahead.read()
+                ahead.read(self._steps_left())
             record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
             self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
@@ -474,6 +475,11 @@ class Trainer:
     def _more_steps(self) -> bool:
         """Whether another step is to run (``num_steps`` permitting)."""
         return self.config.train.num_steps is None or self.step < self.config.train.num_steps
+
+    def _steps_left(self) -> Optional[int]:
+        """Steps still to run (None: until the data ends)."""
+        n = self.config.train.num_steps
+        return None if n is None else max(n - self.step, 0)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -521,33 +527,41 @@ class Trainer:
 
 
 class ReadAhead:
-    """The training loop's next batch, read once a step's backward is queued, while the device
-    runs it: the host's work on the next batch (reading it, its checks, its packing) and the
-    embeddings' input stage (its copy to the GPU and its hash finds: ``prefetch``) overlap that
-    backward. An error reading it is raised where the loop asks for the batch, after the step:
-    the step it interrupts is not the one it belongs to."""
+    """The training loop's next batches, read once a step's backward is queued, while the device
+    runs it: the host's work on them (reading, checks, packing) and the embeddings' input stage
+    (their copy to the GPU and their hash finds: ``prefetch``) overlap that backward. Up to the
+    embeddings' ``prefetch_depth`` batches are held. An error reading one is raised where the
+    loop asks for that batch, after the steps before it: the step it interrupts is not the one
+    it belongs to."""
 
     def __init__(self, batches: Iterator[tuple[Union[Batch, DataError], DataPosition, int]], embeddings):
         self._batches = batches
         self._embeddings = embeddings
-        self._read: Optional[tuple[str, Any]] = None
+        self._read: deque[tuple[str, Any]] = deque()
 
-    def read(self) -> None:
-        try:
-            item = next(self._batches, None)
-        except Exception as e:  # raised by next(), after this step
-            self._read = ("error", e)
-            return
-        self._read = ("item", item)
-        if item is not None and isinstance(item[0], Batch):
-            self._embeddings.prefetch(item[0].sparse)
+    def read(self, steps_left: Optional[int] = None) -> None:
+        """Reads (and prefetches) batches until ``prefetch_depth`` are held, or as many as the
+        ``steps_left`` (None: no limit) need, or the data ends or fails."""
+        want = (
+            self._embeddings.prefetch_depth if steps_left is None else min(self._embeddings.prefetch_depth, steps_left)
+        )
+        while len(self._read) < want:
+            if self._read and (self._read[-1][0] == "error" or self._read[-1][1] is None):
+                return  # the data ended or failed: nothing more to read
+            try:
+                item = next(self._batches, None)
+            except Exception as e:  # raised by next(), after the steps before it
+                self._read.append(("error", e))
+                return
+            self._read.append(("item", item))
+            if item is not None and isinstance(item[0], Batch):
+                self._embeddings.prefetch(item[0].sparse)
 
     def next(self) -> Optional[tuple[Union[Batch, DataError], DataPosition, int]]:
-        """The batch read ahead, else the next one."""
-        read, self._read = self._read, None
-        if read is None:
+        """The oldest batch read ahead, else the next one."""
+        if not self._read:
             return next(self._batches, None)
-        kind, value = read
+        kind, value = self._read.popleft()
         if kind == "error":
             raise value
         return value
