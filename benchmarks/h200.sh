@@ -139,7 +139,7 @@ round4c)
         timeout 90 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
             --pooling-factor 16 --steps 10 --runs 7
     } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
-    timeout 150 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 5 --steps 20 \
+    timeout 100 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 3 --steps 20 \
         --json "$out/train-step-h200.json" 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/train-step-h200.txt"
     ;;
 demo2)
