@@ -162,7 +162,9 @@ if HAVE_TRITON:
         tl.store(scores_ptr + s, tl.load(new_scores_ptr + i, mask=ok, other=0), mask=ok)
         tl.store(tags_ptr + s, _tag(_mix64(k.to(tl.uint64))), mask=ok)
 
-    @triton.jit
+    # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
+    # no .to() (a one-bucket table would not compile)
+    @triton.jit(do_not_specialize=["num_buckets"])
     def _find_kernel(
         keys_ptr, tags_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
         BLOCK: tl.constexpr,

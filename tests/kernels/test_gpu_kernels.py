@@ -8,14 +8,14 @@ from tests.matrix import needs_cuda
 pytestmark = [needs_cuda, pytest.mark.skipif(not gpu_checks.gpu.HAVE_TRITON, reason="Triton is not installed")]
 
 
-@pytest.mark.parametrize("num_buckets, bucket_size", [(3, 4), (5, 12), (64, 16), (1 << 16, 16)])
+@pytest.mark.parametrize("num_buckets, bucket_size", [(1, 4), (3, 4), (5, 12), (64, 16), (1 << 16, 16)])
 def test_find(num_buckets, bucket_size):
     gpu_checks.check_find("cuda", num_buckets, bucket_size)
 
 
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
-    [(4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8), (16, 12, 0.7), (1 << 14, 16, 0.9)],
+    [(1, 4, 0.5), (4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8), (16, 12, 0.7), (1 << 14, 16, 0.9)],
 )
 def test_claim_free_slots(num_buckets, bucket_size, load):
     gpu_checks.check_claim_free_slots("cuda", num_buckets, bucket_size, load)
