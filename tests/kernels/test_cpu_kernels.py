@@ -22,7 +22,7 @@ def random_keys(n, seed):
     )
 
 
-@pytest.mark.parametrize("num_buckets", [1, 3, 1 << 20])
+@pytest.mark.parametrize("num_buckets", [1, 3, 1 << 20, (1 << 33) + 5])
 def test_candidate_buckets(num_buckets):
     keys = random_keys(10_000, num_buckets)
     for a, b in zip(candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)):

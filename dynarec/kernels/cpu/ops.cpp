@@ -79,24 +79,36 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
   const uint8_t* tg = tags.data_ptr<uint8_t>();
   const int64_t* q = query.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  const uint64_t nb = static_cast<uint64_t>(num_buckets);
-  constexpr int64_t kAhead = 8;  // keys whose tag lines are prefetched ahead of their probe
+  TORCH_CHECK(num_buckets >= 1 && num_buckets <= 0xFFFFFFFFLL, "num_buckets must be in [1, 2^32)");
+  const uint32_t nb = static_cast<uint32_t>(num_buckets);
+  // Each key's hash and buckets are computed once, kAhead keys before its probe, when its tag
+  // lines are prefetched; 32-bit modulo (the hash halves and num_buckets fit in 32 bits).
+  constexpr int64_t kAhead = 8;
   at::parallel_for(0, query.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    struct Probe {
+      int64_t base1, base2;
+      uint8_t tag;
+    };
+    Probe ring[kAhead];
+    auto prepare = [&](int64_t i) {
+      const uint64_t h = mix64(static_cast<uint64_t>(q[i]));
+      Probe& p = ring[i % kAhead];
+      p.base1 = static_cast<int64_t>(static_cast<uint32_t>(h) % nb) * bucket_size;
+      p.base2 = static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb) * bucket_size;
+      p.tag = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
+      __builtin_prefetch(tg + p.base1);
+      __builtin_prefetch(tg + p.base2);
+    };
+    for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) prepare(i);
     for (int64_t i = begin; i < end; ++i) {
-      if (i + kAhead < end) {
-        const uint64_t ha = mix64(static_cast<uint64_t>(q[i + kAhead]));
-        __builtin_prefetch(tg + static_cast<int64_t>((ha & 0xFFFFFFFFULL) % nb) * bucket_size);
-        __builtin_prefetch(tg + static_cast<int64_t>(((ha >> 32) & 0xFFFFFFFFULL) % nb) * bucket_size);
-      }
+      const Probe p = ring[i % kAhead];
+      if (i + kAhead < end) prepare(i + kAhead);
       const int64_t key = q[i];
-      const uint64_t h = mix64(static_cast<uint64_t>(key));
-      const uint64_t buckets[2] = {(h & 0xFFFFFFFFULL) % nb, ((h >> 32) & 0xFFFFFFFFULL) % nb};
-      const uint8_t tag = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
-      int64_t slot = -1;
-      for (int c = 0; c < 2 && slot < 0; ++c) {
-        const int64_t base = static_cast<int64_t>(buckets[c]) * bucket_size;
-        const int64_t lane = probe_bucket(tg, tk, base, bucket_size, tag, key);
-        if (lane >= 0) slot = base + lane;
+      int64_t lane = probe_bucket(tg, tk, p.base1, bucket_size, p.tag, key);
+      int64_t slot = lane >= 0 ? p.base1 + lane : -1;
+      if (slot < 0) {
+        lane = probe_bucket(tg, tk, p.base2, bucket_size, p.tag, key);
+        if (lane >= 0) slot = p.base2 + lane;
       }
       o[i] = slot;
     }
@@ -114,6 +126,15 @@ std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t 
   int64_t* p2 = b2.data_ptr<int64_t>();
   const uint64_t nb = static_cast<uint64_t>(num_buckets);
   at::parallel_for(0, keys.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if (nb <= 0xFFFFFFFFULL) {  // 32-bit modulo: the same values, a fraction of the divide's cost
+      const uint32_t nb32 = static_cast<uint32_t>(nb);
+      for (int64_t i = begin; i < end; ++i) {
+        const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
+        p1[i] = static_cast<int64_t>(static_cast<uint32_t>(h) % nb32);
+        p2[i] = static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb32);
+      }
+      return;
+    }
     for (int64_t i = begin; i < end; ++i) {
       const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
       p1[i] = static_cast<int64_t>((h & 0xFFFFFFFFULL) % nb);
