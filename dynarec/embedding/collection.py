@@ -85,6 +85,8 @@ class EmbeddingCollection(nn.Module):
     ):
         super().__init__()
         self.device = torch.device(device)
+        if prefetch_depth is not None and prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be at least 1, got {prefetch_depth}")
         self.prefetch_depth = prefetch_depth or (2 if self.device.type == "cuda" else 1)
         self._prefetched: deque[_Prepared] = deque()
         self.tables: dict[str, EmbeddingTable] = {}

@@ -173,3 +173,8 @@ def test_a_find_made_ahead_is_redone_when_its_key_was_evicted_since(device):
     coll.write_rows("dyn", torch.tensor([5]), {"weight": torch.full((1, 4), 5.0)})  # evicts key 1 (ties: slot 0)
     assert not bool(coll.read_rows("dyn", torch.tensor([1]))["present"])
     assert torch.equal(coll(kjt)["user"].cpu(), torch.zeros(1, 4))
+
+
+def test_a_prefetch_depth_below_one_is_refused():
+    with pytest.raises(ValueError, match="prefetch_depth must be at least 1, got 0"):
+        collection("cpu", prefetch_depth=0)
