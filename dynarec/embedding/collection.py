@@ -130,7 +130,8 @@ class EmbeddingCollection(nn.Module):
         and the finds run on the input stream beside it, and the batch's forward reads the
         finds' answer without waiting. Up to :attr:`prefetch_depth` batches are kept (the oldest
         is dropped), each for the forward of that very batch object: a forward of one of them
-        drops those prefetched before it, a forward of another batch drops them all.
+        drops those prefetched before it; a forward of another batch (an evaluation between
+        training steps) leaves them.
 
         A find made ahead holds while the table only gains keys in free slots; where it may
         not (the table grew, evicted, moved or removed keys, was loaded, an aborted step was
@@ -145,10 +146,12 @@ class EmbeddingCollection(nn.Module):
             self._prefetched.popleft()
 
     def _take_prefetched(self, kjt: KeyedJaggedLike) -> Optional[_Prepared]:
-        """The prefetched stage of ``kjt`` (dropping those before it), or None (dropping all)."""
-        while self._prefetched:
-            prepared = self._prefetched.popleft()
+        """The prefetched stage of ``kjt``, dropping those before it; None (keeping them all:
+        an eval forward between training steps) where ``kjt`` was not prefetched."""
+        for i, prepared in enumerate(self._prefetched):
             if prepared.kjt is kjt:
+                for _ in range(i + 1):
+                    self._prefetched.popleft()
                 return prepared
         return None
 

@@ -178,6 +178,7 @@ class BucketedHashIndex:
         self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
         self._written: Optional[torch.cuda.Event] = None
+        self._finds: dict[int, torch.cuda.Event] = {}  # the last find queued on each stream (CUDA)
         self._serial = next(_SERIALS)
         self._writes = 0
         self._displacements = 0
@@ -195,6 +196,15 @@ class BucketedHashIndex:
         if self.device.type == "cuda":
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.device))
+
+    def _before_write(self) -> None:
+        """Makes the current stream wait for every find queued so far, on any stream: a write
+        never changes keys or tags a find is still reading (a find made two steps ahead, on the
+        input stream, may still run when the next step inserts)."""
+        if self._finds:
+            stream = torch.cuda.current_stream(self.device)
+            for done in self._finds.values():
+                stream.wait_event(done)
 
     @property
     def stamp(self) -> tuple[int, int, int]:
@@ -225,15 +235,25 @@ class BucketedHashIndex:
     # -- reads -------------------------------------------------------------------------------
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
-        """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64."""
-        if self._written is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._written)
+        """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64. On a GPU, on any
+        stream: it waits for the writes queued before it, and the writes queued after it wait
+        for it."""
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         if kernels is not None:
             return kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
+        if self.device.type != "cuda":
+            return self.find_reference(keys)
+        stream = torch.cuda.current_stream(self.device)
+        if self._written is not None:
+            stream.wait_event(self._written)
         if gpu_kernels.available(self.device):
-            return gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys)
-        return self.find_reference(keys)
+            slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys)
+        else:
+            slots = self.find_reference(keys)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._finds[stream.stream_id] = done
+        return slots
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
         """Plain-torch :meth:`find` (any device): gathers both buckets of every key and compares."""
@@ -450,6 +470,7 @@ class BucketedHashIndex:
         slots, size = slots.clone(), self._size
 
         def undo() -> None:
+            self._before_write()
             s, (k, sc, tags, pins) = slots, saved
             if some_none:
                 ok = s >= 0
@@ -463,6 +484,7 @@ class BucketedHashIndex:
     def commit(self, plan: InsertPlan, scores: torch.Tensor, journal: Optional[Journal] = None) -> torch.Tensor:
         """Writes a plan: moves residents, then places its keys with their ``scores``; returns
         the evicted keys."""
+        self._before_write()
         if gpu_kernels.available(self.device) and not (plan.evicted_slots.numel() or plan.moved_from.numel()):
             # Only new keys into free slots: one kernel places them (and reads what the journal keeps).
             saved = gpu_kernels.place_keys(
@@ -489,6 +511,7 @@ class BucketedHashIndex:
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
         """Frees ``slots`` (each occupied, no duplicates)."""
+        self._before_write()
         self._record(journal, slots)
         self.tags[slots] = 0
         self._size -= slots.numel()
@@ -522,6 +545,7 @@ class BucketedHashIndex:
 
     def install(self, slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor) -> None:
         """Places ``keys`` at the given ``slots`` (a fresh index restoring a dump's layout)."""
+        self._before_write()
         self.keys[slots] = keys
         self.scores[slots] = scores
         self.tags[slots] = key_tags(keys)

@@ -104,6 +104,30 @@ def test_input_stream_find_waits_for_the_index_writes_queued_on_the_main_stream(
     assert coll.tables["t"].size == 0
 
 
+def test_an_insert_waits_for_a_find_still_running_on_another_stream():
+    """A find queued behind a long kernel on a side stream (a batch prefetched two steps ahead),
+    then an insert of its key on the main stream: the insert waits, and the find sees the index
+    as it was when the find was queued (the key absent), not a half-written slot."""
+    from dynarec.embedding.hash_index import BucketedHashIndex
+
+    keys = torch.tensor([7, 11], device="cuda")
+    warm = BucketedHashIndex(4, 8, "cuda")  # compiles the find, plan and commit kernels first
+    warm.commit(warm.plan_insert(keys, allow_evict=False), torch.zeros_like(keys))
+    warm.find(keys)
+    torch.cuda.synchronize()
+    index = BucketedHashIndex(4, 8, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream
+        slots = index.find(keys)
+    index.commit(index.plan_insert(keys, allow_evict=False), torch.zeros_like(keys))  # on the main stream
+    assert not side.query(), "the find must still be queued for this test to mean anything"
+    torch.cuda.synchronize()
+    assert slots.tolist() == [-1, -1]
+    assert (index.find(keys) >= 0).all()
+
+
 def test_a_warm_lookup_does_not_wait_for_the_main_stream():
     """The find's host read waits only for the input stream: with the main stream busy, a
     training forward of a warm dynamic table returns before the main stream is done."""

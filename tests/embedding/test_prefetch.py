@@ -118,7 +118,10 @@ def test_a_prefetched_find_is_redone_after_an_aborted_step(device):
     assert_same_tables(plain, ahead)
 
 
-def test_a_forward_of_another_batch_drops_the_prefetch(device):
+def test_a_prefetch_survives_a_forward_of_another_batch(device):
+    """``a`` prefetched, then a training step of ``b`` (inserting, evicting): ``a``'s forward
+    takes its prepared stage, finds again where ``b`` changed the table, and equals a run
+    without prefetch."""
     plain, ahead = collection(device), collection(device)
     a, b = batches(device, n=2, seed=2)
     ahead.prefetch(a)
