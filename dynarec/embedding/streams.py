@@ -13,6 +13,9 @@ Ordering, the whole contract:
   a batch already on the device was made by the main stream, so the input stream waits for it;
 - a hash index records an event after every write of its keys (``BucketedHashIndex``), and a
   find waits for it on whatever stream it runs: it never reads keys an insert is still writing;
+  and it records an event after every find, on its stream, for which every later write of its
+  keys waits: an insert never changes keys a find queued before it (a batch prefetched two
+  steps ahead) is still reading;
 - the main stream waits for the input stream's event before the lookup, and every tensor the
   input stage hands over is recorded on the main stream (``record_stream``), so the caching
   allocator does not give its memory to the input stream's next allocation while the main
