@@ -519,7 +519,13 @@ class BucketedHashIndex:
 
     def touch(self, slots: torch.Tensor, score: int) -> None:
         """Sets the score of ``slots`` (duplicates allowed)."""
-        self.scores.scatter_(0, slots, score)  # half the time of index_put on a CPU
+        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
+        if kernels is None:
+            self.scores.scatter_(0, slots, score)  # half the time of index_put on a CPU
+            return
+        bad = kernels.fill_at(self.scores, slots.contiguous(), int(score))
+        if bad >= 0:
+            raise IndexError(f"touch: slot {int(slots[bad])} at position {bad} is outside [0, {self.capacity})")
 
     def add(self, slots: torch.Tensor, amounts: torch.Tensor, journal: Optional[Journal] = None) -> None:
         """Adds ``amounts`` to the scores of ``slots`` (duplicates accumulate)."""

@@ -112,3 +112,15 @@ def test_fused_bag_update_over_any_row_range(num_rows):
     torch.testing.assert_close(weight, w_ref, rtol=1e-5, atol=1e-6)
     for k in states:
         torch.testing.assert_close(states[k], states_ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 100, (1000,), generator=g)
+    slots = torch.randint(0, 1000, (5000,), generator=g)  # duplicates
+    want = t.clone().scatter_(0, slots, 2**40)
+    assert cpu.ops().fill_at(t, slots, 2**40) == -1
+    assert torch.equal(t, want)
+    index = BucketedHashIndex(4, 4, "cpu")
+    with pytest.raises(IndexError, match="touch: slot 16 at position 1 is outside"):
+        index.touch(torch.tensor([3, 16]), 7)

@@ -434,6 +434,22 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
   return std::make_tuple(out, lengths, true);
 }
 
+// t[idx[i]] = value for every i, duplicates allowed (BucketedHashIndex.touch: a step's scores);
+// one thread, in order. Returns -1, or the position of an index outside t (then nothing after it
+// is written). torch's scatter_ took 0.23 ms for 82k slots on the 2-core VM, this 0.12 ms.
+int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
+  check_cpu_int64(t, "t");
+  check_cpu_int64(idx, "idx");
+  int64_t* p = t.data_ptr<int64_t>();
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  const int64_t n = idx.numel(), size = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if (ix[i] < 0 || ix[i] >= size) return i;
+    p[ix[i]] = value;
+  }
+  return -1;
+}
+
 // stable_row_order as tensors: (rows sorted, the permutation), for the tests; empty where a row
 // is negative.
 std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
@@ -452,6 +468,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
+  m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
   m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");
   m.def("uniform01", &uniform01, "key-seeded uniform (0, 1) draws");
