@@ -86,6 +86,11 @@ class InsertPlan:
         return self.slots < 0
 
     @property
+    def only_adds(self) -> bool:
+        """Whether the plan only places new keys in free slots (no resident evicted or moved)."""
+        return not (self.evicted_slots.numel() or self.moved_from.numel())
+
+    @property
     def overwritten_slots(self) -> torch.Tensor:
         """Slots whose previous contents a commit replaces (evicted and moved residents' rows)."""
         return torch.cat([self.evicted_slots, self.moved_from])
@@ -485,7 +490,7 @@ class BucketedHashIndex:
         """Writes a plan: moves residents, then places its keys with their ``scores``; returns
         the evicted keys."""
         self._before_write()
-        if gpu_kernels.available(self.device) and not (plan.evicted_slots.numel() or plan.moved_from.numel()):
+        if gpu_kernels.available(self.device) and plan.only_adds:
             # Only new keys into free slots: one kernel places them (and reads what the journal keeps).
             saved = gpu_kernels.place_keys(
                 self.keys, self.scores, self.tags, self.pins, plan.slots, plan.keys, scores, save=journal is not None
@@ -506,7 +511,7 @@ class BucketedHashIndex:
         self.scores[slots] = scores[ok]
         self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
-        self._wrote(only_added=not (plan.evicted_slots.numel() or plan.moved_from.numel()))
+        self._wrote(only_added=plan.only_adds)
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
