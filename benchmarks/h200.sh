@@ -30,6 +30,24 @@ dyn=(python3 -m dynarec bench)
 before=(env -C .before PYTHONPATH=/tmp/site:$PWD/.before python3 -m dynarec.cli bench)
 shape=(--rows 10000000 --dim 128 --bags 65536 --pooling-factor 16)
 
+# the CUDA tests of the input stage, prefetch and training
+prefetch_tests() {
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/embedding/test_prefetch.py tests/embedding/test_cuda.py \
+        tests/train/test_cuda_training.py 2>&1 | tail -3 | tee "$out/tests-h200.txt"
+}
+
+# fused-step and dynamic-step (30 steps a run, 7 runs) of the previous revision (.prev/) or of
+# this one, in the order given ("prev" / "now"), in one call: both see the same machine state
+steps_prev_now() {
+    local prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench) cmd who
+    for who in "$@"; do
+        if [ "$who" = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+        echo "## $who"
+        timeout 90 "${cmd[@]}" fused-step --device cuda "${shape[@]}" --steps 30 --runs 7 --optimizer adagrad
+        timeout 110 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" --steps 30 --runs 7
+    done
+}
+
 case $stage in
 tests)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -100,18 +118,8 @@ round3)
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
     ;;
 round4)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/embedding/test_prefetch.py tests/embedding/test_cuda.py \
-        tests/train/test_cuda_training.py 2>&1 | tail -3 | tee "$out/tests-h200.txt"
-    prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
-    long=(--steps 30 --runs 7)
-    {
-        for who in prev now now; do
-            if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
-            echo "## $who"
-            timeout 90 "${cmd[@]}" fused-step --device cuda "${shape[@]}" "${long[@]}" --optimizer adagrad
-            timeout 110 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" "${long[@]}"
-        done
-    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    prefetch_tests
+    steps_prev_now prev now now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     for kind in fixed dynamic; do
         timeout 60 python3 benchmarks/profile_step.py --device cuda --kind $kind --rows 10000000 --dim 128 \
             --steps 30 --host --rows-shown 25
@@ -125,17 +133,9 @@ round4b)
     timeout 300 "${dyn[@]}" sweep --device cuda --json "$out/sweep-h200.json" 2>&1 | tee "$out/sweep-h200.txt"
     ;;
 round4c)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/embedding/test_prefetch.py tests/embedding/test_cuda.py \
-        tests/train/test_cuda_training.py 2>&1 | tail -3 | tee "$out/tests-h200.txt"
-    prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
-    long=(--steps 30 --runs 7)
+    prefetch_tests
     {
-        for who in prev now; do
-            if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
-            echo "## $who"
-            timeout 60 "${cmd[@]}" fused-step --device cuda "${shape[@]}" "${long[@]}" --optimizer adagrad
-            timeout 80 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" "${long[@]}"
-        done
+        steps_prev_now prev now
         timeout 90 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
             --pooling-factor 16 --steps 10 --runs 7
     } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
