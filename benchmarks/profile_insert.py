@@ -41,7 +41,7 @@ def main() -> None:
         fresh = torch.unique(new[slots < 0])
         sync()
         t1 = time.perf_counter()
-        plan = index.plan_insert(fresh, allow_evict=False)
+        plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
         sync()
         t2 = time.perf_counter()
         index.commit(plan, torch.zeros_like(fresh), journal)

@@ -222,7 +222,9 @@ def bench_hash_find(args) -> dict:
             start = time.perf_counter()
             slots = index.find(new)
             fresh = torch.unique(new[slots < 0])
-            index.commit(index.plan_insert(fresh, allow_evict=False), torch.zeros_like(fresh), journal)
+            index.commit(
+                index.plan_insert(fresh, allow_evict=False, keys_ascending=True), torch.zeros_like(fresh), journal
+            )
             sync()
             insert_rates.append(new.numel() / (time.perf_counter() - start))
             journal.undo()

@@ -18,6 +18,9 @@ Row lifecycle in a training lookup (the table's step is open, ``begin_step()``):
    initializer and gets no update; ``dropped_keys`` counts them.
 4. When the step commits (its backward ran), the scores of the touched rows are updated:
    ``step`` = the step, ``lfu`` += occurrences, ``timestamp`` = the forward's wall clock (us).
+   A native row store's fused update writes ``step`` and ``timestamp`` scores itself, once per
+   unique row (:class:`~dynarec.optim.fused.RowScores`); a step committed without its backward
+   (a later step's backward settles it), ``lfu`` and the FBGEMM store write them at commit.
 
 Everything 1-3 change is journaled: ``abort_step()`` restores evicted keys with their rows,
 removes created rows, takes back admission counts and a growth.
@@ -45,6 +48,7 @@ from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal, Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.fused import RowScores
 
 __all__ = ["DynamicTable", "TableFullError"]
 
@@ -134,7 +138,8 @@ class DynamicTable(EmbeddingTable):
     # -- the lookup stage ----------------------------------------------------------------------
 
     def find(self, bags: Bags) -> FoundKeys:
-        return FoundKeys(self.index.find(bags.ids), self.index.stamp)
+        slots, absent = self.index.find_flagged(bags.ids)
+        return FoundKeys(slots, self.index.stamp, absent)
 
     def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
@@ -168,8 +173,11 @@ class DynamicTable(EmbeddingTable):
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
             slots = slots[present]
             weights = None if weights is None else weights[present]
-        out = self.store.lookup(slots, offsets, weights, train, step=step.t if step else 0)
-        if step is not None:
+        if step is None:
+            out = self.store.lookup(slots, offsets, weights, train)
+        else:
+            row_scores = self._schedule_scores(slots, step)
+            out = self.store.lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
             self._commit_on_backward(out, step)
         return out if missing_out is None else out + missing_out
 
@@ -191,7 +199,6 @@ class DynamicTable(EmbeddingTable):
             pending = {s.id for s in self.steps.pending}
             self._deferred_pins = [(st, t) for st, t in self._deferred_pins if st.id in pending]
             self._deferred_pins.append((step, slots))
-            step.on_commit.append(self._score_update(slots, step))
             return slots, True
         absent = slots < 0
         self._write_pins()
@@ -203,25 +210,35 @@ class DynamicTable(EmbeddingTable):
         if candidates.numel():
             generation, moved = self._generation, self.counters["moved"]
             new_slots = torch.full_like(uniq, -1)
-            new_slots[candidates] = self._insert(uniq[candidates], step)
+            new_slots[candidates] = self._insert(uniq[candidates], step, keys_ascending=True)
             if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
             else:
                 slots[absent] = new_slots[inverse]
         present = slots >= 0
-        touched = slots[present]  # one entry per occurrence
-        self.index.pin(touched, step.id)
-        step.on_commit.append(self._score_update(touched, step))
+        self.index.pin(slots[present], step.id)
         return slots, bool(present.all())
 
-    def _score_update(self, touched: torch.Tensor, step: Step):
-        """The score change of a step's touched slots, applied when the step commits (no growth
-        can move them before: growth waits for every other pending step)."""
+    def _schedule_scores(self, touched: torch.Tensor, step: Step) -> Optional[RowScores]:
+        """Schedules the score change of a step's touched slots (one entry per occurrence) for
+        when the step commits (no growth can move them before: growth waits for every other
+        pending step). Returns the :class:`RowScores` the store's fused update writes when the
+        step's backward runs, or None where the commit writes them."""
         strategy = self.options.score_strategy
         if strategy == "lfu":
-            return lambda: self.index.add(touched, torch.ones_like(touched))
-        value = {"step": step.t, "timestamp": time.time_ns() // 1000}.get(strategy)
-        return (lambda: None) if value is None else (lambda: self.index.touch(touched, value))
+            step.on_commit.append(lambda: self.index.add(touched, torch.ones_like(touched)))
+            return None
+        if strategy not in ("step", "timestamp"):
+            return None
+        value = step.t if strategy == "step" else time.time_ns() // 1000
+        fused = self.store.writes_row_scores and torch.is_grad_enabled()
+
+        def on_commit() -> None:
+            if not (fused and step.backward_ran):  # committed without its backward: no update wrote them
+                self.index.touch(touched, value)
+
+        step.on_commit.append(on_commit)
+        return RowScores(self.index.scores, value) if fused else None
 
     @property
     def pinned(self) -> torch.Tensor:
@@ -253,7 +270,7 @@ class DynamicTable(EmbeddingTable):
         seen = slots >= 0
         counter.add(slots[seen], counts[seen], journal)
         counter.pin(slots[seen], step.id)  # this batch's counts are not evicted by its new keys
-        plan = counter.plan_insert(keys[~seen], pinned_by=self._pending_ids(), allow_evict=True)
+        plan = counter.plan_insert(keys[~seen], pinned_by=self._pending_ids(), allow_evict=True, keys_ascending=True)
         counter.commit(plan, counts[~seen], journal)
         slots[~seen] = plan.slots
         totals = torch.where(slots >= 0, counter.scores[slots.clamp(min=0)], torch.zeros_like(counts))
@@ -267,9 +284,10 @@ class DynamicTable(EmbeddingTable):
         """Growth moves rows: only when no step but the current one is pending."""
         return self.index.num_buckets < self.max_buckets and len(self.steps.pending) <= 1
 
-    def _insert(self, keys: torch.Tensor, step: Optional[Step]) -> torch.Tensor:
-        """Gives rows to absent ``keys`` (unique); returns their slots (-1: no row). ``step``:
-        the training step doing it (its journal records the changes), or None (``write_rows``).
+    def _insert(self, keys: torch.Tensor, step: Optional[Step], keys_ascending: bool = False) -> torch.Tensor:
+        """Gives rows to absent ``keys`` (unique; ``keys_ascending``: in ascending order); returns
+        their slots (-1: no row). ``step``: the training step doing it (its journal records the
+        changes), or None (``write_rows``).
 
         A row this step already looked up may move to its other bucket to make room (its slot
         changes; the caller finds its keys again), unless the table served this step before:
@@ -283,13 +301,17 @@ class DynamicTable(EmbeddingTable):
             at_max = self.index.num_buckets == self.max_buckets
             allow_evict = options.score_strategy != "none" and (at_max or not self._can_grow())
             plan = self.index.plan_insert(
-                keys, pinned_by=self._pending_ids(), allow_evict=allow_evict, movable_pins=self._movable_pins(step)
+                keys,
+                pinned_by=self._pending_ids(),
+                allow_evict=allow_evict,
+                movable_pins=self._movable_pins(step),
+                keys_ascending=keys_ascending,
             )
-            if bool(plan.overflow.any()) and self._can_grow():
+            if plan.dropped and self._can_grow():
                 self._grow(journal)
                 continue
             break
-        overflow = int(plan.overflow.sum())
+        overflow = plan.dropped
         if overflow:
             message = (
                 f"table '{self.name}': {overflow} new key(s) could not get a row (capacity "
@@ -304,7 +326,7 @@ class DynamicTable(EmbeddingTable):
         evicted = plan.evicted_slots.numel()
         # Evictions while a slot was still free somewhere (below full capacity) are the ones
         # max_capacity promises to avoid; report() counts them apart.
-        free_left = self.max_capacity - (self.size + int((plan.slots >= 0).sum()) - evicted)
+        free_left = self.max_capacity - (self.size + plan.placed - evicted)
         self._count(
             journal,
             dropped=overflow,
@@ -456,7 +478,7 @@ class DynamicTable(EmbeddingTable):
             ok = plan.slots >= 0
             # Every key placed in one plan is new to the index, so none can make room by moving: a
             # bucket pair can overflow below full capacity; then more buckets, while allowed.
-            if bool(ok.all()) or num_buckets == self.max_buckets:
+            if not plan.dropped or num_buckets == self.max_buckets:
                 break
             num_buckets = min(self.max_buckets, num_buckets * 2)
         index.commit(plan, scores[keep])

@@ -139,7 +139,9 @@ class FbgemmRowStore(RowStore):
         super().set_learning_rate(lr)
         self.tbe.set_learning_rate(self.lr)
 
-    def lookup(self, rows, offsets, per_sample_weights: Optional[torch.Tensor], train, step=0):
+    def lookup(self, rows, offsets, per_sample_weights: Optional[torch.Tensor], train, step=0, row_scores=None):
+        if row_scores is not None:
+            raise ValueError("FbgemmRowStore: FBGEMM's update cannot write row scores (writes_row_scores is False)")
         num_bags = offsets.numel() - 1
         if self._shared_feature_map:  # the second feature: num_bags empty bags
             offsets = torch.cat([offsets, offsets[-1:].expand(num_bags)])

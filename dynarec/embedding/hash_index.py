@@ -49,6 +49,8 @@ def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tenso
     if kernels is not None:
         b1, b2 = kernels.candidate_buckets(keys.contiguous(), num_buckets)
         return b1, b2
+    if gpu_kernels.available(keys.device):
+        return gpu_kernels.candidate_buckets(keys, num_buckets)
     return candidate_buckets_reference(keys, num_buckets)
 
 
@@ -73,6 +75,8 @@ class InsertPlan:
     ``slots[i] == -1``: key ``i`` found no slot (overflow). ``evicted_slots``: occupied slots
     whose key is evicted (the new key takes the slot). ``moved_from`` / ``moved_to``: residents
     moved to their other bucket (one cuckoo step); a new key takes each ``moved_from`` slot.
+    ``num_placed``: how many keys got a slot, when the planner knows it on the host (else
+    :attr:`placed` reads it once).
     """
 
     keys: torch.Tensor
@@ -80,10 +84,23 @@ class InsertPlan:
     evicted_slots: torch.Tensor
     moved_from: torch.Tensor
     moved_to: torch.Tensor
+    num_placed: Optional[int] = None
 
     @property
     def overflow(self) -> torch.Tensor:
         return self.slots < 0
+
+    @property
+    def placed(self) -> int:
+        """Keys that got a slot (a host read only if the planner did not count them)."""
+        if self.num_placed is None:
+            self.num_placed = int((self.slots >= 0).sum())
+        return self.num_placed
+
+    @property
+    def dropped(self) -> int:
+        """Keys left without a slot."""
+        return self.keys.numel() - self.placed
 
     @property
     def only_adds(self) -> bool:
@@ -243,22 +260,34 @@ class BucketedHashIndex:
         """Slot of each key, ``-1`` where absent. ``keys``: ``[n]`` int64. On a GPU, on any
         stream: it waits for the writes queued before it, and the writes queued after it wait
         for it."""
+        return self._find(keys, flag=False)[0]
+
+    def find_flagged(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`find`, and whether any key is absent: a ``[]`` tensor on the device, nonzero if
+        one is (the GPU kernel sets it in the same pass: no second read of the slots)."""
+        slots, absent = self._find(keys, flag=True)
+        return slots, (slots < 0).any() if absent is None else absent
+
+    def _find(self, keys: torch.Tensor, flag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         if kernels is not None:
-            return kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
+            slots = kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
+            return slots, None
         if self.device.type != "cuda":
-            return self.find_reference(keys)
+            return self.find_reference(keys), None
         stream = torch.cuda.current_stream(self.device)
         if self._written is not None:
             stream.wait_event(self._written)
+        absent = None
         if gpu_kernels.available(self.device):
-            slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys)
+            absent = torch.zeros((), dtype=torch.int32, device=self.device) if flag else None
+            slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
         else:
             slots = self.find_reference(keys)
         done = torch.cuda.Event()
         done.record(stream)
         self._finds[stream.stream_id] = done
-        return slots
+        return slots, absent
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
         """Plain-torch :meth:`find` (any device): gathers both buckets of every key and compares."""
@@ -290,8 +319,11 @@ class BucketedHashIndex:
         allow_evict: bool = True,
         priority: Optional[torch.Tensor] = None,
         movable_pins: Optional[torch.Tensor] = None,
+        keys_ascending: bool = False,
     ) -> InsertPlan:
-        """Plans inserting ``keys`` (unique, absent), writing nothing.
+        """Plans inserting ``keys`` (unique, absent), writing nothing. ``keys_ascending``: the
+        caller's keys are in ascending order (``torch.unique``'s output), so ranking them by
+        key needs no sort.
 
         Keys are ranked by descending ``priority`` (when given), then ascending key, and claim
         slots in rounds, in that order:
@@ -312,8 +344,11 @@ class BucketedHashIndex:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         out = torch.full((n,), _NONE, dtype=torch.int64, device=self.device)
         if n == 0:
-            return InsertPlan(keys, out, empty, empty, empty)
-        order = torch.argsort(keys, stable=True)
+            return InsertPlan(keys, out, empty, empty, empty, 0)
+        if keys_ascending:
+            order = torch.arange(n, device=self.device)
+        else:
+            order = torch.argsort(keys, stable=True)
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
         b1, b2 = candidate_buckets(keys, self.num_buckets)
@@ -322,7 +357,7 @@ class BucketedHashIndex:
             work = _Buckets(self, torch.cat([b1, b2]))
             todo = self._claim_free_slots(work, order, b1, b2, out)
         elif not todo.numel():
-            return InsertPlan(keys, out, empty, empty, empty)
+            return InsertPlan(keys, out, empty, empty, empty, n)
         else:  # the working copy only if keys are left
             work = _Buckets(self, torch.cat([b1, b2]))
             work.claim(out[out >= 0])
@@ -335,7 +370,8 @@ class BucketedHashIndex:
         evicted = empty
         if todo.numel() and allow_evict:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
-        return InsertPlan(keys, out, evicted, moved_from, moved_to)
+        # every key left after step 2 that got a slot took an evicted one
+        return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
 
     def _claim_free_slots_kernel(
         self, b1: torch.Tensor, b2: torch.Tensor, order: torch.Tensor, out: torch.Tensor
@@ -495,7 +531,7 @@ class BucketedHashIndex:
             saved = gpu_kernels.place_keys(
                 self.keys, self.scores, self.tags, self.pins, plan.slots, plan.keys, scores, save=journal is not None
             )
-            placed = int((plan.slots >= 0).sum())
+            placed = plan.placed  # the planner's count: no host read
             self._record(journal, plan.slots, saved, some_none=placed < plan.slots.numel())
             self._size += placed
             self._wrote(only_added=True)
@@ -548,7 +584,7 @@ class BucketedHashIndex:
         out (``len(old slots) < size``)."""
         slots, keys, scores = self.entries()
         index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-        plan = index.plan_insert(keys, allow_evict=False, priority=scores)
+        plan = index.plan_insert(keys, allow_evict=False, priority=scores, keys_ascending=True)
         index.commit(plan, scores)  # a fresh index has no residents: nothing moves (and nothing can)
         ok = plan.slots >= 0
         index.pins[plan.slots[ok]] = self.pins[slots[ok]]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dynarec.kernels import gpu as gpu_kernels
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.fused import fused_bag_update
+from dynarec.optim.fused import RowScores, fused_bag_update
 
 __all__ = ["NativeRowStore", "RowStore"]
 
@@ -42,6 +42,9 @@ class RowStore(ABC):
         # ``(unique rows, their gradients) -> (rows, gradients)`` (native stores only).
         self.grad_reducer: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
 
+    #: Whether :meth:`lookup` takes ``row_scores``: its update then writes the rows' scores.
+    writes_row_scores = False
+
     @property
     @abstractmethod
     def weight(self) -> torch.Tensor:
@@ -60,6 +63,7 @@ class RowStore(ABC):
         per_sample_weights: Optional[torch.Tensor],
         train: bool,
         step: int = 0,
+        row_scores: Optional[RowScores] = None,
     ) -> torch.Tensor:
         """Weighted-sum bags: ``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``.
 
@@ -70,6 +74,8 @@ class RowStore(ABC):
             train: when True and grad is enabled, the output's backward applies the fused
                 optimizer update to the looked-up rows.
             step: the table's step counter ``t`` of this training step (>= 1).
+            row_scores: where :attr:`writes_row_scores`, the update also sets the score of
+                each updated row (in the same pass: one store per unique row).
         Returns:
             ``[num_bags, dim]`` float32.
         """
@@ -143,9 +149,10 @@ class _NativeFusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step):
+    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step, row_scores):
         ctx.store = store
         ctx.step = step
+        ctx.row_scores = row_scores
         ctx.save_for_backward(rows, offsets, per_sample_weights)
         return store.pooled(rows, offsets, per_sample_weights)
 
@@ -164,12 +171,15 @@ class _NativeFusedLookup(torch.autograd.Function):
             per_sample_weights=psw,
             grad_out=grad_out,
             reducer=store.grad_reducer,
+            row_scores=ctx.row_scores,
         )
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 class NativeRowStore(RowStore):
     """Plain-torch rows and fused update; runs on any device torch supports."""
+
+    writes_row_scores = True
 
     def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu"):
         super().__init__(num_rows, dim, spec, torch.device(device))
@@ -196,10 +206,10 @@ class NativeRowStore(RowStore):
     def restore_storage(self, handle) -> None:
         self.num_rows, self._weight, self._states = handle
 
-    def lookup(self, rows, offsets, per_sample_weights, train, step=0):
+    def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores=None):
         if train and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
-            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step)
+            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step, row_scores)
         return self.pooled(rows, offsets, per_sample_weights)
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):

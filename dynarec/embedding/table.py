@@ -37,13 +37,14 @@ class FoundKeys:
     :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned
     memory behind the find, so a find made ahead is read without waiting)."""
 
-    def __init__(self, slots: torch.Tensor, stamp: tuple[int, int, int]):
+    def __init__(self, slots: torch.Tensor, stamp: tuple[int, int, int], absent: Optional[torch.Tensor] = None):
+        """``absent``: a ``[]`` tensor, nonzero if a slot is -1, when the find computed it."""
         self.slots = slots
         self.stamp = stamp
-        absent = (slots < 0).any()
+        absent = (slots < 0).any() if absent is None else absent
         self._ready: Optional[torch.cuda.Event] = None
         if absent.is_cuda:
-            self._absent = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._absent = torch.empty((), dtype=absent.dtype, pin_memory=True)
             self._absent.copy_(absent, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(slots.device))

@@ -21,7 +21,7 @@ __all__ = ["bag_update_kernel"]
 
 def bag_update_kernel(device: torch.device) -> Optional[Callable[..., None]]:
     """The fused bag-update kernel of ``device`` (``(KernelArgs, *, lr, weight, states, rows,
-    offsets, per_sample_weights, grad_out)``), or None where it has none."""
+    offsets, per_sample_weights, grad_out, row_scores)``), or None where it has none."""
     from dynarec.kernels import cpu, gpu
 
     if gpu.available(device):

@@ -69,6 +69,23 @@ if HAVE_TRITON:
         return tl.where(tag == 0, 1, tag).to(tl.uint8)
 
     @triton.jit
+    def _buckets(h, num_buckets):
+        """The two candidate buckets of a key from its ``mix64`` hash ``h`` (uint64): its 32-bit
+        halves modulo ``num_buckets`` (< 2^32), in 32-bit arithmetic (``candidate_buckets``)."""
+        nb = num_buckets.to(tl.uint32)
+        b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
+        b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
+        return b1, b2
+
+    @triton.jit(do_not_specialize=["num_buckets"])
+    def _candidate_buckets_kernel(keys_ptr, b1_ptr, b2_ptr, n, num_buckets, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        b1, b2 = _buckets(_mix64(tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.uint64)), num_buckets)
+        tl.store(b1_ptr + offs, b1, mask=valid)
+        tl.store(b2_ptr + offs, b2, mask=valid)
+
+    @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
         """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
         power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
@@ -166,8 +183,8 @@ if HAVE_TRITON:
     # no .to() (a one-bucket table would not compile)
     @triton.jit(do_not_specialize=["num_buckets"])
     def _find_kernel(
-        keys_ptr, tags_ptr, query_ptr, out_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        BLOCK: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
+        FLAG: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
         # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
@@ -177,14 +194,14 @@ if HAVE_TRITON:
         valid = offs < n
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
-        nb = num_buckets.to(tl.uint32)
-        b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
-        b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
+        b1, b2 = _buckets(h, num_buckets)
         tag = _tag(h)
         found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
         found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
         tl.store(out_ptr + offs, slot, mask=valid)
+        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
+            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
 
     @triton.jit
     def _pooled_kernel(
@@ -252,17 +269,20 @@ if HAVE_TRITON:
         """Combine of a segmented sum scan: a set flag starts a new segment."""
         return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
 
-    @triton.jit
+    # score not specialized: an int argument equal to 1 would become a constant
+    @triton.jit(do_not_specialize=["score"])
     def _update_block_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
+        BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, as one [L, BLOCK_D] tile: their
         gradients gathered, summed per run of equal rows by a segmented scan, and every row whose
         run starts and ends in the block updated. A run crossing the block's start leaves its
         sum here in ``part_first``, one crossing its end in ``part_last``, for
-        :func:`_update_crossing_kernel`."""
+        :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
+        ends (once per row)."""
         b = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, L)
         p = b * L + lane
@@ -280,6 +300,8 @@ if HAVE_TRITON:
         starts = ((row != prev) | (lane == 0)).to(tl.int32)
         sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (L, BLOCK_D))), 0, _segmented_add)
         ends = pm & (row != nxt)  # the last occurrence of a run (sums: the run's total in the block)
+        if HAS_SCORES:
+            tl.store(scores_ptr + row, tl.zeros([L], dtype=tl.int64) + score.to(tl.int64), mask=ends)
         row0 = tl.load(sorted_rows_ptr + b * L).to(tl.int64)
         before = tl.load(sorted_rows_ptr + b * L - 1, mask=b > 0, other=-1).to(tl.int64)
         crosses_start = row == (tl.where(before == row0, row0, -2))  # lanes of a run begun earlier
@@ -296,17 +318,19 @@ if HAVE_TRITON:
         if tl.max(last.to(tl.int32), axis=0) > 0:
             tl.store(part_last_ptr + b * BLOCK_D + d, tl.sum(tl.where(last[:, None], sums, 0.0), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["score"])
     def _update_run_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
+        BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, read one at a time: each gradient
         row added to its run's sum in occurrence order, and a run's row updated where the run
         ends, when it began in the block. A run crossing the block's start leaves its sum in
         ``part_first``, one crossing its end in ``part_last``, for
-        :func:`_update_crossing_kernel`."""
+        :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
+        ends (once per row)."""
         b = tl.program_id(0).to(tl.int64)
         start = b * L
         end = tl.minimum(start + L, n)
@@ -325,6 +349,8 @@ if HAVE_TRITON:
             acc += g
             nxt = tl.load(sorted_rows_ptr + p + 1, mask=p + 1 < n, other=-1).to(tl.int64)
             if nxt != row:  # the run ends here
+                if HAS_SCORES:
+                    tl.store(scores_ptr + row, score.to(tl.int64))
                 if first:
                     tl.store(part_first_ptr + b * BLOCK_D + d, acc)
                 else:
@@ -399,20 +425,36 @@ def _tile_warps(elements: int) -> int:
 
 
 def find_two_choice(
-    table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, query: torch.Tensor
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    query: torch.Tensor,
+    absent: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Slot of each query key, -1 where absent (``BucketedHashIndex.find``; ``tags``: its uint8
-    tag per slot)."""
+    tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
         block = 128
         _find_kernel[(triton.cdiv(n, block),)](
-            table_keys, tags, query, out, n, num_buckets, BS=bucket_size, BSP=triton.next_power_of_2(bucket_size),
-            BLOCK=block,
+            table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=block,
         )  # fmt: skip
     return out
+
+
+def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hash_index.candidate_buckets`` in one kernel: ``(b1, b2)``, ``[n]`` int64 each."""
+    keys = keys.contiguous()
+    b1, b2 = torch.empty_like(keys), torch.empty_like(keys)
+    n = keys.numel()
+    if n:
+        block = 512
+        _candidate_buckets_kernel[(triton.cdiv(n, block),)](keys, b1, b2, n, num_buckets, BLOCK=block)
+    return b1, b2
 
 
 def place_keys(
@@ -457,32 +499,29 @@ def claim_free_slots(
 
     A round is a kernel choosing buckets, a stable sort by bucket, a searchsorted for each key's
     rank in its bucket, a kernel claiming lanes and one OR-ing them into per-bucket masks (no
-    slot is written to the index: a plan writes nothing). Two rounds run before the host reads
-    whether a third is needed; ``bucket_size`` <= 64."""
-    m = order.numel()
-    if m == 0:
-        return order
+    slot is written to the index: a plan writes nothing); then the host takes the keys still
+    without a slot (one read), so a later round sorts only those (at load 0.5 the first round
+    places nearly every key). A round that places no key ends it (every key left has two full
+    buckets: a round with a live key places at least its bucket's first). ``bucket_size`` <= 64."""
     device = tags.device
     bsp = triton.next_power_of_2(bucket_size)
-    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device)
-    choice = torch.empty(m, dtype=torch.int32, device=device)
-    lane = torch.empty(m, dtype=torch.int64, device=device)
+    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device) if order.numel() else None
     block = 128
-    grid = (triton.cdiv(m, block),)
     consts = dict(BS=bucket_size, BSP=bsp, BLOCK=block)
-    rounds, left = 0, m
-    while True:
+    while (m := order.numel()) > 0:
+        grid = (triton.cdiv(m, block),)
+        choice = torch.empty(m, dtype=torch.int32, device=device)
+        lane = torch.empty(m, dtype=torch.int64, device=device)
         _choose_kernel[grid](tags, claimed, b1, b2, order, out, choice, m, num_buckets, **consts)
-        rounds += 1
-        if rounds > 2:  # one host read: whether a key can still be placed, and how many are left
-            live, left = torch.stack([(choice < num_buckets).sum(), (out < 0).sum()]).tolist()
-            if not live:
-                break
         sorted_choice, perm = torch.sort(choice, stable=True)
         first = torch.searchsorted(sorted_choice, sorted_choice)  # where each key's bucket starts
         _claim_kernel[grid](tags, claimed, sorted_choice, perm, first, order, out, lane, m, num_buckets, **consts)
         _mark_claimed_kernel[grid](claimed, sorted_choice, lane, m, BLOCK=block)
-    return order[out[order] < 0] if left else order[:0]
+        left = order[out[order] < 0]
+        if left.numel() == m:
+            break
+        order = left
+    return order
 
 
 def pooled_forward(
@@ -516,6 +555,7 @@ def bag_update(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
+    row_scores=None,
     block: Optional[int] = None,
     kernel: Optional[str] = None,
 ) -> None:
@@ -531,7 +571,8 @@ def bag_update(
     finished by the block where it starts, from the other blocks' partial sums, in block order.
     ``kernel`` and ``block`` default to :func:`_update_kernel` and :func:`_block_length`. Every
     sum has a fixed order, no floating-point atomics, no host sync; four torch ops and two
-    kernels a step."""
+    kernels a step. ``row_scores`` (a ``RowScores``): the block where a row's run ends also sets
+    its score."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
@@ -562,15 +603,17 @@ def bag_update(
         1.0 - lr * args.weight_decay,
     )
     opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode, BLOCK_D=block_d, L=block)
+    scores, score = (sorted_rows, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
+    runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=row_scores is not None)
     if kernel == "run":
         _update_run_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
-            **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block_d),
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
+            *scalars, **opt, **runs, num_warps=_tile_warps(block_d),
         )  # fmt: skip
     else:
         _update_block_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, part_first, part_last, n, *scalars,
-            **opt, HAS_W=per_sample_weights is not None, num_warps=_tile_warps(block * block_d),
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
+            *scalars, **opt, **runs, num_warps=_tile_warps(block * block_d),
         )  # fmt: skip
     if blocks > 1:
         _update_crossing_kernel[(blocks - 1,)](

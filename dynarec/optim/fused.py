@@ -12,6 +12,7 @@ ops, any device), which is also the reference the kernels are tested against.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,9 +20,19 @@ import torch
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
 
-__all__ = ["bag_gradients", "fused_bag_update", "fused_row_update"]
+__all__ = ["RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
 
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """A side write of the fused update: ``scores[row] = value`` for every row it updates, once
+    per unique row (a dynamic table's eviction score of the rows a step touched: ``step`` or
+    ``timestamp``). ``scores``: ``[num_rows]`` int64 on the rows' device."""
+
+    scores: torch.Tensor
+    value: int
 
 
 @torch.no_grad()
@@ -77,11 +88,13 @@ def fused_bag_update(
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
     reducer: Optional[GradReducer] = None,
+    row_scores: Optional[RowScores] = None,
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
     ``[num_bags, D]``: each unique row once, with the sum of its occurrences' gradients.
-    ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first."""
+    ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first;
+    ``row_scores``: also sets the score of each row of ``rows``."""
     if rows.numel() == 0 and reducer is None:
         return
     kernel = definition(spec).kernel
@@ -99,10 +112,13 @@ def fused_bag_update(
                 offsets=offsets,
                 per_sample_weights=per_sample_weights,
                 grad_out=grad_out,
+                row_scores=row_scores,
             )
             return
     g = bag_gradients(grad_out.contiguous(), offsets, per_sample_weights, rows.numel())
     unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    if row_scores is not None:
+        row_scores.scores.index_fill_(0, unique_rows, row_scores.value)
     agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
     if reducer is not None:
         unique_rows, agg = reducer(unique_rows, agg)

@@ -1,5 +1,6 @@
 """Dynamic tables: same optimizer meaning as fixed tables, row lifecycle, capacity, dump/load."""
 
+import time
 import warnings
 
 import numpy as np
@@ -19,6 +20,7 @@ from dynarec.embedding import TableFullError
 from dynarec.embedding.jagged import split_features
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.embedding.test_hash_index import check_invariants, keys_with_buckets
+from tests.matrix import BACKENDS
 from tests.reference_model import zipf_batch
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -495,3 +497,34 @@ def test_deterministic_and_independent_of_insertion_order():
         one(b, {"f": [[k]]}, backward=False)
     da, db = a.tables["d"].dump(), b.tables["d"].dump()
     assert torch.equal(da["keys"], db["keys"]) and torch.equal(da["weight"], db["weight"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", ["step", "timestamp", "lfu"])
+def test_scores_of_touched_rows_whoever_writes_them(backend, strategy):
+    """The eviction score of each touched row after a step, whether the fused update wrote it
+    (native store, a backward ran) or the commit did (FBGEMM store, ``lfu``, a forward whose
+    backward never ran, a no-grad training forward): ``step`` = the step, ``timestamp`` = the
+    forward's clock, ``lfu`` += occurrences."""
+    coll = EmbeddingCollection([dynamic(backend=backend, score_strategy=strategy)], Adagrad(lr=0.1))
+    t = coll.tables["d"]
+
+    def scores() -> dict[int, int]:
+        dump = t.dump()
+        return dict(zip(dump["keys"].tolist(), dump["scores"].tolist()))
+
+    start = time.time_ns() // 1000
+    one(coll, {"f": [[1, 2], [2, 3]]})  # step 1, backward
+    coll(JaggedBatch.from_lists({"f": [[3, 4]]}))  # step 2, abandoned: settled by step 3's backward
+    one(coll, {"f": [[5]]})  # step 3
+    one(coll, {"f": [[6, 6]]}, backward=False)  # step 4, no grad
+    one(coll, {"f": [[1]]})  # step 5 commits step 4 too
+    end = time.time_ns() // 1000
+    got = scores()
+    if strategy == "step":
+        assert got == {1: 5, 2: 1, 3: 2, 4: 2, 5: 3, 6: 4}
+    elif strategy == "lfu":
+        assert got == {1: 2, 2: 2, 3: 2, 4: 1, 5: 1, 6: 2}
+    else:
+        assert all(start <= v <= end for v in got.values())
+        assert got[2] <= got[3] == got[4] <= got[5] <= got[6] <= got[1]  # forwards in clock order

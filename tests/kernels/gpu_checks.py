@@ -8,7 +8,7 @@ import torch
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.kernels import gpu
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
-from dynarec.optim.fused import bag_gradients, fused_row_update
+from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
 
 SPECS = [
     SGD(lr=0.3),
@@ -40,6 +40,11 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
+    for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
+        absent = torch.zeros((), dtype=torch.int32, device=device)
+        flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
+        assert torch.equal(flagged, index.find_reference(q))
+        assert bool(absent) == bool((flagged < 0).any())
 
 
 def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0):
@@ -155,16 +160,20 @@ def check_pooled(device, dim=8, weighted=True, max_len=6):
 def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None, kernel=None):
     """``update`` (default the GPU kernels, their ``kernel`` (``run`` / ``scan``, default the row
     width's) in blocks of ``block`` occurrences) against torch aggregation + the native update.
-    ``max_len`` 60 gives rows of ~100 occurrences."""
+    ``max_len`` 60 gives rows of ~100 occurrences. Every step also sets the rows' scores
+    (``RowScores``: 1, then values past int32): exactly the updated rows get the step's value."""
     if update is None:
         update = functools.partial(gpu.bag_update, block=block, kernel=kernel)
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
     w, states = w_ref.clone(), {k: v.clone() for k, v in states_ref.items()}
+    scores = torch.full((50,), -7, dtype=torch.int64, device=device)
     for step in range(1, steps + 1):
         rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, seed=step, max_len=max_len)
         grad_out = torch.randn(offsets.numel() - 1, dim, generator=g).to(device)
+        value = 1 if step == 1 else (1 << 40) + step
+        scores_before = scores.clone()
         update(
             definition(spec).kernel(spec, step),
             lr=spec.lr,
@@ -174,9 +183,11 @@ def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_l
             offsets=offsets,
             per_sample_weights=psw,
             grad_out=grad_out,
+            row_scores=RowScores(scores, value),
         )
         per_id = bag_gradients(grad_out, offsets, psw, rows.numel())
         unique, inverse = torch.unique(rows, return_inverse=True)
+        assert torch.equal(scores, scores_before.index_fill(0, unique, value))
         agg = per_id.new_zeros(unique.numel(), dim).index_add_(0, inverse, per_id)
         fused_row_update(spec, lr=spec.lr, step=step, weight=w_ref, states=states_ref, rows=unique, grad=agg)
     # A hot row sums ~100 float32 terms of size ~1 in another order than index_add: its gradient

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, fused_row_update
+from dynarec.optim.fused import RowScores, fused_bag_update
 from dynarec.optim.reference import initial_states, reference_update
 
 SPECS = [
@@ -54,3 +55,34 @@ def test_zero_gradient_still_moves_adam_and_decoupled_decay():
     spec = RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="decoupled")
     fused_row_update(spec, lr=0.1, step=1, weight=w, states=s, rows=torch.tensor([0]), grad=torch.zeros(1, 2))
     torch.testing.assert_close(w, torch.full((1, 2), 0.95))
+
+
+@pytest.mark.parametrize("with_reducer", [False, True], ids=["kernel", "torch"])
+def test_bag_update_sets_the_scores_of_the_rows_it_updates(with_reducer):
+    """``row_scores``: every row the update touches gets the value, once; no other row changes.
+    The reducer (data-parallel tables) takes the plain-torch path; without it the CPU kernel."""
+    spec = Adagrad(lr=0.1)
+    weight = torch.randn(30, 4)
+    states = {"momentum1": torch.zeros(30, 4)}
+    rows = torch.tensor([3, 7, 3, 29, 0, 7, 7])
+    offsets = torch.tensor([0, 2, 2, 5, 7])
+    scores = torch.arange(30, dtype=torch.int64) - 100
+    before = scores.clone()
+    fused_bag_update(
+        spec,
+        lr=spec.lr,
+        step=1,
+        weight=weight,
+        states=states,
+        rows=rows,
+        offsets=offsets,
+        per_sample_weights=None,
+        grad_out=torch.randn(4, 4),
+        reducer=(lambda r, g: (r, g)) if with_reducer else None,
+        row_scores=RowScores(scores, 1 << 41),
+    )
+    touched = torch.tensor([0, 3, 7, 29])
+    assert torch.equal(scores[touched], torch.full((4,), 1 << 41))
+    keep = torch.ones(30, dtype=torch.bool)
+    keep[touched] = False
+    assert torch.equal(scores[keep], before[keep])

@@ -49,9 +49,11 @@ def available() -> bool:
     return ops() is not None
 
 
-def bag_update(args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out) -> None:
+def bag_update(
+    args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out, row_scores=None
+) -> None:
     """The fused backward + update of weighted-sum bags (see ``fused_bag_update``) in C++;
-    ``args``: the optimizer's ``KernelArgs``."""
+    ``args``: the optimizer's ``KernelArgs``; ``row_scores``: a ``RowScores`` or None."""
     kernels = ops()
     assert kernels is not None
     empty = weight.new_empty(0)
@@ -72,6 +74,8 @@ def bag_update(args, *, lr: float, weight, states, rows, offsets, per_sample_wei
         args.beta2,
         args.bias1,
         args.bias2,
+        None if row_scores is None else row_scores.scores,
+        0 if row_scores is None else int(row_scores.value),
     )
     if negative >= 0:
         raise ValueError(

@@ -225,12 +225,13 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
 // (psw[i] * grad_out[bag(i)], in sorted order) and applies the optimizer to the row's weight and
 // states in place. No [n, D] or [U, D] intermediate; rows are independent, so threads split
 // them with no atomics. opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam; wd_mode: 0 none, 1 l2,
-// 2 decoupled. Mirrors dynarec/kernels/gpu.py's _update_kernel.
+// 2 decoupled. scores (int64, optional): scores[row] = score for each updated row (RowScores).
+// Mirrors dynarec/kernels/gpu.py's _update_kernel.
 // Returns -1, or the position of a negative row (then nothing is written).
 int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
                       const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
                       int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
-                      double bias1, double bias2) {
+                      double bias1, double bias2, const c10::optional<torch::Tensor>& scores, int64_t score) {
   // Scalars rounded to float32 the way torch rounds them in the native update (its ``alpha`` and
   // ``value`` arguments are computed in double, then cast), so both give the same bits.
   check_cpu_int64(rows, "rows");
@@ -266,6 +267,12 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
     psw_c = psw->contiguous();
     pw = psw_c.data_ptr<float>();
   }
+  int64_t* sc = nullptr;
+  if (scores.has_value()) {
+    check_cpu_int64(*scores, "scores");
+    TORCH_CHECK(scores->numel() >= weight.size(0), "scores must have a score per row");
+    sc = scores->data_ptr<int64_t>();
+  }
   const float flr = static_cast<float>(lr), feps = static_cast<float>(eps), fwd = static_cast<float>(wd);
   const float fb1 = static_cast<float>(beta1), fb2 = static_cast<float>(beta2);
   const float c1 = static_cast<float>(1.0 - beta1), c2 = static_cast<float>(1.0 - beta2);
@@ -282,6 +289,7 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
         for (int64_t d = 0; d < D; ++d) g[d] += gr[d] * scale;
       }
       const int64_t row = srow[heads[s]];
+      if (sc) sc[row] = score;
       float* w = w_all + row * D;
       if (opt == 0) {
         for (int64_t d = 0; d < D; ++d) w[d] -= flr * g[d];
