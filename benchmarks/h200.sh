@@ -17,6 +17,9 @@
 #            the GPU sweep
 #   round4c  the prefetch tests; fused-step and dynamic-step of .prev/ and of this revision;
 #            dynamic-step at 4.2M ids; train-step
+#   round5a  the CUDA tests; hash-find of .prev/ and of this revision; the profile of an insert
+#   round5b  fused-step and dynamic-step (1M ids a step), then dynamic-step at 4.2M ids, of .prev/
+#            and of this revision in turn
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -45,6 +48,17 @@ steps_prev_now() {
         echo "## $who"
         timeout 90 "${cmd[@]}" fused-step --device cuda "${shape[@]}" --steps 30 --runs 7 --optimizer adagrad
         timeout 110 "${cmd[@]}" dynamic-step --device cuda "${shape[@]}" --steps 30 --runs 7
+    done
+}
+
+# the dynamic step at 4.2M ids a step (the GPU, not the host, bounds it) of .prev/ or of this revision
+dynamic_4m() {
+    local prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench) cmd who
+    for who in "$@"; do
+        if [ "$who" = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+        echo "## $who, 4.2M ids a step"
+        timeout 100 "${cmd[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
+            --pooling-factor 16 --steps 10 --runs 7
     done
 }
 
@@ -141,6 +155,24 @@ round4c)
     } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     timeout 100 "${dyn[@]}" train-step --device cuda --batch 16384 --workers 14 --runs 3 --steps 20 \
         --json "$out/train-step-h200.json" 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/train-step-h200.txt"
+    ;;
+round5a)
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
+        tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    {
+        for who in prev now; do
+            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
+        done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round5b)
+    {
+        steps_prev_now prev now
+        dynamic_4m prev now
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 demo2)
     {

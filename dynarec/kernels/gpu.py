@@ -47,6 +47,11 @@ __all__ = [
 ]
 
 
+# Keys a program and warps of the find and place kernels (benchmarks/tune_index.py)
+FIND_BLOCK, FIND_WARPS = 128, 4
+PLACE_BLOCK, PLACE_WARPS = 256, 4
+
+
 def available(device: torch.device) -> bool:
     return HAVE_TRITON and device.type == "cuda"
 
@@ -88,14 +93,20 @@ if HAVE_TRITON:
     @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
         """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
-        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
-        at the lanes whose tag matches (a nonzero tag is an occupied slot)."""
+        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the key at
+        the first lane whose tag matches (a nonzero tag is an occupied slot); only where that is
+        another key and a second tag matches (a bucket in ~17 at load 1), every matching lane's."""
         lanes = tl.arange(0, BSP)
         slots = bucket[:, None] * BS + lanes[None, :]
         need2 = need[:, None] & (lanes < BS)[None, :]
         cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
-        hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
-        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
+        matches = tl.sum(cand.to(tl.int32), axis=1)
+        first = tl.argmax(cand.to(tl.int32), axis=1)  # the first matching lane (ties: the lowest)
+        hit_first = (matches > 0) & (tl.load(keys_ptr + bucket * BS + first, mask=matches > 0, other=0) == q)
+        more = cand & ((matches > 1) & ~hit_first)[:, None]
+        hit = more & (tl.load(keys_ptr + slots, mask=more, other=0) == q[:, None])
+        found = hit_first | (tl.max(hit.to(tl.int32), axis=1) > 0)
+        return found, tl.where(hit_first, first, tl.argmax(hit.to(tl.int32), axis=1))
 
     @triton.jit
     def _free_lanes(tags_ptr, claimed_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
@@ -431,17 +442,19 @@ def find_two_choice(
     bucket_size: int,
     query: torch.Tensor,
     absent: Optional[torch.Tensor] = None,
+    block: int = FIND_BLOCK,
+    num_warps: int = FIND_WARPS,
 ) -> torch.Tensor:
     """Slot of each query key, -1 where absent (``BucketedHashIndex.find``; ``tags``: its uint8
-    tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent."""
+    tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent.
+    ``block`` keys a program, on ``num_warps`` warps (tuning knobs: benchmarks/tune_index.py)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
-        block = 128
         _find_kernel[(triton.cdiv(n, block),)](
             table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
-            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=block,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
     return out
 
@@ -466,17 +479,19 @@ def place_keys(
     new_keys: torch.Tensor,
     new_scores: torch.Tensor,
     save: bool,
+    block: int = PLACE_BLOCK,
+    num_warps: int = PLACE_WARPS,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Writes ``new_keys[i]`` with ``new_scores[i]`` and its tag into slot ``slots[i]`` (distinct;
     -1: not placed) of a hash index's arrays, in one kernel; ``save``: returns what each slot
-    held before (keys, scores, tags, pins at ``slots``; unspecified where the slot is -1)."""
+    held before (keys, scores, tags, pins at ``slots``; unspecified where the slot is -1).
+    ``block`` / ``num_warps``: tuning knobs (benchmarks/tune_index.py)."""
     n = slots.numel()
     old = (torch.empty_like(new_keys), torch.empty_like(new_scores), tags.new_empty(n), pins.new_empty(n))
     if n:
-        block = 256
         _place_kernel[(triton.cdiv(n, block),)](
             keys, scores, tags, pins, slots.contiguous(), new_keys.contiguous(), new_scores.contiguous(), *old, n,
-            SAVE=save, BLOCK=block,
+            SAVE=save, BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
     return old if save else None
 

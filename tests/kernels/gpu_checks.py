@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.hash_index import BucketedHashIndex, key_tags
 from dynarec.kernels import gpu
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
 from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
@@ -40,6 +40,18 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
+    # Keys sharing a tag in one bucket: the key at the first matching lane is not always the one
+    # looked for (the kernel then compares every matching lane)
+    one = BucketedHashIndex(1, 16, device)
+    pool = torch.randint(-(2**63), 2**63 - 1, (400,), generator=g).unique().to(device)
+    tags = key_tags(pool).long()
+    shared = torch.nonzero(torch.bincount(tags, minlength=256) >= 2).flatten()[:4]  # tags of 2+ keys
+    twins = torch.cat([pool[tags == t][:2] for t in shared.tolist()])  # 4 pairs, one tag each
+    assert twins.numel() == 8
+    one.commit(one.plan_insert(twins, allow_evict=False), torch.zeros_like(twins))
+    for q in (twins, pool[:50]):
+        assert torch.equal(gpu.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
+    assert bool((one.find_reference(twins) >= 0).all())
     for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
         absent = torch.zeros((), dtype=torch.int32, device=device)
         flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)

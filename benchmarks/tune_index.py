@@ -1,0 +1,63 @@
+"""The hash index's find and place kernels alone, by keys a program and warps: device time
+(CUDA events, median of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M
+ids: hot keys repeat) and of 2M uniform keys (half absent) in 64M slots at load 0.5, and of
+placing 1M new keys (with the journal's read-back). Usage, on a CUDA machine with Triton:
+
+    python benchmarks/tune_index.py
+"""
+
+import functools
+import statistics
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.kernels import gpu
+
+CONFIGS = [(64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
+
+
+def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
+    times = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    slots = 1 << 26
+    index = BucketedHashIndex(slots // 16, 16, "cuda")
+    keys = torch.unique(torch.randint(-(2**62), 2**62, (slots // 2,), generator=gen)).cuda()
+    for chunk in keys.split(1 << 22):
+        index.commit(index.plan_insert(chunk, allow_evict=False, keys_ascending=True), torch.zeros_like(chunk))
+    rank = np.random.default_rng(0).zipf(1.05, 1 << 22) % keys.numel()
+    zipf = keys[torch.from_numpy(rank).cuda()]
+    uniform = torch.cat([keys[: 1 << 20], torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()])
+    new = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()
+    new = new[index.find(new) < 0].unique()
+    plan = index.plan_insert(new, allow_evict=False, keys_ascending=True)
+    arrays = (index.keys, index.scores, index.tags, index.pins)  # placing into the same slots again each time
+    print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
+    for block, warps in CONFIGS:
+        find = functools.partial(gpu.find_two_choice, index.keys, index.tags, index.num_buckets, 16)
+        place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new), True)
+        f = [device_ms(functools.partial(find, q, None, block, warps)) for q in (zipf, uniform)]
+        p = device_ms(functools.partial(place, block, warps))
+        print(
+            f"block {block:>4} warps {warps}: find zipf {f[0] * 1e3:7.1f} us "
+            f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
+            f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s); place {p * 1e3:6.1f} us"
+        )
+
+
+if __name__ == "__main__":
+    main()
