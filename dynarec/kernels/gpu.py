@@ -93,20 +93,14 @@ if HAVE_TRITON:
     @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
         """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
-        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the key at
-        the first lane whose tag matches (a nonzero tag is an occupied slot); only where that is
-        another key and a second tag matches (a bucket in ~17 at load 1), every matching lane's."""
+        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
+        at the lanes whose tag matches (a nonzero tag is an occupied slot)."""
         lanes = tl.arange(0, BSP)
         slots = bucket[:, None] * BS + lanes[None, :]
         need2 = need[:, None] & (lanes < BS)[None, :]
         cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
-        matches = tl.sum(cand.to(tl.int32), axis=1)
-        first = tl.argmax(cand.to(tl.int32), axis=1)  # the first matching lane (ties: the lowest)
-        hit_first = (matches > 0) & (tl.load(keys_ptr + bucket * BS + first, mask=matches > 0, other=0) == q)
-        more = cand & ((matches > 1) & ~hit_first)[:, None]
-        hit = more & (tl.load(keys_ptr + slots, mask=more, other=0) == q[:, None])
-        found = hit_first | (tl.max(hit.to(tl.int32), axis=1) > 0)
-        return found, tl.where(hit_first, first, tl.argmax(hit.to(tl.int32), axis=1))
+        hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
+        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
 
     @triton.jit
     def _free_lanes(tags_ptr, claimed_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
