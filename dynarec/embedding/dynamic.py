@@ -231,14 +231,26 @@ class DynamicTable(EmbeddingTable):
         if strategy not in ("step", "timestamp"):
             return None
         value = step.t if strategy == "step" else time.time_ns() // 1000
-        fused = self.store.writes_row_scores and torch.is_grad_enabled()
+        row_scores = RowScores(self.index.scores, value) if self.store.writes_row_scores else None
+        if row_scores is not None and torch.is_grad_enabled():
+            # an aborted step's output, backpropagated anyway, writes none
+            step.journal.record(lambda: setattr(row_scores, "live", False))
+        else:
+            row_scores = None
 
         def on_commit() -> None:
-            if not (fused and step.backward_ran):  # committed without its backward: no update wrote them
-                self.index.touch(touched, value)
+            # Committed by its own backward: the update writes the scores, next. Committed before
+            # it (a later step's backward settled it, or no backward will come): written here, in
+            # commit order, and a backward of this step that still runs writes none (it would
+            # overwrite a later step's scores of shared rows).
+            if row_scores is not None and step.backward_ran:
+                return
+            self.index.touch(touched, value)
+            if row_scores is not None:
+                row_scores.live = False
 
         step.on_commit.append(on_commit)
-        return RowScores(self.index.scores, value) if fused else None
+        return row_scores
 
     @property
     def pinned(self) -> torch.Tensor:
@@ -412,7 +424,10 @@ class DynamicTable(EmbeddingTable):
         return out
 
     def write_rows(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Writes rows by key, creating rows for absent keys (fresh state where not given)."""
+        """Writes rows by key, creating rows for absent keys (fresh state where not given).
+        Refused while a training step is pending: a growth would move the rows its backward
+        updates."""
+        self.steps.check_idle("write_rows")
         keys = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")

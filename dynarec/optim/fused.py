@@ -25,14 +25,16 @@ __all__ = ["RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowScores:
     """A side write of the fused update: ``scores[row] = value`` for every row it updates, once
     per unique row (a dynamic table's eviction score of the rows a step touched: ``step`` or
-    ``timestamp``). ``scores``: ``[num_rows]`` int64 on the rows' device."""
+    ``timestamp``). ``scores``: ``[num_rows]`` int64 on the rows' device. ``live`` False: the
+    write was withdrawn (the table wrote the scores itself before the backward ran)."""
 
     scores: torch.Tensor
     value: int
+    live: bool = True
 
 
 @torch.no_grad()
@@ -94,7 +96,9 @@ def fused_bag_update(
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
     ``[num_bags, D]``: each unique row once, with the sum of its occurrences' gradients.
     ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first;
-    ``row_scores``: also sets the score of each row of ``rows``."""
+    ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn)."""
+    if row_scores is not None and not row_scores.live:
+        row_scores = None
     if rows.numel() == 0 and reducer is None:
         return
     kernel = definition(spec).kernel

@@ -517,8 +517,8 @@ def test_scores_of_touched_rows_whoever_writes_them(backend, strategy):
     one(coll, {"f": [[1, 2], [2, 3]]})  # step 1, backward
     coll(JaggedBatch.from_lists({"f": [[3, 4]]}))  # step 2, abandoned: settled by step 3's backward
     one(coll, {"f": [[5]]})  # step 3
-    one(coll, {"f": [[6, 6]]}, backward=False)  # step 4, no grad
-    one(coll, {"f": [[1]]})  # step 5 commits step 4 too
+    one(coll, {"f": [[6, 6]]}, backward=False)  # step 4, no grad: committed at once
+    one(coll, {"f": [[1]]})  # step 5
     end = time.time_ns() // 1000
     got = scores()
     if strategy == "step":
@@ -528,3 +528,36 @@ def test_scores_of_touched_rows_whoever_writes_them(backend, strategy):
     else:
         assert all(start <= v <= end for v in got.values())
         assert got[2] <= got[3] == got[4] <= got[5] <= got[6] <= got[1]  # forwards in clock order
+
+
+def test_scores_follow_the_commit_order_whatever_order_backwards_run_in():
+    """Two steps pending, sharing a key: the later step's score stays, whether one backward runs
+    through both lookups (autograd runs the later one first, and its commit settles the earlier
+    step) or the earlier step's backward runs after the later one's. (The native store: its
+    update writes the scores. FBGEMM's TBE refuses one backward through two of its lookups, whose
+    saved weights the first update changed in place; its scores are written at commit.)"""
+    coll = EmbeddingCollection([dynamic(init_capacity=64)], Adagrad(lr=0.1))
+    t = coll.tables["d"]
+    out1 = coll(JaggedBatch.from_lists({"f": [[1, 2]]}))["f"]  # step 1
+    out2 = coll(JaggedBatch.from_lists({"f": [[2, 3]]}))["f"]  # step 2
+    (out1.sum() + out2.sum()).backward()
+    out3 = coll(JaggedBatch.from_lists({"f": [[4, 5]]}))["f"]  # step 3
+    out4 = coll(JaggedBatch.from_lists({"f": [[5, 6]]}))["f"]  # step 4
+    out4.sum().backward()  # commits step 3, then step 4
+    out3.sum().backward()  # step 3's own backward, late: it updates its rows, but no score
+    dump = t.dump()
+    assert dict(zip(dump["keys"].tolist(), dump["scores"].tolist())) == {1: 1, 2: 2, 3: 2, 4: 3, 5: 4, 6: 4}
+
+
+def test_write_rows_is_refused_while_a_training_step_is_pending():
+    """A growth would move the rows the pending step's backward updates."""
+    from dynarec.embedding.step import StepPendingError
+
+    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
+    out = coll(JaggedBatch.from_lists({"f": [[1, 2]]}))
+    keys = torch.arange(100, 130)
+    with pytest.raises(StepPendingError, match="write_rows while a training step is pending"):
+        coll.write_rows("d", keys, {"weight": torch.ones(30, D)})
+    out["f"].sum().backward()
+    coll.write_rows("d", keys, {"weight": torch.ones(30, D)})
+    assert coll.tables["d"].capacity > 8 and bool(coll.read_rows("d", keys)["present"].all())

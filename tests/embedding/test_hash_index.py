@@ -122,10 +122,24 @@ def test_random_inserts_keep_the_invariants_and_are_deterministic():
         for step, keys in enumerate(batches):
             absent = torch.unique(keys[index.find(keys) < 0])
             plan = index.plan_insert(absent, allow_evict=True)
+            check_plan_counts_and_ranking(index, absent)
             index.commit(plan, torch.full_like(plan.keys, step))
             check_invariants(index)
         runs.append(index.entries())
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def check_plan_counts_and_ranking(index: BucketedHashIndex, keys: torch.Tensor) -> None:
+    """For unique ascending ``keys``: each plan's host count of placed keys is its slots' count
+    (with evictions and moves, and without evictions, where keys overflow), and a plan told the
+    keys ascend (no rank sort) is the plan of the sort, also ranked by a priority first."""
+    priority = torch.from_numpy(np.random.default_rng(keys.numel()).integers(0, 3, keys.numel()))
+    for kw in (dict(allow_evict=True), dict(allow_evict=False), dict(allow_evict=True, priority=priority)):
+        sorted_plan = index.plan_insert(keys, **kw)  # type: ignore[arg-type]
+        plan = index.plan_insert(keys, keys_ascending=True, **kw)  # type: ignore[arg-type]
+        for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
+            assert torch.equal(getattr(plan, name), getattr(sorted_plan, name)), name
+        assert plan.num_placed == sorted_plan.num_placed == int((plan.slots >= 0).sum())
 
 
 @pytest.mark.parametrize("init_capacity", [262_144, 16_384])

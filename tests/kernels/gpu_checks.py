@@ -59,6 +59,19 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
         assert bool(absent) == bool((flagged < 0).any())
 
 
+def check_candidate_buckets(device, num_buckets):
+    from dynarec.embedding.hash_index import candidate_buckets_reference
+
+    keys = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (3000,), generator=torch.Generator().manual_seed(num_buckets)),
+            torch.tensor([-(2**63), -1, 0, 1, 2**63 - 1]),
+        ]
+    ).to(device)
+    got, want = gpu.candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0):
     """Step 1 of an insert plan: the kernels' rounds give every key the slot the plain-torch
     rounds give it, and leave the same keys (in rank order), at loads up to full buckets."""
@@ -214,6 +227,8 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     check_find("cpu", num_buckets=8, bucket_size=16)
     check_find("cpu", num_buckets=3, bucket_size=4)
     check_find("cpu", num_buckets=5, bucket_size=12)
+    for nb in (1, 7, 1 << 20, (1 << 32) - 5):
+        check_candidate_buckets("cpu", nb)
     for nb, bs, load in [(4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)]:
         check_claim_free_slots("cpu", nb, bs, load)
     check_place_keys("cpu")

@@ -13,6 +13,11 @@ def test_find(num_buckets, bucket_size):
     gpu_checks.check_find("cuda", num_buckets, bucket_size)
 
 
+@pytest.mark.parametrize("num_buckets", [1, 7, 1 << 20, (1 << 32) - 5])
+def test_candidate_buckets(num_buckets):
+    gpu_checks.check_candidate_buckets("cuda", num_buckets)
+
+
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
     [(1, 4, 0.5), (4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8), (16, 12, 0.7), (1 << 14, 16, 0.9)],
