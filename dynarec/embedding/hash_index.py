@@ -116,13 +116,16 @@ class InsertPlan:
 class _Buckets:
     """A working copy of some buckets' occupancy during one insert plan (nothing is written to the
     index until commit). ``claimed`` marks slots this plan gives away (to a new key or a moved
-    resident): they are neither free, nor movable, nor evictable again."""
+    resident): they are neither free, nor movable, nor evictable again. ``claimed_slots``: slots
+    the plan gave away before the working copy was made (step 1 by a kernel); a bucket brought in
+    later starts with those of its slots claimed."""
 
-    def __init__(self, index: BucketedHashIndex, buckets: torch.Tensor):
+    def __init__(self, index: BucketedHashIndex, buckets: torch.Tensor, claimed_slots: Optional[torch.Tensor] = None):
         self.index = index
         self.ids = torch.empty(0, dtype=torch.int64, device=index.device)
         self.occupied = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
         self.claimed = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
+        self._claimed_before = None if claimed_slots is None else torch.sort(claimed_slots).values
         self.add(buckets)
 
     def add(self, buckets: torch.Tensor) -> None:
@@ -133,11 +136,17 @@ class _Buckets:
             return
         bs = self.index.bucket_size
         occupied = self.index.tags.view(-1, bs).index_select(0, new) != 0
+        claimed = torch.zeros_like(occupied)
+        before = self._claimed_before
+        if before is not None and before.numel():
+            slots = new[:, None] * bs + self.index._lanes
+            at = torch.searchsorted(before, slots).clamp(max=before.numel() - 1)
+            claimed = before[at] == slots
         ids = torch.cat([self.ids, new])
         order = torch.argsort(ids)
         self.ids = ids[order]
         self.occupied = torch.cat([self.occupied, occupied])[order]
-        self.claimed = torch.cat([self.claimed, torch.zeros_like(occupied)])[order]
+        self.claimed = torch.cat([self.claimed, claimed])[order]
 
     def rows(self, buckets: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self.ids, buckets)
@@ -358,9 +367,8 @@ class BucketedHashIndex:
             todo = self._claim_free_slots(work, order, b1, b2, out)
         elif not todo.numel():
             return InsertPlan(keys, out, empty, empty, empty, n)
-        else:  # the working copy only if keys are left
-            work = _Buckets(self, torch.cat([b1, b2]))
-            work.claim(out[out >= 0])
+        else:  # the working copy only if keys are left, of their buckets (more join as moves need them)
+            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=out[out >= 0])
         moved_from, moved_to = empty, empty
         if todo.numel():
             move_pins = pinned_by

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -344,40 +343,60 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
   const int64_t* p2 = b2.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const uint64_t all = bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1);
-  std::unordered_map<int64_t, uint64_t> taken;  // bucket -> its occupied or claimed lanes
-  const auto taken_of = [&](int64_t bucket) -> uint64_t& {
-    auto it = taken.find(bucket);
-    if (it == taken.end()) {
-      uint64_t mask = 0;
-      for (int64_t lane = 0; lane < bucket_size; ++lane) {
-        if (tg[bucket * bucket_size + lane]) mask |= 1ULL << lane;
-      }
-      it = taken.emplace(bucket, mask).first;
-    }
-    return it->second;
+  // The buckets of this call's keys in a flat open-addressing table (no allocation per bucket):
+  // each with its occupied-or-claimed lanes, and how many keys chose it in the current round.
+  struct Entry {
+    int64_t bucket = -1;  // -1: an empty entry
+    uint64_t taken = 0;
+    int64_t round = -1;  // the round `chosen` counts for
+    int64_t chosen = 0;
   };
-  const auto free_in = [&](int64_t bucket) { return bucket_size - __builtin_popcountll(taken_of(bucket)); };
+  size_t cap = 16;
+  while (cap < 4 * static_cast<size_t>(todo.numel())) cap <<= 1;
+  std::vector<Entry> table(cap);
+  const int shift = 64 - __builtin_ctzll(cap);  // the top log2(cap) bits of a Fibonacci hash
+  const auto home = [&](int64_t bucket) -> size_t {
+    return (static_cast<uint64_t>(bucket) * 0x9E3779B97F4A7C15ULL) >> shift;
+  };
+  const auto prefetch = [&](int64_t bucket) {  // its tags and its entry, read a few keys later
+    __builtin_prefetch(tg + bucket * bucket_size);
+    __builtin_prefetch(&table[home(bucket)]);
+  };
+  const auto entry_of = [&](int64_t bucket) -> Entry& {
+    size_t i = home(bucket);
+    while (table[i].bucket != bucket && table[i].bucket != -1) i = (i + 1) & (cap - 1);
+    Entry& e = table[i];
+    if (e.bucket == -1) {
+      e.bucket = bucket;
+      for (int64_t lane = 0; lane < bucket_size; ++lane) {
+        if (tg[bucket * bucket_size + lane]) e.taken |= 1ULL << lane;
+      }
+    }
+    return e;
+  };
+  const auto free_in = [&](int64_t bucket) { return bucket_size - __builtin_popcountll(entry_of(bucket).taken); };
   std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel()), next;
   std::vector<std::pair<int64_t, int64_t>> counts;  // per key this round: (free in b1, free in b2)
-  std::unordered_map<int64_t, int64_t> rank;        // keys of this round that chose a bucket so far
-  while (!cur.empty()) {
+  for (int64_t round = 0; !cur.empty(); ++round) {
     counts.clear();
     bool live = false;
-    for (const int64_t k : cur) {
+    for (size_t i = 0; i < cur.size(); ++i) {
+      if (i + 8 < cur.size()) prefetch(p1[cur[i + 8]]), prefetch(p2[cur[i + 8]]);
+      const int64_t k = cur[i];
       counts.emplace_back(free_in(p1[k]), free_in(p2[k]));
       live = live || counts.back().first > 0 || counts.back().second > 0;
     }
     if (!live) break;
-    rank.clear();
     next.clear();
     for (size_t i = 0; i < cur.size(); ++i) {
       const int64_t k = cur[i];
       const auto [f1, f2] = counts[i];
       const int64_t choice = f2 > f1 ? p2[k] : p1[k];
-      if ((f1 > 0 || f2 > 0) && rank[choice]++ < std::max(f1, f2)) {
-        uint64_t& mask = taken_of(choice);
-        const int lane = __builtin_ctzll(~mask & all);  // the lowest free lane: this round's next
-        mask |= 1ULL << lane;
+      Entry& e = entry_of(choice);
+      if (e.round != round) e.round = round, e.chosen = 0;
+      if ((f1 > 0 || f2 > 0) && e.chosen++ < std::max(f1, f2)) {
+        const int lane = __builtin_ctzll(~e.taken & all);  // the lowest free lane: this round's next
+        e.taken |= 1ULL << lane;
         o[k] = choice * bucket_size + lane;
       } else {
         next.push_back(k);
