@@ -349,6 +349,30 @@ class BucketedHashIndex:
         of ``pinned_by``: the step inserting, which finds its keys' slots again after the
         commit) may move but not be evicted. A key left without a slot gets ``-1``.
         """
+        return self._plan_insert(keys, pinned_by, allow_evict, priority, movable_pins, keys_ascending, kernels=True)
+
+    def plan_insert_reference(
+        self,
+        keys: torch.Tensor,
+        pinned_by: Optional[torch.Tensor] = None,
+        allow_evict: bool = True,
+        priority: Optional[torch.Tensor] = None,
+        movable_pins: Optional[torch.Tensor] = None,
+    ) -> InsertPlan:
+        """:meth:`plan_insert` by plain-torch ops alone (any device): the reference the CPU and
+        GPU kernels are tested against."""
+        return self._plan_insert(keys, pinned_by, allow_evict, priority, movable_pins, False, kernels=False)
+
+    def _plan_insert(
+        self,
+        keys: torch.Tensor,
+        pinned_by: Optional[torch.Tensor],
+        allow_evict: bool,
+        priority: Optional[torch.Tensor],
+        movable_pins: Optional[torch.Tensor],
+        keys_ascending: bool,
+        kernels: bool,
+    ) -> InsertPlan:
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         out = torch.full((n,), _NONE, dtype=torch.int64, device=self.device)
@@ -360,8 +384,24 @@ class BucketedHashIndex:
             order = torch.argsort(keys, stable=True)
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
-        b1, b2 = candidate_buckets(keys, self.num_buckets)
-        todo = self._claim_free_slots_kernel(b1, b2, order, out)
+        b1, b2 = (
+            candidate_buckets(keys, self.num_buckets)
+            if kernels
+            else candidate_buckets_reference(keys, self.num_buckets)
+        )
+        move_pins = pinned_by
+        if pinned_by is not None and movable_pins is not None:
+            move_pins = pinned_by[~torch.isin(pinned_by, movable_pins)]
+        cpu_ops = cpu_kernels.ops() if kernels and self.device.type == "cpu" and self.bucket_size <= 64 else None
+        if cpu_ops is not None:  # the three steps in one C++ call
+            left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
+                self.tags, self.keys, self.scores, self.pins, self.num_buckets, self.bucket_size, b1, b2, order, out,
+                empty if move_pins is None else move_pins % PIN_WRAP,
+                empty if pinned_by is None else pinned_by % PIN_WRAP,
+                allow_evict,
+            )  # fmt: skip
+            return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
+        todo = self._claim_free_slots_kernel(b1, b2, order, out) if kernels else None
         if todo is None:
             work = _Buckets(self, torch.cat([b1, b2]))
             todo = self._claim_free_slots(work, order, b1, b2, out)
@@ -371,10 +411,7 @@ class BucketedHashIndex:
             work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=out[out >= 0])
         moved_from, moved_to = empty, empty
         if todo.numel():
-            move_pins = pinned_by
-            if pinned_by is not None and movable_pins is not None:
-                move_pins = pinned_by[~torch.isin(pinned_by, movable_pins)]
-            todo, moved_from, moved_to = self._claim_by_moving(work, todo, b1, b2, out, move_pins)
+            todo, moved_from, moved_to = self._claim_by_moving(work, todo, b1, b2, out, move_pins, kernels)
         evicted = empty
         if todo.numel() and allow_evict:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
@@ -384,13 +421,10 @@ class BucketedHashIndex:
     def _claim_free_slots_kernel(
         self, b1: torch.Tensor, b2: torch.Tensor, order: torch.Tensor, out: torch.Tensor
     ) -> Optional[torch.Tensor]:
-        """Step 1 by the CPU extension or the GPU kernels (the same rounds as
-        :meth:`_claim_free_slots`; the tests hold them equal), or None where neither serves."""
+        """Step 1 by the GPU kernels (the same rounds as :meth:`_claim_free_slots`; the tests hold
+        them equal), or None where they do not serve."""
         if self.bucket_size > 64:
             return None
-        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
-        if kernels is not None:
-            return kernels.claim_free_slots(self.tags, self.bucket_size, b1, b2, order, out)
         if gpu_kernels.available(self.device):
             return gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, b1, b2, order, out)
         return None
@@ -433,6 +467,7 @@ class BucketedHashIndex:
         b2: torch.Tensor,
         out: torch.Tensor,
         pinned_by: Optional[torch.Tensor],
+        kernels: bool = True,
     ):
         """Step 2; returns the keys left, and the moves ``(from, to)``."""
         bs = self.bucket_size
@@ -440,7 +475,11 @@ class BucketedHashIndex:
         while todo.numel():
             cand = self._candidates(todo, b1, b2)  # [m, 2bs]
             flat = cand.flatten()
-            r1, r2 = candidate_buckets(self.keys[flat], self.num_buckets)
+            residents = self.keys[flat]
+            if kernels:
+                r1, r2 = candidate_buckets(residents, self.num_buckets)
+            else:
+                r1, r2 = candidate_buckets_reference(residents, self.num_buckets)
             own = flat // bs
             alt = torch.where(r1 == own, r2, r1)
             work.add(alt)

@@ -245,3 +245,52 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         got_left = kernels.claim_free_slots(index.tags, bucket_size, b1, b2, order, got)
         assert torch.equal(got, want) and torch.equal(got_left, want_left)
         assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
+
+
+@pytest.mark.parametrize(
+    "num_buckets, bucket_size, load",
+    [
+        (1, 4, 0.75),
+        (8, 4, 0.9),
+        (256, 4, 0.5),
+        (64, 8, 0.6),
+        (64, 16, 0.6),
+        (64, 16, 0.97),
+        (16, 12, 1.0),
+        (8, 64, 0.9),
+    ],
+)
+def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load):
+    """The C++ planner (steps 1-3 in one call) gives the plain-torch planner's plan: every slot,
+    move and eviction, with pins that block moves and evictions, a movable pin, priorities,
+    and with and without eviction."""
+    from dynarec.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("the C++ extension is not built")
+    gen = torch.Generator().manual_seed(num_buckets * 100 + bucket_size)
+    index = BucketedHashIndex(num_buckets, bucket_size)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
+    plan = index.plan_insert_reference(resident, allow_evict=False)
+    index.commit(plan, torch.randint(0, 5, (resident.numel(),), generator=gen))  # tied scores too
+    slots = index.entries()[0]
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 7)
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 9)
+    moves = evictions = 0
+    for seed in range(4):
+        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + 3 * seed,), generator=gen).unique()
+        keys = keys[index.find(keys) < 0]
+        priority = torch.randint(0, 3, (keys.numel(),), generator=gen)
+        for kw in (
+            dict(allow_evict=True),
+            dict(allow_evict=False),
+            dict(allow_evict=True, pinned_by=torch.tensor([7, 9]), movable_pins=torch.tensor([9])),
+            dict(allow_evict=True, pinned_by=torch.tensor([9]), priority=priority),
+        ):
+            got, want = index.plan_insert(keys, **kw), index.plan_insert_reference(keys, **kw)  # type: ignore[arg-type]
+            for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
+            assert got.num_placed == want.num_placed == int((got.slots >= 0).sum())
+            moves += got.moved_from.numel()
+            evictions += got.evicted_slots.numel()
+    assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving

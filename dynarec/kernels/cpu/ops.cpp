@@ -325,65 +325,133 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
   return -1;
 }
 
-// Step 1 of BucketedHashIndex.plan_insert (_claim_free_slots), the same rounds in one call: each
-// round, every key still to place (`todo`: indices into b1/b2/out, in rank order) takes, from the
-// free counts at the round's start, the emptier of its two buckets (ties: the first); the first
-// `free` keys choosing a bucket get its free lanes in ascending order, the rest try again next
-// round. Writes the slots into `out`; returns the keys whose two buckets are both full, in order.
-torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& b1,
-                               const torch::Tensor& b2, const torch::Tensor& todo, torch::Tensor& out) {
-  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
-  check_cpu_int64(b1, "b1");
-  check_cpu_int64(b2, "b2");
-  check_cpu_int64(todo, "todo");
-  check_cpu_int64(out, "out");
-  TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
-  const uint8_t* tg = tags.data_ptr<uint8_t>();
-  const int64_t* p1 = b1.data_ptr<int64_t>();
-  const int64_t* p2 = b2.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
-  const uint64_t all = bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1);
-  // The buckets of this call's keys in a flat open-addressing table (no allocation per bucket):
-  // each with its occupied-or-claimed lanes, and how many keys chose it in the current round.
+namespace {
+
+// The buckets one insert plan touches, in a flat open-addressing table (no allocation per
+// bucket): each with its occupied lanes (from the tags, read once), the lanes the plan gave away
+// (`claimed`: a new key's slot, a moved resident's old and new slot), and how many keys chose it
+// in the current round. Nothing is written to the index.
+class PlanBuckets {
+ public:
   struct Entry {
     int64_t bucket = -1;  // -1: an empty entry
-    uint64_t taken = 0;
-    int64_t round = -1;  // the round `chosen` counts for
+    uint64_t occupied = 0;
+    uint64_t claimed = 0;
+    int64_t round = -1;  // the round `chosen` and `seen` are of
     int64_t chosen = 0;
+    uint64_t seen = 0;  // lanes already taken as a source this round (step 2)
   };
-  size_t cap = 16;
-  while (cap < 4 * static_cast<size_t>(todo.numel())) cap <<= 1;
-  std::vector<Entry> table(cap);
-  const int shift = 64 - __builtin_ctzll(cap);  // the top log2(cap) bits of a Fibonacci hash
-  const auto home = [&](int64_t bucket) -> size_t {
-    return (static_cast<uint64_t>(bucket) * 0x9E3779B97F4A7C15ULL) >> shift;
-  };
-  const auto prefetch = [&](int64_t bucket) {  // its tags and its entry, read a few keys later
-    __builtin_prefetch(tg + bucket * bucket_size);
-    __builtin_prefetch(&table[home(bucket)]);
-  };
-  const auto entry_of = [&](int64_t bucket) -> Entry& {
+
+  PlanBuckets(const uint8_t* tags, int64_t bucket_size, int64_t expected)
+      : tags_(tags), bs_(bucket_size), all_(bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1)) {
+    size_t cap = 16;
+    while (cap < 4 * static_cast<size_t>(expected)) cap <<= 1;
+    resize(cap);
+  }
+
+  // The entry of `bucket` (added on first use). A reference holds only until the next call.
+  Entry& at(int64_t bucket) {
     size_t i = home(bucket);
-    while (table[i].bucket != bucket && table[i].bucket != -1) i = (i + 1) & (cap - 1);
-    Entry& e = table[i];
-    if (e.bucket == -1) {
-      e.bucket = bucket;
-      for (int64_t lane = 0; lane < bucket_size; ++lane) {
-        if (tg[bucket * bucket_size + lane]) e.taken |= 1ULL << lane;
+    while (table_[i].bucket != bucket && table_[i].bucket != -1) i = (i + 1) & (table_.size() - 1);
+    if (table_[i].bucket == -1) {
+      if (2 * (size_ + 1) > table_.size()) {  // keep the load under 1/2
+        grow();
+        return at(bucket);
       }
+      Entry& e = table_[i];
+      e.bucket = bucket;
+      for (int64_t lane = 0; lane < bs_; ++lane) {
+        if (tags_[bucket * bs_ + lane]) e.occupied |= 1ULL << lane;
+      }
+      ++size_;
     }
+    return table_[i];
+  }
+
+  void prefetch(int64_t bucket) const {  // its tags and its entry, read a few keys later
+    __builtin_prefetch(tags_ + bucket * bs_);
+    __builtin_prefetch(&table_[home(bucket)]);
+  }
+
+  int64_t free_in(int64_t bucket) {
+    const Entry& e = at(bucket);
+    return bs_ - __builtin_popcountll(e.occupied | e.claimed);
+  }
+
+  // Claims the lowest free lane of `bucket`; returns its slot.
+  int64_t claim_lowest_free(int64_t bucket) {
+    Entry& e = at(bucket);
+    const int lane = __builtin_ctzll(~(e.occupied | e.claimed) & all_);
+    e.claimed |= 1ULL << lane;
+    return bucket * bs_ + lane;
+  }
+
+  void claim(int64_t slot) { at(slot / bs_).claimed |= 1ULL << (slot % bs_); }
+
+  // A round id no entry has seen (rounds of every step of a plan count on).
+  int64_t new_round() { return rounds_++; }
+
+  // The entry of `bucket`, its round counters reset if they are of another round.
+  Entry& in_round(int64_t bucket, int64_t round) {
+    Entry& e = at(bucket);
+    if (e.round != round) e.round = round, e.chosen = 0, e.seen = 0;
     return e;
-  };
-  const auto free_in = [&](int64_t bucket) { return bucket_size - __builtin_popcountll(entry_of(bucket).taken); };
-  std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel()), next;
+  }
+
+  // Occupied and not given away by this plan.
+  bool held(int64_t slot) {
+    const Entry& e = at(slot / bs_);
+    const uint64_t bit = 1ULL << (slot % bs_);
+    return (e.occupied & bit) && !(e.claimed & bit);
+  }
+
+ private:
+  size_t home(int64_t bucket) const {  // the top bits of a Fibonacci hash
+    return (static_cast<uint64_t>(bucket) * 0x9E3779B97F4A7C15ULL) >> shift_;
+  }
+  void resize(size_t cap) {
+    table_.assign(cap, Entry{});
+    shift_ = 64 - __builtin_ctzll(cap);
+    size_ = 0;
+  }
+  void grow() {
+    std::vector<Entry> old;
+    old.swap(table_);
+    resize(2 * old.size());
+    for (const Entry& e : old) {
+      if (e.bucket == -1) continue;
+      size_t i = home(e.bucket);
+      while (table_[i].bucket != -1) i = (i + 1) & (table_.size() - 1);
+      table_[i] = e;
+      ++size_;
+    }
+  }
+
+  const uint8_t* tags_;
+  const int64_t bs_;
+  const uint64_t all_;
+  std::vector<Entry> table_;
+  int shift_ = 0;
+  size_t size_ = 0;
+  int64_t rounds_ = 0;
+};
+
+// Step 1 (BucketedHashIndex._claim_free_slots), the same rounds: each round, every key still to
+// place (`cur`: key indices, in rank order) takes, from the free counts at the round's start, the
+// emptier of its two buckets (ties: the first); the first `free` keys choosing a bucket get its
+// free lanes in ascending order, the rest try again next round. Leaves in `cur` the keys whose
+// two buckets are both full, in order.
+void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t* out, std::vector<int64_t>& cur) {
+  std::vector<int64_t> next;
   std::vector<std::pair<int64_t, int64_t>> counts;  // per key this round: (free in b1, free in b2)
-  for (int64_t round = 0; !cur.empty(); ++round) {
+  while (!cur.empty()) {
+    const int64_t round = work.new_round();
     counts.clear();
     bool live = false;
     for (size_t i = 0; i < cur.size(); ++i) {
-      if (i + 8 < cur.size()) prefetch(p1[cur[i + 8]]), prefetch(p2[cur[i + 8]]);
+      if (i + 8 < cur.size()) work.prefetch(p1[cur[i + 8]]), work.prefetch(p2[cur[i + 8]]);
       const int64_t k = cur[i];
-      counts.emplace_back(free_in(p1[k]), free_in(p2[k]));
+      counts.emplace_back(work.free_in(p1[k]), work.free_in(p2[k]));
       live = live || counts.back().first > 0 || counts.back().second > 0;
     }
     if (!live) break;
@@ -392,21 +460,166 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
       const int64_t k = cur[i];
       const auto [f1, f2] = counts[i];
       const int64_t choice = f2 > f1 ? p2[k] : p1[k];
-      Entry& e = entry_of(choice);
-      if (e.round != round) e.round = round, e.chosen = 0;
-      if ((f1 > 0 || f2 > 0) && e.chosen++ < std::max(f1, f2)) {
-        const int lane = __builtin_ctzll(~e.taken & all);  // the lowest free lane: this round's next
-        e.taken |= 1ULL << lane;
-        o[k] = choice * bucket_size + lane;
+      if ((f1 > 0 || f2 > 0) && work.in_round(choice, round).chosen++ < std::max(f1, f2)) {
+        out[k] = work.claim_lowest_free(choice);  // in rank order: this round's next free lane
       } else {
         next.push_back(k);
       }
     }
     cur.swap(next);
   }
-  auto left = torch::empty({static_cast<int64_t>(cur.size())}, todo.options());
-  std::copy(cur.begin(), cur.end(), left.data_ptr<int64_t>());
-  return left;
+}
+
+bool pinned_by(int32_t pin, const std::vector<int64_t>& steps) {
+  return std::find(steps.begin(), steps.end(), static_cast<int64_t>(pin)) != steps.end();
+}
+
+std::vector<int64_t> to_vector(const torch::Tensor& t) {
+  check_cpu_int64(t, "steps");
+  return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+}
+
+torch::Tensor to_tensor(const std::vector<int64_t>& v) {
+  auto t = torch::empty({static_cast<int64_t>(v.size())}, torch::kInt64);
+  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
+}  // namespace
+
+// Step 1 of BucketedHashIndex.plan_insert alone (the tests compare it with the plain-torch
+// rounds): writes the slots into `out`; returns the keys (`todo`: indices into b1/b2/out, in rank
+// order) whose two buckets are both full, in order.
+torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& b1,
+                               const torch::Tensor& b2, const torch::Tensor& todo, torch::Tensor& out) {
+  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
+  check_cpu_int64(b1, "b1");
+  check_cpu_int64(b2, "b2");
+  check_cpu_int64(todo, "todo");
+  check_cpu_int64(out, "out");
+  TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
+  PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, todo.numel());
+  std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel());
+  claim_free(work, b1.data_ptr<int64_t>(), b2.data_ptr<int64_t>(), out.data_ptr<int64_t>(), cur);
+  return to_tensor(cur);
+}
+
+// BucketedHashIndex.plan_insert's three steps in one call, the plain-torch planner's rounds
+// exactly (the tests compare the plans): 1. free slots (claim_free); 2. a resident of one of the
+// key's buckets (first bucket's lanes first) that is not pinned by `move_pins` and whose other
+// bucket had a free slot at the round's start moves there (one mover per resident, the
+// best-ranked key; then per target bucket as many as it has free slots, lanes ascending); 3. when
+// `allow_evict`: the lowest (score, slot) held slot of the key's two buckets not pinned by
+// `evict_pins` (two keys wanting one slot: the better-ranked wins, the other tries again). Pins
+// are the steps' ids modulo PIN_WRAP. Writes `out`; returns (keys left after step 2, in rank
+// order; moved_from; moved_to; evicted slots).
+std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::Tensor& table_keys,
+                                       const torch::Tensor& scores, const torch::Tensor& pins, int64_t num_buckets,
+                                       int64_t bucket_size, const torch::Tensor& b1, const torch::Tensor& b2,
+                                       const torch::Tensor& order, torch::Tensor& out, const torch::Tensor& move_pins,
+                                       const torch::Tensor& evict_pins, bool allow_evict) {
+  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
+  TORCH_CHECK(pins.scalar_type() == torch::kInt32 && pins.is_contiguous(), "pins must be contiguous int32");
+  check_cpu_int64(table_keys, "table_keys");
+  check_cpu_int64(scores, "scores");
+  check_cpu_int64(b1, "b1");
+  check_cpu_int64(b2, "b2");
+  check_cpu_int64(order, "order");
+  check_cpu_int64(out, "out");
+  TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
+  const int64_t bs = bucket_size;
+  const int64_t* p1 = b1.data_ptr<int64_t>();
+  const int64_t* p2 = b2.data_ptr<int64_t>();
+  const int64_t* tk = table_keys.data_ptr<int64_t>();
+  const int64_t* sc = scores.data_ptr<int64_t>();
+  const int32_t* pn = pins.data_ptr<int32_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const std::vector<int64_t> no_move = to_vector(move_pins), no_evict = to_vector(evict_pins);
+  PlanBuckets work(tags.data_ptr<uint8_t>(), bs, order.numel());
+  std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+  claim_free(work, p1, p2, o, cur);
+
+  // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
+  // claims are made after.
+  const uint64_t nb = static_cast<uint64_t>(num_buckets);
+  const auto other_bucket = [&](int64_t resident, int64_t own) {
+    const uint64_t h = mix64(static_cast<uint64_t>(resident));
+    const int64_t r1 = static_cast<int64_t>((h & 0xFFFFFFFFULL) % nb);
+    const int64_t r2 = static_cast<int64_t>(((h >> 32) & 0xFFFFFFFFULL) % nb);
+    return r1 == own ? r2 : r1;
+  };
+  struct Move {
+    int64_t key, src, dst_bucket;
+  };
+  std::vector<int64_t> moved_from, moved_to, evicted, next;
+  std::vector<Move> moves, winners;
+  while (!cur.empty()) {
+    const int64_t round = work.new_round();
+    moves.clear();
+    for (const int64_t k : cur) {
+      for (int64_t j = 0; j < 2 * bs; ++j) {
+        const int64_t own = j < bs ? p1[k] : p2[k];
+        const int64_t slot = own * bs + j % bs;
+        if (!work.held(slot) || pinned_by(pn[slot], no_move)) continue;
+        const int64_t alt = other_bucket(tk[slot], own);
+        if (alt == own || work.free_in(alt) <= 0) continue;
+        moves.push_back({k, slot, alt});
+        break;
+      }
+    }
+    if (moves.empty()) break;
+    // One mover per resident (the first, best-ranked), then per target bucket those that fit.
+    winners.clear();
+    for (const Move& m : moves) {
+      PlanBuckets::Entry& from = work.in_round(m.src / bs, round);
+      const uint64_t bit = 1ULL << (m.src % bs);
+      if (from.seen & bit) continue;
+      from.seen |= bit;
+      PlanBuckets::Entry& to = work.in_round(m.dst_bucket, round);
+      const int64_t rank = to.chosen++;
+      if (rank < bs - __builtin_popcountll(to.occupied | to.claimed)) winners.push_back(m);
+    }
+    if (winners.empty()) break;
+    for (const Move& m : winners) {  // targets in rank order: the rank-th free lane of the round's start
+      moved_to.push_back(work.claim_lowest_free(m.dst_bucket));
+      moved_from.push_back(m.src);
+      work.claim(m.src);
+      o[m.key] = m.src;
+    }
+    next.clear();
+    for (const int64_t k : cur) {
+      if (o[k] < 0) next.push_back(k);
+    }
+    cur.swap(next);
+  }
+  auto left = to_tensor(cur);
+
+  // Step 3: eviction of the lowest (score, slot).
+  while (allow_evict && !cur.empty()) {
+    std::vector<std::pair<int64_t, int64_t>> picks;  // (key, slot)
+    for (const int64_t k : cur) {
+      int64_t best = -1;
+      for (int64_t j = 0; j < 2 * bs; ++j) {
+        const int64_t slot = (j < bs ? p1[k] : p2[k]) * bs + j % bs;
+        if (!work.held(slot) || pinned_by(pn[slot], no_evict)) continue;
+        if (best < 0 || sc[slot] < sc[best] || (sc[slot] == sc[best] && slot < best)) best = slot;
+      }
+      if (best >= 0) picks.emplace_back(k, best);  // a key with no candidate gives up
+    }
+    if (picks.empty()) break;
+    next.clear();
+    for (const auto& [k, slot] : picks) {  // picks were made before: a claimed one was taken this round
+      if (!work.held(slot)) {
+        next.push_back(k);  // a better-ranked key took it: try the next-lowest
+        continue;
+      }
+      work.claim(slot);
+      o[k] = slot;
+      evicted.push_back(slot);
+    }
+    cur.swap(next);
+  }
+  return {left, to_tensor(moved_from), to_tensor(moved_to), to_tensor(evicted)};
 }
 
 // Separator-joined decimal int64 lists -> (values, lengths, ok), in one pass over a string
@@ -492,6 +705,7 @@ std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("claim_free_slots", &claim_free_slots, "step 1 of an insert plan: free slots in ranked rounds");
+  m.def("plan_insert", &plan_insert, "an insert plan's three steps: free slots, one cuckoo move, eviction");
   m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
