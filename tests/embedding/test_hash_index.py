@@ -8,6 +8,7 @@ from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, Table
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
 from dynarec.optim import SGD, Adagrad
+from tests.matrix import DEVICES
 
 
 def keys_with_buckets(num_buckets, wanted, start=0):
@@ -260,32 +261,34 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         (8, 64, 0.9),
     ],
 )
-def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load):
-    """The C++ planner (steps 1-3 in one call) gives the plain-torch planner's plan: every slot,
-    move and eviction, with pins that block moves and evictions, a movable pin, priorities,
-    and with and without eviction."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load, device):
+    """The C++ planner (steps 1-3 in one call; on a GPU, step 1's kernels and torch steps 2-3)
+    gives the plain-torch planner's plan: every slot, move and eviction, with pins that block
+    moves and evictions, a movable pin, priorities, and with and without eviction."""
     from dynarec.kernels import cpu as cpu_kernels
 
-    if cpu_kernels.ops() is None:
+    if device == "cpu" and cpu_kernels.ops() is None:
         pytest.skip("the C++ extension is not built")
     gen = torch.Generator().manual_seed(num_buckets * 100 + bucket_size)
-    index = BucketedHashIndex(num_buckets, bucket_size)
-    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
     plan = index.plan_insert_reference(resident, allow_evict=False)
-    index.commit(plan, torch.randint(0, 5, (resident.numel(),), generator=gen))  # tied scores too
+    index.commit(plan, torch.randint(0, 5, (resident.numel(),), generator=gen).to(device))  # tied scores too
     slots = index.entries()[0]
-    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 7)
-    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 9)
+    for step in (7, 9):
+        index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4].to(device)], step)
     moves = evictions = 0
     for seed in range(4):
-        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + 3 * seed,), generator=gen).unique()
+        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + 3 * seed,), generator=gen).unique().to(device)
         keys = keys[index.find(keys) < 0]
-        priority = torch.randint(0, 3, (keys.numel(),), generator=gen)
+        priority = torch.randint(0, 3, (keys.numel(),), generator=gen).to(device)
+        pins = torch.tensor([7, 9], device=device)
         for kw in (
             dict(allow_evict=True),
             dict(allow_evict=False),
-            dict(allow_evict=True, pinned_by=torch.tensor([7, 9]), movable_pins=torch.tensor([9])),
-            dict(allow_evict=True, pinned_by=torch.tensor([9]), priority=priority),
+            dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
+            dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
         ):
             got, want = index.plan_insert(keys, **kw), index.plan_insert_reference(keys, **kw)  # type: ignore[arg-type]
             for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
