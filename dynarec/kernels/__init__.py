@@ -1,9 +1,10 @@
 """Device kernels behind the embedding layer's plain-torch code.
 
 - ``dynarec.kernels.cpu``: a small C++ extension (compiled once per machine with torch's
-  ``cpp_extension``, cached) for the CPU hot spots: the hash find, the key-seeded initializer, the
-  fused bag update. Where it cannot be built, the plain-torch code runs.
-- ``dynarec.kernels.gpu``: Triton kernels of the CUDA path (find, pooled lookup, fused update).
+  ``cpp_extension``, cached) for the CPU hot spots: the hash find, insert plans, the key-seeded
+  initializer, the fused bag update. Where it cannot be built, the plain-torch code runs.
+- ``dynarec.kernels.gpu``: Triton kernels of the CUDA path (find, candidate buckets, an insert
+  plan's free-slot rounds and its commit, pooled lookup, fused update).
 
 Each kernel computes what its plain-torch twin computes (tests compare them); the fused update
 runs an optimizer through the template parameters it registers (``OptimizerDef.kernel``).
