@@ -136,12 +136,13 @@ class _Buckets:
             return
         bs = self.index.bucket_size
         occupied = self.index.tags.view(-1, bs).index_select(0, new) != 0
-        claimed = torch.zeros_like(occupied)
         before = self._claimed_before
         if before is not None and before.numel():
             slots = new[:, None] * bs + self.index._lanes
             at = torch.searchsorted(before, slots).clamp(max=before.numel() - 1)
             claimed = before[at] == slots
+        else:
+            claimed = torch.zeros_like(occupied)
         ids = torch.cat([self.ids, new])
         order = torch.argsort(ids)
         self.ids = ids[order]
@@ -396,8 +397,8 @@ class BucketedHashIndex:
         if cpu_ops is not None:  # the three steps in one C++ call
             left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
                 self.tags, self.keys, self.scores, self.pins, self.num_buckets, self.bucket_size, b1, b2, order, out,
-                empty if move_pins is None else move_pins % PIN_WRAP,
-                empty if pinned_by is None else pinned_by % PIN_WRAP,
+                empty if move_pins is None else (move_pins % PIN_WRAP).long(),
+                empty if pinned_by is None else (pinned_by % PIN_WRAP).long(),
                 allow_evict,
             )  # fmt: skip
             return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())

@@ -255,6 +255,8 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         (8, 4, 0.9),
         (256, 4, 0.5),
         (64, 8, 0.6),
+        (8, 64, 0.5),
+        (64, 32, 0.5),
         (64, 16, 0.6),
         (64, 16, 0.97),
         (16, 12, 1.0),
@@ -297,3 +299,29 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
             moves += got.moved_from.numel()
             evictions += got.evicted_slots.numel()
     assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_few_keys_into_a_full_table_plan_as_the_reference(device):
+    """A plan of 1-3 keys at load 0.97, each with many residents to try moving (the C++ planner's
+    bucket table grows as moves bring buckets in), with pins of a step id past PIN_WRAP (pins
+    hold step ids modulo PIN_WRAP)."""
+    from dynarec.embedding.hash_index import PIN_WRAP
+
+    gen = torch.Generator().manual_seed(5)
+    index = BucketedHashIndex(512, 16, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(0.97 * index.capacity),), generator=gen)).to(device)
+    index.commit(index.plan_insert_reference(resident, allow_evict=False), torch.zeros_like(resident))
+    slots = index.entries()[0]
+    step = PIN_WRAP + 12
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 2].to(device)], step)
+    pins = torch.tensor([step], device=device)
+    placed = 0
+    for n in (1, 2, 3, 3, 3):
+        keys = torch.randint(-(2**62), 2**62, (n,), generator=gen).unique().to(device)
+        for kw in (dict(), dict(pinned_by=pins), dict(pinned_by=pins, movable_pins=pins)):
+            got, want = index.plan_insert(keys, **kw), index.plan_insert_reference(keys, **kw)  # type: ignore[arg-type]
+            for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
+            placed += got.num_placed
+    assert placed > 0

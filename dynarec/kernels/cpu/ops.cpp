@@ -337,15 +337,18 @@ class PlanBuckets {
     int64_t bucket = -1;  // -1: an empty entry
     uint64_t occupied = 0;
     uint64_t claimed = 0;
-    int64_t round = -1;  // the round `chosen` and `seen` are of
-    int64_t chosen = 0;
-    uint64_t seen = 0;  // lanes already taken as a source this round (step 2)
+    uint64_t seen = 0;   // lanes already taken as a source this round (step 2)
+    int32_t round = -1;  // the round `chosen` and `seen` are of
+    int32_t chosen = 0;
   };
 
-  PlanBuckets(const uint8_t* tags, int64_t bucket_size, int64_t expected)
+  // Sized for the buckets `keys` keys can touch first (two each, at most `num_buckets`); it
+  // grows when moves bring in more.
+  PlanBuckets(const uint8_t* tags, int64_t bucket_size, int64_t num_buckets, int64_t keys)
       : tags_(tags), bs_(bucket_size), all_(bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1)) {
+    const size_t want = 2 * static_cast<size_t>(std::min(2 * keys, num_buckets));  // load at most 1/2
     size_t cap = 16;
-    while (cap < 4 * static_cast<size_t>(expected)) cap <<= 1;
+    while (cap < want) cap <<= 1;
     resize(cap);
   }
 
@@ -389,10 +392,10 @@ class PlanBuckets {
   void claim(int64_t slot) { at(slot / bs_).claimed |= 1ULL << (slot % bs_); }
 
   // A round id no entry has seen (rounds of every step of a plan count on).
-  int64_t new_round() { return rounds_++; }
+  int32_t new_round() { return rounds_++; }
 
   // The entry of `bucket`, its round counters reset if they are of another round.
-  Entry& in_round(int64_t bucket, int64_t round) {
+  Entry& in_round(int64_t bucket, int32_t round) {
     Entry& e = at(bucket);
     if (e.round != round) e.round = round, e.chosen = 0, e.seen = 0;
     return e;
@@ -433,7 +436,7 @@ class PlanBuckets {
   std::vector<Entry> table_;
   int shift_ = 0;
   size_t size_ = 0;
-  int64_t rounds_ = 0;
+  int32_t rounds_ = 0;
 };
 
 // Step 1 (BucketedHashIndex._claim_free_slots), the same rounds: each round, every key still to
@@ -445,7 +448,7 @@ void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t
   std::vector<int64_t> next;
   std::vector<std::pair<int64_t, int64_t>> counts;  // per key this round: (free in b1, free in b2)
   while (!cur.empty()) {
-    const int64_t round = work.new_round();
+    const int32_t round = work.new_round();
     counts.clear();
     bool live = false;
     for (size_t i = 0; i < cur.size(); ++i) {
@@ -498,7 +501,8 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
   check_cpu_int64(todo, "todo");
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
-  PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, todo.numel());
+  TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
+  PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, tags.numel() / bucket_size, todo.numel());
   std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel());
   claim_free(work, b1.data_ptr<int64_t>(), b2.data_ptr<int64_t>(), out.data_ptr<int64_t>(), cur);
   return to_tensor(cur);
@@ -518,8 +522,10 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
                                        int64_t bucket_size, const torch::Tensor& b1, const torch::Tensor& b2,
                                        const torch::Tensor& order, torch::Tensor& out, const torch::Tensor& move_pins,
                                        const torch::Tensor& evict_pins, bool allow_evict) {
-  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
-  TORCH_CHECK(pins.scalar_type() == torch::kInt32 && pins.is_contiguous(), "pins must be contiguous int32");
+  TORCH_CHECK(tags.device().is_cpu() && tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(),
+              "tags must be contiguous uint8 on the CPU");
+  TORCH_CHECK(pins.device().is_cpu() && pins.scalar_type() == torch::kInt32 && pins.is_contiguous(),
+              "pins must be contiguous int32 on the CPU");
   check_cpu_int64(table_keys, "table_keys");
   check_cpu_int64(scores, "scores");
   check_cpu_int64(b1, "b1");
@@ -527,6 +533,12 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   check_cpu_int64(order, "order");
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
+  TORCH_CHECK(num_buckets >= 1, "num_buckets must be >= 1");
+  const int64_t capacity = num_buckets * bucket_size;
+  TORCH_CHECK(tags.numel() == capacity && table_keys.numel() == capacity && scores.numel() == capacity &&
+                  pins.numel() == capacity,
+              "tags, table_keys, scores and pins must have num_buckets * bucket_size slots");
+  TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
   const int64_t bs = bucket_size;
   const int64_t* p1 = b1.data_ptr<int64_t>();
   const int64_t* p2 = b2.data_ptr<int64_t>();
@@ -535,7 +547,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   const int32_t* pn = pins.data_ptr<int32_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const std::vector<int64_t> no_move = to_vector(move_pins), no_evict = to_vector(evict_pins);
-  PlanBuckets work(tags.data_ptr<uint8_t>(), bs, order.numel());
+  PlanBuckets work(tags.data_ptr<uint8_t>(), bs, num_buckets, order.numel());
   std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   claim_free(work, p1, p2, o, cur);
 
@@ -554,7 +566,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   std::vector<int64_t> moved_from, moved_to, evicted, next;
   std::vector<Move> moves, winners;
   while (!cur.empty()) {
-    const int64_t round = work.new_round();
+    const int32_t round = work.new_round();
     moves.clear();
     for (const int64_t k : cur) {
       for (int64_t j = 0; j < 2 * bs; ++j) {
@@ -595,8 +607,9 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   auto left = to_tensor(cur);
 
   // Step 3: eviction of the lowest (score, slot).
+  std::vector<std::pair<int64_t, int64_t>> picks;  // (key, slot)
   while (allow_evict && !cur.empty()) {
-    std::vector<std::pair<int64_t, int64_t>> picks;  // (key, slot)
+    picks.clear();
     for (const int64_t k : cur) {
       int64_t best = -1;
       for (int64_t j = 0; j < 2 * bs; ++j) {
