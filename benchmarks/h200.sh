@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/*-h200*.txt, as they were made on an H200 machine with
 # the image's python3 (torch + Triton). Usage: benchmarks/h200.sh STAGE OUT_DIR
-#   tests    CUDA tests (Triton kernels vs the plain-torch code, CUDA vs CPU runs); hash-find
+#   tests    CUDA tests (Triton kernels and GPU insert plans vs the plain-torch code, CUDA vs CPU runs); hash-find
 #   before   hash-find / fused-step / dynamic-step of the pre-kernel revision (copied to .before/)
 #   compare  the same three of the previous revision (copied to .prev/) then of this one; the
 #            fused update alone by tile height (benchmarks/tune_update.py)
@@ -66,7 +66,7 @@ case $stage in
 tests)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
         tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tee "$out/tests-h200.txt"
     {
         timeout 120 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26))
@@ -157,7 +157,7 @@ round4c)
         --json "$out/train-step-h200.json" 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/train-step-h200.txt"
     ;;
 round5a)
-    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_cuda.py \
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
         tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
     {
         for who in prev now; do
