@@ -231,12 +231,10 @@ class DynamicTable(EmbeddingTable):
         if strategy not in ("step", "timestamp"):
             return None
         value = step.t if strategy == "step" else time.time_ns() // 1000
-        row_scores = RowScores(self.index.scores, value) if self.store.writes_row_scores else None
-        if row_scores is not None and torch.is_grad_enabled():
-            # an aborted step's output, backpropagated anyway, writes none
+        fused = self.store.writes_row_scores and torch.is_grad_enabled()
+        row_scores = RowScores(self.index.scores, value) if fused else None
+        if row_scores is not None:  # an aborted step's output, backpropagated anyway, writes none
             step.journal.record(lambda: setattr(row_scores, "live", False))
-        else:
-            row_scores = None
 
         def on_commit() -> None:
             # Committed by its own backward: the update writes the scores, next. Committed before

@@ -330,6 +330,7 @@ class BucketedHashIndex:
         priority: Optional[torch.Tensor] = None,
         movable_pins: Optional[torch.Tensor] = None,
         keys_ascending: bool = False,
+        kernels: bool = True,
     ) -> InsertPlan:
         """Plans inserting ``keys`` (unique, absent), writing nothing. ``keys_ascending``: the
         caller's keys are in ascending order (``torch.unique``'s output), so ranking them by
@@ -349,31 +350,10 @@ class BucketedHashIndex:
         is a slot this plan already gave away; rows pinned by one of ``movable_pins`` (a subset
         of ``pinned_by``: the step inserting, which finds its keys' slots again after the
         commit) may move but not be evicted. A key left without a slot gets ``-1``.
+
+        ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
+        planner and the GPU kernels are tested against.
         """
-        return self._plan_insert(keys, pinned_by, allow_evict, priority, movable_pins, keys_ascending, kernels=True)
-
-    def plan_insert_reference(
-        self,
-        keys: torch.Tensor,
-        pinned_by: Optional[torch.Tensor] = None,
-        allow_evict: bool = True,
-        priority: Optional[torch.Tensor] = None,
-        movable_pins: Optional[torch.Tensor] = None,
-    ) -> InsertPlan:
-        """:meth:`plan_insert` by plain-torch ops alone (any device): the reference the CPU and
-        GPU kernels are tested against."""
-        return self._plan_insert(keys, pinned_by, allow_evict, priority, movable_pins, False, kernels=False)
-
-    def _plan_insert(
-        self,
-        keys: torch.Tensor,
-        pinned_by: Optional[torch.Tensor],
-        allow_evict: bool,
-        priority: Optional[torch.Tensor],
-        movable_pins: Optional[torch.Tensor],
-        keys_ascending: bool,
-        kernels: bool,
-    ) -> InsertPlan:
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         out = torch.full((n,), _NONE, dtype=torch.int64, device=self.device)

@@ -275,7 +275,7 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
     gen = torch.Generator().manual_seed(num_buckets * 100 + bucket_size)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
-    plan = index.plan_insert_reference(resident, allow_evict=False)
+    plan = index.plan_insert(resident, allow_evict=False, kernels=False)
     index.commit(plan, torch.randint(0, 5, (resident.numel(),), generator=gen).to(device))  # tied scores too
     slots = index.entries()[0]
     for step in (7, 9):
@@ -292,7 +292,7 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
             dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
             dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
         ):
-            got, want = index.plan_insert(keys, **kw), index.plan_insert_reference(keys, **kw)  # type: ignore[arg-type]
+            got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
             for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
             assert got.num_placed == want.num_placed == int((got.slots >= 0).sum())
@@ -311,7 +311,7 @@ def test_a_few_keys_into_a_full_table_plan_as_the_reference(device):
     gen = torch.Generator().manual_seed(5)
     index = BucketedHashIndex(512, 16, device)
     resident = torch.unique(torch.randint(-(2**62), 2**62, (int(0.97 * index.capacity),), generator=gen)).to(device)
-    index.commit(index.plan_insert_reference(resident, allow_evict=False), torch.zeros_like(resident))
+    index.commit(index.plan_insert(resident, allow_evict=False, kernels=False), torch.zeros_like(resident))
     slots = index.entries()[0]
     step = PIN_WRAP + 12
     index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 2].to(device)], step)
@@ -320,7 +320,7 @@ def test_a_few_keys_into_a_full_table_plan_as_the_reference(device):
     for n in (1, 2, 3, 3, 3):
         keys = torch.randint(-(2**62), 2**62, (n,), generator=gen).unique().to(device)
         for kw in (dict(), dict(pinned_by=pins), dict(pinned_by=pins, movable_pins=pins)):
-            got, want = index.plan_insert(keys, **kw), index.plan_insert_reference(keys, **kw)  # type: ignore[arg-type]
+            got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
             for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
             placed += got.num_placed
