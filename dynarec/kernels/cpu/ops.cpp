@@ -32,6 +32,15 @@ inline uint64_t mix64(uint64_t x) {
 
 constexpr int64_t kGrain = 2048;
 
+// The two candidate buckets of a key from its mix64 hash `h`: its 32-bit halves modulo `nb`
+// (dynarec.embedding.hash_index.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
+// 32-bit division: the same values, a fraction of the 64-bit divide's cost.
+template <typename N>
+inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, N nb) {
+  return {static_cast<int64_t>(static_cast<uint32_t>(h) % nb),
+          static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb)};
+}
+
 // The lane of `key` in the bucket starting at slot `base` (`bs` slots), -1 if absent: tags first,
 // the key only where the tag matches. A 16-slot bucket compares its 16 tags in one SSE2 op.
 inline int64_t probe_bucket(const uint8_t* tg, const int64_t* tk, int64_t base, int64_t bs, uint8_t tag,
@@ -92,8 +101,9 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
     auto prepare = [&](int64_t i) {
       const uint64_t h = mix64(static_cast<uint64_t>(q[i]));
       Probe& p = ring[i % kAhead];
-      p.base1 = static_cast<int64_t>(static_cast<uint32_t>(h) % nb) * bucket_size;
-      p.base2 = static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb) * bucket_size;
+      const auto [bucket1, bucket2] = two_buckets(h, nb);
+      p.base1 = bucket1 * bucket_size;
+      p.base2 = bucket2 * bucket_size;
       p.tag = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
       __builtin_prefetch(tg + p.base1);
       __builtin_prefetch(tg + p.base2);
@@ -125,19 +135,15 @@ std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t 
   int64_t* p2 = b2.data_ptr<int64_t>();
   const uint64_t nb = static_cast<uint64_t>(num_buckets);
   at::parallel_for(0, keys.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    if (nb <= 0xFFFFFFFFULL) {  // 32-bit modulo: the same values, a fraction of the divide's cost
-      const uint32_t nb32 = static_cast<uint32_t>(nb);
+    const auto fill = [&](auto divisor) {
       for (int64_t i = begin; i < end; ++i) {
-        const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
-        p1[i] = static_cast<int64_t>(static_cast<uint32_t>(h) % nb32);
-        p2[i] = static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb32);
+        std::tie(p1[i], p2[i]) = two_buckets(mix64(static_cast<uint64_t>(k[i])), divisor);
       }
-      return;
-    }
-    for (int64_t i = begin; i < end; ++i) {
-      const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
-      p1[i] = static_cast<int64_t>((h & 0xFFFFFFFFULL) % nb);
-      p2[i] = static_cast<int64_t>(((h >> 32) & 0xFFFFFFFFULL) % nb);
+    };
+    if (nb <= 0xFFFFFFFFULL) {
+      fill(static_cast<uint32_t>(nb));
+    } else {
+      fill(nb);
     }
   });
   return {b1, b2};
@@ -555,9 +561,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   // claims are made after.
   const uint64_t nb = static_cast<uint64_t>(num_buckets);
   const auto other_bucket = [&](int64_t resident, int64_t own) {
-    const uint64_t h = mix64(static_cast<uint64_t>(resident));
-    const int64_t r1 = static_cast<int64_t>((h & 0xFFFFFFFFULL) % nb);
-    const int64_t r2 = static_cast<int64_t>(((h >> 32) & 0xFFFFFFFFULL) % nb);
+    const auto [r1, r2] = two_buckets(mix64(static_cast<uint64_t>(resident)), nb);
     return r1 == own ? r2 : r1;
   };
   struct Move {
