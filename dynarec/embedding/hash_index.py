@@ -87,10 +87,6 @@ class InsertPlan:
     num_placed: Optional[int] = None
 
     @property
-    def overflow(self) -> torch.Tensor:
-        return self.slots < 0
-
-    @property
     def placed(self) -> int:
         """Keys that got a slot (a host read only if the planner did not count them)."""
         if self.num_placed is None:
