@@ -20,6 +20,9 @@
 #   round5a  the CUDA tests; hash-find of .prev/ and of this revision; the profile of an insert
 #   round5b  fused-step and dynamic-step (1M ids a step), then dynamic-step at 4.2M ids, of .prev/
 #            and of this revision in turn
+#   round6a  the CUDA tests of the hash index, insert plans, dynamic tables and training (not the
+#            fused-update kernels'); hash-find of .prev/ and of this revision; the profile of
+#            an insert; the find and place kernels by block size
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -166,6 +169,20 @@ round5a)
             timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
         done
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round6a)
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k "not fused_update" \
+        tests/embedding/test_hash_index.py tests/embedding/test_cuda.py tests/embedding/test_prefetch.py \
+        tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    {
+        for who in prev now; do
+            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
+        done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+        timeout 60 python3 benchmarks/tune_index.py
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round5b)

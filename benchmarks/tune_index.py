@@ -45,11 +45,11 @@ def main() -> None:
     new = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()
     new = new[index.find(new) < 0].unique()
     plan = index.plan_insert(new, allow_evict=False, keys_ascending=True)
-    arrays = (index.keys, index.scores, index.tags, index.pins)  # placing into the same slots again each time
+    arrays = (index.keys, index.scores, index.tags)  # placing into the same slots again each time
     print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
     for block, warps in CONFIGS:
         find = functools.partial(gpu.find_two_choice, index.keys, index.tags, index.num_buckets, 16)
-        place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new), True)
+        place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new))
         f = [device_ms(functools.partial(find, q, None, block, warps)) for q in (zipf, uniform)]
         p = device_ms(functools.partial(place, block, warps))
         print(

@@ -14,6 +14,8 @@ The whole int64 range is a valid key: occupancy is a separate byte per slot, its
 empty slot, else a nonzero byte of the key's hash (:func:`key_tags`). A lookup compares a lane's
 tag before its key, so a bucket costs 16 bytes of tags plus the one key whose tag matches (on a
 GPU, one 32-byte sector instead of the 128-byte line of keys; an absent key rarely reads a key).
+A free slot holds key 0 and score 0 as well (``remove`` clears them), so undoing a commit of new
+keys into free slots needs nothing read before it.
 
 The index owns its arrays; callers change them only through its methods (``commit``, ``remove``,
 ``touch``, ``add``, ``pin``, ``install``, ``rehashed``). Each mutating method takes an optional
@@ -518,29 +520,33 @@ class BucketedHashIndex:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _record(
-        self,
-        journal: Optional[Journal],
-        slots: torch.Tensor,
-        saved: Optional[tuple[torch.Tensor, ...]] = None,
-        some_none: bool = False,
-    ) -> None:
-        """Records how to restore ``slots`` (keys, scores, tags, pins) and the size as now;
-        ``saved``: those four at ``slots`` when already read (a kernel did); ``some_none``: some
-        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
+    def _record(self, journal: Optional[Journal], slots: torch.Tensor) -> None:
+        """Records how to restore ``slots`` (keys, scores, tags, pins) and the size as now."""
         if journal is None:
             return
-        if saved is None:
-            saved = (self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots])
+        saved = (self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots])
         slots, size = slots.clone(), self._size
 
         def undo() -> None:
             self._before_write()
-            s, (k, sc, tags, pins) = slots, saved
-            if some_none:
-                ok = s >= 0
-                s, k, sc, tags, pins = s[ok], k[ok], sc[ok], tags[ok], pins[ok]
-            self.keys[s], self.scores[s], self.tags[s], self.pins[s] = k, sc, tags, pins
+            self.keys[slots], self.scores[slots], self.tags[slots], self.pins[slots] = saved
+            self._size = size
+            self._wrote()
+
+        journal.record(undo)
+
+    def _record_adds(self, journal: Optional[Journal], slots: torch.Tensor) -> None:
+        """Records how to empty again the free ``slots`` (-1: skipped) a commit fills, and the size
+        as now. Free slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores
+        them exactly without having read them; their pins are not written by a commit."""
+        if journal is None:
+            return
+        slots, size = slots.clone(), self._size
+
+        def undo() -> None:
+            self._before_write()
+            s = slots[slots >= 0]
+            self.keys[s], self.scores[s], self.tags[s] = 0, 0, 0
             self._size = size
             self._wrote()
 
@@ -551,18 +557,19 @@ class BucketedHashIndex:
         the evicted keys."""
         self._before_write()
         if gpu_kernels.available(self.device) and plan.only_adds:
-            # Only new keys into free slots: one kernel places them (and reads what the journal keeps).
-            saved = gpu_kernels.place_keys(
-                self.keys, self.scores, self.tags, self.pins, plan.slots, plan.keys, scores, save=journal is not None
-            )
-            placed = plan.placed  # the planner's count: no host read
-            self._record(journal, plan.slots, saved, some_none=placed < plan.slots.numel())
-            self._size += placed
+            # Only new keys into free slots: one kernel places them, and the undo empties the slots
+            # again (a free slot holds key 0 and score 0): nothing to read first.
+            gpu_kernels.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
+            self._record_adds(journal, plan.slots)
+            self._size += plan.placed  # the planner's count: no host read
             self._wrote(only_added=True)
             return plan.evicted_slots.clone()
         ok = plan.slots >= 0
         slots = plan.slots[ok]
-        self._record(journal, torch.cat([slots, plan.moved_to]))
+        if plan.only_adds:
+            self._record_adds(journal, slots)
+        else:
+            self._record(journal, torch.cat([slots, plan.moved_to]))
         evicted = self.keys[plan.evicted_slots]
         src, dst = plan.moved_from, plan.moved_to
         self.keys[dst], self.scores[dst], self.pins[dst] = self.keys[src], self.scores[src], self.pins[src]
@@ -575,10 +582,11 @@ class BucketedHashIndex:
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
-        """Frees ``slots`` (each occupied, no duplicates)."""
+        """Frees ``slots`` (each occupied, no duplicates): tag, key and score 0, as in a fresh
+        index (a commit into free slots relies on it to undo without reading)."""
         self._before_write()
         self._record(journal, slots)
-        self.tags[slots] = 0
+        self.keys[slots], self.scores[slots], self.tags[slots] = 0, 0, 0
         self._size -= slots.numel()
         self._wrote()
 

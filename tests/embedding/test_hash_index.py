@@ -325,3 +325,31 @@ def test_a_few_keys_into_a_full_table_plan_as_the_reference(device):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
             placed += got.num_placed
     assert placed > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
+    """A freed slot holds key 0 and score 0, as a fresh one does; a commit of new keys into free
+    slots (also freed ones) is undone by emptying them again, restoring every array exactly."""
+    from dynarec.embedding.step import Journal
+
+    gen = torch.Generator().manual_seed(3)
+    index = BucketedHashIndex(32, 16, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (300,), generator=gen)).to(device)
+    index.commit(index.plan_insert(resident, allow_evict=False), torch.randint_like(resident, 1, 99))
+    freed = index.find(resident[::2])
+    index.remove(freed)
+    assert not bool(index.keys[freed].any() or index.scores[freed].any() or index.tags[freed].any())
+    arrays = ("keys", "scores", "tags", "pins")
+    before = {name: getattr(index, name).clone() for name in arrays}
+    size = index.size
+    new = torch.randint(-(2**62), 2**62, (250,), generator=gen).unique().to(device)
+    plan = index.plan_insert(new, allow_evict=False, keys_ascending=True)
+    assert plan.only_adds and bool(torch.isin(plan.slots, freed).any())
+    journal = Journal()
+    index.commit(plan, torch.randint_like(new, 1, 99), journal)
+    assert index.size == size + plan.placed and torch.equal(index.find(new), plan.slots)
+    journal.undo()
+    assert index.size == size
+    for name in arrays:
+        assert torch.equal(getattr(index, name), before[name]), name
