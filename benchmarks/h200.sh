@@ -21,7 +21,7 @@
 #   round5b  fused-step and dynamic-step (1M ids a step), then dynamic-step at 4.2M ids, of .prev/
 #            and of this revision in turn
 #   round6a  the CUDA tests of the hash index, insert plans, dynamic tables and training (not the
-#            fused-update kernels'); hash-find of .prev/ and of this revision; the profile of
+#            fused-update kernels'); hash-find of .prev/ and of this revision, twice in turn; the profile of
 #            an insert; the find and place kernels by block size
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
@@ -94,7 +94,7 @@ before)
 compare)
     prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench)
     {
-        for who in prev now; do
+        for who in prev now prev now; do
             if [ $who = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
             echo "## $who"
             timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
@@ -163,7 +163,7 @@ round5a)
     timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
         tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
     {
-        for who in prev now; do
+        for who in prev now prev now; do
             if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
             echo "## $who"
             timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
@@ -176,7 +176,7 @@ round6a)
         tests/embedding/test_hash_index.py tests/embedding/test_cuda.py tests/embedding/test_prefetch.py \
         tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
     {
-        for who in prev now; do
+        for who in prev now prev now; do
             if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
             echo "## $who"
             timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))

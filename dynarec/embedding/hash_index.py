@@ -363,6 +363,11 @@ class BucketedHashIndex:
             order = torch.argsort(keys, stable=True)
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
+        gpu_step1 = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
+        if gpu_step1:  # step 1 by the GPU kernels, which hash the keys themselves
+            todo = gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, keys, order, out)
+            if not todo.numel():
+                return InsertPlan(keys, out, empty, empty, empty, n)
         b1, b2 = (
             candidate_buckets(keys, self.num_buckets)
             if kernels
@@ -380,14 +385,11 @@ class BucketedHashIndex:
                 allow_evict,
             )  # fmt: skip
             return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
-        todo = self._claim_free_slots_kernel(b1, b2, order, out) if kernels else None
-        if todo is None:
+        if gpu_step1:  # the working copy only of the buckets of keys left (more join as moves need them)
+            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=out[out >= 0])
+        else:
             work = _Buckets(self, torch.cat([b1, b2]))
             todo = self._claim_free_slots(work, order, b1, b2, out)
-        elif not todo.numel():
-            return InsertPlan(keys, out, empty, empty, empty, n)
-        else:  # the working copy only if keys are left, of their buckets (more join as moves need them)
-            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=out[out >= 0])
         moved_from, moved_to = empty, empty
         if todo.numel():
             todo, moved_from, moved_to = self._claim_by_moving(work, todo, b1, b2, out, move_pins, kernels)
@@ -396,17 +398,6 @@ class BucketedHashIndex:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
         # every key left after step 2 that got a slot took an evicted one
         return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
-
-    def _claim_free_slots_kernel(
-        self, b1: torch.Tensor, b2: torch.Tensor, order: torch.Tensor, out: torch.Tensor
-    ) -> Optional[torch.Tensor]:
-        """Step 1 by the GPU kernels (the same rounds as :meth:`_claim_free_slots`; the tests hold
-        them equal), or None where they do not serve."""
-        if self.bucket_size > 64:
-            return None
-        if gpu_kernels.available(self.device):
-            return gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, b1, b2, order, out)
-        return None
 
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor
@@ -535,17 +526,18 @@ class BucketedHashIndex:
 
         journal.record(undo)
 
-    def _record_adds(self, journal: Optional[Journal], slots: torch.Tensor) -> None:
-        """Records how to empty again the free ``slots`` (-1: skipped) a commit fills, and the size
-        as now. Free slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores
-        them exactly without having read them; their pins are not written by a commit."""
+    def _record_adds(self, journal: Optional[Journal], slots: torch.Tensor, some_none: bool = False) -> None:
+        """Records how to empty again the free ``slots`` a commit fills, and the size as now. Free
+        slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores them exactly
+        without having read them; their pins are not written by a commit. ``some_none``: some
+        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
         if journal is None:
             return
         slots, size = slots.clone(), self._size
 
         def undo() -> None:
             self._before_write()
-            s = slots[slots >= 0]
+            s = slots[slots >= 0] if some_none else slots
             self.keys[s], self.scores[s], self.tags[s] = 0, 0, 0
             self._size = size
             self._wrote()
@@ -560,7 +552,7 @@ class BucketedHashIndex:
             # Only new keys into free slots: one kernel places them, and the undo empties the slots
             # again (a free slot holds key 0 and score 0): nothing to read first.
             gpu_kernels.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
-            self._record_adds(journal, plan.slots)
+            self._record_adds(journal, plan.slots, some_none=plan.placed < plan.slots.numel())
             self._size += plan.placed  # the planner's count: no host read
             self._wrote(only_added=True)
             return plan.evicted_slots.clone()

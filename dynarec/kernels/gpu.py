@@ -9,7 +9,7 @@ without host syncs:
   bytes and only then its second's, and a key only where a tag matches.
 - :func:`pooled_forward`: one program per bag, rows summed in bag order (weighted).
 - :func:`claim_free_slots`: step 1 of an insert plan (free slots in ranked rounds), the
-  plain-torch planner's slots exactly, with no sort and one host read a round;
+  plain-torch planner's slots exactly, with one host read a round;
   :func:`place_keys`: a plan of new keys into free slots committed in one kernel.
 - :func:`bag_update`: the ids of a step sorted once (stable) and cut into fixed blocks; a block's
   runs of equal rows are summed (one occurrence at a time for wide rows, by a segmented scan of
@@ -112,78 +112,56 @@ if HAVE_TRITON:
         claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
         return ok & empty & (((claimed[:, None] >> lanes.to(tl.int64)[None, :]) & 1) == 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_buckets"])
     def _choose_kernel(
-        tags_ptr, claimed_ptr, b1_ptr, b2_ptr, order_ptr, out_ptr, choice_ptr, count_ptr, pos_ptr, m, num_buckets,
+        tags_ptr, claimed_ptr, keys_ptr, order_ptr, out_ptr, choice_ptr, m, num_buckets,
         BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per key still without a slot (p: its place in rank order): the emptier of its buckets at
-        # the round's start (ties: the first), or num_buckets when both are full; a key with a
-        # bucket joins its contenders (count) and takes a place among them (pos, in no set order).
+        # Per key still without a slot (rank order): the emptier of its two buckets (hashed here)
+        # at the round's start (ties: the first), or num_buckets (sorts last) when both are full.
         p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = p < m
         k = tl.load(order_ptr + p, mask=valid, other=0)
         todo = valid & (tl.load(out_ptr + k, mask=valid, other=0) < 0)
-        b1 = tl.load(b1_ptr + k, mask=todo, other=0)
-        b2 = tl.load(b2_ptr + k, mask=todo, other=0)
+        b1, b2 = _buckets(_mix64(tl.load(keys_ptr + k, mask=todo, other=0).to(tl.uint64)), num_buckets)
         f1 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b1, todo, BS, BSP).to(tl.int32), axis=1)
         f2 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b2, todo, BS, BSP).to(tl.int32), axis=1)
-        live = todo & ((f1 > 0) | (f2 > 0))
-        choice = tl.where(live, tl.where(f2 > f1, b2, b1), num_buckets)
+        choice = tl.where(f2 > f1, b2, b1)
+        choice = tl.where(todo & ((f1 > 0) | (f2 > 0)), choice, num_buckets)
         tl.store(choice_ptr + p, choice.to(tl.int32), mask=valid)
-        pos = tl.atomic_add(count_ptr + choice, tl.full([BLOCK], 1, tl.int32), mask=live)
-        tl.store(pos_ptr + p, pos, mask=live)
-
-    @triton.jit
-    def _stage_kernel(choice_ptr, pos_ptr, count_ptr, ends_ptr, stage_ptr, m, num_buckets, BLOCK: tl.constexpr):
-        # Each bucket's contenders side by side (bucket c's at ends[c] - count[c] onwards), by rank place p.
-        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = p < m
-        c = tl.load(choice_ptr + p, mask=valid, other=0).to(tl.int64)
-        live = valid & (c < num_buckets)
-        start = tl.load(ends_ptr + c, mask=live, other=0) - tl.load(count_ptr + c, mask=live, other=0)
-        tl.store(stage_ptr + start + tl.load(pos_ptr + p, mask=live, other=0), p.to(tl.int32), mask=live)
 
     @triton.jit
     def _claim_kernel(
-        tags_ptr, claimed_ptr, choice_ptr, count_ptr, ends_ptr, stage_ptr, order_ptr, out_ptr, lane_ptr, placed_ptr,
-        m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+        tags_ptr, claimed_ptr, sorted_ptr, perm_ptr, first_ptr, order_ptr, out_ptr, lane_ptr, placed_ptr, m,
+        num_buckets, BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # A key's rank in its bucket is the number of its contenders placed before it in rank
-        # order (counted, so the atomics' order does not matter): the r-th takes the bucket's r-th
-        # free lane (ascending) if the bucket has more than r free lanes.
-        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = p < m
-        c = tl.load(choice_ptr + p, mask=valid, other=0).to(tl.int64)
+        # Keys sorted by chosen bucket (stable: rank order within a bucket): the r-th key of a
+        # bucket takes its r-th free lane (ascending) if the bucket has more than r free lanes.
+        # Counts the keys placed (an integer sum: the atomics' order does not matter).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < m
+        c = tl.load(sorted_ptr + i, mask=valid, other=0).to(tl.int64)
         live = valid & (c < num_buckets)
-        count = tl.load(count_ptr + c, mask=live, other=0)
-        start = tl.load(ends_ptr + c, mask=live, other=0) - count
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        most = tl.max(count, axis=0)
-        j = tl.full([], 0, tl.int32)
-        while j < most:
-            other = tl.load(stage_ptr + start + j, mask=live & (j < count), other=m)
-            rank += (other < p).to(tl.int32)
-            j += 1
+        rank = (i - tl.load(first_ptr + i, mask=live, other=0)).to(tl.int32)
         free = _free_lanes(tags_ptr, claimed_ptr, c, live, BS, BSP)
         nth = tl.cumsum(free.to(tl.int32), axis=1)
         pick = free & (nth == (rank + 1)[:, None])
         placed = live & (tl.max(pick.to(tl.int32), axis=1) > 0)
         lane = tl.argmax(pick.to(tl.int32), axis=1).to(tl.int64)
-        k = tl.load(order_ptr + p, mask=placed, other=0)
+        k = tl.load(order_ptr + tl.load(perm_ptr + i, mask=placed, other=0), mask=placed, other=0)
         tl.store(out_ptr + k, c * BS + lane, mask=placed)
-        tl.store(lane_ptr + p, tl.where(placed, lane, -1), mask=valid)
+        tl.store(lane_ptr + i, tl.where(placed, lane, -1), mask=valid)
         tl.atomic_add(placed_ptr, tl.sum(placed.to(tl.int32), axis=0))
 
     @triton.jit
-    def _mark_claimed_kernel(claimed_ptr, choice_ptr, lane_ptr, m, BLOCK: tl.constexpr):
+    def _mark_claimed_kernel(claimed_ptr, sorted_ptr, lane_ptr, m, BLOCK: tl.constexpr):
         # After the round's claims: their lanes join the buckets' claimed masks (an integer OR:
         # the result does not depend on the order the atomics land in).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < m
         lane = tl.load(lane_ptr + i, mask=valid, other=-1)
         placed = valid & (lane >= 0)
-        c = tl.load(choice_ptr + i, mask=placed, other=0).to(tl.int64)
+        c = tl.load(sorted_ptr + i, mask=placed, other=0).to(tl.int64)
         tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
 
     @triton.jit
@@ -503,50 +481,41 @@ def place_keys(
 
 
 def claim_free_slots(
-    tags: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    b1: torch.Tensor,
-    b2: torch.Tensor,
-    order: torch.Tensor,
-    out: torch.Tensor,
+    tags: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """Step 1 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
     ``_claim_free_slots`` (and the CPU extension's): each round, every key without a slot
-    (``order``: key indices in rank order) takes, from the free counts at the round's start, the
-    emptier of its two buckets ``b1`` / ``b2`` (ties: the first); the first ``free`` keys
+    (``order``: indices into ``keys``, in rank order) takes, from the free counts at the round's
+    start, the emptier of its two candidate buckets (ties: the first); the first ``free`` keys
     choosing a bucket get its free lanes in ascending order. Writes slots into ``out`` (int64,
     -1 = none yet); returns the keys (indices, rank order) whose two buckets are full.
 
-    A round sorts nothing: a kernel chooses the buckets and counts each bucket's contenders, a
-    cumulative sum over the buckets lays them out side by side, a kernel puts each key there, a
-    kernel ranks each key among its bucket's contenders by counting those before it in rank
-    order and claims its lane, and one ORs the claims into per-bucket masks (no slot is written
-    to the index: a plan writes nothing). Then the host reads how many keys were placed (one
-    read); only if some were not does it take the keys still without a slot for another round (at
-    load 0.5 the first round places nearly every key). A round that places no key ends it
-    (every key left has two full buckets: a round with a live key places at least its bucket's
-    first). ``bucket_size`` <= 64."""
+    A round is a kernel choosing buckets (hashing the keys itself), a stable sort by bucket, a
+    searchsorted for each key's rank in its bucket, a kernel claiming lanes and counting the keys
+    placed, and one OR-ing the claims into per-bucket masks (no slot is written to the index: a
+    plan writes nothing). Then the host reads the count (one read); only if some keys were not
+    placed does it take those for another round, which sorts only them (at load 0.5 the first
+    round places nearly every key). A round that places no key ends it (every key left has two
+    full buckets: a round with a live key places at least its bucket's first). ``bucket_size``
+    <= 64."""
     device = tags.device
     bsp = triton.next_power_of_2(bucket_size)
     claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device) if order.numel() else None
     block = 128
     consts = dict(BS=bucket_size, BSP=bsp, BLOCK=block)
+    keys = keys.contiguous()
     while (m := order.numel()) > 0:
         grid = (triton.cdiv(m, block),)
         choice = torch.empty(m, dtype=torch.int32, device=device)
-        pos = torch.empty(m, dtype=torch.int32, device=device)
         lane = torch.empty(m, dtype=torch.int64, device=device)
-        stage = torch.empty(m, dtype=torch.int32, device=device)
-        count = torch.zeros(num_buckets, dtype=torch.int32, device=device)
         placed = torch.zeros(1, dtype=torch.int32, device=device)
-        _choose_kernel[grid](tags, claimed, b1, b2, order, out, choice, count, pos, m, num_buckets, **consts)
-        ends = torch.cumsum(count, 0, dtype=torch.int32)
-        _stage_kernel[grid](choice, pos, count, ends, stage, m, num_buckets, BLOCK=block)
+        _choose_kernel[grid](tags, claimed, keys, order, out, choice, m, num_buckets, **consts)
+        sorted_choice, perm = torch.sort(choice, stable=True)
+        first = torch.searchsorted(sorted_choice, sorted_choice)  # where each key's bucket starts
         _claim_kernel[grid](
-            tags, claimed, choice, count, ends, stage, order, out, lane, placed, m, num_buckets, **consts
+            tags, claimed, sorted_choice, perm, first, order, out, lane, placed, m, num_buckets, **consts
         )  # fmt: skip
-        _mark_claimed_kernel[grid](claimed, choice, lane, m, BLOCK=block)
+        _mark_claimed_kernel[grid](claimed, sorted_choice, lane, m, BLOCK=block)
         num_placed = int(placed)
         if num_placed == m:
             return order[:0]

@@ -90,7 +90,7 @@ def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, see
         want = torch.full_like(keys, -1)
         want_left = index._claim_free_slots(_Buckets(index, torch.cat([b1, b2])), order, b1, b2, want)
         got = torch.full_like(keys, -1)
-        got_left = gpu.claim_free_slots(index.tags, num_buckets, bucket_size, b1, b2, order, got)
+        got_left = gpu.claim_free_slots(index.tags, num_buckets, bucket_size, keys, order, got)
         assert torch.equal(got, want) and torch.equal(got_left, want_left)
         assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
 
