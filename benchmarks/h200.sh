@@ -23,6 +23,8 @@
 #   round6a  the CUDA tests of the hash index, insert plans, dynamic tables and training (not the
 #            fused-update kernels'); hash-find of .prev/ and of this revision, twice in turn; the profile of
 #            an insert; the find and place kernels by block size
+#   round6b  every CUDA test; hash-find of .prev/ and of this revision, twice in turn; the profile
+#            of an insert
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -183,6 +185,18 @@ round6a)
         done
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
         timeout 60 python3 benchmarks/tune_index.py
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round6b)
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
+        tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    {
+        for who in prev now prev now; do
+            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
+            echo "## $who"
+            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
+        done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 20
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round5b)

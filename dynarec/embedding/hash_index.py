@@ -537,12 +537,17 @@ class BucketedHashIndex:
 
         def undo() -> None:
             self._before_write()
-            s = slots[slots >= 0] if some_none else slots
-            self.keys[s], self.scores[s], self.tags[s] = 0, 0, 0
+            self._clear(slots[slots >= 0] if some_none else slots)
             self._size = size
             self._wrote()
 
         journal.record(undo)
+
+    def _clear(self, slots: torch.Tensor) -> None:
+        """Empties ``slots``: tag, key and score 0 (``index_fill_``: a scalar fill, where an indexed
+        assignment of a Python number would copy it to the GPU and wait for the stream)."""
+        for t in (self.keys, self.scores, self.tags):
+            t.index_fill_(0, slots, 0)
 
     def commit(self, plan: InsertPlan, scores: torch.Tensor, journal: Optional[Journal] = None) -> torch.Tensor:
         """Writes a plan: moves residents, then places its keys with their ``scores``; returns
@@ -578,7 +583,7 @@ class BucketedHashIndex:
         index (a commit into free slots relies on it to undo without reading)."""
         self._before_write()
         self._record(journal, slots)
-        self.keys[slots], self.scores[slots], self.tags[slots] = 0, 0, 0
+        self._clear(slots)
         self._size -= slots.numel()
         self._wrote()
 

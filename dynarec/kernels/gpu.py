@@ -169,14 +169,16 @@ if HAVE_TRITON:
         keys_ptr, scores_ptr, tags_ptr, slots_ptr, new_keys_ptr, new_scores_ptr, n, BLOCK: tl.constexpr
     ):  # fmt: skip
         # Key i goes to slots[i] (-1: none) with its score and tag. Slots are distinct: no two
-        # programs write one.
+        # programs write one. A free slot's score is 0 already: a score of 0 is not written (one
+        # scattered store fewer a key, for the zero scores a dynamic table inserts with).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         s = tl.load(slots_ptr + i, mask=valid, other=-1)
         ok = valid & (s >= 0)
         k = tl.load(new_keys_ptr + i, mask=ok, other=0)
+        score = tl.load(new_scores_ptr + i, mask=ok, other=0)
         tl.store(keys_ptr + s, k, mask=ok)
-        tl.store(scores_ptr + s, tl.load(new_scores_ptr + i, mask=ok, other=0), mask=ok)
+        tl.store(scores_ptr + s, score, mask=ok & (score != 0))
         tl.store(tags_ptr + s, _tag(_mix64(k.to(tl.uint64))), mask=ok)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
@@ -469,9 +471,9 @@ def place_keys(
     block: int = PLACE_BLOCK,
     num_warps: int = PLACE_WARPS,
 ) -> None:
-    """Writes ``new_keys[i]`` with ``new_scores[i]`` and its tag into slot ``slots[i]`` (distinct;
-    -1: not placed) of a hash index's arrays, in one kernel. ``block`` / ``num_warps``: tuning
-    knobs (benchmarks/tune_index.py)."""
+    """Writes ``new_keys[i]`` with ``new_scores[i]`` and its tag into slot ``slots[i]`` (distinct,
+    free: key 0 and score 0; -1: not placed) of a hash index's arrays, in one kernel. ``block`` /
+    ``num_warps``: tuning knobs (benchmarks/tune_index.py)."""
     n = slots.numel()
     if n:
         _place_kernel[(triton.cdiv(n, block),)](
