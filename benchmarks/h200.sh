@@ -25,6 +25,8 @@
 #            an insert; the find and place kernels by block size
 #   round6b  every CUDA test; hash-find of .prev/ and of this revision, twice in turn; the profile
 #            of an insert
+#   round6c  the CUDA tests but the fused update's; the host syncs of a step with new keys
+#            (benchmarks/host_syncs.py) of .prev/ and of this revision, twice in turn
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -198,6 +200,16 @@ round6b)
         done
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 20
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round6c)
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k "not fused_update" \
+        tests/embedding/test_hash_index.py tests/embedding/test_cuda.py tests/embedding/test_prefetch.py \
+        tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    for who in prev now prev now; do
+        echo "## $who"
+        if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+        PYTHONPATH=$path timeout 120 python3 benchmarks/host_syncs.py --ids 1048576 --new 4096
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/host-syncs-h200.txt"
     ;;
 round5b)
     {

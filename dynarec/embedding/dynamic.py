@@ -28,9 +28,12 @@ removes created rows, takes back admission counts and a growth.
 Eval mode only finds: nothing is created, evicted, counted or updated.
 
 Host reads per training lookup: whether any key is absent (in :meth:`find`, which a CUDA
-collection runs on its input stream, beside the previous step's backward); when some are, the
-unique absent keys (a data-dependent size), the insert plan's rounds, and whether every key got
-a row. A warm table with no new keys pays only the first.
+collection runs on its input stream, beside the previous step's backward); when some are, how
+many occurrences are absent and how many distinct keys they hold (data-dependent sizes), and one
+count per free-slot round of the insert plan (at load 0.5, one round). Pins skip -1 slots on the
+device, and whether every key got a row follows from the plan's count. A warm table with no new
+keys pays only the first; ``benchmarks/host_syncs.py`` lists a step's syncs on a GPU. Moves and
+evictions (buckets full) read more.
 """
 
 from __future__ import annotations
@@ -200,24 +203,27 @@ class DynamicTable(EmbeddingTable):
             self._deferred_pins = [(st, t) for st, t in self._deferred_pins if st.id in pending]
             self._deferred_pins.append((step, slots))
             return slots, True
-        absent = slots < 0
         self._write_pins()
-        self.index.pin(slots[~absent], step.id)  # before inserting: this step's rows stay
+        self.index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
+        absent = torch.nonzero(slots < 0).squeeze(1)  # one host read: how many occurrences are absent
         uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
         candidates = torch.arange(uniq.numel(), device=keys.device)
         if self.counter is not None:
             candidates = candidates[self._count_admission(uniq, counts, step)]
+        all_present = candidates.numel() == uniq.numel()
         if candidates.numel():
             generation, moved = self._generation, self.counters["moved"]
-            new_slots = torch.full_like(uniq, -1)
-            new_slots[candidates] = self._insert(uniq[candidates], step, keys_ascending=True)
+            new_keys = uniq if self.counter is None else uniq[candidates]
+            new_slots, placed = self._insert(new_keys, step, keys_ascending=True)
+            all_present = all_present and placed == candidates.numel()
+            if self.counter is not None:
+                new_slots = torch.full_like(uniq, -1).index_copy_(0, candidates, new_slots)
             if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
             else:
-                slots[absent] = new_slots[inverse]
-        present = slots >= 0
-        self.index.pin(slots[present], step.id)
-        return slots, bool(present.all())
+                slots.index_copy_(0, absent, new_slots[inverse])
+        self.index.pin(slots, step.id)
+        return slots, all_present
 
     def _schedule_scores(self, touched: torch.Tensor, step: Step) -> Optional[RowScores]:
         """Schedules the score change of a step's touched slots (one entry per occurrence) for
@@ -254,7 +260,7 @@ class DynamicTable(EmbeddingTable):
     def pinned(self) -> torch.Tensor:
         """``[capacity]`` bool: the slots a pending training step has pinned (not evictable)."""
         self._write_pins()
-        return torch.isin(self.index.pins, self._pending_ids() % PIN_WRAP) & self.index.occupied
+        return torch.isin(self.index.pins, (self._pending_ids() % PIN_WRAP).to(self.device)) & self.index.occupied
 
     def _write_pins(self) -> None:
         """Writes the deferred pins of the steps still pending (before anything inserts or moves
@@ -266,7 +272,9 @@ class DynamicTable(EmbeddingTable):
         self._deferred_pins.clear()
 
     def _pending_ids(self) -> torch.Tensor:
-        return torch.tensor([s.id for s in self.steps.pending], dtype=torch.int64, device=self.device)
+        """The pending steps' ids, a CPU tensor (``plan_insert`` moves it to the device only when
+        it needs it: a copy to the GPU waits for the stream)."""
+        return torch.tensor([s.id for s in self.steps.pending], dtype=torch.int64)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -294,10 +302,12 @@ class DynamicTable(EmbeddingTable):
         """Growth moves rows: only when no step but the current one is pending."""
         return self.index.num_buckets < self.max_buckets and len(self.steps.pending) <= 1
 
-    def _insert(self, keys: torch.Tensor, step: Optional[Step], keys_ascending: bool = False) -> torch.Tensor:
+    def _insert(
+        self, keys: torch.Tensor, step: Optional[Step], keys_ascending: bool = False
+    ) -> tuple[torch.Tensor, int]:
         """Gives rows to absent ``keys`` (unique; ``keys_ascending``: in ascending order); returns
-        their slots (-1: no row). ``step``: the training step doing it (its journal records the
-        changes), or None (``write_rows``).
+        their slots (-1: no row) and how many got one. ``step``: the training step doing it (its
+        journal records the changes), or None (``write_rows``).
 
         A row this step already looked up may move to its other bucket to make room (its slot
         changes; the caller finds its keys again), unless the table served this step before:
@@ -351,17 +361,19 @@ class DynamicTable(EmbeddingTable):
         if plan.moved_from.numel():  # residents moved to their other bucket take their rows along
             self.store.write(plan.moved_to, self.store.read(plan.moved_from))
         self.index.commit(plan, torch.zeros_like(keys), journal)
-        ok = plan.slots >= 0
-        new_slots = plan.slots[ok]
-        self.store.reset_rows(new_slots, self.initial_weights(keys[ok]))
+        new_slots, new_keys = plan.slots, keys
+        if plan.placed < keys.numel():
+            ok = plan.slots >= 0
+            new_slots, new_keys = plan.slots[ok], keys[ok]
+        self.store.reset_rows(new_slots, self.initial_weights(new_keys))
         if step is not None:
             self.index.pin(new_slots, step.id)
-        return plan.slots
+        return plan.slots, plan.placed
 
     def _movable_pins(self, step: Optional[Step]) -> Optional[torch.Tensor]:
         if step is None or self._served_step == step.id:
             return None
-        return torch.tensor([step.id], dtype=torch.int64, device=self.device)
+        return torch.tensor([step.id], dtype=torch.int64)
 
     def _count(self, journal: Optional[Journal], **counts: int) -> None:
         """Adds to the report's counters (``dropped``, ``evicted``, ``premature``, ``moved``)."""
@@ -432,9 +444,9 @@ class DynamicTable(EmbeddingTable):
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
-            new = self._insert(keys[absent], step=None)
+            new, placed = self._insert(keys[absent], step=None)
             slots[absent] = new
-            if bool((new < 0).any()):
+            if placed < new.numel():
                 raise TableFullError(f"table '{self.name}': write_rows could not place every key")
         self.store.write(slots, values)
 

@@ -204,7 +204,8 @@ class BucketedHashIndex:
         # that step is pending (StepLifecycle). Step ids are never reused (int32: they wrap after
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
         # of an aborted step pins nothing and needs no undo.
-        self.pins = torch.full((cap,), -1, dtype=torch.int32, device=self.device)
+        self._pins = torch.full((cap + 1,), -1, dtype=torch.int32, device=self.device)  # the last: pin()'s -1s
+        self.pins = self._pins[:cap]
         self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
         self._written: Optional[torch.cuda.Event] = None
@@ -347,7 +348,8 @@ class BucketedHashIndex:
         Rows pinned by one of the steps ``pinned_by`` are neither moved nor evicted, and neither
         is a slot this plan already gave away; rows pinned by one of ``movable_pins`` (a subset
         of ``pinned_by``: the step inserting, which finds its keys' slots again after the
-        commit) may move but not be evicted. A key left without a slot gets ``-1``.
+        commit) may move but not be evicted. A key left without a slot gets ``-1``. The two step-id
+        tensors may be on the host: only steps 2-3 need them on the device.
 
         ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
         planner and the GPU kernels are tested against.
@@ -373,9 +375,11 @@ class BucketedHashIndex:
             if kernels
             else candidate_buckets_reference(keys, self.num_buckets)
         )
+        if pinned_by is not None:  # the callers' step ids may be on the host: moved only now
+            pinned_by = pinned_by.to(self.device)
         move_pins = pinned_by
         if pinned_by is not None and movable_pins is not None:
-            move_pins = pinned_by[~torch.isin(pinned_by, movable_pins)]
+            move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(self.device))]
         cpu_ops = cpu_kernels.ops() if kernels and self.device.type == "cpu" and self.bucket_size <= 64 else None
         if cpu_ops is not None:  # the three steps in one C++ call
             left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
@@ -603,8 +607,9 @@ class BucketedHashIndex:
         self.scores.index_add_(0, slots, amounts)
 
     def pin(self, slots: torch.Tensor, step_id: int) -> None:
-        """Pins ``slots`` for the step ``step_id`` (duplicates allowed)."""
-        self.pins.scatter_(0, slots, step_id % PIN_WRAP)
+        """Pins ``slots`` for the step ``step_id`` (duplicates allowed; -1: skipped, with no host
+        read: they pin a spare entry past the last slot)."""
+        self._pins.scatter_(0, torch.where(slots < 0, self.capacity, slots), step_id % PIN_WRAP)
 
     def rehashed(self, num_buckets: int) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
         """A new index of ``num_buckets`` holding every key with its score and pin, and the
