@@ -66,9 +66,12 @@ def main() -> None:
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing" not in str(message):
             return
-        frames = [f for f in traceback.extract_stack()[:-1] if "/dynarec/" in f.filename]
-        where = f"{frames[-1].filename.split('/dynarec/')[-1]}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
-        sites[where] += 1
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if "/dynarec/" in f.filename]
+        frame = ours[-1] if ours else stack[-1]  # the innermost dynarec line, else the innermost line
+        sites[
+            f"{frame.filename.split('/')[-1]}:{frame.lineno} {frame.line}" + ("" if ours else " (outside dynarec)")
+        ] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -50,7 +50,9 @@ def _uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Te
 
 def uniform01_reference(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
     """Plain-torch :func:`_uniform01` (any device)."""
-    base = mix64(keys ^ mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64, device=keys.device)))
+    # The stream's salt hashed on the host (a scalar sent to the GPU would wait for the stream).
+    salt = int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
+    base = mix64(keys ^ salt)
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
     h = mix64(base[:, None] + cols[None, :])
     return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
