@@ -69,6 +69,28 @@ dynamic_4m() {
     done
 }
 
+# the CUDA tests of the kernels, the hash index, dynamic tables, the input stage and training
+# ("index": all but the fused update kernel's, unchanged by an index round)
+cuda_tests() {
+    local kernels=(tests/kernels)
+    if [ "${1:-}" = index ]; then kernels=(tests/kernels/test_gpu_kernels.py -k "not fused_update"); fi
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider "${kernels[@]}" tests/embedding/test_hash_index.py \
+        tests/embedding/test_cuda.py tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 |
+        tail -15 | tee "$out/tests-h200.txt"
+}
+
+# hash-find of .prev/ or of this revision in the order given ("prev" / "now"), then the profile of
+# an insert of this revision
+hash_find_prev_now() {
+    local prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench) cmd who
+    for who in "$@"; do
+        if [ "$who" = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
+        echo "## $who"
+        timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
+    done
+    timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+}
+
 case $stage in
 tests)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -164,47 +186,22 @@ round4c)
         --json "$out/train-step-h200.json" 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/train-step-h200.txt"
     ;;
 round5a)
-    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
-        tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
-    {
-        for who in prev now prev now; do
-            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
-            echo "## $who"
-            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
-        done
-        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
-    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    cuda_tests
+    hash_find_prev_now prev now 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6a)
-    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k "not fused_update" \
-        tests/embedding/test_hash_index.py tests/embedding/test_cuda.py tests/embedding/test_prefetch.py \
-        tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    cuda_tests index
     {
-        for who in prev now prev now; do
-            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
-            echo "## $who"
-            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
-        done
-        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+        hash_find_prev_now prev now prev now
         timeout 60 python3 benchmarks/tune_index.py
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6b)
-    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py tests/embedding/test_cuda.py \
-        tests/embedding/test_prefetch.py tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
-    {
-        for who in prev now prev now; do
-            if [ $who = prev ]; then cmd=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench); else cmd=("${dyn[@]}"); fi
-            echo "## $who"
-            timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
-        done
-        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 20
-    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    cuda_tests
+    hash_find_prev_now prev now prev now 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6c)
-    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k "not fused_update" \
-        tests/embedding/test_hash_index.py tests/embedding/test_cuda.py tests/embedding/test_prefetch.py \
-        tests/train/test_cuda_training.py 2>&1 | tail -15 | tee "$out/tests-h200.txt"
+    cuda_tests index
     for who in prev now prev now; do
         echo "## $who"
         if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
