@@ -220,6 +220,7 @@ class DynamicTable(EmbeddingTable):
                 new_slots = torch.full_like(uniq, -1).index_copy_(0, candidates, new_slots)
             if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
+                all_present = bool((slots >= 0).all())  # a growth at max_capacity may have dropped a key
             else:
                 slots.index_copy_(0, absent, new_slots[inverse])
         self.index.pin(slots, step.id)
@@ -444,10 +445,14 @@ class DynamicTable(EmbeddingTable):
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
+            generation, moved = self._generation, self.counters["moved"]
             new, placed = self._insert(keys[absent], step=None)
-            slots[absent] = new
             if placed < new.numel():
                 raise TableFullError(f"table '{self.name}': write_rows could not place every key")
+            if self._generation != generation or self.counters["moved"] != moved:  # rows moved: find again
+                slots = self.index.find(keys)
+            else:
+                slots[absent] = new
         self.store.write(slots, values)
 
     # -- dump and load -------------------------------------------------------------------------

@@ -561,3 +561,26 @@ def test_write_rows_is_refused_while_a_training_step_is_pending():
     out["f"].sum().backward()
     coll.write_rows("d", keys, {"weight": torch.ones(30, D)})
     assert coll.tables["d"].capacity > 8 and bool(coll.read_rows("d", keys)["present"].all())
+
+
+@pytest.mark.parametrize("grow", [True, False], ids=["growth", "cuckoo-move"])
+def test_write_rows_of_present_and_new_keys_lands_every_value_in_its_key_row(grow):
+    """Inserting the new keys of a write may move present keys' rows (a growth rehashes them all; a
+    cuckoo step moves one to its other bucket): every key still reads the value written for it."""
+    if grow:
+        coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=256, bucket_size=4)], SGD(lr=0.1))
+        present = torch.arange(1, 6)
+        new = torch.arange(100, 140)
+    else:
+        coll = EmbeddingCollection([dynamic(max_capacity=8, bucket_size=2)], SGD(lr=0.1))
+        r0, r1, r2, r3, k = keys_with_buckets(4, [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)])
+        present, new = torch.tensor([r0, r1, r2, r3]), torch.tensor([k])
+    t = coll.tables["d"]
+    coll.write_rows("d", present, {"weight": torch.zeros(present.numel(), D)})
+    before = (t.capacity, t.report()["moved_keys"])
+    keys = torch.cat([present, new])
+    values = keys.float()[:, None].expand(-1, D).contiguous()
+    coll.write_rows("d", keys, {"weight": values})
+    assert (t.capacity > before[0]) if grow else (t.report()["moved_keys"] > before[1])
+    rows = coll.read_rows("d", keys)
+    assert bool(rows["present"].all()) and torch.equal(rows["weight"], values)
