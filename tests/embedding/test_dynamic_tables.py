@@ -584,3 +584,26 @@ def test_write_rows_of_present_and_new_keys_lands_every_value_in_its_key_row(gro
     assert (t.capacity > before[0]) if grow else (t.report()["moved_keys"] > before[1])
     rows = coll.read_rows("d", keys)
     assert bool(rows["present"].all()) and torch.equal(rows["weight"], values)
+
+
+def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_update():
+    """A growth into max_capacity rehashes keys by score in free-slot rounds, with no cuckoo step, so
+    it can drop keys the smaller table held (here x and y: a round's keys all choose from its start's
+    free counts). When one is in the step that grew the table, its occurrences have no row: they
+    read the eval initializer, and the step updates every other row (none at a slot -1)."""
+    coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=16, bucket_size=2)], SGD(lr=0.1))
+    t = coll.tables["d"]
+    # Under 8 buckets (and so under 4): x, y only in bucket 1; k1 in 0 or 1; k2, k3 in 1 or 2.
+    x, y, k1, k2, k3 = keys_with_buckets(8, [(1, 1), (1, 1), (0, 1), (1, 2), (1, 2)])
+    for keys in ([x, y], [k1, k2, k3]):  # step 1, then step 2 (higher scores)
+        coll(JaggedBatch.from_lists({"f": [keys]}))["f"].sum().backward()
+    assert t.capacity == 8 and t.size == 5
+    z1, z2 = keys_with_buckets(8, [(5, 6), (6, 7)], start=1 << 20)  # 7 keys > 0.75 * 8 slots: it grows to 16
+    before = t.read_rows(torch.tensor([k1]))["weight"]
+    out = coll(JaggedBatch.from_lists({"f": [[y], [z1, z2], [k1]]}))["f"]
+    assert t.capacity == 16 and t.evicted_keys == 2
+    assert not bool(t.read_rows(torch.tensor([x, y]))["present"].any())
+    assert torch.equal(out[0].detach(), torch.zeros(D))  # y reads the eval initializer (zeros)
+    out.sum().backward()
+    rows = t.read_rows(torch.tensor([k1, k2, k3, z1, z2]))
+    assert bool(rows["present"].all()) and not torch.equal(rows["weight"][0], before[0])  # k1 was updated
