@@ -414,7 +414,7 @@ class DynamicTable(EmbeddingTable):
         index, src, dst = self.index.rehashed(num_buckets)
         while src.numel() < self.index.size and index.num_buckets < self.max_buckets:  # a bucket pair overflowed
             index, src, dst = self.index.rehashed(min(self.max_buckets, index.num_buckets * 2))
-        lost = self.index.size - src.numel()  # only at max_capacity, never seen in practice
+        lost = self.index.size - src.numel()  # only at max_capacity: rare with 16-slot buckets
         self._count(None, evicted=lost, premature=lost)
         self.store.resize(index.capacity, src, dst)
         self.index = index

@@ -614,8 +614,9 @@ class BucketedHashIndex:
     def rehashed(self, num_buckets: int) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
         """A new index of ``num_buckets`` holding every key with its score and pin, and the
         ``(old slots, new slots)`` of the keys placed. Keys are placed by descending score (ties
-        to the smaller key); a key that finds no slot (possible only into a fuller index) is left
-        out (``len(old slots) < size``)."""
+        to the smaller key) in one plan's free-slot rounds, with no cuckoo step (a fresh index has
+        no residents to move), so a key can find no slot even in more buckets than before (rare
+        with 16-slot buckets): it is left out (``len(old slots) < size``)."""
         slots, keys, scores = self.entries()
         index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         plan = index.plan_insert(keys, allow_evict=False, priority=scores, keys_ascending=True)
