@@ -207,17 +207,17 @@ class DynamicTable(EmbeddingTable):
         self.index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
         absent = torch.nonzero(slots < 0).squeeze(1)  # one host read: how many occurrences are absent
         uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
-        candidates = torch.arange(uniq.numel(), device=keys.device)
+        new_keys, admitted = uniq, None
         if self.counter is not None:
-            candidates = candidates[self._count_admission(uniq, counts, step)]
-        all_present = candidates.numel() == uniq.numel()
-        if candidates.numel():
+            admitted = torch.nonzero(self._count_admission(uniq, counts, step)).squeeze(1)
+            new_keys = uniq[admitted]
+        all_present = new_keys.numel() == uniq.numel()
+        if new_keys.numel():
             generation, moved = self._generation, self.counters["moved"]
-            new_keys = uniq if self.counter is None else uniq[candidates]
             new_slots, placed = self._insert(new_keys, step, keys_ascending=True)
-            all_present = all_present and placed == candidates.numel()
-            if self.counter is not None:
-                new_slots = torch.full_like(uniq, -1).index_copy_(0, candidates, new_slots)
+            all_present = all_present and placed == new_keys.numel()
+            if admitted is not None:
+                new_slots = torch.full_like(uniq, -1).index_copy_(0, admitted, new_slots)
             if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
                 all_present = bool((slots >= 0).all())  # a growth at max_capacity may have dropped a key
@@ -445,14 +445,18 @@ class DynamicTable(EmbeddingTable):
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
-            generation, moved = self._generation, self.counters["moved"]
             new, placed = self._insert(keys[absent], step=None)
             if placed < new.numel():
                 raise TableFullError(f"table '{self.name}': write_rows could not place every key")
-            if self._generation != generation or self.counters["moved"] != moved:  # rows moved: find again
-                slots = self.index.find(keys)
-            else:
-                slots[absent] = new
+            # Found again: the insert may have moved rows (a growth, a cuckoo step) or, at
+            # max_capacity, evicted some of this write's own keys to make room.
+            slots = self.index.find(keys)
+            lost = int((slots < 0).sum())
+            if lost:
+                raise TableFullError(
+                    f"table '{self.name}': write_rows evicted {lost} of its own key(s) to place its new ones "
+                    f"(max_capacity {self.max_capacity}); write fewer new keys at once or raise max_capacity"
+                )
         self.store.write(slots, values)
 
     # -- dump and load -------------------------------------------------------------------------

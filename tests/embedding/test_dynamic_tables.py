@@ -607,3 +607,15 @@ def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_
     out.sum().backward()
     rows = t.read_rows(torch.tensor([k1, k2, k3, z1, z2]))
     assert bool(rows["present"].all()) and not torch.equal(rows["weight"][0], before[0])  # k1 was updated
+
+
+def test_write_rows_that_evicts_its_own_keys_at_max_capacity_is_an_error():
+    """At max_capacity a write's new key may take the slot of a key the same write holds: the
+    write is refused by name (it would write both keys' values into one row)."""
+    coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=2)], SGD(lr=0.1))
+    a, b, c, d, e = keys_with_buckets(2, [(0, 0), (0, 0), (1, 1), (1, 1), (0, 1)])
+    full = torch.tensor([a, b, c, d])
+    coll.write_rows("d", full, {"weight": torch.ones(4, D)})
+    assert coll.tables["d"].size == 4
+    with pytest.raises(TableFullError, match="write_rows evicted 1 of its own key"):
+        coll.write_rows("d", torch.tensor([a, b, c, d, e]), {"weight": torch.ones(5, D)})
