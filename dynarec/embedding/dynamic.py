@@ -272,10 +272,10 @@ class DynamicTable(EmbeddingTable):
                 self.index.pin(slots, step.id)
         self._deferred_pins.clear()
 
-    def _pending_ids(self) -> torch.Tensor:
-        """The pending steps' ids, a CPU tensor (``plan_insert`` moves it to the device only when
-        it needs it: a copy to the GPU waits for the stream)."""
-        return torch.tensor([s.id for s in self.steps.pending], dtype=torch.int64)
+    def _pending_ids(self, *extra: int) -> torch.Tensor:
+        """The pending steps' ids and ``extra`` ids, a CPU tensor (``plan_insert`` moves it to the
+        device only when it needs it: a copy to the GPU waits for the stream)."""
+        return torch.tensor([s.id for s in self.steps.pending] + list(extra), dtype=torch.int64)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -304,11 +304,16 @@ class DynamicTable(EmbeddingTable):
         return self.index.num_buckets < self.max_buckets and len(self.steps.pending) <= 1
 
     def _insert(
-        self, keys: torch.Tensor, step: Optional[Step], keys_ascending: bool = False
+        self,
+        keys: torch.Tensor,
+        step: Optional[Step],
+        keys_ascending: bool = False,
+        write_id: Optional[int] = None,
     ) -> tuple[torch.Tensor, int]:
         """Gives rows to absent ``keys`` (unique; ``keys_ascending``: in ascending order); returns
         their slots (-1: no row) and how many got one. ``step``: the training step doing it (its
-        journal records the changes), or None (``write_rows``).
+        journal records the changes), or None (``write_rows``, which pinned its own rows with the id
+        ``write_id``: they may move to their other bucket, and are not evicted).
 
         A row this step already looked up may move to its other bucket to make room (its slot
         changes; the caller finds its keys again), unless the table served this step before:
@@ -323,9 +328,9 @@ class DynamicTable(EmbeddingTable):
             allow_evict = options.score_strategy != "none" and (at_max or not self._can_grow())
             plan = self.index.plan_insert(
                 keys,
-                pinned_by=self._pending_ids(),
+                pinned_by=self._pending_ids(*([] if write_id is None else [write_id])),
                 allow_evict=allow_evict,
-                movable_pins=self._movable_pins(step),
+                movable_pins=self._movable_pins(step, write_id),
                 keys_ascending=keys_ascending,
             )
             if plan.dropped and self._can_grow():
@@ -371,7 +376,9 @@ class DynamicTable(EmbeddingTable):
             self.index.pin(new_slots, step.id)
         return plan.slots, plan.placed
 
-    def _movable_pins(self, step: Optional[Step]) -> Optional[torch.Tensor]:
+    def _movable_pins(self, step: Optional[Step], write_id: Optional[int] = None) -> Optional[torch.Tensor]:
+        if write_id is not None:
+            return torch.tensor([write_id], dtype=torch.int64)
         if step is None or self._served_step == step.id:
             return None
         return torch.tensor([step.id], dtype=torch.int64)
@@ -445,17 +452,25 @@ class DynamicTable(EmbeddingTable):
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
-            new, placed = self._insert(keys[absent], step=None)
+            # The write's own rows are pinned while it inserts its new keys: at max_capacity an
+            # eviction takes another key's row, never one this write is about to write (a pinned
+            # row may still move to its other bucket: its key is found again below).
+            write_id = self.steps.new_id()
+            self.index.pin(slots, write_id)
+            new, placed = self._insert(keys[absent], step=None, write_id=write_id)
             if placed < new.numel():
-                raise TableFullError(f"table '{self.name}': write_rows could not place every key")
-            # Found again: the insert may have moved rows (a growth, a cuckoo step) or, at
-            # max_capacity, evicted some of this write's own keys to make room.
+                raise TableFullError(
+                    f"table '{self.name}': write_rows could not place {new.numel() - placed} of its new key(s) "
+                    f"(max_capacity {self.max_capacity}; their buckets hold this write's own rows); "
+                    f"write fewer new keys at once or raise max_capacity"
+                )
+            # Found again: the insert may have moved rows (a growth, a cuckoo step).
             slots = self.index.find(keys)
             lost = int((slots < 0).sum())
-            if lost:
+            if lost:  # a growth into max_capacity that dropped keys (see BucketedHashIndex.fill)
                 raise TableFullError(
-                    f"table '{self.name}': write_rows evicted {lost} of its own key(s) to place its new ones "
-                    f"(max_capacity {self.max_capacity}); write fewer new keys at once or raise max_capacity"
+                    f"table '{self.name}': growing to place write_rows' new keys lost {lost} of its key(s) "
+                    f"(max_capacity {self.max_capacity}); raise max_capacity"
                 )
         self.store.write(slots, values)
 
@@ -508,15 +523,13 @@ class DynamicTable(EmbeddingTable):
             if n > capacity:  # globally highest scores first, ties to the smaller key (keys ascend)
                 keep = torch.argsort(-scores, stable=True)[:capacity]
             index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-            plan = index.plan_insert(keys[keep], allow_evict=False, priority=scores[keep])
-            ok = plan.slots >= 0
-            # Every key placed in one plan is new to the index, so none can make room by moving: a
-            # bucket pair can overflow below full capacity; then more buckets, while allowed.
-            if not plan.dropped or num_buckets == self.max_buckets:
+            slots = index.fill(keys[keep], scores[keep], priority=scores[keep])
+            # A bucket pair can overflow below full capacity; then more buckets, while allowed.
+            ok = slots >= 0
+            if bool(ok.all()) or num_buckets == self.max_buckets:
                 break
             num_buckets = min(self.max_buckets, num_buckets * 2)
-        index.commit(plan, scores[keep])
-        return self._restore(index, plan.slots[ok], keep[ok], dump, fields, weights_only)
+        return self._restore(index, slots[ok], keep[ok], dump, fields, weights_only)
 
     def _restore(
         self,
@@ -548,5 +561,5 @@ class DynamicTable(EmbeddingTable):
         if cslots is not None and same_layout and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
             fresh.install(cslots.to(self.device), ckeys, ccounts)  # the counter's own layout
         else:
-            fresh.commit(fresh.plan_insert(ckeys, allow_evict=False, priority=ccounts), ccounts)
+            fresh.fill(ckeys, ccounts, priority=ccounts)
         return fresh

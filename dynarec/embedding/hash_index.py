@@ -611,19 +611,55 @@ class BucketedHashIndex:
         read: they pin a spare entry past the last slot)."""
         self._pins.scatter_(0, torch.where(slots < 0, self.capacity, slots), step_id % PIN_WRAP)
 
+    def fill(
+        self,
+        keys: torch.Tensor,
+        scores: torch.Tensor,
+        priority: Optional[torch.Tensor] = None,
+        keys_ascending: bool = False,
+    ) -> torch.Tensor:
+        """Inserts ``keys`` (unique, absent) with their ``scores``, evicting nothing and pinning
+        nothing (a fresh index being filled: a rehash, a load); returns each key's slot, ``-1``
+        where none was found.
+
+        One plan's keys cannot make room for each other (step 2 moves residents only, and an
+        index being filled has few or none), so the keys a plan leaves are planned again once it
+        is committed, where the keys just placed are residents that can move to their other
+        bucket: again while that places some. Keys are ranked as in :meth:`plan_insert` (by
+        descending ``priority``, then ascending key; ``keys_ascending`` as there)."""
+        self._before_write()
+        plan = self.plan_insert(keys, allow_evict=False, priority=priority, keys_ascending=keys_ascending)
+        self.commit(plan, scores)
+        if not plan.dropped:
+            return plan.slots
+        left = torch.nonzero(plan.slots < 0).squeeze(1)
+        while left.numel():
+            again = self.plan_insert(
+                keys[left],
+                allow_evict=False,
+                priority=None if priority is None else priority[left],
+                keys_ascending=keys_ascending,
+            )
+            if not again.placed:
+                break
+            self.commit(again, scores[left])
+            left = left[again.slots < 0]
+        return self.find(keys)  # moves changed some of the first plan's slots
+
     def rehashed(self, num_buckets: int) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
         """A new index of ``num_buckets`` holding every key with its score and pin, and the
-        ``(old slots, new slots)`` of the keys placed. Keys are placed by descending score (ties
-        to the smaller key) in one plan's free-slot rounds, with no cuckoo step (a fresh index has
-        no residents to move), so a key can find no slot even in more buckets than before (rare
-        with 16-slot buckets): it is left out (``len(old slots) < size``)."""
+        ``(old slots, new slots)`` of the keys placed. Keys are placed by :meth:`fill`, by
+        descending score (ties to the smaller key); a key that still finds no slot (its buckets
+        and its buckets' residents' other buckets full: very rare with 16-slot buckets) is left
+        out (``len(old slots) < size``)."""
         slots, keys, scores = self.entries()
         index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-        plan = index.plan_insert(keys, allow_evict=False, priority=scores, keys_ascending=True)
-        index.commit(plan, scores)  # a fresh index has no residents: nothing moves (and nothing can)
-        ok = plan.slots >= 0
-        index.pins[plan.slots[ok]] = self.pins[slots[ok]]
-        return index, slots[ok], plan.slots[ok]
+        new = index.fill(keys, scores, priority=scores, keys_ascending=True)
+        ok = new >= 0
+        if not bool(ok.all()):
+            slots, new = slots[ok], new[ok]
+        index.pins[new] = self.pins[slots]
+        return index, slots, new
 
     def install(self, slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor) -> None:
         """Places ``keys`` at the given ``slots`` (a fresh index restoring a dump's layout)."""

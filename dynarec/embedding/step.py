@@ -83,6 +83,12 @@ class StepLifecycle:
         self.pending.append(step)
         return step
 
+    def new_id(self) -> int:
+        """An id no step has or will have: a write outside training pins its own rows with it
+        while it inserts (it pins nothing once the write returns: it is never pending)."""
+        self._next_id += 1
+        return self._next_id
+
     def commit(self, through: Step) -> None:
         """Commits every pending step up to ``through`` (no-op if it was committed already)."""
         while self.pending and self.pending[0].id <= through.id:

@@ -17,6 +17,7 @@ from dynarec import (
     TableConfig,
 )
 from dynarec.embedding import TableFullError
+from dynarec.embedding.hash_index import candidate_buckets
 from dynarec.embedding.jagged import split_features
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.embedding.test_hash_index import check_invariants, keys_with_buckets
@@ -586,11 +587,10 @@ def test_write_rows_of_present_and_new_keys_lands_every_value_in_its_key_row(gro
     assert bool(rows["present"].all()) and torch.equal(rows["weight"], values)
 
 
-def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_update():
-    """A growth into max_capacity rehashes keys by score in free-slot rounds, with no cuckoo step, so
-    it can drop keys the smaller table held (here x and y: a round's keys all choose from its start's
-    free counts). When one is in the step that grew the table, its occurrences have no row: they
-    read the eval initializer, and the step updates every other row (none at a slot -1)."""
+def test_a_growth_moves_keys_its_first_rounds_left_out_to_their_other_bucket():
+    """A growth rehashes keys by score in free-slot rounds, which leave keys out (a round's keys all
+    choose from its start's free counts: here x and y, whose one bucket k2 and k3 took); the keys
+    placed are then residents that move to their other bucket to make room: nothing is lost."""
     coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=16, bucket_size=2)], SGD(lr=0.1))
     t = coll.tables["d"]
     # Under 8 buckets (and so under 4): x, y only in bucket 1; k1 in 0 or 1; k2, k3 in 1 or 2.
@@ -598,24 +598,60 @@ def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_
     for keys in ([x, y], [k1, k2, k3]):  # step 1, then step 2 (higher scores)
         coll(JaggedBatch.from_lists({"f": [keys]}))["f"].sum().backward()
     assert t.capacity == 8 and t.size == 5
+    old = torch.tensor([x, y, k1, k2, k3])
+    before = t.read_rows(old)["weight"]
     z1, z2 = keys_with_buckets(8, [(5, 6), (6, 7)], start=1 << 20)  # 7 keys > 0.75 * 8 slots: it grows to 16
+    coll(JaggedBatch.from_lists({"f": [[z1, z2]]}))
+    assert t.capacity == 16 and t.evicted_keys == 0 and t.size == 7
+    rows = t.read_rows(old)
+    assert bool(rows["present"].all()) and torch.equal(rows["weight"], before)
+    assert sorted(int(s) // 2 for s in t.index.find(torch.tensor([k2, k3]))) == [2, 2]  # both moved
+    check_invariants(t.index)
+
+
+def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_update():
+    """A growth into max_capacity can still drop a key that only a chain of two moves would place
+    (one-slot buckets, 4 -> 8: y's one bucket 0 holds k2, whose other bucket holds k3). When the key
+    is in the step that grew the table, its occurrences have no row: they read the eval
+    initializer, and the step updates every other row (none at a slot -1)."""
+    options = dict(init_capacity=4, max_capacity=8, bucket_size=1, growth_load_factor=1.0)
+    coll = EmbeddingCollection([dynamic(**options)], SGD(lr=0.1))
+    t = coll.tables["d"]
+    y, k1, k2, k3, z = 39242, 396330, 210143, 363784, 1103835
+    # Candidate buckets under 8: y (0, 0), k1 (2, 0), k2 (0, 3), k3 (3, 5), z (4, 6).
+    assert candidate_buckets(torch.tensor([y, k1, k2, k3, z]), 8)[0].tolist() == [0, 2, 0, 3, 4]
+    for k in (y, k1, k2, k3):  # one step each: y has the lowest score
+        coll(JaggedBatch.from_lists({"f": [[k]]}))["f"].sum().backward()
+    assert t.capacity == 4 and t.size == 4
     before = t.read_rows(torch.tensor([k1]))["weight"]
-    out = coll(JaggedBatch.from_lists({"f": [[y], [z1, z2], [k1]]}))["f"]
-    assert t.capacity == 16 and t.evicted_keys == 2
-    assert not bool(t.read_rows(torch.tensor([x, y]))["present"].any())
+    out = coll(JaggedBatch.from_lists({"f": [[y], [z], [k1]]}))["f"]  # z: 5 keys > 4 slots: it grows to 8
+    assert t.capacity == 8 and t.evicted_keys == 1
+    assert not bool(t.read_rows(torch.tensor([y]))["present"].any())
     assert torch.equal(out[0].detach(), torch.zeros(D))  # y reads the eval initializer (zeros)
     out.sum().backward()
-    rows = t.read_rows(torch.tensor([k1, k2, k3, z1, z2]))
+    rows = t.read_rows(torch.tensor([k1, k2, k3, z]))
     assert bool(rows["present"].all()) and not torch.equal(rows["weight"][0], before[0])  # k1 was updated
 
 
-def test_write_rows_that_evicts_its_own_keys_at_max_capacity_is_an_error():
-    """At max_capacity a write's new key may take the slot of a key the same write holds: the
-    write is refused by name (it would write both keys' values into one row)."""
+@pytest.mark.parametrize("own", [True, False], ids=["full-of-its-own-rows", "room-by-evicting"])
+def test_write_rows_at_max_capacity_never_evicts_its_own_keys(own):
+    """At max_capacity a write's new key evicts a row of another key, never one of the same write's
+    keys (its rows are pinned while it inserts): when only its own rows are there, the write is
+    refused by name and every row is as before."""
     coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=2)], SGD(lr=0.1))
+    t = coll.tables["d"]
     a, b, c, d, e = keys_with_buckets(2, [(0, 0), (0, 0), (1, 1), (1, 1), (0, 1)])
     full = torch.tensor([a, b, c, d])
-    coll.write_rows("d", full, {"weight": torch.ones(4, D)})
-    assert coll.tables["d"].size == 4
-    with pytest.raises(TableFullError, match="write_rows evicted 1 of its own key"):
-        coll.write_rows("d", torch.tensor([a, b, c, d, e]), {"weight": torch.ones(5, D)})
+    coll.write_rows("d", full, {"weight": torch.arange(4.0)[:, None].expand(4, D)})
+    assert t.size == 4
+    if own:
+        with pytest.warns(UserWarning), pytest.raises(TableFullError, match="write_rows could not place 1 of its new"):
+            coll.write_rows("d", torch.tensor([a, b, c, d, e]), {"weight": torch.ones(5, D)})
+        rows = coll.read_rows("d", torch.tensor([a, b, c, d, e]))
+        assert rows["present"].tolist() == [True] * 4 + [False]
+        assert torch.equal(rows["weight"][:4], torch.arange(4.0)[:, None].expand(4, D))
+        return
+    coll.write_rows("d", torch.tensor([a, e]), {"weight": torch.full((2, D), 9.0)})  # b, c, d: one goes
+    rows = coll.read_rows("d", torch.tensor([a, e, b, c, d]))
+    assert rows["present"][:2].all() and int(rows["present"][2:].sum()) == 2 and t.evicted_keys == 1
+    assert torch.equal(rows["weight"][:2], torch.full((2, D), 9.0))
