@@ -27,6 +27,8 @@
 #            of an insert
 #   round6c  the CUDA tests but the fused update's; the host syncs of a step with new keys
 #            (benchmarks/host_syncs.py) of .prev/ and of this revision, twice in turn
+#   round7   the CUDA tests but the fused update's; hash-find three times (each run times insert_absent
+#            and the unique + plan + commit baseline in turn); the profile of both inserts
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -199,6 +201,16 @@ round6a)
 round6b)
     cuda_tests
     hash_find_prev_now prev now prev now 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round7)
+    cuda_tests index
+    {
+        for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done
+        for path in absent planned; do
+            timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
+                --path $path --rows-shown 20
+        done
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6c)
     cuda_tests index

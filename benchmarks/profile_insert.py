@@ -1,8 +1,9 @@
-"""Where a find-or-insert's time goes: the hash-find benchmark's insert (find a batch of new
-keys, take the absent ones, plan their slots, commit) under the torch profiler, ops sorted by
-device time, and the wall time of each part. Usage:
+"""Where a find-or-insert's time goes: the hash-find benchmark's insert under the torch profiler,
+ops sorted by device time, and the wall time of each part. ``--path planned``: find a batch of
+new keys, take the distinct absent ones, plan their slots, commit; ``--path absent``: find, then
+``insert_absent`` on the occurrences. Usage:
 
-    python benchmarks/profile_insert.py --device cuda --slots 67108864 --load 0.5
+    python benchmarks/profile_insert.py --device cuda --slots 67108864 --load 0.5 --path absent
 """
 
 import argparse
@@ -24,6 +25,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1 << 20)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rows-shown", type=int, default=25)
+    p.add_argument("--path", choices=("planned", "absent"), default="planned")
     a = p.parse_args()
     sync = synchronizer(a.device)
     gen = torch.Generator().manual_seed(0)
@@ -31,7 +33,8 @@ def main() -> None:
     keys = torch.unique(torch.randint(-(2**62), 2**62, (int(a.slots * a.load),), generator=gen)).to(a.device)
     for chunk in keys.split(1 << 22):
         index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
-    parts: dict[str, list[float]] = {"find + unique": [], "plan": [], "commit": []}
+    names = ("find + unique", "plan", "commit") if a.path == "planned" else ("find", "insert_absent")
+    parts: dict[str, list[float]] = {name: [] for name in names}
     host: dict[str, list[float]] = {name: [] for name in parts}  # until the call returned
 
     def insert_once(new: torch.Tensor) -> None:
@@ -39,19 +42,24 @@ def main() -> None:
         sync()
         t = [time.perf_counter()]
         returned = []
+
+        def part_done() -> None:
+            returned.append(time.perf_counter())
+            sync()
+            t.append(time.perf_counter())
+
         slots = index.find(new)
-        fresh = torch.unique(new[slots < 0])
-        returned.append(time.perf_counter())
-        sync()
-        t.append(time.perf_counter())
-        plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
-        returned.append(time.perf_counter())
-        sync()
-        t.append(time.perf_counter())
-        index.commit(plan, torch.zeros_like(fresh), journal)
-        returned.append(time.perf_counter())
-        sync()
-        t.append(time.perf_counter())
+        if a.path == "absent":
+            part_done()
+            index.insert_absent(new, slots, journal)
+            part_done()
+        else:
+            fresh = torch.unique(new[slots < 0])
+            part_done()
+            plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
+            part_done()
+            index.commit(plan, torch.zeros_like(fresh), journal)
+            part_done()
         for i, name in enumerate(parts):
             parts[name].append((t[i + 1] - t[i]) * 1e3)
             host[name].append((returned[i] - t[i]) * 1e3)

@@ -192,8 +192,10 @@ def bench_dynamic_step(args) -> dict:
 def bench_hash_find(args) -> dict:
     """The hash index of ``--slots`` slots at load 0.5 and 0.9: find with 1M present and 1M
     absent uniformly drawn int64 keys; find-or-insert of a batch of new keys (1M or 1/64 of the
-    slots, whichever is smaller), after one untimed insert. Every insert run starts from the same
-    load: it is undone through the step journal after its clock stops."""
+    slots, whichever is smaller): ``find`` + ``insert_absent``, and in turns with it the baseline
+    ``find`` + ``unique`` + ``plan_insert`` + ``commit``, after one untimed run of each. Every
+    insert run starts from the same load: it is undone through the step journal after its clock
+    stops."""
     sync = synchronizer(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     results: dict[str, Any] = {}
@@ -206,7 +208,9 @@ def bench_hash_find(args) -> dict:
         present = keys[torch.randint(0, keys.numel(), (1 << 20,), generator=gen).to(args.device)]
         query = torch.cat([present, torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).to(args.device)])
         index.find(query)
-        find_rates, insert_rates = [], []
+        find_rates: list[float] = []
+        insert_rates: list[float] = []
+        planned_rates: list[float] = []
         for _ in range(args.runs):
             sync()
             start = time.perf_counter()
@@ -215,32 +219,39 @@ def bench_hash_find(args) -> dict:
             sync()
             find_rates.append(query.numel() * args.steps / (time.perf_counter() - start))
         batch = min(1 << 20, args.slots // 64)
-        for run in range(args.runs + 1):  # the first (not timed) loads the kernels
+        for run in range(2 * args.runs + 2):  # the first of each (not timed) loads the kernels
+            planned = run % 2 == 1  # the baseline: unique, then plan and commit the distinct keys
             new = torch.randint(-(2**62), 2**62, (batch,), generator=gen).to(args.device)
             journal = Journal()
             sync()
             start = time.perf_counter()
             slots = index.find(new)
-            fresh = torch.unique(new[slots < 0])
-            index.commit(
-                index.plan_insert(fresh, allow_evict=False, keys_ascending=True), torch.zeros_like(fresh), journal
-            )
+            if planned:
+                fresh = torch.unique(new[slots < 0])
+                plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
+                index.commit(plan, torch.zeros_like(fresh), journal)
+            else:
+                index.insert_absent(new, slots, journal)
             sync()
-            if run:
-                insert_rates.append(new.numel() / (time.perf_counter() - start))
+            if run >= 2:
+                (planned_rates if planned else insert_rates).append(new.numel() / (time.perf_counter() - start))
             journal.undo()
         results[f"load_{load}"] = {
             "find_keys_per_s_median": statistics.median(find_rates),
             "find_runs": find_rates,
             "find_or_insert_keys_per_s_median": statistics.median(insert_rates),
             "insert_runs": insert_rates,
+            "find_unique_plan_commit_keys_per_s_median": statistics.median(planned_rates),
+            "planned_runs": planned_rates,
             "insert_batch": batch,
             "actual_load": index.size / index.capacity,
         }
         r = results[f"load_{load}"]
         lines.append(
             f"load {r['actual_load']:.3f}: find {r['find_keys_per_s_median'] / 1e6:,.0f} M keys/s; "
-            f"find-or-insert of {batch:,} new keys {r['find_or_insert_keys_per_s_median'] / 1e6:,.1f} M keys/s"
+            f"find-or-insert of {batch:,} new keys {r['find_or_insert_keys_per_s_median'] / 1e6:,.1f} M keys/s "
+            f"(find + unique + plan + commit, same run: "
+            f"{r['find_unique_plan_commit_keys_per_s_median'] / 1e6:,.1f} M keys/s)"
         )
     return {"benchmark": "hash-find", "slots": args.slots, "results": results, "summary": lines}
 

@@ -330,6 +330,7 @@ class BucketedHashIndex:
         movable_pins: Optional[torch.Tensor] = None,
         keys_ascending: bool = False,
         kernels: bool = True,
+        claimed: Optional[torch.Tensor] = None,
     ) -> InsertPlan:
         """Plans inserting ``keys`` (unique, absent), writing nothing. ``keys_ascending``: the
         caller's keys are in ascending order (``torch.unique``'s output), so ranking them by
@@ -352,7 +353,9 @@ class BucketedHashIndex:
         tensors may be on the host: only steps 2-3 need them on the device.
 
         ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
-        planner and the GPU kernels are tested against.
+        planner and the GPU kernels are tested against. ``claimed``: slots an earlier part of
+        the same insert filled (:meth:`insert_absent`'s first round): not free, and neither moved
+        nor evicted, as if this plan had given them away (then the C++ planner is not used).
         """
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -370,6 +373,7 @@ class BucketedHashIndex:
             todo = gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, keys, order, out)
             if not todo.numel():
                 return InsertPlan(keys, out, empty, empty, empty, n)
+        claimed = empty if claimed is None else claimed
         b1, b2 = (
             candidate_buckets(keys, self.num_buckets)
             if kernels
@@ -380,7 +384,9 @@ class BucketedHashIndex:
         move_pins = pinned_by
         if pinned_by is not None and movable_pins is not None:
             move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(self.device))]
-        cpu_ops = cpu_kernels.ops() if kernels and self.device.type == "cpu" and self.bucket_size <= 64 else None
+        cpu_ops = None
+        if kernels and self.device.type == "cpu" and self.bucket_size <= 64 and not claimed.numel():
+            cpu_ops = cpu_kernels.ops()
         if cpu_ops is not None:  # the three steps in one C++ call
             left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
                 self.tags, self.keys, self.scores, self.pins, self.num_buckets, self.bucket_size, b1, b2, order, out,
@@ -390,9 +396,9 @@ class BucketedHashIndex:
             )  # fmt: skip
             return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
         if gpu_step1:  # the working copy only of the buckets of keys left (more join as moves need them)
-            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=out[out >= 0])
+            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=torch.cat([out[out >= 0], claimed]))
         else:
-            work = _Buckets(self, torch.cat([b1, b2]))
+            work = _Buckets(self, torch.cat([b1, b2]), claimed_slots=claimed)
             todo = self._claim_free_slots(work, order, b1, b2, out)
         moved_from, moved_to = empty, empty
         if todo.numel():
@@ -402,6 +408,55 @@ class BucketedHashIndex:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
         # every key left after step 2 that got a slot took an evicted one
         return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
+
+    def insert_absent(
+        self,
+        keys: torch.Tensor,
+        found: torch.Tensor,
+        journal: Optional[Journal] = None,
+        kernels: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inserts the keys of the occurrences ``keys[i]`` whose ``found[i]`` (:meth:`find`'s) is
+        -1, with score 0, into free slots (no eviction, no pin); returns ``(slots, new)``: the slot
+        of every occurrence (-1: no room) and the slots of the keys inserted (distinct).
+
+        The same as planning the distinct absent keys in ascending order (:meth:`plan_insert`,
+        ``allow_evict=False``) and committing: identical slots. On a GPU the planner's first
+        round runs on the occurrences themselves (:func:`~dynarec.kernels.gpu.insert_free`: no
+        ``unique``, no sort, one host read) and only the keys it leaves — a bucket chosen by
+        more new keys than it has free lanes, or two full buckets — are planned, with the slots
+        it filled as claimed. A move of a resident to make room changes its slot: its
+        occurrences are found again."""
+        self._before_write()
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
+        if fast:
+            slots, status, counts = gpu_kernels.insert_free(
+                self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
+            )
+            claims, emptied, left = counts.tolist()  # the one host read
+            num_new = claims - emptied
+            new = slots[torch.nonzero_static(status == 1, size=num_new).squeeze(1)] if num_new else empty
+            self._record_adds(journal, new)
+            self._size += num_new
+            self._wrote(only_added=True)
+            if not left:
+                return slots, new
+            absent = torch.nonzero(status == 3).squeeze(1)
+        else:
+            slots, new = found.clone(), empty
+            absent = torch.nonzero(found < 0).squeeze(1)
+        fresh, inverse = torch.unique(keys[absent], return_inverse=True)
+        if not fresh.numel():
+            return slots, new
+        plan = self.plan_insert(
+            fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=new if fast else None
+        )
+        self.commit(plan, torch.zeros_like(fresh), journal)
+        slots[absent] = plan.slots[inverse]
+        if not plan.only_adds:  # residents moved to their other bucket (nothing is evicted)
+            slots = self.find(keys)
+        return slots, torch.cat([new, plan.slots[plan.slots >= 0]])
 
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor

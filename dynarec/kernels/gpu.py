@@ -42,6 +42,7 @@ __all__ = [
     "bag_update",
     "claim_free_slots",
     "find_two_choice",
+    "insert_free",
     "place_keys",
     "pooled_forward",
 ]
@@ -180,6 +181,116 @@ if HAVE_TRITON:
         tl.store(keys_ptr + s, k, mask=ok)
         tl.store(scores_ptr + s, score, mask=ok & (score != 0))
         tl.store(tags_ptr + s, _tag(_mix64(k.to(tl.uint64))), mask=ok)
+
+    @triton.jit(do_not_specialize=["num_buckets"])
+    def _contest_kernel(
+        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, n, num_buckets,
+        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per occurrence the find left absent: the emptier of its key's two buckets by their tags
+        # (not written in this kernel: every occurrence sees the insert's start), as round 1 of
+        # the planner chooses; then a compare-and-swap of the key into the chosen bucket's free
+        # lanes, ascending (a free slot holds key 0). Occurrences of one key meet at one lane: a
+        # swap that finds the key itself there is a duplicate. The claims' order is a race, but
+        # their outcome is not: the claimed lanes are the bucket's first free ones, as many as
+        # its distinct new keys (the settle kernel puts them in key order). A bucket with more
+        # of them than free lanes is marked overflowed (left to the planner, every key of it),
+        # as is the bucket key 0 chooses (it cannot be swapped into a slot holding 0).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < n
+        todo = valid & (tl.load(found_ptr + i, mask=valid, other=0) < 0)
+        q = tl.load(query_ptr + i, mask=todo, other=0)
+        b1, b2 = _buckets(_mix64(q.to(tl.uint64)), num_buckets)
+        lanes = tl.arange(0, BSP)
+        inb = (lanes < BS)[None, :]
+        free1 = (tl.load(tags_ptr + b1[:, None] * BS + lanes[None, :], mask=todo[:, None] & inb, other=1) == 0) & inb
+        free2 = (tl.load(tags_ptr + b2[:, None] * BS + lanes[None, :], mask=todo[:, None] & inb, other=1) == 0) & inb
+        f1 = tl.sum(free1.to(tl.int32), axis=1)
+        f2 = tl.sum(free2.to(tl.int32), axis=1)
+        second = f2 > f1
+        c = tl.where(second, b2, b1)
+        free = tl.where(second[:, None], free2, free1)
+        room = todo & ((f1 > 0) | (f2 > 0))
+        tl.store(overflow_ptr + c, 1, mask=room & (q == 0))
+        first = tl.argmax(free.to(tl.int32), axis=1)
+        active = room & (q != 0)
+        slot = tl.full([BLOCK], -1, tl.int64)
+        status = tl.where(todo, 3, 0).to(tl.int8)  # 3: left to the planner, unless claimed below
+        while tl.max(active.to(tl.int32), axis=0) > 0:
+            has = tl.max(free.to(tl.int32), axis=1) > 0
+            lane = tl.argmax(free.to(tl.int32), axis=1)
+            go = active & has
+            s = c * BS + lane
+            # A program's idle occurrences swap their own output entry with itself (no mask).
+            ptr = tl.where(go, keys_ptr + s, slot_ptr + i)
+            old = tl.atomic_cas(ptr, tl.zeros([BLOCK], tl.int64), tl.where(go, q, 0), sem="relaxed")
+            won = go & (old == 0)
+            dup = go & (old == q)
+            slot = tl.where(won | dup, s, slot)
+            status = tl.where(won, tl.where(lane == first, 4, 1), tl.where(dup, 2, status)).to(tl.int8)
+            tl.store(overflow_ptr + c, 1, mask=active & ~has)
+            free = free & (lanes[None, :] != lane[:, None])
+            active = go & ~won & ~dup
+        tl.store(slot_ptr + i, slot, mask=valid)
+        tl.store(status_ptr + i, status, mask=valid)
+        tl.atomic_add(counts_ptr, tl.sum((status == 1).to(tl.int32) + (status == 4).to(tl.int32), axis=0))
+        tl.store(counts_ptr + 2, 1, mask=tl.max((status == 3).to(tl.int32), axis=0) > 0)
+
+    @triton.jit
+    def _settle_kernel(
+        keys_ptr, tags_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, n,
+        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per bucket with claims (its occurrence that claimed the first free lane): the claimed
+        # lanes (tag 0, key not 0) get the bucket's new keys in ascending order, with their tags,
+        # as the planner ranks them; an overflowed bucket's claims are emptied again (counted).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < n
+        lead = valid & (tl.load(status_ptr + i, mask=valid, other=0) == 4)
+        c = tl.load(slot_ptr + i, mask=lead, other=0) // BS
+        lanes = tl.arange(0, BSP)
+        on = lead[:, None] & (lanes < BS)[None, :]
+        at = c[:, None] * BS + lanes[None, :]
+        k = tl.load(keys_ptr + at, mask=on, other=0)
+        claimed = on & (tl.load(tags_ptr + at, mask=on, other=1) == 0) & (k != 0)
+        over = tl.load(overflow_ptr + c, mask=lead, other=0) != 0
+        tl.store(keys_ptr + at, tl.zeros([BLOCK, BSP], tl.int64), mask=claimed & over[:, None])
+        tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum((claimed & over[:, None]).to(tl.int32), axis=1), axis=0))
+        keep = claimed & ~over[:, None]
+        # rank of each claimed key among the bucket's (distinct), and the lane of each rank
+        rank = tl.sum((keep[:, None, :] & (k[:, None, :] < k[:, :, None])).to(tl.int32), axis=2)
+        nth = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+        hit = keep[:, None, :] & (nth[:, None, :] == rank[:, :, None])
+        dest = tl.sum(tl.where(hit, lanes[None, None, :], 0), axis=2)
+        to = c[:, None] * BS + dest
+        tl.store(keys_ptr + to, k, mask=keep)
+        tl.store(tags_ptr + to, _tag(_mix64(k.to(tl.uint64))), mask=keep)
+
+    @triton.jit
+    def _resolve_kernel(
+        keys_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, query_ptr, found_ptr, n,
+        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per occurrence: its key's settled lane in the bucket it claimed (1: new, 2: a duplicate
+        # occurrence), the find's slot (0), or -1 left to the planner (3, also every occurrence
+        # of an overflowed bucket; flagged).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < n
+        status = tl.load(status_ptr + i, mask=valid, other=0)
+        claimed = valid & (status != 0) & (status != 3)
+        c = tl.load(slot_ptr + i, mask=claimed, other=0) // BS
+        over = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=0) != 0)
+        claimed = claimed & ~over
+        q = tl.load(query_ptr + i, mask=claimed, other=0)
+        lanes = tl.arange(0, BSP)
+        on = claimed[:, None] & (lanes < BS)[None, :]
+        hit = on & (tl.load(keys_ptr + c[:, None] * BS + lanes[None, :], mask=on, other=0) == q[:, None])
+        lane = tl.argmax(hit.to(tl.int32), axis=1)
+        status = tl.where(over, 3, tl.where(status == 4, 1, status)).to(tl.int8)
+        found = tl.load(found_ptr + i, mask=valid, other=-1)
+        tl.store(out_ptr + i, tl.where(claimed, c * BS + lane, tl.where(status == 0, found, -1)), mask=valid)
+        tl.store(status_ptr + i, status, mask=valid)
+        tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
@@ -525,6 +636,55 @@ def claim_free_slots(
             break
         order = order[out[order] < 0]
     return order
+
+
+CONTEST_BLOCK = 128
+
+
+def insert_free(
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    query: torch.Tensor,
+    found: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
+    ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``): each new key in a
+    free lane of the emptier of its two buckets, a bucket's new keys in ascending order in its
+    first free lanes: the planner's round 1, where every bucket has room for all the keys that
+    choose it. The keys of a bucket without that room, and keys whose two buckets are full, are
+    left (and key 0's bucket): the caller plans them with the keys placed here as claimed.
+
+    Three kernels (contest, settle, resolve) and no host sync. Returns ``(slots, status,
+    counts)``: ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status
+    (0: found before, 1: a new key's first claiming occurrence, 2: another occurrence of a new
+    key, 3: left), and ``[3]`` int32 ``(claims, claims emptied again, any left)``: the new keys
+    are ``counts[0] - counts[1]``. Scores are not written (a new key's score is 0, as a free
+    slot's). ``bucket_size`` <= 64."""
+    device = tags.device
+    n = query.numel()
+    query, found = query.contiguous(), found.contiguous()
+    slot = torch.empty(n, dtype=torch.int64, device=device)
+    status = torch.empty(n, dtype=torch.int8, device=device)
+    overflow = torch.zeros(num_buckets, dtype=torch.int8, device=device)
+    counts = torch.zeros(3, dtype=torch.int32, device=device)
+    out = torch.empty_like(slot)
+    if n:
+        bsp = triton.next_power_of_2(bucket_size)
+        consts = dict(BS=bucket_size, BSP=bsp)
+        settle_block = max(2, min(64, 8192 // (bsp * bsp)))  # its [block, bsp, bsp] rank tiles
+        _contest_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
+            table_keys, tags, query, found, slot, status, overflow, counts, n, num_buckets, **consts,
+            BLOCK=CONTEST_BLOCK,
+        )  # fmt: skip
+        _settle_kernel[(triton.cdiv(n, settle_block),)](
+            table_keys, tags, slot, status, overflow, counts, n, **consts, BLOCK=settle_block
+        )  # fmt: skip
+        _resolve_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
+            table_keys, slot, status, overflow, counts, out, query, found, n, **consts, BLOCK=CONTEST_BLOCK
+        )  # fmt: skip
+    return out, status, counts
 
 
 def pooled_forward(

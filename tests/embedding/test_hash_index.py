@@ -353,3 +353,50 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
     assert index.size == size
     for name in arrays:
         assert torch.equal(getattr(index, name), before[name]), name
+
+
+def _filled_index(num_buckets, bucket_size, load, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
+    scores = torch.randint(0, 5, (resident.numel(),), generator=gen).to(device)
+    index.commit(index.plan_insert(resident, allow_evict=False, kernels=False), scores)
+    freed = index.find(resident[::7])
+    index.remove(freed[freed >= 0])  # freed slots among the free ones
+    return index, resident, gen
+
+
+@pytest.mark.parametrize(
+    "num_buckets, bucket_size, load, batch",
+    [(4096, 16, 0.5, 3000), (64, 16, 0.9, 400), (64, 2, 0.5, 80), (16, 4, 0.8, 60), (8, 64, 0.5, 300), (3, 5, 0.4, 9)],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(num_buckets, bucket_size, load, batch, device):
+    """``insert_absent`` on occurrences (present keys, absent keys repeated, key 0) gives the slots
+    and the arrays of planning the distinct absent keys in ascending order and committing, with
+    buckets that overflow (more new keys than free lanes: left to the planner, with the first
+    round's slots claimed, and then residents move), and its journal undoes it exactly. On a GPU
+    the first round runs on the occurrences (no unique); the reference is plain torch."""
+    from dynarec.embedding.step import Journal
+
+    runs = []
+    for kernels in (True, False):
+        index, resident, gen = _filled_index(num_buckets, bucket_size, load, device, seed=num_buckets + batch)
+        new = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+        keys = torch.cat([new, new[: batch // 3], torch.tensor([0, 0]), resident[1::5].cpu()])
+        keys = keys[torch.randperm(keys.numel(), generator=gen)].to(device)
+        before = {name: getattr(index, name).clone() for name in ("keys", "scores", "tags", "pins")}
+        size = index.size
+        journal = Journal()
+        found = index.find(keys)
+        slots, placed = index.insert_absent(keys, found, journal, kernels=kernels)
+        check_invariants(index)
+        assert torch.equal(slots, index.find(keys)) and index.size == size + placed.numel()
+        assert torch.equal(torch.sort(placed).values, torch.unique(slots[(found < 0) & (slots >= 0)]))
+        runs.append((slots, torch.sort(placed).values, index.keys.clone(), index.tags.clone(), index.scores.clone()))
+        journal.undo()
+        assert index.size == size
+        for name, t in before.items():
+            assert torch.equal(getattr(index, name), t), name
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
