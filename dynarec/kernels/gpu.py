@@ -257,14 +257,12 @@ if HAVE_TRITON:
         tl.store(keys_ptr + at, tl.zeros([BLOCK, BSP], tl.int64), mask=claimed & over[:, None])
         tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum((claimed & over[:, None]).to(tl.int32), axis=1), axis=0))
         keep = claimed & ~over[:, None]
-        # rank of each claimed key among the bucket's (distinct), and the lane of each rank
-        rank = tl.sum((keep[:, None, :] & (k[:, None, :] < k[:, :, None])).to(tl.int32), axis=2)
-        nth = tl.cumsum(keep.to(tl.int32), axis=1) - 1
-        hit = keep[:, None, :] & (nth[:, None, :] == rank[:, :, None])
-        dest = tl.sum(tl.where(hit, lanes[None, None, :], 0), axis=2)
-        to = c[:, None] * BS + dest
-        tl.store(keys_ptr + to, k, mask=keep)
-        tl.store(tags_ptr + to, _tag(_mix64(k.to(tl.uint64))), mask=keep)
+        # The claimed lanes, ascending, take the claimed keys sorted (unclaimed lanes sort last).
+        ordered = tl.sort(tl.where(keep, k, 0x7FFFFFFFFFFFFFFF), dim=1)
+        nth = tl.maximum(tl.cumsum(keep.to(tl.int32), axis=1) - 1, 0)
+        k = tl.gather(ordered, nth, axis=1)
+        tl.store(keys_ptr + at, k, mask=keep)
+        tl.store(tags_ptr + at, _tag(_mix64(k.to(tl.uint64))), mask=keep)
 
     @triton.jit
     def _resolve_kernel(
@@ -673,7 +671,7 @@ def insert_free(
     if n:
         bsp = triton.next_power_of_2(bucket_size)
         consts = dict(BS=bucket_size, BSP=bsp)
-        settle_block = max(2, min(64, 8192 // (bsp * bsp)))  # its [block, bsp, bsp] rank tiles
+        settle_block = max(1, 512 // bsp)  # a [block, bsp] tile of int64 keys
         _contest_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
             table_keys, tags, query, found, slot, status, overflow, counts, n, num_buckets, **consts,
             BLOCK=CONTEST_BLOCK,
