@@ -338,6 +338,12 @@ class DynamicTable(EmbeddingTable):
                 continue
             break
         overflow = plan.dropped
+        if overflow and write_id is not None:  # a write is refused whole, before it changes a row
+            raise TableFullError(
+                f"table '{self.name}': write_rows could not place {overflow} of its new key(s) (max_capacity "
+                f"{self.max_capacity}; their buckets hold this write's own rows); nothing was written: write "
+                f"fewer new keys at once or raise max_capacity"
+            )
         if overflow:
             message = (
                 f"table '{self.name}': {overflow} new key(s) could not get a row (capacity "
@@ -457,13 +463,7 @@ class DynamicTable(EmbeddingTable):
             # row may still move to its other bucket: its key is found again below).
             write_id = self.steps.new_id()
             self.index.pin(slots, write_id)
-            new, placed = self._insert(keys[absent], step=None, write_id=write_id)
-            if placed < new.numel():
-                raise TableFullError(
-                    f"table '{self.name}': write_rows could not place {new.numel() - placed} of its new key(s) "
-                    f"(max_capacity {self.max_capacity}; their buckets hold this write's own rows); "
-                    f"write fewer new keys at once or raise max_capacity"
-                )
+            self._insert(keys[absent], step=None, write_id=write_id)  # refused whole if a key gets no row
             # Found again: the insert may have moved rows (a growth, a cuckoo step).
             slots = self.index.find(keys)
             lost = int((slots < 0).sum())

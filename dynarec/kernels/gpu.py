@@ -221,8 +221,9 @@ if HAVE_TRITON:
             lane = tl.argmax(free.to(tl.int32), axis=1)
             go = active & has
             s = c * BS + lane
-            # A program's idle occurrences swap their own output entry with itself (no mask).
-            ptr = tl.where(go, keys_ptr + s, slot_ptr + i)
+            # A program's idle occurrences swap their own output entry with itself (no mask; the
+            # tail past n, entry 0).
+            ptr = tl.where(go, keys_ptr + s, slot_ptr + tl.where(valid, i, 0))
             old = tl.atomic_cas(ptr, tl.zeros([BLOCK], tl.int64), tl.where(go, q, 0), sem="relaxed")
             won = go & (old == 0)
             dup = go & (old == q)

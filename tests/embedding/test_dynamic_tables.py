@@ -636,22 +636,24 @@ def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_
 @pytest.mark.parametrize("own", [True, False], ids=["full-of-its-own-rows", "room-by-evicting"])
 def test_write_rows_at_max_capacity_never_evicts_its_own_keys(own):
     """At max_capacity a write's new key evicts a row of another key, never one of the same write's
-    keys (its rows are pinned while it inserts): when only its own rows are there, the write is
-    refused by name and every row is as before."""
+    keys (its rows are pinned while it inserts). When a new key finds only the write's own rows,
+    the write is refused whole, before any row changes: here f could have evicted c or d, and
+    it does not (the default check_mode, 'warn', would let a training step go on)."""
     coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=2)], SGD(lr=0.1))
     t = coll.tables["d"]
-    a, b, c, d, e = keys_with_buckets(2, [(0, 0), (0, 0), (1, 1), (1, 1), (0, 1)])
+    a, b, c, d, e, f, g = keys_with_buckets(2, [(0, 0), (0, 0), (1, 1), (1, 1), (0, 0), (1, 1), (0, 1)])
     full = torch.tensor([a, b, c, d])
     coll.write_rows("d", full, {"weight": torch.arange(4.0)[:, None].expand(4, D)})
     assert t.size == 4
     if own:
-        with pytest.warns(UserWarning), pytest.raises(TableFullError, match="write_rows could not place 1 of its new"):
-            coll.write_rows("d", torch.tensor([a, b, c, d, e]), {"weight": torch.ones(5, D)})
-        rows = coll.read_rows("d", torch.tensor([a, b, c, d, e]))
-        assert rows["present"].tolist() == [True] * 4 + [False]
+        with pytest.raises(TableFullError, match=r"write_rows could not place 1 of its new key.*nothing was written"):
+            coll.write_rows("d", torch.tensor([a, b, e, f]), {"weight": torch.ones(4, D)})
+        rows = coll.read_rows("d", torch.tensor([a, b, c, d, e, f]))
+        assert rows["present"].tolist() == [True] * 4 + [False] * 2
         assert torch.equal(rows["weight"][:4], torch.arange(4.0)[:, None].expand(4, D))
+        assert t.evicted_keys == 0 and t.dropped_keys == 0
         return
-    coll.write_rows("d", torch.tensor([a, e]), {"weight": torch.full((2, D), 9.0)})  # b, c, d: one goes
-    rows = coll.read_rows("d", torch.tensor([a, e, b, c, d]))
+    coll.write_rows("d", torch.tensor([a, g]), {"weight": torch.full((2, D), 9.0)})  # b, c, d: one goes
+    rows = coll.read_rows("d", torch.tensor([a, g, b, c, d]))
     assert rows["present"][:2].all() and int(rows["present"][2:].sum()) == 2 and t.evicted_keys == 1
     assert torch.equal(rows["weight"][:2], torch.full((2, D), 9.0))
