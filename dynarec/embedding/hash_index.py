@@ -682,7 +682,6 @@ class BucketedHashIndex:
         is committed, where the keys just placed are residents that can move to their other
         bucket: again while that places some. Keys are ranked as in :meth:`plan_insert` (by
         descending ``priority``, then ascending key; ``keys_ascending`` as there)."""
-        self._before_write()
         plan = self.plan_insert(keys, allow_evict=False, priority=priority, keys_ascending=keys_ascending)
         self.commit(plan, scores)
         if not plan.dropped:
@@ -711,8 +710,7 @@ class BucketedHashIndex:
         index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
         new = index.fill(keys, scores, priority=scores, keys_ascending=True)
         ok = new >= 0
-        if not bool(ok.all()):
-            slots, new = slots[ok], new[ok]
+        slots, new = slots[ok], new[ok]
         index.pins[new] = self.pins[slots]
         return index, slots, new
 

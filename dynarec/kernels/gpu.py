@@ -104,14 +104,20 @@ if HAVE_TRITON:
         return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
 
     @triton.jit
-    def _free_lanes(tags_ptr, claimed_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
-        """``[BLOCK, BSP]`` mask of each ``bucket``'s free lanes: tag 0 (empty) and not claimed by
-        the insert plan so far (``claimed``: one int64 bit mask per bucket)."""
+    def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
+        """``[BLOCK, BSP]`` mask of each ``bucket``'s empty lanes (tag 0), read only where ``valid``."""
         lanes = tl.arange(0, BSP)
         ok = valid[:, None] & (lanes < BS)[None, :]
-        empty = tl.load(tags_ptr + bucket[:, None] * BS + lanes[None, :], mask=ok, other=1) == 0
+        return ok & (tl.load(tags_ptr + bucket[:, None] * BS + lanes[None, :], mask=ok, other=1) == 0)
+
+    @triton.jit
+    def _free_lanes(tags_ptr, claimed_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
+        """``[BLOCK, BSP]`` mask of each ``bucket``'s free lanes: empty and not claimed by the
+        insert plan so far (``claimed``: one int64 bit mask per bucket)."""
+        lanes = tl.arange(0, BSP)
         claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
-        return ok & empty & (((claimed[:, None] >> lanes.to(tl.int64)[None, :]) & 1) == 0)
+        empty = _empty_lanes(tags_ptr, bucket, valid, BS, BSP)
+        return empty & (((claimed[:, None] >> lanes.to(tl.int64)[None, :]) & 1) == 0)
 
     @triton.jit(do_not_specialize=["num_buckets"])
     def _choose_kernel(
@@ -202,9 +208,8 @@ if HAVE_TRITON:
         q = tl.load(query_ptr + i, mask=todo, other=0)
         b1, b2 = _buckets(_mix64(q.to(tl.uint64)), num_buckets)
         lanes = tl.arange(0, BSP)
-        inb = (lanes < BS)[None, :]
-        free1 = (tl.load(tags_ptr + b1[:, None] * BS + lanes[None, :], mask=todo[:, None] & inb, other=1) == 0) & inb
-        free2 = (tl.load(tags_ptr + b2[:, None] * BS + lanes[None, :], mask=todo[:, None] & inb, other=1) == 0) & inb
+        free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
+        free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
         f1 = tl.sum(free1.to(tl.int32), axis=1)
         f2 = tl.sum(free2.to(tl.int32), axis=1)
         second = f2 > f1
@@ -267,7 +272,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _resolve_kernel(
-        keys_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, query_ptr, found_ptr, n,
+        keys_ptr, tags_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, query_ptr, found_ptr, n,
         BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per occurrence: its key's settled lane in the bucket it claimed (1: new, 2: a duplicate
@@ -281,10 +286,7 @@ if HAVE_TRITON:
         over = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=0) != 0)
         claimed = claimed & ~over
         q = tl.load(query_ptr + i, mask=claimed, other=0)
-        lanes = tl.arange(0, BSP)
-        on = claimed[:, None] & (lanes < BS)[None, :]
-        hit = on & (tl.load(keys_ptr + c[:, None] * BS + lanes[None, :], mask=on, other=0) == q[:, None])
-        lane = tl.argmax(hit.to(tl.int32), axis=1)
+        _, lane = _probe_bucket(keys_ptr, tags_ptr, c, q, _tag(_mix64(q.to(tl.uint64))), claimed, BS, BSP)
         status = tl.where(over, 3, tl.where(status == 4, 1, status)).to(tl.int8)
         found = tl.load(found_ptr + i, mask=valid, other=-1)
         tl.store(out_ptr + i, tl.where(claimed, c * BS + lane, tl.where(status == 0, found, -1)), mask=valid)
@@ -681,7 +683,7 @@ def insert_free(
             table_keys, tags, slot, status, overflow, counts, n, **consts, BLOCK=settle_block
         )  # fmt: skip
         _resolve_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
-            table_keys, slot, status, overflow, counts, out, query, found, n, **consts, BLOCK=CONTEST_BLOCK
+            table_keys, tags, slot, status, overflow, counts, out, query, found, n, **consts, BLOCK=CONTEST_BLOCK
         )  # fmt: skip
     return out, status, counts
 
