@@ -29,6 +29,9 @@
 #            (benchmarks/host_syncs.py) of .prev/ and of this revision, twice in turn
 #   round7   the CUDA tests but the fused update's; hash-find three times (each run times insert_absent
 #            and the unique + plan + commit baseline in turn); the profile of both inserts
+#   round8   the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
+#            turn; the profile of find_or_insert and of find + insert_absent; dynamic-step at 4.2M ids
+#            of .prev/ and of this revision in turn; the profile of a dynamic step at 4.2M ids
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -211,6 +214,25 @@ round7)
                 --path $path --rows-shown 20
         done
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round8)
+    cuda_tests index
+    {
+        for who in prev now prev now; do
+            echo "## $who"
+            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+        done
+        for path in fused absent; do
+            timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
+                --path $path --rows-shown 20
+        done
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    {
+        dynamic_4m prev now
+        timeout 100 python3 benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128 \
+            --bags 262144 --pooling-factor 16
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round6c)
     cuda_tests index

@@ -1,7 +1,7 @@
 """Where a find-or-insert's time goes: the hash-find benchmark's insert under the torch profiler,
 ops sorted by device time, and the wall time of each part. ``--path planned``: find a batch of
 new keys, take the distinct absent ones, plan their slots, commit; ``--path absent``: find, then
-``insert_absent`` on the occurrences. Usage:
+``insert_absent`` on the occurrences; ``--path fused``: ``find_or_insert`` (one call). Usage:
 
     python benchmarks/profile_insert.py --device cuda --slots 67108864 --load 0.5 --path absent
 """
@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1 << 20)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rows-shown", type=int, default=25)
-    p.add_argument("--path", choices=("planned", "absent"), default="planned")
+    p.add_argument("--path", choices=("planned", "absent", "fused"), default="planned")
     a = p.parse_args()
     sync = synchronizer(a.device)
     gen = torch.Generator().manual_seed(0)
@@ -33,7 +33,9 @@ def main() -> None:
     keys = torch.unique(torch.randint(-(2**62), 2**62, (int(a.slots * a.load),), generator=gen)).to(a.device)
     for chunk in keys.split(1 << 22):
         index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
-    names = ("find + unique", "plan", "commit") if a.path == "planned" else ("find", "insert_absent")
+    names = {"planned": ("find + unique", "plan", "commit"), "absent": ("find", "insert_absent")}.get(
+        a.path, ("find_or_insert",)
+    )
     parts: dict[str, list[float]] = {name: [] for name in names}
     host: dict[str, list[float]] = {name: [] for name in parts}  # until the call returned
 
@@ -48,12 +50,16 @@ def main() -> None:
             sync()
             t.append(time.perf_counter())
 
-        slots = index.find(new)
-        if a.path == "absent":
+        if a.path == "fused":
+            index.find_or_insert(new, journal)
+            part_done()
+        elif a.path == "absent":
+            slots = index.find(new)
             part_done()
             index.insert_absent(new, slots, journal)
             part_done()
         else:
+            slots = index.find(new)
             fresh = torch.unique(new[slots < 0])
             part_done()
             plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)

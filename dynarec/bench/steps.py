@@ -192,8 +192,9 @@ def bench_dynamic_step(args) -> dict:
 def bench_hash_find(args) -> dict:
     """The hash index of ``--slots`` slots at load 0.5 and 0.9: find with 1M present and 1M
     absent uniformly drawn int64 keys; find-or-insert of a batch of new keys (1M or 1/64 of the
-    slots, whichever is smaller): ``find`` + ``insert_absent``, and in turns with it the baseline
-    ``find`` + ``unique`` + ``plan_insert`` + ``commit``, after one untimed run of each. Every
+    slots, whichever is smaller): ``find_or_insert`` (on a GPU, one pass finds and claims), and in
+    turns with it the baseline ``find`` + ``unique`` + ``plan_insert`` + ``commit``, after one
+    untimed run of each. Every
     insert run starts from the same load: it is undone through the step journal after its clock
     stops."""
     sync = synchronizer(args.device)
@@ -225,13 +226,13 @@ def bench_hash_find(args) -> dict:
             journal = Journal()
             sync()
             start = time.perf_counter()
-            slots = index.find(new)
             if planned:
+                slots = index.find(new)
                 fresh = torch.unique(new[slots < 0])
                 plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
                 index.commit(plan, torch.zeros_like(fresh), journal)
             else:
-                index.insert_absent(new, slots, journal)
+                index.find_or_insert(new, journal)
             sync()
             if run >= 2:
                 (planned_rates if planned else insert_rates).append(new.numel() / (time.perf_counter() - start))

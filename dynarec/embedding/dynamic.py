@@ -221,9 +221,9 @@ class DynamicTable(EmbeddingTable):
             if self._generation != generation or self.counters["moved"] != moved:  # rows moved
                 slots = self.index.find(keys)
                 all_present = bool((slots >= 0).all())  # a growth at max_capacity may have dropped a key
+                self.index.pin(slots, step.id)  # their new slots (the insert pinned its new rows)
             else:
                 slots.index_copy_(0, absent, new_slots[inverse])
-        self.index.pin(slots, step.id)
         return slots, all_present
 
     def _schedule_scores(self, touched: torch.Tensor, step: Step) -> Optional[RowScores]:

@@ -228,6 +228,12 @@ class BucketedHashIndex:
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.device))
 
+    def _after_writes(self) -> None:
+        """Makes the current stream wait for the last write, queued on any stream (a find reads
+        what it wrote)."""
+        if self._written is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._written)
+
     def _before_write(self) -> None:
         """Makes the current stream wait for every find queued so far, on any stream: a write
         never changes keys or tags a find is still reading (a find made two steps ahead, on the
@@ -284,15 +290,14 @@ class BucketedHashIndex:
             return slots, None
         if self.device.type != "cuda":
             return self.find_reference(keys), None
-        stream = torch.cuda.current_stream(self.device)
-        if self._written is not None:
-            stream.wait_event(self._written)
+        self._after_writes()
         absent = None
         if gpu_kernels.available(self.device):
             absent = torch.zeros((), dtype=torch.int32, device=self.device) if flag else None
             slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
         else:
             slots = self.find_reference(keys)
+        stream = torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()
         done.record(stream)
         self._finds[stream.stream_id] = done
@@ -427,10 +432,26 @@ class BucketedHashIndex:
         more new keys than it has free lanes, or two full buckets — are planned, with the slots
         it filled as claimed. A move of a resident to make room changes its slot: its
         occurrences are found again."""
+        return self._insert_occurrences(keys, found, journal, kernels)
+
+    def find_or_insert(
+        self, keys: torch.Tensor, journal: Optional[Journal] = None, kernels: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`find`, then :meth:`insert_absent` of the keys not found: the same slots, and on a
+        GPU the find runs in the insert's first kernel (one pass over the keys fewer)."""
+        fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
+        return self._insert_occurrences(keys, None if fast else self.find(keys), journal, kernels)
+
+    def _insert_occurrences(
+        self, keys: torch.Tensor, found: Optional[torch.Tensor], journal: Optional[Journal], kernels: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds."""
         self._before_write()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
         if fast:
+            if found is None:
+                self._after_writes()
             slots, status, counts = gpu_kernels.insert_free(
                 self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
             )
@@ -444,6 +465,7 @@ class BucketedHashIndex:
                 return slots, new
             absent = torch.nonzero(status == 3).squeeze(1)
         else:
+            assert found is not None, "the find-in-kernel insert needs the GPU kernels"
             slots, new = found.clone(), empty
             absent = torch.nonzero(found < 0).squeeze(1)
         fresh, inverse = torch.unique(keys[absent], return_inverse=True)

@@ -190,23 +190,32 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["num_buckets"])
     def _contest_kernel(
-        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, n, num_buckets,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
+        num_buckets, BS: tl.constexpr, BSP: tl.constexpr, FIND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per occurrence the find left absent: the emptier of its key's two buckets by their tags
-        # (not written in this kernel: every occurrence sees the insert's start), as round 1 of
-        # the planner chooses; then a compare-and-swap of the key into the chosen bucket's free
-        # lanes, ascending (a free slot holds key 0). Occurrences of one key meet at one lane: a
-        # swap that finds the key itself there is a duplicate. The claims' order is a race, but
-        # their outcome is not: the claimed lanes are the bucket's first free ones, as many as
-        # its distinct new keys (the settle kernel puts them in key order). A bucket with more
-        # of them than free lanes is marked overflowed (left to the planner, every key of it),
-        # as is the bucket key 0 chooses (it cannot be swapped into a slot holding 0).
+        # Per occurrence (FIND: found here first, as the find kernel does; else ``found`` gives
+        # the find's slot), if absent: the emptier of its key's two buckets by their tags (not
+        # written before the write kernel: every occurrence sees the insert's start), as round 1
+        # of the planner chooses; then a compare-and-swap of the key into the chosen bucket's
+        # free lanes, ascending (a free slot holds key 0). Occurrences of one key meet at one
+        # lane: a swap that finds the key itself there is a duplicate. The claims' order is a
+        # race, but their outcome is not: the claimed lanes are the bucket's first free ones, as
+        # many as its distinct new keys (the rank kernel gives them out in key order). A bucket
+        # with more of them than free lanes is marked overflowed (left to the planner, every key
+        # of it), as is the bucket key 0 chooses (it cannot be swapped into a slot holding 0).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
-        todo = valid & (tl.load(found_ptr + i, mask=valid, other=0) < 0)
-        q = tl.load(query_ptr + i, mask=todo, other=0)
-        b1, b2 = _buckets(_mix64(q.to(tl.uint64)), num_buckets)
+        q = tl.load(query_ptr + i, mask=valid, other=0)
+        h = _mix64(q.to(tl.uint64))
+        b1, b2 = _buckets(h, num_buckets)
+        if FIND:
+            tag = _tag(h)
+            found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
+            found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
+            found = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+        else:
+            found = tl.load(found_ptr + i, mask=valid, other=0)
+        todo = valid & (found < 0)
         lanes = tl.arange(0, BSP)
         free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
         free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
@@ -217,7 +226,6 @@ if HAVE_TRITON:
         free = tl.where(second[:, None], free2, free1)
         room = todo & ((f1 > 0) | (f2 > 0))
         tl.store(overflow_ptr + c, 1, mask=room & (q == 0))
-        first = tl.argmax(free.to(tl.int32), axis=1)
         active = room & (q != 0)
         slot = tl.full([BLOCK], -1, tl.int64)
         status = tl.where(todo, 3, 0).to(tl.int8)  # 3: left to the planner, unless claimed below
@@ -226,71 +234,70 @@ if HAVE_TRITON:
             lane = tl.argmax(free.to(tl.int32), axis=1)
             go = active & has
             s = c * BS + lane
-            # A program's idle occurrences swap their own output entry with itself (no mask; the
+            # A program's idle occurrences swap their own claim entry with itself (no mask; the
             # tail past n, entry 0).
             ptr = tl.where(go, keys_ptr + s, slot_ptr + tl.where(valid, i, 0))
             old = tl.atomic_cas(ptr, tl.zeros([BLOCK], tl.int64), tl.where(go, q, 0), sem="relaxed")
             won = go & (old == 0)
             dup = go & (old == q)
             slot = tl.where(won | dup, s, slot)
-            status = tl.where(won, tl.where(lane == first, 4, 1), tl.where(dup, 2, status)).to(tl.int8)
+            status = tl.where(won, 1, tl.where(dup, 2, status)).to(tl.int8)
             tl.store(overflow_ptr + c, 1, mask=active & ~has)
             free = free & (lanes[None, :] != lane[:, None])
             active = go & ~won & ~dup
         tl.store(slot_ptr + i, slot, mask=valid)
         tl.store(status_ptr + i, status, mask=valid)
-        tl.atomic_add(counts_ptr, tl.sum((status == 1).to(tl.int32) + (status == 4).to(tl.int32), axis=0))
+        tl.store(out_ptr + i, found, mask=valid)
+        tl.atomic_add(counts_ptr, tl.sum((status == 1).to(tl.int32), axis=0))
         tl.store(counts_ptr + 2, 1, mask=tl.max((status == 3).to(tl.int32), axis=0) > 0)
 
     @triton.jit
-    def _settle_kernel(
-        keys_ptr, tags_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, n,
+    def _rank_kernel(
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, out_ptr, n,
         BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per bucket with claims (its occurrence that claimed the first free lane): the claimed
-        # lanes (tag 0, key not 0) get the bucket's new keys in ascending order, with their tags,
-        # as the planner ranks them; an overflowed bucket's claims are emptied again (counted).
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = i < n
-        lead = valid & (tl.load(status_ptr + i, mask=valid, other=0) == 4)
-        c = tl.load(slot_ptr + i, mask=lead, other=0) // BS
-        lanes = tl.arange(0, BSP)
-        on = lead[:, None] & (lanes < BS)[None, :]
-        at = c[:, None] * BS + lanes[None, :]
-        k = tl.load(keys_ptr + at, mask=on, other=0)
-        claimed = on & (tl.load(tags_ptr + at, mask=on, other=1) == 0) & (k != 0)
-        over = tl.load(overflow_ptr + c, mask=lead, other=0) != 0
-        tl.store(keys_ptr + at, tl.zeros([BLOCK, BSP], tl.int64), mask=claimed & over[:, None])
-        tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum((claimed & over[:, None]).to(tl.int32), axis=1), axis=0))
-        keep = claimed & ~over[:, None]
-        # The claimed lanes, ascending, take the claimed keys sorted (unclaimed lanes sort last).
-        ordered = tl.sort(tl.where(keep, k, 0x7FFFFFFFFFFFFFFF), dim=1)
-        nth = tl.maximum(tl.cumsum(keep.to(tl.int32), axis=1) - 1, 0)
-        k = tl.gather(ordered, nth, axis=1)
-        tl.store(keys_ptr + at, k, mask=keep)
-        tl.store(tags_ptr + at, _tag(_mix64(k.to(tl.uint64))), mask=keep)
-
-    @triton.jit
-    def _resolve_kernel(
-        keys_ptr, tags_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, query_ptr, found_ptr, n,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per occurrence: its key's settled lane in the bucket it claimed (1: new, 2: a duplicate
-        # occurrence), the find's slot (0), or -1 left to the planner (3, also every occurrence
-        # of an overflowed bucket; flagged).
+        # Per claiming occurrence (1: its key's first, 2: another) of a bucket that did not
+        # overflow: its key's final lane, as the planner ranks a bucket's new keys. The claimed
+        # lanes (empty by the tags, key not 0) are the bucket's first empty ones; the key with r
+        # smaller claimed keys takes the (r+1)-th. Keys are only read here (the write kernel
+        # moves them): -1 where the bucket overflowed.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
-        claimed = valid & (status != 0) & (status != 3)
+        claimed = valid & ((status == 1) | (status == 2))
         c = tl.load(slot_ptr + i, mask=claimed, other=0) // BS
-        over = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=0) != 0)
-        claimed = claimed & ~over
-        q = tl.load(query_ptr + i, mask=claimed, other=0)
-        _, lane = _probe_bucket(keys_ptr, tags_ptr, c, q, _tag(_mix64(q.to(tl.uint64))), claimed, BS, BSP)
-        status = tl.where(over, 3, tl.where(status == 4, 1, status)).to(tl.int8)
-        found = tl.load(found_ptr + i, mask=valid, other=-1)
-        tl.store(out_ptr + i, tl.where(claimed, c * BS + lane, tl.where(status == 0, found, -1)), mask=valid)
-        tl.store(status_ptr + i, status, mask=valid)
+        live = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=1) == 0)
+        q = tl.load(query_ptr + i, mask=live, other=0)
+        empty = _empty_lanes(tags_ptr, c, live, BS, BSP)
+        k = tl.load(keys_ptr + c[:, None] * BS + tl.arange(0, BSP)[None, :], mask=empty, other=0)
+        rank = tl.sum((empty & (k != 0) & (k < q[:, None])).to(tl.int32), axis=1)
+        nth = tl.cumsum(empty.to(tl.int32), axis=1) - 1
+        lane = tl.argmax((empty & (nth == rank[:, None])).to(tl.int32), axis=1)
+        tl.store(out_ptr + i, tl.where(live, c * BS + lane, -1), mask=claimed)
+
+    @triton.jit
+    def _write_claims_kernel(
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
+        BS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per new key (its first claiming occurrence): the key and its tag into its final lane; in
+        # an overflowed bucket, its claimed lane emptied again (counted). Every claimed lane is
+        # some key's final lane: each is written once. Then the final status: every occurrence
+        # of an overflowed bucket is left to the planner (3, flagged).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = i < n
+        status = tl.load(status_ptr + i, mask=valid, other=0)
+        claimed = valid & ((status == 1) | (status == 2))
+        claim = tl.load(slot_ptr + i, mask=claimed, other=0)
+        over = claimed & (tl.load(overflow_ptr + claim // BS, mask=claimed, other=0) != 0)
+        won = status == 1
+        q = tl.load(query_ptr + i, mask=won, other=0)
+        s = tl.load(out_ptr + i, mask=won & ~over, other=0)
+        tl.store(keys_ptr + s, q, mask=won & ~over)
+        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=won & ~over)
+        tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=won & over)
+        tl.atomic_add(counts_ptr + 1, tl.sum((won & over).to(tl.int32), axis=0))
+        tl.store(status_ptr + i, tl.where(over, 3, status).to(tl.int8), mask=over)
         tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
@@ -648,43 +655,40 @@ def insert_free(
     num_buckets: int,
     bucket_size: int,
     query: torch.Tensor,
-    found: torch.Tensor,
+    found: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
-    ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``): each new key in a
-    free lane of the emptier of its two buckets, a bucket's new keys in ascending order in its
-    first free lanes: the planner's round 1, where every bucket has room for all the keys that
-    choose it. The keys of a bucket without that room, and keys whose two buckets are full, are
-    left (and key 0's bucket): the caller plans them with the keys placed here as claimed.
+    ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
+    first kernel finds them itself, as :func:`find_two_choice`): each new key in a free lane of
+    the emptier of its two buckets, a bucket's new keys in ascending order in its first free
+    lanes: the planner's round 1, where every bucket has room for all the keys that choose it.
+    The keys of a bucket without that room, and keys whose two buckets are full, are left (and
+    key 0's bucket): the caller plans them with the keys placed here as claimed.
 
-    Three kernels (contest, settle, resolve) and no host sync. Returns ``(slots, status,
-    counts)``: ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status
-    (0: found before, 1: a new key's first claiming occurrence, 2: another occurrence of a new
-    key, 3: left), and ``[3]`` int32 ``(claims, claims emptied again, any left)``: the new keys
-    are ``counts[0] - counts[1]``. Scores are not written (a new key's score is 0, as a free
+    Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts)``:
+    ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status (0: found
+    before, 1: a new key's first claiming occurrence, 2: another occurrence of a new key, 3:
+    left), and ``[3]`` int32 ``(claims, claims emptied again, any left)``: the new keys are
+    ``counts[0] - counts[1]``. Scores are not written (a new key's score is 0, as a free
     slot's). ``bucket_size`` <= 64."""
     device = tags.device
     n = query.numel()
-    query, found = query.contiguous(), found.contiguous()
+    query = query.contiguous()
     slot = torch.empty(n, dtype=torch.int64, device=device)
     status = torch.empty(n, dtype=torch.int8, device=device)
     overflow = torch.zeros(num_buckets, dtype=torch.int8, device=device)
     counts = torch.zeros(3, dtype=torch.int32, device=device)
     out = torch.empty_like(slot)
     if n:
+        consts = dict(BS=bucket_size, BLOCK=CONTEST_BLOCK)
         bsp = triton.next_power_of_2(bucket_size)
-        consts = dict(BS=bucket_size, BSP=bsp)
-        settle_block = max(1, 512 // bsp)  # a [block, bsp] tile of int64 keys
-        _contest_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
-            table_keys, tags, query, found, slot, status, overflow, counts, n, num_buckets, **consts,
-            BLOCK=CONTEST_BLOCK,
+        grid = (triton.cdiv(n, CONTEST_BLOCK),)
+        _contest_kernel[grid](
+            table_keys, tags, query, out if found is None else found.contiguous(), slot, status, overflow, counts,
+            out, n, num_buckets, BSP=bsp, FIND=found is None, **consts,
         )  # fmt: skip
-        _settle_kernel[(triton.cdiv(n, settle_block),)](
-            table_keys, tags, slot, status, overflow, counts, n, **consts, BLOCK=settle_block
-        )  # fmt: skip
-        _resolve_kernel[(triton.cdiv(n, CONTEST_BLOCK),)](
-            table_keys, tags, slot, status, overflow, counts, out, query, found, n, **consts, BLOCK=CONTEST_BLOCK
-        )  # fmt: skip
+        _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, out, n, BSP=bsp, **consts)
+        _write_claims_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, **consts)
     return out, status, counts
 
 

@@ -370,13 +370,17 @@ def _filled_index(num_buckets, bucket_size, load, device, seed):
     "num_buckets, bucket_size, load, batch",
     [(4096, 16, 0.5, 3000), (64, 16, 0.9, 400), (64, 2, 0.5, 80), (16, 4, 0.8, 60), (8, 64, 0.5, 300), (3, 5, 0.4, 9)],
 )
+@pytest.mark.parametrize("call", ["insert_absent", "find_or_insert"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(num_buckets, bucket_size, load, batch, device):
+def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
+    num_buckets, bucket_size, load, batch, call, device
+):
     """``insert_absent`` on occurrences (present keys, absent keys repeated, key 0) gives the slots
     and the arrays of planning the distinct absent keys in ascending order and committing, with
     buckets that overflow (more new keys than free lanes: left to the planner, with the first
-    round's slots claimed, and then residents move), and its journal undoes it exactly. On a GPU
-    the first round runs on the occurrences (no unique); the reference is plain torch."""
+    round's slots claimed, and then residents move), and its journal undoes it exactly; so does
+    ``find_or_insert`` (on a GPU, its first kernel finds). On a GPU the first round runs on the
+    occurrences (no unique); the reference is plain torch."""
     from dynarec.embedding.step import Journal
 
     runs = []
@@ -389,7 +393,10 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(num_bucket
         size = index.size
         journal = Journal()
         found = index.find(keys)
-        slots, placed = index.insert_absent(keys, found, journal, kernels=kernels)
+        if call == "insert_absent":
+            slots, placed = index.insert_absent(keys, found, journal, kernels=kernels)
+        else:
+            slots, placed = index.find_or_insert(keys, journal, kernels=kernels)
         check_invariants(index)
         assert torch.equal(slots, index.find(keys)) and index.size == size + placed.numel()
         assert torch.equal(torch.sort(placed).values, torch.unique(slots[(found < 0) & (slots >= 0)]))
