@@ -32,6 +32,9 @@
 #   round8   the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
 #            turn; the profile of find_or_insert and of find + insert_absent; dynamic-step at 4.2M ids
 #            of .prev/ and of this revision in turn; the profile of a dynamic step at 4.2M ids
+#   round8b  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
+#            turn; the profile of find_or_insert; dynamic-step at 4.2M ids with score_strategy step,
+#            then none (what the fused update's score writes cost)
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -233,6 +236,22 @@ round8)
         timeout 100 python3 benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128 \
             --bags 262144 --pooling-factor 16
     } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round8b)
+    cuda_tests index
+    {
+        for who in prev now prev now; do
+            echo "## $who"
+            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+        done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
+            --path fused --rows-shown 12
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    for strategy in step none; do
+        timeout 120 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
+            --pooling-factor 16 --steps 10 --runs 7 --score-strategy $strategy
+    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round6c)
     cuda_tests index

@@ -12,6 +12,7 @@ import torch
 
 from dynarec.bench.steps import bench_dynamic_step, bench_fused_step, bench_hash_find, bench_sweep
 from dynarec.bench.train import bench_train_step
+from dynarec.embedding.config import SCORE_STRATEGIES
 
 __all__ = ["BENCHMARKS", "add_arguments", "main"]
 
@@ -36,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--slots", type=int, default=1 << 22, help="hash-find: slots in the table")
+    parser.add_argument(
+        "--score-strategy",
+        default="step",
+        choices=list(SCORE_STRATEGIES),
+        help="dynamic-step: the dynamic table's eviction score",
+    )
     parser.add_argument("--batch", type=int, default=512, help="train-step: batch per rank")
     parser.add_argument("--workers", type=int, default=0, help="train-step: DataLoader workers per rank")
     parser.add_argument("--users", type=int, default=20_000, help="train-step: users per rank")

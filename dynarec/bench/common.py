@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
-from dynarec.embedding.config import Backend
+from dynarec.embedding.config import Backend, ScoreStrategy
 from dynarec.embedding.initializers import mix64
 
 __all__ = ["Workload", "copy_bandwidth", "make_table", "measure", "ratio", "roofline_bytes_per_id", "synchronizer"]
@@ -66,7 +66,7 @@ def synchronizer(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
-def make_table(kind: str, backend: Backend, w: Workload) -> TableConfig:
+def make_table(kind: str, backend: Backend, w: Workload, score_strategy: ScoreStrategy = "step") -> TableConfig:
     if kind == "fixed":
         return TableConfig(name="t", dim=w.dim, num_embeddings=w.num_embeddings, features=["f"], backend=backend)
     # The same ids must all get rows, or every timed step retries inserting the rest. A step that
@@ -75,7 +75,11 @@ def make_table(kind: str, backend: Backend, w: Workload) -> TableConfig:
     # of 100k without a slot. Sized for 80% load at most.
     cap = 16 * -(-w.num_embeddings * 5 // (4 * 16))
     return TableConfig(
-        name="t", dim=w.dim, dynamic=DynamicTableOptions(cap, init_capacity=cap), features=["f"], backend=backend
+        name="t",
+        dim=w.dim,
+        dynamic=DynamicTableOptions(cap, init_capacity=cap, score_strategy=score_strategy),
+        features=["f"],
+        backend=backend,
     )
 
 

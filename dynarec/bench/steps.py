@@ -20,7 +20,7 @@ from dynarec.bench.common import (
     synchronizer,
 )
 from dynarec.embedding import EmbeddingCollection
-from dynarec.embedding.config import Backend
+from dynarec.embedding.config import Backend, ScoreStrategy
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.step import Journal
@@ -142,7 +142,14 @@ def bench_fused_step(args) -> dict:
 
 
 def _dynamic_step(
-    w: Workload, spec: OptimizerSpec, device: str, steps: int, runs: int, warmup: int, scattered: bool = True
+    w: Workload,
+    spec: OptimizerSpec,
+    device: str,
+    steps: int,
+    runs: int,
+    warmup: int,
+    scattered: bool = True,
+    score_strategy: ScoreStrategy = "step",
 ) -> dict:
     """Dynamic vs fixed on each backend; ``scattered`` adds a fixed table fed ids scattered over
     its rows (the dynamic table's access pattern) — a third table in memory."""
@@ -153,7 +160,7 @@ def _dynamic_step(
     for backend in _backends(device, spec):
 
         def make(kind, backend=backend):
-            return lambda: EmbeddingCollection([make_table(kind, backend, w)], spec, device=device)
+            return lambda: EmbeddingCollection([make_table(kind, backend, w, score_strategy)], spec, device=device)
 
         r = measure({name: make(name.split("_")[0]) for name in batches}, batches, steps, runs, warmup, device)
         table = r["dynamic"]["coll"].tables["t"]
@@ -176,7 +183,9 @@ def bench_dynamic_step(args) -> dict:
     warm-up that has seen every batch: the timed steps meet no new key)."""
     w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
     spec = OPTIMIZERS[args.optimizer]
-    results = _dynamic_step(w, spec, args.device, args.steps, args.runs, args.warmup)
+    results = _dynamic_step(
+        w, spec, args.device, args.steps, args.runs, args.warmup, score_strategy=args.score_strategy
+    )
     lines = []
     for backend, r in results.items():
         lines += [f"[{backend}] {k:<16} {_rate(r[k], args.device)}" for k in ("fixed", "fixed_scattered", "dynamic")]
@@ -184,7 +193,8 @@ def bench_dynamic_step(args) -> dict:
             f"[{backend}] dynamic / fixed = {r['dynamic_over_fixed']:.2f}x; dynamic / fixed-scattered = "
             f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot; "
             f"{r['dynamic_report']['size']:,} keys at load {r['dynamic_report']['load_factor']:.2f} "
-            f"({r['dynamic_report']['dropped_keys']} insert(s) dropped, warm-up included)"
+            f"({r['dynamic_report']['dropped_keys']} insert(s) dropped, warm-up included); "
+            f"score_strategy {args.score_strategy}"
         )
     return {"benchmark": "dynamic-step", "workload": vars(w), "results": results, "summary": lines}
 

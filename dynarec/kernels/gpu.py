@@ -259,31 +259,43 @@ if HAVE_TRITON:
         # Per claiming occurrence (1: its key's first, 2: another) of a bucket that did not
         # overflow: its key's final lane, as the planner ranks a bucket's new keys. The claimed
         # lanes (empty by the tags, key not 0) are the bucket's first empty ones; the key with r
-        # smaller claimed keys takes the (r+1)-th. Keys are only read here (the write kernel
+        # smaller claimed keys takes the (r+1)-th. A key alone in its bucket (it holds the first
+        # empty lane, and the next one is still free) stays where it is, and only one key is
+        # read; the others read the bucket's keys. Keys are only read here (the write kernel
         # moves them): -1 where the bucket overflowed.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
         claimed = valid & ((status == 1) | (status == 2))
-        c = tl.load(slot_ptr + i, mask=claimed, other=0) // BS
+        claim = tl.load(slot_ptr + i, mask=claimed, other=0)
+        c = claim // BS
         live = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=1) == 0)
-        q = tl.load(query_ptr + i, mask=live, other=0)
+        lanes = tl.arange(0, BSP)
         empty = _empty_lanes(tags_ptr, c, live, BS, BSP)
-        k = tl.load(keys_ptr + c[:, None] * BS + tl.arange(0, BSP)[None, :], mask=empty, other=0)
+        nth = tl.cumsum(empty.to(tl.int32), axis=1) - 1  # each empty lane's place among them
+        at = (claim - c * BS).to(tl.int32)
+        first = tl.sum((empty & (lanes[None, :] == at[:, None]) & (nth == 0)).to(tl.int32), axis=1) > 0
+        later = empty & (nth == 1)  # the second empty lane, if any
+        has_next = tl.max(later.to(tl.int32), axis=1) > 0
+        next_key = tl.load(keys_ptr + c * BS + tl.argmax(later.to(tl.int32), axis=1), mask=live & first & has_next)
+        alone = live & first & (~has_next | (next_key == 0))
+        shared = live & ~alone
+        q = tl.load(query_ptr + i, mask=shared, other=0)
+        k = tl.load(keys_ptr + c[:, None] * BS + lanes[None, :], mask=shared[:, None] & empty, other=0)
         rank = tl.sum((empty & (k != 0) & (k < q[:, None])).to(tl.int32), axis=1)
-        nth = tl.cumsum(empty.to(tl.int32), axis=1) - 1
         lane = tl.argmax((empty & (nth == rank[:, None])).to(tl.int32), axis=1)
-        tl.store(out_ptr + i, tl.where(live, c * BS + lane, -1), mask=claimed)
+        tl.store(out_ptr + i, tl.where(alone, claim, tl.where(shared, c * BS + lane, -1)), mask=claimed)
 
     @triton.jit
     def _write_claims_kernel(
         keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
         BS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per new key (its first claiming occurrence): the key and its tag into its final lane; in
-        # an overflowed bucket, its claimed lane emptied again (counted). Every claimed lane is
-        # some key's final lane: each is written once. Then the final status: every occurrence
-        # of an overflowed bucket is left to the planner (3, flagged).
+        # Per new key (its first claiming occurrence): its tag into its final lane, and the key
+        # too where that is not the lane it claimed; in an overflowed bucket, its claimed lane
+        # emptied again (counted). Every claimed lane is some key's final lane: each is written
+        # once. Then the final status: every occurrence of an overflowed bucket is left to the
+        # planner (3, flagged).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -291,10 +303,11 @@ if HAVE_TRITON:
         claim = tl.load(slot_ptr + i, mask=claimed, other=0)
         over = claimed & (tl.load(overflow_ptr + claim // BS, mask=claimed, other=0) != 0)
         won = status == 1
+        placed = won & ~over
         q = tl.load(query_ptr + i, mask=won, other=0)
-        s = tl.load(out_ptr + i, mask=won & ~over, other=0)
-        tl.store(keys_ptr + s, q, mask=won & ~over)
-        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=won & ~over)
+        s = tl.load(out_ptr + i, mask=placed, other=0)
+        tl.store(keys_ptr + s, q, mask=placed & (s != claim))
+        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=placed)
         tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=won & over)
         tl.atomic_add(counts_ptr + 1, tl.sum((won & over).to(tl.int32), axis=0))
         tl.store(status_ptr + i, tl.where(over, 3, status).to(tl.int8), mask=over)
