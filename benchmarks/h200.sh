@@ -35,6 +35,8 @@
 #   round8b  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
 #            turn; the profile of find_or_insert; dynamic-step at 4.2M ids with score_strategy step,
 #            then none (what the fused update's score writes cost)
+#   round8c  the find kernel's CUDA tests; tune_index.py (block, warps, and how the find probes);
+#            dynamic-step at 4.2M ids (5 runs) with the find probing each way (gather, both)
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -251,6 +253,21 @@ round8b)
     for strategy in step none; do
         timeout 120 "${dyn[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
             --pooling-factor 16 --steps 10 --runs 7 --score-strategy $strategy
+    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round8c)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k find 2>&1 | tail -2 \
+        | tee "$out/tests-h200.txt"
+    timeout 200 python3 benchmarks/tune_index.py 2>&1 | tee "$out/tune-index-h200.txt"
+    for probe in "False, False" "True, False" "False, True"; do
+        echo "## find_two_choice(gather, both = $probe)"
+        timeout 110 python3 -c "import functools, sys
+from dynarec.kernels import gpu
+gather, both = $probe
+gpu.find_two_choice = functools.partial(gpu.find_two_choice, gather=gather, both=both)
+from dynarec.cli import main
+main(sys.argv[1:])" bench dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 --pooling-factor 16 \
+            --steps 10 --runs 5
     done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round6c)

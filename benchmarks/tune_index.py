@@ -1,7 +1,9 @@
-"""The hash index's find and place kernels alone, by keys a program and warps: device time
-(CUDA events, median of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M
-ids: hot keys repeat) and of 2M uniform keys (half absent) in 64M slots at load 0.5, and of
-placing 1M new keys (with the journal's read-back). Usage, on a CUDA machine with Triton:
+"""The hash index's find and place kernels alone, by keys a program and warps, and the find by
+how it probes (``gather``, ``both``: ``gpu.find_two_choice``): device time (CUDA events, median
+of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M ids: hot keys repeat)
+and of 2M uniform keys (half absent) in 64M slots at load 0.5; of the same Zipf keys in a table
+shaped as dynamic-step's (12.5M slots, 7.6M keys); and of placing 1M new keys (with the
+journal's read-back). Usage, on a CUDA machine with Triton:
 
     python benchmarks/tune_index.py
 """
@@ -17,6 +19,7 @@ from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.kernels import gpu
 
 CONFIGS = [(64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
+PROBES = [(False, False), (True, False), (False, True)]  # (gather, both)
 
 
 def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
@@ -46,17 +49,28 @@ def main() -> None:
     new = new[index.find(new) < 0].unique()
     plan = index.plan_insert(new, allow_evict=False, keys_ascending=True)
     arrays = (index.keys, index.scores, index.tags)  # placing into the same slots again each time
+    step = BucketedHashIndex(12_500_000 // 16, 16, "cuda")  # dynamic-step's table at 4.2M ids
+    step_keys = keys[:7_622_624]
+    for chunk in step_keys.split(1 << 22):
+        step.commit(step.plan_insert(chunk, allow_evict=False, keys_ascending=True), torch.zeros_like(chunk))
+    step_zipf = step_keys[torch.from_numpy(rank % step_keys.numel()).cuda()]
     print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
     for block, warps in CONFIGS:
-        find = functools.partial(gpu.find_two_choice, index.keys, index.tags, index.num_buckets, 16)
         place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new))
-        f = [device_ms(functools.partial(find, q, None, block, warps)) for q in (zipf, uniform)]
         p = device_ms(functools.partial(place, block, warps))
-        print(
-            f"block {block:>4} warps {warps}: find zipf {f[0] * 1e3:7.1f} us "
-            f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
-            f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s); place {p * 1e3:6.1f} us"
-        )
+        print(f"block {block:>4} warps {warps}: place {p * 1e3:6.1f} us")
+        for gather, both in PROBES:
+            find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps, gather=gather, both=both)
+            f = [
+                device_ms(functools.partial(find, t.keys, t.tags, t.num_buckets, 16, q))
+                for t, q in ((index, zipf), (index, uniform), (step, step_zipf))
+            ]
+            print(
+                f"    gather {gather:d} both {both:d}: find zipf {f[0] * 1e3:7.1f} us "
+                f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
+                f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s); dynamic-step's zipf {f[2] * 1e3:7.1f} us "
+                f"({step_zipf.numel() / f[2] / 1e6:5.1f} B keys/s)"
+            )
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ __all__ = [
 
 # Keys a program and warps of the find and place kernels (benchmarks/tune_index.py)
 FIND_BLOCK, FIND_WARPS = 128, 4
+FIND_GATHER, FIND_BOTH = False, False
 PLACE_BLOCK, PLACE_WARPS = 256, 4
 
 
@@ -102,6 +103,31 @@ if HAVE_TRITON:
         cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
         hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
         return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _probe_candidates(keys_ptr, bucket, q, cand, BS: tl.constexpr, BSP: tl.constexpr):
+        """:func:`_probe_bucket`'s key compare, one candidate lane (``cand``: ``[BLOCK, BSP]``,
+        tag matches) at a time: a key a row, in lane order, until the key or no candidate is
+        left (a false tag match: 1 lane in 255)."""
+        lanes = tl.arange(0, BSP)
+        found = q != q
+        lane = tl.zeros_like(q).to(tl.int32)
+        todo = tl.max(cand.to(tl.int32), axis=1) > 0
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            at = tl.argmax(cand.to(tl.int32), axis=1)
+            hit = todo & (tl.load(keys_ptr + bucket * BS + at, mask=todo, other=0) == q)
+            found = found | hit
+            lane = tl.where(hit, at, lane)
+            cand = cand & (lanes[None, :] != at[:, None])
+            todo = todo & ~hit & (tl.max(cand.to(tl.int32), axis=1) > 0)
+        return found, lane
+
+    @triton.jit
+    def _tag_matches(tags_ptr, bucket, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
+        """``[BLOCK, BSP]`` lanes of each ``bucket`` whose tag is ``tag``, read only where ``need``."""
+        lanes = tl.arange(0, BSP)
+        need2 = need[:, None] & (lanes < BS)[None, :]
+        return (tl.load(tags_ptr + bucket[:, None] * BS + lanes[None, :], mask=need2, other=0) == tag[:, None]) & need2
 
     @triton.jit
     def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
@@ -318,20 +344,32 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["num_buckets"])
     def _find_kernel(
         keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        FLAG: tl.constexpr, BLOCK: tl.constexpr,
+        FLAG: tl.constexpr, GATHER: tl.constexpr, BOTH: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
         # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
         # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
-        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1).
+        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1). GATHER: the
+        # keys of the matching lanes are read one lane a row at a time (_probe_candidates); BOTH:
+        # both buckets' tags are read at once (one dependent read fewer for a key in its second).
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
         tag = _tag(h)
-        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
-        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
+        if BOTH:
+            c1 = _tag_matches(tags_ptr, b1, tag, valid, BS, BSP)
+            c2 = _tag_matches(tags_ptr, b2, tag, valid, BS, BSP)
+            found1, lane1 = _probe_candidates(keys_ptr, b1, q, c1, BS, BSP)
+            found2, lane2 = _probe_candidates(keys_ptr, b2, q, c2 & (found1 == 0)[:, None], BS, BSP)
+        elif GATHER:
+            found1, lane1 = _probe_candidates(keys_ptr, b1, q, _tag_matches(tags_ptr, b1, tag, valid, BS, BSP), BS, BSP)
+            c2 = _tag_matches(tags_ptr, b2, tag, valid & (found1 == 0), BS, BSP)
+            found2, lane2 = _probe_candidates(keys_ptr, b2, q, c2, BS, BSP)
+        else:
+            found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
+            found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
         slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
         tl.store(out_ptr + offs, slot, mask=valid)
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
@@ -567,17 +605,21 @@ def find_two_choice(
     absent: Optional[torch.Tensor] = None,
     block: int = FIND_BLOCK,
     num_warps: int = FIND_WARPS,
+    gather: bool = FIND_GATHER,
+    both: bool = FIND_BOTH,
 ) -> torch.Tensor:
     """Slot of each query key, -1 where absent (``BucketedHashIndex.find``; ``tags``: its uint8
     tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent.
-    ``block`` keys a program, on ``num_warps`` warps (tuning knobs: benchmarks/tune_index.py)."""
+    ``block`` keys a program, on ``num_warps`` warps; ``gather`` and ``both``: how the kernel
+    probes (tuning knobs, same answer: benchmarks/tune_index.py)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
         _find_kernel[(triton.cdiv(n, block),)](
             table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
-            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=block, num_warps=num_warps,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, GATHER=gather, BOTH=both, BLOCK=block,
+            num_warps=num_warps,
         )  # fmt: skip
     return out
 

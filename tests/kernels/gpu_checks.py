@@ -21,7 +21,9 @@ SPECS = [
 ]
 
 
-def check_find(device, num_buckets=64, bucket_size=16, seed=0):
+def check_find(device, num_buckets=64, bucket_size=16, seed=0, gather=False, both=False):
+    """The find kernel, probing as ``gather`` / ``both`` say, against the plain-torch find."""
+    find_two_choice = functools.partial(gpu.find_two_choice, gather=gather, both=both)
     g = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (int(0.8 * index.capacity),), generator=g)).to(device)
@@ -36,7 +38,7 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
             torch.tensor([-(2**63), 0, 2**63 - 1], device=device),
         ]
     )
-    got = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
+    got = find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
@@ -50,11 +52,11 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert twins.numel() == 8
     one.commit(one.plan_insert(twins, allow_evict=False), torch.zeros_like(twins))
     for q in (twins, pool[:50]):
-        assert torch.equal(gpu.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
+        assert torch.equal(find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
     assert bool((one.find_reference(twins) >= 0).all())
     for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
         absent = torch.zeros((), dtype=torch.int32, device=device)
-        flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
+        flagged = find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
         assert torch.equal(flagged, index.find_reference(q))
         assert bool(absent) == bool((flagged < 0).any())
 
