@@ -35,8 +35,13 @@
 #   round8b  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
 #            turn; the profile of find_or_insert; dynamic-step at 4.2M ids with score_strategy step,
 #            then none (what the fused update's score writes cost)
-#   round8c  the find kernel's CUDA tests; tune_index.py (block, warps, and how the find probes);
-#            dynamic-step at 4.2M ids (5 runs) with the find probing each way (gather, both)
+#   round8c  (removed with the probes it compared) the find kernel's CUDA tests; tune_index.py;
+#            dynamic-step at 4.2M ids (5 runs) with the find probing each way (gather, both): the
+#            two ways were then dropped (slower); round8d measures the capped grid the same way
+#   round8d  the CUDA tests but the fused update's; tune_index.py (block, warps, grid cap);
+#            dynamic-step at 4.2M ids (5 runs) with the find's grid capped at 132 and 528
+#            programs and not; hash-find of .prev/ and of this revision in turn; the host
+#            timeline of find_or_insert (benchmarks/profile_insert.py --timeline)
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -255,20 +260,27 @@ round8b)
             --pooling-factor 16 --steps 10 --runs 7 --score-strategy $strategy
     done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
-round8c)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py -k find 2>&1 | tail -2 \
-        | tee "$out/tests-h200.txt"
+round8d)
+    cuda_tests index
     timeout 200 python3 benchmarks/tune_index.py 2>&1 | tee "$out/tune-index-h200.txt"
-    for probe in "False, False" "True, False" "False, True"; do
-        echo "## find_two_choice(gather, both = $probe)"
+    for programs in None 132 528; do
+        echo "## find_two_choice(programs=$programs)"
         timeout 110 python3 -c "import functools, sys
 from dynarec.kernels import gpu
-gather, both = $probe
-gpu.find_two_choice = functools.partial(gpu.find_two_choice, gather=gather, both=both)
+gpu.find_two_choice = functools.partial(gpu.find_two_choice, programs=$programs)
 from dynarec.cli import main
 main(sys.argv[1:])" bench dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 --pooling-factor 16 \
             --steps 10 --runs 5
     done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    {
+        for who in prev now; do
+            echo "## $who"
+            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+        done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
+            --path fused --rows-shown 12 --timeline
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6c)
     cuda_tests index

@@ -10,6 +10,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dynarec.bench.common import synchronizer
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rows-shown", type=int, default=25)
     p.add_argument("--path", choices=("planned", "absent", "fused"), default="planned")
+    p.add_argument("--timeline", action="store_true", help="also list the profiled run's ops and kernels in time order")
     a = p.parse_args()
     sync = synchronizer(a.device)
     gen = torch.Generator().manual_seed(0)
@@ -86,10 +88,25 @@ def main() -> None:
             f"the call returned after {sorted(host[name])[len(v) // 2]:.3f} ms (median)"
         )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    new = new_keys()
     with profile(activities=activities) as prof:
-        insert_once(new_keys())
+        insert_once(new)
     key = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows_shown, max_name_column_width=60))
+    if a.timeline:
+        print_timeline(prof.events())
+
+
+def print_timeline(events) -> None:
+    """The host's top-level ops and the device's work, in start order (us from the first), with
+    durations: where a call's time goes between launching, waiting and the device."""
+    shown = [e for e in events if e.device_type == DeviceType.CUDA or e.cpu_parent is None]
+    shown.sort(key=lambda e: e.time_range.start)
+    t0 = shown[0].time_range.start
+    for e in shown:
+        where = "device" if e.device_type == DeviceType.CUDA else "host  "
+        r = e.time_range
+        print(f"{where} {r.start - t0:9.1f} us  {r.end - r.start:8.1f} us  {e.name[:70]}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The hash index's find and place kernels alone, by keys a program and warps, and the find by
-how it probes (``gather``, ``both``: ``gpu.find_two_choice``): device time (CUDA events, median
+"""The hash index's find and place kernels alone, by keys a program and warps, and the find with
+a capped grid (``programs``: ``gpu.find_two_choice``): device time (CUDA events, median
 of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M ids: hot keys repeat)
 and of 2M uniform keys (half absent) in 64M slots at load 0.5; of the same Zipf keys in a table
 shaped as dynamic-step's (12.5M slots, 7.6M keys); and of placing 1M new keys (with the
@@ -19,7 +19,7 @@ from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.kernels import gpu
 
 CONFIGS = [(64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
-PROBES = [(False, False), (True, False), (False, True)]  # (gather, both)
+PROGRAMS = [None, 132, 528]  # None: one block a program (an H200 has 132 SMs)
 
 
 def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
@@ -59,14 +59,14 @@ def main() -> None:
         place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new))
         p = device_ms(functools.partial(place, block, warps))
         print(f"block {block:>4} warps {warps}: place {p * 1e3:6.1f} us")
-        for gather, both in PROBES:
-            find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps, gather=gather, both=both)
+        for programs in PROGRAMS:
+            find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps, programs=programs)
             f = [
                 device_ms(functools.partial(find, t.keys, t.tags, t.num_buckets, 16, q))
                 for t, q in ((index, zipf), (index, uniform), (step, step_zipf))
             ]
             print(
-                f"    gather {gather:d} both {both:d}: find zipf {f[0] * 1e3:7.1f} us "
+                f"    programs {programs}: find zipf {f[0] * 1e3:7.1f} us "
                 f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
                 f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s); dynamic-step's zipf {f[2] * 1e3:7.1f} us "
                 f"({step_zipf.numel() / f[2] / 1e6:5.1f} B keys/s)"

@@ -50,7 +50,6 @@ __all__ = [
 
 # Keys a program and warps of the find and place kernels (benchmarks/tune_index.py)
 FIND_BLOCK, FIND_WARPS = 128, 4
-FIND_GATHER, FIND_BOTH = False, False
 PLACE_BLOCK, PLACE_WARPS = 256, 4
 
 
@@ -103,31 +102,6 @@ if HAVE_TRITON:
         cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
         hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
         return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
-
-    @triton.jit
-    def _probe_candidates(keys_ptr, bucket, q, cand, BS: tl.constexpr, BSP: tl.constexpr):
-        """:func:`_probe_bucket`'s key compare, one candidate lane (``cand``: ``[BLOCK, BSP]``,
-        tag matches) at a time: a key a row, in lane order, until the key or no candidate is
-        left (a false tag match: 1 lane in 255)."""
-        lanes = tl.arange(0, BSP)
-        found = q != q
-        lane = tl.zeros_like(q).to(tl.int32)
-        todo = tl.max(cand.to(tl.int32), axis=1) > 0
-        while tl.max(todo.to(tl.int32), axis=0) > 0:
-            at = tl.argmax(cand.to(tl.int32), axis=1)
-            hit = todo & (tl.load(keys_ptr + bucket * BS + at, mask=todo, other=0) == q)
-            found = found | hit
-            lane = tl.where(hit, at, lane)
-            cand = cand & (lanes[None, :] != at[:, None])
-            todo = todo & ~hit & (tl.max(cand.to(tl.int32), axis=1) > 0)
-        return found, lane
-
-    @triton.jit
-    def _tag_matches(tags_ptr, bucket, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
-        """``[BLOCK, BSP]`` lanes of each ``bucket`` whose tag is ``tag``, read only where ``need``."""
-        lanes = tl.arange(0, BSP)
-        need2 = need[:, None] & (lanes < BS)[None, :]
-        return (tl.load(tags_ptr + bucket[:, None] * BS + lanes[None, :], mask=need2, other=0) == tag[:, None]) & need2
 
     @triton.jit
     def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
@@ -279,101 +253,106 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rank_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, out_ptr, n,
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
         BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per claiming occurrence (1: its key's first, 2: another) of a bucket that did not
-        # overflow: its key's final lane, as the planner ranks a bucket's new keys. The claimed
-        # lanes (empty by the tags, key not 0) are the bucket's first empty ones; the key with r
-        # smaller claimed keys takes the (r+1)-th. A key alone in its bucket (it holds the first
-        # empty lane, and the next one is still free) stays where it is, and only one key is
-        # read; the others read the bucket's keys. Keys are only read here (the write kernel
-        # moves them): -1 where the bucket overflowed.
+        # Per claiming occurrence (1: its key's first, 2: another): its key's final lane, as the
+        # planner ranks a bucket's new keys. The claimed lanes (empty by the tags, key not 0) are
+        # the bucket's first empty ones; the key with r smaller claimed keys takes the (r+1)-th.
+        # A key alone in its bucket (it holds the first empty lane, and the next one is still
+        # free) keeps its lane, and its first occurrence writes its tag here: only its own
+        # occurrences read that bucket, and one that sees the tag written knows the key was
+        # alone. The others read the bucket's keys, and their first occurrence is marked 4 for
+        # the write kernel, which moves keys (none moves here). An overflowed bucket's
+        # occurrences get -1: the first marked 6 (its lane to empty), the others 3 (left).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
         claimed = valid & ((status == 1) | (status == 2))
         claim = tl.load(slot_ptr + i, mask=claimed, other=0)
         c = claim // BS
-        live = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=1) == 0)
+        over = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=0) != 0)
+        live = claimed & ~over
         lanes = tl.arange(0, BSP)
         empty = _empty_lanes(tags_ptr, c, live, BS, BSP)
         nth = tl.cumsum(empty.to(tl.int32), axis=1) - 1  # each empty lane's place among them
-        at = (claim - c * BS).to(tl.int32)
-        first = tl.sum((empty & (lanes[None, :] == at[:, None]) & (nth == 0)).to(tl.int32), axis=1) > 0
+        at = lanes[None, :] == (claim - c * BS).to(tl.int32)[:, None]
+        written = live & (tl.sum((at & ~empty).to(tl.int32), axis=1) > 0)  # by the key's first occurrence
+        first = tl.sum((at & empty & (nth == 0)).to(tl.int32), axis=1) > 0
         later = empty & (nth == 1)  # the second empty lane, if any
         has_next = tl.max(later.to(tl.int32), axis=1) > 0
         next_key = tl.load(keys_ptr + c * BS + tl.argmax(later.to(tl.int32), axis=1), mask=live & first & has_next)
-        alone = live & first & (~has_next | (next_key == 0))
+        alone = written | (live & first & (~has_next | (next_key == 0)))
         shared = live & ~alone
-        q = tl.load(query_ptr + i, mask=shared, other=0)
+        won = status == 1
+        q = tl.load(query_ptr + i, mask=shared | (alone & won), other=0)
+        tl.store(tags_ptr + claim, _tag(_mix64(q.to(tl.uint64))), mask=alone & won)
         k = tl.load(keys_ptr + c[:, None] * BS + lanes[None, :], mask=shared[:, None] & empty, other=0)
         rank = tl.sum((empty & (k != 0) & (k < q[:, None])).to(tl.int32), axis=1)
         lane = tl.argmax((empty & (nth == rank[:, None])).to(tl.int32), axis=1)
         tl.store(out_ptr + i, tl.where(alone, claim, tl.where(shared, c * BS + lane, -1)), mask=claimed)
+        marked = tl.where(over, tl.where(won, 6, 3), 4).to(tl.int8)
+        tl.store(status_ptr + i, marked, mask=over | (shared & won))
+        tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
 
     @triton.jit
     def _write_claims_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
-        BS: tl.constexpr, BLOCK: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, out_ptr, n, BLOCK: tl.constexpr
     ):  # fmt: skip
-        # Per new key (its first claiming occurrence): its tag into its final lane, and the key
-        # too where that is not the lane it claimed; in an overflowed bucket, its claimed lane
-        # emptied again (counted). Every claimed lane is some key's final lane: each is written
-        # once. Then the final status: every occurrence of an overflowed bucket is left to the
-        # planner (3, flagged).
+        # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
+        # lane, and the key too where that is not the lane it claimed (every claimed lane is some
+        # key's final lane: each is written once); per new key of an overflowed bucket (6): its
+        # claimed lane emptied again (counted). Then the final status: 1 and 3.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
-        claimed = valid & ((status == 1) | (status == 2))
-        claim = tl.load(slot_ptr + i, mask=claimed, other=0)
-        over = claimed & (tl.load(overflow_ptr + claim // BS, mask=claimed, other=0) != 0)
-        won = status == 1
-        placed = won & ~over
-        q = tl.load(query_ptr + i, mask=won, other=0)
-        s = tl.load(out_ptr + i, mask=placed, other=0)
-        tl.store(keys_ptr + s, q, mask=placed & (s != claim))
-        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=placed)
-        tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=won & over)
-        tl.atomic_add(counts_ptr + 1, tl.sum((won & over).to(tl.int32), axis=0))
-        tl.store(status_ptr + i, tl.where(over, 3, status).to(tl.int8), mask=over)
-        tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
+        moves = status == 4
+        empties = status == 6
+        claim = tl.load(slot_ptr + i, mask=moves | empties, other=0)
+        q = tl.load(query_ptr + i, mask=moves, other=0)
+        s = tl.load(out_ptr + i, mask=moves, other=0)
+        tl.store(keys_ptr + s, q, mask=moves & (s != claim))
+        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=moves)
+        tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=empties)
+        tl.atomic_add(counts_ptr + 1, tl.sum(empties.to(tl.int32), axis=0))
+        tl.store(status_ptr + i, tl.where(moves, 1, 3).to(tl.int8), mask=moves | empties)
+
+    @triton.jit
+    def _find_block(
+        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS: tl.constexpr,
+        BSP: tl.constexpr, FLAG: tl.constexpr,
+    ):  # fmt: skip
+        # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
+        # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
+        # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
+        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1).
+        valid = offs < n
+        q = tl.load(query_ptr + offs, mask=valid, other=0)
+        h = _mix64(q.to(tl.uint64))
+        b1, b2 = _buckets(h, num_buckets)
+        tag = _tag(h)
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
+        slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+        tl.store(out_ptr + offs, slot, mask=valid)
+        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
+            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
     @triton.jit(do_not_specialize=["num_buckets"])
     def _find_kernel(
         keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        FLAG: tl.constexpr, GATHER: tl.constexpr, BOTH: tl.constexpr, BLOCK: tl.constexpr,
+        FLAG: tl.constexpr, LOOP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
-        # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
-        # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
-        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1). GATHER: the
-        # keys of the matching lanes are read one lane a row at a time (_probe_candidates); BOTH:
-        # both buckets' tags are read at once (one dependent read fewer for a key in its second).
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        q = tl.load(query_ptr + offs, mask=valid, other=0)
-        h = _mix64(q.to(tl.uint64))
-        b1, b2 = _buckets(h, num_buckets)
-        tag = _tag(h)
-        if BOTH:
-            c1 = _tag_matches(tags_ptr, b1, tag, valid, BS, BSP)
-            c2 = _tag_matches(tags_ptr, b2, tag, valid, BS, BSP)
-            found1, lane1 = _probe_candidates(keys_ptr, b1, q, c1, BS, BSP)
-            found2, lane2 = _probe_candidates(keys_ptr, b2, q, c2 & (found1 == 0)[:, None], BS, BSP)
-        elif GATHER:
-            found1, lane1 = _probe_candidates(keys_ptr, b1, q, _tag_matches(tags_ptr, b1, tag, valid, BS, BSP), BS, BSP)
-            c2 = _tag_matches(tags_ptr, b2, tag, valid & (found1 == 0), BS, BSP)
-            found2, lane2 = _probe_candidates(keys_ptr, b2, q, c2, BS, BSP)
+        # One block of keys a program, or (LOOP) every num_programs-th block from its own.
+        if LOOP:
+            for j in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+                offs = tl.cast(j, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                _find_block(keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS, BSP, FLAG)
         else:
-            found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
-            found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
-        slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
-        tl.store(out_ptr + offs, slot, mask=valid)
-        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
-            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            _find_block(keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS, BSP, FLAG)
 
     @triton.jit
     def _pooled_kernel(
@@ -605,20 +584,21 @@ def find_two_choice(
     absent: Optional[torch.Tensor] = None,
     block: int = FIND_BLOCK,
     num_warps: int = FIND_WARPS,
-    gather: bool = FIND_GATHER,
-    both: bool = FIND_BOTH,
+    programs: Optional[int] = None,
 ) -> torch.Tensor:
     """Slot of each query key, -1 where absent (``BucketedHashIndex.find``; ``tags``: its uint8
     tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent.
-    ``block`` keys a program, on ``num_warps`` warps; ``gather`` and ``both``: how the kernel
-    probes (tuning knobs, same answer: benchmarks/tune_index.py)."""
+    ``block`` keys a program, on ``num_warps`` warps; ``programs``: at most this many programs,
+    each looping over blocks (None: one block a program). Tuning knobs, same answer
+    (benchmarks/tune_index.py)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
-        _find_kernel[(triton.cdiv(n, block),)](
+        blocks = triton.cdiv(n, block)
+        _find_kernel[(blocks if programs is None else min(blocks, programs),)](
             table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
-            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, GATHER=gather, BOTH=both, BLOCK=block,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, LOOP=programs is not None, BLOCK=block,
             num_warps=num_warps,
         )  # fmt: skip
     return out
@@ -742,8 +722,8 @@ def insert_free(
             table_keys, tags, query, out if found is None else found.contiguous(), slot, status, overflow, counts,
             out, n, num_buckets, BSP=bsp, FIND=found is None, **consts,
         )  # fmt: skip
-        _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, out, n, BSP=bsp, **consts)
-        _write_claims_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, **consts)
+        _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, BSP=bsp, **consts)
+        _write_claims_kernel[grid](table_keys, tags, query, slot, status, counts, out, n, BLOCK=CONTEST_BLOCK)
     return out, status, counts
 
 

@@ -21,9 +21,9 @@ SPECS = [
 ]
 
 
-def check_find(device, num_buckets=64, bucket_size=16, seed=0, gather=False, both=False):
-    """The find kernel, probing as ``gather`` / ``both`` say, against the plain-torch find."""
-    find_two_choice = functools.partial(gpu.find_two_choice, gather=gather, both=both)
+def check_find(device, num_buckets=64, bucket_size=16, seed=0, programs=None):
+    """The find kernel (``programs``: that many, looping over blocks) against the plain-torch find."""
+    find_two_choice = functools.partial(gpu.find_two_choice, block=32, programs=programs)
     g = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (int(0.8 * index.capacity),), generator=g)).to(device)
