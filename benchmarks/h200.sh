@@ -35,13 +35,13 @@
 #   round8b  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in
 #            turn; the profile of find_or_insert; dynamic-step at 4.2M ids with score_strategy step,
 #            then none (what the fused update's score writes cost)
-#   round8c  (removed with the probes it compared) the find kernel's CUDA tests; tune_index.py;
-#            dynamic-step at 4.2M ids (5 runs) with the find probing each way (gather, both): the
-#            two ways were then dropped (slower); round8d measures the capped grid the same way
-#   round8d  the CUDA tests but the fused update's; tune_index.py (block, warps, grid cap);
-#            dynamic-step at 4.2M ids (5 runs) with the find's grid capped at 132 and 528
-#            programs and not; hash-find of .prev/ and of this revision in turn; the host
+#   round8c  (since removed, with what it compared) the find kernel's two other ways to probe, by
+#            tune_index.py and dynamic-step at 4.2M ids: both slower
+#   round8d  (since removed, with what it compared) a capped-grid find looping over blocks, the
+#            same way: slower; then hash-find of .prev/ and of this revision, the profile and host
 #            timeline of find_or_insert (benchmarks/profile_insert.py --timeline)
+#   round8e  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice
+#            in turn; dynamic-step at 4.2M ids; the profile and host timeline of find_or_insert
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -260,20 +260,10 @@ round8b)
             --pooling-factor 16 --steps 10 --runs 7 --score-strategy $strategy
     done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
-round8d)
+round8e)
     cuda_tests index
-    timeout 200 python3 benchmarks/tune_index.py 2>&1 | tee "$out/tune-index-h200.txt"
-    for programs in None 132 528; do
-        echo "## find_two_choice(programs=$programs)"
-        timeout 110 python3 -c "import functools, sys
-from dynarec.kernels import gpu
-gpu.find_two_choice = functools.partial(gpu.find_two_choice, programs=$programs)
-from dynarec.cli import main
-main(sys.argv[1:])" bench dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 --pooling-factor 16 \
-            --steps 10 --runs 5
-    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     {
-        for who in prev now; do
+        for who in prev now prev now; do
             echo "## $who"
             if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
             PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
@@ -281,6 +271,7 @@ main(sys.argv[1:])" bench dynamic-step --device cuda --rows 10000000 --dim 128 -
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
             --path fused --rows-shown 12 --timeline
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    dynamic_4m now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round6c)
     cuda_tests index

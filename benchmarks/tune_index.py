@@ -1,5 +1,4 @@
-"""The hash index's find and place kernels alone, by keys a program and warps, and the find with
-a capped grid (``programs``: ``gpu.find_two_choice``): device time (CUDA events, median
+"""The hash index's find and place kernels alone, by keys a program and warps: device time (CUDA events, median
 of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M ids: hot keys repeat)
 and of 2M uniform keys (half absent) in 64M slots at load 0.5; of the same Zipf keys in a table
 shaped as dynamic-step's (12.5M slots, 7.6M keys); and of placing 1M new keys (with the
@@ -21,7 +20,6 @@ from dynarec.kernels import gpu
 # The fastest three of (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8) in
 # two runs (benchmarks/results/issue12-round5-h200.txt, issue12-round8-h200.txt)
 CONFIGS = [(64, 2), (128, 4), (256, 8)]
-PROGRAMS = [None, 132, 528]  # None: one block a program (an H200 has 132 SMs)
 
 
 def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
@@ -58,21 +56,19 @@ def main() -> None:
     step_zipf = step_keys[torch.from_numpy(rank % step_keys.numel()).cuda()]
     print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
     for block, warps in CONFIGS:
+        find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps)
         place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new))
+        f = [
+            device_ms(functools.partial(find, t.keys, t.tags, t.num_buckets, 16, q))
+            for t, q in ((index, zipf), (index, uniform), (step, step_zipf))
+        ]
         p = device_ms(functools.partial(place, block, warps))
-        print(f"block {block:>4} warps {warps}: place {p * 1e3:6.1f} us")
-        for programs in PROGRAMS:
-            find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps, programs=programs)
-            f = [
-                device_ms(functools.partial(find, t.keys, t.tags, t.num_buckets, 16, q))
-                for t, q in ((index, zipf), (index, uniform), (step, step_zipf))
-            ]
-            print(
-                f"    programs {programs}: find zipf {f[0] * 1e3:7.1f} us "
-                f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
-                f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s); dynamic-step's zipf {f[2] * 1e3:7.1f} us "
-                f"({step_zipf.numel() / f[2] / 1e6:5.1f} B keys/s)"
-            )
+        print(
+            f"block {block:>4} warps {warps}: find zipf {f[0] * 1e3:7.1f} us "
+            f"({zipf.numel() / f[0] / 1e6:5.1f} B keys/s), uniform {f[1] * 1e3:6.1f} us "
+            f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s), dynamic-step's zipf {f[2] * 1e3:6.1f} us "
+            f"({step_zipf.numel() / f[2] / 1e6:5.1f} B keys/s); place {p * 1e3:6.1f} us"
+        )
 
 
 if __name__ == "__main__":

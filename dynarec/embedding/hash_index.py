@@ -447,7 +447,6 @@ class BucketedHashIndex:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds."""
         self._before_write()
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
         fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
         if fast:
             if found is None:
@@ -457,7 +456,7 @@ class BucketedHashIndex:
             )
             claims, emptied, left = counts.tolist()  # the one host read
             num_new = claims - emptied
-            new = slots[torch.nonzero_static(status == 1, size=num_new).squeeze(1)] if num_new else empty
+            new = slots[torch.nonzero_static(status == 1, size=num_new).squeeze(1)]
             self._record_adds(journal, new)
             self._size += num_new
             self._wrote(only_added=True)
@@ -466,7 +465,7 @@ class BucketedHashIndex:
             absent = torch.nonzero(status == 3).squeeze(1)
         else:
             assert found is not None, "the find-in-kernel insert needs the GPU kernels"
-            slots, new = found.clone(), empty
+            slots, new = found.clone(), torch.empty(0, dtype=torch.int64, device=self.device)
             absent = torch.nonzero(found < 0).squeeze(1)
         fresh, inverse = torch.unique(keys[absent], return_inverse=True)
         if not fresh.numel():

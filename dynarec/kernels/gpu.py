@@ -343,16 +343,24 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["num_buckets"])
     def _find_kernel(
         keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        FLAG: tl.constexpr, LOOP: tl.constexpr, BLOCK: tl.constexpr,
+        FLAG: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # One block of keys a program, or (LOOP) every num_programs-th block from its own.
-        if LOOP:
-            for j in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-                offs = tl.cast(j, tl.int64) * BLOCK + tl.arange(0, BLOCK)
-                _find_block(keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS, BSP, FLAG)
-        else:
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            _find_block(keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS, BSP, FLAG)
+        # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
+        # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
+        # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
+        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1).
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        q = tl.load(query_ptr + offs, mask=valid, other=0)
+        h = _mix64(q.to(tl.uint64))
+        b1, b2 = _buckets(h, num_buckets)
+        tag = _tag(h)
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
+        slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+        tl.store(out_ptr + offs, slot, mask=valid)
+        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
+            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
 
     @triton.jit
     def _pooled_kernel(
@@ -584,22 +592,17 @@ def find_two_choice(
     absent: Optional[torch.Tensor] = None,
     block: int = FIND_BLOCK,
     num_warps: int = FIND_WARPS,
-    programs: Optional[int] = None,
 ) -> torch.Tensor:
     """Slot of each query key, -1 where absent (``BucketedHashIndex.find``; ``tags``: its uint8
     tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent.
-    ``block`` keys a program, on ``num_warps`` warps; ``programs``: at most this many programs,
-    each looping over blocks (None: one block a program). Tuning knobs, same answer
-    (benchmarks/tune_index.py)."""
+    ``block`` keys a program, on ``num_warps`` warps (tuning knobs: benchmarks/tune_index.py)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
-        blocks = triton.cdiv(n, block)
-        _find_kernel[(blocks if programs is None else min(blocks, programs),)](
+        _find_kernel[(triton.cdiv(n, block),)](
             table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
-            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, LOOP=programs is not None, BLOCK=block,
-            num_warps=num_warps,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
     return out
 
@@ -711,8 +714,9 @@ def insert_free(
     query = query.contiguous()
     slot = torch.empty(n, dtype=torch.int64, device=device)
     status = torch.empty(n, dtype=torch.int8, device=device)
-    overflow = torch.zeros(num_buckets, dtype=torch.int8, device=device)
-    counts = torch.zeros(3, dtype=torch.int32, device=device)
+    # One zeroed allocation (one fill): a flag byte per bucket, then the three int32 counts
+    flags = torch.zeros(-(-num_buckets // 16) * 16 + 12, dtype=torch.int8, device=device)
+    overflow, counts = flags[:num_buckets], flags[-12:].view(torch.int32)
     out = torch.empty_like(slot)
     if n:
         consts = dict(BS=bucket_size, BLOCK=CONTEST_BLOCK)

@@ -21,9 +21,7 @@ SPECS = [
 ]
 
 
-def check_find(device, num_buckets=64, bucket_size=16, seed=0, programs=None):
-    """The find kernel (``programs``: that many, looping over blocks) against the plain-torch find."""
-    find_two_choice = functools.partial(gpu.find_two_choice, block=32, programs=programs)
+def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (int(0.8 * index.capacity),), generator=g)).to(device)
@@ -38,7 +36,7 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0, programs=None):
             torch.tensor([-(2**63), 0, 2**63 - 1], device=device),
         ]
     )
-    got = find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
+    got = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
@@ -52,11 +50,11 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0, programs=None):
     assert twins.numel() == 8
     one.commit(one.plan_insert(twins, allow_evict=False), torch.zeros_like(twins))
     for q in (twins, pool[:50]):
-        assert torch.equal(find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
+        assert torch.equal(gpu.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
     assert bool((one.find_reference(twins) >= 0).all())
     for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
         absent = torch.zeros((), dtype=torch.int32, device=device)
-        flagged = find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
+        flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
         assert torch.equal(flagged, index.find_reference(q))
         assert bool(absent) == bool((flagged < 0).any())
 

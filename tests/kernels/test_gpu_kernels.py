@@ -8,10 +8,9 @@ from tests.matrix import needs_cuda
 pytestmark = [needs_cuda, pytest.mark.skipif(not gpu_checks.gpu.HAVE_TRITON, reason="Triton is not installed")]
 
 
-@pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("num_buckets, bucket_size", [(1, 4), (3, 4), (5, 12), (64, 16), (1 << 16, 16)])
-def test_find(num_buckets, bucket_size, programs):
-    gpu_checks.check_find("cuda", num_buckets, bucket_size, programs=programs)
+def test_find(num_buckets, bucket_size):
+    gpu_checks.check_find("cuda", num_buckets, bucket_size)
 
 
 @pytest.mark.parametrize("num_buckets", [1, 7, 1 << 20, (1 << 32) - 5])
