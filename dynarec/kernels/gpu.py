@@ -194,8 +194,8 @@ if HAVE_TRITON:
         num_buckets, BS: tl.constexpr, BSP: tl.constexpr, FIND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per occurrence (FIND: found here first, as the find kernel does; else ``found`` gives
-        # the find's slot), if absent: the emptier of its key's two buckets by their tags (not
-        # written before the write kernel: every occurrence sees the insert's start), as round 1
+        # the find's slot), if absent: the emptier of its key's two buckets by their tags (none is
+        # written in this kernel: every occurrence sees the insert's start), as round 1
         # of the planner chooses; then a compare-and-swap of the key into the chosen bucket's
         # free lanes, ascending (a free slot holds key 0). Occurrences of one key meet at one
         # lane: a swap that finds the key itself there is a duplicate. The claims' order is a
