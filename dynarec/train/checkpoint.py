@@ -45,10 +45,16 @@ class CheckpointError(RuntimeError):
 
 
 def _write_file(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    # torch.save is given the path, not an open file: with a Python file it writes through a
+    # Python callback, and a Ctrl-C landing in one comes out as a RuntimeError of the zip
+    # writer ("unexpected pos"), not as KeyboardInterrupt. Given the path it writes in C++, and
+    # the interrupt is raised once it returns.
+    torch.save(obj, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:

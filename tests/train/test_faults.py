@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -97,6 +98,42 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(data_root, tmp_p
     assert trainer.checkpoints.latest() == previous
     assert not list((tmp_path / "m" / "checkpoints").glob(".ckpt-*"))
     checkpoint_module.load_checkpoint(previous)
+
+
+def test_a_ctrl_c_during_a_checkpoint_is_a_keyboard_interrupt_and_keeps_the_previous_one(tmp_path):
+    """SIGINT at many points of a save: it surfaces as KeyboardInterrupt (the CLI's exit 130), never
+    as another error, and ``latest`` always names a complete checkpoint that loads."""
+    ckpt_dir = tmp_path / "checkpoints"
+    tables = {"t": {"weight": torch.zeros(8_000_000)}}  # ~32 MB: a save takes tens of ms
+    checkpoint_module.save_checkpoint(ckpt_dir, 1, {"step": 1}, tables)
+    armed = [False]
+
+    def on_sigint(signum, frame):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    outcomes = []
+    try:
+        for i in range(12):
+            timer = threading.Timer(0.001 + 0.004 * i, lambda: signal.raise_signal(signal.SIGINT))
+            armed[0] = True
+            try:
+                timer.start()
+                checkpoint_module.save_checkpoint(ckpt_dir, 2 + i, {"step": 2 + i}, tables)
+                timer.join()
+                outcomes.append("saved")
+            except KeyboardInterrupt:
+                timer.join()
+                outcomes.append("interrupted")
+            finally:
+                armed[0] = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                checkpoint_module.load_checkpoint(checkpoint_module.latest_checkpoint(ckpt_dir))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted" in outcomes, outcomes
 
 
 @pytest.mark.parametrize("damage", ["deleted", "garbage"])
