@@ -84,6 +84,16 @@ dynamic_4m() {
     done
 }
 
+# hash-find (64M slots) of .prev/ or of this revision, in the order given
+hash_find_prev_now() {
+    local who path
+    for who in "$@"; do
+        echo "## $who"
+        if [ "$who" = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+        PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+    done
+}
+
 # the CUDA tests of the kernels, the hash index, dynamic tables, the input stage and training
 # ("index": all but the fused update kernel's, unchanged by an index round)
 cuda_tests() {
@@ -228,11 +238,7 @@ round7)
 round8)
     cuda_tests index
     {
-        for who in prev now prev now; do
-            echo "## $who"
-            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
-            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
-        done
+        hash_find_prev_now prev now prev now
         for path in fused absent; do
             timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
                 --path $path --rows-shown 20
@@ -247,11 +253,7 @@ round8)
 round8b)
     cuda_tests index
     {
-        for who in prev now prev now; do
-            echo "## $who"
-            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
-            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
-        done
+        hash_find_prev_now prev now prev now
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
             --path fused --rows-shown 12
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
@@ -263,11 +265,7 @@ round8b)
 round8e)
     cuda_tests index
     {
-        for who in prev now prev now; do
-            echo "## $who"
-            if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
-            PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
-        done
+        hash_find_prev_now prev now prev now
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
             --path fused --rows-shown 12 --timeline
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"

@@ -317,27 +317,6 @@ if HAVE_TRITON:
         tl.atomic_add(counts_ptr + 1, tl.sum(empties.to(tl.int32), axis=0))
         tl.store(status_ptr + i, tl.where(moves, 1, 3).to(tl.int8), mask=moves | empties)
 
-    @triton.jit
-    def _find_block(
-        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, offs, n, num_buckets, BS: tl.constexpr,
-        BSP: tl.constexpr, FLAG: tl.constexpr,
-    ):  # fmt: skip
-        # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
-        # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
-        # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
-        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1).
-        valid = offs < n
-        q = tl.load(query_ptr + offs, mask=valid, other=0)
-        h = _mix64(q.to(tl.uint64))
-        b1, b2 = _buckets(h, num_buckets)
-        tag = _tag(h)
-        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
-        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
-        slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
-        tl.store(out_ptr + offs, slot, mask=valid)
-        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
-            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
-
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
     @triton.jit(do_not_specialize=["num_buckets"])
