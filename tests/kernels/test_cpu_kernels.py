@@ -124,3 +124,13 @@ def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
     index = BucketedHashIndex(4, 4, "cpu")
     with pytest.raises(IndexError, match="touch: slot 16 at position 1 is outside"):
         index.touch(torch.tensor([3, 16]), 7)
+
+
+def test_the_extension_is_built_in_a_directory_of_this_environment_and_source_tree(monkeypatch):
+    """Two virtual environments (or checkouts) never share a build directory: each would rebuild
+    the other's files (their build files name different paths)."""
+    here = cpu.build_directory()
+    assert cpu.ops().__file__.startswith(here + "/")
+    assert cpu.build_directory() == here
+    monkeypatch.setattr("sys.prefix", "/elsewhere/.venv")
+    assert cpu.build_directory() != here

@@ -171,6 +171,8 @@ def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_ro
     proc = subprocess.Popen(
         [
             sys.executable,
+            "-X",
+            "faulthandler",  # a run that does not stop prints its threads' stacks on SIGABRT
             "-m",
             "dynarec",
             "train",
@@ -189,7 +191,12 @@ def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_ro
         time.sleep(0.2)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"dynarec train did not stop within 60 s of SIGINT; its stacks:\n{err[-8000:]}")
     assert proc.returncode == 130, err
     assert "dynarec train: interrupted; the latest checkpoint is" in err and "continue with --resume" in err
     with warnings.catch_warnings():
