@@ -1,6 +1,7 @@
 """Faults during training and around checkpoints: named errors, exact recovery, nothing lost."""
 
 import errno
+import glob
 import json
 import signal
 import subprocess
@@ -194,15 +195,31 @@ def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_ro
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        signals = _signal_state(proc.pid)
         proc.send_signal(signal.SIGABRT)
         _, err = proc.communicate(timeout=60)
-        pytest.fail(f"dynarec train did not stop within 60 s of SIGINT; its stacks:\n{err[-8000:]}")
+        pytest.fail(f"dynarec train did not stop within 60 s of SIGINT; {signals}; its stacks:\n{err[-8000:]}")
     assert proc.returncode == 130, err
     assert "dynarec train: interrupted; the latest checkpoint is" in err and "continue with --resume" in err
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         latest = checkpoint_module.latest_checkpoint(model_dir / "checkpoints")
     checkpoint_module.load_checkpoint(latest)
+
+
+def _signal_state(pid: int) -> str:
+    """The process's and each thread's signal masks (/proc), to tell a blocked or ignored
+    SIGINT from one that was handled and lost."""
+    lines = []
+    for status in [f"/proc/{pid}/status", *sorted(glob.glob(f"/proc/{pid}/task/*/status"))]:
+        try:
+            text = open(status).read()
+        except OSError:
+            continue
+        keys = ("Name", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+        fields = [line for line in text.splitlines() if line.startswith(keys)]
+        lines.append(f"{status}: {' '.join(fields)}")
+    return "\n".join(lines)
 
 
 def test_cli_output_paths_of_the_wrong_kind_are_refused(data_root, tmp_path, capsys):
