@@ -169,13 +169,20 @@ def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_ro
     c["train"].update(num_steps=100_000, save_checkpoints_steps=5)
     cfg = write_config(data_root, c, "ctrl_c.yaml")
     model_dir = tmp_path / "m"
+    # A terminal's Ctrl-C: the child gets Python's SIGINT handler even where this suite runs with
+    # SIGINT ignored (a background job of a non-interactive shell, nohup), which the child would
+    # inherit, and Python then leaves SIGINT ignored.
+    launcher = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('dynarec', run_name='__main__', alter_sys=True)"
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
             "-X",
             "faulthandler",  # a run that does not stop prints its threads' stacks on SIGABRT
-            "-m",
-            "dynarec",
+            "-c",
+            launcher,
             "train",
             "--config",
             str(cfg),
