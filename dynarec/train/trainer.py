@@ -405,6 +405,10 @@ class Trainer:
                 except DirectoryBusyError as e:
                     error = e
             self.ctx.agree(error, f"locking {self.model_dir}")
+            # However the run ends (done, a Ctrl-C, an error), its TensorBoard writer is closed:
+            # its thread stopped, its event file flushed and closed. A process that trains again
+            # and again kept one of each per run.
+            stack.callback(self.log.close)
             return self._fit_locked(resume)
 
     def _fit_locked(self, resume: bool) -> dict[str, Any]:

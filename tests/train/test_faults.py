@@ -229,6 +229,35 @@ def _signal_state(pid: int) -> str:
     return "\n".join(lines)
 
 
+def test_a_run_closes_its_tensorboard_writer_however_it_ends(data_root, tmp_path, monkeypatch):
+    """A run that ends (here by Ctrl-C at step 12, then normally) leaves no TensorBoard writer
+    thread or open event file behind (a process that trains again and again would pile them
+    up), and its event file holds every scalar it logged (steps 1, 5 and 10)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def writer_threads() -> int:
+        return sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate())
+
+    before = writer_threads()
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=100)
+    train_step = trainer.train_step
+
+    def interrupted(*args, **kwargs):
+        if trainer.step == 12:
+            raise KeyboardInterrupt
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert writer_threads() == before
+    events = EventAccumulator(str(tmp_path / "m" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 5, 10]
+    trainer_for(data_root, tmp_path / "n", num_steps=6).fit()
+    assert writer_threads() == before
+
+
 def test_cli_output_paths_of_the_wrong_kind_are_refused(data_root, tmp_path, capsys):
     a_file = tmp_path / "f"
     a_file.write_text("mine")
