@@ -439,15 +439,19 @@ class BucketedHashIndex:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`find`, then :meth:`insert_absent` of the keys not found: the same slots, and on a
         GPU the find runs in the insert's first kernel (one pass over the keys fewer)."""
-        fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
-        return self._insert_occurrences(keys, None if fast else self.find(keys), journal, kernels)
+        found = None if self._inserts_on_gpu(kernels) else self.find(keys)
+        return self._insert_occurrences(keys, found, journal, kernels)
+
+    def _inserts_on_gpu(self, kernels: bool) -> bool:
+        """Whether :meth:`insert_absent` runs its first round in the GPU kernels."""
+        return kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
 
     def _insert_occurrences(
         self, keys: torch.Tensor, found: Optional[torch.Tensor], journal: Optional[Journal], kernels: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds."""
         self._before_write()
-        fast = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
+        fast = self._inserts_on_gpu(kernels)
         if fast:
             if found is None:
                 self._after_writes()

@@ -104,6 +104,17 @@ if HAVE_TRITON:
         return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
 
     @triton.jit
+    def _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, need, BS: tl.constexpr, BSP: tl.constexpr):
+        """Each query's slot, -1 where absent (``h``: its ``mix64`` hash, ``b1``/``b2``: its
+        buckets), read only where ``need``: its first bucket's tags (16 bytes, one sector), the
+        second bucket's only for keys the first lacks, and a key only where a tag matches (1 lane
+        in 255 by chance: an absent key almost never reads one)."""
+        tag = _tag(h)
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, need, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, need & (found1 == 0), BS, BSP)
+        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+
+    @triton.jit
     def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
         """``[BLOCK, BSP]`` mask of each ``bucket``'s empty lanes (tag 0), read only where ``valid``."""
         lanes = tl.arange(0, BSP)
@@ -209,10 +220,7 @@ if HAVE_TRITON:
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
         if FIND:
-            tag = _tag(h)
-            found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
-            found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
-            found = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+            found = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         else:
             found = tl.load(found_ptr + i, mask=valid, other=0)
         todo = valid & (found < 0)
@@ -324,19 +332,14 @@ if HAVE_TRITON:
         keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
         FLAG: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # Per key: the tags of its first bucket (16 bytes, one sector), the second bucket's only for
-        # keys the first lacks, and a key only where a tag matches (1 lane in 255 by chance: an
-        # absent key almost never reads one). The buckets are mix64's 32-bit halves modulo
-        # num_buckets (< 2^32): 32-bit arithmetic; the tag is its top byte (0 -> 1).
+        # Per key, _find_slot. The buckets are mix64's 32-bit halves modulo num_buckets (< 2^32):
+        # 32-bit arithmetic; the tag is its top byte (0 -> 1).
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
-        tag = _tag(h)
-        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, valid, BS, BSP)
-        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, valid & (found1 == 0), BS, BSP)
-        slot = tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+        slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         tl.store(out_ptr + offs, slot, mask=valid)
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
             tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
