@@ -42,6 +42,9 @@
 #            timeline of find_or_insert (benchmarks/profile_insert.py --timeline)
 #   round8e  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice
 #            in turn; dynamic-step at 4.2M ids; the profile and host timeline of find_or_insert
+#   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
+#            as a replayed CUDA graph, the planned baseline, in turns); the profile and host timeline
+#            of the graphed find_or_insert
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -81,16 +84,6 @@ dynamic_4m() {
         echo "## $who, 4.2M ids a step"
         timeout 100 "${cmd[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
             --pooling-factor 16 --steps 10 --runs 7
-    done
-}
-
-# hash-find (64M slots) of .prev/ or of this revision, in the order given
-hash_find_prev_now() {
-    local who path
-    for who in "$@"; do
-        echo "## $who"
-        if [ "$who" = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
-        PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
     done
 }
 
@@ -270,6 +263,14 @@ round8e)
             --path fused --rows-shown 12 --timeline
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     dynamic_4m now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round9)
+    cuda_tests index
+    {
+        for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done
+        timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
+            --path graphed --rows-shown 12 --timeline
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6c)
     cuda_tests index

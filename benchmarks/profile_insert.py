@@ -1,7 +1,8 @@
 """Where a find-or-insert's time goes: the hash-find benchmark's insert under the torch profiler,
 ops sorted by device time, and the wall time of each part. ``--path planned``: find a batch of
 new keys, take the distinct absent ones, plan their slots, commit; ``--path absent``: find, then
-``insert_absent`` on the occurrences; ``--path fused``: ``find_or_insert`` (one call). Usage:
+``insert_absent`` on the occurrences; ``--path fused``: ``find_or_insert`` (one call);
+``--path graphed``: ``find_or_insert(graph=True)`` (its first round a replayed CUDA graph). Usage:
 
     python benchmarks/profile_insert.py --device cuda --slots 67108864 --load 0.5 --path absent
 """
@@ -26,7 +27,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1 << 20)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rows-shown", type=int, default=25)
-    p.add_argument("--path", choices=("planned", "absent", "fused"), default="planned")
+    p.add_argument("--path", choices=("planned", "absent", "fused", "graphed"), default="planned")
     p.add_argument("--timeline", action="store_true", help="also list the profiled run's ops and kernels in time order")
     a = p.parse_args()
     sync = synchronizer(a.device)
@@ -52,8 +53,8 @@ def main() -> None:
             sync()
             t.append(time.perf_counter())
 
-        if a.path == "fused":
-            index.find_or_insert(new, journal)
+        if a.path in ("fused", "graphed"):
+            index.find_or_insert(new, journal, graph=a.path == "graphed")
             part_done()
         elif a.path == "absent":
             slots = index.find(new)

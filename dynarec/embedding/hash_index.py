@@ -39,6 +39,7 @@ __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "can
 
 PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
+GRAPHS_KEPT = 4  # captured find_or_insert graphs an index keeps (batch sizes, least recently used dropped)
 _LOW32 = (1 << 32) - 1
 _SERIALS = itertools.count()  # of index objects: a stamp never matches another index's
 _NONE = -1
@@ -210,6 +211,7 @@ class BucketedHashIndex:
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
         self._written: Optional[torch.cuda.Event] = None
         self._finds: dict[int, torch.cuda.Event] = {}  # the last find queued on each stream (CUDA)
+        self._graphs: dict[int, gpu_kernels.InsertFreeGraph] = {}  # find_or_insert(graph=True), by batch size
         self._serial = next(_SERIALS)
         self._writes = 0
         self._displacements = 0
@@ -435,34 +437,60 @@ class BucketedHashIndex:
         return self._insert_occurrences(keys, found, journal, kernels)
 
     def find_or_insert(
-        self, keys: torch.Tensor, journal: Optional[Journal] = None, kernels: bool = True
+        self, keys: torch.Tensor, journal: Optional[Journal] = None, kernels: bool = True, graph: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`find`, then :meth:`insert_absent` of the keys not found: the same slots, and on a
-        GPU the find runs in the insert's first kernel (one pass over the keys fewer)."""
+        GPU the find runs in the insert's first kernel (one pass over the keys fewer).
+
+        ``graph`` (GPU kernels only; ignored elsewhere): the first round runs as a CUDA graph
+        captured for this batch size (:class:`~dynarec.kernels.gpu.InsertFreeGraph`) and replayed
+        by later calls of the same size, for callers with fixed batch sizes: one launch instead
+        of about a dozen. The index keeps the graphs of its last :data:`GRAPHS_KEPT` sizes (each
+        holds buffers of about 33 bytes a key and one byte a bucket)."""
         found = None if self._inserts_on_gpu(kernels) else self.find(keys)
-        return self._insert_occurrences(keys, found, journal, kernels)
+        return self._insert_occurrences(keys, found, journal, kernels, graph)
 
     def _inserts_on_gpu(self, kernels: bool) -> bool:
         """Whether :meth:`insert_absent` runs its first round in the GPU kernels."""
         return kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
 
+    def _graph(self, n: int) -> gpu_kernels.InsertFreeGraph:
+        """The captured first round for ``n`` keys (captured on first use)."""
+        graph = self._graphs.pop(n, None)
+        if graph is None:
+            graph = gpu_kernels.InsertFreeGraph(self.keys, self.tags, self.num_buckets, self.bucket_size, n)
+        self._graphs[n] = graph  # the most recently used last
+        while len(self._graphs) > GRAPHS_KEPT:
+            del self._graphs[next(iter(self._graphs))]
+        return graph
+
     def _insert_occurrences(
-        self, keys: torch.Tensor, found: Optional[torch.Tensor], journal: Optional[Journal], kernels: bool
+        self,
+        keys: torch.Tensor,
+        found: Optional[torch.Tensor],
+        journal: Optional[Journal],
+        kernels: bool,
+        graph: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds."""
+        """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds;
+        ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
         self._before_write()
         fast = self._inserts_on_gpu(kernels)
         if fast:
             if found is None:
                 self._after_writes()
-            slots, status, counts = gpu_kernels.insert_free(
-                self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
-            )
-            claims, emptied, left = counts.tolist()  # the one host read
-            num_new = claims - emptied
-            new = slots[torch.nonzero_static(status == 1, size=num_new).squeeze(1)]
+            if found is None and graph and keys.numel():
+                slots, status, counts, first = self._graph(keys.numel()).run(keys)
+                claims, emptied, left = counts.tolist()  # the one host read
+                new = first[: claims - emptied]
+            else:
+                slots, status, counts = gpu_kernels.insert_free(
+                    self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
+                )
+                claims, emptied, left = counts.tolist()  # the one host read
+                new = slots[torch.nonzero_static(status == 1, size=claims - emptied).squeeze(1)]
             self._record_adds(journal, new)
-            self._size += num_new
+            self._size += new.numel()
             self._wrote(only_added=True)
             if not left:
                 return slots, new

@@ -38,6 +38,7 @@ except ImportError:  # the CPU machines: the plain-torch path runs
 
 __all__ = [
     "HAVE_TRITON",
+    "InsertFreeGraph",
     "available",
     "bag_update",
     "claim_free_slots",
@@ -711,6 +712,57 @@ def insert_free(
         _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, BSP=bsp, **consts)
         _write_claims_kernel[grid](table_keys, tags, query, slot, status, counts, out, n, BLOCK=CONTEST_BLOCK)
     return out, status, counts
+
+
+class InsertFreeGraph:
+    """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
+    captured once as a CUDA graph and replayed: one graph launch a call instead of three kernel
+    launches and the torch ops around them (tens of microseconds of host time each, against
+    about 0.3 ms of device time for 1M keys on an H200). It also picks out the new keys' slots
+    in the graph (``nonzero_static``), so the caller needs no more kernels after its host read.
+
+    The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
+    while the index keeps them) and its own input and output buffers; :meth:`run` copies the
+    query in and returns fresh tensors. Replays are ordered on the stream of the call (a call
+    on another stream first waits for the last one's)."""
+
+    def __init__(self, table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, n: int):
+        self.table = (table_keys, tags)
+        self.n = n
+        device = tags.device
+        self.query = torch.zeros(n, dtype=torch.int64, device=device)
+        # Compiles and loads the kernels outside the capture. Key 0 is never claimed (it is
+        # found, or left to the planner): this run writes only its own buffers.
+        insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            slot, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
+            # The first claiming occurrence of each new key, in input order; the rest -1 (the
+            # caller keeps the first counts[0] - counts[1] after its host read)
+            first = torch.nonzero_static(status == 1, size=n, fill_value=-1).squeeze(1)
+            new = torch.where(first >= 0, slot[first.clamp(min=0)], -1)
+        self.outputs = (slot, status, counts, new)
+        self._stream = torch.cuda.current_stream(device)
+
+    def holds(self, table_keys: torch.Tensor, tags: torch.Tensor) -> bool:
+        """Whether this graph was captured on these very tensors."""
+        return self.table[0] is table_keys and self.table[1] is tags
+
+    def run(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slots, status, counts, new)`` as :func:`insert_free` returns them, and ``new``:
+        ``[n]`` int64, the slots of the new keys' first occurrences in input order, then -1s.
+        ``slots`` and ``new`` are fresh tensors; ``status`` and ``counts`` are the graph's own
+        buffers, valid until the next replay queued on this stream."""
+        if query.numel() != self.n:
+            raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
+        stream = torch.cuda.current_stream(self.query.device)
+        if stream != self._stream:
+            stream.wait_stream(self._stream)
+            self._stream = stream
+        self.query.copy_(query)
+        self.graph.replay()
+        slot, status, counts, new = self.outputs
+        return slot.clone(), status, counts, new.clone()
 
 
 def pooled_forward(

@@ -8,7 +8,7 @@ from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, Table
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
 from dynarec.optim import SGD, Adagrad
-from tests.matrix import DEVICES
+from tests.matrix import DEVICES, needs_cuda
 
 
 def keys_with_buckets(num_buckets, wanted, start=0):
@@ -355,6 +355,34 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
         assert torch.equal(getattr(index, name), before[name]), name
 
 
+@needs_cuda
+def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors():
+    """Batches of two sizes, in turns, into two equal indexes: ``graph=True`` gives the eager
+    call's slots, new slots and arrays every time; what a call returned is not overwritten by the
+    next replay; an index keeps the graphs of its last ``GRAPHS_KEPT`` batch sizes."""
+    from dynarec.embedding.hash_index import GRAPHS_KEPT
+
+    eager, _, gen = _filled_index(1024, 16, 0.5, "cuda", seed=11)
+    graphed, _, _ = _filled_index(1024, 16, 0.5, "cuda", seed=11)
+    held = []
+    for batch in (1000, 700, 1000, 700, 1000):
+        keys = torch.randint(-(2**40), 2**40, (batch,), generator=gen).cuda()  # repeats among batches
+        want = eager.find_or_insert(keys)
+        got = graphed.find_or_insert(keys, graph=True)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+        assert graphed.size == eager.size
+        assert torch.equal(graphed.keys, eager.keys) and torch.equal(graphed.tags, eager.tags)
+        held.append((got, tuple(t.clone() for t in got)))
+    check_invariants(graphed)
+    for got, copy in held:
+        assert all(torch.equal(g, c) for g, c in zip(got, copy))
+    assert sorted(graphed._graphs) == [700, 1000]
+    for batch in range(1, GRAPHS_KEPT + 2):
+        graphed.find_or_insert(torch.arange(1, batch + 1).cuda(), graph=True)
+    assert list(graphed._graphs) == list(range(2, GRAPHS_KEPT + 2))
+
+
 def _filled_index(num_buckets, bucket_size, load, device, seed):
     gen = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
@@ -370,7 +398,7 @@ def _filled_index(num_buckets, bucket_size, load, device, seed):
     "num_buckets, bucket_size, load, batch",
     [(4096, 16, 0.5, 3000), (64, 16, 0.9, 400), (64, 2, 0.5, 80), (16, 4, 0.8, 60), (8, 64, 0.5, 300), (3, 5, 0.4, 9)],
 )
-@pytest.mark.parametrize("call", ["insert_absent", "find_or_insert"])
+@pytest.mark.parametrize("call", ["insert_absent", "find_or_insert", "find_or_insert_graphed"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
     num_buckets, bucket_size, load, batch, call, device
@@ -379,8 +407,9 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
     and the arrays of planning the distinct absent keys in ascending order and committing, with
     buckets that overflow (more new keys than free lanes: left to the planner, with the first
     round's slots claimed, and then residents move), and its journal undoes it exactly; so does
-    ``find_or_insert`` (on a GPU, its first kernel finds). On a GPU the first round runs on the
-    occurrences (no unique); the reference is plain torch."""
+    ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA graph replayed (its
+    capture made by an earlier call of another batch, undone). On a GPU the first round runs on
+    the occurrences (no unique); the reference is plain torch."""
     from dynarec.embedding.step import Journal
 
     runs = []
@@ -395,6 +424,12 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
         found = index.find(keys)
         if call == "insert_absent":
             slots, placed = index.insert_absent(keys, found, journal, kernels=kernels)
+        elif call == "find_or_insert_graphed":
+            other = torch.randint(-(2**62), 2**62, keys.shape, generator=torch.Generator().manual_seed(7))
+            undone = Journal()
+            index.find_or_insert(other.to(device), undone, kernels=kernels, graph=True)
+            undone.undo()
+            slots, placed = index.find_or_insert(keys, journal, kernels=kernels, graph=True)
         else:
             slots, placed = index.find_or_insert(keys, journal, kernels=kernels)
         check_invariants(index)
