@@ -43,8 +43,9 @@
 #   round8e  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice
 #            in turn; dynamic-step at 4.2M ids; the profile and host timeline of find_or_insert
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
-#            as a replayed CUDA graph, the planned baseline, in turns); the profile and host timeline
-#            of the graphed find_or_insert
+#            as a replayed CUDA graph, the planned baseline, in turns); the host's costs
+#            (benchmarks/host_costs.py); the insert's kernels by block and warps (tune_index.py); the
+#            profile and host timeline of the graphed find_or_insert
 # Packages missing from the image (pydantic, pyfarmhash) come as wheels in .whl/.
 set -uo pipefail
 stage=$1
@@ -268,6 +269,8 @@ round9)
     cuda_tests index
     {
         for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done
+        timeout 100 python3 benchmarks/host_costs.py
+        timeout 150 python3 benchmarks/tune_index.py
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
             --path graphed --rows-shown 12 --timeline
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"

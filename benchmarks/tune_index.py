@@ -2,7 +2,9 @@
 of 9) of a find of 4.2M Zipf(1.05) keys (the dynamic step's query at 4.2M ids: hot keys repeat)
 and of 2M uniform keys (half absent) in 64M slots at load 0.5; of the same Zipf keys in a table
 shaped as dynamic-step's (12.5M slots, 7.6M keys); and of placing 1M new keys (with the
-journal's read-back). Usage, on a CUDA machine with Triton:
+journal's read-back). Then the insert's three kernels (``insert_free``, the first kernel finding)
+on 1M new uniform keys into the 64M slots, by occurrences a program and warps (each run undone).
+Usage, on a CUDA machine with Triton:
 
     python benchmarks/tune_index.py
 """
@@ -20,6 +22,7 @@ from dynarec.kernels import gpu
 # The fastest three of (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8) in
 # two runs (benchmarks/results/issue12-round5-h200.txt, issue12-round8-h200.txt)
 CONFIGS = [(64, 2), (128, 4), (256, 8)]
+INSERT_CONFIGS = [(32, 1), (64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)]
 
 
 def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
@@ -69,6 +72,25 @@ def main() -> None:
             f"({uniform.numel() / f[1] / 1e6:5.1f} B keys/s), dynamic-step's zipf {f[2] * 1e3:6.1f} us "
             f"({step_zipf.numel() / f[2] / 1e6:5.1f} B keys/s); place {p * 1e3:6.1f} us"
         )
+
+    print(f"== insert_free of {new.numel():,} new keys (contest, rank, write kernels)")
+    for block, warps in INSERT_CONFIGS:
+        times = []
+        for i in range(11):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            slots, status, _ = gpu.insert_free(
+                index.keys, index.tags, index.num_buckets, 16, new, block=block, num_warps=warps
+            )
+            end.record()
+            placed = slots[status == 1]
+            index.keys.index_fill_(0, placed, 0)
+            index.tags.index_fill_(0, placed, 0)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        t = statistics.median(times)
+        print(f"block {block:>4} warps {warps}: {t * 1e3:6.1f} us ({new.numel() / t / 1e6:5.2f} B keys/s)")
 
 
 if __name__ == "__main__":

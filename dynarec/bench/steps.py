@@ -205,8 +205,8 @@ def bench_hash_find(args) -> dict:
     slots, whichever is smaller): ``find_or_insert`` (on a GPU, one pass finds and claims), the
     same as a replayed CUDA graph (``graph=True``; elsewhere the same call), and in turns with
     them the baseline ``find`` + ``unique`` + ``plan_insert`` + ``commit``, after one untimed run
-    of each (the graphed one captures). Every insert run starts from the same load: it is undone through the step journal after its clock
-    stops."""
+    of each (the graphed one captures). Every insert run starts from the same load: it is
+    undone through the step journal after its clock stops."""
     sync = synchronizer(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     results: dict[str, Any] = {}

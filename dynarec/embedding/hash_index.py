@@ -217,7 +217,7 @@ class BucketedHashIndex:
         self._displacements = 0
         self._wrote()
 
-    def _wrote(self, only_added: bool = False) -> None:
+    def _wrote(self, only_added: bool = False, stream: Optional[torch.cuda.Stream] = None) -> None:
         """Marks the keys and tags as written by the work queued so far on the current stream:
         a later :meth:`find`, on any stream, waits for it (a collection runs its finds on its
         input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
@@ -228,20 +228,20 @@ class BucketedHashIndex:
             self._displacements += 1
         if self.device.type == "cuda":
             self._written = torch.cuda.Event()
-            self._written.record(torch.cuda.current_stream(self.device))
+            self._written.record(stream or torch.cuda.current_stream(self.device))
 
-    def _after_writes(self) -> None:
-        """Makes the current stream wait for the last write, queued on any stream (a find reads
-        what it wrote)."""
+    def _after_writes(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Makes the current stream (or ``stream``: the current one, already known) wait for the
+        last write, queued on any stream (a find reads what it wrote)."""
         if self._written is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._written)
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self._written)
 
-    def _before_write(self) -> None:
+    def _before_write(self, stream: Optional[torch.cuda.Stream] = None) -> None:
         """Makes the current stream wait for every find queued so far, on any stream: a write
         never changes keys or tags a find is still reading (a find made two steps ahead, on the
         input stream, may still run when the next step inserts)."""
         if self._finds:
-            stream = torch.cuda.current_stream(self.device)
+            stream = stream or torch.cuda.current_stream(self.device)
             for done in self._finds.values():
                 stream.wait_event(done)
 
@@ -425,7 +425,8 @@ class BucketedHashIndex:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inserts the keys of the occurrences ``keys[i]`` whose ``found[i]`` (:meth:`find`'s) is
         -1, with score 0, into free slots (no eviction, no pin); returns ``(slots, new)``: the slot
-        of every occurrence (-1: no room) and the slots of the keys inserted (distinct).
+        of every occurrence (-1: no room) and the slots of the keys inserted (distinct; the
+        journal's undo keeps this tensor: read it, do not write to it).
 
         The same as planning the distinct absent keys in ascending order (:meth:`plan_insert`,
         ``allow_evict=False``) and committing: identical slots. On a GPU the planner's first
@@ -474,24 +475,28 @@ class BucketedHashIndex:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds;
         ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
-        self._before_write()
         fast = self._inserts_on_gpu(kernels)
+        # The current stream, asked for once: each ask costs a host call (~10 us on an H200 host)
+        stream = torch.cuda.current_stream(self.device) if fast else None
+        self._before_write(stream)
         if fast:
             if found is None:
-                self._after_writes()
+                self._after_writes(stream)
             if found is None and graph and keys.numel():
-                slots, status, counts, first = self._graph(keys.numel()).run(keys)
+                slots, status, counts, first = self._graph(keys.numel()).run(keys, stream)
+                self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
                 claims, emptied, left = counts.tolist()  # the one host read
-                new = first[: claims - emptied]
+                new = first[: claims - emptied]  # a fresh tensor
+                self._record_adds(journal, new, fresh=True)
             else:
                 slots, status, counts = gpu_kernels.insert_free(
                     self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
                 )
+                self._wrote(only_added=True, stream=stream)
                 claims, emptied, left = counts.tolist()  # the one host read
                 new = slots[torch.nonzero_static(status == 1, size=claims - emptied).squeeze(1)]
-            self._record_adds(journal, new)
+                self._record_adds(journal, new, fresh=True)
             self._size += new.numel()
-            self._wrote(only_added=True)
             if not left:
                 return slots, new
             absent = torch.nonzero(status == 3).squeeze(1)
@@ -638,14 +643,17 @@ class BucketedHashIndex:
 
         journal.record(undo)
 
-    def _record_adds(self, journal: Optional[Journal], slots: torch.Tensor, some_none: bool = False) -> None:
+    def _record_adds(
+        self, journal: Optional[Journal], slots: torch.Tensor, some_none: bool = False, fresh: bool = False
+    ) -> None:
         """Records how to empty again the free ``slots`` a commit fills, and the size as now. Free
         slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores them exactly
         without having read them; their pins are not written by a commit. ``some_none``: some
-        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
+        slots are -1, which the undo skips (then with a host read; else it reads nothing).
+        ``fresh``: nothing else holds ``slots`` (kept without a copy)."""
         if journal is None:
             return
-        slots, size = slots.clone(), self._size
+        slots, size = (slots if fresh else slots.clone()), self._size
 
         def undo() -> None:
             self._before_write()

@@ -667,7 +667,8 @@ def claim_free_slots(
     return order
 
 
-CONTEST_BLOCK = 128
+# Occurrences a program and warps of the insert's three kernels (benchmarks/tune_index.py)
+CONTEST_BLOCK, CONTEST_WARPS = 128, 4
 
 
 def insert_free(
@@ -677,6 +678,8 @@ def insert_free(
     bucket_size: int,
     query: torch.Tensor,
     found: Optional[torch.Tensor] = None,
+    block: int = CONTEST_BLOCK,
+    num_warps: int = CONTEST_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
     ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
@@ -702,15 +705,17 @@ def insert_free(
     overflow, counts = flags[:num_buckets], flags[-12:].view(torch.int32)
     out = torch.empty_like(slot)
     if n:
-        consts = dict(BS=bucket_size, BLOCK=CONTEST_BLOCK)
+        consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
         bsp = triton.next_power_of_2(bucket_size)
-        grid = (triton.cdiv(n, CONTEST_BLOCK),)
+        grid = (triton.cdiv(n, block),)
         _contest_kernel[grid](
             table_keys, tags, query, out if found is None else found.contiguous(), slot, status, overflow, counts,
             out, n, num_buckets, BSP=bsp, FIND=found is None, **consts,
         )  # fmt: skip
         _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, BSP=bsp, **consts)
-        _write_claims_kernel[grid](table_keys, tags, query, slot, status, counts, out, n, BLOCK=CONTEST_BLOCK)
+        _write_claims_kernel[grid](
+            table_keys, tags, query, slot, status, counts, out, n, BLOCK=block, num_warps=num_warps
+        )  # fmt: skip
     return out, status, counts
 
 
@@ -748,14 +753,17 @@ class InsertFreeGraph:
         """Whether this graph was captured on these very tensors."""
         return self.table[0] is table_keys and self.table[1] is tags
 
-    def run(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(
+        self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(slots, status, counts, new)`` as :func:`insert_free` returns them, and ``new``:
         ``[n]`` int64, the slots of the new keys' first occurrences in input order, then -1s.
         ``slots`` and ``new`` are fresh tensors; ``status`` and ``counts`` are the graph's own
-        buffers, valid until the next replay queued on this stream."""
+        buffers, valid until the next replay queued on this stream. ``stream``: the current one,
+        if the caller knows it already."""
         if query.numel() != self.n:
             raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
-        stream = torch.cuda.current_stream(self.query.device)
+        stream = stream or torch.cuda.current_stream(self.query.device)
         if stream != self._stream:
             stream.wait_stream(self._stream)
             self._stream = stream
