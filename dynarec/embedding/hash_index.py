@@ -25,6 +25,7 @@ The index owns its arrays; callers change them only through its methods (``commi
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -209,41 +210,53 @@ class BucketedHashIndex:
         self.pins = self._pins[:cap]
         self._size = 0
         self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
-        self._written: Optional[torch.cuda.Event] = None
-        self._finds: dict[int, torch.cuda.Event] = {}  # the last find queued on each stream (CUDA)
+        # The last write's event and its stream's id, and the last find's event on each stream (CUDA)
+        self._written = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._written_on: Optional[int] = None
+        self._finds: dict[int, torch.cuda.Event] = {}
         self._graphs: dict[int, gpu_kernels.InsertFreeGraph] = {}  # find_or_insert(graph=True), by batch size
+        self._warned_graphs = False
         self._serial = next(_SERIALS)
         self._writes = 0
         self._displacements = 0
         self._wrote()
 
     def _wrote(self, only_added: bool = False, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Marks the keys and tags as written by the work queued so far on the current stream:
-        a later :meth:`find`, on any stream, waits for it (a collection runs its finds on its
-        input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
-        changes. ``only_added``: the write only placed keys in free slots (every key present
-        before is still in its slot)."""
+        """Marks the keys and tags as written by the work queued so far on the current stream
+        (``stream``: the current one, already known; each ask costs a host call): a later
+        :meth:`find` on another stream waits for it (a collection runs its finds on its input
+        stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp` changes.
+        ``only_added``: the write only placed keys in free slots (every key present before is
+        still in its slot)."""
         self._writes += 1
         if not only_added:
             self._displacements += 1
-        if self.device.type == "cuda":
-            self._written = torch.cuda.Event()
-            self._written.record(stream or torch.cuda.current_stream(self.device))
+        if self._written is not None:  # CUDA
+            stream = stream or torch.cuda.current_stream(self.device)
+            # One event, recorded again: a wait queued earlier keeps the record it was queued after
+            self._written.record(stream)
+            self._written_on = stream.stream_id
 
     def _after_writes(self, stream: Optional[torch.cuda.Stream] = None) -> None:
         """Makes the current stream (or ``stream``: the current one, already known) wait for the
-        last write, queued on any stream (a find reads what it wrote)."""
-        if self._written is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self._written)
+        last write, queued on another stream (a find reads what it wrote; on the same stream,
+        the order is the stream's)."""
+        if self._written is None or self._written_on is None:
+            return
+        stream = stream or torch.cuda.current_stream(self.device)
+        if self._written_on != stream.stream_id:
+            stream.wait_event(self._written)
 
     def _before_write(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Makes the current stream wait for every find queued so far, on any stream: a write
-        never changes keys or tags a find is still reading (a find made two steps ahead, on the
-        input stream, may still run when the next step inserts)."""
+        """Makes the current stream (or ``stream``: the current one, already known) wait for
+        every find queued so far on another stream: a write never changes keys or tags a find
+        is still reading (a find made two steps ahead, on the input stream, may still run when
+        the next step inserts)."""
         if self._finds:
             stream = stream or torch.cuda.current_stream(self.device)
-            for done in self._finds.values():
-                stream.wait_event(done)
+            for stream_id, done in self._finds.items():
+                if stream_id != stream.stream_id:
+                    stream.wait_event(done)
 
     @property
     def stamp(self) -> tuple[int, int, int]:
@@ -292,17 +305,18 @@ class BucketedHashIndex:
             return slots, None
         if self.device.type != "cuda":
             return self.find_reference(keys), None
-        self._after_writes()
+        stream = torch.cuda.current_stream(self.device)
+        self._after_writes(stream)
         absent = None
         if gpu_kernels.available(self.device):
             absent = torch.zeros((), dtype=torch.int32, device=self.device) if flag else None
             slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
         else:
             slots = self.find_reference(keys)
-        stream = torch.cuda.current_stream(self.device)
-        done = torch.cuda.Event()
-        done.record(stream)
-        self._finds[stream.stream_id] = done
+        done = self._finds.get(stream.stream_id)
+        if done is None:
+            done = self._finds[stream.stream_id] = torch.cuda.Event()
+        done.record(stream)  # one event a stream, recorded again (as _wrote's)
         return slots, absent
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
@@ -445,9 +459,11 @@ class BucketedHashIndex:
 
         ``graph`` (GPU kernels only; ignored elsewhere): the first round runs as a CUDA graph
         captured for this batch size (:class:`~dynarec.kernels.gpu.InsertFreeGraph`) and replayed
-        by later calls of the same size, for callers with fixed batch sizes: one launch instead
-        of about a dozen. The index keeps the graphs of its last :data:`GRAPHS_KEPT` sizes (each
-        holds buffers of about 33 bytes a key and one byte a bucket)."""
+        by later calls of the same size, for callers with fixed batch sizes: one launch in place
+        of three kernel launches and about ten torch ops. The index keeps the graphs of its last
+        :data:`GRAPHS_KEPT` sizes (each holds buffers of about 41 bytes a key and one byte a
+        bucket); a capture synchronizes the device, and a warning says when sizes outnumber the
+        graphs kept. ``new`` is also kept by the journal's undo: read it, do not write to it."""
         found = None if self._inserts_on_gpu(kernels) else self.find(keys)
         return self._insert_occurrences(keys, found, journal, kernels, graph)
 
@@ -459,6 +475,14 @@ class BucketedHashIndex:
         """The captured first round for ``n`` keys (captured on first use)."""
         graph = self._graphs.pop(n, None)
         if graph is None:
+            if len(self._graphs) == GRAPHS_KEPT and not self._warned_graphs:
+                self._warned_graphs = True
+                warnings.warn(
+                    f"find_or_insert(graph=True) met a {GRAPHS_KEPT + 1}th batch size ({n}); the index keeps the "
+                    f"graphs of {GRAPHS_KEPT} sizes, and each new size is captured again (a device sync): give "
+                    f"it at most {GRAPHS_KEPT} batch sizes (pad the batches), or use graph=False",
+                    stacklevel=4,
+                )
             graph = gpu_kernels.InsertFreeGraph(self.keys, self.tags, self.num_buckets, self.bucket_size, n)
         self._graphs[n] = graph  # the most recently used last
         while len(self._graphs) > GRAPHS_KEPT:
@@ -477,12 +501,12 @@ class BucketedHashIndex:
         ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
         fast = self._inserts_on_gpu(kernels)
         # The current stream, asked for once: each ask costs a host call (~10 us on an H200 host)
-        stream = torch.cuda.current_stream(self.device) if fast else None
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self._before_write(stream)
         if fast:
             if found is None:
                 self._after_writes(stream)
-            if found is None and graph and keys.numel():
+            if found is None and graph and stream is not None and keys.numel():
                 slots, status, counts, first = self._graph(keys.numel()).run(keys, stream)
                 self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
                 claims, emptied, left = counts.tolist()  # the one host read
@@ -650,7 +674,8 @@ class BucketedHashIndex:
         slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores them exactly
         without having read them; their pins are not written by a commit. ``some_none``: some
         slots are -1, which the undo skips (then with a host read; else it reads nothing).
-        ``fresh``: nothing else holds ``slots`` (kept without a copy)."""
+        ``fresh``: ``slots`` is a new tensor that nobody writes to afterwards (kept without a
+        copy; the caller may still read it)."""
         if journal is None:
             return
         slots, size = (slots if fresh else slots.clone()), self._size

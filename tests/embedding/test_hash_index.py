@@ -357,16 +357,17 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
 
 @needs_cuda
 def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors():
-    """Batches of two sizes, in turns, into two equal indexes: ``graph=True`` gives the eager
-    call's slots, new slots and arrays every time; what a call returned is not overwritten by the
-    next replay; an index keeps the graphs of its last ``GRAPHS_KEPT`` batch sizes."""
+    """Batches of two sizes, in turns, into two equal indexes (keys drawn from 8,192 values: later
+    batches find some): ``graph=True`` gives the eager call's slots, new slots and arrays every
+    time; what a call returned is not overwritten by the next replay; an index keeps the graphs
+    of its last ``GRAPHS_KEPT`` batch sizes and warns when it meets more sizes than that."""
     from dynarec.embedding.hash_index import GRAPHS_KEPT
 
     eager, _, gen = _filled_index(1024, 16, 0.5, "cuda", seed=11)
     graphed, _, _ = _filled_index(1024, 16, 0.5, "cuda", seed=11)
     held = []
     for batch in (1000, 700, 1000, 700, 1000):
-        keys = torch.randint(-(2**40), 2**40, (batch,), generator=gen).cuda()  # repeats among batches
+        keys = torch.randint(-(2**12), 2**12, (batch,), generator=gen).cuda()  # found keys from batch 2 on
         want = eager.find_or_insert(keys)
         got = graphed.find_or_insert(keys, graph=True)
         for w, g in zip(want, got):
@@ -378,8 +379,10 @@ def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors
     for got, copy in held:
         assert all(torch.equal(g, c) for g, c in zip(got, copy))
     assert sorted(graphed._graphs) == [700, 1000]
-    for batch in range(1, GRAPHS_KEPT + 2):
+    for batch in range(1, GRAPHS_KEPT + 1):
         graphed.find_or_insert(torch.arange(1, batch + 1).cuda(), graph=True)
+    with pytest.warns(UserWarning, match="batch size"):
+        graphed.find_or_insert(torch.arange(1, GRAPHS_KEPT + 2).cuda(), graph=True)
     assert list(graphed._graphs) == list(range(2, GRAPHS_KEPT + 2))
 
 
