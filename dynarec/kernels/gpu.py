@@ -94,26 +94,29 @@ if HAVE_TRITON:
 
     @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
-        """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
-        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
-        at the lanes whose tag matches (a nonzero tag is an occupied slot)."""
+        """``(found, lane, tags)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the
+        next power of two), read only where ``need``: the bucket's ``BS`` tag bytes (``tags``,
+        ``[BLOCK, BSP]``, 0 where not read), then the keys only at the lanes whose tag matches (a
+        nonzero tag is an occupied slot)."""
         lanes = tl.arange(0, BSP)
         slots = bucket[:, None] * BS + lanes[None, :]
         need2 = need[:, None] & (lanes < BS)[None, :]
-        cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
+        tags = tl.load(tags_ptr + slots, mask=need2, other=0)
+        cand = (tags == tag[:, None]) & need2
         hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
-        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
+        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1), tags
 
     @triton.jit
     def _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, need, BS: tl.constexpr, BSP: tl.constexpr):
         """Each query's slot, -1 where absent (``h``: its ``mix64`` hash, ``b1``/``b2``: its
         buckets), read only where ``need``: its first bucket's tags (16 bytes, one sector), the
         second bucket's only for keys the first lacks, and a key only where a tag matches (1 lane
-        in 255 by chance: an absent key almost never reads one)."""
+        in 255 by chance: an absent key almost never reads one). Also the two buckets' tags as
+        read (``[BLOCK, BSP]``; both read for an absent key)."""
         tag = _tag(h)
-        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, need, BS, BSP)
-        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, need & (found1 == 0), BS, BSP)
-        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
+        found1, lane1, tags1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, need, BS, BSP)
+        found2, lane2, tags2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, need & (found1 == 0), BS, BSP)
+        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1)), tags1, tags2
 
     @triton.jit
     def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
@@ -220,14 +223,18 @@ if HAVE_TRITON:
         q = tl.load(query_ptr + i, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
-        if FIND:
-            found = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
+        lanes = tl.arange(0, BSP)
+        if FIND:  # the empty lanes from the tags the find read (both buckets' for an absent key)
+            found, tags1, tags2 = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
+            todo = valid & (found < 0)
+            ok = todo[:, None] & (lanes < BS)[None, :]
+            free1 = ok & (tags1 == 0)
+            free2 = ok & (tags2 == 0)
         else:
             found = tl.load(found_ptr + i, mask=valid, other=0)
-        todo = valid & (found < 0)
-        lanes = tl.arange(0, BSP)
-        free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
-        free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
+            todo = valid & (found < 0)
+            free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
+            free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
         f1 = tl.sum(free1.to(tl.int32), axis=1)
         f2 = tl.sum(free2.to(tl.int32), axis=1)
         second = f2 > f1
@@ -340,7 +347,7 @@ if HAVE_TRITON:
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
-        slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
+        slot, _, _ = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         tl.store(out_ptr + offs, slot, mask=valid)
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
             tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
@@ -721,9 +728,9 @@ def insert_free(
 
 class InsertFreeGraph:
     """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
-    captured once as a CUDA graph and replayed: one graph launch a call instead of three kernel
-    launches and the torch ops around them (tens of microseconds of host time each, against
-    about 0.3 ms of device time for 1M keys on an H200). It also picks out the new keys' slots
+    captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
+    launches and about ten torch ops (each 5–40 microseconds of host time on the H200 machines,
+    against about 0.3 ms of device time for 1M keys). It also picks out the new keys' slots
     in the graph (``nonzero_static``), so the caller needs no more kernels after its host read.
 
     The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
@@ -742,25 +749,20 @@ class InsertFreeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             slot, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
-            # The first claiming occurrence of each new key, in input order; the rest -1 (the
-            # caller keeps the first counts[0] - counts[1] after its host read)
-            first = torch.nonzero_static(status == 1, size=n, fill_value=-1).squeeze(1)
-            new = torch.where(first >= 0, slot[first.clamp(min=0)], -1)
+            # The slots of the new keys' first claiming occurrences, in input order, then
+            # padding (index -1: the last slot); the caller keeps the first counts[0] - counts[1]
+            new = slot[torch.nonzero_static(status == 1, size=n, fill_value=-1).squeeze(1)]
         self.outputs = (slot, status, counts, new)
         self._stream = torch.cuda.current_stream(device)
-
-    def holds(self, table_keys: torch.Tensor, tags: torch.Tensor) -> bool:
-        """Whether this graph was captured on these very tensors."""
-        return self.table[0] is table_keys and self.table[1] is tags
 
     def run(
         self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(slots, status, counts, new)`` as :func:`insert_free` returns them, and ``new``:
-        ``[n]`` int64, the slots of the new keys' first occurrences in input order, then -1s.
+        ``[n]`` int64, the slots of the new keys' first occurrences in input order, then padding.
         ``slots`` and ``new`` are fresh tensors; ``status`` and ``counts`` are the graph's own
-        buffers, valid until the next replay queued on this stream. ``stream``: the current one,
-        if the caller knows it already."""
+        buffers, valid until the next replay queued on this stream. ``stream``: the current
+        stream, where the caller has asked for it already (the work is queued on the current one)."""
         if query.numel() != self.n:
             raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
         stream = stream or torch.cuda.current_stream(self.query.device)
