@@ -42,6 +42,8 @@
 #            timeline of find_or_insert (benchmarks/profile_insert.py --timeline)
 #   round8e  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice
 #            in turn; dynamic-step at 4.2M ids; the profile and host timeline of find_or_insert
+#   round9b  the CUDA tests but the fused update's; tune_index.py and hash-find of .prev/ and of this
+#            revision in turn; the insert's kernels under Nsight Compute (benchmarks/ncu_insert.py)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
 #            as a replayed CUDA graph, the planned baseline, in turns); the host's costs
 #            (benchmarks/host_costs.py); the insert's kernels by block and warps (tune_index.py); the
@@ -274,6 +276,18 @@ round9)
         timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 \
             --path graphed --rows-shown 12 --timeline
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    ;;
+round9b)
+    cuda_tests index
+    for who in prev now prev now; do
+        echo "## $who"
+        if [ $who = prev ]; then path=/tmp/site:$PWD/.prev; else path=/tmp/site:$PWD; fi
+        PYTHONPATH=$path timeout 150 python3 benchmarks/tune_index.py | sed -n '/insert_free/,$p'
+        PYTHONPATH=$path timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26)) | grep "load 0.5"
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    timeout 200 ncu --clock-control none -k regex:'_contest_kernel|_rank_kernel|_write_claims_kernel' -s 3 -c 3 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        python3 benchmarks/ncu_insert.py 2>&1 | grep -v -e "^==PROF==" | tee "$out/ncu-insert-h200.txt" | tail -150
     ;;
 round6c)
     cuda_tests index

@@ -1,0 +1,32 @@
+"""The insert's three kernels (contest, rank, write) on 1M new uniform keys into 64M slots at load
+0.5, for Nsight Compute: the second call's kernels are the ones to read (the first compiles).
+
+    ncu --clock-control none -k regex:'_contest_kernel|_rank_kernel|_write_claims_kernel' -s 3 -c 3 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
+        --section WarpStateStats python3 benchmarks/ncu_insert.py
+"""
+
+import torch
+
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.kernels import gpu
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    slots = 1 << 26
+    index = BucketedHashIndex(slots // 16, 16, "cuda")
+    keys = torch.unique(torch.randint(-(2**62), 2**62, (slots // 2,), generator=gen)).cuda()
+    for chunk in keys.split(1 << 22):
+        index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+    new = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()
+    for _ in range(2):
+        out, status, _ = gpu.insert_free(index.keys, index.tags, index.num_buckets, 16, new)
+        placed = out[status == 1]
+        index.keys.index_fill_(0, placed, 0)
+        index.tags.index_fill_(0, placed, 0)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
