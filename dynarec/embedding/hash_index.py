@@ -375,8 +375,9 @@ class BucketedHashIndex:
 
         ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
         planner and the GPU kernels are tested against. ``claimed``: slots an earlier part of
-        the same insert filled (:meth:`insert_absent`'s first round): not free, and neither moved
-        nor evicted, as if this plan had given them away (then the C++ planner is not used).
+        the same insert filled (:meth:`insert_absent`'s first round; -1s and repeats allowed): not
+        free, and neither moved nor evicted, as if this plan had given them away (then the C++
+        planner is not used).
         """
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -438,9 +439,11 @@ class BucketedHashIndex:
         kernels: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inserts the keys of the occurrences ``keys[i]`` whose ``found[i]`` (:meth:`find`'s) is
-        -1, with score 0, into free slots (no eviction, no pin); returns ``(slots, new)``: the slot
-        of every occurrence (-1: no room) and the slots of the keys inserted (distinct; the
-        journal's undo keeps this tensor: read it, do not write to it).
+        -1, with score 0, into free slots (no eviction, no pin); returns ``(slots, inserted)``:
+        ``[n]`` int64, the slot of every occurrence (-1: no room), and ``[n]`` bool, whether this
+        call inserted the occurrence's key (every occurrence of a new key that got a slot; the
+        new keys' slots are ``slots[inserted]``, with repeats). Both follow from the keys and the
+        index alone: which of a key's occurrences wins the first round's race shows nowhere.
 
         The same as planning the distinct absent keys in ascending order (:meth:`plan_insert`,
         ``allow_evict=False``) and committing: identical slots. On a GPU the planner's first
@@ -463,7 +466,7 @@ class BucketedHashIndex:
         of three kernel launches and about ten torch ops. The index keeps the graphs of its last
         :data:`GRAPHS_KEPT` sizes (each holds buffers of about 41 bytes a key and one byte a
         bucket); a capture synchronizes the device, and a warning says when sizes outnumber the
-        graphs kept. ``new`` is also kept by the journal's undo: read it, do not write to it."""
+        graphs kept."""
         found = None if self._inserts_on_gpu(kernels) else self.find(keys)
         return self._insert_occurrences(keys, found, journal, kernels, graph)
 
@@ -507,38 +510,36 @@ class BucketedHashIndex:
             if found is None:
                 self._after_writes(stream)
             if found is None and graph and stream is not None and keys.numel():
-                slots, status, counts, first = self._graph(keys.numel()).run(keys, stream)
-                self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
-                claims, emptied, left = counts.tolist()  # the one host read
-                new = first[: claims - emptied]  # a fresh tensor
-                self._record_adds(journal, new, fresh=True)
+                slots, status, counts, placed = self._graph(keys.numel()).run(keys, stream)
             else:
                 slots, status, counts = gpu_kernels.insert_free(
                     self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
                 )
-                self._wrote(only_added=True, stream=stream)
-                claims, emptied, left = counts.tolist()  # the one host read
-                new = slots[torch.nonzero_static(status == 1, size=claims - emptied).squeeze(1)]
-                self._record_adds(journal, new, fresh=True)
-            self._size += new.numel()
+                placed = torch.where(status > 0, slots, -1)
+            inserted = placed >= 0
+            self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
+            claims, emptied, left = counts.tolist()  # the one host read
+            self._record_adds(journal, placed, some_none=True, fresh=True)
+            self._size += claims - emptied
             if not left:
-                return slots, new
-            absent = torch.nonzero(status == 3).squeeze(1)
+                return slots, inserted
+            absent = torch.nonzero(status < 0).squeeze(1)
         else:
             assert found is not None, "the find-in-kernel insert needs the GPU kernels"
-            slots, new = found.clone(), torch.empty(0, dtype=torch.int64, device=self.device)
+            slots, inserted = found.clone(), torch.zeros_like(found, dtype=torch.bool)
             absent = torch.nonzero(found < 0).squeeze(1)
         fresh, inverse = torch.unique(keys[absent], return_inverse=True)
         if not fresh.numel():
-            return slots, new
+            return slots, inserted
         plan = self.plan_insert(
-            fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=new if fast else None
+            fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=placed if fast else None
         )
         self.commit(plan, torch.zeros_like(fresh), journal)
         slots[absent] = plan.slots[inverse]
+        inserted[absent] = slots[absent] >= 0
         if not plan.only_adds:  # residents moved to their other bucket (nothing is evicted)
             slots = self.find(keys)
-        return slots, torch.cat([new, plan.slots[plan.slots >= 0]])
+        return slots, inserted
 
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor

@@ -94,29 +94,26 @@ if HAVE_TRITON:
 
     @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, tag, need, BS: tl.constexpr, BSP: tl.constexpr):
-        """``(found, lane, tags)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the
-        next power of two), read only where ``need``: the bucket's ``BS`` tag bytes (``tags``,
-        ``[BLOCK, BSP]``, 0 where not read), then the keys only at the lanes whose tag matches (a
-        nonzero tag is an occupied slot)."""
+        """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
+        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
+        at the lanes whose tag matches (a nonzero tag is an occupied slot)."""
         lanes = tl.arange(0, BSP)
         slots = bucket[:, None] * BS + lanes[None, :]
         need2 = need[:, None] & (lanes < BS)[None, :]
-        tags = tl.load(tags_ptr + slots, mask=need2, other=0)
-        cand = (tags == tag[:, None]) & need2
+        cand = (tl.load(tags_ptr + slots, mask=need2, other=0) == tag[:, None]) & need2
         hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
-        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1), tags
+        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
 
     @triton.jit
     def _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, need, BS: tl.constexpr, BSP: tl.constexpr):
         """Each query's slot, -1 where absent (``h``: its ``mix64`` hash, ``b1``/``b2``: its
         buckets), read only where ``need``: its first bucket's tags (16 bytes, one sector), the
         second bucket's only for keys the first lacks, and a key only where a tag matches (1 lane
-        in 255 by chance: an absent key almost never reads one). Also the two buckets' tags as
-        read (``[BLOCK, BSP]``; both read for an absent key)."""
+        in 255 by chance: an absent key almost never reads one)."""
         tag = _tag(h)
-        found1, lane1, tags1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, need, BS, BSP)
-        found2, lane2, tags2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, need & (found1 == 0), BS, BSP)
-        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1)), tags1, tags2
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, tag, need, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, tag, need & (found1 == 0), BS, BSP)
+        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, -1))
 
     @triton.jit
     def _empty_lanes(tags_ptr, bucket, valid, BS: tl.constexpr, BSP: tl.constexpr):
@@ -223,18 +220,14 @@ if HAVE_TRITON:
         q = tl.load(query_ptr + i, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
-        lanes = tl.arange(0, BSP)
-        if FIND:  # the empty lanes from the tags the find read (both buckets' for an absent key)
-            found, tags1, tags2 = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
-            todo = valid & (found < 0)
-            ok = todo[:, None] & (lanes < BS)[None, :]
-            free1 = ok & (tags1 == 0)
-            free2 = ok & (tags2 == 0)
+        if FIND:
+            found = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         else:
             found = tl.load(found_ptr + i, mask=valid, other=0)
-            todo = valid & (found < 0)
-            free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
-            free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
+        todo = valid & (found < 0)
+        lanes = tl.arange(0, BSP)
+        free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
+        free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
         f1 = tl.sum(free1.to(tl.int32), axis=1)
         f2 = tl.sum(free2.to(tl.int32), axis=1)
         second = f2 > f1
@@ -244,7 +237,7 @@ if HAVE_TRITON:
         tl.store(overflow_ptr + c, 1, mask=room & (q == 0))
         active = room & (q != 0)
         slot = tl.full([BLOCK], -1, tl.int64)
-        status = tl.where(todo, 3, 0).to(tl.int8)  # 3: left to the planner, unless claimed below
+        status = tl.where(todo, -1, 0).to(tl.int8)  # -1: left to the planner, unless claimed below
         while tl.max(active.to(tl.int32), axis=0) > 0:
             has = tl.max(free.to(tl.int32), axis=1) > 0
             lane = tl.argmax(free.to(tl.int32), axis=1)
@@ -265,7 +258,7 @@ if HAVE_TRITON:
         tl.store(status_ptr + i, status, mask=valid)
         tl.store(out_ptr + i, found, mask=valid)
         tl.atomic_add(counts_ptr, tl.sum((status == 1).to(tl.int32), axis=0))
-        tl.store(counts_ptr + 2, 1, mask=tl.max((status == 3).to(tl.int32), axis=0) > 0)
+        tl.store(counts_ptr + 2, 1, mask=tl.max((status < 0).to(tl.int32), axis=0) > 0)
 
     @triton.jit
     def _rank_kernel(
@@ -280,7 +273,7 @@ if HAVE_TRITON:
         # occurrences read that bucket, and one that sees the tag written knows the key was
         # alone. The others read the bucket's keys, and their first occurrence is marked 4 for
         # the write kernel, which moves keys (none moves here). An overflowed bucket's
-        # occurrences get -1: the first marked 6 (its lane to empty), the others 3 (left).
+        # occurrences get slot -1: the first marked 6 (its lane to empty), the others -1 (left).
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -307,7 +300,7 @@ if HAVE_TRITON:
         rank = tl.sum((empty & (k != 0) & (k < q[:, None])).to(tl.int32), axis=1)
         lane = tl.argmax((empty & (nth == rank[:, None])).to(tl.int32), axis=1)
         tl.store(out_ptr + i, tl.where(alone, claim, tl.where(shared, c * BS + lane, -1)), mask=claimed)
-        marked = tl.where(over, tl.where(won, 6, 3), 4).to(tl.int8)
+        marked = tl.where(over, tl.where(won, 6, -1), 4).to(tl.int8)
         tl.store(status_ptr + i, marked, mask=over | (shared & won))
         tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
 
@@ -318,7 +311,7 @@ if HAVE_TRITON:
         # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
         # lane, and the key too where that is not the lane it claimed (every claimed lane is some
         # key's final lane: each is written once); per new key of an overflowed bucket (6): its
-        # claimed lane emptied again (counted). Then the final status: 1 and 3.
+        # claimed lane emptied again (counted). Then the final status: 1 and -1.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -331,7 +324,7 @@ if HAVE_TRITON:
         tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=moves)
         tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=empties)
         tl.atomic_add(counts_ptr + 1, tl.sum(empties.to(tl.int32), axis=0))
-        tl.store(status_ptr + i, tl.where(moves, 1, 3).to(tl.int8), mask=moves | empties)
+        tl.store(status_ptr + i, tl.where(moves, 1, -1).to(tl.int8), mask=moves | empties)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
@@ -347,7 +340,7 @@ if HAVE_TRITON:
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = _mix64(q.to(tl.uint64))
         b1, b2 = _buckets(h, num_buckets)
-        slot, _, _ = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
+        slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         tl.store(out_ptr + offs, slot, mask=valid)
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
             tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
@@ -698,10 +691,10 @@ def insert_free(
 
     Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts)``:
     ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status (0: found
-    before, 1: a new key's first claiming occurrence, 2: another occurrence of a new key, 3:
-    left), and ``[3]`` int32 ``(claims, claims emptied again, any left)``: the new keys are
-    ``counts[0] - counts[1]``. Scores are not written (a new key's score is 0, as a free
-    slot's). ``bucket_size`` <= 64."""
+    before, 1: a new key's first claiming occurrence, 2: another occurrence of a new key, -1:
+    left; so ``status > 0``: inserted here), and ``[3]`` int32 ``(claims, claims emptied
+    again, any left)``: the new keys are ``counts[0] - counts[1]``. Scores are not written (a
+    new key's score is 0, as a free slot's). ``bucket_size`` <= 64."""
     device = tags.device
     n = query.numel()
     query = query.contiguous()
@@ -730,8 +723,8 @@ class InsertFreeGraph:
     """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
     captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
     launches and about ten torch ops (each 5–40 microseconds of host time on the H200 machines,
-    against about 0.3 ms of device time for 1M keys). It also picks out the new keys' slots
-    in the graph (``nonzero_static``), so the caller needs no more kernels after its host read.
+    against about 0.3 ms of device time for 1M keys). It also gives the slots of the
+    occurrences it inserted, so the caller needs no more kernels after its host read.
 
     The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
     while the index keeps them) and its own input and output buffers; :meth:`run` copies the
@@ -749,18 +742,16 @@ class InsertFreeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             slot, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
-            # The slots of the new keys' first claiming occurrences, in input order, then
-            # padding (index -1: the last slot); the caller keeps the first counts[0] - counts[1]
-            new = slot[torch.nonzero_static(status == 1, size=n, fill_value=-1).squeeze(1)]
-        self.outputs = (slot, status, counts, new)
+            placed = torch.where(status > 0, slot, -1)
+        self.outputs = (slot, status, counts, placed)
         self._stream = torch.cuda.current_stream(device)
 
     def run(
         self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(slots, status, counts, new)`` as :func:`insert_free` returns them, and ``new``:
-        ``[n]`` int64, the slots of the new keys' first occurrences in input order, then padding.
-        ``slots`` and ``new`` are fresh tensors; ``status`` and ``counts`` are the graph's own
+        """``(slots, status, counts, placed)`` as :func:`insert_free` returns them, and ``placed``:
+        ``[n]`` int64, the slot of each occurrence inserted here, -1 elsewhere. ``slots`` and
+        ``placed`` are fresh tensors; ``status`` and ``counts`` are the graph's own
         buffers, valid until the next replay queued on this stream. ``stream``: the current
         stream, where the caller has asked for it already (the work is queued on the current one)."""
         if query.numel() != self.n:
@@ -771,8 +762,8 @@ class InsertFreeGraph:
             self._stream = stream
         self.query.copy_(query)
         self.graph.replay()
-        slot, status, counts, new = self.outputs
-        return slot.clone(), status, counts, new.clone()
+        slot, status, counts, placed = self.outputs
+        return slot.clone(), status, counts, placed.clone()
 
 
 def pooled_forward(

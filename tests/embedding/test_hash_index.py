@@ -358,7 +358,7 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
 @needs_cuda
 def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors():
     """Batches of two sizes, in turns, into two equal indexes (keys drawn from 8,192 values: later
-    batches find some): ``graph=True`` gives the eager call's slots, new slots and arrays every
+    batches find some): ``graph=True`` gives the eager call's slots, inserted marks and arrays every
     time; what a call returned is not overwritten by the next replay; an index keeps the graphs
     of its last ``GRAPHS_KEPT`` batch sizes and warns when it meets more sizes than that."""
     from dynarec.embedding.hash_index import GRAPHS_KEPT
@@ -411,7 +411,8 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
     buckets that overflow (more new keys than free lanes: left to the planner, with the first
     round's slots claimed, and then residents move), and its journal undoes it exactly; so does
     ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA graph replayed (its
-    capture made by an earlier call of another batch, undone). On a GPU the first round runs on
+    capture made by an earlier call of another batch, undone); ``inserted`` marks exactly the
+    occurrences of keys absent before that got a slot. On a GPU the first round runs on
     the occurrences (no unique); the reference is plain torch."""
     from dynarec.embedding.step import Journal
 
@@ -426,19 +427,19 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
         journal = Journal()
         found = index.find(keys)
         if call == "insert_absent":
-            slots, placed = index.insert_absent(keys, found, journal, kernels=kernels)
+            slots, inserted = index.insert_absent(keys, found, journal, kernels=kernels)
         elif call == "find_or_insert_graphed":
             other = torch.randint(-(2**62), 2**62, keys.shape, generator=torch.Generator().manual_seed(7))
             undone = Journal()
             index.find_or_insert(other.to(device), undone, kernels=kernels, graph=True)
             undone.undo()
-            slots, placed = index.find_or_insert(keys, journal, kernels=kernels, graph=True)
+            slots, inserted = index.find_or_insert(keys, journal, kernels=kernels, graph=True)
         else:
-            slots, placed = index.find_or_insert(keys, journal, kernels=kernels)
+            slots, inserted = index.find_or_insert(keys, journal, kernels=kernels)
         check_invariants(index)
-        assert torch.equal(slots, index.find(keys)) and index.size == size + placed.numel()
-        assert torch.equal(torch.sort(placed).values, torch.unique(slots[(found < 0) & (slots >= 0)]))
-        runs.append((slots, torch.sort(placed).values, index.keys.clone(), index.tags.clone(), index.scores.clone()))
+        assert torch.equal(slots, index.find(keys)) and torch.equal(inserted, (found < 0) & (slots >= 0))
+        assert index.size == size + torch.unique(slots[inserted]).numel()
+        runs.append((slots, inserted, index.keys.clone(), index.tags.clone(), index.scores.clone()))
         journal.undo()
         assert index.size == size
         for name, t in before.items():
