@@ -44,6 +44,8 @@
 #            in turn; dynamic-step at 4.2M ids; the profile and host timeline of find_or_insert
 #   round9b  the CUDA tests but the fused update's; tune_index.py and hash-find of .prev/ and of this
 #            revision in turn; the insert's kernels under Nsight Compute (benchmarks/ncu_insert.py)
+#   round9c  the CUDA tests but the fused update's; hash-find three times; the host's costs; dynamic-step
+#            at 4.2M ids
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
 #            as a replayed CUDA graph, the planned baseline, in turns); the host's costs
 #            (benchmarks/host_costs.py); the insert's kernels by block and warps (tune_index.py); the
@@ -288,6 +290,14 @@ round9b)
     timeout 200 ncu --clock-control none -k regex:'_contest_kernel|_rank_kernel|_write_claims_kernel' -s 3 -c 3 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         python3 benchmarks/ncu_insert.py 2>&1 | grep -v -e "^==PROF==" | tee "$out/ncu-insert-h200.txt" | tail -150
+    ;;
+round9c)
+    cuda_tests index
+    {
+        for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done
+        timeout 100 python3 benchmarks/host_costs.py
+    } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    dynamic_4m now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round6c)
     cuda_tests index
