@@ -46,6 +46,8 @@
 #            revision in turn; the insert's kernels under Nsight Compute (benchmarks/ncu_insert.py)
 #   round9c  the CUDA tests but the fused update's; hash-find three times; the host's costs; dynamic-step
 #            at 4.2M ids
+#   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
+#            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
 #            as a replayed CUDA graph, the planned baseline, in turns); the host's costs
 #            (benchmarks/host_costs.py); the insert's kernels by block and warps (tune_index.py); the
@@ -298,6 +300,12 @@ round9c)
         timeout 100 python3 benchmarks/host_costs.py
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     dynamic_4m now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round9d)
+    cuda_tests index
+    for run in 1 2 3; do
+        timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26))
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     ;;
 round6c)
     cuda_tests index

@@ -209,6 +209,7 @@ def bench_hash_find(args) -> dict:
     undone through the step journal after its clock stops."""
     sync = synchronizer(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    device_gen = torch.Generator(device=args.device).manual_seed(1)
     results: dict[str, Any] = {}
     lines = []
     for load in (0.5, 0.9):
@@ -234,7 +235,9 @@ def bench_hash_find(args) -> dict:
         rates: dict[str, list[float]] = {path: [] for path in paths}
         for run in range(len(paths) * (args.runs + 1)):  # the first of each (not timed) loads the kernels
             path = paths[run % len(paths)]
-            new = torch.randint(-(2**62), 2**62, (batch,), generator=gen).to(args.device)
+            # drawn on the device: a draw on the host (8 MB) would leave the GPU idle ~10 ms
+            # before each timed call, and its clocks low when the call starts
+            new = torch.randint(-(2**62), 2**62, (batch,), generator=device_gen, device=args.device)
             journal = Journal()
             sync()
             start = time.perf_counter()

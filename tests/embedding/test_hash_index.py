@@ -378,12 +378,12 @@ def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors
     check_invariants(graphed)
     for got, copy in held:
         assert all(torch.equal(g, c) for g, c in zip(got, copy))
-    assert sorted(graphed._graphs) == [700, 1000]
-    for batch in range(1, GRAPHS_KEPT + 1):
+    assert list(graphed._graphs) == [700, 1000]  # the most recently used last
+    for batch in range(1, GRAPHS_KEPT - 1):
         graphed.find_or_insert(torch.arange(1, batch + 1).cuda(), graph=True)
     with pytest.warns(UserWarning, match="batch size"):
-        graphed.find_or_insert(torch.arange(1, GRAPHS_KEPT + 2).cuda(), graph=True)
-    assert list(graphed._graphs) == list(range(2, GRAPHS_KEPT + 2))
+        graphed.find_or_insert(torch.arange(1, GRAPHS_KEPT).cuda(), graph=True)
+    assert list(graphed._graphs) == [1000, *range(1, GRAPHS_KEPT)]
 
 
 def _filled_index(num_buckets, bucket_size, load, device, seed):
