@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.bench.common import filled_hash_index
 from dynarec.embedding.step import Journal
 from dynarec.kernels import gpu
 
@@ -34,10 +34,7 @@ def host_us(fn: Callable[[], object], calls: int = 300) -> float:
 def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    index = BucketedHashIndex((1 << 26) // 16, 16, dev)
-    keys = torch.unique(torch.randint(-(2**62), 2**62, (1 << 25,), generator=gen)).to(dev)
-    for chunk in keys.split(1 << 22):
-        index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+    index, keys = filled_hash_index(1 << 26, 0.5, dev, gen)
     few = keys[:1024].clone()
     small = torch.zeros(16, device=dev)
     counts = torch.zeros(3, dtype=torch.int32, device=dev)

@@ -8,17 +8,14 @@
 
 import torch
 
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.bench.common import filled_hash_index
 from dynarec.kernels import gpu
 
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     slots = 1 << 26
-    index = BucketedHashIndex(slots // 16, 16, "cuda")
-    keys = torch.unique(torch.randint(-(2**62), 2**62, (slots // 2,), generator=gen)).cuda()
-    for chunk in keys.split(1 << 22):
-        index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+    index, _ = filled_hash_index(slots, 0.5, "cuda", gen)
     new = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()
     for _ in range(2):
         out, status, _ = gpu.insert_free(index.keys, index.tags, index.num_buckets, 16, new)

@@ -14,8 +14,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from dynarec.bench.common import synchronizer
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.bench.common import filled_hash_index, synchronizer
 from dynarec.embedding.step import Journal
 
 
@@ -32,10 +31,7 @@ def main() -> None:
     a = p.parse_args()
     sync = synchronizer(a.device)
     gen = torch.Generator().manual_seed(0)
-    index = BucketedHashIndex(a.slots // 16, 16, a.device)
-    keys = torch.unique(torch.randint(-(2**62), 2**62, (int(a.slots * a.load),), generator=gen)).to(a.device)
-    for chunk in keys.split(1 << 22):
-        index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+    index, _ = filled_hash_index(a.slots, a.load, a.device, gen)
     names = {"planned": ("find + unique", "plan", "commit"), "absent": ("find", "insert_absent")}.get(
         a.path, ("find_or_insert",)
     )

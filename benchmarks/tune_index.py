@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dynarec.bench.common import filled_hash_index, insert_keys
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.kernels import gpu
 
@@ -41,10 +42,7 @@ def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     slots = 1 << 26
-    index = BucketedHashIndex(slots // 16, 16, "cuda")
-    keys = torch.unique(torch.randint(-(2**62), 2**62, (slots // 2,), generator=gen)).cuda()
-    for chunk in keys.split(1 << 22):
-        index.commit(index.plan_insert(chunk, allow_evict=False, keys_ascending=True), torch.zeros_like(chunk))
+    index, keys = filled_hash_index(slots, 0.5, "cuda", gen)
     rank = np.random.default_rng(0).zipf(1.05, 1 << 22) % keys.numel()
     zipf = keys[torch.from_numpy(rank).cuda()]
     uniform = torch.cat([keys[: 1 << 20], torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()])
@@ -54,8 +52,7 @@ def main() -> None:
     arrays = (index.keys, index.scores, index.tags)  # placing into the same slots again each time
     step = BucketedHashIndex(12_500_000 // 16, 16, "cuda")  # dynamic-step's table at 4.2M ids
     step_keys = keys[:7_622_624]
-    for chunk in step_keys.split(1 << 22):
-        step.commit(step.plan_insert(chunk, allow_evict=False, keys_ascending=True), torch.zeros_like(chunk))
+    insert_keys(step, step_keys)
     step_zipf = step_keys[torch.from_numpy(rank % step_keys.numel()).cuda()]
     print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
     for block, warps in CONFIGS:

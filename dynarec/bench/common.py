@@ -14,9 +14,20 @@ import torch
 
 from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.config import Backend, ScoreStrategy
+from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import mix64
 
-__all__ = ["Workload", "copy_bandwidth", "make_table", "measure", "ratio", "roofline_bytes_per_id", "synchronizer"]
+__all__ = [
+    "Workload",
+    "copy_bandwidth",
+    "filled_hash_index",
+    "insert_keys",
+    "make_table",
+    "measure",
+    "ratio",
+    "roofline_bytes_per_id",
+    "synchronizer",
+]
 
 HBM_ROOFLINE_GBPS = 4300.0  # H200 HBM3e as measured by a device-to-device copy here (docs/benchmarks.md)
 
@@ -64,6 +75,24 @@ class Workload:
 
 def synchronizer(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def insert_keys(index: BucketedHashIndex, keys: torch.Tensor) -> None:
+    """Inserts ``keys`` (distinct, ascending, absent) into free slots, 4M at a time, score 0."""
+    for chunk in keys.split(1 << 22):
+        index.commit(index.plan_insert(chunk, allow_evict=False, keys_ascending=True), torch.zeros_like(chunk))
+
+
+def filled_hash_index(
+    slots: int, load: float, device: str | torch.device, generator: torch.Generator
+) -> tuple[BucketedHashIndex, torch.Tensor]:
+    """The hash benchmarks' table: ``slots`` slots in 16-slot buckets holding the distinct keys of
+    ``slots * load`` uniform int64 draws (on the host, from ``generator``). Returns the index and
+    its keys, ascending."""
+    index = BucketedHashIndex(slots // 16, 16, device)
+    keys = torch.unique(torch.randint(-(2**62), 2**62, (int(slots * load),), generator=generator)).to(device)
+    insert_keys(index, keys)
+    return index, keys
 
 
 def make_table(kind: str, backend: Backend, w: Workload, score_strategy: ScoreStrategy = "step") -> TableConfig:

@@ -13,6 +13,7 @@ from dynarec.bench.common import (
     HBM_ROOFLINE_GBPS,
     Workload,
     copy_bandwidth,
+    filled_hash_index,
     make_table,
     measure,
     ratio,
@@ -22,7 +23,6 @@ from dynarec.bench.common import (
 from dynarec.embedding import EmbeddingCollection
 from dynarec.embedding.config import Backend, ScoreStrategy
 from dynarec.embedding.fbgemm_store import fbgemm_available
-from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.step import Journal
 from dynarec.optim import SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
 
@@ -213,10 +213,7 @@ def bench_hash_find(args) -> dict:
     results: dict[str, Any] = {}
     lines = []
     for load in (0.5, 0.9):
-        index = BucketedHashIndex(args.slots // 16, 16, args.device)
-        keys = torch.unique(torch.randint(-(2**62), 2**62, (int(args.slots * load),), generator=gen)).to(args.device)
-        for chunk in keys.split(1 << 22):
-            index.commit(index.plan_insert(chunk, allow_evict=False), torch.zeros_like(chunk))
+        index, keys = filled_hash_index(args.slots, load, args.device, gen)
         present = keys[torch.randint(0, keys.numel(), (1 << 20,), generator=gen).to(args.device)]
         query = torch.cat([present, torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).to(args.device)])
         index.find(query)
