@@ -464,7 +464,7 @@ class BucketedHashIndex:
         captured for this batch size (:class:`~dynarec.kernels.gpu.InsertFreeGraph`) and replayed
         by later calls of the same size, for callers with fixed batch sizes: one launch in place
         of three kernel launches and about ten torch ops. The index keeps the graphs of its last
-        :data:`GRAPHS_KEPT` sizes (each holds buffers of about 41 bytes a key and one byte a
+        :data:`GRAPHS_KEPT` sizes (each holds buffers of about 34 bytes a key and one byte a
         bucket); a capture synchronizes the device, and a warning says when sizes outnumber the
         graphs kept."""
         found = None if self._inserts_on_gpu(kernels) else self.find(keys)
@@ -531,9 +531,8 @@ class BucketedHashIndex:
         fresh, inverse = torch.unique(keys[absent], return_inverse=True)
         if not fresh.numel():
             return slots, inserted
-        plan = self.plan_insert(
-            fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=placed if fast else None
-        )
+        claimed = placed[placed >= 0] if fast else None  # the first round's slots (this path reads the host anyway)
+        plan = self.plan_insert(fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=claimed)
         self.commit(plan, torch.zeros_like(fresh), journal)
         slots[absent] = plan.slots[inverse]
         inserted[absent] = slots[absent] >= 0

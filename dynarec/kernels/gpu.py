@@ -691,10 +691,10 @@ def insert_free(
 
     Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts)``:
     ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status (0: found
-    before, 1: a new key's first claiming occurrence, 2: another occurrence of a new key, -1:
-    left; so ``status > 0``: inserted here), and ``[3]`` int32 ``(claims, claims emptied
-    again, any left)``: the new keys are ``counts[0] - counts[1]``. Scores are not written (a
-    new key's score is 0, as a free slot's). ``bucket_size`` <= 64."""
+    before, 1: the occurrence of a new key whose swap won (which one is a race), 2: its other
+    occurrences, -1: left; so ``status > 0``: inserted here), and ``[3]`` int32 ``(claims,
+    claims emptied again, any left)``: the new keys are ``counts[0] - counts[1]``. Scores are
+    not written (a new key's score is 0, as a free slot's). ``bucket_size`` <= 64."""
     device = tags.device
     n = query.numel()
     query = query.contiguous()

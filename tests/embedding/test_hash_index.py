@@ -402,14 +402,16 @@ def _filled_index(num_buckets, bucket_size, load, device, seed):
     [(4096, 16, 0.5, 3000), (64, 16, 0.9, 400), (64, 2, 0.5, 80), (16, 4, 0.8, 60), (8, 64, 0.5, 300), (3, 5, 0.4, 9)],
 )
 @pytest.mark.parametrize("call", ["insert_absent", "find_or_insert", "find_or_insert_graphed"])
+@pytest.mark.parametrize("with_key_0", [True, False], ids=["key0", "nokey0"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
-    num_buckets, bucket_size, load, batch, call, device
+    num_buckets, bucket_size, load, batch, call, with_key_0, device
 ):
-    """``insert_absent`` on occurrences (present keys, absent keys repeated, key 0) gives the slots
-    and the arrays of planning the distinct absent keys in ascending order and committing, with
-    buckets that overflow (more new keys than free lanes: left to the planner, with the first
-    round's slots claimed, and then residents move), and its journal undoes it exactly; so does
+    """``insert_absent`` on occurrences (present keys, absent keys repeated, with or without key
+    0) gives the slots and the arrays of planning the distinct absent keys in ascending order and
+    committing, with buckets that overflow (more new keys than free lanes: left to the planner,
+    with the first round's slots claimed, and then residents may move), and its journal undoes
+    it exactly; so does
     ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA graph replayed (its
     capture made by an earlier call of another batch, undone); ``inserted`` marks exactly the
     occurrences of keys absent before that got a slot. On a GPU the first round runs on
@@ -420,7 +422,8 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
     for kernels in (True, False):
         index, resident, gen = _filled_index(num_buckets, bucket_size, load, device, seed=num_buckets + batch)
         new = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
-        keys = torch.cat([new, new[: batch // 3], torch.tensor([0, 0]), resident[1::5].cpu()])
+        zeros = torch.zeros(2 if with_key_0 else 0, dtype=torch.int64)  # key 0: its bucket goes to the planner
+        keys = torch.cat([new, new[: batch // 3], zeros, resident[1::5].cpu()])
         keys = keys[torch.randperm(keys.numel(), generator=gen)].to(device)
         before = {name: getattr(index, name).clone() for name in ("keys", "scores", "tags", "pins")}
         size = index.size
