@@ -1,5 +1,6 @@
 """The insert's three kernels (contest, rank, write) on 1M new uniform keys into 64M slots at load
-0.5, for Nsight Compute: the second call's kernels are the ones to read (the first compiles).
+0.5 (``find_or_insert``, undone through its journal), for Nsight Compute: the second call's
+kernels are the ones to read (the first compiles).
 
     ncu --clock-control none -k regex:'_contest_kernel|_rank_kernel|_write_claims_kernel' -s 3 -c 3 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
@@ -9,7 +10,7 @@
 import torch
 
 from dynarec.bench.common import filled_hash_index
-from dynarec.kernels import gpu
+from dynarec.embedding.step import Journal
 
 
 def main() -> None:
@@ -18,10 +19,9 @@ def main() -> None:
     index, _ = filled_hash_index(slots, 0.5, "cuda", gen)
     new = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).cuda()
     for _ in range(2):
-        out, status, _ = gpu.insert_free(index.keys, index.tags, index.num_buckets, 16, new)
-        placed = out[status == 1]
-        index.keys.index_fill_(0, placed, 0)
-        index.tags.index_fill_(0, placed, 0)
+        journal = Journal()
+        index.find_or_insert(new, journal)
+        journal.undo()
     torch.cuda.synchronize()
 
 

@@ -512,10 +512,9 @@ class BucketedHashIndex:
             if found is None and graph and stream is not None and keys.numel():
                 slots, status, counts, placed = self._graph(keys.numel()).run(keys, stream)
             else:
-                slots, status, counts = gpu_kernels.insert_free(
+                slots, status, counts, placed = gpu_kernels.insert_first_round(
                     self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
                 )
-                placed = torch.where(status > 0, slots, -1)
             inserted = placed >= 0
             self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
             claims, emptied, left = counts.tolist()  # the one host read

@@ -43,6 +43,7 @@ __all__ = [
     "bag_update",
     "claim_free_slots",
     "find_two_choice",
+    "insert_first_round",
     "insert_free",
     "place_keys",
     "pooled_forward",
@@ -719,8 +720,23 @@ def insert_free(
     return out, status, counts
 
 
+def insert_first_round(
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    query: torch.Tensor,
+    found: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`insert_free`'s ``(slots, status, counts)`` and ``placed``: ``[n]`` int64, the slot
+    of each occurrence inserted here (``status > 0``), -1 elsewhere. What
+    ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured (:class:`InsertFreeGraph`)."""
+    slots, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, query, found)
+    return slots, status, counts, torch.where(status > 0, slots, -1)
+
+
 class InsertFreeGraph:
-    """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
+    """:func:`insert_first_round` (the first kernel finds) of batches of ``n`` keys into one table,
     captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
     launches and about ten torch ops (each 5–40 microseconds of host time on the H200 machines,
     against about 0.3 ms of device time for 1M keys). It also gives the slots of the
@@ -738,20 +754,17 @@ class InsertFreeGraph:
         self.query = torch.zeros(n, dtype=torch.int64, device=device)
         # Compiles and loads the kernels outside the capture. Key 0 is never claimed (it is
         # found, or left to the planner): this run writes only its own buffers.
-        insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
+        insert_first_round(table_keys, tags, num_buckets, bucket_size, self.query)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            slot, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
-            placed = torch.where(status > 0, slot, -1)
-        self.outputs = (slot, status, counts, placed)
+            self.outputs = insert_first_round(table_keys, tags, num_buckets, bucket_size, self.query)
         self._stream = torch.cuda.current_stream(device)
 
     def run(
         self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(slots, status, counts, placed)`` as :func:`insert_free` returns them, and ``placed``:
-        ``[n]`` int64, the slot of each occurrence inserted here, -1 elsewhere. ``slots`` and
-        ``placed`` are fresh tensors; ``status`` and ``counts`` are the graph's own
+        """``(slots, status, counts, placed)`` as :func:`insert_first_round` returns them. ``slots``
+        and ``placed`` are fresh tensors; ``status`` and ``counts`` are the graph's own
         buffers, valid until the next replay queued on this stream. ``stream``: the current
         stream, where the caller has asked for it already (the work is queued on the current one)."""
         if query.numel() != self.n:

@@ -411,11 +411,10 @@ def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
     0) gives the slots and the arrays of planning the distinct absent keys in ascending order and
     committing, with buckets that overflow (more new keys than free lanes: left to the planner,
     with the first round's slots claimed, and then residents may move), and its journal undoes
-    it exactly; so does
-    ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA graph replayed (its
-    capture made by an earlier call of another batch, undone); ``inserted`` marks exactly the
-    occurrences of keys absent before that got a slot. On a GPU the first round runs on
-    the occurrences (no unique); the reference is plain torch."""
+    it exactly; so does ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA
+    graph replayed (its capture made by an earlier call of another batch, undone). ``inserted``
+    marks exactly the occurrences of keys absent before that got a slot. On a GPU the first
+    round runs on the occurrences (no unique); the reference is plain torch."""
     from dynarec.embedding.step import Journal
 
     runs = []
