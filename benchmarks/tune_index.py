@@ -6,9 +6,17 @@ journal's read-back). Then the insert's three kernels (``insert_free``, the firs
 on 1M new uniform keys into the 64M slots, by occurrences a program and warps (each run undone).
 Usage, on a CUDA machine with Triton:
 
-    python benchmarks/tune_index.py
+    python benchmarks/tune_index.py [--insert-only] [--reps N]
+
+Event timings of the insert vary run to run (the same configuration 229-365 us on an H200); for
+stable per-kernel durations run its insert section under Nsight Compute, which locks the clocks
+(a kernel's grid and block in ncu's report give its configuration):
+
+    ncu -k regex:'_contest_kernel|_rank_kernel|_write_claims_kernel' --section SpeedOfLight \\
+        --section Occupancy --section LaunchStats python benchmarks/tune_index.py --insert-only --reps 1
 """
 
+import argparse
 import functools
 import statistics
 from collections.abc import Callable
@@ -23,7 +31,9 @@ from dynarec.kernels import gpu
 # The fastest three of (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8) in
 # two runs (benchmarks/results/issue12-round5-h200.txt, issue12-round8-h200.txt)
 CONFIGS = [(64, 2), (128, 4), (256, 8)]
-INSERT_CONFIGS = [(32, 1), (64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)]
+INSERT_CONFIGS = [
+    (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)
+]  # fmt: skip
 
 
 def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
@@ -40,6 +50,10 @@ def device_ms(fn: Callable[[], object], reps: int = 9) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--insert-only", action="store_true", help="only the insert's kernels")
+    parser.add_argument("--reps", type=int, default=9, help="timed runs of each insert configuration")
+    args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     slots = 1 << 26
     index, keys = filled_hash_index(slots, 0.5, "cuda", gen)
@@ -55,7 +69,7 @@ def main() -> None:
     insert_keys(step, step_keys)
     step_zipf = step_keys[torch.from_numpy(rank % step_keys.numel()).cuda()]
     print(f"== {index.size:,} keys in {index.capacity:,} slots; {new.numel():,} keys placed")
-    for block, warps in CONFIGS:
+    for block, warps in [] if args.insert_only else CONFIGS:
         find = functools.partial(gpu.find_two_choice, block=block, num_warps=warps)
         place = functools.partial(gpu.place_keys, *arrays, plan.slots, new, torch.zeros_like(new))
         f = [
@@ -73,14 +87,14 @@ def main() -> None:
     print(f"== insert_free of {new.numel():,} new keys (contest, rank, write kernels)")
     for block, warps in INSERT_CONFIGS:
         times = []
-        for i in range(11):
+        for i in range(args.reps + 2):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            slots, status, _ = gpu.insert_free(
+            got, status = gpu.insert_free(
                 index.keys, index.tags, index.num_buckets, 16, new, block=block, num_warps=warps
-            )
+            )[:2]
             end.record()
-            placed = slots[status == 1]
+            placed = got[status == 1]
             index.keys.index_fill_(0, placed, 0)
             index.tags.index_fill_(0, placed, 0)
             torch.cuda.synchronize()

@@ -512,7 +512,7 @@ class BucketedHashIndex:
             if found is None and graph and stream is not None and keys.numel():
                 slots, status, counts, placed = self._graph(keys.numel()).run(keys, stream)
             else:
-                slots, status, counts, placed = gpu_kernels.insert_first_round(
+                slots, status, counts, placed = gpu_kernels.insert_free(
                     self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
                 )
             inserted = placed >= 0

@@ -43,7 +43,6 @@ __all__ = [
     "bag_update",
     "claim_free_slots",
     "find_two_choice",
-    "insert_first_round",
     "insert_free",
     "place_keys",
     "pooled_forward",
@@ -171,7 +170,8 @@ if HAVE_TRITON:
         k = tl.load(order_ptr + tl.load(perm_ptr + i, mask=placed, other=0), mask=placed, other=0)
         tl.store(out_ptr + k, c * BS + lane, mask=placed)
         tl.store(lane_ptr + i, tl.where(placed, lane, -1), mask=valid)
-        tl.atomic_add(placed_ptr, tl.sum(placed.to(tl.int32), axis=0))
+        num_placed = tl.sum(placed.to(tl.int32), axis=0)
+        tl.atomic_add(placed_ptr, num_placed, mask=num_placed > 0)
 
     @triton.jit
     def _mark_claimed_kernel(claimed_ptr, sorted_ptr, lane_ptr, m, BLOCK: tl.constexpr):
@@ -203,8 +203,9 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["num_buckets"])
     def _contest_kernel(
-        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
-        num_buckets, BS: tl.constexpr, BSP: tl.constexpr, FIND: tl.constexpr, BLOCK: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, spread_ptr,
+        out_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, FIND: tl.constexpr, BLOCK: tl.constexpr,
+        SPREAD: tl.constexpr,
     ):  # fmt: skip
         # Per occurrence (FIND: found here first, as the find kernel does; else ``found`` gives
         # the find's slot), if absent: the emptier of its key's two buckets by their tags (none is
@@ -258,7 +259,11 @@ if HAVE_TRITON:
         tl.store(slot_ptr + i, slot, mask=valid)
         tl.store(status_ptr + i, status, mask=valid)
         tl.store(out_ptr + i, found, mask=valid)
-        tl.atomic_add(counts_ptr, tl.sum((status == 1).to(tl.int32), axis=0))
+        # The claims counted on one of SPREAD counters, a 128-byte line each (the write kernel sums
+        # them): atomics on one address serialize. On one counter, the kernel took 246 / 181 /
+        # 148 us at 32 / 64 / 128 keys a program (32K / 16K / 8K atomics); spread, 133 / 135 / 140
+        claims = tl.sum((status == 1).to(tl.int32), axis=0)
+        tl.atomic_add(spread_ptr + (tl.program_id(0) % SPREAD) * 32, claims, mask=claims > 0)
         tl.store(counts_ptr + 2, 1, mask=tl.max((status < 0).to(tl.int32), axis=0) > 0)
 
     @triton.jit
@@ -307,12 +312,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _write_claims_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, out_ptr, n, BLOCK: tl.constexpr
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, spread_ptr, out_ptr, placed_ptr, n,
+        BLOCK: tl.constexpr, SPREAD: tl.constexpr,
     ):  # fmt: skip
         # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
         # lane, and the key too where that is not the lane it claimed (every claimed lane is some
         # key's final lane: each is written once); per new key of an overflowed bucket (6): its
-        # claimed lane emptied again (counted). Then the final status: 1 and -1.
+        # claimed lane emptied again (counted). Then the final status (4: 1, 6: -1), and each
+        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere. Program 0 sums
+        # the contest's claim counters into ``counts[0]``.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -320,12 +328,17 @@ if HAVE_TRITON:
         empties = status == 6
         claim = tl.load(slot_ptr + i, mask=moves | empties, other=0)
         q = tl.load(query_ptr + i, mask=moves, other=0)
-        s = tl.load(out_ptr + i, mask=moves, other=0)
+        final = tl.where(moves, 1, tl.where(empties, -1, status)).to(tl.int8)
+        s = tl.load(out_ptr + i, mask=final > 0, other=-1)
         tl.store(keys_ptr + s, q, mask=moves & (s != claim))
         tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=moves)
         tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=empties)
-        tl.atomic_add(counts_ptr + 1, tl.sum(empties.to(tl.int32), axis=0))
-        tl.store(status_ptr + i, tl.where(moves, 1, -1).to(tl.int8), mask=moves | empties)
+        emptied = tl.sum(empties.to(tl.int32), axis=0)
+        tl.atomic_add(counts_ptr + 1, emptied, mask=emptied > 0)  # rare (overflowed buckets): one address is fine
+        if tl.program_id(0) == 0:
+            tl.store(counts_ptr, tl.sum(tl.load(spread_ptr + tl.arange(0, SPREAD) * 32), axis=0))
+        tl.store(status_ptr + i, final, mask=moves | empties)
+        tl.store(placed_ptr + i, s, mask=valid)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
@@ -668,8 +681,11 @@ def claim_free_slots(
     return order
 
 
-# Occurrences a program and warps of the insert's three kernels (benchmarks/tune_index.py)
-CONTEST_BLOCK, CONTEST_WARPS = 128, 4
+# Occurrences a program and warps of the insert's three kernels: Nsight Compute at locked clocks
+# on an H200, 1M new keys into 64M slots at load 0.5 (benchmarks/results/issue12-round10-h200.txt):
+# contest + rank + write 135 + 107 + 20 us at 64 / 2, 140 + 107 + 20 at 128 / 4
+CONTEST_BLOCK, CONTEST_WARPS = 64, 2
+COUNT_SPREAD = 64  # counters the contest's programs count their claims on (a power of two)
 
 
 def insert_free(
@@ -681,7 +697,7 @@ def insert_free(
     found: Optional[torch.Tensor] = None,
     block: int = CONTEST_BLOCK,
     num_warps: int = CONTEST_WARPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
     ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
     first kernel finds them itself, as :func:`find_two_choice`): each new key in a free lane of
@@ -690,56 +706,48 @@ def insert_free(
     The keys of a bucket without that room, and keys whose two buckets are full, are left (and
     key 0's bucket): the caller plans them with the keys placed here as claimed.
 
-    Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts)``:
-    ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status (0: found
-    before, 1: the occurrence of a new key whose swap won (which one is a race), 2: its other
-    occurrences, -1: left; so ``status > 0``: inserted here), and ``[3]`` int32 ``(claims,
-    claims emptied again, any left)``: the new keys are ``counts[0] - counts[1]``. Scores are
-    not written (a new key's score is 0, as a free slot's). ``bucket_size`` <= 64."""
+    Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts,
+    placed)``: ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status
+    (0: found before, 1: the occurrence of a new key whose swap won (which one is a race), 2: its
+    other occurrences, -1: left; so ``status > 0``: inserted here), ``[3]`` int32 ``(claims,
+    claims emptied again, any left)`` (the new keys are ``counts[0] - counts[1]``), and ``[n]``
+    int64 ``placed``: the slot of each occurrence inserted here, -1 elsewhere (what an undo
+    empties). Scores are not written (a new key's score is 0, as a free slot's).
+    ``bucket_size`` <= 64. What ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured
+    (:class:`InsertFreeGraph`)."""
     device = tags.device
     n = query.numel()
     query = query.contiguous()
     slot = torch.empty(n, dtype=torch.int64, device=device)
     status = torch.empty(n, dtype=torch.int8, device=device)
-    # One zeroed allocation (one fill): a flag byte per bucket, then the three int32 counts
-    flags = torch.zeros(-(-num_buckets // 16) * 16 + 12, dtype=torch.int8, device=device)
-    overflow, counts = flags[:num_buckets], flags[-12:].view(torch.int32)
-    out = torch.empty_like(slot)
+    # One zeroed allocation (one fill): a flag byte per bucket, the claim counters (one per
+    # 128-byte line), then the three int32 counts
+    start = -(-num_buckets // 128) * 128
+    flags = torch.zeros(start + COUNT_SPREAD * 128 + 16, dtype=torch.int8, device=device)
+    overflow, spread = flags[:num_buckets], flags[start : start + COUNT_SPREAD * 128].view(torch.int32)
+    counts = flags[-16:-4].view(torch.int32)
+    out, placed = torch.empty_like(slot), torch.empty_like(slot)
     if n:
         consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
         bsp = triton.next_power_of_2(bucket_size)
         grid = (triton.cdiv(n, block),)
         _contest_kernel[grid](
             table_keys, tags, query, out if found is None else found.contiguous(), slot, status, overflow, counts,
-            out, n, num_buckets, BSP=bsp, FIND=found is None, **consts,
+            spread, out, n, num_buckets, BSP=bsp, FIND=found is None, SPREAD=COUNT_SPREAD, **consts,
         )  # fmt: skip
         _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, BSP=bsp, **consts)
         _write_claims_kernel[grid](
-            table_keys, tags, query, slot, status, counts, out, n, BLOCK=block, num_warps=num_warps
+            table_keys, tags, query, slot, status, counts, spread, out, placed, n, BLOCK=block,
+            SPREAD=COUNT_SPREAD, num_warps=num_warps,
         )  # fmt: skip
-    return out, status, counts
-
-
-def insert_first_round(
-    table_keys: torch.Tensor,
-    tags: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    query: torch.Tensor,
-    found: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`insert_free`'s ``(slots, status, counts)`` and ``placed``: ``[n]`` int64, the slot
-    of each occurrence inserted here (``status > 0``), -1 elsewhere. What
-    ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured (:class:`InsertFreeGraph`)."""
-    slots, status, counts = insert_free(table_keys, tags, num_buckets, bucket_size, query, found)
-    return slots, status, counts, torch.where(status > 0, slots, -1)
+    return out, status, counts, placed
 
 
 class InsertFreeGraph:
-    """:func:`insert_first_round` (the first kernel finds) of batches of ``n`` keys into one table,
+    """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
     captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
-    launches and about ten torch ops (each 5–40 microseconds of host time on the H200 machines,
-    against about 0.3 ms of device time for 1M keys). It also gives the slots of the
+    launches and the allocations and fill around them (each 5–40 microseconds of host time on
+    the H200 machines, against about 0.3 ms of device time for 1M keys). It also gives the slots of the
     occurrences it inserted, so the caller needs no more kernels after its host read.
 
     The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
@@ -754,16 +762,16 @@ class InsertFreeGraph:
         self.query = torch.zeros(n, dtype=torch.int64, device=device)
         # Compiles and loads the kernels outside the capture. Key 0 is never claimed (it is
         # found, or left to the planner): this run writes only its own buffers.
-        insert_first_round(table_keys, tags, num_buckets, bucket_size, self.query)
+        insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = insert_first_round(table_keys, tags, num_buckets, bucket_size, self.query)
+            self.outputs = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
         self._stream = torch.cuda.current_stream(device)
 
     def run(
         self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(slots, status, counts, placed)`` as :func:`insert_first_round` returns them. ``slots``
+        """``(slots, status, counts, placed)`` as :func:`insert_free` returns them. ``slots``
         and ``placed`` are fresh tensors; ``status`` and ``counts`` are the graph's own
         buffers, valid until the next replay queued on this stream. ``stream``: the current
         stream, where the caller has asked for it already (the work is queued on the current one)."""

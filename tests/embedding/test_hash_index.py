@@ -399,7 +399,15 @@ def _filled_index(num_buckets, bucket_size, load, device, seed):
 
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load, batch",
-    [(4096, 16, 0.5, 3000), (64, 16, 0.9, 400), (64, 2, 0.5, 80), (16, 4, 0.8, 60), (8, 64, 0.5, 300), (3, 5, 0.4, 9)],
+    [
+        (4096, 16, 0.5, 3000),
+        (64, 16, 0.9, 400),
+        (64, 2, 0.5, 80),
+        (16, 4, 0.8, 60),
+        (16, 32, 0.6, 250),
+        (8, 64, 0.5, 300),
+        (3, 5, 0.4, 9),
+    ],
 )
 @pytest.mark.parametrize("call", ["insert_absent", "find_or_insert", "find_or_insert_graphed"])
 @pytest.mark.parametrize("with_key_0", [True, False], ids=["key0", "nokey0"])
