@@ -3,12 +3,17 @@ dynamic), kernels sorted by device time. Usage:
 
     python benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128
 
-``--host`` profiles the host side instead (cProfile: Python and launch overhead per step).
+``--host`` profiles the host side instead (cProfile: Python and launch overhead per step). On a
+GPU it also prints, per kernel, how much of its time ran beside a kernel of another stream (a
+dynamic table's finds run on the input stream, beside the backward).
 """
 
 import argparse
 import cProfile
+import json
 import pstats
+import tempfile
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,10 +38,14 @@ def main() -> None:
     w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
     batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
     coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    made = None
+    if a.device.startswith("cuda"):  # the batches are made: their input stage waits for nothing else
+        made = torch.cuda.Event()
+        made.record()
 
     def step(i: int) -> None:  # as the trainer runs one: a coming batch's input stage once the backward is queued
         coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
+        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)], made)
 
     for i in range(len(batches)):  # warm-up: compiles the kernels, inserts every key
         step(i)
@@ -58,6 +67,37 @@ def main() -> None:
     key = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
     print(f"== {a.kind} table, {w.ids_per_step:,} ids a step, {a.steps} steps")
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows_shown, max_name_column_width=60))
+    if a.device.startswith("cuda"):
+        print_overlap(prof, a.steps)
+
+
+def print_overlap(prof, steps: int) -> None:
+    """Per kernel (by device time): microseconds a step, and how many of them ran beside a kernel
+    of another stream (from the profiler's trace: each kernel's stream, start and duration)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = [
+        (e["ts"], e["ts"] + e["dur"], e["args"].get("stream"), e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "kernel"
+    ]
+    total: dict[str, float] = defaultdict(float)
+    beside: dict[str, float] = defaultdict(float)
+    for start, end, stream, name in kernels:
+        total[name] += end - start
+        spans = sorted(
+            (max(s, start), min(e, end)) for s, e, st, _ in kernels if st != stream and s < end and e > start
+        )
+        covered, reach = 0.0, start
+        for s, e in spans:  # the union of the other streams' kernels within this one's span
+            if e > reach:
+                covered += e - max(s, reach)
+                reach = e
+        beside[name] += covered
+    print("== per kernel: us a step, of which beside another stream's kernel")
+    for name in sorted(total, key=total.get, reverse=True)[:12]:  # type: ignore[arg-type]
+        print(f"{total[name] / steps:9.1f} {beside[name] / steps:9.1f}  {name[:80]}")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
     prefetch_depth = 1
 
-    def prefetch(self, kjt: KeyedJaggedLike) -> None:
+    def prefetch(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> None:
         """Nothing: a sharded lookup's input stage is collective (every rank's ids go to their
         owners), so it runs inside its own step, in step order on every rank."""
 

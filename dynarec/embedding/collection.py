@@ -123,22 +123,27 @@ class EmbeddingCollection(nn.Module):
     def table_of(self, feature: str) -> EmbeddingTable:
         return self._features[feature][0]
 
-    def prefetch(self, kjt: KeyedJaggedLike) -> None:
+    def prefetch(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> None:
         """Runs the input stage of ``kjt``, a batch of a coming forward, now: its checks, its
         copy to the device, its packing and the dynamic tables' hash finds. Call it once this
         step's backward is queued: on a GPU the host's part then overlaps the backward, the copy
         and the finds run on the input stream beside it, and the batch's forward reads the
-        finds' answer without waiting. Up to :attr:`prefetch_depth` batches are kept (the oldest
-        is dropped), each for the forward of that very batch object: a forward of one of them
-        drops those prefetched before it; a forward of another batch (an evaluation between
-        training steps) leaves them.
+        finds' answer without waiting. A batch already on the GPU is read once the work that
+        made it is done: give ``ready``, a CUDA event recorded after it was made (on any
+        stream), or the stage waits for all the work queued so far on the current stream,
+        this step's backward included (its finds then run after it, not beside it).
+
+        Up to :attr:`prefetch_depth` batches are kept (the oldest is dropped), each for the
+        forward of that very batch object: a forward of one of them drops those prefetched
+        before it; a forward of another batch (an evaluation between training steps) leaves
+        them.
 
         A find made ahead holds while the table only gains keys in free slots; where it may
         not (the table grew, evicted, moved or removed keys, was loaded, an aborted step was
         undone, or an absent key may have been inserted since), the forward finds again. A
         batch the checks refuse is left to its own forward, which raises the error."""
         try:
-            prepared = self._prepare(kjt)
+            prepared = self._prepare(kjt, ready)
         except Exception:  # its own forward raises it, at its own step
             return
         self._prefetched.append(prepared)
@@ -155,14 +160,15 @@ class EmbeddingCollection(nn.Module):
                 return prepared
         return None
 
-    def _prepare(self, kjt: KeyedJaggedLike) -> _Prepared:
+    def _prepare(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> _Prepared:
         """Stage 1, before any table writes: on the input stream (CUDA) the copy, the packing and
-        the hash finds run beside the main stream's work (see :mod:`.streams`)."""
+        the hash finds run beside the main stream's work (see :mod:`.streams`; ``ready``: the
+        event after a device batch was made)."""
         slices = checked_slices(
             kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
         )
         on_host = all(s.values.device.type == "cpu" for s in slices.values())
-        with input_stage(self.device, batch_on_host=on_host) as staged:
+        with input_stage(self.device, batch_on_host=on_host, ready=ready) as staged:
             slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
             packed = {name: table.pack(slices) for name, table in self.tables.items()}
             found = {name: self.tables[name].find(bags) for name, (bags, _) in packed.items()}

@@ -10,7 +10,10 @@ finds run beside the previous step's backward, and the host waits only for them.
 Ordering, the whole contract:
 
 - the input stream waits for nothing of the main stream when the batch comes from the host;
-  a batch already on the device was made by the main stream, so the input stream waits for it;
+  a batch already on the device was made by the main stream, so the input stream waits for it:
+  for the event its maker recorded after making it, where the caller gives one, else for all
+  the work queued so far on the main stream (which includes this step's backward: the finds
+  then run after it, not beside it);
 - a hash index records an event after every write of its keys (``BucketedHashIndex``), and a
   find waits for it on whatever stream it runs: it never reads keys an insert is still writing;
   and it records an event after every find, on its stream, for which every later write of its
@@ -70,17 +73,24 @@ class StagedInput:
 
 
 @contextmanager
-def input_stage(device: torch.device, batch_on_host: bool) -> Iterator[StagedInput]:
+def input_stage(
+    device: torch.device, batch_on_host: bool, ready: Optional[torch.cuda.Event] = None
+) -> Iterator[StagedInput]:
     """Runs the block on ``device``'s input stream (CUDA; elsewhere in place); the consumer then
     calls :meth:`StagedInput.take`, possibly a step later. ``batch_on_host``: the block reads no
-    tensor the current stream is still making (else the input stream first waits for it)."""
+    tensor the current stream is still making; else the input stream first waits for ``ready``
+    (an event recorded after the batch was made), or without it for all the current stream's
+    work queued so far."""
     staged = StagedInput(device)
     if device.type != "cuda":
         yield staged
         return
     side = _input_stream(device)
     if not batch_on_host:
-        side.wait_stream(torch.cuda.current_stream(device))
+        if ready is not None:
+            side.wait_event(ready)
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield staged
         staged.ready = torch.cuda.Event()

@@ -158,3 +158,25 @@ def test_a_prefetched_lookup_reads_its_answer_without_waiting():
     assert not torch.cuda.current_stream().query(), "prefetch or the forward waited for the main stream"
     out.sum().backward()
     torch.testing.assert_close(out.detach().cpu(), torch.tensor([[1.8] * 4, [0.9] * 4]))
+
+
+@pytest.mark.parametrize("with_ready", [True, False], ids=["ready", "no_ready"])
+def test_a_device_batch_is_prefetched_beside_the_main_stream_given_its_ready_event(with_ready):
+    """A batch already on the GPU, made before an event: prefetched with that event, its input
+    stage (the find) runs beside a long kernel queued on the main stream, and the forward
+    returns while that kernel still runs; without it the stage waits for all the main stream's
+    work (the forward returns after the kernel). The outputs are the same."""
+    coll = _dynamic_collection()
+    batch = JaggedBatch.from_lists({"f": [[1, 2], [3]]}).to("cuda")
+    coll(batch)["f"].sum().backward()  # every key now has a row
+    made = torch.cuda.Event()
+    made.record()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the main stream
+    slept = torch.cuda.Event()
+    slept.record()
+    coll.prefetch(batch, made if with_ready else None)
+    out = coll(batch)["f"]
+    assert slept.query() != with_ready  # with the event, the forward returned during the sleep
+    out.sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), torch.tensor([[1.8] * 4, [0.9] * 4]))
