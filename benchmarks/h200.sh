@@ -46,6 +46,21 @@
 #            revision in turn; the insert's kernels under Nsight Compute (benchmarks/ncu_insert.py)
 #   round9c  the CUDA tests but the fused update's; hash-find three times; the host's costs; dynamic-step
 #            at 4.2M ids
+#   round10  the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice
+#            in turn; the host's costs; the insert's kernels of .prev/ and of this revision under
+#            Nsight Compute at its locked base clocks (stable durations to compare)
+#   round10b the CUDA tests but the fused update's; the insert's kernels of .prev/ and of this revision
+#            by occurrences a program and warps under Nsight Compute (tune_index.py --insert-only);
+#            hash-find of .prev/ and of this revision, twice in turn
+#   round10c the CUDA tests but the fused update's; the insert's kernels of this revision by
+#            occurrences a program and warps under Nsight Compute; hash-find of .prev/ and of this
+#            revision, twice in turn; dynamic-step at 4.2M ids of .prev/ and of this revision (whose
+#            device batches come with their ready event); the dynamic step's profile and overlap
+#   round10d the CUDA tests but the fused update's; the insert's kernels of this revision by
+#            occurrences a program and warps under Nsight Compute; hash-find of .prev/ and of this
+#            revision, twice in turn; the host's costs; the fixed step's profile and overlap
+#   round10e the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, three times
+#            in turn; the host's costs
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -114,6 +129,30 @@ hash_find_prev_now() {
         timeout 100 "${cmd[@]}" hash-find --device cuda --slots $((1 << 26))
     done
     timeout 60 python3 benchmarks/profile_insert.py --device cuda --slots $((1 << 26)) --load 0.5 --rows-shown 30
+}
+
+insert_kernels='_contest_kernel|_rank_kernel|_write_claims_kernel'
+site_of() {  # the PYTHONPATH of .prev/ or of this revision
+    if [ "$1" = prev ]; then echo "/tmp/site:$PWD/.prev"; else echo "/tmp/site:$PWD"; fi
+}
+
+# hash-find's load 0.5 line of .prev/ or of this revision, in the order given ("prev" / "now")
+hash_find_turns() {
+    local who
+    for who in "$@"; do
+        echo "## $who"
+        PYTHONPATH=$(site_of "$who") timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26)) |
+            grep "load 0.5"
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+}
+
+# the insert's kernels of .prev/ or of this revision ($1) by keys a program and warps, under Nsight Compute at its
+# locked clocks (benchmarks/tune_index.py --insert-only): each kernel's grid and block, duration, registers, occupancy
+ncu_tune_insert() {
+    PYTHONPATH=$(site_of "$1") timeout 200 ncu -k regex:"$insert_kernels" \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        python3 benchmarks/tune_index.py --insert-only --reps 1 2>&1 |
+        grep -E "_kernel \(|Duration|Registers Per Thread|Achieved Occupancy"
 }
 
 case $stage in
@@ -300,6 +339,50 @@ round9c)
         timeout 100 python3 benchmarks/host_costs.py
     } 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     dynamic_4m now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round10)
+    cuda_tests index
+    hash_find_turns prev now prev now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    for who in prev now; do
+        echo "## $who"
+        PYTHONPATH=$(site_of $who) timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
+            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|L2 Hit Rate"
+    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+    ;;
+round10b)
+    cuda_tests index
+    for who in prev now; do
+        echo "## $who"
+        ncu_tune_insert "$who"
+    done 2>&1 | tee "$out/ncu-tune-h200.txt" | tail -4
+    hash_find_turns prev now prev now
+    ;;
+round10c)
+    cuda_tests index
+    ncu_tune_insert now > "$out/ncu-tune-h200.txt"
+    hash_find_turns prev now prev now
+    {
+        dynamic_4m prev now
+        timeout 100 python3 benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128 \
+            --bags 262144 --pooling-factor 16 --rows-shown 12
+    } 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round10d)
+    cuda_tests index
+    ncu_tune_insert now > "$out/ncu-tune-h200.txt"
+    hash_find_turns prev now prev now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    timeout 100 python3 benchmarks/profile_step.py --device cuda --kind fixed --rows 10000000 --dim 128 \
+        --bags 262144 --pooling-factor 16 --rows-shown 12 2>&1 | grep -v -e Warning -e sparse_coo |
+        tee "$out/steps-h200.txt"
+    ;;
+round10e)
+    cuda_tests index
+    hash_find_turns prev now prev now prev now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
     ;;
 round9d)
     cuda_tests index
