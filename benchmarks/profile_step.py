@@ -38,14 +38,10 @@ def main() -> None:
     w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
     batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
     coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
-    made = None
-    if a.device.startswith("cuda"):  # the batches are made: their input stage waits for nothing else
-        made = torch.cuda.Event()
-        made.record()
 
     def step(i: int) -> None:  # as the trainer runs one: a coming batch's input stage once the backward is queued
         coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)], made)
+        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
 
     for i in range(len(batches)):  # warm-up: compiles the kernels, inserts every key
         step(i)

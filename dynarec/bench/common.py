@@ -116,22 +116,17 @@ def _time_steps(
     coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]
 ) -> tuple[float, float]:
     """Runs ``steps`` training steps as the trainer does (the input stage of the batch
-    ``prefetch_depth`` steps ahead once the backward is queued, with the event after the
-    batches were made where they are on a GPU); returns ``(host, total)`` seconds: the host's
-    loop alone, and until the device finished. ``host / total`` near 1: the host bounds the
-    step (or waits in it)."""
+    ``prefetch_depth`` steps ahead once the backward is queued); returns ``(host, total)``
+    seconds: the host's loop alone, and until the device finished. ``host / total`` near 1: the
+    host bounds the step (or waits in it)."""
     depth = coll.prefetch_depth
-    made = None
-    if batches[0].values().is_cuda:
-        made = torch.cuda.Event()
-        made.record()
     for i in range(depth):  # ready as the step before would have left them
-        coll.prefetch(batches[i % len(batches)], made)
+        coll.prefetch(batches[i % len(batches)])
     sync()
     start = time.perf_counter()
     for i in range(steps):
         coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + depth) % len(batches)], made)
+        coll.prefetch(batches[(i + depth) % len(batches)])
     host = time.perf_counter() - start
     sync()
     return host, time.perf_counter() - start

@@ -130,8 +130,9 @@ class EmbeddingCollection(nn.Module):
         and the finds run on the input stream beside it, and the batch's forward reads the
         finds' answer without waiting. A batch already on the GPU is read once the work that
         made it is done: give ``ready``, a CUDA event recorded after it was made (on any
-        stream), or the stage waits for all the work queued so far on the current stream,
-        this step's backward included (its finds then run after it, not beside it).
+        stream; the stage's stream records its use of the batch's tensors), or the stage waits
+        for all the work queued so far on the current stream, this step's backward included
+        (its checks and finds then run after it, not beside it).
 
         Up to :attr:`prefetch_depth` batches are kept (the oldest is dropped), each for the
         forward of that very batch object: a forward of one of them drops those prefetched
@@ -161,14 +162,17 @@ class EmbeddingCollection(nn.Module):
         return None
 
     def _prepare(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> _Prepared:
-        """Stage 1, before any table writes: on the input stream (CUDA) the copy, the packing and
-        the hash finds run beside the main stream's work (see :mod:`.streams`; ``ready``: the
-        event after a device batch was made)."""
-        slices = checked_slices(
-            kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
-        )
-        on_host = all(s.values.device.type == "cpu" for s in slices.values())
-        with input_stage(self.device, batch_on_host=on_host, ready=ready) as staged:
+        """Stage 1, before any table writes: on the input stream (CUDA) the checks, the copy, the
+        packing and the hash finds run beside the main stream's work (see :mod:`.streams`;
+        ``ready``: the event after a device batch was made). The checks run there too: a device
+        batch's id conversions and the host reads of its checks then follow its ``ready`` event,
+        not the main stream's backward."""
+        values = kjt.values()
+        with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
+            staged.reads(values, kjt.lengths(), kjt.weights_or_none())
+            slices = checked_slices(
+                kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
+            )
             slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
             packed = {name: table.pack(slices) for name, table in self.tables.items()}
             found = {name: self.tables[name].find(bags) for name, (bags, _) in packed.items()}

@@ -10,10 +10,11 @@ finds run beside the previous step's backward, and the host waits only for them.
 Ordering, the whole contract:
 
 - the input stream waits for nothing of the main stream when the batch comes from the host;
-  a batch already on the device was made by the main stream, so the input stream waits for it:
+  a batch already on the device was made by some stream, so the input stream waits for it:
   for the event its maker recorded after making it, where the caller gives one, else for all
-  the work queued so far on the main stream (which includes this step's backward: the finds
-  then run after it, not beside it);
+  the work queued so far on the main stream (which includes this step's backward: the checks
+  and finds then run after it, not beside it); the batch's checks run on the input stream too,
+  and it records its use of the batch's tensors (``record_stream``), which its maker may free;
 - a hash index records an event after every write of its keys (``BucketedHashIndex``), and a
   find waits for it on whatever stream it runs: it never reads keys an insert is still writing;
   and it records an event after every find, on its stream, for which every later write of its
@@ -52,10 +53,21 @@ class StagedInput:
     """What an input stage made: the tensors it hands over, and (CUDA) the event after its work.
     :meth:`take` before using them, on the stream that uses them."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stream: Optional[torch.cuda.Stream] = None):
         self.device = device
+        self.stream = stream  # the input stream (CUDA), None where the stage runs in place
         self.ready: Optional[torch.cuda.Event] = None
         self._tensors: list[torch.Tensor] = []
+
+    def reads(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Marks ``tensors``, made outside the stage (a batch already on the GPU, maybe by another
+        stream), as used by the input stream (``record_stream``): their memory is not reused
+        before the stage's work on them is done, whoever frees them. None and host tensors are
+        skipped."""
+        if self.stream is not None:
+            for t in tensors:
+                if t is not None and t.is_cuda:
+                    t.record_stream(self.stream)
 
     def hand_over(self, *tensors: Optional[torch.Tensor]) -> None:
         """Adds ``tensors`` (made in the stage) to those :meth:`take` gives; None is skipped."""
@@ -81,11 +93,11 @@ def input_stage(
     tensor the current stream is still making; else the input stream first waits for ``ready``
     (an event recorded after the batch was made), or without it for all the current stream's
     work queued so far."""
-    staged = StagedInput(device)
     if device.type != "cuda":
-        yield staged
+        yield StagedInput(device)
         return
     side = _input_stream(device)
+    staged = StagedInput(device, side)
     if not batch_on_host:
         if ready is not None:
             side.wait_event(ready)

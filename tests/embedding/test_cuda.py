@@ -180,3 +180,41 @@ def test_a_device_batch_is_prefetched_beside_the_main_stream_given_its_ready_eve
     assert slept.query() != with_ready  # with the event, the forward returned during the sleep
     out.sum().backward()
     torch.testing.assert_close(out.detach().cpu(), torch.tensor([[1.8] * 4, [0.9] * 4]))
+
+
+def test_a_device_batch_made_on_another_stream_is_read_after_its_ready_event():
+    """A batch on the GPU whose ids and weights a producer stream writes behind a long kernel there
+    (int32 ids and lengths, float64 weights: its checks convert them), prefetched with the event
+    after those writes: its checks, conversions and find run on the input stream after that
+    event, and the step (outputs, keys, weights) equals the same batch's from the host. The
+    main stream filled the ids with 77s first: a stage that read them early would insert 77."""
+    ids, weights = (
+        torch.tensor([5, 9, 5, 11], dtype=torch.int32),
+        torch.tensor([0.5, 2.0, 1.5, 3.0], dtype=torch.float64),
+    )
+    host = JaggedBatch(["f"], ids, torch.tensor([3, 1], dtype=torch.int32), weights)
+    coll, ref = _dynamic_collection(), _dynamic_collection()
+    warm = JaggedBatch(["f"], ids + 100, host.lengths(), weights)  # a first step: every kernel loaded
+    coll(warm.to("cuda"))["f"].sum().backward()
+    ref(warm)["f"].sum().backward()
+    values = torch.full((4,), 77, dtype=torch.int32, device="cuda")
+    dev_weights = torch.ones(4, dtype=torch.float64, device="cuda")
+    batch = JaggedBatch(["f"], values, host.lengths().cuda(), dev_weights)
+    pinned = host.pin_memory()
+    producer = torch.cuda.Stream()
+    producer.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the producer stream
+        values.copy_(pinned.values(), non_blocking=True)
+        dev_weights.copy_(weights.pin_memory(), non_blocking=True)
+        made = torch.cuda.Event()
+        made.record()
+    coll.prefetch(batch, made)
+    out = coll(batch)["f"]
+    want = ref(host)["f"]
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    got, expected = coll.tables["t"].dump(), ref.tables["t"].dump()
+    assert got["keys"].tolist() == expected["keys"].tolist() == [5, 9, 11, 105, 109, 111]
+    assert torch.equal(got["weight"], expected["weight"])
