@@ -3,8 +3,8 @@ Triton launch (the find kernel on 1,024 keys), ``insert_free`` on 1,024 present 
 kernels and allocations), a host read, a replay of its CUDA graph (``InsertFreeGraph``) and the
 pieces of ``find_or_insert(graph=True)`` around it; then ``find_or_insert`` of 1M new keys into
 64M slots at load 0.5, eager and graphed: when the call returned and when the device finished
-(median of 10). Per-call figures
-are host microseconds over 300 calls (the device keeps up with them). Usage:
+(median of 10). Per-call figures are host microseconds over 300 calls (the device keeps up with
+them). Usage:
 
     python benchmarks/host_costs.py
 """

@@ -14,6 +14,7 @@ import json
 import pstats
 import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -71,8 +72,8 @@ def print_overlap(prof, steps: int) -> None:
     """Per kernel (by device time): microseconds a step, and how many of them ran beside a kernel
     of another stream (from the profiler's trace: each kernel's stream, start and duration)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        prof.export_chrome_trace(f.name)  # replaces the file: read it again by its name
+        trace = json.loads(Path(f.name).read_text())
     kernels = [
         (e["ts"], e["ts"] + e["dur"], e["args"].get("stream"), e["name"])
         for e in trace["traceEvents"]

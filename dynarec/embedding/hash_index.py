@@ -463,7 +463,7 @@ class BucketedHashIndex:
         ``graph`` (GPU kernels only; ignored elsewhere): the first round runs as a CUDA graph
         captured for this batch size (:class:`~dynarec.kernels.gpu.InsertFreeGraph`) and replayed
         by later calls of the same size, for callers with fixed batch sizes: one launch in place
-        of three kernel launches and about ten torch ops. The index keeps the graphs of its last
+        of three kernel launches and the allocations and fill around them. The index keeps the graphs of its last
         :data:`GRAPHS_KEPT` sizes (each holds buffers of about 34 bytes a key and one byte a
         bucket); a capture synchronizes the device, and a warning says when sizes outnumber the
         graphs kept."""

@@ -747,8 +747,7 @@ class InsertFreeGraph:
     """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
     captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
     launches and the allocations and fill around them (each 5–40 microseconds of host time on
-    the H200 machines, against about 0.3 ms of device time for 1M keys). It also gives the slots of the
-    occurrences it inserted, so the caller needs no more kernels after its host read.
+    the H200 machines, against about 0.3 ms of device time for 1M keys).
 
     The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
     while the index keeps them) and its own input and output buffers; :meth:`run` copies the

@@ -3,9 +3,9 @@ update and the one-pass parse of separator-joined id lists (batch building).
 
 Built on first use with ``torch.utils.cpp_extension.load`` (g++, ninja) into a build directory
 of its own per Python environment, torch version and source tree (:func:`build_directory`);
-``make setup`` builds it once. Each
-kernel equals its plain-torch twin bit for bit (tested); :func:`ops` returns None where the
-extension cannot be built (no compiler), and callers then run the plain-torch code.
+``make setup`` builds it once. Each kernel equals its plain-torch twin bit for bit (tested);
+:func:`ops` returns None where the extension cannot be built (no compiler), and callers then
+run the plain-torch code.
 """
 
 from __future__ import annotations
