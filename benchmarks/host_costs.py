@@ -2,9 +2,9 @@
 Triton launch (the find kernel on 1,024 keys), ``insert_free`` on 1,024 present keys (its three
 kernels and allocations), a host read, a replay of its CUDA graph (``InsertFreeGraph``) and the
 pieces of ``find_or_insert(graph=True)`` around it; then ``find_or_insert`` of 1M new keys into
-64M slots at load 0.5, eager and graphed: when the call returned and when the device finished
-(median of 10). Per-call figures are host microseconds over 300 calls (the device keeps up with
-them). Usage:
+64M slots at load 0.5, eager and graphed: when the call returned and when the device finished,
+and where the graphed call's device time goes (medians of 30: :func:`insert_timeline`). Per-call
+figures are host microseconds over 300 calls (the device keeps up with them). Usage:
 
     python benchmarks/host_costs.py
 """
@@ -12,10 +12,12 @@ them). Usage:
 import statistics
 import time
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
 from dynarec.bench.common import filled_hash_index
+from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.step import Journal
 from dynarec.kernels import gpu
 
@@ -41,7 +43,7 @@ def main() -> None:
     event = torch.cuda.Event()
     arrays = (index.keys, index.tags, index.num_buckets, 16)
     graph = gpu.InsertFreeGraph(*arrays, few.numel())
-    out = graph.outputs[0]
+    out = graph.outputs.slots
     costs = {
         "torch add_ on 16 floats": lambda: small.add_(1),
         "torch.zeros(3)": lambda: torch.zeros(3, dtype=torch.int32, device=dev),
@@ -63,23 +65,57 @@ def main() -> None:
     for name, fn in costs.items():
         print(f"{name:<38} {host_us(fn):7.1f}")
     for graphed in (False, True):
-        returned, finished = [], []
-        for run in range(11):
-            new = torch.randint(-(2**62), 2**62, (1 << 20,), device=dev)
-            journal = Journal()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            index.find_or_insert(new, journal, graph=graphed)
-            back = time.perf_counter()
-            torch.cuda.synchronize()
-            if run:  # the first loads the kernels (or captures the graph)
-                returned.append((back - start) * 1e6)
-                finished.append((time.perf_counter() - start) * 1e6)
-            journal.undo()
-        print(
-            f"find_or_insert(graph={graphed}) of 1M new keys: returned after {statistics.median(returned):.0f} us, "
-            f"device done after {statistics.median(finished):.0f} us (medians of 10)"
-        )
+        print(f"find_or_insert(graph={graphed}) of 1M new keys, medians of 30 calls: {insert_timeline(index, graphed)}")
+
+
+class _TimedGraph:
+    """A captured graph whose replays are timed by CUDA events around them."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self.graph = graph
+        self.before, self.after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def replay(self) -> None:
+        self.before.record()
+        self.graph.replay()
+        self.after.record()
+
+
+def insert_timeline(index: BucketedHashIndex, graphed: bool, calls: int = 30) -> str:
+    """When ``find_or_insert`` of 1M new keys returned (host clock) and when the device finished it
+    (CUDA events: the GPU's own clocks, caches warm from the calls before); graphed, also how long
+    the device took to reach the replay (the host's work before it, the query's copy), the replay
+    and what follows it (the outputs' copy, the host read and return). Each call is undone."""
+    n = 1 << 20
+    timed: Optional[_TimedGraph] = None
+    rows: dict[str, list[float]] = {"returned": [], "device done": []}
+    if graphed:
+        rows |= {"to the replay": [], "replay": [], "after it": []}
+    for call in range(calls + 3):  # the first loads the kernels (or captures the graph)
+        new = torch.randint(-(2**62), 2**62, (n,), device=index.device)
+        journal = Journal()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        start.record()
+        index.find_or_insert(new, journal, graph=graphed)
+        back = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        journal.undo()
+        if graphed and timed is None:
+            captured = index._graphs[n]
+            timed = _TimedGraph(captured.graph)
+            captured.graph = timed  # type: ignore[assignment]
+        if call < 3:
+            continue
+        rows["returned"].append((back - began) * 1e6)
+        rows["device done"].append(start.elapsed_time(end) * 1e3)
+        if timed is not None:
+            rows["to the replay"].append(start.elapsed_time(timed.before) * 1e3)
+            rows["replay"].append(timed.before.elapsed_time(timed.after) * 1e3)
+            rows["after it"].append(timed.after.elapsed_time(end) * 1e3)
+    return ", ".join(f"{name} {statistics.median(v):.0f} us" for name, v in rows.items())
 
 
 if __name__ == "__main__":

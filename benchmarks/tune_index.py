@@ -104,8 +104,7 @@ def main() -> None:
         tune_find_and_place(index, keys, uniform, new)
 
     def undo(result) -> None:  # empties the slots the insert filled (its first claiming occurrences')
-        got, status = result[:2]
-        empty_slots(index, got[status == 1])
+        empty_slots(index, result.slots[result.status == 1])
 
     print(f"== insert_free of {new.numel():,} new keys (contest, rank, write kernels)")
     for block, warps in INSERT_CONFIGS:

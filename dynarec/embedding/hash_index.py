@@ -216,6 +216,7 @@ class BucketedHashIndex:
         self._finds: dict[int, torch.cuda.Event] = {}
         self._graphs: dict[int, gpu_kernels.InsertFreeGraph] = {}  # find_or_insert(graph=True), by batch size
         self._warned_graphs = False
+        self._counts_readback: Optional[gpu_kernels.HostReadback] = None  # the GPU insert's counts (pinned)
         self._serial = next(_SERIALS)
         self._writes = 0
         self._displacements = 0
@@ -474,6 +475,12 @@ class BucketedHashIndex:
         """Whether :meth:`insert_absent` runs its first round in the GPU kernels."""
         return kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
 
+    def _readback(self) -> gpu_kernels.HostReadback:
+        """Where the GPU insert's counts come to the host (made on first use: pinned memory)."""
+        if self._counts_readback is None:
+            self._counts_readback = gpu_kernels.HostReadback(3, self.device)
+        return self._counts_readback
+
     def _graph(self, n: int) -> gpu_kernels.InsertFreeGraph:
         """The captured first round for ``n`` keys (captured on first use)."""
         graph = self._graphs.pop(n, None)
@@ -509,20 +516,22 @@ class BucketedHashIndex:
         if fast:
             if found is None:
                 self._after_writes(stream)
+            readback = self._readback()
             if found is None and graph and stream is not None and keys.numel():
-                slots, status, counts, placed = self._graph(keys.numel()).run(keys, stream)
+                # the counts' copy queued before the outputs' one, which runs while the host waits
+                first = self._graph(keys.numel()).run(keys, stream, readback, placed=journal is not None)
             else:
-                slots, status, counts, placed = gpu_kernels.insert_free(
-                    self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found
-                )
-            inserted = placed >= 0
+                first = gpu_kernels.insert_free(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found)
+                readback.queue(first.counts, stream)
+            slots, inserted = first.slots, first.inserted
             self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
-            claims, emptied, left = counts.tolist()  # the one host read
-            self._record_adds(journal, placed, some_none=True, fresh=True)
+            claims, emptied, left = readback.read()  # the one host read
+            if first.placed is not None:
+                self._record_adds(journal, first.placed, some_none=True, fresh=True)
             self._size += claims - emptied
             if not left:
                 return slots, inserted
-            absent = torch.nonzero(status < 0).squeeze(1)
+            absent = torch.nonzero(first.status < 0).squeeze(1)
         else:
             assert found is not None, "the find-in-kernel insert needs the GPU kernels"
             slots, inserted = found.clone(), torch.zeros_like(found, dtype=torch.bool)
@@ -530,7 +539,7 @@ class BucketedHashIndex:
         fresh, inverse = torch.unique(keys[absent], return_inverse=True)
         if not fresh.numel():
             return slots, inserted
-        claimed = placed[placed >= 0] if fast else None  # the first round's slots (this path reads the host anyway)
+        claimed = slots[inserted] if fast else None  # the first round's slots (this path reads the host anyway)
         plan = self.plan_insert(fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=claimed)
         self.commit(plan, torch.zeros_like(fresh), journal)
         slots[absent] = plan.slots[inverse]

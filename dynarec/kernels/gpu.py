@@ -24,7 +24,7 @@ The update kernel is a template over the optimizer: a compile-time code and its 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,6 +38,8 @@ except ImportError:  # the CPU machines: the plain-torch path runs
 
 __all__ = [
     "HAVE_TRITON",
+    "FreeInsert",
+    "HostReadback",
     "InsertFreeGraph",
     "available",
     "bag_update",
@@ -312,15 +314,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _write_claims_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, spread_ptr, out_ptr, placed_ptr, n,
-        BLOCK: tl.constexpr, SPREAD: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, spread_ptr, out_ptr, placed_ptr,
+        inserted_ptr, n, BLOCK: tl.constexpr, SPREAD: tl.constexpr,
     ):  # fmt: skip
         # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
         # lane, and the key too where that is not the lane it claimed (every claimed lane is some
         # key's final lane: each is written once); per new key of an overflowed bucket (6): its
         # claimed lane emptied again (counted). Then the final status (4: 1, 6: -1), and each
-        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere. Program 0 sums
-        # the contest's claim counters into ``counts[0]``.
+        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere, and whether it
+        # was (a byte). Program 0 sums the contest's claim counters into ``counts[0]``.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -339,6 +341,7 @@ if HAVE_TRITON:
             tl.store(counts_ptr, tl.sum(tl.load(spread_ptr + tl.arange(0, SPREAD) * 32), axis=0))
         tl.store(status_ptr + i, final, mask=moves | empties)
         tl.store(placed_ptr + i, s, mask=valid)
+        tl.store(inserted_ptr + i, (s >= 0).to(tl.uint8), mask=valid)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
@@ -688,6 +691,37 @@ CONTEST_BLOCK, CONTEST_WARPS = 64, 2
 COUNT_SPREAD = 64  # counters the contest's programs count their claims on (a power of two)
 
 
+class FreeInsert(NamedTuple):
+    """What :func:`insert_free` returns, each ``[n]`` by occurrence but ``counts``.
+
+    ``slots``: int64, the find's slot, the new lane, or -1 (left to the planner). ``inserted``:
+    bool, whether the occurrence's key was inserted here. ``placed``: int64, the slot of each
+    occurrence inserted here, -1 elsewhere (what an undo empties; None where not asked for).
+    ``status``: int8, 0: found before, 1: the occurrence of a new key whose swap won (which one
+    is a race), 2: its other occurrences, -1: left (so ``status > 0``: inserted here).
+    ``counts``: ``[3]`` int32 ``(claims, claims emptied again, any left)`` (the new keys are
+    ``counts[0] - counts[1]``)."""
+
+    slots: torch.Tensor
+    inserted: torch.Tensor
+    placed: Optional[torch.Tensor]
+    status: torch.Tensor
+    counts: torch.Tensor
+
+
+def _outputs(buffer: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(slots, inserted, placed)`` of :func:`insert_free` as views of one uint8 ``buffer``:
+    ``8n`` bytes of slots, ``n`` of flags (padded to a multiple of 8), then ``8n`` of placed
+    slots, None where the buffer ends before them (one copy moves them all, or the first two)."""
+    flags_end = 8 * n + -(-n // 8) * 8
+    placed = buffer[flags_end:].view(torch.int64) if buffer.numel() > flags_end else None
+    return buffer[: 8 * n].view(torch.int64), buffer[8 * n : 9 * n].view(torch.bool), placed
+
+
+def _outputs_bytes(n: int, placed: bool = True) -> int:
+    return 8 * n + -(-n // 8) * 8 + (8 * n if placed else 0)
+
+
 def insert_free(
     table_keys: torch.Tensor,
     tags: torch.Tensor,
@@ -697,7 +731,7 @@ def insert_free(
     found: Optional[torch.Tensor] = None,
     block: int = CONTEST_BLOCK,
     num_warps: int = CONTEST_WARPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> FreeInsert:
     """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
     ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
     first kernel finds them itself, as :func:`find_two_choice`): each new key in a free lane of
@@ -706,19 +740,13 @@ def insert_free(
     The keys of a bucket without that room, and keys whose two buckets are full, are left (and
     key 0's bucket): the caller plans them with the keys placed here as claimed.
 
-    Three kernels (contest, rank, write) and no host sync. Returns ``(slots, status, counts,
-    placed)``: ``[n]`` int64 slots (the find's, the new lane, or -1: left), ``[n]`` int8 status
-    (0: found before, 1: the occurrence of a new key whose swap won (which one is a race), 2: its
-    other occurrences, -1: left; so ``status > 0``: inserted here), ``[3]`` int32 ``(claims,
-    claims emptied again, any left)`` (the new keys are ``counts[0] - counts[1]``), and ``[n]``
-    int64 ``placed``: the slot of each occurrence inserted here, -1 elsewhere (what an undo
-    empties). Scores are not written (a new key's score is 0, as a free slot's).
-    ``bucket_size`` <= 64. What ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured
-    (:class:`InsertFreeGraph`)."""
+    Three kernels (contest, rank, write) and no host sync; a :class:`FreeInsert`. Scores are not
+    written (a new key's score is 0, as a free slot's). ``bucket_size`` <= 64. What
+    ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured (:class:`InsertFreeGraph`)."""
     device = tags.device
     n = query.numel()
     query = query.contiguous()
-    slot = torch.empty(n, dtype=torch.int64, device=device)
+    claim = torch.empty(n, dtype=torch.int64, device=device)
     status = torch.empty(n, dtype=torch.int8, device=device)
     # One zeroed allocation (one fill): a flag byte per bucket, the claim counters (one per
     # 128-byte line), then the three int32 counts
@@ -726,21 +754,46 @@ def insert_free(
     flags = torch.zeros(start + COUNT_SPREAD * 128 + 16, dtype=torch.int8, device=device)
     overflow, spread = flags[:num_buckets], flags[start : start + COUNT_SPREAD * 128].view(torch.int32)
     counts = flags[-16:-4].view(torch.int32)
-    out, placed = torch.empty_like(slot), torch.empty_like(slot)
+    slots, inserted, placed = _outputs(torch.empty(_outputs_bytes(n), dtype=torch.uint8, device=device), n)
+    assert placed is not None
     if n:
         consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
         bsp = triton.next_power_of_2(bucket_size)
         grid = (triton.cdiv(n, block),)
         _contest_kernel[grid](
-            table_keys, tags, query, out if found is None else found.contiguous(), slot, status, overflow, counts,
-            spread, out, n, num_buckets, BSP=bsp, FIND=found is None, SPREAD=COUNT_SPREAD, **consts,
+            table_keys, tags, query, slots if found is None else found.contiguous(), claim, status, overflow,
+            counts, spread, slots, n, num_buckets, BSP=bsp, FIND=found is None, SPREAD=COUNT_SPREAD, **consts,
         )  # fmt: skip
-        _rank_kernel[grid](table_keys, tags, query, slot, status, overflow, counts, out, n, BSP=bsp, **consts)
+        _rank_kernel[grid](table_keys, tags, query, claim, status, overflow, counts, slots, n, BSP=bsp, **consts)
         _write_claims_kernel[grid](
-            table_keys, tags, query, slot, status, counts, spread, out, placed, n, BLOCK=block,
-            SPREAD=COUNT_SPREAD, num_warps=num_warps,
+            table_keys, tags, query, claim, status, counts, spread, slots, placed, inserted.view(torch.uint8), n,
+            BLOCK=block, SPREAD=COUNT_SPREAD, num_warps=num_warps,
         )  # fmt: skip
-    return out, status, counts, placed
+    return FreeInsert(slots, inserted, placed, status, counts)
+
+
+class HostReadback:
+    """A few int32 values of the device read on the host without a blocking copy: :meth:`queue`
+    copies them into pinned memory and records an event; :meth:`read` waits for the event. Work
+    queued between the two runs while the host waits, not before the read. (On a CPU device,
+    where Triton's interpreter runs the kernels in development, a plain copy.)"""
+
+    def __init__(self, size: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.empty(size, dtype=torch.int32, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+
+    def queue(self, values: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
+        """Queues the copy of ``values`` (``[size]`` int32, on the device) on ``stream``, the current one."""
+        self.host.copy_(values, non_blocking=self.done is not None)
+        if self.done is not None:
+            self.done.record(stream)
+
+    def read(self) -> list[int]:
+        """The values last queued (waits for their copy)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 class InsertFreeGraph:
@@ -751,8 +804,8 @@ class InsertFreeGraph:
 
     The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
     while the index keeps them) and its own input and output buffers; :meth:`run` copies the
-    query in and returns fresh tensors. Replays are ordered on the stream of the call (a call
-    on another stream first waits for the last one's)."""
+    query in and the outputs out. Replays are ordered on the stream of the call (a call on
+    another stream first waits for the last one's)."""
 
     def __init__(self, table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, n: int):
         self.table = (table_keys, tags)
@@ -765,15 +818,25 @@ class InsertFreeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
+        # The bytes run() copies out of the outputs' one buffer (insert_free's allocation, in the
+        # graph's memory pool), with the placed slots and without
+        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(self.outputs.slots.untyped_storage())
+        self._copied = {placed: whole[: _outputs_bytes(n, placed)] for placed in (True, False)}
         self._stream = torch.cuda.current_stream(device)
 
     def run(
-        self, query: torch.Tensor, stream: Optional[torch.cuda.Stream] = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(slots, status, counts, placed)`` as :func:`insert_free` returns them. ``slots``
-        and ``placed`` are fresh tensors; ``status`` and ``counts`` are the graph's own
-        buffers, valid until the next replay queued on this stream. ``stream``: the current
-        stream, where the caller has asked for it already (the work is queued on the current one)."""
+        self,
+        query: torch.Tensor,
+        stream: Optional[torch.cuda.Stream] = None,
+        readback: Optional[HostReadback] = None,
+        placed: bool = True,
+    ) -> FreeInsert:
+        """A :class:`FreeInsert` as :func:`insert_free` returns it. ``slots``, ``inserted`` and
+        ``placed`` are fresh tensors (one copy; ``placed`` None where not asked for: a smaller
+        copy); ``status`` and ``counts`` are the graph's own buffers, valid until the next replay
+        queued on this stream. ``readback``: the counts' copy to the host is queued right after
+        the replay, before the outputs' copy. ``stream``: the current stream, where the caller
+        has asked for it already (the work is queued on the current one)."""
         if query.numel() != self.n:
             raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
         stream = stream or torch.cuda.current_stream(self.query.device)
@@ -782,8 +845,10 @@ class InsertFreeGraph:
             self._stream = stream
         self.query.copy_(query)
         self.graph.replay()
-        slot, status, counts, placed = self.outputs
-        return slot.clone(), status, counts, placed.clone()
+        if readback is not None:
+            readback.queue(self.outputs.counts, stream)
+        slots, inserted, kept = _outputs(self._copied[placed].clone(), self.n)
+        return FreeInsert(slots, inserted, kept, self.outputs.status, self.outputs.counts)
 
 
 def pooled_forward(
