@@ -33,6 +33,7 @@ import torch
 
 from dynarec.embedding.initializers import mix64
 from dynarec.embedding.step import Journal
+from dynarec.embedding.streams import current_stream
 from dynarec.kernels import cpu as cpu_kernels
 from dynarec.kernels import gpu as gpu_kernels
 
@@ -233,7 +234,7 @@ class BucketedHashIndex:
         if not only_added:
             self._displacements += 1
         if self._written is not None:  # CUDA
-            stream = stream or torch.cuda.current_stream(self.device)
+            stream = stream or current_stream(self.device)
             # One event, recorded again: a wait queued earlier keeps the record it was queued after
             self._written.record(stream)
             self._written_on = stream.stream_id
@@ -244,7 +245,7 @@ class BucketedHashIndex:
         the order is the stream's)."""
         if self._written is None or self._written_on is None:
             return
-        stream = stream or torch.cuda.current_stream(self.device)
+        stream = stream or current_stream(self.device)
         if self._written_on != stream.stream_id:
             stream.wait_event(self._written)
 
@@ -254,7 +255,7 @@ class BucketedHashIndex:
         is still reading (a find made two steps ahead, on the input stream, may still run when
         the next step inserts)."""
         if self._finds:
-            stream = stream or torch.cuda.current_stream(self.device)
+            stream = stream or current_stream(self.device)
             for stream_id, done in self._finds.items():
                 if stream_id != stream.stream_id:
                     stream.wait_event(done)
@@ -306,7 +307,7 @@ class BucketedHashIndex:
             return slots, None
         if self.device.type != "cuda":
             return self.find_reference(keys), None
-        stream = torch.cuda.current_stream(self.device)
+        stream = current_stream(self.device)
         self._after_writes(stream)
         absent = None
         if gpu_kernels.available(self.device):
@@ -511,7 +512,7 @@ class BucketedHashIndex:
         ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
         fast = self._inserts_on_gpu(kernels)
         # The current stream, asked for once: each ask costs a host call (~10 us on an H200 host)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = current_stream(self.device) if self.device.type == "cuda" else None
         self._before_write(stream)
         if fast:
             if found is None:

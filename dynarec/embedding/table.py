@@ -25,6 +25,7 @@ from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import Step, StepLifecycle
+from dynarec.embedding.streams import current_stream
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
@@ -47,7 +48,7 @@ class FoundKeys:
             self._absent = torch.empty((), dtype=absent.dtype, pin_memory=True)
             self._absent.copy_(absent, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(slots.device))
+            self._ready.record(current_stream(slots.device))
         else:
             self._absent = absent
         self._all_present: Optional[bool] = None

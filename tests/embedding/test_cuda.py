@@ -89,6 +89,21 @@ def _dynamic_collection(spec=SGD(lr=0.1)):
     return EmbeddingCollection([table], spec, device="cuda")
 
 
+def test_current_stream_is_torchs_current_stream_wrapped_once():
+    """The per-call current stream (no new Stream object each call) is torch's current stream, on
+    the main stream and inside ``torch.cuda.stream(side)``, for ``cuda`` and ``cuda:0``."""
+    from dynarec.embedding.streams import current_stream
+
+    dev = torch.device("cuda")
+    main = current_stream(dev)
+    assert main == torch.cuda.current_stream() and current_stream(dev) is main
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream(dev) == side and current_stream(torch.device("cuda", 0)) == side
+        assert current_stream(dev).cuda_stream == side.cuda_stream
+    assert current_stream(dev) is main
+
+
 def test_input_stream_find_waits_for_the_index_writes_queued_on_the_main_stream():
     """An aborted step's undo (removing the key it created) is queued behind a long kernel on the
     main stream; the next lookup's find, on the input stream, must wait for it and see no key."""
