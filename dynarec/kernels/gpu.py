@@ -709,17 +709,20 @@ class FreeInsert(NamedTuple):
     counts: torch.Tensor
 
 
-def _outputs(buffer: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(slots, inserted, placed)`` of :func:`insert_free` as views of one uint8 ``buffer``:
-    ``8n`` bytes of slots, ``n`` of flags (padded to a multiple of 8), then ``8n`` of placed
-    slots, None where the buffer ends before them (one copy moves them all, or the first two)."""
-    flags_end = 8 * n + -(-n // 8) * 8
-    placed = buffer[flags_end:].view(torch.int64) if buffer.numel() > flags_end else None
-    return buffer[: 8 * n].view(torch.int64), buffer[8 * n : 9 * n].view(torch.bool), placed
-
-
 def _outputs_bytes(n: int, placed: bool = True) -> int:
+    """Bytes of :func:`_outputs`' buffer."""
     return 8 * n + -(-n // 8) * 8 + (8 * n if placed else 0)
+
+
+def _outputs(
+    buffer: torch.Tensor, n: int, placed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(slots, inserted, placed)`` of :func:`insert_free` as views of one uint8 ``buffer``:
+    ``8n`` bytes of slots, ``n`` of flags (padded to a multiple of 8), then, with ``placed``,
+    ``8n`` of placed slots (else None): one copy moves them all, or the first two."""
+    flags_end = _outputs_bytes(n, placed=False)
+    kept = buffer[flags_end : flags_end + 8 * n].view(torch.int64) if placed else None
+    return buffer[: 8 * n].view(torch.int64), buffer[8 * n : 9 * n].view(torch.bool), kept
 
 
 def insert_free(
@@ -755,7 +758,7 @@ def insert_free(
     overflow, spread = flags[:num_buckets], flags[start : start + COUNT_SPREAD * 128].view(torch.int32)
     counts = flags[-16:-4].view(torch.int32)
     slots, inserted, placed = _outputs(torch.empty(_outputs_bytes(n), dtype=torch.uint8, device=device), n)
-    assert placed is not None
+    assert placed is not None  # (for mypy: asked for)
     if n:
         consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
         bsp = triton.next_power_of_2(bucket_size)
@@ -847,7 +850,7 @@ class InsertFreeGraph:
         self.graph.replay()
         if readback is not None:
             readback.queue(self.outputs.counts, stream)
-        slots, inserted, kept = _outputs(self._copied[placed].clone(), self.n)
+        slots, inserted, kept = _outputs(self._copied[placed].clone(), self.n, placed)
         return FreeInsert(slots, inserted, kept, self.outputs.status, self.outputs.counts)
 
 

@@ -355,6 +355,26 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
         assert torch.equal(getattr(index, name), before[name]), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_or_insert_of_no_keys_returns_empty_and_writes_nothing(device):
+    """An empty batch (a step whose feature has no ids), eager and graphed, with and without a
+    journal: empty int64 slots and bool flags, the index unchanged."""
+    from dynarec.embedding.step import Journal
+
+    index = BucketedHashIndex(8, 16, device)
+    index.find_or_insert(torch.tensor([5, 9], device=device))
+    before = index.keys.clone()
+    none = torch.empty(0, dtype=torch.int64, device=device)
+    for graph in (False, True):
+        for journal in (None, Journal()):
+            slots, inserted = index.find_or_insert(none, journal, graph=graph)
+            assert slots.dtype == torch.int64 and inserted.dtype == torch.bool
+            assert slots.numel() == inserted.numel() == 0
+            if journal is not None:
+                journal.undo()
+    assert index.size == 2 and torch.equal(index.keys, before)
+
+
 @needs_cuda
 def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors():
     """Batches of two sizes, in turns, into two equal indexes (keys drawn from 8,192 values: later
