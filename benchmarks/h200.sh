@@ -61,6 +61,22 @@
 #            revision, twice in turn; the host's costs; the fixed step's profile and overlap
 #   round10e the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, three times
 #            in turn; the host's costs
+#   round11  the CUDA tests but the fused update's; the insert's kernels of .prev/ and of this revision under
+#            Nsight Compute; hash-find of .prev/, of .dbg/pack/ (one output copy, the counts read while it runs)
+#            and of this revision (also the contest's hint to the rank kernel), twice in turn; the host's costs
+#   round11b the CUDA tests but the fused update's; the insert's kernels of .dbg/pack/ and of this revision (the
+#            rank kernel writing the placed slots, the write kernel only moving keys) under Nsight Compute;
+#            hash-find of .dbg/pack/, of this revision and of .prev/ in turns; dynamic-step at 4.2M ids of this
+#            revision and of .dbg/prio/ (the input stream at the main stream's priority), twice in turn
+#   round11c the CUDA tests but the fused update's; the write kernel by block and warps under Nsight Compute
+#            (.dbg/tune_write.py, not kept: it set the module's WRITE_BLOCK / WRITE_WARPS); hash-find of .dbg/pack/
+#            and of this revision, twice in turn; the host's costs
+#   round11d the device timeline of the graphed find_or_insert (.dbg/timeline.py, not kept: CUDA events around the
+#            graph's replay, real clocks, warm caches) of .prev/, .dbg/pack/, .dbg/hint/ (the contest's hint to the
+#            rank kernel) and .dbg/rankw/ (the rank kernel writing the placed slots), twice in turn; hash-find of each
+#   round11e the CUDA tests but the fused update's; hash-find of .prev/ and of this revision (also the current
+#            stream's wrapper made once), three times in turn; the host's costs (with the graphed call's timeline)
+#   round11f fused-step and dynamic-step (1M ids a step, where the host bounds the step) of .prev/ and of this revision
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -132,11 +148,15 @@ hash_find_prev_now() {
 }
 
 insert_kernels='_contest_kernel|_rank_kernel|_write_claims_kernel'
-site_of() {  # the PYTHONPATH of .prev/ or of this revision
-    if [ "$1" = prev ]; then echo "/tmp/site:$PWD/.prev"; else echo "/tmp/site:$PWD"; fi
+site_of() {  # the PYTHONPATH of this revision ("now"), of .prev/ ("prev"), or of a variant copied to .dbg/NAME/
+    case $1 in
+    now) echo "/tmp/site:$PWD" ;;
+    prev) echo "/tmp/site:$PWD/.prev" ;;
+    *) echo "/tmp/site:$PWD/.dbg/$1" ;;
+    esac
 }
 
-# hash-find's load 0.5 line of .prev/ or of this revision, in the order given ("prev" / "now")
+# hash-find's load 0.5 line of the revisions given, in that order (site_of's names)
 hash_find_turns() {
     local who
     for who in "$@"; do
@@ -383,6 +403,57 @@ round10e)
     cuda_tests index
     hash_find_turns prev now prev now prev now
     timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    ;;
+round11)
+    cuda_tests index
+    for who in prev now; do
+        echo "## $who"
+        PYTHONPATH=$(site_of $who) timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats \
+            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
+            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy"
+    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+    hash_find_turns prev pack now prev pack now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    ;;
+round11b)
+    cuda_tests index
+    for who in pack now; do
+        echo "## $who"
+        PYTHONPATH=$(site_of $who) timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats \
+            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
+            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy"
+    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+    hash_find_turns pack now pack now prev now
+    for who in now prio now prio; do
+        echo "## $who, 4.2M ids a step"
+        PYTHONPATH=$(site_of $who) timeout 100 python3 -m dynarec bench dynamic-step --device cuda --rows 10000000 \
+            --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7
+    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round11c)
+    cuda_tests index
+    PYTHONPATH=$(site_of now) timeout 150 ncu -k regex:_write_claims_kernel --section SpeedOfLight \
+        python3 .dbg/tune_write.py 2>&1 | grep -E "^CONFIG|Duration" | tee "$out/ncu-write-h200.txt"
+    hash_find_turns pack now pack now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    ;;
+round11d)
+    for run in 1 2; do
+        for who in prev pack hint rankw; do
+            PYTHONPATH=$(site_of $who) timeout 100 python3 .dbg/timeline.py $who
+        done
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/timeline-h200.txt"
+    hash_find_turns prev pack hint rankw
+    ;;
+round11e)
+    cuda_tests index
+    hash_find_turns prev now prev now prev now
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    ;;
+round11f)
+    steps_prev_now prev now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round9d)
     cuda_tests index
