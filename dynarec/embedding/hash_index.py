@@ -511,7 +511,7 @@ class BucketedHashIndex:
         """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds;
         ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
         fast = self._inserts_on_gpu(kernels)
-        # The current stream, asked for once: each ask costs a host call (~10 us on an H200 host)
+        # The current stream, asked for once and passed on (each ask is a host call)
         stream = current_stream(self.device) if self.device.type == "cuda" else None
         self._before_write(stream)
         if fast:
@@ -522,7 +522,9 @@ class BucketedHashIndex:
                 # the counts' copy queued before the outputs' one, which runs while the host waits
                 first = self._graph(keys.numel()).run(keys, stream, readback, placed=journal is not None)
             else:
-                first = gpu_kernels.insert_free(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found)
+                first = gpu_kernels.insert_free(
+                    self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found, placed=journal is not None
+                )
                 readback.queue(first.counts, stream)
             slots, inserted = first.slots, first.inserted
             self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap

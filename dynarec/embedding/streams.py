@@ -47,9 +47,10 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` for the per-call paths (finds, inserts, a step's
     input stage). That builds a new ``Stream`` object each call, 5–7 us of host time on the
     H200 machines, while the GPU may wait for the host; here the current stream's id is asked
-    for (``torch._C._cuda_getCurrentStream``, what it calls first) and the wrapper of each
-    (device, stream id) is made once. A wrapper is only the id and the device: two wrappers of
-    one id are the same stream."""
+    for (``torch._C._cuda_getCurrentStream``, what it calls once CUDA is initialized: the
+    callers hold CUDA tensors) and the wrapper of each (device, stream id) is made once. A
+    wrapper is only the id and the device: two wrappers of one id are the same stream. (Streams
+    made and dropped by the thousand would each keep one small entry here.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
     stream = _CURRENT.get((device_index, stream_id))

@@ -315,14 +315,15 @@ if HAVE_TRITON:
     @triton.jit
     def _write_claims_kernel(
         keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, spread_ptr, out_ptr, placed_ptr,
-        inserted_ptr, n, BLOCK: tl.constexpr, SPREAD: tl.constexpr,
+        inserted_ptr, n, BLOCK: tl.constexpr, SPREAD: tl.constexpr, PLACED: tl.constexpr,
     ):  # fmt: skip
         # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
         # lane, and the key too where that is not the lane it claimed (every claimed lane is some
         # key's final lane: each is written once); per new key of an overflowed bucket (6): its
         # claimed lane emptied again (counted). Then the final status (4: 1, 6: -1), and each
-        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere, and whether it
-        # was (a byte). Program 0 sums the contest's claim counters into ``counts[0]``.
+        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere (PLACED: where
+        # asked for), and whether it was (a byte). Program 0 sums the contest's claim counters
+        # into ``counts[0]``.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = i < n
         status = tl.load(status_ptr + i, mask=valid, other=0)
@@ -340,7 +341,8 @@ if HAVE_TRITON:
         if tl.program_id(0) == 0:
             tl.store(counts_ptr, tl.sum(tl.load(spread_ptr + tl.arange(0, SPREAD) * 32), axis=0))
         tl.store(status_ptr + i, final, mask=moves | empties)
-        tl.store(placed_ptr + i, s, mask=valid)
+        if PLACED:
+            tl.store(placed_ptr + i, s, mask=valid)
         tl.store(inserted_ptr + i, (s >= 0).to(tl.uint8), mask=valid)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
@@ -734,6 +736,7 @@ def insert_free(
     found: Optional[torch.Tensor] = None,
     block: int = CONTEST_BLOCK,
     num_warps: int = CONTEST_WARPS,
+    placed: bool = True,
 ) -> FreeInsert:
     """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
     ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
@@ -743,7 +746,8 @@ def insert_free(
     The keys of a bucket without that room, and keys whose two buckets are full, are left (and
     key 0's bucket): the caller plans them with the keys placed here as claimed.
 
-    Three kernels (contest, rank, write) and no host sync; a :class:`FreeInsert`. Scores are not
+    Three kernels (contest, rank, write) and no host sync; a :class:`FreeInsert` (``placed``
+    False: without the placed slots, which only an undo needs). Scores are not
     written (a new key's score is 0, as a free slot's). ``bucket_size`` <= 64. What
     ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured (:class:`InsertFreeGraph`)."""
     device = tags.device
@@ -757,8 +761,8 @@ def insert_free(
     flags = torch.zeros(start + COUNT_SPREAD * 128 + 16, dtype=torch.int8, device=device)
     overflow, spread = flags[:num_buckets], flags[start : start + COUNT_SPREAD * 128].view(torch.int32)
     counts = flags[-16:-4].view(torch.int32)
-    slots, inserted, placed = _outputs(torch.empty(_outputs_bytes(n), dtype=torch.uint8, device=device), n)
-    assert placed is not None  # (for mypy: asked for)
+    outputs = torch.empty(_outputs_bytes(n, placed), dtype=torch.uint8, device=device)
+    slots, inserted, placed_slots = _outputs(outputs, n, placed)
     if n:
         consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
         bsp = triton.next_power_of_2(bucket_size)
@@ -769,10 +773,11 @@ def insert_free(
         )  # fmt: skip
         _rank_kernel[grid](table_keys, tags, query, claim, status, overflow, counts, slots, n, BSP=bsp, **consts)
         _write_claims_kernel[grid](
-            table_keys, tags, query, claim, status, counts, spread, slots, placed, inserted.view(torch.uint8), n,
-            BLOCK=block, SPREAD=COUNT_SPREAD, num_warps=num_warps,
+            table_keys, tags, query, claim, status, counts, spread, slots, slots if placed_slots is None else
+            placed_slots, inserted.view(torch.uint8), n, BLOCK=block, SPREAD=COUNT_SPREAD, PLACED=placed,
+            num_warps=num_warps,
         )  # fmt: skip
-    return FreeInsert(slots, inserted, placed, status, counts)
+    return FreeInsert(slots, inserted, placed_slots, status, counts)
 
 
 class HostReadback:
@@ -787,7 +792,8 @@ class HostReadback:
         self.done = torch.cuda.Event() if cuda else None
 
     def queue(self, values: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
-        """Queues the copy of ``values`` (``[size]`` int32, on the device) on ``stream``, the current one."""
+        """Queues the copy of ``values`` (``[size]`` int32, on the device) on the current stream,
+        which ``stream`` must be (the caller has asked for it already: the event is recorded on it)."""
         self.host.copy_(values, non_blocking=self.done is not None)
         if self.done is not None:
             self.done.record(stream)
@@ -836,10 +842,11 @@ class InsertFreeGraph:
     ) -> FreeInsert:
         """A :class:`FreeInsert` as :func:`insert_free` returns it. ``slots``, ``inserted`` and
         ``placed`` are fresh tensors (one copy; ``placed`` None where not asked for: a smaller
-        copy); ``status`` and ``counts`` are the graph's own buffers, valid until the next replay
-        queued on this stream. ``readback``: the counts' copy to the host is queued right after
-        the replay, before the outputs' copy. ``stream``: the current stream, where the caller
-        has asked for it already (the work is queued on the current one)."""
+        copy); ``status`` and ``counts`` are the graph's own buffers, valid until the next
+        replay of this graph (work queued before it, on any stream, reads them first).
+        ``readback``: the counts' copy to the host is queued right after the replay, before the
+        outputs' copy. ``stream``: the current stream, where the caller has asked for it already
+        (the work is queued on the current one)."""
         if query.numel() != self.n:
             raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
         stream = stream or torch.cuda.current_stream(self.query.device)
