@@ -77,6 +77,7 @@
 #   round11e the CUDA tests but the fused update's; hash-find of .prev/ and of this revision (also the current
 #            stream's wrapper made once), three times in turn; the host's costs (with the graphed call's timeline)
 #   round11f fused-step and dynamic-step (1M ids a step, where the host bounds the step) of .prev/ and of this revision
+#   round11g the CUDA tests but the fused update's; hash-find three times; the host's costs (the final code)
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -454,6 +455,12 @@ round11e)
     ;;
 round11f)
     steps_prev_now prev now 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round11g)
+    cuda_tests index
+    for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done 2>&1 |
+        grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
     ;;
 round9d)
     cuda_tests index
