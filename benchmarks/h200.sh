@@ -176,6 +176,19 @@ ncu_tune_insert() {
         grep -E "_kernel \(|Duration|Registers Per Thread|Achieved Occupancy"
 }
 
+# the insert's kernels (the second to fourth call of ncu_insert.py) of the revisions given (site_of's names) under
+# Nsight Compute: each kernel's duration, registers and occupancy
+ncu_insert_turns() {
+    local who
+    for who in "$@"; do
+        echo "## $who"
+        PYTHONPATH=$(site_of "$who") timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats \
+            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
+            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy"
+    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+}
+
 case $stage in
 tests)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -407,25 +420,13 @@ round10e)
     ;;
 round11)
     cuda_tests index
-    for who in prev now; do
-        echo "## $who"
-        PYTHONPATH=$(site_of $who) timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats \
-            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
-            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy"
-    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+    ncu_insert_turns prev now
     hash_find_turns prev pack now prev pack now
     timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
     ;;
 round11b)
     cuda_tests index
-    for who in pack now; do
-        echo "## $who"
-        PYTHONPATH=$(site_of $who) timeout 120 ncu -k regex:"$insert_kernels" -s 3 -c 9 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats \
-            python3 benchmarks/ncu_insert.py --calls 4 2>&1 |
-            grep -E "_kernel|Duration|Registers Per Thread|Achieved Occupancy"
-    done 2>&1 | tee "$out/ncu-insert-h200.txt"
+    ncu_insert_turns pack now
     hash_find_turns pack now pack now prev now
     for who in now prio now prio; do
         echo "## $who, 4.2M ids a step"
