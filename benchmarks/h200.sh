@@ -78,6 +78,9 @@
 #            stream's wrapper made once), three times in turn; the host's costs (with the graphed call's timeline)
 #   round11f fused-step and dynamic-step (1M ids a step, where the host bounds the step) of .prev/ and of this revision
 #   round11g the CUDA tests but the fused update's; hash-find three times; the host's costs (the final code)
+#   round11h dynamic-step at 4.2M ids of this revision, of .dbg/after/ (the input stage waits for the last step's
+#            update-run kernel: its finds run beside the crossing kernel and the next forward, not the update) and
+#            of .dbg/after1/ (the same, one batch prefetched instead of two), twice in turn
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -462,6 +465,13 @@ round11g)
     for run in 1 2 3; do timeout 100 "${dyn[@]}" hash-find --device cuda --slots $((1 << 26)); done 2>&1 |
         grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
+    ;;
+round11h)
+    for who in now after after1 now after after1; do
+        echo "## $who, 4.2M ids a step"
+        PYTHONPATH=$(site_of $who) timeout 100 python3 -m dynarec bench dynamic-step --device cuda --rows 10000000 \
+            --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7 | grep "dynamic\|fixed "
+    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round9d)
     cuda_tests index
