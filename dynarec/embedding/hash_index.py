@@ -479,7 +479,7 @@ class BucketedHashIndex:
     def _readback(self) -> gpu_kernels.HostReadback:
         """Where the GPU insert's counts come to the host (made on first use: pinned memory)."""
         if self._counts_readback is None:
-            self._counts_readback = gpu_kernels.HostReadback(3, self.device)
+            self._counts_readback = gpu_kernels.HostReadback((3,), torch.int32, self.device)
         return self._counts_readback
 
     def _graph(self, n: int) -> gpu_kernels.InsertFreeGraph:
@@ -528,7 +528,7 @@ class BucketedHashIndex:
                 readback.queue(first.counts, stream)
             slots, inserted = first.slots, first.inserted
             self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
-            claims, emptied, left = readback.read()  # the one host read
+            claims, emptied, left = readback.read().tolist()  # the one host read
             if first.placed is not None:
                 self._record_adds(journal, first.placed, some_none=True, fresh=True)
             self._size += claims - emptied

@@ -26,6 +26,7 @@ from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.embedding.streams import current_stream
+from dynarec.kernels.gpu import HostReadback
 from dynarec.optim.base import OptimizerSpec
 
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
@@ -43,23 +44,15 @@ class FoundKeys:
         self.slots = slots
         self.stamp = stamp
         absent = (slots < 0).any() if absent is None else absent
-        self._ready: Optional[torch.cuda.Event] = None
-        if absent.is_cuda:
-            self._absent = torch.empty((), dtype=absent.dtype, pin_memory=True)
-            self._absent.copy_(absent, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record(current_stream(slots.device))
-        else:
-            self._absent = absent
+        self._absent = HostReadback(tuple(absent.shape), absent.dtype, absent.device)
+        self._absent.queue(absent, current_stream(absent.device) if absent.is_cuda else None)
         self._all_present: Optional[bool] = None
 
     @property
     def all_present(self) -> bool:
         """Whether every key has a row (the one host read of a warm table's lookup)."""
         if self._all_present is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            self._all_present = not bool(self._absent)
+            self._all_present = not bool(self._absent.read())
         return self._all_present
 
 

@@ -781,28 +781,35 @@ def insert_free(
 
 
 class HostReadback:
-    """A few int32 values of the device read on the host without a blocking copy: :meth:`queue`
-    copies them into pinned memory and records an event; :meth:`read` waits for the event. Work
-    queued between the two runs while the host waits, not before the read. (On a CPU device,
-    where Triton's interpreter runs the kernels in development, a plain copy.)"""
+    """A small device tensor read on the host without a blocking copy: :meth:`queue` copies it
+    into pinned memory behind the work queued so far and records an event; :meth:`read` waits
+    for that event only. Work queued between the two runs while the host waits (or, read a step
+    later, is not waited for at all). On a CPU device (the plain-torch path, and Triton's
+    interpreter in development), the values themselves."""
 
-    def __init__(self, size: int, device: torch.device):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         cuda = device.type == "cuda"
-        self.host = torch.empty(size, dtype=torch.int32, pin_memory=cuda)
-        self.done = torch.cuda.Event() if cuda else None
+        self._pinned = torch.empty(shape, dtype=dtype, pin_memory=True) if cuda else None
+        self._done = torch.cuda.Event() if cuda else None
+        self._values: Optional[torch.Tensor] = None
 
     def queue(self, values: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
-        """Queues the copy of ``values`` (``[size]`` int32, on the device) on the current stream,
-        which ``stream`` must be (the caller has asked for it already: the event is recorded on it)."""
-        self.host.copy_(values, non_blocking=self.done is not None)
-        if self.done is not None:
-            self.done.record(stream)
+        """Queues the copy of ``values`` (this shape and dtype, on this device) on the current
+        stream, which ``stream`` must be (the caller has asked for it already: the event is
+        recorded on it)."""
+        if self._pinned is None or self._done is None:
+            self._values = values
+            return
+        self._pinned.copy_(values, non_blocking=True)
+        self._done.record(stream)
+        self._values = self._pinned
 
-    def read(self) -> list[int]:
-        """The values last queued (waits for their copy)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
+    def read(self) -> torch.Tensor:
+        """The values last queued, on the host (waits for their copy)."""
+        if self._done is not None:
+            self._done.synchronize()
+        assert self._values is not None, "read() before queue()"
+        return self._values
 
 
 class InsertFreeGraph:
