@@ -118,14 +118,13 @@ steps_prev_now() {
     done
 }
 
-# the dynamic step at 4.2M ids a step (the GPU, not the host, bounds it) of .prev/ or of this revision
+# the dynamic step at 4.2M ids a step (the GPU, not the host, bounds it) of the revisions given (site_of's names)
 dynamic_4m() {
-    local prev=(env -C .prev PYTHONPATH=/tmp/site:$PWD/.prev python3 -m dynarec bench) cmd who
+    local who
     for who in "$@"; do
-        if [ "$who" = prev ]; then cmd=("${prev[@]}"); else cmd=("${dyn[@]}"); fi
         echo "## $who, 4.2M ids a step"
-        timeout 100 "${cmd[@]}" dynamic-step --device cuda --rows 10000000 --dim 128 --bags 262144 \
-            --pooling-factor 16 --steps 10 --runs 7
+        PYTHONPATH=$(site_of "$who") timeout 100 python3 -m dynarec bench dynamic-step --device cuda \
+            --rows 10000000 --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7
     done
 }
 
@@ -431,11 +430,7 @@ round11b)
     cuda_tests index
     ncu_insert_turns pack now
     hash_find_turns pack now pack now prev now
-    for who in now prio now prio; do
-        echo "## $who, 4.2M ids a step"
-        PYTHONPATH=$(site_of $who) timeout 100 python3 -m dynarec bench dynamic-step --device cuda --rows 10000000 \
-            --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7
-    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    dynamic_4m now prio now prio 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round11c)
     cuda_tests index
@@ -467,11 +462,8 @@ round11g)
     timeout 100 python3 benchmarks/host_costs.py 2>&1 | grep -v -e Warning -e _warn_once | tee -a "$out/hash-find-h200.txt"
     ;;
 round11h)
-    for who in now after after1 now after after1; do
-        echo "## $who, 4.2M ids a step"
-        PYTHONPATH=$(site_of $who) timeout 100 python3 -m dynarec bench dynamic-step --device cuda --rows 10000000 \
-            --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7 | grep "dynamic\|fixed "
-    done 2>&1 | grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    dynamic_4m now after after1 now after after1 2>&1 | grep -e "^## " -e dynamic -e "fixed " |
+        grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
     ;;
 round9d)
     cuda_tests index
