@@ -81,8 +81,9 @@
 #   round11h dynamic-step at 4.2M ids of this revision, of .dbg/after/ (the input stage waits for the last step's
 #            update-run kernel: its finds run beside the crossing kernel and the next forward, not the update) and
 #            of .dbg/after1/ (the same, one batch prefetched instead of two), twice in turn
-#   round12  the kernels' CUDA tests; a dynamic table's find + update at 4.2M ids, per occurrence against
-#            grouped (benchmarks/grouped_find.py)
+#   round12  (since removed, with what it measured: commit 93f314d) the kernels' CUDA tests; a dynamic table's
+#            find + update at 4.2M ids, per occurrence against each distinct key found once and the update
+#            handed its grouping (benchmarks/grouped_find.py): slower
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -466,10 +467,6 @@ round11g)
 round11h)
     dynamic_4m now after after1 now after after1 2>&1 | grep -e "^## " -e dynamic -e "fixed " |
         grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
-    ;;
-round12)
-    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels 2>&1 | tail -5 | tee "$out/tests-h200.txt"
-    timeout 200 python3 benchmarks/grouped_find.py 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/grouped-h200.txt"
     ;;
 round9d)
     cuda_tests index

@@ -41,11 +41,9 @@ __all__ = [
     "FreeInsert",
     "HostReadback",
     "InsertFreeGraph",
-    "RowGroups",
     "available",
     "bag_update",
     "claim_free_slots",
-    "find_grouped",
     "find_two_choice",
     "insert_free",
     "place_keys",
@@ -367,96 +365,6 @@ if HAVE_TRITON:
             tl.store(absent_ptr, 1, mask=tl.max((valid & (slot < 0)).to(tl.int32), axis=0) > 0)
 
     @triton.jit
-    def _group_key_kernel(query_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        # A key's 32-bit group key: the high half of its mix64 hash (mix64 is a bijection, so
-        # two keys with one group key differ in the low half).
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        h = _mix64(tl.load(query_ptr + offs, mask=valid, other=0).to(tl.uint64))
-        tl.store(out_ptr + offs, (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=valid)
-
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _run_heads(sorted_ptr, p, valid):
-        """``(g, head)`` of sorted positions ``p``: their group keys and whether each starts a run
-        of equal ones."""
-        g = tl.load(sorted_ptr + p, mask=valid, other=0)
-        prev = tl.load(sorted_ptr + p - 1, mask=valid & (p > 0), other=0)
-        return g, valid & ((p == 0) | (g != prev))
-
-    @triton.jit(do_not_specialize=["num_buckets"])
-    def _find_heads_kernel(
-        keys_ptr, tags_ptr, query_ptr, order_ptr, sorted_ptr, rows_ptr, counts_ptr, n, num_buckets,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per run of equal group keys (sorted): its first occurrence's key found, the slot written
-        # at the run's first position of ``rows`` (int32); counts[0] set if one is absent.
-        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _, head = _run_heads(sorted_ptr, p, p < n)
-        q = tl.load(query_ptr + tl.load(order_ptr + p, mask=head, other=0), mask=head, other=0)
-        h = _mix64(q.to(tl.uint64))
-        b1, b2 = _buckets(h, num_buckets)
-        slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, head, BS, BSP)
-        tl.store(rows_ptr + p, slot.to(tl.int32), mask=head)
-        tl.store(counts_ptr, 1, mask=tl.max((head & (slot < 0)).to(tl.int32), axis=0) > 0)
-
-    @triton.jit(do_not_specialize=["num_buckets"])
-    def _expand_heads_kernel(
-        keys_ptr, tags_ptr, query_ptr, order_ptr, sorted_ptr, rows_ptr, slots_ptr, counts_ptr, n, num_buckets,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per sorted position: its run's first position (within the block by a running max of
-        # run starts; before the block's first start, by a search back from the block's start),
-        # its key against that position's key. The same key (every occurrence but where two keys
-        # share a group key): the run's slot, into ``slots`` (by occurrence) and ``rows``. Another
-        # key (a "minor"): found here, its slot into ``slots``, the run's into ``rows``, and its
-        # occurrence marked -(i + 1) in ``order`` (the update's minor pass takes it); counted in
-        # counts[1], counts[0] set if absent.
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        p = start + tl.arange(0, BLOCK)
-        valid = p < n
-        g0 = tl.load(sorted_ptr + start)
-        first = start  # gallop back from the block's start, then bisect: (lo, first] holds the run's start
-        lo = start - 1
-        stride = start * 0 + 1
-        going = lo >= 0
-        while going:
-            if tl.load(sorted_ptr + lo) == g0:
-                first = lo
-                stride *= 2
-                lo = first - stride
-                going = lo >= 0
-            else:
-                going = False
-        lo = tl.maximum(lo, -1)
-        while first - lo > 1:
-            mid = (lo + first) // 2
-            if tl.load(sorted_ptr + mid) == g0:
-                first = mid
-            else:
-                lo = mid
-        _, head = _run_heads(sorted_ptr, p, valid)
-        run = tl.associative_scan(tl.where(head, p, -1), 0, _max_combine)
-        run = tl.where(run >= 0, run, first)
-        i = tl.load(order_ptr + p, mask=valid, other=0)
-        q = tl.load(query_ptr + i, mask=valid, other=0)
-        qr = tl.load(query_ptr + tl.load(order_ptr + run, mask=valid, other=0), mask=valid, other=0)
-        row = tl.load(rows_ptr + run, mask=valid, other=-1)
-        minor = valid & (q != qr)
-        h = _mix64(q.to(tl.uint64))
-        b1, b2 = _buckets(h, num_buckets)
-        own = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, minor, BS, BSP)
-        tl.store(slots_ptr + i, tl.where(minor, own, row.to(tl.int64)), mask=valid)
-        tl.store(rows_ptr + p, row, mask=valid & ~head)
-        tl.store(order_ptr + p, -(i + 1), mask=minor)
-        minors = tl.sum(minor.to(tl.int32), axis=0)
-        tl.atomic_add(counts_ptr + 1, minors, mask=minors > 0)
-        tl.store(counts_ptr, 1, mask=tl.max((minor & (own < 0)).to(tl.int32), axis=0) > 0)
-
-    @triton.jit
     def _pooled_kernel(
         weight_ptr, rows_ptr, offsets_ptr, psw_ptr, out_ptr, D, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr
     ):
@@ -528,14 +436,14 @@ if HAVE_TRITON:
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
-        SKIP: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+        BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, as one [L, BLOCK_D] tile: their
         gradients gathered, summed per run of equal rows by a segmented scan, and every row whose
         run starts and ends in the block updated. A run crossing the block's start leaves its
         sum here in ``part_first``, one crossing its end in ``part_last``, for
         :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
-        ends (once per row). ``SKIP``: an occurrence marked -(i + 1) in ``order`` adds nothing."""
+        ends (once per row)."""
         b = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, L)
         p = b * L + lane
@@ -544,17 +452,12 @@ if HAVE_TRITON:
         prev = tl.load(sorted_rows_ptr + p - 1, mask=pm & (p > 0), other=-1).to(tl.int64)
         nxt = tl.load(sorted_rows_ptr + p + 1, mask=(p + 1) < n, other=-1).to(tl.int64)
         i = tl.load(order_ptr + p, mask=pm, other=0)
-        if SKIP:  # a minor (-(i + 1)): its gradient is the minor pass's
-            keep = i >= 0
-            i = tl.maximum(i, 0)
         bag = tl.load(bag_ptr + i, mask=pm, other=0)
         d = tl.arange(0, BLOCK_D)
         dm = (d < D)[None, :]
         g = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm, other=0.0)
         if HAS_W:
             g = g * tl.load(psw_ptr + i, mask=pm, other=0.0)[:, None]
-        if SKIP:
-            g = tl.where(keep[:, None], g, -0.0)  # -0.0: x + -0.0 is x, bit for bit
         starts = ((row != prev) | (lane == 0)).to(tl.int32)
         sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (L, BLOCK_D))), 0, _segmented_add)
         ends = pm & (row != nxt)  # the last occurrence of a run (sums: the run's total in the block)
@@ -581,14 +484,14 @@ if HAVE_TRITON:
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
-        SKIP: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
+        BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, read one at a time: each gradient
         row added to its run's sum in occurrence order, and a run's row updated where the run
         ends, when it began in the block. A run crossing the block's start leaves its sum in
         ``part_first``, one crossing its end in ``part_last``, for
         :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
-        ends (once per row). ``SKIP``: an occurrence marked -(i + 1) in ``order`` adds nothing."""
+        ends (once per row)."""
         b = tl.program_id(0).to(tl.int64)
         start = b * L
         end = tl.minimum(start + L, n)
@@ -601,16 +504,9 @@ if HAVE_TRITON:
         p = start
         while p < end:
             i = tl.load(order_ptr + p)
-            if SKIP:  # a minor (-(i + 1)): its gradient is the minor pass's
-                ii = tl.maximum(i, 0)
-                g = tl.load(grad_ptr + tl.load(bag_ptr + ii) * D + d, mask=dm, other=0.0)
-                if HAS_W:
-                    g = g * tl.load(psw_ptr + ii)
-                g = tl.where(i >= 0, g, -0.0)  # -0.0: x + -0.0 is x, bit for bit
-            else:
-                g = tl.load(grad_ptr + tl.load(bag_ptr + i) * D + d, mask=dm, other=0.0)
-                if HAS_W:
-                    g = g * tl.load(psw_ptr + i)
+            g = tl.load(grad_ptr + tl.load(bag_ptr + i) * D + d, mask=dm, other=0.0)
+            if HAS_W:
+                g = g * tl.load(psw_ptr + i)
             acc += g
             nxt = tl.load(sorted_rows_ptr + p + 1, mask=p + 1 < n, other=-1).to(tl.int64)
             if nxt != row:  # the run ends here
@@ -993,57 +889,6 @@ def pooled_forward(
     return out
 
 
-class RowGroups(NamedTuple):
-    """A step's occurrences already grouped by row (:func:`find_grouped`), for :func:`bag_update`.
-
-    ``order`` ``[n]`` int64: the occurrence at each grouped position, ``-(i + 1)`` for a minor
-    occurrence ``i`` (its key shares its group key with the run's key: the update takes it in a
-    second pass); ``rows`` ``[n]`` int32: the row at each position (a minor's: its run's);
-    ``minors``: how many occurrences are minor (read on the host with the find's flag)."""
-
-    order: torch.Tensor
-    rows: torch.Tensor
-    minors: int
-
-
-def find_grouped(
-    table_keys: torch.Tensor,
-    tags: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    query: torch.Tensor,
-    block: int = FIND_BLOCK,
-    num_warps: int = FIND_WARPS,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`find_two_choice` of a step's keys, each distinct key found once, and the
-    occurrences grouped by key for the update (which then sorts nothing).
-
-    The keys are sorted (stable) by a 32-bit group key (half of their hash; int32: half the
-    radix passes of an int64 sort), the first occurrence of each run of equal group keys is
-    found, and every occurrence of the run's key takes its slot. Two keys sharing a group key
-    (about U^2 / 2^33 pairs among U distinct keys) are told apart by comparing keys: an
-    occurrence of another key than its run's first is a *minor*, found on its own.
-
-    Returns ``(slots, order, rows, counts)``: ``slots`` ``[n]`` int64 by occurrence (-1:
-    absent); ``order`` and ``rows`` as :class:`RowGroups` holds them; ``counts`` ``[2]`` int32
-    on the device: ``[any key absent, minor occurrences]``. Needs a table under 2^31 slots."""
-    query = query.contiguous()
-    n, device = query.numel(), query.device
-    slots = torch.empty(n, dtype=torch.int64, device=device)
-    rows = torch.empty(n, dtype=torch.int32, device=device)
-    counts = torch.zeros(2, dtype=torch.int32, device=device)
-    if n == 0:
-        return slots, torch.empty(0, dtype=torch.int64, device=device), rows, counts
-    group = torch.empty(n, dtype=torch.int32, device=device)
-    grid = (triton.cdiv(n, block),)
-    _group_key_kernel[grid](query, group, n, BLOCK=block, num_warps=num_warps)
-    group, order = torch.sort(group, stable=True)
-    index = dict(BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), BLOCK=block, num_warps=num_warps)
-    _find_heads_kernel[grid](table_keys, tags, query, order, group, rows, counts, n, num_buckets, **index)
-    _expand_heads_kernel[grid](table_keys, tags, query, order, group, rows, slots, counts, n, num_buckets, **index)
-    return slots, order, rows, counts
-
-
 def bag_update(
     args,
     *,
@@ -1055,7 +900,6 @@ def bag_update(
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
     row_scores=None,
-    groups: Optional[RowGroups] = None,
     block: Optional[int] = None,
     kernel: Optional[str] = None,
 ) -> None:
@@ -1064,9 +908,7 @@ def bag_update(
     the row, in place.
 
     The occurrences are sorted by row once (stable; int32 keys where the table has under 2^31
-    rows: half the radix passes), or come grouped by row (``groups``: a dynamic table's
-    :func:`find_grouped`, whose minor occurrences are sorted by row and updated in a second
-    pass, with the same kernels), then cut into blocks of ``block`` occurrences (a power of
+    rows: half the radix passes), then cut into blocks of ``block`` occurrences (a power of
     two). A block's program sums its runs of equal rows (``kernel`` ``run``: one occurrence at a
     time; ``scan``: as one tile, by a segmented scan) and updates each run that starts and ends
     in it; a run crossing blocks (a hot row: a Zipf head can hold a tenth of a step's ids) is
@@ -1075,36 +917,15 @@ def bag_update(
     sum has a fixed order, no floating-point atomics, no host sync; four torch ops and two
     kernels a step. ``row_scores`` (a ``RowScores``): the block where a row's run ends also sets
     its score."""
-    n = rows.numel()
+    n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
     lengths = offsets[1:] - offsets[:-1]
     bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=n)
-    if groups is None:
-        sorted_rows, order = torch.sort(rows.to(torch.int32) if weight.shape[0] < 2**31 else rows, stable=True)
-    else:
-        order, sorted_rows = groups.order, groups.rows
-    run = dict(args=args, lr=lr, weight=weight, states=states, bag_of_id=bag_of_id, psw=per_sample_weights)
-    _update_sorted(**run, grad_out=grad_out, sorted_rows=sorted_rows, order=order, row_scores=row_scores,
-                   skip=groups is not None and groups.minors > 0, block=block, kernel=kernel)  # fmt: skip
-    if groups is not None and groups.minors:
-        marked = torch.nonzero_static(order < 0, size=groups.minors).squeeze(1)
-        minor = -order[marked] - 1
-        minor_rows, perm = torch.sort(rows[minor].to(torch.int32), stable=True)
-        _update_sorted(**run, grad_out=grad_out, sorted_rows=minor_rows, order=minor[perm], row_scores=row_scores,
-                       skip=False, block=block, kernel=kernel)  # fmt: skip
-
-
-def _update_sorted(
-    *, args, lr, weight, states, bag_of_id, psw, grad_out, sorted_rows, order, row_scores, skip, block, kernel
-) -> None:
-    """:func:`bag_update`'s kernels over occurrences grouped by row (``sorted_rows``, ``order``;
-    ``skip``: some are marked minor)."""
-    n, dim = sorted_rows.numel(), weight.shape[1]
+    sorted_rows, order = torch.sort(rows.to(torch.int32) if weight.shape[0] < 2**31 else rows, stable=True)
     s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
     grad_out = grad_out.contiguous()
-    has_w = psw is not None
-    psw = psw.contiguous() if has_w else grad_out
+    psw = per_sample_weights.contiguous() if per_sample_weights is not None else grad_out
     block_d = _block_d(dim)
     kernel = kernel or _update_kernel(block_d)
     block = block or _block_length(kernel, block_d)
@@ -1127,7 +948,7 @@ def _update_sorted(
     )
     opt = dict(OPT=args.code, WD_MODE=args.weight_decay_mode, BLOCK_D=block_d, L=block)
     scores, score = (sorted_rows, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
-    runs = dict(HAS_W=has_w, HAS_SCORES=row_scores is not None, SKIP=skip)
+    runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=row_scores is not None)
     if kernel == "run":
         _update_run_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,

@@ -6,7 +6,6 @@ import functools
 import torch
 
 from dynarec.embedding.hash_index import BucketedHashIndex, key_tags
-from dynarec.embedding.initializers import mix64
 from dynarec.kernels import gpu
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
 from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
@@ -58,86 +57,6 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
         flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
         assert torch.equal(flagged, index.find_reference(q))
         assert bool(absent) == bool((flagged < 0).any())
-
-
-def group_key_twins(count: int, seed: int = 0) -> torch.Tensor:
-    """``[count, 2]`` int64: pairs of distinct keys with one 32-bit group key (the high half of
-    their mix64 hash, ``gpu.find_grouped``'s), found by a birthday search."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        keys = torch.randint(-(2**63), 2**63 - 1, (1 << 19,), generator=g).unique()
-        high = torch.bitwise_right_shift(mix64(keys), 32)  # arithmetic shift: the sign does not matter here
-        order = torch.argsort(high, stable=True)
-        same = torch.nonzero(high[order][1:] == high[order][:-1]).flatten()
-        if same.numel() >= count:
-            return torch.stack([keys[order[same[:count]]], keys[order[same[:count] + 1]]], 1)
-
-
-def check_find_grouped(device, num_buckets=64, bucket_size=16, block=128, seed=0):
-    """``find_grouped`` against ``find_reference``: the same slots; the occurrences grouped by
-    row (each row's in occurrence order), keys sharing a group key told apart (minors), the
-    flags; then ``bag_update`` with these groups against the sorting ``bag_update``."""
-    g = torch.Generator().manual_seed(seed)
-    index = BucketedHashIndex(num_buckets, bucket_size, device)
-    twins = group_key_twins(3, seed)
-    keys = torch.cat([twins.flatten(), torch.randint(-(2**63), 2**63 - 1, (index.capacity // 2,), generator=g)])
-    index.commit(index.plan_insert(keys.to(device), allow_evict=False), torch.zeros_like(keys).to(device))
-    present = keys[index.find_reference(keys.to(device)).cpu() >= 0]
-    assert torch.isin(twins.flatten(), present).all()
-    for absent in (0, 5):  # absent keys, one of them twinned with a present key
-        pool = torch.cat([present[: 4 * present.numel() // 5], group_key_twins(1, seed + 1).flatten()[:absent]])
-        if absent:
-            pool = torch.cat([pool, torch.randint(-(2**63), 2**63 - 1, (absent,), generator=g)])
-        hot = torch.randint(0, 8, (300,), generator=g)  # a few keys of many occurrences, runs across blocks
-        query = torch.cat([pool, pool[hot], twins[:, 1].repeat(5), twins[:, 0]])
-        query = query[torch.randperm(query.numel(), generator=g)].to(device)
-        slots, order, rows, counts = gpu.find_grouped(
-            index.keys, index.tags, index.num_buckets, index.bucket_size, query, block=block
-        )
-        ref = index.find_reference(query)
-        assert torch.equal(slots, ref)
-        minor = order < 0
-        occ = torch.where(minor, -order - 1, order)
-        assert torch.equal(torch.sort(occ).values, torch.arange(query.numel(), device=device))
-        assert int(counts[0]) == int(bool((ref < 0).any()))
-        assert int(counts[1]) == int(minor.sum()) and int(counts[1]) >= 3  # each twin's second key
-        assert torch.equal(rows[~minor].long(), ref[occ[~minor]])
-        starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), rows[1:] != rows[:-1]])
-        found = rows[starts][rows[starts] >= 0]  # each row in one run (absent keys: -1, in several)
-        assert torch.unique(found).numel() == found.numel()
-        run = torch.cumsum(starts.long(), 0)
-        first = torch.nonzero(starts).flatten()[run - 1]  # each position's run start
-        assert torch.equal(minor, query[occ] != query[occ[first]])  # a minor: another key than its run's
-        kept = occ[~minor]  # a run's own occurrences in occurrence order
-        assert bool(((run[~minor][1:] != run[~minor][:-1]) | (kept[1:] > kept[:-1])).all())
-    spec = Adagrad(lr=0.2, initial_accumulator_value=0.1)
-    dim, n = 8, query.numel()
-    bags = torch.randint(0, 4, (n // 3,), generator=g)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(bags, 0)])
-    offsets = torch.cat([offsets, torch.tensor([n])]).to(device)  # the last bag takes the rest
-    keep = ref >= 0
-    query, slots = query[keep], ref[keep]  # a step's update sees rows only
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(keep.long(), 0)])[offsets]
-    _, order, rows, counts = gpu.find_grouped(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
-    groups = gpu.RowGroups(order, rows, int(counts[1]))
-    psw = torch.rand(query.numel(), generator=g).to(device)
-    grad_out = torch.randn(offsets.numel() - 1, dim, generator=g).to(device)
-    out = {}
-    ways = (("sorted", None), ("grouped", groups))
-    for kernel, (name, grouped) in [(k, way) for k in ("run", "scan") for way in ways]:
-        w = torch.randn(index.capacity, dim, generator=torch.Generator().manual_seed(9)).to(device)
-        states = {"momentum1": torch.full((index.capacity, dim), 0.1, device=device)}
-        scores = torch.zeros(index.capacity, dtype=torch.int64, device=device)
-        gpu.bag_update(
-            definition(spec).kernel(spec, 1), lr=spec.lr, weight=w, states=states, rows=slots, offsets=offsets,
-            per_sample_weights=psw, grad_out=grad_out, row_scores=RowScores(scores, 3), groups=grouped,
-            block=block, kernel=kernel,
-        )  # fmt: skip
-        out[name] = (w, states["momentum1"], scores)
-        if name == "grouped":
-            for a, b in zip(out["sorted"], out["grouped"]):
-                # One block holds every occurrence: each row's sum runs in one order both ways.
-                assert torch.equal(a, b) if block >= query.numel() else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def check_candidate_buckets(device, num_buckets):
@@ -306,8 +225,6 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_che
     check_find("cpu", num_buckets=8, bucket_size=16)
     check_find("cpu", num_buckets=3, bucket_size=4)
     check_find("cpu", num_buckets=5, bucket_size=12)
-    check_find_grouped("cpu", block=4096)
-    check_find_grouped("cpu", block=4)
     for nb in (1, 7, 1 << 20, (1 << 32) - 5):
         check_candidate_buckets("cpu", nb)
     for nb, bs, load in [(4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)]:

@@ -13,11 +13,6 @@ def test_find(num_buckets, bucket_size):
     gpu_checks.check_find("cuda", num_buckets, bucket_size)
 
 
-@pytest.mark.parametrize("block", [4, 128, 4096])
-def test_find_grouped(block):
-    gpu_checks.check_find_grouped("cuda", block=block)
-
-
 @pytest.mark.parametrize("num_buckets", [1, 7, 1 << 20, (1 << 32) - 5])
 def test_candidate_buckets(num_buckets):
     gpu_checks.check_candidate_buckets("cuda", num_buckets)
