@@ -84,6 +84,8 @@
 #   round12  (since removed, with what it measured: commit 93f314d) the kernels' CUDA tests; a dynamic table's
 #            find + update at 4.2M ids, per occurrence against each distinct key found once and the update
 #            handed its grouping (benchmarks/grouped_find.py): slower
+#   round12b the CUDA tests but the fused update's; hash-find of .prev/ and of this revision (steps 2-3 of an insert
+#            plan by the GPU kernels), twice in turn; the profile of find_or_insert at load 0.9 of each
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -467,6 +469,18 @@ round11g)
 round11h)
     dynamic_4m now after after1 now after after1 2>&1 | grep -e "^## " -e dynamic -e "fixed " |
         grep -v -e Warning -e sparse_coo | tee "$out/steps-h200.txt"
+    ;;
+round12b)
+    cuda_tests index
+    for who in prev now prev now; do
+        echo "## $who"
+        PYTHONPATH=$(site_of $who) timeout 120 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
+    for who in prev now; do
+        echo "## $who"
+        PYTHONPATH=$(site_of $who) timeout 120 python3 benchmarks/profile_insert.py --device cuda \
+            --slots $((1 << 26)) --load 0.9 --path fused --rows-shown 12
+    done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/profile-h200.txt"
     ;;
 round9d)
     cuda_tests index

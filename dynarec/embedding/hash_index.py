@@ -176,6 +176,11 @@ class _Buckets:
         return self.claimed[self.rows(slots // bs), slots % bs]
 
 
+def _wrapped(step_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Step ids as the pins hold them (modulo :data:`PIN_WRAP`)."""
+    return None if step_ids is None else step_ids % PIN_WRAP
+
+
 def _rank_within(groups: torch.Tensor) -> torch.Tensor:
     """Position of each element among the elements of its group, in input order."""
     order = torch.argsort(groups, stable=True)
@@ -392,11 +397,9 @@ class BucketedHashIndex:
             order = torch.argsort(keys, stable=True)
         if priority is not None:
             order = order[torch.argsort(-priority[order], stable=True)]
-        gpu_step1 = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
-        if gpu_step1:  # step 1 by the GPU kernels, which hash the keys themselves
-            todo = gpu_kernels.claim_free_slots(self.tags, self.num_buckets, self.bucket_size, keys, order, out)
-            if not todo.numel():
-                return InsertPlan(keys, out, empty, empty, empty, n)
+        gpu_steps = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
+        if gpu_steps:  # the three steps by the GPU kernels, which hash the keys themselves
+            return self._plan_on_gpu(keys, order, out, pinned_by, allow_evict, movable_pins, claimed)
         claimed = empty if claimed is None else claimed
         b1, b2 = (
             candidate_buckets(keys, self.num_buckets)
@@ -419,17 +422,45 @@ class BucketedHashIndex:
                 allow_evict,
             )  # fmt: skip
             return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
-        if gpu_step1:  # the working copy only of the buckets of keys left (more join as moves need them)
-            work = _Buckets(self, torch.cat([b1[todo], b2[todo]]), claimed_slots=torch.cat([out[out >= 0], claimed]))
-        else:
-            work = _Buckets(self, torch.cat([b1, b2]), claimed_slots=claimed)
-            todo = self._claim_free_slots(work, order, b1, b2, out)
+        work = _Buckets(self, torch.cat([b1, b2]), claimed_slots=claimed)
+        todo = self._claim_free_slots(work, order, b1, b2, out)
         moved_from, moved_to = empty, empty
         if todo.numel():
             todo, moved_from, moved_to = self._claim_by_moving(work, todo, b1, b2, out, move_pins, kernels)
         evicted = empty
         if todo.numel() and allow_evict:
             evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
+        # every key left after step 2 that got a slot took an evicted one
+        return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
+
+    def _plan_on_gpu(
+        self,
+        keys: torch.Tensor,
+        order: torch.Tensor,
+        out: torch.Tensor,
+        pinned_by: Optional[torch.Tensor],
+        allow_evict: bool,
+        movable_pins: Optional[torch.Tensor],
+        claimed: Optional[torch.Tensor],
+    ) -> InsertPlan:
+        """:meth:`plan_insert`'s three steps by the GPU kernels (the plain-torch rounds exactly),
+        the plan's claims kept as one bit mask a bucket."""
+        n, nb, bs = keys.numel(), self.num_buckets, self.bucket_size
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        masks = gpu_kernels.claimed_masks(nb, bs, empty if claimed is None else claimed)
+        todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
+        moved_from, moved_to, evicted = empty, empty, empty
+        if todo.numel():
+            move_pins = pinned_by
+            if pinned_by is not None and movable_pins is not None:
+                move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(pinned_by.device))]
+            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(
+                self.keys, self.tags, self.pins, masks, nb, bs, keys, todo, out, _wrapped(move_pins)
+            )
+        if todo.numel() and allow_evict:
+            evicted = gpu_kernels.claim_by_evicting(
+                self.tags, self.scores, self.pins, masks, nb, bs, keys, todo, out, _wrapped(pinned_by)
+            )
         # every key left after step 2 that got a slot took an evicted one
         return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
 

@@ -8,8 +8,9 @@ without host syncs:
 - :func:`find_two_choice`: one program per block of keys; a key reads its first bucket's 16 tag
   bytes and only then its second's, and a key only where a tag matches.
 - :func:`pooled_forward`: one program per bag, rows summed in bag order (weighted).
-- :func:`claim_free_slots`: step 1 of an insert plan (free slots in ranked rounds), the
-  plain-torch planner's slots exactly, with one host read a round;
+- :func:`claim_free_slots`, :func:`claim_by_moving`, :func:`claim_by_evicting`: the three steps
+  of an insert plan (free slots, one cuckoo move, eviction, in ranked rounds), the plain-torch
+  planner's plan exactly, the plan's claims one bit mask a bucket, one host read a round;
   :func:`place_keys`: a plan of new keys into free slots committed in one kernel.
 - :func:`bag_update`: the ids of a step sorted once (stable) and cut into fixed blocks; a block's
   runs of equal rows are summed (one occurrence at a time for wide rows, by a segmented scan of
@@ -43,7 +44,10 @@ __all__ = [
     "InsertFreeGraph",
     "available",
     "bag_update",
+    "claim_by_evicting",
+    "claim_by_moving",
     "claim_free_slots",
+    "claimed_masks",
     "find_two_choice",
     "insert_free",
     "place_keys",
@@ -185,6 +189,82 @@ if HAVE_TRITON:
         placed = valid & (lane >= 0)
         c = tl.load(sorted_ptr + i, mask=placed, other=0).to(tl.int64)
         tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
+
+    @triton.jit
+    def _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live):
+        """Where ``live``: whether ``slot``'s pin is none of the ``num_pins`` step ids (modulo
+        PIN_WRAP, as the pins hold them)."""
+        pin = tl.load(pins_ptr + slot, mask=live, other=-1)
+        ok = live
+        j = 0
+        while j < num_pins:
+            ok = ok & (pin != tl.load(pin_ids_ptr + j))
+            j += 1
+        return ok
+
+    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
+    def _move_choose_kernel(
+        keys_ptr, tags_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr, src_ptr, dst_ptr,
+        m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per key left (rank order), from the plan's state at the round's start: the first lane of
+        # its two buckets (the first bucket's lanes first) whose resident may move (occupied, not
+        # claimed, not pinned) to its own other bucket, which has a free lane: that slot, and the
+        # other bucket (-1 and num_buckets, which sorts last, where none).
+        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = p < m
+        k = tl.load(todo_ptr + p, mask=valid, other=0)
+        b1, b2 = _buckets(_mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64)), num_buckets)
+        src = tl.full([BLOCK], -1, tl.int64)
+        dst = tl.zeros([BLOCK], tl.int64) + num_buckets
+        for half in tl.static_range(2):
+            bucket = b1 if half == 0 else b2
+            claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
+            lane = 0
+            while lane < BS:
+                slot = bucket * BS + lane
+                live = valid & (src < 0) & (((claimed >> lane) & 1) == 0)
+                live = live & (tl.load(tags_ptr + slot, mask=live, other=0) != 0)
+                live = _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
+                r1, r2 = _buckets(_mix64(tl.load(keys_ptr + slot, mask=live, other=0).to(tl.uint64)), num_buckets)
+                alt = tl.where(r1 == bucket, r2, r1)
+                live = live & (alt != bucket)
+                room = tl.sum(_free_lanes(tags_ptr, claimed_ptr, alt, live, BS, BSP).to(tl.int32), axis=1) > 0
+                ok = live & room
+                src = tl.where(ok, slot, src)
+                dst = tl.where(ok, alt, dst)
+                lane += 1
+        tl.store(src_ptr + p, src, mask=valid)
+        tl.store(dst_ptr + p, dst.to(tl.int32), mask=valid)
+
+    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
+    def _evict_choose_kernel(
+        tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr, out_ptr, m,
+        num_buckets, BS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per key left (rank order): the slot of the lowest (score, slot) among the residents of
+        # its two buckets that may be evicted (occupied, not claimed, not pinned), -1 where none.
+        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = p < m
+        k = tl.load(todo_ptr + p, mask=valid, other=0)
+        b1, b2 = _buckets(_mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64)), num_buckets)
+        best = tl.full([BLOCK], -1, tl.int64)
+        best_score = tl.zeros([BLOCK], tl.int64)
+        for half in tl.static_range(2):
+            bucket = b1 if half == 0 else b2
+            claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
+            lane = 0
+            while lane < BS:
+                slot = bucket * BS + lane
+                live = valid & (((claimed >> lane) & 1) == 0)
+                live = live & (tl.load(tags_ptr + slot, mask=live, other=0) != 0)
+                live = _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
+                score = tl.load(scores_ptr + slot, mask=live, other=0)
+                better = live & ((best < 0) | (score < best_score) | ((score == best_score) & (slot < best)))
+                best = tl.where(better, slot, best)
+                best_score = tl.where(better, score, best_score)
+                lane += 1
+        tl.store(out_ptr + p, best, mask=valid)
 
     @triton.jit
     def _place_kernel(
@@ -642,7 +722,13 @@ def place_keys(
 
 
 def claim_free_slots(
-    tags: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    keys: torch.Tensor,
+    order: torch.Tensor,
+    out: torch.Tensor,
+    claimed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Step 1 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
     ``_claim_free_slots`` (and the CPU extension's): each round, every key without a slot
@@ -658,10 +744,12 @@ def claim_free_slots(
     placed does it take those for another round, which sorts only them (at load 0.5 the first
     round places nearly every key). A round that places no key ends it (every key left has two
     full buckets: a round with a live key places at least its bucket's first). ``bucket_size``
-    <= 64."""
+    <= 64. ``claimed``: the plan's claimed lanes, one int64 bit mask a bucket (:func:`claimed_masks`;
+    updated here), for steps 2-3 to go on from; zeros if None."""
     device = tags.device
     bsp = triton.next_power_of_2(bucket_size)
-    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device) if order.numel() else None
+    if claimed is None:
+        claimed = torch.zeros(num_buckets, dtype=torch.int64, device=device)
     block = 128
     consts = dict(BS=bucket_size, BSP=bsp, BLOCK=block)
     keys = keys.contiguous()
@@ -684,6 +772,142 @@ def claim_free_slots(
             break
         order = order[out[order] < 0]
     return order
+
+
+def claimed_masks(num_buckets: int, bucket_size: int, slots: torch.Tensor) -> torch.Tensor:
+    """``[num_buckets]`` int64 bit masks with the lanes of ``slots`` set (-1s and repeats
+    allowed): the claimed lanes of an insert plan that starts with ``slots`` given away."""
+    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=slots.device)
+    _mark_slots(claimed, bucket_size, slots)
+    return claimed
+
+
+def _mark_slots(claimed: torch.Tensor, bucket_size: int, slots: torch.Tensor) -> None:
+    """ORs the lanes of ``slots`` (-1: skipped) into the masks ``claimed``."""
+    if m := slots.numel():
+        lanes = torch.where(slots >= 0, slots % bucket_size, -1)
+        _mark_claimed_kernel[(triton.cdiv(m, 128),)](claimed, slots // bucket_size, lanes, m, BLOCK=128)
+
+
+def _pin_ids(pin_ids: Optional[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(ids, count)``: the pins that block, int32 on ``device`` (one unread entry if none)."""
+    if pin_ids is None or not pin_ids.numel():
+        return torch.zeros(1, dtype=torch.int32, device=device), 0
+    return pin_ids.to(device=device, dtype=torch.int32), pin_ids.numel()
+
+
+def _rank_in_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted groups, perm, first)``: a stable sort of ``groups`` and, per sorted position,
+    where its group starts (a key's rank in its group is ``i - first[i]``)."""
+    sorted_groups, perm = torch.sort(groups, stable=True)
+    return sorted_groups, perm, torch.searchsorted(sorted_groups, sorted_groups)
+
+
+def _first_in_groups(groups: torch.Tensor) -> torch.Tensor:
+    """Mask of the first element (in input order) of each group."""
+    _, perm, first = _rank_in_groups(groups)
+    out = torch.empty_like(groups, dtype=torch.bool)
+    out[perm] = first == torch.arange(groups.numel(), device=groups.device)
+    return out
+
+
+def claim_by_moving(
+    index_keys: torch.Tensor,
+    tags: torch.Tensor,
+    pins: torch.Tensor,
+    claimed: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    keys: torch.Tensor,
+    todo: torch.Tensor,
+    out: torch.Tensor,
+    pin_ids: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
+    ``_claim_by_moving``: each round, every key left (``todo``: indices into ``keys``, rank
+    order) picks the first resident of its buckets that may move to a free lane of its own
+    other bucket (from the state at the round's start); the best-ranked key of each resident,
+    then the first ``free`` of a target bucket, take it. Writes the keys' slots into ``out``,
+    claims in ``claimed``; returns ``(keys left, moved from, moved to)``, the moves in round
+    and rank order. ``pin_ids``: a resident whose pin is one of these (as ``pins`` holds step
+    ids) does not move. One host read a round."""
+    device = tags.device
+    bsp = triton.next_power_of_2(bucket_size)
+    pin_ids, num_pins = _pin_ids(pin_ids, device)
+    block = 64
+    froms, tos = [], []
+    while (m := todo.numel()) > 0:
+        grid = (triton.cdiv(m, block),)
+        src = torch.empty(m, dtype=torch.int64, device=device)
+        dst = torch.empty(m, dtype=torch.int32, device=device)
+        _move_choose_kernel[grid](
+            index_keys, tags, claimed, pins, pin_ids, num_pins, keys, todo, src, dst, m, num_buckets,
+            BS=bucket_size, BSP=bsp, BLOCK=block,
+        )  # fmt: skip
+        # one mover a resident (the best-ranked), then as many a target bucket as it has free lanes
+        dst = torch.where(_first_in_groups(src) & (src >= 0), dst, num_buckets)
+        sorted_dst, perm, first = _rank_in_groups(dst)
+        lane = torch.empty(m, dtype=torch.int64, device=device)
+        at = torch.full((m,), -1, dtype=torch.int64, device=device)
+        placed = torch.zeros(1, dtype=torch.int32, device=device)
+        _claim_kernel[grid](
+            tags, claimed, sorted_dst, perm, first, torch.arange(m, device=device), at, lane, placed, m, num_buckets,
+            BS=bucket_size, BSP=bsp, BLOCK=block,
+        )  # fmt: skip
+        _mark_claimed_kernel[grid](claimed, sorted_dst, lane, m, BLOCK=block)
+        moved = at >= 0
+        _mark_slots(claimed, bucket_size, torch.where(moved, src, -1))
+        out[todo] = torch.where(moved, src, out[todo])
+        k = int(placed)  # the one host read: none when no key has a resident to move, or none fits
+        if k == 0:
+            break
+        at_moved = torch.nonzero_static(moved, size=k).squeeze(1)  # sizes known: no more host reads
+        froms.append(src[at_moved])
+        tos.append(at[at_moved])
+        todo = todo[torch.nonzero_static(~moved, size=m - k).squeeze(1)]
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return todo, (torch.cat(froms) if froms else empty), (torch.cat(tos) if tos else empty)
+
+
+def claim_by_evicting(
+    tags: torch.Tensor,
+    scores: torch.Tensor,
+    pins: torch.Tensor,
+    claimed: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    keys: torch.Tensor,
+    todo: torch.Tensor,
+    out: torch.Tensor,
+    pin_ids: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Step 3 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
+    ``_claim_by_evicting``: each round, every key left (rank order) picks the lowest (score,
+    slot) among the residents of its buckets that may be evicted; the best-ranked key of each
+    slot takes it, the others try again, and a key with none gives up. Writes the keys' slots
+    into ``out``, claims in ``claimed``; returns the evicted slots, in round and rank order.
+    ``pin_ids``: a resident whose pin is one of these is not evicted. One host read a round."""
+    device = tags.device
+    pin_ids, num_pins = _pin_ids(pin_ids, device)
+    block = 64
+    evicted = []
+    while (m := todo.numel()) > 0:
+        slot = torch.empty(m, dtype=torch.int64, device=device)
+        _evict_choose_kernel[(triton.cdiv(m, block),)](
+            tags, scores, claimed, pins, pin_ids, num_pins, keys, todo, slot, m, num_buckets,
+            BS=bucket_size, BLOCK=block,
+        )  # fmt: skip
+        has = slot >= 0
+        win = has & _first_in_groups(slot)
+        lost = has & ~win
+        _mark_slots(claimed, bucket_size, torch.where(win, slot, -1))
+        out[todo] = torch.where(win, slot, out[todo])
+        wins, losses = torch.stack([win.sum(), lost.sum()]).tolist()  # the one host read
+        if wins == 0:  # no key has a resident to evict
+            break
+        evicted.append(slot[torch.nonzero_static(win, size=wins).squeeze(1)])
+        todo = todo[torch.nonzero_static(lost, size=losses).squeeze(1)]
+    return torch.cat(evicted) if evicted else torch.empty(0, dtype=torch.int64, device=device)
 
 
 # Occurrences a program and warps of the insert's three kernels: Nsight Compute at locked clocks

@@ -265,7 +265,7 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
 )
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load, device):
-    """The C++ planner (steps 1-3 in one call; on a GPU, step 1's kernels and torch steps 2-3)
+    """The C++ planner (steps 1-3 in one call; on a GPU, the three steps' kernels)
     gives the plain-torch planner's plan: every slot, move and eviction, with pins that block
     moves and evictions, a movable pin, priorities, and with and without eviction."""
     from dynarec.kernels import cpu as cpu_kernels
