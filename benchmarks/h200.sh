@@ -86,6 +86,8 @@
 #            handed its grouping (benchmarks/grouped_find.py): slower
 #   round12b the CUDA tests but the fused update's; hash-find of .prev/ and of this revision (steps 2-3 of an insert
 #            plan by the GPU kernels), twice in turn; the profile of find_or_insert at load 0.9 of each
+#   round12c hash-find of .prev/ and of this revision, twice in turn, and dynamic-step at 4.2M ids of this revision and
+#            of .dbg/prio/ (the input stream at the main stream's priority), twice in turn: with -P, each of its code
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -127,8 +129,8 @@ steps_prev_now() {
 dynamic_4m() {
     local who
     for who in "$@"; do
-        echo "## $who, 4.2M ids a step"
-        PYTHONPATH=$(site_of "$who") timeout 100 python3 -m dynarec bench dynamic-step --device cuda \
+        code_of "$who"
+        PYTHONPATH=$(site_of "$who") timeout 100 python3 -P -m dynarec bench dynamic-step --device cuda \
             --rows 10000000 --dim 128 --bags 262144 --pooling-factor 16 --steps 10 --runs 7
     done
 }
@@ -156,7 +158,11 @@ hash_find_prev_now() {
 }
 
 insert_kernels='_contest_kernel|_rank_kernel|_write_claims_kernel'
-site_of() {  # the PYTHONPATH of this revision ("now"), of .prev/ ("prev"), or of a variant copied to .dbg/NAME/
+# site_of NAME: the PYTHONPATH of this revision ("now"), of .prev/ ("prev"), or of a variant copied to .dbg/NAME/.
+# A script (python3 benchmarks/x.py) then imports that dynarec; "python3 -m dynarec" needs -P, or it puts the working
+# directory (this revision) ahead of PYTHONPATH: before round 12 it did, and every "-m dynarec" run of site_of's
+# names measured this revision, whatever the name (benchmarks/results/issue12-round12-h200.txt, c3).
+site_of() {
     case $1 in
     now) echo "/tmp/site:$PWD" ;;
     prev) echo "/tmp/site:$PWD/.prev" ;;
@@ -164,13 +170,18 @@ site_of() {  # the PYTHONPATH of this revision ("now"), of .prev/ ("prev"), or o
     esac
 }
 
-# hash-find's load 0.5 line of the revisions given, in that order (site_of's names)
+# which dynarec site_of's name imports (a line of the results)
+code_of() {
+    PYTHONPATH=$(site_of "$1") python3 -P -c "import dynarec; print('## $1: dynarec from', dynarec.__path__[0])"
+}
+
+# hash-find's load lines of the revisions given, in that order (site_of's names)
 hash_find_turns() {
     local who
     for who in "$@"; do
-        echo "## $who"
-        PYTHONPATH=$(site_of "$who") timeout 100 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26)) |
-            grep "load 0.5"
+        code_of "$who"
+        PYTHONPATH=$(site_of "$who") timeout 100 python3 -P -m dynarec bench hash-find --device cuda --slots $((1 << 26)) |
+            grep "^load"
     done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
 }
 
@@ -474,13 +485,18 @@ round12b)
     cuda_tests index
     for who in prev now prev now; do
         echo "## $who"
-        PYTHONPATH=$(site_of $who) timeout 120 python3 -m dynarec bench hash-find --device cuda --slots $((1 << 26))
+        PYTHONPATH=$(site_of $who) timeout 120 python3 -P -m dynarec bench hash-find --device cuda --slots $((1 << 26))
     done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/hash-find-h200.txt"
     for who in prev now; do
         echo "## $who"
         PYTHONPATH=$(site_of $who) timeout 120 python3 benchmarks/profile_insert.py --device cuda \
             --slots $((1 << 26)) --load 0.9 --path fused --rows-shown 12
     done 2>&1 | grep -v -e Warning -e _warn_once | tee "$out/profile-h200.txt"
+    ;;
+round12c)
+    hash_find_turns prev now prev now
+    dynamic_4m now prio now prio 2>&1 | grep -e "^## " -e dynamic -e "fixed " | grep -v -e Warning -e sparse_coo |
+        tee "$out/steps-h200.txt"
     ;;
 round9d)
     cuda_tests index
