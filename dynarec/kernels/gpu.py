@@ -191,6 +191,16 @@ if HAVE_TRITON:
         tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
 
     @triton.jit
+    def _mark_slots_kernel(claimed_ptr, slots_ptr, m, BS: tl.constexpr, BLOCK: tl.constexpr):
+        # Each slot's lane (-1: none) OR-ed into its bucket's claimed mask (an integer OR: the
+        # order the atomics land in does not matter).
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(slots_ptr + i, mask=i < m, other=-1)
+        ok = s >= 0
+        s = tl.maximum(s, 0)
+        tl.atomic_or(claimed_ptr + s // BS, tl.full([BLOCK], 1, tl.int64) << (s % BS), mask=ok)
+
+    @triton.jit
     def _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live):
         """Where ``live``: whether ``slot``'s pin is none of the ``num_pins`` step ids (modulo
         PIN_WRAP, as the pins hold them)."""
@@ -783,10 +793,9 @@ def claimed_masks(num_buckets: int, bucket_size: int, slots: torch.Tensor) -> to
 
 
 def _mark_slots(claimed: torch.Tensor, bucket_size: int, slots: torch.Tensor) -> None:
-    """ORs the lanes of ``slots`` (-1: skipped) into the masks ``claimed``."""
+    """ORs the lanes of ``slots`` (int64, -1: skipped) into the masks ``claimed``."""
     if m := slots.numel():
-        lanes = torch.where(slots >= 0, slots % bucket_size, -1)
-        _mark_claimed_kernel[(triton.cdiv(m, 128),)](claimed, slots // bucket_size, lanes, m, BLOCK=128)
+        _mark_slots_kernel[(triton.cdiv(m, 256),)](claimed, slots.contiguous(), m, BS=bucket_size, BLOCK=256)
 
 
 def _pin_ids(pin_ids: Optional[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
