@@ -88,6 +88,7 @@
 #            plan by the GPU kernels), twice in turn; the profile of find_or_insert at load 0.9 of each
 #   round12c hash-find of .prev/ and of this revision, twice in turn, and dynamic-step at 4.2M ids of this revision and
 #            of .dbg/prio/ (the input stream at the main stream's priority), twice in turn: with -P, each of its code
+#   round12d the CUDA tests but the fused update's; hash-find of .prev/ and of this revision, twice in turn
 #   round9d  the CUDA tests but the fused update's; hash-find three times (its new keys now drawn on the
 #            device, which keeps the GPU from idling ~10 ms before each timed call)
 #   round9   the CUDA tests but the fused update's; hash-find three times (find_or_insert eager and
@@ -497,6 +498,10 @@ round12c)
     hash_find_turns prev now prev now
     dynamic_4m now prio now prio 2>&1 | grep -e "^## " -e dynamic -e "fixed " | grep -v -e Warning -e sparse_coo |
         tee "$out/steps-h200.txt"
+    ;;
+round12d)
+    cuda_tests index
+    hash_find_turns prev now prev now
     ;;
 round9d)
     cuda_tests index
