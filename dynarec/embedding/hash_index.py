@@ -450,17 +450,14 @@ class BucketedHashIndex:
         masks = gpu_kernels.claimed_masks(nb, bs, empty if claimed is None else claimed)
         todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
         moved_from, moved_to, evicted = empty, empty, empty
+        state = gpu_kernels.PlanState(self.keys, self.tags, self.scores, self.pins, masks, nb, bs)
         if todo.numel():
             move_pins = pinned_by
             if pinned_by is not None and movable_pins is not None:
                 move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(pinned_by.device))]
-            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(
-                self.keys, self.tags, self.pins, masks, nb, bs, keys, todo, out, _wrapped(move_pins)
-            )
+            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(state, keys, todo, out, _wrapped(move_pins))
         if todo.numel() and allow_evict:
-            evicted = gpu_kernels.claim_by_evicting(
-                self.tags, self.scores, self.pins, masks, nb, bs, keys, todo, out, _wrapped(pinned_by)
-            )
+            evicted = gpu_kernels.claim_by_evicting(state, keys, todo, out, _wrapped(pinned_by))
         # every key left after step 2 that got a slot took an evicted one
         return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
 

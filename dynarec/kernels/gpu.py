@@ -42,6 +42,7 @@ __all__ = [
     "FreeInsert",
     "HostReadback",
     "InsertFreeGraph",
+    "PlanState",
     "available",
     "bag_update",
     "claim_by_evicting",
@@ -212,20 +213,39 @@ if HAVE_TRITON:
             j += 1
         return ok
 
-    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
-    def _move_choose_kernel(
-        keys_ptr, tags_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr, src_ptr, dst_ptr,
-        m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per key left (rank order), from the plan's state at the round's start: the first lane of
-        # its two buckets (the first bucket's lanes first) whose resident may move (occupied, not
-        # claimed, not pinned) to its own other bucket, which has a free lane: that slot, and the
-        # other bucket (-1 and num_buckets, which sorts last, where none).
+    @triton.jit
+    def _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK: tl.constexpr):
+        """``(p, valid, b1, b2)``: a program's positions among the ``m`` keys left (``todo``:
+        indices into ``new_keys``) and each key's two buckets."""
         p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = p < m
         k = tl.load(todo_ptr + p, mask=valid, other=0)
         b1, b2 = _buckets(_mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64)), num_buckets)
-        src = tl.full([BLOCK], -1, tl.int64)
+        return p, valid, b1, b2
+
+    @triton.jit
+    def _displaceable(tags_ptr, pins_ptr, pin_ids_ptr, num_pins, claimed, slot, lane, live):
+        """Where ``live``: whether ``slot`` (``lane`` of a bucket whose claimed mask is
+        ``claimed``) holds a resident the plan may move or evict: not claimed, occupied, not
+        pinned."""
+        live = live & (((claimed >> lane) & 1) == 0)
+        live = live & (tl.load(tags_ptr + slot, mask=live, other=0) != 0)
+        return _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
+
+    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
+    def _displace_kernel(
+        keys_ptr, tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr,
+        slot_ptr, dst_ptr, m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, EVICT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Per key left (rank order), from the plan's state at the round's start, among the
+        # residents of its two buckets (the first bucket's lanes first) that may be displaced
+        # (occupied, not claimed, not pinned): EVICT, the lowest (score, slot); else the first
+        # that can move to a free lane of its own other bucket, and that bucket. -1 (and
+        # num_buckets, which sorts last) where none.
+        p, valid, b1, b2 = _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK)
+        best = tl.full([BLOCK], -1, tl.int64)
+        best_score = tl.zeros([BLOCK], tl.int64)
         dst = tl.zeros([BLOCK], tl.int64) + num_buckets
         for half in tl.static_range(2):
             bucket = b1 if half == 0 else b2
@@ -233,48 +253,25 @@ if HAVE_TRITON:
             lane = 0
             while lane < BS:
                 slot = bucket * BS + lane
-                live = valid & (src < 0) & (((claimed >> lane) & 1) == 0)
-                live = live & (tl.load(tags_ptr + slot, mask=live, other=0) != 0)
-                live = _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
-                r1, r2 = _buckets(_mix64(tl.load(keys_ptr + slot, mask=live, other=0).to(tl.uint64)), num_buckets)
-                alt = tl.where(r1 == bucket, r2, r1)
-                live = live & (alt != bucket)
-                room = tl.sum(_free_lanes(tags_ptr, claimed_ptr, alt, live, BS, BSP).to(tl.int32), axis=1) > 0
-                ok = live & room
-                src = tl.where(ok, slot, src)
-                dst = tl.where(ok, alt, dst)
-                lane += 1
-        tl.store(src_ptr + p, src, mask=valid)
-        tl.store(dst_ptr + p, dst.to(tl.int32), mask=valid)
-
-    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
-    def _evict_choose_kernel(
-        tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr, out_ptr, m,
-        num_buckets, BS: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per key left (rank order): the slot of the lowest (score, slot) among the residents of
-        # its two buckets that may be evicted (occupied, not claimed, not pinned), -1 where none.
-        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = p < m
-        k = tl.load(todo_ptr + p, mask=valid, other=0)
-        b1, b2 = _buckets(_mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64)), num_buckets)
-        best = tl.full([BLOCK], -1, tl.int64)
-        best_score = tl.zeros([BLOCK], tl.int64)
-        for half in tl.static_range(2):
-            bucket = b1 if half == 0 else b2
-            claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
-            lane = 0
-            while lane < BS:
-                slot = bucket * BS + lane
-                live = valid & (((claimed >> lane) & 1) == 0)
-                live = live & (tl.load(tags_ptr + slot, mask=live, other=0) != 0)
-                live = _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
-                score = tl.load(scores_ptr + slot, mask=live, other=0)
-                better = live & ((best < 0) | (score < best_score) | ((score == best_score) & (slot < best)))
+                live = valid if EVICT else valid & (best < 0)
+                live = _displaceable(tags_ptr, pins_ptr, pin_ids_ptr, num_pins, claimed, slot, lane, live)
+                if EVICT:
+                    score = tl.load(scores_ptr + slot, mask=live, other=0)
+                    better = live & ((best < 0) | (score < best_score) | ((score == best_score) & (slot < best)))
+                    best_score = tl.where(better, score, best_score)
+                else:
+                    resident = tl.load(keys_ptr + slot, mask=live, other=0)
+                    r1, r2 = _buckets(_mix64(resident.to(tl.uint64)), num_buckets)
+                    alt = tl.where(r1 == bucket, r2, r1)
+                    live = live & (alt != bucket)
+                    room = tl.sum(_free_lanes(tags_ptr, claimed_ptr, alt, live, BS, BSP).to(tl.int32), axis=1) > 0
+                    better = live & room
+                    dst = tl.where(better, alt, dst)
                 best = tl.where(better, slot, best)
-                best_score = tl.where(better, score, best_score)
                 lane += 1
-        tl.store(out_ptr + p, best, mask=valid)
+        tl.store(slot_ptr + p, best, mask=valid)
+        if not EVICT:
+            tl.store(dst_ptr + p, dst.to(tl.int32), mask=valid)
 
     @triton.jit
     def _place_kernel(
@@ -820,17 +817,22 @@ def _first_in_groups(groups: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class PlanState(NamedTuple):
+    """What steps 2-3 of an insert plan read of the index (``keys``, ``tags``, ``scores``,
+    ``pins``: its arrays), and the plan's claimed lanes (``claimed``: one int64 bit mask a
+    bucket, :func:`claimed_masks`; the steps add theirs)."""
+
+    keys: torch.Tensor
+    tags: torch.Tensor
+    scores: torch.Tensor
+    pins: torch.Tensor
+    claimed: torch.Tensor
+    num_buckets: int
+    bucket_size: int
+
+
 def claim_by_moving(
-    index_keys: torch.Tensor,
-    tags: torch.Tensor,
-    pins: torch.Tensor,
-    claimed: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    keys: torch.Tensor,
-    todo: torch.Tensor,
-    out: torch.Tensor,
-    pin_ids: Optional[torch.Tensor],
+    state: PlanState, keys: torch.Tensor, todo: torch.Tensor, out: torch.Tensor, pin_ids: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 2 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
     ``_claim_by_moving``: each round, every key left (``todo``: indices into ``keys``, rank
@@ -840,6 +842,7 @@ def claim_by_moving(
     claims in ``claimed``; returns ``(keys left, moved from, moved to)``, the moves in round
     and rank order. ``pin_ids``: a resident whose pin is one of these (as ``pins`` holds step
     ids) does not move. One host read a round."""
+    tags, claimed, num_buckets, bucket_size = state.tags, state.claimed, state.num_buckets, state.bucket_size
     device = tags.device
     bsp = triton.next_power_of_2(bucket_size)
     pin_ids, num_pins = _pin_ids(pin_ids, device)
@@ -849,9 +852,9 @@ def claim_by_moving(
         grid = (triton.cdiv(m, block),)
         src = torch.empty(m, dtype=torch.int64, device=device)
         dst = torch.empty(m, dtype=torch.int32, device=device)
-        _move_choose_kernel[grid](
-            index_keys, tags, claimed, pins, pin_ids, num_pins, keys, todo, src, dst, m, num_buckets,
-            BS=bucket_size, BSP=bsp, BLOCK=block,
+        _displace_kernel[grid](
+            state.keys, tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, src, dst, m,
+            num_buckets, BS=bucket_size, BSP=bsp, EVICT=False, BLOCK=block,
         )  # fmt: skip
         # one mover a resident (the best-ranked), then as many a target bucket as it has free lanes
         dst = torch.where(_first_in_groups(src) & (src >= 0), dst, num_buckets)
@@ -879,16 +882,7 @@ def claim_by_moving(
 
 
 def claim_by_evicting(
-    tags: torch.Tensor,
-    scores: torch.Tensor,
-    pins: torch.Tensor,
-    claimed: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    keys: torch.Tensor,
-    todo: torch.Tensor,
-    out: torch.Tensor,
-    pin_ids: Optional[torch.Tensor],
+    state: PlanState, keys: torch.Tensor, todo: torch.Tensor, out: torch.Tensor, pin_ids: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """Step 3 of ``BucketedHashIndex.plan_insert`` on the device, the rounds of its plain-torch
     ``_claim_by_evicting``: each round, every key left (rank order) picks the lowest (score,
@@ -896,15 +890,16 @@ def claim_by_evicting(
     slot takes it, the others try again, and a key with none gives up. Writes the keys' slots
     into ``out``, claims in ``claimed``; returns the evicted slots, in round and rank order.
     ``pin_ids``: a resident whose pin is one of these is not evicted. One host read a round."""
-    device = tags.device
+    claimed, num_buckets, bucket_size = state.claimed, state.num_buckets, state.bucket_size
+    device = claimed.device
     pin_ids, num_pins = _pin_ids(pin_ids, device)
     block = 64
     evicted = []
     while (m := todo.numel()) > 0:
         slot = torch.empty(m, dtype=torch.int64, device=device)
-        _evict_choose_kernel[(triton.cdiv(m, block),)](
-            tags, scores, claimed, pins, pin_ids, num_pins, keys, todo, slot, m, num_buckets,
-            BS=bucket_size, BLOCK=block,
+        _displace_kernel[(triton.cdiv(m, block),)](
+            state.keys, state.tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, slot, slot, m,
+            num_buckets, BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), EVICT=True, BLOCK=block,
         )  # fmt: skip
         has = slot >= 0
         win = has & _first_in_groups(slot)
