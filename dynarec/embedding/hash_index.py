@@ -445,9 +445,10 @@ class BucketedHashIndex:
     ) -> InsertPlan:
         """:meth:`plan_insert`'s three steps by the GPU kernels (the plain-torch rounds exactly),
         the plan's claims kept as one bit mask a bucket."""
+        keys = keys.contiguous()  # the kernels read it by index
         n, nb, bs = keys.numel(), self.num_buckets, self.bucket_size
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        masks = gpu_kernels.claimed_masks(nb, bs, empty if claimed is None else claimed)
+        masks = gpu_kernels.claimed_masks(nb, bs, empty if claimed is None else claimed.to(self.device))
         todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
         moved_from, moved_to, evicted = empty, empty, empty
         state = gpu_kernels.PlanState(self.keys, self.tags, self.scores, self.pins, masks, nb, bs)

@@ -286,11 +286,15 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
         keys = keys[index.find(keys) < 0]
         priority = torch.randint(0, 3, (keys.numel(),), generator=gen).to(device)
         pins = torch.tensor([7, 9], device=device)
+        # slots given away before the plan: free and occupied ones, -1s and a repeat
+        taken = torch.randint(0, index.capacity, (index.capacity // 8,), generator=gen)
+        claimed = torch.cat([taken, torch.tensor([-1, -1]), taken[:1]]).to(device)
         for kw in (
             dict(allow_evict=True),
             dict(allow_evict=False),
             dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
             dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
+            dict(allow_evict=True, pinned_by=pins, claimed=claimed),
         ):
             got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
             for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
@@ -298,6 +302,10 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
             assert got.num_placed == want.num_placed == int((got.slots >= 0).sum())
             moves += got.moved_from.numel()
             evictions += got.evicted_slots.numel()
+        strided = torch.stack([keys, keys], 1)[:, 0]  # a view: the kernels must not read it as contiguous
+        got, want = index.plan_insert(strided), index.plan_insert(keys, kernels=False)
+        for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), ("strided", name)
     assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving
 
 
