@@ -181,6 +181,14 @@ def _wrapped(step_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if step_ids is None else step_ids % PIN_WRAP
 
 
+def _move_pins(pinned_by: Optional[torch.Tensor], movable_pins: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The steps whose rows a plan may not move: ``pinned_by`` but ``movable_pins`` (on
+    ``pinned_by``'s device)."""
+    if pinned_by is None or movable_pins is None:
+        return pinned_by
+    return pinned_by[~torch.isin(pinned_by, movable_pins.to(pinned_by.device))]
+
+
 def _rank_within(groups: torch.Tensor) -> torch.Tensor:
     """Position of each element among the elements of its group, in input order."""
     order = torch.argsort(groups, stable=True)
@@ -408,9 +416,7 @@ class BucketedHashIndex:
         )
         if pinned_by is not None:  # the callers' step ids may be on the host: moved only now
             pinned_by = pinned_by.to(self.device)
-        move_pins = pinned_by
-        if pinned_by is not None and movable_pins is not None:
-            move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(self.device))]
+        move_pins = _move_pins(pinned_by, movable_pins)
         cpu_ops = None
         if kernels and self.device.type == "cpu" and self.bucket_size <= 64 and not claimed.numel():
             cpu_ops = cpu_kernels.ops()
@@ -452,11 +458,9 @@ class BucketedHashIndex:
         todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
         moved_from, moved_to, evicted = empty, empty, empty
         state = gpu_kernels.PlanState(self.keys, self.tags, self.scores, self.pins, masks, nb, bs)
-        if todo.numel():
-            move_pins = pinned_by
-            if pinned_by is not None and movable_pins is not None:
-                move_pins = pinned_by[~torch.isin(pinned_by, movable_pins.to(pinned_by.device))]
-            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(state, keys, todo, out, _wrapped(move_pins))
+        if todo.numel():  # the step ids, maybe on the host, go to the device only now
+            move_pins = _wrapped(_move_pins(pinned_by, movable_pins))
+            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(state, keys, todo, out, move_pins)
         if todo.numel() and allow_evict:
             evicted = gpu_kernels.claim_by_evicting(state, keys, todo, out, _wrapped(pinned_by))
         # every key left after step 2 that got a slot took an evicted one
