@@ -22,6 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[fbgemm,dev]'
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)"
 	$(PY) -c "from dynarec.kernels import cpu; cpu.build(); print('dynarec CPU kernels built')"
+	$(PY) -c "from dynarec.features import native; native.build(); print('dynarec feature-generation kernels built')"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -24,3 +24,14 @@ def _cpu_kernels_available() -> bool:
 
 
 needs_cpu_kernels = pytest.mark.skipif(not _cpu_kernels_available(), reason="dynarec's CPU extension did not build")
+
+
+def _fg_kernels_available() -> bool:
+    from dynarec.features import native
+
+    return native.available()
+
+
+needs_fg_kernels = pytest.mark.skipif(
+    not _fg_kernels_available(), reason="dynarec's feature-generation C++ extension did not build"
+)

@@ -10,6 +10,7 @@ import platform
 
 import torch
 
+from dynarec.bench.data import bench_data_stage
 from dynarec.bench.steps import bench_dynamic_step, bench_fused_step, bench_hash_find, bench_sweep
 from dynarec.bench.train import bench_train_step
 from dynarec.embedding.config import SCORE_STRATEGIES
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "hash-find": bench_hash_find,
     "sweep": bench_sweep,
     "train-step": bench_train_step,
+    "data-stage": bench_data_stage,
 }
 
 
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bags", type=int, default=4096)
     parser.add_argument("--pooling-factor", type=int, default=20)
     parser.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "rowwise_adagrad", "adam"])
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed run (data-stage: batches)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -47,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=0, help="train-step: DataLoader workers per rank")
     parser.add_argument("--users", type=int, default=20_000, help="train-step: users per rank")
     parser.add_argument("--items", type=int, default=5_000, help="train-step: items per rank")
+    parser.add_argument("--data-batch", type=int, default=4096, help="data-stage: rows per batch")
     parser.add_argument("--json", help="also write the report to this JSON file")
 
 

@@ -17,9 +17,9 @@ import torch
 
 from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceFeatureCfg
 from dynarec.embedding.jagged import JaggedBatch
+from dynarec.features import native
 from dynarec.features.expression import Expression
 from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
-from dynarec.kernels import cpu as cpu_kernels
 
 __all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
 
@@ -195,10 +195,18 @@ class BatchBuilder:
                 row = _row_of(lengths, int(pc.index(tokens.is_null(), True).as_py()))
                 raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
         elif separator is not None and _is_string(t):
-            parsed = None if f.hashed else _split_int64(col, separator)
-            if parsed is not None:  # the C++ extension's one pass
-                ids, lengths = parsed
-                return _keep_last(f, self._checked_range(f, ids, lengths, origin), lengths)
+            if f.hashed:  # the C++ extension's one pass: split and hash
+                hashed = native.split_hash(col, separator, _num_buckets(f))
+                if hashed is not None:
+                    ids, lengths, bad = hashed
+                    if bad >= 0:
+                        raise self._empty_token(f, origin, bad, separator)
+                    return _keep_last(f, ids, lengths)
+            else:  # the C++ extension's one pass: split and parse
+                parsed = native.split_parse_int64(col, separator)
+                if parsed is not None:
+                    ids, lengths = parsed
+                    return _keep_last(f, self._checked_range(f, ids, lengths, origin), lengths)
             tokens, lengths = self._split(f, col, separator, origin)
         else:
             tokens, lengths = col, np.ones(len(col), dtype=np.int64)
@@ -216,12 +224,13 @@ class BatchBuilder:
             tokens = tokens.filter(pa.array(np.repeat(~empty, per_row)))
         bad = pc.equal(pc.utf8_length(tokens), 0)
         if bad.true_count:
-            row = _row_of(lengths, int(pc.index(bad, True).as_py()))
-            raise DataError(
-                f"{self._where(f, origin, row)}: malformed multi-value field "
-                f"(empty token between '{separator}' separators)"
-            )
+            raise self._empty_token(f, origin, _row_of(lengths, int(pc.index(bad, True).as_py())), separator)
         return tokens, lengths
+
+    def _empty_token(self, f: Feature, origin: RowOrigin, row: int, separator: str) -> DataError:
+        return DataError(
+            f"{self._where(f, origin, row)}: malformed multi-value field (empty token between '{separator}' separators)"
+        )
 
     def _finite_float64(self, f: Feature, col, origin: RowOrigin, what: str = "") -> np.ndarray:
         """A number per row as float64; DataError naming the row of a missing, NaN or infinite
@@ -239,11 +248,10 @@ class BatchBuilder:
         return np.searchsorted(np.asarray(f.boundaries, dtype=np.float64), x, side="right").astype(np.int64)
 
     def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
-        dynamic = f.dynamicemb is not None
         is_string = _is_string(tokens.type)
-        if f.hashed:
+        if f.hashed:  # a string column in C++ where the extension is built; str(x) of other values
             strings = tokens if is_string else [str(x) for x in tokens.to_pylist()]
-            return to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS if dynamic else f.table_rows)
+            return to_hash_bucket_fast(strings, _num_buckets(f))
         if is_string:
             try:  # most ids have no surrounding whitespace: trim only when the plain cast fails
                 tokens = _cast_int64(tokens)
@@ -312,6 +320,8 @@ class BatchBuilder:
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:
+        """The grouped-AUC field's ids, int64 ``[B]``: integers as they are, strings hashed as a
+        dynamic table's keys (in C++ where the extension is built), other values as ``str(x)``."""
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if pa.types.is_integer(col.type):
             return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
@@ -328,19 +338,13 @@ def _row_of(lengths: np.ndarray, i: int) -> int:
     return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
 
 
-def _split_int64(col: pa.Array, separator: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """``(ids, lengths)`` of a separator-joined id column without nulls, split and parsed in one
-    pass by the C++ extension; None where it is not built or the column needs pyarrow's path
-    (whitespace, a malformed value: that path names it)."""
-    kernels = cpu_kernels.ops()
-    if kernels is None:
-        return None
-    _, offsets_buffer, data_buffer = col.buffers()
-    width = np.int64 if pa.types.is_large_string(col.type) else np.int32
-    offsets = np.frombuffer(offsets_buffer, dtype=width, count=col.offset + len(col) + 1)[col.offset :]
-    data = torch.frombuffer(data_buffer, dtype=torch.uint8) if data_buffer else torch.empty(0, dtype=torch.uint8)
-    ids, lengths, ok = kernels.split_parse_int64(data, torch.from_numpy(offsets.astype(np.int64)), separator)
-    return (ids.numpy(), lengths.numpy()) if ok else None
+def _num_buckets(f: Union[IdFeatureCfg, SequenceFeatureCfg]) -> int:
+    """What a hashed feature's fingerprints are taken modulo: a dynamic table's key range, or a
+    fixed table's rows."""
+    if f.dynamicemb is not None:
+        return DYNAMIC_KEY_BUCKETS
+    assert f.table_rows is not None  # a fixed table has its rows (the config's validation)
+    return f.table_rows
 
 
 def _cast_int64(tokens: pa.Array) -> pa.Array:

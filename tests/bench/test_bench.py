@@ -54,3 +54,15 @@ def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
     if "fbgemm" in results:
         assert results["native_over_fbgemm"] == pytest.approx(same_run_ratio(results["native"], results["fbgemm"]))
     assert 0 < results["unique_fraction"] <= 1
+
+
+def test_data_stage_times_the_native_path_against_pyarrow_on_identical_batches(tmp_path):
+    from dynarec.features import native
+
+    report = run(tmp_path, "data-stage", "--data-batch", "64", "--steps", "2", "--runs", "2")
+    result = report["results"]
+    assert result["rows_per_batch"] == 64 and result["batches_per_run"] == 2
+    assert len(result["pyarrow"]["rows_per_s_runs"]) == 2
+    if native.available():
+        assert result["identical_batches"] is True and len(result["native"]["rows_per_s_runs"]) == 2
+        assert result["native_over_pyarrow"] > 0

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
@@ -10,8 +9,8 @@ import torch
 
 from dynarec.config import config_from_dict
 from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader
-from dynarec.data import batch as batch_module
-from dynarec.features import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+from dynarec.features import DYNAMIC_KEY_BUCKETS, native, to_hash_bucket_fast
+from tests.matrix import needs_fg_kernels
 from tests.pipeline_fixtures import config_dict
 
 ROWS = {
@@ -206,34 +205,85 @@ def test_bad_expressions_are_config_errors(block, message):
         config_from_dict(c)
 
 
-def _split_and_cast(col: pa.Array, sep: str) -> tuple[np.ndarray, np.ndarray]:
-    """pyarrow's path: split, an empty field an empty list, cast."""
-    lists = pa.array([[] if s == "" else s.split(sep) for s in col.to_pylist()], pa.list_(pa.string()))
-    ids = pc.cast(lists.flatten(), pa.int64()).to_numpy(zero_copy_only=False)
-    return ids, np.diff(lists.offsets.to_numpy()).astype(np.int64)
+def hashed_builder():
+    """Every hashed feature kind: a string id of a dynamic table (also the grouped-AUC field), a
+    '|'-joined string id list of a hashed fixed table, hashed string sequences (one longer than
+    its sequence_length), an integer column hashed as str(x), a list<string> column."""
+    string_seq = {"sequence_length": 6, "embedding_dim": 4, "value_type": "string"}
+    c = config_dict(eval={"metrics": ["auc", "grouped_auc"]})
+    c["feature_configs"] += [
+        {"id_feature": {"feature_name": "tags", "embedding_dim": 4, "hash_bucket_size": 1000, "separator": "|"}},
+        {"id_feature": {"feature_name": "pair", "embedding_dim": 4, "hash_bucket_size": 97, "separator": "::"}},
+        {"id_feature": {"feature_name": "age_h", "input_name": "age", "embedding_dim": 4, "hash_bucket_size": 7}},
+        {"id_feature": {"feature_name": "words", "embedding_dim": 4, "hash_bucket_size": 50}},
+        {"sequence_feature": {"feature_name": "hist_s", "hash_bucket_size": 5000, **string_seq}},
+        {"sequence_feature": {"feature_name": "hist_d", "dynamicemb": {"max_capacity": 64}, **string_seq}},
+    ]
+    names = ["tags", "pair", "age_h", "words", "hist_s", "hist_d"]
+    c["model"]["feature_groups"][1]["feature_names"] += names
+    return BatchBuilder(config_from_dict(c))
 
 
-@pytest.mark.parametrize("sep", ["|", "::"])
+def hashed_table(rows: int, large: bool = False) -> pa.Table:
+    rng = np.random.default_rng(rows)
+    kind = pa.large_string() if large else pa.string()
+    words = ["a", "中文", "ü", "x" * 70, "tok", "😀", "0", ""]
+
+    def joined(sep: str, most: int) -> list[str]:
+        return [sep.join(rng.choice(words[:-1], size=rng.integers(0, most + 1))) for _ in range(rows)]
+
+    return pa.table(
+        {
+            "user_id": pa.array([f"u{i % 7}" for i in range(rows)], kind),
+            "age": [i % 8 for i in range(rows)],
+            "item_id": [i % 200 for i in range(rows)],
+            "cate_id": [i % 10 for i in range(rows)],
+            "hist_item_id": ["1|2"] * rows,
+            "hist_cate_id": ["3|4"] * rows,
+            "price": [1.0] * rows,
+            "clk": [i % 2 for i in range(rows)],
+            "tags": pa.array(joined("|", 4), kind),
+            "pair": pa.array(joined("::", 3), kind),
+            "words": pa.array([list(rng.choice(words, size=rng.integers(0, 3))) for _ in range(rows)]),
+            "hist_s": pa.array(joined("|", 40), kind),
+            "hist_d": pa.array(joined("|", 9), kind),
+        }
+    )
+
+
+def assert_same_batches(a, b):
+    assert a.sparse.keys() == b.sparse.keys()
+    assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+    assert torch.equal(a.groups, b.groups) and torch.equal(a.labels, b.labels)
+
+
+@needs_fg_kernels
 @pytest.mark.parametrize("large", [False, True])
-def test_the_one_pass_id_list_parser_equals_split_and_cast(sep, large):
-    if batch_module._split_int64(pa.array(["1"]), "|") is None:
-        pytest.skip("the C++ extension is not built")
-    rng = np.random.default_rng(0)
-    rows = ["", "007" + sep + "-0", str(2**63 - 1), str(-(2**63)), "5"]
-    for _ in range(300):
-        wide = rng.integers(-(2**63), 2**63 - 1, size=rng.integers(0, 5), dtype=np.int64)
-        small = rng.integers(0, 100, size=rng.integers(0, 5))
-        rows.append(sep.join(str(v) for v in [*wide, *small]))
-    col = pa.array(rows, pa.large_string() if large else pa.string()).slice(2)  # buffers start earlier
-    ids, lengths = batch_module._split_int64(col, sep)
-    want_ids, want_lengths = _split_and_cast(col, sep)
-    assert np.array_equal(ids, want_ids) and np.array_equal(lengths, want_lengths)
+def test_the_native_data_stage_builds_the_batches_of_the_pyarrow_path(large):
+    b = hashed_builder()
+    t = hashed_table(300, large)
+    for piece in (t, t.slice(17, 150), pa.concat_tables([t.slice(0, 5), t.slice(200, 60)])):
+        fast = b.build(piece, "t.parquet")
+        with native.python_path():
+            slow = b.build(piece, "t.parquet")
+        assert_same_batches(fast, slow)
+        assert int(fast.sparse.lengths().view(len(fast.sparse.keys()), -1)[-2].max()) == 6  # kept the last 6
 
 
-@pytest.mark.parametrize(
-    "field", [" 5", "5 ", "+5", "1||2", "1|", "|1", "-", "1|x", "9223372036854775808", "-9223372036854775809"]
-)
-def test_the_one_pass_parser_leaves_what_it_does_not_take_to_pyarrow(field):
-    if batch_module._split_int64(pa.array(["1"]), "|") is None:
-        pytest.skip("the C++ extension is not built")
-    assert batch_module._split_int64(pa.array(["1|2", field]), "|") is None
+@pytest.mark.parametrize("column", ["tags", "pair", "hist_s"])
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_an_empty_token_names_the_row_on_both_paths(column, where):
+    sep = "::" if column == "pair" else "|"
+    bad = {"start": sep + "a", "middle": "a" + sep + sep + "b", "end": "a" + sep}[where]
+    t = hashed_table(30)
+    values = t.column(column).to_pylist()
+    values[21] = bad
+    t = t.set_column(t.schema.get_field_index(column), column, pa.array(values)).slice(10)
+    message = (
+        rf"t.parquet, row 11: feature '{column}' \(column '{column}'\): malformed multi-value field "
+        rf"\(empty token between '{sep}' separators\)"
+    )
+    with pytest.raises(DataError, match=message):
+        hashed_builder().build(t, "t.parquet")
+    with native.python_path(), pytest.raises(DataError, match=message):
+        hashed_builder().build(t, "t.parquet")

@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -639,58 +638,6 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   return {left, to_tensor(moved_from), to_tensor(moved_to), to_tensor(evicted)};
 }
 
-// Separator-joined decimal int64 lists -> (values, lengths, ok), in one pass over a string
-// column's bytes (`data`, uint8) and offsets (`offsets`, int64 [n + 1], into data): what
-// dynarec.data.batch does with pyarrow's split_pattern + cast, for the strict common case. An
-// empty string is an empty list. ok = false at the first thing this parser does not take (an
-// empty token, anything but an optional '-' and digits, an int64 overflow): the caller then takes
-// pyarrow's path, which trims whitespace and names a malformed value.
-std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Tensor& data, const torch::Tensor& offsets,
-                                                                const std::string& sep) {
-  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kUInt8 && data.is_contiguous(),
-              "data must be contiguous uint8");
-  check_cpu_int64(offsets, "offsets");
-  TORCH_CHECK(!sep.empty(), "the separator is empty");
-  const int64_t n = offsets.numel() - 1;
-  const char* d = reinterpret_cast<const char*>(data.data_ptr<uint8_t>());
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  auto lengths = torch::empty({std::max<int64_t>(n, 0)}, offsets.options());
-  int64_t* len = lengths.data_ptr<int64_t>();
-  std::vector<int64_t> values;
-  values.reserve(n > 0 ? static_cast<size_t>(off[n] - off[0]) / 2 + 1 : 0);
-  const auto fail = [&]() { return std::make_tuple(torch::empty({0}, offsets.options()), lengths, false); };
-  constexpr uint64_t kMaxPositive = static_cast<uint64_t>(INT64_MAX);
-  for (int64_t r = 0; r < n; ++r) {
-    const char* p = d + off[r];
-    const char* const end = d + off[r + 1];
-    int64_t count = 0;
-    while (p < end) {
-      const bool negative = *p == '-';
-      if (negative) ++p;
-      const uint64_t limit = negative ? kMaxPositive + 1 : kMaxPositive;
-      const char* const digits = p;
-      uint64_t v = 0;
-      while (p < end && *p >= '0' && *p <= '9') {
-        const uint64_t digit = static_cast<uint64_t>(*p - '0');
-        if (v > (limit - digit) / 10) return fail();
-        v = v * 10 + digit;
-        ++p;
-      }
-      if (p == digits) return fail();
-      values.push_back(negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v));
-      ++count;
-      if (p == end) break;
-      if (static_cast<size_t>(end - p) < sep.size() || std::memcmp(p, sep.data(), sep.size()) != 0) return fail();
-      p += sep.size();
-      if (p == end) return fail();  // a trailing separator: an empty last token
-    }
-    len[r] = count;
-  }
-  auto out = torch::empty({static_cast<int64_t>(values.size())}, offsets.options());
-  std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
-  return std::make_tuple(out, lengths, true);
-}
-
 // t[idx[i]] = value for every i, duplicates allowed (BucketedHashIndex.touch: a step's scores);
 // one thread, in order. Returns -1, or the position of an index outside t (then nothing after it
 // is written). torch's scatter_ took 0.23 ms for 82k slots on the 2-core VM, this 0.12 ms.
@@ -723,7 +670,6 @@ std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("claim_free_slots", &claim_free_slots, "step 1 of an insert plan: free slots in ranked rounds");
   m.def("plan_insert", &plan_insert, "an insert plan's three steps: free slots, one cuckoo move, eviction");
-  m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
