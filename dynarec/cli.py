@@ -25,9 +25,6 @@ def _config_for(args):
 def cmd_make_data(args) -> None:
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise FileExistsError(f"--output-dir {args.output_dir} is a file; make-data writes a directory")
-
     spec = SyntheticSpec(
         train_rows=args.train_rows,
         eval_rows=args.eval_rows,
@@ -125,6 +122,7 @@ def cmd_predict(args) -> None:
     import pyarrow.parquet as pq
 
     from dynarec.data.reader import file_schema, read_table, resolve_files
+    from dynarec.files import atomic_path
 
     files = resolve_files(args.input)
     if Path(args.output).is_dir():
@@ -143,33 +141,54 @@ def cmd_predict(args) -> None:
         labels = [read_table(f, [label_field]).column(label_field).to_numpy() for f in files]
         columns[label_field] = pa.array(np.concatenate(labels))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns), args.output)
+    with atomic_path(Path(args.output)) as tmp:
+        pq.write_table(pa.table(columns), str(tmp))
     print(f"wrote {probs.size} predictions to {args.output}")
+
+
+def _relative_to(path: Optional[str], directory: Path) -> Optional[str]:
+    """A local ``path`` given on the command line (relative to the current directory) as the
+    written config must say it: relative to the config file's ``directory``, where dynarec
+    resolves it. Absolute paths and URLs (``odps://``) stay as they are."""
+    if path is None or "://" in path or os.path.isabs(path):
+        return path
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(directory))
 
 
 def cmd_import_config(args) -> None:
     import yaml
 
     from dynarec.config import config_from_dict
-    from dynarec.config.tzrec import convert_pipeline_config
+    from dynarec.config.textproto import TextFormatError
+    from dynarec.config.tzrec import ConversionError, convert_pipeline_config
+    from dynarec.files import atomic_write_text
 
     source = Path(args.pipeline_config)
-    result = convert_pipeline_config(
-        source.read_text(),
-        train_input_path=args.train_input_path,
-        eval_input_path=args.eval_input_path,
-        lenient=args.lenient,
-    )
+    if Path(args.output).resolve() == source.resolve():
+        raise ValueError(
+            f"-o {args.output} is the pipeline config being converted; dynarec never writes over its input"
+        )
+    try:
+        text = source.read_text()
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{source} is not UTF-8 text (byte {e.start}: a binary file?)") from None
+    output = Path(args.output)
+    try:
+        result = convert_pipeline_config(
+            text,
+            train_input_path=_relative_to(args.train_input_path, output.parent),
+            eval_input_path=_relative_to(args.eval_input_path, output.parent),
+            lenient=args.lenient,
+        )
+    except TextFormatError as e:
+        raise ConversionError(f"{source}: {e}") from None
     config_from_dict(result.config)  # what is written must load
     header = [f"# Converted by `dynarec import-config` from {source}.", "# Mapped and ignored fields:"]
     header += [f"#   {n}" for n in result.notes] or ["#   (none)"]
     if result.dropped:
         header += ["# Dropped (--lenient):"] + [f"#   {d}" for d in result.dropped]
     body = yaml.safe_dump(result.config, sort_keys=False, allow_unicode=True)
-    output = Path(args.output)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text("\n".join(header) + "\n" + body)
-    tmp.replace(output)
+    atomic_write_text(output, "\n".join(header) + "\n" + body)
     for n in result.notes:
         print(f"note: {n}")
     for d in result.dropped:
@@ -285,6 +304,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dynarec.train.checkpoint import CheckpointError
 
     try:
+        if getattr(args, "device", None):
+            from dynarec.devices import check_device
+
+            check_device(args.device)
         rc = args.run(args)  # a command that finds a problem without an error returns its status
     except (
         ValueError,
@@ -297,6 +320,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         StepFailedError,
     ) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the environment refused a read or write: a full disk, a read-only target, ...
+        from dynarec.files import describe_os_error
+
+        note = _latest_note(args) if args.command == "train" else ""
+        print(f"dynarec {args.command}: error: {describe_os_error(e)}{note}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dynarec {args.command}: interrupted{_latest_note(args)}", file=sys.stderr)

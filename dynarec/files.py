@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -19,21 +20,78 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
     "DirectoryBusyError",
     "DirectoryLock",
+    "atomic_path",
     "atomic_write_text",
+    "describe_os_error",
     "file_manifest",
     "fsync_dir",
     "read_json",
     "replace_dir",
     "sha256",
     "verify_manifest",
+    "write_bytes",
+    "write_error",
 ]
+
+
+_REASONS = {
+    errno.ENOSPC: "no space left on the device (the disk is full)",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "the file size limit is reached (ulimit -f)",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "it is a directory",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """``"<path>: <reason>"`` of an OSError, in words (the disk is full, read-only, ...)."""
+    reason = _REASONS.get(e.errno or -1) or e.strerror or str(e)
+    where = e.filename if e.filename is not None else None
+    if e.filename2 is not None:
+        where = f"{e.filename} -> {e.filename2}"
+    return f"{where}: {reason}" if where is not None else reason
+
+
+def write_error(path: Path, detail: str) -> OSError:
+    """The OSError of a write of ``path`` that failed inside a library that reports no errno
+    (torch's zip writer says "unexpected pos"): EFBIG when the file reached the process's file
+    size limit, ENOSPC when its file system has (almost) no room left, else EIO with ``detail``."""
+    import resource
+
+    size = path.stat().st_size if path.exists() else 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size + (1 << 16) >= limit:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(path))
+    try:
+        full = shutil.disk_usage(path.parent).free < (1 << 20)
+    except OSError:
+        full = False
+    if full:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return OSError(errno.EIO, f"the write failed ({detail})", str(path))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` and fsyncs it (an OSError if it cannot; a partial file is
+    removed)."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def sha256(path: Path) -> str:
@@ -61,15 +119,28 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to write; once the block ends without an error it is
+    fsynced and renamed to ``path`` (replaced whole or not at all). On an error the temporary
+    file is removed and ``path`` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replaces ``path`` by ``text`` atomically (a temporary sibling, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def file_manifest(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -120,7 +191,7 @@ def replace_dir(tmp: Path, target: Path, is_ours: Callable[[Path], bool], what: 
                 f"{target} is a non-empty directory that is not a dynarec {what}; dynarec replaces only its own "
                 f"{what}s: choose an empty or new directory"
             )
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        old = target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}")
         os.replace(target, old)
         os.replace(tmp, target)
         fsync_dir(target.parent)

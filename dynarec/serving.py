@@ -8,6 +8,7 @@ eval initializer). No optimizer state, checkpoint or trainer is involved.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Union
 
@@ -70,20 +71,46 @@ def read_export_meta(export_dir: Union[str, Path]) -> dict[str, Any]:
     return meta
 
 
+def _export_id(directory: Path) -> Any:
+    """The id in ``directory/export.json`` (unverified), or None where there is none."""
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta.get("id") if isinstance(meta, dict) else None
+
+
+def find_base(delta_dir: Path, base: dict[str, Any]) -> Path:
+    """Where the export a delta names (``base``: its id, step, and path relative to the delta)
+    is: at that path when it holds that id, else the sibling export of the delta that holds it
+    (a chain copied or moved as a whole); ExportError naming the id and step otherwise."""
+    recorded = delta_dir / str(base.get("path", ""))
+    if base.get("path") and _export_id(recorded) == base.get("id"):
+        return recorded
+    if base.get("id") is not None and delta_dir.parent.is_dir():
+        for sibling in sorted(delta_dir.parent.iterdir()):
+            if sibling.is_dir() and _export_id(sibling) == base.get("id"):
+                return sibling
+    where = (
+        f"{recorded} holds export {_export_id(recorded)}" if (recorded / META).is_file() else f"nothing at {recorded}"
+    )
+    raise ExportError(
+        f"{delta_dir}: a delta on export {base.get('id')} (step {base.get('step')}), which is neither where it was "
+        f"written ({where}) nor beside the delta; keep a delta chain's exports together"
+    )
+
+
 def export_chain(export_dir: Union[str, Path]) -> list[tuple[Path, dict[str, Any]]]:
     """``[(directory, meta), ...]`` from the full export a delta is based on, through every delta,
-    to ``export_dir``: each delta's base is the export it names (by path), and must carry the id
-    the delta recorded."""
+    to ``export_dir``: each delta's base is found by :func:`find_base` (its recorded relative
+    path, else among the delta's siblings by id)."""
     chain = [(Path(export_dir), read_export_meta(export_dir))]
     while chain[0][1].get("kind") == "delta":
         directory, meta = chain[0]
         base = meta.get("base") or {}
-        base_dir = Path(base.get("path", ""))
-        if not (base_dir / META).is_file():
-            raise ExportError(
-                f"{directory}: a delta on export {base.get('id')} (step {base.get('step')}), which is not at "
-                f"{base_dir} any more; keep the base exports of a delta chain where they were written"
-            )
+        base_dir = find_base(directory, base)
+        if any(base_dir.resolve() == d.resolve() for d, _ in chain):
+            raise ExportError(f"{directory}: its base chain loops back to {base_dir}")
         base_meta = read_export_meta(base_dir)
         if base_meta.get("id") != base.get("id"):
             raise ExportError(
@@ -203,7 +230,9 @@ class ExportedModel:
         dataset = ArrowBatchDataset(resolve_files(paths), builder, batch_size, self.config.data.input_type)
         dataset.check_files()
         out = [self.predict_batch(b).cpu().numpy() for b in make_loader(dataset, 0)]
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+        probs = np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+        dataset.check_scores(probs, "click probability")
+        return probs
 
 
 def export_tensors(dump: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from dynarec.config.schema import Config
 
-__all__ = ["ConfigError", "config_fingerprint", "config_from_dict", "load_config"]
+__all__ = ["ConfigError", "config_fingerprint", "config_from_dict", "load_config", "parse_yaml"]
 
 
 class ConfigError(ValueError):
@@ -55,12 +56,10 @@ def config_from_dict(
     data = dict(data)
     if base_dir is not None and isinstance(data.get("data"), Mapping):
         d = dict(data["data"])
+        resolve = lambda v: os.path.normpath(os.path.join(base_dir, v)) if isinstance(v, str) and "://" not in v else v
         for key in ("train_input_path", "eval_input_path"):
             v = d.get(key)
-            if isinstance(v, str):
-                d[key] = str(Path(base_dir) / v) if not Path(v).is_absolute() else v
-            elif isinstance(v, list):
-                d[key] = [str(Path(base_dir) / x) if isinstance(x, str) and not Path(x).is_absolute() else x for x in v]
+            d[key] = [resolve(x) for x in v] if isinstance(v, list) else resolve(v)
         data["data"] = d
     try:
         return Config.model_validate(data)
@@ -68,15 +67,63 @@ def config_from_dict(
         raise ConfigError(_format(e, source)) from None
 
 
+# Longer integers than Python converts by default (sys.int_info.default_max_str_digits).
+_MAX_DIGITS = 4300
+
+
+def _check_nodes(node: yaml.Node, path: str, source: str) -> None:
+    """ConfigError naming the field path and line of a key given twice in one mapping (YAML
+    would keep the last silently) or of an integer too long to convert."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            here = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            if key is not None and key in seen:
+                raise ConfigError(f"invalid config {source}: {here} is given twice (lines {seen[key]} and {line})")
+            if key is not None:
+                seen[key] = line
+            _check_nodes(value_node, here, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_nodes(item, f"{path}[{i}]", source)
+    elif node.tag == "tag:yaml.org,2002:int" and len(node.value) > _MAX_DIGITS:
+        raise ConfigError(
+            f"invalid config {source}: {path or '<root>'} (line {node.start_mark.line + 1}) is a "
+            f"{len(node.value)}-digit number"
+        )
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """The YAML document in ``text`` (``source`` names it in errors), refusing what PyYAML
+    would let through silently: a key given twice in one mapping."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, "", source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {source}: {e}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: Union[str, Path]) -> Config:
+    """The validated config in the YAML file ``path``; relative data paths in it are relative
+    to the file's directory (and become absolute, so they mean the same from anywhere)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in {path}: {e}") from None
-    return config_from_dict(data, source=str(path), base_dir=path.parent)
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: a binary file?)") from None
+    data = parse_yaml(text, str(path))
+    return config_from_dict(data, source=str(path), base_dir=Path(os.path.abspath(path.parent)))
 
 
 def config_fingerprint(config: Config) -> dict[str, str]:

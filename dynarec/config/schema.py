@@ -461,7 +461,9 @@ class DataCfg(Strict):
     label_field: str = "label"
     batch_size: Count = 1024
     eval_batch_size: Optional[Count] = None
-    num_workers: int = Field(0, ge=0)
+    # DataLoader workers building batches; None: automatic (0 on a CPU device, where they would
+    # compete with the step for the cores; on a GPU as many as the host spares, up to 8).
+    num_workers: Optional[int] = Field(None, ge=0)
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
 
 

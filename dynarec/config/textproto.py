@@ -75,7 +75,12 @@ def _unescape(body: str, line: int) -> str:
             i += 1 + len(m.group())
         elif nxt in "uU":
             width = 4 if nxt == "u" else 8
-            out.append(chr(int(body[i + 2 : i + 2 + width], 16)))
+            digits = body[i + 2 : i + 2 + width]
+            if not re.fullmatch(f"[0-9a-fA-F]{{{width}}}", digits) or int(digits, 16) > 0x10FFFF:
+                raise TextFormatError(
+                    f"line {line}: bad \\{nxt} escape {body[i : i + 2 + width]!r} ({width} hex digits of a code point)"
+                )
+            out.append(chr(int(digits, 16)))
             i += 2 + width
         else:
             raise TextFormatError(f"line {line}: unknown escape \\{nxt}")
@@ -97,10 +102,17 @@ def _tokens(text: str) -> list[tuple[str, str, int]]:
     return out
 
 
+# Nesting deeper than this is refused (protobuf's own parsers stop at 100 too).
+MAX_DEPTH = 100
+# Integers longer than Python converts by default (sys.int_info.default_max_str_digits).
+_MAX_DIGITS = 4300
+
+
 class _Parser:
     def __init__(self, text: str):
         self.toks = _tokens(text)
         self.i = 0
+        self.depth = 0
 
     def peek(self) -> tuple[str, str, int]:
         return self.toks[self.i] if self.i < len(self.toks) else ("eof", "", self.toks[-1][2] if self.toks else 1)
@@ -113,6 +125,15 @@ class _Parser:
         return tok
 
     def message(self, end: str | None) -> Message:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise TextFormatError(f"line {self.peek()[2]}: messages nested more than {MAX_DEPTH} deep")
+        try:
+            return self._fields(end)
+        finally:
+            self.depth -= 1
+
+    def _fields(self, end: str | None) -> Message:
         msg = Message()
         while True:
             kind, text, line = self.peek()
@@ -161,6 +182,8 @@ class _Parser:
                 value += _unescape(more[1:-1], more_line)
             return value
         if kind == "number":
+            if len(text) > _MAX_DIGITS:
+                raise TextFormatError(f"line {line}: a number of {len(text)} digits")
             t = text.rstrip("fF") if not text.lower().startswith(("0x", "-0x", "+0x")) else text
             if re.fullmatch(r"[-+]?(0[xX][0-9a-fA-F]+)", t):
                 return int(t, 16)

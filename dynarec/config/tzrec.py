@@ -55,6 +55,34 @@ class _Context:
         self.notes.append(f"{path}: {text}")
 
 
+def _integer(value: Any) -> int:
+    """``value`` if it is an int64 integer; ValueError saying why not."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {_shown(value)}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{_shown(value)} does not fit int64")
+    return value
+
+
+def _number(value: Any) -> float:
+    """``value`` as a finite float; ValueError saying why not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {_shown(value)}")
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{_shown(value)} is not a finite number")
+    return x
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it (at most 40 characters)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
+
+
 class _Reader:
     """One message being converted: every field must be taken by a handler, else it is
     refused when :meth:`done` runs (so a field nobody handles can never pass silently)."""
@@ -78,6 +106,33 @@ class _Reader:
             self.ctx.refuse(self.at(name), "expected one value")
             return default
         return values[0]
+
+    def integer(self, name: str, default: Any = None) -> Any:
+        """An integer field (``16.5``, ``"16"``, ``true`` or a number past int64 are refused by
+        path; the default, or 0, is returned in their place so conversion lists every refusal)."""
+        value = self.scalar(name, default)
+        return default if value is default else self._checked(_integer, value, self.at(name), default, 0)
+
+    def number(self, name: str, default: Any = None) -> Any:
+        """A finite number field (an integer is taken as one; ``1e999``, ``nan`` and strings are
+        refused by path)."""
+        value = self.scalar(name, default)
+        return default if value is default else self._checked(_number, value, self.at(name), default, 0.0)
+
+    def integers(self, name: str) -> list[int]:
+        """A repeated integer field; a value that is not one is refused by its path."""
+        return [self._checked(_integer, v, f"{self.at(name)}[{i}]", 0, 0) for i, v in enumerate(self.repeated(name))]
+
+    def numbers(self, name: str) -> list[float]:
+        """A repeated finite-number field; a value that is not one is refused by its path."""
+        return [self._checked(_number, v, f"{self.at(name)}[{i}]", 0.0, 0.0) for i, v in enumerate(self.repeated(name))]
+
+    def _checked(self, convert, value: Any, path: str, default: Any, fallback: Any) -> Any:
+        try:
+            return convert(value)
+        except ValueError as e:
+            self.ctx.refuse(path, str(e))
+            return fallback if default is None else default
 
     def repeated(self, name: str) -> list[Scalar]:
         self.taken.add(name)
@@ -156,25 +211,25 @@ def _lr_schedule(r: _Reader) -> dict[str, Any]:
     if name == "constant_learning_rate":
         out = {"kind": "constant"}
     elif name == "exponential_decay_learning_rate":
-        decay = s.scalar("decay_size")
+        decay = s.integer("decay_size")
         if not decay:
             r.ctx.refuse(s.at("decay_size"), "must be > 0 (TorchEasyRec divides by it)")
             decay = 1
         out = {
             "kind": "exponential_decay",
-            "decay_steps": int(decay),
-            "decay_rate": float(s.scalar("decay_factor", 0.95)),
+            "decay_steps": decay,
+            "decay_rate": s.number("decay_factor", 0.95),
             "staircase": bool(s.scalar("staircase", True)),
-            "warmup_steps": int(s.scalar("warmup_size", 0)),
-            "warmup_learning_rate": float(s.scalar("warmup_learning_rate", 0.0)),
-            "min_learning_rate": float(s.scalar("min_learning_rate", 0.0)),
+            "warmup_steps": s.integer("warmup_size", 0),
+            "warmup_learning_rate": s.number("warmup_learning_rate", 0.0),
+            "min_learning_rate": s.number("min_learning_rate", 0.0),
         }
         s.default_only("by_epoch", False, "a schedule stepped per epoch is not supported")
     elif name == "manual_step_learning_rate":
         out = {
             "kind": "manual_step",
-            "schedule_steps": [int(x) for x in s.repeated("schedule_sizes")],
-            "learning_rates": [float(x) for x in s.repeated("learning_rates")],
+            "schedule_steps": s.integers("schedule_sizes"),
+            "learning_rates": s.numbers("learning_rates"),
             "warmup": bool(s.scalar("warmup", False)),
         }
         s.default_only("by_epoch", False, "a schedule stepped per epoch is not supported")
@@ -228,19 +283,19 @@ def _sparse_optimizer(r: _Reader) -> tuple[dict[str, Any], dict[str, Any]]:
     if found is None:
         return {"sgd_optimizer": {"lr": 0.002}}, schedule
     name, o = found
-    fields: dict[str, Any] = {"lr": float(o.scalar("lr", 0.002))}
+    fields: dict[str, Any] = {"lr": o.number("lr", 0.002)}
     o.default_only("gradient_clipping", False, "gradient clipping of sparse updates is not supported")
     o.scalar("max_gradient")  # used only with gradient_clipping
     if name == "adagrad_optimizer":
-        fields["initial_accumulator_value"] = float(o.scalar("initial_accumulator_value", 0.0))
+        fields["initial_accumulator_value"] = o.number("initial_accumulator_value", 0.0)
     elif name == "adam_optimizer":
         fields.update(
-            beta1=float(o.scalar("beta1", 0.9)),
-            beta2=float(o.scalar("beta2", 0.999)),
-            weight_decay=float(o.scalar("weight_decay", 0.0)),
+            beta1=o.number("beta1", 0.9),
+            beta2=o.number("beta2", 0.999),
+            weight_decay=o.number("weight_decay", 0.0),
         )
     elif name == "rowwise_adagrad_optimizer":
-        fields["weight_decay"] = float(o.scalar("weight_decay", 0.0))
+        fields["weight_decay"] = o.number("weight_decay", 0.0)
         mode = str(o.scalar("weight_decay_mode", "NONE"))
         fields["weight_decay_mode"] = _WEIGHT_DECAY_MODES.get(mode, "none")
         if mode not in _WEIGHT_DECAY_MODES:
@@ -260,21 +315,19 @@ def _dense_optimizer(r: _Reader) -> tuple[dict[str, Any], dict[str, Any]]:
     if found is None:
         return {"adam_optimizer": {"lr": 0.002}}, schedule
     name, o = found
-    fields: dict[str, Any] = {"lr": float(o.scalar("lr", 0.002)), "weight_decay": float(o.scalar("weight_decay", 0.0))}
+    fields: dict[str, Any] = {"lr": o.number("lr", 0.002), "weight_decay": o.number("weight_decay", 0.0)}
     o.ignore("fused", "a torch kernel choice; the update is the same")
     if name == "sgd_optimizer":
-        fields["momentum"] = float(o.scalar("momentum", 0.9))  # TorchEasyRec's default, not torch's 0
+        fields["momentum"] = o.number("momentum", 0.9)  # TorchEasyRec's default, not torch's 0
         o.default_only("dampening", 0.0)
         o.default_only("nesterov", False)
     elif name == "adagrad_optimizer":
         fields.update(
-            initial_accumulator_value=float(o.scalar("initial_accumulator_value", 0.0)),
-            eps=float(o.scalar("eps", 1e-10)),
+            initial_accumulator_value=o.number("initial_accumulator_value", 0.0),
+            eps=o.number("eps", 1e-10),
         )
     elif name in ("adam_optimizer", "adamw_optimizer"):
-        fields.update(
-            beta1=float(o.scalar("beta1", 0.9)), beta2=float(o.scalar("beta2", 0.999)), eps=float(o.scalar("eps", 1e-8))
-        )
+        fields.update(beta1=o.number("beta1", 0.9), beta2=o.number("beta2", 0.999), eps=o.number("eps", 1e-8))
         o.default_only("amsgrad", False)
     else:
         r.ctx.refuse(r.at(name))
@@ -324,7 +377,7 @@ def _dynamic_initializer(r: _Reader) -> dict[str, Any]:
     mode = str(r.scalar("mode", "UNIFORM"))
     out: dict[str, Any]
     if mode == "UNIFORM":
-        lower, upper = r.scalar("lower"), r.scalar("upper")
+        lower, upper = r.number("lower"), r.number("upper")
         out = {"kind": "uniform"}  # default bound: sqrt(1 / max_capacity), dynamicemb's too
         if lower is not None or upper is not None:
             if lower is None or upper is None or not math.isclose(float(lower), -float(upper)):
@@ -332,11 +385,11 @@ def _dynamic_initializer(r: _Reader) -> dict[str, Any]:
             else:
                 out["bound"] = float(upper)
     elif mode in ("NORMAL", "TRUNCATED_NORMAL"):
-        out = {"kind": "normal" if mode == "NORMAL" else "truncated_normal", "mean": float(r.scalar("mean", 0.0))}
+        out = {"kind": "normal" if mode == "NORMAL" else "truncated_normal", "mean": r.number("mean", 0.0)}
         if r.has("std_dev"):
-            out["std"] = float(r.scalar("std_dev"))
+            out["std"] = r.number("std_dev")
     elif mode == "CONSTANT":
-        out = {"kind": "constant", "value": float(r.scalar("value", 0.0))}
+        out = {"kind": "constant", "value": r.number("value", 0.0)}
     else:
         r.ctx.refuse(r.at("mode"), f"unknown mode {mode!r}")
         out = {"kind": "uniform"}
@@ -351,9 +404,9 @@ _SCORES = {"STEP": "step", "TIMESTAMP": "timestamp", "LFU": "lfu", "NO_EVICTION"
 
 def _dynamicemb(r: _Reader, init: Optional[dict[str, Any]]) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
     """The ``dynamicemb`` block -> dynarec's (and the table initializer it carries)."""
-    out: dict[str, Any] = {"max_capacity": int(r.scalar("max_capacity", 0))}
+    out: dict[str, Any] = {"max_capacity": r.integer("max_capacity", 0)}
     if r.has("init_capacity_per_rank"):
-        out["init_capacity"] = int(r.scalar("init_capacity_per_rank"))
+        out["init_capacity"] = r.integer("init_capacity_per_rank")
         r.ctx.note(r.at("init_capacity_per_rank"), "mapped to init_capacity (the table's, on one process)")
     score = str(r.scalar("score_strategy", "STEP")).upper()
     if score in _SCORES:
@@ -361,7 +414,7 @@ def _dynamicemb(r: _Reader, init: Optional[dict[str, Any]]) -> tuple[dict[str, A
     else:
         r.ctx.refuse(r.at("score_strategy"), f"{score!r} is not supported (STEP, TIMESTAMP, LFU, NO_EVICTION are)")
     if r.has("bucket_capacity"):
-        out["bucket_size"] = int(r.scalar("bucket_capacity"))
+        out["bucket_size"] = r.integer("bucket_capacity")
     else:
         r.ctx.note(r.at("bucket_capacity"), "unset: dynarec's 16-slot buckets (dynamicemb's default is 128)")
     if (i := r.message("initializer_args")) is not None:
@@ -369,9 +422,9 @@ def _dynamicemb(r: _Reader, init: Optional[dict[str, Any]]) -> tuple[dict[str, A
     if (e := r.message("eval_initializer_args")) is not None:
         out["eval_initializer"] = _dynamic_initializer(e)
     if (a := r.message("frequency_admission_strategy")) is not None:
-        adm: dict[str, Any] = {"threshold": int(a.scalar("threshold", 1))}
+        adm: dict[str, Any] = {"threshold": a.integer("threshold", 1)}
         if a.has("counter_capacity"):
-            adm["capacity"] = int(a.scalar("counter_capacity"))
+            adm["capacity"] = a.integer("counter_capacity")
         if (ai := a.message("initializer_args")) is not None:
             adm["initializer"] = _dynamic_initializer(ai)
         a.ignore("counter_bucket_capacity", "the counter's bucket size, a layout choice")
@@ -417,7 +470,7 @@ def _id_feature(
             out["input_name"] = name_prefix + column
         else:
             out["expression"] = str(expression)
-    out["embedding_dim"] = int(r.scalar("embedding_dim", 0))
+    out["embedding_dim"] = r.integer("embedding_dim", 0)
     if r.has("embedding_name"):
         out["embedding_name"] = str(r.scalar("embedding_name"))
     init = _initializer(str(r.scalar("init_fn")), r.at("init_fn"), r.ctx) if r.has("init_fn") else None
@@ -430,9 +483,9 @@ def _id_feature(
     if len(kinds) != 1:
         r.ctx.refuse(r.path, f"give exactly one of num_buckets, hash_bucket_size, dynamicemb (got {kinds or 'none'})")
     if r.has("num_buckets"):
-        out["num_buckets"] = int(r.scalar("num_buckets"))
+        out["num_buckets"] = r.integer("num_buckets")
     if r.has("hash_bucket_size"):
-        size = int(r.scalar("hash_bucket_size"))
+        size = r.integer("hash_bucket_size")
         if mode.encoded:
             out["num_buckets"] = size
             r.ctx.note(r.at("hash_bucket_size"), "FG_NONE: the input holds bucket ids, a fixed table of that many rows")
@@ -451,7 +504,7 @@ def _id_feature(
         out["initializer"] = init
     pooling = str(r.scalar("pooling", "sum"))
     separator = r.scalar("separator", "\x1d")
-    value_dim = int(r.scalar("value_dim", 1 if sequence is not None else 0))
+    value_dim = r.integer("value_dim", 1 if sequence is not None else 0)
     if sequence is not None:
         out.update(sequence)
         if value_dim != 1:
@@ -504,7 +557,7 @@ def _raw_feature(r: _Reader, mode: _Mode) -> dict[str, Any]:
         column = {"expression": str(expression)}
     elif mode.encoded and expression is not None:
         r.ctx.note(r.at("expression"), "FG_NONE: the column named after the feature is read")
-    boundaries = [float(b) for b in r.repeated("boundaries")]
+    boundaries = r.numbers("boundaries")
     normalizer = _normalizer(str(r.scalar("normalizer")), r.at("normalizer"), r.ctx) if r.has("normalizer") else None
     if normalizer is not None and mode.encoded:
         r.ctx.note(
@@ -522,7 +575,7 @@ def _raw_feature(r: _Reader, mode: _Mode) -> dict[str, Any]:
     r.ignore("embedding_constraints", "sharding constraints; dynarec's planner shards tables")
     r.scalar("pooling")
     if boundaries:
-        out: dict[str, Any] = {"feature_name": name, **column, "embedding_dim": int(r.scalar("embedding_dim", 0))}
+        out: dict[str, Any] = {"feature_name": name, **column, "embedding_dim": r.integer("embedding_dim", 0)}
         if r.has("embedding_name"):
             out["embedding_name"] = str(r.scalar("embedding_name"))
         if r.has("init_fn"):
@@ -588,7 +641,7 @@ def _features(readers: list[_Reader], mode: _Mode) -> list[dict[str, Any]]:
             out.append(_raw_feature(f, mode))
         elif kind == "sequence_id_feature":
             seq = {
-                "sequence_length": int(f.scalar("sequence_length", 0)),
+                "sequence_length": f.integer("sequence_length", 0),
                 "separator": str(f.scalar("sequence_delim", ";")),
             }
             if not seq["sequence_length"]:
@@ -598,7 +651,7 @@ def _features(readers: list[_Reader], mode: _Mode) -> list[dict[str, Any]]:
         elif kind == "sequence_feature":
             prefix = str(f.scalar("sequence_name", "")) + "__"
             seq = {
-                "sequence_length": int(f.scalar("sequence_length", 0)),
+                "sequence_length": f.integer("sequence_length", 0),
                 "separator": str(f.scalar("sequence_delim", ";")),
             }
             f.ignore("sequence_pk", "the serving key of the sequence")
@@ -630,10 +683,10 @@ def _mlp(r: Optional[_Reader], path: str, ctx: _Context) -> list[int]:
     if r is None:
         ctx.refuse(path, "an MLP with hidden_units is needed")
         return [1]
-    units = [int(u) for u in r.repeated("hidden_units")]
+    units = r.integers("hidden_units")
     if not units:
         ctx.refuse(r.at("hidden_units"), "at least one layer is needed")
-    dropout = [float(x) for x in r.repeated("dropout_ratio")]
+    dropout = r.numbers("dropout_ratio")
     if any(dropout):
         ctx.refuse(r.at("dropout_ratio"), "dropout is not supported")
     activation = str(r.scalar("activation", "nn.ReLU"))
@@ -687,7 +740,7 @@ def _model(r: _Reader, features: list[dict[str, Any]], ctx: _Context) -> tuple[d
     m = r.message(name)
     assert m is not None
     # WIDE groups: each id feature gets a table of wide_embedding_dim of its own (TorchEasyRec).
-    wide_dim = int(m.scalar("wide_embedding_dim", 4)) if name in ("deepfm", "wide_and_deep") else 4
+    wide_dim = m.integer("wide_embedding_dim", 4) if name in ("deepfm", "wide_and_deep") else 4
     wide_init = m.scalar("wide_init_fn") if name in ("deepfm", "wide_and_deep") else None
     wide_rename = _add_wide_features(r, features, wide_dim, wide_init, ctx)
     out: dict[str, Any] = {"feature_groups": _groups(r, wide_rename)}
@@ -915,7 +968,7 @@ def convert_pipeline_config(
     eval_cfg: dict[str, Any] = {}
     if (e := top.message("eval_config")) is not None:
         if e.scalar("num_steps"):
-            eval_cfg["max_steps"] = int(e.scalar("num_steps"))
+            eval_cfg["max_steps"] = e.integer("num_steps")
         e.ignore("log_step_count_steps", "eval progress logging")
         e.default_only("use_dense_ema", False)
         e.done()
@@ -946,10 +999,11 @@ def convert_pipeline_config(
 
 def _data_config(d: _Reader, data: dict[str, Any], replaced: bool) -> _Mode:
     ctx = d.ctx
-    data["batch_size"] = int(d.scalar("batch_size", 1024))
+    data["batch_size"] = d.integer("batch_size", 1024)
     if d.has("eval_batch_size"):
-        data["eval_batch_size"] = int(d.scalar("eval_batch_size"))
-    data["num_workers"] = int(d.scalar("num_workers", 8))
+        data["eval_batch_size"] = d.integer("eval_batch_size")
+    if d.has("num_workers"):  # else dynarec's automatic count (TorchEasyRec's default, 8, suits few machines)
+        data["num_workers"] = d.integer("num_workers")
     labels = [str(x) for x in d.repeated("label_fields")]
     if len(labels) != 1:
         ctx.refuse(d.at("label_fields"), f"one label field is supported, got {labels}")
@@ -1011,17 +1065,17 @@ def _train_config(t: _Reader, train: dict[str, Any]) -> None:
         ctx.refuse(t.at("sparse_optimizer"), "a sparse optimizer is needed")
     if (dn := t.message("dense_optimizer")) is not None:
         train["dense_optimizer"], train["dense_lr_schedule"] = _dense_optimizer(dn)
-    steps, epochs = t.scalar("num_steps"), t.scalar("num_epochs")
+    steps, epochs = t.integer("num_steps"), t.integer("num_epochs")
     if steps:
-        train["num_steps"] = int(steps)
+        train["num_steps"] = steps
     if epochs:
-        train["num_epochs"] = int(epochs)
-    save = int(t.scalar("save_checkpoints_steps", 1000))
+        train["num_epochs"] = epochs
+    save = t.integer("save_checkpoints_steps", 1000)
     train["save_checkpoints_steps"] = save
     train["eval_every_steps"] = save  # TorchEasyRec evaluates after every checkpoint
     ctx.note(t.at("save_checkpoints_steps"), f"every {save} steps, with an evaluation after each (TorchEasyRec's rule)")
-    train["log_step_count_steps"] = int(t.scalar("log_step_count_steps", 100))
-    keep = int(t.scalar("keep_checkpoint_max", 0))
+    train["log_step_count_steps"] = t.integer("log_step_count_steps", 100)
+    keep = t.integer("keep_checkpoint_max", 0)
     train["keep_checkpoints"] = keep if keep > 0 else 1_000_000
     t.ignore("use_tensorboard", "dynarec always writes TensorBoard logs")
     t.ignore("tensorboard_summaries", "dynarec logs loss, learning rates and metrics")
@@ -1030,7 +1084,7 @@ def _train_config(t: _Reader, train: dict[str, Any]) -> None:
     t.default_only("cuda_matmul_allow_tf32", False)
     t.default_only("save_checkpoints_epochs", 0)
     t.default_only("mixed_precision", "")
-    gas = int(t.scalar("gradient_accumulation_steps", 0))
+    gas = t.integer("gradient_accumulation_steps", 0)
     if gas > 1:
         ctx.refuse(t.at("gradient_accumulation_steps"), "gradient accumulation is not supported")
     if (g := t.message("grad_clipping")) is not None:

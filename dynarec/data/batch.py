@@ -121,9 +121,19 @@ class BatchBuilder:
             cols.append(self.group_field)
         return list(dict.fromkeys(cols))
 
+    def csv_column_types(self) -> dict[str, pa.DataType]:
+        """Columns a CSV reader must take as strings, whatever they look like: ids (a string id
+        ``001001`` is not ``1001``, ``1e3`` is not ``1000``; an integer id never goes through a
+        float). Bucketized numbers and dense values are left to inference."""
+        return {f.column: pa.string() for f in self.sparse_features if f.boundaries is None}
+
     def check_schema(self, schema: pa.Schema, source: str) -> None:
         """Raises DataError naming the first missing column (and the feature that needs it)."""
         names = set(schema.names)
+        for column in self.columns():
+            count = schema.names.count(column)
+            if count > 1:
+                raise DataError(f"{source}: column '{column}' appears {count} times; give every column one name")
         for f in self.sparse_features + self.dense_features:
             if f.column not in names:
                 raise DataError(f"{source}: missing column '{f.column}' (feature '{f.feature_name}')")
@@ -307,7 +317,18 @@ class BatchBuilder:
                     raise DataError(f"{self._where(f, origin, i)}: log1p normalizer needs values > -1, got {x[i]}")
                 x = np.log1p(x)
             x = (x - norm.mean) / norm.std
-        return torch.from_numpy(x.astype(np.float32))
+        with np.errstate(over="ignore"):
+            x32 = x.astype(np.float32)
+        bad = np.nonzero(~np.isfinite(x32))[0]
+        if bad.size:  # finite in float64, not in the model's float32 (1e39)
+            i = int(bad[0])
+            raw = float(_float64(col, lambda k: self._where(f, origin, k), origin.label)[i])
+            shown = f"value {raw:g}" + (f" (normalized: {float(x[i]):g})" if float(x[i]) != raw else "")
+            raise DataError(
+                f"{self._where(f, origin, i)}: {shown} is beyond float32's range (about ±3.4e38); "
+                "scale the feature or give it a normalizer"
+            )
+        return torch.from_numpy(x32)
 
     def _labels(self, col, origin: RowOrigin) -> torch.Tensor:
         x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{self.label_field}'", origin.label)

@@ -8,7 +8,9 @@ DataLoader workers. A data position (epoch, rows consumed) seeks straight to its
 from __future__ import annotations
 
 import glob
+import multiprocessing
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,15 @@ from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
 
 __all__ = [
     "ArrowBatchDataset",
+    "BatchLoader",
     "DataPosition",
     "data_files",
+    "default_num_workers",
     "make_loader",
     "num_rows",
     "read_table",
     "resolve_files",
+    "worker_context",
 ]
 
 
@@ -71,30 +76,65 @@ def _file_type(path: str, input_type: Optional[str]) -> str:
     raise DataError(f"{path}: cannot tell parquet from csv; set data.input_type")
 
 
-def file_schema(path: str, input_type: Optional[str] = None) -> pa.Schema:
+ColumnTypes = Optional[dict[str, pa.DataType]]
+
+
+def file_schema(path: str, input_type: Optional[str] = None, csv_types: ColumnTypes = None) -> pa.Schema:
+    """A file's schema; a CSV file's columns named in ``csv_types`` take those types (the
+    others are inferred)."""
     if _file_type(path, input_type) == "parquet":
         try:
             return pq.read_schema(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     try:
-        with pacsv.open_csv(path) as reader:
+        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(column_types=csv_types or {})) as reader:
             return reader.schema
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
 
 
-def _record_batches(path: str, columns: list[str], input_type: Optional[str]) -> Iterator[pa.RecordBatch]:
+def _record_batches(
+    path: str, columns: list[str], input_type: Optional[str], csv_types: ColumnTypes = None
+) -> Iterator[pa.RecordBatch]:
     if _file_type(path, input_type) == "parquet":
         yield from pq.ParquetFile(path).iter_batches(batch_size=65536, columns=columns)
     else:
-        opts = pacsv.ConvertOptions(include_columns=columns, strings_can_be_null=False)
+        opts = pacsv.ConvertOptions(include_columns=columns, strings_can_be_null=False, column_types=csv_types or {})
         with pacsv.open_csv(path, convert_options=opts) as reader:
             yield from reader
 
 
 def _numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _compatible(a: pa.DataType, b: pa.DataType, csv_ids: bool) -> bool:
+    """Whether one column may have types ``a`` and ``b`` in two files: numbers of any width and
+    sign (widened); integers and strings where ``csv_ids`` (an id column of a CSV file, read as
+    strings, beside a Parquet file's integers: they parse and hash the same)."""
+    if _numeric(a) and _numeric(b):
+        return True
+    return csv_ids and {_kind(a), _kind(b)} == {"integer", "string"}
+
+
+def _kind(t: pa.DataType) -> str:
+    if pa.types.is_integer(t):
+        return "integer"
+    return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else str(t)
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """The rows of ``tables`` as one table: numbers widened; a column that is integer in one
+    table and string in another (ids from Parquet and CSV) becomes strings, as ids parse and
+    hash the same either way."""
+    for name in tables[0].column_names:
+        kinds = {_kind(t.schema.field(name).type) for t in tables}
+        if kinds == {"integer", "string"}:
+            tables = [
+                t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.string())) for t in tables
+            ]
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 def num_rows(path: str, input_type: Optional[str] = None) -> int:
@@ -112,7 +152,7 @@ def num_rows(path: str, input_type: Optional[str] = None) -> int:
 
 
 def _record_batches_from(
-    path: str, columns: list[str], input_type: Optional[str], skip: int
+    path: str, columns: list[str], input_type: Optional[str], skip: int, csv_types: ColumnTypes = None
 ) -> Iterator[tuple[int, pa.Table]]:
     """``(first row in file, table)`` of ``path`` from row ``skip`` on; Parquet row groups before
     it are not read."""
@@ -129,7 +169,7 @@ def _record_batches_from(
                 groups.append(g)
         source = f.iter_batches(batch_size=65536, columns=columns, row_groups=groups) if groups else iter(())
     else:
-        source = _record_batches(path, columns, input_type)
+        source = _record_batches(path, columns, input_type, csv_types)
     while True:
         try:
             rb = next(source, None)
@@ -215,13 +255,18 @@ class ArrowBatchDataset(IterableDataset):
         column a batch needs, and a column has one type in every file (numbers of any width
         and sign mix: they are widened)."""
         first: dict[str, tuple[str, pa.DataType]] = {}
+        csv_types = self.builder.csv_column_types()
         for f in self.files:
-            schema = file_schema(f, self.input_type)
+            schema = file_schema(f, self.input_type, csv_types)
             self.builder.check_schema(schema, f)
             for column in self.builder.columns():
                 t = schema.field(column).type
                 seen = first.setdefault(column, (f, t))
-                if seen[1] != t and not (_numeric(seen[1]) and _numeric(t)):
+                csv = column in csv_types and "csv" in (
+                    _file_type(f, self.input_type),
+                    _file_type(seen[0], self.input_type),
+                )
+                if seen[1] != t and not _compatible(seen[1], t, csv):
                     raise DataError(
                         f"column '{column}' has type {seen[1]} in {seen[0]} but {t} in {f}; "
                         "give every file the same type"
@@ -237,6 +282,31 @@ class ArrowBatchDataset(IterableDataset):
     def num_rows(self) -> int:
         return sum(self.row_counts())
 
+    def locate(self, index: int) -> str:
+        """``"<file>, row <r>"`` of the ``index``-th row read from ``start_row`` (all ranks'
+        rows in order)."""
+        row = self.start_row + index
+        for path, count in zip(self.files, self.row_counts()):
+            if row < count:
+                return f"{path}, row {row}"
+            row -= count
+        raise IndexError(index)
+
+    def check_scores(self, scores, what: str = "score") -> None:
+        """ValueError naming the file and row of the first score (``[rows]`` numpy, in row order
+        from ``start_row``) that is not a finite number: no metric or prediction is reported
+        over it."""
+        import numpy as np
+
+        bad = np.flatnonzero(~np.isfinite(scores))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{self.locate(i)}: the model's {what} is {scores[i]} ({bad.size} of {scores.size} rows are not finite "
+                "numbers); the model's weights or this row's values are not finite — no metric or prediction is "
+                "reported over them"
+            )
+
     def num_steps(self) -> int:
         """Global batches in one pass from ``start_row``."""
         return -(-max(self.num_rows - self.start_row, 0) // self.global_batch_size)
@@ -249,11 +319,21 @@ class ArrowBatchDataset(IterableDataset):
             if skip >= count:
                 skip -= count
                 continue
-            for first, table in _record_batches_from(path, columns, self.input_type, skip):
+            csv_types = self.builder.csv_column_types()
+            for first, table in _record_batches_from(path, columns, self.input_type, skip, csv_types):
                 yield path, first, table
             skip = 0
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Union[Batch, WorkerFailure]]:
+        if get_worker_info() is None:
+            yield from self._batches()
+            return
+        try:  # in a DataLoader worker: the error travels to the main process as it is
+            yield from self._batches()
+        except Exception as e:
+            yield WorkerFailure.of(e)
+
+    def _batches(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         global_batch = self.global_batch_size
@@ -295,18 +375,74 @@ class ArrowBatchDataset(IterableDataset):
             else:
                 runs.append((path, first, t.num_rows))
         tables = [t for _, _, t in pieces]
-        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        table = _concat(tables) if len(tables) > 1 else tables[0]
         return self.builder.build(table, RowOrigin(tuple(runs)))
 
 
-def make_loader(dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False) -> DataLoader:
-    """A DataLoader over already-built batches (``batch_size=None``); ``pin_memory``: batches in
-    page-locked memory (for a CUDA device: their copy then overlaps the GPU's work)."""
-    return DataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=False,
-        multiprocessing_context="fork" if num_workers else None,
-    )
+@dataclass(frozen=True)
+class WorkerFailure:
+    """An error raised in a DataLoader worker, carried to the main process as a value (torch
+    would re-raise it wrapped in the worker's traceback): :class:`BatchLoader` raises it there
+    as it was — a DataError stays one line naming the file, row and feature."""
+
+    error: BaseException
+
+    @classmethod
+    def of(cls, e: BaseException) -> WorkerFailure:
+        try:
+            pickle.dumps(e)
+        except Exception:  # an exception that cannot travel: its message can
+            return cls(DataError(f"{type(e).__name__}: {e}"))
+        return cls(e)
+
+
+def worker_context(num_workers: int) -> Optional[str]:
+    """How DataLoader workers start: ``fork`` (cheap) while this process has not initialized
+    CUDA; ``forkserver`` once it has — a process forked after CUDA initialization cannot use
+    CUDA, and torch's worker setup touches it (``CUDA error: initialization error``). The fork
+    server is a fresh process with dynarec's data modules imported, so workers start fast."""
+    if num_workers == 0:
+        return None
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return "fork"
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dynarec.data.reader"])
+    return "forkserver"
+
+
+def default_num_workers(device_type: str) -> int:
+    """``data.num_workers`` left unset: none on a CPU device (the step uses every core), and on
+    a GPU as many as the host spares (all cores but two), up to 8."""
+    if device_type != "cuda":
+        return 0
+    return max(1, min(8, (os.cpu_count() or 1) - 2))
+
+
+class BatchLoader:
+    """The batches of an :class:`ArrowBatchDataset`, built by ``num_workers`` DataLoader workers
+    (0: in this process). ``pin_memory``: batches in page-locked memory (for a CUDA device:
+    their copy then overlaps the GPU's work). An error in a worker is raised here as it was
+    raised there."""
+
+    def __init__(self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False):
+        self.loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=False,
+            multiprocessing_context=worker_context(num_workers),
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        for item in self.loader:
+            if isinstance(item, WorkerFailure):
+                raise item.error
+            yield item
+
+
+def make_loader(dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False) -> BatchLoader:
+    """A :class:`BatchLoader` over ``dataset``."""
+    return BatchLoader(dataset, num_workers, pin_memory)

@@ -11,6 +11,9 @@ probabilities give the Bayes-optimal AUC of the held-out split, written to ``met
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["SyntheticSpec", "make_click_log"]
@@ -124,8 +128,28 @@ class _World:
 
 def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> dict:
     """Writes ``train/part-*.parquet``, ``eval/part-0.parquet`` and ``meta.json`` under
-    ``out_dir``; returns the metadata (rows, click rate, Bayes-optimal eval AUC)."""
-    out = Path(out_dir)
+    ``out_dir``; returns the metadata (rows, click rate, Bayes-optimal eval AUC).
+
+    The directory is written under a temporary sibling name and renamed into place (a full
+    disk or a kill leaves nothing half-written); an existing ``out_dir`` is replaced only when
+    it is empty or a previous click log (it holds ``meta.json``), never a user's directory."""
+    target = Path(out_dir)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} is a file; make-data writes a directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    out = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        meta = _write_click_log(out, spec)
+        fsync_tree(out)
+        replace_dir(out, target, is_ours=lambda d: (d / "meta.json").is_file(), what="synthetic data directory")
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return meta
+
+
+def _write_click_log(out: Path, spec: SyntheticSpec) -> dict:
     (out / "train").mkdir(parents=True, exist_ok=True)
     (out / "eval").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)

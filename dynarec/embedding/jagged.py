@@ -164,6 +164,12 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     values = kjt.values()
     lengths = kjt.lengths()
     weights = kjt.weights_or_none()
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if t is not None and t.dim() != 1:
+            raise ValueError(
+                f"the batch's {name} must be 1-D (a jagged batch: every feature's ids one after another), got "
+                f"shape {tuple(t.shape)} (features {keys})"
+            )
     if values.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ids must be int64 (or int32), got {values.dtype}")
     if len(set(keys)) != len(keys):

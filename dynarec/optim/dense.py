@@ -45,6 +45,10 @@ class DenseOptimizerSpec:
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         raise NotImplementedError
 
+    def state_tensors_per_parameter(self) -> int:
+        """Tensors the size of a parameter the optimizer keeps per parameter (memory planning)."""
+        raise NotImplementedError
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -56,6 +60,9 @@ class DenseSGD(DenseOptimizerSpec):
 
     def _validate(self) -> None:
         check_non_negative(type(self).__name__, "momentum", self.momentum)
+
+    def state_tensors_per_parameter(self) -> int:
+        return 1 if self.momentum else 0
 
     def build(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
@@ -71,6 +78,9 @@ class DenseAdagrad(DenseOptimizerSpec):
     def _validate(self) -> None:
         check_positive(type(self).__name__, "eps", self.eps)
         check_non_negative(type(self).__name__, "initial_accumulator_value", self.initial_accumulator_value)
+
+    def state_tensors_per_parameter(self) -> int:
+        return 1
 
     def build(self, params):
         return torch.optim.Adagrad(
@@ -95,6 +105,9 @@ class DenseAdam(DenseOptimizerSpec):
         for name in ("beta1", "beta2"):
             if not 0.0 <= check_finite(cls, name, getattr(self, name)) < 1.0:
                 raise ValueError(f"{cls}.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    def state_tensors_per_parameter(self) -> int:
+        return 2
 
     def build(self, params):
         return torch.optim.Adam(

@@ -15,7 +15,6 @@ checkpoint, the newest complete checkpoint (by its manifest) is used.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -26,7 +25,15 @@ from typing import Any, Optional
 import torch
 
 from dynarec.distributed.context import DistContext, StepFailedError
-from dynarec.files import atomic_write_text, file_manifest, fsync_dir, read_json, verify_manifest
+from dynarec.files import (
+    atomic_write_text,
+    describe_os_error,
+    file_manifest,
+    fsync_dir,
+    read_json,
+    verify_manifest,
+    write_error,
+)
 
 __all__ = [
     "CheckpointError",
@@ -49,7 +56,10 @@ def _write_file(path: Path, obj: Any) -> None:
     # Python callback, and a Ctrl-C landing in one comes out as a RuntimeError of the zip
     # writer ("unexpected pos"), not as KeyboardInterrupt. Given the path it writes in C++, and
     # the interrupt is raised once it returns.
-    torch.save(obj, str(path))
+    try:
+        torch.save(obj, str(path))
+    except RuntimeError as e:  # the zip writer's failed write (a full disk) names no errno
+        raise write_error(path, str(e).splitlines()[0]) from None
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -146,8 +156,7 @@ def _agree(ctx: Optional[DistContext], error: Optional[BaseException], what: str
     except (OSError, StepFailedError) as e:
         if ctx is None or ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e)
-        reason = "the disk is full" if full else str(e)
+        reason = describe_os_error(e) if isinstance(e, OSError) else str(e)
         previous = latest_checkpoint(tmp.parent)
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"{what} failed: {reason}; {kept}") from None
@@ -225,9 +234,27 @@ class CheckpointManager:
         return save_checkpoint(self.dir, step, state, tables, keep=self.keep, ctx=ctx)
 
     def load(self, path: Optional[Path] = None):
-        """``(path, state, shards)`` of ``path`` (default: the latest checkpoint)."""
-        path = path or self.latest()
-        if path is None:
-            raise CheckpointError(f"no complete checkpoint in {self.dir}")
-        state, shards = load_checkpoint(path)
-        return path, state, shards
+        """``(path, state, shards)`` of ``path`` (default: the latest checkpoint).
+
+        The latest checkpoint may be rotated away by a training run while it is read (an
+        export beside a run): a read that fails because ``latest`` moved on meanwhile is
+        retried on the new latest checkpoint, with a warning saying so; a checkpoint that fails
+        while still the latest is corrupt."""
+        if path is not None:
+            return (path, *load_checkpoint(path))
+        for _ in range(5):
+            latest = self.latest()
+            if latest is None:
+                raise CheckpointError(f"no complete checkpoint in {self.dir}")
+            try:
+                return (latest, *load_checkpoint(latest))
+            except (CheckpointError, OSError):  # files vanishing mid-read raise either
+                now = self.latest()
+                if now == latest:
+                    raise
+                warnings.warn(
+                    f"{latest} was removed while being read (a training run rotated its checkpoints); "
+                    f"reading the newer {now}",
+                    stacklevel=2,
+                )
+        raise CheckpointError(f"{self.dir}: the latest checkpoint was replaced five times while being read; retry")

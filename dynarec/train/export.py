@@ -26,9 +26,12 @@ empty: dynarec never deletes a directory it did not write.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -38,7 +41,7 @@ from safetensors.torch import save_file
 
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.files import file_manifest, fsync_tree, replace_dir
+from dynarec.files import file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.serving import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
 from dynarec.train.task import RankingTask
@@ -66,11 +69,70 @@ def export_model(
     export_dir = Path(export_dir)
     _check_target(export_dir)
     base = _delta_base(Path(since), export_dir, task) if since is not None else None
-    tmp = export_dir.with_name(f".{export_dir.name}.tmp-{os.getpid()}")
+    export_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(export_dir.parent)
+    tmp = export_dir.with_name(f".{export_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "tables").mkdir(parents=True)
+    try:
+        _write_export(task, example, tmp, export_dir, step, since, base)
+        fsync_tree(tmp)
+        replace_dir(tmp, export_dir, is_ours=lambda d: (d / META).is_file(), what="export")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk, a Ctrl-C: nothing half-written stays
+        raise
+    return export_dir
 
+
+# An export is written as ``.<name>.tmp-<host>-<pid>`` beside its target, then renamed; the export
+# it replaces is moved aside as ``.<name>.old-<host>-<pid>`` (files.replace_dir) and deleted.
+_TMP_NAME = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+def remove_stale_temporaries(parent: Path) -> list[Path]:
+    """Removes the temporary directories of exports into ``parent`` whose writer is gone (killed
+    or failed mid-export): only names dynarec gives them, of this host, holding an export's
+    files, whose process no longer runs. Returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    for d in parent.iterdir() if parent.is_dir() else ():
+        m = _TMP_NAME.match(d.name)
+        if m is None or m["host"] != host or not d.is_dir() or _alive(int(m["pid"])):
+            continue
+        if (d / "tables").is_dir() or (d / META).is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except Exception as e:  # safetensors reports a failed write (a full disk) as its own error
+        raise write_error(path, str(e)) from None
+
+
+def _write_export(
+    task: RankingTask,
+    example: Batch,
+    tmp: Path,
+    export_dir: Path,
+    step: int,
+    since: Optional[str | Path],
+    base: Optional[tuple],
+) -> None:
+    """Writes the files of the export bound for ``export_dir`` into the directory ``tmp``."""
     task.eval()
     with torch.no_grad():
         emb, lengths, dense = model_inputs(task.embeddings, example, task.sequence_features, task.device)
@@ -82,7 +144,11 @@ def export_model(
         {k: {0: batch_dim} for k in dense},
     )
     program = torch.export.export(task.dense.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
-    torch.export.save(program, str(tmp / "dense.pt2"))
+    # Serialized in memory first: torch's file writer aborts the process on a failed write (a
+    # full disk), where Python's raises an OSError that names the file.
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    write_bytes(tmp / "dense.pt2", buffer.getvalue())
     task.train()
 
     key_counts, rows, tombstones = {}, {}, {}
@@ -92,7 +158,7 @@ def export_model(
         if base is not None:
             tensors = diff_tables(base[1][name], tensors, f"table '{name}'")
             rows[name], tombstones[name] = int(tensors["keys"].numel()), int(tensors["tombstones"].numel())
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tables" / f"{name}.safetensors"))
+        _save_tensors(tensors, tmp / "tables" / f"{name}.safetensors")
     files = ["dense.pt2", *(f"tables/{name}.safetensors" for name in task.embeddings.tables)]
     meta: dict[str, Any] = {
         "format": EXPORT_FORMAT,
@@ -104,14 +170,13 @@ def export_model(
     if base is not None:
         assert since is not None
         base_meta = base[0]
-        meta["base"] = {"id": base_meta["id"], "step": base_meta["step"], "path": str(Path(since).resolve())}
+        # Relative to the delta: a chain moved or copied as a whole still resolves (serving.find_base).
+        relative = os.path.relpath(Path(since).resolve(), export_dir.resolve())
+        meta["base"] = {"id": base_meta["id"], "step": base_meta["step"], "path": relative}
         meta["rows"], meta["tombstones"] = rows, tombstones
     meta["files"] = file_manifest(tmp, files)
     meta["config"] = task.config.model_dump(mode="json")
     (tmp / META).write_text(json.dumps(meta, indent=1))
-    fsync_tree(tmp)
-    replace_dir(tmp, export_dir, is_ours=lambda d: (d / META).is_file(), what="export")
-    return export_dir
 
 
 def _delta_base(since: Path, export_dir: Path, task: RankingTask):
@@ -119,6 +184,13 @@ def _delta_base(since: Path, export_dir: Path, task: RankingTask):
     if export_dir.resolve() == since.resolve():
         raise ValueError(f"--since {since} is the export directory itself; write the delta to a new directory")
     chain = export_chain(since)
+    target = export_dir.resolve()
+    for directory, _ in chain:
+        if directory.resolve() == target:
+            raise ValueError(
+                f"--export-dir {export_dir} holds an export that the delta's base chain ({since}) depends on; "
+                "replacing it would break that chain: write the delta to a new directory"
+            )
     meta = chain[-1][1]
     if meta.get("id") is None:
         raise ValueError(f"{since}: an export of format 2 (no id) cannot be a delta's base; write a full export first")
@@ -133,6 +205,12 @@ def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
     """The delta of one table from ``base`` to ``current`` (export tensors): the rows whose
     weight — or, in a dynamic table, slot or score — changed, new keys, and the ``tombstones``
     of keys gone. Weights are compared bit for bit."""
+    kinds = ["dynamic" if "slots" in t else "fixed" for t in (base, current)]
+    if kinds[0] != kinds[1] or base["weight"].shape[1:] != current["weight"].shape[1:]:
+        raise ValueError(
+            f"{where}: a {kinds[0]} table of dim {tuple(base['weight'].shape[1:])} in the base export, a {kinds[1]} "
+            f"table of dim {tuple(current['weight'].shape[1:])} now; write a full export"
+        )
     if "slots" not in current:
         if base["weight"].shape != current["weight"].shape:
             raise ValueError(

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from dynarec.files import atomic_path, atomic_write_text
+
 __all__ = ["TrainingLog", "plot_curves"]
 
 
@@ -97,8 +99,11 @@ class TrainingLog:
             return
         if self._writer is not None:
             self._writer.flush()
-        (self.model_dir / "metrics.json").write_text(json.dumps({"final": final, "history": self.history}, indent=1))
-        plot_curves(self.history, self.model_dir / "curves.png")
+        atomic_write_text(
+            self.model_dir / "metrics.json", json.dumps({"final": final, "history": self.history}, indent=1)
+        )
+        with atomic_path(self.model_dir / "curves.png") as tmp:
+            plot_curves(self.history, tmp)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -131,5 +136,5 @@ def plot_curves(history: dict[str, list], path: Path) -> None:
     if ax2.lines:
         ax2.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, format="png")
     plt.close(fig)

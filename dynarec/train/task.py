@@ -19,17 +19,41 @@ from dynarec.data.batch import Batch
 from dynarec.distributed.collection import ShardedEmbeddingCollection
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.embedding.collection import EmbeddingCollection
+from dynarec.embedding.memory import available_memory, format_bytes
 from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
 
-__all__ = ["RankingTask"]
+__all__ = ["RankingTask", "check_dense_fits"]
 
 
 def _allreduce_sum_hook(process_group, bucket):
     """DDP comm hook: the sum (not the mean) of the ranks' gradients."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def check_dense_fits(config: Config, device: torch.device, budget: Optional[int] = None) -> int:
+    """Bytes the dense model takes in training — weights, gradients and the dense optimizer's
+    state — counted on the meta device before anything is allocated. Raises ValueError naming
+    the largest layers and the numbers when that exceeds ``budget`` (default: the memory
+    available on ``device``)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    params = [(name, p) for name, p in model.named_parameters()]
+    weights = sum(p.numel() * p.element_size() for _, p in params)
+    states = config.train.dense_optimizer.state_tensors_per_parameter()
+    need = weights * (2 + states)
+    budget = available_memory(device) if budget is None else budget
+    if need <= budget:
+        return need
+    largest = sorted(params, key=lambda x: -x[1].numel())[:3]
+    layers = ", ".join(f"{name} {list(p.shape)} ({format_bytes(p.numel() * p.element_size())})" for name, p in largest)
+    raise ValueError(
+        f"the dense model needs {format_bytes(need)} in training ({sum(p.numel() for _, p in params):,} parameters: "
+        f"weights, gradients and {states} optimizer state(s) each) but {format_bytes(budget)} is available on "
+        f"{device}; its largest layers: {layers}; make the model's hidden_units smaller"
+    )
 
 
 class RankingTask(nn.Module):
@@ -49,12 +73,14 @@ class RankingTask(nn.Module):
         self.ctx = ctx or single_process(self.device)
         self.plan: Plan = plan or plan_from_config(config, world_size=self.ctx.world_size)
         self.embeddings: Union[EmbeddingCollection, ShardedEmbeddingCollection]
+        # The dense model first: the tables get what it leaves.
+        given = config.train.memory_budget_per_rank
+        budget = available_memory(self.device) if given is None else int(given)
+        budget -= check_dense_fits(config, self.device, budget)
         if self.ctx.distributed:
             self.embeddings = ShardedEmbeddingCollection(self.plan, self.ctx)
         else:
-            self.embeddings = EmbeddingCollection(
-                self.plan.table_configs(), device=self.device, memory_budget=config.train.memory_budget_per_rank
-            )
+            self.embeddings = EmbeddingCollection(self.plan.table_configs(), device=self.device, memory_budget=budget)
         self.dense = build_model(config).to(self.device)
         self._dense_forward: nn.Module = self.dense
         if self.ctx.distributed:

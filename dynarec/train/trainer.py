@@ -31,18 +31,25 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 
-from dynarec.config.load import config_fingerprint
+from dynarec.config.load import ConfigError, config_fingerprint
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
-from dynarec.data.reader import ArrowBatchDataset, DataPosition, data_files, make_loader, resolve_files
+from dynarec.data.reader import (
+    ArrowBatchDataset,
+    DataPosition,
+    data_files,
+    default_num_workers,
+    make_loader,
+    resolve_files,
+)
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.distributed.reshard import plan_state, single_process_plan_state, tables_for_rank
 from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.metrics import auc, grouped_auc, log_loss
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
+from dynarec.train.model_dir import config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.task import RankingTask
 
@@ -99,6 +106,8 @@ class Trainer:
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
         self._pin = self.device.type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
+        workers = config.data.num_workers
+        self.num_workers = default_num_workers(self.device.type) if workers is None else workers
         # The dense model's initial weights come from the config's seed, without touching the
         # process's global RNG (nothing else in a training step draws random numbers).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -186,7 +195,7 @@ class Trainer:
                     break
                 consumed.append((n, c))
                 total += c
-            batches = iter(make_loader(dataset, self.config.data.num_workers, self._pin))
+            batches = iter(make_loader(dataset, self.num_workers, self._pin))
             for _ in range(steps):
                 batch = self._next_batch(batches)
                 position = DataPosition(0, position.row + self.global_batch_size)
@@ -243,7 +252,7 @@ class Trainer:
             dataset = self._dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            batches = iter(make_loader(dataset, cfg.data.num_workers, self._pin))
+            batches = iter(make_loader(dataset, self.num_workers, self._pin))
             for _ in range(dataset.num_steps()):
                 rows = min(self.global_batch_size, dataset.num_rows - position.row)
                 batch = self._next_batch(batches)
@@ -267,6 +276,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             "dense": self.task.dense.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
+            "dense_optimizer_class": type(self.dense_optimizer).__name__,
             "fingerprint": self.fingerprint,
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
@@ -298,6 +308,22 @@ class Trainer:
                 f"{self.global_batch_size} (data.batch_size); resume with the same batch size"
             )
 
+    def _check_dense_optimizer(self, state: dict, where: Path) -> None:
+        """CheckpointError when the checkpoint's dense optimizer state is not this config's
+        optimizer's (another kind: its state cannot carry over, and would fail at the first step)."""
+        saved = state.get("dense_optimizer", {}).get("param_groups") or [{}]
+        mine = self.dense_optimizer.param_groups[0]
+        theirs_class = state.get("dense_optimizer_class")
+        my_class = type(self.dense_optimizer).__name__
+        if (theirs_class is not None and theirs_class != my_class) or set(saved[0]) - {"params"} != set(mine) - {
+            "params"
+        }:
+            raise CheckpointError(
+                f"{where} was trained with another dense optimizer ({theirs_class or 'its settings differ'}) than "
+                f"this config's train.dense_optimizer ({my_class}); its state cannot carry over: resume with the "
+                "dense optimizer it was trained with, or train into another model_dir"
+            )
+
     def restore(self, path: Optional[Path] = None, training: bool = True) -> Path:
         """Loads ``path`` (default: the latest checkpoint of the model directory), written by any
         number of ranks: every rank takes its own part of every table (see distributed.reshard).
@@ -308,6 +334,7 @@ class Trainer:
         theirs, mine = set(saved_plan["tables"]), {t.table.name for t in self.task.plan.tables}
         if theirs != mine:
             raise CheckpointError(f"{path}: holds tables {sorted(theirs)}, the config has {sorted(mine)}")
+        self._check_dense_optimizer(state, path)
         self.task.dense.load_state_dict(state["dense"])
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         try:
@@ -362,6 +389,18 @@ class Trainer:
         if isinstance(batch, DataError):  # this rank could not read its share: the step fails everywhere
             self.task.embeddings(None, error=batch)
             raise AssertionError("unreachable: the failed step raises on every rank")
+        try:
+            return self._step(batch, global_rows)
+        except torch.OutOfMemoryError as e:
+            latest = self.checkpoints.latest()
+            kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was written"
+            raise TrainingError(
+                f"step {self.step + 1}: out of memory on {self.device} ({str(e).splitlines()[0][:160]}); the model in "
+                f"memory is not saved ({kept}); lower data.batch_size (now {self.config.data.batch_size} per rank) "
+                "or the model's sizes"
+            ) from None
+
+    def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
         logits = self.task(batch)
         labels = batch.labels.to(self.device, non_blocking=True)
         global_rows = global_rows or batch.num_rows
@@ -422,14 +461,23 @@ class Trainer:
                 f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "
                 "pass --resume to continue, or choose another model_dir"
             )
+        # The config record and the first batch are checked (on every rank) before anything is written.
+        config_text: Optional[str] = None
+        refused: Optional[ConfigError] = None
+        if self.ctx.is_main:
+            try:
+                config_text = config_record(self.model_dir, cfg)
+            except ConfigError as e:
+                refused = e
+        self.ctx.agree(refused, f"checking {self.model_dir / 'config.yaml'}")
         batches = self._train_batches()
-        # The first batch is read (and validated, on every rank) before anything is written.
         first = next(batches, None) if self._more_steps() else None
         if first is not None and self.ctx.distributed:
             self.ctx.agree(first[0] if isinstance(first[0], DataError) else None, "reading the first batch")
         if self.ctx.is_main:
             self.model_dir.mkdir(parents=True, exist_ok=True)
-            (self.model_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            if config_text is not None:
+                write_config_record(self.model_dir, config_text)
         self.log.start(self.step, cfg.train.num_steps)
         start_step = self.step
         evaluated_at = saved_at = None
@@ -496,7 +544,7 @@ class Trainer:
         dataset = self._dataset(paths, self._eval_batch_size(), with_labels)
         probs, labels, groups = [], [], []
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
-        batches = iter(make_loader(dataset, self.config.data.num_workers, self._pin))
+        batches = iter(make_loader(dataset, self.num_workers, self._pin))
         for _ in range(steps):
             batch = next(batches)
             probs.append(torch.sigmoid(self.task(batch)).cpu().numpy())
@@ -510,7 +558,9 @@ class Trainer:
             labels = [x for s in range(steps) for part in parts for x in part[1][s : s + 1]]
             groups = [x for s in range(steps) for part in parts for x in part[2][s : s + 1]]
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0)
-        return cat(probs), (cat(labels) if with_labels else None), (cat(groups) if groups else None)
+        scores = cat(probs)
+        dataset.check_scores(scores, "click probability")
+        return scores, (cat(labels) if with_labels else None), (cat(groups) if groups else None)
 
     def evaluate(self, paths=None) -> dict[str, float]:
         paths = paths or self.config.data.eval_input_path

@@ -155,3 +155,28 @@ def test_a_capacity_beyond_int64_in_yaml_is_refused(tmp_path):
     path.write_text(path.read_text().replace("max_capacity: 512", "max_capacity: 1.0e+30"))
     with pytest.raises(ConfigError, match=r"dynamicemb.max_capacity"):
         load_config(path)
+
+
+def test_a_yaml_key_given_twice_is_refused_naming_its_path_and_lines(tmp_path):
+    """YAML keeps the last of two equal keys: ``batch_size: 256`` then ``batch_size: 4`` trained at 4."""
+    path = write_config(tmp_path, config_dict(), "c.yaml")
+    text = path.read_text()
+    path.write_text(text.replace("  batch_size: 100\n", "  batch_size: 256\n  batch_size: 4\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml: data.batch_size is given twice \(lines \d+ and \d+\)"):
+        load_config(path)
+    path.write_text(text.replace("- group_name: user", "- group_name: user\n    group_name: again"))
+    with pytest.raises(ConfigError, match=r"model.feature_groups\[0\].group_name is given twice"):
+        load_config(path)
+
+
+def test_a_config_that_is_not_a_text_file_or_holds_a_huge_number_is_named(tmp_path):
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"data: \xff\xfe")
+    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(byte 6"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"config file .* is a directory"):
+        load_config(tmp_path)
+    path = write_config(tmp_path, config_dict(), "n.yaml")
+    path.write_text(path.read_text().replace("batch_size: 100", "batch_size: " + "9" * 5000))
+    with pytest.raises(ConfigError, match=r"n.yaml: data.batch_size \(line \d+\) is a 5000-digit number"):
+        load_config(path)

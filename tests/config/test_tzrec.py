@@ -385,3 +385,59 @@ def test_exponential_decay_is_torcheasyrecs_formula():
     got = [schedule.learning_rate(k, 0.1) for k in (0, 2, 4, 13, 14, 24, 60)]
     # warmup 0.02 -> 0.1 over 4 steps; then 0.1 * 0.5 ** floor((k - 4) / 10), never below 0.03
     assert got == pytest.approx([0.02, 0.06, 0.1, 0.1, 0.05, 0.03, 0.03])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (("embedding_dim: 16", "embedding_dim: 16.5"), r"embedding_dim: expected an integer, got 16\.5"),
+        (("embedding_dim: 16", 'embedding_dim: "sixteen"'), r"embedding_dim: expected an integer, got 'sixteen'"),
+        (("embedding_dim: 16", "embedding_dim: 1e999"), r"embedding_dim: expected an integer, got inf"),
+        (("lr: 0.001", "lr: 1e999"), r"\.lr: inf is not a finite number"),
+        (("boundaries: [", "boundaries: [1e999, "), r"boundaries\[0\]: inf is not a finite number"),
+        (("batch_size: 8192", "batch_size: 99999999999999999999"), r"batch_size: 99999999999999999999 does not fit"),
+    ],
+)
+def test_numbers_of_the_wrong_kind_are_refused_by_path(edit, message):
+    """``embedding_dim: 16.5`` became 16; ``1e999`` or an id past int64 raised raw Python errors."""
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    assert edit[0] in text
+    with pytest.raises(ConversionError, match=message):
+        convert_pipeline_config(text.replace(edit[0], edit[1], 1), train_input_path="a", eval_input_path="b")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('a: "\\uZZZZ"', r"line 1: bad \\u escape '\\\\uZZZZ'"),
+        ('a: "\\U00110000"', r"line 1: bad \\U escape"),
+        ("x: 1\na: " + "9" * 5000, r"line 2: a number of 5000 digits"),
+        ("a {" * 3000 + "}" * 3000, r"line 1: messages nested more than 100 deep"),
+    ],
+)
+def test_malformed_text_format_is_a_named_error_with_its_line(text, message):
+    with pytest.raises(TextFormatError, match=message):
+        parse(text)
+
+
+def test_import_config_refuses_what_it_cannot_read_by_name(tmp_path, capsys):
+    out = str(tmp_path / "out.yaml")
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)))
+    deep = tmp_path / "deep.config"
+    deep.write_text("model_config " + "{ a " * 3000 + "}" * 3000)
+    source = EXAMPLES / "multi_tower_din_taobao.config"
+    cases = [
+        ([str(tmp_path)], "is a directory"),
+        ([str(binary)], "model.bin is not UTF-8 text (byte 128: a binary file?)"),
+        ([str(deep)], "deep.config: line 1: messages nested more than 100 deep"),
+    ]
+    for args, message in cases:
+        assert main(["import-config", *args, "-o", out]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    copy = tmp_path / "p.config"
+    copy.write_text(source.read_text())
+    assert main(["import-config", str(copy), "-o", str(copy)]) == 2
+    assert "never writes over its input" in capsys.readouterr().err and copy.read_text() == source.read_text()
+    assert not (tmp_path / "out.yaml").exists()

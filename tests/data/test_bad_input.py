@@ -95,3 +95,66 @@ def test_a_corrupt_parquet_page_names_the_file(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"t.parquet: cannot be read"):
         read(path)
+
+
+def test_a_dense_value_finite_in_float64_but_not_in_float32_is_named():
+    """``1e39`` became NaN probabilities in predict and "the loss is nan" naming no row in train."""
+    rows = {**ROWS, "price": [10.0, 1e39, 30.0]}
+    c = config_dict()
+    c["feature_configs"][6]["raw_feature"]["normalizer"] = {"mean": 0.0, "std": 1.0}
+    b = BatchBuilder(config_from_dict(c))
+    with pytest.raises(
+        DataError, match=r"t.parquet, row 1: feature 'price' \(column 'price'\): value 1e\+39 is beyond float32's range"
+    ):
+        b.build(pa.table(rows), "t.parquet")
+
+
+def test_string_ids_in_csv_are_read_as_strings_whatever_they_look_like(tmp_path):
+    """CSV inference made ``'001001'`` the number 1001 and ``'1e3'`` the float 1000.0 before
+    hashing, so they collided with ``'1001'`` and ``'1000'`` and differed from the same rows read
+    from Parquet."""
+    users = ["1001", "001001", "1e3", "1000"]
+    rows = {k: (v * 2)[:4] for k, v in ROWS.items()}
+    rows["user_id"] = users
+    rows["hist_item_id"] = ["1|2", "3", "", "007"]
+    rows["hist_cate_id"] = ["1|1", "2", "", "3"]
+    rows["age"] = ["1", "2", "3", "4"]  # integer ids given as digits stay exact
+    table = pa.table(rows)
+    (tmp_path / "t.csv").write_text(
+        ",".join(table.column_names)
+        + "\n"
+        + "\n".join(",".join(str(table.column(c)[i].as_py()) for c in table.column_names) for i in range(4))
+        + "\n"
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    (csv,) = read(tmp_path / "t.csv")
+    (parquet,) = read(tmp_path / "t.parquet")
+    keys = csv.sparse.values()[:4].tolist()
+    assert len(set(keys)) == 4, keys
+    from dynarec.features import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+
+    assert keys == to_hash_bucket_fast(users, DYNAMIC_KEY_BUCKETS).tolist()
+    assert csv.sparse.values().tolist() == parquet.sparse.values().tolist()
+    assert csv.sparse.lengths().tolist() == parquet.sparse.lengths().tolist()
+
+
+def test_a_parquet_file_with_a_duplicated_column_name_is_named(tmp_path):
+    table = pa.Table.from_arrays([pa.array(v) for v in ROWS.values()] + [pa.array([1, 2, 3])], [*ROWS, "age"])
+    pq.write_table(table, tmp_path / "dup.parquet")
+    with pytest.raises(DataError, match=r"dup.parquet: column 'age' appears 2 times"):
+        ArrowBatchDataset([str(tmp_path / "dup.parquet")], builder(), 100).check_files()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_in_a_dataloader_worker_is_the_same_one_line_error(tmp_path, workers):
+    """With workers it came wrapped in torch's 24 lines ("Caught DataError in DataLoader worker
+    process 0 ... Original Traceback")."""
+    good = pa.table(ROWS)
+    bad = pa.table({**ROWS, "age": [1, -4, 2]})
+    for i, t in enumerate([good, good, bad, good]):
+        pq.write_table(t, tmp_path / f"part-{i}.parquet")
+    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    with pytest.raises(DataError) as e:
+        list(make_loader(ArrowBatchDataset(files, builder(), 3), workers))
+    where = f"{tmp_path / 'part-2.parquet'}, row 1: feature 'age' (column 'age')"
+    assert str(e.value) == f"{where}: id -4 is out of range [0, 8) (num_buckets)"

@@ -78,3 +78,15 @@ def test_tables_that_do_not_fit_are_refused_before_allocating(table, message):
         EmbeddingCollection([table], Adagrad())
     with pytest.raises(ValueError, match=message):
         EmbeddingCollection([table], Adagrad())
+
+
+@pytest.mark.parametrize("field", ["values", "lengths", "weights"])
+def test_two_dimensional_batch_tensors_are_refused_by_name(field):
+    coll = collection()
+    before = dumps(coll)
+    parts = {"values": torch.tensor([1, 5, 2]), "lengths": torch.tensor([2, 1]), "weights": torch.ones(3)}
+    parts[field] = parts[field][:, None]
+    kjt = JaggedBatch(["a", "b"], parts["values"], parts["lengths"], parts["weights"])
+    with pytest.raises(ValueError, match=rf"the batch's {field} must be 1-D .*got shape \("):
+        coll(kjt)
+    assert same(before, dumps(coll)) and coll.tables["d"].size == 0

@@ -32,3 +32,51 @@ def test_cuda_training_matches_the_cpu_run(tmp_path, workers):
                 assert torch.equal(dc[field], dg[field]), (name, field)
         # float sums in another order on the GPU (the dense model, the kernels): close, not equal
         torch.testing.assert_close(dg["weight"], dc["weight"], rtol=1e-3, atol=1e-4)
+
+
+def test_training_with_workers_on_cuda_equals_training_without(tmp_path):
+    """``dynarec train --device cuda`` with DataLoader workers: every worker aborted with ``CUDA
+    error: initialization error`` (forked after CUDA was initialized). Workers now start from a
+    fork server; the run equals the one without workers bit for bit."""
+    from dynarec.cli import main
+
+    make_data(tmp_path)
+    dumps = {}
+    for workers in (0, 3):
+        c = config_dict(data__num_workers=workers)
+        cfg = write_config(tmp_path, c, f"w{workers}.yaml")
+        model_dir = tmp_path / f"m{workers}"
+        assert main(["train", "--config", str(cfg), "--model-dir", str(model_dir), "--device", "cuda"]) == 0
+        trainer = Trainer(load_config(cfg), model_dir, device="cuda", progress=False)
+        trainer.restore(training=False)
+        dumps[workers] = {n: t.dump() for n, t in trainer.task.embeddings.tables.items()}
+    for name, dump in dumps[0].items():
+        for field, value in dump.items():
+            assert torch.equal(value, dumps[3][name][field]), (name, field)
+
+
+def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_path):
+    """A step that cannot allocate (the process capped just above what it holds) ends in one
+    named error naming the step, the device and the latest checkpoint, which still loads."""
+    from dynarec.train.checkpoint import load_checkpoint
+    from dynarec.train.trainer import TrainingError
+
+    make_data(tmp_path)
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(num_steps=2, save_checkpoints_steps=1)
+    trainer = Trainer(load_config(write_config(tmp_path, c)), tmp_path / "m", device="cuda", progress=False)
+    trainer.fit()
+    latest = trainer.checkpoints.latest()
+    batches = trainer._train_batches()
+    batch, _, rows = next(batches)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 16)) / total)
+        with pytest.raises(TrainingError, match=rf"step 3: out of memory on cuda.*the latest checkpoint is {latest}"):
+            trainer.train_step(batch, rows)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    load_checkpoint(latest)

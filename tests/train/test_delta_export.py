@@ -101,14 +101,43 @@ def test_a_delta_on_the_wrong_base_is_refused(chain, tmp_path):
         model.apply_delta(d2)
     with pytest.raises(ExportError, match="is a full export, not a delta"):
         model.apply_delta(f3)
-    # A moved base is named with the step it had.
+    # A base moved away from the chain is named with the step it had.
     moved = tmp_path / "d1-moved"
     d1.rename(moved)
     try:
-        with pytest.raises(ExportError, match=r"a delta on export \w+ \(step 14\), which is not at .*d1 any more"):
+        with pytest.raises(
+            ExportError, match=r"a delta on export \w+ \(step 14\), which is neither where it was written \(nothing at"
+        ):
             ExportedModel(d2)
     finally:
         moved.rename(d1)
+
+
+def test_a_chain_copied_to_another_place_still_serves(chain, tmp_path):
+    """Bases were recorded by absolute path: a chain copied to another host could not be served.
+    Now by a path relative to the delta, and by id among the delta's siblings."""
+    root, _, e1, d1, _, d2, f3 = chain
+    import shutil
+
+    for d in (e1, d1, d2):
+        shutil.copytree(d, tmp_path / "copy" / d.name)
+    eval_file = root / "data" / "eval" / "part-0.parquet"
+    assert_same_model(ExportedModel(tmp_path / "copy" / "d2"), ExportedModel(f3), eval_file)
+    # Renamed within the chain's directory: found by id.
+    (tmp_path / "copy" / "d1").rename(tmp_path / "copy" / "delta-1")
+    assert_same_model(ExportedModel(tmp_path / "copy" / "d2"), ExportedModel(f3), eval_file)
+
+
+def test_a_delta_written_over_its_own_chains_base_is_refused_and_the_chain_stays(chain, tmp_path, capsys):
+    """``export --export-dir e1 --since d2`` (d2 a delta on d1 on e1) replaced e1, after which
+    neither the new delta nor d2 could be served."""
+    root, m, e1, d1, _, d2, f3 = chain
+    before = {p: p.read_bytes() for p in sorted(e1.rglob("*")) if p.is_file()}
+    for target in (e1, d1):
+        assert main(["export", "--model-dir", str(m), "--export-dir", str(target), "--since", str(d2)]) == 2
+        assert "that the delta's base chain" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sorted(e1.rglob("*")) if p.is_file()} == before
+    assert_same_model(ExportedModel(d2), ExportedModel(f3), root / "data" / "eval" / "part-0.parquet")
 
 
 def test_a_delta_after_one_step_is_a_fraction_of_a_full_export(chain, capsys):
