@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
+from dynarec.embedding.grouped import TableGroup, group_key
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
@@ -43,6 +44,19 @@ def checked_slices(
     return slices
 
 
+class LookupUnit(Protocol):
+    """What a collection looks up as one: a table, or a :class:`TableGroup` of fixed tables."""
+
+    name: str
+
+    def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[Bags, BagLayout]: ...
+    def find(self, bags: Bags) -> Optional[FoundKeys]: ...
+    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor: ...
+    def begin_step(self) -> object: ...
+    def abort_step(self) -> None: ...
+    def commit_pending(self) -> None: ...
+
+
 @dataclass
 class _Prepared:
     """A batch's input stage (:meth:`EmbeddingCollection.prefetch`): its packed bags and finds
@@ -64,9 +78,11 @@ class EmbeddingCollection(nn.Module):
         memory_budget: bytes the tables may take at their largest (default: the memory available
             on ``device``); more is refused before anything is allocated.
         prefetch_depth: how many batches :meth:`prefetch` keeps ready (default 2 on a GPU: a
-            batch's copy and finds then get a whole step to finish, where with 1 the next
-            forward waited for them, about 0.2 ms for 1M ids; 1 elsewhere, where a stage runs in
-            place and a find made two steps ahead is redone more often).
+            batch's copy and finds then get a whole step to finish; 1 elsewhere, where a stage
+            runs in place and a find made two steps ahead is redone more often).
+        group_tables: fixed tables of one dim and one optimizer spec on the native backend
+            share one row store, looked up and updated once a step for all of them
+            (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either way).
 
     ``forward(kjt)`` returns ``{feature: tensor}``: ``[B, D]`` for pooled features (sum or mean)
     and ``[B, L, D]`` for sequence features (pooling ``none``), zero-padded to the batch's longest
@@ -82,6 +98,7 @@ class EmbeddingCollection(nn.Module):
         device: torch.device | str = "cpu",
         memory_budget: Optional[int] = None,
         prefetch_depth: Optional[int] = None,
+        group_tables: bool = True,
     ):
         super().__init__()
         self.device = torch.device(device)
@@ -103,18 +120,50 @@ class EmbeddingCollection(nn.Module):
             specs[config.name] = spec
         # Before allocating anything: the tables at their largest must fit the device's memory.
         check_fits([(c, specs[c.name]) for c in tables], self.device, memory_budget)
+        # Fixed tables of one dim and one optimizer spec share a row store and a lookup
+        # (TableGroup); the others are looked up on their own. Units keep the tables' order.
+        groups: dict[tuple, list[TableConfig]] = {}
+        if group_tables:
+            for config in tables:
+                key = group_key(config, specs[config.name])
+                if key is not None:
+                    groups.setdefault(key, []).append(config)
+        grouped = {c.name: members for members in groups.values() if len(members) > 1 for c in members}
+        self._units: list[LookupUnit] = []
         for config in tables:
-            spec = specs[config.name]
-            table_cls = FixedTable if config.kind == "fixed" else DynamicTable
-            table = table_cls(config, spec, self.device)
-            self.tables[config.name] = table
-            for feature in config.feature_configs:
-                if feature.name in self._features:
-                    raise ValueError(
-                        f"feature '{feature.name}' is served by tables "
-                        f"'{self._features[feature.name][0].name}' and '{config.name}'"
-                    )
-                self._features[feature.name] = (table, feature)
+            members = grouped.get(config.name)
+            if members is not None:
+                if config is not members[0]:
+                    continue  # built with the group's first table
+                group = TableGroup(members, specs[config.name], self.device)
+                self._units.append(group)
+                built: list[EmbeddingTable] = list(group.tables)
+            else:
+                table: EmbeddingTable = (FixedTable if config.kind == "fixed" else DynamicTable)(
+                    config, specs[config.name], self.device
+                )
+                self._units.append(table)
+                built = [table]
+            for table in built:
+                self._add(table)
+        self.tables = {c.name: self.tables[c.name] for c in tables}  # in the configured order
+
+    def _add(self, table: EmbeddingTable) -> None:
+        self.tables[table.name] = table
+        config = table.config
+        for feature in config.feature_configs:
+            if feature.name in self._features:
+                raise ValueError(
+                    f"feature '{feature.name}' is served by tables "
+                    f"'{self._features[feature.name][0].name}' and '{config.name}'"
+                )
+            self._features[feature.name] = (table, feature)
+
+    @property
+    def lookup_groups(self) -> list[tuple[str, ...]]:
+        """The tables of each lookup a step makes, in order: several names for a
+        :class:`TableGroup` (one shared row store), one for a table looked up on its own."""
+        return [tuple(t.name for t in u.tables) if isinstance(u, TableGroup) else (u.name,) for u in self._units]
 
     @property
     def feature_names(self) -> list[str]:
@@ -174,8 +223,8 @@ class EmbeddingCollection(nn.Module):
                 kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
             )
             slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
-            packed = {name: table.pack(slices) for name, table in self.tables.items()}
-            found = {name: self.tables[name].find(bags) for name, (bags, _) in packed.items()}
+            packed = {unit.name: unit.pack(slices) for unit in self._units}
+            found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
             staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
             staged.hand_over(*(f.slots for f in found.values() if f is not None))
@@ -188,21 +237,21 @@ class EmbeddingCollection(nn.Module):
         prepared.staged.take()
         packed, found = prepared.packed, prepared.found
         out: dict[str, torch.Tensor] = {}
-        begun: list[EmbeddingTable] = []
+        begun: list[LookupUnit] = []
         try:
-            for name, table in self.tables.items():
+            for unit in self._units:
                 if self.training:
-                    table.begin_step()
-                    begun.append(table)
-                bags, layout = packed[name]
-                out.update(unpack(table.lookup(bags, self.training, found[name]), layout))
+                    unit.begin_step()
+                    begun.append(unit)
+                bags, layout = packed[unit.name]
+                out.update(unpack(unit.lookup(bags, self.training, found[unit.name]), layout))
         except BaseException:
-            for table in reversed(begun):  # the step never happened, on any table
-                table.abort_step()
+            for unit in reversed(begun):  # the step never happened, on any table
+                unit.abort_step()
             raise
         if self.training and not torch.is_grad_enabled():  # no backward will come to commit it
-            for table in begun:
-                table.commit_pending()
+            for unit in begun:
+                unit.commit_pending()
         return out
 
     def abort_step(self) -> None:

@@ -107,10 +107,10 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
     """``[num_bags, D]`` -> ``{feature: [B, D]}`` (pooled) or ``{feature: [B, L, D]}`` (sequence,
     zero-padded, ``L`` the batch's longest)."""
     out: dict[str, torch.Tensor] = {}
-    start = 0
-    for f in layout.features:
-        chunk = pooled[start : start + f.num_bags]
-        start += f.num_bags
+    # One split, not a slice per feature: its backward is one concatenation of the features'
+    # gradients, where slices would each scatter into a zero tensor of all the bags.
+    chunks = pooled.split([f.num_bags for f in layout.features]) if len(layout.features) > 1 else (pooled,)
+    for f, chunk in zip(layout.features, chunks):
         out[f.name] = pad_sequence_rows(chunk, f.lengths, f.max_length) if f.pooling == "none" else chunk
     return out
 

@@ -21,7 +21,7 @@ from dynarec.kernels import gpu as gpu_kernels
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import RowScores, fused_bag_update
 
-__all__ = ["NativeRowStore", "RowStore"]
+__all__ = ["NativeRowStore", "RowStore", "RowStoreSlice"]
 
 
 class RowStore(ABC):
@@ -215,13 +215,52 @@ class NativeRowStore(RowStore):
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
         """The weighted-sum bags of the current weights (no autograd): the Triton kernel on a GPU,
         ``F.embedding_bag`` elsewhere."""
+        weight = self.weight
         if gpu_kernels.available(self.device):
-            return gpu_kernels.pooled_forward(self._weight, rows, offsets, per_sample_weights)
+            return gpu_kernels.pooled_forward(weight, rows, offsets, per_sample_weights)
         return F.embedding_bag(
             rows,
-            self._weight,
+            weight,
             offsets,
             mode="sum",
             per_sample_weights=per_sample_weights,
             include_last_offset=True,
         )
+
+
+class RowStoreSlice(NativeRowStore):
+    """Rows ``[start, end)`` of a :class:`NativeRowStore` shared by several fixed tables (a
+    :class:`~dynarec.embedding.grouped.TableGroup`): its weight and states are views of the
+    parent's, so reads, writes, lookups and updates through the slice act on the shared rows,
+    and the group's one lookup of every table's ids acts on the same memory. Its learning rate
+    is its own (the group runs its fused lookup only while its slices' rates agree).
+
+    A fixed table never changes size: :meth:`reallocate` (a load) resets the rows in place."""
+
+    def __init__(self, parent: NativeRowStore, start: int, end: int):
+        RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
+        self.parent = parent
+        self.start, self.end = start, end
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.parent.weight[self.start : self.end]
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return {name: t[self.start : self.end] for name, t in self.parent.states.items()}
+
+    @torch.no_grad()
+    def _allocate(self, num_rows: int) -> None:
+        if num_rows != self.end - self.start:
+            raise ValueError(f"a slice of a shared row store holds {self.end - self.start} rows, not {num_rows}")
+        self.weight.zero_()
+        states = self.states
+        for spec in self.spec.state_specs():
+            states[spec.name].fill_(spec.initial_value)
+
+    def storage(self):
+        raise NotImplementedError("a slice of a shared row store is never resized")
+
+    def restore_storage(self, handle) -> None:
+        raise NotImplementedError("a slice of a shared row store is never resized")

@@ -231,14 +231,23 @@ class FixedTable(EmbeddingTable):
     ``0 .. end - start - 1`` (initialized with their global ids as keys)."""
 
     def __init__(
-        self, config: TableConfig, spec: OptimizerSpec, device: torch.device, rows: Optional[tuple[int, int]] = None
+        self,
+        config: TableConfig,
+        spec: OptimizerSpec,
+        device: torch.device,
+        rows: Optional[tuple[int, int]] = None,
+        store: Optional[RowStore] = None,
     ):
+        """``store``: rows of a store shared with other tables (a ``TableGroup``'s slice, of
+        exactly this table's rows) instead of a store of its own."""
         super().__init__(config, spec, device)
         assert config.num_embeddings is not None
         start, end = rows if rows is not None else (0, config.num_embeddings)
         self.row_offset = start
         self.num_embeddings = end - start
-        self._store = make_row_store(config, spec, self.num_embeddings, self.device)
+        if store is not None and store.num_rows != self.num_embeddings:
+            raise ValueError(f"table '{self.name}': given a store of {store.num_rows} rows for {self.num_embeddings}")
+        self._store = store if store is not None else make_row_store(config, spec, self.num_embeddings, self.device)
         chunk = 1 << 16
         with torch.no_grad():
             for first in range(0, self.num_embeddings, chunk):

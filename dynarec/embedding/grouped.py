@@ -1,0 +1,144 @@
+"""Table batching: fixed tables that share one row store and one lookup a step.
+
+FBGEMM's TBE and dynamicemb's table fusion serve every table of a group with one weight buffer
+and per-table row offsets, so a step's lookup of all their features is one pooled lookup and its
+backward one fused update, whatever the number of tables. A :class:`TableGroup` does that for
+fixed tables of one dim and one optimizer spec on the native backend: their rows are consecutive
+ranges of one :class:`~dynarec.embedding.row_store.NativeRowStore`, each table keeping its own
+:class:`~dynarec.embedding.row_store.RowStoreSlice` of it (reads, writes, dumps and loads by
+table, as before).
+
+The grouping changes no result: a row's update depends only on its own aggregated gradient and
+the table's learning rate and step counter, and each bag pools in the same order. Where the
+tables' learning rates or step counters differ (one was set or loaded apart from the others),
+the group looks each table up on its own for that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dynarec.embedding.config import TableConfig
+from dynarec.embedding.jagged import FeatureSlice
+from dynarec.embedding.pack import BagLayout, Bags, pack
+from dynarec.embedding.row_store import NativeRowStore, RowStoreSlice
+from dynarec.embedding.table import FixedTable, FoundKeys
+from dynarec.optim.base import OptimizerSpec
+
+__all__ = ["GroupBags", "TableGroup", "group_key"]
+
+
+def group_key(config: TableConfig, spec: OptimizerSpec) -> Optional[tuple]:
+    """What tables must share to be grouped (dim, optimizer spec), or None for a table that is
+    looked up on its own (dynamic, or another backend)."""
+    if config.kind != "fixed" or config.backend != "native":
+        return None
+    return (config.dim, spec)
+
+
+class TableGroup:
+    """Fixed tables sharing one :class:`NativeRowStore`: table ``i``'s row ``r`` is the store's
+    row ``bases[i] + r``. A collection uses it where it would use one table: ``pack`` → ``find``
+    → ``lookup`` → ``unpack``, the step lifecycle over all its tables."""
+
+    def __init__(self, configs: Sequence[TableConfig], spec: OptimizerSpec, device: torch.device):
+        if len({group_key(c, spec) for c in configs}) != 1 or group_key(configs[0], spec) is None:
+            raise ValueError(f"tables {[c.name for c in configs]} differ in dim, kind or backend: no group")
+        rows = [int(c.num_embeddings) for c in configs]  # type: ignore[arg-type]
+        self.name = "+".join(c.name for c in configs)
+        self.store = NativeRowStore(sum(rows), configs[0].dim, spec, device)
+        self.tables: list[FixedTable] = []
+        self.bases: list[int] = []
+        base = 0
+        for config, n in zip(configs, rows):
+            store = RowStoreSlice(self.store, base, base + n)
+            self.tables.append(FixedTable(config, spec, device, store=store))
+            self.bases.append(base)
+            base += n
+
+    # -- the step lifecycle, over every table ---------------------------------------------------
+
+    def begin_step(self) -> None:
+        for t in self.tables:
+            t.begin_step()
+
+    def abort_step(self) -> None:
+        for t in reversed(self.tables):
+            t.abort_step()
+
+    def commit_pending(self) -> None:
+        for t in self.tables:
+            t.commit_pending()
+
+    # -- the three stages ----------------------------------------------------------------------
+
+    def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[GroupBags, BagLayout]:
+        """Every feature of every table as one list of bags over the store's rows: each table's
+        ids shifted by its base (one op for the whole group)."""
+        inputs, bases, counts, parts = [], [], [], []
+        for table, base in zip(self.tables, self.bases):
+            num_bags = num_ids = 0
+            for f in table.features:
+                s = slices[f.name]
+                pooling = table.config.pooling_of(f)
+                inputs.append((f.name, pooling, s))
+                bases.append(base)
+                counts.append(s.num_ids)
+                num_bags += s.num_ids if pooling == "none" else s.lengths.numel()
+                num_ids += s.num_ids
+            parts.append((num_bags, num_ids))
+        bags, layout = pack(inputs)
+        device = bags.ids.device
+        shift = torch.repeat_interleave(
+            torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
+            output_size=bags.ids.numel(),
+        )
+        return GroupBags(bags.ids + shift, bags.offsets, bags.weights, tuple(parts)), layout
+
+    def find(self, bags: Bags) -> Optional[FoundKeys]:
+        return None  # fixed tables: ids are rows
+
+    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+        """All tables' bags (:meth:`pack`'s) -> pooled rows ``[num_bags, D]``; in training the
+        output's backward applies the fused update once to every touched row of every table and
+        commits each table's step."""
+        if not train:
+            return self.store.lookup(bags.ids, bags.offsets, bags.weights, False)
+        steps = [t.steps.current for t in self.tables]
+        rates = {t.store.lr for t in self.tables}
+        if len({s.t for s in steps}) > 1 or len(rates) > 1:
+            assert isinstance(bags, GroupBags)
+            return self._lookup_apart(bags)
+        self.store.set_learning_rate(rates.pop())
+        out = self.store.lookup(bags.ids, bags.offsets, bags.weights, True, step=steps[0].t)
+        for table, step in zip(self.tables, steps):
+            table._commit_on_backward(out, step)
+        return out
+
+    def _lookup_apart(self, bags: GroupBags) -> torch.Tensor:
+        """Each table's own training lookup of its part of ``bags`` (its rates or step counters
+        differ from the others'), the results in the group's bag order."""
+        outs = []
+        bag_at = id_at = 0
+        for table, base, (num_bags, num_ids) in zip(self.tables, self.bases, bags.parts):
+            part = Bags(
+                bags.ids[id_at : id_at + num_ids] - base,
+                bags.offsets[bag_at : bag_at + num_bags + 1] - id_at,
+                None if bags.weights is None else bags.weights[id_at : id_at + num_ids],
+            )
+            outs.append(table.lookup(part, True))
+            bag_at, id_at = bag_at + num_bags, id_at + num_ids
+        return torch.cat(outs)
+
+
+@dataclass
+class GroupBags(Bags):
+    """A group's bags, with each table's share: ``parts[i] = (num_bags, num_ids)`` of table ``i``
+    (its bags and ids are consecutive, in table order)."""
+
+    parts: tuple[tuple[int, int], ...] = ()

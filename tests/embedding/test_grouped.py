@@ -1,0 +1,126 @@
+"""Table batching: fixed tables of one dim and one optimizer spec share a row store and one
+lookup a step (TableGroup). Grouped and per-table collections give the same outputs, weights and
+states bit for bit, for every optimizer and pooling, and a step is one fused update per group."""
+
+import pytest
+import torch
+
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.matrix import DEVICES
+
+SPECS = [
+    SGD(lr=0.3),
+    Adagrad(lr=0.2, initial_accumulator_value=0.1),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="l2"),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled"),
+    Adam(lr=0.05, weight_decay=0.01),
+]
+
+
+def tables():
+    """Three fixed tables of dim 8 (one group; one of them serves a pooled feature and a sequence),
+    a fixed table of dim 4, a dynamic table of dim 8 (neither in the group), mean pooling on one."""
+    return [
+        TableConfig(name="a", dim=8, num_embeddings=50, features=["fa", FeatureConfig("sa", pooling="none")]),
+        TableConfig(name="b", dim=8, num_embeddings=7, features=["fb"], pooling="mean"),
+        TableConfig(name="c", dim=8, num_embeddings=300, features=["fc"]),
+        TableConfig(name="d", dim=4, num_embeddings=20, features=["fd"]),
+        TableConfig(name="u", dim=8, dynamic=DynamicTableOptions(256), features=["fu"]),
+    ]
+
+
+ROWS = {"fa": 50, "sa": 50, "fb": 7, "fc": 300, "fd": 20, "fu": 1 << 40}
+
+
+def batch(g, size, weighted):
+    lists, weights = {}, {}
+    for name, rows in ROWS.items():
+        lengths = torch.randint(0, 4, (size,), generator=g)
+        lists[name] = [torch.randint(0, min(rows, 1 << 31), (int(n),), generator=g).tolist() for n in lengths]
+        weights[name] = [torch.rand(int(n), generator=g).tolist() for n in lengths]
+    return JaggedBatch.from_lists(lists, weights if weighted else None)
+
+
+def run(coll, batches, device):
+    outs = []
+    for kjt in batches:
+        out = coll(kjt.to(device))
+        loss = sum((v * torch.arange(v.numel(), device=device).view_as(v).sin()).sum() for v in out.values())
+        loss.backward()
+        outs.append({k: v.detach().cpu() for k, v in out.items()})
+    return outs
+
+
+def assert_same(a, b):
+    for name in a.tables:
+        da, db = a.tables[name].dump(), b.tables[name].dump()
+        assert da.keys() == db.keys()
+        for field in da:
+            assert torch.equal(da[field], db[field]), (name, field)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grouped_tables_equal_tables_looked_up_apart(device, spec, weighted):
+    g = torch.Generator().manual_seed(0)
+    batches = [batch(g, 33, weighted) for _ in range(4)]
+    grouped = EmbeddingCollection(tables(), spec, device=device)
+    apart = EmbeddingCollection(tables(), spec, device=device, group_tables=False)
+    assert grouped.lookup_groups == [("a", "b", "c"), ("d",), ("u",)]
+    assert apart.lookup_groups == [("a",), ("b",), ("c",), ("d",), ("u",)]
+    for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+    assert_same(grouped, apart)
+    grouped.eval()
+    apart.eval()
+    with torch.no_grad():
+        x, y = grouped(batches[0].to(device)), apart(batches[0].to(device))
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_of_a_group_is_one_fused_update(device, monkeypatch):
+    from dynarec.optim import fused
+
+    calls = []
+    real = fused.fused_bag_update
+
+    def counted(spec, **kw):
+        calls.append(kw["weight"].shape[0])
+        return real(spec, **kw)
+
+    monkeypatch.setattr("dynarec.embedding.row_store.fused_bag_update", counted)
+    coll = EmbeddingCollection(tables(), Adagrad(lr=0.1), device=device)
+    run(coll, [batch(torch.Generator().manual_seed(1), 9, False)], device)
+    assert sorted(calls) == sorted([50 + 7 + 300, 20, coll.tables["u"].capacity])
+
+
+def test_tables_of_a_group_keep_their_own_rows_learning_rates_and_step_counters():
+    """A table given its own learning rate, or loaded from another run's dump (another step
+    counter), is looked up apart for the steps where it differs — the same results as tables
+    never grouped."""
+    g = torch.Generator().manual_seed(2)
+    batches = [batch(g, 17, True) for _ in range(3)]
+    spec = Adam(lr=0.05)
+    colls = [EmbeddingCollection(tables(), spec), EmbeddingCollection(tables(), spec, group_tables=False)]
+    donor = EmbeddingCollection(tables(), spec)
+    run(donor, batches[:2], "cpu")
+    for coll in colls:
+        coll.set_learning_rate(0.01, table="b")
+        coll.tables["c"].load(donor.tables["c"].dump())  # step counter 2, the others 0
+        run(coll, batches, "cpu")
+    assert colls[0].tables["c"].step == 5 and colls[0].tables["a"].step == 3
+    assert_same(*colls)
+    # Rows by table: a write to one table's row leaves its neighbours in the shared store alone.
+    coll = colls[0]
+    before = {n: coll.tables[n].dump() for n in ("a", "c")}
+    coll.write_rows("b", torch.tensor([0, 6]), {"weight": torch.full((2, 8), 7.0)})
+    assert torch.equal(coll.read_rows("b", torch.tensor([6]))["weight"], torch.full((1, 8), 7.0))
+    for n in ("a", "c"):
+        assert all(torch.equal(before[n][k], v) for k, v in coll.tables[n].dump().items())
+    with pytest.raises(ValueError, match=r"table 'b', feature 'read_rows': id 7 is out of range \[0, 7\)"):
+        coll.read_rows("b", torch.tensor([7]))
