@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynarec.files import fsync_tree, replace_dir
@@ -40,12 +41,22 @@ class SyntheticSpec:
     min_hist_len: int = 3
     zipf_a: float = 1.1
     seed: int = 0
+    string_ids: bool = False
+    """Items and categories as strings (``i42``, ``c7``), in the candidate columns and the
+    histories alike, as in Taobao's logs; by default they are integers (the demo's ``num_buckets``
+    tables take them as rows). The same draws either way: only the ids' spelling differs."""
 
 
 def _zipf_probs(n: int, a: float, rng: np.random.Generator) -> np.ndarray:
     p = 1.0 / np.arange(1, n + 1) ** a
     p = p[rng.permutation(n)]  # popular ids are not the small ones
     return p / p.sum()
+
+
+def _spelled(ids: np.ndarray, prefix: str) -> pa.Array:
+    """``ids`` as strings: ``prefix`` and the decimal digits."""
+    digits = pc.cast(pa.array(ids), pa.string())
+    return pc.binary_join_element_wise(prefix, digits, "") if prefix else digits
 
 
 class _World:
@@ -108,17 +119,20 @@ class _World:
         )
         p = 1.0 / (1.0 + np.exp(-logit))
         clk = (rng.random(n) < p).astype(np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        hist_str = ["|".join(map(str, hist[offsets[i] : offsets[i + 1]])) for i in range(n)]
-        hist_cate_str = ["|".join(map(str, hist_cate[offsets[i] : offsets[i + 1]])) for i in range(n)]
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        item, cate = ("i", "c") if s.string_ids else ("", "")
+
+        def history(ids: np.ndarray, prefix: str) -> pa.Array:
+            return pc.binary_join(pa.ListArray.from_arrays(offsets, _spelled(ids, prefix)), "|")
+
         table = pa.table(
             {
-                "user_id": pa.array([f"u{u}" for u in users]),
+                "user_id": _spelled(users, "u"),
                 "age": pa.array(self.user_age[users]),
-                "item_id": pa.array(cand),
-                "cate_id": pa.array(cand_cate),
-                "hist_item_id": pa.array(hist_str),
-                "hist_cate_id": pa.array(hist_cate_str),
+                "item_id": _spelled(cand, item) if s.string_ids else pa.array(cand),
+                "cate_id": _spelled(cand_cate, cate) if s.string_ids else pa.array(cand_cate),
+                "hist_item_id": history(hist, item),
+                "hist_cate_id": history(hist_cate, cate),
                 "price": pa.array(price.round(2)),
                 "clk": pa.array(clk),
             }
