@@ -19,19 +19,19 @@ StepFailedError naming the failing rank and its message.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import nn
 
 from dynarec.distributed.context import DistContext
-from dynarec.distributed.routing import return_pooled, route_bags
-from dynarec.embedding.collection import checked_slices
-from dynarec.embedding.config import FeatureConfig
+from dynarec.distributed.routing import return_pooled, route
+from dynarec.embedding.collection import EmbeddingCollection, checked_slices
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike
 from dynarec.embedding.memory import check_fits
-from dynarec.embedding.pack import Bags, pack, unpack
+from dynarec.embedding.pack import pack, unpack
 from dynarec.embedding.table import EmbeddingTable, FixedTable, check_id_range
 from dynarec.planner.plan import Plan, TablePlan
 
@@ -55,21 +55,40 @@ class _AllReduceRowGradients:
 
 
 class ShardedEmbeddingCollection(nn.Module):
+    """The tables of a plan spread over the ranks of ``ctx``.
+
+    Replicated (``data_parallel``) tables form a local :class:`EmbeddingCollection` — the
+    single-process pack, lookup and unpack, its table groups included — whose stores sum their
+    row gradients over the ranks; every other table is routed, all of them together
+    (:mod:`.routing`): a step's collectives do not grow with the number of tables."""
+
     def __init__(self, plan: Plan, ctx: DistContext):
         super().__init__()
         if plan.world_size != ctx.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, this run has {ctx.world_size}")
         self.plan, self.ctx, self.device = plan, ctx, ctx.device
-        self.tables: dict[str, EmbeddingTable] = {}  # the shards this rank holds
-        self._features: dict[str, tuple[TablePlan, FeatureConfig]] = {}
         held = [tp for tp in plan.tables if tp.sharding.holds(ctx.rank)]
         # Before allocating anything: this rank's shards at their largest must fit its memory.
         check_fits([(tp.table, tp.optimizer) for tp in held], self.device, sizes=[tp.bytes_on(ctx.rank) for tp in held])
-        for tp in plan.tables:
-            for feature in tp.table.feature_configs:
-                self._features[feature.name] = (tp, feature)
-        for tp in held:
-            self.tables[tp.table.name] = self._make_shard(tp)
+        self._features = [f.name for tp in plan.tables for f in tp.table.feature_configs]
+        replicated = [tp for tp in plan.tables if not tp.sharding.routed]
+        self.local: Optional[EmbeddingCollection] = None
+        if replicated:
+            self.local = EmbeddingCollection(
+                [dataclasses.replace(tp.table, optimizer=tp.optimizer) for tp in replicated],
+                device=self.device,
+                memory_budget=2**63 - 1,  # checked above, with the shards
+                row_reducers=lambda name, rows: _AllReduceRowGradients(self.ctx, rows, name),
+            )
+        self.routed = [tp for tp in plan.tables if tp.sharding.routed]
+        self.shards: dict[str, EmbeddingTable] = {
+            tp.table.name: self._make_shard(tp) for tp in self.routed if tp.sharding.holds(ctx.rank)
+        }
+        # Every table this rank holds, in the plan's order.
+        local_tables = self.local.tables if self.local is not None else {}
+        self.tables: dict[str, EmbeddingTable] = {
+            tp.table.name: local_tables.get(tp.table.name) or self.shards[tp.table.name] for tp in held
+        }
 
     def _make_shard(self, tp: TablePlan) -> EmbeddingTable:
         s, config, rank = tp.sharding, tp.table, self.ctx.rank
@@ -82,12 +101,7 @@ class ShardedEmbeddingCollection(nn.Module):
             return DynamicTable(
                 config, tp.optimizer, self.device, capacity=(min(init, s.capacity_per_rank), s.capacity_per_rank)
             )
-        table: EmbeddingTable = (FixedTable if config.dynamic is None else DynamicTable)(
-            config, tp.optimizer, self.device
-        )
-        if s.kind == "data_parallel":
-            table.store.grad_reducer = _AllReduceRowGradients(self.ctx, config.num_embeddings, config.name)  # type: ignore[arg-type]
-        return table
+        return (FixedTable if config.dynamic is None else DynamicTable)(config, tp.optimizer, self.device)
 
     @property
     def feature_names(self) -> list[str]:
@@ -114,62 +128,65 @@ class ShardedEmbeddingCollection(nn.Module):
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             slices = {n: FeatureSlice(n, empty, empty, None, 0, 0) for n in self._features}
         out: dict[str, torch.Tensor] = {}
-        begun: list[EmbeddingTable] = []
-        for tp in self.plan.tables:
-            table = self.tables.get(tp.table.name)
+        local_begun = False
+        if self.local is not None:
             try:
-                if self.training and table is not None:
+                out.update(self.local.lookup_slices(slices))  # aborts its own step if it fails
+                local_begun = self.training
+            except Exception as e:
+                error = error or e
+        begun: list[EmbeddingTable] = []
+        for table in self.shards.values():
+            try:
+                if self.training:
                     table.begin_step()
                     begun.append(table)
             except Exception as e:
                 error = error or e
-            bags, layout = pack([(f.name, tp.table.pooling_of(f), slices[f.name]) for f in tp.table.feature_configs])
-            if tp.sharding.routed:
-                pooled, error = self._routed_lookup(tp, table, bags, error)
-            else:
-                assert table is not None
+        packed = [
+            pack([(f.name, tp.table.pooling_of(f), slices[f.name]) for f in tp.table.feature_configs])
+            for tp in self.routed
+        ]
+        where = [tp.sharding.owner(bags.ids) for tp, (bags, _) in zip(self.routed, packed)]
+        owned, routed = route([bags for bags, _ in packed], [w[0] for w in where], [w[1] for w in where], self.ctx)
+        pooled = []
+        for tp, bags in zip(self.routed, owned):
+            shard = self.shards.get(tp.table.name)
+            result: Optional[torch.Tensor] = None
+            if shard is not None:
                 try:
-                    pooled = table.lookup(bags, self.training)
+                    result = shard.lookup(bags, self.training)
                 except Exception as e:
                     error = error or e
-                    pooled = torch.zeros(bags.num_bags, tp.table.dim, device=self.device)
-            out.update(unpack(pooled, layout))
+            if result is None:  # nothing held here (or the lookup failed): zeros that still carry the backward
+                grad = self.training and torch.is_grad_enabled()
+                result = torch.zeros(bags.num_bags, tp.table.dim, device=self.device, requires_grad=grad)
+            pooled.append(result)
+        results = return_pooled(pooled, [tp.table.dim for tp in self.routed], routed, self.ctx)
+        for rows, (_, layout) in zip(results, packed):
+            out.update(unpack(rows, layout))
         try:
             self.ctx.agree(error, "the embedding lookups of a step")
         except BaseException:
             for table in reversed(begun):  # the step never happened, on any rank
                 table.abort_step()
+            if local_begun and self.local is not None:
+                self.local.abort_step()
             raise
         if self.training and not torch.is_grad_enabled():
             for table in begun:
                 table.commit_pending()
         return out
 
-    def _routed_lookup(
-        self, tp: TablePlan, table: Optional[EmbeddingTable], bags: Bags, error: Optional[BaseException]
-    ) -> tuple[torch.Tensor, Optional[BaseException]]:
-        name, dim = tp.table.name, tp.table.dim
-        owner, local = tp.sharding.owner(bags.ids)
-        owned, routed = route_bags(bags, owner, local, self.ctx, name)
-        pooled: Optional[torch.Tensor] = None
-        if table is not None:
-            try:
-                pooled = table.lookup(owned, self.training)
-            except Exception as e:
-                error = error or e
-        if pooled is None:  # nothing held here (or the lookup failed): zeros that still carry the backward
-            pooled = torch.zeros(
-                owned.num_bags, dim, device=self.device, requires_grad=self.training and torch.is_grad_enabled()
-            )
-        return return_pooled(pooled, routed, self.ctx, name, dim), error
-
     def _checked_slices(self, kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
+        tables = {f.name: tp.table for tp in self.plan.tables for f in tp.table.feature_configs}
+
         def validate(name: str, ids: torch.Tensor) -> None:  # against the whole table, not this shard
-            table = self._features[name][0].table
+            table = tables[name]
             if table.num_embeddings is not None:
                 check_id_range(table.name, name, ids, table.num_embeddings)
 
-        slices = checked_slices(kjt, list(self._features), validate)
+        slices = checked_slices(kjt, self._features, validate)
         return {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
 
     def abort_step(self) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.grouped import TableGroup, group_key
+from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
@@ -42,6 +42,21 @@ def checked_slices(
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
     return slices
+
+
+def _build_table(
+    config: TableConfig, spec: OptimizerSpec, device: torch.device, row_reducers: Optional[ReducerFactory]
+) -> EmbeddingTable:
+    """A table looked up on its own (``row_reducers``: see :class:`EmbeddingCollection`)."""
+    if config.kind == "fixed":
+        reducer = row_reducers(config.name, int(config.num_embeddings)) if row_reducers else None  # type: ignore[arg-type]
+        return FixedTable(config, spec, device, grad_reducer=reducer)
+    if row_reducers is not None:
+        raise ValueError(
+            f"table '{config.name}': a dynamic table cannot be data-parallel (its replicas would hold different "
+            "keys); shard it by key_hash"
+        )
+    return DynamicTable(config, spec, device)
 
 
 class LookupUnit(Protocol):
@@ -83,6 +98,9 @@ class EmbeddingCollection(nn.Module):
         group_tables: fixed tables of one dim and one optimizer spec on the native backend
             share one row store, looked up and updated once a step for all of them
             (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either way).
+        row_reducers: data-parallel tables (a sharded run's replicas): ``row_reducers(name,
+            rows)`` gives each native fixed store the reducer that sums its row gradients over
+            the ranks before the update (see :class:`~dynarec.embedding.row_store.NativeRowStore`).
 
     ``forward(kjt)`` returns ``{feature: tensor}``: ``[B, D]`` for pooled features (sum or mean)
     and ``[B, L, D]`` for sequence features (pooling ``none``), zero-padded to the batch's longest
@@ -99,6 +117,7 @@ class EmbeddingCollection(nn.Module):
         memory_budget: Optional[int] = None,
         prefetch_depth: Optional[int] = None,
         group_tables: bool = True,
+        row_reducers: Optional[ReducerFactory] = None,
     ):
         super().__init__()
         self.device = torch.device(device)
@@ -132,20 +151,15 @@ class EmbeddingCollection(nn.Module):
         self._units: list[LookupUnit] = []
         for config in tables:
             members = grouped.get(config.name)
-            if members is not None:
-                if config is not members[0]:
-                    continue  # built with the group's first table
-                group = TableGroup(members, specs[config.name], self.device)
-                self._units.append(group)
-                built: list[EmbeddingTable] = list(group.tables)
-            else:
-                table: EmbeddingTable = (FixedTable if config.kind == "fixed" else DynamicTable)(
-                    config, specs[config.name], self.device
-                )
+            if members is None:
+                table = _build_table(config, specs[config.name], self.device, row_reducers)
                 self._units.append(table)
-                built = [table]
-            for table in built:
                 self._add(table)
+            elif config is members[0]:  # the others are built with the group's first table
+                group = TableGroup(members, specs[config.name], self.device, row_reducers)
+                self._units.append(group)
+                for member in group.tables:
+                    self._add(member)
         self.tables = {c.name: self.tables[c.name] for c in tables}  # in the configured order
 
     def _add(self, table: EmbeddingTable) -> None:
@@ -235,7 +249,19 @@ class EmbeddingCollection(nn.Module):
         if prepared is None:
             prepared = self._prepare(kjt)
         prepared.staged.take()
-        packed, found = prepared.packed, prepared.found
+        return self._lookup(prepared.packed, prepared.found)
+
+    def lookup_slices(self, slices: Mapping[str, FeatureSlice]) -> dict[str, torch.Tensor]:
+        """The forward of features already split, checked and on the device (a sharded
+        collection's replicated tables); ``slices`` may hold other features too."""
+        packed = {unit.name: unit.pack(slices) for unit in self._units}
+        found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
+        return self._lookup(packed, found)
+
+    def _lookup(
+        self, packed: Mapping[str, tuple[Bags, BagLayout]], found: Mapping[str, Optional[FoundKeys]]
+    ) -> dict[str, torch.Tensor]:
+        """Stages 2 and 3 of every unit, as one training step of every table (or none)."""
         out: dict[str, torch.Tensor] = {}
         begun: list[LookupUnit] = []
         try:

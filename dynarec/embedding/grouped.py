@@ -16,7 +16,7 @@ the group looks each table up on its own for that step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,8 +28,12 @@ from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import NativeRowStore, RowStoreSlice
 from dynarec.embedding.table import FixedTable, FoundKeys
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.fused import GradReducer
 
-__all__ = ["GroupBags", "TableGroup", "group_key"]
+__all__ = ["GroupBags", "ReducerFactory", "TableGroup", "group_key"]
+
+# A data-parallel table's row-gradient reducer for a store of ``rows`` rows named ``name``.
+ReducerFactory = Callable[[str, int], Optional[GradReducer]]
 
 
 def group_key(config: TableConfig, spec: OptimizerSpec) -> Optional[tuple]:
@@ -45,17 +49,26 @@ class TableGroup:
     row ``bases[i] + r``. A collection uses it where it would use one table: ``pack`` → ``find``
     → ``lookup`` → ``unpack``, the step lifecycle over all its tables."""
 
-    def __init__(self, configs: Sequence[TableConfig], spec: OptimizerSpec, device: torch.device):
+    def __init__(
+        self,
+        configs: Sequence[TableConfig],
+        spec: OptimizerSpec,
+        device: torch.device,
+        reducers: Optional[ReducerFactory] = None,
+    ):
+        """``reducers``: data-parallel tables' row-gradient reducers, ``reducers(name, rows)``
+        (the group's store gets one over all its rows, each table's slice its own)."""
         if len({group_key(c, spec) for c in configs}) != 1 or group_key(configs[0], spec) is None:
             raise ValueError(f"tables {[c.name for c in configs]} differ in dim, kind or backend: no group")
         rows = [int(c.num_embeddings) for c in configs]  # type: ignore[arg-type]
         self.name = "+".join(c.name for c in configs)
-        self.store = NativeRowStore(sum(rows), configs[0].dim, spec, device)
+        reducer = (lambda name, n: None) if reducers is None else reducers
+        self.store = NativeRowStore(sum(rows), configs[0].dim, spec, device, reducer(self.name, sum(rows)))
         self.tables: list[FixedTable] = []
         self.bases: list[int] = []
         base = 0
         for config, n in zip(configs, rows):
-            store = RowStoreSlice(self.store, base, base + n)
+            store = RowStoreSlice(self.store, base, base + n, reducer(config.name, n))
             self.tables.append(FixedTable(config, spec, device, store=store))
             self.bases.append(base)
             base += n

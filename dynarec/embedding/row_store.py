@@ -11,7 +11,6 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 
 from dynarec.kernels import gpu as gpu_kernels
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.fused import RowScores, fused_bag_update
+from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 
 __all__ = ["NativeRowStore", "RowStore", "RowStoreSlice"]
 
@@ -38,9 +37,6 @@ class RowStore(ABC):
         self.spec = spec
         self.device = torch.device(device)
         self.lr = float(spec.lr)
-        # Data-parallel tables: sums a step's row gradients over the ranks before the update,
-        # ``(unique rows, their gradients) -> (rows, gradients)`` (native stores only).
-        self.grad_reducer: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
 
     #: Whether :meth:`lookup` takes ``row_scores``: its update then writes the rows' scores.
     writes_row_scores = False
@@ -177,12 +173,24 @@ class _NativeFusedLookup(torch.autograd.Function):
 
 
 class NativeRowStore(RowStore):
-    """Plain-torch rows and fused update; runs on any device torch supports."""
+    """Plain-torch rows and fused update; runs on any device torch supports.
+
+    ``grad_reducer`` (a data-parallel table's, given by the sharder): sums a step's row
+    gradients over the ranks before the update, ``(unique rows, their gradients) -> (rows,
+    gradients)``, so every replica applies the same update."""
 
     writes_row_scores = True
 
-    def __init__(self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        spec: OptimizerSpec,
+        device: torch.device | str = "cpu",
+        grad_reducer: Optional[GradReducer] = None,
+    ):
         super().__init__(num_rows, dim, spec, torch.device(device))
+        self.grad_reducer = grad_reducer
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
@@ -237,8 +245,9 @@ class RowStoreSlice(NativeRowStore):
 
     A fixed table never changes size: :meth:`reallocate` (a load) resets the rows in place."""
 
-    def __init__(self, parent: NativeRowStore, start: int, end: int):
+    def __init__(self, parent: NativeRowStore, start: int, end: int, grad_reducer: Optional[GradReducer] = None):
         RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
+        self.grad_reducer = grad_reducer
         self.parent = parent
         self.start, self.end = start, end
 

@@ -28,6 +28,7 @@ from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.embedding.streams import current_stream
 from dynarec.kernels.gpu import HostReadback
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.fused import GradReducer
 
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
 
@@ -69,10 +70,20 @@ def check_id_range(table: str, feature: str, ids: torch.Tensor, num_rows: int) -
 _ZERO = Initializer(kind="constant", value=0.0)
 
 
-def make_row_store(config: TableConfig, spec: OptimizerSpec, num_rows: int, device: torch.device) -> RowStore:
+def make_row_store(
+    config: TableConfig,
+    spec: OptimizerSpec,
+    num_rows: int,
+    device: torch.device,
+    grad_reducer: Optional[GradReducer] = None,
+) -> RowStore:
+    """The row store of ``config``'s backend; ``grad_reducer``: a data-parallel table's (the
+    native backend only: FBGEMM's kernels update the rows before any reduction could run)."""
     if config.backend == "fbgemm":
+        if grad_reducer is not None:
+            raise ValueError(f"table '{config.name}': a data-parallel table needs backend 'native'")
         return FbgemmRowStore(num_rows, config.dim, spec, device, where=f"table '{config.name}'")
-    return NativeRowStore(num_rows, config.dim, spec, device)
+    return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer)
 
 
 class EmbeddingTable(ABC):
@@ -237,9 +248,11 @@ class FixedTable(EmbeddingTable):
         device: torch.device,
         rows: Optional[tuple[int, int]] = None,
         store: Optional[RowStore] = None,
+        grad_reducer: Optional[GradReducer] = None,
     ):
         """``store``: rows of a store shared with other tables (a ``TableGroup``'s slice, of
-        exactly this table's rows) instead of a store of its own."""
+        exactly this table's rows) instead of a store of its own; ``grad_reducer``: a
+        data-parallel table's (see :class:`NativeRowStore`)."""
         super().__init__(config, spec, device)
         assert config.num_embeddings is not None
         start, end = rows if rows is not None else (0, config.num_embeddings)
@@ -247,7 +260,9 @@ class FixedTable(EmbeddingTable):
         self.num_embeddings = end - start
         if store is not None and store.num_rows != self.num_embeddings:
             raise ValueError(f"table '{self.name}': given a store of {store.num_rows} rows for {self.num_embeddings}")
-        self._store = store if store is not None else make_row_store(config, spec, self.num_embeddings, self.device)
+        if store is None:
+            store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
+        self._store = store
         chunk = 1 << 16
         with torch.no_grad():
             for first in range(0, self.num_embeddings, chunk):

@@ -20,7 +20,7 @@ import torch
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
 
-__all__ = ["RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
+__all__ = ["GradReducer", "RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
 
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

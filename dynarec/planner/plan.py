@@ -16,6 +16,7 @@ are ``row_wise``. A plan whose rank exceeds the budget is an error naming the ta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,7 @@ from dynarec.embedding.memory import format_bytes, table_bytes
 from dynarec.optim.base import OptimizerSpec
 from dynarec.planner.sharding import TableSharding
 
-__all__ = ["DATA_PARALLEL_MAX_BYTES", "Plan", "PlanError", "TablePlan", "plan_from_config"]
+__all__ = ["DATA_PARALLEL_MAX_BYTES", "Plan", "PlanError", "TablePlan", "plan_from_config", "plan_tables"]
 
 # A fixed table is replicated (data_parallel) when its weights are at most this many bytes: its
 # dense gradient is all-reduced every step.
@@ -170,22 +171,49 @@ def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[i
 
 
 def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optional[int] = None) -> Plan:
-    """One :class:`TablePlan` per table, sharded over ``world_size`` ranks.
-
-    ``memory_budget``: bytes per rank (default ``train.memory_budget_per_rank``; None: unchecked
-    here — the tables check the device's memory when they are built)."""
+    """The plan of a config's tables (features sharing an ``embedding_name`` share a table):
+    :func:`plan_tables` with the config's optimizers, batch size and memory budget (default
+    ``train.memory_budget_per_rank``)."""
     budget = memory_budget if memory_budget is not None else config.train.memory_budget_per_rank
+    tables = _tables_of(config)
+    return plan_tables(
+        [t for t, _, _ in tables],
+        world_size,
+        None if budget is None else int(budget),
+        batch_size=config.data.batch_size,
+        ids_per_sample=[ids for _, _, ids in tables],
+    )
+
+
+def plan_tables(
+    tables: Sequence[TableConfig],
+    world_size: int = 1,
+    memory_budget: Optional[int] = None,
+    optimizer: Optional[OptimizerSpec] = None,
+    batch_size: int = 0,
+    ids_per_sample: Optional[Sequence[tuple[int, ...]]] = None,
+) -> Plan:
+    """One :class:`TablePlan` per table, sharded over ``world_size`` ranks; each table trained by
+    its own ``TableConfig.optimizer``, else ``optimizer``.
+
+    ``memory_budget``: bytes per rank (None: unchecked here — the tables check the device's
+    memory when they are built); ``batch_size`` (per rank) and ``ids_per_sample`` (per table,
+    per feature; default 1) size the plan's exchange estimate."""
     load = [0] * world_size
     plans = []
-    for table, spec, ids in _tables_of(config):
-        sharding = _decide(table, spec, world_size, budget, load)
+    for i, table in enumerate(tables):
+        spec = table.optimizer or optimizer
+        if spec is None:
+            raise PlanError(f"table '{table.name}' has no optimizer: give the planner one or the table its own")
+        ids = ids_per_sample[i] if ids_per_sample is not None else (1,) * len(table.feature_configs)
+        sharding = _decide(table, spec, world_size, memory_budget, load)
         plan = TablePlan(table, spec, sharding, ids)
         for r in range(world_size):
             load[r] += plan.bytes_on(r)
         plans.append(plan)
-    result = Plan(tuple(plans), world_size, config.data.batch_size)
-    if budget is not None:
-        _check_budget(result, int(budget))
+    result = Plan(tuple(plans), world_size, batch_size)
+    if memory_budget is not None:
+        _check_budget(result, memory_budget)
     return result
 
 
@@ -195,6 +223,11 @@ def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optiona
     full = table_bytes(table, spec)
     if table.sharding is not None:
         kind = table.sharding
+        if kind == "data_parallel" and table.dynamic is not None:
+            raise PlanError(
+                f"table '{table.name}': a dynamic table cannot be data_parallel (each replica would insert its own "
+                "rank's keys, and their rows would differ); use key_hash"
+            )
         if kind == "data_parallel" and table.backend != "native":
             raise PlanError(
                 f"table '{table.name}': data_parallel sharding needs backend 'native' (its row "
