@@ -68,7 +68,7 @@ def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_p
     trainer = Trainer(load_config(write_config(tmp_path, c)), tmp_path / "m", device="cuda", progress=False)
     trainer.fit()
     latest = trainer.checkpoints.latest()
-    batches = trainer._train_batches()
+    batches = trainer.input.batches(trainer.position)
     batch, _, rows = next(batches)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

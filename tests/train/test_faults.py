@@ -39,7 +39,7 @@ def trainer_for(data_root, model_dir, **train):
 
 
 def first_batch(trainer):
-    return next(trainer._train_batches())[0]
+    return next(trainer.input.batches(trainer.position))[0]
 
 
 def state_of(trainer):

@@ -1,0 +1,265 @@
+"""Where training's batches come from, and where they stand.
+
+:class:`TrainInput` cuts the config's input into every rank's share of each global batch, from
+a data position on: epoch after epoch (``num_epochs``), cycling (``num_steps``), or as files
+arrive in a directory (``--follow``, :class:`FollowOptions`), remembering the files consumed so
+that a row position always means the same rows. :class:`ReadAhead` reads the next batches while
+the device runs a step's backward.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from dynarec.config.schema import Config
+from dynarec.data.batch import Batch, BatchBuilder, DataError
+from dynarec.data.reader import (
+    ArrowBatchDataset,
+    BatchLoader,
+    DataPosition,
+    data_files,
+    default_num_workers,
+    make_loader,
+    resolve_files,
+)
+from dynarec.distributed.context import DistContext
+
+__all__ = ["FollowOptions", "Item", "ReadAhead", "TrainInput"]
+
+# A training batch (or, in a multi-process run, the DataError of this rank's share), the data
+# position after it, and the global batch's rows.
+Item = tuple[Union[Batch, DataError], DataPosition, int]
+
+
+@dataclass(frozen=True)
+class FollowOptions:
+    """Streaming input (``dynarec train --follow``): ``data.train_input_path`` is a directory
+    that keeps receiving files (each renamed in when complete; hidden and ``_``-prefixed names
+    are ignored). Training consumes full global batches in file-name order as rows arrive, and
+    stops after ``num_steps``, or once no new file came for ``idle_timeout_seconds`` (None:
+    never; Ctrl-C stops it with a checkpoint)."""
+
+    poll_seconds: float = 5.0
+    idle_timeout_seconds: Optional[float] = None
+
+
+def _check_followable(config: Config) -> None:
+    path = config.data.train_input_path
+    if not isinstance(path, str) or not Path(path).is_dir():
+        raise ValueError(
+            f"data.train_input_path: --follow polls one directory for new files; got {path!r}, which is not one"
+        )
+    if config.train.num_epochs is not None:
+        raise ValueError("train.num_epochs: --follow reads a growing input; give train.num_steps, or neither")
+
+
+class TrainInput:
+    """The input of one training run (one rank of it, under ``ctx``): datasets of the config's
+    files, DataLoader workers (``data.num_workers``, automatic by default) and page-locked
+    batches for a CUDA ``device_type``."""
+
+    def __init__(
+        self, config: Config, ctx: DistContext, device_type: str, follow: Optional[FollowOptions] = None
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.follow = follow
+        if follow is not None:
+            _check_followable(config)
+        self.pin = device_type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
+        workers = config.data.num_workers
+        self.num_workers = default_num_workers(device_type) if workers is None else workers
+        # --follow: the files consumed so far (names and row counts, in order); they must stay the
+        # first files of the directory, so that a row position always means the same rows.
+        self.followed_files: list[tuple[str, int]] = []
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of one training step over all ranks (``data.batch_size`` is per rank)."""
+        return self.config.data.batch_size * self.ctx.world_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.config.data.eval_batch_size or self.config.data.batch_size
+
+    def dataset(
+        self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0, sharded: bool = True
+    ) -> ArrowBatchDataset:
+        """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked."""
+        ds = ArrowBatchDataset(
+            resolve_files(paths),
+            BatchBuilder(self.config, with_labels),
+            batch_size,
+            self.config.data.input_type,
+            start_row=start_row,
+            rank=self.ctx.rank if sharded else 0,
+            world_size=self.ctx.world_size if sharded else 1,
+        )
+        ds.check_files()
+        return ds
+
+    def loader(self, dataset: ArrowBatchDataset) -> BatchLoader:
+        return make_loader(dataset, self.num_workers, self.pin)
+
+    def example_batch(self, rows: int = 256) -> Batch:
+        """The first ``rows`` rows of the eval (else train) data, without labels."""
+        cfg = self.config
+        paths = cfg.data.eval_input_path or cfg.data.train_input_path
+        dataset = self.dataset(paths, rows, with_labels=False, sharded=False)
+        return next(iter(make_loader(dataset, 0)))
+
+    def batches(self, position: DataPosition) -> Iterator[Item]:
+        """``(batch, the data position after it, the global batch's rows)`` from ``position``
+        on, epoch after epoch (with ``num_steps``: as many epochs as it takes), or as files
+        arrive (``--follow``). In a multi-process run a batch this rank cannot read is yielded as
+        its DataError, so that every rank takes part in the step that fails."""
+        if self.follow is not None:
+            yield from self._follow(position)
+            return
+        cfg = self.config
+        while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
+            dataset = self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
+            if dataset.num_rows == 0:
+                raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
+            batches = iter(self.loader(dataset))
+            for _ in range(dataset.num_steps()):
+                rows = min(self.global_batch_size, dataset.num_rows - position.row)
+                batch = self._next_batch(batches)
+                end = position.row + rows
+                position = (
+                    DataPosition(position.epoch, end) if end < dataset.num_rows else DataPosition(position.epoch + 1, 0)
+                )
+                yield batch, position, rows
+                if isinstance(batch, DataError):
+                    return  # the step failed on every rank
+            if position.row:  # the input ended early (files changed since the position was saved)
+                position = DataPosition(position.epoch + 1, 0)
+
+    def _follow(self, position: DataPosition) -> Iterator[Item]:
+        """``--follow``: full global batches of the directory's rows as files arrive."""
+        assert self.follow is not None
+        directory = Path(str(self.config.data.train_input_path))
+        idle_since = time.monotonic()
+        seen: list[tuple[str, int]] = []  # the listing last read, with file sizes
+        while True:
+            listing, timed_out = self._poll(directory, idle_since)
+            names = [n for n, _ in listing]
+            dataset, steps = None, 0
+            if listing and listing != seen:  # schemas and row counts are read only when files change
+                dataset = self.dataset(
+                    [str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row
+                )
+                self._check_prefix(directory, names, dataset.row_counts())
+                steps = (dataset.num_rows - position.row) // self.global_batch_size
+                seen = listing
+            if steps == 0:
+                if timed_out:
+                    if self.ctx.is_main:
+                        print(
+                            f"follow: no new file in {self.follow.idle_timeout_seconds}s; stopping "
+                            f"({position.row} rows of {len(self.followed_files)} file(s) consumed)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    return
+                time.sleep(self.follow.poll_seconds)
+                continue
+            assert dataset is not None
+            idle_since = time.monotonic()
+            end_row = position.row + steps * self.global_batch_size
+            consumed, total = [], 0
+            for n, c in zip(names, dataset.row_counts()):  # the files the rows up to end_row come from
+                if total >= end_row:
+                    break
+                consumed.append((n, c))
+                total += c
+            batches = iter(self.loader(dataset))
+            for _ in range(steps):
+                batch = self._next_batch(batches)
+                position = DataPosition(0, position.row + self.global_batch_size)
+                self.followed_files = consumed
+                yield batch, position, self.global_batch_size
+                if isinstance(batch, DataError):
+                    return
+
+    def _next_batch(self, batches: Iterator[Batch]) -> Union[Batch, DataError]:
+        """The next batch; in a multi-process run a batch this rank cannot read comes back as its
+        DataError, so that every rank takes part in the step that fails."""
+        try:
+            return next(batches)
+        except DataError as e:
+            if not self.ctx.distributed:
+                raise
+            return e
+
+    def _poll(self, directory: Path, idle_since: float) -> tuple[list[tuple[str, int]], bool]:
+        """The directory's data files (name and size in bytes), and whether no new file came for
+        the idle timeout — rank 0's view, on every rank, so that all ranks stop at the same poll."""
+        assert self.follow is not None
+        timeout = self.follow.idle_timeout_seconds
+        files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]
+        view = (files, timeout is not None and time.monotonic() - idle_since >= timeout)
+        if self.ctx.distributed:
+            view = self.ctx.all_gather_objects(view, "polling the followed directory")[0]
+        return view
+
+    def _check_prefix(self, directory: Path, names: list[str], counts: list[int]) -> None:
+        """The files consumed so far must still be the first files, unchanged: a row position
+        is an offset into the files in name order."""
+        for i, (name, rows) in enumerate(self.followed_files):
+            if i >= len(names) or names[i] != name:
+                now = names[i] if i < len(names) else "nothing"
+                raise DataError(
+                    f"{directory}: '{now}' sorts where the consumed file '{name}' was: files must arrive in "
+                    "name order (timestamped names) and consumed files stay in place"
+                )
+            if counts[i] != rows:
+                raise DataError(f"{directory / name}: held {rows} rows when it was consumed, {counts[i]} now")
+
+
+
+class ReadAhead:
+    """The training loop's next batches, read once a step's backward is queued, while the device
+    runs it: the host's work on them (reading, checks, packing) and the embeddings' input stage
+    (their copy to the GPU and their hash finds: ``prefetch``) overlap that backward. Up to the
+    embeddings' ``prefetch_depth`` batches are held. An error reading one is raised where the
+    loop asks for that batch, after the steps before it: the step it interrupts is not the one
+    it belongs to."""
+
+    def __init__(self, batches: Iterator[Item], embeddings):
+        self._batches = batches
+        self._embeddings = embeddings
+        self._read: deque[tuple[str, Any]] = deque()
+
+    def read(self, steps_left: Optional[int] = None) -> None:
+        """Reads (and prefetches) batches until ``prefetch_depth`` are held, or as many as the
+        ``steps_left`` (None: no limit) need, or the data ends or fails."""
+        want = (
+            self._embeddings.prefetch_depth if steps_left is None else min(self._embeddings.prefetch_depth, steps_left)
+        )
+        while len(self._read) < want:
+            if self._read and (self._read[-1][0] == "error" or self._read[-1][1] is None):
+                return  # the data ended or failed: nothing more to read
+            try:
+                item = next(self._batches, None)
+            except Exception as e:  # raised by next(), after the steps before it
+                self._read.append(("error", e))
+                return
+            self._read.append(("item", item))
+            if item is not None and isinstance(item[0], Batch):
+                self._embeddings.prefetch(item[0].sparse)
+
+    def next(self) -> Optional[Item]:
+        """The oldest batch read ahead, else the next one."""
+        if not self._read:
+            return next(self._batches, None)
+        kind, value = self._read.popleft()
+        if kind == "error":
+            raise value
+        return value

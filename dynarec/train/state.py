@@ -1,0 +1,64 @@
+"""What a checkpoint holds besides the tables, and whether a run may continue from it.
+
+A training run's state: its step and data position, the global batch it was cut into, the dense
+model and optimizer, the config fingerprint, the log's history, the plan that wrote it and the
+files a ``--follow`` run consumed. :func:`check_resumable` refuses, before anything is loaded,
+a checkpoint another config, batch size, set of tables or dense optimizer wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dynarec.train.checkpoint import CheckpointError
+
+__all__ = ["check_resumable", "dense_optimizer_matches"]
+
+
+def check_resumable(
+    state: dict[str, Any],
+    where: Path,
+    fingerprint: dict[str, str],
+    global_batch_size: int,
+    tables: set[str],
+    saved_tables: set[str],
+    dense_optimizer: torch.optim.Optimizer,
+    training: bool,
+) -> None:
+    """CheckpointError naming what differs between the checkpoint at ``where`` and this run:
+    the config's features or model (``fingerprint``), the global batch (when ``training``: the
+    data position counts its rows), the tables, the dense optimizer."""
+    theirs = state.get("fingerprint", {})
+    differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
+    if differ:
+        raise CheckpointError(
+            f"{where} was written with a different config: its {' and '.join(differ)} differ from this "
+            f"config's; use the config it was trained with, or another model_dir"
+        )
+    if training and state.get("global_batch_size", global_batch_size) != global_batch_size:
+        raise CheckpointError(
+            f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
+            f"{global_batch_size} (data.batch_size); resume with the same batch size"
+        )
+    if saved_tables != tables:
+        raise CheckpointError(f"{where}: holds tables {sorted(saved_tables)}, the config has {sorted(tables)}")
+    if not dense_optimizer_matches(state, dense_optimizer):
+        theirs_name = state.get("dense_optimizer_class") or "its settings differ"
+        raise CheckpointError(
+            f"{where} was trained with another dense optimizer ({theirs_name}) than this config's "
+            f"train.dense_optimizer ({type(dense_optimizer).__name__}); its state cannot carry over: resume with "
+            "the dense optimizer it was trained with, or train into another model_dir"
+        )
+
+
+def dense_optimizer_matches(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the checkpoint's dense optimizer state is ``optimizer``'s kind (another kind's state
+    cannot carry over, and would fail at the first step)."""
+    saved = state.get("dense_optimizer", {}).get("param_groups") or [{}]
+    theirs = state.get("dense_optimizer_class")
+    if theirs is not None and theirs != type(optimizer).__name__:
+        return False
+    return set(saved[0]) - {"params"} == set(optimizer.param_groups[0]) - {"params"}
