@@ -18,7 +18,7 @@ import torch
 from dynarec.planner.plan import Plan
 from dynarec.planner.sharding import TableSharding, key_owner
 
-__all__ = ["plan_state", "single_process_plan_state", "tables_for_rank"]
+__all__ = ["plan_state", "tables_for_rank"]
 
 Dump = dict[str, torch.Tensor]
 
@@ -42,13 +42,6 @@ def plan_state(plan: Plan) -> dict[str, Any]:
             for t in plan.tables
         },
     }
-
-
-def single_process_plan_state(tables: dict[str, Dump]) -> dict[str, Any]:
-    """The plan state of a checkpoint written before plans were saved: one process, every table
-    whole on rank 0."""
-    whole = {"kind": "table_wise", "world_size": 1, "ranks": [0], "row_bounds": None, "capacity_per_rank": None}
-    return {"world_size": 1, "tables": {name: dict(whole) for name in tables}}
 
 
 def _sharding(d: dict[str, Any]) -> TableSharding:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
 
 __all__ = ["Journal", "Step", "StepLifecycle", "StepPendingError"]
 
@@ -71,10 +70,6 @@ class StepLifecycle:
         if not self.pending:
             raise StepPendingError(f"{self.where}: no training step is open (begin_step() first)")
         return self.pending[-1]
-
-    @property
-    def oldest_pending_id(self) -> Optional[int]:
-        return self.pending[0].id if self.pending else None
 
     def begin(self) -> Step:
         self.t += 1

@@ -1,23 +1,12 @@
-"""Export: a directory a serving process loads without the training code.
-
-::
-
-    export_dir/
-      dense.pt2                    the dense model, a torch.export program
-                                   (embeddings, sequence lengths, dense features) -> logits [B]
-      tables/<table>.safetensors   keys (int64) and weights per table (a fixed table's keys are
-                                   0..N-1); a dynamic table adds scores, slots and its bucket
-                                   layout, so serving puts every key back in its own slot
-      export.json                  format version, id, kind (full | delta), the config, the training
-                                   step, each table's key count, and every file's size and SHA-256
-                                   (checked on load)
+"""Export: a directory a serving process loads without the training code (its layout:
+:mod:`dynarec.export_format`).
 
 A **delta** (``since=`` a previous export, full or delta) holds the dense program and, per table,
 only the rows that changed since that export — weights (and, for a dynamic table, slots or
 scores: a row touched by training) — plus ``tombstones``, the keys gone since (evicted); its
-export.json names the export it is based on (id, step, path). ``serving.ExportedModel`` applies
-the chain in order; the result equals a full export at the delta's step, row for row. A table
-that grew (another bucket layout) since its base carries every row in the delta.
+export.json names the export it is based on. ``serving.ExportedModel`` applies the chain in
+order; the result equals a full export at the delta's step, row for row. A table that grew
+(another bucket layout) since its base carries every row in the delta.
 
 The directory is written under a temporary sibling name and renamed into place. An existing
 ``export_dir`` is replaced only when it is itself an export (it holds ``export.json``) or is
@@ -41,9 +30,9 @@ from safetensors.torch import save_file
 
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
+from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
 from dynarec.files import file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
-from dynarec.serving import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
 from dynarec.train.task import RankingTask
 
 __all__ = ["EXPORT_FORMAT", "diff_tables", "export_model"]
@@ -170,7 +159,7 @@ def _write_export(
     if base is not None:
         assert since is not None
         base_meta = base[0]
-        # Relative to the delta: a chain moved or copied as a whole still resolves (serving.find_base).
+        # Relative to the delta: a chain moved or copied as a whole still resolves (export_format.find_base).
         relative = os.path.relpath(Path(since).resolve(), export_dir.resolve())
         meta["base"] = {"id": base_meta["id"], "step": base_meta["step"], "path": relative}
         meta["rows"], meta["tombstones"] = rows, tombstones
@@ -192,8 +181,6 @@ def _delta_base(since: Path, export_dir: Path, task: RankingTask):
                 "replacing it would break that chain: write the delta to a new directory"
             )
     meta = chain[-1][1]
-    if meta.get("id") is None:
-        raise ValueError(f"{since}: an export of format 2 (no id) cannot be a delta's base; write a full export first")
     tables = materialize(chain)
     ours = sorted(task.embeddings.tables)
     if sorted(tables) != ours:

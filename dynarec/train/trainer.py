@@ -35,7 +35,7 @@ from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
 from dynarec.distributed.context import DistContext, single_process
-from dynarec.distributed.reshard import plan_state, single_process_plan_state, tables_for_rank
+from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
@@ -136,7 +136,9 @@ class Trainer:
         number of ranks: every rank takes its own part of every table (see distributed.reshard).
         ``training``: to continue training (the global batch must match the checkpoint's)."""
         path, state, shards = self.checkpoints.load(path)
-        saved_plan = state.get("plan") or single_process_plan_state(shards[0])
+        saved_plan = state.get("plan")
+        if not isinstance(saved_plan, dict):
+            raise CheckpointError(f"{path} holds no plan (written by an older dynarec); train into another model_dir")
         check_resumable(
             state,
             path,

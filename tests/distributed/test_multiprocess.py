@@ -67,10 +67,7 @@ def merged_tables(model_dir):
     """Every table of a model dir's latest checkpoint, whole (merged from its shards)."""
     state, shards = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
     plan = plan_from_config(load_config(model_dir / "config.yaml"))
-    from dynarec.distributed.reshard import single_process_plan_state
-
-    saved = state.get("plan") or single_process_plan_state(shards[0])
-    return state, tables_for_rank(plan, 0, saved, shards)
+    return state, tables_for_rank(plan, 0, state["plan"], shards)
 
 
 def assert_tables_close(a, b, exact=False):
