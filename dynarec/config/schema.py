@@ -464,6 +464,9 @@ class DataCfg(Strict):
     # DataLoader workers building batches; None: automatic (0 on a CPU device, where they would
     # compete with the step for the cores; on a GPU as many as the host spares, up to 8).
     num_workers: Optional[int] = Field(None, ge=0)
+    # Keep the first whole epoch's built batches in memory: later epochs train on them instead
+    # of reading and building the files again (the same batches; memory: every batch's tensors).
+    cache_batches: bool = False
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
 
 

@@ -78,6 +78,9 @@ class TrainInput:
         # --follow: the files consumed so far (names and row counts, in order); they must stay the
         # first files of the directory, so that a row position always means the same rows.
         self.followed_files: list[tuple[str, int]] = []
+        # data.cache_batches: a whole epoch's batches, built once (and the input's rows then).
+        self._epoch_cache: Optional[list[Batch]] = None
+        self._cache_rows = -1
 
     @property
     def global_batch_size(self) -> int:
@@ -127,10 +130,15 @@ class TrainInput:
             dataset = self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            batches = iter(self.loader(dataset))
+            cached = self._epoch_cache if position.row == 0 and self._cache_rows == dataset.num_rows else None
+            keep = cfg.data.cache_batches and position.row == 0 and cached is None
+            batches = iter(cached if cached is not None else self.loader(dataset))
+            built: list[Batch] = []
             for _ in range(dataset.num_steps()):
                 rows = min(self.global_batch_size, dataset.num_rows - position.row)
                 batch = self._next_batch(batches)
+                if keep and isinstance(batch, Batch):
+                    built.append(batch)
                 end = position.row + rows
                 position = (
                     DataPosition(position.epoch, end) if end < dataset.num_rows else DataPosition(position.epoch + 1, 0)
@@ -138,6 +146,8 @@ class TrainInput:
                 yield batch, position, rows
                 if isinstance(batch, DataError):
                     return  # the step failed on every rank
+            if keep and len(built) == dataset.num_steps():  # a whole epoch from its first row
+                self._epoch_cache, self._cache_rows = built, dataset.num_rows
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
 
@@ -221,7 +231,6 @@ class TrainInput:
                 )
             if counts[i] != rows:
                 raise DataError(f"{directory / name}: held {rows} rows when it was consumed, {counts[i]} now")
-
 
 
 class ReadAhead:

@@ -114,3 +114,31 @@ def test_the_dense_model_is_seeded_without_touching_the_global_rng(tmp_path):
     b = Trainer(config_from_dict(config_dict()), tmp_path / "b", progress=False)
     for (name, x), (_, y) in zip(a.task.dense.state_dict().items(), b.task.dense.state_dict().items()):
         assert torch.equal(x, y), name
+
+
+def test_cached_epochs_train_on_the_first_epochs_batches_with_the_same_result(tmp_path, monkeypatch):
+    """data.cache_batches: the batches of the first whole epoch are built once; later epochs train on
+    them — bit-identical to building them again."""
+    rng = np.random.default_rng(0)
+    n = 1000
+    table = pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10**9, n), "clk": rng.integers(0, 2, n)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    built = []
+    real_build = BatchBuilder.build
+
+    def counting_build(self, *args, **kwargs):
+        built.append(1)
+        return real_build(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchBuilder, "build", counting_build)
+    dumps = {}
+    for cache in (False, True):
+        config = small_config(tmp_path / "t.parquet", num_epochs=3)
+        config = config.model_copy(update={"data": config.data.model_copy(update={"cache_batches": cache})})
+        built.clear()
+        trainer = Trainer(config, tmp_path / f"m{cache}", progress=False)
+        trainer.fit()
+        assert trainer.step == 30 and len(built) == (10 if cache else 30)
+        dumps[cache] = {name: t.dump() for name, t in trainer.task.embeddings.tables.items()}
+    for name, dump in dumps[False].items():
+        assert all(torch.equal(v, dumps[True][name][k]) for k, v in dump.items()), name
