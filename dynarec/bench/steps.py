@@ -200,13 +200,13 @@ def bench_dynamic_step(args) -> dict:
 
 
 def bench_hash_find(args) -> dict:
-    """The hash index of ``--slots`` slots at load 0.5 and 0.9: find with 1M present and 1M
-    absent uniformly drawn int64 keys; find-or-insert of a batch of new keys (1M or 1/64 of the
-    slots, whichever is smaller): ``find_or_insert`` (on a GPU, one pass finds and claims), the
-    same as a replayed CUDA graph (``graph=True``; elsewhere the same call), and in turns with
-    them the baseline ``find`` + ``unique`` + ``plan_insert`` + ``commit``, after one untimed run
-    of each (the graphed one captures). Every insert run starts from the same load: it is
-    undone through the step journal after its clock stops."""
+    """The hash index of ``--slots`` slots at load 0.5 and 0.9: ``find`` of 1M present and 1M
+    absent uniformly drawn int64 keys; and the training path's insert of a batch of new keys (1M
+    or 1/64 of the slots, whichever is smaller), as ``DynamicTable`` runs it: ``find``, the
+    absent occurrences' distinct keys (``unique``), ``plan_insert`` and ``commit``, and the new
+    slots written back to every occurrence. One untimed insert first loads the kernels. Every
+    insert run starts from the same load: it is undone through the step journal after its clock
+    stops."""
     sync = synchronizer(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     device_gen = torch.Generator(device=args.device).manual_seed(1)
@@ -218,8 +218,6 @@ def bench_hash_find(args) -> dict:
         query = torch.cat([present, torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen).to(args.device)])
         index.find(query)
         find_rates: list[float] = []
-        insert_rates: list[float] = []
-        planned_rates: list[float] = []
         for _ in range(args.runs):
             sync()
             start = time.perf_counter()
@@ -228,47 +226,37 @@ def bench_hash_find(args) -> dict:
             sync()
             find_rates.append(query.numel() * args.steps / (time.perf_counter() - start))
         batch = min(1 << 20, args.slots // 64)
-        paths = ("find_or_insert", "graphed", "planned")
-        rates: dict[str, list[float]] = {path: [] for path in paths}
-        for run in range(len(paths) * (args.runs + 1)):  # the first of each (not timed) loads the kernels
-            path = paths[run % len(paths)]
-            # drawn on the device: a draw on the host (8 MB) would leave the GPU idle ~10 ms
-            # before each timed call, and its clocks low when the call starts
+        insert_rates: list[float] = []
+        for run in range(args.runs + 1):  # the first (not timed) loads the kernels
+            # drawn on the device: a draw on the host would leave the GPU idle before each timed
+            # call, and its clocks low when the call starts
             new = torch.randint(-(2**62), 2**62, (batch,), generator=device_gen, device=args.device)
             journal = Journal()
             sync()
             start = time.perf_counter()
-            if path == "planned":  # the baseline: unique, then plan and commit the distinct keys
-                slots = index.find(new)
-                fresh = torch.unique(new[slots < 0])
-                plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
-                index.commit(plan, torch.zeros_like(fresh), journal)
-            else:
-                index.find_or_insert(new, journal, graph=path == "graphed")
+            slots = index.find(new)
+            absent = torch.nonzero(slots < 0).squeeze(1)
+            fresh, inverse = torch.unique(new[absent], return_inverse=True)
+            plan = index.plan_insert(fresh, allow_evict=False, keys_ascending=True)
+            index.commit(plan, torch.zeros_like(fresh), journal)
+            slots.index_copy_(0, absent, plan.slots[inverse])
             sync()
-            if run >= len(paths):
-                rates[path].append(new.numel() / (time.perf_counter() - start))
+            if run:
+                insert_rates.append(new.numel() / (time.perf_counter() - start))
             journal.undo()
-        insert_rates, graphed_rates, planned_rates = (rates[path] for path in paths)
         results[f"load_{load}"] = {
             "find_keys_per_s_median": statistics.median(find_rates),
             "find_runs": find_rates,
-            "find_or_insert_keys_per_s_median": statistics.median(insert_rates),
+            "insert_keys_per_s_median": statistics.median(insert_rates),
             "insert_runs": insert_rates,
-            "graphed_find_or_insert_keys_per_s_median": statistics.median(graphed_rates),
-            "graphed_runs": graphed_rates,
-            "find_unique_plan_commit_keys_per_s_median": statistics.median(planned_rates),
-            "planned_runs": planned_rates,
             "insert_batch": batch,
             "actual_load": index.size / index.capacity,
         }
         r = results[f"load_{load}"]
         lines.append(
             f"load {r['actual_load']:.3f}: find {r['find_keys_per_s_median'] / 1e6:,.0f} M keys/s; "
-            f"find-or-insert of {batch:,} new keys {r['find_or_insert_keys_per_s_median'] / 1e6:,.1f} M keys/s "
-            f"(graph=True: {r['graphed_find_or_insert_keys_per_s_median'] / 1e6:,.1f}) "
-            f"(find + unique + plan + commit, same run: "
-            f"{r['find_unique_plan_commit_keys_per_s_median'] / 1e6:,.1f} M keys/s)"
+            f"insert of {batch:,} new keys (find + unique + plan + commit) "
+            f"{r['insert_keys_per_s_median'] / 1e6:,.1f} M keys/s"
         )
     return {"benchmark": "hash-find", "slots": args.slots, "results": results, "summary": lines}
 

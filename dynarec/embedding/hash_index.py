@@ -25,7 +25,6 @@ The index owns its arrays; callers change them only through its methods (``commi
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +40,6 @@ __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "can
 
 PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
-GRAPHS_KEPT = 4  # captured find_or_insert graphs an index keeps (batch sizes, least recently used dropped)
 _LOW32 = (1 << 32) - 1
 _SERIALS = itertools.count()  # of index objects: a stamp never matches another index's
 _NONE = -1
@@ -117,16 +115,13 @@ class InsertPlan:
 class _Buckets:
     """A working copy of some buckets' occupancy during one insert plan (nothing is written to the
     index until commit). ``claimed`` marks slots this plan gives away (to a new key or a moved
-    resident): they are neither free, nor movable, nor evictable again. ``claimed_slots``: slots
-    the plan gave away before the working copy was made (step 1 by a kernel); a bucket brought in
-    later starts with those of its slots claimed."""
+    resident): they are neither free, nor movable, nor evictable again."""
 
-    def __init__(self, index: BucketedHashIndex, buckets: torch.Tensor, claimed_slots: Optional[torch.Tensor] = None):
+    def __init__(self, index: BucketedHashIndex, buckets: torch.Tensor):
         self.index = index
         self.ids = torch.empty(0, dtype=torch.int64, device=index.device)
         self.occupied = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
         self.claimed = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
-        self._claimed_before = None if claimed_slots is None else torch.sort(claimed_slots).values
         self.add(buckets)
 
     def add(self, buckets: torch.Tensor) -> None:
@@ -137,13 +132,7 @@ class _Buckets:
             return
         bs = self.index.bucket_size
         occupied = self.index.tags.view(-1, bs).index_select(0, new) != 0
-        before = self._claimed_before
-        if before is not None and before.numel():
-            slots = new[:, None] * bs + self.index._lanes
-            at = torch.searchsorted(before, slots).clamp(max=before.numel() - 1)
-            claimed = before[at] == slots
-        else:
-            claimed = torch.zeros_like(occupied)
+        claimed = torch.zeros_like(occupied)
         ids = torch.cat([self.ids, new])
         order = torch.argsort(ids)
         self.ids = ids[order]
@@ -228,9 +217,6 @@ class BucketedHashIndex:
         self._written = torch.cuda.Event() if self.device.type == "cuda" else None
         self._written_on: Optional[int] = None
         self._finds: dict[int, torch.cuda.Event] = {}
-        self._graphs: dict[int, gpu_kernels.InsertFreeGraph] = {}  # find_or_insert(graph=True), by batch size
-        self._warned_graphs = False
-        self._counts_readback: Optional[gpu_kernels.HostReadback] = None  # the GPU insert's counts (pinned)
         self._serial = next(_SERIALS)
         self._writes = 0
         self._displacements = 0
@@ -366,7 +352,6 @@ class BucketedHashIndex:
         movable_pins: Optional[torch.Tensor] = None,
         keys_ascending: bool = False,
         kernels: bool = True,
-        claimed: Optional[torch.Tensor] = None,
     ) -> InsertPlan:
         """Plans inserting ``keys`` (unique, absent), writing nothing. ``keys_ascending``: the
         caller's keys are in ascending order (``torch.unique``'s output), so ranking them by
@@ -389,10 +374,7 @@ class BucketedHashIndex:
         tensors may be on the host: only steps 2-3 need them on the device.
 
         ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
-        planner and the GPU kernels are tested against. ``claimed``: slots an earlier part of
-        the same insert filled (:meth:`insert_absent`'s first round; -1s and repeats allowed): not
-        free, and neither moved nor evicted, as if this plan had given them away (then the C++
-        planner is not used).
+        planner and the GPU kernels are tested against.
         """
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -407,8 +389,7 @@ class BucketedHashIndex:
             order = order[torch.argsort(-priority[order], stable=True)]
         gpu_steps = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
         if gpu_steps:  # the three steps by the GPU kernels, which hash the keys themselves
-            return self._plan_on_gpu(keys, order, out, pinned_by, allow_evict, movable_pins, claimed)
-        claimed = empty if claimed is None else claimed
+            return self._plan_on_gpu(keys, order, out, pinned_by, allow_evict, movable_pins)
         b1, b2 = (
             candidate_buckets(keys, self.num_buckets)
             if kernels
@@ -418,7 +399,7 @@ class BucketedHashIndex:
             pinned_by = pinned_by.to(self.device)
         move_pins = _move_pins(pinned_by, movable_pins)
         cpu_ops = None
-        if kernels and self.device.type == "cpu" and self.bucket_size <= 64 and not claimed.numel():
+        if kernels and self.device.type == "cpu" and self.bucket_size <= 64:
             cpu_ops = cpu_kernels.ops()
         if cpu_ops is not None:  # the three steps in one C++ call
             left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
@@ -428,7 +409,7 @@ class BucketedHashIndex:
                 allow_evict,
             )  # fmt: skip
             return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
-        work = _Buckets(self, torch.cat([b1, b2]), claimed_slots=claimed)
+        work = _Buckets(self, torch.cat([b1, b2]))
         todo = self._claim_free_slots(work, order, b1, b2, out)
         moved_from, moved_to = empty, empty
         if todo.numel():
@@ -447,14 +428,13 @@ class BucketedHashIndex:
         pinned_by: Optional[torch.Tensor],
         allow_evict: bool,
         movable_pins: Optional[torch.Tensor],
-        claimed: Optional[torch.Tensor],
     ) -> InsertPlan:
         """:meth:`plan_insert`'s three steps by the GPU kernels (the plain-torch rounds exactly),
         the plan's claims kept as one bit mask a bucket."""
         keys = keys.contiguous()  # the kernels read it by index
         n, nb, bs = keys.numel(), self.num_buckets, self.bucket_size
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        masks = gpu_kernels.claimed_masks(nb, bs, empty if claimed is None else claimed.to(self.device))
+        masks = torch.zeros(nb, dtype=torch.int64, device=self.device)  # the plan's claims, none yet
         todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
         moved_from, moved_to, evicted = empty, empty, empty
         state = gpu_kernels.PlanState(self.keys, self.tags, self.scores, self.pins, masks, nb, bs)
@@ -465,124 +445,6 @@ class BucketedHashIndex:
             evicted = gpu_kernels.claim_by_evicting(state, keys, todo, out, _wrapped(pinned_by))
         # every key left after step 2 that got a slot took an evicted one
         return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
-
-    def insert_absent(
-        self,
-        keys: torch.Tensor,
-        found: torch.Tensor,
-        journal: Optional[Journal] = None,
-        kernels: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inserts the keys of the occurrences ``keys[i]`` whose ``found[i]`` (:meth:`find`'s) is
-        -1, with score 0, into free slots (no eviction, no pin); returns ``(slots, inserted)``:
-        ``[n]`` int64, the slot of every occurrence (-1: no room), and ``[n]`` bool, whether this
-        call inserted the occurrence's key (every occurrence of a new key that got a slot; the
-        new keys' slots are ``slots[inserted]``, with repeats). Both follow from the keys and the
-        index alone: which of a key's occurrences wins the first round's race shows nowhere.
-
-        The same as planning the distinct absent keys in ascending order (:meth:`plan_insert`,
-        ``allow_evict=False``) and committing: identical slots. On a GPU the planner's first
-        round runs on the occurrences themselves (:func:`~dynarec.kernels.gpu.insert_free`: no
-        ``unique``, no sort, one host read) and only the keys it leaves — a bucket chosen by
-        more new keys than it has free lanes, or two full buckets — are planned, with the slots
-        it filled as claimed. A move of a resident to make room changes its slot: its
-        occurrences are found again."""
-        return self._insert_occurrences(keys, found, journal, kernels)
-
-    def find_or_insert(
-        self, keys: torch.Tensor, journal: Optional[Journal] = None, kernels: bool = True, graph: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`find`, then :meth:`insert_absent` of the keys not found: the same slots, and on a
-        GPU the find runs in the insert's first kernel (one pass over the keys fewer).
-
-        ``graph`` (GPU kernels only; ignored elsewhere): the first round runs as a CUDA graph
-        captured for this batch size (:class:`~dynarec.kernels.gpu.InsertFreeGraph`) and replayed
-        by later calls of the same size, for callers with fixed batch sizes: one launch in place
-        of three kernel launches and the allocations and fill around them. The index keeps the graphs of its last
-        :data:`GRAPHS_KEPT` sizes (each holds buffers of about 34 bytes a key and one byte a
-        bucket); a capture synchronizes the device, and a warning says when sizes outnumber the
-        graphs kept."""
-        found = None if self._inserts_on_gpu(kernels) else self.find(keys)
-        return self._insert_occurrences(keys, found, journal, kernels, graph)
-
-    def _inserts_on_gpu(self, kernels: bool) -> bool:
-        """Whether :meth:`insert_absent` runs its first round in the GPU kernels."""
-        return kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
-
-    def _readback(self) -> gpu_kernels.HostReadback:
-        """Where the GPU insert's counts come to the host (made on first use: pinned memory)."""
-        if self._counts_readback is None:
-            self._counts_readback = gpu_kernels.HostReadback((3,), torch.int32, self.device)
-        return self._counts_readback
-
-    def _graph(self, n: int) -> gpu_kernels.InsertFreeGraph:
-        """The captured first round for ``n`` keys (captured on first use)."""
-        graph = self._graphs.pop(n, None)
-        if graph is None:
-            if len(self._graphs) == GRAPHS_KEPT and not self._warned_graphs:
-                self._warned_graphs = True
-                warnings.warn(
-                    f"find_or_insert(graph=True) met a {GRAPHS_KEPT + 1}th batch size ({n}); the index keeps the "
-                    f"graphs of {GRAPHS_KEPT} sizes, and each new size is captured again (a device sync): give "
-                    f"it at most {GRAPHS_KEPT} batch sizes (pad the batches), or use graph=False",
-                    stacklevel=4,
-                )
-            graph = gpu_kernels.InsertFreeGraph(self.keys, self.tags, self.num_buckets, self.bucket_size, n)
-        self._graphs[n] = graph  # the most recently used last
-        while len(self._graphs) > GRAPHS_KEPT:
-            del self._graphs[next(iter(self._graphs))]
-        return graph
-
-    def _insert_occurrences(
-        self,
-        keys: torch.Tensor,
-        found: Optional[torch.Tensor],
-        journal: Optional[Journal],
-        kernels: bool,
-        graph: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`insert_absent`; ``found`` None (GPU kernels only): the first kernel finds;
-        ``graph``: it runs as a captured CUDA graph (``found`` None only)."""
-        fast = self._inserts_on_gpu(kernels)
-        # The current stream, asked for once and passed on (each ask is a host call)
-        stream = current_stream(self.device) if self.device.type == "cuda" else None
-        self._before_write(stream)
-        if fast:
-            if found is None:
-                self._after_writes(stream)
-            readback = self._readback()
-            if found is None and graph and stream is not None and keys.numel():
-                # the counts' copy queued before the outputs' one, which runs while the host waits
-                first = self._graph(keys.numel()).run(keys, stream, readback, placed=journal is not None)
-            else:
-                first = gpu_kernels.insert_free(
-                    self.keys, self.tags, self.num_buckets, self.bucket_size, keys, found, placed=journal is not None
-                )
-                readback.queue(first.counts, stream)
-            slots, inserted = first.slots, first.inserted
-            self._wrote(only_added=True, stream=stream)  # recorded before the host read: more overlap
-            claims, emptied, left = readback.read().tolist()  # the one host read
-            if first.placed is not None:
-                self._record_adds(journal, first.placed, some_none=True, fresh=True)
-            self._size += claims - emptied
-            if not left:
-                return slots, inserted
-            absent = torch.nonzero(first.status < 0).squeeze(1)
-        else:
-            assert found is not None, "the find-in-kernel insert needs the GPU kernels"
-            slots, inserted = found.clone(), torch.zeros_like(found, dtype=torch.bool)
-            absent = torch.nonzero(found < 0).squeeze(1)
-        fresh, inverse = torch.unique(keys[absent], return_inverse=True)
-        if not fresh.numel():
-            return slots, inserted
-        claimed = slots[inserted] if fast else None  # the first round's slots (this path reads the host anyway)
-        plan = self.plan_insert(fresh, allow_evict=False, keys_ascending=True, kernels=kernels, claimed=claimed)
-        self.commit(plan, torch.zeros_like(fresh), journal)
-        slots[absent] = plan.slots[inverse]
-        inserted[absent] = slots[absent] >= 0
-        if not plan.only_adds:  # residents moved to their other bucket (nothing is evicted)
-            slots = self.find(keys)
-        return slots, inserted
 
     def _claim_free_slots(
         self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor
@@ -711,18 +573,14 @@ class BucketedHashIndex:
 
         journal.record(undo)
 
-    def _record_adds(
-        self, journal: Optional[Journal], slots: torch.Tensor, some_none: bool = False, fresh: bool = False
-    ) -> None:
+    def _record_adds(self, journal: Optional[Journal], slots: torch.Tensor, some_none: bool = False) -> None:
         """Records how to empty again the free ``slots`` a commit fills, and the size as now. Free
         slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores them exactly
         without having read them; their pins are not written by a commit. ``some_none``: some
-        slots are -1, which the undo skips (then with a host read; else it reads nothing).
-        ``fresh``: ``slots`` is a new tensor that nobody writes to afterwards (kept without a
-        copy; the caller may still read it)."""
+        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
         if journal is None:
             return
-        slots, size = (slots if fresh else slots.clone()), self._size
+        slots, size = slots.clone(), self._size
 
         def undo() -> None:
             self._before_write()

@@ -39,18 +39,14 @@ except ImportError:  # the CPU machines: the plain-torch path runs
 
 __all__ = [
     "HAVE_TRITON",
-    "FreeInsert",
     "HostReadback",
-    "InsertFreeGraph",
     "PlanState",
     "available",
     "bag_update",
     "claim_by_evicting",
     "claim_by_moving",
     "claim_free_slots",
-    "claimed_masks",
     "find_two_choice",
-    "insert_free",
     "place_keys",
     "pooled_forward",
 ]
@@ -289,148 +285,6 @@ if HAVE_TRITON:
         tl.store(keys_ptr + s, k, mask=ok)
         tl.store(scores_ptr + s, score, mask=ok & (score != 0))
         tl.store(tags_ptr + s, _tag(_mix64(k.to(tl.uint64))), mask=ok)
-
-    @triton.jit(do_not_specialize=["num_buckets"])
-    def _contest_kernel(
-        keys_ptr, tags_ptr, query_ptr, found_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, spread_ptr,
-        out_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, FIND: tl.constexpr, BLOCK: tl.constexpr,
-        SPREAD: tl.constexpr,
-    ):  # fmt: skip
-        # Per occurrence (FIND: found here first, as the find kernel does; else ``found`` gives
-        # the find's slot), if absent: the emptier of its key's two buckets by their tags (none is
-        # written in this kernel: every occurrence sees the insert's start), as round 1
-        # of the planner chooses; then a compare-and-swap of the key into the chosen bucket's
-        # free lanes, ascending (a free slot holds key 0). Occurrences of one key meet at one
-        # lane: a swap that finds the key itself there is a duplicate. The claims' order is a
-        # race, but their outcome is not: the claimed lanes are the bucket's first free ones, as
-        # many as its distinct new keys (the rank kernel gives them out in key order). A bucket
-        # with more of them than free lanes is marked overflowed (left to the planner, every key
-        # of it), as is the bucket key 0 chooses (it cannot be swapped into a slot holding 0).
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = i < n
-        q = tl.load(query_ptr + i, mask=valid, other=0)
-        h = _mix64(q.to(tl.uint64))
-        b1, b2 = _buckets(h, num_buckets)
-        if FIND:
-            found = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
-        else:
-            found = tl.load(found_ptr + i, mask=valid, other=0)
-        todo = valid & (found < 0)
-        lanes = tl.arange(0, BSP)
-        free1 = _empty_lanes(tags_ptr, b1, todo, BS, BSP)
-        free2 = _empty_lanes(tags_ptr, b2, todo, BS, BSP)
-        f1 = tl.sum(free1.to(tl.int32), axis=1)
-        f2 = tl.sum(free2.to(tl.int32), axis=1)
-        second = f2 > f1
-        c = tl.where(second, b2, b1)
-        free = tl.where(second[:, None], free2, free1)
-        room = todo & ((f1 > 0) | (f2 > 0))
-        tl.store(overflow_ptr + c, 1, mask=room & (q == 0))
-        active = room & (q != 0)
-        slot = tl.full([BLOCK], -1, tl.int64)
-        status = tl.where(todo, -1, 0).to(tl.int8)  # -1: left to the planner, unless claimed below
-        while tl.max(active.to(tl.int32), axis=0) > 0:
-            has = tl.max(free.to(tl.int32), axis=1) > 0
-            lane = tl.argmax(free.to(tl.int32), axis=1)
-            go = active & has
-            s = c * BS + lane
-            # A program's idle occurrences swap their own claim entry with itself (no mask; the
-            # tail past n, entry 0).
-            ptr = tl.where(go, keys_ptr + s, slot_ptr + tl.where(valid, i, 0))
-            old = tl.atomic_cas(ptr, tl.zeros([BLOCK], tl.int64), tl.where(go, q, 0), sem="relaxed")
-            won = go & (old == 0)
-            dup = go & (old == q)
-            slot = tl.where(won | dup, s, slot)
-            status = tl.where(won, 1, tl.where(dup, 2, status)).to(tl.int8)
-            tl.store(overflow_ptr + c, 1, mask=active & ~has)
-            free = free & (lanes[None, :] != lane[:, None])
-            active = go & ~won & ~dup
-        tl.store(slot_ptr + i, slot, mask=valid)
-        tl.store(status_ptr + i, status, mask=valid)
-        tl.store(out_ptr + i, found, mask=valid)
-        # The claims counted on one of SPREAD counters, a 128-byte line each (the write kernel sums
-        # them): atomics on one address serialize. On one counter, the kernel took 246 / 181 /
-        # 148 us at 32 / 64 / 128 keys a program (32K / 16K / 8K atomics); spread, 133 / 135 / 140
-        claims = tl.sum((status == 1).to(tl.int32), axis=0)
-        tl.atomic_add(spread_ptr + (tl.program_id(0) % SPREAD) * 32, claims, mask=claims > 0)
-        tl.store(counts_ptr + 2, 1, mask=tl.max((status < 0).to(tl.int32), axis=0) > 0)
-
-    @triton.jit
-    def _rank_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, overflow_ptr, counts_ptr, out_ptr, n,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # Per claiming occurrence (1: its key's first, 2: another): its key's final lane, as the
-        # planner ranks a bucket's new keys. The claimed lanes (empty by the tags, key not 0) are
-        # the bucket's first empty ones; the key with r smaller claimed keys takes the (r+1)-th.
-        # A key alone in its bucket (it holds the first empty lane, and the next one is still
-        # free) keeps its lane, and its first occurrence writes its tag here: only its own
-        # occurrences read that bucket, and one that sees the tag written knows the key was
-        # alone. The others read the bucket's keys, and their first occurrence is marked 4 for
-        # the write kernel, which moves keys (none moves here). An overflowed bucket's
-        # occurrences get slot -1: the first marked 6 (its lane to empty), the others -1 (left).
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = i < n
-        status = tl.load(status_ptr + i, mask=valid, other=0)
-        claimed = valid & ((status == 1) | (status == 2))
-        claim = tl.load(slot_ptr + i, mask=claimed, other=0)
-        c = claim // BS
-        over = claimed & (tl.load(overflow_ptr + c, mask=claimed, other=0) != 0)
-        live = claimed & ~over
-        lanes = tl.arange(0, BSP)
-        empty = _empty_lanes(tags_ptr, c, live, BS, BSP)
-        nth = tl.cumsum(empty.to(tl.int32), axis=1) - 1  # each empty lane's place among them
-        at = lanes[None, :] == (claim - c * BS).to(tl.int32)[:, None]
-        written = live & (tl.sum((at & ~empty).to(tl.int32), axis=1) > 0)  # by the key's first occurrence
-        first = tl.sum((at & empty & (nth == 0)).to(tl.int32), axis=1) > 0
-        later = empty & (nth == 1)  # the second empty lane, if any
-        has_next = tl.max(later.to(tl.int32), axis=1) > 0
-        next_key = tl.load(keys_ptr + c * BS + tl.argmax(later.to(tl.int32), axis=1), mask=live & first & has_next)
-        alone = written | (live & first & (~has_next | (next_key == 0)))
-        shared = live & ~alone
-        won = status == 1
-        q = tl.load(query_ptr + i, mask=shared | (alone & won), other=0)
-        tl.store(tags_ptr + claim, _tag(_mix64(q.to(tl.uint64))), mask=alone & won)
-        k = tl.load(keys_ptr + c[:, None] * BS + lanes[None, :], mask=shared[:, None] & empty, other=0)
-        rank = tl.sum((empty & (k != 0) & (k < q[:, None])).to(tl.int32), axis=1)
-        lane = tl.argmax((empty & (nth == rank[:, None])).to(tl.int32), axis=1)
-        tl.store(out_ptr + i, tl.where(alone, claim, tl.where(shared, c * BS + lane, -1)), mask=claimed)
-        marked = tl.where(over, tl.where(won, 6, -1), 4).to(tl.int8)
-        tl.store(status_ptr + i, marked, mask=over | (shared & won))
-        tl.store(counts_ptr + 2, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
-
-    @triton.jit
-    def _write_claims_kernel(
-        keys_ptr, tags_ptr, query_ptr, slot_ptr, status_ptr, counts_ptr, spread_ptr, out_ptr, placed_ptr,
-        inserted_ptr, n, BLOCK: tl.constexpr, SPREAD: tl.constexpr, PLACED: tl.constexpr,
-    ):  # fmt: skip
-        # Per new key of a bucket of several (marked 4 by the rank kernel): its tag into its final
-        # lane, and the key too where that is not the lane it claimed (every claimed lane is some
-        # key's final lane: each is written once); per new key of an overflowed bucket (6): its
-        # claimed lane emptied again (counted). Then the final status (4: 1, 6: -1), and each
-        # occurrence's slot where it was inserted here (status > 0), -1 elsewhere (PLACED: where
-        # asked for), and whether it was (a byte). Program 0 sums the contest's claim counters
-        # into ``counts[0]``.
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = i < n
-        status = tl.load(status_ptr + i, mask=valid, other=0)
-        moves = status == 4
-        empties = status == 6
-        claim = tl.load(slot_ptr + i, mask=moves | empties, other=0)
-        q = tl.load(query_ptr + i, mask=moves, other=0)
-        final = tl.where(moves, 1, tl.where(empties, -1, status)).to(tl.int8)
-        s = tl.load(out_ptr + i, mask=final > 0, other=-1)
-        tl.store(keys_ptr + s, q, mask=moves & (s != claim))
-        tl.store(tags_ptr + s, _tag(_mix64(q.to(tl.uint64))), mask=moves)
-        tl.store(keys_ptr + claim, tl.zeros([BLOCK], tl.int64), mask=empties)
-        emptied = tl.sum(empties.to(tl.int32), axis=0)
-        tl.atomic_add(counts_ptr + 1, emptied, mask=emptied > 0)  # rare (overflowed buckets): one address is fine
-        if tl.program_id(0) == 0:
-            tl.store(counts_ptr, tl.sum(tl.load(spread_ptr + tl.arange(0, SPREAD) * 32), axis=0))
-        tl.store(status_ptr + i, final, mask=moves | empties)
-        if PLACED:
-            tl.store(placed_ptr + i, s, mask=valid)
-        tl.store(inserted_ptr + i, (s >= 0).to(tl.uint8), mask=valid)
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
     # no .to() (a one-bucket table would not compile)
@@ -751,8 +605,8 @@ def claim_free_slots(
     placed does it take those for another round, which sorts only them (at load 0.5 the first
     round places nearly every key). A round that places no key ends it (every key left has two
     full buckets: a round with a live key places at least its bucket's first). ``bucket_size``
-    <= 64. ``claimed``: the plan's claimed lanes, one int64 bit mask a bucket (:func:`claimed_masks`;
-    updated here), for steps 2-3 to go on from; zeros if None."""
+    <= 64. ``claimed``: the plan's claimed lanes, one int64 bit mask a bucket (updated here), for
+    steps 2-3 to go on from; zeros if None."""
     device = tags.device
     bsp = triton.next_power_of_2(bucket_size)
     if claimed is None:
@@ -779,14 +633,6 @@ def claim_free_slots(
             break
         order = order[out[order] < 0]
     return order
-
-
-def claimed_masks(num_buckets: int, bucket_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """``[num_buckets]`` int64 bit masks with the lanes of ``slots`` set (-1s and repeats
-    allowed): the claimed lanes of an insert plan that starts with ``slots`` given away."""
-    claimed = torch.zeros(num_buckets, dtype=torch.int64, device=slots.device)
-    _mark_slots(claimed, bucket_size, slots)
-    return claimed
 
 
 def _mark_slots(claimed: torch.Tensor, bucket_size: int, slots: torch.Tensor) -> None:
@@ -820,7 +666,7 @@ def _first_in_groups(groups: torch.Tensor) -> torch.Tensor:
 class PlanState(NamedTuple):
     """What steps 2-3 of an insert plan read of the index (``keys``, ``tags``, ``scores``,
     ``pins``: its arrays), and the plan's claimed lanes (``claimed``: one int64 bit mask a
-    bucket, :func:`claimed_masks`; the steps add theirs)."""
+    bucket; the steps add theirs)."""
 
     keys: torch.Tensor
     tags: torch.Tensor
@@ -914,106 +760,11 @@ def claim_by_evicting(
     return torch.cat(evicted) if evicted else torch.empty(0, dtype=torch.int64, device=device)
 
 
-# Occurrences a program and warps of the insert's three kernels: Nsight Compute at locked clocks
-# on an H200, 1M new keys into 64M slots at load 0.5 (benchmarks/results/issue12-round10-h200.txt):
-# contest + rank + write 135 + 107 + 20 us at 64 / 2, 140 + 107 + 20 at 128 / 4
-CONTEST_BLOCK, CONTEST_WARPS = 64, 2
-COUNT_SPREAD = 64  # counters the contest's programs count their claims on (a power of two)
-
-
-class FreeInsert(NamedTuple):
-    """What :func:`insert_free` returns, each ``[n]`` by occurrence but ``counts``.
-
-    ``slots``: int64, the find's slot, the new lane, or -1 (left to the planner). ``inserted``:
-    bool, whether the occurrence's key was inserted here. ``placed``: int64, the slot of each
-    occurrence inserted here, -1 elsewhere (what an undo empties; None where not asked for).
-    ``status``: int8, 0: found before, 1: the occurrence of a new key whose swap won (which one
-    is a race), 2: its other occurrences, -1: left (so ``status > 0``: inserted here).
-    ``counts``: ``[3]`` int32 ``(claims, claims emptied again, any left)`` (the new keys are
-    ``counts[0] - counts[1]``)."""
-
-    slots: torch.Tensor
-    inserted: torch.Tensor
-    placed: Optional[torch.Tensor]
-    status: torch.Tensor
-    counts: torch.Tensor
-
-
-def _outputs_bytes(n: int, placed: bool = True) -> int:
-    """Bytes of :func:`_outputs`' buffer."""
-    return 8 * n + -(-n // 8) * 8 + (8 * n if placed else 0)
-
-
-def _outputs(
-    buffer: torch.Tensor, n: int, placed: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(slots, inserted, placed)`` of :func:`insert_free` as views of one uint8 ``buffer``:
-    ``8n`` bytes of slots, ``n`` of flags (padded to a multiple of 8), then, with ``placed``,
-    ``8n`` of placed slots (else None): one copy moves them all, or the first two."""
-    flags_end = _outputs_bytes(n, placed=False)
-    kept = buffer[flags_end : flags_end + 8 * n].view(torch.int64) if placed else None
-    return buffer[: 8 * n].view(torch.int64), buffer[8 * n : 9 * n].view(torch.bool), kept
-
-
-def insert_free(
-    table_keys: torch.Tensor,
-    tags: torch.Tensor,
-    num_buckets: int,
-    bucket_size: int,
-    query: torch.Tensor,
-    found: Optional[torch.Tensor] = None,
-    block: int = CONTEST_BLOCK,
-    num_warps: int = CONTEST_WARPS,
-    placed: bool = True,
-) -> FreeInsert:
-    """Round 1 of an insert (``BucketedHashIndex.insert_absent``), committed, for the occurrences
-    ``query[i]`` whose ``found[i]`` is -1 (duplicates allowed, no ``unique``; ``found`` None: the
-    first kernel finds them itself, as :func:`find_two_choice`): each new key in a free lane of
-    the emptier of its two buckets, a bucket's new keys in ascending order in its first free
-    lanes: the planner's round 1, where every bucket has room for all the keys that choose it.
-    The keys of a bucket without that room, and keys whose two buckets are full, are left (and
-    key 0's bucket): the caller plans them with the keys placed here as claimed.
-
-    Three kernels (contest, rank, write) and no host sync; a :class:`FreeInsert` (``placed``
-    False: without the placed slots, which only an undo needs). Scores are not
-    written (a new key's score is 0, as a free slot's). ``bucket_size`` <= 64. What
-    ``BucketedHashIndex.find_or_insert`` runs, eagerly or captured (:class:`InsertFreeGraph`)."""
-    device = tags.device
-    n = query.numel()
-    query = query.contiguous()
-    claim = torch.empty(n, dtype=torch.int64, device=device)
-    status = torch.empty(n, dtype=torch.int8, device=device)
-    # One zeroed allocation (one fill): a flag byte per bucket, the claim counters (one per
-    # 128-byte line), then the three int32 counts
-    start = -(-num_buckets // 128) * 128
-    flags = torch.zeros(start + COUNT_SPREAD * 128 + 16, dtype=torch.int8, device=device)
-    overflow, spread = flags[:num_buckets], flags[start : start + COUNT_SPREAD * 128].view(torch.int32)
-    counts = flags[-16:-4].view(torch.int32)
-    outputs = torch.empty(_outputs_bytes(n, placed), dtype=torch.uint8, device=device)
-    slots, inserted, placed_slots = _outputs(outputs, n, placed)
-    if n:
-        consts = dict(BS=bucket_size, BLOCK=block, num_warps=num_warps)
-        bsp = triton.next_power_of_2(bucket_size)
-        grid = (triton.cdiv(n, block),)
-        _contest_kernel[grid](
-            table_keys, tags, query, slots if found is None else found.contiguous(), claim, status, overflow,
-            counts, spread, slots, n, num_buckets, BSP=bsp, FIND=found is None, SPREAD=COUNT_SPREAD, **consts,
-        )  # fmt: skip
-        _rank_kernel[grid](table_keys, tags, query, claim, status, overflow, counts, slots, n, BSP=bsp, **consts)
-        _write_claims_kernel[grid](
-            table_keys, tags, query, claim, status, counts, spread, slots, slots if placed_slots is None else
-            placed_slots, inserted.view(torch.uint8), n, BLOCK=block, SPREAD=COUNT_SPREAD, PLACED=placed,
-            num_warps=num_warps,
-        )  # fmt: skip
-    return FreeInsert(slots, inserted, placed_slots, status, counts)
-
-
 class HostReadback:
     """A small device tensor read on the host without a blocking copy: :meth:`queue` copies it
     into pinned memory behind the work queued so far and records an event; :meth:`read` waits
     for that event only. Work queued between the two runs while the host waits (or, read a step
-    later, is not waited for at all). On a CPU device (the plain-torch path, and Triton's
-    interpreter in development), the values themselves."""
+    later, is not waited for at all). On a CPU device, the values themselves."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         cuda = device.type == "cuda"
@@ -1038,62 +789,6 @@ class HostReadback:
             self._done.synchronize()
         assert self._values is not None, "read() before queue()"
         return self._values
-
-
-class InsertFreeGraph:
-    """:func:`insert_free` (the first kernel finds) of batches of ``n`` keys into one table,
-    captured once as a CUDA graph and replayed: one graph launch a call in place of three kernel
-    launches and the allocations and fill around them (each 5–40 microseconds of host time on
-    the H200 machines, against about 0.3 ms of device time for 1M keys).
-
-    The graph holds the table's ``keys`` and ``tags`` (the tensors, so their addresses: valid
-    while the index keeps them) and its own input and output buffers; :meth:`run` copies the
-    query in and the outputs out. Replays are ordered on the stream of the call (a call on
-    another stream first waits for the last one's)."""
-
-    def __init__(self, table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, n: int):
-        self.table = (table_keys, tags)
-        self.n = n
-        device = tags.device
-        self.query = torch.zeros(n, dtype=torch.int64, device=device)
-        # Compiles and loads the kernels outside the capture. Key 0 is never claimed (it is
-        # found, or left to the planner): this run writes only its own buffers.
-        insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = insert_free(table_keys, tags, num_buckets, bucket_size, self.query)
-        # The bytes run() copies out of the outputs' one buffer (insert_free's allocation, in the
-        # graph's memory pool), with the placed slots and without
-        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(self.outputs.slots.untyped_storage())
-        self._copied = {placed: whole[: _outputs_bytes(n, placed)] for placed in (True, False)}
-        self._stream = torch.cuda.current_stream(device)
-
-    def run(
-        self,
-        query: torch.Tensor,
-        stream: Optional[torch.cuda.Stream] = None,
-        readback: Optional[HostReadback] = None,
-        placed: bool = True,
-    ) -> FreeInsert:
-        """A :class:`FreeInsert` as :func:`insert_free` returns it. ``slots``, ``inserted`` and
-        ``placed`` are fresh tensors (one copy; ``placed`` None where not asked for: a smaller
-        copy); ``status`` and ``counts`` are the graph's own buffers, valid until the next
-        replay of this graph (work queued before it, on any stream, reads them first).
-        ``readback``: the counts' copy to the host is queued right after the replay, before the
-        outputs' copy. ``stream``: the current stream, where the caller has asked for it already
-        (the work is queued on the current one)."""
-        if query.numel() != self.n:
-            raise ValueError(f"this graph inserts batches of {self.n} keys, got {query.numel()}")
-        stream = stream or torch.cuda.current_stream(self.query.device)
-        if stream != self._stream:
-            stream.wait_stream(self._stream)
-            self._stream = stream
-        self.query.copy_(query)
-        self.graph.replay()
-        if readback is not None:
-            readback.queue(self.outputs.counts, stream)
-        slots, inserted, kept = _outputs(self._copied[placed].clone(), self.n, placed)
-        return FreeInsert(slots, inserted, kept, self.outputs.status, self.outputs.counts)
 
 
 def pooled_forward(

@@ -8,7 +8,7 @@ from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, Table
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
 from dynarec.optim import SGD, Adagrad
-from tests.matrix import DEVICES, needs_cuda
+from tests.matrix import DEVICES
 
 
 def keys_with_buckets(num_buckets, wanted, start=0):
@@ -286,15 +286,11 @@ def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_bucke
         keys = keys[index.find(keys) < 0]
         priority = torch.randint(0, 3, (keys.numel(),), generator=gen).to(device)
         pins = torch.tensor([7, 9], device=device)
-        # slots given away before the plan: free and occupied ones, -1s and a repeat
-        taken = torch.randint(0, index.capacity, (index.capacity // 8,), generator=gen)
-        claimed = torch.cat([taken, torch.tensor([-1, -1]), taken[:1]]).to(device)
         for kw in (
             dict(allow_evict=True),
             dict(allow_evict=False),
             dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
             dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
-            dict(allow_evict=True, pinned_by=pins, claimed=claimed),
         ):
             got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
             for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
@@ -361,126 +357,3 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
     assert index.size == size
     for name in arrays:
         assert torch.equal(getattr(index, name), before[name]), name
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_find_or_insert_of_no_keys_returns_empty_and_writes_nothing(device):
-    """An empty batch (a step whose feature has no ids), eager and graphed, with and without a
-    journal: empty int64 slots and bool flags, the index unchanged."""
-    from dynarec.embedding.step import Journal
-
-    index = BucketedHashIndex(8, 16, device)
-    index.find_or_insert(torch.tensor([5, 9], device=device))
-    before = index.keys.clone()
-    none = torch.empty(0, dtype=torch.int64, device=device)
-    for graph in (False, True):
-        for journal in (None, Journal()):
-            slots, inserted = index.find_or_insert(none, journal, graph=graph)
-            assert slots.dtype == torch.int64 and inserted.dtype == torch.bool
-            assert slots.numel() == inserted.numel() == 0
-            if journal is not None:
-                journal.undo()
-    assert index.size == 2 and torch.equal(index.keys, before)
-
-
-@needs_cuda
-def test_graphed_find_or_insert_replays_the_eager_call_and_returns_fresh_tensors():
-    """Batches of two sizes, in turns, into two equal indexes (keys drawn from 8,192 values: later
-    batches find some): ``graph=True`` gives the eager call's slots, inserted marks and arrays every
-    time; what a call returned is not overwritten by the next replay; an index keeps the graphs
-    of its last ``GRAPHS_KEPT`` batch sizes and warns when it meets more sizes than that."""
-    from dynarec.embedding.hash_index import GRAPHS_KEPT
-
-    eager, _, gen = _filled_index(1024, 16, 0.5, "cuda", seed=11)
-    graphed, _, _ = _filled_index(1024, 16, 0.5, "cuda", seed=11)
-    held = []
-    for batch in (1000, 700, 1000, 700, 1000):
-        keys = torch.randint(-(2**12), 2**12, (batch,), generator=gen).cuda()  # found keys from batch 2 on
-        want = eager.find_or_insert(keys)
-        got = graphed.find_or_insert(keys, graph=True)
-        for w, g in zip(want, got):
-            assert torch.equal(w, g)
-        assert graphed.size == eager.size
-        assert torch.equal(graphed.keys, eager.keys) and torch.equal(graphed.tags, eager.tags)
-        held.append((got, tuple(t.clone() for t in got)))
-    check_invariants(graphed)
-    for got, copy in held:
-        assert all(torch.equal(g, c) for g, c in zip(got, copy))
-    assert list(graphed._graphs) == [700, 1000]  # the most recently used last
-    for batch in range(1, GRAPHS_KEPT - 1):
-        graphed.find_or_insert(torch.arange(1, batch + 1).cuda(), graph=True)
-    with pytest.warns(UserWarning, match="batch size"):
-        graphed.find_or_insert(torch.arange(1, GRAPHS_KEPT).cuda(), graph=True)
-    assert list(graphed._graphs) == [1000, *range(1, GRAPHS_KEPT)]
-
-
-def _filled_index(num_buckets, bucket_size, load, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    index = BucketedHashIndex(num_buckets, bucket_size, device)
-    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
-    scores = torch.randint(0, 5, (resident.numel(),), generator=gen).to(device)
-    index.commit(index.plan_insert(resident, allow_evict=False, kernels=False), scores)
-    freed = index.find(resident[::7])
-    index.remove(freed[freed >= 0])  # freed slots among the free ones
-    return index, resident, gen
-
-
-@pytest.mark.parametrize(
-    "num_buckets, bucket_size, load, batch",
-    [
-        (4096, 16, 0.5, 3000),
-        (64, 16, 0.9, 400),
-        (64, 2, 0.5, 80),
-        (16, 4, 0.8, 60),
-        (16, 32, 0.6, 250),
-        (8, 64, 0.5, 300),
-        (3, 5, 0.4, 9),
-    ],
-)
-@pytest.mark.parametrize("call", ["insert_absent", "find_or_insert", "find_or_insert_graphed"])
-@pytest.mark.parametrize("with_key_0", [True, False], ids=["key0", "nokey0"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_insert_absent_is_plan_and_commit_of_the_distinct_absent_keys(
-    num_buckets, bucket_size, load, batch, call, with_key_0, device
-):
-    """``insert_absent`` on occurrences (present keys, absent keys repeated, with or without key
-    0) gives the slots and the arrays of planning the distinct absent keys in ascending order and
-    committing, with buckets that overflow (more new keys than free lanes: left to the planner,
-    with the first round's slots claimed, and then residents may move), and its journal undoes
-    it exactly; so does ``find_or_insert`` (on a GPU, its first kernel finds), also as a CUDA
-    graph replayed (its capture made by an earlier call of another batch, undone). ``inserted``
-    marks exactly the occurrences of keys absent before that got a slot. On a GPU the first
-    round runs on the occurrences (no unique); the reference is plain torch."""
-    from dynarec.embedding.step import Journal
-
-    runs = []
-    for kernels in (True, False):
-        index, resident, gen = _filled_index(num_buckets, bucket_size, load, device, seed=num_buckets + batch)
-        new = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
-        zeros = torch.zeros(2 if with_key_0 else 0, dtype=torch.int64)  # key 0: its bucket goes to the planner
-        keys = torch.cat([new, new[: batch // 3], zeros, resident[1::5].cpu()])
-        keys = keys[torch.randperm(keys.numel(), generator=gen)].to(device)
-        before = {name: getattr(index, name).clone() for name in ("keys", "scores", "tags", "pins")}
-        size = index.size
-        journal = Journal()
-        found = index.find(keys)
-        if call == "insert_absent":
-            slots, inserted = index.insert_absent(keys, found, journal, kernels=kernels)
-        elif call == "find_or_insert_graphed":
-            other = torch.randint(-(2**62), 2**62, keys.shape, generator=torch.Generator().manual_seed(7))
-            undone = Journal()
-            index.find_or_insert(other.to(device), undone, kernels=kernels, graph=True)
-            undone.undo()
-            slots, inserted = index.find_or_insert(keys, journal, kernels=kernels, graph=True)
-        else:
-            slots, inserted = index.find_or_insert(keys, journal, kernels=kernels)
-        check_invariants(index)
-        assert torch.equal(slots, index.find(keys)) and torch.equal(inserted, (found < 0) & (slots >= 0))
-        assert index.size == size + torch.unique(slots[inserted]).numel()
-        runs.append((slots, inserted, index.keys.clone(), index.tags.clone(), index.scores.clone()))
-        journal.undo()
-        assert index.size == size
-        for name, t in before.items():
-            assert torch.equal(getattr(index, name), t), name
-    for got, want in zip(*runs):
-        assert torch.equal(got, want)
