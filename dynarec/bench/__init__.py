@@ -1,60 +1,118 @@
-"""Benchmarks (``dynarec bench <name>``): each measures its baseline in the same run, interleaved,
-and reports medians of several timed runs and their ratios. Nothing here is a test: run it, read
-it, record it under ``benchmarks/results/`` (docs/benchmarks.md says what each one measures)."""
+"""Benchmarks (``dynarec bench <name>``): each measures its baseline in the same run and reports
+the figures beside it, with their ratio; the step benchmarks report medians of several timed
+runs, interleaved with the baseline's. Nothing here is a test: docs/benchmarks.md says what each
+one measures and how."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from dynarec.bench.data import bench_data_stage
-from dynarec.bench.steps import bench_dynamic_step, bench_fused_step, bench_hash_find, bench_sweep
-from dynarec.bench.train import bench_train_step
 from dynarec.embedding.config import SCORE_STRATEGIES
 
 __all__ = ["BENCHMARKS", "add_arguments", "main"]
 
-BENCHMARKS = {
-    "fused-step": bench_fused_step,
-    "dynamic-step": bench_dynamic_step,
-    "hash-find": bench_hash_find,
-    "sweep": bench_sweep,
-    "train-step": bench_train_step,
-    "data-stage": bench_data_stage,
+
+def _e2e(args) -> dict:
+    from dynarec.bench.e2e import bench_e2e
+
+    return bench_e2e(args)
+
+
+def _steps(name: str) -> Callable[[Any], dict]:
+    def run(args) -> dict:
+        from dynarec.bench import steps
+
+        return getattr(steps, name)(args)
+
+    return run
+
+
+def _train_step(args) -> dict:
+    from dynarec.bench.train import bench_train_step
+
+    return bench_train_step(args)
+
+
+def _data_stage(args) -> dict:
+    from dynarec.bench.data import bench_data_stage
+
+    return bench_data_stage(args)
+
+
+BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
+    "e2e": (_e2e, "the `dynarec train` command on a Taobao-like log vs a plain-PyTorch peer: samples/s, eval AUC"),
+    "fused-step": (_steps("bench_fused_step"), "a fixed table's fused step (CPU: vs FBGEMM TBE; GPU: vs the roofline)"),
+    "dynamic-step": (_steps("bench_dynamic_step"), "a dynamic table's step vs a fixed table's on the same ids"),
+    "hash-find": (_steps("bench_hash_find"), "the hash index's find and find-or-insert"),
+    "sweep": (_steps("bench_sweep"), "the fused step across workloads: worst and best ratios"),
+    "train-step": (_train_step, "the demo model's step in process (torchrun: weak scaling) vs plain torch"),
+    "data-stage": (_data_stage, "batch building: the C++ feature generation vs pyarrow + pyfarmhash"),
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=sorted(BENCHMARKS))
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--bags", type=int, default=4096)
-    parser.add_argument("--pooling-factor", type=int, default=20)
-    parser.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "rowwise_adagrad", "adam"])
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed run (data-stage: batches)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--slots", type=int, default=1 << 22, help="hash-find: slots in the table")
-    parser.add_argument(
+def _step_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--bags", type=int, default=4096)
+    p.add_argument("--pooling-factor", type=int, default=20)
+    p.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "rowwise_adagrad", "adam"])
+    p.add_argument("--slots", type=int, default=1 << 22, help="hash-find: slots in the table")
+    p.add_argument(
         "--score-strategy",
         default="step",
         choices=list(SCORE_STRATEGIES),
         help="dynamic-step: the dynamic table's eviction score",
     )
-    parser.add_argument("--batch", type=int, default=512, help="train-step: batch per rank")
-    parser.add_argument("--workers", type=int, default=0, help="train-step: DataLoader workers per rank")
-    parser.add_argument("--users", type=int, default=20_000, help="train-step: users per rank")
-    parser.add_argument("--items", type=int, default=5_000, help="train-step: items per rank")
-    parser.add_argument("--data-batch", type=int, default=4096, help="data-stage: rows per batch")
-    parser.add_argument("--json", help="also write the report to this JSON file")
 
 
-def main(args) -> None:
-    report = BENCHMARKS[args.name](args)
+def _timing_options(p: argparse.ArgumentParser, steps_help: str = "steps per timed run") -> None:
+    p.add_argument("--steps", type=int, default=10, help=steps_help)
+    p.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--warmup", type=int, default=3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subcommand a benchmark, each with its own options (and defaults) plus ``--device``
+    and ``--json``."""
+    sub = parser.add_subparsers(dest="name", required=True, metavar="NAME")
+    for name, (_, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--json", help="also write the report to this JSON file")
+        if name in ("fused-step", "dynamic-step", "hash-find", "sweep"):
+            _step_options(p)
+            _timing_options(p)
+        if name == "train-step":
+            _timing_options(p)
+            p.add_argument("--batch", type=int, default=512, help="batch per rank")
+            p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+            p.add_argument("--users", type=int, default=20_000, help="users per rank")
+            p.add_argument("--items", type=int, default=5_000, help="items per rank")
+        if name == "data-stage":
+            _timing_options(p, "batches per timed run")
+            p.add_argument("--data-batch", type=int, default=4096, help="rows per batch")
+        if name == "e2e":
+            p.add_argument("--batch", type=int, default=4096, help="data.batch_size")
+            p.add_argument("--train-rows", type=int, default=1_000_000)
+            p.add_argument(
+                "--eval-rows", type=int, default=None, help="default: a tenth of --train-rows, 1,000 at least"
+            )
+            p.add_argument("--epochs", type=int, default=1)
+            p.add_argument("--runs", type=int, default=1, help="runs of each side, interleaved; medians reported")
+            p.add_argument(
+                "--workers", type=int, default=None, help="data.num_workers (default: unset, the trainer's own choice)"
+            )
+
+
+def main(args) -> int:
+    """Runs ``args.name``, prints its summary and writes ``--json``; returns the exit status."""
+    report = BENCHMARKS[args.name][0](args)
     if report.get("summary"):
         print(
             f"== {report['benchmark']} ({platform.node()}, torch {torch.__version__}, "
@@ -64,3 +122,4 @@ def main(args) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2, default=str)
+    return int(report.get("status", 0))

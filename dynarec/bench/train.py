@@ -47,10 +47,11 @@ def _config(data_dir: Path, batch: int, workers: int, world: int, users: int, it
 
 
 class _PlainTorchModel(nn.Module):
-    """The baseline: one ``nn.Embedding(sparse=True)`` per table (the user table hashed into
-    ``user_rows`` rows), the demo's dense tower."""
+    """The plain-PyTorch peer of a config's model: one ``nn.Embedding(sparse=True)`` per table (a
+    dynamic table as ``key_rows`` rows, its keys hashed into them by :func:`_tensorize`), the
+    config's dense tower."""
 
-    def __init__(self, config, user_rows: int, device: torch.device):
+    def __init__(self, config, key_rows: int, device: torch.device):
         super().__init__()
         from dynarec.models.registry import build_model
         from dynarec.planner import plan_from_config
@@ -58,11 +59,10 @@ class _PlainTorchModel(nn.Module):
         self.tables = nn.ModuleDict()
         self.table_of: dict[str, str] = {}
         for t in plan_from_config(config).table_configs():
-            rows = t.num_embeddings if t.num_embeddings is not None else user_rows
+            rows = t.num_embeddings if t.num_embeddings is not None else key_rows
             self.tables[t.name] = nn.Embedding(rows, t.dim, sparse=True, device=device)
             for f in t.feature_configs:
                 self.table_of[f.name] = t.name
-        self.user_rows = user_rows
         self.dense = build_model(config).to(device)
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
@@ -73,8 +73,9 @@ class _PlainTorchModel(nn.Module):
         return self.dense(emb, inputs["lengths"], inputs["dense"])
 
 
-def _tensorize(batch, sequences: list[str], user_rows: int, device: torch.device) -> dict[str, Any]:
-    """A dynarec Batch as the baseline's up-front tensors: ids (sequences padded, with a mask)."""
+def _tensorize(batch, sequences: list[str], key_rows: dict[str, int], device: torch.device) -> dict[str, Any]:
+    """A dynarec Batch as the peer's tensors on ``device``: ids per feature (sequences padded,
+    with a mask), the keys of each feature in ``key_rows`` hashed into that many rows."""
     keys, values, lengths = batch.sparse.keys(), batch.sparse.values(), batch.sparse.lengths()
     b = batch.num_rows
     per_key = lengths.view(len(keys), b)
@@ -82,8 +83,8 @@ def _tensorize(batch, sequences: list[str], user_rows: int, device: torch.device
     ids: dict[str, Any] = {}
     for k, name in enumerate(keys):
         v = values[starts[k] : starts[k + 1]]
-        if name == "user_id":
-            v = v % user_rows  # ids pre-hashed into the baseline's fixed table
+        if name in key_rows:
+            v = v % key_rows[name]
         if name in sequences:
             lens = per_key[k]
             width = max(int(lens.max()), 2)
@@ -130,7 +131,7 @@ def bench_train_step(args) -> dict:
     model_dir = tmp / f"model-rank{ctx.rank}"
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
     # as Trainer.fit: the next batch is read, and its input stage started, while a backward runs
-    ahead = ReadAhead(trainer._train_batches(), trainer.task.embeddings)
+    ahead = ReadAhead(trainer.input.batches(trainer.position), trainer.task.embeddings)
 
     def run_dynarec(steps: int) -> float:
         sync()
@@ -147,12 +148,14 @@ def bench_train_step(args) -> dict:
     baseline = None
     if not ctx.distributed:  # the plain-torch model of the same shape, batches tensorized up front
         torch.manual_seed(config.train.seed)
-        model = _PlainTorchModel(config, user_rows=2 * users, device=device)
+        model = _PlainTorchModel(config, key_rows=2 * users, device=device)
         sparse = torch.optim.Adagrad(model.tables.parameters(), lr=0.05, initial_accumulator_value=0.1)
         dense = torch.optim.Adam(model.dense.parameters(), lr=0.002)
         sequences = trainer.task.sequence_features
-        source = trainer._train_batches()
-        loaded = [_tensorize(next(source)[0], sequences, 2 * users, device) for _ in range(min(total_steps, 32))]
+        source = trainer.input.batches(trainer.position)
+        loaded = [
+            _tensorize(next(source)[0], sequences, {"user_id": 2 * users}, device) for _ in range(min(total_steps, 32))
+        ]
 
         def run_baseline(steps: int) -> float:
             sync()

@@ -3,6 +3,7 @@ promises (its baseline beside it, runs, ratios, tables as sized). Speeds are not
 benchmark is read, not tested (docs/benchmarks.md)."""
 
 import json
+import math
 import statistics
 
 import pytest
@@ -20,12 +21,12 @@ def same_run_ratio(a: dict, b: dict) -> float:
 
 def run(tmp_path, *argv: str) -> dict:
     out = tmp_path / "report.json"
-    assert main(["bench", *argv, "--warmup", "1", "--json", str(out)]) in (0, None)
+    assert main(["bench", *argv, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
-def test_hash_find_times_find_and_the_training_insert_from_the_same_load(tmp_path):
-    report = run(tmp_path, "hash-find", "--slots", str(1 << 16), "--runs", "2", "--steps", "1")
+def test_hash_find_times_find_and_insert_from_the_same_load(tmp_path):
+    report = run(tmp_path, "hash-find", "--slots", str(1 << 16), "--runs", "2", "--steps", "1", "--warmup", "1")
     assert report["benchmark"] == "hash-find" and report["slots"] == 1 << 16
     for load, result in report["results"].items():
         for runs in ("find_runs", "insert_runs"):
@@ -39,7 +40,7 @@ def test_hash_find_times_find_and_the_training_insert_from_the_same_load(tmp_pat
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp_path, backend):
-    report = run(tmp_path, "dynamic-step", *TINY)
+    report = run(tmp_path, "dynamic-step", *TINY, "--warmup", "1")
     result = report["results"][backend]
     for kind in ("dynamic", "fixed", "fixed_scattered"):
         assert len(result[kind]["ids_per_s_runs"]) == 2
@@ -48,7 +49,7 @@ def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp
 
 
 def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
-    report = run(tmp_path, "fused-step", *TINY)
+    report = run(tmp_path, "fused-step", *TINY, "--warmup", "1")
     results = report["results"]
     assert len(results["native"]["ids_per_s_runs"]) == 2
     if "fbgemm" in results:
@@ -59,10 +60,44 @@ def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
 def test_data_stage_times_the_native_path_against_pyarrow_on_identical_batches(tmp_path):
     from dynarec.features import native
 
-    report = run(tmp_path, "data-stage", "--data-batch", "64", "--steps", "2", "--runs", "2")
+    report = run(tmp_path, "data-stage", "--data-batch", "64", "--steps", "2", "--runs", "2", "--warmup", "1")
     result = report["results"]
     assert result["rows_per_batch"] == 64 and result["batches_per_run"] == 2
     assert len(result["pyarrow"]["rows_per_s_runs"]) == 2
     if native.available():
         assert result["identical_batches"] is True and len(result["native"]["rows_per_s_runs"]) == 2
         assert result["native_over_pyarrow"] > 0
+
+
+def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_chance_auc(tmp_path):
+    rows, batch, epochs = 3000, 256, 2
+    report = run(
+        tmp_path,
+        "e2e",
+        "--train-rows",
+        str(rows),
+        "--batch",
+        str(batch),
+        "--epochs",
+        str(epochs),
+        "--eval-rows",
+        "1000",
+    )
+    r = report["results"]
+    assert r["command"] == "dynarec train --config config.yaml --model-dir model --device cpu"
+    ours, peer = r["dynarec"], r["peer"]
+    assert ours["steps"] == epochs * math.ceil(rows / batch)
+    assert ours["eval"]["num_examples"] == 1000
+    # the command's wall time holds its steps and more (start-up, checks, checkpoint, eval)
+    assert ours["wall_seconds"] > ours["train_seconds"] > 0 and ours["samples_per_s_wall"] > 0
+    assert peer["samples_per_s"] > 0
+    assert r["dynarec_over_peer"] == pytest.approx(ours["samples_per_s_report"] / peer["samples_per_s"])
+    assert ours["runs"] == [{k: v for k, v in ours.items() if k != "runs"}] and len(peer["runs"]) == 1
+    # both learned something of the generator's signal in the same epochs, on the same rows
+    assert 0.5 < ours["eval_auc"] <= 1 and 0.5 < peer["eval_auc"] <= 1
+    assert (
+        peer["eval_auc"] < r["data"]["bayes_optimal_eval_auc"]
+        and ours["eval_auc"] < r["data"]["bayes_optimal_eval_auc"]
+    )
+    # the data are generated once per parameters, outside the timed part
+    assert r["data"]["spec"]["string_ids"] is True and r["data"]["spec"]["min_hist_len"] == 30

@@ -1,0 +1,291 @@
+"""End to end (``dynarec bench e2e``): what a user gets from ``dynarec train``.
+
+The benchmark runs the command a user types, ``dynarec train --config C --model-dir M --device D``,
+as a subprocess — the data stage (Parquet reading, FarmHash hashing, batch building), the first
+epoch (a dynamic table meeting every key for the first time, growing) and the final checkpoint
+and eval included — on a Taobao-like click log: string user, item and category ids, ``|``-joined
+histories of 30 items and their categories, a price, a label (``make_click_log`` with
+``string_ids=True``). The model is the demo's (``resources/demo.yaml``: MultiTowerDIN, a dynamic
+user table, fixed item and category tables each shared by the candidate and the history, here
+over hashed string ids), trained with the demo's optimizers.
+
+Beside it, in the same run, the plain-PyTorch peer a user would write: ``nn.Embedding(sparse=True)``
+tables (the user ids hashed into as many rows as the dynamic table's capacity), ``torch.optim.Adagrad``
+with the same settings, the same dense tower under the same Adam, the same batches in the same
+order for the same epochs. Its ids are hashed and tensorized once, up front, onto the device:
+only its training loop is timed, so it pays no data stage at all. It keeps ``nn.Embedding``'s
+default N(0, 1) initialization, where dynarec's tables start at U(+-sqrt(1/rows)) (torchrec's
+default): after one epoch that difference alone moves the eval AUC (docs/benchmarks.md). Both
+are evaluated on the same held-out rows.
+
+dynarec's samples/s are given two ways: by the train command's own report (``steps_per_second``
+x batch: the steps alone) and by the command's wall time (process start to exit: imports, data
+checks, final checkpoint and eval included). ``--runs N`` runs each side N times, interleaved
+(dynarec, peer, dynarec, ...): the median run of each side is reported, with the median of the
+per-pair ratios. The data are generated outside the timed part and cached in the temp
+directory, keyed by their parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import yaml
+from torch import nn
+
+from dynarec.bench.train import _PlainTorchModel, _tensorize
+
+__all__ = ["bench_e2e", "e2e_config", "e2e_data", "e2e_spec", "same_dynarec"]
+
+
+def e2e_spec(train_rows: int, eval_rows: int):
+    """The click log at ``train_rows``: the demo's proportions (a user every 10 rows, an item every
+    40, a category every 100 items, at least the demo's 50), every history 30 long, string ids."""
+    from dynarec.data.synthetic import SyntheticSpec
+
+    items = max(train_rows // 40, 1000)
+    return SyntheticSpec(
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        num_users=max(train_rows // 10, 1000),
+        num_items=items,
+        num_cates=max(items // 100, 50),
+        min_hist_len=30,
+        max_hist_len=30,
+        string_ids=True,
+    )
+
+
+def e2e_data(spec) -> Path:
+    """The click log of ``spec`` in the temp directory, generated on first use. Its directory is
+    named by a hash of the spec and of the generator's source, so a changed generator or spec
+    never reads another's data."""
+    from dynarec.data import synthetic
+    from dynarec.data.synthetic import make_click_log
+
+    key = json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(synthetic)
+    path = Path(tempfile.gettempdir()) / f"dynarec-bench-e2e-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not (path / "meta.json").is_file():
+        make_click_log(path, spec)
+    return path
+
+
+def e2e_config(spec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
+    """The demo config over ``spec``'s string ids: the user table's capacity twice the users
+    (a power of two), item and category ids hashed into twice as many rows as there are items and
+    categories; ``epochs`` epochs of ``batch``, no eval or checkpoint before the end;
+    ``data.num_workers`` only where ``workers`` is given (otherwise the trainer's own choice)."""
+    raw = yaml.safe_load(resources.files("dynarec").joinpath("resources/demo.yaml").read_text())
+    for entry in raw["feature_configs"]:
+        feature = next(iter(entry.values()))
+        if feature["feature_name"] == "user_id":
+            capacity = 1 << (2 * spec.num_users - 1).bit_length()
+            feature["dynamicemb"].update(max_capacity=capacity, init_capacity=max(capacity // 8, 16))
+        elif feature.get("embedding_name") in ("item", "cate"):
+            ids = spec.num_items if feature["embedding_name"] == "item" else spec.num_cates
+            del feature["num_buckets"]
+            feature.update(value_type="string", hash_bucket_size=2 * ids)
+    raw["data"].update(
+        train_input_path=str(data_dir / "train"), eval_input_path=str(data_dir / "eval"), batch_size=batch
+    )
+    if workers is not None:
+        raw["data"]["num_workers"] = workers
+    raw["train"].update(num_epochs=epochs, save_checkpoints_steps=None, eval_every_steps=None)
+    return raw
+
+
+def same_dynarec() -> dict[str, str]:
+    """The environment of a child process that imports the ``dynarec`` this process runs: its
+    package's parent directory first on ``PYTHONPATH`` (a checkout run in place, or another
+    revision's worktree, is not on the child's path when it starts elsewhere)."""
+    import dynarec
+
+    root = str(Path(dynarec.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}
+
+
+def _run_dynarec(workdir: Path, device: str) -> tuple[list[str], float, dict[str, Any]]:
+    """Runs ``dynarec train`` in ``workdir`` on its ``config.yaml`` into ``model/``; returns the
+    command as a user types it, its wall seconds and its report (``metrics.json``'s ``final``:
+    steps, train_seconds, steps_per_second, eval)."""
+    argv = ["train", "--config", "config.yaml", "--model-dir", "model", "--device", device]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "dynarec", *argv], cwd=workdir, env=same_dynarec(), capture_output=True, text=True
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"dynarec {shlex.join(argv)} exited with status {done.returncode}:\n{done.stderr[-4000:]}")
+    report = json.loads((workdir / "model" / "metrics.json").read_text())["final"]
+    return ["dynarec", *argv], wall, report
+
+
+class _Peer:
+    """The plain-PyTorch peer (see the module doc): its batches hashed and tensorized onto
+    ``device`` once, when it is made; each :meth:`train` builds a fresh model from the config's
+    seed and trains it."""
+
+    def __init__(self, config, device: torch.device):
+        from dynarec.config.schema import SequenceFeatureCfg
+        from dynarec.data.batch import BatchBuilder
+        from dynarec.data.reader import ArrowBatchDataset, WorkerFailure, resolve_files
+        from dynarec.optim import Adagrad
+        from dynarec.planner import plan_from_config
+
+        if not isinstance(config.train.sparse_optimizer, Adagrad):
+            raise ValueError(f"the peer mirrors Adagrad; the config's is {config.train.sparse_optimizer!r}")
+        self.config, self.device = config, device
+        dynamic = {
+            f.name: t.dynamic.max_capacity
+            for t in plan_from_config(config).table_configs()
+            if t.dynamic is not None
+            for f in t.feature_configs
+        }
+        self.key_rows = next(iter(dynamic.values()))
+        sequences = [f.feature_name for f in config.features() if isinstance(f, SequenceFeatureCfg)]
+
+        def tensorized(path, batch_size: int) -> list[dict[str, Any]]:
+            out = []
+            for batch in ArrowBatchDataset(resolve_files(path), BatchBuilder(config), batch_size):
+                assert not isinstance(batch, WorkerFailure), batch
+                out.append(_tensorize(batch, sequences, dynamic, device))
+            return out
+
+        data = config.data
+        self.train_batches = tensorized(data.train_input_path, data.batch_size)
+        self.eval_batches = tensorized(data.eval_input_path, data.eval_batch_size or data.batch_size)
+
+    def train(self, epochs: int) -> dict[str, Any]:
+        """Trains a fresh model for ``epochs`` (only this loop is timed), evaluates it; returns
+        its samples/s, training seconds and eval AUC."""
+        from dynarec.metrics import auc
+
+        config, spec = self.config, self.config.train.sparse_optimizer
+        torch.manual_seed(config.train.seed)
+        model = _PlainTorchModel(config, key_rows=self.key_rows, device=self.device)
+        sparse = torch.optim.Adagrad(
+            model.tables.parameters(),
+            lr=spec.lr,
+            eps=spec.eps,
+            initial_accumulator_value=spec.initial_accumulator_value,
+        )
+        dense = config.train.dense_optimizer.build(model.dense.parameters())
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        with warnings.catch_warnings():  # torch's note on every sparse Adagrad step's unchecked sparse tensor
+            warnings.filterwarnings("ignore", message="Sparse invariant checks")
+            sync()
+            start = time.perf_counter()
+            for _ in range(epochs):
+                for inputs in self.train_batches:
+                    loss = nn.functional.binary_cross_entropy_with_logits(model(inputs), inputs["labels"])
+                    sparse.zero_grad()
+                    dense.zero_grad()
+                    loss.backward()
+                    sparse.step()
+                    dense.step()
+            sync()
+            seconds = time.perf_counter() - start
+        model.eval()
+        with torch.no_grad():
+            scores = torch.cat([torch.sigmoid(model(inputs)).cpu() for inputs in self.eval_batches])
+        labels = torch.cat([inputs["labels"].cpu() for inputs in self.eval_batches])
+        samples = sum(int(inputs["labels"].numel()) for inputs in self.train_batches) * epochs
+        return {
+            "samples_per_s": samples / seconds,
+            "train_seconds": seconds,
+            "eval_auc": auc(scores.numpy(), labels.numpy()),
+        }
+
+
+def _median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The run whose ``key`` is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
+def bench_e2e(args) -> dict:
+    """samples/s and eval AUC of ``dynarec train`` against the plain-PyTorch peer (module doc):
+    ``--runs`` pairs of runs, interleaved (dynarec, peer, dynarec, ...), the peer's batches made
+    once before the first; the median run of each side is reported, and the median of the
+    per-pair ratios."""
+    from dynarec.config import load_config
+
+    eval_rows = args.eval_rows if args.eval_rows is not None else max(args.train_rows // 10, 1000)
+    spec = e2e_spec(args.train_rows, eval_rows)
+    data_dir = e2e_data(spec)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    samples = args.train_rows * args.epochs
+    ours_runs: list[dict[str, Any]] = []
+    peer_runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="dynarec-bench-e2e-run-") as tmp:
+        config_text = yaml.safe_dump(e2e_config(spec, data_dir, args.batch, args.epochs, args.workers))
+        (Path(tmp) / "config.yaml").write_text(config_text)
+        peer = _Peer(load_config(Path(tmp) / "config.yaml"), torch.device(args.device))
+        for run in range(args.runs):
+            workdir = Path(tmp) / f"run-{run}"  # each run a user's fresh directory: config.yaml, model/
+            workdir.mkdir()
+            (workdir / "config.yaml").write_text(config_text)
+            command, wall, report = _run_dynarec(workdir, args.device)
+            ours_runs.append(
+                {
+                    "samples_per_s_report": report["steps_per_second"] * args.batch,
+                    "samples_per_s_wall": samples / wall,
+                    "wall_seconds": wall,
+                    "train_seconds": report["train_seconds"],
+                    "steps": report["step"],
+                    "eval_auc": report["eval"]["auc"],
+                    "eval": report["eval"],
+                }
+            )
+            peer_runs.append(peer.train(args.epochs))
+    ours = {**_median_run(ours_runs, "samples_per_s_report"), "runs": ours_runs}
+    theirs = {**_median_run(peer_runs, "samples_per_s"), "user_rows": peer.key_rows, "runs": peer_runs}
+    pairs = list(zip(ours_runs, peer_runs))
+    result: dict[str, Any] = {
+        "device": args.device,
+        "batch": args.batch,
+        "epochs": args.epochs,
+        "train_rows": args.train_rows,
+        "eval_rows": eval_rows,
+        "workers": "auto" if args.workers is None else args.workers,
+        "runs": args.runs,
+        "data": {"spec": asdict(spec), "bayes_optimal_eval_auc": meta["bayes_optimal_eval_auc"]},
+        "command": " ".join(command),
+        "dynarec": ours,
+        "peer": theirs,
+        "dynarec_over_peer": statistics.median(a["samples_per_s_report"] / b["samples_per_s"] for a, b in pairs),
+        "dynarec_wall_over_peer": statistics.median(a["samples_per_s_wall"] / b["samples_per_s"] for a, b in pairs),
+    }
+    workers = "automatic" if args.workers is None else str(args.workers)
+    each = lambda runs, key: ", ".join(f"{r[key]:,.0f}" for r in runs)
+    lines = [
+        f"dynarec train on {args.device}, batch {args.batch}, {args.epochs} epoch(s) of "
+        f"{args.train_rows:,} Taobao-like rows (string ids, histories of 30), DataLoader workers {workers}; "
+        f"eval on {eval_rows:,} held-out rows; {args.runs} run(s) a side, interleaved (medians)",
+        f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (steps_per_second x batch; "
+        f"runs {each(ours_runs, 'samples_per_s_report')}), {ours['samples_per_s_wall']:,.0f} by the command's "
+        f"wall time ({ours['wall_seconds']:.1f} s: start-up, data checks, final checkpoint and eval included); "
+        f"eval AUC {ours['eval_auc']:.4f}",
+        f"plain torch: {theirs['samples_per_s']:>9,.0f} samples/s (its training loop alone, runs "
+        f"{each(peer_runs, 'samples_per_s')}; nn.Embedding(sparse=True) + Adagrad, Adam, ids hashed and "
+        f"tensorized up front on {args.device}); eval AUC {theirs['eval_auc']:.4f}",
+        f"dynarec / plain torch: {result['dynarec_over_peer']:.2f}x by the report, "
+        f"{result['dynarec_wall_over_peer']:.2f}x by wall time; Bayes-optimal eval AUC "
+        f"{meta['bayes_optimal_eval_auc']:.4f}",
+    ]
+    return {"benchmark": "e2e", "results": result, "summary": lines}
