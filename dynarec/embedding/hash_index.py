@@ -8,7 +8,8 @@ is far from full: at 90% load, none of 1M keys (one-choice buckets of 16 evicted
 
 Every operation is a batched tensor op with no Python loop per key, identical on CPU and CUDA,
 and deterministic: the keys of one insert are ranked (priority descending, then key ascending)
-and claim slots in rounds in that order, never raced with atomics.
+and claim slots in rounds in that order (:mod:`.insert_plan`); no round's outcome depends on the
+order its work runs in.
 
 The whole int64 range is a valid key: occupancy is a separate byte per slot, its *tag*: 0 for an
 empty slot, else a nonzero byte of the key's hash (:func:`key_tags`). A lookup compares a lane's
@@ -25,173 +26,24 @@ The index owns its arrays; callers change them only through its methods (``commi
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from dynarec.embedding.initializers import mix64
+from dynarec.embedding import insert_plan
+from dynarec.embedding.insert_plan import PIN_WRAP, InsertPlan
+from dynarec.embedding.key_hash import EMPTY_TAG, candidate_buckets, candidate_buckets_reference, key_tags
 from dynarec.embedding.step import Journal
 from dynarec.embedding.streams import current_stream
 from dynarec.kernels import cpu as cpu_kernels
 from dynarec.kernels import gpu as gpu_kernels
+from dynarec.kernels.gpu import hashing as gpu_hashing
+from dynarec.kernels.gpu import plan as gpu_plan
 
 __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets", "key_tags"]
 
-PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
-_LOW32 = (1 << 32) - 1
 _SERIALS = itertools.count()  # of index objects: a stamp never matches another index's
-_NONE = -1
-
-
-def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two candidate buckets of each key: the low and the high 32 bits of ``mix64(key)``,
-    each modulo ``num_buckets`` (they may coincide). Sharding uses other hash bits."""
-    kernels = cpu_kernels.ops() if keys.device.type == "cpu" else None
-    if kernels is not None:
-        b1, b2 = kernels.candidate_buckets(keys.contiguous(), num_buckets)
-        return b1, b2
-    if gpu_kernels.available(keys.device):
-        return gpu_kernels.candidate_buckets(keys, num_buckets)
-    return candidate_buckets_reference(keys, num_buckets)
-
-
-def key_tags(keys: torch.Tensor) -> torch.Tensor:
-    """The tag of each key: the top byte of ``mix64(key)``, 1 where that byte is 0 (0 marks an
-    empty slot). ``[n]`` uint8. Bucket choice uses ``mix64``'s two 32-bit halves modulo the
-    bucket count, so for up to 2^24 buckets (a power of two) the tag bits are independent of it."""
-    tag = (mix64(keys) >> 56) & 0xFF
-    return torch.where(tag == 0, 1, tag).to(torch.uint8)
-
-
-def candidate_buckets_reference(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch :func:`candidate_buckets` (any device)."""
-    h = mix64(keys)
-    return (h & _LOW32) % num_buckets, ((h >> 32) & _LOW32) % num_buckets
-
-
-@dataclass
-class InsertPlan:
-    """Where each new key goes, and what moves to make room.
-
-    ``slots[i] == -1``: key ``i`` found no slot (overflow). ``evicted_slots``: occupied slots
-    whose key is evicted (the new key takes the slot). ``moved_from`` / ``moved_to``: residents
-    moved to their other bucket (one cuckoo step); a new key takes each ``moved_from`` slot.
-    ``num_placed``: how many keys got a slot, when the planner knows it on the host (else
-    :attr:`placed` reads it once).
-    """
-
-    keys: torch.Tensor
-    slots: torch.Tensor
-    evicted_slots: torch.Tensor
-    moved_from: torch.Tensor
-    moved_to: torch.Tensor
-    num_placed: Optional[int] = None
-
-    @property
-    def placed(self) -> int:
-        """Keys that got a slot (a host read only if the planner did not count them)."""
-        if self.num_placed is None:
-            self.num_placed = int((self.slots >= 0).sum())
-        return self.num_placed
-
-    @property
-    def dropped(self) -> int:
-        """Keys left without a slot."""
-        return self.keys.numel() - self.placed
-
-    @property
-    def only_adds(self) -> bool:
-        """Whether the plan only places new keys in free slots (no resident evicted or moved)."""
-        return not (self.evicted_slots.numel() or self.moved_from.numel())
-
-    @property
-    def overwritten_slots(self) -> torch.Tensor:
-        """Slots whose previous contents a commit replaces (evicted and moved residents' rows)."""
-        return torch.cat([self.evicted_slots, self.moved_from])
-
-
-class _Buckets:
-    """A working copy of some buckets' occupancy during one insert plan (nothing is written to the
-    index until commit). ``claimed`` marks slots this plan gives away (to a new key or a moved
-    resident): they are neither free, nor movable, nor evictable again."""
-
-    def __init__(self, index: BucketedHashIndex, buckets: torch.Tensor):
-        self.index = index
-        self.ids = torch.empty(0, dtype=torch.int64, device=index.device)
-        self.occupied = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
-        self.claimed = torch.empty(0, index.bucket_size, dtype=torch.bool, device=index.device)
-        self.add(buckets)
-
-    def add(self, buckets: torch.Tensor) -> None:
-        """Brings ``buckets`` into the working set (those already in it keep their state)."""
-        new = torch.unique(buckets)
-        new = new[~torch.isin(new, self.ids)]
-        if not new.numel():
-            return
-        bs = self.index.bucket_size
-        occupied = self.index.tags.view(-1, bs).index_select(0, new) != 0
-        claimed = torch.zeros_like(occupied)
-        ids = torch.cat([self.ids, new])
-        order = torch.argsort(ids)
-        self.ids = ids[order]
-        self.occupied = torch.cat([self.occupied, occupied])[order]
-        self.claimed = torch.cat([self.claimed, claimed])[order]
-
-    def rows(self, buckets: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(self.ids, buckets)
-
-    def free(self, buckets: torch.Tensor) -> torch.Tensor:
-        """Free (unoccupied, unclaimed) slots of each bucket."""
-        r = self.rows(buckets)
-        return (~(self.occupied[r] | self.claimed[r])).sum(1)
-
-    def claim_free(self, buckets: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-        """The ``rank``-th free lane (ascending) of each bucket, claimed; returns its slot."""
-        bs = self.index.bucket_size
-        r = self.rows(buckets)
-        taken = (self.occupied[r] | self.claimed[r]).to(torch.int8)
-        lane = torch.argsort(taken, dim=1, stable=True).gather(1, rank[:, None]).squeeze(1)
-        self.claimed[r, lane] = True
-        return buckets * bs + lane
-
-    def claim(self, slots: torch.Tensor) -> None:
-        bs = self.index.bucket_size
-        self.claimed[self.rows(slots // bs), slots % bs] = True
-
-    def is_claimed(self, slots: torch.Tensor) -> torch.Tensor:
-        bs = self.index.bucket_size
-        return self.claimed[self.rows(slots // bs), slots % bs]
-
-
-def _wrapped(step_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Step ids as the pins hold them (modulo :data:`PIN_WRAP`)."""
-    return None if step_ids is None else step_ids % PIN_WRAP
-
-
-def _move_pins(pinned_by: Optional[torch.Tensor], movable_pins: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The steps whose rows a plan may not move: ``pinned_by`` but ``movable_pins`` (on
-    ``pinned_by``'s device)."""
-    if pinned_by is None or movable_pins is None:
-        return pinned_by
-    return pinned_by[~torch.isin(pinned_by, movable_pins.to(pinned_by.device))]
-
-
-def _rank_within(groups: torch.Tensor) -> torch.Tensor:
-    """Position of each element among the elements of its group, in input order."""
-    order = torch.argsort(groups, stable=True)
-    sorted_groups = groups[order]
-    _, inverse, counts = torch.unique_consecutive(sorted_groups, return_inverse=True, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(groups)
-    rank[order] = torch.arange(groups.numel(), device=groups.device) - starts[inverse]
-    return rank
-
-
-def _first_per_group(groups: torch.Tensor) -> torch.Tensor:
-    """Mask of the first element (in input order) of each group."""
-    return _rank_within(groups) == 0
 
 
 class BucketedHashIndex:
@@ -204,7 +56,7 @@ class BucketedHashIndex:
         cap = num_buckets * bucket_size
         self.keys = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.tags = torch.zeros(cap, dtype=torch.uint8, device=self.device)  # 0: empty (key_tags)
+        self.tags = torch.zeros(cap, dtype=torch.uint8, device=self.device)  # EMPTY_TAG: empty (key_tags)
         # The id of the last training step that pinned the slot (-1: never); a slot is pinned while
         # that step is pending (StepLifecycle). Step ids are never reused (int32: they wrap after
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
@@ -212,7 +64,6 @@ class BucketedHashIndex:
         self._pins = torch.full((cap + 1,), -1, dtype=torch.int32, device=self.device)  # the last: pin()'s -1s
         self.pins = self._pins[:cap]
         self._size = 0
-        self._lanes = torch.arange(bucket_size, dtype=torch.int64, device=self.device)
         # The last write's event and its stream's id, and the last find's event on each stream (CUDA)
         self._written = torch.cuda.Event() if self.device.type == "cuda" else None
         self._written_on: Optional[int] = None
@@ -222,39 +73,33 @@ class BucketedHashIndex:
         self._displacements = 0
         self._wrote()
 
-    def _wrote(self, only_added: bool = False, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Marks the keys and tags as written by the work queued so far on the current stream
-        (``stream``: the current one, already known; each ask costs a host call): a later
-        :meth:`find` on another stream waits for it (a collection runs its finds on its input
-        stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp` changes.
-        ``only_added``: the write only placed keys in free slots (every key present before is
-        still in its slot)."""
+    def _wrote(self, only_added: bool = False) -> None:
+        """Marks the keys and tags as written by the work queued so far on the current stream:
+        a later :meth:`find` on another stream waits for it (a collection runs its finds on its
+        input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
+        changes. ``only_added``: the write only placed keys in free slots (every key present
+        before is still in its slot)."""
         self._writes += 1
         if not only_added:
             self._displacements += 1
         if self._written is not None:  # CUDA
-            stream = stream or current_stream(self.device)
+            stream = current_stream(self.device)
             # One event, recorded again: a wait queued earlier keeps the record it was queued after
             self._written.record(stream)
             self._written_on = stream.stream_id
 
-    def _after_writes(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Makes the current stream (or ``stream``: the current one, already known) wait for the
-        last write, queued on another stream (a find reads what it wrote; on the same stream,
-        the order is the stream's)."""
-        if self._written is None or self._written_on is None:
-            return
-        stream = stream or current_stream(self.device)
-        if self._written_on != stream.stream_id:
+    def _after_writes(self, stream: torch.cuda.Stream) -> None:
+        """Makes ``stream`` (the current one) wait for the last write, queued on another stream (a
+        find reads what it wrote; on the same stream, the order is the stream's)."""
+        if self._written is not None and self._written_on is not None and self._written_on != stream.stream_id:
             stream.wait_event(self._written)
 
-    def _before_write(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Makes the current stream (or ``stream``: the current one, already known) wait for
-        every find queued so far on another stream: a write never changes keys or tags a find
-        is still reading (a find made two steps ahead, on the input stream, may still run when
-        the next step inserts)."""
+    def _before_write(self) -> None:
+        """Makes the current stream wait for every find queued so far on another stream: a write
+        never changes keys or tags a find is still reading (a find made two steps ahead, on the
+        input stream, may still run when the next step inserts)."""
         if self._finds:
-            stream = stream or current_stream(self.device)
+            stream = current_stream(self.device)
             for stream_id, done in self._finds.items():
                 if stream_id != stream.stream_id:
                     stream.wait_event(done)
@@ -300,24 +145,26 @@ class BucketedHashIndex:
         return slots, (slots < 0).any() if absent is None else absent
 
     def _find(self, keys: torch.Tensor, flag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
+        cuda = self.device.type == "cuda"
+        triton = gpu_kernels.available(self.device)
+        kernels = cpu_kernels.ops() if self.device.type == "cpu" and not triton else None
         if kernels is not None:
             slots = kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
             return slots, None
-        if self.device.type != "cuda":
-            return self.find_reference(keys), None
-        stream = current_stream(self.device)
-        self._after_writes(stream)
+        stream = current_stream(self.device) if cuda else None
+        if stream is not None:
+            self._after_writes(stream)
         absent = None
-        if gpu_kernels.available(self.device):
+        if triton:
             absent = torch.zeros((), dtype=torch.int32, device=self.device) if flag else None
-            slots = gpu_kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
+            slots = gpu_hashing.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
         else:
             slots = self.find_reference(keys)
-        done = self._finds.get(stream.stream_id)
-        if done is None:
-            done = self._finds[stream.stream_id] = torch.cuda.Event()
-        done.record(stream)  # one event a stream, recorded again (as _wrote's)
+        if stream is not None:
+            done = self._finds.get(stream.stream_id)
+            if done is None:
+                done = self._finds[stream.stream_id] = torch.cuda.Event()
+            done.record(stream)  # one event a stream, recorded again (as _wrote's)
         return slots, absent
 
     def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
@@ -327,7 +174,7 @@ class BucketedHashIndex:
         buckets = torch.cat([b1, b2])
         # Gather both buckets of every key as contiguous rows (one index_select each array).
         bucket_keys = self.keys.view(-1, bs).index_select(0, buckets)
-        bucket_occ = self.tags.view(-1, bs).index_select(0, buckets) != 0
+        bucket_occ = self.tags.view(-1, bs).index_select(0, buckets) != EMPTY_TAG
         match = (bucket_keys == torch.cat([keys, keys])[:, None]) & bucket_occ
         hit, lane = match.view(torch.uint8).max(dim=1)  # one pass: whether and where
         slots = buckets * bs + lane
@@ -351,11 +198,10 @@ class BucketedHashIndex:
         priority: Optional[torch.Tensor] = None,
         movable_pins: Optional[torch.Tensor] = None,
         keys_ascending: bool = False,
-        kernels: bool = True,
     ) -> InsertPlan:
-        """Plans inserting ``keys`` (unique, absent), writing nothing. ``keys_ascending``: the
-        caller's keys are in ascending order (``torch.unique``'s output), so ranking them by
-        key needs no sort.
+        """Plans inserting ``keys`` (unique, absent), writing nothing (:meth:`commit` writes the
+        plan). ``keys_ascending``: the caller's keys are in ascending order (``torch.unique``'s
+        output), so ranking them by key needs no sort.
 
         Keys are ranked by descending ``priority`` (when given), then ascending key, and claim
         slots in rounds, in that order:
@@ -370,191 +216,11 @@ class BucketedHashIndex:
         Rows pinned by one of the steps ``pinned_by`` are neither moved nor evicted, and neither
         is a slot this plan already gave away; rows pinned by one of ``movable_pins`` (a subset
         of ``pinned_by``: the step inserting, which finds its keys' slots again after the
-        commit) may move but not be evicted. A key left without a slot gets ``-1``. The two step-id
-        tensors may be on the host: only steps 2-3 need them on the device.
-
-        ``kernels=False``: plain-torch ops alone (any device), the reference the CPU extension's
-        planner and the GPU kernels are tested against.
+        commit) may move but not be evicted. A key left without a slot gets ``NO_SLOT`` (-1).
+        The two step-id tensors may be on the host: only steps 2-3 need them on the device.
+        (:mod:`.insert_plan`: the planners, and the plain-torch reference the tests use.)
         """
-        n = keys.numel()
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        out = torch.full((n,), _NONE, dtype=torch.int64, device=self.device)
-        if n == 0:
-            return InsertPlan(keys, out, empty, empty, empty, 0)
-        if keys_ascending:
-            order = torch.arange(n, device=self.device)
-        else:
-            order = torch.argsort(keys, stable=True)
-        if priority is not None:
-            order = order[torch.argsort(-priority[order], stable=True)]
-        gpu_steps = kernels and self.bucket_size <= 64 and gpu_kernels.available(self.device)
-        if gpu_steps:  # the three steps by the GPU kernels, which hash the keys themselves
-            return self._plan_on_gpu(keys, order, out, pinned_by, allow_evict, movable_pins)
-        b1, b2 = (
-            candidate_buckets(keys, self.num_buckets)
-            if kernels
-            else candidate_buckets_reference(keys, self.num_buckets)
-        )
-        if pinned_by is not None:  # the callers' step ids may be on the host: moved only now
-            pinned_by = pinned_by.to(self.device)
-        move_pins = _move_pins(pinned_by, movable_pins)
-        cpu_ops = None
-        if kernels and self.device.type == "cpu" and self.bucket_size <= 64:
-            cpu_ops = cpu_kernels.ops()
-        if cpu_ops is not None:  # the three steps in one C++ call
-            left, moved_from, moved_to, evicted = cpu_ops.plan_insert(
-                self.tags, self.keys, self.scores, self.pins, self.num_buckets, self.bucket_size, b1, b2, order, out,
-                empty if move_pins is None else (move_pins % PIN_WRAP).long(),
-                empty if pinned_by is None else (pinned_by % PIN_WRAP).long(),
-                allow_evict,
-            )  # fmt: skip
-            return InsertPlan(keys, out, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())
-        work = _Buckets(self, torch.cat([b1, b2]))
-        todo = self._claim_free_slots(work, order, b1, b2, out)
-        moved_from, moved_to = empty, empty
-        if todo.numel():
-            todo, moved_from, moved_to = self._claim_by_moving(work, todo, b1, b2, out, move_pins, kernels)
-        evicted = empty
-        if todo.numel() and allow_evict:
-            evicted = self._claim_by_evicting(work, todo, b1, b2, out, pinned_by)
-        # every key left after step 2 that got a slot took an evicted one
-        return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
-
-    def _plan_on_gpu(
-        self,
-        keys: torch.Tensor,
-        order: torch.Tensor,
-        out: torch.Tensor,
-        pinned_by: Optional[torch.Tensor],
-        allow_evict: bool,
-        movable_pins: Optional[torch.Tensor],
-    ) -> InsertPlan:
-        """:meth:`plan_insert`'s three steps by the GPU kernels (the plain-torch rounds exactly),
-        the plan's claims kept as one bit mask a bucket."""
-        keys = keys.contiguous()  # the kernels read it by index
-        n, nb, bs = keys.numel(), self.num_buckets, self.bucket_size
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        masks = torch.zeros(nb, dtype=torch.int64, device=self.device)  # the plan's claims, none yet
-        todo = gpu_kernels.claim_free_slots(self.tags, nb, bs, keys, order, out, masks)
-        moved_from, moved_to, evicted = empty, empty, empty
-        state = gpu_kernels.PlanState(self.keys, self.tags, self.scores, self.pins, masks, nb, bs)
-        if todo.numel():  # the step ids, maybe on the host, go to the device only now
-            move_pins = _wrapped(_move_pins(pinned_by, movable_pins))
-            todo, moved_from, moved_to = gpu_kernels.claim_by_moving(state, keys, todo, out, move_pins)
-        if todo.numel() and allow_evict:
-            evicted = gpu_kernels.claim_by_evicting(state, keys, todo, out, _wrapped(pinned_by))
-        # every key left after step 2 that got a slot took an evicted one
-        return InsertPlan(keys, out, evicted, moved_from, moved_to, n - todo.numel() + evicted.numel())
-
-    def _claim_free_slots(
-        self, work: _Buckets, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Step 1; returns the keys (indices, in rank order) whose two buckets are full. (On a CPU
-        the extension's ``claim_free_slots`` runs the same rounds; the tests hold them equal.)"""
-        while todo.numel():
-            f1, f2 = work.free(b1[todo]), work.free(b2[todo])
-            live = (f1 > 0) | (f2 > 0)
-            if not bool(live.any()):
-                break
-            keys, f1, f2 = todo[live], f1[live], f2[live]
-            choice = torch.where(f2 > f1, b2[keys], b1[keys])
-            rank = _rank_within(choice)  # keys are in rank order: better-ranked keys go first
-            ok = rank < torch.maximum(f1, f2)  # every round places at least each bucket's first key
-            out[keys[ok]] = work.claim_free(choice[ok], rank[ok])
-            todo = todo[out[todo] < 0]
-        return todo
-
-    def _movable(self, slots: torch.Tensor, work: _Buckets, pinned_by: Optional[torch.Tensor]) -> torch.Tensor:
-        """Occupied slots holding a resident that may be moved or evicted (not pinned, not claimed)."""
-        ok = (self.tags[slots] != 0) & ~work.is_claimed(slots)
-        if pinned_by is not None and pinned_by.numel():
-            ok &= ~torch.isin(self.pins[slots], pinned_by % PIN_WRAP)
-        return ok
-
-    def _candidates(self, todo: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
-        """``[m, 2 * bucket_size]`` slots of each key's two buckets (first bucket's lanes first)."""
-        bs = self.bucket_size
-        return torch.cat([b1[todo, None] * bs + self._lanes, b2[todo, None] * bs + self._lanes], dim=1)
-
-    def _claim_by_moving(
-        self,
-        work: _Buckets,
-        todo: torch.Tensor,
-        b1: torch.Tensor,
-        b2: torch.Tensor,
-        out: torch.Tensor,
-        pinned_by: Optional[torch.Tensor],
-        kernels: bool = True,
-    ):
-        """Step 2; returns the keys left, and the moves ``(from, to)``."""
-        bs = self.bucket_size
-        froms, tos = [], []
-        while todo.numel():
-            cand = self._candidates(todo, b1, b2)  # [m, 2bs]
-            flat = cand.flatten()
-            residents = self.keys[flat]
-            if kernels:
-                r1, r2 = candidate_buckets(residents, self.num_buckets)
-            else:
-                r1, r2 = candidate_buckets_reference(residents, self.num_buckets)
-            own = flat // bs
-            alt = torch.where(r1 == own, r2, r1)
-            work.add(alt)
-            ok = self._movable(flat, work, pinned_by) & (alt != own) & (work.free(alt) > 0)
-            ok = ok.view(cand.shape)
-            has = ok.any(dim=1)
-            if not bool(has.any()):
-                break
-            pick = ok.to(torch.int8).argmax(dim=1)  # the first movable resident with room elsewhere
-            keys_idx, src = todo[has], cand[has, pick[has]]
-            dst_bucket = alt.view(cand.shape)[has, pick[has]]
-            # One mover per resident slot (the best-ranked key), then as many per target bucket as
-            # it has free slots.
-            first = _first_per_group(src)
-            keys_idx, src, dst_bucket = keys_idx[first], src[first], dst_bucket[first]
-            rank = _rank_within(dst_bucket)
-            fits = rank < work.free(dst_bucket)
-            keys_idx, src, dst_bucket, rank = keys_idx[fits], src[fits], dst_bucket[fits], rank[fits]
-            if not keys_idx.numel():
-                break
-            dst = work.claim_free(dst_bucket, rank)
-            work.claim(src)
-            out[keys_idx] = src
-            froms.append(src)
-            tos.append(dst)
-            todo = todo[out[todo] < 0]
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        return todo, (torch.cat(froms) if froms else empty), (torch.cat(tos) if tos else empty)
-
-    def _claim_by_evicting(
-        self,
-        work: _Buckets,
-        todo: torch.Tensor,
-        b1: torch.Tensor,
-        b2: torch.Tensor,
-        out: torch.Tensor,
-        pinned_by: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """Step 3; returns the evicted slots."""
-        evicted = []
-        while todo.numel():
-            cand = self._candidates(todo, b1, b2)
-            ok = self._movable(cand.flatten(), work, pinned_by).view(cand.shape)
-            has = ok.any(dim=1)
-            if not bool(has.any()):
-                break
-            # The lowest (score, slot) among the allowed candidates of each key.
-            scores = torch.where(ok, self.scores[cand], torch.iinfo(torch.int64).max)
-            best_score = scores.min(dim=1, keepdim=True).values
-            tie = ok & (scores == best_score)
-            slot = torch.where(tie, cand, torch.iinfo(torch.int64).max).min(dim=1).values
-            keys_idx, slot = todo[has], slot[has]
-            first = _first_per_group(slot)  # two keys want one slot: the better-ranked one wins
-            work.claim(slot[first])
-            out[keys_idx[first]] = slot[first]
-            evicted.append(slot[first])
-            todo = keys_idx[~first]  # the others try their next-lowest; keys with no candidate give up
-        return torch.cat(evicted) if evicted else torch.empty(0, dtype=torch.int64, device=self.device)
+        return insert_plan.plan_insert(self, keys, pinned_by, allow_evict, priority, movable_pins, keys_ascending)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -577,7 +243,8 @@ class BucketedHashIndex:
         """Records how to empty again the free ``slots`` a commit fills, and the size as now. Free
         slots hold key 0 and score 0 (what ``remove`` leaves), so the undo restores them exactly
         without having read them; their pins are not written by a commit. ``some_none``: some
-        slots are -1, which the undo skips (then with a host read; else it reads nothing)."""
+        slots are ``NO_SLOT``, which the undo skips (then with a host read; else it reads
+        nothing)."""
         if journal is None:
             return
         slots, size = slots.clone(), self._size
@@ -603,7 +270,7 @@ class BucketedHashIndex:
         if gpu_kernels.available(self.device) and plan.only_adds:
             # Only new keys into free slots: one kernel places them, and the undo empties the slots
             # again (a free slot holds key 0 and score 0): nothing to read first.
-            gpu_kernels.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
+            gpu_plan.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
             self._record_adds(journal, plan.slots, some_none=plan.placed < plan.slots.numel())
             self._size += plan.placed  # the planner's count: no host read
             self._wrote(only_added=True)

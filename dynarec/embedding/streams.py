@@ -1,4 +1,5 @@
-"""The input stage of a CUDA collection on a side stream.
+"""The CUDA ordering utilities: the input stage of a collection on a side stream, the current
+stream without a new object a call, and a small tensor read on the host without a blocking copy.
 
 A training step's lookup needs its ids on the device, packed into bags, and, for a dynamic
 table, the hash find's answer read on the host (whether any key is new decides whether to
@@ -37,7 +38,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["StagedInput", "current_stream", "input_stage"]
+__all__ = ["HostReadback", "StagedInput", "current_stream", "input_stage"]
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
 _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # current_stream's wrappers, by device and stream id
@@ -45,12 +46,12 @@ _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # current_stream's wrap
 
 def current_stream(device: torch.device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` for the per-call paths (finds, inserts, a step's
-    input stage). That builds a new ``Stream`` object each call, 5–7 us of host time on the
-    H200 machines, while the GPU may wait for the host; here the current stream's id is asked
-    for (``torch._C._cuda_getCurrentStream``, what it calls once CUDA is initialized: the
-    callers hold CUDA tensors) and the wrapper of each (device, stream id) is made once. A
-    wrapper is only the id and the device: two wrappers of one id are the same stream. (Streams
-    made and dropped by the thousand would each keep one small entry here.)"""
+    input stage). That builds a new ``Stream`` object each call, host time the GPU may wait
+    for; here the current stream's id is asked for (``torch._C._cuda_getCurrentStream``, what it
+    calls once CUDA is initialized: the callers hold CUDA tensors) and the wrapper of each
+    (device, stream id) is made once. A wrapper is only the id and the device: two wrappers of
+    one id are the same stream. (Streams made and dropped by the thousand would each keep one
+    small entry here.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
     stream = _CURRENT.get((device_index, stream_id))
@@ -125,3 +126,34 @@ def input_stage(
         yield staged
         staged.ready = torch.cuda.Event()
         staged.ready.record(side)
+
+
+class HostReadback:
+    """A small device tensor read on the host without a blocking copy: :meth:`queue` copies it
+    into pinned memory behind the work queued so far and records an event; :meth:`read` waits
+    for that event only. Work queued between the two runs while the host waits (or, read a step
+    later, is not waited for at all). On a CPU device, the values themselves."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        cuda = device.type == "cuda"
+        self._pinned = torch.empty(shape, dtype=dtype, pin_memory=True) if cuda else None
+        self._done = torch.cuda.Event() if cuda else None
+        self._values: Optional[torch.Tensor] = None
+
+    def queue(self, values: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
+        """Queues the copy of ``values`` (this shape and dtype, on this device) on the current
+        stream, which ``stream`` must be (the caller has asked for it already: the event is
+        recorded on it)."""
+        if self._pinned is None or self._done is None:
+            self._values = values
+            return
+        self._pinned.copy_(values, non_blocking=True)
+        self._done.record(stream)
+        self._values = self._pinned
+
+    def read(self) -> torch.Tensor:
+        """The values last queued, on the host (waits for their copy)."""
+        if self._done is not None:
+            self._done.synchronize()
+        assert self._values is not None, "read() before queue()"
+        return self._values

@@ -3,8 +3,9 @@
 - ``dynarec.kernels.cpu``: a small C++ extension (compiled once per machine with torch's
   ``cpp_extension``, cached) for the CPU hot spots: the hash find, insert plans, the key-seeded
   initializer, the fused bag update. Where it cannot be built, the plain-torch code runs.
-- ``dynarec.kernels.gpu``: Triton kernels of the CUDA path (find, candidate buckets, an insert
-  plan's free-slot rounds and its commit, pooled lookup, fused update).
+- ``dynarec.kernels.gpu``: Triton kernels of the CUDA path, one module a job: ``hashing`` (find,
+  candidate buckets), ``plan`` (an insert plan's three steps and its commit), ``lookup`` (pooled
+  forward), ``update`` (fused backward + update).
 
 Each kernel computes what its plain-torch twin computes (tests compare them); the fused update
 runs an optimizer through the template parameters it registers (``OptimizerDef.kernel``).

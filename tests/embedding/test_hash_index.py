@@ -7,8 +7,10 @@ import torch
 from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
+from dynarec.embedding.insert_plan import claim_free_slots_reference
 from dynarec.optim import SGD, Adagrad
-from tests.matrix import DEVICES
+from tests.kernels import gpu_checks
+from tests.matrix import DEVICES, needs_cpu_kernels
 
 
 def keys_with_buckets(num_buckets, wanted, start=0):
@@ -223,14 +225,13 @@ def test_evictions_with_free_slots_elsewhere_are_reported_apart():
     assert 0 <= r["evicted_below_full_capacity"] < r["evicted_keys"]
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("num_buckets, bucket_size, load", [(4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8)])
 def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, bucket_size, load):
-    from dynarec.embedding.hash_index import _Buckets
     from dynarec.kernels import cpu as cpu_kernels
 
     kernels = cpu_kernels.ops()
-    if kernels is None:
-        pytest.skip("the C++ extension is not built")
+    assert kernels is not None
     index = BucketedHashIndex(num_buckets, bucket_size)
     gen = torch.Generator().manual_seed(num_buckets + bucket_size)
     resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
@@ -241,13 +242,14 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         order = torch.randperm(keys.numel(), generator=gen)
         b1, b2 = candidate_buckets(keys, num_buckets)
         want = torch.full_like(keys, -1)
-        want_left = index._claim_free_slots(_Buckets(index, torch.cat([b1, b2])), order, b1, b2, want)
+        want_left = claim_free_slots_reference(index, b1, b2, order, want)
         got = torch.full_like(keys, -1)
         got_left = kernels.claim_free_slots(index.tags, bucket_size, b1, b2, order, got)
         assert torch.equal(got, want) and torch.equal(got_left, want_left)
         assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
     [
@@ -263,72 +265,15 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         (8, 64, 0.9),
     ],
 )
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_planner_kernels_plan_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load, device):
-    """The C++ planner (steps 1-3 in one call; on a GPU, the three steps' kernels)
-    gives the plain-torch planner's plan: every slot, move and eviction, with pins that block
-    moves and evictions, a movable pin, priorities, and with and without eviction."""
-    from dynarec.kernels import cpu as cpu_kernels
-
-    if device == "cpu" and cpu_kernels.ops() is None:
-        pytest.skip("the C++ extension is not built")
-    gen = torch.Generator().manual_seed(num_buckets * 100 + bucket_size)
-    index = BucketedHashIndex(num_buckets, bucket_size, device)
-    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
-    plan = index.plan_insert(resident, allow_evict=False, kernels=False)
-    index.commit(plan, torch.randint(0, 5, (resident.numel(),), generator=gen).to(device))  # tied scores too
-    slots = index.entries()[0]
-    for step in (7, 9):
-        index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4].to(device)], step)
-    moves = evictions = 0
-    for seed in range(4):
-        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + 3 * seed,), generator=gen).unique().to(device)
-        keys = keys[index.find(keys) < 0]
-        priority = torch.randint(0, 3, (keys.numel(),), generator=gen).to(device)
-        pins = torch.tensor([7, 9], device=device)
-        for kw in (
-            dict(allow_evict=True),
-            dict(allow_evict=False),
-            dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
-            dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
-        ):
-            got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
-            for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
-                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
-            assert got.num_placed == want.num_placed == int((got.slots >= 0).sum())
-            moves += got.moved_from.numel()
-            evictions += got.evicted_slots.numel()
-        strided = torch.stack([keys, keys], 1)[:, 0]  # a view: the kernels must not read it as contiguous
-        got, want = index.plan_insert(strided), index.plan_insert(keys, kernels=False)
-        for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), ("strided", name)
-    assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving
+def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_buckets, bucket_size, load):
+    """The C++ planner (steps 1-3 in one call) gives the plain-torch planner's plan: every slot,
+    move and eviction (the Triton planner's twin of this test: tests/kernels/test_gpu_kernels.py)."""
+    gpu_checks.check_plan("cpu", num_buckets, bucket_size, load)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_few_keys_into_a_full_table_plan_as_the_reference(device):
-    """A plan of 1-3 keys at load 0.97, each with many residents to try moving (the C++ planner's
-    bucket table grows as moves bring buckets in), with pins of a step id past PIN_WRAP (pins
-    hold step ids modulo PIN_WRAP)."""
-    from dynarec.embedding.hash_index import PIN_WRAP
-
-    gen = torch.Generator().manual_seed(5)
-    index = BucketedHashIndex(512, 16, device)
-    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(0.97 * index.capacity),), generator=gen)).to(device)
-    index.commit(index.plan_insert(resident, allow_evict=False, kernels=False), torch.zeros_like(resident))
-    slots = index.entries()[0]
-    step = PIN_WRAP + 12
-    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 2].to(device)], step)
-    pins = torch.tensor([step], device=device)
-    placed = 0
-    for n in (1, 2, 3, 3, 3):
-        keys = torch.randint(-(2**62), 2**62, (n,), generator=gen).unique().to(device)
-        for kw in (dict(), dict(pinned_by=pins), dict(pinned_by=pins, movable_pins=pins)):
-            got, want = index.plan_insert(keys, **kw), index.plan_insert(keys, kernels=False, **kw)  # type: ignore[arg-type]
-            for name in ("slots", "evicted_slots", "moved_from", "moved_to"):
-                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
-            placed += got.num_placed
-    assert placed > 0
+@needs_cpu_kernels
+def test_a_few_keys_into_a_full_table_plan_as_the_reference():
+    gpu_checks.check_plan_of_a_few_keys("cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,12 +1,22 @@
-"""The GPU kernels against the plain-torch code, on any device the kernels run on (CUDA; or the
-CPU under Triton's interpreter while developing). Used by tests/kernels/test_gpu_kernels.py."""
+"""The kernels against the plain-torch code, on any device the Triton kernels run on (CUDA, or
+the CPU under Triton's interpreter: ``TRITON_INTERPRET=1``); the planner and update checks also
+hold the C++ extension to the same reference. Used by tests/kernels/test_gpu_kernels.py (both
+lanes), tests/kernels/test_cpu_kernels.py and tests/embedding/test_hash_index.py."""
 
-import functools
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 
-from dynarec.embedding.hash_index import BucketedHashIndex, key_tags
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.insert_plan import InsertPlan, claim_free_slots_reference, plan_insert_reference
+from dynarec.embedding.key_hash import candidate_buckets_reference, key_tags
+from dynarec.embedding.step import Journal
 from dynarec.kernels import gpu
+from dynarec.kernels.gpu import hashing as gpu_hashing
+from dynarec.kernels.gpu import plan as gpu_plan
+from dynarec.kernels.gpu import update as gpu_update
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
 from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
 
@@ -19,6 +29,17 @@ SPECS = [
     Adam(lr=0.05),
     Adam(lr=0.05, weight_decay=0.01, beta1=0.8, beta2=0.99),
 ]
+
+
+@contextlib.contextmanager
+def tuned(module, **fields) -> Iterator[None]:
+    """Runs the block with ``module.TUNING`` changed in ``fields`` (None: as it is)."""
+    saved = module.TUNING
+    module.TUNING = dataclasses.replace(saved, **{k: v for k, v in fields.items() if v is not None})
+    try:
+        yield
+    finally:
+        module.TUNING = saved
 
 
 def check_find(device, num_buckets=64, bucket_size=16, seed=0):
@@ -36,7 +57,7 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
             torch.tensor([-(2**63), 0, 2**63 - 1], device=device),
         ]
     )
-    got = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
+    got = gpu_hashing.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
     assert torch.equal(got, index.find_reference(query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
@@ -50,58 +71,120 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert twins.numel() == 8
     one.commit(one.plan_insert(twins, allow_evict=False), torch.zeros_like(twins))
     for q in (twins, pool[:50]):
-        assert torch.equal(gpu.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
+        assert torch.equal(gpu_hashing.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
     assert bool((one.find_reference(twins) >= 0).all())
     for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
         absent = torch.zeros((), dtype=torch.int32, device=device)
-        flagged = gpu.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
+        flagged = gpu_hashing.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
         assert torch.equal(flagged, index.find_reference(q))
         assert bool(absent) == bool((flagged < 0).any())
 
 
 def check_candidate_buckets(device, num_buckets):
-    from dynarec.embedding.hash_index import candidate_buckets_reference
-
     keys = torch.cat(
         [
             torch.randint(-(2**63), 2**63 - 1, (3000,), generator=torch.Generator().manual_seed(num_buckets)),
             torch.tensor([-(2**63), -1, 0, 1, 2**63 - 1]),
         ]
     ).to(device)
-    got, want = gpu.candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)
+    got, want = gpu_hashing.candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0):
+def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0, batches=3):
     """Step 1 of an insert plan: the kernels' rounds give every key the slot the plain-torch
     rounds give it, and leave the same keys (in rank order), at loads up to full buckets."""
-    from dynarec.embedding.hash_index import _Buckets, candidate_buckets
-
     gen = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(num_buckets, bucket_size, device)
     resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
     resident = resident.to(device)
-    index.commit(index.plan_insert(resident, allow_evict=False), torch.zeros_like(resident))
-    for i in range(3):  # more new keys than free slots: rounds, full buckets, keys left over
+    index.commit(plan_insert_reference(index, resident, allow_evict=False), torch.zeros_like(resident))
+    for i in range(batches):  # more new keys than free slots: rounds, full buckets, keys left over
         keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + i * 7,), generator=gen).to(device)
         keys = keys[~torch.isin(keys, resident)].unique()
         order = torch.randperm(keys.numel(), generator=gen).to(device)
-        b1, b2 = candidate_buckets(keys, num_buckets)
+        b1, b2 = candidate_buckets_reference(keys, num_buckets)
         want = torch.full_like(keys, -1)
-        want_left = index._claim_free_slots(_Buckets(index, torch.cat([b1, b2])), order, b1, b2, want)
+        want_left = claim_free_slots_reference(index, b1, b2, order, want)
         got = torch.full_like(keys, -1)
-        got_left = gpu.claim_free_slots(index.tags, num_buckets, bucket_size, keys, order, got)
+        state = gpu_plan.PlanState.fresh(index.keys, index.tags, index.scores, index.pins, num_buckets, bucket_size)
+        got_left = gpu_plan.claim_free_slots(state, keys, order, got)
         assert torch.equal(got, want) and torch.equal(got_left, want_left)
         assert (want >= 0).any() and (load < 0.9 or want_left.numel() > 0)
 
 
-def check_place_keys(device, seed=0):
-    """The one-kernel commit of new keys into free slots (CUDA's) writes what the plain-torch
-    commit writes (a -1 slot: nothing); through ``commit`` with a journal (the kernel on CUDA),
-    the undo restores the index exactly, also into slots freed by ``remove``."""
-    from dynarec.embedding.hash_index import InsertPlan, key_tags
-    from dynarec.embedding.step import Journal
+PLAN_FIELDS = ("slots", "evicted_slots", "moved_from", "moved_to")
 
+
+def check_plan(device, num_buckets, bucket_size, load, batches=4):
+    """``plan_insert`` (on ``device``: the Triton planner, or on a CPU the C++ one) gives the
+    plain-torch planner's plan: every slot, move and eviction, with pins that block moves and
+    evictions, a movable pin, priorities, with and without eviction, and keys given as a strided
+    view."""
+    gen = torch.Generator().manual_seed(num_buckets * 100 + bucket_size)
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen)).to(device)
+    index.commit(
+        plan_insert_reference(index, resident, allow_evict=False),
+        torch.randint(0, 5, (resident.numel(),), generator=gen).to(device),  # tied scores too
+    )
+    slots = index.entries()[0]
+    for step in (7, 9):
+        index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4].to(device)], step)
+    moves = evictions = 0
+    for seed in range(batches):
+        keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + 3 * seed,), generator=gen).unique().to(device)
+        keys = keys[index.find(keys) < 0]
+        priority = torch.randint(0, 3, (keys.numel(),), generator=gen).to(device)
+        pins = torch.tensor([7, 9], device=device)
+        for kw in (
+            dict(allow_evict=True),
+            dict(allow_evict=False),
+            dict(allow_evict=True, pinned_by=pins, movable_pins=pins[1:]),
+            dict(allow_evict=True, pinned_by=pins[1:], priority=priority),
+        ):
+            got, want = index.plan_insert(keys, **kw), plan_insert_reference(index, keys, **kw)  # type: ignore[arg-type]
+            for name in PLAN_FIELDS:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
+            assert got.num_placed == want.num_placed == int((got.slots >= 0).sum())
+            moves += got.moved_from.numel()
+            evictions += got.evicted_slots.numel()
+        strided = torch.stack([keys, keys], 1)[:, 0]  # a view: the kernels must not read it as contiguous
+        got, want = index.plan_insert(strided), plan_insert_reference(index, keys)
+        for name in PLAN_FIELDS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), ("strided", name)
+    assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving
+
+
+def check_plan_of_a_few_keys(device, num_buckets=512):
+    """A plan of 1-3 keys at load 0.97, each with many residents to try moving (the C++ planner's
+    bucket table grows as moves bring buckets in), with pins of a step id past PIN_WRAP (pins
+    hold step ids modulo PIN_WRAP)."""
+    from dynarec.embedding.insert_plan import PIN_WRAP
+
+    gen = torch.Generator().manual_seed(5)
+    index = BucketedHashIndex(num_buckets, 16, device)
+    resident = torch.unique(torch.randint(-(2**62), 2**62, (int(0.97 * index.capacity),), generator=gen)).to(device)
+    index.commit(plan_insert_reference(index, resident, allow_evict=False), torch.zeros_like(resident))
+    slots = index.entries()[0]
+    step = PIN_WRAP + 12
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 2].to(device)], step)
+    pins = torch.tensor([step], device=device)
+    placed = 0
+    for n in (1, 2, 3, 3, 3):
+        keys = torch.randint(-(2**62), 2**62, (n,), generator=gen).unique().to(device)
+        for kw in (dict(), dict(pinned_by=pins), dict(pinned_by=pins, movable_pins=pins)):
+            got, want = index.plan_insert(keys, **kw), plan_insert_reference(index, keys, **kw)  # type: ignore[arg-type]
+            for name in PLAN_FIELDS:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
+            placed += got.num_placed
+    assert placed > 0
+
+
+def check_place_keys(device, seed=0):
+    """The one-kernel commit of new keys into free slots writes what the plain-torch commit
+    writes (a -1 slot: nothing); through ``commit`` with a journal (the kernel where it runs),
+    the undo restores the index exactly, also into slots freed by ``remove``."""
     gen = torch.Generator().manual_seed(seed)
     index = BucketedHashIndex(64, 16, device)
     resident = torch.unique(torch.randint(-(2**62), 2**62, (400,), generator=gen)).to(device)
@@ -129,7 +212,7 @@ def check_place_keys(device, seed=0):
     slots = plan.slots.clone()
     slots[::7] = -1  # keys left without a slot
     arrays = {k: v.clone() for k, v in before.items()}
-    gpu.place_keys(arrays["keys"], arrays["scores"], arrays["tags"], slots, new, scores)
+    gpu_plan.place_keys(arrays["keys"], arrays["scores"], arrays["tags"], slots, new, scores)
     for k, want in expected(slots).items():
         assert torch.equal(arrays[k], want), k
     journal, size = Journal(), index.size
@@ -145,7 +228,7 @@ def check_place_keys(device, seed=0):
     small = BucketedHashIndex(2, 4, device)
     small_slots = torch.full_like(new, -1)
     small_slots[:5] = torch.arange(5, device=device)
-    gpu.place_keys(small.keys, small.scores, small.tags, small_slots, new, scores)
+    gpu_plan.place_keys(small.keys, small.scores, small.tags, small_slots, new, scores)
     assert torch.equal(small.keys[:5], new[:5]) and torch.equal(small.scores[:5], scores[:5])
     assert not bool(small.tags[5:].any())
     # a plan that leaves keys without a slot (-1), through commit and undo
@@ -170,8 +253,8 @@ def random_bags(device, num_rows=50, bags=40, max_len=6, dim=8, weighted=True, s
     return rows, offsets, psw
 
 
-def check_pooled(device, dim=8, weighted=True, max_len=6):
-    rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, max_len=max_len)
+def check_pooled(device, dim=8, weighted=True, max_len=6, bags=40):
+    rows, offsets, psw = random_bags(device, bags=bags, dim=dim, weighted=weighted, max_len=max_len)
     weight = torch.randn(50, dim, generator=torch.Generator().manual_seed(1)).to(device)
     got = gpu.pooled_forward(weight, rows, offsets, psw)
     ref = torch.nn.functional.embedding_bag(
@@ -180,34 +263,36 @@ def check_pooled(device, dim=8, weighted=True, max_len=6):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None, kernel=None):
-    """``update`` (default the GPU kernels, their ``kernel`` (``run`` / ``scan``, default the row
-    width's) in blocks of ``block`` occurrences) against torch aggregation + the native update.
-    ``max_len`` 60 gives rows of ~100 occurrences. Every step also sets the rows' scores
-    (``RowScores``: 1, then values past int32): exactly the updated rows get the step's value."""
-    if update is None:
-        update = functools.partial(gpu.bag_update, block=block, kernel=kernel)
+def check_update(
+    device, spec, dim=8, weighted=True, steps=3, update=None, max_len=6, block=None, kernel=None, bags=40
+):  # fmt: skip
+    """``update`` (default the Triton kernels, with ``kernel`` (``run`` / ``scan``) and ``block``
+    (occurrences a block) as their tuning, None: its default) against torch aggregation + the
+    native update, over ``steps`` steps of ``bags`` bags. ``max_len`` 60 gives rows of ~100
+    occurrences (with 40 bags). Every step also sets the rows' scores (``RowScores``: 1, then
+    values past int32): exactly the updated rows get the step's value."""
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
     w, states = w_ref.clone(), {k: v.clone() for k, v in states_ref.items()}
     scores = torch.full((50,), -7, dtype=torch.int64, device=device)
     for step in range(1, steps + 1):
-        rows, offsets, psw = random_bags(device, dim=dim, weighted=weighted, seed=step, max_len=max_len)
+        rows, offsets, psw = random_bags(device, bags=bags, dim=dim, weighted=weighted, seed=step, max_len=max_len)
         grad_out = torch.randn(offsets.numel() - 1, dim, generator=g).to(device)
         value = 1 if step == 1 else (1 << 40) + step
         scores_before = scores.clone()
-        update(
-            definition(spec).kernel(spec, step),
-            lr=spec.lr,
-            weight=w,
-            states=states,
-            rows=rows,
-            offsets=offsets,
-            per_sample_weights=psw,
-            grad_out=grad_out,
-            row_scores=RowScores(scores, value),
-        )
+        with tuned(gpu_update, kernel=kernel, block=block):
+            (update or gpu.bag_update)(
+                definition(spec).kernel(spec, step),
+                lr=spec.lr,
+                weight=w,
+                states=states,
+                rows=rows,
+                offsets=offsets,
+                per_sample_weights=psw,
+                grad_out=grad_out,
+                row_scores=RowScores(scores, value),
+            )
         per_id = bag_gradients(grad_out, offsets, psw, rows.numel())
         unique, inverse = torch.unique(rows, return_inverse=True)
         assert torch.equal(scores, scores_before.index_fill(0, unique, value))
@@ -219,27 +304,3 @@ def check_update(device, spec, dim=8, weighted=True, steps=3, update=None, max_l
     torch.testing.assert_close(w, w_ref, **tol)
     for k in states:
         torch.testing.assert_close(states[k], states_ref[k], **tol)
-
-
-if __name__ == "__main__":  # TRITON_INTERPRET=1 python -m tests.kernels.gpu_checks
-    check_find("cpu", num_buckets=8, bucket_size=16)
-    check_find("cpu", num_buckets=3, bucket_size=4)
-    check_find("cpu", num_buckets=5, bucket_size=12)
-    for nb in (1, 7, 1 << 20, (1 << 32) - 5):
-        check_candidate_buckets("cpu", nb)
-    for nb, bs, load in [(4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)]:
-        check_claim_free_slots("cpu", nb, bs, load)
-    check_place_keys("cpu")
-    for weighted in (True, False):
-        check_pooled("cpu", weighted=weighted)
-        check_pooled("cpu", dim=5, weighted=weighted)
-        check_pooled("cpu", dim=128, weighted=weighted, max_len=60)
-    for spec in SPECS:
-        for kernel in ("scan", "run"):
-            check_update("cpu", spec, kernel=kernel)
-            check_update("cpu", spec, dim=5, weighted=False, kernel=kernel)
-            check_update("cpu", spec, max_len=60, block=4, kernel=kernel)  # hot rows: ~30 blocks each
-            check_update("cpu", spec, dim=5, weighted=False, max_len=60, block=1, kernel=kernel)
-            check_update("cpu", spec, dim=128, max_len=20, block=64, kernel=kernel)
-            check_update("cpu", spec, dim=5, max_len=20, block=2, kernel=kernel)
-    print("all GPU kernel checks passed on the interpreter")

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, candidate_buckets_reference
+from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import Initializer, _uniform01, uniform01_reference
+from dynarec.embedding.key_hash import candidate_buckets, candidate_buckets_reference
 from dynarec.kernels import cpu
 from dynarec.optim.fused import bag_gradients, fused_row_update
 from dynarec.optim.registry import definition

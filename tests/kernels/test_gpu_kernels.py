@@ -1,11 +1,16 @@
-"""The Triton kernels against the plain-torch code on a CUDA device (skipped elsewhere)."""
+"""The Triton kernels against the plain-torch code on a CUDA device (skipped elsewhere): the find
+and candidate buckets, the insert planner's three steps (as ``plan_insert``, against the
+plain-torch planner), the commit, the pooled lookup and the fused update of every optimizer."""
 
 import pytest
 
+from dynarec.kernels import gpu
+from dynarec.kernels.gpu import _triton
+from dynarec.kernels.gpu import update as gpu_update
 from tests.kernels import gpu_checks
 from tests.matrix import needs_cuda
 
-pytestmark = [needs_cuda, pytest.mark.skipif(not gpu_checks.gpu.HAVE_TRITON, reason="Triton is not installed")]
+pytestmark = [needs_cuda, pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed")]
 
 
 @pytest.mark.parametrize("num_buckets, bucket_size", [(1, 4), (3, 4), (5, 12), (64, 16), (1 << 16, 16)])
@@ -24,6 +29,30 @@ def test_candidate_buckets(num_buckets):
 )
 def test_claim_free_slots(num_buckets, bucket_size, load):
     gpu_checks.check_claim_free_slots("cuda", num_buckets, bucket_size, load)
+
+
+@pytest.mark.parametrize(
+    "num_buckets, bucket_size, load",
+    [
+        (1, 4, 0.75),
+        (8, 4, 0.9),
+        (256, 4, 0.5),
+        (64, 8, 0.6),
+        (8, 64, 0.5),
+        (64, 32, 0.5),
+        (64, 16, 0.6),
+        (64, 16, 0.97),
+        (16, 12, 1.0),
+        (8, 64, 0.9),
+    ],
+)
+def test_plan_insert(num_buckets, bucket_size, load):
+    """The Triton planner (``plan_insert`` on a CUDA index) gives the plain-torch plan."""
+    gpu_checks.check_plan("cuda", num_buckets, bucket_size, load)
+
+
+def test_plan_of_a_few_keys():
+    gpu_checks.check_plan_of_a_few_keys("cuda")
 
 
 @pytest.mark.parametrize("dim", [5, 8, 128])
@@ -72,11 +101,17 @@ def test_fused_update_any_block_length(spec, dim, block, kernel):
     gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, block=block, kernel=kernel)
 
 
-def test_the_update_kernel_follows_the_row_width():
-    assert [gpu_checks.gpu._update_kernel(gpu_checks.gpu._block_d(d)) for d in (8, 32, 33, 64, 128)] == [
+def test_the_update_tuning_follows_the_row_width():
+    tuning = gpu_update.Tuning()
+    assert [tuning.kernel_for(_triton.row_block(d)) for d in (8, 32, 33, 64, 128)] == [
         "scan",
         "scan",
         "run",
         "run",
         "run",
+    ]
+    assert [tuning.block_for(k, _triton.row_block(d)) for k, d in [("run", 8), ("scan", 8), ("scan", 128)]] == [
+        128,
+        64,
+        32,
     ]

@@ -32,7 +32,7 @@ inline uint64_t mix64(uint64_t x) {
 constexpr int64_t kGrain = 2048;
 
 // The two candidate buckets of a key from its mix64 hash `h`: its 32-bit halves modulo `nb`
-// (dynarec.embedding.hash_index.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
+// (dynarec.embedding.key_hash.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
 // 32-bit division: the same values, a fraction of the 64-bit divide's cost.
 template <typename N>
 inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, N nb) {
@@ -124,7 +124,7 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
   return out;
 }
 
-// The two candidate buckets of each key (dynarec.embedding.hash_index.candidate_buckets).
+// The two candidate buckets of each key (dynarec.embedding.key_hash.candidate_buckets).
 std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t num_buckets) {
   check_cpu_int64(keys, "keys");
   auto b1 = torch::empty_like(keys);
@@ -174,8 +174,8 @@ torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, in
 // rows in occurrence order, and `sorted` = rows[order] (the permutation a stable sort gives).
 // An LSD radix sort of (row << 32 | position) words over the bits of the largest row: one read
 // for every pass's histogram, then a scatter per pass of at most 11 bits (one pass of up to 16
-// bits where the buckets are no more than 4 per id). at::sort's comparison sort took 1.0 ms for
-// 16k ids on a 2-core VM; this about 0.1 ms (benchmarks/results/issue12-round4-cpu.txt).
+// bits where the buckets are no more than 4 per id), in place of at::sort's comparison sort,
+// which is several times slower at a step's size.
 // Returns -1, or the position of the first negative row (then nothing is sorted): errors go back
 // as values, not C++ exceptions (a throw across the extension boundary crashed one torch build).
 int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& order, std::vector<int64_t>& sorted) {
@@ -444,7 +444,7 @@ class PlanBuckets {
   int32_t rounds_ = 0;
 };
 
-// Step 1 (BucketedHashIndex._claim_free_slots), the same rounds: each round, every key still to
+// Step 1 (dynarec.embedding.insert_plan._claim_free_slots), the same rounds: each round, every key still to
 // place (`cur`: key indices, in rank order) takes, from the free counts at the round's start, the
 // emptier of its two buckets (ties: the first); the first `free` keys choosing a bucket get its
 // free lanes in ascending order, the rest try again next round. Leaves in `cur` the keys whose
@@ -639,8 +639,8 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
 }
 
 // t[idx[i]] = value for every i, duplicates allowed (BucketedHashIndex.touch: a step's scores);
-// one thread, in order. Returns -1, or the position of an index outside t (then nothing after it
-// is written). torch's scatter_ took 0.23 ms for 82k slots on the 2-core VM, this 0.12 ms.
+// one thread, in order (a plain loop, in place of torch's scatter_, which is slower here).
+// Returns -1, or the position of an index outside t (then nothing after it is written).
 int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   check_cpu_int64(t, "t");
   check_cpu_int64(idx, "idx");

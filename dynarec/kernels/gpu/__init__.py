@@ -1,0 +1,33 @@
+"""Triton kernels of the CUDA path, one module a job:
+
+- :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, and the hash index's find;
+- :mod:`.plan`: an insert plan's three steps (free slots, one cuckoo move, eviction) in ranked
+  rounds with their host loop, and the commit of new keys into free slots;
+- :mod:`.lookup`: the pooled forward;
+- :mod:`.update`: the fused backward + optimizer update.
+
+Each kernel computes what its plain-torch twin computes (the tests compare them: identical slots
+and plans, weights within rtol 1e-5 / atol 1e-6), without its intermediate tensors. Each module
+keeps its launch shapes in a frozen ``Tuning`` (its ``TUNING``), never in a signature.
+:func:`available` says on which devices they run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynarec.kernels.gpu._triton import HAVE_TRITON, available
+from dynarec.kernels.gpu.lookup import pooled_forward
+from dynarec.kernels.gpu.update import bag_update
+
+__all__ = ["HAVE_TRITON", "available", "bag_update", "pooled_forward"]
+
+
+def __getattr__(name: str) -> Any:
+    # HostReadback lives in dynarec.embedding.streams; embedding/table.py still imports it from
+    # here (this name resolves lazily: no import of the embedding layer from the kernels).
+    if name == "HostReadback":
+        from dynarec.embedding.streams import HostReadback
+
+        return HostReadback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,155 @@
+"""The hash index's hashing and find on the device: ``mix64``, a key's tag and its two candidate
+buckets, and the two-choice find.
+
+The Triton twins of the plain-torch ``mix64`` (``dynarec.embedding.initializers``) and of the
+index's ``key_tags`` / ``candidate_buckets`` / ``find_reference`` (``dynarec.embedding``): the
+same bits, tested against them. The insert planner's kernels (:mod:`.plan`) hash with the
+``@triton.jit`` helpers here.
+
+A find reads a key's first bucket's 16 tag bytes and only then its second's, and a key only where
+a tag matches: an absent key almost never reads a key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dynarec.kernels.gpu._triton import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["EMPTY_TAG", "NO_SLOT", "TUNING", "Tuning", "candidate_buckets", "find_two_choice"]
+
+NO_SLOT = -1  # a key's slot where it has none: absent from the index, or left out of a plan
+EMPTY_TAG = 0  # the tag of an empty slot; a key whose hash's top byte is 0 gets tag 1
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes of this module's kernels: keys a program (``*_block``) and warps a program
+    (``*_warps``). Tuning scripts replace :data:`TUNING`; results do not depend on it."""
+
+    find_block: int = 128
+    find_warps: int = 4
+    buckets_block: int = 512
+
+
+TUNING = Tuning()
+
+
+if HAVE_TRITON:
+    _NO_SLOT = tl.constexpr(NO_SLOT)
+    _EMPTY_TAG = tl.constexpr(EMPTY_TAG)
+
+    @triton.jit
+    def mix64(x):
+        """SplitMix64's finalizer of uint64 ``x`` (``initializers.mix64``'s bits)."""
+        x = x ^ (x >> 30)
+        x = x * 0xBF58476D1CE4E5B9
+        x = x ^ (x >> 27)
+        x = x * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def key_tag(h):
+        """A key's tag from its ``mix64`` hash ``h`` (uint64): the top byte, 1 where it is
+        :data:`EMPTY_TAG` (``key_tags``)."""
+        t = (h >> 56).to(tl.uint8)
+        return tl.where(t == _EMPTY_TAG, 1, t).to(tl.uint8)
+
+    @triton.jit
+    def two_buckets(h, num_buckets):
+        """The two candidate buckets of a key from its ``mix64`` hash ``h`` (uint64): its 32-bit
+        halves modulo ``num_buckets`` (< 2^32), in 32-bit arithmetic (``candidate_buckets``)."""
+        nb = num_buckets.to(tl.uint32)
+        b1 = ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
+        b2 = ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
+        return b1, b2
+
+    @triton.jit
+    def _probe_bucket(keys_ptr, tags_ptr, bucket, q, qtag, need, BS: tl.constexpr, BSP: tl.constexpr):
+        """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
+        power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
+        at the lanes whose tag is the query's ``qtag`` (never :data:`EMPTY_TAG`)."""
+        lanes = tl.arange(0, BSP)
+        slots = bucket[:, None] * BS + lanes[None, :]
+        need2 = need[:, None] & (lanes < BS)[None, :]
+        cand = (tl.load(tags_ptr + slots, mask=need2, other=_EMPTY_TAG) == qtag[:, None]) & need2
+        hit = cand & (tl.load(keys_ptr + slots, mask=cand, other=0) == q[:, None])
+        return tl.max(hit.to(tl.int32), axis=1) > 0, tl.argmax(hit.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, need, BS: tl.constexpr, BSP: tl.constexpr):
+        """Each query's slot, :data:`NO_SLOT` where absent (``h``: its ``mix64`` hash, ``b1`` /
+        ``b2``: its buckets), read only where ``need``: its first bucket's tags (16 bytes, one
+        sector), the second bucket's only for keys the first lacks, and a key only where a tag
+        matches (1 lane in 255 by chance)."""
+        t = key_tag(h)
+        found1, lane1 = _probe_bucket(keys_ptr, tags_ptr, b1, q, t, need, BS, BSP)
+        found2, lane2 = _probe_bucket(keys_ptr, tags_ptr, b2, q, t, need & (found1 == 0), BS, BSP)
+        return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, _NO_SLOT))
+
+    # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
+    # no .to() (a one-bucket table would not compile)
+    @triton.jit(do_not_specialize=["num_buckets"])
+    def _find_kernel(
+        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
+        FLAG: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        q = tl.load(query_ptr + offs, mask=valid, other=0)
+        h = mix64(q.to(tl.uint64))
+        b1, b2 = two_buckets(h, num_buckets)
+        slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
+        tl.store(out_ptr + offs, slot, mask=valid)
+        if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
+            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot == _NO_SLOT)).to(tl.int32), axis=0) > 0)
+
+    @triton.jit(do_not_specialize=["num_buckets"])
+    def _candidate_buckets_kernel(keys_ptr, b1_ptr, b2_ptr, n, num_buckets, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        b1, b2 = two_buckets(mix64(tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.uint64)), num_buckets)
+        tl.store(b1_ptr + offs, b1, mask=valid)
+        tl.store(b2_ptr + offs, b2, mask=valid)
+
+
+def find_two_choice(
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    query: torch.Tensor,
+    absent: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Slot of each query key, :data:`NO_SLOT` where absent (``BucketedHashIndex.find``;
+    ``tags``: its uint8 tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1
+    if a key is absent."""
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    n = query.numel()
+    if n:
+        t = TUNING
+        _find_kernel[(triton.cdiv(n, t.find_block),)](
+            table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
+            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=t.find_block,
+            num_warps=t.find_warps,
+        )  # fmt: skip
+    return out
+
+
+def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index's ``candidate_buckets`` in one kernel: ``(b1, b2)``, ``[n]`` int64 each."""
+    keys = keys.contiguous()
+    b1, b2 = torch.empty_like(keys), torch.empty_like(keys)
+    n = keys.numel()
+    if n:
+        block = TUNING.buckets_block
+        _candidate_buckets_kernel[(triton.cdiv(n, block),)](keys, b1, b2, n, num_buckets, BLOCK=block)
+    return b1, b2
