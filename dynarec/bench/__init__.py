@@ -1,7 +1,8 @@
 """Benchmarks (``dynarec bench <name>``): each measures its baseline in the same run and reports
 the figures beside it, with their ratio; the step benchmarks report medians of several timed
-runs, interleaved with the baseline's. Nothing here is a test: docs/benchmarks.md says what each
-one measures and how."""
+runs, interleaved with the baseline's. ``dynarec bench suite`` runs the headline set and records
+it under ``benchmarks/results/``. Nothing here is a test: docs/benchmarks.md says what each one
+measures and how."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def _data_stage(args) -> dict:
     return bench_data_stage(args)
 
 
+def _suite(args) -> dict:
+    from dynarec.bench.suite import run_suite
+
+    return run_suite(args)
+
+
 BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
     "e2e": (_e2e, "the `dynarec train` command on a Taobao-like log vs a plain-PyTorch peer: samples/s, eval AUC"),
     "fused-step": (_steps("bench_fused_step"), "a fixed table's fused step (CPU: vs FBGEMM TBE; GPU: vs the roofline)"),
@@ -53,6 +60,7 @@ BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
     "sweep": (_steps("bench_sweep"), "the fused step across workloads: worst and best ratios"),
     "train-step": (_train_step, "the demo model's step in process (torchrun: weak scaling) vs plain torch"),
     "data-stage": (_data_stage, "batch building: the C++ feature generation vs pyarrow + pyfarmhash"),
+    "suite": (_suite, "the headline set, recorded as one dated results file under benchmarks/results/"),
 }
 
 
@@ -88,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name in ("fused-step", "dynamic-step", "hash-find", "sweep"):
             _step_options(p)
             _timing_options(p)
+        if name == "sweep":
+            p.add_argument(
+                "--grid-rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000], help="CPU: table rows"
+            )
+            p.add_argument("--grid-bags", type=int, nargs="+", default=[1024, 4096, 16384], help="CPU: bags a step")
         if name == "train-step":
             _timing_options(p)
             p.add_argument("--batch", type=int, default=512, help="batch per rank")
@@ -108,10 +121,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "--workers", type=int, default=None, help="data.num_workers (default: unset, the trainer's own choice)"
             )
+        if name == "suite":
+            from dynarec.bench.suite import add_suite_arguments
+
+            add_suite_arguments(p)
 
 
 def main(args) -> int:
-    """Runs ``args.name``, prints its summary and writes ``--json``; returns the exit status."""
+    """Runs ``args.name``, prints its summary and writes ``--json``; returns the exit status
+    (the suite's is 1 when a case failed)."""
     report = BENCHMARKS[args.name][0](args)
     if report.get("summary"):
         print(

@@ -264,10 +264,11 @@ def bench_hash_find(args) -> dict:
 def bench_sweep(args) -> dict:
     """The fused step across the workload, worst and best case.
 
-    CPU: bags 1k/4k/16k x rows 100k/1M/10M (dim 64, 20 ids a bag, Adagrad): native / FBGEMM on a
-    fixed table, and dynamic / fixed on each row store. GPU: every optimizer at D=128 and 1M ids
-    a step; Adagrad at D = 32, 64, 128 and 64K to 4M ids (16 ids a bag), bytes/s against the
-    roofline; dynamic / fixed at D=128."""
+    CPU: ``--grid-bags`` (1k/4k/16k) x ``--grid-rows`` (100k/1M/10M), dim 64, 20 ids a bag,
+    Adagrad: native / FBGEMM on a fixed table, and dynamic / fixed on each row store. GPU: every
+    optimizer at D=128 and 1M ids a step; Adagrad at D = 32, 64, 128 and 64K to 4M ids (16 ids a
+    bag), bytes/s against the roofline and a measured copy; dynamic / fixed at D=128. Every row
+    carries the rates (ids/s, medians) its ratios come from."""
     rows: list[dict[str, Any]] = []
     lines = []
     if args.device.startswith("cuda"):
@@ -286,6 +287,7 @@ def bench_sweep(args) -> dict:
                     "optimizer": name,
                     "dim": dim,
                     "ids": w.ids_per_step,
+                    "copy_GBps": copy,
                     **{k: v for k, v in r.items() if k != "workload"},
                 }
             )
@@ -298,32 +300,43 @@ def bench_sweep(args) -> dict:
         d = _dynamic_step(w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, scattered=False)[
             "native"
         ]
-        rows.append({"dynamic_over_fixed": d["dynamic_over_fixed"], "dim": 128, "ids": w.ids_per_step})
+        rows.append(
+            {
+                "dynamic_over_fixed": d["dynamic_over_fixed"],
+                "dynamic_ids_per_s": d["dynamic"]["ids_per_s_median"],
+                "fixed_ids_per_s": d["fixed"]["ids_per_s_median"],
+                "dim": 128,
+                "ids": w.ids_per_step,
+            }
+        )
         lines.append(
             f"dynamic / fixed, D=128, 1M ids: {d['dynamic_over_fixed']:.2f}x "
             f"(dynamic {d['dynamic']['ids_per_s_median'] / 1e6:.1f} vs fixed "
             f"{d['fixed']['ids_per_s_median'] / 1e6:.1f} M ids/s)"
         )
     else:
-        for bags in (1024, 4096, 16384):
-            for num_rows in (100_000, 1_000_000, 10_000_000):
+        for bags in args.grid_bags:
+            for num_rows in args.grid_rows:
                 w = Workload(num_embeddings=num_rows, dim=64, bags=bags, pooling_factor=20, num_batches=4)
                 f = _fused_step(w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, False)
                 d = _dynamic_step(
                     w, OPTIMIZERS["adagrad"], args.device, args.steps, args.runs, args.warmup, scattered=False
                 )
-                row = {
-                    "bags": bags,
-                    "rows": num_rows,
-                    "native_over_fbgemm": f.get("native_over_fbgemm"),
-                    **{f"dynamic_over_fixed_{b}": d[b]["dynamic_over_fixed"] for b in d},
-                }
+                row: dict[str, Any] = {"bags": bags, "rows": num_rows}
+                for backend in ("native", "fbgemm"):
+                    if backend in f:
+                        row[f"{backend}_ids_per_s"] = f[backend]["ids_per_s_median"]
+                row["native_over_fbgemm"] = f.get("native_over_fbgemm")
+                for b in d:
+                    row[f"dynamic_over_fixed_{b}"] = d[b]["dynamic_over_fixed"]
+                    row[f"dynamic_{b}_ids_per_s"] = d[b]["dynamic"]["ids_per_s_median"]
+                    row[f"fixed_{b}_ids_per_s"] = d[b]["fixed"]["ids_per_s_median"]
                 rows.append(row)
-                lines.append(
-                    f"bags {bags:>5} rows {num_rows:>10,}: native/FBGEMM {row['native_over_fbgemm']:.2f}x; "
-                    + "; ".join(f"dynamic/fixed [{b}] {d[b]['dynamic_over_fixed']:.2f}x" for b in d)
-                )
-        for key in [k for k in rows[0] if k.endswith("fbgemm") or k.startswith("dynamic")]:
+                ratios = [f"dynamic/fixed [{b}] {d[b]['dynamic_over_fixed']:.2f}x" for b in d]
+                if row["native_over_fbgemm"] is not None:
+                    ratios.insert(0, f"native/FBGEMM {row['native_over_fbgemm']:.2f}x")
+                lines.append(f"bags {bags:>5} rows {num_rows:>10,}: " + "; ".join(ratios))
+        for key in [k for k in rows[0] if "_over_" in k]:
             values = [r[key] for r in rows if r.get(key) is not None]
             if values:
                 lines.append(f"{key}: worst {min(values):.2f}x, best {max(values):.2f}x")

@@ -4,10 +4,13 @@ benchmark is read, not tested (docs/benchmarks.md)."""
 
 import json
 import math
+import re
 import statistics
+import subprocess
 
 import pytest
 
+from dynarec.bench.suite import CHECKOUT, figures_of
 from dynarec.cli import main
 from tests.matrix import BACKENDS
 
@@ -25,7 +28,7 @@ def run(tmp_path, *argv: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_hash_find_times_find_and_insert_from_the_same_load(tmp_path):
+def test_hash_find_times_find_and_the_training_insert_from_the_same_load(tmp_path):
     report = run(tmp_path, "hash-find", "--slots", str(1 << 16), "--runs", "2", "--steps", "1", "--warmup", "1")
     assert report["benchmark"] == "hash-find" and report["slots"] == 1 << 16
     for load, result in report["results"].items():
@@ -36,6 +39,8 @@ def test_hash_find_times_find_and_insert_from_the_same_load(tmp_path):
     # drawn key has its slot, at 0.9 some find both buckets full
     assert report["results"]["load_0.5"]["actual_load"] == pytest.approx(0.5, abs=1e-3)
     assert 0.85 < report["results"]["load_0.9"]["actual_load"] < 0.9
+    find = [f for f in figures_of("hash-find", report) if f.what.startswith("find, ")]
+    assert [f.what for f in find] == ["find, load_0.5", "find, load_0.9"] and find[0].headline
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,6 +60,35 @@ def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
     if "fbgemm" in results:
         assert results["native_over_fbgemm"] == pytest.approx(same_run_ratio(results["native"], results["fbgemm"]))
     assert 0 < results["unique_fraction"] <= 1
+
+
+def test_sweep_reports_every_grid_point_with_the_rates_behind_its_ratios(tmp_path):
+    report = run(
+        tmp_path,
+        "sweep",
+        "--grid-rows",
+        "2000",
+        "4000",
+        "--grid-bags",
+        "64",
+        "--steps",
+        "1",
+        "--runs",
+        "2",
+        "--warmup",
+        "1",
+    )
+    rows = report["results"]
+    assert [(r["bags"], r["rows"]) for r in rows] == [(64, 2000), (64, 4000)]
+    for row in rows:
+        for backend in ("native", *(["fbgemm"] if row["native_over_fbgemm"] is not None else [])):
+            assert row[f"dynamic_over_fixed_{backend}"] > 0
+            assert row[f"dynamic_{backend}_ids_per_s"] > 0 and row[f"fixed_{backend}_ids_per_s"] > 0
+    figures = figures_of("sweep", report)
+    worst = [f for f in figures if "worst" in f.what]
+    best = [f for f in figures if "best" in f.what]
+    assert len(worst) == len(best) > 0
+    assert all(w.ratio <= b.ratio for w, b in zip(worst, best))
 
 
 def test_data_stage_times_the_native_path_against_pyarrow_on_identical_batches(tmp_path):
@@ -101,3 +135,41 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
     )
     # the data are generated once per parameters, outside the timed part
     assert r["data"]["spec"]["string_ids"] is True and r["data"]["spec"]["min_hist_len"] == 30
+
+
+def test_suite_writes_one_dated_results_file_with_the_revision_and_a_history_row(tmp_path):
+    results = tmp_path / "results"
+    argv = ["--smoke", "--cases", "fused-step", "data-stage", "--results-dir", str(results)]
+    report = run(tmp_path, "suite", *argv)
+    record = report["results"]
+    sha = record["revision"]["sha"]
+    # the checkout's HEAD then (others may commit meanwhile: it is HEAD or one of its ancestors)
+    git = ["git", "merge-base", "--is-ancestor", sha, "HEAD"]
+    assert subprocess.run(git, cwd=CHECKOUT).returncode == 0 and record["revision"]["short"] == sha[:7]
+    assert isinstance(record["revision"]["dirty"], bool)
+    path = results / f"{record['date']}-{sha[:7]}-cpu-smoke.json"
+    assert report["results_file"] == str(path) and json.loads(path.read_text()) == json.loads(json.dumps(record))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", record["date"])
+    assert record["machine"]["cpu_count"] > 0 and record["versions"]["torch"]
+    assert [c["command"].split()[:3] for c in record["cases"]] == [
+        ["dynarec", "bench", "fused-step"],
+        ["dynarec", "bench", "data-stage"],
+    ]
+    for case in record["cases"]:
+        assert case["returncode"] == 0 and case["figures"], case["case"]
+        for f in case["figures"]:
+            assert f["value"] > 0
+            if f["baseline_value"] is not None:
+                assert f["ratio"] > 0
+    assert any(f["headline"] for c in record["cases"] for f in c["figures"])
+    assert path.with_suffix(".md").read_text().startswith("# dynarec bench suite --device cpu")
+    # a second run the same day appends its own file and row, and leaves the first alone
+    first = path.read_text()
+    second = run(tmp_path, "suite", *argv, "--cases", "data-stage")
+    assert path.read_text() == first
+    if second["results"]["revision"]["sha"] == sha:
+        assert second["results_file"] == str(path.with_name(f"{path.stem}-2.json"))
+    history = (results / "README.md").read_text().splitlines()
+    rows = [line for line in history if line.startswith(f"| {record['date']} | ")]
+    assert len(rows) == 2 and rows[0].startswith(f"| {record['date']} | {sha[:7]}")
+    assert rows[0].endswith(f"[{path.stem}.md]({path.stem}.md) |")
