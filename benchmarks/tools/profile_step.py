@@ -1,7 +1,7 @@
 """Where a fused step's time goes: the torch profiler over a few steps of one table (fixed or
 dynamic), kernels sorted by device time. Usage:
 
-    python benchmarks/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128
+    python benchmarks/tools/profile_step.py --device cuda --kind dynamic --rows 10000000 --dim 128
 
 ``--host`` profiles the host side instead (cProfile: Python and launch overhead per step). On a
 GPU it also prints, per kernel, how much of its time ran beside a kernel of another stream (a
