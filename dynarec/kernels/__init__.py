@@ -5,7 +5,8 @@
   initializer, the fused bag update. Where it cannot be built, the plain-torch code runs.
 - ``dynarec.kernels.gpu``: Triton kernels of the CUDA path, one module a job: ``hashing`` (find,
   candidate buckets), ``plan`` (an insert plan's three steps and its commit), ``lookup`` (pooled
-  forward), ``update`` (fused backward + update).
+  forward), ``update`` (fused backward + update). They also run on CPU tensors under Triton's
+  interpreter (``TRITON_INTERPRET=1``), which their tests use where there is no GPU.
 
 Each kernel computes what its plain-torch twin computes (tests compare them); the fused update
 runs an optimizer through the template parameters it registers (``OptimizerDef.kernel``).

@@ -1,104 +1,105 @@
-"""The Triton kernels against the plain-torch code on a CUDA device (skipped elsewhere): the find
-and candidate buckets, the insert planner's three steps (as ``plan_insert``, against the
-plain-torch planner), the commit, the pooled lookup and the fused update of every optimizer."""
+"""The Triton kernels against the plain-torch code, in one of two lanes:
+
+- on a CUDA device, at the sizes the kernels are tuned for (skipped where there is none);
+- on CPU tensors under Triton's interpreter, at small sizes, when this process imported Triton
+  with ``TRITON_INTERPRET=1`` (Triton's own switch): ``test_triton_interpreter.py`` runs this
+  file so, in a process of its own, wherever Triton is installed.
+
+Each lane runs every kernel: the find and candidate buckets, the insert planner's three steps
+(as ``plan_insert``, against the plain-torch planner), the commit, the pooled lookup and the
+fused update of every optimizer with both block kernels and runs crossing blocks.
+"""
 
 import pytest
+import torch
 
 from dynarec.kernels import gpu
 from dynarec.kernels.gpu import _triton
 from dynarec.kernels.gpu import update as gpu_update
 from tests.kernels import gpu_checks
-from tests.matrix import needs_cuda
 
-pytestmark = [needs_cuda, pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed")]
+INTERPRETED = gpu.INTERPRETED
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+pytestmark = [
+    pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed"),
+    pytest.mark.skipif(
+        not (INTERPRETED or torch.cuda.is_available()),
+        reason="no CUDA device (test_triton_interpreter.py runs these on CPU tensors under Triton's interpreter)",
+    ),
+]
 
 
-@pytest.mark.parametrize("num_buckets, bucket_size", [(1, 4), (3, 4), (5, 12), (64, 16), (1 << 16, 16)])
+def lane(cuda, interpreted):
+    """The parameters of this process's lane."""
+    return interpreted if INTERPRETED else cuda
+
+
+@pytest.mark.parametrize(
+    "num_buckets, bucket_size",
+    lane([(1, 4), (3, 4), (5, 12), (64, 16), (1 << 16, 16)], [(1, 4), (3, 4), (5, 12), (64, 16)]),
+)
 def test_find(num_buckets, bucket_size):
-    gpu_checks.check_find("cuda", num_buckets, bucket_size)
+    gpu_checks.check_find(DEVICE, num_buckets, bucket_size)
 
 
 @pytest.mark.parametrize("num_buckets", [1, 7, 1 << 20, (1 << 32) - 5])
 def test_candidate_buckets(num_buckets):
-    gpu_checks.check_candidate_buckets("cuda", num_buckets)
+    gpu_checks.check_candidate_buckets(DEVICE, num_buckets)
 
 
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
-    [(1, 4, 0.5), (4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8), (16, 12, 0.7), (1 << 14, 16, 0.9)],
+    lane(
+        [(1, 4, 0.5), (4, 4, 0.0), (64, 16, 0.6), (64, 16, 0.95), (32, 64, 0.8), (16, 12, 0.7), (1 << 14, 16, 0.9)],
+        [(1, 4, 0.5), (4, 4, 0.0), (16, 16, 0.6), (16, 16, 0.95), (8, 64, 0.8), (8, 12, 0.7)],
+    ),
 )
 def test_claim_free_slots(num_buckets, bucket_size, load):
-    gpu_checks.check_claim_free_slots("cuda", num_buckets, bucket_size, load)
+    gpu_checks.check_claim_free_slots(DEVICE, num_buckets, bucket_size, load)
 
 
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
-    [
-        (1, 4, 0.75),
-        (8, 4, 0.9),
-        (256, 4, 0.5),
-        (64, 8, 0.6),
-        (8, 64, 0.5),
-        (64, 32, 0.5),
-        (64, 16, 0.6),
-        (64, 16, 0.97),
-        (16, 12, 1.0),
-        (8, 64, 0.9),
-    ],
+    lane(
+        [
+            (1, 4, 0.75),
+            (8, 4, 0.9),
+            (256, 4, 0.5),
+            (64, 8, 0.6),
+            (8, 64, 0.5),
+            (64, 32, 0.5),
+            (64, 16, 0.6),
+            (64, 16, 0.97),
+            (16, 12, 1.0),
+            (8, 64, 0.9),
+        ],
+        # 64-lane buckets take minutes here: their steps 2-3 run in the CUDA lane and the C++ test
+        [(1, 4, 0.75), (8, 4, 0.9), (2, 8, 0.97), (2, 12, 1.0)],
+    ),
 )
 def test_plan_insert(num_buckets, bucket_size, load):
-    """The Triton planner (``plan_insert`` on a CUDA index) gives the plain-torch plan."""
-    gpu_checks.check_plan("cuda", num_buckets, bucket_size, load)
+    """The Triton planner (``plan_insert`` on the kernels' device) gives the plain-torch plan."""
+    gpu_checks.check_plan(DEVICE, num_buckets, bucket_size, load, batches=lane(4, 1))
 
 
 def test_plan_of_a_few_keys():
-    gpu_checks.check_plan_of_a_few_keys("cuda")
-
-
-@pytest.mark.parametrize("dim", [5, 8, 128])
-@pytest.mark.parametrize("weighted", [True, False])
-@pytest.mark.parametrize("max_len", [6, 60])
-def test_pooled_forward(dim, weighted, max_len):
-    gpu_checks.check_pooled("cuda", dim=dim, weighted=weighted, max_len=max_len)
+    gpu_checks.check_plan_of_a_few_keys(DEVICE, num_buckets=lane(512, 8))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_place_keys(seed):
-    gpu_checks.check_place_keys("cuda", seed)
+    gpu_checks.check_place_keys(DEVICE, seed)
+
+
+@pytest.mark.parametrize("dim", lane([5, 8, 128], [5, 128]))
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("max_len", [6, 60])
+def test_pooled_forward(dim, weighted, max_len):
+    gpu_checks.check_pooled(DEVICE, dim=dim, weighted=weighted, max_len=max_len, bags=lane(40, 12))
 
 
 KERNELS = ["run", "scan"]
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-@pytest.mark.parametrize("dim", [5, 8, 128])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_fused_update(spec, dim, weighted, kernel):
-    gpu_checks.check_update("cuda", spec, dim=dim, weighted=weighted, kernel=kernel)
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-@pytest.mark.parametrize("block", [1, 4, 32])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_fused_update_of_rows_across_blocks(spec, block, weighted, kernel):
-    """Rows of ~100 occurrences: most runs cross blocks (the partial-sum path)."""
-    gpu_checks.check_update("cuda", spec, dim=128, weighted=weighted, max_len=60, block=block, kernel=kernel)
-
-
-@pytest.mark.parametrize(
-    "kernel, dim, block",
-    [
-        *[("run", 128, 2), ("run", 128, 256), ("run", 5, 128), ("run", 64, 16)],
-        # the scan kernel holds a block as one tile: [256, 128] floats do not fit its shared memory
-        *[("scan", 128, 2), ("scan", 128, 64), ("scan", 5, 128), ("scan", 64, 16)],
-    ],
-)
-@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
-def test_fused_update_any_block_length(spec, dim, block, kernel):
-    """The kernel and its block length are tuning knobs: every choice gives the reference's result."""
-    gpu_checks.check_update("cuda", spec, dim=dim, max_len=20, block=block, kernel=kernel)
 
 
 def test_the_update_tuning_follows_the_row_width():
@@ -115,3 +116,65 @@ def test_the_update_tuning_follows_the_row_width():
         64,
         32,
     ]
+
+
+if not INTERPRETED:
+
+    @pytest.mark.parametrize("kernel", KERNELS)
+    @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+    @pytest.mark.parametrize("dim", [5, 8, 128])
+    @pytest.mark.parametrize("weighted", [True, False])
+    def test_fused_update(spec, dim, weighted, kernel):
+        gpu_checks.check_update(DEVICE, spec, dim=dim, weighted=weighted, kernel=kernel)
+
+    @pytest.mark.parametrize("kernel", KERNELS)
+    @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+    @pytest.mark.parametrize("block", [1, 4, 32])
+    @pytest.mark.parametrize("weighted", [True, False])
+    def test_fused_update_of_rows_across_blocks(spec, block, weighted, kernel):
+        """Rows of ~100 occurrences: most runs cross blocks (the partial-sum path)."""
+        gpu_checks.check_update(DEVICE, spec, dim=128, weighted=weighted, max_len=60, block=block, kernel=kernel)
+
+    @pytest.mark.parametrize(
+        "kernel, dim, block",
+        [
+            *[("run", 128, 2), ("run", 128, 256), ("run", 5, 128), ("run", 64, 16)],
+            # the scan kernel holds a block as one tile: [256, 128] floats do not fit its shared memory
+            *[("scan", 128, 2), ("scan", 128, 64), ("scan", 5, 128), ("scan", 64, 16)],
+        ],
+    )
+    @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+    def test_fused_update_any_block_length(spec, dim, block, kernel):
+        """The kernel and its block length are tuning knobs: every choice gives the reference's result."""
+        gpu_checks.check_update(DEVICE, spec, dim=dim, max_len=20, block=block, kernel=kernel)
+
+else:
+    # The interpreter runs a scan of an [L, D] tile element by element: small tiles, few bags.
+    SMALL = dict(bags=12, steps=2)
+    HOT = dict(bags=6, steps=2, max_len=60)  # rows of ~20 occurrences, in blocks of 1-4: runs cross blocks
+
+    @pytest.mark.parametrize("kernel", KERNELS)
+    @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+    def test_fused_update(spec, kernel):
+        gpu_checks.check_update(DEVICE, spec, kernel=kernel, **SMALL)
+
+    @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+    def test_fused_update_of_rows_across_blocks(spec):
+        gpu_checks.check_update(DEVICE, spec, block=4, kernel="run", **HOT)
+
+    @pytest.mark.parametrize(
+        "kernel, dim, weighted, block, shape",
+        [
+            ("run", 5, False, None, SMALL),
+            ("scan", 5, False, None, SMALL),
+            ("run", 128, True, 2, dict(HOT, max_len=20)),
+            ("scan", 128, True, 2, dict(HOT, max_len=20)),
+            ("run", 5, True, 1, HOT),
+            ("scan", 5, False, 4, HOT),
+        ],
+    )
+    @pytest.mark.parametrize("spec", [gpu_checks.SPECS[2], gpu_checks.SPECS[6]], ids=repr)
+    def test_fused_update_any_block_length(spec, kernel, dim, weighted, block, shape):
+        """Unweighted bags, wide and narrow rows, single-occurrence blocks, with the optimizers of
+        a row-wise state and of two states."""
+        gpu_checks.check_update(DEVICE, spec, dim=dim, weighted=weighted, block=block, kernel=kernel, **shape)

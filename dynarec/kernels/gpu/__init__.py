@@ -9,18 +9,18 @@
 Each kernel computes what its plain-torch twin computes (the tests compare them: identical slots
 and plans, weights within rtol 1e-5 / atol 1e-6), without its intermediate tensors. Each module
 keeps its launch shapes in a frozen ``Tuning`` (its ``TUNING``), never in a signature.
-:func:`available` says on which devices they run.
+:func:`available` says on which devices they run: CUDA, or the CPU under Triton's interpreter.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dynarec.kernels.gpu._triton import HAVE_TRITON, available
+from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, available
 from dynarec.kernels.gpu.lookup import pooled_forward
 from dynarec.kernels.gpu.update import bag_update
 
-__all__ = ["HAVE_TRITON", "available", "bag_update", "pooled_forward"]
+__all__ = ["HAVE_TRITON", "INTERPRETED", "available", "bag_update", "pooled_forward"]
 
 
 def __getattr__(name: str) -> Any:
