@@ -1,0 +1,91 @@
+"""Every Triton kernel compiles for a CUDA GPU (sm_90, the H200s) on any machine, without one:
+code generation down to the GPU binary checks what Triton's interpreter does not (globals that are
+not constexpr, types, the constexpr branches of each optimizer). Each kernel's constexpr choices
+are compiled once; the signatures are the launches' (pointer dtypes, int and float scalars)."""
+
+import pytest
+
+from dynarec.kernels import gpu
+
+pytestmark = [
+    pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed"),
+    pytest.mark.skipif(gpu.INTERPRETED, reason="the kernels are interpreted in this process, not compiled"),
+]
+
+I64, U8, I32, F32 = "*i64", "*u8", "*i32", "*fp32"
+SCALARS = dict(
+    n="i32", D="i32", lr="fp32", eps="fp32", wd="fp32", beta1="fp32", beta2="fp32", bias1="fp32", bias2="fp32",
+    c1="fp32", c2="fp32", decay="fp32",
+)  # fmt: skip
+UPDATE = dict(
+    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, grad_ptr=F32, order_ptr=I64, sorted_rows_ptr=I32, bag_ptr=I64,
+    psw_ptr=F32, scores_ptr=I64, score="i64", part_first_ptr=F32, part_last_ptr=F32, **SCALARS,
+)  # fmt: skip
+CROSSING = dict(
+    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **SCALARS
+)
+# (optimizer code, weight-decay mode) of every registered optimizer setting
+OPTIMIZERS = [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0), (3, 2)]
+
+
+def kernels():
+    from dynarec.kernels.gpu import hashing, lookup, plan, update
+
+    find = dict(keys_ptr=I64, tags_ptr=U8, query_ptr=I64, out_ptr=I64, absent_ptr=I32, n="i32", num_buckets="i64")
+    claim = dict(
+        tags_ptr=U8, claimed_ptr=I64, sorted_ptr=I32, perm_ptr=I64, first_ptr=I64, order_ptr=I64, out_ptr=I64,
+        lane_ptr=I64, placed_ptr=I32, m="i32", num_buckets="i32",
+    )  # fmt: skip
+    displace = dict(
+        keys_ptr=I64, tags_ptr=U8, scores_ptr=I64, claimed_ptr=I64, pins_ptr=I32, pin_ids_ptr=I32, num_pins="i32",
+        new_keys_ptr=I64, todo_ptr=I64, slot_ptr=I64, dst_ptr=I32, m="i32", num_buckets="i64",
+    )  # fmt: skip
+    choose = dict(
+        tags_ptr=U8, claimed_ptr=I64, keys_ptr=I64, order_ptr=I64, out_ptr=I64, choice_ptr=I32, m="i32",
+        num_buckets="i64",
+    )  # fmt: skip
+    place = dict(
+        keys_ptr=I64, scores_ptr=I64, tags_ptr=U8, slots_ptr=I64, new_keys_ptr=I64, new_scores_ptr=I64, n="i32"
+    )
+    pooled = dict(weight_ptr=F32, rows_ptr=I64, offsets_ptr=I64, psw_ptr=F32, out_ptr=F32, D="i32")
+    cases = [
+        *[(hashing._find_kernel, find, dict(BS=16, BSP=16, FLAG=flag, BLOCK=128)) for flag in (True, False)],
+        (hashing._find_kernel, find, dict(BS=12, BSP=16, FLAG=True, BLOCK=128)),
+        (hashing._candidate_buckets_kernel, dict(keys_ptr=I64, b1_ptr=I64, b2_ptr=I64, n="i32", num_buckets="i64"),
+         dict(BLOCK=512)),
+        (plan._choose_kernel, choose, dict(BS=12, BSP=16, BLOCK=128)),
+        (plan._claim_kernel, claim, dict(BS=64, BSP=64, BLOCK=128)),
+        (plan._mark_claimed_kernel, dict(claimed_ptr=I64, sorted_ptr=I32, lane_ptr=I64, m="i32"), dict(BLOCK=128)),
+        (plan._mark_slots_kernel, dict(claimed_ptr=I64, slots_ptr=I64, m="i32"), dict(BS=16, BLOCK=256)),
+        *[(plan._displace_kernel, displace, dict(BS=16, BSP=16, EVICT=evict, BLOCK=64)) for evict in (True, False)],
+        (plan._place_kernel, place, dict(BLOCK=256)),
+        *[(lookup._pooled_kernel, pooled, dict(HAS_W=w, BLOCK_D=128)) for w in (True, False)],
+    ]  # fmt: skip
+    for opt, wd in OPTIMIZERS:
+        flags = dict(OPT=opt, WD_MODE=wd)
+        cases += [
+            (update._update_run_kernel, UPDATE, dict(flags, HAS_W=True, HAS_SCORES=True, BLOCK_D=128, L=128)),
+            (update._update_block_kernel, UPDATE, dict(flags, HAS_W=False, HAS_SCORES=False, BLOCK_D=16, L=64)),
+            (update._update_crossing_kernel, CROSSING, dict(flags, BLOCK_D=128, L=128, P=16)),
+        ]
+    return cases
+
+
+CASES = kernels() if gpu.HAVE_TRITON and not gpu.INTERPRETED else []
+
+
+@pytest.mark.parametrize(
+    "kernel, signature, constants",
+    CASES,
+    ids=[f"{k.__name__}-" + "-".join(f"{n}{v}" for n, v in c.items()) for k, _, c in CASES],
+)
+def test_the_kernel_compiles_for_the_gpu(kernel, signature, constants):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(
+        fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
