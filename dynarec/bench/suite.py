@@ -133,8 +133,8 @@ def _version(*distributions: str) -> Optional[str]:
 
 def environment(device: str) -> dict[str, Any]:
     """What a result depends on: the revision (sha, whether tracked files differ from it), the
-    machine (host, CPUs, GPUs with their driver and clocks where ``nvidia-smi`` answers) and the
-    versions of Python and of the packages that run the code."""
+    machine (host, CPUs, load average, GPUs with their driver and clocks where ``nvidia-smi``
+    answers) and the versions of Python and of the packages that run the code."""
     sha = _command(["git", "rev-parse", "HEAD"], CHECKOUT)
     status = _command(["git", "status", "--porcelain", "--untracked-files=no"], CHECKOUT) if sha else None
     gpus: list[dict[str, Any]] = []
@@ -155,6 +155,7 @@ def environment(device: str) -> dict[str, Any]:
             "hostname": socket.gethostname(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),  # other processes on a shared host move every figure
             "platform": platform.platform(),
             "gpus": gpus,
         },
@@ -487,7 +488,8 @@ def render_markdown(record: dict[str, Any]) -> str:
         "",
         f"- revision: `{rev['sha']}`{' with uncommitted changes' if rev['dirty'] else ''}",
         f"- machine: {machine['hostname']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), "
-        f"GPUs: {gpus}",
+        f"GPUs: {gpus}; load average {machine['load_average'][0]:.2f} before, "
+        f"{machine['load_average_after'][0]:.2f} after",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         f"- the suite took {record['seconds']:.0f} s",
         "",
@@ -547,6 +549,7 @@ def run_suite(args) -> dict:
     for case in cases:
         record["cases"].append(_run_case(case))
     record["seconds"] = time.perf_counter() - start
+    record["machine"]["load_average_after"] = os.getloadavg()
     stem = f"{record['date']}-{record['revision']['short'] or 'nogit'}-{device}" + ("-smoke" if args.smoke else "")
     results_dir.mkdir(parents=True, exist_ok=True)
     name, n = stem, 1

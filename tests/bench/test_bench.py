@@ -151,6 +151,7 @@ def test_suite_writes_one_dated_results_file_with_the_revision_and_a_history_row
     assert report["results_file"] == str(path) and json.loads(path.read_text()) == json.loads(json.dumps(record))
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", record["date"])
     assert record["machine"]["cpu_count"] > 0 and record["versions"]["torch"]
+    assert len(record["machine"]["load_average"]) == len(record["machine"]["load_average_after"]) == 3
     assert [c["command"].split()[:3] for c in record["cases"]] == [
         ["dynarec", "bench", "fused-step"],
         ["dynarec", "bench", "data-stage"],
