@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -26,6 +28,7 @@ __all__ = [
     "measure",
     "ratio",
     "roofline_bytes_per_id",
+    "same_dynarec",
     "synchronizer",
 ]
 
@@ -198,3 +201,14 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 31) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def same_dynarec() -> dict[str, str]:
+    """The environment of a child process that imports the ``dynarec`` this process runs: its
+    package's parent directory first on ``PYTHONPATH`` (a checkout run in place, or another
+    revision's worktree, is not on the child's path when it starts elsewhere)."""
+    import dynarec
+
+    root = str(Path(dynarec.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}

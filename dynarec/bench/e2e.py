@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -48,16 +47,16 @@ import torch
 import yaml
 from torch import nn
 
+from dynarec.bench.common import same_dynarec
 from dynarec.bench.train import _PlainTorchModel, _tensorize
+from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
-__all__ = ["bench_e2e", "e2e_config", "e2e_data", "e2e_spec", "same_dynarec"]
+__all__ = ["bench_e2e", "e2e_config", "e2e_data", "e2e_spec"]
 
 
-def e2e_spec(train_rows: int, eval_rows: int):
+def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
     """The click log at ``train_rows``: the demo's proportions (a user every 10 rows, an item every
     40, a category every 100 items, at least the demo's 50), every history 30 long, string ids."""
-    from dynarec.data.synthetic import SyntheticSpec
-
     items = max(train_rows // 40, 1000)
     return SyntheticSpec(
         train_rows=train_rows,
@@ -71,12 +70,11 @@ def e2e_spec(train_rows: int, eval_rows: int):
     )
 
 
-def e2e_data(spec) -> Path:
+def e2e_data(spec: SyntheticSpec) -> Path:
     """The click log of ``spec`` in the temp directory, generated on first use. Its directory is
     named by a hash of the spec and of the generator's source, so a changed generator or spec
     never reads another's data."""
     from dynarec.data import synthetic
-    from dynarec.data.synthetic import make_click_log
 
     key = json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(synthetic)
     path = Path(tempfile.gettempdir()) / f"dynarec-bench-e2e-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -85,7 +83,7 @@ def e2e_data(spec) -> Path:
     return path
 
 
-def e2e_config(spec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
+def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
     """The demo config over ``spec``'s string ids: the user table's capacity twice the users
     (a power of two), item and category ids hashed into twice as many rows as there are items and
     categories; ``epochs`` epochs of ``batch``, no eval or checkpoint before the end;
@@ -107,17 +105,6 @@ def e2e_config(spec, data_dir: Path, batch: int, epochs: int, workers: Optional[
         raw["data"]["num_workers"] = workers
     raw["train"].update(num_epochs=epochs, save_checkpoints_steps=None, eval_every_steps=None)
     return raw
-
-
-def same_dynarec() -> dict[str, str]:
-    """The environment of a child process that imports the ``dynarec`` this process runs: its
-    package's parent directory first on ``PYTHONPATH`` (a checkout run in place, or another
-    revision's worktree, is not on the child's path when it starts elsewhere)."""
-    import dynarec
-
-    root = str(Path(dynarec.__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}
 
 
 def _run_dynarec(workdir: Path, device: str) -> tuple[list[str], float, dict[str, Any]]:

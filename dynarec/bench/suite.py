@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from dynarec.bench.e2e import same_dynarec
+from dynarec.bench.common import same_dynarec
 
 __all__ = ["CASES", "Case", "Figure", "add_suite_arguments", "environment", "figures_of", "run_suite"]
 
