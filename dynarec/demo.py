@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-attention baseline")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda to train on a GPU")
 
 
 def _baseline(config: dict) -> dict:
@@ -60,7 +61,7 @@ def main(args) -> None:
     (work / "demo.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     config = config_from_dict(raw, source=str(work / "demo.yaml"), base_dir=work)
 
-    trainer = Trainer(config, work / "model", progress=not args.no_progress)
+    trainer = Trainer(config, work / "model", device=args.device, progress=not args.no_progress)
     print("[plan]\n" + trainer.task.plan.format())
     for name, table in trainer.task.embeddings.tables.items():
         m1 = table.read_rows(torch_arange_or_keys(table))["momentum1"] if table.spec.state_specs() else None
@@ -75,7 +76,7 @@ def main(args) -> None:
 
     probs_eval, labels, _ = trainer.predict(config.data.eval_input_path)
     export_dir = export_model(trainer.task, trainer.example_batch(), work / "export", step=trainer.step)
-    served = ExportedModel(export_dir).predict_files(config.data.eval_input_path)
+    served = ExportedModel(export_dir, device=args.device).predict_files(config.data.eval_input_path)
     max_diff = float(np.max(np.abs(served - probs_eval))) if served.size else 0.0
     print(f"[export] {export_dir}: predictions of the export vs the training model's eval: max |diff| {max_diff:.2e}")
     import pyarrow as pa
@@ -87,7 +88,7 @@ def main(args) -> None:
     baseline_auc = float("nan")
     if not args.no_baseline:
         base_cfg = config_from_dict(_baseline(raw), source="baseline", base_dir=work)
-        base = Trainer(base_cfg, work / "baseline_model", progress=not args.no_progress)
+        base = Trainer(base_cfg, work / "baseline_model", device=args.device, progress=not args.no_progress)
         baseline_auc = base.fit()["eval"]["auc"]
 
     demo_auc = ev["auc"]

@@ -25,8 +25,7 @@ from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import Step, StepLifecycle
-from dynarec.embedding.streams import current_stream
-from dynarec.kernels.gpu import HostReadback
+from dynarec.embedding.streams import HostReadback, current_stream
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 

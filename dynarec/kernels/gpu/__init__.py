@@ -14,20 +14,9 @@ keeps its launch shapes in a frozen ``Tuning`` (its ``TUNING``), never in a sign
 
 from __future__ import annotations
 
-from typing import Any
-
 from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, available
 from dynarec.kernels.gpu.lookup import pooled_forward
 from dynarec.kernels.gpu.update import bag_update
 
 __all__ = ["HAVE_TRITON", "INTERPRETED", "available", "bag_update", "pooled_forward"]
 
-
-def __getattr__(name: str) -> Any:
-    # HostReadback lives in dynarec.embedding.streams; embedding/table.py still imports it from
-    # here (this name resolves lazily: no import of the embedding layer from the kernels).
-    if name == "HostReadback":
-        from dynarec.embedding.streams import HostReadback
-
-        return HostReadback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
