@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import inspect
+import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from dynarec.data import synthetic
 from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.config import Backend, ScoreStrategy
 from dynarec.embedding.hash_index import BucketedHashIndex
@@ -21,6 +26,7 @@ from dynarec.embedding.initializers import mix64
 
 __all__ = [
     "Workload",
+    "cached_click_log",
     "copy_bandwidth",
     "filled_hash_index",
     "insert_keys",
@@ -212,3 +218,14 @@ def same_dynarec() -> dict[str, str]:
     root = str(Path(dynarec.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}
+
+
+def cached_click_log(spec: synthetic.SyntheticSpec) -> Path:
+    """The click log of ``spec`` in the temp directory, generated on first use. Its directory is
+    named by a hash of the spec and of the generator's source, so a changed generator or spec
+    never reads another's data (and concurrent first uses each write whole, then rename)."""
+    key = json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(synthetic)
+    path = Path(tempfile.gettempdir()) / f"dynarec-click-log-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not (path / "meta.json").is_file():
+        synthetic.make_click_log(path, spec)
+    return path

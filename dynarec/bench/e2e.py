@@ -28,8 +28,6 @@ directory, keyed by their parameters.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import shlex
 import statistics
@@ -47,11 +45,11 @@ import torch
 import yaml
 from torch import nn
 
-from dynarec.bench.common import same_dynarec
+from dynarec.bench.common import cached_click_log, same_dynarec
 from dynarec.bench.train import _PlainTorchModel, _tensorize
-from dynarec.data.synthetic import SyntheticSpec, make_click_log
+from dynarec.data.synthetic import SyntheticSpec
 
-__all__ = ["bench_e2e", "e2e_config", "e2e_data", "e2e_spec"]
+__all__ = ["bench_e2e", "e2e_config", "e2e_spec"]
 
 
 def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
@@ -68,19 +66,6 @@ def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
         max_hist_len=30,
         string_ids=True,
     )
-
-
-def e2e_data(spec: SyntheticSpec) -> Path:
-    """The click log of ``spec`` in the temp directory, generated on first use. Its directory is
-    named by a hash of the spec and of the generator's source, so a changed generator or spec
-    never reads another's data."""
-    from dynarec.data import synthetic
-
-    key = json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(synthetic)
-    path = Path(tempfile.gettempdir()) / f"dynarec-bench-e2e-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if not (path / "meta.json").is_file():
-        make_click_log(path, spec)
-    return path
 
 
 def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
@@ -214,7 +199,7 @@ def bench_e2e(args) -> dict:
 
     eval_rows = args.eval_rows if args.eval_rows is not None else max(args.train_rows // 10, 1000)
     spec = e2e_spec(args.train_rows, eval_rows)
-    data_dir = e2e_data(spec)
+    data_dir = cached_click_log(spec)
     meta = json.loads((data_dir / "meta.json").read_text())
     samples = args.train_rows * args.epochs
     ours_runs: list[dict[str, Any]] = []

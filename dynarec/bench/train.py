@@ -10,6 +10,7 @@ the weak-scaling figure (samples/s at N ranks over N times samples/s at 1).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -104,7 +105,8 @@ def _tensorize(batch, sequences: list[str], key_rows: dict[str, int], device: to
 
 def bench_train_step(args) -> dict:
     """samples/s of the demo model's training step, dynarec vs plain torch (see module doc)."""
-    from dynarec.data.synthetic import SyntheticSpec, make_click_log
+    from dynarec.bench.common import cached_click_log
+    from dynarec.data.synthetic import SyntheticSpec
     from dynarec.distributed.context import init_distributed
     from dynarec.train.trainer import ReadAhead, Trainer
 
@@ -114,21 +116,18 @@ def bench_train_step(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     total_steps = args.warmup + args.runs * args.steps
     users, items = args.users * world, args.items * world
-    tmp = Path(tempfile.gettempdir()) / f"dynarec-bench-train-{batch}-{world}"
-    if ctx.is_main and not (tmp / "data" / "meta.json").exists():
-        make_click_log(
-            tmp / "data",
-            SyntheticSpec(
-                train_rows=batch * world * (total_steps + 2),
-                eval_rows=1000,
-                num_users=users,
-                num_items=items,
-                train_files=max(4, world),
-            ),
-        )
+    spec = SyntheticSpec(
+        train_rows=batch * world * (total_steps + 2),
+        eval_rows=1000,
+        num_users=users,
+        num_items=items,
+        train_files=max(4, world),
+    )
+    if ctx.is_main:  # the other ranks find it in place after the barrier
+        cached_click_log(spec)
     ctx.barrier("the benchmark data")
-    config = _config(tmp / "data", batch, args.workers, world, users, items)
-    model_dir = tmp / f"model-rank{ctx.rank}"
+    config = _config(cached_click_log(spec), batch, args.workers, world, users, items)
+    model_dir = Path(tempfile.mkdtemp(prefix=f"dynarec-bench-train-rank{ctx.rank}-"))
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
     # as Trainer.fit: the next batch is read, and its input stage started, while a backward runs
     ahead = ReadAhead(trainer.input.batches(trainer.position), trainer.task.embeddings)
@@ -202,6 +201,7 @@ def bench_train_step(args) -> dict:
             f"plain torch (nn.Embedding(sparse) + Adagrad, batches up front): "
             f"{statistics.median(theirs):,.0f} samples/s; dynarec / it = {result['dynarec_over_baseline']:.2f}x"
         )
+    shutil.rmtree(model_dir, ignore_errors=True)
     if ctx.distributed:
         import torch.distributed as dist
 

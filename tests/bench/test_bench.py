@@ -103,6 +103,28 @@ def test_data_stage_times_the_native_path_against_pyarrow_on_identical_batches(t
         assert result["native_over_pyarrow"] > 0
 
 
+def test_train_step_times_the_trainer_step_against_plain_torch(tmp_path):
+    argv = ["--batch", "64", "--users", "300", "--items", "100", "--steps", "2", "--runs", "2", "--warmup", "1"]
+    report = run(tmp_path, "train-step", *argv)
+    r = report["results"]
+    assert r["world_size"] == 1 and r["batch_per_rank"] == 64 and len(r["dynarec_runs"]) == 2
+    assert all(x > 0 for x in r["dynarec_runs"] + r["baseline_runs"])
+    expected = statistics.median(a / b for a, b in zip(r["dynarec_runs"], r["baseline_runs"]))
+    assert r["dynarec_over_baseline"] == pytest.approx(expected)
+
+
+def test_cached_click_log_is_one_directory_per_spec_holding_that_spec():
+    from dataclasses import asdict
+
+    from dynarec.bench.common import cached_click_log
+    from dynarec.data.synthetic import SyntheticSpec
+
+    small, other = SyntheticSpec(train_rows=500, eval_rows=100), SyntheticSpec(train_rows=500, eval_rows=100, seed=1)
+    path = cached_click_log(small)
+    assert cached_click_log(small) == path and cached_click_log(other) != path
+    assert json.loads((path / "meta.json").read_text())["spec"] == asdict(small)
+
+
 def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_chance_auc(tmp_path):
     rows, batch, epochs = 3000, 256, 2
     report = run(
