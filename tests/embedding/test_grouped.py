@@ -52,12 +52,27 @@ def run(coll, batches, device):
     return outs
 
 
-def assert_same(a, b):
+def assert_same(a, b, exact=True):
+    """Bit for bit on the CPU, where each row's gradient is summed in occurrence order. On a GPU
+    the update kernel splits long runs of a row across blocks by position, so a group's other
+    tables change how a row's sum is associated: equal to the tolerance policy's 1e-5 there."""
     for name in a.tables:
         da, db = a.tables[name].dump(), b.tables[name].dump()
         assert da.keys() == db.keys()
         for field in da:
-            assert torch.equal(da[field], db[field]), (name, field)
+            if exact or not da[field].is_floating_point():
+                assert torch.equal(da[field], db[field]), (name, field)
+            else:
+                torch.testing.assert_close(da[field], db[field], rtol=1e-5, atol=1e-6, msg=f"{name}.{field}")
+
+
+def assert_outputs(x, y, exact):
+    assert x.keys() == y.keys()
+    for k in x:
+        if exact:
+            assert torch.equal(x[k], y[k]), k
+        else:
+            torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -70,16 +85,14 @@ def test_grouped_tables_equal_tables_looked_up_apart(device, spec, weighted):
     apart = EmbeddingCollection(tables(), spec, device=device, group_tables=False)
     assert grouped.lookup_groups == [("a", "b", "c"), ("d",), ("u",)]
     assert apart.lookup_groups == [("a",), ("b",), ("c",), ("d",), ("u",)]
+    exact = device == "cpu"
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert torch.equal(x[k], y[k]), k
-    assert_same(grouped, apart)
+        assert_outputs(x, y, exact)
+    assert_same(grouped, apart, exact)
     grouped.eval()
     apart.eval()
     with torch.no_grad():
-        x, y = grouped(batches[0].to(device)), apart(batches[0].to(device))
-    assert all(torch.equal(x[k], y[k]) for k in x)
+        assert_outputs(grouped(batches[0].to(device)), apart(batches[0].to(device)), exact)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,4 +19,3 @@ from dynarec.kernels.gpu.lookup import pooled_forward
 from dynarec.kernels.gpu.update import bag_update
 
 __all__ = ["HAVE_TRITON", "INTERPRETED", "available", "bag_update", "pooled_forward"]
-
