@@ -13,7 +13,7 @@ from torch import nn
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key
-from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, split_features
+from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, as_jagged, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
 from dynarec.embedding.streams import StagedInput, input_stage
@@ -236,7 +236,8 @@ class EmbeddingCollection(nn.Module):
             slices = checked_slices(
                 kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
             )
-            slices = {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
+            if values.device != self.device:  # one copy of each of the batch's tensors, sliced there
+                slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))

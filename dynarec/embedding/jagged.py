@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 
 import torch
 
-__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "split_features"]
+__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "as_jagged", "split_features"]
 
 
 class KeyedJaggedLike(Protocol):
@@ -152,6 +152,14 @@ class FeatureSlice:
             self.num_ids,
             self.max_length,
         )
+
+
+def as_jagged(kjt: KeyedJaggedLike) -> JaggedBatch:
+    """``kjt`` as a :class:`JaggedBatch` (itself if it is one): its host statistics (lengths per
+    key) travel with its copies, so slicing a copy on a GPU reads nothing back."""
+    if isinstance(kjt, JaggedBatch):
+        return kjt
+    return JaggedBatch(list(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
 
 
 def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:

@@ -26,9 +26,12 @@ class DLRM(nn.Module):
         dim = dims.pop()
         self.bottom = MLP(len(self.dense_names), [*cfg.bottom_hidden_units, dim])
         n = len(self.sparse_names) + 1
-        self.pairs = torch.triu_indices(n, n, offset=1)
+        pairs = torch.triu_indices(n, n, offset=1)
+        # Each pair's position in the flattened [n, n] interaction matrix: one index_select, whose
+        # backward is an index_add (advanced indexing's is a sorting index_put).
+        self.register_buffer("pairs", pairs[0] * n + pairs[1], persistent=False)
         self.arch_with_sparse = cfg.arch_with_sparse
-        width = dim + self.pairs.shape[1] + (dim * len(self.sparse_names) if cfg.arch_with_sparse else 0)
+        width = dim + pairs.shape[1] + (dim * len(self.sparse_names) if cfg.arch_with_sparse else 0)
         self.top = MLP(width, cfg.top_hidden_units)
         self.out = nn.Linear(self.top.out_dim, 1)
 
@@ -39,6 +42,7 @@ class DLRM(nn.Module):
             for n in self.sparse_names
         ]
         v = torch.stack(vs, dim=1)  # [B, F + 1, D]
-        inter = torch.bmm(v, v.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        pairs: torch.Tensor = self.pairs  # type: ignore[assignment]
+        inter = torch.bmm(v, v.transpose(1, 2)).flatten(1).index_select(1, pairs)
         parts = [x, inter] + ([v[:, 1:].flatten(1)] if self.arch_with_sparse else [])
         return self.out(self.top(torch.cat(parts, dim=1))).squeeze(1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -25,6 +25,12 @@ __all__ = [
     "dense_spec_from_yaml",
     "dense_spec_to_yaml",
 ]
+
+
+def _fused(params: list[torch.nn.Parameter]) -> Optional[bool]:
+    """torch's fused update (one kernel for every parameter) where every parameter is on a GPU;
+    elsewhere torch's default."""
+    return True if params and all(p.is_cuda for p in params) else None
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,10 @@ class DenseSGD(DenseOptimizerSpec):
         return 1 if self.momentum else 0
 
     def build(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        params = list(params)
+        return torch.optim.SGD(
+            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, fused=_fused(params)
+        )
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,14 @@ class DenseAdam(DenseOptimizerSpec):
         return 2
 
     def build(self, params):
+        params = list(params)
         return torch.optim.Adam(
-            params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay
+            params,
+            lr=self.lr,
+            betas=(self.beta1, self.beta2),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            fused=_fused(params),
         )
 
 
@@ -123,8 +138,14 @@ class DenseAdamW(DenseAdam):
     yaml_key: ClassVar[str] = "adamw_optimizer"
 
     def build(self, params):
+        params = list(params)
         return torch.optim.AdamW(
-            params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay
+            params,
+            lr=self.lr,
+            betas=(self.beta1, self.beta2),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            fused=_fused(params),
         )
 
 
