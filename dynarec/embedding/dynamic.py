@@ -32,7 +32,7 @@ collection runs on its input stream, beside the previous step's backward); when 
 many occurrences are absent and how many distinct keys they hold (data-dependent sizes), and one
 count per free-slot round of the insert plan (at load 0.5, one round). Pins skip -1 slots on the
 device, and whether every key got a row follows from the plan's count. A warm table with no new
-keys pays only the first; ``benchmarks/host_syncs.py`` lists a step's syncs on a GPU. Moves and
+keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves and
 evictions (buckets full) read more.
 """
 
