@@ -1,0 +1,277 @@
+"""``train_config``, ``data_config``, ``eval_config``, ``export_config`` and the data sources:
+optimizers, learning-rate schedules, checkpoints, batches and how features read columns."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from dynarec.config.tzrec.features import Mode
+from dynarec.config.tzrec.reader import Context, Reader, one_of
+
+__all__ = ["convert_data_config", "convert_train_config", "data_source"]
+
+# -- learning rates and optimizers ------------------------------------------------------------------
+
+_LR_FIELDS = (
+    "constant_learning_rate",
+    "exponential_decay_learning_rate",
+    "manual_step_learning_rate",
+    "cosine_annealing_learning_rate",
+    "cosine_annealing_warm_restarts_learning_rate",
+)
+
+
+def _lr_schedule(r: Reader) -> dict[str, Any]:
+    """The optimizer's learning_rate oneof -> a dynarec ``*_lr_schedule``."""
+    given = [n for n in _LR_FIELDS if r.has(n)]
+    for n in _LR_FIELDS:
+        r.taken.add(n)
+    if not given:
+        return {"kind": "constant"}
+    if len(given) > 1:
+        r.ctx.refuse(r.at(given[1]), "a second learning rate schedule")
+    name = given[0]
+    s = r.message(name)
+    assert s is not None
+    out: dict[str, Any]
+    if name == "constant_learning_rate":
+        out = {"kind": "constant"}
+    elif name == "exponential_decay_learning_rate":
+        decay = s.integer("decay_size")
+        if not decay:
+            r.ctx.refuse(s.at("decay_size"), "must be > 0 (TorchEasyRec divides by it)")
+            decay = 1
+        out = {
+            "kind": "exponential_decay",
+            "decay_steps": decay,
+            "decay_rate": s.number("decay_factor", 0.95),
+            "staircase": bool(s.scalar("staircase", True)),
+            "warmup_steps": s.integer("warmup_size", 0),
+            "warmup_learning_rate": s.number("warmup_learning_rate", 0.0),
+            "min_learning_rate": s.number("min_learning_rate", 0.0),
+        }
+        s.default_only("by_epoch", False, "a schedule stepped per epoch is not supported")
+    elif name == "manual_step_learning_rate":
+        out = {
+            "kind": "manual_step",
+            "schedule_steps": s.integers("schedule_sizes"),
+            "learning_rates": s.numbers("learning_rates"),
+            "warmup": bool(s.scalar("warmup", False)),
+        }
+        s.default_only("by_epoch", False, "a schedule stepped per epoch is not supported")
+    else:
+        r.ctx.refuse(r.at(name))
+        out = {"kind": "constant"}
+        s.taken.update(s.msg.names())
+    s.done()
+    return out
+
+
+_SPARSE_OPTIMIZERS = (
+    "sgd_optimizer",
+    "adagrad_optimizer",
+    "adam_optimizer",
+    "lars_sgd_optimizer",
+    "lamb_optimizer",
+    "partial_rowwise_lamb_optimizer",
+    "partial_rowwise_adam_optimizer",
+    "rowwise_adagrad_optimizer",
+    "adadelta_optimizer",
+    "rmsprop_optimizer",
+)
+_DENSE_OPTIMIZERS = (
+    "sgd_optimizer",
+    "adagrad_optimizer",
+    "adam_optimizer",
+    "adamw_optimizer",
+    "adadelta_optimizer",
+    "rmsprop_optimizer",
+)
+_WEIGHT_DECAY_MODES = {"NONE": "none", "L2": "l2", "DECOUPLE": "decoupled"}
+
+
+def _sparse_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
+    found = one_of(r, _SPARSE_OPTIMIZERS)
+    schedule = _lr_schedule(r)
+    r.done()
+    if found is None:
+        return {"sgd_optimizer": {"lr": 0.002}}, schedule
+    name, o = found
+    fields: dict[str, Any] = {"lr": o.number("lr", 0.002)}
+    o.default_only("gradient_clipping", False, "gradient clipping of sparse updates is not supported")
+    o.scalar("max_gradient")  # used only with gradient_clipping
+    if name == "adagrad_optimizer":
+        fields["initial_accumulator_value"] = o.number("initial_accumulator_value", 0.0)
+    elif name == "adam_optimizer":
+        fields.update(
+            beta1=o.number("beta1", 0.9),
+            beta2=o.number("beta2", 0.999),
+            weight_decay=o.number("weight_decay", 0.0),
+        )
+    elif name == "rowwise_adagrad_optimizer":
+        fields["weight_decay"] = o.number("weight_decay", 0.0)
+        mode = str(o.scalar("weight_decay_mode", "NONE"))
+        fields["weight_decay_mode"] = _WEIGHT_DECAY_MODES.get(mode, "none")
+        if mode not in _WEIGHT_DECAY_MODES:
+            r.ctx.refuse(o.at("weight_decay_mode"), f"unknown mode {mode!r}")
+    elif name != "sgd_optimizer":
+        r.ctx.refuse(r.at(name))
+        o.taken.update(o.msg.names())
+    o.done()
+    return {name: fields}, schedule
+
+
+def _dense_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
+    found = one_of(r, _DENSE_OPTIMIZERS)
+    schedule = _lr_schedule(r)
+    r.refuse("part_optimizers", "ema")
+    r.done()
+    if found is None:
+        return {"adam_optimizer": {"lr": 0.002}}, schedule
+    name, o = found
+    fields: dict[str, Any] = {"lr": o.number("lr", 0.002), "weight_decay": o.number("weight_decay", 0.0)}
+    o.ignore("fused", "a torch kernel choice; the update is the same")
+    if name == "sgd_optimizer":
+        fields["momentum"] = o.number("momentum", 0.9)  # TorchEasyRec's default, not torch's 0
+        o.default_only("dampening", 0.0)
+        o.default_only("nesterov", False)
+    elif name == "adagrad_optimizer":
+        fields.update(
+            initial_accumulator_value=o.number("initial_accumulator_value", 0.0),
+            eps=o.number("eps", 1e-10),
+        )
+    elif name in ("adam_optimizer", "adamw_optimizer"):
+        fields.update(beta1=o.number("beta1", 0.9), beta2=o.number("beta2", 0.999), eps=o.number("eps", 1e-8))
+        o.default_only("amsgrad", False)
+    else:
+        r.ctx.refuse(r.at(name))
+        o.taken.update(o.msg.names())
+    o.done()
+    return {name: fields}, schedule
+
+
+_FG_MODES = {"FG_NONE": True, "FG_NORMAL": False, "FG_DAG": False}
+
+
+def data_source(path: Any, override: Optional[str], field_name: str, ctx: Context) -> Optional[str]:
+    if override is not None:
+        if path:
+            ctx.note(field_name, f"{path!r} replaced by {override!r}")
+        return override
+    if not path:
+        return None
+    if str(path).startswith(("odps://", "kafka://")):
+        ctx.refuse(
+            field_name,
+            f"{path!r} is a table service; dynarec reads Parquet/CSV files: give --{field_name.replace('_', '-')}",
+        )
+        return None
+    return str(path)
+
+
+def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode:
+    ctx = d.ctx
+    data["batch_size"] = d.integer("batch_size", 1024)
+    if d.has("eval_batch_size"):
+        data["eval_batch_size"] = d.integer("eval_batch_size")
+    if d.has("num_workers"):  # else dynarec's automatic count (TorchEasyRec's default, 8, suits few machines)
+        data["num_workers"] = d.integer("num_workers")
+    labels = [str(x) for x in d.repeated("label_fields")]
+    if len(labels) != 1:
+        ctx.refuse(d.at("label_fields"), f"one label field is supported, got {labels}")
+    if labels:
+        data["label_field"] = labels[0]
+    dataset = str(d.scalar("dataset_type", "OdpsDataset"))
+    if dataset == "ParquetDataset":
+        data["input_type"] = "parquet"
+    elif dataset == "CsvDataset":
+        data["input_type"] = "csv"
+        d.default_only("delimiter", ",")
+        if not d.scalar("with_header", False):
+            ctx.refuse(d.at("with_header"), "CSV input needs a header row naming the columns")
+    elif dataset in ("OdpsDataset", "OdpsDatasetV1") and replaced:
+        ctx.note(d.at("dataset_type"), f"{dataset}: the replaced data source's file type is used")
+    elif dataset not in ("OdpsDataset", "OdpsDatasetV1"):
+        ctx.refuse(d.at("dataset_type"), f"{dataset} is not supported")
+    for key in ("is_orderby_partition", "odps_data_quota_name", "odps_data_compression"):
+        d.ignore(key, "a MaxCompute reading setting")
+    d.refuse("input_fields", why="column types come from the files (Parquet schema, CSV header)")
+    mode_name = str(d.scalar("fg_mode", "")) or None
+    if mode_name is None and d.has("fg_encoded"):
+        mode_name = "FG_NONE" if d.scalar("fg_encoded") else "FG_NORMAL"
+    d.taken.add("fg_encoded")
+    mode_name = mode_name or "FG_NONE"
+    if mode_name not in _FG_MODES:
+        ctx.refuse(d.at("fg_mode"), f"{mode_name} is not supported (FG_NONE, FG_NORMAL, FG_DAG are)")
+    encoded = _FG_MODES.get(mode_name, True)
+    d.ignore("fg_threads", "feature generation threads")
+    d.ignore("pin_memory", "dynarec pins batches for the device on its own")
+    multival_sep = str(d.scalar("fg_encoded_multival_sep", "\x03"))
+    d.default_only("drop_remainder", False, "dynarec trains the last partial batch")
+    d.default_only("shuffle", False, "dynarec reads files in a fixed order")
+    d.ignore("shuffle_buffer_size", "used only with shuffle")
+    d.default_only("in_order", True)
+    for key in ("sample_mask_prob", "negative_sample_mask_prob"):
+        d.default_only(key, 0.0)
+    d.default_only("force_base_data_group", False)
+    d.refuse(
+        "sample_weight_fields",
+        "sample_cost_field",
+        "batch_cost_size",
+        "input_fields_str",
+        "negative_sampler",
+        "negative_sampler_v2",
+        "hard_negative_sampler",
+        "hard_negative_sampler_v2",
+        "tdm_sampler",
+    )
+    d.done()
+    return Mode(encoded=encoded, multival_sep=multival_sep)
+
+
+def convert_train_config(t: Reader, train: dict[str, Any]) -> None:
+    ctx = t.ctx
+    if (s := t.message("sparse_optimizer")) is not None:
+        train["sparse_optimizer"], train["sparse_lr_schedule"] = _sparse_optimizer(s)
+    else:
+        ctx.refuse(t.at("sparse_optimizer"), "a sparse optimizer is needed")
+    if (dn := t.message("dense_optimizer")) is not None:
+        train["dense_optimizer"], train["dense_lr_schedule"] = _dense_optimizer(dn)
+    steps, epochs = t.integer("num_steps"), t.integer("num_epochs")
+    if steps:
+        train["num_steps"] = steps
+    if epochs:
+        train["num_epochs"] = epochs
+    save = t.integer("save_checkpoints_steps", 1000)
+    train["save_checkpoints_steps"] = save
+    train["eval_every_steps"] = save  # TorchEasyRec evaluates after every checkpoint
+    ctx.note(t.at("save_checkpoints_steps"), f"every {save} steps, with an evaluation after each (TorchEasyRec's rule)")
+    train["log_step_count_steps"] = t.integer("log_step_count_steps", 100)
+    keep = t.integer("keep_checkpoint_max", 0)
+    train["keep_checkpoints"] = keep if keep > 0 else 1_000_000
+    t.ignore("use_tensorboard", "dynarec always writes TensorBoard logs")
+    t.ignore("tensorboard_summaries", "dynarec logs loss, learning rates and metrics")
+    t.default_only("is_profiling", False)
+    t.default_only("cudnn_allow_tf32", True)
+    t.default_only("cuda_matmul_allow_tf32", False)
+    t.default_only("save_checkpoints_epochs", 0)
+    t.default_only("mixed_precision", "")
+    gas = t.integer("gradient_accumulation_steps", 0)
+    if gas > 1:
+        ctx.refuse(t.at("gradient_accumulation_steps"), "gradient accumulation is not supported")
+    if (g := t.message("grad_clipping")) is not None:
+        g.default_only("clipping_type", "none", "gradient clipping is not supported")
+        for key in ("max_gradient", "norm_type", "enable_global_grad_clip"):
+            g.scalar(key)
+        g.done()
+    t.ignore("global_embedding_constraints", "sharding constraints; dynarec's planner shards tables")
+    t.refuse(
+        "fine_tune_checkpoint",
+        "fine_tune_ckpt_param_map",
+        "grad_scaler",
+        "save_checkpoints_timestamp_interval",
+        "save_checkpoints_timestamps",
+        "save_checkpoints_timestamp_quorum",
+        "delta_embedding_dump_config",
+    )
+    t.done()
