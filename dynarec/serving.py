@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from dynarec.config.schema import Config, SequenceFeatureCfg
+from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder
 from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
 from dynarec.embedding.collection import EmbeddingCollection
@@ -30,6 +30,7 @@ from dynarec.export_format import (
     read_export_meta,
     read_export_tables,
 )
+from dynarec.models.features import sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
@@ -62,7 +63,7 @@ class ExportedModel:
         self.embeddings.eval()
         self.key_counts: dict[str, int] = {}
         self._install(export_dir, meta, materialize(chain))
-        self.sequence_features = [f.feature_name for f in self.config.features() if isinstance(f, SequenceFeatureCfg)]
+        self.sequence_features = sequence_names(self.config)
 
     def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, table in self.embeddings.tables.items():

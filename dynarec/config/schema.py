@@ -352,21 +352,29 @@ class FeatureGroupCfg(Strict):
     group_type: Literal["deep", "sequence", "wide"] = "deep"
 
 
+# An MLP's activation: ReLU, or Dice (DIN's data-adaptive activation: a batch-normalized gate
+# between x and alpha * x, alpha learned per unit; in eval it uses the running statistics).
+Activation = Literal["relu", "dice"]
+
+
 class TowerCfg(Strict):
     input: str
     hidden_units: list[Count] = Field(min_length=1)
+    activation: Activation = "relu"
 
 
 class DinTowerCfg(Strict):
     input: str
     attn_hidden_units: list[Count] = [64, 32]
     pooling: Literal["attention", "mean"] = "attention"  # "mean": the no-attention baseline
+    activation: Activation = "relu"  # of the attention MLP
 
 
 class MultiTowerDINCfg(Strict):
     towers: list[TowerCfg] = []
     din_towers: list[DinTowerCfg] = []
     final_hidden_units: list[Count] = [64]
+    final_activation: Activation = "relu"
 
 
 class DINCfg(Strict):
@@ -470,6 +478,11 @@ class DataCfg(Strict):
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
 
 
+class GradientClippingCfg(Strict):
+    max_norm: float = Field(1.0, gt=0)
+    norm_type: float = Field(2.0, gt=0)
+
+
 class TrainCfg(Strict):
     sparse_optimizer: SparseOptimizer
     table_optimizers: dict[str, SparseOptimizer] = {}  # per-table overrides, by table name
@@ -480,7 +493,18 @@ class TrainCfg(Strict):
     num_epochs: Optional[Count] = None  # passes over the training data (default 1) ...
     num_steps: Optional[Count] = None  # ... or exactly this many steps, cycling the data as needed
     save_checkpoints_steps: Optional[Count] = None
+    save_checkpoints_epochs: Optional[Count] = None  # also a checkpoint after every this many epochs
     keep_checkpoints: Count = 3
+    # The dense model's forward in bfloat16 (torch.autocast; the tables and the loss stay float32).
+    # No loss scaling is needed for bfloat16, and none could be: the tables' fused update runs
+    # inside backward, where a scaled loss would scale their gradients.
+    mixed_precision: Optional[Literal["bf16"]] = None
+    # The dense parameters' gradient norm clipped to max_norm before the dense optimizer's step
+    # (torch.nn.utils.clip_grad_norm_); the tables' fused updates take their gradients as they are.
+    gradient_clipping: Optional[GradientClippingCfg] = None
+    # The dense optimizer steps every this many steps on the sum of their gradients, each step's
+    # loss divided by it; the tables' fused updates run every step (TorchEasyRec's rule).
+    gradient_accumulation_steps: Count = 1
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

@@ -7,37 +7,43 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config, FeatureGroupCfg, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.config.schema import Config, FeatureGroupCfg
+from dynarec.models.features import FeatureInputs
+from dynarec.models.pooling import masked_mean, sequence_mask
 
-__all__ = ["MLP", "DINAttention", "DeepGroup", "SequenceGroup", "masked_mean", "sequence_mask"]
+__all__ = ["MLP", "DINAttention", "DeepGroup", "Dice", "SequenceGroup", "masked_mean", "sequence_mask"]
+
+
+class Dice(nn.Module):
+    """DIN's data-adaptive activation (TorchEasyRec's): ``p = sigmoid(batch_norm(x))``,
+    ``p * x + (1 - p) * alpha * x`` with ``alpha`` learned per unit (starting at 0). Over
+    ``[B, units]`` or ``[B, L, units]`` (the statistics per unit over every row and position; in
+    eval the running statistics, so a row's output depends on that row alone)."""
+
+    def __init__(self, units: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(units, affine=False)
+        self.alpha = nn.Parameter(torch.zeros(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        p = torch.sigmoid(self.bn(flat)).reshape(x.shape)
+        return p * x + (1 - p) * self.alpha * x
 
 
 class MLP(nn.Sequential):
-    """Linear + ReLU layers: ``[B, in_dim] -> [B, hidden_units[-1]]``."""
+    """Linear layers, each followed by ``activation`` (``relu`` or ``dice``): ``[..., in_dim] ->
+    [..., hidden_units[-1]]``."""
 
     out_dim: int
 
-    def __init__(self, in_dim: int, hidden_units: Sequence[int]):
+    def __init__(self, in_dim: int, hidden_units: Sequence[int], activation: str = "relu"):
         layers: list[nn.Module] = []
         for units in hidden_units:
-            layers += [nn.Linear(in_dim, units), nn.ReLU()]
+            layers += [nn.Linear(in_dim, units), Dice(units) if activation == "dice" else nn.ReLU()]
             in_dim = units
         super().__init__(*layers)
         self.out_dim = in_dim
-
-
-def sequence_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[B, max_len]`` bool: position ``l`` of sample ``b`` holds an element (``l < lengths[b]``)."""
-    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
-
-
-def masked_mean(seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Mean of each sample's first ``lengths[b]`` rows of a padded ``[B, L, D]``: ``[B, D]``,
-    zeros for an empty sequence. What the padding holds, and how long ``L`` is (the longest
-    sequence of the batch), never changes the result: a row's score depends on that row alone.
-    Every model pools a sequence through here."""
-    mask = sequence_mask(lengths, seq.shape[1]).to(seq.dtype)
-    return torch.bmm(mask[:, None, :], seq).squeeze(1) / lengths.clamp(min=1).to(seq.dtype)[:, None]
 
 
 class DINAttention(nn.Module):
@@ -48,13 +54,17 @@ class DINAttention(nn.Module):
     ``pooling="mean"`` replaces attention with a masked mean (the no-attention baseline).
     """
 
-    def __init__(self, dim: int, attn_hidden_units: Sequence[int], pooling: str = "attention"):
+    def __init__(
+        self, dim: int, attn_hidden_units: Sequence[int], pooling: str = "attention", activation: str = "relu"
+    ):
         super().__init__()
         self.pooling = pooling
         if pooling == "attention":
             # No bias on the last layer: a softmax ignores a shift of all scores, so its gradient
             # is zero in theory and pure rounding noise in practice (which Adam would amplify).
-            self.score = nn.Sequential(MLP(4 * dim, attn_hidden_units), nn.Linear(attn_hidden_units[-1], 1, bias=False))
+            self.score = nn.Sequential(
+                MLP(4 * dim, attn_hidden_units, activation), nn.Linear(attn_hidden_units[-1], 1, bias=False)
+            )
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if self.pooling == "mean":
@@ -67,72 +77,52 @@ class DINAttention(nn.Module):
         return torch.bmm(w[:, None, :], keys).squeeze(1)
 
 
-def _dims(config: Config) -> dict[str, int]:
-    return {f.feature_name: (1 if isinstance(f, RawFeatureCfg) else f.embedding_dim) for f in config.features()}
-
-
 class DeepGroup(nn.Module):
-    """A deep (or wide) group: its pooled embeddings and dense features concatenated,
-    ``[B, out_dim]``. Sequence features in a deep group are mean-pooled."""
+    """A deep (or wide) group: its members pooled and concatenated, ``[B, out_dim]`` (id
+    features' rows, sequences mean-pooled, dense numbers or their dense embeddings; see
+    :class:`~dynarec.models.features.FeatureInputs`, shared by the model's groups)."""
 
     out_dim: int
 
-    def __init__(self, config: Config, group: FeatureGroupCfg):
+    def __init__(self, config: Config, group: FeatureGroupCfg, inputs: FeatureInputs):
         super().__init__()
-        dims = _dims(config)
         self.names = list(group.feature_names)
-        self.kinds = {
-            n: (
-                "dense"
-                if isinstance(config.feature(n), RawFeatureCfg)
-                else "sequence"
-                if isinstance(config.feature(n), SequenceFeatureCfg)
-                else "pooled"
-            )
-            for n in self.names
-        }
-        self.out_dim = sum(dims[n] for n in self.names)
+        self.inputs = [inputs]  # in a list: the model owns it (its parameters are not the group's)
+        self.out_dim = sum(inputs[n].width for n in self.names)
 
     def parts(self, embeddings, seq_lengths, dense) -> list[torch.Tensor]:
-        out = []
-        for n in self.names:
-            kind = self.kinds[n]
-            if kind == "dense":
-                out.append(dense[n][:, None])
-            elif kind == "sequence":
-                out.append(masked_mean(embeddings[n], seq_lengths[n]))
-            else:
-                out.append(embeddings[n])
-        return out
+        return [self.inputs[0].pooled(n, embeddings, seq_lengths, dense) for n in self.names]
 
     def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
         return torch.cat(self.parts(embeddings, seq_lengths, dense), dim=1)
 
 
 class SequenceGroup(nn.Module):
-    """A sequence group: its id features form the query ``[B, Dq]`` and its sequence features
-    the keys ``[B, L, Dq]`` (each concatenated along the dim, in the group's order)."""
+    """A sequence group: its non-sequence members form the query ``[B, Dq]`` and its sequence
+    members the keys ``[B, L, Dq]`` (each concatenated along the last dim, in the group's order;
+    id and dense members alike, dense ones as their numbers or dense embeddings); ``L`` the
+    longest of its sequences in the batch, the lengths those of its first sequence."""
 
     dim: int
 
-    def __init__(self, config: Config, group: FeatureGroupCfg):
+    def __init__(self, config: Config, group: FeatureGroupCfg, inputs: FeatureInputs):
         super().__init__()
-        dims = _dims(config)
-        self.query = [
-            n for n in group.feature_names if not isinstance(config.feature(n), (SequenceFeatureCfg, RawFeatureCfg))
-        ]
-        self.sequence = [n for n in group.feature_names if isinstance(config.feature(n), SequenceFeatureCfg)]
+        self.inputs = [inputs]
+        kinds = {n: inputs[n].kind for n in group.feature_names}
+        self.query = [n for n in group.feature_names if kinds[n] in ("pooled", "dense")]
+        self.sequence = [n for n in group.feature_names if kinds[n] in ("sequence", "dense_sequence")]
         where = f"model.feature_groups '{group.group_name}'"
-        if any(isinstance(config.feature(n), RawFeatureCfg) for n in group.feature_names):
-            raise ValueError(f"{where}: a sequence group takes id and sequence features, not raw features")
         if not self.query or not self.sequence:
-            raise ValueError(f"{where}: a sequence group needs query (id) features and sequence features")
-        self.dim = sum(dims[n] for n in self.query)
-        seq_dim = sum(dims[n] for n in self.sequence)
+            raise ValueError(f"{where}: a sequence group needs query features and sequence features")
+        self.dim = sum(inputs[n].width for n in self.query)
+        seq_dim = sum(inputs[n].width for n in self.sequence)
         if seq_dim != self.dim:
-            raise ValueError(f"{where}: query dims add up to {self.dim} but sequence dims to {seq_dim}")
+            raise ValueError(f"{where}: query widths add up to {self.dim} but sequence widths to {seq_dim}")
 
-    def forward(self, embeddings, seq_lengths):
-        query = torch.cat([embeddings[n] for n in self.query], dim=1)
-        keys = torch.cat([embeddings[n] for n in self.sequence], dim=2)
-        return query, keys, seq_lengths[self.sequence[0]]
+    def forward(self, embeddings, seq_lengths, dense):
+        inputs = self.inputs[0]
+        query = torch.cat([inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.query], dim=1)
+        keys = [inputs.positions(n, embeddings, dense) for n in self.sequence]
+        longest = max(k.shape[1] for k in keys)
+        keys = [k if k.shape[1] == longest else nn.functional.pad(k, (0, 0, 0, longest - k.shape[1])) for k in keys]
+        return query, torch.cat(keys, dim=2), seq_lengths[self.sequence[0]]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config, DeepFMCfg, RawFeatureCfg
-from dynarec.models.blocks import MLP, DeepGroup, masked_mean
+from dynarec.config.schema import Config, DeepFMCfg
+from dynarec.models.blocks import MLP, DeepGroup
+from dynarec.models.features import FeatureInputs
 
 
 class DeepFM(nn.Module):
@@ -26,12 +27,13 @@ class DeepFM(nn.Module):
         fm = [config.model.group(cfg.fm_group)] if cfg.fm_group else [g for g in groups if g.group_type != "wide"]
         if not deep:
             raise ValueError("model.deepfm: needs a deep feature group besides fm_group")
-        first = [DeepGroup(config, g) for g in (wide or groups)]
-        deep_groups = [DeepGroup(config, g) for g in deep]
+        self.inputs = FeatureInputs(config)
+        first = [DeepGroup(config, g, self.inputs) for g in (wide or groups)]
+        deep_groups = [DeepGroup(config, g, self.inputs) for g in deep]
         self.first, self.deep = nn.ModuleList(first), nn.ModuleList(deep_groups)
         self.first_order = nn.Linear(sum(g.out_dim for g in first), 1)
-        self.fm_features = [n for g in fm for n in g.feature_names if not isinstance(config.feature(n), RawFeatureCfg)]
-        dims = {config.feature(n).embedding_dim for n in self.fm_features}
+        self.fm_features = [n for g in fm for n in g.feature_names if self.inputs[n].kind in ("pooled", "sequence")]
+        dims = {self.inputs[n].width for n in self.fm_features}
         if len(dims) != 1:
             raise ValueError(f"model.deepfm: FM needs id features of one embedding dim, got {sorted(dims) or 'none'}")
         self.mlp = MLP(sum(g.out_dim for g in deep_groups), cfg.deep_hidden_units)
@@ -41,13 +43,7 @@ class DeepFM(nn.Module):
 
     def forward(self, embeddings, seq_lengths, dense):
         first = self.first_order(torch.cat([g(embeddings, seq_lengths, dense) for g in self.first], dim=1))
-        v = torch.stack(
-            [
-                embeddings[n] if embeddings[n].dim() == 2 else masked_mean(embeddings[n], seq_lengths[n])
-                for n in self.fm_features
-            ],
-            dim=1,
-        )  # [B, F, D]
+        v = torch.stack([self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.fm_features], dim=1)
         fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1))  # [B, D]
         deep = self.mlp(torch.cat([g(embeddings, seq_lengths, dense) for g in self.deep], dim=1))
         if self.final is not None:

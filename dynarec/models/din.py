@@ -7,19 +7,22 @@ from torch import nn
 
 from dynarec.config.schema import Config, DINCfg
 from dynarec.models.blocks import MLP, DeepGroup, DINAttention, SequenceGroup
+from dynarec.models.features import FeatureInputs
 
 
 class DIN(nn.Module):
     def __init__(self, config: Config, cfg: DINCfg):
         super().__init__()
-        self.seq = SequenceGroup(config, config.model.group(cfg.din_tower.input))
-        self.attention = DINAttention(self.seq.dim, cfg.din_tower.attn_hidden_units, cfg.din_tower.pooling)
-        deep = [DeepGroup(config, g) for g in config.model.feature_groups if g.group_type != "sequence"]
+        self.inputs = FeatureInputs(config)
+        self.seq = SequenceGroup(config, config.model.group(cfg.din_tower.input), self.inputs)
+        tower = cfg.din_tower
+        self.attention = DINAttention(self.seq.dim, tower.attn_hidden_units, tower.pooling, tower.activation)
+        deep = [DeepGroup(config, g, self.inputs) for g in config.model.feature_groups if g.group_type != "sequence"]
         self.deep = nn.ModuleList(deep)
         self.mlp = MLP(2 * self.seq.dim + sum(g.out_dim for g in deep), cfg.deep_hidden_units)
         self.out = nn.Linear(self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
-        query, keys, lengths = self.seq(embeddings, seq_lengths)
+        query, keys, lengths = self.seq(embeddings, seq_lengths, dense)
         parts = [self.attention(query, keys, lengths), query] + [g(embeddings, seq_lengths, dense) for g in self.deep]
         return self.out(self.mlp(torch.cat(parts, dim=1))).squeeze(1)

@@ -7,24 +7,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynarec.config.schema import Config, DLRMCfg, RawFeatureCfg, SequenceFeatureCfg
-from dynarec.models.blocks import MLP, masked_mean
+from dynarec.config.schema import Config, DLRMCfg
+from dynarec.models.blocks import MLP
+from dynarec.models.features import FeatureInputs
 
 
 class DLRM(nn.Module):
     def __init__(self, config: Config, cfg: DLRMCfg):
         super().__init__()
         names = [n for g in config.model.feature_groups for n in g.feature_names]
-        self.dense_names = [n for n in names if isinstance(config.feature(n), RawFeatureCfg)]
-        self.sparse_names = [n for n in names if not isinstance(config.feature(n), RawFeatureCfg)]
-        self.sequence = {n for n in self.sparse_names if isinstance(config.feature(n), SequenceFeatureCfg)}
-        dims = {config.feature(n).embedding_dim for n in self.sparse_names}
+        self.inputs = FeatureInputs(config)
+        self.dense_names = [n for n in names if self.inputs[n].kind in ("dense", "dense_sequence")]
+        self.sparse_names = [n for n in names if self.inputs[n].kind in ("pooled", "sequence")]
+        dims = {self.inputs[n].width for n in self.sparse_names}
         if len(dims) != 1 or not self.dense_names:
             raise ValueError(
                 f"model.dlrm: needs dense features and sparse features of one dim, got dims {sorted(dims)}"
             )
         dim = dims.pop()
-        self.bottom = MLP(len(self.dense_names), [*cfg.bottom_hidden_units, dim])
+        self.bottom = MLP(sum(self.inputs[n].width for n in self.dense_names), [*cfg.bottom_hidden_units, dim])
         n = len(self.sparse_names) + 1
         pairs = torch.triu_indices(n, n, offset=1)
         # Each pair's position in the flattened [n, n] interaction matrix: one index_select, whose
@@ -36,11 +37,10 @@ class DLRM(nn.Module):
         self.out = nn.Linear(self.top.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):
-        x = self.bottom(torch.stack([dense[n] for n in self.dense_names], dim=1))
-        vs = [x] + [
-            masked_mean(embeddings[n], seq_lengths[n]) if n in self.sequence else embeddings[n]
-            for n in self.sparse_names
-        ]
+        x = self.bottom(
+            torch.cat([self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.dense_names], dim=1)
+        )
+        vs = [x] + [self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.sparse_names]
         v = torch.stack(vs, dim=1)  # [B, F + 1, D]
         pairs: torch.Tensor = self.pairs  # type: ignore[assignment]
         inter = torch.bmm(v, v.transpose(1, 2)).flatten(1).index_select(1, pairs)

@@ -8,27 +8,29 @@ from torch import nn
 
 from dynarec.config.schema import Config, MultiTowerDINCfg
 from dynarec.models.blocks import MLP, DeepGroup, DINAttention, SequenceGroup
+from dynarec.models.features import FeatureInputs
 
 
 class MultiTowerDIN(nn.Module):
     def __init__(self, config: Config, cfg: MultiTowerDINCfg):
         super().__init__()
+        self.inputs = FeatureInputs(config)
         self.groups = nn.ModuleDict()
         self.towers = nn.ModuleDict()
         width = 0
         for tower in cfg.towers:
-            group = DeepGroup(config, config.model.group(tower.input))
-            mlp = MLP(group.out_dim, tower.hidden_units)
+            group = DeepGroup(config, config.model.group(tower.input), self.inputs)
+            mlp = MLP(group.out_dim, tower.hidden_units, tower.activation)
             self.groups[tower.input], self.towers[tower.input] = group, mlp
             width += mlp.out_dim
         self.seq_groups = nn.ModuleDict()
         self.din_towers = nn.ModuleDict()
         for din in cfg.din_towers:
-            seq = SequenceGroup(config, config.model.group(din.input))
+            seq = SequenceGroup(config, config.model.group(din.input), self.inputs)
             self.seq_groups[din.input] = seq
-            self.din_towers[din.input] = DINAttention(seq.dim, din.attn_hidden_units, din.pooling)
+            self.din_towers[din.input] = DINAttention(seq.dim, din.attn_hidden_units, din.pooling, din.activation)
             width += 2 * seq.dim  # attention output and the query itself
-        self.final = MLP(width, cfg.final_hidden_units)
+        self.final = MLP(width, cfg.final_hidden_units, cfg.final_activation)
         self.out = nn.Linear(self.final.out_dim, 1)
 
     def forward(
@@ -36,6 +38,6 @@ class MultiTowerDIN(nn.Module):
     ) -> torch.Tensor:
         parts = [self.towers[n](g(embeddings, seq_lengths, dense)) for n, g in self.groups.items()]
         for n, g in self.seq_groups.items():
-            query, keys, lengths = g(embeddings, seq_lengths)
+            query, keys, lengths = g(embeddings, seq_lengths, dense)
             parts += [self.din_towers[n](query, keys, lengths), query]
         return self.out(self.final(torch.cat(parts, dim=1))).squeeze(1)

@@ -8,14 +8,16 @@ from torch import nn
 
 from dynarec.config.schema import Config, WideAndDeepCfg
 from dynarec.models.blocks import MLP, DeepGroup
+from dynarec.models.features import FeatureInputs
 
 
 class WideAndDeep(nn.Module):
     def __init__(self, config: Config, cfg: WideAndDeepCfg):
         super().__init__()
         groups = config.model.feature_groups
-        wide = [DeepGroup(config, g) for g in groups if g.group_type == "wide"]
-        deep = [DeepGroup(config, g) for g in groups if g.group_type == "deep"]
+        self.inputs = FeatureInputs(config)
+        wide = [DeepGroup(config, g, self.inputs) for g in groups if g.group_type == "wide"]
+        deep = [DeepGroup(config, g, self.inputs) for g in groups if g.group_type == "deep"]
         if not wide or not deep:
             raise ValueError("model.wide_and_deep: needs at least one 'wide' and one 'deep' feature group")
         self.wide, self.deep = nn.ModuleList(wide), nn.ModuleList(deep)

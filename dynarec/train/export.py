@@ -130,7 +130,7 @@ def _write_export(
     shapes = (
         {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in emb},
         {k: {0: batch_dim} for k in lengths},
-        {k: {0: batch_dim} for k in dense},
+        {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in dense},
     )
     program = torch.export.export(task.dense.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
     # Serialized in memory first: torch's file writer aborts the process on a failed write (a

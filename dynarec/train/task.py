@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dynarec.config.schema import Config, SequenceFeatureCfg
+from dynarec.config.schema import Config
 from dynarec.data.batch import Batch
 from dynarec.distributed.collection import ShardedEmbeddingCollection
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.embedding.memory import available_memory, format_bytes
+from dynarec.models.features import sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
@@ -91,7 +92,14 @@ class RankingTask(nn.Module):
             )
             ddp.register_comm_hook(self.ctx.group, _allreduce_sum_hook)
             self._dense_forward = ddp
-        self.sequence_features = [f.feature_name for f in config.features() if isinstance(f, SequenceFeatureCfg)]
+        self.sequence_features = sequence_names(config)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        return self._dense_forward(*model_inputs(self.embeddings, batch, self.sequence_features, self.device))
+    def forward(self, batch: Batch, low_precision: bool = False) -> torch.Tensor:
+        """``[B]`` float32 logits; ``low_precision``: the dense model in bfloat16 (autocast: the
+        embeddings are looked up and the logits returned in float32)."""
+        inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device)
+        if not low_precision:
+            return self._dense_forward(*inputs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            logits = self._dense_forward(*inputs)
+        return logits.float()

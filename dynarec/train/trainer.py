@@ -123,7 +123,11 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of this step (every rank calls it: each writes the tables it holds, a
-        data-parallel table only once)."""
+        data-parallel table only once). Dense gradients accumulated since the last dense step
+        (train.gradient_accumulation_steps) are applied first: a checkpoint holds no pending
+        gradient, so a run resumed from it continues exactly."""
+        if self.step % self.config.train.gradient_accumulation_steps:
+            self._dense_step()
         tables = {
             name: t.dump()
             for name, t in self.task.embeddings.tables.items()
@@ -215,7 +219,8 @@ class Trainer:
             ) from None
 
     def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
-        logits = self.task(batch)
+        train = self.config.train
+        logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
         labels = batch.labels.to(self.device, non_blocking=True)
         global_rows = global_rows or batch.num_rows
         loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / global_rows
@@ -236,11 +241,21 @@ class Trainer:
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the fused sparse optimizer updates the touched rows here
-        self.dense_optimizer.step()
+        accumulate = train.gradient_accumulation_steps
+        (loss / accumulate).backward()  # the fused sparse optimizer updates the touched rows here
         self.step += 1
+        if self.step % accumulate == 0:
+            self._dense_step()
         return loss.detach()
+
+    def _dense_step(self) -> None:
+        """The dense optimizer's step on the gradients summed since the last one (clipped first
+        when train.gradient_clipping says so), then zeroed."""
+        clipping = self.config.train.gradient_clipping
+        if clipping is not None:
+            nn.utils.clip_grad_norm_(self.task.dense.parameters(), clipping.max_norm, clipping.norm_type)
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
         """Trains to ``num_steps`` (or ``num_epochs``), evaluating and checkpointing on the way;
@@ -313,7 +328,9 @@ class Trainer:
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
                 self.log.eval(self.step, self.evaluate())
                 evaluated_at = self.step
-            if cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0:
+            epochs = cfg.train.save_checkpoints_epochs
+            epoch_done = epochs is not None and self.position.row == 0 and self.position.epoch % epochs == 0
+            if (cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0) or epoch_done:
                 self.save()
                 saved_at = self.step
                 self.log.line(self.step, "checkpoint saved")

@@ -92,5 +92,61 @@ def test_din_attention_ignores_padding(pooling):
 def test_sequence_group_dims_must_match():
     c = config_dict()
     c["model"]["feature_groups"][2]["feature_names"] = ["item_id", "hist_item_id", "hist_cate_id"]
-    with pytest.raises(ValueError, match="query dims add up to 8 but sequence dims to 12"):
+    with pytest.raises(ValueError, match="query widths add up to 8 but sequence widths to 12"):
         build_model(config_from_dict(c))
+
+
+def test_autodis_is_torcheasyrecs_formula():
+    """AutoDis of one number a row against TorchEasyRec's einsum form (n = 1 feature)."""
+    from dynarec.models.features import AutoDisEmbedding
+
+    torch.manual_seed(0)
+    m = AutoDisEmbedding(dim=6, num_channels=3, temperature=0.1, keep_prob=0.8)
+    x = torch.tensor([0.5, -1.0, 2.0])
+    w, mm, meta = m.proj_w[None], m.proj_m[None], m.meta[None]  # [n=1, ...]
+    hidden = torch.nn.functional.leaky_relu(torch.einsum("nc,bn->bnc", w, x[:, None]))
+    x_bar = torch.einsum("nij,bnj->bni", mm, hidden) + 0.8 * hidden
+    want = torch.einsum("ncd,bnc->bnd", meta, torch.softmax(x_bar / 0.1, dim=-1)).reshape(3, 6)
+    torch.testing.assert_close(m(x), want)
+
+
+def test_mlp_embedding_is_a_linear_map_without_bias():
+    from dynarec.models.features import MLPEmbedding
+
+    torch.manual_seed(0)
+    m = MLPEmbedding(dim=5, value_dim=4)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(m(x), x @ m.proj_w)
+    one = MLPEmbedding(dim=5, value_dim=1)
+    torch.testing.assert_close(one(torch.tensor([2.0])), 2.0 * one.proj_w)
+
+
+def test_dice_gates_between_x_and_alpha_x_and_uses_running_statistics_in_eval():
+    from dynarec.models.blocks import Dice
+
+    torch.manual_seed(0)
+    d = Dice(4)
+    with torch.no_grad():
+        d.alpha.fill_(0.25)
+    x = torch.randn(16, 4)
+    p = torch.sigmoid((x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + d.bn.eps))
+    torch.testing.assert_close(d(x), p * x + (1 - p) * 0.25 * x)
+    seq = torch.randn(3, 5, 4)  # [B, L, units]: statistics over every row and position
+    flat = seq.reshape(-1, 4)
+    p3 = torch.sigmoid((flat - flat.mean(0)) / torch.sqrt(flat.var(0, unbiased=False) + d.bn.eps)).reshape(3, 5, 4)
+    torch.testing.assert_close(d(seq), p3 * seq + (1 - p3) * 0.25 * seq)
+    d.eval()
+    one, many = d(x[:1]), d(x)[:1]
+    torch.testing.assert_close(one, many)  # eval: a row's output depends on that row alone
+
+
+def test_towers_and_attention_take_dice():
+    c = model_config("multi_tower_din").model_dump(mode="json")
+    c["model"]["multi_tower_din"]["towers"][0]["activation"] = "dice"
+    c["model"]["multi_tower_din"]["din_towers"][0]["activation"] = "dice"
+    model = build_model(config_from_dict(c))
+    from dynarec.models.blocks import Dice
+
+    assert sum(isinstance(m, Dice) for m in model.modules()) == 2
+    emb, lengths, dense = inputs()
+    assert torch.isfinite(model(emb, lengths, dense)).all()

@@ -142,3 +142,76 @@ def test_cached_epochs_train_on_the_first_epochs_batches_with_the_same_result(tm
         dumps[cache] = {name: t.dump() for name, t in trainer.task.embeddings.tables.items()}
     for name, dump in dumps[False].items():
         assert all(torch.equal(v, dumps[True][name][k]) for k, v in dump.items()), name
+
+
+def _training_data(tmp_path, n=400):
+    rng = np.random.default_rng(1)
+    table = pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10**9, n), "clk": rng.integers(0, 2, n)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    return tmp_path / "t.parquet"
+
+
+def _dense_params(trainer):
+    return [p.detach().clone() for p in trainer.task.dense.parameters()]
+
+
+def test_gradient_clipping_bounds_the_dense_step(tmp_path):
+    path = _training_data(tmp_path)
+    moved = {}
+    for clip in (None, {"max_norm": 1e-3}):
+        train = {"num_steps": 1, "dense_optimizer": {"sgd_optimizer": {"lr": 1.0}}}
+        if clip:
+            train["gradient_clipping"] = clip
+        trainer = Trainer(small_config(path, **train), tmp_path / f"m{bool(clip)}", progress=False)
+        before = _dense_params(trainer)
+        batch, trainer.position, rows = next(trainer.input.batches(trainer.position))
+        trainer.train_step(batch, rows)
+        moved[bool(clip)] = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(_dense_params(trainer), before)))
+    assert moved[True] <= 1e-3 * (1 + 1e-5) < moved[False]
+
+
+def test_gradient_accumulation_steps_the_dense_model_every_n_steps_and_the_tables_every_step(tmp_path):
+    path = _training_data(tmp_path)
+    config = small_config(
+        path, num_steps=4, gradient_accumulation_steps=2, dense_optimizer={"sgd_optimizer": {"lr": 0.5}}
+    )
+    trainer = Trainer(config, tmp_path / "m", progress=False)
+    batches = trainer.input.batches(trainer.position)
+    item = trainer.task.embeddings.tables["item"]
+    history = []
+    for _ in range(3):
+        batch, trainer.position, rows = next(batches)
+        dense, rows_before = _dense_params(trainer), item.dump()["weight"].clone()
+        trainer.train_step(batch, rows)
+        dense_moved = any(not torch.equal(a, b) for a, b in zip(_dense_params(trainer), dense))
+        history.append((dense_moved, not torch.equal(item.dump()["weight"], rows_before)))
+    assert history == [(False, True), (True, True), (False, True)]
+    before = _dense_params(trainer)
+    trainer.save()  # a checkpoint holds no pending gradient: the third step's is applied first
+    assert any(not torch.equal(a, b) for a, b in zip(_dense_params(trainer), before))
+
+
+def test_bf16_mixed_precision_runs_the_dense_model_in_bfloat16_and_keeps_the_tables_float32(tmp_path):
+    path = _training_data(tmp_path)
+    seen = []
+    losses = {}
+    for precision in (None, "bf16"):
+        train = {"num_steps": 3} | ({"mixed_precision": precision} if precision else {})
+        trainer = Trainer(small_config(path, **train), tmp_path / f"m{precision}", progress=False)
+        hook = trainer.task.dense.register_forward_hook(lambda m, i, o: seen.append(torch.get_autocast_dtype("cpu")))
+        report = trainer.fit()
+        hook.remove()
+        losses[precision] = trainer.log.history["train_loss"][-1][1]
+        assert report["step"] == 3
+        assert all(t.dump()["weight"].dtype == torch.float32 for t in trainer.task.embeddings.tables.values())
+        assert np.isfinite(losses[precision])
+    assert losses["bf16"] != losses[None]  # the dense model ran in another precision
+    assert abs(losses["bf16"] - losses[None]) < 0.05
+
+
+def test_save_checkpoints_epochs_writes_one_at_every_epochs_end(tmp_path):
+    path = _training_data(tmp_path)  # 400 rows: 4 steps an epoch
+    config = small_config(path, num_epochs=3, save_checkpoints_epochs=1, keep_checkpoints=10)
+    trainer = Trainer(config, tmp_path / "m", progress=False)
+    trainer.fit()
+    assert [p.name for p in trainer.checkpoints.list()] == [f"ckpt-{s:010d}" for s in (4, 8, 12)]
