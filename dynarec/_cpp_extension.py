@@ -38,12 +38,14 @@ class CppExtension:
     ldflags: Sequence[str] = ()
 
     def build_directory(self) -> str:
-        """Under torch's extensions root: one directory per Python environment, torch version and
-        source tree (the sources' absolute paths)."""
+        """Under torch's extensions root: one directory per Python environment, torch version,
+        source tree (the sources' absolute paths) and compiler and linker flags (a flag changed
+        builds apart, never over a build another checkout loads)."""
         import torch
         from torch.utils.cpp_extension import get_default_build_root
 
-        key = "|".join([sys.prefix, torch.__version__, *(os.path.abspath(s) for s in self.sources)])
+        sources = [os.path.abspath(s) for s in self.sources]
+        key = "|".join([sys.prefix, torch.__version__, *sources, *self.cflags, "|", *self.ldflags])
         return os.path.join(get_default_build_root(), f"{self.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
     def build(self, verbose: bool = False) -> ModuleType:

@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_non_negative, check_positive
-from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
+from dynarec.optim.kernel import KernelArgs, KernelCode, native_update_of
+from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 
 __all__ = ["Adagrad"]
 
@@ -40,28 +41,23 @@ class Adagrad(OptimizerSpec):
 
 
 @torch.no_grad()
-def native_update(spec: Adagrad, *, lr, step, weight, states, rows, grad) -> None:
-    w = weight.index_select(0, rows)
-    h = states["momentum1"].index_select(0, rows).addcmul_(grad, grad)
-    states["momentum1"].index_copy_(0, rows, h)
-    w.addcdiv_(grad, h.sqrt_().add_(spec.eps), value=-lr)
-    weight.index_copy_(0, rows, w)
-
-
-@torch.no_grad()
 def reference_update(spec: Adagrad, *, lr, step, w, states, g) -> None:
     h = states["momentum1"]
     h += g * g
     w -= lr * g / (torch.sqrt(h) + spec.eps)
 
 
+def kernel_args(spec: Adagrad, step: int) -> KernelArgs:
+    return KernelArgs(KernelCode.ADAGRAD, eps=spec.eps)
+
+
 register(
     OptimizerDef(
         spec=Adagrad,
         yaml_key="adagrad_optimizer",
-        native_update=native_update,
+        native_update=native_update_of(kernel_args),
         reference_update=reference_update,
         fbgemm=lambda spec: FbgemmMapping("EXACT_ADAGRAD", {"eps": spec.eps}),
-        kernel=lambda spec, step: KernelArgs(1, eps=spec.eps),
+        kernel=kernel_args,
     )
 )

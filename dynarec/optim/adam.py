@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_finite, check_non_negative, check_positive
-from dynarec.optim.registry import KernelArgs, OptimizerDef, register
+from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode, native_update_of
+from dynarec.optim.registry import OptimizerDef, register
 
 __all__ = ["Adam"]
 
@@ -47,23 +48,6 @@ class Adam(OptimizerSpec):
 
 
 @torch.no_grad()
-def native_update(spec: Adam, *, lr, step, weight, states, rows, grad) -> None:
-    w = weight.index_select(0, rows)
-    b1, b2 = spec.beta1, spec.beta2
-    m = states["momentum1"].index_select(0, rows).mul_(b1).add_(grad, alpha=1.0 - b1)
-    v = states["momentum2"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-    states["momentum1"].index_copy_(0, rows, m)
-    states["momentum2"].index_copy_(0, rows, v)
-    m_hat = m / (1.0 - b1**step)
-    v_hat = v / (1.0 - b2**step)
-    update = m_hat / (v_hat.sqrt() + spec.eps)
-    if spec.weight_decay > 0:
-        update.add_(w, alpha=spec.weight_decay)
-    w.sub_(update, alpha=lr)
-    weight.index_copy_(0, rows, w)
-
-
-@torch.no_grad()
 def reference_update(spec: Adam, *, lr, step, w, states, g) -> None:
     m, v = states["momentum1"], states["momentum2"]
     m.copy_(spec.beta1 * m + (1 - spec.beta1) * g)
@@ -75,10 +59,10 @@ def reference_update(spec: Adam, *, lr, step, w, states, g) -> None:
 
 def kernel_args(spec: Adam, step: int) -> KernelArgs:
     return KernelArgs(
-        3,
+        KernelCode.ADAM,
         eps=spec.eps,
         weight_decay=spec.weight_decay,
-        weight_decay_mode=2 if spec.weight_decay > 0 else 0,
+        weight_decay_mode=WeightDecayCode.DECOUPLED if spec.weight_decay > 0 else WeightDecayCode.NONE,
         beta1=spec.beta1,
         beta2=spec.beta2,
         bias1=1.0 - spec.beta1**step,
@@ -90,7 +74,7 @@ register(
     OptimizerDef(
         spec=Adam,
         yaml_key="adam_optimizer",
-        native_update=native_update,
+        native_update=native_update_of(kernel_args),
         reference_update=reference_update,
         fbgemm="FBGEMM's CPU TBE refuses Adam",
         kernel=kernel_args,

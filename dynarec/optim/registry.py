@@ -6,15 +6,19 @@ generates every kernel of an optimizer from one template):
 - ``spec``: the spec class (its fields, validation and state layout, ``state_specs()``);
 - ``yaml_key``: its block name in a config (``adagrad_optimizer``); the YAML schema's keys and
   their allowed fields derive from the registry;
-- ``native_update``: the fused update every native row store runs (CPU and CUDA);
+- ``native_update``: the fused update every native row store runs (CPU and CUDA) where the
+  kernels do not;
 - ``reference_update``: the plain per-row reference the tests hold every backend to;
 - ``fbgemm``: how FBGEMM's TBE is configured for it, or the reason the fbgemm backend refuses it;
-- ``kernel``: the slot for the device kernels (``dynarec.kernels``: Triton on GPUs, C++ on CPUs):
-  how their fused backward + update template runs this optimizer (:class:`KernelArgs`); None:
-  the native update runs on every device.
+- ``kernel``: how the fused update kernels (``torch.ops.dynarec.bag_update``: C++ on CPUs, Triton
+  on GPUs) run this optimizer for a step (:class:`~dynarec.optim.kernel.KernelArgs`: its
+  :class:`~dynarec.optim.kernel.KernelCode` and scalars); None: the native update runs on every
+  device.
 
-Adding an optimizer is one ``register(OptimizerDef(...))`` call. Nothing else in dynarec
-switches on the spec's type.
+Adding an optimizer without kernels is one ``register(OptimizerDef(...))`` call; nothing else in
+dynarec switches on the spec's type. One with kernels also needs its code's case in each twin of
+the update (:mod:`dynarec.optim.kernel` says where); its ``native_update`` is then
+``native_update_of(kernel)``, that code's torch case.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Optional, Union
 import torch
 
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.kernel import KernelArgs
 
 __all__ = [
     "FbgemmMapping",
@@ -65,22 +70,6 @@ class FbgemmMapping:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     weight_decay_mode: Optional[str] = None
     needs_generic_path: bool = False
-
-
-@dataclass(frozen=True)
-class KernelArgs:
-    """How the device kernels' fused update template runs an optimizer for one step: its code
-    (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam) and scalars. ``weight_decay_mode``: 0 none,
-    1 l2, 2 decoupled; ``bias1`` / ``bias2``: Adam's ``1 - beta^t`` of this step."""
-
-    code: int
-    eps: float = 0.0
-    weight_decay: float = 0.0
-    weight_decay_mode: int = 0
-    beta1: float = 0.0
-    beta2: float = 0.0
-    bias1: float = 1.0
-    bias2: float = 1.0
 
 
 @dataclass(frozen=True)

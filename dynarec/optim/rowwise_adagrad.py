@@ -12,7 +12,8 @@ from typing import Literal, get_args
 import torch
 
 from dynarec.optim.base import OptimizerSpec, StateSpec, check_non_negative, check_positive
-from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
+from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode, native_update_of
+from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 
 __all__ = ["WEIGHT_DECAY_MODES", "RowWiseAdagrad", "WeightDecayMode"]
 
@@ -49,20 +50,6 @@ class RowWiseAdagrad(OptimizerSpec):
 
 
 @torch.no_grad()
-def native_update(spec: RowWiseAdagrad, *, lr, step, weight, states, rows, grad) -> None:
-    w = weight.index_select(0, rows)
-    wd, mode = spec.weight_decay, spec.weight_decay_mode
-    g = grad + wd * w if (mode == "l2" and wd > 0) else grad
-    h = states["momentum1"].index_select(0, rows).add_((g * g).mean(dim=1, keepdim=True))
-    states["momentum1"].index_copy_(0, rows, h)
-    multiplier = lr / (h.sqrt() + spec.eps)
-    if mode == "decoupled" and wd > 0:
-        w.mul_(1.0 - lr * wd)
-    w.sub_(multiplier * g)
-    weight.index_copy_(0, rows, w)
-
-
-@torch.no_grad()
 def reference_update(spec: RowWiseAdagrad, *, lr, step, w, states, g) -> None:
     wd, mode = spec.weight_decay, spec.weight_decay_mode
     g_used = g + wd * w if mode == "l2" else g
@@ -76,8 +63,8 @@ def reference_update(spec: RowWiseAdagrad, *, lr, step, w, states, g) -> None:
 
 
 def kernel_args(spec: RowWiseAdagrad, step: int) -> KernelArgs:
-    mode = {"none": 0, "l2": 1, "decoupled": 2}[spec.weight_decay_mode] if spec.weight_decay > 0 else 0
-    return KernelArgs(2, eps=spec.eps, weight_decay=spec.weight_decay, weight_decay_mode=mode)
+    mode = WeightDecayCode[spec.weight_decay_mode.upper()] if spec.weight_decay > 0 else WeightDecayCode.NONE
+    return KernelArgs(KernelCode.ROWWISE_ADAGRAD, eps=spec.eps, weight_decay=spec.weight_decay, weight_decay_mode=mode)
 
 
 def fbgemm_mapping(spec: RowWiseAdagrad) -> FbgemmMapping:
@@ -95,7 +82,7 @@ register(
     OptimizerDef(
         spec=RowWiseAdagrad,
         yaml_key="rowwise_adagrad_optimizer",
-        native_update=native_update,
+        native_update=native_update_of(kernel_args),
         reference_update=reference_update,
         fbgemm=fbgemm_mapping,
         kernel=kernel_args,

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.registry import FbgemmMapping, KernelArgs, OptimizerDef, register
+from dynarec.optim.kernel import KernelArgs, KernelCode, native_update_of
+from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 
 __all__ = ["SGD"]
 
@@ -18,22 +19,21 @@ class SGD(OptimizerSpec):
 
 
 @torch.no_grad()
-def native_update(spec: SGD, *, lr, step, weight, states, rows, grad) -> None:
-    weight.index_add_(0, rows, grad, alpha=-lr)
-
-
-@torch.no_grad()
 def reference_update(spec: SGD, *, lr, step, w, states, g) -> None:
     w -= lr * g
+
+
+def kernel_args(spec: SGD, step: int) -> KernelArgs:
+    return KernelArgs(KernelCode.SGD)
 
 
 register(
     OptimizerDef(
         spec=SGD,
         yaml_key="sgd_optimizer",
-        native_update=native_update,
+        native_update=native_update_of(kernel_args),
         reference_update=reference_update,
         fbgemm=lambda spec: FbgemmMapping("EXACT_SGD"),
-        kernel=lambda spec, step: KernelArgs(0),
+        kernel=kernel_args,
     )
 )

@@ -17,8 +17,10 @@ from dynarec.kernels import gpu
 from dynarec.kernels.gpu import hashing as gpu_hashing
 from dynarec.kernels.gpu import plan as gpu_plan
 from dynarec.kernels.gpu import update as gpu_update
-from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition, registered
 from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
+from dynarec.optim.kernel import KernelCode
+from dynarec.optim.reference import reference_update
 
 SPECS = [
     SGD(lr=0.3),
@@ -304,3 +306,32 @@ def check_update(
     torch.testing.assert_close(w, w_ref, **tol)
     for k in states:
         torch.testing.assert_close(states[k], states_ref[k], **tol)
+
+
+def kernel_specs():
+    """A spec of every registered optimizer with kernels (``OptimizerDef.kernel``): its defaults,
+    lr 0.1."""
+    return [d.spec(lr=0.1) for d in registered() if d.kernel is not None]  # type: ignore[call-arg]
+
+
+def check_registered_kernel(device, spec, update, dim=6, steps=2, num_rows=30):
+    """``update`` (a fused update kernel, ``(KernelArgs, *, lr, weight, states, rows, offsets,
+    per_sample_weights, grad_out)``) runs ``spec``'s kernel code as the optimizer's per-row
+    ``reference_update`` does, over ``steps`` steps of weighted bags with repeated rows."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(num_rows, dim, generator=g)
+    states = {s.name: torch.full((num_rows, s.width(dim)), s.initial_value) for s in spec.state_specs()}
+    w_ref, states_ref = weight.clone(), {k: v.clone() for k, v in states.items()}
+    weight, states = weight.to(device), {k: v.to(device) for k, v in states.items()}
+    for step in range(1, steps + 1):
+        rows, offsets, psw = random_bags("cpu", num_rows=num_rows, bags=10, dim=dim, seed=step)
+        grad_out = torch.randn(offsets.numel() - 1, dim, generator=g)
+        args = definition(spec).kernel(spec, step)
+        assert KernelCode(args.code) in KernelCode
+        update(args, lr=spec.lr, weight=weight, states=states, rows=rows.to(device), offsets=offsets.to(device),
+               per_sample_weights=psw.to(device), grad_out=grad_out.to(device))  # fmt: skip
+        dense = torch.zeros(num_rows, dim).index_add_(0, rows, bag_gradients(grad_out, offsets, psw, rows.numel()))
+        reference_update(spec, lr=spec.lr, step=step, weight=w_ref, states=states_ref, touched=rows, dense_grad=dense)
+    torch.testing.assert_close(weight.cpu(), w_ref, rtol=1e-5, atol=1e-6)
+    for k in states:
+        torch.testing.assert_close(states[k].cpu(), states_ref[k], rtol=1e-5, atol=1e-6)

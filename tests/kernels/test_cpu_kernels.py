@@ -8,6 +8,7 @@ from dynarec.embedding.initializers import Initializer, _uniform01, uniform01_re
 from dynarec.embedding.key_hash import candidate_buckets, candidate_buckets_reference
 from dynarec.kernels import cpu
 from dynarec.optim.fused import bag_gradients, fused_row_update
+from dynarec.optim.kernel import KernelArgs
 from dynarec.optim.registry import definition
 from tests.kernels import gpu_checks
 from tests.matrix import needs_cpu_kernels
@@ -63,6 +64,20 @@ def test_initializers_equal_their_reference(monkeypatch):
 def test_fused_bag_update_equals_torch_aggregation_and_native_update(spec, weighted):
     gpu_checks.check_update("cpu", spec, weighted=weighted, update=cpu.bag_update)
     gpu_checks.check_update("cpu", spec, dim=5, weighted=weighted, update=cpu.bag_update)
+
+
+@pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
+def test_every_registered_optimizer_with_kernels_runs_in_the_cpp_update_as_its_reference(spec):
+    gpu_checks.check_registered_kernel("cpu", spec, cpu.bag_update)
+
+
+def test_the_cpp_update_refuses_a_code_it_has_no_case_for_and_writes_nothing():
+    weight, rows, offsets = torch.ones(4, 2), torch.tensor([0, 1]), torch.tensor([0, 2])
+    for args in (KernelArgs(code=99), KernelArgs(code=0, weight_decay_mode=7)):  # type: ignore[arg-type]
+        with pytest.raises(NotImplementedError, match="the C\\+\\+ extension has no case for kernel code"):
+            cpu.bag_update(args, lr=0.1, weight=weight, states={}, rows=rows, offsets=offsets,
+                           per_sample_weights=None, grad_out=torch.ones(1, 2))  # fmt: skip
+    assert torch.equal(weight, torch.ones(4, 2))
 
 
 @pytest.mark.parametrize("high", [1, 2, 2**11, 2**11 + 1, 2**22 + 5, 2**40, 2**62])
@@ -135,3 +150,13 @@ def test_the_extension_is_built_in_a_directory_of_this_environment_and_source_tr
     assert cpu.build_directory() == here
     monkeypatch.setattr("sys.prefix", "/elsewhere/.venv")
     assert cpu.build_directory() != here
+
+
+def test_the_build_directory_follows_the_compiler_flags():
+    """The kernel codes are -D flags: other codes are another build, never the cached one."""
+    import dataclasses
+
+    extension = cpu._EXTENSION
+    assert any(f.startswith("-DDYNAREC_KERNEL_ADAM=") for f in extension.cflags)
+    other = dataclasses.replace(extension, cflags=(*extension.cflags, "-DDYNAREC_KERNEL_LAMB=4"))
+    assert other.build_directory() != extension.build_directory()

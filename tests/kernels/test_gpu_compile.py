@@ -6,6 +6,7 @@ are compiled once; the signatures are the launches' (pointer dtypes, int and flo
 import pytest
 
 from dynarec.kernels import gpu
+from dynarec.optim.kernel import KernelCode, WeightDecayCode
 
 pytestmark = [
     pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed"),
@@ -24,8 +25,12 @@ UPDATE = dict(
 CROSSING = dict(
     weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **SCALARS
 )
-# (optimizer code, weight-decay mode) of every registered optimizer setting
-OPTIMIZERS = [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0), (3, 2)]
+# (optimizer code, weight-decay mode): every code without weight decay, and the modes each offers
+OPTIMIZERS = [(int(code), int(WeightDecayCode.NONE)) for code in KernelCode] + [
+    (int(KernelCode.ROWWISE_ADAGRAD), int(WeightDecayCode.L2)),
+    (int(KernelCode.ROWWISE_ADAGRAD), int(WeightDecayCode.DECOUPLED)),
+    (int(KernelCode.ADAM), int(WeightDecayCode.DECOUPLED)),
+]
 
 
 def kernels():

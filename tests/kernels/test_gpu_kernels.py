@@ -102,6 +102,28 @@ def test_pooled_forward(dim, weighted, max_len):
 KERNELS = ["run", "scan"]
 
 
+@pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
+def test_every_registered_optimizer_with_kernels_runs_in_the_triton_update_as_its_reference(spec):
+    gpu_checks.check_registered_kernel(DEVICE, spec, gpu.bag_update)
+
+
+def test_the_triton_update_has_no_case_for_an_unknown_code():
+    """A code without its case in ``_apply_update`` stops the kernel's compilation (under the
+    interpreter: its run) with the static assertion's message, somewhere in the error's causes."""
+    from dynarec.optim.kernel import KernelArgs
+
+    weight = torch.ones(4, 2, device=DEVICE)
+    with pytest.raises(Exception) as caught:
+        gpu.bag_update(KernelArgs(code=99), lr=0.1, weight=weight, states={}, rows=torch.tensor([0, 1], device=DEVICE),
+                       offsets=torch.tensor([0, 2], device=DEVICE), per_sample_weights=None,
+                       grad_out=torch.ones(1, 2, device=DEVICE))  # type: ignore[arg-type]  # fmt: skip
+    messages, error = [], caught.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("no case for this kernel code" in m for m in messages), messages
+
+
 def test_the_update_tuning_follows_the_row_width():
     tuning = gpu_update.Tuning()
     assert [tuning.kernel_for(_triton.row_block(d)) for d in (8, 32, 33, 64, 128)] == [

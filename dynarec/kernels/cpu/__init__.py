@@ -16,16 +16,18 @@ from types import ModuleType
 from typing import Optional
 
 from dynarec._cpp_extension import CppExtension
+from dynarec.optim.kernel import cpp_defines
 
 __all__ = ["available", "bag_update", "build", "build_directory", "ops"]
 
-# -fopenmp: ATen's parallel_for runs on OpenMP threads only in code compiled with it.
+# -fopenmp: ATen's parallel_for runs on OpenMP threads only in code compiled with it. The update's
+# optimizer codes come from dynarec.optim.kernel, as -D flags.
 _EXTENSION = CppExtension(
     name="dynarec_cpu_ops",
     sources=[os.path.join(os.path.dirname(__file__), "ops.cpp")],
     what="dynarec's CPU kernels",
     fallback="using the plain-torch path",
-    cflags=("-O3", "-fopenmp"),
+    cflags=("-O3", "-fopenmp", *cpp_defines()),
     ldflags=("-fopenmp",),
 )
 
@@ -67,8 +69,8 @@ def bag_update(
         rows.contiguous(),
         offsets.contiguous(),
         per_sample_weights,
-        args.code,
-        args.weight_decay_mode,
+        int(args.code),
+        int(args.weight_decay_mode),
         float(lr),
         args.eps,
         args.weight_decay,
@@ -79,6 +81,11 @@ def bag_update(
         None if row_scores is None else row_scores.scores,
         0 if row_scores is None else int(row_scores.value),
     )
+    if negative == -2:
+        raise NotImplementedError(
+            f"fused_bag_update: the C++ extension has no case for kernel code {int(args.code)} with weight decay "
+            f"mode {int(args.weight_decay_mode)}"
+        )
     if negative >= 0:
         raise ValueError(
             f"fused_bag_update: row {int(rows[negative])} at position {negative} is negative; nothing was written"

@@ -18,6 +18,14 @@
 #include <emmintrin.h>
 #endif
 
+// The fused update's optimizer and weight-decay codes: dynarec.optim.kernel's KernelCode and
+// WeightDecayCode, passed as -D flags by dynarec/kernels/cpu/__init__.py (cpp_defines()).
+#if !defined(DYNAREC_KERNEL_SGD) || !defined(DYNAREC_KERNEL_ADAGRAD) || !defined(DYNAREC_KERNEL_ROWWISE_ADAGRAD) || \
+    !defined(DYNAREC_KERNEL_ADAM) || !defined(DYNAREC_WEIGHT_DECAY_NONE) || !defined(DYNAREC_WEIGHT_DECAY_L2) ||  \
+    !defined(DYNAREC_WEIGHT_DECAY_DECOUPLED)
+#error "compile with dynarec.optim.kernel.cpp_defines()"
+#endif
+
 namespace {
 
 // SplitMix64's finalizer (a bijection on 64 bits), as dynarec.embedding.initializers.mix64.
@@ -224,24 +232,97 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
   return -1;
 }
 
-// The fused backward + update of weighted-sum bags (dynarec.optim.fused.fused_bag_update): the
-// ids sorted once by row (stable); each run of equal rows sums its occurrences' gradients
-// (psw[i] * grad_out[bag(i)], in sorted order) and applies the optimizer to the row's weight and
-// states in place. No [n, D] or [U, D] intermediate; rows are independent, so threads split
-// them with no atomics. opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam; wd_mode: 0 none, 1 l2,
-// 2 decoupled. scores (int64, optional): scores[row] = score for each updated row (RowScores).
-// Mirrors dynarec/kernels/gpu.py's _update_kernel.
-// Returns -1, or the position of a negative row (then nothing is written).
+namespace {
+
+// Whether the update has a case for optimizer `opt` with weight-decay mode `wd_mode`.
+bool known_update(int64_t opt, int64_t wd_mode) {
+  switch (opt) {
+    case DYNAREC_KERNEL_SGD:
+    case DYNAREC_KERNEL_ADAGRAD:
+    case DYNAREC_KERNEL_ROWWISE_ADAGRAD:
+    case DYNAREC_KERNEL_ADAM:
+      break;
+    default:
+      return false;
+  }
+  return wd_mode == DYNAREC_WEIGHT_DECAY_NONE || wd_mode == DYNAREC_WEIGHT_DECAY_L2 ||
+         wd_mode == DYNAREC_WEIGHT_DECAY_DECOUPLED;
+}
+
+// The optimizer's scalars rounded to float32 the way torch rounds them in the native update (its
+// ``alpha`` and ``value`` arguments are computed in double, then cast), so both give the same bits.
+struct UpdateScalars {
+  float lr, eps, wd, beta1, beta2, c1, c2, decay, bias1, bias2;
+  UpdateScalars(double lr_, double eps_, double wd_, double beta1_, double beta2_, double bias1_, double bias2_)
+      : lr(static_cast<float>(lr_)), eps(static_cast<float>(eps_)), wd(static_cast<float>(wd_)),
+        beta1(static_cast<float>(beta1_)), beta2(static_cast<float>(beta2_)), c1(static_cast<float>(1.0 - beta1_)),
+        c2(static_cast<float>(1.0 - beta2_)), decay(static_cast<float>(1.0 - lr_ * wd_)),
+        bias1(static_cast<float>(bias1_)), bias2(static_cast<float>(bias2_)) {}
+};
+
+// One row's update from its aggregated gradient g[D] (gu: scratch of D floats); one case per
+// optimizer code (dynarec.optim.kernel.update_rows is the torch twin, _apply_update the Triton one).
+inline void update_row(int64_t opt, int64_t wd_mode, const UpdateScalars& k, int64_t row, int64_t D, const float* g,
+                       float* gu, float* w, float* s1, float* s2) {
+  switch (opt) {
+    case DYNAREC_KERNEL_SGD:
+      for (int64_t d = 0; d < D; ++d) w[d] -= k.lr * g[d];
+      break;
+    case DYNAREC_KERNEL_ADAGRAD: {
+      float* h = s1 + row * D;
+      for (int64_t d = 0; d < D; ++d) {
+        h[d] += g[d] * g[d];
+        w[d] -= k.lr * g[d] / (std::sqrt(h[d]) + k.eps);
+      }
+      break;
+    }
+    case DYNAREC_KERNEL_ROWWISE_ADAGRAD: {
+      float sq = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        gu[d] = wd_mode == DYNAREC_WEIGHT_DECAY_L2 ? g[d] + k.wd * w[d] : g[d];
+        sq += gu[d] * gu[d];
+      }
+      float& h = s1[row];
+      h += sq / static_cast<float>(D);
+      const float m = k.lr / (std::sqrt(h) + k.eps);
+      for (int64_t d = 0; d < D; ++d)
+        w[d] = wd_mode == DYNAREC_WEIGHT_DECAY_DECOUPLED ? k.decay * w[d] - m * g[d] : w[d] - m * gu[d];
+      break;
+    }
+    case DYNAREC_KERNEL_ADAM: {
+      float* m1 = s1 + row * D;
+      float* m2 = s2 + row * D;
+      for (int64_t d = 0; d < D; ++d) {
+        m1[d] = m1[d] * k.beta1 + k.c1 * g[d];
+        m2[d] = m2[d] * k.beta2 + k.c2 * g[d] * g[d];
+        float upd = (m1[d] / k.bias1) / (std::sqrt(m2[d] / k.bias2) + k.eps);
+        if (wd_mode == DYNAREC_WEIGHT_DECAY_DECOUPLED) upd += k.wd * w[d];
+        w[d] -= k.lr * upd;
+      }
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+// The fused backward + update of weighted-sum bags (the dynarec::bag_update op): the ids sorted
+// once by row (stable); each run of equal rows sums its occurrences' gradients (psw[i] *
+// grad_out[bag(i)], in sorted order) and applies the optimizer `opt` (a KernelCode, weight decay
+// `wd_mode` a WeightDecayCode) to the row's weight and states in place. No [n, D] or [U, D]
+// intermediate; rows are independent, so threads split them with no atomics. scores (int64,
+// optional): scores[row] = score for each updated row.
+// Returns -1; or the position of a negative row; or -2 where `opt` / `wd_mode` has no case. Then
+// nothing is written.
 int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
-                      const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
-                      int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
-                      double bias1, double bias2, const c10::optional<torch::Tensor>& scores, int64_t score) {
-  // Scalars rounded to float32 the way torch rounds them in the native update (its ``alpha`` and
-  // ``value`` arguments are computed in double, then cast), so both give the same bits.
+                         const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
+                         int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
+                         double bias1, double bias2, const c10::optional<torch::Tensor>& scores, int64_t score) {
   check_cpu_int64(rows, "rows");
   check_cpu_int64(offsets, "offsets");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight must be contiguous float32");
   TORCH_CHECK(grad_out.is_contiguous() && grad_out.scalar_type() == torch::kFloat32, "grad_out must be contiguous float32");
+  if (!known_update(opt, wd_mode)) return -2;
   const int64_t n = rows.numel();
   const int64_t D = weight.size(1);
   const int64_t num_bags = offsets.numel() - 1;
@@ -277,11 +358,7 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
     TORCH_CHECK(scores->numel() >= weight.size(0), "scores must have a score per row");
     sc = scores->data_ptr<int64_t>();
   }
-  const float flr = static_cast<float>(lr), feps = static_cast<float>(eps), fwd = static_cast<float>(wd);
-  const float fb1 = static_cast<float>(beta1), fb2 = static_cast<float>(beta2);
-  const float c1 = static_cast<float>(1.0 - beta1), c2 = static_cast<float>(1.0 - beta2);
-  const float decay = static_cast<float>(1.0 - lr * wd);
-  const float fbias1 = static_cast<float>(bias1), fbias2 = static_cast<float>(bias2);
+  const UpdateScalars k(lr, eps, wd, beta1, beta2, bias1, bias2);
   at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> g(D), gu(D);
     for (int64_t s = begin; s < end; ++s) {
@@ -294,37 +371,7 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
       }
       const int64_t row = srow[heads[s]];
       if (sc) sc[row] = score;
-      float* w = w_all + row * D;
-      if (opt == 0) {
-        for (int64_t d = 0; d < D; ++d) w[d] -= flr * g[d];
-      } else if (opt == 1) {
-        float* h = s1 + row * D;
-        for (int64_t d = 0; d < D; ++d) {
-          h[d] += g[d] * g[d];
-          w[d] -= flr * g[d] / (std::sqrt(h[d]) + feps);
-        }
-      } else if (opt == 2) {
-        float sq = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          gu[d] = wd_mode == 1 ? g[d] + fwd * w[d] : g[d];
-          sq += gu[d] * gu[d];
-        }
-        float& h = s1[row];
-        h += sq / static_cast<float>(D);
-        const float m = flr / (std::sqrt(h) + feps);
-        for (int64_t d = 0; d < D; ++d)
-          w[d] = wd_mode == 2 ? decay * w[d] - m * g[d] : w[d] - m * gu[d];
-      } else {
-        float* m1 = s1 + row * D;
-        float* m2 = s2 + row * D;
-        for (int64_t d = 0; d < D; ++d) {
-          m1[d] = m1[d] * fb1 + c1 * g[d];
-          m2[d] = m2[d] * fb2 + c2 * g[d] * g[d];
-          float upd = (m1[d] / fbias1) / (std::sqrt(m2[d] / fbias2) + feps);
-          if (wd_mode == 2) upd += fwd * w[d];
-          w[d] -= flr * upd;
-        }
-      }
+      update_row(opt, wd_mode, k, row, D, g.data(), gu.data(), w_all + row * D, s1, s2);
     }
   });
   return -1;

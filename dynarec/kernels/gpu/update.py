@@ -8,44 +8,27 @@ crossing blocks is finished from the blocks' partial sums, in block order. Stati
 ``unique``, no host sync), and no floating-point value is ever accumulated with atomics: every
 sum has a fixed order, and the result does not depend on timing.
 
-The update is a template over the optimizer: a compile-time :class:`OptimizerCode` and
-:class:`WeightDecayMode`, and the scalars each optimizer registers (``OptimizerDef.kernel``,
+The update is a template over the optimizer: a compile-time code (``KernelCode``) and weight-decay
+mode (``WeightDecayCode``) of ``dynarec.optim.kernel``'s table, one case each in
+:func:`_apply_update`, and the scalars each optimizer registers (``OptimizerDef.kernel``,
 ``KernelArgs``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Literal, Optional
 
 import torch
 
 from dynarec.kernels.gpu._triton import HAVE_TRITON, row_block
+from dynarec.optim.kernel import KernelCode, WeightDecayCode
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["TUNING", "OptimizerCode", "Tuning", "WeightDecayMode", "bag_update"]
-
-
-class OptimizerCode(IntEnum):
-    """``KernelArgs.code``: which optimizer the update template runs."""
-
-    SGD = 0
-    ADAGRAD = 1
-    ROWWISE_ADAGRAD = 2
-    ADAM = 3
-
-
-class WeightDecayMode(IntEnum):
-    """``KernelArgs.weight_decay_mode``."""
-
-    NONE = 0
-    L2 = 1
-    DECOUPLED = 2
-
+__all__ = ["TUNING", "Tuning", "bag_update"]
 
 UpdateKernel = Literal["run", "scan"]
 
@@ -94,11 +77,12 @@ def _tile_warps(elements: int) -> int:
 
 
 if HAVE_TRITON:
-    _SGD = tl.constexpr(int(OptimizerCode.SGD))
-    _ADAGRAD = tl.constexpr(int(OptimizerCode.ADAGRAD))
-    _ROWWISE_ADAGRAD = tl.constexpr(int(OptimizerCode.ROWWISE_ADAGRAD))
-    _WD_L2 = tl.constexpr(int(WeightDecayMode.L2))
-    _WD_DECOUPLED = tl.constexpr(int(WeightDecayMode.DECOUPLED))
+    _SGD = tl.constexpr(int(KernelCode.SGD))
+    _ADAGRAD = tl.constexpr(int(KernelCode.ADAGRAD))
+    _ROWWISE_ADAGRAD = tl.constexpr(int(KernelCode.ROWWISE_ADAGRAD))
+    _ADAM = tl.constexpr(int(KernelCode.ADAM))
+    _WD_L2 = tl.constexpr(int(WeightDecayCode.L2))
+    _WD_DECOUPLED = tl.constexpr(int(WeightDecayCode.DECOUPLED))
 
     @triton.jit
     def _apply_update(
@@ -106,7 +90,8 @@ if HAVE_TRITON:
         OPT: tl.constexpr, WD_MODE: tl.constexpr,
     ):  # fmt: skip
         """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
-        aggregated gradients ``g`` ([R, BLOCK_D] float32)."""
+        aggregated gradients ``g`` ([R, BLOCK_D] float32): one case per ``KernelCode`` (a code
+        without one does not compile)."""
         dm = live[:, None] & (d < D)[None, :]
         off = row[:, None] * D + d[None, :]
         w = tl.load(weight_ptr + off, mask=dm, other=0.0)
@@ -128,7 +113,7 @@ if HAVE_TRITON:
                 w = decay * w - m * g
             else:
                 w = w - m * gu
-        else:  # Adam with bias correction and decoupled weight decay
+        elif OPT == _ADAM:  # bias correction, decoupled weight decay
             m1 = tl.load(s1_ptr + off, mask=dm, other=0.0) * beta1 + c1 * g
             m2 = tl.load(s2_ptr + off, mask=dm, other=0.0) * beta2 + c2 * g * g
             tl.store(s1_ptr + off, m1, mask=dm)
@@ -137,6 +122,8 @@ if HAVE_TRITON:
             if WD_MODE == _WD_DECOUPLED:
                 upd = upd + wd * w
             w = w - lr * upd
+        else:
+            tl.static_assert(False, "_apply_update has no case for this kernel code")
         tl.store(weight_ptr + off, w, mask=dm)
 
     @triton.jit
