@@ -2,7 +2,8 @@
 field path (e.g. ``train.sparse_optimizer.adagrad_optimizer``).
 
 Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` with
-``id_feature`` / ``sequence_feature`` / ``raw_feature``, ``embedding_name`` to share a table,
+``id_feature`` / ``sequence_feature`` / ``raw_feature`` / ``combo_feature`` / ... (the kinds are
+in :mod:`dynarec.config.features`, docs/features.md), ``embedding_name`` to share a table,
 ``num_buckets`` for a fixed table or a ``dynamicemb`` block for a dynamic one, and
 ``sparse_optimizer`` with ``adagrad_optimizer`` etc.
 """
@@ -10,259 +11,70 @@ Vocabulary follows EasyRec / TorchEasyRec where it exists: ``feature_configs`` w
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
-import typing
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ByteSize,
-    ConfigDict,
     Field,
     PlainSerializer,
     PlainValidator,
-    StrictInt,
     model_validator,
 )
 
-from dynarec.embedding.config import Backend, DynamicTableOptions, ShardingType
-from dynarec.embedding.initializers import Initializer
-from dynarec.features.expression import Expression
+from dynarec.config.base import Count, exactly_one
+from dynarec.config.base import Strict as _Strict
+from dynarec.config.features import (
+    TABLE_SETTINGS,
+    ComboFeatureCfg,
+    CustomFeatureCfg,
+    ExprFeatureCfg,
+    Feature,
+    FeatureCfg,
+    IdFeatureCfg,
+    LookupFeatureCfg,
+    MatchFeatureCfg,
+    NormalizerCfg,
+    RawFeatureCfg,
+    SequenceFeatureCfg,
+    SequenceRawFeatureCfg,
+    check_features,
+    dependency_order,
+)
+from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
 from dynarec.optim.registry import spec_from_yaml, spec_to_yaml
 
 __all__ = [
     "TABLE_SETTINGS",
+    "ComboFeatureCfg",
     "Config",
+    "CustomFeatureCfg",
     "DenseOptimizer",
+    "ExprFeatureCfg",
+    "Feature",
     "FeatureCfg",
     "IdFeatureCfg",
+    "LookupFeatureCfg",
+    "MatchFeatureCfg",
     "ModelCfg",
+    "NormalizerCfg",
     "RawFeatureCfg",
     "SequenceFeatureCfg",
+    "SequenceRawFeatureCfg",
     "SparseOptimizer",
 ]
 
 
-class Strict(BaseModel):
-    # Unknown keys, and NaN or infinite numbers, are errors wherever they appear.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+# The feature kinds live in dynarec.config.features; their names are importable from here too.
+_exactly_one = exactly_one
 
 
-def _exactly_one(model: BaseModel, keys) -> str:
-    """The one of ``keys`` that ``model`` sets; ValueError naming them otherwise."""
-    given = [k for k in keys if getattr(model, k) is not None]
-    if len(given) != 1:
-        raise ValueError(f"give exactly one of {list(keys)} (got {given or 'none'})")
-    return given[0]
-
-
-# A positive integer that YAML's ``true`` does not pass for.
-Count = Annotated[StrictInt, Field(gt=0)]
-
-
-def _refuse_bool_numbers(cls: type, data: Any) -> Any:
-    """Before pydantic validates a mapping into the dataclass ``cls`` (lax mode, which would read
-    ``true`` as 1), refuses a bool given for a numeric field, in ``cls`` and its nested
-    dataclasses."""
-    if not isinstance(data, dict):
-        return data
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        hint = hints.get(key)
-        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        if isinstance(value, bool) and any(a in (int, float) for a in args):
-            raise ValueError(f"{key} must be a number, got {value!r}")
-        for a in args:
-            if dataclasses.is_dataclass(a):
-                _refuse_bool_numbers(a, value)  # type: ignore[arg-type]
-    return data
-
-
-def core_type(cls: type) -> Any:
-    """A core dataclass (dynarec.embedding) as a YAML field: validated straight into ``cls``."""
-    return Annotated[cls, BeforeValidator(lambda data: _refuse_bool_numbers(cls, data))]
-
-
-if TYPE_CHECKING:
-    DynamicEmbField = DynamicTableOptions
-    InitializerField = Initializer
-else:
-    DynamicEmbField = core_type(DynamicTableOptions)
-    InitializerField = core_type(Initializer)
-
-
-ValueType = Literal["int", "string"]
-
-
-_SIDES = ("user", "item", "context")
-
-
-def _expression_column(expression: str) -> str:
-    """TorchEasyRec's ``"side:column"`` (side user, item or context) -> the column."""
-    side, sep, column = expression.partition(":")
-    if not sep or side not in _SIDES or not column:
-        raise ValueError(
-            f"expression must be 'side:column' with side one of {list(_SIDES)} (a column of the input), got "
-            f"{expression!r}"
-        )
-    return column
-
-
-class _FeatureColumn(Strict):
-    """A feature and the data column it reads: ``input_name`` (default ``feature_name``), or
-    TorchEasyRec's ``expression: "side:column"`` (e.g. ``"user:user_id"``)."""
-
-    feature_name: str
-    input_name: Optional[str] = None
-    expression: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _one_column(self):
-        if self.expression is not None:
-            if self.input_name is not None:
-                raise ValueError("give input_name or expression, not both")
-            _expression_column(self.expression)
-        return self
-
-    @property
-    def column(self) -> str:
-        if self.expression is not None:
-            return _expression_column(self.expression)
-        return self.input_name or self.feature_name
-
-
-class _EmbeddedFeature(_FeatureColumn):
-    embedding_dim: Count
-    embedding_name: Optional[str] = None  # the table; features with the same name share it
-    num_buckets: Optional[Count] = None  # a fixed table of this many rows, ids used as they are ...
-    hash_bucket_size: Optional[Count] = None  # ... or of this many rows, values hashed into it ...
-    dynamicemb: Optional[DynamicEmbField] = None  # ... or a dynamic table (the core's own type)
-    initializer: Optional[InitializerField] = None
-    backend: Optional[Backend] = None  # default: train.sparse_backend
-    sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
-    # "int": values are integer ids (integer columns, or string tokens that must be decimal
-    # integers); "string": values are strings hashed with FarmHash Fingerprint64. A
-    # hash_bucket_size feature always hashes (the string form of integers too).
-    value_type: ValueType = "int"
-
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("num_buckets", "hash_bucket_size", "dynamicemb")
-
-    @model_validator(mode="after")
-    def _one_kind(self):
-        given = [k for k in self.TABLE_KINDS if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                f"give exactly one of {list(self.TABLE_KINDS)} (num_buckets: a fixed table, ids as they are; "
-                "hash_bucket_size: a fixed table, values hashed into it; dynamicemb: a dynamic table"
-                f"{'; boundaries: numbers bucketized into a fixed table' if 'boundaries' in self.TABLE_KINDS else ''}"
-                f"), got {given or 'none'}"
-            )
-        return self
-
-    @property
-    def table_name(self) -> str:
-        return self.embedding_name or self.feature_name
-
-    @property
-    def table_rows(self) -> Optional[int]:
-        """Rows of the feature's fixed table (None for a dynamic one)."""
-        return self.num_buckets or self.hash_bucket_size
-
-    @property
-    def hashed(self) -> bool:
-        """Whether values are hashed (FarmHash Fingerprint64 of their string form)."""
-        return self.hash_bucket_size is not None or self.value_type == "string"
-
-
-# The settings of a feature that belong to its table: every feature of one table must give the
-# same values (else the config is refused, naming both features).
-TABLE_SETTINGS = (
-    "embedding_dim",
-    "num_buckets",
-    "hash_bucket_size",
-    "boundaries",
-    "dynamicemb",
-    "initializer",
-    "backend",
-    "value_type",
-    "sharding",
-)
-
-
-class IdFeatureCfg(_EmbeddedFeature):
-    """One id (or several, with ``separator``) per sample, pooled. With ``boundaries`` the
-    column holds numbers, bucketized into ``len(boundaries) + 1`` rows: bucket ``i`` holds
-    ``boundaries[i-1] <= x < boundaries[i]`` (TorchEasyRec's raw_feature with boundaries)."""
-
-    pooling: Literal["sum", "mean"] = "sum"
-    separator: Optional[str] = None
-    boundaries: Optional[list[float]] = Field(None, min_length=1)
-
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("num_buckets", "hash_bucket_size", "dynamicemb", "boundaries")
-
-    @model_validator(mode="after")
-    def _sorted_boundaries(self):
-        b = self.boundaries
-        if b is not None and any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
-            raise ValueError(f"boundaries must be strictly increasing, got {b}")
-        if b is not None and self.separator is not None:
-            raise ValueError("boundaries bucketize one number per sample; remove separator")
-        return self
-
-    @property
-    def table_rows(self) -> Optional[int]:
-        return len(self.boundaries) + 1 if self.boundaries is not None else super().table_rows
-
-
-class SequenceFeatureCfg(_EmbeddedFeature):
-    """A behaviour history: the last ``sequence_length`` ids, one embedding each."""
-
-    sequence_length: Count
-    separator: str = "|"
-    boundaries: ClassVar[None] = None
-
-
-class NormalizerCfg(Strict):
-    """``x -> expression(x)`` (e.g. ``"log(x+3)"``, :mod:`dynarec.features.expression`) or
-    ``log1p(x)`` (when ``log1p``), then ``(x - mean) / std``."""
-
-    expression: Optional[str] = None
-    log1p: bool = False
-    mean: float = 0.0
-    std: float = Field(1.0, gt=0)
-
-    @model_validator(mode="after")
-    def _valid_expression(self):
-        if self.expression is not None:
-            if self.log1p:
-                raise ValueError("give expression or log1p, not both")
-            Expression(self.expression)
-        return self
-
-
-class RawFeatureCfg(_FeatureColumn):
-    """A dense float feature."""
-
-    normalizer: Optional[NormalizerCfg] = None
-
-
-class FeatureCfg(Strict):
-    id_feature: Optional[IdFeatureCfg] = None
-    sequence_feature: Optional[SequenceFeatureCfg] = None
-    raw_feature: Optional[RawFeatureCfg] = None
-
-    @model_validator(mode="after")
-    def _one_kind(self):
-        _exactly_one(self, ("id_feature", "sequence_feature", "raw_feature"))
-        return self
-
-    @property
-    def feature(self) -> Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]:
-        return self.id_feature or self.sequence_feature or self.raw_feature  # type: ignore[return-value]
+class Strict(_Strict, BaseModel):
+    """:class:`dynarec.config.base.Strict` (BaseModel named again so that linters see a pydantic
+    model: its fields' defaults are copied per instance)."""
 
 
 # A sparse optimizer block, ``{adagrad_optimizer: {lr: 0.05, ...}}``: exactly one of the registered
@@ -403,7 +215,80 @@ class DLRMCfg(Strict):
     arch_with_sparse: bool = False  # the top MLP also reads the embeddings themselves
 
 
-MODEL_KEYS = ("multi_tower_din", "din", "deepfm", "wide_and_deep", "dlrm")
+class DCNCfg(Strict):
+    """Deep & Cross (v1) over the first feature group."""
+
+    cross_num: Count = 3
+    deep_hidden_units: list[Count] = Field(min_length=1)
+    final_hidden_units: list[Count] = Field(min_length=1)
+
+
+class DCNV2Cfg(Strict):
+    """DCN v2 over the first feature group: ``backbone_hidden_units`` (optional) before the
+    low-rank cross layers, ``deep_hidden_units`` (optional) beside them."""
+
+    backbone_hidden_units: list[Count] = []
+    cross_num: Count = 3
+    low_rank: Count = 32
+    deep_hidden_units: list[Count] = []
+    final_hidden_units: list[Count] = Field(min_length=1)
+
+
+class XDeepFMCfg(Strict):
+    """xDeepFM: a CIN over ``wide_group``'s fields (one width), an MLP over ``deep_group``."""
+
+    cin_layer_size: list[Count] = Field(min_length=1)
+    deep_hidden_units: list[Count] = Field(min_length=1)
+    final_hidden_units: list[Count] = Field(min_length=1)
+    wide_group: str = "wide"
+    deep_group: str = "deep"
+
+
+class MaskBlockCfg(Strict):
+    hidden_dim: Count
+    reduction_ratio: float = Field(1.0, gt=0)  # aggregation dim = input dim x this ...
+    aggregation_dim: Optional[Count] = None  # ... unless given
+
+
+class MaskNetCfg(Strict):
+    """MaskNet over the first feature group."""
+
+    n_mask_blocks: Count
+    mask_block: MaskBlockCfg
+    top_hidden_units: list[Count] = Field(min_length=1)
+    use_parallel: bool = True
+
+
+class WuKongLayerCfg(Strict):
+    lcb_feature_num: Count
+    fmb_feature_num: Count
+    compressed_feature_num: Count = 16
+    feature_num_hidden_units: list[Count] = Field(min_length=1)
+
+
+class WuKongCfg(Strict):
+    """WuKong over ``sparse_group``'s fields (the first group when it has no such group) and,
+    when the model has ``dense_group``, its MLP output as one more field."""
+
+    wukong_layers: list[WuKongLayerCfg] = Field(min_length=1)
+    final_hidden_units: list[Count] = Field(min_length=1)
+    dense_hidden_units: list[Count] = []
+    sparse_group: str = "sparse"
+    dense_group: str = "dense"
+
+
+MODEL_KEYS = (
+    "multi_tower_din",
+    "din",
+    "deepfm",
+    "wide_and_deep",
+    "dlrm",
+    "dcn",
+    "dcn_v2",
+    "xdeepfm",
+    "mask_net",
+    "wukong",
+)
 
 
 class ModelCfg(Strict):
@@ -413,6 +298,11 @@ class ModelCfg(Strict):
     deepfm: Optional[DeepFMCfg] = None
     wide_and_deep: Optional[WideAndDeepCfg] = None
     dlrm: Optional[DLRMCfg] = None
+    dcn: Optional[DCNCfg] = None
+    dcn_v2: Optional[DCNV2Cfg] = None
+    xdeepfm: Optional[XDeepFMCfg] = None
+    mask_net: Optional[MaskNetCfg] = None
+    wukong: Optional[WuKongCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -549,37 +439,14 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _cross_references(self):
-        names = [f.feature.feature_name for f in self.feature_configs]
-        seen: set[str] = set()
-        for i, n in enumerate(names):
-            if n in seen:
-                raise ValueError(f"feature_configs[{i}]: feature_name '{n}' is defined twice")
-            seen.add(n)
-        tables: dict[str, _EmbeddedFeature] = {}
-        for i, f in enumerate(self.feature_configs):
-            feat = f.feature
-            if isinstance(feat, RawFeatureCfg):
-                continue
-            other = tables.setdefault(feat.table_name, feat)
-            if other is not feat:
-                for attr in TABLE_SETTINGS:
-                    if getattr(other, attr) != getattr(feat, attr):
-                        raise ValueError(
-                            f"feature_configs[{i}] ({feat.feature_name}): shares table "
-                            f"'{feat.table_name}' with '{other.feature_name}' but its {attr} differs "
-                            f"({other.feature_name}: {getattr(other, attr)!r}, "
-                            f"{feat.feature_name}: {getattr(feat, attr)!r}); give both features the same {attr}"
-                        )
+        tables = check_features(self.feature_configs)
+        seen = {f.feature.feature_name for f in self.feature_configs}
         for gi, g in enumerate(self.model.feature_groups):
             for fi, n in enumerate(g.feature_names):
                 if n not in seen:
                     raise ValueError(f"model.feature_groups[{gi}].feature_names[{fi}]: unknown feature '{n}'")
             if g.group_type == "sequence":
-                seqs = {
-                    n: self.feature(n).sequence_length
-                    for n in g.feature_names
-                    if isinstance(self.feature(n), SequenceFeatureCfg)
-                }
+                seqs = {n: self.feature(n).sequence_length for n in g.feature_names if self.feature(n).is_sequence}
                 if len(set(seqs.values())) > 1:
                     raise ValueError(
                         f"model.feature_groups[{gi}] ({g.group_name}): its sequence features are "
@@ -590,10 +457,15 @@ class Config(Strict):
                 raise ValueError(f"train.table_optimizers: unknown table '{name}'; tables: {sorted(tables)}")
         return self
 
-    def features(self) -> list[Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]]:
+    def features(self) -> list[Feature]:
+        """Every feature, in the config's order."""
         return [f.feature for f in self.feature_configs]
 
-    def feature(self, name: str):
+    def features_in_order(self) -> list[Feature]:
+        """Every feature, each after the features it reads (``feature:<name>`` inputs)."""
+        return dependency_order(self.features())
+
+    def feature(self, name: str) -> Feature:
         for f in self.features():
             if f.feature_name == name:
                 return f

@@ -11,6 +11,7 @@ from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
 from dynarec.models.multi_tower_din import MultiTowerDIN
+from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
 from dynarec.models.wide_and_deep import WideAndDeep
 
 __all__ = ["MODELS", "build_model"]
@@ -21,6 +22,11 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "deepfm": DeepFM,
     "wide_and_deep": WideAndDeep,
     "dlrm": DLRM,
+    "dcn": DCN,
+    "dcn_v2": DCNV2,
+    "xdeepfm": XDeepFM,
+    "mask_net": MaskNet,
+    "wukong": WuKong,
 }
 
 

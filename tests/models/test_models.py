@@ -35,6 +35,30 @@ MODEL_BLOCKS = {
     "deepfm": ({}, False),
     "wide_and_deep": ({}, False),
     "dlrm": ({}, False),
+    "dcn": ({"cross_num": 2, "deep_hidden_units": [8], "final_hidden_units": [4]}, False),
+    "dcn_v2": (
+        {
+            "backbone_hidden_units": [8],
+            "cross_num": 2,
+            "low_rank": 3,
+            "deep_hidden_units": [8],
+            "final_hidden_units": [4],
+        },
+        False,
+    ),
+    "xdeepfm": ({"cin_layer_size": [3, 2], "deep_hidden_units": [8], "final_hidden_units": [4]}, False),
+    "mask_net": (
+        {"n_mask_blocks": 2, "mask_block": {"hidden_dim": 6, "reduction_ratio": 0.5}, "top_hidden_units": [4]},
+        False,
+    ),
+    "wukong": (
+        {
+            "dense_hidden_units": [4],
+            "wukong_layers": [{"lcb_feature_num": 2, "fmb_feature_num": 2, "feature_num_hidden_units": [8]}],
+            "final_hidden_units": [4],
+        },
+        False,
+    ),
 }
 
 
@@ -47,6 +71,13 @@ def model_config(name):
         groups.append({"group_name": "wide", "group_type": "wide", "feature_names": ["a"]})
     if name in ("deepfm", "dlrm"):
         groups[0]["feature_names"].append("s")
+    if name == "xdeepfm":
+        groups.append({"group_name": "wide", "group_type": "wide", "feature_names": ["a", "b"]})
+    if name == "wukong":  # one width of fields, the dense features apart
+        groups = [
+            {"group_name": "sparse", "feature_names": ["a", "b", "s"]},
+            {"group_name": "dense", "feature_names": ["x"]},
+        ]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
     return config_from_dict(c)
@@ -150,3 +181,26 @@ def test_towers_and_attention_take_dice():
     assert sum(isinstance(m, Dice) for m in model.modules()) == 2
     emb, lengths, dense = inputs()
     assert torch.isfinite(model(emb, lengths, dense)).all()
+
+
+def test_interaction_layers_by_hand():
+    from dynarec.models.interaction import CIN, Cross, CrossV2
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5)
+    cross = Cross(5, 2)
+    want = x
+    for w, b in zip(cross.w, cross.b):
+        want = (want @ w.weight.T) * x + b + want
+    torch.testing.assert_close(cross(x), want)
+    v2 = CrossV2(5, 2, 2)
+    want = x
+    for u, v in zip(v2.u, v2.v):
+        want = x * v(u(want)) + want
+    torch.testing.assert_close(v2(x), want)
+    fields = torch.randn(3, 4, 2)  # [B, F, D]
+    cin = CIN(4, [3])
+    conv = cin.layers[0]
+    z = (fields[:, :, None, :] * fields[:, None, :, :]).reshape(3, 16, 2)  # every pair of rows
+    want = (torch.einsum("oc,bcd->bod", conv.weight[:, :, 0], z) + conv.bias[None, :, None]).sum(2)
+    torch.testing.assert_close(cin(fields), want)
