@@ -194,10 +194,12 @@ def cmd_import_config(args) -> None:
             train_input_path=_relative_to(args.train_input_path, output.parent),
             eval_input_path=_relative_to(args.eval_input_path, output.parent),
             lenient=args.lenient,
+            config_dir=source.parent,  # a relative vocab_file is relative to the pipeline config ...
+            output_dir=output.parent,  # ... and written relative to the YAML
         )
     except TextFormatError as e:
         raise ConversionError(f"{source}: {e}") from None
-    config_from_dict(result.config)  # what is written must load
+    config_from_dict(result.config, base_dir=output.parent)  # what is written must load
     header = [f"# Converted by `dynarec import-config` from {source}.", "# Mapped and ignored fields:"]
     header += [f"#   {n}" for n in result.notes] or ["#   (none)"]
     if result.dropped:

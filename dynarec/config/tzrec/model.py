@@ -1,52 +1,83 @@
-"""``model_config``: feature groups, the model and its MLPs, losses and metrics."""
+"""``model_config``: feature groups, the model and its MLPs, losses and metrics; and, for
+``--lenient``, the groups and towers a dropped feature takes with it (:func:`prune_model`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dynarec.config.textproto import Message
-from dynarec.config.tzrec.features import initializer
+from dynarec.config.tzrec.features import Converted, initializer
 from dynarec.config.tzrec.reader import Context, Reader
+from dynarec.config.tzrec.schema_fields import field_values
 
-__all__ = ["column_of", "convert_model", "feature_body"]
-
-# -- model -----------------------------------------------------------------------------------------
+__all__ = ["ModelResult", "column_of", "convert_model", "prune_model"]
 
 _GROUP_TYPES = {"DEEP": "deep", "WIDE": "wide", "SEQUENCE": "sequence", "JAGGED_SEQUENCE": "sequence"}
 
 
-def _mlp(r: Optional[Reader], path: str, ctx: Context) -> list[int]:
+def _activations(cls_name: str, name: str) -> set[str]:
+    """The activations dynarec's ``cls_name.name`` takes (``relu``, ``dice``; none: the field
+    does not exist, ReLU only)."""
+    from dynarec.config import schema
+
+    cls = getattr(schema, cls_name, None)
+    return {str(v) for v in field_values(cls, name)} if cls is not None else set()
+
+
+_TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice"}
+
+
+@dataclass
+class _MLP:
+    units: list[int]
+    activation: str = "relu"
+
+
+def _mlp(r: Optional[Reader], path: str, ctx: Context, activations: frozenset[str] | set[str] = frozenset()) -> _MLP:
+    """An MLP: hidden_units, and its activation where dynarec's block takes one
+    (``activations``: the values it allows; empty: ReLU only)."""
     if r is None:
-        ctx.refuse(path, "an MLP with hidden_units is needed")
-        return [1]
+        ctx.refuse(path, "an MLP with hidden_units is needed", fatal=True)
+        return _MLP([1])
     units = r.integers("hidden_units")
     if not units:
-        ctx.refuse(r.at("hidden_units"), "at least one layer is needed")
+        ctx.refuse(r.at("hidden_units"), "at least one layer is needed", fatal=True)
     dropout = r.numbers("dropout_ratio")
     if any(dropout):
         ctx.refuse(r.at("dropout_ratio"), "dropout is not supported")
     activation = str(r.scalar("activation", "nn.ReLU"))
-    if activation != "nn.ReLU":
-        ctx.refuse(r.at("activation"), f"{activation!r} is not supported (nn.ReLU, on every layer, is)")
+    mapped = _TORCH_ACTIVATIONS.get(activation)
+    allowed = activations or {"relu"}
+    if mapped not in allowed:
+        names = [k for k, v in _TORCH_ACTIVATIONS.items() if v in allowed]
+        ctx.refuse(r.at("activation"), f"{activation!r} is not supported here ({', '.join(names)} on every layer are)")
+    elif mapped != "relu":
+        ctx.note(r.at("activation"), f"{activation} on every layer, as TorchEasyRec's")
     r.default_only("use_bn", False)
     r.default_only("use_ln", False)
     r.default_only("bias", True)
     r.done()
-    return units or [1]
+    return _MLP(units or [1], mapped if mapped is not None and mapped in allowed else "relu")
 
 
-def _groups(r: Reader, wide_rename: dict[str, str]) -> list[dict[str, Any]]:
-    out = []
+def _groups(r: Reader, wide_rename: dict[str, str], known: set[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The feature groups, and their paths. A name that is no feature is refused by its path
+    (``--lenient`` takes it out of the group)."""
+    out, paths = [], []
     for g in r.messages("feature_groups"):
         kind = str(g.scalar("group_type", "DEEP"))
         if kind not in _GROUP_TYPES:
-            g.ctx.refuse(g.at("group_type"), f"{kind!r} is not supported")
+            g.ctx.refuse(g.at("group_type"), f"{kind!r} is not supported", fatal=True)
         if kind == "JAGGED_SEQUENCE":
             g.ctx.note(g.at("group_type"), "JAGGED_SEQUENCE mapped to sequence (padded; the same results)")
         names = [str(n) for n in g.repeated("feature_names")]
         if kind == "WIDE":
             names = [wide_rename.get(n, n) for n in names]
-        g.refuse("sequence_groups", "sequence_encoders", "embedding_name_suffix")
+        for i, n in enumerate(names):
+            if n not in known:
+                g.ctx.refuse(f"{g.at('feature_names')}[{i}]", f"unknown feature {n!r}")
+        g.refuse("sequence_groups", "sequence_encoders", "embedding_name_suffix", why="not supported", fatal=True)
         out.append(
             {
                 "group_name": str(g.scalar("group_name", "")),
@@ -54,55 +85,90 @@ def _groups(r: Reader, wide_rename: dict[str, str]) -> list[dict[str, Any]]:
                 "group_type": _GROUP_TYPES.get(kind, "deep"),
             }
         )
+        paths.append(g.path)
         g.done()
-    return out
+    return out, paths
 
 
-def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tuple[dict[str, Any], dict[str, Any]]:
-    """model_config -> (dynarec model block, eval settings from its metrics)."""
-    models = ("multi_tower_din", "multi_tower", "deepfm", "wide_and_deep", "dlrm")
-    others = [n for n in r.msg.names() if n not in models and n not in _MODEL_FIELDS]
-    model_names = [n for n in models if r.has(n)]
+@dataclass
+class ModelResult:
+    model: dict[str, Any]
+    eval: dict[str, Any]
+    group_paths: list[str] = field(default_factory=list)  # the pipeline.config path of each group
+    tower_paths: dict[str, list[str]] = field(default_factory=dict)  # "towers" / "din_towers" -> paths
+
+
+_MODELS = ("multi_tower_din", "multi_tower", "deepfm", "wide_and_deep", "dlrm")
+_MODEL_FIELDS = (
+    "feature_groups",
+    "num_class",
+    "losses",
+    "metrics",
+    "train_metrics",
+    "variational_dropout",
+    "kernel",
+    "use_pareto_loss_weight",
+)
+
+
+def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelResult:
+    """model_config -> the dynarec model block and the eval settings its metrics give.
+    ``features`` gains the twins a WIDE group needs."""
+    others = [n for n in r.msg.names() if n not in _MODELS and n not in _MODEL_FIELDS]
+    model_names = [n for n in _MODELS if r.has(n)]
     if len(model_names) != 1:
         for n in others:
             r.taken.add(n)
             ctx.refuse(
-                r.at(n), "this model is not supported (multi_tower_din, multi_tower, deepfm, wide_and_deep, dlrm are)"
+                r.at(n),
+                f"this model is not supported ({', '.join(_MODELS)} are; issue 30 asks for the model zoo)",
+                fatal=True,
             )
         if not others:
-            ctx.refuse(r.path, f"give one of {list(models)}")
-        return {"feature_groups": [], "dlrm": {}}, {}
+            ctx.refuse(r.path, f"give one of {list(_MODELS)}", fatal=True)
+        r.taken.update(r.msg.names())
+        return ModelResult({"feature_groups": [], "dlrm": {}}, {})
     name = model_names[0]
     m = r.message(name)
     assert m is not None
-    # WIDE groups: each id feature gets a table of wide_embedding_dim of its own (TorchEasyRec).
+    # WIDE groups: each sparse feature gets a table of wide_embedding_dim of its own (TorchEasyRec).
     wide_dim = m.integer("wide_embedding_dim", 4) if name in ("deepfm", "wide_and_deep") else 4
     wide_init = m.scalar("wide_init_fn") if name in ("deepfm", "wide_and_deep") else None
     wide_rename = _add_wide_features(r, features, wide_dim, wide_init, ctx)
-    out: dict[str, Any] = {"feature_groups": _groups(r, wide_rename)}
-    groups = {g["group_name"]: g for g in out["feature_groups"]}
+    groups_out, group_paths = _groups(r, wide_rename, {f.name for f in features})
+    out: dict[str, Any] = {"feature_groups": groups_out}
+    result = ModelResult(out, {}, group_paths)
+    groups = {g["group_name"]: g for g in groups_out}
+    block: dict[str, Any]
     if name in ("multi_tower_din", "multi_tower"):
         towers = []
+        tower_act = _activations("TowerCfg", "activation")
         for t in m.messages("towers"):
-            towers.append(
-                {"input": str(t.scalar("input", "")), "hidden_units": _mlp(t.message("mlp"), t.at("mlp"), ctx)}
-            )
+            mlp = _mlp(t.message("mlp"), t.at("mlp"), ctx, tower_act)
+            tower: dict[str, Any] = {"input": str(t.scalar("input", "")), "hidden_units": mlp.units}
+            if mlp.activation != "relu":
+                tower["activation"] = mlp.activation
+            towers.append(tower)
+            result.tower_paths.setdefault("towers", []).append(t.path)
             t.done()
         din = []
+        din_act = _activations("DinTowerCfg", "activation")
         for t in m.messages("din_towers") if name == "multi_tower_din" else []:
-            din.append(
-                {
-                    "input": str(t.scalar("input", "")),
-                    "attn_hidden_units": _mlp(t.message("attn_mlp"), t.at("attn_mlp"), ctx),
-                }
-            )
+            mlp = _mlp(t.message("attn_mlp"), t.at("attn_mlp"), ctx, din_act)
+            tower = {"input": str(t.scalar("input", "")), "attn_hidden_units": mlp.units}
+            if mlp.activation != "relu":
+                tower["activation"] = mlp.activation
+            din.append(tower)
+            result.tower_paths.setdefault("din_towers", []).append(t.path)
             t.done()
         final = m.message("final")
-        out["multi_tower_din"] = {
-            "towers": towers,
-            "din_towers": din,
-            "final_hidden_units": _mlp(final, m.at("final"), ctx) if final else [],
-        }
+        block = {"towers": towers, "din_towers": din, "final_hidden_units": []}
+        if final is not None:
+            mlp = _mlp(final, m.at("final"), ctx, _activations("MultiTowerDINCfg", "final_activation"))
+            block["final_hidden_units"] = mlp.units
+            if mlp.activation != "relu":
+                block["final_activation"] = mlp.activation
+        out["multi_tower_din"] = block
         if name == "multi_tower":
             ctx.note(r.at("multi_tower"), "mapped to multi_tower_din without DIN towers")
     elif name in ("deepfm", "wide_and_deep"):
@@ -112,13 +178,14 @@ def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tu
                 ctx.refuse(
                     f"{r.at('feature_groups')}",
                     f"{name} reads the groups {sorted(allowed)}; group {g!r} would be ignored by TorchEasyRec",
+                    fatal=True,
                 )
         for g in ("wide", "deep"):
             if g not in groups:
-                ctx.refuse(r.at("feature_groups"), f"{name} needs a group named {g!r}")
-        block: dict[str, Any] = {"deep_hidden_units": _mlp(m.message("deep"), m.at("deep"), ctx)}
+                ctx.refuse(r.at("feature_groups"), f"{name} needs a group named {g!r}", fatal=True)
+        block = {"deep_hidden_units": _mlp(m.message("deep"), m.at("deep"), ctx).units}
         final = m.message("final")
-        block["final_hidden_units"] = _mlp(final, m.at("final"), ctx) if final else []
+        block["final_hidden_units"] = _mlp(final, m.at("final"), ctx).units if final else []
         if name == "deepfm" and "fm" in groups:
             block["fm_group"] = "fm"
         out[name] = block
@@ -130,26 +197,29 @@ def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tu
             ctx.refuse(
                 r.at("feature_groups"),
                 "dlrm needs the groups 'dense' and 'sparse' (dynarec's DLRM needs dense features)",
+                fatal=True,
             )
-        units = _mlp(dense_mlp, m.at("dense_mlp"), ctx)
-        dims = {feature_body(features, n).get("embedding_dim") for n in (sparse or {}).get("feature_names", [])}
+        units = _mlp(dense_mlp, m.at("dense_mlp"), ctx).units
+        by_name = {f.name: f for f in features}
+        dims = {by_name[n].body.get("embedding_dim") for n in (sparse or {}).get("feature_names", []) if n in by_name}
         if len(dims) == 1 and units[-1] != next(iter(dims)):
             ctx.refuse(
-                m.at("dense_mlp.hidden_units"), f"the last layer must equal the embedding dim {next(iter(dims))}"
+                m.at("dense_mlp.hidden_units"),
+                f"the last layer must equal the embedding dim {next(iter(dims))}",
+                fatal=True,
             )
         out["dlrm"] = {
             "bottom_hidden_units": units[:-1],
-            "top_hidden_units": _mlp(final, m.at("final"), ctx),
+            "top_hidden_units": _mlp(final, m.at("final"), ctx).units,
             "arch_with_sparse": bool(m.scalar("arch_with_sparse", True)),
         }
     m.done()
-    if (n := r.scalar("num_class", 1)) != 1:
-        ctx.refuse(r.at("num_class"), "only binary classification (num_class 1) is supported")
-    losses = r.messages("losses")
-    for loss in losses:
+    if r.scalar("num_class", 1) != 1:
+        ctx.refuse(r.at("num_class"), "only binary classification (num_class 1) is supported", fatal=True)
+    for loss in r.messages("losses"):
         kinds = loss.msg.names()
         if kinds != ["binary_cross_entropy"]:
-            ctx.refuse(loss.path, f"{kinds} is not supported (binary_cross_entropy is)")
+            ctx.refuse(loss.path, f"{kinds} is not supported (binary_cross_entropy is)", fatal=True)
             loss.taken.update(kinds)
         else:
             bce = loss.message("binary_cross_entropy")
@@ -157,7 +227,6 @@ def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tu
             bce.default_only("label_smoothing", 0.0)
             bce.done()
         loss.done()
-    eval_cfg: dict[str, Any] = {}
     metrics = []
     for metric in r.messages("metrics"):
         kinds = metric.msg.names()
@@ -173,7 +242,7 @@ def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tu
             g = metric.message("grouped_auc")
             assert g is not None
             key = str(g.scalar("grouping_key", ""))
-            eval_cfg["grouped_auc_field"] = column_of(features, key)
+            result.eval["grouped_auc_field"] = column_of(features, key)
             g.done()
             metrics.append("grouped_auc")
         else:
@@ -181,67 +250,109 @@ def convert_model(r: Reader, features: list[dict[str, Any]], ctx: Context) -> tu
             metric.taken.update(kinds)
         metric.done()
     if metrics:
-        eval_cfg["metrics"] = list(dict.fromkeys(metrics))
+        result.eval["metrics"] = list(dict.fromkeys(metrics))
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False)):
         r.default_only(key, default)
-    r.refuse("variational_dropout", "train_metrics")
+    r.ignore(
+        "train_metrics",
+        "metrics of the training batches, logged only; dynarec logs the training loss and computes its metrics on "
+        "the eval data",
+    )
+    r.refuse("variational_dropout")
     r.done()
-    return out, eval_cfg
+    return result
 
 
-_MODEL_FIELDS = (
-    "feature_groups",
-    "num_class",
-    "losses",
-    "metrics",
-    "train_metrics",
-    "variational_dropout",
-    "kernel",
-    "use_pareto_loss_weight",
-)
-
-
-def feature_body(features: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    for f in features:
-        body = next(iter(f.values()))
-        if body["feature_name"] == name:
-            return body
-    return {}
-
-
-def column_of(features: list[dict[str, Any]], name: str) -> str:
-    body = feature_body(features, name)
-    if "expression" in body:
+def column_of(features: list[Converted], name: str) -> str:
+    """The data column a feature reads (its first input's)."""
+    body = next((f.body for f in features if f.name == name), {})
+    if isinstance(body.get("expression"), str):
         return str(body["expression"]).partition(":")[2]
     return str(body.get("input_name", name))
 
 
 def _add_wide_features(
-    r: Reader, features: list[dict[str, Any]], dim: int, init_fn: Optional[str], ctx: Context
+    r: Reader, features: list[Converted], dim: int, init_fn: Optional[str], ctx: Context
 ) -> dict[str, str]:
-    """For every id feature of a WIDE group, a twin ``<name>_wide`` with its own table
-    ``<table>_wide`` of ``dim``; returns ``{name: twin name}``."""
+    """For every sparse feature of a WIDE group, a twin ``<name>_wide`` with its own table
+    ``<table>_wide`` of ``dim`` (TorchEasyRec, spec §1.5); returns ``{name: twin name}``."""
     rename: dict[str, str] = {}
+    by_name = {f.name: f for f in features}
     for g in r.msg.values("feature_groups"):
         if not isinstance(g, Message) or "WIDE" not in [str(v) for v in g.values("group_type")]:
             continue
         for n in g.values("feature_names"):
             n = str(n)
-            kind = next((k for f in features for k, v in f.items() if v.get("feature_name") == n), None)
-            body = feature_body(features, n)
-            if kind != "id_feature":
-                ctx.refuse(f"{r.at('feature_groups')}", f"a WIDE group takes id features; {n!r} is not one")
+            base = by_name.get(n)
+            if base is None or n in rename:
                 continue
-            twin = dict(body, feature_name=f"{n}_wide", embedding_dim=dim)
-            if "expression" not in body and "input_name" not in body:
+            if not base.sparse or base.sequence:
+                ctx.refuse(f"{r.at('feature_groups')}", f"a WIDE group takes features with a table; {n!r} has none")
+                continue
+            twin = dict(base.body, feature_name=f"{n}_wide", embedding_dim=dim)
+            if "expression" not in base.body and "input_name" not in base.body and base.kind == "id_feature":
                 twin["input_name"] = n  # the column the feature itself reads
-            twin["embedding_name"] = f"{body.get('embedding_name', n)}_wide"
+            twin["embedding_name"] = f"{base.body.get('embedding_name', n)}_wide"
             twin.pop("initializer", None)
             if init_fn is not None:
                 init = initializer(str(init_fn), f"{r.at('wide_init_fn')}", ctx)
                 if init is not None:
                     twin["initializer"] = init
-            if n not in rename:
-                features.append({"id_feature": twin})
-                rename[n] = twin["feature_name"]
+            features.append(Converted(base.kind, twin, base.path, [], [n, *base.reads]))
+            rename[n] = twin["feature_name"]
     return rename
+
+
+# -- --lenient: what a dropped feature takes with it -----------------------------------------------
+
+
+def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Context) -> list[str]:
+    """Takes every name that is no longer a feature out of the groups; a group left empty (a
+    sequence group: without sequence features, or without the query features its DIN tower
+    compares them with) goes, with the towers that read it, where the model allows; elsewhere
+    that is refused (fatal). Returns what was dropped, one line each."""
+    model = result.model
+    dropped: list[str] = []
+    gone: list[int] = []
+    for i, g in enumerate(model["feature_groups"]):
+        path = result.group_paths[i] if i < len(result.group_paths) else f"model_config.feature_groups[{i}]"
+        removed = [n for n in g["feature_names"] if n not in features]
+        if removed:
+            g["feature_names"] = [n for n in g["feature_names"] if n in features]
+            dropped.append(f"{path} ({g['group_name']}): {', '.join(removed)} taken out")
+        kept = [features[n] for n in g["feature_names"]]
+        empty = not kept
+        if g["group_type"] == "sequence" and kept:
+            empty = not any(f.sequence for f in kept) or all(f.sequence for f in kept)
+        if empty:
+            gone.append(i)
+            why = "left empty" if not kept else "left without a sequence or without its query"
+            name = model_name(model)
+            if name != "multi_tower_din":
+                ctx.refuse(path, f"{why} by the dropped features; {name} needs the group", fatal=True)
+                continue
+            dropped.append(f"{path} ({g['group_name']}): {why}, dropped")
+    if not gone:
+        return dropped
+    names = {model["feature_groups"][i]["group_name"] for i in gone}
+    model["feature_groups"] = [g for i, g in enumerate(model["feature_groups"]) if i not in gone]
+    block = model.get("multi_tower_din")
+    if block is not None:
+        for key in ("towers", "din_towers"):
+            paths = result.tower_paths.get(key, [])
+            kept_towers = []
+            for j, t in enumerate(block[key]):
+                if t["input"] in names:
+                    dropped.append(
+                        f"{paths[j] if j < len(paths) else key}: reads dropped group {t['input']!r}, dropped"
+                    )
+                else:
+                    kept_towers.append(t)
+            block[key] = kept_towers
+        if not block["towers"] and not block["din_towers"]:
+            ctx.refuse("model_config.multi_tower_din", "no tower is left after the dropped features", fatal=True)
+    return dropped
+
+
+def model_name(model: dict[str, Any]) -> str:
+    return next((k for k in model if k != "feature_groups"), "")

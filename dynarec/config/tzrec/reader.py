@@ -12,13 +12,20 @@ __all__ = ["Context", "Reader", "one_of"]
 
 
 class Context:
+    """What a conversion found: notes (mapped and ignored fields) and refusals (``path: why``).
+    A *fatal* refusal is one ``--lenient`` cannot drop (the model itself, a feature group the
+    model needs): the conversion fails on it either way."""
+
     def __init__(self, lenient: bool):
         self.lenient = lenient
         self.notes: list[str] = []
         self.refused: list[str] = []
+        self.fatal: list[str] = []
 
-    def refuse(self, path: str, why: str = "not supported") -> None:
+    def refuse(self, path: str, why: str = "not supported", *, fatal: bool = False) -> None:
         self.refused.append(f"{path}: {why}")
+        if fatal:
+            self.fatal.append(f"{path}: {why}")
 
     def note(self, path: str, text: str) -> None:
         self.notes.append(f"{path}: {text}")
@@ -103,6 +110,14 @@ class Reader:
             self.ctx.refuse(path, str(e))
             return fallback if default is None else default
 
+    def string(self, name: str, default: Any = None) -> Any:
+        """A string (or enum name) field as ``str``; ``default`` when absent."""
+        value = self.scalar(name, default)
+        return value if value is default else str(value)
+
+    def strings(self, name: str) -> list[str]:
+        return [str(v) for v in self.repeated(name)]
+
     def repeated(self, name: str) -> list[Scalar]:
         self.taken.add(name)
         values = self.msg.values(name)
@@ -128,18 +143,18 @@ class Reader:
             out.append(Reader(v, self.at(name) + (f"[{i}]" if len(values) > 1 else ""), self.ctx))
         return out
 
-    def default_only(self, name: str, default: Any, why: str = "not supported") -> None:
+    def default_only(self, name: str, default: Any, why: str = "not supported", *, fatal: bool = False) -> None:
         """A field dynarec has no setting for: accepted at TorchEasyRec's default, else refused."""
         value = self.scalar(name, default)
         if value != default:
-            self.ctx.refuse(self.at(name), f"{why} (only {default!r}, its default, is)")
+            self.ctx.refuse(self.at(name), f"{why} (only {default!r}, its default, is)", fatal=fatal)
 
-    def refuse(self, *names: str, why: str = "not supported") -> None:
+    def refuse(self, *names: str, why: str = "not supported", fatal: bool = False) -> None:
         """Fields dynarec has nothing for: taken, and refused when given."""
         for name in names:
             self.taken.add(name)
             if self.msg.values(name):
-                self.ctx.refuse(self.at(name), why)
+                self.ctx.refuse(self.at(name), why, fatal=fatal)
 
     def ignore(self, name: str, why: str) -> None:
         """A field with no effect on what is trained here: taken, with a note when given."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from dynarec.config.schema import TrainCfg
 from dynarec.config.tzrec.features import Mode
 from dynarec.config.tzrec.reader import Context, Reader, one_of
+from dynarec.config.tzrec.schema_fields import field_values
 
 __all__ = ["convert_data_config", "convert_train_config", "data_source"]
 
@@ -98,7 +100,9 @@ def _sparse_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
         return {"sgd_optimizer": {"lr": 0.002}}, schedule
     name, o = found
     fields: dict[str, Any] = {"lr": o.number("lr", 0.002)}
-    o.default_only("gradient_clipping", False, "gradient clipping of sparse updates is not supported")
+    o.default_only(
+        "gradient_clipping", False, "clipping the tables' gradients is not offered by dynarec's sparse optimizers"
+    )
     o.scalar("max_gradient")  # used only with gradient_clipping
     if name == "adagrad_optimizer":
         fields["initial_accumulator_value"] = o.number("initial_accumulator_value", 0.0)
@@ -178,7 +182,7 @@ def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode
         data["num_workers"] = d.integer("num_workers")
     labels = [str(x) for x in d.repeated("label_fields")]
     if len(labels) != 1:
-        ctx.refuse(d.at("label_fields"), f"one label field is supported, got {labels}")
+        ctx.refuse(d.at("label_fields"), f"one label field is supported, got {labels}", fatal=True)
     if labels:
         data["label_field"] = labels[0]
     dataset = str(d.scalar("dataset_type", "OdpsDataset"))
@@ -202,7 +206,7 @@ def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode
     d.taken.add("fg_encoded")
     mode_name = mode_name or "FG_NONE"
     if mode_name not in _FG_MODES:
-        ctx.refuse(d.at("fg_mode"), f"{mode_name} is not supported (FG_NONE, FG_NORMAL, FG_DAG are)")
+        ctx.refuse(d.at("fg_mode"), f"{mode_name} is not supported (FG_NONE, FG_NORMAL, FG_DAG are)", fatal=True)
     encoded = _FG_MODES.get(mode_name, True)
     d.ignore("fg_threads", "feature generation threads")
     d.ignore("pin_memory", "dynarec pins batches for the device on its own")
@@ -234,7 +238,7 @@ def convert_train_config(t: Reader, train: dict[str, Any]) -> None:
     if (s := t.message("sparse_optimizer")) is not None:
         train["sparse_optimizer"], train["sparse_lr_schedule"] = _sparse_optimizer(s)
     else:
-        ctx.refuse(t.at("sparse_optimizer"), "a sparse optimizer is needed")
+        ctx.refuse(t.at("sparse_optimizer"), "a sparse optimizer is needed", fatal=True)
     if (dn := t.message("dense_optimizer")) is not None:
         train["dense_optimizer"], train["dense_lr_schedule"] = _dense_optimizer(dn)
     steps, epochs = t.integer("num_steps"), t.integer("num_epochs")
@@ -242,10 +246,7 @@ def convert_train_config(t: Reader, train: dict[str, Any]) -> None:
         train["num_steps"] = steps
     if epochs:
         train["num_epochs"] = epochs
-    save = t.integer("save_checkpoints_steps", 1000)
-    train["save_checkpoints_steps"] = save
-    train["eval_every_steps"] = save  # TorchEasyRec evaluates after every checkpoint
-    ctx.note(t.at("save_checkpoints_steps"), f"every {save} steps, with an evaluation after each (TorchEasyRec's rule)")
+    _checkpoints(t, train)
     train["log_step_count_steps"] = t.integer("log_step_count_steps", 100)
     keep = t.integer("keep_checkpoint_max", 0)
     train["keep_checkpoints"] = keep if keep > 0 else 1_000_000
@@ -254,24 +255,114 @@ def convert_train_config(t: Reader, train: dict[str, Any]) -> None:
     t.default_only("is_profiling", False)
     t.default_only("cudnn_allow_tf32", True)
     t.default_only("cuda_matmul_allow_tf32", False)
-    t.default_only("save_checkpoints_epochs", 0)
-    t.default_only("mixed_precision", "")
+    _precision(t, train)
     gas = t.integer("gradient_accumulation_steps", 0)
     if gas > 1:
-        ctx.refuse(t.at("gradient_accumulation_steps"), "gradient accumulation is not supported")
+        if "gradient_accumulation_steps" in TrainCfg.model_fields:
+            train["gradient_accumulation_steps"] = gas
+            ctx.note(
+                t.at("gradient_accumulation_steps"),
+                f"the dense optimizer steps every {gas} steps on their summed gradients; the tables' fused updates "
+                "run every step (as TorchEasyRec's fused sparse optimizers)",
+            )
+        else:
+            ctx.refuse(t.at("gradient_accumulation_steps"), "dynarec has no gradient accumulation (train schema)")
     if (g := t.message("grad_clipping")) is not None:
-        g.default_only("clipping_type", "none", "gradient clipping is not supported")
-        for key in ("max_gradient", "norm_type", "enable_global_grad_clip"):
-            g.scalar(key)
-        g.done()
+        _grad_clipping(g, train)
     t.ignore("global_embedding_constraints", "sharding constraints; dynarec's planner shards tables")
     t.refuse(
         "fine_tune_checkpoint",
         "fine_tune_ckpt_param_map",
-        "grad_scaler",
         "save_checkpoints_timestamp_interval",
         "save_checkpoints_timestamps",
         "save_checkpoints_timestamp_quorum",
         "delta_embedding_dump_config",
     )
     t.done()
+
+
+def _checkpoints(t: Reader, train: dict[str, Any]) -> None:
+    """``save_checkpoints_steps`` / ``save_checkpoints_epochs``: TorchEasyRec saves by epochs
+    when ``save_checkpoints_epochs > 0`` (its steps are then ignored), else every
+    ``save_checkpoints_steps`` (0: no periodic saves), and evaluates after each save
+    (tzrec/main.py:380-384)."""
+    ctx = t.ctx
+    steps = t.integer("save_checkpoints_steps", 1000)
+    epochs = t.integer("save_checkpoints_epochs", 0)
+    if epochs > 0:
+        if "save_checkpoints_epochs" not in TrainCfg.model_fields:
+            ctx.refuse(t.at("save_checkpoints_epochs"), "dynarec has no per-epoch checkpoints (train schema)")
+            return
+        train["save_checkpoints_epochs"] = epochs
+        ctx.note(
+            t.at("save_checkpoints_epochs"),
+            f"a checkpoint every {epochs} epoch(s), none by steps (TorchEasyRec's rule); dynarec evaluates at the "
+            "end of training, TorchEasyRec after every checkpoint",
+        )
+        if t.has("save_checkpoints_steps"):
+            ctx.note(t.at("save_checkpoints_steps"), "ignored: save_checkpoints_epochs is set (TorchEasyRec's rule)")
+    elif steps > 0:
+        train["save_checkpoints_steps"] = steps
+        train["eval_every_steps"] = steps  # TorchEasyRec evaluates after every checkpoint
+        ctx.note(
+            t.at("save_checkpoints_steps"), f"every {steps} steps, with an evaluation after each (TorchEasyRec's rule)"
+        )
+    else:
+        ctx.note(
+            t.at("save_checkpoints_steps"),
+            "0: no periodic checkpoints or evaluations; one checkpoint and evaluation at the end of training",
+        )
+
+
+_PRECISIONS = {"BF16": "bf16", "FP16": "fp16"}
+
+
+def _precision(t: Reader, train: dict[str, Any]) -> None:
+    """``mixed_precision`` (the dense model's autocast dtype) and ``grad_scaler`` (FP16's loss
+    scaling)."""
+    ctx = t.ctx
+    value = str(t.scalar("mixed_precision", "")).upper()
+    if value:
+        mapped = _PRECISIONS.get(value)
+        if mapped is None:
+            ctx.refuse(t.at("mixed_precision"), f"{value!r} is not a mixed precision TorchEasyRec takes (BF16, FP16)")
+        elif mapped not in field_values(TrainCfg, "mixed_precision"):
+            offered = sorted(str(v) for v in field_values(TrainCfg, "mixed_precision"))
+            ctx.refuse(
+                t.at("mixed_precision"),
+                f"{value}: dynarec's train.mixed_precision takes {offered or 'nothing'}",
+            )
+        else:
+            train["mixed_precision"] = mapped
+            ctx.note(t.at("mixed_precision"), f"the dense model's forward in {value} (autocast); the tables stay FP32")
+    if t.has("grad_scaler"):
+        gs = t.message("grad_scaler")
+        assert gs is not None
+        gs.taken.update(gs.msg.names())
+        ctx.refuse(
+            t.at("grad_scaler"),
+            "loss scaling is not supported (the tables' fused updates run inside backward, where a scaled loss "
+            "would scale their gradients)",
+        )
+    t.taken.add("grad_scaler")
+
+
+def _grad_clipping(g: Reader, train: dict[str, Any]) -> None:
+    """``grad_clipping``: TorchEasyRec clips the dense parameters' gradients (its sparse ones
+    are applied inside backward, before any clipping)."""
+    ctx = g.ctx
+    kind = str(g.scalar("clipping_type", "none")).lower()
+    max_gradient = g.number("max_gradient", 1.0)
+    norm_type = g.number("norm_type", 2.0)
+    if g.scalar("enable_global_grad_clip", False):
+        ctx.note(g.at("enable_global_grad_clip"), "dynarec's dense gradients are all-reduced: the norm is global")
+    g.done()
+    if kind == "none":
+        return
+    if kind != "norm":
+        ctx.refuse(g.at("clipping_type"), f"{kind!r} is not supported (norm, none are)")
+    elif "gradient_clipping" not in TrainCfg.model_fields:
+        ctx.refuse(g.path, "dynarec has no gradient clipping (train schema)")
+    else:
+        train["gradient_clipping"] = {"max_norm": max_gradient, "norm_type": norm_type}
+        ctx.note(g.path, f"the dense parameters' gradient {norm_type:g}-norm clipped to {max_gradient:g}")
