@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 
 from dynarec.features import DYNAMIC_KEY_BUCKETS, native, to_hash_bucket_fast
-from dynarec.features.hashing import to_hash_bucket_fast_reference
+from dynarec.features.hashing import murmur2_64, to_hash_bucket_fast_reference
 from tests.features.test_hashing import GOLDEN
 from tests.matrix import needs_fg_kernels
 
@@ -170,3 +170,52 @@ def test_the_extension_is_built_in_a_directory_of_this_environment_and_source_tr
     assert native.ops().__file__.startswith(here + "/")
     monkeypatch.setattr("sys.prefix", "/elsewhere/.venv")
     assert native.build_directory() != here
+
+
+@pytest.mark.parametrize("type_", STRING_TYPES)
+def test_murmur2_equals_the_python_reference_at_every_length(type_):
+    """std::hash reads 8-byte words and a 1..7-byte tail: every length to 300 and every tail."""
+    rng = random.Random(7)
+    values = [bytes(rng.randrange(256) for _ in range(n)) for n in range(301) for _ in range(3)]
+    col = strings_of_bytes(values, type_)
+    want = np.array([murmur2_64(v) for v in values], dtype=np.uint64)
+    assert np.array_equal(native.hash64(col, "murmur2"), want)
+    assert np.array_equal(native.hash64(col.slice(11, 400), "murmur2"), want[11:411])
+    assert native.hash_strings(col, 1000, "murmur2").tolist() == [int(w) % 1000 for w in want]
+
+
+@pytest.mark.parametrize("num_buckets", [100, 10**6 + 3, DYNAMIC_KEY_BUCKETS])
+def test_split_hash_with_murmur2_equals_split_then_murmur2(num_buckets):
+    rng = random.Random(num_buckets % 1000)
+    rows = ["|".join(random_unicode(rng, rng.randrange(1, 10)).replace("|", "_") for _ in range(rng.randrange(0, 9)))]
+    rows += ["abc|efg|hij", "", "1"]
+    for _ in range(300):
+        rows.append(
+            "|".join(random_unicode(rng, rng.randrange(1, 10)).replace("|", "_") for _ in range(rng.randrange(0, 9)))
+        )
+    values, lengths, bad = native.split_hash(pa.array(rows), "|", num_buckets, "murmur2")
+    tokens = [t for r in rows for t in (r.split("|") if r else [])]
+    assert bad == -1 and lengths.tolist() == [len(r.split("|")) if r else 0 for r in rows]
+    assert values.tolist() == [murmur2_64(t) % num_buckets for t in tokens]
+
+
+def levenshtein(x, y) -> int:
+    """The textbook table, for sequences of characters or bytes."""
+    table = [[i + j if i * j == 0 else 0 for j in range(len(y) + 1)] for i in range(len(x) + 1)]
+    for i in range(1, len(x) + 1):
+        for j in range(1, len(y) + 1):
+            table[i][j] = min(table[i - 1][j] + 1, table[i][j - 1] + 1, table[i - 1][j - 1] + (x[i - 1] != y[j - 1]))
+    return table[-1][-1]
+
+
+def test_edit_distance_over_bytes_and_over_characters():
+    a = pa.array(["裙子", "kitten", "", "abc", "flaw", "é"])
+    b = pa.array(["连衣裙", "sitting", "xy", "abc", "lawn", "e"])
+    assert native.edit_distance(a, b, True).tolist() == [3, 3, 2, 0, 2, 1]  # TorchEasyRec's test: 3 (utf-8)
+    assert native.edit_distance(a, b, False).tolist() == [8, 3, 2, 0, 2, 2]  # latin: UTF-8 bytes
+    rng = random.Random(3)
+    xs = [random_unicode(rng, rng.randrange(0, 15)) for _ in range(300)]
+    ys = [random_unicode(rng, rng.randrange(0, 15)) for _ in range(300)]
+    for utf8 in (True, False):
+        got = native.edit_distance(pa.array(xs), pa.array(ys), utf8).tolist()
+        assert got == [levenshtein(x, y) if utf8 else levenshtein(x.encode(), y.encode()) for x, y in zip(xs, ys)]

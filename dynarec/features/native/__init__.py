@@ -1,6 +1,7 @@
-"""The feature-generation C++ extension: FarmHash Fingerprint64 of string columns, the one-pass
-split-and-hash of separator-joined string lists, and the one-pass split-and-parse of
-separator-joined int64 lists, each reading an Arrow string column's buffers in place.
+"""The feature-generation C++ extension: FarmHash Fingerprint64 (or libstdc++'s ``std::hash``,
+MurmurHash2: ``hash_function="murmur2"``) of string columns, the one-pass split-and-hash of
+separator-joined string lists, and the one-pass split-and-parse of separator-joined int64 lists,
+each reading an Arrow string column's buffers in place.
 
 Built on first use like the embedding kernels' extension (``dynarec._cpp_extension``: one build
 directory per Python environment, torch version and source tree); ``make setup`` builds it once.
@@ -16,7 +17,7 @@ import functools
 import os
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +29,9 @@ __all__ = [
     "available",
     "build",
     "build_directory",
+    "edit_distance",
     "fingerprint64",
+    "hash64",
     "hash_strings",
     "ops",
     "python_path",
@@ -43,6 +46,9 @@ _EXTENSION = CppExtension(
     fallback="hashing and splitting with pyarrow and pyfarmhash",
 )
 _python_path = False
+
+HashFunction = Literal["farmhash", "murmur2"]
+_FUNCTIONS = {"farmhash": 0, "murmur2": 1}
 
 
 @functools.cache
@@ -109,19 +115,33 @@ def _usable(col: pa.Array) -> Optional[ModuleType]:
 def fingerprint64(col: pa.Array) -> Optional[np.ndarray]:
     """FarmHash Fingerprint64 of every string's UTF-8 bytes: uint64 ``[len(col)]``. None where
     the extension is not used, or ``col`` is not a non-empty string array without nulls."""
+    return hash64(col, "farmhash")
+
+
+def hash64(col: pa.Array, hash_function: HashFunction = "farmhash") -> Optional[np.ndarray]:
+    """The 64-bit hash of every string's UTF-8 bytes, uint64 ``[len(col)]``: FarmHash
+    Fingerprint64, or ``std::hash<std::string>`` of 64-bit libstdc++ (``"murmur2"``). None where
+    the extension is not used, or ``col`` is not a non-empty string array without nulls."""
     kernels = _usable(col)
-    return None if kernels is None else kernels.fingerprint64(*_buffers(col)).numpy().view(np.uint64)
+    if kernels is None:
+        return None
+    return kernels.fingerprint64(*_buffers(col), _FUNCTIONS[hash_function]).numpy().view(np.uint64)
 
 
-def hash_strings(col: pa.Array, num_buckets: int) -> Optional[np.ndarray]:
+def hash_strings(col: pa.Array, num_buckets: int, hash_function: HashFunction = "farmhash") -> Optional[np.ndarray]:
     """``tf.strings.to_hash_bucket_fast(col, num_buckets)``: ``fingerprint64(s) % num_buckets``
-    (``0 < num_buckets < 2**63``) of every string, int64 ``[len(col)]``. None where the extension
-    is not used, or ``col`` is not a non-empty string array without nulls."""
+    (``0 < num_buckets < 2**63``) of every string, int64 ``[len(col)]`` (with ``"murmur2"``:
+    ``std::hash(s) % num_buckets``, TorchEasyRec's). None where the extension is not used, or
+    ``col`` is not a non-empty string array without nulls."""
     kernels = _usable(col)
-    return None if kernels is None else kernels.hash_strings(*_buffers(col), num_buckets).numpy()
+    if kernels is None:
+        return None
+    return kernels.hash_strings(*_buffers(col), num_buckets, _FUNCTIONS[hash_function]).numpy()
 
 
-def split_hash(col: pa.Array, separator: str, num_buckets: int) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
+def split_hash(
+    col: pa.Array, separator: str, num_buckets: int, hash_function: HashFunction = "farmhash"
+) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
     """Every row of a separator-joined string column split and each token hashed as
     :func:`hash_strings` does, in one pass: ``(values int64 [tokens], lengths int64 [len(col)],
     first_bad_row)``. An empty field is an empty list; a row holding an empty token (a leading,
@@ -132,7 +152,7 @@ def split_hash(col: pa.Array, separator: str, num_buckets: int) -> Optional[tupl
     kernels = _usable(col)
     if kernels is None:
         return None
-    values, lengths, bad = kernels.split_hash(*_buffers(col), separator, num_buckets)
+    values, lengths, bad = kernels.split_hash(*_buffers(col), separator, num_buckets, _FUNCTIONS[hash_function])
     return values.numpy(), lengths.numpy(), int(bad)
 
 
@@ -147,3 +167,13 @@ def split_parse_int64(col: pa.Array, separator: str) -> Optional[tuple[np.ndarra
     data, offsets = _buffers(col)
     ids, lengths, ok = kernels.split_parse_int64(data, offsets.to(torch.int64), separator)
     return (ids.numpy(), lengths.numpy()) if ok else None
+
+
+def edit_distance(a: pa.Array, b: pa.Array, utf8: bool) -> Optional[np.ndarray]:
+    """TorchEasyRec's EditDistance: the Levenshtein distance of ``a[i]`` and ``b[i]`` for every
+    row, int64, over bytes (``utf8`` False: TorchEasyRec's ``latin``) or UTF-8 code points. None
+    where the extension is not used, or a column is not a non-empty string array without nulls."""
+    kernels = _usable(a)
+    if kernels is None or _usable(b) is None or len(a) != len(b):
+        return None
+    return kernels.edit_distance(*_buffers(a), *_buffers(b), utf8).numpy()

@@ -1,7 +1,8 @@
-// Feature generation for dynarec.data: string ids -> int64 keys with FarmHash Fingerprint64, and
-// separator-joined id lists -> (values, lengths), each in one pass over an Arrow string column's
-// bytes (`data`, uint8) and offsets (`offsets`, [n + 1] into data; a sliced array's offsets need
-// not start at 0). Their Python twins (pyarrow + pyfarmhash) are in dynarec.features.hashing and
+// Feature generation for dynarec.data: string ids -> int64 keys with FarmHash Fingerprint64 (or
+// libstdc++'s std::hash, TorchEasyRec's default), and separator-joined id lists -> (values,
+// lengths), each in one pass over an Arrow string column's bytes (`data`, uint8) and offsets
+// (`offsets`, [n + 1] into data; a sliced array's offsets need not start at 0). Their Python twins
+// (pyarrow + pyfarmhash, and a Python MurmurHash2) are in dynarec.features.hashing and
 // dynarec.data.batch; the tests compare the two bit for bit.
 //
 // The bindings release the GIL: a batch is built while other Python threads (the trainer's
@@ -173,6 +174,47 @@ inline uint64_t fingerprint64(const char* s, size_t len) {
   return hash_len65plus(s, len);
 }
 
+// ---- MurmurHash2, 64-bit: libstdc++'s std::hash<std::string> ---------------------------------
+// std::hash<std::string>{}(s) == std::_Hash_bytes(s.data(), s.size(), 0xc70f6907) on a 64-bit
+// libstdc++ (libstdc++-v3/libsupc++/hash_bytes.cc): TorchEasyRec's (pyfg's) default string hash.
+// Written from that algorithm; words and the tail are read little-endian (what x86-64 and aarch64
+// hosts compute), whatever the host's byte order, so a key is the same everywhere.
+
+constexpr uint64_t kMurmurMul = (uint64_t{0xc6a4a793} << 32) + uint64_t{0x5bd1e995};
+constexpr uint64_t kStdHashSeed = 0xc70f6907ULL;
+
+inline uint64_t murmur2_64(const char* s, size_t len) {
+  const size_t aligned = len & ~size_t{7};
+  uint64_t h = kStdHashSeed ^ (len * kMurmurMul);
+  for (size_t i = 0; i < aligned; i += 8) {
+    h ^= shift_mix(load64(s + i) * kMurmurMul) * kMurmurMul;
+    h *= kMurmurMul;
+  }
+  if (len & 7) {
+    uint64_t tail = 0;
+    for (size_t i = len; i-- > aligned;) tail = (tail << 8) + static_cast<unsigned char>(s[i]);
+    h ^= tail;
+    h *= kMurmurMul;
+  }
+  h = shift_mix(h) * kMurmurMul;
+  return shift_mix(h);
+}
+
+// The string hash a feature names: 0 FarmHash Fingerprint64, 1 MurmurHash2 (std::hash).
+struct Farm {
+  uint64_t operator()(const char* s, size_t len) const { return fingerprint64(s, len); }
+};
+struct Murmur {
+  uint64_t operator()(const char* s, size_t len) const { return murmur2_64(s, len); }
+};
+
+// Calls f(Farm{}) or f(Murmur{}): the loops are compiled once per hash, with the hash inlined.
+template <typename F>
+auto with_hash(int64_t function, F&& f) {
+  TORCH_CHECK(function == 0 || function == 1, "hash function must be 0 (farmhash) or 1 (murmur2), got ", function);
+  return function == 0 ? f(Farm{}) : f(Murmur{});
+}
+
 // ---- columns -------------------------------------------------------------------------------
 
 // h % num_buckets (unsigned) without a division: a mask where num_buckets is a power of two
@@ -288,24 +330,31 @@ bool split_field_byte(const char* p, const char* end, const char* data_end, char
 
 }  // namespace
 
-// FarmHash Fingerprint64 of every string (int64 [n]: the uint64 fingerprints' bits).
-torch::Tensor fingerprint64_strings(const torch::Tensor& data, const torch::Tensor& offsets) {
-  return with_strings(data, offsets, [](const char* d, const auto* off, int64_t n) {
-    auto out = torch::empty({n}, torch::kInt64);
-    int64_t* o = out.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(fingerprint64(d + off[i], off[i + 1] - off[i]));
-    return out;
+// The 64-bit hash of every string (int64 [n]: the uint64 hashes' bits): FarmHash Fingerprint64
+// (function 0) or std::hash (function 1).
+torch::Tensor fingerprint64_strings(const torch::Tensor& data, const torch::Tensor& offsets, int64_t function) {
+  return with_hash(function, [&](auto hash) {
+    return with_strings(data, offsets, [&](const char* d, const auto* off, int64_t n) {
+      auto out = torch::empty({n}, torch::kInt64);
+      int64_t* o = out.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(hash(d + off[i], off[i + 1] - off[i]));
+      return out;
+    });
   });
 }
 
-// tf.strings.to_hash_bucket_fast of every string: fingerprint64(s) % num_buckets, int64 [n].
-torch::Tensor hash_strings(const torch::Tensor& data, const torch::Tensor& offsets, int64_t num_buckets) {
+// tf.strings.to_hash_bucket_fast of every string: fingerprint64(s) % num_buckets, int64 [n] (or
+// std::hash(s) % num_buckets with function 1).
+torch::Tensor hash_strings(const torch::Tensor& data, const torch::Tensor& offsets, int64_t num_buckets,
+                           int64_t function) {
   const Buckets bucket(num_buckets);
-  return with_strings(data, offsets, [&](const char* d, const auto* off, int64_t n) {
-    auto out = torch::empty({n}, torch::kInt64);
-    int64_t* o = out.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) o[i] = bucket(fingerprint64(d + off[i], off[i + 1] - off[i]));
-    return out;
+  return with_hash(function, [&](auto hash) {
+    return with_strings(data, offsets, [&](const char* d, const auto* off, int64_t n) {
+      auto out = torch::empty({n}, torch::kInt64);
+      int64_t* o = out.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) o[i] = bucket(hash(d + off[i], off[i + 1] - off[i]));
+      return out;
+    });
   });
 }
 
@@ -315,33 +364,34 @@ torch::Tensor hash_strings(const torch::Tensor& data, const torch::Tensor& offse
 // token (a leading, doubled or trailing separator) makes its row bad. The first bad row's index
 // is returned (values then empty, lengths unspecified), else -1.
 std::tuple<torch::Tensor, torch::Tensor, int64_t> split_hash(const torch::Tensor& data, const torch::Tensor& offsets,
-                                                              const std::string& sep, int64_t num_buckets) {
+                                                              const std::string& sep, int64_t num_buckets,
+                                                              int64_t function) {
   TORCH_CHECK(!sep.empty(), "the separator is empty");
   const Buckets bucket(num_buckets);
-  return with_strings(data, offsets, [&](const char* d, const auto* off, int64_t n) {
-    const int64_t s = static_cast<int64_t>(sep.size());
-    // k non-empty tokens take at least k + (k - 1) * s bytes of their row: a bound on the tokens.
-    const int64_t bound = (static_cast<int64_t>(off[n] - off[0]) + n * s) / (1 + s);
-    auto values = torch::empty({bound}, torch::kInt64);
-    auto lengths = torch::empty({n}, torch::kInt64);
-    int64_t* v = values.data_ptr<int64_t>();
-    int64_t* len = lengths.data_ptr<int64_t>();
-    int64_t count = 0;
-    const auto emit = [&](const char* a, const char* b) {
-      v[count++] = bucket(fingerprint64(a, static_cast<size_t>(b - a)));
-    };
-    const char* const data_end = d + data.numel();
-    for (int64_t r = 0; r < n; ++r) {
-      const char* p = d + off[r];
-      const char* const end = d + off[r + 1];
-      const int64_t first = count;
-      if (p != end && !(s == 1 ? split_field_byte(p, end, data_end, sep[0], emit)
-                               : split_field(p, end, sep.data(), sep.size(), emit))) {
-        return std::make_tuple(values.narrow(0, 0, 0), lengths, r);
+  return with_hash(function, [&](auto hash) {
+    return with_strings(data, offsets, [&](const char* d, const auto* off, int64_t n) {
+      const int64_t s = static_cast<int64_t>(sep.size());
+      // k non-empty tokens take at least k + (k - 1) * s bytes of their row: a bound on the tokens.
+      const int64_t bound = (static_cast<int64_t>(off[n] - off[0]) + n * s) / (1 + s);
+      auto values = torch::empty({bound}, torch::kInt64);
+      auto lengths = torch::empty({n}, torch::kInt64);
+      int64_t* v = values.data_ptr<int64_t>();
+      int64_t* len = lengths.data_ptr<int64_t>();
+      int64_t count = 0;
+      const auto emit = [&](const char* a, const char* b) { v[count++] = bucket(hash(a, static_cast<size_t>(b - a))); };
+      const char* const data_end = d + data.numel();
+      for (int64_t r = 0; r < n; ++r) {
+        const char* p = d + off[r];
+        const char* const end = d + off[r + 1];
+        const int64_t first = count;
+        if (p != end && !(s == 1 ? split_field_byte(p, end, data_end, sep[0], emit)
+                                 : split_field(p, end, sep.data(), sep.size(), emit))) {
+          return std::make_tuple(values.narrow(0, 0, 0), lengths, r);
+        }
+        len[r] = count - first;
       }
-      len[r] = count - first;
-    }
-    return std::make_tuple(values.narrow(0, 0, count), lengths, static_cast<int64_t>(-1));
+      return std::make_tuple(values.narrow(0, 0, count), lengths, static_cast<int64_t>(-1));
+    });
   });
 }
 
@@ -397,10 +447,84 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
   return std::make_tuple(out, lengths, true);
 }
 
+namespace {
+
+// The code points of UTF-8 text (a malformed byte stands for itself).
+void utf8_code_points(const char* p, const char* end, std::vector<uint32_t>& out) {
+  out.clear();
+  const auto* s = reinterpret_cast<const unsigned char*>(p);
+  const auto* e = reinterpret_cast<const unsigned char*>(end);
+  while (s < e) {
+    const unsigned char c = *s;
+    const int n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = n > 0 && s + n <= e;
+    for (int k = 1; ok && k < n; ++k) ok = (s[k] >> 6) == 0x2;
+    if (!ok) {
+      out.push_back(c);
+      ++s;
+      continue;
+    }
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (int k = 1; k < n; ++k) cp = (cp << 6) | (s[k] & 0x3f);
+    out.push_back(cp);
+    s += n;
+  }
+}
+
+// Levenshtein distance (insertions, deletions, substitutions of cost 1), two rows of the table.
+template <typename T>
+int64_t levenshtein(const T* a, size_t n, const T* b, size_t m, std::vector<int64_t>& row) {
+  row.resize(m + 1);
+  for (size_t j = 0; j <= m; ++j) row[j] = static_cast<int64_t>(j);
+  for (size_t i = 1; i <= n; ++i) {
+    int64_t diagonal = row[0];
+    row[0] = static_cast<int64_t>(i);
+    for (size_t j = 1; j <= m; ++j) {
+      const int64_t up = row[j];
+      row[j] = std::min({up + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[m];
+}
+
+}  // namespace
+
+// TorchEasyRec's EditDistance operator: the Levenshtein distance of a[i] and b[i] for every row,
+// over bytes (encoding latin) or UTF-8 code points (utf8), int64 [n].
+torch::Tensor edit_distance(const torch::Tensor& data_a, const torch::Tensor& offsets_a, const torch::Tensor& data_b,
+                            const torch::Tensor& offsets_b, bool utf8) {
+  TORCH_CHECK(offsets_a.numel() == offsets_b.numel(), "the two columns have different lengths");
+  return with_strings(data_a, offsets_a, [&](const char* da, const auto* oa, int64_t n) {
+    return with_strings(data_b, offsets_b, [&](const char* db, const auto* ob, int64_t) {
+      auto out = torch::empty({n}, torch::kInt64);
+      int64_t* o = out.data_ptr<int64_t>();
+      std::vector<int64_t> row;
+      std::vector<uint32_t> ca, cb;
+      for (int64_t i = 0; i < n; ++i) {
+        const char *a = da + oa[i], *a_end = da + oa[i + 1], *b = db + ob[i], *b_end = db + ob[i + 1];
+        if (utf8) {
+          utf8_code_points(a, a_end, ca);
+          utf8_code_points(b, b_end, cb);
+          o[i] = levenshtein(ca.data(), ca.size(), cb.data(), cb.size(), row);
+        } else {
+          o[i] = levenshtein(reinterpret_cast<const unsigned char*>(a), static_cast<size_t>(a_end - a),
+                             reinterpret_cast<const unsigned char*>(b), static_cast<size_t>(b_end - b), row);
+        }
+      }
+      return out;
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("fingerprint64", &fingerprint64_strings, "FarmHash Fingerprint64 of every string (the uint64 bits)", nogil);
-  m.def("hash_strings", &hash_strings, "fingerprint64(s) % num_buckets of every string", nogil);
-  m.def("split_hash", &split_hash, "separator-joined string lists, hashed: values, lengths, first bad row", nogil);
+  m.def("fingerprint64", &fingerprint64_strings, "the 64-bit hash of every string (0 farmhash, 1 std::hash)",
+        py::arg("data"), py::arg("offsets"), py::arg("function") = 0, nogil);
+  m.def("hash_strings", &hash_strings, "hash(s) % num_buckets of every string", py::arg("data"), py::arg("offsets"),
+        py::arg("num_buckets"), py::arg("function") = 0, nogil);
+  m.def("split_hash", &split_hash, "separator-joined string lists, hashed: values, lengths, first bad row",
+        py::arg("data"), py::arg("offsets"), py::arg("sep"), py::arg("num_buckets"), py::arg("function") = 0, nogil);
   m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok", nogil);
+  m.def("edit_distance", &edit_distance, "Levenshtein distance of two string columns, row by row", nogil);
 }
