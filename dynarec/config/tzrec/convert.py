@@ -266,7 +266,7 @@ def _drop(features: list[Converted], model: ModelResult, ctx: Context) -> tuple[
     kept = []
     for f in features:
         if f.name in bad:
-            dropped.append(f"{f.path} ({f.name}): dropped ({bad[f.name]})")
+            dropped.append(f"{f.path}: feature {f.name!r} dropped ({bad[f.name]})")
         else:
             kept.append(f)
     dropped += prune_model(model, {f.name: f for f in kept}, ctx)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dynarec.config.tzrec.reader import Context, Reader, one_of
+from dynarec.config.tzrec.schema_fields import kind_fields
 
 __all__ = ["Converted", "Mode", "convert_features", "initializer"]
 
@@ -444,8 +445,6 @@ class _Build:
     def _hash(self) -> None:
         """Values hashed as TorchEasyRec hashes them: libstdc++'s std::hash (MurmurHash2), its
         default; its FarmHash is chosen by an environment variable, never by the config."""
-        from dynarec.config.tzrec.schema_fields import kind_fields
-
         self.hashed = True
         if "hash_function" in kind_fields("id_feature"):
             self.body["hash_function"] = "murmur2"
@@ -519,7 +518,13 @@ class _Build:
         several = value_dim == 0 or (value_dim > 1)
         if self.seq is not None:
             self.body.update(self._sequence_fields())
-            if value_dim == 0:
+            if value_dim == 0 and "value_dim" not in kind_fields("sequence_feature"):
+                self.ctx.refuse(
+                    r.at("value_dim"),
+                    "0: several ids a sequence element (pooled per element in TorchEasyRec); dynarec's "
+                    "sequence_feature takes one id an element",
+                )
+            elif value_dim == 0:
                 self.body["value_dim"] = 0
                 self.body["value_separator"] = mode.multival_sep if mode.encoded else separator
                 self.body["pooling"] = pooling  # several ids of one element are pooled
@@ -688,8 +693,6 @@ _LOOKUP_TABLES = (*_ID_TABLES, "boundaries")
 def _raw_kind_has_boundaries() -> bool:
     """Whether dynarec's raw_feature takes ``boundaries`` (else a bucketized number is an
     id_feature with boundaries)."""
-    from dynarec.config.tzrec.schema_fields import kind_fields
-
     return "boundaries" in kind_fields("raw_feature")
 
 

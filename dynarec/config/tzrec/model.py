@@ -98,7 +98,29 @@ class ModelResult:
     tower_paths: dict[str, list[str]] = field(default_factory=dict)  # "towers" / "din_towers" -> paths
 
 
-_MODELS = ("multi_tower_din", "multi_tower", "deepfm", "wide_and_deep", "dlrm")
+# TorchEasyRec's model -> dynarec's (model.proto's oneof names; dcn_v1 is dynarec's dcn).
+_TARGETS = {
+    "multi_tower_din": "multi_tower_din",
+    "multi_tower": "multi_tower_din",
+    "deepfm": "deepfm",
+    "wide_and_deep": "wide_and_deep",
+    "dlrm": "dlrm",
+    "mask_net": "mask_net",
+    "wukong": "wukong",
+    "dcn_v1": "dcn",
+    "dcn_v2": "dcn_v2",
+    "xdeepfm": "xdeepfm",
+}
+_WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
+
+
+def _models() -> tuple[str, ...]:
+    """TorchEasyRec's models dynarec has (its schema's model keys)."""
+    from dynarec.config.schema import MODEL_KEYS
+
+    return tuple(k for k, v in _TARGETS.items() if v in MODEL_KEYS)
+
+
 _MODEL_FIELDS = (
     "feature_groups",
     "num_class",
@@ -114,26 +136,25 @@ _MODEL_FIELDS = (
 def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelResult:
     """model_config -> the dynarec model block and the eval settings its metrics give.
     ``features`` gains the twins a WIDE group needs."""
-    others = [n for n in r.msg.names() if n not in _MODELS and n not in _MODEL_FIELDS]
-    model_names = [n for n in _MODELS if r.has(n)]
+    models = _models()
+    others = [n for n in r.msg.names() if n not in models and n not in _MODEL_FIELDS]
+    model_names = [n for n in models if r.has(n)]
     if len(model_names) != 1:
         for n in others:
             r.taken.add(n)
             ctx.refuse(
-                r.at(n),
-                f"this model is not supported ({', '.join(_MODELS)} are; issue 30 asks for the model zoo)",
-                fatal=True,
+                r.at(n), f"this model is not supported ({', '.join(models)} are; issue 30: the model zoo)", fatal=True
             )
         if not others:
-            ctx.refuse(r.path, f"give one of {list(_MODELS)}", fatal=True)
+            ctx.refuse(r.path, f"give one of {list(models)}", fatal=True)
         r.taken.update(r.msg.names())
         return ModelResult({"feature_groups": [], "dlrm": {}}, {})
     name = model_names[0]
     m = r.message(name)
     assert m is not None
     # WIDE groups: each sparse feature gets a table of wide_embedding_dim of its own (TorchEasyRec).
-    wide_dim = m.integer("wide_embedding_dim", 4) if name in ("deepfm", "wide_and_deep") else 4
-    wide_init = m.scalar("wide_init_fn") if name in ("deepfm", "wide_and_deep") else None
+    wide_dim = m.integer("wide_embedding_dim", _WIDE_DIM[name]) if name in _WIDE_DIM else 4
+    wide_init = m.scalar("wide_init_fn") if name in _WIDE_DIM else None
     wide_rename = _add_wide_features(r, features, wide_dim, wide_init, ctx)
     groups_out, group_paths = _groups(r, wide_rename, {f.name for f in features})
     out: dict[str, Any] = {"feature_groups": groups_out}
@@ -189,6 +210,12 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelRe
         if name == "deepfm" and "fm" in groups:
             block["fm_group"] = "fm"
         out[name] = block
+    elif name in _ZOO:
+        out[_TARGETS[name]] = _ZOO[name](m, ctx)
+        if name == "xdeepfm":
+            for g in ("wide", "deep"):
+                if g not in groups:
+                    ctx.refuse(r.at("feature_groups"), f"xdeepfm needs a group named {g!r}", fatal=True)
     else:  # dlrm
         dense_mlp = m.message("dense_mlp")
         final = m.message("final")
@@ -263,6 +290,97 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelRe
     return result
 
 
+def _mask_net(m: Reader, ctx: Context) -> dict[str, Any]:
+    """mask_net {mask_net_module {...}}: MaskNet over the first group (TorchEasyRec's too)."""
+    module = m.message("mask_net_module")
+    if module is None:
+        ctx.refuse(m.at("mask_net_module"), "a mask_net_module is needed", fatal=True)
+        return {}
+    out: dict[str, Any] = {"n_mask_blocks": module.integer("n_mask_blocks", 1)}
+    block = module.message("mask_block")
+    if block is None:
+        ctx.refuse(module.at("mask_block"), "a mask_block is needed", fatal=True)
+    else:
+        out["mask_block"] = {"hidden_dim": block.integer("hidden_dim", 1)}
+        out["mask_block"]["reduction_ratio"] = block.number("reduction_ratio", 1.0)
+        if block.has("aggregation_dim"):
+            out["mask_block"]["aggregation_dim"] = block.integer("aggregation_dim")
+        block.done()
+    out["top_hidden_units"] = _mlp(module.message("top_mlp"), module.at("top_mlp"), ctx).units
+    out["use_parallel"] = bool(module.scalar("use_parallel", True))
+    module.done()
+    return out
+
+
+def _wukong(m: Reader, ctx: Context) -> dict[str, Any]:
+    """wukong: its layers over the group "sparse" (the only group when there is one) and the
+    dense MLP over the group "dense" (TorchEasyRec's group names, dynarec's defaults)."""
+    out: dict[str, Any] = {"wukong_layers": []}
+    for layer in m.messages("wukong_layers"):
+        out["wukong_layers"].append(
+            {
+                "lcb_feature_num": layer.integer("lcb_feature_num", 1),
+                "fmb_feature_num": layer.integer("fmb_feature_num", 1),
+                "compressed_feature_num": layer.integer("compressed_feature_num", 16),
+                "feature_num_hidden_units": _mlp(
+                    layer.message("feature_num_mlp"), layer.at("feature_num_mlp"), ctx
+                ).units,
+            }
+        )
+        layer.done()
+    if not out["wukong_layers"]:
+        ctx.refuse(m.at("wukong_layers"), "at least one layer is needed", fatal=True)
+    if (dense := m.message("dense_mlp")) is not None:
+        out["dense_hidden_units"] = _mlp(dense, m.at("dense_mlp"), ctx).units
+    out["final_hidden_units"] = _mlp(m.message("final"), m.at("final"), ctx).units
+    return out
+
+
+def _dcn(m: Reader, ctx: Context) -> dict[str, Any]:
+    """dcn_v1 -> dynarec's dcn: cross layers and a deep MLP over the first group."""
+    cross = m.message("cross")
+    out: dict[str, Any] = {"cross_num": cross.integer("cross_num", 3) if cross is not None else 3}
+    if cross is not None:
+        cross.done()
+    out["deep_hidden_units"] = _mlp(m.message("deep"), m.at("deep"), ctx).units
+    out["final_hidden_units"] = _mlp(m.message("final"), m.at("final"), ctx).units
+    return out
+
+
+def _dcn_v2(m: Reader, ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if (backbone := m.message("backbone")) is not None:
+        out["backbone_hidden_units"] = _mlp(backbone, m.at("backbone"), ctx).units
+    cross = m.message("cross")
+    if cross is not None:
+        out["cross_num"] = cross.integer("cross_num", 3)
+        out["low_rank"] = cross.integer("low_rank", 32)
+        cross.done()
+    if (deep := m.message("deep")) is not None:
+        out["deep_hidden_units"] = _mlp(deep, m.at("deep"), ctx).units
+    out["final_hidden_units"] = _mlp(m.message("final"), m.at("final"), ctx).units
+    return out
+
+
+def _xdeepfm(m: Reader, ctx: Context) -> dict[str, Any]:
+    """xdeepfm: a CIN over the group "wide" (its features' own tables of wide_embedding_dim,
+    default 16) and an MLP over "deep"."""
+    cin = m.message("cin")
+    layers = cin.integers("cin_layer_size") if cin is not None else []
+    if cin is not None:
+        cin.done()
+    if not layers:
+        ctx.refuse(m.at("cin.cin_layer_size"), "at least one CIN layer is needed", fatal=True)
+    return {
+        "cin_layer_size": layers or [1],
+        "deep_hidden_units": _mlp(m.message("deep"), m.at("deep"), ctx).units,
+        "final_hidden_units": _mlp(m.message("final"), m.at("final"), ctx).units,
+    }
+
+
+_ZOO = {"mask_net": _mask_net, "wukong": _wukong, "dcn_v1": _dcn, "dcn_v2": _dcn_v2, "xdeepfm": _xdeepfm}
+
+
 def column_of(features: list[Converted], name: str) -> str:
     """The data column a feature reads (its first input's)."""
     body = next((f.body for f in features if f.name == name), {})
@@ -319,19 +437,21 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
         removed = [n for n in g["feature_names"] if n not in features]
         if removed:
             g["feature_names"] = [n for n in g["feature_names"] if n in features]
-            dropped.append(f"{path} ({g['group_name']}): {', '.join(removed)} taken out")
+            dropped.append(f"{path}: {', '.join(removed)} taken out of group {g['group_name']!r}")
         kept = [features[n] for n in g["feature_names"]]
         empty = not kept
         if g["group_type"] == "sequence" and kept:
             empty = not any(f.sequence for f in kept) or all(f.sequence for f in kept)
         if empty:
             gone.append(i)
-            why = "left empty" if not kept else "left without a sequence or without its query"
+            why = "left empty" if not kept else "left without sequence features or without query features"
             name = model_name(model)
             if name != "multi_tower_din":
-                ctx.refuse(path, f"{why} by the dropped features; {name} needs the group", fatal=True)
+                ctx.refuse(
+                    path, f"group {g['group_name']!r} {why} by the dropped features; {name} needs it", fatal=True
+                )
                 continue
-            dropped.append(f"{path} ({g['group_name']}): {why}, dropped")
+            dropped.append(f"{path}: group {g['group_name']!r} {why}, dropped")
     if not gone:
         return dropped
     names = {model["feature_groups"][i]["group_name"] for i in gone}
