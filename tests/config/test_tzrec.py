@@ -299,6 +299,49 @@ model_config {
 }
 """
 
+ZOO_FEATURES = """
+feature_configs { raw_feature { feature_name: "int_0" } }
+feature_configs { raw_feature { feature_name: "int_1" } }
+feature_configs { id_feature { feature_name: "cat_0" num_buckets: 100 embedding_dim: 8 } }
+feature_configs { id_feature { feature_name: "cat_1" num_buckets: 50 embedding_dim: 8 } }
+"""
+METRICS = "metrics { auc {} } losses { binary_cross_entropy {} }"
+ALL = 'feature_groups { group_name: "all" feature_names: ["int_0", "int_1", "cat_0", "cat_1"] group_type: DEEP }'
+MASK_NET = (
+    ZOO_FEATURES
+    + f"""model_config {{ {ALL}
+    mask_net {{ mask_net_module {{ n_mask_blocks: 2 mask_block {{ reduction_ratio: 2 hidden_dim: 8 }}
+        top_mlp {{ hidden_units: [8, 4] }} use_parallel: false }} }} {METRICS} }}"""
+)
+WUKONG = (
+    ZOO_FEATURES
+    + f"""model_config {{
+    feature_groups {{ group_name: "dense" feature_names: ["int_0", "int_1"] group_type: DEEP }}
+    feature_groups {{ group_name: "sparse" feature_names: ["cat_0", "cat_1"] group_type: DEEP }}
+    wukong {{ dense_mlp {{ hidden_units: [16, 8] }}
+        wukong_layers {{ lcb_feature_num: 2 fmb_feature_num: 2 compressed_feature_num: 2 feature_num_mlp {{ hidden_units: [8] }} }}
+        final {{ hidden_units: [8] }} }} {METRICS} }}"""
+)
+DCN_V1 = (
+    ZOO_FEATURES
+    + f"""model_config {{ {ALL}
+    dcn_v1 {{ cross {{ cross_num: 2 }} deep {{ hidden_units: [8] }} final {{ hidden_units: [4] }} }} {METRICS} }}"""
+)
+DCN_V2 = (
+    ZOO_FEATURES
+    + f"""model_config {{ {ALL}
+    dcn_v2 {{ backbone {{ hidden_units: [16] }} cross {{ cross_num: 2 low_rank: 4 }} deep {{ hidden_units: [8] }}
+        final {{ hidden_units: [4] }} }} {METRICS} }}"""
+)
+XDEEPFM = (
+    ZOO_FEATURES
+    + f"""model_config {{
+    feature_groups {{ group_name: "wide" feature_names: ["cat_0", "cat_1"] group_type: WIDE }}
+    feature_groups {{ group_name: "deep" feature_names: ["int_0", "int_1", "cat_0", "cat_1"] group_type: DEEP }}
+    xdeepfm {{ cin {{ cin_layer_size: [4, 4] }} deep {{ hidden_units: [8] }} final {{ hidden_units: [4] }} }}
+    {METRICS} }}"""
+)
+
 ADAGRAD = "adagrad_optimizer { lr: 0.05 initial_accumulator_value: 0.1 }\n exponential_decay_learning_rate { decay_size: 2 decay_factor: 0.5 }"
 CASES = {
     "multi_tower_din": (MULTI_TOWER_DIN, "FG_DAG", ADAGRAD),
@@ -310,7 +353,13 @@ CASES = {
     ),
     "wide_and_deep": (WIDE_AND_DEEP, "FG_NONE", "rowwise_adagrad_optimizer { lr: 0.05 }"),
     "multi_tower": (MULTI_TOWER, "FG_NONE", ADAGRAD),
+    "mask_net": (MASK_NET, "FG_NONE", ADAGRAD),
+    "wukong": (WUKONG, "FG_NONE", ADAGRAD),
+    "dcn_v1": (DCN_V1, "FG_NONE", ADAGRAD),
+    "dcn_v2": (DCN_V2, "FG_NONE", ADAGRAD),
+    "xdeepfm": (XDEEPFM, "FG_NONE", ADAGRAD),
 }
+MODEL_NAMES = {"multi_tower": "multi_tower_din", "dcn_v1": "dcn"}  # TorchEasyRec's -> dynarec's
 
 
 def write_data(path: Path, rows: int = 256, seed: int = 0) -> None:
@@ -351,7 +400,7 @@ def test_a_hand_written_config_converts_trains_and_verifies(model, tmp_path):
     out = tmp_path / "config.yaml"
     assert main(["import-config", str(tmp_path / "pipeline.config"), "-o", str(out)]) == 0
     config = load_config(out)
-    assert config.model.name == ("multi_tower_din" if model == "multi_tower" else model)
+    assert config.model.name == MODEL_NAMES.get(model, model)
     trainer = Trainer(config, tmp_path / "model", progress=False)
     trainer.fit()
     assert trainer.step == 4
@@ -368,6 +417,14 @@ def test_a_hand_written_config_converts_trains_and_verifies(model, tmp_path):
         assert set(specs.values()) == {SGD(lr=0.1)}
         schedule = config.train.sparse_lr_schedule
         assert [schedule.learning_rate(k, 0.1) for k in range(4)] == [0.1, 0.1, 0.1, 0.01]
+    if model == "xdeepfm":  # xDeepFM's WIDE group: tables of wide_embedding_dim, default 16
+        assert config.feature("cat_0_wide").embedding_dim == 16
+        assert config.model.xdeepfm.cin_layer_size == [4, 4]
+    if model == "dcn_v2":
+        cfg = config.model.dcn_v2
+        assert (cfg.backbone_hidden_units, cfg.cross_num, cfg.low_rank, cfg.deep_hidden_units) == ([16], 2, 4, [8])
+    if model == "mask_net":
+        assert config.model.mask_net.mask_block.reduction_ratio == 2 and not config.model.mask_net.use_parallel
     if model == "wide_and_deep":
         assert specs["cat_0_wide"] == RowWiseAdagrad(lr=0.05)
         assert config.feature("cat_0_wide").initializer.kind == "constant"
