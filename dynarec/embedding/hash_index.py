@@ -6,10 +6,11 @@ and compares. Placing a key in the emptier of its two buckets, and moving one re
 other bucket when both are full (one cuckoo step), keeps keys from being evicted while the table
 is far from full: at 90% load, none of 1M keys (one-choice buckets of 16 evicted 5.9%).
 
-Every operation is a batched tensor op with no Python loop per key, identical on CPU and CUDA,
-and deterministic: the keys of one insert are ranked (priority descending, then key ascending)
-and claim slots in rounds in that order (:mod:`.insert_plan`); no round's outcome depends on the
-order its work runs in.
+Every operation is a batched tensor op (the ``torch.ops.dynarec`` kernels: ``find``,
+``plan_insert``, ``place_keys``, ``fill_at``) with no Python loop per key, identical on CPU and
+CUDA, and deterministic: the keys of one insert are ranked (priority descending, then key
+ascending) and claim slots in rounds in that order (:mod:`.insert_plan`); no round's outcome
+depends on the order its work runs in.
 
 The whole int64 range is a valid key: occupancy is a separate byte per slot, its *tag*: 0 for an
 empty slot, else a nonzero byte of the key's hash (:func:`key_tags`). A lookup compares a lane's
@@ -32,13 +33,9 @@ import torch
 
 from dynarec.embedding import insert_plan
 from dynarec.embedding.insert_plan import PIN_WRAP, InsertPlan
-from dynarec.embedding.key_hash import EMPTY_TAG, candidate_buckets, candidate_buckets_reference, key_tags
+from dynarec.embedding.key_hash import candidate_buckets, key_tags
 from dynarec.embedding.step import Journal
 from dynarec.embedding.streams import current_stream
-from dynarec.kernels import cpu as cpu_kernels
-from dynarec.kernels import gpu as gpu_kernels
-from dynarec.kernels.gpu import hashing as gpu_hashing
-from dynarec.kernels.gpu import plan as gpu_plan
 
 __all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets", "key_tags"]
 
@@ -139,46 +136,22 @@ class BucketedHashIndex:
         return self._find(keys, flag=False)[0]
 
     def find_flagged(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`find`, and whether any key is absent: a ``[]`` tensor on the device, nonzero if
-        one is (the GPU kernel sets it in the same pass: no second read of the slots)."""
-        slots, absent = self._find(keys, flag=True)
-        return slots, (slots < 0).any() if absent is None else absent
+        """:meth:`find`, and whether any key is absent: a ``[]`` int32 on the device, nonzero if one
+        is (set in the find's own pass: no second read of the slots)."""
+        return self._find(keys, flag=True)
 
-    def _find(self, keys: torch.Tensor, flag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        cuda = self.device.type == "cuda"
-        triton = gpu_kernels.available(self.device)
-        kernels = cpu_kernels.ops() if self.device.type == "cpu" and not triton else None
-        if kernels is not None:
-            slots = kernels.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys.contiguous())
-            return slots, None
-        stream = current_stream(self.device) if cuda else None
+    def _find(self, keys: torch.Tensor, flag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``dynarec::find`` op, ordered against the writes on other streams (CUDA)."""
+        stream = current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None:
             self._after_writes(stream)
-        absent = None
-        if triton:
-            absent = torch.zeros((), dtype=torch.int32, device=self.device) if flag else None
-            slots = gpu_hashing.find_two_choice(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, absent)
-        else:
-            slots = self.find_reference(keys)
+        slots, absent = torch.ops.dynarec.find(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, flag)
         if stream is not None:
             done = self._finds.get(stream.stream_id)
             if done is None:
                 done = self._finds[stream.stream_id] = torch.cuda.Event()
             done.record(stream)  # one event a stream, recorded again (as _wrote's)
         return slots, absent
-
-    def find_reference(self, keys: torch.Tensor) -> torch.Tensor:
-        """Plain-torch :meth:`find` (any device): gathers both buckets of every key and compares."""
-        n, bs = keys.numel(), self.bucket_size
-        b1, b2 = candidate_buckets_reference(keys, self.num_buckets)
-        buckets = torch.cat([b1, b2])
-        # Gather both buckets of every key as contiguous rows (one index_select each array).
-        bucket_keys = self.keys.view(-1, bs).index_select(0, buckets)
-        bucket_occ = self.tags.view(-1, bs).index_select(0, buckets) != EMPTY_TAG
-        match = (bucket_keys == torch.cat([keys, keys])[:, None]) & bucket_occ
-        hit, lane = match.view(torch.uint8).max(dim=1)  # one pass: whether and where
-        slots = buckets * bs + lane
-        return torch.where(hit[:n].bool(), slots[:n], torch.where(hit[n:].bool(), slots[n:], -torch.ones_like(keys)))
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(slots, keys, scores)`` of every occupied slot, ordered by key."""
@@ -267,20 +240,17 @@ class BucketedHashIndex:
         """Writes a plan: moves residents, then places its keys with their ``scores``; returns
         the evicted keys."""
         self._before_write()
-        if gpu_kernels.available(self.device) and plan.only_adds:
-            # Only new keys into free slots: one kernel places them, and the undo empties the slots
+        if plan.only_adds:
+            # Only new keys into free slots: one op places them, and the undo empties the slots
             # again (a free slot holds key 0 and score 0): nothing to read first.
-            gpu_plan.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
+            torch.ops.dynarec.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
             self._record_adds(journal, plan.slots, some_none=plan.placed < plan.slots.numel())
             self._size += plan.placed  # the planner's count: no host read
             self._wrote(only_added=True)
             return plan.evicted_slots.clone()
         ok = plan.slots >= 0
         slots = plan.slots[ok]
-        if plan.only_adds:
-            self._record_adds(journal, slots)
-        else:
-            self._record(journal, torch.cat([slots, plan.moved_to]))
+        self._record(journal, torch.cat([slots, plan.moved_to]))
         evicted = self.keys[plan.evicted_slots]
         src, dst = plan.moved_from, plan.moved_to
         self.keys[dst], self.scores[dst], self.pins[dst] = self.keys[src], self.scores[src], self.pins[src]
@@ -289,7 +259,7 @@ class BucketedHashIndex:
         self.scores[slots] = scores[ok]
         self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
-        self._wrote(only_added=plan.only_adds)
+        self._wrote()
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
@@ -303,13 +273,7 @@ class BucketedHashIndex:
 
     def touch(self, slots: torch.Tensor, score: int) -> None:
         """Sets the score of ``slots`` (duplicates allowed)."""
-        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
-        if kernels is None:
-            self.scores.scatter_(0, slots, score)  # half the time of index_put on a CPU
-            return
-        bad = kernels.fill_at(self.scores, slots.contiguous(), int(score))
-        if bad >= 0:
-            raise IndexError(f"touch: slot {int(slots[bad])} at position {bad} is outside [0, {self.capacity})")
+        torch.ops.dynarec.fill_at(self.scores, slots, int(score))
 
     def add(self, slots: torch.Tensor, amounts: torch.Tensor, journal: Optional[Journal] = None) -> None:
         """Adds ``amounts`` to the scores of ``slots`` (duplicates accumulate)."""

@@ -2,8 +2,9 @@
 
 That makes a dynamic table independent of insertion order and sharding, and lets a fixed table
 (keys ``0..N-1``) start from exactly the weights a dynamic table gives the same keys. Every value
-comes from a counter-based integer hash (SplitMix64) computed with int64 tensor ops, so CPU and
-CUDA produce the same bits for uniform and constant initializers.
+comes from a counter-based integer hash (SplitMix64, ``mix64``) of the key (the
+``dynarec::uniform01`` op: C++ on CPUs, int64 tensor ops elsewhere), so CPU and CUDA produce the
+same bits for uniform and constant initializers.
 """
 
 from __future__ import annotations
@@ -14,48 +15,13 @@ from typing import ClassVar, Literal, Optional, get_args
 
 import torch
 
+import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
+from dynarec.kernels.reference import mix64
+
 __all__ = ["INITIALIZER_KINDS", "Initializer", "InitializerKind", "mix64"]
 
 InitializerKind = Literal["uniform", "normal", "truncated_normal", "constant"]
 INITIALIZER_KINDS: tuple[str, ...] = get_args(InitializerKind)
-
-_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
-_M2 = 0x94D049BB133111EB - (1 << 64)
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-
-
-def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> shift) & ((1 << (64 - shift)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer over int64 with wrap-around arithmetic: a bijection on 64 bits."""
-    x = x ^ _srl(x, 30)
-    x = x * _M1
-    x = x ^ _srl(x, 27)
-    x = x * _M2
-    return x ^ _srl(x, 31)
-
-
-def _uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
-    """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column)."""
-    from dynarec.kernels import cpu as cpu_kernels  # the same bits, without [n, dim] int64 temporaries
-
-    kernels = cpu_kernels.ops() if keys.device.type == "cpu" else None
-    if kernels is not None:
-        return kernels.uniform01(keys.contiguous(), dim, seed, stream)
-    return uniform01_reference(keys, dim, seed, stream)
-
-
-def uniform01_reference(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
-    """Plain-torch :func:`_uniform01` (any device)."""
-    # The stream's salt hashed on the host (a scalar sent to the GPU would wait for the stream).
-    salt = int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
-    base = mix64(keys ^ salt)
-    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
-    h = mix64(base[:, None] + cols[None, :])
-    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)
@@ -108,13 +74,13 @@ class Initializer:
         return torch.cat(chunks)
 
     def _draw(self, keys: torch.Tensor, dim: int, seed: int, default_bound: float) -> torch.Tensor:
-        u = _uniform01(keys, dim, seed, 0)
+        u = torch.ops.dynarec.uniform01(keys, dim, seed, 0)
         if self.kind == "uniform":
             b = default_bound if self.bound is None else self.bound
             return ((2.0 * u - 1.0) * b).float()
         std = default_bound if self.std is None else self.std
         if self.kind == "normal":
-            u2 = _uniform01(keys, dim, seed, 1)
+            u2 = torch.ops.dynarec.uniform01(keys, dim, seed, 1)
             z = torch.sqrt(-2.0 * torch.log(u)) * torch.cos(2.0 * math.pi * u2)
         else:  # truncated_normal: inverse CDF restricted to [-2, 2]
             lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))

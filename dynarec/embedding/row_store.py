@@ -14,9 +14,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
-from dynarec.kernels import gpu as gpu_kernels
+import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 
@@ -173,7 +172,8 @@ class _NativeFusedLookup(torch.autograd.Function):
 
 
 class NativeRowStore(RowStore):
-    """Plain-torch rows and fused update; runs on any device torch supports.
+    """Rows in torch tensors, looked up and updated by the dynarec ops (``pooled``,
+    ``bag_update``); runs on any device torch supports.
 
     ``grad_reducer`` (a data-parallel table's, given by the sharder): sums a step's row
     gradients over the ranks before the update, ``(unique rows, their gradients) -> (rows,
@@ -221,19 +221,9 @@ class NativeRowStore(RowStore):
         return self.pooled(rows, offsets, per_sample_weights)
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
-        """The weighted-sum bags of the current weights (no autograd): the Triton kernel on a GPU,
-        ``F.embedding_bag`` elsewhere."""
-        weight = self.weight
-        if gpu_kernels.available(self.device):
-            return gpu_kernels.pooled_forward(weight, rows, offsets, per_sample_weights)
-        return F.embedding_bag(
-            rows,
-            weight,
-            offsets,
-            mode="sum",
-            per_sample_weights=per_sample_weights,
-            include_last_offset=True,
-        )
+        """The weighted-sum bags of the current weights (no autograd): the ``dynarec::pooled`` op
+        (Triton on a GPU, ``F.embedding_bag`` elsewhere)."""
+        return torch.ops.dynarec.pooled(self.weight, rows, offsets, per_sample_weights)
 
 
 class RowStoreSlice(NativeRowStore):

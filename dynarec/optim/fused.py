@@ -2,11 +2,11 @@
 
 Every native row store (fixed and dynamic tables, CPU and CUDA) calls :func:`fused_bag_update`
 from its backward with the step's weighted bags and their output gradients. Where the optimizer
-fills the registry's kernel slot (``OptimizerDef.kernel``) and the device has its kernels
-(``dynarec.kernels``: Triton on GPUs, the C++ extension on CPUs), one kernel aggregates each
-unique row's gradient and updates it; otherwise the gradients are aggregated per unique row with
-torch ops and :func:`fused_row_update` runs the optimizer's ``native_update`` (batched tensor
-ops, any device), which is also the reference the kernels are tested against.
+has kernel arguments (``OptimizerDef.kernel``), the ``dynarec::bag_update`` op aggregates each
+unique row's gradient and updates it in one pass (C++ on CPUs, Triton on GPUs, plain torch
+elsewhere); otherwise, and for a data-parallel table whose row gradients are reduced over ranks
+first, the gradients are aggregated per unique row with torch ops and :func:`fused_row_update`
+runs the optimizer's ``native_update`` (batched tensor ops, any device).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
+from dynarec.kernels.reference import aggregate, bag_gradients
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
 
@@ -63,20 +65,6 @@ def fused_row_update(
     definition(spec).native_update(spec, lr=lr, step=step, weight=weight, states=states, rows=rows, grad=grad)
 
 
-def bag_gradients(
-    grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
-) -> torch.Tensor:
-    """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_id = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
-    )
-    g = grad_out.index_select(0, bag_of_id)
-    if per_sample_weights is not None:
-        g.mul_(per_sample_weights[:, None])
-    return g
-
-
 @torch.no_grad()
 def fused_bag_update(
     spec: OptimizerSpec,
@@ -103,27 +91,17 @@ def fused_bag_update(
         return
     kernel = definition(spec).kernel
     if kernel is not None and reducer is None:
-        from dynarec.kernels import bag_update_kernel  # the device kernels (imports torch only)
-
-        run = bag_update_kernel(weight.device)
-        if run is not None:
-            run(
-                kernel(spec, step),
-                lr=lr,
-                weight=weight,
-                states=states,
-                rows=rows,
-                offsets=offsets,
-                per_sample_weights=per_sample_weights,
-                grad_out=grad_out,
-                row_scores=row_scores,
-            )
-            return
-    g = bag_gradients(grad_out.contiguous(), offsets, per_sample_weights, rows.numel())
-    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+        a = kernel(spec, step)
+        scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
+        torch.ops.dynarec.bag_update(
+            weight, states.get("momentum1"), states.get("momentum2"), grad_out, rows, offsets, per_sample_weights,
+            scores, value, int(a.code), int(a.weight_decay_mode), float(lr), a.eps, a.weight_decay, a.beta1, a.beta2,
+            a.bias1, a.bias2,
+        )  # fmt: skip
+        return
+    unique_rows, agg = aggregate(grad_out, rows, offsets, per_sample_weights)
     if row_scores is not None:
         row_scores.scores.index_fill_(0, unique_rows, row_scores.value)
-    agg = g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
     if reducer is not None:
         unique_rows, agg = reducer(unique_rows, agg)
     fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)

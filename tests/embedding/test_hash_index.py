@@ -7,7 +7,7 @@ import torch
 from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
-from dynarec.embedding.insert_plan import claim_free_slots_reference
+from dynarec.kernels import reference
 from dynarec.optim import SGD, Adagrad
 from tests.kernels import gpu_checks
 from tests.matrix import DEVICES, needs_cpu_kernels
@@ -50,7 +50,7 @@ def test_keys_sharing_a_tag_in_one_bucket_are_told_apart_by_their_keys():
     index.commit(index.plan_insert(same[:2]), torch.zeros(2, dtype=torch.int64))
     slot_a, slot_b = index.find(same[:2]).tolist()
     assert sorted([slot_a, slot_b]) == [0, 1]
-    assert index.find(same).tolist() == index.find_reference(same).tolist() == [slot_a, slot_b, -1]
+    assert index.find(same).tolist() == gpu_checks.find_reference(index, same).tolist() == [slot_a, slot_b, -1]
     index.remove(torch.tensor([slot_a]))
     assert index.find(same).tolist() == [-1, slot_b, -1] and index.tags[slot_a] == 0
     check_invariants(index)
@@ -242,7 +242,7 @@ def test_the_cpu_extension_claims_free_slots_in_the_same_rounds(num_buckets, buc
         order = torch.randperm(keys.numel(), generator=gen)
         b1, b2 = candidate_buckets(keys, num_buckets)
         want = torch.full_like(keys, -1)
-        want_left = claim_free_slots_reference(index, b1, b2, order, want)
+        want_left = reference.claim_free_slots(index.tags, bucket_size, b1, b2, order, want)
         got = torch.full_like(keys, -1)
         got_left = kernels.claim_free_slots(index.tags, bucket_size, b1, b2, order, got)
         assert torch.equal(got, want) and torch.equal(got_left, want_left)

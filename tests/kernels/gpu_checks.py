@@ -1,7 +1,9 @@
-"""The kernels against the plain-torch code, on any device the Triton kernels run on (CUDA, or
-the CPU under Triton's interpreter: ``TRITON_INTERPRET=1``); the planner and update checks also
-hold the C++ extension to the same reference. Used by tests/kernels/test_gpu_kernels.py (both
-lanes), tests/kernels/test_cpu_kernels.py and tests/embedding/test_hash_index.py."""
+"""The kernels against their plain-torch twins (``dynarec.kernels.reference``), on any device the
+Triton kernels run on (CUDA, or the CPU under Triton's interpreter: ``TRITON_INTERPRET=1``); the
+checks that go through the ``torch.ops.dynarec`` ops (the index's find and plans, the update of
+every registered optimizer) hold the C++ extension to the same reference on a CPU. Used by
+tests/kernels/test_gpu_kernels.py (both lanes), tests/kernels/test_cpu_kernels.py and
+tests/embedding/test_hash_index.py."""
 
 import contextlib
 import dataclasses
@@ -10,15 +12,15 @@ from collections.abc import Iterator
 import torch
 
 from dynarec.embedding.hash_index import BucketedHashIndex
-from dynarec.embedding.insert_plan import InsertPlan, claim_free_slots_reference, plan_insert_reference
-from dynarec.embedding.key_hash import candidate_buckets_reference, key_tags
+from dynarec.embedding.insert_plan import InsertPlan, plan_insert_reference
+from dynarec.embedding.key_hash import key_tags
 from dynarec.embedding.step import Journal
-from dynarec.kernels import gpu
+from dynarec.kernels import gpu, reference
 from dynarec.kernels.gpu import hashing as gpu_hashing
 from dynarec.kernels.gpu import plan as gpu_plan
 from dynarec.kernels.gpu import update as gpu_update
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition, registered
-from dynarec.optim.fused import RowScores, bag_gradients, fused_row_update
+from dynarec.optim.fused import bag_gradients, fused_row_update
 from dynarec.optim.kernel import KernelCode
 from dynarec.optim.reference import reference_update
 
@@ -31,6 +33,11 @@ SPECS = [
     Adam(lr=0.05),
     Adam(lr=0.05, weight_decay=0.01, beta1=0.8, beta2=0.99),
 ]
+
+
+def find_reference(index: BucketedHashIndex, query: torch.Tensor) -> torch.Tensor:
+    """The plain-torch find of ``query`` in ``index``."""
+    return reference.find(index.keys, index.tags, index.num_buckets, index.bucket_size, query, False)[0]
 
 
 @contextlib.contextmanager
@@ -60,7 +67,7 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
         ]
     )
     got = gpu_hashing.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, query)
-    assert torch.equal(got, index.find_reference(query))
+    assert torch.equal(got, find_reference(index, query))
     assert int((got >= 0).sum()) == placed.numel()
     assert torch.equal(got[: keys.numel()][plan.slots >= 0], plan.slots[plan.slots >= 0])
     # Keys sharing a tag in one bucket: the key at the first matching lane is not always the one
@@ -73,12 +80,12 @@ def check_find(device, num_buckets=64, bucket_size=16, seed=0):
     assert twins.numel() == 8
     one.commit(one.plan_insert(twins, allow_evict=False), torch.zeros_like(twins))
     for q in (twins, pool[:50]):
-        assert torch.equal(gpu_hashing.find_two_choice(one.keys, one.tags, 1, 16, q), one.find_reference(q))
-    assert bool((one.find_reference(twins) >= 0).all())
+        assert torch.equal(gpu_hashing.find_two_choice(one.keys, one.tags, 1, 16, q), find_reference(one, q))
+    assert bool((find_reference(one, twins) >= 0).all())
     for q in (query, placed, query[-1:]):  # some absent, none absent, one absent key
         absent = torch.zeros((), dtype=torch.int32, device=device)
         flagged = gpu_hashing.find_two_choice(index.keys, index.tags, index.num_buckets, index.bucket_size, q, absent)
-        assert torch.equal(flagged, index.find_reference(q))
+        assert torch.equal(flagged, find_reference(index, q))
         assert bool(absent) == bool((flagged < 0).any())
 
 
@@ -89,7 +96,7 @@ def check_candidate_buckets(device, num_buckets):
             torch.tensor([-(2**63), -1, 0, 1, 2**63 - 1]),
         ]
     ).to(device)
-    got, want = gpu_hashing.candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)
+    got, want = gpu_hashing.candidate_buckets(keys, num_buckets), reference.candidate_buckets(keys, num_buckets)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -105,9 +112,9 @@ def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, see
         keys = torch.randint(-(2**62), 2**62, (index.capacity // 2 + i * 7,), generator=gen).to(device)
         keys = keys[~torch.isin(keys, resident)].unique()
         order = torch.randperm(keys.numel(), generator=gen).to(device)
-        b1, b2 = candidate_buckets_reference(keys, num_buckets)
+        b1, b2 = reference.candidate_buckets(keys, num_buckets)
         want = torch.full_like(keys, -1)
-        want_left = claim_free_slots_reference(index, b1, b2, order, want)
+        want_left = reference.claim_free_slots(index.tags, bucket_size, b1, b2, order, want)
         got = torch.full_like(keys, -1)
         state = gpu_plan.PlanState.fresh(index.keys, index.tags, index.scores, index.pins, num_buckets, bucket_size)
         got_left = gpu_plan.claim_free_slots(state, keys, order, got)
@@ -271,8 +278,8 @@ def check_update(
     """``update`` (default the Triton kernels, with ``kernel`` (``run`` / ``scan``) and ``block``
     (occurrences a block) as their tuning, None: its default) against torch aggregation + the
     native update, over ``steps`` steps of ``bags`` bags. ``max_len`` 60 gives rows of ~100
-    occurrences (with 40 bags). Every step also sets the rows' scores (``RowScores``: 1, then
-    values past int32): exactly the updated rows get the step's value."""
+    occurrences (with 40 bags). Every step also sets the rows' scores (1, then values past
+    int32): exactly the updated rows get the step's value."""
     g = torch.Generator().manual_seed(2)
     w_ref = torch.randn(50, dim, generator=g).to(device)
     states_ref = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
@@ -293,7 +300,8 @@ def check_update(
                 offsets=offsets,
                 per_sample_weights=psw,
                 grad_out=grad_out,
-                row_scores=RowScores(scores, value),
+                scores=scores,
+                score=value,
             )
         per_id = bag_gradients(grad_out, offsets, psw, rows.numel())
         unique, inverse = torch.unique(rows, return_inverse=True)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from dynarec.embedding.hash_index import BucketedHashIndex
-from dynarec.embedding.initializers import Initializer, _uniform01, uniform01_reference
-from dynarec.embedding.key_hash import candidate_buckets, candidate_buckets_reference
-from dynarec.kernels import cpu
+from dynarec.embedding.initializers import Initializer
+from dynarec.embedding.key_hash import candidate_buckets
+from dynarec.kernels import cpu, reference
 from dynarec.optim.fused import bag_gradients, fused_row_update
 from dynarec.optim.kernel import KernelArgs
 from dynarec.optim.registry import definition
@@ -27,7 +27,7 @@ def random_keys(n, seed):
 @pytest.mark.parametrize("num_buckets", [1, 3, 1 << 20, (1 << 33) + 5])
 def test_candidate_buckets(num_buckets):
     keys = random_keys(10_000, num_buckets)
-    for a, b in zip(candidate_buckets(keys, num_buckets), candidate_buckets_reference(keys, num_buckets)):
+    for a, b in zip(candidate_buckets(keys, num_buckets), reference.candidate_buckets(keys, num_buckets)):
         assert torch.equal(a, b)
 
 
@@ -40,14 +40,19 @@ def test_find(num_buckets, bucket_size):
     index.remove(plan.slots[plan.slots >= 0][::3])  # freed slots keep their stale keys
     query = torch.cat([keys, random_keys(1000, 8), keys[:50]])
     found = index.find(query)
-    assert torch.equal(found, index.find_reference(query))
+    assert torch.equal(found, gpu_checks.find_reference(index, query))
     assert int((found >= 0).sum()) > 0 and int((found < 0).sum()) > 0
+    for q in (query, keys[:50]):  # some absent, none absent
+        slots, absent = index.find_flagged(q)
+        assert torch.equal(slots, gpu_checks.find_reference(index, q))
+        assert absent.shape == () and absent.dtype == torch.int32 and bool(absent) == bool((slots < 0).any())
 
 
 @pytest.mark.parametrize("dim", [1, 7, 64])
 def test_uniform01_and_every_initializer(dim):
     keys = random_keys(3000, dim)
-    assert torch.equal(_uniform01(keys, dim, 12345, 1), uniform01_reference(keys, dim, 12345, 1))
+    got = torch.ops.dynarec.uniform01(keys, dim, 12345, 1)
+    assert torch.equal(got, reference.uniform01(keys, dim, 12345, 1))
     assert cpu.available()
 
 
@@ -138,7 +143,7 @@ def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
     assert cpu.ops().fill_at(t, slots, 2**40) == -1
     assert torch.equal(t, want)
     index = BucketedHashIndex(4, 4, "cpu")
-    with pytest.raises(IndexError, match="touch: slot 16 at position 1 is outside"):
+    with pytest.raises(IndexError, match=r"fill_at: index 16 at position 1 is outside \[0, 16\)"):
         index.touch(torch.tensor([3, 16]), 7)
 
 

@@ -54,10 +54,11 @@ def available() -> bool:
 
 
 def bag_update(
-    args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out, row_scores=None
+    args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out, scores=None, score: int = 0
 ) -> None:
-    """The fused backward + update of weighted-sum bags (see ``fused_bag_update``) in C++;
-    ``args``: the optimizer's ``KernelArgs``; ``row_scores``: a ``RowScores`` or None."""
+    """The fused backward + update of weighted-sum bags (the ``dynarec::bag_update`` op) in C++;
+    ``args``: the optimizer's ``KernelArgs``; ``scores`` (``[num_rows]`` int64, optional):
+    ``scores[row] = score`` for each updated row."""
     kernels = ops()
     assert kernels is not None
     empty = weight.new_empty(0)
@@ -78,8 +79,8 @@ def bag_update(
         args.beta2,
         args.bias1,
         args.bias2,
-        None if row_scores is None else row_scores.scores,
-        0 if row_scores is None else int(row_scores.value),
+        scores,
+        int(score),
     )
     if negative == -2:
         raise NotImplementedError(

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,7 +29,7 @@
 
 namespace {
 
-// SplitMix64's finalizer (a bijection on 64 bits), as dynarec.embedding.initializers.mix64.
+// SplitMix64's finalizer (a bijection on 64 bits), as dynarec.kernels.reference.mix64.
 inline uint64_t mix64(uint64_t x) {
   x ^= x >> 30;
   x *= 0xBF58476D1CE4E5B9ULL;
@@ -40,7 +41,7 @@ inline uint64_t mix64(uint64_t x) {
 constexpr int64_t kGrain = 2048;
 
 // The two candidate buckets of a key from its mix64 hash `h`: its 32-bit halves modulo `nb`
-// (dynarec.embedding.key_hash.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
+// (dynarec.kernels.reference.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
 // 32-bit division: the same values, a fraction of the 64-bit divide's cost.
 template <typename N>
 inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, N nb) {
@@ -79,11 +80,12 @@ void check_cpu_int64(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// Slot of each query key in a two-choice bucketed index, -1 where absent
-// (dynarec.embedding.hash_index.BucketedHashIndex.find).
+// (slots, absent): the slot of each query key in a two-choice bucketed index, -1 where absent
+// (the dynarec::find op); with `flag`, absent is a [] int32 set to 1 if a key is absent (else [0]).
 // A slot matches when its tag (0: empty, else key_tags of its key) and its key both do.
-torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& tags,
-                              int64_t num_buckets, int64_t bucket_size, const torch::Tensor& query) {
+std::vector<torch::Tensor> find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& tags,
+                                           int64_t num_buckets, int64_t bucket_size, const torch::Tensor& query,
+                                           bool flag) {
   check_cpu_int64(table_keys, "table_keys");
   check_cpu_int64(query, "query");
   TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
@@ -96,6 +98,7 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
   int64_t* o = out.data_ptr<int64_t>();
   TORCH_CHECK(num_buckets >= 1 && num_buckets <= 0xFFFFFFFFLL, "num_buckets must be in [1, 2^32)");
   const uint32_t nb = static_cast<uint32_t>(num_buckets);
+  std::atomic<int32_t> any_absent{0};
   // Each key's hash and buckets are computed once, kAhead keys before its probe, when its tag
   // lines are prefetched; 32-bit modulo (the hash halves and num_buckets fit in 32 bits).
   constexpr int64_t kAhead = 8;
@@ -115,6 +118,7 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
       __builtin_prefetch(tg + p.base1);
       __builtin_prefetch(tg + p.base2);
     };
+    bool missed = false;
     for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) prepare(i);
     for (int64_t i = begin; i < end; ++i) {
       const Probe p = ring[i % kAhead];
@@ -126,13 +130,17 @@ torch::Tensor find_two_choice(const torch::Tensor& table_keys, const torch::Tens
         lane = probe_bucket(tg, tk, p.base2, bucket_size, p.tag, key);
         if (lane >= 0) slot = p.base2 + lane;
       }
+      missed = missed || slot < 0;
       o[i] = slot;
     }
+    if (missed) any_absent.store(1, std::memory_order_relaxed);
   });
-  return out;
+  auto absent = torch::zeros(flag ? c10::IntArrayRef{} : c10::IntArrayRef{0}, query.options().dtype(torch::kInt32));
+  if (flag) absent.fill_(any_absent.load());
+  return {out, absent};
 }
 
-// The two candidate buckets of each key (dynarec.embedding.key_hash.candidate_buckets).
+// The two candidate buckets of each key (the dynarec::candidate_buckets op).
 std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t num_buckets) {
   check_cpu_int64(keys, "keys");
   auto b1 = torch::empty_like(keys);
@@ -156,8 +164,8 @@ std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t 
   return {b1, b2};
 }
 
-// [n, dim] float64 in (0, 1) from 53 hash bits of (seed, stream, key, column), as
-// dynarec.embedding.initializers._uniform01.
+// [n, dim] float64 in (0, 1) from 53 hash bits of (seed, stream, key, column) (the
+// dynarec::uniform01 op).
 torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, int64_t stream) {
   check_cpu_int64(keys, "keys");
   auto out = torch::empty({keys.numel(), dim}, keys.options().dtype(torch::kFloat64));
@@ -491,11 +499,11 @@ class PlanBuckets {
   int32_t rounds_ = 0;
 };
 
-// Step 1 (dynarec.embedding.insert_plan._claim_free_slots), the same rounds: each round, every key still to
-// place (`cur`: key indices, in rank order) takes, from the free counts at the round's start, the
-// emptier of its two buckets (ties: the first); the first `free` keys choosing a bucket get its
-// free lanes in ascending order, the rest try again next round. Leaves in `cur` the keys whose
-// two buckets are both full, in order.
+// Step 1 (dynarec.kernels.reference.plan's _claim_free_slots), the same rounds: each round, every
+// key still to place (`cur`: key indices, in rank order) takes, from the free counts at the
+// round's start, the emptier of its two buckets (ties: the first); the first `free` keys choosing
+// a bucket get its free lanes in ascending order, the rest try again next round. Leaves in `cur`
+// the keys whose two buckets are both full, in order.
 void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t* out, std::vector<int64_t>& cur) {
   std::vector<int64_t> next;
   std::vector<std::pair<int64_t, int64_t>> counts;  // per key this round: (free in b1, free in b2)
@@ -542,9 +550,9 @@ torch::Tensor to_tensor(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-// Step 1 of BucketedHashIndex.plan_insert alone (the tests compare it with the plain-torch
-// rounds): writes the slots into `out`; returns the keys (`todo`: indices into b1/b2/out, in rank
-// order) whose two buckets are both full, in order.
+// Step 1 of an insert plan alone (the tests compare it with the plain-torch rounds): writes the
+// slots into `out`; returns the keys (`todo`: indices into b1/b2/out, in rank order) whose two
+// buckets are both full, in order.
 torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& b1,
                                const torch::Tensor& b2, const torch::Tensor& todo, torch::Tensor& out) {
   TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
@@ -560,15 +568,15 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
   return to_tensor(cur);
 }
 
-// BucketedHashIndex.plan_insert's three steps in one call, the plain-torch planner's rounds
-// exactly (the tests compare the plans): 1. free slots (claim_free); 2. a resident of one of the
-// key's buckets (first bucket's lanes first) that is not pinned by `move_pins` and whose other
-// bucket had a free slot at the round's start moves there (one mover per resident, the
-// best-ranked key; then per target bucket as many as it has free slots, lanes ascending); 3. when
-// `allow_evict`: the lowest (score, slot) held slot of the key's two buckets not pinned by
-// `evict_pins` (two keys wanting one slot: the better-ranked wins, the other tries again). Pins
-// are the steps' ids modulo PIN_WRAP. Writes `out`; returns (keys left after step 2, in rank
-// order; moved_from; moved_to; evicted slots).
+// An insert plan's three steps in one call (the dynarec::plan_insert op), the plain-torch
+// planner's rounds exactly (the tests compare the plans): 1. free slots (claim_free); 2. a
+// resident of one of the key's buckets (first bucket's lanes first) that is not pinned by
+// `move_pins` and whose other bucket had a free slot at the round's start moves there (one mover
+// per resident, the best-ranked key; then per target bucket as many as it has free slots, lanes
+// ascending); 3. when `allow_evict`: the lowest (score, slot) held slot of the key's two buckets
+// not pinned by `evict_pins` (two keys wanting one slot: the better-ranked wins, the other tries
+// again). Pins are the steps' ids modulo PIN_WRAP. Writes `out`; returns (keys left after step 2,
+// in rank order; moved_from; moved_to; evicted slots).
 std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::Tensor& table_keys,
                                        const torch::Tensor& scores, const torch::Tensor& pins, int64_t num_buckets,
                                        int64_t bucket_size, const torch::Tensor& b1, const torch::Tensor& b2,
@@ -685,7 +693,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   return {left, to_tensor(moved_from), to_tensor(moved_to), to_tensor(evicted)};
 }
 
-// t[idx[i]] = value for every i, duplicates allowed (BucketedHashIndex.touch: a step's scores);
+// t[idx[i]] = value for every i, duplicates allowed (the dynarec::fill_at op: a step's scores);
 // one thread, in order (a plain loop, in place of torch's scatter_, which is slower here).
 // Returns -1, or the position of an index outside t (then nothing after it is written).
 int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {

@@ -1,15 +1,14 @@
-"""Where the Triton kernels run: whether Triton is importable, and on which devices.
+"""Whether Triton is importable, and whether its kernels are compiled or interpreted.
 
 Triton compiles its kernels for CUDA devices. Under Triton's own interpreter switch
 (``TRITON_INTERPRET=1`` in the environment when Triton is imported, read by ``triton.jit``) the
 kernels are Python functions over numpy arrays instead, and run on CPU tensors: the kernels' test
-lane uses that on machines without a GPU. :data:`INTERPRETED` is what ``triton.jit`` made of the
-kernels, decided once, when this module is imported.
+lane uses that on machines without a GPU (``dynarec.kernels.ops`` then registers them for CPU
+tensors too). :data:`INTERPRETED` is what ``triton.jit`` made of the kernels, decided once, when
+this module is imported.
 """
 
 from __future__ import annotations
-
-import torch
 
 try:
     import triton
@@ -21,13 +20,7 @@ except ImportError:  # no Triton: the C++ extension (CPU) or the plain-torch cod
     HAVE_TRITON = False
     INTERPRETED = False
 
-__all__ = ["HAVE_TRITON", "INTERPRETED", "available", "row_block"]
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Triton kernels run on tensors of ``device``: a CUDA device, or the CPU under
-    Triton's interpreter."""
-    return HAVE_TRITON and (device.type == "cuda" or (INTERPRETED and device.type == "cpu"))
+__all__ = ["HAVE_TRITON", "INTERPRETED", "row_block"]
 
 
 def row_block(dim: int) -> int:

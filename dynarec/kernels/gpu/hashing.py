@@ -1,10 +1,9 @@
 """The hash index's hashing and find on the device: ``mix64``, a key's tag and its two candidate
 buckets, and the two-choice find.
 
-The Triton twins of the plain-torch ``mix64`` (``dynarec.embedding.initializers``) and of the
-index's ``key_tags`` / ``candidate_buckets`` / ``find_reference`` (``dynarec.embedding``): the
-same bits, tested against them. The insert planner's kernels (:mod:`.plan`) hash with the
-``@triton.jit`` helpers here.
+The Triton twins of the plain-torch ``mix64``, ``key_tags``, ``candidate_buckets`` and ``find``
+(``dynarec.kernels.reference``): the same bits, tested against them. The insert planner's kernels
+(:mod:`.plan`) hash with the ``@triton.jit`` helpers here.
 
 A find reads a key's first bucket's 16 tag bytes and only then its second's, and a key only where
 a tag matches: an absent key almost never reads a key.
@@ -18,15 +17,13 @@ from typing import Optional
 import torch
 
 from dynarec.kernels.gpu._triton import HAVE_TRITON
+from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
 __all__ = ["EMPTY_TAG", "NO_SLOT", "TUNING", "Tuning", "candidate_buckets", "find_two_choice"]
-
-NO_SLOT = -1  # a key's slot where it has none: absent from the index, or left out of a plan
-EMPTY_TAG = 0  # the tag of an empty slot; a key whose hash's top byte is 0 gets tag 1
 
 
 @dataclass(frozen=True)
@@ -128,9 +125,8 @@ def find_two_choice(
     query: torch.Tensor,
     absent: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Slot of each query key, :data:`NO_SLOT` where absent (``BucketedHashIndex.find``;
-    ``tags``: its uint8 tag per slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1
-    if a key is absent."""
+    """Slot of each query key, :data:`NO_SLOT` where absent (``tags``: the index's uint8 tag per
+    slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
@@ -145,7 +141,7 @@ def find_two_choice(
 
 
 def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index's ``candidate_buckets`` in one kernel: ``(b1, b2)``, ``[n]`` int64 each."""
+    """The two candidate buckets of each key in one kernel: ``(b1, b2)``, ``[n]`` int64 each."""
     keys = keys.contiguous()
     b1, b2 = torch.empty_like(keys), torch.empty_like(keys)
     n = keys.numel()

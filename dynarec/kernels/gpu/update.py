@@ -272,7 +272,8 @@ def bag_update(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     grad_out: torch.Tensor,
-    row_scores=None,
+    scores: Optional[torch.Tensor] = None,
+    score: int = 0,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
@@ -282,8 +283,8 @@ def bag_update(
     rows: half the radix passes), then cut into blocks (:data:`TUNING`). A block's program sums
     its runs of equal rows and updates each run that starts and ends in it; a run crossing blocks
     (a hot row) is finished by the block where it starts, from the other blocks' partial sums, in
-    block order. Four torch ops and two kernels a step. ``row_scores`` (a ``RowScores``): the
-    block where a row's run ends also sets its score."""
+    block order. Four torch ops and two kernels a step. ``scores`` (``[num_rows]`` int64): the
+    block where a row's run ends also sets ``scores[row] = score``."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
@@ -315,8 +316,9 @@ def bag_update(
         1.0 - lr * args.weight_decay,
     )
     opt = dict(OPT=int(args.code), WD_MODE=int(args.weight_decay_mode), BLOCK_D=block_d, L=block)
-    scores, score = (sorted_rows, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
-    runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=row_scores is not None)
+    runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=scores is not None)
+    if scores is None:
+        scores = sorted_rows  # not read
     if kernel == "run":
         _update_run_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,

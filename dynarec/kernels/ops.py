@@ -1,0 +1,289 @@
+"""dynarec's operators: every kernel of the embedding layer as a ``torch.library`` op,
+``torch.ops.dynarec.<name>``, and the one place where an implementation is chosen by device.
+
+| op | what | CPU | CUDA |
+|---|---|---|---|
+| ``find`` | two-choice bucketed find, optionally flagging an absent key | C++ | Triton |
+| ``candidate_buckets`` | a key's two buckets | C++ | Triton |
+| ``plan_insert`` | an insert plan's three steps (free slot, one cuckoo move, eviction) | C++ | Triton |
+| ``place_keys`` | a commit of new keys into free slots | torch | Triton |
+| ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
+| ``uniform01`` | key-seeded uniform draws | C++ | torch |
+| ``pooled`` | weighted-sum bags | torch | Triton |
+| ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
+
+Every op has four implementations:
+
+- the default: its plain-torch twin (:mod:`dynarec.kernels.reference`), on any device; the
+  reference the tests hold the others to, which they call directly;
+- CPU: the C++ extension (:mod:`dynarec.kernels.cpu`) where it is built, else the default;
+- CUDA: the Triton kernels (:mod:`dynarec.kernels.gpu`) where Triton is installed, else the
+  default; under Triton's interpreter (``TRITON_INTERPRET=1``) they serve CPU tensors too, as the
+  kernels' test lane needs;
+- fake: output shapes and dtypes without computing (data-dependent sizes through the fake
+  context's dynamic sizes), so the ops trace under ``torch.compile`` and ``torch.export``.
+
+The C++ or Triton kernels where an op has neither (``torch`` above) are the default. Kernels that
+hold a bucket's claims in one 64-bit mask plan only buckets of up to 64 slots; a wider bucket is
+planned by the default.
+
+Defined with ``torch.library.define`` and ``register_kernel`` / ``register_fake`` rather than
+``torch.library.custom_op``: the same dispatcher registrations, without custom_op's Python
+wrapper around every call (30-70 us a call measured on the 2-core CPU machine, against 5 here: a
+GPU step is host-bound, and a dynamic table makes several of these calls a step).
+
+Schemas: ints are int64, floats float64 (the kernels round them to float32 as torch does); every
+tensor argument is documented by the reference function of the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from dynarec.kernels import cpu, reference
+from dynarec.kernels.gpu import _triton
+from dynarec.kernels.layout import NO_SLOT
+from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode
+
+__all__ = ["SCHEMAS"]
+
+_MAX_KERNEL_BUCKET = 64  # the C++ and Triton planners keep a bucket's claims in one 64-bit mask
+
+SCHEMAS = {
+    "find": "(Tensor table_keys, Tensor tags, int num_buckets, int bucket_size, Tensor query, bool flag)"
+    " -> (Tensor, Tensor)",
+    "candidate_buckets": "(Tensor keys, int num_buckets) -> (Tensor, Tensor)",
+    "plan_insert": "(Tensor tags, Tensor keys, Tensor scores, Tensor pins, int num_buckets, int bucket_size,"
+    " Tensor new_keys, Tensor order, Tensor? move_pins, Tensor? evict_pins, bool allow_evict)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "place_keys": "(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) tags, Tensor slots, Tensor new_keys,"
+    " Tensor new_scores) -> ()",
+    "fill_at": "(Tensor(a!) t, Tensor idx, int value) -> ()",
+    "uniform01": "(Tensor keys, int dim, int seed, int stream) -> Tensor",
+    "pooled": "(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights) -> Tensor",
+    "bag_update": "(Tensor(a!) weight, Tensor(b!)? momentum1, Tensor(c!)? momentum2, Tensor grad_out, Tensor rows,"
+    " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
+    " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2) -> ()",
+}
+
+
+# -- CPU: the C++ extension where it is built ----------------------------------------------------
+
+
+def _find_cpu(table_keys, tags, num_buckets, bucket_size, query, flag):
+    k = cpu.ops()
+    if k is None:
+        return reference.find(table_keys, tags, num_buckets, bucket_size, query, flag)
+    slots, absent = k.find_two_choice(table_keys, tags, num_buckets, bucket_size, query.contiguous(), flag)
+    return slots, absent
+
+
+def _candidate_buckets_cpu(keys, num_buckets):
+    k = cpu.ops()
+    if k is None:
+        return reference.candidate_buckets(keys, num_buckets)
+    b1, b2 = k.candidate_buckets(keys.contiguous(), num_buckets)
+    return b1, b2
+
+
+def _plan_insert_cpu(
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+):  # fmt: skip
+    k = cpu.ops()
+    if k is None or bucket_size > _MAX_KERNEL_BUCKET:
+        return reference.plan_insert(
+            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+        )
+    b1, b2 = k.candidate_buckets(new_keys.contiguous(), num_buckets)
+    out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64)
+    left, moved_from, moved_to, evicted = k.plan_insert(
+        tags, keys, scores, pins, num_buckets, bucket_size, b1, b2, order, out,
+        empty if move_pins is None else move_pins.to("cpu", torch.int64).contiguous(),
+        empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict,
+    )  # fmt: skip
+    return out, left, moved_from, moved_to, evicted
+
+
+def _fill_at_cpu(t, idx, value):
+    k = cpu.ops()
+    if k is None:
+        return reference.fill_at(t, idx, value)
+    bad = k.fill_at(t, idx.contiguous(), int(value))
+    if bad >= 0:
+        raise IndexError(f"fill_at: index {int(idx[bad])} at position {bad} is outside [0, {t.numel()})")
+
+
+def _uniform01_cpu(keys, dim, seed, stream):
+    k = cpu.ops()
+    if k is None:
+        return reference.uniform01(keys, dim, seed, stream)
+    return k.uniform01(keys.contiguous(), dim, seed, stream)
+
+
+def _kernel_args(code, weight_decay_mode, eps, weight_decay, beta1, beta2, bias1, bias2) -> KernelArgs:
+    """The op's optimizer arguments as the kernels take them. A code or mode the table lacks stays
+    an int: each kernel refuses it in its own words."""
+    try:
+        code, weight_decay_mode = KernelCode(code), WeightDecayCode(weight_decay_mode)
+    except ValueError:
+        pass
+    return KernelArgs(code, eps, weight_decay, weight_decay_mode, beta1, beta2, bias1, bias2)
+
+
+def _fresh(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where it shares memory with one of ``inputs`` (an op's outputs never alias
+    its inputs)."""
+    ptr = t.untyped_storage().data_ptr()
+    return t.clone() if any(ptr == i.untyped_storage().data_ptr() for i in inputs) else t
+
+
+def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in (("momentum1", momentum1), ("momentum2", momentum2)) if t is not None}
+
+
+def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
+                    eps, wd, beta1, beta2, bias1, bias2):  # fmt: skip
+    if cpu.ops() is None:
+        return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
+                                    wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2)  # fmt: skip
+    cpu.bag_update(
+        _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
+        states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
+        scores=scores, score=score,
+    )  # fmt: skip
+
+
+# -- CUDA (and CPU under Triton's interpreter): the Triton kernels ------------------------------
+
+
+def _find_triton(table_keys, tags, num_buckets, bucket_size, query, flag):
+    from dynarec.kernels.gpu import hashing
+
+    absent = torch.zeros((), dtype=torch.int32, device=query.device) if flag else None
+    slots = hashing.find_two_choice(table_keys, tags, num_buckets, bucket_size, query, absent)
+    return slots, (query.new_zeros(0, dtype=torch.int32) if absent is None else absent)
+
+
+def _candidate_buckets_triton(keys, num_buckets):
+    from dynarec.kernels.gpu import hashing
+
+    return hashing.candidate_buckets(keys, num_buckets)
+
+
+def _plan_insert_triton(
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+):  # fmt: skip
+    if bucket_size > _MAX_KERNEL_BUCKET:
+        return reference.plan_insert(
+            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+        )
+    from dynarec.kernels.gpu import plan
+
+    state = plan.PlanState.fresh(keys, tags, scores, pins, num_buckets, bucket_size)
+    out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64, device=tags.device)
+    left, moved_from, moved_to, evicted = plan.plan_insert(
+        state, new_keys, order, out, move_pins, evict_pins, allow_evict
+    )
+    return out, _fresh(left, order), moved_from, moved_to, evicted
+
+
+def _place_keys_triton(keys, scores, tags, slots, new_keys, new_scores):
+    from dynarec.kernels.gpu import plan
+
+    plan.place_keys(keys, scores, tags, slots, new_keys, new_scores)
+
+
+def _pooled_triton(weight, rows, offsets, psw):
+    from dynarec.kernels.gpu import lookup
+
+    return lookup.pooled_forward(weight, rows, offsets, psw)
+
+
+def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
+                       eps, wd, beta1, beta2, bias1, bias2):  # fmt: skip
+    from dynarec.kernels.gpu import update
+
+    update.bag_update(
+        _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
+        states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
+        scores=scores, score=score,
+    )  # fmt: skip
+
+
+# -- fake: shapes and dtypes -----------------------------------------------------------------------
+
+
+def _dynamic_int64(like: torch.Tensor) -> torch.Tensor:
+    """A ``[u]`` int64 of a data-dependent size ``u``."""
+    return like.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+
+
+def _find_fake(table_keys, tags, num_buckets, bucket_size, query, flag):
+    return torch.empty_like(query), query.new_empty(() if flag else (0,), dtype=torch.int32)
+
+
+def _candidate_buckets_fake(keys, num_buckets):
+    return torch.empty_like(keys), torch.empty_like(keys)
+
+
+def _plan_insert_fake(
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+):  # fmt: skip
+    slots = new_keys.new_empty(new_keys.shape, dtype=torch.int64)
+    return slots, _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags)
+
+
+def _returns_none(*args: Any) -> None:
+    return None
+
+
+def _uniform01_fake(keys, dim, seed, stream):
+    return keys.new_empty((keys.shape[0], dim), dtype=torch.float64)
+
+
+def _pooled_fake(weight, rows, offsets, psw):
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]), dtype=torch.float32)
+
+
+# -- registration ----------------------------------------------------------------------------------
+
+_Impl = Callable[..., Any]
+_TRITON_ON_CPU = _triton.HAVE_TRITON and _triton.INTERPRETED
+
+_IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
+    # name: (default, fake, CPU, Triton)
+    "find": (reference.find, _find_fake, _find_cpu, _find_triton),
+    "candidate_buckets": (
+        reference.candidate_buckets,
+        _candidate_buckets_fake,
+        _candidate_buckets_cpu,
+        _candidate_buckets_triton,
+    ),
+    "plan_insert": (reference.plan_insert, _plan_insert_fake, _plan_insert_cpu, _plan_insert_triton),
+    "place_keys": (reference.place_keys, _returns_none, None, _place_keys_triton),
+    "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
+    "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, None),
+    "pooled": (reference.pooled, _pooled_fake, None, _pooled_triton),
+    "bag_update": (reference.bag_update, _returns_none, _bag_update_cpu, _bag_update_triton),
+}
+
+
+def _register() -> None:
+    for name, (default, fake, on_cpu, triton) in _IMPLS.items():
+        qualname = f"dynarec::{name}"
+        torch.library.define(qualname, SCHEMAS[name])
+        torch.library.impl(qualname, "default", default)
+        torch.library.register_fake(qualname, fake)
+        if triton is not None and _TRITON_ON_CPU:
+            on_cpu = triton
+        if on_cpu is not None:
+            torch.library.register_kernel(qualname, "cpu", on_cpu)
+        if triton is not None and _triton.HAVE_TRITON:
+            torch.library.register_kernel(qualname, "cuda", triton)
+
+
+_register()

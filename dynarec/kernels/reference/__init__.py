@@ -1,0 +1,33 @@
+"""The plain-torch twins of dynarec's kernels: the default implementation of every
+``torch.ops.dynarec`` op (any device), and the reference the C++ and Triton kernels are tested
+against, bit for bit where they compute in the same order (hashing, finds, plans, writes) and to
+the tolerance policy where they sum in another (pooling, the fused update).
+
+- :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, the two-choice find, the
+  key-seeded uniform draws;
+- :mod:`.plan`: an insert plan's three steps, and the index writes a commit and a touch make;
+- :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags.
+
+Written with batched tensor ops, no Python loop per key; imports torch alone (and the optimizer
+table, ``dynarec.optim.kernel``).
+"""
+
+from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, pooled
+from dynarec.kernels.reference.hashing import candidate_buckets, find, key_tags, mix64, uniform01
+from dynarec.kernels.reference.plan import claim_free_slots, fill_at, place_keys, plan_insert
+
+__all__ = [
+    "aggregate",
+    "bag_gradients",
+    "bag_update",
+    "candidate_buckets",
+    "claim_free_slots",
+    "fill_at",
+    "find",
+    "key_tags",
+    "mix64",
+    "place_keys",
+    "plan_insert",
+    "pooled",
+    "uniform01",
+]

@@ -1,0 +1,88 @@
+"""Weighted-sum bags in plain torch: the pooled lookup, and the fused backward + optimizer update.
+
+Bags are CSR: ``rows`` ``[n]`` int64 row indices, ``offsets`` ``[num_bags + 1]`` int64, optional
+``per_sample_weights`` ``[n]`` float32; bag ``b`` is ``sum_{i in b} psw[i] * weight[rows[i]]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode, update_rows
+
+__all__ = ["aggregate", "bag_gradients", "bag_update", "pooled"]
+
+
+def pooled(
+    weight: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``: ``[num_bags, D]`` float32."""
+    return F.embedding_bag(
+        rows, weight, offsets, mode="sum", per_sample_weights=per_sample_weights, include_last_offset=True
+    )
+
+
+def bag_gradients(
+    grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
+) -> torch.Tensor:
+    """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
+    )
+    g = grad_out.index_select(0, bag_of_id)
+    if per_sample_weights is not None:
+        g.mul_(per_sample_weights[:, None])
+    return g
+
+
+def aggregate(
+    grad_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique rows [U] int64 ascending, their gradients [U, D])``: each row's gradient summed
+    over its occurrences in the bags (``grad_out``: ``[num_bags, D]``)."""
+    g = bag_gradients(grad_out.contiguous(), offsets, per_sample_weights, rows.numel())
+    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    return unique_rows, g.new_zeros(unique_rows.numel(), g.shape[1]).index_add_(0, inverse, g)
+
+
+@torch.no_grad()
+def bag_update(
+    weight: torch.Tensor,
+    momentum1: Optional[torch.Tensor],
+    momentum2: Optional[torch.Tensor],
+    grad_out: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    scores: Optional[torch.Tensor],
+    score: int,
+    code: int,
+    weight_decay_mode: int,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    bias1: float,
+    bias2: float,
+) -> None:
+    """The fused backward + update of one step of bags: each unique row of ``rows`` once, with
+    the sum of its occurrences' gradients (``grad_out`` ``[num_bags, D]``), by the optimizer of
+    ``code`` (``dynarec.optim.kernel``; its scalars as ``KernelArgs`` has them), in place on
+    ``weight`` ``[num_rows, D]`` and the optimizer's states (``[num_rows, D or 1]`` float32, None
+    where it has none). ``scores`` (``[num_rows]`` int64): ``scores[row] = score`` for each row
+    updated."""
+    if rows.numel() == 0:
+        return
+    unique_rows, grad = aggregate(grad_out, rows, offsets, per_sample_weights)
+    if scores is not None:
+        scores.index_fill_(0, unique_rows, score)
+    states = {name: t for name, t in (("momentum1", momentum1), ("momentum2", momentum2)) if t is not None}
+    args = KernelArgs(
+        KernelCode(code), eps, weight_decay, WeightDecayCode(weight_decay_mode), beta1, beta2, bias1, bias2
+    )
+    update_rows(args, lr=lr, weight=weight, states=states, rows=unique_rows, grad=grad)

@@ -1,0 +1,79 @@
+"""The hash index's hashing and find, and the key-seeded uniform draws, in plain torch.
+
+``mix64`` is SplitMix64's finalizer over int64 with wrap-around arithmetic (a bijection on 64
+bits): the hash of the index, of sharding and of the key-seeded initializer. A key's two candidate
+buckets are the low and the high 32 bits of ``mix64(key)``, each modulo the bucket count; its tag
+is the top byte, 1 where that byte is 0 (:data:`~dynarec.kernels.layout.EMPTY_TAG` marks an empty
+slot).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
+
+__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01"]
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_LOW32 = (1 << 32) - 1
+
+
+def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer over int64 with wrap-around arithmetic: a bijection on 64 bits."""
+    x = x ^ _srl(x, 30)
+    x = x * _M1
+    x = x ^ _srl(x, 27)
+    x = x * _M2
+    return x ^ _srl(x, 31)
+
+
+def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two candidate buckets of each key: ``(b1, b2)``, ``[n]`` int64 each."""
+    h = mix64(keys)
+    return (h & _LOW32) % num_buckets, ((h >> 32) & _LOW32) % num_buckets
+
+
+def key_tags(keys: torch.Tensor) -> torch.Tensor:
+    """The tag of each key, ``[n]`` uint8 (never :data:`EMPTY_TAG`)."""
+    tag = (mix64(keys) >> 56) & 0xFF
+    return torch.where(tag == EMPTY_TAG, 1, tag).to(torch.uint8)
+
+
+def find(
+    table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, query: torch.Tensor, flag: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots, absent)``: the slot of each query key in a two-choice bucketed index (``[n]``
+    int64, :data:`NO_SLOT` where absent; ``table_keys`` int64 and ``tags`` uint8, a value a slot);
+    ``absent``: with ``flag`` a ``[]`` int32, 1 if a key is absent, else ``[0]``. Gathers both
+    buckets of every key and compares."""
+    n, bs = query.numel(), bucket_size
+    b1, b2 = candidate_buckets(query, num_buckets)
+    buckets = torch.cat([b1, b2])
+    # Both buckets of every key as contiguous rows (one index_select each array).
+    bucket_keys = table_keys.view(-1, bs).index_select(0, buckets)
+    bucket_occ = tags.view(-1, bs).index_select(0, buckets) != EMPTY_TAG
+    match = (bucket_keys == torch.cat([query, query])[:, None]) & bucket_occ
+    hit, lane = match.view(torch.uint8).max(dim=1)  # one pass: whether and where
+    slots = buckets * bs + lane
+    none = torch.full_like(query, NO_SLOT)
+    slots = torch.where(hit[:n].bool(), slots[:n], torch.where(hit[n:].bool(), slots[n:], none))
+    absent = (slots == NO_SLOT).any().to(torch.int32) if flag else query.new_zeros(0, dtype=torch.int32)
+    return slots, absent
+
+
+def uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
+    """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column)."""
+    # The stream's salt hashed on the host (a scalar sent to the GPU would wait for the stream).
+    salt = int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
+    base = mix64(keys ^ salt)
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
+    h = mix64(base[:, None] + cols[None, :])
+    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
