@@ -318,7 +318,8 @@ class _Build:
                     self.ctx.note(r.at(key), "ignored (the feature has no table: TorchEasyRec ignores it too)")
                 r.scalar(key)
             self._precision(table=False)
-            r.default_only("trainable", True, "a feature without a table has nothing to freeze")
+            if r.scalar("trainable", True) is False:
+                self.ctx.note(r.at("trainable"), "ignored (the feature has no table to freeze)")
             return
         self.body["embedding_dim"] = r.integer("embedding_dim", 0)
         if not self.body["embedding_dim"]:
@@ -889,12 +890,21 @@ _OPERATOR_LIBS = {
 }
 
 
+def _custom_operators() -> list[str]:
+    """The custom operators dynarec implements (its schema's ``CUSTOM_OPERATORS``)."""
+    import importlib
+
+    try:
+        module = importlib.import_module("dynarec.config.features")
+    except ImportError:
+        return []
+    return sorted(getattr(module, "CUSTOM_OPERATORS", {}))
+
+
 def _custom(b: _Build) -> str:
     """custom_feature (spec §2.10): one of pyfg's built-in operators that dynarec implements."""
-    from dynarec.config import features as dynarec_features
-
     r = b.r
-    built_in = sorted(getattr(dynarec_features, "CUSTOM_OPERATORS", {}))
+    built_in = _custom_operators()
     operator = r.string("operator_name", "")
     lib = r.string("operator_lib_file", "")
     if operator not in built_in:
