@@ -50,7 +50,8 @@ def _format(e: ValidationError, source: str) -> str:
 def config_from_dict(
     data: Mapping[str, Any], source: str = "<dict>", base_dir: Union[str, Path, None] = None
 ) -> Config:
-    """Validates ``data``; relative data paths are resolved against ``base_dir``."""
+    """Validates ``data``; relative data paths (and features' ``vocab_file``) are resolved
+    against ``base_dir``."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
     data = dict(data)
@@ -61,10 +62,25 @@ def config_from_dict(
             v = d.get(key)
             d[key] = [resolve(x) for x in v] if isinstance(v, list) else resolve(v)
         data["data"] = d
+    if base_dir is not None and isinstance(data.get("feature_configs"), list):
+        data["feature_configs"] = [_resolve_vocab_file(entry, base_dir) for entry in data["feature_configs"]]
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format(e, source)) from None
+
+
+def _resolve_vocab_file(entry: Any, base_dir: Union[str, Path]) -> Any:
+    """A feature entry with its relative ``vocab_file`` made relative to ``base_dir``."""
+    if not isinstance(entry, Mapping):
+        return entry
+    out = dict(entry)
+    for kind, body in entry.items():
+        if isinstance(body, Mapping) and isinstance(body.get("vocab_file"), str):
+            path = body["vocab_file"]
+            if "://" not in path and not os.path.isabs(path):
+                out[kind] = {**body, "vocab_file": os.path.normpath(os.path.join(base_dir, path))}
+    return out
 
 
 # Longer integers than Python converts by default (sys.int_info.default_max_str_digits).

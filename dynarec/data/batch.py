@@ -1,13 +1,23 @@
 """Arrow record batches -> model inputs (a KJT-shaped sparse batch, dense features, labels).
 
+Every feature kind of docs/features.md is computed here, in dependency order (a ``feature:<name>``
+input reads another feature's output after its bucketizer): ids go to the KJT (with per-id
+weights where a feature is ``weighted``), numbers to ``Batch.dense`` (``[B]``, ``[B, k]``, or a
+dense sequence ``[B, L, k]`` with its lengths in ``Batch.dense_lengths``).
+
+The common kinds take the C++ feature-generation paths (``dynarec.features.native``: split and
+hash, split and parse); the rest is whole-column pyarrow and NumPy work
+(``dynarec.features.values``). Per-row Python runs only for an ``expr_feature`` whose variables hold
+a different number of values row to row, and for EditDistance where the C++ extension is not built.
+
 Every bad value is an error naming the feature, the column, the file and the row: a missing
 column, a null id, a NaN or null dense value, a malformed multi-value field, a negative or
-out-of-range id of a fixed feature, a label outside {0, 1}.
+out-of-range id of a fixed feature, a row with the wrong number of values, a label outside {0, 1}.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
@@ -15,11 +25,42 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.config.features import (
+    ComboFeatureCfg,
+    CustomFeatureCfg,
+    ExprFeatureCfg,
+    Feature,
+    IdFeatureCfg,
+    Input,
+    LookupFeatureCfg,
+    MatchFeatureCfg,
+    RawFeatureCfg,
+    SequenceFeatureCfg,
+    SequenceRawFeatureCfg,
+    dependency_order,
+    parse_input,
+)
+from dynarec.config.schema import Config
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
-from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, to_hash_bucket_fast
+from dynarec.features.hashing import DYNAMIC_KEY_BUCKETS, HashFunction, hash_buckets, to_hash_bucket_fast
+from dynarec.features.values import (
+    Jagged,
+    RowError,
+    as_strings,
+    combine,
+    edit_distance,
+    fill_missing,
+    jagged,
+    join_keys,
+    keep_last,
+    map_entries,
+    numbers,
+    offsets_of,
+    product,
+    vectors,
+)
 
 __all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
 
@@ -32,9 +73,12 @@ class DataError(ValueError):
 class Batch:
     """One batch of rows.
 
-    ``sparse``: every id and sequence feature, KJT layout (key-major lengths ``[F * B]``).
-    ``dense``: ``{feature: [B]}`` float32, normalized. ``labels``: ``[B]`` float32 in {0, 1}.
-    ``groups``: ``[B]`` int64 ids of the grouped-AUC field (or None).
+    ``sparse``: every feature with a table, KJT layout (key-major lengths ``[F * B]``; per-id
+    weights when a feature is weighted, 1.0 for the others). ``dense``: ``{feature: [B]}``
+    float32 (normalized) for one number a row, ``[B, k]`` for ``value_dim`` k, ``[B, L, k]`` for a
+    dense sequence (zero-padded to the batch's longest; its lengths in ``dense_lengths``, ``[B]``
+    int64). ``labels``: ``[B]`` float32 in {0, 1}. ``groups``: ``[B]`` int64 ids of the grouped-AUC
+    field (or None).
     """
 
     sparse: JaggedBatch
@@ -42,6 +86,7 @@ class Batch:
     labels: torch.Tensor
     groups: Optional[torch.Tensor]
     num_rows: int
+    dense_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
@@ -51,16 +96,22 @@ class Batch:
             self.labels.pin_memory(),
             None if self.groups is None else self.groups.pin_memory(),
             self.num_rows,
+            {k: v.pin_memory() for k, v in self.dense_lengths.items()},
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers)."""
         b = self.num_rows
         keys = self.sparse.keys()
-        lengths = self.sparse.lengths().view(len(keys), b)
-        return {n: lengths[keys.index(n)] for n in names}
-
-
-Feature = Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]
+        lengths = self.sparse.lengths().view(len(keys), b) if keys else None
+        out = {}
+        for n in names:
+            if n in self.dense_lengths:
+                out[n] = self.dense_lengths[n]
+            else:
+                assert lengths is not None, f"no sequence feature '{n}' in the batch"
+                out[n] = lengths[keys.index(n)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -87,17 +138,79 @@ class RowOrigin:
         raise IndexError(i)
 
 
+@dataclass
+class _Ids:
+    """A feature's ids: ``values`` int64 of rows of ``lengths``, ``weights`` float32 or None."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+    weights: Optional[np.ndarray] = None
+
+
+@dataclass
+class _Dense:
+    """A feature's numbers ``[B]`` or ``[B, k]``: float32 for the model, float64 as computed (a
+    ``feature:`` input reads these)."""
+
+    x32: np.ndarray
+    x64: np.ndarray
+
+
+@dataclass
+class _DenseSequence:
+    """A dense sequence: ``x`` float32 ``[elements, k]`` of rows of ``lengths``."""
+
+    x: np.ndarray
+    lengths: np.ndarray
+
+
+_Output = Union[_Ids, _Dense, _DenseSequence]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a feature's bucketizer needs on every batch, worked out once: the bucketizer, whether
+    values are hashed (and by what, modulo what), whether the table is dynamic, a fixed table's
+    rows."""
+
+    kind: Optional[str]
+    hashed: bool
+    hash_function: HashFunction
+    modulus: int
+    dynamic: bool
+    rows: Optional[int]
+
+    @classmethod
+    def of(cls, f: Feature) -> _Plan:
+        dynamic = f.dynamic
+        rows = f.table_rows if f.embedded else None
+        modulus = DYNAMIC_KEY_BUCKETS if dynamic else (rows or 1)
+        return cls(f.bucketizer, f.hashed, getattr(f, "hash_function", "farmhash"), modulus, dynamic, rows)
+
+
+_VOCABS = ("vocab_list", "vocab_dict", "vocab_file")
+
+
 class BatchBuilder:
     """Builds :class:`Batch` objects from Arrow tables for one config."""
 
     def __init__(self, config: Config, with_labels: bool = True):
         self.config = config
         self.with_labels = with_labels
-        self.sparse_features = [f for f in config.features() if not isinstance(f, RawFeatureCfg)]
-        self.dense_features = [f for f in config.features() if isinstance(f, RawFeatureCfg)]
+        features = config.features()
+        self.sparse_features = [f for f in features if f.embedded]  # the KJT's keys, in config order
+        self.dense_features = [f for f in features if not f.embedded]
+        # Computed ids first, then numbers, each after the features it reads.
+        self.order: list[Feature] = dependency_order(self.sparse_features + self.dense_features)
+        self.referenced = {name for f in features for name in f.feature_inputs}
+        self.weighted = any(getattr(f, "weighted", False) for f in self.sparse_features)
+        self.plans = {f.feature_name: _Plan.of(f) for f in features}
+        self._feature_columns = [
+            (f.feature_name, c) for f in self.sparse_features + self.dense_features for c in f.columns
+        ]
         self.label_field = config.data.label_field
         self.group_field = self._group_field()
-        sequences = {f.feature_name for f in self.sparse_features if isinstance(f, SequenceFeatureCfg)}
+        sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
             [n for n in g.feature_names if n in sequences]
             for g in config.model.feature_groups
@@ -109,12 +222,12 @@ class BatchBuilder:
             return None
         if self.config.eval.grouped_auc_field:
             return self.config.eval.grouped_auc_field
-        ids = [f for f in self.sparse_features if isinstance(f, IdFeatureCfg)]
-        return ids[0].column if ids else None
+        ids = [f for f in self.sparse_features if isinstance(f, IdFeatureCfg) and not f.input.feature]
+        return ids[0].input.name if ids else None
 
     def columns(self) -> list[str]:
         """Every column a batch needs, in a stable order."""
-        cols = [f.column for f in self.sparse_features] + [f.column for f in self.dense_features]
+        cols = [c for _, c in self._feature_columns]
         if self.with_labels:
             cols.append(self.label_field)
         if self.group_field and self.with_labels:
@@ -122,10 +235,19 @@ class BatchBuilder:
         return list(dict.fromkeys(cols))
 
     def csv_column_types(self) -> dict[str, pa.DataType]:
-        """Columns a CSV reader must take as strings, whatever they look like: ids (a string id
-        ``001001`` is not ``1001``, ``1e3`` is not ``1000``; an integer id never goes through a
-        float). Bucketized numbers and dense values are left to inference."""
-        return {f.column: pa.string() for f in self.sparse_features if f.boundaries is None}
+        """Columns a CSV reader must take as strings, whatever they look like: ids, words, maps,
+        keys (a string id ``001001`` is not ``1001``, ``1e3`` is not ``1000``; an integer id never
+        goes through a float). Numbers (dense values, bucketized numbers, expression variables)
+        are left to inference."""
+        out: dict[str, pa.DataType] = {}
+        for f in self.sparse_features + self.dense_features:
+            if isinstance(f, (RawFeatureCfg, SequenceRawFeatureCfg, ExprFeatureCfg)) or (
+                isinstance(f, IdFeatureCfg) and f.boundaries is not None
+            ):
+                continue
+            for c in f.columns:
+                out[c] = pa.string()
+        return out
 
     def check_schema(self, schema: pa.Schema, source: str) -> None:
         """Raises DataError naming the first missing column (and the feature that needs it)."""
@@ -134,9 +256,9 @@ class BatchBuilder:
             count = schema.names.count(column)
             if count > 1:
                 raise DataError(f"{source}: column '{column}' appears {count} times; give every column one name")
-        for f in self.sparse_features + self.dense_features:
-            if f.column not in names:
-                raise DataError(f"{source}: missing column '{f.column}' (feature '{f.feature_name}')")
+        for name, c in self._feature_columns:
+            if c not in names:
+                raise DataError(f"{source}: missing column '{c}' (feature '{name}')")
         if self.with_labels and self.label_field not in names:
             raise DataError(f"{source}: missing column '{self.label_field}' (data.label_field)")
         if self.with_labels and self.group_field and self.group_field not in names:
@@ -149,31 +271,62 @@ class BatchBuilder:
             origin = RowOrigin.of(origin, table.num_rows)
         self.check_schema(table.schema, origin.label)
         n = table.num_rows
-        keys, values, lengths = [], [], []
-        for f in self.sparse_features:
-            ids, lens = self._ids(f, table.column(f.column), origin)
-            keys.append(f.feature_name)
-            values.append(ids)
-            lengths.append(lens)
-        self._check_sequence_groups(dict(zip(keys, lengths)), origin)
-        sparse = JaggedBatch(
-            keys,
-            torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
-            torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64),
-        )
-        dense = {f.feature_name: self._dense(f, table.column(f.column), origin) for f in self.dense_features}
+        outputs: dict[str, pa.Array] = {}
+        computed: dict[str, _Output] = {}
+        for f in self.order:
+            try:
+                out = self._feature(f, table, outputs, origin, n)
+            except RowError as e:
+                raise DataError(f"{self._where(f, origin, e.row)}: {e.message}") from None
+            computed[f.feature_name] = out
+            if f.feature_name in self.referenced:
+                outputs[f.feature_name] = _as_column(out, n)
+        sparse = self._kjt(computed)
+        dense: dict[str, torch.Tensor] = {}
+        dense_lengths: dict[str, torch.Tensor] = {}
+        for f in self.dense_features:
+            out = computed[f.feature_name]
+            if isinstance(out, _DenseSequence):
+                dense[f.feature_name] = torch.from_numpy(_padded(out.x, out.lengths, n))
+                dense_lengths[f.feature_name] = torch.from_numpy(out.lengths)
+            else:
+                assert isinstance(out, _Dense)
+                dense[f.feature_name] = torch.from_numpy(out.x32)
+        self._check_sequence_groups(computed, origin)
         labels = torch.zeros(n)
         groups = None
         if self.with_labels:
             labels = self._labels(table.column(self.label_field), origin)
             if self.group_field:
                 groups = self._group_ids(table.column(self.group_field))
-        return Batch(sparse, dense, labels, groups, n)
+        return Batch(sparse, dense, labels, groups, n, dense_lengths)
 
-    def _check_sequence_groups(self, lengths: dict[str, np.ndarray], origin: RowOrigin) -> None:
+    def _kjt(self, computed: dict[str, _Output]) -> JaggedBatch:
+        keys, values, lengths, weights = [], [], [], []
+        for f in self.sparse_features:
+            out = computed[f.feature_name]
+            assert isinstance(out, _Ids)
+            keys.append(f.feature_name)
+            values.append(out.values)
+            lengths.append(out.lengths)
+            if self.weighted:
+                weights.append(out.weights if out.weights is not None else np.ones(len(out.values), np.float32))
+        return JaggedBatch(
+            keys,
+            torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
+            torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64),
+            torch.from_numpy(np.concatenate(weights)) if weights else None,
+        )
+
+    def _check_sequence_groups(self, computed: dict[str, _Output], origin: RowOrigin) -> None:
         """The sequence features of one sequence group are concatenated position by position: in
         every row they must have the same length."""
         for names in self.sequence_groups:
+            lengths = {}
+            for name in names:
+                out = computed[name]
+                assert isinstance(out, (_Ids, _DenseSequence))
+                lengths[name] = out.lengths
             first = names[0]
             for other in names[1:]:
                 bad = np.nonzero(lengths[first] != lengths[other])[0]
@@ -185,57 +338,131 @@ class BatchBuilder:
                         "needs one length per row"
                     )
 
-    # -- columns ---------------------------------------------------------------------------
+    # -- where ---------------------------------------------------------------------------
 
     def _where(self, f: Feature, origin: RowOrigin, i: int) -> str:
         """Batch row ``i`` of feature ``f``, located in its source file."""
-        return f"{origin.locate(i)}: feature '{f.feature_name}' (column '{f.column}')"
+        inputs = f.inputs
+        if len(inputs) == 1:
+            what = f"column '{inputs[0].name}'" if not inputs[0].feature else f"input {inputs[0]}"
+        else:
+            what = "inputs " + ", ".join(f"'{i}'" for i in inputs)
+        return f"{origin.locate(i)}: feature '{f.feature_name}' ({what})"
 
-    def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.ChunkedArray, origin: RowOrigin):
-        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-        if col.null_count:
+    # -- the kinds -----------------------------------------------------------------------
+
+    def _input(self, inp: Input, table: pa.Table, outputs: dict[str, pa.Array]) -> pa.Array:
+        col = outputs[inp.name] if inp.feature else table.column(inp.name)
+        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+    def _feature(self, f: Feature, table: pa.Table, outputs: dict[str, pa.Array], origin: RowOrigin, n: int):
+        col = lambda i=0: self._input(f.inputs[i], table, outputs)
+        if isinstance(f, (IdFeatureCfg, SequenceFeatureCfg)):
+            return self._ids(f, col(), origin)
+        if isinstance(f, RawFeatureCfg):
+            return self._raw(f, col(), origin)
+        if isinstance(f, SequenceRawFeatureCfg):
+            return self._sequence_raw(f, col(), origin)
+        if isinstance(f, ComboFeatureCfg):
+            return self._combo(f, [col(i) for i in range(len(f.inputs))], origin)
+        if isinstance(f, LookupFeatureCfg):
+            return self._lookup(f, col(0), col(1), origin, n)
+        if isinstance(f, MatchFeatureCfg):
+            return self._match(f, table, outputs, origin, n)
+        if isinstance(f, ExprFeatureCfg):
+            return self._expr(f, [col(i) for i in range(len(f.inputs))], origin, n)
+        assert isinstance(f, CustomFeatureCfg)
+        return self._custom(f, [col(i) for i in range(len(f.inputs))], origin, n)
+
+    def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, origin: RowOrigin) -> _Ids:
+        dv = f.default_value
+        if dv is None and col.null_count:
             raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
-        if f.boundaries is not None:
-            return self._bucketized(f, col, origin), np.ones(len(col), dtype=np.int64)
+        if isinstance(f, IdFeatureCfg) and f.weighted:
+            return self._weighted(f, col, origin)
+        if isinstance(f, IdFeatureCfg) and f.boundaries is not None:
+            return self._bucketized_numbers(f, col, origin)
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
         t = col.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            tokens, lengths = col.flatten(), np.diff(col.offsets.to_numpy()).astype(np.int64)
-            if tokens.null_count:
-                row = _row_of(lengths, int(pc.index(tokens.is_null(), True).as_py()))
-                raise DataError(f"{self._where(f, origin, row)}: a null element in the list of ids")
-        elif separator is not None and _is_string(t):
-            if f.hashed:  # the C++ extension's one pass: split and hash
-                hashed = native.split_hash(col, separator, _num_buckets(f))
+        plan = self.plans[f.feature_name]
+        if dv is None and plan.kind not in _VOCABS and not _is_list(t):
+            if separator is None:  # one value a row, none missing
+                lengths = np.ones(len(col), dtype=np.int64)
+                return _Ids(self._token_ids(f, col, lengths, origin), lengths)
+        if dv is None and plan.kind not in _VOCABS and separator is not None and _is_string(t):
+            if plan.hashed:  # the C++ extension's one pass: split and hash
+                hashed = native.split_hash(col, separator, plan.modulus, plan.hash_function)
                 if hashed is not None:
                     ids, lengths, bad = hashed
                     if bad >= 0:
                         raise self._empty_token(f, origin, bad, separator)
-                    return _keep_last(f, ids, lengths)
+                    return _Ids(*_keep_last(f, ids, lengths))
             else:  # the C++ extension's one pass: split and parse
                 parsed = native.split_parse_int64(col, separator)
                 if parsed is not None:
                     ids, lengths = parsed
-                    return _keep_last(f, self._checked_range(f, ids, lengths, origin), lengths)
-            tokens, lengths = self._split(f, col, separator, origin)
-        else:
-            tokens, lengths = col, np.ones(len(col), dtype=np.int64)
-        return _keep_last(f, self._token_ids(f, tokens, lengths, origin), lengths)
+                    return _Ids(*_keep_last(f, self._checked_range(f, ids, lengths, origin), lengths))
+        j = jagged(col, separator, empty_token=dv)
+        if dv is not None:
+            empty = None
+            if separator is None and _is_string(t) and len(j.values):  # one value a row: "" is missing
+                empty = np.asarray(pc.fill_null(pc.equal(pc.utf8_length(col), 0), False))
+            j = fill_missing(j, dv, empty)
+        ids = self._bucketize(f, j.values, j.lengths, origin)
+        return _Ids(*_keep_last(f, ids, j.lengths))
 
-    def _split(self, f: Feature, col: pa.Array, separator: str, origin: RowOrigin) -> tuple[pa.Array, np.ndarray]:
-        """``(tokens, lengths)`` of a separator-joined column, by pyarrow: one split; an empty field
-        is an empty list (its one empty token dropped); DataError naming the row of an empty token."""
-        parts = pc.split_pattern(col, separator)
-        per_row = np.diff(parts.offsets.to_numpy()).astype(np.int64)
-        empty = (pc.utf8_length(col).to_numpy(zero_copy_only=False) == 0) & (per_row == 1)
-        lengths = np.where(empty, 0, per_row)
-        tokens = parts.flatten()
-        if empty.any():
-            tokens = tokens.filter(pa.array(np.repeat(~empty, per_row)))
-        bad = pc.equal(pc.utf8_length(tokens), 0)
-        if bad.true_count:
-            raise self._empty_token(f, origin, _row_of(lengths, int(pc.index(bad, True).as_py())), separator)
-        return tokens, lengths
+    def _weighted(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
+        """``id:weight`` pairs (joined by ``separator``, default ``\\x1d``; or a list of them), or
+        a map column ``id -> weight``: the ids bucketized, the weights per id."""
+        if pa.types.is_map(col.type):
+            null = col.is_null().to_numpy(zero_copy_only=False)
+            lengths, keys, w = map_entries(col)
+            j = Jagged(keys, lengths, null)
+            if f.default_value:  # "id:weight"
+                key, _, weight = f.default_value.rpartition(":")
+                keys = fill_missing(Jagged(keys, j.lengths, null), key).values
+                w = fill_missing(Jagged(as_strings(w), j.lengths, null), weight).values
+                j = Jagged(keys, np.where(null, 1, j.lengths), null)
+            weights = numbers(w, j.lengths, "weight")
+            tokens, lengths = j.values, j.lengths
+        else:
+            j = jagged(col, f.separator or "\x1d", empty_token=f.default_value)
+            j = fill_missing(j, f.default_value)
+            tokens, lengths = as_strings(j.values), j.lengths
+            parts = pc.split_pattern(tokens, ":", max_splits=1, reverse=True)
+            bad = pc.not_equal(pc.list_value_length(parts), 2)
+            if bad.true_count:
+                i = int(pc.index(bad, True).as_py())
+                raise RowError(
+                    _row(lengths, i), f"weighted value {tokens[i].as_py()!r} is not 'id:weight' (a ':' between them)"
+                )
+            tokens = pc.list_element(parts, 0)
+            weights = numbers(pc.list_element(parts, 1), lengths, "weight")
+        bad_w = np.nonzero(~np.isfinite(weights))[0]
+        if bad_w.size:
+            raise RowError(_row(lengths, int(bad_w[0])), f"weight {weights[bad_w[0]]} is not a finite number")
+        ids = self._bucketize(f, tokens, lengths, origin)
+        return _Ids(ids, lengths, weights.astype(np.float32))
+
+    def _bucketized_numbers(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
+        """An id_feature with boundaries: a number a row -> its bucket."""
+        if f.default_value is None:
+            x = self._finite_float64(f, col, origin, " (boundaries)")
+            return _Ids(_buckets(_boundaries(f), x), np.ones(len(col), dtype=np.int64))
+        j = fill_missing(jagged(col, None), f.default_value)
+        x = self._finite(f, numbers(j.values, j.lengths), j.lengths, origin, " (boundaries)")
+        return _Ids(_buckets(_boundaries(f), x), j.lengths)
+
+    def _bucketize(self, f: Feature, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
+        """Values -> ids by the feature's bucketizer (vocabulary, boundaries, hash, or integer
+        ids, range-checked for a fixed table)."""
+        kind = self.plans[f.feature_name].kind
+        if kind in _VOCABS:
+            return f.vocabulary().lookup(as_strings(tokens))
+        if kind == "boundaries":
+            x = self._finite(f, numbers(tokens, lengths), lengths, origin, " (boundaries)")
+            return _buckets(_boundaries(f), x)
+        return self._token_ids(f, tokens, lengths, origin)
 
     def _empty_token(self, f: Feature, origin: RowOrigin, row: int, separator: str) -> DataError:
         return DataError(
@@ -246,22 +473,24 @@ class BatchBuilder:
         """A number per row as float64; DataError naming the row of a missing, NaN or infinite
         value (``what``: a note on why the feature needs numbers)."""
         x = _float64(col, lambda i: self._where(f, origin, i), origin.label)
-        bad = np.nonzero(~np.isfinite(x))[0]
-        if bad.size:
-            i = int(bad[0])
-            raise DataError(f"{self._where(f, origin, i)}: value {x[i]} is not a finite number{what}")
-        return x
+        return self._finite(f, x, None, origin, what)
 
-    def _bucketized(self, f: IdFeatureCfg, col, origin: RowOrigin) -> np.ndarray:
-        """A number per row -> its bucket: ``i`` for ``boundaries[i-1] <= x < boundaries[i]``."""
-        x = self._finite_float64(f, col, origin, " (boundaries)")
-        return np.searchsorted(np.asarray(f.boundaries, dtype=np.float64), x, side="right").astype(np.int64)
+    def _finite(
+        self, f: Feature, x: np.ndarray, lengths: Optional[np.ndarray], origin: RowOrigin, what: str = ""
+    ) -> np.ndarray:
+        """``x`` (numbers of rows of ``lengths``; None: one a row); DataError naming the row of a
+        NaN or infinite one."""
+        if np.isfinite(x).all():
+            return x
+        i = int(np.nonzero(~np.isfinite(x))[0][0])
+        row = _row(lengths, i) if lengths is not None else i
+        raise DataError(f"{self._where(f, origin, row)}: value {x[i]} is not a finite number{what}")
 
     def _token_ids(self, f, tokens: pa.Array, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
         is_string = _is_string(tokens.type)
-        if f.hashed:  # a string column in C++ where the extension is built; str(x) of other values
-            strings = tokens if is_string else [str(x) for x in tokens.to_pylist()]
-            return to_hash_bucket_fast(strings, _num_buckets(f))
+        plan = self.plans[f.feature_name]
+        if plan.hashed:  # a string column in C++ where the extension is built; the string form of others
+            return hash_buckets(as_strings(tokens), plan.modulus, plan.hash_function)
         if is_string:
             try:  # most ids have no surrounding whitespace: trim only when the plain cast fails
                 tokens = _cast_int64(tokens)
@@ -270,17 +499,17 @@ class BatchBuilder:
                 i = next(k for k, s in enumerate(strings) if not _is_int64(s))
                 why = "does not fit int64" if _is_int(strings[i]) else "value_type 'int' expects integer ids"
                 raise DataError(
-                    f"{self._where(f, origin, _row_of(lengths, i))}: malformed value {strings[i]!r} ({why})"
+                    f"{self._where(f, origin, _row(lengths, i))}: malformed value {strings[i]!r} ({why})"
                 ) from None
         elif not pa.types.is_integer(tokens.type):
             raise DataError(
-                f"{origin.label}: feature '{f.feature_name}' (column '{f.column}') has type "
+                f"{origin.label}: feature '{f.feature_name}' ({_inputs(f)}) has type "
                 f"{tokens.type}; value_type 'int' expects integers"
             )
         elif tokens.type == pa.uint64() and len(tokens) and pc.max(tokens).as_py() >= 1 << 63:
             i = int(pc.index(pc.greater_equal(tokens, pa.scalar(1 << 63, pa.uint64())), True).as_py())
             raise DataError(
-                f"{self._where(f, origin, _row_of(lengths, i))}: id {tokens[i].as_py()} does not fit int64 "
+                f"{self._where(f, origin, _row(lengths, i))}: id {tokens[i].as_py()} does not fit int64 "
                 "(uint64 ids of 2^63 and more would wrap to negative keys)"
             )
         ids = tokens.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -288,47 +517,337 @@ class BatchBuilder:
 
     def _checked_range(self, f, ids: np.ndarray, lengths: np.ndarray, origin: RowOrigin) -> np.ndarray:
         """``ids``; DataError naming the row of the first id outside a fixed table's rows."""
-        if f.dynamicemb is None and ids.size:
-            bad = np.nonzero((ids < 0) | (ids >= f.table_rows))[0]
-            if bad.size:
-                i = int(bad[0])
+        plan = self.plans[f.feature_name]
+        if not plan.dynamic and ids.size:
+            rows = plan.rows
+            assert rows is not None
+            if int(ids.min()) < 0 or int(ids.max()) >= rows:
+                i = int(np.nonzero((ids < 0) | (ids >= rows))[0][0])
                 raise DataError(
-                    f"{self._where(f, origin, _row_of(lengths, i))}: id {int(ids[i])} is out of range "
-                    f"[0, {f.table_rows}) (num_buckets)"
+                    f"{self._where(f, origin, _row(lengths, i))}: id {int(ids[i])} is out of range "
+                    f"[0, {rows}) (num_buckets)"
                 )
         return ids
 
-    def _dense(self, f: RawFeatureCfg, col, origin: RowOrigin) -> torch.Tensor:
-        x = self._finite_float64(f, col, origin)
-        norm = f.normalizer
-        if norm is not None:
-            if norm.expression is not None:
-                x = Expression(norm.expression)(x)
-                bad = np.nonzero(~np.isfinite(x))[0]
-                if bad.size:
-                    i = int(bad[0])
-                    raise DataError(
-                        f"{self._where(f, origin, i)}: normalizer {norm.expression!r} gives {x[i]} for this row's "
-                        "value; the expression must be finite on the data"
-                    )
-            if norm.log1p:
-                if (x <= -1).any():
-                    i = int(np.nonzero(x <= -1)[0][0])
-                    raise DataError(f"{self._where(f, origin, i)}: log1p normalizer needs values > -1, got {x[i]}")
-                x = np.log1p(x)
-            x = (x - norm.mean) / norm.std
-        with np.errstate(over="ignore"):
+    # -- numbers ---------------------------------------------------------------------------
+
+    def _raw(self, f: RawFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Output:
+        k = f.value_dim
+        if k == 1 and not _is_list(col.type) and (f.default_value is None or not col.null_count):
+            if f.default_value is None and col.null_count:
+                i = int(pc.index(col.is_null(), True).as_py())
+                raise DataError(f"{self._where(f, origin, i)}: missing value (a dense feature needs a number)")
+            x = self._finite_float64(f, col, origin)[:, None]
+            present = np.ones(len(col), dtype=bool)
+        else:
+            j = jagged(col, f.separator if k > 1 else None)
+            x = numbers(j.values, j.lengths)
+            present = ~j.missing
+            x = self._finite(f, x, j.lengths, origin)
+            full = np.zeros((len(col), k))
+            full[present] = vectors(x, j.lengths[present], k, np.nonzero(present)[0])
+            x = full
+        return self._finish(f, x, present, origin)
+
+    def _finish(self, f: Feature, x: np.ndarray, present: np.ndarray, origin: RowOrigin) -> _Output:
+        """Numbers ``[B, k]`` of the rows ``present`` -> normalized; the other rows take the
+        default (not normalized); then ids (boundaries) or dense numbers."""
+        k = x.shape[1]
+        every = bool(present.all())
+        raw = x
+        if getattr(f, "normalizer", None) is not None:
+            if every:
+                x = self._normalized(f, x.reshape(-1), None, k, origin).reshape(-1, k)
+            elif present.any():
+                x = x.copy()
+                rows = np.repeat(np.nonzero(present)[0], k)
+                x[present] = self._normalized(f, x[present].reshape(-1), rows, k, origin).reshape(-1, k)
+        no_value = None
+        if not every:
+            dv = getattr(f, "default_value", None)
+            missing = ~present
+            if dv is None:
+                raise DataError(f"{self._where(f, origin, int(np.nonzero(missing)[0][0]))}: missing value")
+            if dv == "":
+                no_value = missing
+            else:
+                x = x.copy()
+                x[missing] = _default_numbers(f, dv, k)
+        if self.plans[f.feature_name].kind == "boundaries":
+            if no_value is None:
+                per_row = np.full(len(x), k, dtype=np.int64)
+                values = x.reshape(-1)
+            else:
+                per_row = np.where(no_value, 0, k).astype(np.int64)
+                values = x[~no_value].reshape(-1)
+            values = self._finite(f, values, per_row, origin, " (boundaries)")
+            return _Ids(_buckets(_boundaries(f), values), per_row)
+        return self._dense_out(f, x, origin, raw if raw is not x else None)
+
+    def _dense_out(self, f: Feature, x: np.ndarray, origin: RowOrigin, raw: Optional[np.ndarray] = None) -> _Dense:
+        """Numbers ``[B, k]`` -> the model's float32; DataError naming the row of a value that is
+        not finite there (``raw``: the numbers before the normalizer, for the message)."""
+        with np.errstate(over="ignore", invalid="ignore"):
             x32 = x.astype(np.float32)
-        bad = np.nonzero(~np.isfinite(x32))[0]
-        if bad.size:  # finite in float64, not in the model's float32 (1e39)
-            i = int(bad[0])
-            raw = float(_float64(col, lambda k: self._where(f, origin, k), origin.label)[i])
-            shown = f"value {raw:g}" + (f" (normalized: {float(x[i]):g})" if float(x[i]) != raw else "")
+        if not np.isfinite(x32).all():
+            i = int(np.nonzero(~np.isfinite(x32).all(axis=1))[0][0])
+            if not np.isfinite(x[i]).all():
+                raise DataError(f"{self._where(f, origin, i)}: value {x[i].tolist()} is not finite")
+            v, r = x[i].tolist(), (raw[i].tolist() if raw is not None else None)
+            if len(v) == 1:
+                shown = f"value {r[0] if r is not None else v[0]:g}"
+                shown += f" (normalized: {v[0]:g})" if r is not None and r[0] != v[0] else ""
+            else:
+                shown = f"value {r if r is not None else v}" + (
+                    f" (normalized: {v})" if r is not None and r != v else ""
+                )
             raise DataError(
                 f"{self._where(f, origin, i)}: {shown} is beyond float32's range (about ±3.4e38); "
                 "scale the feature or give it a normalizer"
             )
-        return torch.from_numpy(x32)
+        if x.shape[1] == 1:
+            return _Dense(x32.reshape(-1), x.reshape(-1))
+        return _Dense(x32, x)
+
+    def _normalized(
+        self, f: Feature, x: np.ndarray, rows: Optional[np.ndarray], k: int, origin: RowOrigin
+    ) -> np.ndarray:
+        """``x`` (numbers; number ``i`` of batch row ``rows[i]``, or ``i // k`` when None) through
+        the feature's normalizer; DataError naming the row where the result is not finite."""
+        norm = getattr(f, "normalizer", None)
+        if norm is None:
+            return x
+        row = lambda i: int(rows[i]) if rows is not None else i // k
+        raw = x
+        if norm.expression is not None:
+            x = Expression(norm.expression)(x)
+            if not np.isfinite(x).all():
+                i = int(np.nonzero(~np.isfinite(x))[0][0])
+                raise DataError(
+                    f"{self._where(f, origin, row(i))}: normalizer {norm.expression!r} gives {x[i]} for this "
+                    f"row's value {raw[i]:g}; the expression must be finite on the data"
+                )
+        if norm.log1p:
+            if (x <= -1).any():
+                i = int(np.nonzero(x <= -1)[0][0])
+                raise DataError(f"{self._where(f, origin, row(i))}: log1p normalizer needs values > -1, got {x[i]}")
+            x = np.log1p(x)
+        return (x - norm.mean) / norm.std
+
+    def _sequence_raw(self, f: SequenceRawFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Output:
+        dv = f.default_value
+        if dv is None and col.null_count:
+            raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
+        k = f.value_dim
+        if _is_list(col.type) and _is_list(col.type.value_type):  # list<list<number>>: elements of k
+            elements = jagged(col, None)
+            inner = jagged(elements.values, None, what="element")
+            x = numbers(inner.values, inner.lengths)
+            x = vectors(x, inner.lengths, k, np.repeat(np.arange(len(col)), elements.lengths), "an element")
+            lengths = elements.lengths
+            if dv:
+                lengths, x = _with_default_element(lengths, x, elements.missing, _default_numbers(f, dv, k))
+        else:
+            if dv and k > 1 and len(dv.split(f.value_separator)) == 1:  # one number: the element of k of it
+                dv = f.value_separator.join([dv] * k)
+            elements = jagged(col, f.separator, empty_token=dv, what="sequence")
+            elements = fill_missing(elements, dv)
+            lengths = elements.lengths
+            if k == 1:
+                x = numbers(elements.values, lengths)[:, None]
+            else:
+                inner = jagged(as_strings(elements.values), f.value_separator, what="element")
+                x = numbers(inner.values, inner.lengths)
+                x = vectors(x, inner.lengths, k, np.repeat(np.arange(len(col)), lengths), "an element")
+        x = self._finite(f, x.reshape(-1), np.repeat(lengths, k), origin).reshape(-1, k)
+        x, lengths = keep_last(x, lengths, f.sequence_length)
+        rows = np.repeat(np.arange(len(col)), lengths)
+        if f.normalizer is not None and len(x):
+            x = self._normalized(f, x.reshape(-1), np.repeat(rows, k), k, origin).reshape(-1, k)
+        if f.bucketizer == "boundaries":
+            return _Ids(_buckets(_boundaries(f), x[:, 0]), lengths)
+        with np.errstate(over="ignore"):
+            x32 = x.astype(np.float32)
+        bad = np.nonzero(~np.isfinite(x32).all(axis=1))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"{self._where(f, origin, int(rows[i]))}: value {x[i].tolist()} is beyond float32's range "
+                "(about ±3.4e38); scale the feature or give it a normalizer"
+            )
+        return _DenseSequence(x32, lengths)
+
+    # -- multi-input kinds -----------------------------------------------------------------
+
+    def _combo(self, f: ComboFeatureCfg, cols: list[pa.Array], origin: RowOrigin) -> _Ids:
+        parts = [jagged(c, f.separator, empty_token="") for c in cols]
+        strings, lengths = product(parts)
+        j = fill_missing(Jagged(strings, lengths, lengths == 0), f.default_value)
+        return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
+
+    def _map_entries(self, col: pa.Array, separator: str, what: str) -> tuple[np.ndarray, pa.Array, pa.Array]:
+        """A map column's ``(row, key, value)`` entries: a map type, or ``k:v`` strings joined by
+        ``separator`` (or a list of them)."""
+        if pa.types.is_map(col.type):
+            lengths, keys, values = map_entries(col)
+            return np.repeat(np.arange(len(col)), lengths), keys, values
+        j = jagged(col, separator, empty_token="", what=what)
+        pairs = pc.split_pattern(as_strings(j.values), ":", max_splits=1)
+        bad = pc.not_equal(pc.list_value_length(pairs), 2)
+        if bad.true_count:
+            i = int(pc.index(bad, True).as_py())
+            raise RowError(_row(j.lengths, i), f"malformed {what} entry {j.values[i].as_py()!r} (expected key:value)")
+        return j.rows, pc.list_element(pairs, 0), pc.list_element(pairs, 1)
+
+    def _found(
+        self, f: Union[LookupFeatureCfg, MatchFeatureCfg], values: pa.Array, rows: np.ndarray, n: int, origin
+    ) -> _Output:
+        """The values found for each row (``rows`` ascending) -> ids (discrete) or numbers
+        combined by the combiner; a row with none takes the default."""
+        counts = np.bincount(rows, minlength=n).astype(np.int64)
+        if f.discrete:
+            j = fill_missing(Jagged(values, counts, counts == 0), f.default_value)
+            if f.bucketizer == "boundaries":  # need_discrete: every value its own bucket
+                x = numbers(j.values, j.lengths)
+                present_rows = np.repeat(np.arange(n), j.lengths)
+                if f.normalizer is not None and len(x):
+                    found = np.repeat(counts > 0, j.lengths)
+                    x[found] = self._normalized(f, x[found], present_rows[found], 1, origin)
+                x = self._finite(f, x, j.lengths, origin, " (boundaries)")
+                return _Ids(_buckets(_boundaries(f), x), j.lengths)
+            return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
+        k = getattr(f, "value_dim", 1)
+        if k == 1:
+            x = numbers(values, counts)
+        else:
+            inner = jagged(as_strings(values), getattr(f, "value_separator"), what="value")  # noqa: B009
+            x = vectors(numbers(inner.values, inner.lengths), inner.lengths, k, rows, "a value found")
+        x = self._finite(f, x.reshape(-1), np.repeat(counts, k), origin).reshape(len(rows), k)
+        combined, has = combine(x, rows, n, f.combiner)
+        return self._finish(f, combined.reshape(n, k), has, origin)
+
+    def _lookup(self, f: LookupFeatureCfg, map_col: pa.Array, key_col: pa.Array, origin: RowOrigin, n: int):
+        rows, keys, values = self._map_entries(map_col, f.separator, "map")
+        query = jagged(key_col, f.separator, empty_token="")
+        found, entry = join_keys(rows, [keys], query.rows, [query.values])
+        return self._found(f, values.take(pa.array(entry)), query.rows[found], n, origin)
+
+    def _nested_entries(self, col: pa.Array, separator: str) -> tuple[np.ndarray, pa.Array, pa.Array, pa.Array]:
+        """A nested map's ``(row, pkey, skey, value)`` entries: ``"pk^sk:v,sk:v|pk^..."`` strings,
+        a map column ``pk -> "sk:v,sk:v"``, or a map of maps."""
+        if pa.types.is_map(col.type):
+            rows, pkeys, inner = self._map_entries(col, separator, "nested map")
+            if pa.types.is_map(inner.type):
+                inner_rows, skeys, values = self._map_entries(inner, separator, "nested map")
+                return rows[inner_rows], pkeys.take(pa.array(inner_rows)), skeys, values
+            entries, pk = as_strings(inner), pkeys
+        else:
+            j = jagged(col, "|", empty_token="", what="nested map")
+            parts = pc.split_pattern(as_strings(j.values), "^", max_splits=1)
+            bad = pc.not_equal(pc.list_value_length(parts), 2)
+            if bad.true_count:
+                i = int(pc.index(bad, True).as_py())
+                raise RowError(
+                    _row(j.lengths, i), f"malformed nested map entry {j.values[i].as_py()!r} (expected pkey^skey:value)"
+                )
+            rows, pk, entries = j.rows, pc.list_element(parts, 0), pc.list_element(parts, 1)
+        inner_j = jagged(entries, ",", empty_token="", what="nested map")
+        inner_rows, skeys, values = self._map_entries(inner_j.values, ",", "nested map")
+        owner = inner_j.rows[inner_rows]  # the entry each skey:value belongs to
+        return rows[owner], pk.take(pa.array(owner)), skeys, values
+
+    def _match(self, f: MatchFeatureCfg, table, outputs, origin: RowOrigin, n: int):
+        col = self._input(parse_input(f.nested_map), table, outputs)
+        rows, pkeys, skeys, values = self._nested_entries(col, f.separator)
+        table_keys, queries = [], []
+        query_rows: Optional[np.ndarray] = None
+        for name, keys in (("pkey", pkeys), ("skey", skeys)):
+            ref = getattr(f, name)
+            if ref == "ALL":
+                continue
+            q = jagged(self._input(parse_input(ref), table, outputs), f.separator, empty_token="")
+            table_keys.append(keys)
+            queries.append(q)
+        if not queries:
+            hit = np.arange(len(rows))
+        else:
+            if len(queries) == 2:  # every (pkey, skey) pair of a row
+                (q_rows, a, b) = _pairs(queries[0], queries[1])
+                query_values = [queries[0].values.take(pa.array(a)), queries[1].values.take(pa.array(b))]
+                query_rows = q_rows
+            else:
+                query_values, query_rows = [queries[0].values], queries[0].rows
+            # Every entry whose (row, keys) some query asks for, in the map's order.
+            hit, _ = join_keys(query_rows, query_values, rows, table_keys)
+        return self._found(f, values.take(pa.array(hit)), rows[hit], n, origin)
+
+    def _expr(self, f: ExprFeatureCfg, cols: list[pa.Array], origin: RowOrigin, n: int) -> _Output:
+        present = np.ones(n, dtype=bool)
+        parsed = []
+        for c in cols:
+            j = jagged(c, f.separator)
+            x = numbers(j.values, j.lengths)
+            present &= ~j.missing & (j.lengths > 0)
+            parsed.append((x, j.lengths))
+        formula = f.formula()
+        names = f.variable_names
+        env: dict[str, np.ndarray] = {}
+        ragged = False
+        for name, (x, lengths) in zip(names, parsed):
+            widths = set(lengths[present].tolist())
+            if len(widths) > 1:
+                ragged = True
+                break
+            m = widths.pop() if widths else 1
+            full = np.zeros((n, m))
+            full[present] = x[np.repeat(present, lengths)].reshape(-1, m)
+            env[name] = full[:, 0] if m == 1 else full
+        if not ragged:
+            try:
+                out = formula.evaluate(env, n)
+            except ValueError:  # vectors of different lengths: row by row
+                ragged = True
+        if ragged:  # per-row Python: variables of different lengths row to row
+            starts = {name: offsets_of(lengths) for name, (_, lengths) in zip(names, parsed)}
+            out = np.zeros(n)
+            for r in np.nonzero(present)[0]:
+                row_env = {
+                    name: x[starts[name][r] : starts[name][r + 1]][None, :] for name, (x, _) in zip(names, parsed)
+                }
+                v = formula.evaluate(row_env, 1)
+                if v.ndim != 1:
+                    raise RowError(int(r), f"expression {f.expression!r} gives {v.shape[1]} numbers; it must give one")
+                out[r] = v[0]
+        if out.ndim != 1:
+            raise RowError(0, f"expression {f.expression!r} gives {out.shape[1]} numbers a row; it must give one")
+        result = np.where(present, out, 0.0)
+        bad = np.nonzero(present & ~np.isfinite(out))[0]
+        if bad.size:
+            i = int(bad[0])
+            shown = ", ".join(f"{name}={_shown(x, lengths, i)}" for name, (x, lengths) in zip(names, parsed))
+            raise RowError(i, f"expression {f.expression!r} gives {out[i]} for this row ({shown})")
+        return self._finish(f, result[:, None], present, origin)
+
+    def _custom(self, f: CustomFeatureCfg, cols: list[pa.Array], origin: RowOrigin, n: int) -> _Output:
+        present = np.ones(n, dtype=bool)
+        strings = []
+        for c in cols:
+            if _is_list(c.type):
+                raise DataError(f"{origin.label}: feature '{f.feature_name}': EditDistance takes strings, not lists")
+            s = as_strings(c)
+            present &= ~np.asarray(pc.fill_null(pc.equal(pc.utf8_length(s), 0), True))
+            strings.append(s)
+        keep = pa.array(present)
+        d = np.zeros(n)
+        if present.any():
+            d[present] = edit_distance(strings[0].filter(keep), strings[1].filter(keep), f.encoding == "utf-8")
+        if f.bucketizer in (None, "boundaries"):
+            return self._finish(f, d[:, None], present, origin)
+        values = pc.cast(pa.array(d[present].astype(np.int64)), pa.string())
+        j = fill_missing(Jagged(values, present.astype(np.int64), ~present), f.default_value)
+        return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
+
+    # -- labels ----------------------------------------------------------------------------
 
     def _labels(self, col, origin: RowOrigin) -> torch.Tensor:
         x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{self.label_field}'", origin.label)
@@ -350,22 +869,96 @@ class BatchBuilder:
         return torch.from_numpy(to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS))
 
 
+def _pairs(a: Jagged, b: Jagged) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (a value, b value) pair of each row: ``(row, index into a, index into b)``."""
+    n = len(a.lengths)
+    total = a.lengths * b.lengths
+    row = np.repeat(np.arange(n), total)
+    j = np.arange(int(total.sum())) - offsets_of(total)[:-1][row]
+    blen = np.maximum(b.lengths[row], 1)
+    return row, offsets_of(a.lengths)[:-1][row] + j // blen, offsets_of(b.lengths)[:-1][row] + j % blen
+
+
+def _with_default_element(lengths, x, missing, default) -> tuple[np.ndarray, np.ndarray]:
+    """A dense sequence's missing rows given one element ``default``."""
+    if not missing.any():
+        return lengths, x
+    new = np.where(missing, 1, lengths)
+    out = np.zeros((int(new.sum()), x.shape[1]))
+    row = np.repeat(np.arange(len(lengths)), new)
+    pos = np.arange(len(out)) - offsets_of(new)[:-1][row]
+    src = offsets_of(lengths)[:-1][row] + pos
+    take = ~missing[row]
+    out[take] = x[src[take]]
+    out[~take] = default
+    return new, out
+
+
+def _default_numbers(f: Feature, dv: str, k: int) -> np.ndarray:
+    """A numeric feature's default value as ``k`` numbers (one number is repeated)."""
+    sep = getattr(f, "value_separator", None) if isinstance(f, (LookupFeatureCfg, SequenceRawFeatureCfg)) else None
+    sep = sep or getattr(f, "separator", None)
+    parts = dv.split(sep) if sep and k > 1 else [dv]
+    values = np.array([float(p) for p in parts])
+    return np.repeat(values, k) if len(values) == 1 else values
+
+
+def _boundaries(f: Feature) -> list[float]:
+    return getattr(f, "boundaries")  # noqa: B009 - typed per kind (a field, or a ClassVar None)
+
+
+def _buckets(boundaries, x: np.ndarray) -> np.ndarray:
+    """Numbers -> buckets: ``i`` for ``boundaries[i-1] <= x < boundaries[i]``."""
+    return np.searchsorted(np.asarray(boundaries, dtype=np.float64), x, side="right").astype(np.int64)
+
+
+def _as_column(out: _Output, n: int) -> pa.Array:
+    """A feature's output as a column another feature reads (``feature:<name>``): ids as a list
+    column, one number a row as float64, ``k`` numbers as a list column."""
+    if isinstance(out, _Ids):
+        return pa.ListArray.from_arrays(pa.array(offsets_of(out.lengths).astype(np.int32)), pa.array(out.values))
+    assert isinstance(out, _Dense)
+    if out.x64.ndim == 1:
+        return pa.array(out.x64)
+    k = out.x64.shape[1]
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), pa.array(out.x64.reshape(-1)))
+
+
+def _padded(x: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
+    """Elements ``[N, k]`` of rows of ``lengths`` -> ``[n, L, k]`` zero-padded (``L`` the
+    longest)."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    out = np.zeros((n, longest, x.shape[1]), dtype=np.float32)
+    row = np.repeat(np.arange(n), lengths)
+    pos = np.arange(len(x)) - offsets_of(lengths)[:-1][row]
+    out[row, pos] = x
+    return out
+
+
+def _shown(x: np.ndarray, lengths: np.ndarray, row: int) -> str:
+    start = int(np.sum(lengths[:row]))
+    values = x[start : start + int(lengths[row])].tolist()
+    return "missing" if not values else str(values[0] if len(values) == 1 else values)
+
+
+def _inputs(f: Feature) -> str:
+    inputs = f.inputs
+    if len(inputs) == 1:
+        return f"column '{inputs[0].name}'" if not inputs[0].feature else f"input {inputs[0]}"
+    return "inputs " + ", ".join(f"'{i}'" for i in inputs)
+
+
 def _is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _row_of(lengths: np.ndarray, i: int) -> int:
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _row(lengths: np.ndarray, i: int) -> int:
     """The batch row of token ``i`` of rows of ``lengths`` tokens."""
     return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
-
-
-def _num_buckets(f: Union[IdFeatureCfg, SequenceFeatureCfg]) -> int:
-    """What a hashed feature's fingerprints are taken modulo: a dynamic table's key range, or a
-    fixed table's rows."""
-    if f.dynamicemb is not None:
-        return DYNAMIC_KEY_BUCKETS
-    assert f.table_rows is not None  # a fixed table has its rows (the config's validation)
-    return f.table_rows
 
 
 def _cast_int64(tokens: pa.Array) -> pa.Array:
@@ -406,12 +999,6 @@ def _is_int64(s: str) -> bool:
 def _keep_last(f: Feature, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A sequence feature keeps the last ``sequence_length`` ids of each row (histories end with
     the most recent); any other feature's ids pass through."""
-    if not isinstance(f, SequenceFeatureCfg) or not (lengths > f.sequence_length).any():
+    if not isinstance(f, SequenceFeatureCfg):
         return ids, lengths
-    max_len = f.sequence_length
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    row = np.repeat(np.arange(lengths.size), lengths)
-    pos = np.arange(ids.size) - starts[row]
-    keep = pos >= (lengths - max_len)[row]
-    return ids[keep], np.minimum(lengths, max_len)
+    return keep_last(ids, lengths, f.sequence_length)

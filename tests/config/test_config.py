@@ -180,3 +180,74 @@ def test_a_config_that_is_not_a_text_file_or_holds_a_huge_number_is_named(tmp_pa
     path.write_text(path.read_text().replace("batch_size: 100", "batch_size: " + "9" * 5000))
     with pytest.raises(ConfigError, match=r"n.yaml: data.batch_size \(line \d+\) is a 5000-digit number"):
         load_config(path)
+
+
+# -- feature kinds (docs/features.md) -------------------------------------------------------
+
+EVERY_KIND = [
+    {"id_feature": {"feature_name": "v", "embedding_dim": 4, "vocab_list": ["a", "b"], "default_value": ""}},
+    {"id_feature": {"feature_name": "w", "embedding_dim": 4, "hash_bucket_size": 9, "hash_function": "murmur2"}},
+    {"id_feature": {"feature_name": "z", "embedding_dim": 4, "zch": {"zch_size": 64, "lfu": {}}, "trainable": False}},
+    {"raw_feature": {"feature_name": "r", "value_dim": 4, "boundaries": [0.5], "embedding_dim": 4}},
+    {"raw_feature": {"feature_name": "a", "embedding_dim": 4, "autodis": {"num_channels": 3}}},
+    {
+        "combo_feature": {
+            "feature_name": "c",
+            "expression": ["user:a", "item:b"],
+            "hash_bucket_size": 9,
+            "embedding_dim": 4,
+        }
+    },
+    {"lookup_feature": {"feature_name": "l", "map": "user:m", "key": "feature:r", "embedding_dim": 4, "mlp": {}}},
+    {"match_feature": {"feature_name": "m", "nested_map": "user:n", "pkey": "item:p", "skey": "ALL"}},
+    {"expr_feature": {"feature_name": "e", "expression": "a ^ 2", "variables": ["user:a"]}},
+    {"custom_feature": {"feature_name": "k", "operator_name": "EditDistance", "expression": ["user:q", "item:t"]}},
+    {"sequence_raw_feature": {"feature_name": "s", "sequence_length": 5, "value_dim": 2}},
+]
+
+
+def every_kind_config() -> dict:
+    c = config_dict()
+    c["feature_configs"] += EVERY_KIND
+    c["model"]["feature_groups"][1]["feature_names"] += [next(iter(f.values()))["feature_name"] for f in EVERY_KIND]
+    return c
+
+
+def test_every_kind_validates_and_survives_a_dump_and_reload():
+    """Model directories and exports keep the config as JSON and load it back."""
+    cfg = config_from_dict(every_kind_config())
+    again = config_from_dict(cfg.model_dump(mode="json"))
+    assert again == cfg
+    assert [f.feature_name for f in cfg.features_in_order()].index("r") < [
+        f.feature_name for f in cfg.features_in_order()
+    ].index("l")
+    kinds = {f.KIND for f in cfg.features()}
+    assert kinds >= {"combo_feature", "lookup_feature", "match_feature", "expr_feature", "custom_feature"}
+
+
+@pytest.mark.parametrize("kind", ["lookup_feature", "match_feature", "combo_feature", "sequence_raw_feature"])
+def test_unknown_keys_of_the_new_kinds_name_their_path(kind):
+    c = every_kind_config()
+    i = next(i for i, f in enumerate(c["feature_configs"]) if kind in f)
+    c["feature_configs"][i][kind]["bogus"] = 1
+    assert f"feature_configs[{i}].{kind}.bogus: unknown key 'bogus'" in error_of(c)
+
+
+def test_features_sharing_a_table_agree_on_its_settings():
+    c = config_dict()
+    c["feature_configs"].append(
+        {"lookup_feature": {"feature_name": "l", "map": "m", "key": "k", "num_buckets": 300, "embedding_dim": 8}}
+    )
+    c["feature_configs"][-1]["lookup_feature"]["embedding_name"] = "item"
+    assert "shares table 'item' with 'item_id' but its num_buckets differs (item_id: 200, l: 300)" in error_of(c)
+    c["feature_configs"][-1]["lookup_feature"]["num_buckets"] = 200
+    config_from_dict(c)
+    c["feature_configs"][-1]["lookup_feature"]["trainable"] = False
+    assert "its trainable differs" in error_of(c)
+    c = config_dict()
+    c["feature_configs"].append(
+        {"id_feature": {"feature_name": "u2", "embedding_dim": 8, "embedding_name": "user_id", "value_type": "int"}}
+    )
+    c["feature_configs"][-1]["id_feature"]["dynamicemb"] = {"max_capacity": 512, "init_capacity": 64, "bucket_size": 8}
+    msg = error_of(c)
+    assert "its key_space differs (user_id: 'farmhash', u2: 'int')" in msg and "value_type / hash_function" in msg

@@ -195,7 +195,8 @@ def test_an_expression_normalizer_applies_and_a_non_finite_result_names_the_row(
         ({"normalizer": {"expression": "os.system(1)"}}, r"normalizer: expression 'os.system\(1\)': unexpected '.'"),
         ({"normalizer": {"expression": "__import__(x)"}}, r"normalizer: expression .*unknown function '__import__'"),
         ({"normalizer": {"expression": "foo(x)"}}, "unknown function 'foo'"),
-        ({"expression": "feature:price"}, "expression must be 'side:column'"),
+        ({"expression": "bogus:price"}, "an input must be 'side:column'"),
+        ({"expression": "feature:nope"}, "feature:nope names no feature"),
         ({"expression": "item:price", "input_name": "price"}, "give input_name or expression, not both"),
     ],
 )

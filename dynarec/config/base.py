@@ -1,0 +1,64 @@
+"""What every config section is built from: the strict pydantic base (unknown keys and non-finite
+numbers are errors), a positive count that YAML's ``true`` does not pass for, and core
+dataclasses (dynarec.embedding's) as YAML fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+
+from dynarec.embedding.config import DynamicTableOptions
+from dynarec.embedding.initializers import Initializer
+
+__all__ = ["Count", "DynamicEmbField", "InitializerField", "Strict", "core_type", "exactly_one"]
+
+
+class Strict(BaseModel):
+    # Unknown keys, and NaN or infinite numbers, are errors wherever they appear.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def exactly_one(model: BaseModel, keys) -> str:
+    """The one of ``keys`` that ``model`` sets; ValueError naming them otherwise."""
+    given = [k for k in keys if getattr(model, k) is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {list(keys)} (got {given or 'none'})")
+    return given[0]
+
+
+# A positive integer that YAML's ``true`` does not pass for.
+Count = Annotated[StrictInt, Field(gt=0)]
+
+
+def _refuse_bool_numbers(cls: type, data: Any) -> Any:
+    """Before pydantic validates a mapping into the dataclass ``cls`` (lax mode, which would read
+    ``true`` as 1), refuses a bool given for a numeric field, in ``cls`` and its nested
+    dataclasses."""
+    if not isinstance(data, dict):
+        return data
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        hint = hints.get(key)
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if isinstance(value, bool) and any(a in (int, float) for a in args):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        for a in args:
+            if dataclasses.is_dataclass(a):
+                _refuse_bool_numbers(a, value)  # type: ignore[arg-type]
+    return data
+
+
+def core_type(cls: type) -> Any:
+    """A core dataclass (dynarec.embedding) as a YAML field: validated straight into ``cls``."""
+    return Annotated[cls, BeforeValidator(lambda data: _refuse_bool_numbers(cls, data))]
+
+
+if TYPE_CHECKING:
+    DynamicEmbField = DynamicTableOptions
+    InitializerField = Initializer
+else:
+    DynamicEmbField = core_type(DynamicTableOptions)
+    InitializerField = core_type(Initializer)
