@@ -37,6 +37,8 @@ def cmd_make_data(args) -> None:
             f"({', '.join(meta['columns'])}) under {args.output_dir}; click rate {meta['eval_click_rate']:.3f}; "
             f"Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
         )
+        for path in meta["vocab_files_written"]:
+            print(f"wrote the vocab_file {path} (it did not exist; words <feature>_w0 ... one a line)")
         return
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 

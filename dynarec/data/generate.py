@@ -1,11 +1,24 @@
 """``dynarec make-data --config C``: synthetic Parquet matching any config's input columns.
 
-Every column a config's features, label and grouped-AUC field read is written with the type
-the feature expects: integer ids below a fixed table's rows (Zipf-popular), strings for hashed
-features, separator-joined lists for multi-value and sequence features, positive numbers for
-dense and bucketized features. The label is drawn from a hidden logistic model — a random effect
-per (column, id) and a slope per dense column — so a converted config can be smoke-trained and
-its AUC means something (the Bayes-optimal AUC of the eval split is written to ``meta.json``).
+Every column a config's features, label and grouped-AUC field read is written with the type the
+feature expects (docs/features.md):
+
+- ids: integers below a fixed table's rows (Zipf-popular), strings for hashed features, the words
+  of a vocabulary (and a few words not in it) for ``vocab_*`` features, ``id:weight`` pairs for
+  weighted ones; several a row joined by the feature's separator; a sequence ``|``-joined;
+- numbers: positive floats; a list column of ``value_dim`` floats (a vector column); a dense
+  sequence as a list of lists (``value_dim`` > 1) or a list of floats;
+- a lookup's map as a map column (``key -> number``, ``key -> word``, or ``key -> "1,2,..."``
+  for ``value_dim`` > 1) over the keys its key column draws from; a match's nested map as a map
+  column ``pkey -> "skey:value,..."``; EditDistance's inputs as short strings.
+
+A ``vocab_file`` that does not exist is written where the config names it (``<feature>_w<i>``
+words, one a line) and reported in the metadata (``vocab_files_written``), so that the config
+trains on the data as it is.
+
+The label is drawn from a hidden logistic model — a random effect per (column, id or word) and a
+slope per numeric column — so a converted config can be smoke-trained and its AUC means something
+(the Bayes-optimal AUC of the eval split is written to ``meta.json``).
 """
 
 from __future__ import annotations
@@ -15,21 +28,36 @@ import os
 import shutil
 import socket
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dynarec.config.schema import Config, IdFeatureCfg, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.config.features import (
+    ComboFeatureCfg,
+    CustomFeatureCfg,
+    ExprFeatureCfg,
+    Feature,
+    IdFeatureCfg,
+    Input,
+    LookupFeatureCfg,
+    MatchFeatureCfg,
+    RawFeatureCfg,
+    SequenceFeatureCfg,
+    SequenceRawFeatureCfg,
+    parse_input,
+)
+from dynarec.config.schema import Config
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["GenerateSpec", "make_config_data"]
 
-Feature = Union[IdFeatureCfg, SequenceFeatureCfg, RawFeatureCfg]
+KEYS = 12  # distinct keys of a lookup or match key column
+VOCAB_FILE_WORDS = 100
 
 
 @dataclass(frozen=True)
@@ -56,66 +84,265 @@ def _effect(column: str, ids: np.ndarray, seed: int) -> np.ndarray:
     return (x % np.uint64(1 << 20)).astype(np.float64) / float(1 << 20) * 2.0 - 1.0
 
 
+def _join(tokens: list[str], lengths: np.ndarray, separator: str) -> pa.Array:
+    starts = np.r_[0, np.cumsum(lengths)]
+    return pa.array([separator.join(tokens[starts[i] : starts[i + 1]]) for i in range(len(lengths))], pa.string())
+
+
+@dataclass
 class _Column:
-    """One input column: its values for ``n`` rows and its share of each row's logit."""
+    """One input column: what it holds (``kind``) and how; its values for ``n`` rows and its
+    share of each row's logit (:meth:`draw`)."""
 
-    def __init__(self, name: str, features: list[Feature], spec: GenerateSpec, rng: np.random.Generator):
-        self.name = name
-        self.features = features
-        self.spec = spec
-        self.rng = rng
-        embedded = [f for f in features if not isinstance(f, RawFeatureCfg)]
-        self.numeric = not embedded or all(isinstance(f, IdFeatureCfg) and f.boundaries is not None for f in embedded)
-        self.sequence = next((f for f in embedded if isinstance(f, SequenceFeatureCfg)), None)
-        multi = next((f for f in embedded if isinstance(f, IdFeatureCfg) and f.separator), None)
-        self.separator = self.sequence.separator if self.sequence else (multi.separator if multi else None)
-        self.hashed = any(f.hashed for f in embedded)
-        rows = [f.table_rows for f in embedded if f.table_rows is not None and not getattr(f, "boundaries", None)]
-        self.vocabulary = min([spec.vocabulary, *rows])
+    name: str
+    kind: str  # ids | strings | words | weighted | number | vector | dense_sequence | map | nested_map | keys | text
+    separator: Optional[str] = None
+    sequence_length: Optional[int] = None
+    vocabulary: int = 1000
+    words: list[str] = field(default_factory=list)
+    value_dim: int = 1
+    value_separator: str = ","
+    map_value: str = "number"  # number | vector | words | ids | strings
+    keys: list[str] = field(default_factory=lambda: [f"k{i}" for i in range(KEYS)])
+    key_sources: list[Input] = field(default_factory=list)  # a map's keys: what these inputs hold
 
-    def draw(self, n: int, lengths_by_max: dict[int, np.ndarray]) -> tuple[pa.Array, np.ndarray]:
+    def domain(self) -> list[str]:
+        """The most frequent values this column holds, as strings (a map keyed by them hits)."""
+        if self.kind == "keys":
+            return self.keys
+        if self.kind == "words":
+            return self.words[:KEYS]
+        if self.kind == "strings":
+            return [f"{self.name}_{i}" for i in range(KEYS)]
+        if self.kind == "ids":
+            return [str(i) for i in range(min(self.vocabulary, KEYS))]
+        return [f"k{i}" for i in range(KEYS)]
+
+    def draw(self, n: int, spec: GenerateSpec, rng: np.random.Generator, lengths_by_max: dict[int, np.ndarray]):
         """``(values, logit share)`` of ``n`` rows. Sequences of one ``sequence_length`` share their
         lengths (``lengths_by_max``, filled by the first): the sequences of one sequence group
         must have one length per row."""
-        if self.numeric:
-            x = np.round(np.exp(self.rng.normal(1.0, 1.0, n)), 3)
+        lengths = np.ones(n, dtype=np.int64)
+        if self.sequence_length is not None:
+            lengths = lengths_by_max.setdefault(self.sequence_length, rng.integers(1, self.sequence_length + 1, n))
+        k = self.value_dim
+        if self.kind == "number":
+            x = np.round(np.exp(rng.normal(1.0, 1.0, n)), 3)
             return pa.array(x, pa.float64()), 0.4 * (np.log1p(x) - 1.3)
-        if self.separator is None:
-            ids = _zipf_ids(self.rng, self.vocabulary, n, self.spec.zipf_a)
-            return self._ids(ids), _effect(self.name, ids, self.spec.seed)
-        if self.sequence is not None:
-            longest = self.sequence.sequence_length
-            lengths = lengths_by_max.setdefault(longest, self.rng.integers(1, longest + 1, n))
-        else:  # a multi-value field (a separator given) with one value a row, as most are
-            lengths = np.ones(n, dtype=np.int64)
-        ids = _zipf_ids(self.rng, self.vocabulary, int(lengths.sum()), self.spec.zipf_a)
+        if self.kind in ("vector", "dense_sequence"):
+            total = int(lengths.sum()) * k
+            x = np.round(rng.random(total), 3)
+            share = 0.5 * (np.bincount(np.repeat(np.arange(n), lengths * k), x, n) / np.maximum(lengths * k, 1) - 0.5)
+            flat = pa.array(x, pa.float64())
+            if self.kind == "vector":
+                return pa.FixedSizeListArray.from_arrays(flat, k).cast(pa.list_(pa.float64())), share
+            offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+            if k == 1:
+                return pa.ListArray.from_arrays(pa.array(offsets), flat), share
+            inner = pa.FixedSizeListArray.from_arrays(flat, k).cast(pa.list_(pa.float64()))
+            return pa.ListArray.from_arrays(pa.array(offsets), inner), share
+        if self.kind == "text":
+            letters = np.array(list("abcdefgh"))
+            words = ["".join(rng.choice(letters, rng.integers(1, 8))) for _ in range(n)]
+            return pa.array(words, pa.string()), np.zeros(n)
+        if self.kind == "map":
+            return self._map(n, spec, rng)
+        if self.kind == "nested_map":
+            return self._nested_map(n, spec, rng)
+        if self.kind == "keys":
+            ids = rng.integers(0, len(self.keys), n)
+            return pa.array([self.keys[i] for i in ids], pa.string()), 0.3 * _effect(self.name, ids, spec.seed)
+        # id-like: ids, strings, words, weighted
+        vocabulary = len(self.words) if self.kind == "words" else self.vocabulary
+        total = int(lengths.sum())
+        ids = _zipf_ids(rng, vocabulary, total, spec.zipf_a)
         row = np.repeat(np.arange(n), lengths)
-        effect = np.bincount(row, weights=_effect(self.name, ids, self.spec.seed), minlength=n) / np.maximum(lengths, 1)
-        tokens = self._tokens(ids)
-        starts = np.r_[0, np.cumsum(lengths)]
-        joined = [self.separator.join(tokens[starts[i] : starts[i + 1]]) for i in range(n)]
-        return pa.array(joined, pa.string()), effect
+        effect = np.bincount(row, weights=_effect(self.name, ids, spec.seed), minlength=n) / np.maximum(lengths, 1)
+        if self.kind == "ids" and self.separator is None and self.sequence_length is None:
+            return pa.array(ids, pa.int64()), effect
+        tokens = self._tokens(ids, rng)
+        if self.separator is None:
+            return pa.array(tokens, pa.string()), effect
+        return _join(tokens, lengths, self.separator), effect
 
-    def _tokens(self, ids: np.ndarray) -> list[str]:
-        return [f"{self.name}_{i}" for i in ids] if self.hashed else [str(i) for i in ids]
+    def _tokens(self, ids: np.ndarray, rng: np.random.Generator) -> list[str]:
+        if self.kind == "words":
+            out = [self.words[i] for i in ids]
+            for i in np.nonzero(rng.random(len(ids)) < 0.05)[0]:  # a few words not in the vocabulary
+                out[i] = f"{self.name}_oov{i % 3}"
+            return out
+        if self.kind == "strings":
+            return [f"{self.name}_{i}" for i in ids]
+        if self.kind == "weighted":
+            weights = np.round(rng.random(len(ids)) * 2, 2)
+            return [f"{i}:{w}" for i, w in zip(ids, weights)]
+        return [str(i) for i in ids]
 
-    def _ids(self, ids: np.ndarray) -> pa.Array:
-        return pa.array(self._tokens(ids), pa.string()) if self.hashed else pa.array(ids, pa.int64())
+    def _values(self, count: int, spec: GenerateSpec, rng: np.random.Generator) -> pa.Array:
+        """``count`` map values of the kind the lookup reads."""
+        if self.map_value == "vector":
+            x = np.round(rng.random((count, self.value_dim)), 3)
+            return pa.array([self.value_separator.join(str(v) for v in row) for row in x], pa.string())
+        if self.map_value in ("words", "ids", "strings"):
+            vocabulary = len(self.words) if self.map_value == "words" else self.vocabulary
+            ids = _zipf_ids(rng, vocabulary, count, spec.zipf_a)
+            if self.map_value == "words":
+                return pa.array([self.words[i] for i in ids], pa.string())
+            return pa.array([f"{self.name}_{i}" if self.map_value == "strings" else str(i) for i in ids], pa.string())
+        return pa.array(np.round(rng.random(count) * 3, 3), pa.float64())
+
+    def _map(self, n: int, spec: GenerateSpec, rng: np.random.Generator):
+        """A map column over ``keys``: each row a few of them, each with a value."""
+        counts = rng.integers(0, min(len(self.keys), 5) + 1, n)
+        keys = [self.keys[i] for c in counts for i in rng.choice(len(self.keys), c, replace=False)]
+        values = self._values(len(keys), spec, rng)
+        offsets = pa.array(np.r_[0, np.cumsum(counts)].astype(np.int32))
+        return pa.MapArray.from_arrays(offsets, pa.array(keys, pa.string()), values), 0.1 * (counts - 2.5) / 2.5
+
+    def _nested_map(self, n: int, spec: GenerateSpec, rng: np.random.Generator):
+        """``pkey -> "skey:value,..."`` over ``keys`` (both levels)."""
+        counts = rng.integers(0, 4, n)
+        pkeys, inner = [], []
+        for c in counts:
+            for p in rng.choice(len(self.keys), c, replace=False):
+                pkeys.append(self.keys[p])
+                picked = rng.choice(len(self.keys), rng.integers(1, 4), replace=False)
+                values = self._values(len(picked), spec, rng).to_pylist()
+                inner.append(",".join(f"{self.keys[s]}:{v}" for s, v in zip(picked, values)))
+        offsets = pa.array(np.r_[0, np.cumsum(counts)].astype(np.int32))
+        return pa.MapArray.from_arrays(offsets, pa.array(pkeys, pa.string()), pa.array(inner, pa.string())), np.zeros(n)
 
 
-def _columns(config: Config, spec: GenerateSpec, rng: np.random.Generator) -> list[_Column]:
-    by_column: dict[str, list[Feature]] = {}
-    for f in config.features():
-        by_column.setdefault(f.column, []).append(f)
-    return [_Column(name, features, spec, rng) for name, features in by_column.items()]
+class _Planner:
+    """Works out every column's :class:`_Column` from the features that read it (the first
+    feature to ask for a column decides its kind)."""
+
+    def __init__(self, config: Config, spec: GenerateSpec):
+        self.config = config
+        self.spec = spec
+        self.columns: dict[str, _Column] = {}
+        self.by_name = {f.feature_name: f for f in config.features()}
+        self.vocab_files_written: list[str] = []
+
+    def add(self, name: str, **kw) -> None:
+        if name not in self.columns:
+            self.columns[name] = _Column(name, **kw)
+
+    def plan(self) -> list[_Column]:
+        for f in self.config.features():
+            self.feature(f)
+        for c in self.columns.values():  # a map is keyed by what its key inputs hold
+            if c.key_sources:
+                c.keys = list(dict.fromkeys(k for inp in c.key_sources for k in self._domain(inp)))
+        return list(self.columns.values())
+
+    def _domain(self, inp: Input) -> list[str]:
+        if inp.feature:  # a feature's outputs: ids below its table's rows, in decimal
+            ref = self.by_name[inp.name]
+            rows = ref.table_rows if ref.embedded and not ref.dynamic else None
+            return [str(i) for i in range(min(rows or KEYS, KEYS))]
+        return self.columns[inp.name].domain()
+
+    def _rows(self, f: Feature) -> int:
+        rows = f.table_rows if f.embedded and not f.dynamic else None
+        return min(self.spec.vocabulary, rows) if rows else self.spec.vocabulary
+
+    def _ids(self, f: Feature, name: str, separator: Optional[str], sequence_length: Optional[int] = None) -> None:
+        """The column of an id-like feature (``f``'s bucketizer decides what it holds)."""
+        kind = f.bucketizer
+        if kind in ("vocab_list", "vocab_dict", "vocab_file"):
+            self.add(name, kind="words", words=self._words(f), separator=separator, sequence_length=sequence_length)
+        elif isinstance(f, IdFeatureCfg) and f.weighted:
+            self.add(name, kind="weighted", separator=f.separator or "\x1d", vocabulary=self._rows(f))
+        elif f.hashed:
+            self.add(name, kind="strings", separator=separator, sequence_length=sequence_length)
+        else:
+            self.add(name, kind="ids", separator=separator, sequence_length=sequence_length, vocabulary=self._rows(f))
+
+    def _words(self, f: Feature) -> list[str]:
+        """The words of a vocabulary feature (a vocab_file that does not exist is written)."""
+        if f.bucketizer == "vocab_list":
+            return list(getattr(f, "vocab_list"))  # noqa: B009
+        if f.bucketizer == "vocab_dict":
+            return list(getattr(f, "vocab_dict"))  # noqa: B009
+        path = Path(getattr(f, "vocab_file"))  # noqa: B009
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(f"{f.feature_name}_w{i}\n" for i in range(VOCAB_FILE_WORDS)))
+            self.vocab_files_written.append(str(path))
+        words = [line.split()[0] for line in path.read_text(encoding="utf-8").splitlines() if line.split()]
+        return words or [f"{f.feature_name}_w0"]
+
+    def _column_of(self, inp: Input) -> Optional[str]:
+        return None if inp.feature else inp.name
+
+    def feature(self, f: Feature) -> None:
+        if isinstance(f, (IdFeatureCfg, SequenceFeatureCfg)):
+            name = self._column_of(f.input)
+            if name is None:
+                return
+            if isinstance(f, IdFeatureCfg) and f.boundaries is not None:
+                self.add(name, kind="number")
+            elif isinstance(f, SequenceFeatureCfg):
+                self._ids(f, name, f.separator, f.sequence_length)
+            else:
+                self._ids(f, name, f.separator)
+        elif isinstance(f, RawFeatureCfg):
+            name = self._column_of(f.input)
+            if name is not None:
+                self.add(name, kind="vector" if f.value_dim > 1 else "number", value_dim=f.value_dim)
+        elif isinstance(f, SequenceRawFeatureCfg):
+            name = self._column_of(f.input)
+            if name is not None:
+                self.add(name, kind="dense_sequence", value_dim=f.value_dim, sequence_length=f.sequence_length)
+        elif isinstance(f, ComboFeatureCfg):
+            for inp in f.inputs:
+                if not inp.feature:
+                    self.add(inp.name, kind="strings")
+        elif isinstance(f, LookupFeatureCfg):
+            key_input, map_input = parse_input(f.key), parse_input(f.map)
+            if not key_input.feature:
+                self.add(key_input.name, kind="keys")
+            if not map_input.feature:
+                self.add(map_input.name, kind="map", key_sources=[key_input], **self._map_values(f))
+        elif isinstance(f, MatchFeatureCfg):
+            refs = [parse_input(r) for r in (f.pkey, f.skey) if r != "ALL"]
+            for inp in refs:
+                if not inp.feature:
+                    self.add(inp.name, kind="keys")
+            nested = parse_input(f.nested_map)
+            if not nested.feature:
+                self.add(nested.name, kind="nested_map", key_sources=refs, **self._map_values(f))
+        elif isinstance(f, ExprFeatureCfg):
+            for inp in f.inputs:
+                if not inp.feature:
+                    self.add(inp.name, kind="number")
+        elif isinstance(f, CustomFeatureCfg):
+            for inp in f.inputs:
+                if not inp.feature:
+                    self.add(inp.name, kind="text")
+
+    def _map_values(self, f: Union[LookupFeatureCfg, MatchFeatureCfg]) -> dict:
+        if not f.discrete:
+            if f.value_dim > 1:
+                sep = getattr(f, "value_separator")  # noqa: B009 - a lookup's (value_dim > 1)
+                return {"map_value": "vector", "value_dim": f.value_dim, "value_separator": sep}
+            return {"map_value": "number"}
+        if f.bucketizer in ("vocab_list", "vocab_dict", "vocab_file"):
+            return {"map_value": "words", "words": self._words(f)}
+        if f.bucketizer == "num_buckets":
+            return {"map_value": "ids", "vocabulary": self._rows(f)}
+        return {"map_value": "strings"}
 
 
-def _table(columns: list[_Column], config: Config, n: int, rng: np.random.Generator) -> tuple[pa.Table, np.ndarray]:
+def _table(
+    columns: list[_Column], config: Config, n: int, spec: GenerateSpec, rng: np.random.Generator
+) -> tuple[pa.Table, np.ndarray]:
     data: dict[str, pa.Array] = {}
     logit = np.full(n, -1.0)
     lengths: dict[int, np.ndarray] = {}
     for c in columns:
-        values, share = c.draw(n, lengths)
+        values, share = c.draw(n, spec, rng, lengths)
         data[c.name] = values
         logit += share
     p = 1.0 / (1.0 + np.exp(-logit))
@@ -129,8 +356,9 @@ def _table(columns: list[_Column], config: Config, n: int, rng: np.random.Genera
 def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSpec = GenerateSpec()) -> dict:
     """Writes ``train/part-*.parquet``, ``eval/part-0.parquet`` and ``meta.json`` under
     ``out_dir`` with every column ``config`` reads; returns the metadata (rows, click rate,
-    Bayes-optimal eval AUC). Written under a temporary name and renamed into place; an existing
-    ``out_dir`` is replaced only when empty or generated data (it holds ``meta.json``)."""
+    Bayes-optimal eval AUC, the vocabulary files it wrote). Written under a temporary name and
+    renamed into place; an existing ``out_dir`` is replaced only when empty or generated data (it
+    holds ``meta.json``)."""
     target = Path(out_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} is a file; make-data writes a directory")
@@ -139,7 +367,8 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         rng = np.random.default_rng(spec.seed)
-        columns = _columns(config, spec, rng)
+        planner = _Planner(config, spec)
+        columns = planner.plan()
         (tmp / "train").mkdir(parents=True)
         (tmp / "eval").mkdir()
         per_file = -(-spec.train_rows // spec.train_files)
@@ -148,10 +377,10 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             rows = min(per_file, spec.train_rows - i * per_file)
             if rows <= 0:
                 break
-            table, _ = _table(columns, config, rows, rng)
+            table, _ = _table(columns, config, rows, spec, rng)
             clicks += int(np.sum(table.column(config.data.label_field).to_numpy()))
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
-        table, p = _table(columns, config, spec.eval_rows, rng)
+        table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
         labels = table.column(config.data.label_field).to_numpy()
         meta = {
@@ -162,6 +391,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             "train_click_rate": clicks / max(spec.train_rows, 1),
             "eval_click_rate": float(np.mean(labels)),
             "bayes_optimal_eval_auc": auc(p, labels),
+            "vocab_files_written": planner.vocab_files_written,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)

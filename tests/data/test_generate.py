@@ -53,3 +53,66 @@ def test_make_data_with_a_config_on_the_command_line(tmp_path, capsys):
     assert "of the columns of" in capsys.readouterr().out
     config = load_config(tmp_path / "c.yaml")
     assert sum(b.num_rows for b in batches_of(config, tmp_path / "data")) == 200
+
+
+def test_make_data_of_a_config_using_every_kind_builds_batches(tmp_path):
+    """Columns of the right types for every kind (map columns for lookup, nested maps for match,
+    vector columns for value_dim, dense sequences, vocabulary words, id:weight pairs); a vocab_file
+    that does not exist is written where the config names it."""
+    from tests.config.test_config import every_kind_config
+
+    c = every_kind_config()
+    vocab = tmp_path / "vocab" / "words.txt"
+    c["feature_configs"] += [
+        {
+            "id_feature": {
+                "feature_name": "vf",
+                "embedding_dim": 4,
+                "vocab_file": str(vocab),
+                "default_bucketize_value": 0,
+            }
+        },
+        {"id_feature": {"feature_name": "wt", "embedding_dim": 4, "num_buckets": 50, "weighted": True}},
+        {"lookup_feature": {"feature_name": "lv", "map": "user:mv", "key": "item:kv", "value_dim": 3}},
+        {
+            "lookup_feature": {
+                "feature_name": "ld",
+                "map": "user:md",
+                "key": "item:kd",
+                "vocab_list": ["x", "y"],
+                "embedding_dim": 4,
+            }
+        },
+        {"match_feature": {"feature_name": "mn", "nested_map": "user:nn", "pkey": "item:pp", "skey": "item:ss"}},
+    ]
+    c["feature_configs"][-1]["match_feature"].update(num_buckets=20, embedding_dim=4)
+    c["model"]["feature_groups"][1]["feature_names"] += ["vf", "wt", "lv", "ld", "mn"]
+    config = config_from_dict(c)
+    meta = make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=300, eval_rows=64, train_files=2))
+    assert meta["vocab_files_written"] == [str(vocab)] and vocab.read_text().startswith("vf_w0\n")
+    table = pq.read_table(tmp_path / "d" / "train" / "part-0.parquet")
+    types = {name: str(table.schema.field(name).type) for name in table.column_names}
+    assert types["m"].startswith("map<string, double") and types["mv"].startswith("map<string, string")
+    assert types["n"].startswith("map<string, string") and types["r"].startswith("list<")
+    assert types["s"].count("list<") == 2 and types["v"] == "string" and types["q"] == "string"
+    assert set(table.column("v").to_pylist()) & {"a", "b"}
+    assert ":" in table.column("wt").to_pylist()[0]
+    batches = batches_of(config, tmp_path / "d")
+    assert sum(b.num_rows for b in batches) == 300
+    b = batches[0]
+    assert b.dense["lv"].shape == (64, 3) and b.dense["s"].shape[2] == 2 and b.dense_lengths["s"].shape == (64,)
+    assert b.sparse.weights_or_none() is not None
+    assert float((b.dense["lv"] != 0).float().mean()) > 0.05  # the map is keyed by what the key column holds
+
+
+def test_torcheasyrecs_fg_mock_with_every_kind_gets_data_it_trains_on(tmp_path):
+    """The vendored multi_tower_din_fg_mock (combo, lookup with feature: keys, match, expr,
+    EditDistance, raw value_dim 4, autodis / mlp, dense sequences), imported with --lenient."""
+    from tests.config.test_tzrec import EXAMPLES
+
+    text = (EXAMPLES / "tests" / "multi_tower_din_fg_mock.config").read_text()
+    result = convert_pipeline_config(text, train_input_path="d/train", eval_input_path="d/eval", lenient=True)
+    config = config_from_dict(result.config)
+    assert {f.KIND for f in config.features()} >= {"combo_feature", "lookup_feature", "match_feature", "expr_feature"}
+    make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=200, eval_rows=64, train_files=1))
+    assert sum(b.num_rows for b in batches_of(config, tmp_path / "d")) == 200
