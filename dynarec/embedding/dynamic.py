@@ -19,8 +19,9 @@ Row lifecycle in a training lookup (the table's step is open, ``begin_step()``):
 4. When the step commits (its backward ran), the scores of the touched rows are updated:
    ``step`` = the step, ``lfu`` += occurrences, ``timestamp`` = the forward's wall clock (us).
    A native row store's fused update writes ``step`` and ``timestamp`` scores itself, once per
-   unique row (:class:`~dynarec.optim.fused.RowScores`); a step committed without its backward
-   (a later step's backward settles it), ``lfu`` and the FBGEMM store write them at commit.
+   unique row, through the writer the index hands out (``BucketedHashIndex.scores_writer``); a
+   step committed without its backward (a later step's backward settles it), ``lfu`` and the
+   FBGEMM store write them through the index at commit.
 
 Everything 1-3 change is journaled: ``abort_step()`` restores evicted keys with their rows,
 removes created rows, takes back admission counts and a growth.
@@ -45,7 +46,7 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import LAYOUT_VERSION, PIN_WRAP, BucketedHashIndex
+from dynarec.embedding.hash_index import LAYOUT_VERSION, BucketedHashIndex
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal, Step
@@ -91,9 +92,7 @@ class DynamicTable(EmbeddingTable):
         # dropped: keys left without a row; evicted: keys whose row a new key took; premature: of
         # those, evicted while a slot was free somewhere; moved: residents moved to their other bucket.
         self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
-        self._generation = 0  # bumped by every rehash, which moves rows
         self._served_step: Optional[int] = None  # the last training step this table looked up
-        self._deferred_pins: list[tuple[Step, torch.Tensor]] = []
 
     @property
     def store(self) -> RowStore:
@@ -137,6 +136,18 @@ class DynamicTable(EmbeddingTable):
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), **self.report()}
+
+    def begin_step(self) -> Step:
+        """Opens a training step; once it is no longer pending (committed or aborted), the pins it
+        held back in the index are dropped."""
+        step = super().begin_step()
+
+        def release() -> None:
+            self.index.release(step.id)
+
+        step.on_commit.append(release)
+        step.journal.record(release)
+        return step
 
     # -- the lookup stage ----------------------------------------------------------------------
 
@@ -185,12 +196,11 @@ class DynamicTable(EmbeddingTable):
         return out if missing_out is None else out + missing_out
 
     def _still_holds(self, found: FoundKeys) -> bool:
-        """Whether a find made earlier gives this lookup's slots: the same index, no key moved or
-        removed since, and either nothing written since or every key found (keys added since
+        """Whether a find made earlier gives this lookup's slots: every key present then is still
+        in its slot, and either nothing written since or every key found (keys added since
         cannot be among them)."""
-        serial, displacements, writes = self.index.stamp
-        then = found.stamp
-        return then[:2] == (serial, displacements) and (then[2] == writes or found.all_present)
+        now = self.index.stamp
+        return now.keys_kept_since(found.stamp) and (now.writes == found.stamp.writes or found.all_present)
 
     def _slots_for_training(self, keys: torch.Tensor, found: FoundKeys, step: Step) -> tuple[torch.Tensor, bool]:
         """Slot of every key occurrence (``found``: the find's, every occurrence), creating rows
@@ -199,11 +209,8 @@ class DynamicTable(EmbeddingTable):
         slots = found.slots
         if found.all_present:
             # Pins matter only to an insert while this step is pending: they are written then.
-            pending = {s.id for s in self.steps.pending}
-            self._deferred_pins = [(st, t) for st, t in self._deferred_pins if st.id in pending]
-            self._deferred_pins.append((step, slots))
+            self.index.pin_later(slots, step.id)
             return slots, True
-        self._write_pins()
         self.index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
         absent = torch.nonzero(slots < 0).squeeze(1)  # one host read: how many occurrences are absent
         uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
@@ -213,12 +220,12 @@ class DynamicTable(EmbeddingTable):
             new_keys = uniq[admitted]
         all_present = new_keys.numel() == uniq.numel()
         if new_keys.numel():
-            generation, moved = self._generation, self.counters["moved"]
+            before = self.index.stamp
             new_slots, placed = self._insert(new_keys, step, keys_ascending=True)
             all_present = all_present and placed == new_keys.numel()
             if admitted is not None:
                 new_slots = torch.full_like(uniq, -1).index_copy_(0, admitted, new_slots)
-            if self._generation != generation or self.counters["moved"] != moved:  # rows moved
+            if self.index.stamp.keys_moved_since(before):  # a growth, or a cuckoo move
                 slots = self.index.find(keys)
                 all_present = bool((slots >= 0).all())  # a growth at max_capacity may have dropped a key
                 self.index.pin(slots, step.id)  # their new slots (the insert pinned its new rows)
@@ -239,9 +246,7 @@ class DynamicTable(EmbeddingTable):
             return None
         value = step.t if strategy == "step" else time.time_ns() // 1000
         fused = self.store.writes_row_scores and torch.is_grad_enabled()
-        row_scores = RowScores(self.index.scores, value) if fused else None
-        if row_scores is not None:  # an aborted step's output, backpropagated anyway, writes none
-            step.journal.record(lambda: setattr(row_scores, "live", False))
+        row_scores = self.index.scores_writer(value, step.journal) if fused else None
 
         def on_commit() -> None:
             # Committed by its own backward: the update writes the scores, next. Committed before
@@ -250,27 +255,10 @@ class DynamicTable(EmbeddingTable):
             # overwrite a later step's scores of shared rows).
             if row_scores is not None and step.backward_ran:
                 return
-            self.index.touch(touched, value)
-            if row_scores is not None:
-                row_scores.live = False
+            self.index.touch(touched, value, replaces=row_scores)
 
         step.on_commit.append(on_commit)
         return row_scores
-
-    @property
-    def pinned(self) -> torch.Tensor:
-        """``[capacity]`` bool: the slots a pending training step has pinned (not evictable)."""
-        self._write_pins()
-        return torch.isin(self.index.pins, (self._pending_ids() % PIN_WRAP).to(self.device)) & self.index.occupied
-
-    def _write_pins(self) -> None:
-        """Writes the deferred pins of the steps still pending (before anything inserts or moves
-        rows); those of committed or aborted steps are dropped."""
-        pending = {s.id for s in self.steps.pending}
-        for step, slots in self._deferred_pins:
-            if step.id in pending:
-                self.index.pin(slots, step.id)
-        self._deferred_pins.clear()
 
     def _pending_ids(self, *extra: int) -> torch.Tensor:
         """The pending steps' ids and ``extra`` ids, a CPU tensor (``plan_insert`` moves it to the
@@ -320,7 +308,6 @@ class DynamicTable(EmbeddingTable):
         that lookup's slots are final. Rows pinned by other pending steps never move."""
         journal = step.journal if step is not None else None
         options = self.options
-        self._write_pins()
         while self._can_grow() and self.size + keys.numel() > options.growth_load_factor * self.capacity:
             self._grow(journal)
         while True:
@@ -419,7 +406,6 @@ class DynamicTable(EmbeddingTable):
         self.index = index
         self.store.restore_storage(storage)
         self.counters = counters
-        self._generation += 1
 
     @torch.no_grad()
     def _rehash(self, num_buckets: int) -> None:
@@ -431,7 +417,6 @@ class DynamicTable(EmbeddingTable):
         self._count(None, evicted=lost, premature=lost)
         self.store.resize(index.capacity, src, dst)
         self.index = index
-        self._generation += 1
 
     # -- rows by key ---------------------------------------------------------------------------
 
@@ -542,7 +527,6 @@ class DynamicTable(EmbeddingTable):
     ) -> dict[str, int]:
         """Installs ``index`` and writes dump rows ``src`` into ``slots``."""
         self.index = index
-        self._generation += 1
         self.store.reallocate(index.capacity)
         self._load_rows(slots, src, dump, fields, weights_only)
         if self.counter is not None:

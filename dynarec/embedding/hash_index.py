@@ -20,14 +20,16 @@ A free slot holds key 0 and score 0 as well (``remove`` clears them), so undoing
 keys into free slots needs nothing read before it.
 
 The index owns its arrays; callers change them only through its methods (``commit``, ``remove``,
-``touch``, ``add``, ``pin``, ``install``, ``rehashed``). Each mutating method takes an optional
-:class:`Journal` and records how to undo itself, so a failed training step can be rolled back.
+``touch``, ``add``, ``pin``, ``pin_later``, ``install``, ``rehashed``) and the one writer it hands
+out: :meth:`~BucketedHashIndex.scores_writer`, the scores a fused update sets in its own pass.
+Each mutating method takes an optional :class:`Journal` and records how to undo itself, so a
+failed training step can be rolled back.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,11 +38,40 @@ from dynarec.embedding.insert_plan import PIN_WRAP, InsertPlan
 from dynarec.embedding.key_hash import candidate_buckets, key_tags
 from dynarec.embedding.step import Journal
 from dynarec.embedding.streams import current_stream
+from dynarec.optim.fused import RowScores
 
-__all__ = ["LAYOUT_VERSION", "PIN_WRAP", "BucketedHashIndex", "InsertPlan", "candidate_buckets", "key_tags"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "PIN_WRAP",
+    "BucketedHashIndex",
+    "IndexStamp",
+    "InsertPlan",
+    "candidate_buckets",
+    "key_tags",
+]
 
 LAYOUT_VERSION = 2  # 1: one bucket per key; 2: two candidate buckets (dumps record it)
 _SERIALS = itertools.count()  # of index objects: a stamp never matches another index's
+
+
+class IndexStamp(NamedTuple):
+    """The state of an index's keys: ``serial``, the index object's number (never another
+    index's); ``moved`` and ``removed``, how many writes moved keys to other slots and removed keys
+    (evicted, freed, undone); ``writes``, all writes of keys."""
+
+    serial: int
+    moved: int
+    removed: int
+    writes: int
+
+    def keys_kept_since(self, then: IndexStamp) -> bool:
+        """Whether every key present at ``then`` is still present now, in its slot (a key absent
+        then may be present now, where some write came since)."""
+        return (self.serial, self.moved, self.removed) == (then.serial, then.moved, then.removed)
+
+    def keys_moved_since(self, then: IndexStamp) -> bool:
+        """Whether a key present at ``then`` and now may be in another slot now."""
+        return (self.serial, self.moved) != (then.serial, then.moved)
 
 
 class BucketedHashIndex:
@@ -59,26 +90,23 @@ class BucketedHashIndex:
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
         # of an aborted step pins nothing and needs no undo.
         self._pins = torch.full((cap + 1,), -1, dtype=torch.int32, device=self.device)  # the last: pin()'s -1s
-        self.pins = self._pins[:cap]
+        self._pending_pins: list[tuple[int, torch.Tensor]] = []  # pin_later's, in order
         self._size = 0
         # The last write's event and its stream's id, and the last find's event on each stream (CUDA)
         self._written = torch.cuda.Event() if self.device.type == "cuda" else None
         self._written_on: Optional[int] = None
         self._finds: dict[int, torch.cuda.Event] = {}
-        self._serial = next(_SERIALS)
-        self._writes = 0
-        self._displacements = 0
+        self._stamp = IndexStamp(next(_SERIALS), 0, 0, 0)
         self._wrote()
 
-    def _wrote(self, only_added: bool = False) -> None:
+    def _wrote(self, moved: bool = True, removed: bool = True) -> None:
         """Marks the keys and tags as written by the work queued so far on the current stream:
         a later :meth:`find` on another stream waits for it (a collection runs its finds on its
         input stream, ahead of the main stream's work: :mod:`.streams`), and :attr:`stamp`
-        changes. ``only_added``: the write only placed keys in free slots (every key present
-        before is still in its slot)."""
-        self._writes += 1
-        if not only_added:
-            self._displacements += 1
+        changes. ``moved`` / ``removed``: the write may have moved keys to other slots / removed
+        keys (neither: it only placed keys in free slots)."""
+        serial, moves, removals, writes = self._stamp
+        self._stamp = IndexStamp(serial, moves + moved, removals + removed, writes + 1)
         if self._written is not None:  # CUDA
             stream = current_stream(self.device)
             # One event, recorded again: a wait queued earlier keeps the record it was queued after
@@ -102,12 +130,17 @@ class BucketedHashIndex:
                     stream.wait_event(done)
 
     @property
-    def stamp(self) -> tuple[int, int, int]:
-        """The state of the keys: ``(this index's serial number, writes that moved or removed
-        keys, all writes)``. Equal stamps: equal keys in equal slots (a find made at one stamp
-        holds at the other). Equal but for the last: keys were only added, so a key found then
-        is still in its slot (a key absent then may be present now)."""
-        return self._serial, self._displacements, self._writes
+    def stamp(self) -> IndexStamp:
+        """The state of the keys now. Equal stamps: equal keys in equal slots (a find made at one
+        holds at the other); :class:`IndexStamp` compares two that differ."""
+        return self._stamp
+
+    @property
+    def pins(self) -> torch.Tensor:
+        """``[capacity]`` int32: the id (modulo ``PIN_WRAP``) of the last step that pinned each
+        slot, -1 where none did; the pins :meth:`pin_later` holds back are written first."""
+        self._write_pending_pins()
+        return self._pins[: self.capacity]
 
     @property
     def capacity(self) -> int:
@@ -125,7 +158,8 @@ class BucketedHashIndex:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.scores, self.tags, self.pins))
+        pins = self._pins[: self.capacity]
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.scores, self.tags, pins))
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -246,20 +280,21 @@ class BucketedHashIndex:
             torch.ops.dynarec.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
             self._record_adds(journal, plan.slots, some_none=plan.placed < plan.slots.numel())
             self._size += plan.placed  # the planner's count: no host read
-            self._wrote(only_added=True)
+            self._wrote(moved=False, removed=False)
             return plan.evicted_slots.clone()
         ok = plan.slots >= 0
         slots = plan.slots[ok]
         self._record(journal, torch.cat([slots, plan.moved_to]))
         evicted = self.keys[plan.evicted_slots]
         src, dst = plan.moved_from, plan.moved_to
-        self.keys[dst], self.scores[dst], self.pins[dst] = self.keys[src], self.scores[src], self.pins[src]
+        pins = self.pins
+        self.keys[dst], self.scores[dst], pins[dst] = self.keys[src], self.scores[src], pins[src]
         self.tags[dst] = self.tags[src]
         self.keys[slots] = plan.keys[ok]
         self.scores[slots] = scores[ok]
         self.tags[slots] = key_tags(plan.keys[ok])
         self._size += slots.numel() - evicted.numel()
-        self._wrote()
+        self._wrote(moved=bool(src.numel()), removed=bool(evicted.numel()))
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:
@@ -269,11 +304,26 @@ class BucketedHashIndex:
         self._record(journal, slots)
         self._clear(slots)
         self._size -= slots.numel()
-        self._wrote()
+        self._wrote(moved=False)
 
-    def touch(self, slots: torch.Tensor, score: int) -> None:
-        """Sets the score of ``slots`` (duplicates allowed)."""
+    def touch(self, slots: torch.Tensor, score: int, replaces: Optional[RowScores] = None) -> None:
+        """Sets the score of ``slots`` (duplicates allowed). ``replaces``: a writer of
+        :meth:`scores_writer` this write takes the place of (withdrawn: it writes nothing)."""
         torch.ops.dynarec.fill_at(self.scores, slots, int(score))
+        if replaces is not None:
+            replaces.live = False
+
+    def scores_writer(self, value: int, journal: Optional[Journal] = None) -> RowScores:
+        """The index's scores as the target of a fused update (``fused_bag_update``): the update
+        sets ``scores[row] = value`` for every row it updates, in its own pass (one store per
+        unique row). A slot is a row of the table's store. The write is the index's: withdrawn
+        when ``journal``'s step is undone (an aborted step's update, should its backward run
+        anyway, writes nothing), or when :meth:`touch` writes in its place. Score writes change
+        no key: the stamp stays."""
+        writer = RowScores(self.scores, int(value))
+        if journal is not None:
+            journal.record(lambda: setattr(writer, "live", False))
+        return writer
 
     def add(self, slots: torch.Tensor, amounts: torch.Tensor, journal: Optional[Journal] = None) -> None:
         """Adds ``amounts`` to the scores of ``slots`` (duplicates accumulate)."""
@@ -282,7 +332,27 @@ class BucketedHashIndex:
 
     def pin(self, slots: torch.Tensor, step_id: int) -> None:
         """Pins ``slots`` for the step ``step_id`` (duplicates allowed; -1: skipped, with no host
-        read: they pin a spare entry past the last slot)."""
+        read: they pin a spare entry past the last slot). A slot is pinned while its step is
+        pending: a plan given that step in ``pinned_by`` neither moves nor evicts it."""
+        self._write_pending_pins()
+        self._pin(slots, step_id)
+
+    def pin_later(self, slots: torch.Tensor, step_id: int) -> None:
+        """:meth:`pin`, written only when something reads pins (a plan, a rehash, a move): a step
+        that inserts nothing while it is pending (a warm table's) writes none."""
+        self._pending_pins.append((step_id, slots))
+
+    def release(self, step_id: int) -> None:
+        """The step ``step_id`` is no longer pending: the pins :meth:`pin_later` holds back for it
+        are dropped (a pin of a step no longer pending pins nothing)."""
+        self._pending_pins = [(s, slots) for s, slots in self._pending_pins if s != step_id]
+
+    def _write_pending_pins(self) -> None:
+        pending, self._pending_pins = self._pending_pins, []
+        for step_id, slots in pending:
+            self._pin(slots, step_id)
+
+    def _pin(self, slots: torch.Tensor, step_id: int) -> None:
         self._pins.scatter_(0, torch.where(slots < 0, self.capacity, slots), step_id % PIN_WRAP)
 
     def fill(

@@ -20,6 +20,7 @@ import torch
 
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.fbgemm_store import FbgemmRowStore
+from dynarec.embedding.hash_index import IndexStamp
 from dynarec.embedding.initializers import Initializer
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
@@ -34,12 +35,12 @@ __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_
 
 class FoundKeys:
     """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row), found
-    in the index state ``stamp`` (``BucketedHashIndex.stamp``: the lookup finds again where the
-    index changed in a way that can change the answer), and
+    in the index state ``stamp`` (the lookup finds again where the index changed in a way that
+    can change the answer), and
     :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned
     memory behind the find, so a find made ahead is read without waiting)."""
 
-    def __init__(self, slots: torch.Tensor, stamp: tuple[int, int, int], absent: Optional[torch.Tensor] = None):
+    def __init__(self, slots: torch.Tensor, stamp: IndexStamp, absent: Optional[torch.Tensor] = None):
         """``absent``: a ``[]`` tensor, nonzero if a slot is -1, when the find computed it."""
         self.slots = slots
         self.stamp = stamp

@@ -17,7 +17,7 @@ from dynarec import (
     TableConfig,
 )
 from dynarec.embedding import TableFullError
-from dynarec.embedding.hash_index import candidate_buckets
+from dynarec.embedding.hash_index import PIN_WRAP, candidate_buckets
 from dynarec.embedding.jagged import split_features
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.embedding.test_hash_index import check_invariants, keys_with_buckets
@@ -44,6 +44,12 @@ def dynamic(name="d", backend="native", spec=None, features=("f",), **kw):
         seed=kw.pop("seed", 11),
         dynamic=DynamicTableOptions(**kw),
     )
+
+
+def pinned(t):
+    """``[capacity]`` bool: the slots of ``t`` a pending training step has pinned (not evictable)."""
+    pending = torch.tensor([s.id for s in t.steps.pending], dtype=torch.int64) % PIN_WRAP
+    return torch.isin(t.index.pins, pending.to(t.device)) & t.index.occupied
 
 
 def one(coll, feats, backward=True, weights=None):
@@ -200,9 +206,9 @@ def test_rows_looked_up_in_a_step_are_pinned():
     assert keys_present(t, [10, 20, 60]) == [10, 60]
     out1["f"].sum().backward()
     # A row is pinned until its own step's backward: 10 is free again, 60 waits for out2's backward.
-    assert t.pinned.nonzero().flatten().tolist() == t.index.find(torch.tensor([60])).tolist()
+    assert pinned(t).nonzero().flatten().tolist() == t.index.find(torch.tensor([60])).tolist()
     out2["f"].sum().backward()
-    assert not bool(t.pinned.any())
+    assert not bool(pinned(t).any())
     del before
 
 
@@ -312,9 +318,9 @@ def test_an_abandoned_forward_is_settled_by_the_next_backward():
     coll = EmbeddingCollection([dynamic(init_capacity=8, max_capacity=64, bucket_size=4)], SGD(lr=0.1))
     t = coll.tables["d"]
     coll(JaggedBatch.from_lists({"f": [[1, 2]]}))  # a training forward whose backward never runs
-    assert len(t.steps.pending) == 1 and bool(t.pinned.any())
+    assert len(t.steps.pending) == 1 and bool(pinned(t).any())
     one(coll, {"f": [[3]]})  # the next step's backward settles it
-    assert len(t.steps.pending) == 0 and not bool(t.pinned.any())
+    assert len(t.steps.pending) == 0 and not bool(pinned(t).any())
     one(coll, {"f": [list(range(100, 120))]})
     assert t.capacity > 8 and t.size == 23
 

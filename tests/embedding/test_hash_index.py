@@ -302,3 +302,74 @@ def test_undoing_a_commit_into_free_slots_restores_the_index_exactly(device):
     assert index.size == size
     for name in arrays:
         assert torch.equal(getattr(index, name), before[name]), name
+
+
+def test_the_index_hands_out_the_writer_of_a_fused_updates_scores():
+    """A fused update sets the scores of the rows it updates through the index's writer; the
+    index withdraws it when the step is undone, or when a touch writes in its place."""
+    from dynarec.embedding.step import Journal
+    from dynarec.optim.fused import fused_bag_update
+
+    index = BucketedHashIndex(num_buckets=4, bucket_size=4)
+    keys = torch.arange(1, 9) * 7919
+    index.commit(index.plan_insert(keys), torch.zeros_like(keys))
+    slots, stamp = index.find(keys), index.stamp
+
+    def update(writer):
+        fused_bag_update(SGD(lr=0.1), lr=0.1, step=1, weight=torch.zeros(16, 2), states={}, rows=slots[:3],
+                         offsets=torch.tensor([0, 3]), per_sample_weights=None, grad_out=torch.ones(1, 2),
+                         row_scores=writer)  # fmt: skip
+
+    journal = Journal()
+    writer = index.scores_writer(7, journal)
+    update(writer)
+    assert index.scores[slots].tolist() == [7, 7, 7, 0, 0, 0, 0, 0]
+    assert index.stamp == stamp  # scores change no key
+    journal.undo()  # the step is undone: its update, should its backward run anyway, writes nothing
+    assert not writer.live
+    index.touch(slots[:3], 0)
+    update(writer)
+    assert not index.scores.any()
+    later = index.scores_writer(8)
+    index.touch(slots[3:5], 9, replaces=later)  # the step committed before its backward
+    update(later)
+    assert not later.live and index.scores[slots].tolist() == [0, 0, 0, 9, 9, 0, 0, 0]
+
+
+def test_pins_held_back_are_written_in_order_before_anything_reads_pins():
+    index = BucketedHashIndex(num_buckets=2, bucket_size=4)
+    keys = torch.arange(1, 7) * 7919
+    index.commit(index.plan_insert(keys), torch.zeros_like(keys))
+    slots = index.find(keys)
+    index.pin_later(slots[:2], 5)
+    index.pin_later(slots[1:3], 6)
+    index.pin_later(slots[3:4], 7)
+    index.release(7)  # step 7 is no longer pending: its held-back pin is dropped
+    assert index.pins[slots].tolist() == [5, 6, 6, -1, -1, -1]
+    index.pin_later(slots[:1], 8)
+    index.pin(slots[:1], 9)  # a pin writes the held-back ones first
+    assert int(index.pins[slots[0]]) == 9
+    index.pin_later(slots[4:5], 10)
+    grown, old, new = index.rehashed(4)  # a rehash carries the held-back pins to the new index
+    assert int(grown.pins[new[old == slots[4]]]) == 10
+
+
+def test_the_stamp_tells_added_moved_and_removed_keys_apart():
+    index = BucketedHashIndex(num_buckets=4, bucket_size=2)
+    r0, r1, r2, r3, new = keys_with_buckets(4, [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)])
+    first = index.stamp
+    index.commit(
+        index.plan_insert(torch.tensor([r0, r1, r2, r3]), allow_evict=False), torch.zeros(4, dtype=torch.int64)
+    )
+    added = index.stamp
+    assert added.keys_kept_since(first) and not added.keys_moved_since(first) and added.writes > first.writes
+    plan = index.plan_insert(torch.tensor([new]))  # buckets 0 and 1 full: r0 moves to bucket 2
+    assert plan.moved_from.numel() == 1
+    index.commit(plan, torch.zeros(1, dtype=torch.int64))
+    moved = index.stamp
+    assert moved.keys_moved_since(added) and not moved.keys_kept_since(added)
+    index.remove(index.find(torch.tensor([r1])))
+    removed = index.stamp
+    assert not removed.keys_moved_since(moved) and not removed.keys_kept_since(moved)
+    grown, _, _ = index.rehashed(8)
+    assert grown.stamp.keys_moved_since(removed)  # another index
