@@ -28,13 +28,20 @@ PIN_WRAP = (1 << 31) - 1  # step ids are stored modulo this in the int32 pins
 class IndexArrays(Protocol):
     """What a planner reads of an index: its arrays (one entry a slot) and its shape."""
 
-    keys: torch.Tensor
-    tags: torch.Tensor
-    scores: torch.Tensor
-    pins: torch.Tensor
-    num_buckets: int
-    bucket_size: int
-    device: torch.device
+    @property
+    def keys(self) -> torch.Tensor: ...
+    @property
+    def tags(self) -> torch.Tensor: ...
+    @property
+    def scores(self) -> torch.Tensor: ...
+    @property
+    def pins(self) -> torch.Tensor: ...
+    @property
+    def num_buckets(self) -> int: ...
+    @property
+    def bucket_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 @dataclass
