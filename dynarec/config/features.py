@@ -491,6 +491,8 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
             raise ValueError("boundaries bucketize one number per sample; remove separator")
         if self.weighted and self.boundaries is not None:
             raise ValueError("weighted takes 'id:weight' pairs; boundaries bucketize numbers (give one of them)")
+        if self.weighted and self.default_value and ":" not in self.default_value:
+            raise ValueError(f"default_value of a weighted feature is an 'id:weight' pair, got {self.default_value!r}")
         if self.separator == "":
             raise ValueError("separator must not be empty")
 

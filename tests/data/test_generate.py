@@ -116,3 +116,26 @@ def test_torcheasyrecs_fg_mock_with_every_kind_gets_data_it_trains_on(tmp_path):
     assert {f.KIND for f in config.features()} >= {"combo_feature", "lookup_feature", "match_feature", "expr_feature"}
     make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=200, eval_rows=64, train_files=1))
     assert sum(b.num_rows for b in batches_of(config, tmp_path / "d")) == 200
+
+
+def test_every_kind_builds_the_same_batch_on_the_python_path(tmp_path):
+    """The C++ extension's paths (split-and-hash, hashing, EditDistance) and pyarrow's give one
+    batch, for every kind; an empty and a one-row table build too."""
+    import torch
+
+    from dynarec.features import native
+    from tests.config.test_config import every_kind_config
+
+    config = config_from_dict(every_kind_config())
+    make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=200, eval_rows=8, train_files=1))
+    table = pq.read_table(tmp_path / "d" / "train" / "part-0.parquet")
+    builder = BatchBuilder(config)
+    fast = builder.build(table, "t.parquet")
+    with native.python_path():
+        slow = builder.build(table, "t.parquet")
+    assert torch.equal(fast.sparse.values(), slow.sparse.values())
+    assert torch.equal(fast.sparse.lengths(), slow.sparse.lengths())
+    assert fast.dense.keys() == slow.dense.keys() and all(torch.equal(fast.dense[k], slow.dense[k]) for k in fast.dense)
+    for n in (0, 1):
+        b = builder.build(table.slice(0, n), "t.parquet")
+        assert b.num_rows == n and b.dense["s"].shape[:1] == (n,) and b.dense_lengths["s"].shape == (n,)

@@ -150,6 +150,8 @@ def test_weighted_pairs_and_map_columns_carry_weights_in_the_kjt():
     b = build(id_feature(num_buckets=10, weighted=True), f=m)
     assert ids(b, "f") == [[3, 7], [], [1]]
     assert weights(b, "f") == [0.5, 1.5, 1.0]
+    b = build(id_feature(num_buckets=10, weighted=True, default_value="0:0.5"), f=pa.array(["3:2", None]))
+    assert ids(b, "f") == [[3], [0]] and weights(b, "f") == [2.0, 0.5]
 
 
 def test_zch_is_a_dynamic_table_of_zch_size():
@@ -464,6 +466,7 @@ def test_bad_values_are_named_by_row(features, columns, message):
         (id_feature(vocab_list=["a", "b"], default_bucketize_value=2), "default_bucketize_value 2 must be below"),
         (id_feature(num_buckets=3, default_bucketize_value=0), "default_bucketize_value belongs to vocab_list"),
         (id_feature(num_buckets=3, hash_function="md5"), "hash_function"),
+        (id_feature(num_buckets=3, weighted=True, default_value="1"), "an 'id:weight' pair, got '1'"),
         (id_feature(zch={"zch_size": 100}), r"give exactly one of \['lfu', 'lru', 'distance_lfu'\]"),
         (id_feature(zch={"zch_size": 100, "lfu": {}, "threshold_filtering_func": "lambda x: x"}), "admission"),
         ({"raw_feature": {"feature_name": "r", "embedding_dim": 4}}, "embedding_dim: a dense raw_feature"),
