@@ -26,6 +26,12 @@ Row lifecycle in a training lookup (the table's step is open, ``begin_step()``):
 Everything 1-3 change is journaled: ``abort_step()`` restores evicted keys with their rows,
 removes created rows, takes back admission counts and a growth.
 
+The table composes four parts, each with one job: its slots (:class:`~.capacity.Capacity`: the
+index, the rows behind it, growth and its counters), admission (:class:`~.admission.Admission`:
+the counter and its threshold), the eviction scores (:class:`~.scores.ScorePolicy`: which value,
+written by whom) and dump/load (:mod:`.snapshot`). What stays here: a lookup's slots, the insert
+of new keys (growth first, then the plan, ``check_mode``, the rows it creates), rows by key.
+
 Eval mode only finds: nothing is created, evicted, counted or updated.
 
 Host reads per training lookup: whether any key is absent (in :meth:`find`, which a CUDA
@@ -39,30 +45,28 @@ evictions (buckets full) read more.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Optional
 
 import torch
 
+from dynarec.embedding import snapshot
+from dynarec.embedding.admission import Admission
+from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import LAYOUT_VERSION, BucketedHashIndex
+from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
-from dynarec.embedding.step import Journal, Step
+from dynarec.embedding.scores import ScorePolicy
+from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.fused import RowScores
 
 __all__ = ["DynamicTable", "TableFullError"]
 
 
 class TableFullError(RuntimeError):
     """Raised (check_mode ``error``) when keys cannot get a row."""
-
-
-def _num_buckets(capacity: int, bucket_size: int) -> int:
-    return max(1, capacity // bucket_size)
 
 
 class DynamicTable(EmbeddingTable):
@@ -77,35 +81,38 @@ class DynamicTable(EmbeddingTable):
         assert config.dynamic is not None
         self.options = options = config.dynamic
         init_capacity, max_capacity = capacity or (options.init_capacity, options.max_capacity)
-        self.bucket_size = options.bucket_size
-        self.max_buckets = _num_buckets(max_capacity, options.bucket_size)
-        self.init_buckets = min(self.max_buckets, _num_buckets(init_capacity, options.bucket_size))  # type: ignore[arg-type]
-        num_buckets = self.init_buckets
-        self.index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-        self._store = make_row_store(config, spec, self.index.capacity, self.device)
-        self.counter: Optional[BucketedHashIndex] = None
-        self.admission_initializer = self.eval_initializer
-        if options.admission is not None:  # a shard's counter holds its share of the keys
-            cap = -(-(options.admission.capacity or options.max_capacity) * self.max_capacity // options.max_capacity)
-            self.counter = BucketedHashIndex(_num_buckets(cap, self.bucket_size), self.bucket_size, self.device)
-            self.admission_initializer = options.admission.initializer or self.eval_initializer
-        # dropped: keys left without a row; evicted: keys whose row a new key took; premature: of
-        # those, evicted while a slot was free somewhere; moved: residents moved to their other bucket.
-        self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
+        bucket_size = options.bucket_size
+        max_buckets = num_buckets(max_capacity, bucket_size)
+        init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
+        store = make_row_store(config, spec, init_buckets * bucket_size, self.device)
+        #: The index, the rows behind it and how both grow.
+        self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
+        self.admission: Optional[Admission] = None
+        if options.admission is not None:
+            self.admission = Admission(
+                options.admission, options.max_capacity, self.max_capacity, bucket_size, self.device,
+                self.eval_initializer,
+            )  # fmt: skip
+        self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
         self._served_step: Optional[int] = None  # the last training step this table looked up
 
     @property
+    def index(self) -> BucketedHashIndex:
+        """The hash index: key -> slot (= row of :attr:`store`), with a score and a pin a slot."""
+        return self.space.index
+
+    @property
     def store(self) -> RowStore:
-        return self._store
+        return self.space.store
 
     @property
     def capacity(self) -> int:
         """Slots allocated now."""
-        return self.index.capacity
+        return self.space.slots
 
     @property
     def max_capacity(self) -> int:
-        return self.max_buckets * self.bucket_size
+        return self.space.max_slots
 
     @property
     def size(self) -> int:
@@ -116,21 +123,29 @@ class DynamicTable(EmbeddingTable):
     def nbytes(self) -> int:
         """Bytes held by the table: rows, states, index and admission counter."""
         total = self.store.nbytes + self.index.nbytes
-        if self.counter is not None:
-            total += self.counter.nbytes
+        if self.admission is not None:
+            total += self.admission.nbytes
         return total
 
+    @property
+    def evicted_keys(self) -> int:
+        return self.space.counters["evicted"]
+
+    @property
+    def dropped_keys(self) -> int:
+        return self.space.counters["dropped"]
+
     def report(self) -> dict[str, object]:
-        size = self.size
+        size, counters = self.size, self.space.counters
         return {
             "size": size,
             "capacity": self.capacity,
             "max_capacity": self.max_capacity,
             "load_factor": size / self.capacity,
             "evicted_keys": self.evicted_keys,
-            "evicted_below_full_capacity": self.counters["premature"],
+            "evicted_below_full_capacity": counters["premature"],
             "dropped_keys": self.dropped_keys,
-            "moved_keys": self.counters["moved"],
+            "moved_keys": counters["moved"],
             "bytes": self.nbytes,
         }
 
@@ -177,7 +192,9 @@ class DynamicTable(EmbeddingTable):
                 torch.arange(num_bags, device=keys.device), lengths, output_size=keys.numel()
             )
             absent = ~present
-            init = self.admission_initializer if (step is not None) else self.eval_initializer
+            init = self.eval_initializer
+            if step is not None and self.admission is not None:
+                init = self.admission.initializer
             if not init.is_zero:
                 values = init.values(keys[absent], self.dim, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
                 if weights is not None:
@@ -190,7 +207,8 @@ class DynamicTable(EmbeddingTable):
         if step is None:
             out = self.store.lookup(slots, offsets, weights, train)
         else:
-            row_scores = self._schedule_scores(slots, step)
+            fused = self.store.writes_row_scores and torch.is_grad_enabled()
+            row_scores = self.score_policy.schedule(slots, step, fused)
             out = self.store.lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
             self._commit_on_backward(out, step)
         return out if missing_out is None else out + missing_out
@@ -215,8 +233,8 @@ class DynamicTable(EmbeddingTable):
         absent = torch.nonzero(slots < 0).squeeze(1)  # one host read: how many occurrences are absent
         uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
         new_keys, admitted = uniq, None
-        if self.counter is not None:
-            admitted = torch.nonzero(self._count_admission(uniq, counts, step)).squeeze(1)
+        if self.admission is not None:
+            admitted = torch.nonzero(self.admission.count(uniq, counts, step, self._pending_ids())).squeeze(1)
             new_keys = uniq[admitted]
         all_present = new_keys.numel() == uniq.numel()
         if new_keys.numel():
@@ -233,63 +251,16 @@ class DynamicTable(EmbeddingTable):
                 slots.index_copy_(0, absent, new_slots[inverse])
         return slots, all_present
 
-    def _schedule_scores(self, touched: torch.Tensor, step: Step) -> Optional[RowScores]:
-        """Schedules the score change of a step's touched slots (one entry per occurrence) for
-        when the step commits (no growth can move them before: growth waits for every other
-        pending step). Returns the :class:`RowScores` the store's fused update writes when the
-        step's backward runs, or None where the commit writes them."""
-        strategy = self.options.score_strategy
-        if strategy == "lfu":
-            step.on_commit.append(lambda: self.index.add(touched, torch.ones_like(touched)))
-            return None
-        if strategy not in ("step", "timestamp"):
-            return None
-        value = step.t if strategy == "step" else time.time_ns() // 1000
-        fused = self.store.writes_row_scores and torch.is_grad_enabled()
-        row_scores = self.index.scores_writer(value, step.journal) if fused else None
-
-        def on_commit() -> None:
-            # Committed by its own backward: the update writes the scores, next. Committed before
-            # it (a later step's backward settled it, or no backward will come): written here, in
-            # commit order, and a backward of this step that still runs writes none (it would
-            # overwrite a later step's scores of shared rows).
-            if row_scores is not None and step.backward_ran:
-                return
-            self.index.touch(touched, value, replaces=row_scores)
-
-        step.on_commit.append(on_commit)
-        return row_scores
-
     def _pending_ids(self, *extra: int) -> torch.Tensor:
         """The pending steps' ids and ``extra`` ids, a CPU tensor (``plan_insert`` moves it to the
         device only when it needs it: a copy to the GPU waits for the stream)."""
         return torch.tensor([s.id for s in self.steps.pending] + list(extra), dtype=torch.int64)
 
-    # -- admission -----------------------------------------------------------------------------
-
-    def _count_admission(self, keys: torch.Tensor, counts: torch.Tensor, step: Step) -> torch.Tensor:
-        """Adds this batch's occurrences; returns the mask of keys that reach the threshold
-        (removed from the counter, to be inserted)."""
-        counter, admission = self.counter, self.options.admission
-        assert counter is not None and admission is not None
-        journal = step.journal
-        slots = counter.find(keys)
-        seen = slots >= 0
-        counter.add(slots[seen], counts[seen], journal)
-        counter.pin(slots[seen], step.id)  # this batch's counts are not evicted by its new keys
-        plan = counter.plan_insert(keys[~seen], pinned_by=self._pending_ids(), allow_evict=True, keys_ascending=True)
-        counter.commit(plan, counts[~seen], journal)
-        slots[~seen] = plan.slots
-        totals = torch.where(slots >= 0, counter.scores[slots.clamp(min=0)], torch.zeros_like(counts))
-        admitted = totals >= admission.threshold
-        counter.remove(slots[admitted], journal)
-        return admitted
-
     # -- insertion, growth, eviction -------------------------------------------------------------
 
     def _can_grow(self) -> bool:
         """Growth moves rows: only when no step but the current one is pending."""
-        return self.index.num_buckets < self.max_buckets and len(self.steps.pending) <= 1
+        return self.space.can_grow(len(self.steps.pending))
 
     def _insert(
         self,
@@ -307,12 +278,11 @@ class DynamicTable(EmbeddingTable):
         changes; the caller finds its keys again), unless the table served this step before:
         that lookup's slots are final. Rows pinned by other pending steps never move."""
         journal = step.journal if step is not None else None
-        options = self.options
-        while self._can_grow() and self.size + keys.numel() > options.growth_load_factor * self.capacity:
-            self._grow(journal)
+        options, space = self.options, self.space
+        while self._can_grow() and space.crowded(keys.numel()):
+            space.grow(journal)
         while True:
-            at_max = self.index.num_buckets == self.max_buckets
-            allow_evict = options.score_strategy != "none" and (at_max or not self._can_grow())
+            allow_evict = self.score_policy.evicts and (space.at_max or not self._can_grow())
             plan = self.index.plan_insert(
                 keys,
                 pinned_by=self._pending_ids(*([] if write_id is None else [write_id])),
@@ -321,7 +291,7 @@ class DynamicTable(EmbeddingTable):
                 keys_ascending=keys_ascending,
             )
             if plan.dropped and self._can_grow():
-                self._grow(journal)
+                space.grow(journal)
                 continue
             break
         overflow = plan.dropped
@@ -346,7 +316,7 @@ class DynamicTable(EmbeddingTable):
         # Evictions while a slot was still free somewhere (below full capacity) are the ones
         # max_capacity promises to avoid; report() counts them apart.
         free_left = self.max_capacity - (self.size + plan.placed - evicted)
-        self._count(
+        space.count(
             journal,
             dropped=overflow,
             evicted=evicted,
@@ -375,48 +345,6 @@ class DynamicTable(EmbeddingTable):
         if step is None or self._served_step == step.id:
             return None
         return torch.tensor([step.id], dtype=torch.int64)
-
-    def _count(self, journal: Optional[Journal], **counts: int) -> None:
-        """Adds to the report's counters (``dropped``, ``evicted``, ``premature``, ``moved``)."""
-        before = dict(self.counters)
-        for name, n in counts.items():
-            self.counters[name] += n
-
-        def undo() -> None:
-            self.counters.update(before)
-
-        if journal is not None and any(counts.values()):
-            journal.record(undo)
-
-    @property
-    def evicted_keys(self) -> int:
-        return self.counters["evicted"]
-
-    @property
-    def dropped_keys(self) -> int:
-        return self.counters["dropped"]
-
-    def _grow(self, journal: Optional[Journal]) -> None:
-        old = (self.index, self.store.storage(), dict(self.counters))
-        self._rehash(min(self.max_buckets, self.index.num_buckets * 2))
-        if journal is not None:
-            journal.record(lambda: self._install(*old))
-
-    def _install(self, index: BucketedHashIndex, storage, counters: dict[str, int]) -> None:
-        self.index = index
-        self.store.restore_storage(storage)
-        self.counters = counters
-
-    @torch.no_grad()
-    def _rehash(self, num_buckets: int) -> None:
-        """Moves every row into an index of ``num_buckets`` (more than now) buckets."""
-        index, src, dst = self.index.rehashed(num_buckets)
-        while src.numel() < self.index.size and index.num_buckets < self.max_buckets:  # a bucket pair overflowed
-            index, src, dst = self.index.rehashed(min(self.max_buckets, index.num_buckets * 2))
-        lost = self.index.size - src.numel()  # only at max_capacity: rare with 16-slot buckets
-        self._count(None, evicted=lost, premature=lost)
-        self.store.resize(index.capacity, src, dst)
-        self.index = index
 
     # -- rows by key ---------------------------------------------------------------------------
 
@@ -462,17 +390,11 @@ class DynamicTable(EmbeddingTable):
     # -- dump and load -------------------------------------------------------------------------
 
     def dump(self) -> dict[str, torch.Tensor]:
-        """Every key (ascending) with its weight, optimizer states and score; the step counter;
-        the admission counter's keys and counts. CPU tensors."""
-        slots, keys, scores = self.index.entries()
-        out: dict[str, torch.Tensor] = {"keys": keys, "scores": scores, "slots": slots}
-        out.update(self.store.read(slots))
-        out["step"] = torch.tensor(self.step, dtype=torch.int64)
-        out["layout"] = torch.tensor([self.index.num_buckets, self.bucket_size, LAYOUT_VERSION], dtype=torch.int64)
-        if self.counter is not None:
-            cslots, ckeys, ccounts = self.counter.entries()
-            out["admission_keys"], out["admission_counts"], out["admission_slots"] = ckeys, ccounts, cslots
-        return {k: v.cpu() for k, v in out.items()}
+        """Every key (ascending) with its weight, optimizer states, score and slot; the bucket
+        layout; the step counter; the admission counter's keys, counts and slots. CPU tensors
+        (:mod:`.snapshot`)."""
+        counter = None if self.admission is None else self.admission.counter
+        return snapshot.dump(self.index, self.store, self.step, counter)
 
     @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
@@ -487,63 +409,10 @@ class DynamicTable(EmbeddingTable):
         0. Returns ``{"loaded": n, "dropped": m}``.
         """
         fields = self._dump_fields(dump, weights_only)
-        keys = dump["keys"].to(self.device)
-        scores = dump["scores"].to(self.device)
-        n = keys.numel()
-        layout = dump.get("layout")
-        if layout is not None and "slots" in dump and layout.numel() == 3:
-            num_buckets, bucket_size, version = (int(x) for x in layout)
-            if version == LAYOUT_VERSION and bucket_size == self.bucket_size and num_buckets <= self.max_buckets:
-                index = BucketedHashIndex(num_buckets, bucket_size, self.device)
-                slots = dump["slots"].to(self.device)
-                index.install(slots, keys, scores)
-                return self._restore(index, slots, torch.arange(n, device=self.device), dump, fields, weights_only)
-        options = self.options
-        num_buckets = self.init_buckets
-        while num_buckets < self.max_buckets and n > options.growth_load_factor * num_buckets * self.bucket_size:
-            num_buckets = min(self.max_buckets, num_buckets * 2)
-        while True:
-            keep = torch.arange(n, device=self.device)
-            capacity = num_buckets * self.bucket_size
-            if n > capacity:  # globally highest scores first, ties to the smaller key (keys ascend)
-                keep = torch.argsort(-scores, stable=True)[:capacity]
-            index = BucketedHashIndex(num_buckets, self.bucket_size, self.device)
-            slots = index.fill(keys[keep], scores[keep], priority=scores[keep])
-            # A bucket pair can overflow below full capacity; then more buckets, while allowed.
-            ok = slots >= 0
-            if bool(ok.all()) or num_buckets == self.max_buckets:
-                break
-            num_buckets = min(self.max_buckets, num_buckets * 2)
-        return self._restore(index, slots[ok], keep[ok], dump, fields, weights_only)
-
-    def _restore(
-        self,
-        index: BucketedHashIndex,
-        slots: torch.Tensor,
-        src: torch.Tensor,
-        dump: dict[str, torch.Tensor],
-        fields: list[str],
-        weights_only: bool,
-    ) -> dict[str, int]:
-        """Installs ``index`` and writes dump rows ``src`` into ``slots``."""
-        self.index = index
-        self.store.reallocate(index.capacity)
+        index, slots, src = snapshot.index_for_load(dump, self.space)
+        self.space.install(index)
         self._load_rows(slots, src, dump, fields, weights_only)
-        if self.counter is not None:
-            self.counter = self._restored_counter(self.counter, None if weights_only else dump)
-        n = dump["keys"].numel()
-        return {"loaded": slots.numel(), "dropped": n - slots.numel()}
-
-    def _restored_counter(self, counter: BucketedHashIndex, dump: Optional[dict[str, torch.Tensor]]):
-        fresh = BucketedHashIndex(counter.num_buckets, self.bucket_size, self.device)
-        if dump is None or "admission_keys" not in dump:
-            return fresh
-        ckeys = dump["admission_keys"].to(self.device)
-        ccounts = dump["admission_counts"].to(self.device)
-        cslots = dump.get("admission_slots")
-        same_layout = "layout" in dump and dump["layout"].numel() == 3 and int(dump["layout"][2]) == LAYOUT_VERSION
-        if cslots is not None and same_layout and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
-            fresh.install(cslots.to(self.device), ckeys, ccounts)  # the counter's own layout
-        else:
-            fresh.fill(ckeys, ccounts, priority=ccounts)
-        return fresh
+        if self.admission is not None:
+            fresh = self.admission.fresh_counter()
+            self.admission.counter = snapshot.restored_counter(fresh, None if weights_only else dump)
+        return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}

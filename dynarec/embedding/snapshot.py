@@ -1,0 +1,90 @@
+"""Dump and load of a dynamic table: its keys with their rows, scores and slots, the bucket layout,
+the step counter and the admission counter.
+
+A dump holds CPU tensors: ``keys`` (ascending), ``scores`` and ``slots`` of every key, a row field
+per key (``weight`` and each optimizer state), ``step``, ``layout`` (``[num_buckets, bucket_size,
+LAYOUT_VERSION]``) and, with admission, ``admission_keys`` / ``admission_counts`` /
+``admission_slots``.
+
+A load puts every key back in its own slot when the dump's layout fits the table (same bucket
+size, no more buckets than ``max_capacity`` allows): a resumed run then evicts exactly as the
+original would have. Otherwise the keys are placed anew (``BucketedHashIndex.fill``) in the
+fewest buckets that hold them at the growth load, capped at ``max_capacity``; where they do not
+fit, the highest scores are kept (ties to the smaller key).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dynarec.embedding.capacity import Capacity
+from dynarec.embedding.hash_index import LAYOUT_VERSION, BucketedHashIndex
+from dynarec.embedding.row_store import RowStore
+
+__all__ = ["dump", "index_for_load", "restored_counter"]
+
+Dump = dict[str, torch.Tensor]
+
+
+def dump(index: BucketedHashIndex, store: RowStore, step: int, counter: Optional[BucketedHashIndex]) -> Dump:
+    """The dump of a table of ``index`` and ``store`` at step counter ``step``, with its admission
+    ``counter`` if any."""
+    slots, keys, scores = index.entries()
+    out: Dump = {"keys": keys, "scores": scores, "slots": slots}
+    out.update(store.read(slots))
+    out["step"] = torch.tensor(step, dtype=torch.int64)
+    out["layout"] = torch.tensor([index.num_buckets, index.bucket_size, LAYOUT_VERSION], dtype=torch.int64)
+    if counter is not None:
+        cslots, ckeys, ccounts = counter.entries()
+        out["admission_keys"], out["admission_counts"], out["admission_slots"] = ckeys, ccounts, cslots
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
+    """The index a table of ``space`` loads ``saved`` into, and ``(slots, src)``: dump row
+    ``src[i]`` goes to slot ``slots[i]`` (the keys left out have none)."""
+    device = space.device
+    keys = saved["keys"].to(device)
+    scores = saved["scores"].to(device)
+    n = keys.numel()
+    layout = saved.get("layout")
+    if layout is not None and "slots" in saved and layout.numel() == 3:
+        num_buckets, bucket_size, version = (int(x) for x in layout)
+        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and num_buckets <= space.max_buckets:
+            index = BucketedHashIndex(num_buckets, bucket_size, device)
+            slots = saved["slots"].to(device)
+            index.install(slots, keys, scores)
+            return index, slots, torch.arange(n, device=device)
+    num_buckets = space.buckets_for(n)
+    while True:
+        keep = torch.arange(n, device=device)
+        capacity = num_buckets * space.bucket_size
+        if n > capacity:  # globally highest scores first, ties to the smaller key (keys ascend)
+            keep = torch.argsort(-scores, stable=True)[:capacity]
+        index = space.new_index(num_buckets)
+        slots = index.fill(keys[keep], scores[keep], priority=scores[keep])
+        # A bucket pair can overflow below full capacity; then more buckets, while allowed.
+        ok = slots >= 0
+        if bool(ok.all()) or num_buckets == space.max_buckets:
+            return index, slots[ok], keep[ok]
+        num_buckets = min(space.max_buckets, num_buckets * 2)
+
+
+def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> BucketedHashIndex:
+    """The admission counter ``fresh`` (empty) holding ``saved``'s counts: in their own slots
+    where the dump's counter layout fits, else placed anew; empty without ``saved`` (a
+    weights-only load) or counts in it."""
+    if saved is None or "admission_keys" not in saved:
+        return fresh
+    device = fresh.device
+    ckeys = saved["admission_keys"].to(device)
+    ccounts = saved["admission_counts"].to(device)
+    cslots = saved.get("admission_slots")
+    same_layout = "layout" in saved and saved["layout"].numel() == 3 and int(saved["layout"][2]) == LAYOUT_VERSION
+    if cslots is not None and same_layout and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
+        fresh.install(cslots.to(device), ckeys, ccounts)  # the counter's own layout
+    else:
+        fresh.fill(ckeys, ccounts, priority=ccounts)
+    return fresh
