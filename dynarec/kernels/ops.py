@@ -23,14 +23,13 @@ Every op has four implementations:
 - fake: output shapes and dtypes without computing (data-dependent sizes through the fake
   context's dynamic sizes), so the ops trace under ``torch.compile`` and ``torch.export``.
 
-The C++ or Triton kernels where an op has neither (``torch`` above) are the default. Kernels that
-hold a bucket's claims in one 64-bit mask plan only buckets of up to 64 slots; a wider bucket is
-planned by the default.
+Where the table says ``torch``, that device runs the default. The C++ and Triton planners hold a
+bucket's claims in one 64-bit mask: a bucket of more than 64 slots is planned by the default.
 
 Defined with ``torch.library.define`` and ``register_kernel`` / ``register_fake`` rather than
-``torch.library.custom_op``: the same dispatcher registrations, without custom_op's Python
-wrapper around every call (30-70 us a call measured on the 2-core CPU machine, against 5 here: a
-GPU step is host-bound, and a dynamic table makes several of these calls a step).
+``torch.library.custom_op``: the same dispatcher registrations, without the Python wrapper
+custom_op adds around every call (several times the dispatch itself; a GPU step is host-bound,
+and a dynamic table makes several of these calls a step).
 
 Schemas: ints are int64, floats float64 (the kernels round them to float32 as torch does); every
 tensor argument is documented by the reference function of the same name.

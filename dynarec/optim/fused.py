@@ -31,8 +31,9 @@ GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 class RowScores:
     """A side write of the fused update: ``scores[row] = value`` for every row it updates, once
     per unique row (a dynamic table's eviction score of the rows a step touched: ``step`` or
-    ``timestamp``). ``scores``: ``[num_rows]`` int64 on the rows' device. ``live`` False: the
-    write was withdrawn (the table wrote the scores itself before the backward ran)."""
+    ``timestamp``). ``scores``: ``[num_rows]`` int64 on the rows' device. Handed out by the array's
+    owner (``BucketedHashIndex.scores_writer``), which sets ``live`` False to withdraw the write
+    (its step was undone, or the index wrote the scores itself first)."""
 
     scores: torch.Tensor
     value: int

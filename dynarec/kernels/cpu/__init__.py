@@ -2,10 +2,11 @@
 bag update.
 
 Built on first use with ``torch.utils.cpp_extension.load`` (g++, ninja) into a build directory
-of its own per Python environment, torch version and source tree (:func:`build_directory`, see
-``dynarec._cpp_extension``); ``make setup`` builds it once. Each kernel equals its plain-torch
-twin bit for bit (tested); :func:`ops` returns None where the extension cannot be built (no
-compiler), and callers then run the plain-torch code.
+of its own per Python environment, torch version, source tree and compiler flags
+(:func:`build_directory`, see ``dynarec._cpp_extension``); ``make setup`` builds it once. Each
+kernel equals its plain-torch twin (tested): bit for bit, but for the fused update, whose sums
+run in their own order. :func:`ops` returns None where the extension cannot be built (no
+compiler), and the ops (``dynarec.kernels.ops``) then run their plain-torch twins.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _EXTENSION = CppExtension(
     name="dynarec_cpu_ops",
     sources=[os.path.join(os.path.dirname(__file__), "ops.cpp")],
     what="dynarec's CPU kernels",
-    fallback="using the plain-torch path",
+    fallback="the dynarec ops run their plain-torch twins",
     cflags=("-O3", "-fopenmp", *cpp_defines()),
     ldflags=("-fopenmp",),
 )
@@ -40,7 +41,7 @@ def ops() -> Optional[ModuleType]:
 
 def build_directory() -> str:
     """Where the extension is built and cached (one directory per Python environment, torch
-    version and source tree)."""
+    version, source tree and compiler flags)."""
     return _EXTENSION.build_directory()
 
 

@@ -16,7 +16,7 @@ try:
 
     HAVE_TRITON = True
     INTERPRETED = bool(knobs.runtime.interpret)
-except ImportError:  # no Triton: the C++ extension (CPU) or the plain-torch code runs
+except ImportError:  # no Triton: the ops run the C++ extension (CPU) or their plain-torch twins
     HAVE_TRITON = False
     INTERPRETED = False
 

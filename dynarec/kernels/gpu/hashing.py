@@ -45,7 +45,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def mix64(x):
-        """SplitMix64's finalizer of uint64 ``x`` (``initializers.mix64``'s bits)."""
+        """SplitMix64's finalizer of uint64 ``x`` (``reference.mix64``'s bits)."""
         x = x ^ (x >> 30)
         x = x * 0xBF58476D1CE4E5B9
         x = x ^ (x >> 27)

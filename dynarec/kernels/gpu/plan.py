@@ -1,5 +1,5 @@
 """An insert plan on the device: the three steps of the index's planner, in the plain-torch
-planner's rounds exactly (``dynarec.embedding.insert_plan``), and the commit of new keys into
+planner's rounds exactly (``dynarec.kernels.reference.plan``), and the commit of new keys into
 free slots.
 
 Keys are given in rank order and claim slots in rounds; every decision of a round reads the state
