@@ -148,19 +148,31 @@ def cmd_predict(args) -> None:
         from dynarec.serving import ExportedModel
 
         model = ExportedModel(args.export_dir, device=args.device)
-        probs, label_field = model.predict_files(files), model.config.data.label_field
+        outputs, config = model.predict_files(files), model.config
     else:
         trainer = _restored(args)
-        probs, _, _ = trainer.predict(files, with_labels=False)
-        label_field = trainer.config.data.label_field
-    columns = {"probability": pa.array(probs.astype(np.float32))}
-    if all(label_field in file_schema(f).names for f in files):  # pass the label through
-        labels = [read_table(f, [label_field]).column(label_field).to_numpy() for f in files]
-        columns[label_field] = pa.array(np.concatenate(labels))
+        outputs, _, _ = trainer.predict(files, with_labels=False)
+        config = trainer.config
+    columns = {name: _prediction_column(x) for name, x in outputs.items()}
+    for label in config.label_fields():  # pass the labels through
+        if label not in columns and all(label in file_schema(f).names for f in files):
+            columns[label] = pa.array(np.concatenate([read_table(f, [label]).column(label).to_numpy() for f in files]))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(args.output)) as tmp:
         pq.write_table(pa.table(columns), str(tmp))
-    print(f"wrote {probs.size} predictions to {args.output}")
+    print(f"wrote {len(next(iter(outputs.values())))} predictions to {args.output}")
+
+
+def _prediction_column(x):
+    """A prediction as a Parquet column: float32, a fixed-size list for a row of class
+    probabilities."""
+    import numpy as np
+    import pyarrow as pa
+
+    x = x.astype(np.float32)
+    if x.ndim == 1:
+        return pa.array(x)
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
 
 
 def _relative_to(path: Optional[str], directory: Path) -> Optional[str]:
@@ -207,6 +219,7 @@ def cmd_import_config(args) -> None:
     if result.dropped:
         header += ["# Dropped (--lenient):"] + [f"#   {d}" for d in result.dropped]
     body = yaml.safe_dump(result.config, sort_keys=False, allow_unicode=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, "\n".join(header) + "\n" + body)
     for n in result.notes:
         print(f"note: {n}")
@@ -301,7 +314,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config")
     p.add_argument("--device", default="cpu")
     p.add_argument("--input", nargs="+", required=True)
-    p.add_argument("--output", required=True, help="a Parquet file: column 'probability' (+ the label if present)")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="a Parquet file: column 'probability' (a multi-task model: probs_<task> / y_<task>), "
+        "and the label columns the input holds",
+    )
     p.set_defaults(run=cmd_predict)
 
     p = sub.add_parser("bench", help="run a benchmark (medians, with its baseline in the same run)")

@@ -74,15 +74,18 @@ def main(args) -> None:
         f"({report['steps_per_second']:.1f} steps/s); eval {json.dumps(ev)}"
     )
 
-    probs_eval, labels, _ = trainer.predict(config.data.eval_input_path)
+    outputs, labels, _ = trainer.predict(config.data.eval_input_path)
+    probs_eval = outputs["probability"]
     export_dir = export_model(trainer.task, trainer.example_batch(), work / "export", step=trainer.step)
-    served = ExportedModel(export_dir, device=args.device).predict_files(config.data.eval_input_path)
+    served = ExportedModel(export_dir, device=args.device).predict_files(config.data.eval_input_path)["probability"]
     max_diff = float(np.max(np.abs(served - probs_eval))) if served.size else 0.0
     print(f"[export] {export_dir}: predictions of the export vs the training model's eval: max |diff| {max_diff:.2e}")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"probability": served, "clk": labels.astype(np.int64)}), work / "predictions.parquet")
+    pq.write_table(
+        pa.table({"probability": served, "clk": labels[:, 0].astype(np.int64)}), work / "predictions.parquet"
+    )
     print(f"[predict] wrote {served.size} predictions to {work / 'predictions.parquet'}")
 
     baseline_auc = float("nan")

@@ -1,4 +1,5 @@
-"""Ranking and calibration metrics over a whole evaluation set: AUC, grouped AUC, log loss.
+"""Metrics over a whole evaluation set: AUC, grouped AUC, log loss (binary tasks), accuracy
+(classifiers), mean squared and mean absolute error (regression).
 
 Exact (no binning): AUC is the Mann-Whitney statistic with average ranks for ties.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["auc", "grouped_auc", "log_loss"]
+__all__ = ["accuracy", "auc", "grouped_auc", "log_loss", "mean_absolute_error", "mean_squared_error"]
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -55,3 +56,19 @@ def log_loss(probs, labels, eps: float = 1e-7) -> float:
     p = np.clip(np.asarray(probs, dtype=np.float64), eps, 1 - eps)
     y = np.asarray(labels, dtype=np.float64)
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+def accuracy(probs, labels) -> float:
+    """The share of rows whose most probable class (``probs [N, C]``) is the label ``[N]``."""
+    predicted = np.argmax(np.asarray(probs, dtype=np.float64), axis=1)
+    return float(np.mean(predicted == np.asarray(labels, dtype=np.float64).astype(np.int64)))
+
+
+def mean_squared_error(predictions, labels) -> float:
+    d = np.asarray(predictions, dtype=np.float64) - np.asarray(labels, dtype=np.float64)
+    return float(np.mean(d * d))
+
+
+def mean_absolute_error(predictions, labels) -> float:
+    d = np.asarray(predictions, dtype=np.float64) - np.asarray(labels, dtype=np.float64)
+    return float(np.mean(np.abs(d)))

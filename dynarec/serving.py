@@ -32,6 +32,7 @@ from dynarec.export_format import (
 )
 from dynarec.models.features import sequence_names
 from dynarec.models.inputs import model_inputs
+from dynarec.models.tasks import Tasks, check_predictions
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
@@ -64,6 +65,7 @@ class ExportedModel:
         self.key_counts: dict[str, int] = {}
         self._install(export_dir, meta, materialize(chain))
         self.sequence_features = sequence_names(self.config)
+        self.tasks = Tasks(self.config)
 
     def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, table in self.embeddings.tables.items():
@@ -103,15 +105,22 @@ class ExportedModel:
         self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current})
 
     @torch.no_grad()
-    def predict_batch(self, batch: Batch) -> torch.Tensor:
-        """Click probabilities ``[B]``."""
-        return torch.sigmoid(self.dense(*model_inputs(self.embeddings, batch, self.sequence_features, self.device)))
+    def predict_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``{output name: [B] or [B, C]}`` (``Tasks.predictions``: the click probability
+        ``probability`` of a single-task model; ``probs_<task>`` / ``y_<task>`` of a multi-task
+        one)."""
+        logits = self.dense(*model_inputs(self.embeddings, batch, self.sequence_features, self.device))
+        return self.tasks.predictions(logits)
 
-    def predict_files(self, paths, batch_size: int = 4096) -> np.ndarray:
+    def predict_files(self, paths, batch_size: int = 4096) -> dict[str, np.ndarray]:
+        """:meth:`predict_batch` over every row of ``paths``, in row order."""
         builder = BatchBuilder(self.config, with_labels=False)
         dataset = ArrowBatchDataset(resolve_files(paths), builder, batch_size, self.config.data.input_type)
         dataset.check_files()
-        out = [self.predict_batch(b).cpu().numpy() for b in make_loader(dataset, 0)]
-        probs = np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
-        dataset.check_scores(probs, "click probability")
-        return probs
+        parts = [{k: v.cpu().numpy() for k, v in self.predict_batch(b).items()} for b in make_loader(dataset, 0)]
+        out = {
+            name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=np.float32)
+            for name in self.tasks.output_names()
+        }
+        check_predictions(out, dataset.check_scores)
+        return out

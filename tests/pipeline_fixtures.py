@@ -91,3 +91,23 @@ def write_config(root: Path, cfg: dict, name: str = "config.yaml") -> Path:
     path = root / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+CLICK_AND_BUY = [  # the click log's two labels: a purchase follows a click
+    {"tower_name": "ctr", "label_name": "clk", "hidden_units": [8], "metrics": ["auc", "grouped_auc", "log_loss"]},
+    {"tower_name": "cvr", "label_name": "buy", "hidden_units": [8], "metrics": ["auc", "log_loss"]},
+]
+
+
+def multi_task_config_dict(block: dict | None = None) -> dict:
+    """BASE_CONFIG's features in one deep group, trained by an MMoE (or ``block``) on the click
+    and the purchase."""
+    cfg = config_dict()
+    names = [next(iter(f.values()))["feature_name"] for f in cfg["feature_configs"]]
+    del cfg["data"]["label_field"]
+    cfg["model"] = {
+        "feature_groups": [{"group_name": "all", "feature_names": names}],
+        **(block or {"mmoe": {"expert_hidden_units": [16], "num_expert": 2, "task_towers": CLICK_AND_BUY}}),
+    }
+    cfg["eval"] = {"grouped_auc_field": "user_id"}
+    return cfg

@@ -99,7 +99,7 @@ def _tensorize(batch, sequences: list[str], key_rows: dict[str, int], device: to
         "ids": ids,
         "lengths": {n: per_key[keys.index(n)].to(device) for n in sequences},
         "dense": {k: x.to(device) for k, x in batch.dense.items()},
-        "labels": batch.labels.to(device),
+        "labels": batch.labels[:, 0].to(device),
     }
 
 

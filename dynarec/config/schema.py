@@ -42,6 +42,7 @@ from dynarec.config.features import (
     check_features,
     dependency_order,
 )
+from dynarec.config.tasks import TaskTowerCfg, check_task_towers
 from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
@@ -277,6 +278,58 @@ class WuKongCfg(Strict):
     dense_group: str = "dense"
 
 
+class SimpleMultiTaskCfg(Strict):
+    """Each task's tower MLP straight over the first feature group (no shared layer)."""
+
+    task_towers: list[TaskTowerCfg]
+
+
+class MMoECfg(Strict):
+    """Multi-gate Mixture-of-Experts (Ma et al., 2018) over the first feature group:
+    ``num_expert`` expert MLPs, one softmax gate per task (a linear map, after ``gate_hidden_units``
+    when given) mixing them into that task's tower."""
+
+    expert_hidden_units: list[Count] = Field(min_length=1)
+    gate_hidden_units: list[Count] = []
+    num_expert: Count = 3
+    task_towers: list[TaskTowerCfg]
+
+
+class ExtractionNetworkCfg(Strict):
+    """One PLE extraction layer: ``share_num`` shared experts and ``expert_num_per_task`` experts
+    per task; each task's gate mixes its own and the shared experts."""
+
+    network_name: str = ""
+    share_num: Count
+    expert_num_per_task: Count
+    share_expert_hidden_units: list[Count] = Field(min_length=1)
+    task_expert_hidden_units: list[Count] = Field(min_length=1)
+
+
+class PLECfg(Strict):
+    """Progressive Layered Extraction (Tang et al., 2020): stacked extraction layers over the
+    first feature group, then the task towers."""
+
+    extraction_networks: list[ExtractionNetworkCfg] = Field(min_length=1)
+    task_towers: list[TaskTowerCfg]
+
+
+class DBMTLCfg(Strict):
+    """Deep Bayesian Multi-Target Learning over the first feature group: an optional MaskNet and
+    bottom MLP shared by the tasks, optional MMoE experts (``expert_hidden_units``), each task's
+    MLP, and relation MLPs that feed a task the outputs of the tasks it depends on
+    (``relation_tower_names``)."""
+
+    mask_net: Optional[MaskNetCfg] = None
+    bottom_hidden_units: list[Count] = []
+    expert_hidden_units: list[Count] = []
+    gate_hidden_units: list[Count] = []
+    num_expert: Count = 3
+    task_towers: list[TaskTowerCfg]
+
+
+MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+
 MODEL_KEYS = (
     "multi_tower_din",
     "din",
@@ -288,6 +341,7 @@ MODEL_KEYS = (
     "xdeepfm",
     "mask_net",
     "wukong",
+    *MULTI_TASK_KEYS,
 )
 
 
@@ -303,6 +357,10 @@ class ModelCfg(Strict):
     xdeepfm: Optional[XDeepFMCfg] = None
     mask_net: Optional[MaskNetCfg] = None
     wukong: Optional[WuKongCfg] = None
+    simple_multi_task: Optional[SimpleMultiTaskCfg] = None
+    mmoe: Optional[MMoECfg] = None
+    ple: Optional[PLECfg] = None
+    dbmtl: Optional[DBMTLCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -314,6 +372,8 @@ class ModelCfg(Strict):
             twice = sorted({n for n in g.feature_names if g.feature_names.count(n) > 1})
             if twice:
                 raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
+        if name in MULTI_TASK_KEYS:
+            check_task_towers(self.task_towers, f"model.{name}")
         kinds = {g.group_name: g.group_type for g in self.feature_groups}
         for where, group, wanted in self._tower_inputs(name):
             if group not in kinds:
@@ -346,6 +406,11 @@ class ModelCfg(Strict):
     def name(self) -> str:
         return next(k for k in MODEL_KEYS if getattr(self, k) is not None)
 
+    @property
+    def task_towers(self) -> list[TaskTowerCfg]:
+        """A multi-task model's task towers; [] for a single-task model."""
+        return list(getattr(getattr(self, self.name), "task_towers", []))
+
     def group(self, name: str) -> FeatureGroupCfg:
         for g in self.feature_groups:
             if g.group_name == name:
@@ -356,7 +421,8 @@ class ModelCfg(Strict):
 class DataCfg(Strict):
     train_input_path: Union[str, list[str]]
     eval_input_path: Union[str, list[str], None] = None
-    label_field: str = "label"
+    # A single-task model's label column (default "label"); a multi-task model's tasks name theirs.
+    label_field: Optional[str] = None
     batch_size: Count = 1024
     eval_batch_size: Optional[Count] = None
     # DataLoader workers building batches; None: automatic (0 on a CPU device, where they would
@@ -474,3 +540,33 @@ class Config(Strict):
             if f.feature_name == name:
                 return f
         raise KeyError(name)
+
+    @model_validator(mode="after")
+    def _tasks(self):
+        towers = self.model.task_towers
+        if towers and self.data.label_field is not None:
+            raise ValueError(
+                f"data.label_field: model '{self.model.name}' reads the labels its task_towers name (label_name), "
+                "not data.label_field; remove it"
+            )
+        return self
+
+    def tasks(self) -> list[TaskTowerCfg]:
+        """The model's tasks: a multi-task model's task towers, or the one task of a single-task
+        model (``data.label_field`` under binary cross-entropy, scored by ``eval.metrics``, named
+        ``main``: its outputs and metrics carry no task suffix)."""
+        return self.model.task_towers or [
+            TaskTowerCfg(
+                tower_name="main", label_name=self.data.label_field or "label", metrics=list(self.eval.metrics)
+            )
+        ]
+
+    def label_fields(self) -> list[str]:
+        """The label columns the model reads, in first-use order: each task's label, then its
+        task-space indicator."""
+        names: list[str] = []
+        for t in self.tasks():
+            for n in (t.label_name, t.task_space_indicator_label):
+                if n is not None and n not in names:
+                    names.append(n)
+        return names

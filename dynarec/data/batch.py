@@ -12,7 +12,8 @@ a different number of values row to row, and for EditDistance where the C++ exte
 
 Every bad value is an error naming the feature, the column, the file and the row: a missing
 column, a null id, a NaN or null dense value, a malformed multi-value field, a negative or
-out-of-range id of a fixed feature, a row with the wrong number of values, a label outside {0, 1}.
+out-of-range id of a fixed feature, a row with the wrong number of values, a binary task's label
+outside {0, 1}.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dynarec.config.features import (
     parse_input,
 )
 from dynarec.config.schema import Config
+from dynarec.config.tasks import label_rules
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
@@ -77,7 +79,8 @@ class Batch:
     weights when a feature is weighted, 1.0 for the others). ``dense``: ``{feature: [B]}``
     float32 (normalized) for one number a row, ``[B, k]`` for ``value_dim`` k, ``[B, L, k]`` for a
     dense sequence (zero-padded to the batch's longest; its lengths in ``dense_lengths``, ``[B]``
-    int64). ``labels``: ``[B]`` float32 in {0, 1}. ``groups``: ``[B]`` int64 ids of the grouped-AUC
+    int64). ``labels``: ``[B, L]`` float32, one column per ``Config.label_fields()`` entry
+    (a single-task model's ``data.label_field`` alone). ``groups``: ``[B]`` int64 ids of the grouped-AUC
     field (or None).
     """
 
@@ -208,7 +211,8 @@ class BatchBuilder:
         self._feature_columns = [
             (f.feature_name, c) for f in self.sparse_features + self.dense_features for c in f.columns
         ]
-        self.label_field = config.data.label_field
+        self.label_fields = config.label_fields()
+        self.label_rules = label_rules(config.tasks())
         self.group_field = self._group_field()
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
@@ -217,8 +221,14 @@ class BatchBuilder:
             if g.group_type == "sequence" and sum(n in sequences for n in g.feature_names) > 1
         ]
 
+    def _label_owner(self, label: str) -> str:
+        if not self.config.model.task_towers:
+            return "data.label_field"
+        task = next(t for t in self.config.tasks() if label in (t.label_name, t.task_space_indicator_label))
+        return f"task '{task.tower_name}'"
+
     def _group_field(self) -> Optional[str]:
-        if "grouped_auc" not in self.config.eval.metrics:
+        if not any("grouped_auc" in t.eval_metrics for t in self.config.tasks()):
             return None
         if self.config.eval.grouped_auc_field:
             return self.config.eval.grouped_auc_field
@@ -229,7 +239,7 @@ class BatchBuilder:
         """Every column a batch needs, in a stable order."""
         cols = [c for _, c in self._feature_columns]
         if self.with_labels:
-            cols.append(self.label_field)
+            cols += self.label_fields
         if self.group_field and self.with_labels:
             cols.append(self.group_field)
         return list(dict.fromkeys(cols))
@@ -259,8 +269,9 @@ class BatchBuilder:
         for name, c in self._feature_columns:
             if c not in names:
                 raise DataError(f"{source}: missing column '{c}' (feature '{name}')")
-        if self.with_labels and self.label_field not in names:
-            raise DataError(f"{source}: missing column '{self.label_field}' (data.label_field)")
+        for label in self.label_fields if self.with_labels else []:
+            if label not in names:
+                raise DataError(f"{source}: missing column '{label}' ({self._label_owner(label)})")
         if self.with_labels and self.group_field and self.group_field not in names:
             raise DataError(f"{source}: missing column '{self.group_field}' (eval.grouped_auc_field)")
 
@@ -293,10 +304,10 @@ class BatchBuilder:
                 assert isinstance(out, _Dense)
                 dense[f.feature_name] = torch.from_numpy(out.x32)
         self._check_sequence_groups(computed, origin)
-        labels = torch.zeros(n)
+        labels = torch.zeros(n, len(self.label_fields))
         groups = None
         if self.with_labels:
-            labels = self._labels(table.column(self.label_field), origin)
+            labels = torch.stack([self._labels(table.column(c), c, origin) for c in self.label_fields], dim=1)
             if self.group_field:
                 groups = self._group_ids(table.column(self.group_field))
         return Batch(sparse, dense, labels, groups, n, dense_lengths)
@@ -849,14 +860,17 @@ class BatchBuilder:
 
     # -- labels ----------------------------------------------------------------------------
 
-    def _labels(self, col, origin: RowOrigin) -> torch.Tensor:
-        x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{self.label_field}'", origin.label)
-        bad = np.nonzero(~((x == 0) | (x == 1)))[0]
-        if bad.size:
-            i = int(bad[0])
-            raise DataError(
-                f"{origin.locate(i)}: label column '{self.label_field}' holds {x[i]}; labels must be 0 or 1"
-            )
+    def _labels(self, col, name: str, origin: RowOrigin) -> torch.Tensor:
+        """Label column ``name`` as float32 ``[B]``: finite numbers, and class indices (0 or 1 for
+        a binary task) where a classification task reads it."""
+        x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{name}'", origin.label)
+        classes, rule = self.label_rules.get(name, (None, "labels must be finite numbers"))
+        bad = ~np.isfinite(x)
+        if classes is not None:
+            bad |= (x < 0) | (x >= classes) | (x != np.round(x))
+        i = int(np.argmax(bad)) if bad.any() else -1
+        if i >= 0:
+            raise DataError(f"{origin.locate(i)}: label column '{name}' holds {x[i]}; {rule}")
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:

@@ -51,6 +51,7 @@ from dynarec.config.features import (
     parse_input,
 )
 from dynarec.config.schema import Config
+from dynarec.config.tasks import label_rules
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
@@ -346,11 +347,35 @@ def _table(
         data[c.name] = values
         logit += share
     p = 1.0 / (1.0 + np.exp(-logit))
-    data[config.data.label_field] = pa.array((rng.random(n) < p).astype(np.int64))
+    for name, values in _labels(config, logit, p, rng).items():
+        data[name] = pa.array(values)
     group = config.eval.grouped_auc_field
     if group and group not in data:
         data[group] = pa.array(rng.integers(0, max(n // 20, 1), n))
     return pa.table(data), p
+
+
+def _labels(config: Config, logit: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every label column of ``config``: the first a click drawn with probability ``p``; a later
+    binary label a rarer event that needs the click (a purchase: ``sigmoid(logit - k)`` of its
+    own, ``k`` its position); a class label the quantile bucket of a noisy ``logit``; any other
+    (a regression target, an indicator) ``logit`` plus noise."""
+    rules = label_rules(config.tasks())
+    out: dict[str, np.ndarray] = {}
+    for k, name in enumerate(config.label_fields()):
+        classes = rules.get(name, (None, ""))[0]
+        if k == 0 and classes == 2:
+            out[name] = (rng.random(p.size) < p).astype(np.int64)
+        elif classes == 2:
+            own = 1.0 / (1.0 + np.exp(-(logit - k)))
+            out[name] = ((rng.random(p.size) < own) & (next(iter(out.values())) > 0)).astype(np.int64)
+        elif classes is not None:
+            noisy = logit + rng.normal(0.0, 0.5, p.size)
+            edges = np.quantile(noisy, np.linspace(0, 1, classes + 1)[1:-1]) if p.size else np.zeros(classes - 1)
+            out[name] = np.searchsorted(edges, noisy).astype(np.int64)
+        else:
+            out[name] = logit + rng.normal(0.0, 0.5, p.size)
+    return out
 
 
 def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSpec = GenerateSpec()) -> dict:
@@ -372,17 +397,18 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         (tmp / "train").mkdir(parents=True)
         (tmp / "eval").mkdir()
         per_file = -(-spec.train_rows // spec.train_files)
+        first_label = config.label_fields()[0]  # the click: its rate and Bayes AUC go in meta.json
         clicks = 0
         for i in range(spec.train_files):
             rows = min(per_file, spec.train_rows - i * per_file)
             if rows <= 0:
                 break
             table, _ = _table(columns, config, rows, spec, rng)
-            clicks += int(np.sum(table.column(config.data.label_field).to_numpy()))
+            clicks += int(np.sum(table.column(first_label).to_numpy()))
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
         table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
-        labels = table.column(config.data.label_field).to_numpy()
+        labels = table.column(first_label).to_numpy()
         meta = {
             "generator": "config",
             "columns": [c.name for c in columns],

@@ -6,6 +6,12 @@ probability rewards history-candidate affinity — the fraction of the history i
 category, and the candidate itself appearing in the history — plus user and item biases and a
 price effect, so AUC is meaningful and DIN's attention has something to learn. The true click
 probabilities give the Bayes-optimal AUC of the held-out split, written to ``meta.json``.
+
+A second label, ``buy``, makes it a multi-task log: a purchase follows a click (``buy <= clk``,
+a few percent of the rows) with its own probability, which leans on the click's history affinity
+even more (learnable from the many clicks, hard from the few purchases alone) and has a per-user
+propensity of its own. Its draws come from their own
+random stream, so the other columns are the same with or without it.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class _World:
         totals = np.bincount(cate_sorted, weights=p, minlength=s.num_cates)
         within = np.cumsum(p) - np.concatenate([[0], np.cumsum(totals)[:-1]])[cate_sorted]
         self.cdf = cate_sorted + within / totals[cate_sorted]
+        # The purchase's own draws (a separate stream: the click log's draws are unchanged).
+        self.buy_rng = np.random.default_rng([s.seed, 1])
+        self.user_buy_bias = self.buy_rng.normal(0, 0.6, s.num_users)
 
     def items_in(self, cates: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         u = cates + rng.random(cates.size) * (1 - 1e-12)
@@ -119,6 +128,9 @@ class _World:
         )
         p = 1.0 / (1.0 + np.exp(-logit))
         clk = (rng.random(n) < p).astype(np.int64)
+        buy_logit = -3.3 + 3.0 * same_cate + 1.0 * in_hist + self.user_buy_bias[users] - 0.6 * (np.log(price) - 3.0)
+        p_buy = p / (1.0 + np.exp(-buy_logit))  # P(click) * P(buy | click)
+        buy = clk * (self.buy_rng.random(n) * p < p_buy)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         item, cate = ("i", "c") if s.string_ids else ("", "")
 
@@ -135,9 +147,10 @@ class _World:
                 "hist_cate_id": history(hist_cate, cate),
                 "price": pa.array(price.round(2)),
                 "clk": pa.array(clk),
+                "buy": pa.array(buy.astype(np.int64)),
             }
         )
-        return table, p
+        return table, np.stack([p, p_buy], axis=1)
 
 
 def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> dict:
@@ -175,13 +188,17 @@ def _write_click_log(out: Path, spec: SyntheticSpec) -> dict:
     eval_table, p_eval = world.rows(spec.eval_rows, rng)
     pq.write_table(eval_table, out / "eval" / "part-0.parquet")
     labels = eval_table.column("clk").to_numpy()
+    buys = eval_table.column("buy").to_numpy()
     meta = {
         "spec": asdict(spec),
         "train_rows": spec.train_rows,
         "eval_rows": spec.eval_rows,
         "train_click_rate": float(np.mean(train.column("clk").to_numpy())),
         "eval_click_rate": float(np.mean(labels)),
-        "bayes_optimal_eval_auc": auc(p_eval, labels),
+        "bayes_optimal_eval_auc": auc(p_eval[:, 0], labels),
+        "train_buy_rate": float(np.mean(train.column("buy").to_numpy())),
+        "eval_buy_rate": float(np.mean(buys)),
+        "bayes_optimal_eval_buy_auc": auc(p_eval[:, 1], buys),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta

@@ -46,16 +46,13 @@ class FeatureInput:
 def feature_input(config: Config, name: str) -> FeatureInput:
     """The :class:`FeatureInput` of feature ``name`` of ``config``."""
     f = config.feature(name)
-    sequence = bool(getattr(f, "is_sequence", False)) or type(f).__name__.startswith("Sequence")
-    embedded = getattr(f, "embedded", hasattr(f, "embedding_dim") and getattr(f, "embedding_dim", None) is not None)
-    if embedded:
-        return FeatureInput(name, "sequence" if sequence else "pooled", int(f.embedding_dim))
-    value_dim = int(getattr(f, "value_dim", 1) or 1)
-    embedding = getattr(f, "dense_embedding", None)
-    if sequence:
+    if f.embedded:
+        return FeatureInput(name, "sequence" if f.is_sequence else "pooled", int(f.embedding_dim))
+    value_dim = int(f.value_dim)
+    if f.is_sequence:
         return FeatureInput(name, "dense_sequence", value_dim, value_dim)
-    width = int(f.embedding_dim) if embedding is not None else value_dim
-    return FeatureInput(name, "dense", width, value_dim, embedding)
+    width = int(f.embedding_dim) if f.dense_embedding is not None else value_dim
+    return FeatureInput(name, "dense", width, value_dim, f.dense_embedding)
 
 
 def sequence_names(config: Config) -> list[str]:

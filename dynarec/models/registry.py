@@ -10,6 +10,7 @@ from dynarec.config.schema import Config
 from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
+from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
 from dynarec.models.wide_and_deep import WideAndDeep
@@ -27,10 +28,15 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "xdeepfm": XDeepFM,
     "mask_net": MaskNet,
     "wukong": WuKong,
+    "simple_multi_task": SimpleMultiTask,
+    "mmoe": MMoE,
+    "ple": PLE,
+    "dbmtl": DBMTL,
 }
 
 
 def build_model(config: Config) -> nn.Module:
-    """The dense part of the model: ``(embeddings, seq_lengths, dense) -> logits [B]``."""
+    """The dense part of the model: ``(embeddings, seq_lengths, dense) -> logits``, ``[B]`` for a
+    single-task model, ``[B, K]`` for a multi-task one (dynarec.models.tasks)."""
     name = config.model.name
     return MODELS[name](config, getattr(config.model, name))

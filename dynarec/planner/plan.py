@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from dynarec.config.schema import Config, RawFeatureCfg, SequenceFeatureCfg
+from dynarec.config.schema import Config
 from dynarec.embedding.config import FeatureConfig, ShardingType, TableConfig
 from dynarec.embedding.memory import format_bytes, table_bytes
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.sgd import SGD
 from dynarec.planner.sharding import TableSharding
 
 __all__ = ["DATA_PARALLEL_MAX_BYTES", "Plan", "PlanError", "TablePlan", "plan_from_config", "plan_tables"]
@@ -139,35 +140,45 @@ class Plan:
 
 def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[int, ...]]]:
     """``(table, optimizer, ids per sample)`` of every table; features sharing an
-    ``embedding_name`` share a table (the config has checked that they agree)."""
+    ``embedding_name`` share a table (the config has checked that they agree). A table of
+    ``trainable: false`` features trains with SGD at learning rate 0: its rows stay as they were
+    initialized or loaded (a dynamic one still creates rows for new keys)."""
     grouped: dict[str, list] = {}
     for f in config.features():
-        if not isinstance(f, RawFeatureCfg):
+        if f.embedded:
             grouped.setdefault(f.table_name, []).append(f)
     out = []
     for name, feats in grouped.items():
         first = feats[0]
-        features = [
-            FeatureConfig(f.feature_name, "none" if isinstance(f, SequenceFeatureCfg) else f.pooling) for f in feats
-        ]
+        features = [FeatureConfig(f.feature_name, "none" if f.is_sequence else f.pooling) for f in feats]
         spec = config.train.table_optimizers.get(name, config.train.sparse_optimizer)
+        if not first.trainable:
+            spec = SGD(lr=0.0)
         table = TableConfig(
             name=name,
             dim=first.embedding_dim,
             num_embeddings=first.table_rows,
-            dynamic=first.dynamicemb,
+            dynamic=first.dynamic_table,
             features=features,
             backend=first.backend or config.train.sparse_backend,
             optimizer=spec,
             initializer=first.initializer,
             sharding=first.sharding,
         )
-        ids = tuple(
-            f.sequence_length if isinstance(f, SequenceFeatureCfg) else 8 if f.separator else 1  # 8: a guess
-            for f in feats
-        )
+        ids = tuple(_ids_per_sample(f) for f in feats)
         out.append((table, spec, ids))
     return out
+
+
+def _ids_per_sample(f) -> int:
+    """A guess of the ids a row of feature ``f`` sends its table (for the plan's traffic
+    figures): a sequence's length, ``value_dim`` ids of bucketized numbers, 8 for a
+    multi-valued id feature, else 1."""
+    if f.is_sequence:
+        return int(f.sequence_length)
+    if getattr(f, "separator", None) and f.KIND == "id_feature":
+        return 8
+    return max(int(getattr(f, "value_dim", 1) or 1), 1)
 
 
 def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optional[int] = None) -> Plan:

@@ -58,7 +58,8 @@ def check_dense_fits(config: Config, device: torch.device, budget: Optional[int]
 
 
 class RankingTask(nn.Module):
-    """``batch -> logits [B]``. ``embeddings`` trains its tables inside backward; ``dense``
+    """``batch -> logits``: ``[B]``, or ``[B, K]`` for a multi-task model (dynarec.models.tasks).
+    ``embeddings`` trains its tables inside backward; ``dense``
     holds every parameter a dense optimizer may see."""
 
     def __init__(
@@ -95,7 +96,7 @@ class RankingTask(nn.Module):
         self.sequence_features = sequence_names(config)
 
     def forward(self, batch: Batch, low_precision: bool = False) -> torch.Tensor:
-        """``[B]`` float32 logits; ``low_precision``: the dense model in bfloat16 (autocast: the
+        """Float32 logits (``[B]`` or ``[B, K]``); ``low_precision``: the dense model in bfloat16 (autocast: the
         embeddings are looked up and the logits returned in float32)."""
         inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device)
         if not low_precision:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -79,6 +80,8 @@ class Trainer:
             torch.manual_seed(config.train.seed)
             self.task = RankingTask(config, self.device, self.ctx)
         self.evaluator = Evaluator(config, self.task, self.input, self.ctx)
+        self.tasks = self.evaluator.tasks
+        self._frozen_tables = {f.table_name for f in config.features() if f.embedded and not f.trainable}
         self.dense_optimizer = config.train.dense_optimizer.build(self.task.dense.parameters())
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
@@ -178,8 +181,9 @@ class Trainer:
 
     def _set_learning_rates(self) -> None:
         train = self.config.train
-        for table in self.task.embeddings.tables.values():
-            table.set_learning_rate(train.sparse_lr_schedule.learning_rate(self.step, table.spec.lr))
+        for name, table in self.task.embeddings.tables.items():
+            if name not in self._frozen_tables:  # trainable: false keeps learning rate 0 (the planner's SGD)
+                table.set_learning_rate(train.sparse_lr_schedule.learning_rate(self.step, table.spec.lr))
         for g, base in zip(self.dense_optimizer.param_groups, self._dense_base_lr):
             g["lr"] = train.dense_lr_schedule.learning_rate(self.step, base)
 
@@ -222,8 +226,8 @@ class Trainer:
         train = self.config.train
         logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
         labels = batch.labels.to(self.device, non_blocking=True)
-        global_rows = global_rows or batch.num_rows
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / global_rows
+        global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
+        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum)
         bad = not bool(torch.isfinite(loss))
         if self.ctx.distributed:
             bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")

@@ -1,5 +1,7 @@
 """Config errors name the field path; the sparse optimizer becomes one typed spec."""
 
+import copy
+
 import pytest
 
 from dynarec.config import ConfigError, config_from_dict, load_config
@@ -208,7 +210,7 @@ EVERY_KIND = [
 
 def every_kind_config() -> dict:
     c = config_dict()
-    c["feature_configs"] += EVERY_KIND
+    c["feature_configs"] += copy.deepcopy(EVERY_KIND)  # callers edit what they get
     c["model"]["feature_groups"][1]["feature_names"] += [next(iter(f.values()))["feature_name"] for f in EVERY_KIND]
     return c
 

@@ -48,7 +48,7 @@ def test_batch_values_and_layout():
     torch.testing.assert_close(
         b.dense["price"], torch.tensor((np.log1p([10.0, 20.0, 30.0]) - 3.0) / 0.8, dtype=torch.float32)
     )
-    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert b.labels.tolist() == [[1.0], [0.0], [1.0]]  # [B, L]: one label column
     assert b.groups.tolist() == users
 
 

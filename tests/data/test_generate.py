@@ -32,7 +32,7 @@ def test_the_columns_of_the_pipeline_config_fixtures_build_batches(tmp_path):
     lengths = batch.sequence_lengths(["hist_item_id", "hist_cate_id"])
     assert lengths["hist_item_id"].tolist() == lengths["hist_cate_id"].tolist()  # one sequence group
     assert int(lengths["hist_item_id"].max()) <= 6 and int(lengths["hist_item_id"].min()) >= 1
-    assert set(batch.labels.tolist()) <= {0.0, 1.0}
+    assert set(batch.labels.flatten().tolist()) <= {0.0, 1.0}
 
 
 @pytest.mark.parametrize("name", ["dlrm_criteo", "deepfm_criteo", "multi_tower_din_taobao"])
@@ -139,3 +139,24 @@ def test_every_kind_builds_the_same_batch_on_the_python_path(tmp_path):
     for n in (0, 1):
         b = builder.build(table.slice(0, n), "t.parquet")
         assert b.num_rows == n and b.dense["s"].shape[:1] == (n,) and b.dense_lengths["s"].shape == (n,)
+
+
+def test_make_data_writes_every_label_of_a_multi_task_model(tmp_path):
+    """A click, a purchase that needs the click, a class label and a regression target."""
+    from tests.models.test_models import model_config
+
+    raw = model_config("mmoe").model_dump(mode="json", exclude_unset=True)
+    raw["model"]["mmoe"]["task_towers"] += [
+        {"tower_name": "stars", "label_name": "stars", "num_class": 3, "losses": [{"softmax_cross_entropy": {}}]},
+        {"tower_name": "dwell", "label_name": "dwell", "losses": [{"l2_loss": {}}]},
+    ]
+    config = config_from_dict(raw)
+    make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=2000, eval_rows=100, train_files=1))
+    table = pq.read_table(tmp_path / "d" / "train" / "part-0.parquet")
+    click, buy = table.column("label").to_numpy(), table.column("label2").to_numpy()
+    assert set(click) == {0, 1} and set(buy) == {0, 1}
+    assert (buy <= click).all() and buy.mean() < click.mean()
+    assert sorted(set(table.column("stars").to_pylist())) == [0, 1, 2]
+    assert table.schema.field("dwell").type == "double"
+    (batch, *_) = batches_of(config, tmp_path / "d")
+    assert batch.labels.shape == (64, 4)  # label, label2, stars, dwell: Config.label_fields()

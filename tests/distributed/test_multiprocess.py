@@ -18,7 +18,7 @@ from dynarec.distributed.reshard import tables_for_rank
 from dynarec.planner import plan_from_config
 from dynarec.serving import ExportedModel
 from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
-from tests.pipeline_fixtures import config_dict, make_data, write_config
+from tests.pipeline_fixtures import config_dict, make_data, multi_task_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,36 @@ def test_the_export_of_a_two_process_run_equals_the_one_process_export(runs, tmp
             table.read_rows(keys)["weight"], e2.embeddings.tables[name].read_rows(keys)["weight"], **TOL
         )
     eval_file = runs / "data" / "eval" / "part-0.parquet"
-    np.testing.assert_allclose(e1.predict_files(str(eval_file)), e2.predict_files(str(eval_file)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        e1.predict_files(str(eval_file))["probability"],
+        e2.predict_files(str(eval_file))["probability"],
+        rtol=0,
+        atol=1e-5,
+    )
+
+
+def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
+    """MMoE with a task-space weight (its normalizer summed over both ranks' rows): the tables
+    and the dense model of 2 x 60 rows a step equal those of 1 x 120."""
+    configs = []
+    for batch in (120, 60):
+        c = multi_task_config_dict()
+        mixed = mixed_config(runs, batch)
+        c["feature_configs"], c["train"] = mixed["feature_configs"], mixed["train"]
+        c["data"]["batch_size"] = batch
+        c["model"]["mmoe"]["task_towers"][1].update(task_space_indicator_label="clk", out_task_space_weight=0.25)
+        configs.append(write_config(runs, c, f"mt{batch}.yaml"))
+    for config, model_dir, nproc in ((configs[0], "mt1", 1), (configs[1], "mt2", 2)):
+        rc, out = run(
+            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
+        )
+        assert rc == 0, out
+    s1, t1 = merged_tables(tmp_path / "mt1")
+    s2, t2 = merged_tables(tmp_path / "mt2")
+    assert s2["plan"]["world_size"] == 2
+    assert_tables_close(t1, t2)
+    for k in s1["dense"]:
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
 
 
 def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):

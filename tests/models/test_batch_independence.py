@@ -11,7 +11,7 @@ from dynarec.models import MODELS
 from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
 from dynarec.train.trainer import Trainer
-from tests.models.test_models import model_config
+from tests.models.test_models import MULTI_TASK, model_config
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,7 @@ def data(tmp_path_factory):
                 "s": ["|".join(str(x) for x in rng.integers(0, 10, k)) for k in lengths],
                 "x": rng.normal(size=n),
                 "label": rng.integers(0, 2, n),
+                "label2": rng.integers(0, 2, n),
             }
         ),
         root / "rows.parquet",
@@ -42,7 +43,9 @@ def data(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
-    raw["data"] = {"train_input_path": str(data), "label_field": "label", "batch_size": 64}
+    raw["data"] = {"train_input_path": str(data), "batch_size": 64}
+    if name not in MULTI_TASK:
+        raw["data"]["label_field"] = "label"
     raw["train"]["num_epochs"] = 1
     raw["eval"] = {"metrics": ["auc"]}
     trainer = Trainer(config_from_dict(raw), tmp_path / "m", progress=False)
@@ -50,6 +53,8 @@ def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     export = export_model(trainer.task, trainer.example_batch(), tmp_path / "export")
     model = ExportedModel(export)
     scores = {b: model.predict_files(str(data), batch_size=b) for b in (1, 37, 4096)}
-    assert scores[1].shape == (300,)
-    np.testing.assert_allclose(scores[37], scores[1], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(scores[4096], scores[1], rtol=0, atol=1e-6)
+    assert list(scores[1]) == (["probs_ctr", "probs_cvr"] if name in MULTI_TASK else ["probability"])
+    for output, one in scores[1].items():
+        assert one.shape == (300,)
+        np.testing.assert_allclose(scores[37][output], one, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(scores[4096][output], one, rtol=0, atol=1e-6)

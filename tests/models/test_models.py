@@ -23,6 +23,17 @@ SAME_DIM = [  # DeepFM and DLRM want one embedding dim
     {"raw_feature": {"feature_name": "x"}},
 ]
 
+TASK_TOWERS = [  # a click task and a conversion task inside the clicks' space
+    {"tower_name": "ctr", "label_name": "label", "hidden_units": [4]},
+    {
+        "tower_name": "cvr",
+        "label_name": "label2",
+        "hidden_units": [4],
+        "task_space_indicator_label": "label",
+        "out_task_space_weight": 0.0,
+    },
+]
+
 MODEL_BLOCKS = {
     "multi_tower_din": (
         {
@@ -59,7 +70,46 @@ MODEL_BLOCKS = {
         },
         False,
     ),
+    "simple_multi_task": ({"task_towers": TASK_TOWERS}, False),
+    "mmoe": (
+        {"expert_hidden_units": [8], "num_expert": 2, "gate_hidden_units": [4], "task_towers": TASK_TOWERS},
+        False,
+    ),
+    "ple": (
+        {
+            "extraction_networks": [
+                {
+                    "share_num": 1,
+                    "expert_num_per_task": 2,
+                    "share_expert_hidden_units": [8],
+                    "task_expert_hidden_units": [8],
+                },
+                {
+                    "share_num": 2,
+                    "expert_num_per_task": 1,
+                    "share_expert_hidden_units": [6],
+                    "task_expert_hidden_units": [6],
+                },
+            ],
+            "task_towers": TASK_TOWERS,
+        },
+        False,
+    ),
+    "dbmtl": (
+        {
+            "mask_net": {"n_mask_blocks": 2, "mask_block": {"hidden_dim": 6}, "top_hidden_units": [8]},
+            "bottom_hidden_units": [8],
+            "expert_hidden_units": [6],
+            "num_expert": 2,
+            "task_towers": [
+                TASK_TOWERS[0],
+                {**TASK_TOWERS[1], "relation_tower_names": ["ctr"], "relation_hidden_units": [4]},
+            ],
+        },
+        False,
+    ),
 }
+MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
 
 
 def model_config(name):
@@ -80,6 +130,8 @@ def model_config(name):
         ]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
+    if name in MULTI_TASK:
+        del c["data"]["label_field"]
     return config_from_dict(c)
 
 
@@ -101,7 +153,7 @@ def test_model_forward_backward(name):
     for v in emb.values():
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
-    assert out.shape == (5,) and torch.isfinite(out).all()
+    assert out.shape == ((5, 2) if name in MULTI_TASK else (5,)) and torch.isfinite(out).all()
     out.sum().backward()
     assert emb["a"].grad is not None and any(p.grad is not None for p in model.parameters())
 

@@ -137,7 +137,7 @@ def test_every_dynamic_table_setting_reaches_plan_and_table():
     [
         ("backend", "native", "fbgemm"),
         ("initializer", {"kind": "constant", "value": 0.1}, {"kind": "normal", "std": 0.1}),
-        ("value_type", "int", "string"),
+        ("trainable", True, False),
         ("num_buckets", 200, 300),
     ],
 )

@@ -286,8 +286,10 @@ def test_evaluate_and_predict_never_report_over_scores_that_are_not_numbers(data
     poisoned = rows["weight"].clone()
     poisoned[:] = float("nan")
     trainer.task.embeddings.write_rows("item", torch.arange(item.num_embeddings), {"weight": poisoned})
-    with pytest.raises(ValueError, match=rf"{eval_file}, row 0: the model's click probability is nan \(400 of 400"):
+    with pytest.raises(
+        ValueError, match=rf"{eval_file}, row 0: the model's prediction 'probability' is nan \(400 of 400"
+    ):
         trainer.evaluate(str(eval_file))
     export_model(trainer.task, trainer.example_batch(), tmp_path / "e", step=trainer.step)
-    with pytest.raises(ValueError, match=rf"{eval_file}, row 0: the model's click probability is nan"):
+    with pytest.raises(ValueError, match=rf"{eval_file}, row 0: the model's prediction 'probability' is nan"):
         ExportedModel(tmp_path / "e").predict_files(str(eval_file))

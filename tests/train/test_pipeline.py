@@ -73,13 +73,14 @@ def test_train_evaluate_export_predict(data_root, tmp_path, capsys):
 
     trainer = Trainer(load_config(model_dir / "config.yaml"), model_dir, progress=False)
     trainer.restore()
-    eval_probs, labels, _ = trainer.predict(str(eval_file))
+    outputs, labels, _ = trainer.predict(str(eval_file))
+    eval_probs = outputs["probability"]
     assert served.shape == eval_probs.shape == (400,)
     np.testing.assert_allclose(served, eval_probs, rtol=0, atol=1e-5)
     np.testing.assert_allclose(from_ckpt, eval_probs, rtol=0, atol=1e-6)
-    assert pq.read_table(out_export).column("clk").to_numpy().tolist() == labels.astype(int).tolist()
+    assert pq.read_table(out_export).column("clk").to_numpy().tolist() == labels[:, 0].astype(int).tolist()
     # One row at a time through the export, too (batch of 1 against a batch-dynamic program).
-    one = ExportedModel(export_dir).predict_files(str(eval_file), batch_size=1)
+    one = ExportedModel(export_dir).predict_files(str(eval_file), batch_size=1)["probability"]
     np.testing.assert_allclose(one, eval_probs, rtol=0, atol=1e-5)
 
 

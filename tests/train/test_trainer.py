@@ -29,7 +29,7 @@ def small_config(path, **train):
             ],
             "model": {
                 "feature_groups": [{"group_name": "all", "feature_names": ["item", "user"]}],
-                "multi_tower_din": {"towers": [{"input": "all", "hidden_units": [4]}]},
+                "multi_tower_din": {"towers": [{"input": "all", "hidden_units": [16]}]},
             },
             "data": {"train_input_path": str(path), "label_field": "clk", "batch_size": 100},
             "train": {"sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05}}, **train},

@@ -17,8 +17,9 @@ from pydantic import ValidationError
 
 from dynarec.config.textproto import Message, parse
 from dynarec.config.tzrec.features import Converted, Mode, convert_features
-from dynarec.config.tzrec.model import ModelResult, convert_model, prune_model
+from dynarec.config.tzrec.model import ModelResult, convert_model, model_name, prune_model
 from dynarec.config.tzrec.reader import Context, Reader
+from dynarec.config.tzrec.tasks import MULTI_TASK
 from dynarec.config.tzrec.train import convert_data_config, convert_train_config, data_source
 
 __all__ = ["ConversionError", "ConversionResult", "convert_pipeline_config"]
@@ -76,6 +77,7 @@ def convert_pipeline_config(
     top.scalar("model_dir")
 
     d = top.message("data_config")
+    labels = [str(x) for x in d.msg.values("label_fields")] if d is not None else []
     mode = convert_data_config(d, data, replaced) if d is not None else None
     if mode is None:
         mode = Mode(encoded=True)  # TorchEasyRec's default fg_mode, FG_NONE
@@ -97,11 +99,16 @@ def convert_pipeline_config(
         e.default_only("use_dense_ema", False)
         e.done()
     if (m := top.message("model_config")) is not None:
-        model = convert_model(m, features, ctx)
+        model = convert_model(m, features, ctx, labels)
     else:
         ctx.refuse("model_config", "a model_config is needed", fatal=True)
         model = ModelResult({"feature_groups": [], "dlrm": {}}, {})
     eval_cfg.update(model.eval)
+    if model_name(model.model) in MULTI_TASK:
+        data.pop("label_field", None)
+    elif len(labels) != 1:
+        where = d.at("label_fields") if d is not None else "data_config.label_fields"
+        ctx.refuse(where, f"a single-task model reads one label field, got {labels}", fatal=True)
     if (x := top.message("export_config")) is not None:
         x.default_only("exporter_type", "latest")
         for key in ("best_exporter_metric", "metric_larger_is_better", "cudnn_allow_tf32", "cuda_matmul_allow_tf32"):

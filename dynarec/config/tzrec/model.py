@@ -10,8 +10,9 @@ from dynarec.config.textproto import Message
 from dynarec.config.tzrec.features import Converted, initializer
 from dynarec.config.tzrec.reader import Context, Reader
 from dynarec.config.tzrec.schema_fields import field_values
+from dynarec.config.tzrec.tasks import MULTI_TASK, convert_loss, convert_metric, convert_multi_task
 
-__all__ = ["ModelResult", "column_of", "convert_model", "prune_model"]
+__all__ = ["ModelResult", "column_of", "convert_model", "prune_model", "tzrec_models"]
 
 _GROUP_TYPES = {"DEEP": "deep", "WIDE": "wide", "SEQUENCE": "sequence", "JAGGED_SEQUENCE": "sequence"}
 
@@ -110,11 +111,12 @@ _TARGETS = {
     "dcn_v1": "dcn",
     "dcn_v2": "dcn_v2",
     "xdeepfm": "xdeepfm",
+    **{name: name for name in MULTI_TASK},
 }
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
 
 
-def _models() -> tuple[str, ...]:
+def tzrec_models() -> tuple[str, ...]:
     """TorchEasyRec's models dynarec has (its schema's model keys)."""
     from dynarec.config.schema import MODEL_KEYS
 
@@ -133,10 +135,11 @@ _MODEL_FIELDS = (
 )
 
 
-def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelResult:
+def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: list[str]) -> ModelResult:
     """model_config -> the dynarec model block and the eval settings its metrics give.
-    ``features`` gains the twins a WIDE group needs."""
-    models = _models()
+    ``features`` gains the twins a WIDE group needs; ``labels`` (data_config.label_fields) are
+    the default labels of DBMTL's towers, in order."""
+    models = tzrec_models()
     others = [n for n in r.msg.names() if n not in models and n not in _MODEL_FIELDS]
     model_names = [n for n in models if r.has(n)]
     if len(model_names) != 1:
@@ -210,6 +213,19 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelRe
         if name == "deepfm" and "fm" in groups:
             block["fm_group"] = "fm"
         out[name] = block
+    elif name in MULTI_TASK:
+        out[name] = convert_multi_task(
+            name,
+            m,
+            labels,
+            lambda mlp, path: _mlp(mlp, path, ctx).units,
+            lambda module: _mask_net_module(module, ctx),
+            lambda key: column_of(features, key),
+            result.eval,
+        )
+        for key in ("losses", "metrics"):
+            if r.has(key):
+                ctx.refuse(r.at(key), f"a multi-task model's {key} belong in its task_towers", fatal=True)
     elif name in _ZOO:
         out[_TARGETS[name]] = _ZOO[name](m, ctx)
         if name == "xdeepfm":
@@ -243,39 +259,22 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context) -> ModelRe
     m.done()
     if r.scalar("num_class", 1) != 1:
         ctx.refuse(r.at("num_class"), "only binary classification (num_class 1) is supported", fatal=True)
-    for loss in r.messages("losses"):
-        kinds = loss.msg.names()
-        if kinds != ["binary_cross_entropy"]:
-            ctx.refuse(loss.path, f"{kinds} is not supported (binary_cross_entropy is)", fatal=True)
-            loss.taken.update(kinds)
-        else:
-            bce = loss.message("binary_cross_entropy")
-            assert bce is not None
-            bce.default_only("label_smoothing", 0.0)
-            bce.done()
-        loss.done()
+    for loss in r.messages("losses"):  # a single-task model: binary cross-entropy, as dynarec's
+        converted = convert_loss(loss)
+        if converted is not None and converted != {"binary_cross_entropy": {}}:
+            ctx.refuse(
+                loss.path,
+                f"{next(iter(converted))} is not supported for a single-task model (binary_cross_entropy without "
+                "label smoothing is; a multi-task model's task towers take every loss)",
+                fatal=True,
+            )
     metrics = []
     for metric in r.messages("metrics"):
-        kinds = metric.msg.names()
-        if kinds == ["auc"]:
-            a = metric.message("auc")
-            assert a is not None
-            if a.has("thresholds"):
-                ctx.note(a.at("thresholds"), "dynarec computes the exact AUC (TorchEasyRec bins scores)")
-            a.scalar("thresholds")
-            a.done()
-            metrics.append("auc")
-        elif kinds == ["grouped_auc"]:
-            g = metric.message("grouped_auc")
-            assert g is not None
-            key = str(g.scalar("grouping_key", ""))
-            result.eval["grouped_auc_field"] = column_of(features, key)
-            g.done()
-            metrics.append("grouped_auc")
-        else:
-            ctx.refuse(metric.path, f"{kinds} is not supported (auc, grouped_auc are)")
-            metric.taken.update(kinds)
-        metric.done()
+        kind = convert_metric(metric, lambda key: column_of(features, key), result.eval)
+        if kind in ("auc", "grouped_auc"):
+            metrics.append(kind)
+        elif kind is not None:
+            ctx.refuse(metric.path, f"{kind} is not supported for a single-task model (auc, grouped_auc are)")
     if metrics:
         result.eval["metrics"] = list(dict.fromkeys(metrics))
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False)):
@@ -296,6 +295,11 @@ def _mask_net(m: Reader, ctx: Context) -> dict[str, Any]:
     if module is None:
         ctx.refuse(m.at("mask_net_module"), "a mask_net_module is needed", fatal=True)
         return {}
+    return _mask_net_module(module, ctx)
+
+
+def _mask_net_module(module: Reader, ctx: Context) -> dict[str, Any]:
+    """A MaskNetModule: mask blocks and the top MLP."""
     out: dict[str, Any] = {"n_mask_blocks": module.integer("n_mask_blocks", 1)}
     block = module.message("mask_block")
     if block is None:

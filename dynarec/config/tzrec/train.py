@@ -181,9 +181,7 @@ def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode
     if d.has("num_workers"):  # else dynarec's automatic count (TorchEasyRec's default, 8, suits few machines)
         data["num_workers"] = d.integer("num_workers")
     labels = [str(x) for x in d.repeated("label_fields")]
-    if len(labels) != 1:
-        ctx.refuse(d.at("label_fields"), f"one label field is supported, got {labels}", fatal=True)
-    if labels:
+    if len(labels) == 1:  # several: a multi-task model's towers name theirs (checked with the model)
         data["label_field"] = labels[0]
     dataset = str(d.scalar("dataset_type", "OdpsDataset"))
     if dataset == "ParquetDataset":

@@ -1,0 +1,204 @@
+"""Losses, metrics and task towers (``tzrec/protos/loss.proto``, ``metric.proto``,
+``tower.proto``), and the multi-task models that hold the towers: simple_multi_task, mmoe, ple
+and dbmtl (``multi_task_rank.proto``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+from dynarec.config.tzrec.reader import Reader
+
+__all__ = ["MULTI_TASK", "convert_loss", "convert_metric", "convert_multi_task"]
+
+# TorchEasyRec's loss -> its fields and defaults, as dynarec takes them.
+_LOSSES: dict[str, dict[str, float]] = {
+    "binary_cross_entropy": {"label_smoothing": 0.0},
+    "binary_focal_loss": {"gamma": 2.0, "alpha": 0.5},
+    "softmax_cross_entropy": {"label_smoothing": 0.0},
+    "l2_loss": {},
+}
+_METRICS = ("auc", "grouped_auc", "mean_squared_error", "mean_absolute_error", "accuracy")
+
+
+def convert_loss(loss: Reader) -> Optional[dict[str, Any]]:
+    """One ``losses`` block as dynarec's ``{kind: {settings}}``; None (refused by path) for a loss
+    dynarec lacks (jrc_loss: a session's in-batch ranking; the semantic-id losses)."""
+    kinds = loss.msg.names()
+    if len(kinds) != 1 or kinds[0] not in _LOSSES:
+        loss.ctx.refuse(loss.path, f"{kinds} is not supported ({', '.join(_LOSSES)} are)", fatal=True)
+        loss.taken.update(kinds)
+        return None
+    body = loss.message(kinds[0])
+    assert body is not None
+    settings = {k: body.number(k, default) for k, default in _LOSSES[kinds[0]].items()}
+    body.done()
+    loss.done()
+    return {kinds[0]: {k: v for k, v in settings.items() if v != _LOSSES[kinds[0]][k]}}
+
+
+def convert_metric(metric: Reader, grouping_column: Callable[[str], str], eval_out: dict[str, Any]) -> Optional[str]:
+    """One ``metrics`` block as dynarec's metric name (a grouped AUC's key goes to
+    ``eval_out['grouped_auc_field']``); None, refused by path, for a metric dynarec lacks."""
+    kinds = metric.msg.names()
+    if len(kinds) != 1 or kinds[0] not in _METRICS:
+        metric.ctx.refuse(metric.path, f"{kinds} is not supported ({', '.join(_METRICS)} are)")
+        metric.taken.update(kinds)
+        return None
+    kind = kinds[0]
+    body = metric.message(kind)
+    assert body is not None
+    if kind == "auc":
+        if body.has("thresholds"):
+            body.ctx.note(body.at("thresholds"), "dynarec computes the exact AUC (TorchEasyRec bins scores)")
+        body.scalar("thresholds")
+    elif kind == "grouped_auc":
+        column = grouping_column(str(body.scalar("grouping_key", "")))
+        if eval_out.get("grouped_auc_field", column) != column:
+            body.ctx.refuse(
+                body.at("grouping_key"),
+                f"dynarec groups every grouped AUC by one column; {eval_out['grouped_auc_field']!r} is taken already",
+            )
+        eval_out["grouped_auc_field"] = column
+    elif kind == "accuracy":
+        body.default_only("threshold", 0.5)
+        body.default_only("top_k", 1)
+    body.done()
+    metric.done()
+    return kind
+
+
+# -- task towers -------------------------------------------------------------------------------
+
+_Mlp = Callable[[Optional[Reader], str], list[int]]
+
+
+def _task_tower(
+    t: Reader,
+    i: int,
+    labels: list[str],
+    mlp: _Mlp,
+    grouping_column: Callable[[str], str],
+    eval_out: dict[str, Any],
+    bayes: bool,
+) -> dict[str, Any]:
+    """A TaskTower (a BayesTaskTower with ``bayes``: its label defaults to ``label_fields[i]``,
+    relations to earlier towers) as dynarec's task tower."""
+    ctx = t.ctx
+    out: dict[str, Any] = {"tower_name": str(t.scalar("tower_name", f"task{i}"))}
+    label = t.scalar("label_name")
+    if label is None and bayes and i < len(labels):
+        label = labels[i]
+    if label is None:
+        ctx.refuse(t.at("label_name"), "a task tower needs its label_name", fatal=True)
+    out["label_name"] = str(label or "")
+    if (m := t.message("mlp")) is not None:
+        out["hidden_units"] = mlp(m, t.at("mlp"))
+    losses = [convert_loss(loss) for loss in t.messages("losses")]
+    if not losses:
+        ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
+    out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]
+    metrics = [convert_metric(metric, grouping_column, eval_out) for metric in t.messages("metrics")]
+    out["metrics"] = [m for m in dict.fromkeys(metrics) if m is not None]
+    if not out["metrics"]:
+        del out["metrics"]
+    if (num_class := t.integer("num_class", 1)) != 1:
+        out["num_class"] = num_class
+    if (weight := t.number("weight", 1.0)) != 1.0:
+        out["weight"] = weight
+    if t.has("task_space_indicator_label"):
+        out["task_space_indicator_label"] = str(t.scalar("task_space_indicator_label"))
+        for key in ("in_task_space_weight", "out_task_space_weight"):
+            out[key] = t.number(key, 1.0)
+    else:
+        for key in ("in_task_space_weight", "out_task_space_weight"):
+            t.default_only(key, 1.0, "without a task_space_indicator_label it does nothing")
+    t.refuse("sample_weight_name", why="per-sample weight columns are not supported")
+    t.default_only("pareto_min_loss_weight", 0.0, "pareto loss weights are not supported")
+    t.ignore("train_metrics", "metrics of the training batches, logged only")
+    if bayes:
+        relations = [str(x) for x in t.repeated("relation_tower_names")]
+        relation_mlp = t.message("relation_mlp")
+        if relations and relation_mlp is not None:
+            out["relation_tower_names"] = relations
+            out["relation_hidden_units"] = mlp(relation_mlp, t.at("relation_mlp"))
+        elif relations:
+            ctx.note(t.at("relation_tower_names"), "ignored without a relation_mlp, as TorchEasyRec ignores them")
+        elif relation_mlp is not None:
+            ctx.note(t.at("relation_mlp"), "ignored without relation_tower_names, as TorchEasyRec ignores it")
+    t.done()
+    return out
+
+
+def _towers(
+    m: Reader,
+    labels: list[str],
+    mlp: _Mlp,
+    grouping_column: Callable[[str], str],
+    eval_out: dict[str, Any],
+    bayes=False,
+) -> list[dict[str, Any]]:
+    towers = [
+        _task_tower(t, i, labels, mlp, grouping_column, eval_out, bayes)
+        for i, t in enumerate(m.messages("task_towers"))
+    ]
+    if not towers:
+        m.ctx.refuse(m.at("task_towers"), "at least one task tower is needed", fatal=True)
+    return towers
+
+
+# -- the models ----------------------------------------------------------------------------------
+
+MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+
+
+def convert_multi_task(
+    name: str,
+    m: Reader,
+    labels: list[str],
+    mlp: _Mlp,
+    mask_net: Callable[[Reader], dict[str, Any]],
+    grouping_column: Callable[[str], str],
+    eval_out: dict[str, Any],
+) -> dict[str, Any]:
+    """A multi-task model block (``name`` one of :data:`MULTI_TASK`)."""
+    out: dict[str, Any] = {}
+    if name == "mmoe":
+        out["expert_hidden_units"] = mlp(m.message("expert_mlp"), m.at("expert_mlp"))
+        if (gate := m.message("gate_mlp")) is not None:
+            out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"))
+        out["num_expert"] = m.integer("num_expert", 3)
+    elif name == "ple":
+        out["extraction_networks"] = [_extraction_network(e, mlp) for e in m.messages("extraction_networks")]
+        if not out["extraction_networks"]:
+            m.ctx.refuse(m.at("extraction_networks"), "at least one extraction network is needed", fatal=True)
+    elif name == "dbmtl":
+        if (module := m.message("mask_net")) is not None:
+            out["mask_net"] = mask_net(module)
+        for key, field in (("bottom_mlp", "bottom_hidden_units"), ("expert_mlp", "expert_hidden_units")):
+            if (block := m.message(key)) is not None:
+                out[field] = mlp(block, m.at(key))
+        if (gate := m.message("gate_mlp")) is not None:
+            if "expert_hidden_units" in out:
+                out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"))
+            else:
+                m.ctx.note(m.at("gate_mlp"), "ignored without an expert_mlp, as TorchEasyRec ignores it")
+        num_expert = m.integer("num_expert", 3)
+        if "expert_hidden_units" in out:
+            out["num_expert"] = num_expert
+    out["task_towers"] = _towers(m, labels, mlp, grouping_column, eval_out, bayes=name == "dbmtl")
+    m.done()
+    return out
+
+
+def _extraction_network(e: Reader, mlp: _Mlp) -> dict[str, Any]:
+    out: dict[str, Any] = {"network_name": str(e.scalar("network_name", ""))}
+    out["expert_num_per_task"] = e.integer("expert_num_per_task", 1)
+    out["share_num"] = e.integer("share_num", 0)
+    out["task_expert_hidden_units"] = mlp(e.message("task_expert_net"), e.at("task_expert_net"))
+    if out["share_num"] < 1:
+        e.ctx.refuse(e.at("share_num"), "PLE needs shared experts (share_num >= 1)", fatal=True)
+        out["share_num"] = 1
+    out["share_expert_hidden_units"] = mlp(e.message("share_expert_net"), e.at("share_expert_net"))
+    e.done()
+    return out

@@ -1,0 +1,183 @@
+"""A model's tasks at run time: its logits split per task, each task's loss, predictions and
+metrics (the configs are :mod:`dynarec.config.tasks`).
+
+A model returns logits ``[B]`` (one binary task) or ``[B, K]`` with ``K`` the sum of its tasks'
+``num_class``, in task order. Labels reach the loss as ``[B, L]`` float32, one column per
+``Config.label_fields()`` entry.
+
+The loss of a step is ``sum_t weight_t * sum_i w_ti * l_ti / W_t`` over the global batch:
+``l_ti`` is row ``i``'s loss of task ``t`` (the sum of the task's losses), ``w_ti`` its
+task-space weight (1 without an indicator label) and ``W_t = sum_i w_ti`` over every rank's rows
+(TorchEasyRec divides the weights by their mean: the same, and 0 when they are all 0). Without
+an indicator ``W_t`` is the global row count: each rank's loss is its share of the global mean,
+the rule every gradient here follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from dynarec.config.schema import Config
+from dynarec.config.tasks import TaskTowerCfg
+from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_error, mean_squared_error
+
+__all__ = ["Tasks", "check_predictions", "task_loss"]
+
+
+def task_loss(tower: TaskTowerCfg, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Row losses ``[B]`` of ``tower``, summed over its losses (TorchEasyRec's formulas).
+
+    ``logits``: ``[B]`` (binary / regression) or ``[B, num_class]``; ``label``: ``[B]`` float32
+    (a class index for softmax cross-entropy)."""
+    total = torch.zeros_like(label)
+    for loss in tower.losses:
+        s: Any = loss.settings
+        if loss.kind == "binary_cross_entropy":
+            target = label * (1.0 - s.label_smoothing) + 0.5 * s.label_smoothing if s.label_smoothing else label
+            total = total + F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        elif loss.kind == "binary_focal_loss":
+            p = torch.sigmoid(logits)
+            weight = s.alpha * label * (1 - p) ** s.gamma + (1 - s.alpha) * (1 - label) * p**s.gamma
+            total = total + F.binary_cross_entropy_with_logits(logits, label, weight=weight.detach(), reduction="none")
+        elif loss.kind == "softmax_cross_entropy":
+            ce = F.cross_entropy(logits, label.long(), label_smoothing=s.label_smoothing, reduction="none")
+            total = total + ce
+        else:  # l2_loss
+            total = total + (logits - label) ** 2
+    return total
+
+
+class Tasks:
+    """The tasks of ``config`` (``Config.tasks()``); names outputs and metrics (a single-task
+    model's carry no suffix: ``probability``, ``auc``; a multi-task model's end in ``_<tower>``:
+    ``probs_ctr``, ``auc_ctr``; a regression task's output is ``y_<tower>``)."""
+
+    def __init__(self, config: Config):
+        self.towers = config.tasks()
+        self.multi = bool(config.model.task_towers)
+        self.labels = config.label_fields()
+        self.widths = [t.num_class for t in self.towers]
+        self.width = sum(self.widths)
+        self._label = [self.labels.index(t.label_name) for t in self.towers]
+        self._indicator = [
+            None if t.task_space_indicator_label is None else self.labels.index(t.task_space_indicator_label)
+            for t in self.towers
+        ]
+
+    def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Each task's logits: ``[B]`` for one output, ``[B, num_class]`` otherwise."""
+        cols = logits.reshape(logits.shape[0], -1)
+        if cols.shape[1] != self.width:
+            raise ValueError(f"the model gave {cols.shape[1]} outputs a row, its tasks need {self.width}")
+        parts = torch.split(cols, self.widths, dim=1)
+        return [p.squeeze(1) if w == 1 else p for p, w in zip(parts, self.widths)]
+
+    def sample_weights(self, labels: torch.Tensor) -> list[Optional[torch.Tensor]]:
+        """Each task's row weights ``[B]`` from its task-space indicator (None without one)."""
+        out: list[Optional[torch.Tensor]] = []
+        for t, i in zip(self.towers, self._indicator):
+            if i is None:
+                out.append(None)
+                continue
+            inside = (labels[:, i] > 0).to(labels.dtype)
+            out.append(t.in_task_space_weight * inside + t.out_task_space_weight * (1 - inside))
+        return out
+
+    def loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        global_rows: int,
+        global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """This rank's share of the step's loss (module doc). ``labels``: ``[B, L]``;
+        ``global_sum`` sums a tensor over the ranks (None: one process)."""
+        weights = self.sample_weights(labels)
+        if any(w is not None for w in weights):
+            local = torch.stack([w.sum() if w is not None else logits.new_tensor(0.0) for w in weights])
+            totals = global_sum(local) if global_sum is not None else local
+        loss = logits.new_zeros(())
+        for k, (t, z, w) in enumerate(zip(self.towers, self.split(logits), weights)):
+            rows = task_loss(t, z.float(), labels[:, self._label[k]])
+            if w is None:
+                loss = loss + t.weight * rows.sum() / global_rows
+            else:  # weights divided by their (global) mean, TorchEasyRec's div_no_nan
+                total = totals[k]
+                part = (w * rows).sum() / total.clamp_min(torch.finfo(total.dtype).tiny)
+                loss = loss + t.weight * torch.where(total > 0, part, torch.zeros_like(part))
+        return loss
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def output_names(self) -> list[str]:
+        """The prediction columns, in task order."""
+        return [self._output_name(t) for t in self.towers]
+
+    def _output_name(self, t: TaskTowerCfg) -> str:
+        if not self.multi:
+            return "probability"
+        return f"{'y' if t.kind == 'regression' else 'probs'}_{t.tower_name}"
+
+    def predictions(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Output name -> ``[B]`` probability (binary), ``[B, C]`` class probabilities
+        (multiclass) or ``[B]`` prediction (regression), float32."""
+        out = {}
+        for t, z in zip(self.towers, self.split(logits.float())):
+            if t.kind == "binary":
+                out[self._output_name(t)] = torch.sigmoid(z)
+            elif t.kind == "multiclass":
+                out[self._output_name(t)] = torch.softmax(z, dim=1)
+            else:
+                out[self._output_name(t)] = z
+        return out
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def metrics(
+        self, predictions: dict[str, np.ndarray], labels: np.ndarray, groups: Optional[np.ndarray]
+    ) -> dict[str, float]:
+        """Every task's metrics over ``predictions`` (as :meth:`predictions`, over all rows) and
+        ``labels`` ``[N, L]``; grouped AUC only where ``groups`` is given. A multi-task model's
+        names end in ``_<tower>``."""
+        out: dict[str, float] = {}
+        for k, t in enumerate(self.towers):
+            pred, y = predictions[self._output_name(t)], labels[:, self._label[k]]
+            for m in t.eval_metrics:
+                value = _metric(m, t, pred, y, groups)
+                if value is not None:
+                    out[m if not self.multi else f"{m}_{t.tower_name}"] = value
+        return out
+
+
+def _metric(
+    name: str, t: TaskTowerCfg, pred: np.ndarray, y: np.ndarray, groups: Optional[np.ndarray]
+) -> Optional[float]:
+    if name == "mean_squared_error":
+        return mean_squared_error(pred, y)
+    if name == "mean_absolute_error":
+        return mean_absolute_error(pred, y)
+    if name == "accuracy":
+        if t.kind == "binary":
+            return accuracy(np.stack([1 - pred, pred], axis=1), y)
+        return accuracy(pred, y)
+    positive = pred[:, 1] if pred.ndim == 2 else pred  # two classes: class 1's probability
+    if name == "auc":
+        return auc(positive, y)
+    if name == "log_loss":
+        return log_loss(positive, y)
+    if name == "grouped_auc":
+        return grouped_auc(positive, y, groups) if groups is not None else None
+    raise ValueError(f"unknown metric '{name}'")
+
+
+def check_predictions(predictions: dict[str, np.ndarray], check: Callable[[np.ndarray, str], None]) -> None:
+    """``check(scores [N], what)`` (the dataset's ``check_scores``: an error naming the file and
+    row of the first score that is not finite) over each output; a row of class probabilities
+    ``[N, C]`` counts as one score (its sum)."""
+    for name, x in predictions.items():
+        check(x if x.ndim == 1 else x.sum(axis=1), f"prediction '{name}'")

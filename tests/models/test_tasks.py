@@ -1,0 +1,147 @@
+"""Tasks: each loss is TorchEasyRec's formula, task-space weights are normalized over the global
+batch (two ranks' shares add up to one process's loss), metrics and the config's refusals."""
+
+import numpy as np
+import pytest
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.config.tasks import TaskTowerCfg
+from dynarec.metrics import accuracy, mean_absolute_error, mean_squared_error
+from dynarec.models.tasks import Tasks, task_loss
+from tests.models.test_models import MULTI_TASK, model_config
+
+
+def tower(**kw) -> TaskTowerCfg:
+    return TaskTowerCfg.model_validate({"tower_name": "t", "label_name": "y", **kw})
+
+
+def test_binary_cross_entropy_with_label_smoothing():
+    z, y = torch.tensor([0.3, -1.2, 2.0]), torch.tensor([1.0, 0.0, 1.0])
+    got = task_loss(tower(losses=[{"binary_cross_entropy": {"label_smoothing": 0.2}}]), z, y)
+    target = y * 0.8 + 0.1
+    p = torch.sigmoid(z)
+    torch.testing.assert_close(got, -(target * p.log() + (1 - target) * (1 - p).log()))
+
+
+def test_binary_focal_loss_is_torcheasyrecs():
+    z, y = torch.tensor([0.3, -1.2, 2.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0])
+    got = task_loss(tower(losses=[{"binary_focal_loss": {"gamma": 2.0, "alpha": 0.25}}]), z, y)
+    p = torch.sigmoid(z)
+    w = 0.25 * y * (1 - p) ** 2 + 0.75 * (1 - y) * p**2
+    torch.testing.assert_close(got, -w * (y * p.log() + (1 - y) * (1 - p).log()))
+
+
+def test_softmax_cross_entropy_and_l2():
+    z = torch.tensor([[0.1, 2.0, -1.0], [1.0, 0.0, 0.5]])
+    y = torch.tensor([1.0, 2.0])
+    got = task_loss(tower(num_class=3, losses=[{"softmax_cross_entropy": {}}]), z, y)
+    torch.testing.assert_close(got, -torch.log_softmax(z, 1)[[0, 1], [1, 2]])
+    r = task_loss(tower(losses=[{"l2_loss": {}}]), torch.tensor([1.5, -2.0]), torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(r, torch.tensor([0.25, 9.0]))
+
+
+def _two_tasks():
+    return Tasks(model_config("mmoe"))  # ctr on 'label'; cvr on 'label2' weighted by the click space
+
+
+def test_task_space_weights_are_normalized_and_weigh_the_tasks():
+    tasks = _two_tasks()
+    assert tasks.labels == ["label", "label2"] and tasks.output_names() == ["probs_ctr", "probs_cvr"]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 2, generator=g)
+    labels = torch.tensor([[1, 1], [0, 0], [1, 0], [0, 0], [1, 1], [0, 0], [0, 0], [1, 0]], dtype=torch.float32)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    clicked = labels[:, 0] > 0
+    want = bce(logits[:, 0], labels[:, 0]) + bce(logits[clicked, 1], labels[clicked, 1])  # out-of-space weight 0
+    torch.testing.assert_close(tasks.loss(logits, labels, 8), want)
+
+
+def test_shares_of_a_global_batch_add_up_to_its_loss():
+    """What two ranks compute with a global sum of the weights equals one process's loss."""
+    tasks = _two_tasks()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(10, 2, generator=g)
+    labels = torch.stack(
+        [torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 0, 0.0]), torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 0, 0.0])], 1
+    )
+    whole = tasks.loss(logits, labels, 10)
+    halves = [(logits[:4], labels[:4]), (logits[4:], labels[4:])]
+    total = sum(tasks.sample_weights(y)[1].sum() for _, y in halves)
+    global_sum = lambda t: torch.stack([t[0] * 0 + 10, total])
+    shares = [tasks.loss(z, y, 10, global_sum) for z, y in halves]
+    torch.testing.assert_close(shares[0] + shares[1], whole)
+
+
+def test_a_task_without_rows_in_its_space_adds_nothing():
+    tasks = _two_tasks()
+    logits, labels = torch.zeros(3, 2), torch.zeros(3, 2)
+    torch.testing.assert_close(tasks.loss(logits, labels, 3), torch.tensor(np.log(2.0), dtype=torch.float32))
+
+
+def test_predictions_and_metrics_carry_the_task_names():
+    tasks = _two_tasks()
+    preds = {k: v.numpy() for k, v in tasks.predictions(torch.tensor([[0.0, 10.0], [1.0, -10.0]])).items()}
+    np.testing.assert_allclose(preds["probs_ctr"], [0.5, 1 / (1 + np.exp(-1))], rtol=1e-6)
+    labels = np.array([[0.0, 1.0], [1.0, 0.0]])
+    m = tasks.metrics(preds, labels, None)
+    assert m == {"auc_ctr": 1.0, "auc_cvr": 1.0}
+    single = Tasks(model_config("dlrm"))
+    assert single.output_names() == ["probability"]
+    assert set(single.metrics({"probability": np.array([0.2, 0.9])}, np.array([[0.0], [1.0]]), None)) == {
+        "auc",
+        "log_loss",
+    }
+
+
+def test_metric_functions():
+    assert accuracy(np.array([[0.2, 0.8], [0.9, 0.1], [0.4, 0.6]]), np.array([1, 1, 1])) == pytest.approx(2 / 3)
+    assert mean_squared_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])) == 2.5
+    assert mean_absolute_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])) == 1.5
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"losses": [{"softmax_cross_entropy": {}}]}, "softmax_cross_entropy needs num_class >= 2"),
+        ({"num_class": 3}, r"need\(s\) num_class 1, got 3"),
+        ({"losses": [{"l2_loss": {}}], "metrics": ["auc"]}, "metric 'auc' does not score a regression task"),
+        ({"losses": [{"l2_loss": {}}, {"binary_cross_entropy": {}}]}, "l2_loss trains a regression output"),
+        ({"losses": []}, "give at least one loss"),
+        ({"losses": [{"binary_cross_entropy": {}, "l2_loss": {}}]}, "give exactly one of"),
+        ({"relation_tower_names": ["ctr"]}, "relation_tower_names need relation_hidden_units"),
+    ],
+)
+def test_a_task_tower_refuses(change, message):
+    with pytest.raises(ValueError, match=message):
+        tower(**change)
+
+
+def _multi(name="mmoe", **changes):
+    raw = model_config(name).model_dump(mode="json", exclude_unset=True)
+    raw["model"][name].update(changes)
+    return raw
+
+
+def test_a_multi_task_config_refuses_names_it_cannot_resolve():
+    raw = _multi(task_towers=[{"tower_name": "a", "label_name": "x"}, {"tower_name": "a", "label_name": "y"}])
+    with pytest.raises(ValueError, match=r"task_towers\[1\]: tower_name 'a' is used twice"):
+        config_from_dict(raw)
+    raw = _multi(
+        "dbmtl",
+        task_towers=[
+            {"tower_name": "a", "label_name": "x", "relation_tower_names": ["b"], "relation_hidden_units": [2]},
+            {"tower_name": "b", "label_name": "y"},
+        ],
+    )
+    with pytest.raises(ValueError, match=r"relation tower 'b' is not an earlier tower"):
+        config_from_dict(raw)
+    raw = _multi()
+    raw["data"]["label_field"] = "clk"
+    with pytest.raises(ValueError, match=r"data\.label_field: model 'mmoe' reads the labels its task_towers name"):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("name", MULTI_TASK)
+def test_label_fields_of_a_multi_task_model(name):
+    assert model_config(name).label_fields() == ["label", "label2"]

@@ -1,0 +1,108 @@
+"""Multi-task models through the pipeline users run: train, evaluate (each task's metrics),
+export and predict (one column per task) from the CLI; and the idea of multi-task learning on a
+log where it matters: a rare task (purchases) learns more beside an abundant one (clicks)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dynarec.cli import main
+from dynarec.config import config_from_dict, load_config
+from dynarec.data.synthetic import SyntheticSpec, make_click_log
+from dynarec.serving import ExportedModel
+from dynarec.train.trainer import Trainer
+from tests.pipeline_fixtures import CLICK_AND_BUY, make_data, multi_task_config_dict, write_config
+
+
+def test_train_evaluate_export_predict_a_multi_task_model(tmp_path, capsys):
+    make_data(tmp_path)
+    cfg = multi_task_config_dict()
+    cfg["model"]["mmoe"]["task_towers"][1].update(task_space_indicator_label="clk", out_task_space_weight=0.5)
+    config = write_config(tmp_path, cfg)
+    model_dir, export_dir = tmp_path / "model", tmp_path / "export"
+    assert main(["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--model-dir", str(model_dir)]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert set(metrics) == {"num_examples", "auc_ctr", "grouped_auc_ctr", "log_loss_ctr", "auc_cvr", "log_loss_cvr"}
+    assert all(0.0 < v for v in metrics.values())
+
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    eval_file = tmp_path / "data" / "eval" / "part-0.parquet"
+    out = tmp_path / "p.parquet"
+    assert main(["predict", "--export-dir", str(export_dir), "--input", str(eval_file), "--output", str(out)]) == 0
+    served = pq.read_table(out)
+    assert served.column_names == ["probs_ctr", "probs_cvr", "clk", "buy"]
+
+    trainer = Trainer(load_config(model_dir / "config.yaml"), model_dir, progress=False)
+    trainer.restore()
+    outputs, labels, _ = trainer.predict(str(eval_file))
+    for name in ("probs_ctr", "probs_cvr"):
+        np.testing.assert_allclose(served.column(name).to_numpy(), outputs[name], rtol=0, atol=1e-5)
+    assert labels.shape == (400, 2)
+    assert served.column("buy").to_numpy().tolist() == labels[:, 1].astype(int).tolist()
+    one = ExportedModel(export_dir).predict_files(str(eval_file), batch_size=1)
+    np.testing.assert_allclose(one["probs_cvr"], outputs["probs_cvr"], rtol=0, atol=1e-5)
+
+
+def test_a_missing_label_column_names_its_task(tmp_path):
+    make_data(tmp_path)
+    cfg = multi_task_config_dict()
+    cfg["model"]["mmoe"]["task_towers"][1]["label_name"] = "order"
+    cfg["data"]["train_input_path"] = str(tmp_path / "data" / "train")
+    trainer = Trainer(config_from_dict(cfg, base_dir=tmp_path), tmp_path / "m", progress=False)
+    with pytest.raises(Exception, match=r"missing column 'order' \(task 'cvr'\)"):
+        trainer.fit()
+
+
+@pytest.mark.slow
+def test_a_rare_task_learns_more_beside_an_abundant_one(tmp_path):
+    """Purchases (7% of rows) depend on the click's history affinity, learnable from the clicks
+    (37%). Every multi-task model's purchase AUC beats the purchase-only model's on the same
+    data, features and sizes (at 100k rows: 0.760 alone; 0.775 to 0.797 with the clicks)."""
+    data = tmp_path / "data"
+    make_click_log(data, SyntheticSpec(train_rows=100_000, eval_rows=20_000))
+    base = yaml.safe_load((Path(__file__).parents[2] / "dynarec" / "resources" / "demo.yaml").read_text())
+    names = ["user_id", "age", "item_id", "cate_id", "price", "hist_item_id", "hist_cate_id"]
+    del base["data"]["label_field"]
+    base["data"].update(train_input_path=str(data / "train"), eval_input_path=str(data / "eval"))
+    base["train"] = {k: v for k, v in base["train"].items() if k not in ("save_checkpoints_steps", "eval_every_steps")}
+    base["train"]["num_epochs"] = 2
+    base["eval"] = {"metrics": ["auc"]}
+    ctr, buy = ({**t, "hidden_units": [32], "metrics": ["auc"]} for t in CLICK_AND_BUY)
+    buy["label_name"] = "buy"
+    models = {
+        "alone": {"simple_multi_task": {"task_towers": [{**buy, "hidden_units": [128, 64, 32]}]}},
+        "mmoe": {"mmoe": {"expert_hidden_units": [128, 64], "num_expert": 3, "task_towers": [ctr, buy]}},
+        "ple": {
+            "ple": {
+                "extraction_networks": [
+                    {
+                        "share_num": 1,
+                        "expert_num_per_task": 1,
+                        "share_expert_hidden_units": [128, 64],
+                        "task_expert_hidden_units": [128, 64],
+                    },
+                ],
+                "task_towers": [ctr, buy],
+            }
+        },
+        "dbmtl": {
+            "dbmtl": {
+                "bottom_hidden_units": [128, 64],
+                "task_towers": [ctr, {**buy, "relation_tower_names": ["ctr"], "relation_hidden_units": [16]}],
+            }
+        },
+    }
+    auc = {}
+    for name, block in models.items():
+        cfg = {**base, "model": {"feature_groups": [{"group_name": "all", "feature_names": names}], **block}}
+        report = Trainer(config_from_dict(cfg), tmp_path / name, progress=False).fit()
+        auc[name] = report["eval"]
+    for name in ("mmoe", "ple", "dbmtl"):
+        assert auc[name]["auc_cvr"] > auc["alone"]["auc_cvr"] + 0.005, auc
+        assert auc[name]["auc_ctr"] > 0.68, auc
