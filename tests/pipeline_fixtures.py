@@ -107,7 +107,9 @@ def multi_task_config_dict(block: dict | None = None) -> dict:
     del cfg["data"]["label_field"]
     cfg["model"] = {
         "feature_groups": [{"group_name": "all", "feature_names": names}],
-        **(block or {"mmoe": {"expert_hidden_units": [16], "num_expert": 2, "task_towers": CLICK_AND_BUY}}),
+        **copy.deepcopy(
+            block or {"mmoe": {"expert_hidden_units": [16], "num_expert": 2, "task_towers": CLICK_AND_BUY}}
+        ),
     }
     cfg["eval"] = {"grouped_auc_field": "user_id"}
     return cfg

@@ -13,7 +13,16 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 from dynarec.embedding.config import DynamicTableOptions
 from dynarec.embedding.initializers import Initializer
 
-__all__ = ["Count", "DynamicEmbField", "InitializerField", "Strict", "core_type", "exactly_one"]
+__all__ = [
+    "Count",
+    "DropoutRatios",
+    "DynamicEmbField",
+    "InitializerField",
+    "Strict",
+    "check_dropout",
+    "core_type",
+    "exactly_one",
+]
 
 
 class Strict(BaseModel):
@@ -31,6 +40,22 @@ def exactly_one(model: BaseModel, keys) -> str:
 
 # A positive integer that YAML's ``true`` does not pass for.
 Count = Annotated[StrictInt, Field(gt=0)]
+
+# Dropout after an MLP's layers (TorchEasyRec's dropout_ratio): no ratio (none), one for every
+# layer, or one per layer.
+DropoutRatios = list[Annotated[float, Field(ge=0, lt=1)]]
+
+
+def check_dropout(model: BaseModel, **pairs: str) -> None:
+    """Each ``ratios_field=units_field`` pair of ``model``: one ratio, or one per layer; a
+    ValueError naming the fields otherwise."""
+    for ratios_field, units_field in pairs.items():
+        ratios, units = getattr(model, ratios_field), getattr(model, units_field)
+        if len(ratios) > 1 and len(ratios) != len(units):
+            raise ValueError(
+                f"{ratios_field}: {len(ratios)} ratios for the {len(units)} layers of {units_field}; "
+                "give one, or one per layer"
+            )
 
 
 def _refuse_bool_numbers(cls: type, data: Any) -> Any:

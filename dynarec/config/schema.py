@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from dynarec.config.base import Count, exactly_one
+from dynarec.config.base import Count, DropoutRatios, check_dropout, exactly_one
 from dynarec.config.base import Strict as _Strict
 from dynarec.config.features import (
     TABLE_SETTINGS,
@@ -159,15 +159,104 @@ class LRScheduleCfg(Strict):
         return base
 
 
-class FeatureGroupCfg(Strict):
-    group_name: str
-    feature_names: list[str] = Field(min_length=1)
-    group_type: Literal["deep", "sequence", "wide"] = "deep"
-
-
 # An MLP's activation: ReLU, or Dice (DIN's data-adaptive activation: a batch-normalized gate
 # between x and alpha * x, alpha learned per unit; in eval it uses the running statistics).
 Activation = Literal["relu", "dice"]
+
+
+class SequenceGroupCfg(Strict):
+    """A sequence group nested in a deep group: its features of one value a row (the query) and
+    its sequence features (read position by position), for a ``sequence_encoders`` entry."""
+
+    group_name: str
+    feature_names: list[str] = Field(min_length=1)
+
+
+class DINEncoderCfg(Strict):
+    """DIN attention of the query over the sequence (the query zero-padded to the sequence's
+    width): ``[B, sequence width]``."""
+
+    input: Optional[str] = None  # the sequence group; default: the deep group's only one
+    attn_hidden_units: list[Count] = [64, 32]
+    activation: Activation = "relu"
+
+
+class SimpleAttentionCfg(Strict):
+    """Softmax of the sequence's dot products with the query (as wide as the sequence) sums the
+    sequence: ``[B, sequence width]``, no parameters."""
+
+    input: Optional[str] = None
+
+
+class PoolingEncoderCfg(Strict):
+    """The sequence's valid positions averaged or summed: ``[B, sequence width]``."""
+
+    input: Optional[str] = None
+    pooling_type: Literal["mean", "sum"] = "mean"
+
+
+class SequenceEncoderCfg(Strict):
+    """One encoder of a deep group's sequence group (TorchEasyRec's ``sequence_encoders``)."""
+
+    din_encoder: Optional[DINEncoderCfg] = None
+    simple_attention: Optional[SimpleAttentionCfg] = None
+    pooling_encoder: Optional[PoolingEncoderCfg] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        exactly_one(self, ("din_encoder", "simple_attention", "pooling_encoder"))
+        return self
+
+    @property
+    def body(self) -> Union[DINEncoderCfg, SimpleAttentionCfg, PoolingEncoderCfg]:
+        body = self.din_encoder or self.simple_attention or self.pooling_encoder
+        assert body is not None
+        return body
+
+
+class FeatureGroupCfg(Strict):
+    """A feature group. A deep group may nest ``sequence_groups``, each read by a
+    ``sequence_encoders`` entry whose output joins the group's: ``[features..., encoders...]``."""
+
+    group_name: str
+    feature_names: list[str] = Field(min_length=1)
+    group_type: Literal["deep", "sequence", "wide"] = "deep"
+    sequence_groups: list[SequenceGroupCfg] = []
+    sequence_encoders: list[SequenceEncoderCfg] = []
+
+    @model_validator(mode="after")
+    def _nested_sequences(self):
+        if not self.sequence_groups and not self.sequence_encoders:
+            return self
+        if self.group_type != "deep":
+            raise ValueError("sequence_groups and sequence_encoders belong to a deep group")
+        if not self.sequence_encoders:
+            raise ValueError("sequence_groups: no sequence_encoders entry reads them")
+        names = [s.group_name for s in self.sequence_groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sequence_groups: duplicate group_name in {names}")
+        read = set()
+        for i, e in enumerate(self.sequence_encoders):
+            name = e.body.input
+            if name is None:
+                if len(names) != 1:
+                    raise ValueError(f"sequence_encoders[{i}]: give input, the sequence group to encode (of {names})")
+                name = names[0]
+            elif name not in names:
+                raise ValueError(f"sequence_encoders[{i}]: input '{name}' names no sequence group; groups: {names}")
+            read.add(name)
+        unread = [n for n in names if n not in read]
+        if unread:
+            raise ValueError(f"sequence_groups: {unread} read by no sequence_encoders entry")
+        return self
+
+    def encoded_sequences(self) -> list[tuple[str, SequenceEncoderCfg, SequenceGroupCfg]]:
+        """``(config path, encoder, the sequence group it reads)`` of every sequence encoder."""
+        groups = {s.group_name: s for s in self.sequence_groups}
+        return [
+            (f"sequence_encoders[{i}]", e, groups[e.body.input or self.sequence_groups[0].group_name])
+            for i, e in enumerate(self.sequence_encoders)
+        ]
 
 
 class TowerCfg(Strict):
@@ -290,9 +379,15 @@ class MMoECfg(Strict):
     when given) mixing them into that task's tower."""
 
     expert_hidden_units: list[Count] = Field(min_length=1)
+    expert_dropout_ratio: DropoutRatios = []
     gate_hidden_units: list[Count] = []
     num_expert: Count = 3
     task_towers: list[TaskTowerCfg]
+
+    @model_validator(mode="after")
+    def _dropout(self):
+        check_dropout(self, expert_dropout_ratio="expert_hidden_units")
+        return self
 
 
 class ExtractionNetworkCfg(Strict):
@@ -304,6 +399,17 @@ class ExtractionNetworkCfg(Strict):
     expert_num_per_task: Count
     share_expert_hidden_units: list[Count] = Field(min_length=1)
     task_expert_hidden_units: list[Count] = Field(min_length=1)
+    share_expert_dropout_ratio: DropoutRatios = []
+    task_expert_dropout_ratio: DropoutRatios = []
+
+    @model_validator(mode="after")
+    def _dropout(self):
+        check_dropout(
+            self,
+            share_expert_dropout_ratio="share_expert_hidden_units",
+            task_expert_dropout_ratio="task_expert_hidden_units",
+        )
+        return self
 
 
 class PLECfg(Strict):
@@ -322,13 +428,23 @@ class DBMTLCfg(Strict):
 
     mask_net: Optional[MaskNetCfg] = None
     bottom_hidden_units: list[Count] = []
+    bottom_dropout_ratio: DropoutRatios = []
     expert_hidden_units: list[Count] = []
+    expert_dropout_ratio: DropoutRatios = []
     gate_hidden_units: list[Count] = []
     num_expert: Count = 3
     task_towers: list[TaskTowerCfg]
 
+    @model_validator(mode="after")
+    def _dropout(self):
+        check_dropout(self, bottom_dropout_ratio="bottom_hidden_units", expert_dropout_ratio="expert_hidden_units")
+        return self
+
 
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+# Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
+# their groups cannot nest sequence_groups.
+FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
 
 MODEL_KEYS = (
     "multi_tower_din",
@@ -366,14 +482,21 @@ class ModelCfg(Strict):
     def _one_model(self):
         name = _exactly_one(self, MODEL_KEYS)
         names = [g.group_name for g in self.feature_groups]
+        names += [s.group_name for g in self.feature_groups for s in g.sequence_groups]
         if len(set(names)) != len(names):
-            raise ValueError(f"feature_groups: duplicate group_name in {names}")
+            raise ValueError(f"feature_groups: duplicate group_name in {names} (sequence_groups included)")
         for i, g in enumerate(self.feature_groups):
             twice = sorted({n for n in g.feature_names if g.feature_names.count(n) > 1})
             if twice:
                 raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
         if name in MULTI_TASK_KEYS:
             check_task_towers(self.task_towers, f"model.{name}")
+        nested = [g.group_name for g in self.feature_groups if g.sequence_groups]
+        if nested and name in FIELD_WISE_MODELS:
+            raise ValueError(
+                f"{name}: reads its groups feature by feature and has no place for a sequence encoder's output; "
+                f"group(s) {nested} have sequence_groups"
+            )
         kinds = {g.group_name: g.group_type for g in self.feature_groups}
         for where, group, wanted in self._tower_inputs(name):
             if group not in kinds:
@@ -410,6 +533,17 @@ class ModelCfg(Strict):
     def task_towers(self) -> list[TaskTowerCfg]:
         """A multi-task model's task towers; [] for a single-task model."""
         return list(getattr(getattr(self, self.name), "task_towers", []))
+
+    def sequence_groups(self) -> list[tuple[str, str, list[str]]]:
+        """``(config path, group name, feature names)`` of every sequence group: the groups of
+        type ``sequence`` and the ``sequence_groups`` nested in deep groups."""
+        out = []
+        for i, g in enumerate(self.feature_groups):
+            if g.group_type == "sequence":
+                out.append((f"model.feature_groups[{i}]", g.group_name, list(g.feature_names)))
+            for j, s in enumerate(g.sequence_groups):
+                out.append((f"model.feature_groups[{i}].sequence_groups[{j}]", s.group_name, list(s.feature_names)))
+        return out
 
     def group(self, name: str) -> FeatureGroupCfg:
         for g in self.feature_groups:
@@ -511,17 +645,22 @@ class Config(Strict):
             for fi, n in enumerate(g.feature_names):
                 if n not in seen:
                     raise ValueError(f"model.feature_groups[{gi}].feature_names[{fi}]: unknown feature '{n}'")
-            if g.group_type == "sequence":
-                seqs = {
-                    n: getattr(self.feature(n), "sequence_length")  # noqa: B009 - every sequence kind has one
-                    for n in g.feature_names
-                    if self.feature(n).is_sequence
-                }
-                if len(set(seqs.values())) > 1:
-                    raise ValueError(
-                        f"model.feature_groups[{gi}] ({g.group_name}): its sequence features are "
-                        f"concatenated position by position and need one sequence_length, got {seqs}"
-                    )
+            for si, sg in enumerate(g.sequence_groups):
+                for fi, n in enumerate(sg.feature_names):
+                    if n not in seen:
+                        where = f"model.feature_groups[{gi}].sequence_groups[{si}].feature_names[{fi}]"
+                        raise ValueError(f"{where}: unknown feature '{n}'")
+        for where, name, names in self.model.sequence_groups():
+            seqs = {
+                n: getattr(self.feature(n), "sequence_length")  # noqa: B009 - every sequence kind has one
+                for n in names
+                if self.feature(n).is_sequence
+            }
+            if len(set(seqs.values())) > 1:
+                raise ValueError(
+                    f"{where} ({name}): its sequence features are "
+                    f"concatenated position by position and need one sequence_length, got {seqs}"
+                )
         for name in self.train.table_optimizers:
             if name not in tables:
                 raise ValueError(f"train.table_optimizers: unknown table '{name}'; tables: {sorted(tables)}")

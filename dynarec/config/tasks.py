@@ -8,6 +8,7 @@ cross-entropy, scored by ``eval.metrics``. A multi-task model names its tasks in
       - tower_name: ctr
         label_name: clk
         hidden_units: [64]          # the tower's MLP (TorchEasyRec's mlp {hidden_units})
+        dropout_ratio: [0.1]        # after each layer (one ratio, or one per layer; default none)
         losses: [{binary_cross_entropy: {}}]
         metrics: [auc]
         weight: 1.0
@@ -27,7 +28,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from dynarec.config.base import Count, Strict, exactly_one
+from dynarec.config.base import Count, DropoutRatios, Strict, check_dropout, exactly_one
 
 __all__ = [
     "LOSS_KEYS",
@@ -103,6 +104,7 @@ class TaskTowerCfg(Strict):
     tower_name: str = Field(min_length=1)
     label_name: str = Field(min_length=1)
     hidden_units: list[Count] = Field(default_factory=list)
+    dropout_ratio: DropoutRatios = Field(default_factory=list)
     losses: list[LossCfg] = Field(default_factory=lambda: [LossCfg(binary_cross_entropy=BinaryCrossEntropyCfg())])
     metrics: Optional[list[Metric]] = None  # default: auc for a classification task, MSE for L2
     num_class: Count = 1
@@ -112,9 +114,11 @@ class TaskTowerCfg(Strict):
     out_task_space_weight: float = Field(1.0, ge=0)
     relation_tower_names: list[str] = Field(default_factory=list)
     relation_hidden_units: list[Count] = Field(default_factory=list)
+    relation_dropout_ratio: DropoutRatios = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _consistent(self):
+        check_dropout(self, dropout_ratio="hidden_units", relation_dropout_ratio="relation_hidden_units")
         if not self.losses:
             raise ValueError(f"task '{self.tower_name}': give at least one loss")
         kinds = {loss.kind for loss in self.losses}

@@ -216,9 +216,9 @@ class BatchBuilder:
         self.group_field = self._group_field()
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
-            [n for n in g.feature_names if n in sequences]
-            for g in config.model.feature_groups
-            if g.group_type == "sequence" and sum(n in sequences for n in g.feature_names) > 1
+            [n for n in names if n in sequences]
+            for _, _, names in config.model.sequence_groups()
+            if sum(n in sequences for n in names) > 1
         ]
 
     def _label_owner(self, label: str) -> str:

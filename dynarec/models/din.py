@@ -14,12 +14,14 @@ class DIN(nn.Module):
     def __init__(self, config: Config, cfg: DINCfg):
         super().__init__()
         self.inputs = FeatureInputs(config)
-        self.seq = SequenceGroup(config, config.model.group(cfg.din_tower.input), self.inputs)
         tower = cfg.din_tower
+        group = config.model.group(tower.input)
+        self.seq = SequenceGroup(f"model.feature_groups '{group.group_name}'", group.feature_names, self.inputs)
         self.attention = DINAttention(self.seq.dim, tower.attn_hidden_units, tower.pooling, tower.activation)
         deep = [DeepGroup(config, g, self.inputs) for g in config.model.feature_groups if g.group_type != "sequence"]
         self.deep = nn.ModuleList(deep)
-        self.mlp = MLP(2 * self.seq.dim + sum(g.out_dim for g in deep), cfg.deep_hidden_units)
+        width = self.seq.dim + self.seq.query_dim  # the attention's output and the query itself
+        self.mlp = MLP(width + sum(g.out_dim for g in deep), cfg.deep_hidden_units)
         self.out = nn.Linear(self.mlp.out_dim, 1)
 
     def forward(self, embeddings, seq_lengths, dense):

@@ -32,9 +32,12 @@ class MMoE(nn.Module):
         num_expert: int,
         num_task: int,
         gate_hidden_units: Sequence[int] = (),
+        expert_dropout: Sequence[float] = (),
     ):
         super().__init__()
-        self.experts = nn.ModuleList(MLP(in_dim, expert_hidden_units) for _ in range(num_expert))
+        self.experts = nn.ModuleList(
+            MLP(in_dim, expert_hidden_units, dropout=expert_dropout) for _ in range(num_expert)
+        )
         gates = []
         for _ in range(num_task):
             hidden = MLP(in_dim, gate_hidden_units)
@@ -62,11 +65,16 @@ class ExtractionNet(nn.Module):
         share_expert_hidden_units: Sequence[int],
         task_expert_hidden_units: Sequence[int],
         final: bool,
+        share_expert_dropout: Sequence[float] = (),
+        task_expert_dropout: Sequence[float] = (),
     ):
         super().__init__()
-        self.shared = nn.ModuleList(MLP(shared_in_dim, share_expert_hidden_units) for _ in range(share_num))
+        self.shared = nn.ModuleList(
+            MLP(shared_in_dim, share_expert_hidden_units, dropout=share_expert_dropout) for _ in range(share_num)
+        )
         self.task_experts = nn.ModuleList(
-            nn.ModuleList(MLP(d, task_expert_hidden_units) for _ in range(per_task)) for d in task_in_dims
+            nn.ModuleList(MLP(d, task_expert_hidden_units, dropout=task_expert_dropout) for _ in range(per_task))
+            for d in task_in_dims
         )
         self.task_gates = nn.ModuleList(nn.Linear(d, per_task + share_num) for d in task_in_dims)
         self.shared_gate = None if final else nn.Linear(shared_in_dim, len(task_in_dims) * per_task + share_num)
@@ -88,12 +96,12 @@ class ExtractionNet(nn.Module):
 
 
 class TaskTower(nn.Module):
-    """A task's MLP (``hidden_units``, may be empty) and its output layer: ``[B, in_dim] ->
-    [B, num_class]``."""
+    """A task's MLP (``hidden_units``, may be empty; ``dropout`` ratios) and its output layer:
+    ``[B, in_dim] -> [B, num_class]``."""
 
-    def __init__(self, in_dim: int, hidden_units: Sequence[int], num_class: int):
+    def __init__(self, in_dim: int, hidden_units: Sequence[int], num_class: int, dropout: Sequence[float] = ()):
         super().__init__()
-        self.mlp = MLP(in_dim, hidden_units)
+        self.mlp = MLP(in_dim, hidden_units, dropout=dropout)
         self.out = nn.Linear(self.mlp.out_dim, num_class)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,21 +8,28 @@ import torch.nn.functional as F
 __all__ = ["align_sequences", "model_inputs"]
 
 
-def align_sequences(embeddings: dict[str, torch.Tensor], names: list[str], min_len: int = 2) -> dict[str, torch.Tensor]:
-    """Zero-pads every sequence embedding ``[B, L_f, D]`` to one length ``L = max(L_f, min_len)``.
+def align_sequences(
+    embeddings: dict[str, torch.Tensor], dense: dict[str, torch.Tensor], names: list[str], min_len: int = 2
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Zero-pads every sequence named in ``names``, embedded ``[B, L_f, D]`` or dense
+    ``[B, L_f(, value_dim)]``, to one length ``L = max(L_f, min_len)`` along dim 1.
 
-    Sequence groups concatenate their features along the dim, which needs one ``L``; a fixed
-    minimum of 2 keeps exported programs free of 0/1-length specialisation. Padding is masked
-    out by the lengths, so it changes no result.
+    Sequence groups concatenate their features along the last dim, which needs one ``L``; one
+    ``L`` for all also gives an exported program one sequence dimension, and the fixed minimum of
+    2 keeps it free of 0/1-length specialisation. Padding is masked out by the lengths, so it
+    changes no result.
     """
-    if not names:
-        return embeddings
-    target = max([min_len] + [embeddings[n].shape[1] for n in names])
-    out = dict(embeddings)
-    for n in names:
-        extra = target - out[n].shape[1]
+    present = [(d, n) for d in (embeddings, dense) for n in names if n in d]
+    if not present:
+        return embeddings, dense
+    target = max([min_len] + [d[n].shape[1] for d, n in present])
+    out = dict(embeddings), dict(dense)
+    for d, n in present:
+        x = d[n]
+        extra = target - x.shape[1]
         if extra:
-            out[n] = F.pad(out[n], (0, 0, 0, extra))
+            padded = F.pad(x, [0, 0] * (x.dim() - 2) + [0, extra])
+            (out[0] if d is embeddings else out[1])[n] = padded
     return out
 
 
@@ -31,7 +38,7 @@ def model_inputs(embeddings, batch, sequence_features: list[str], device: torch.
     ``.sparse`` (a KJT), ``.dense`` and ``.sequence_lengths(names)``, looked up in the
     ``embeddings`` collection. Training, export and serving all go through here, so exported
     predictions see exactly the inputs eval does."""
-    emb = align_sequences(embeddings(batch.sparse), sequence_features)
-    lengths = {k: v.to(device, non_blocking=True) for k, v in batch.sequence_lengths(sequence_features).items()}
     dense = {k: v.to(device, non_blocking=True) for k, v in batch.dense.items()}
+    emb, dense = align_sequences(embeddings(batch.sparse), dense, sequence_features)
+    lengths = {k: v.to(device, non_blocking=True) for k, v in batch.sequence_lengths(sequence_features).items()}
     return emb, lengths, dense

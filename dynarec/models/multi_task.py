@@ -38,7 +38,9 @@ class SimpleMultiTask(_MultiTask):
 
     def __init__(self, config: Config, cfg: SimpleMultiTaskCfg):
         super().__init__(config, cfg.task_towers)
-        self.towers = nn.ModuleList(TaskTower(self.group.out_dim, t.hidden_units, t.num_class) for t in cfg.task_towers)
+        self.towers = nn.ModuleList(
+            TaskTower(self.group.out_dim, t.hidden_units, t.num_class, t.dropout_ratio) for t in cfg.task_towers
+        )
 
     def forward(self, embeddings, seq_lengths, dense):
         x = self._input(embeddings, seq_lengths, dense)
@@ -51,9 +53,12 @@ class MMoE(_MultiTask):
     def __init__(self, config: Config, cfg: MMoECfg):
         super().__init__(config, cfg.task_towers)
         self.mmoe = MMoEModule(
-            self.group.out_dim, cfg.expert_hidden_units, cfg.num_expert, len(cfg.task_towers), cfg.gate_hidden_units
+            self.group.out_dim, cfg.expert_hidden_units, cfg.num_expert, len(cfg.task_towers), cfg.gate_hidden_units,
+            cfg.expert_dropout_ratio,
+        )  # fmt: skip
+        self.towers = nn.ModuleList(
+            TaskTower(self.mmoe.out_dim, t.hidden_units, t.num_class, t.dropout_ratio) for t in cfg.task_towers
         )
-        self.towers = nn.ModuleList(TaskTower(self.mmoe.out_dim, t.hidden_units, t.num_class) for t in cfg.task_towers)
 
     def forward(self, embeddings, seq_lengths, dense):
         mixed = self.mmoe(self._input(embeddings, seq_lengths, dense))
@@ -73,12 +78,13 @@ class PLE(_MultiTask):
             layer = ExtractionNet(
                 task_dims, shared_dim, e.share_num, e.expert_num_per_task, e.share_expert_hidden_units,
                 e.task_expert_hidden_units, final=i == len(cfg.extraction_networks) - 1,
+                share_expert_dropout=e.share_expert_dropout_ratio, task_expert_dropout=e.task_expert_dropout_ratio,
             )  # fmt: skip
             layers.append(layer)
             task_dims, shared_dim = layer.task_out_dims, layer.shared_out_dim
         self.layers = nn.ModuleList(layers)
         self.towers = nn.ModuleList(
-            TaskTower(d, t.hidden_units, t.num_class) for d, t in zip(task_dims, cfg.task_towers)
+            TaskTower(d, t.hidden_units, t.num_class, t.dropout_ratio) for d, t in zip(task_dims, cfg.task_towers)
         )
 
     def forward(self, embeddings, seq_lengths, dense):
@@ -106,15 +112,16 @@ class DBMTL(_MultiTask):
                 width, m.n_mask_blocks, m.mask_block.hidden_dim, aggregation, m.top_hidden_units, m.use_parallel
             )
             self.mask_net, width = mask_net, mask_net.out_dim
-        self.bottom = MLP(width, cfg.bottom_hidden_units)
+        self.bottom = MLP(width, cfg.bottom_hidden_units, dropout=cfg.bottom_dropout_ratio)
         width = self.bottom.out_dim
         self.mmoe: Optional[MMoEModule] = None
         if cfg.expert_hidden_units:
             mmoe = MMoEModule(
-                width, cfg.expert_hidden_units, cfg.num_expert, len(cfg.task_towers), cfg.gate_hidden_units
-            )
+                width, cfg.expert_hidden_units, cfg.num_expert, len(cfg.task_towers), cfg.gate_hidden_units,
+                cfg.expert_dropout_ratio,
+            )  # fmt: skip
             self.mmoe, width = mmoe, mmoe.out_dim
-        task_mlps = [MLP(width, t.hidden_units) for t in cfg.task_towers]
+        task_mlps = [MLP(width, t.hidden_units, dropout=t.dropout_ratio) for t in cfg.task_towers]
         self.task_mlps = nn.ModuleList(task_mlps)
         index = {t.tower_name: i for i, t in enumerate(cfg.task_towers)}
         self.relations = [[index[r] for r in t.relation_tower_names] for t in cfg.task_towers]
@@ -124,7 +131,11 @@ class DBMTL(_MultiTask):
         for i, t in enumerate(cfg.task_towers):
             width = task_mlps[i].out_dim
             if t.relation_tower_names:
-                mlp = MLP(width + sum(widths[j] for j in self.relations[i]), t.relation_hidden_units)
+                mlp = MLP(
+                    width + sum(widths[j] for j in self.relations[i]),
+                    t.relation_hidden_units,
+                    dropout=t.relation_dropout_ratio,
+                )
                 self.relation_mlps[str(i)] = mlp
                 width = mlp.out_dim
             widths.append(width)

@@ -26,10 +26,11 @@ class MultiTowerDIN(nn.Module):
         self.seq_groups = nn.ModuleDict()
         self.din_towers = nn.ModuleDict()
         for din in cfg.din_towers:
-            seq = SequenceGroup(config, config.model.group(din.input), self.inputs)
+            names = config.model.group(din.input).feature_names
+            seq = SequenceGroup(f"model.feature_groups '{din.input}'", names, self.inputs)
             self.seq_groups[din.input] = seq
             self.din_towers[din.input] = DINAttention(seq.dim, din.attn_hidden_units, din.pooling, din.activation)
-            width += 2 * seq.dim  # attention output and the query itself
+            width += seq.dim + seq.query_dim  # attention output and the query itself
         self.final = MLP(width, cfg.final_hidden_units, cfg.final_activation)
         self.out = nn.Linear(self.final.out_dim, 1)
 

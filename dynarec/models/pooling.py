@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["masked_mean", "sequence_mask"]
+__all__ = ["masked_mean", "masked_sum", "sequence_mask"]
 
 
 def sequence_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -19,3 +19,10 @@ def masked_mean(seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     Every model pools a sequence through here."""
     mask = sequence_mask(lengths, seq.shape[1]).to(seq.dtype)
     return torch.bmm(mask[:, None, :], seq).squeeze(1) / lengths.clamp(min=1).to(seq.dtype)[:, None]
+
+
+def masked_sum(seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum of each sample's first ``lengths[b]`` rows of a padded ``[B, L, D]``: ``[B, D]``
+    (zeros for an empty sequence; the padding never read)."""
+    mask = sequence_mask(lengths, seq.shape[1]).to(seq.dtype)
+    return torch.bmm(mask[:, None, :], seq).squeeze(1)

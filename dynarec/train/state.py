@@ -2,20 +2,23 @@
 
 A training run's state: its step and data position, the global batch it was cut into, the dense
 model and optimizer, the config fingerprint, the log's history, the plan that wrote it and the
-files a ``--follow`` run consumed. :func:`check_resumable` refuses, before anything is loaded,
-a checkpoint another config, batch size, set of tables or dense optimizer wrote.
+files a ``--follow`` run consumed, and the random stream of its steps (:class:`StepRng`).
+:func:`check_resumable` refuses, before anything is loaded, a checkpoint another config, batch
+size, set of tables or dense optimizer wrote.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from dynarec.train.checkpoint import CheckpointError
 
-__all__ = ["check_resumable", "dense_optimizer_matches"]
+__all__ = ["StepRng", "check_resumable", "dense_optimizer_matches"]
 
 
 def check_resumable(
@@ -62,3 +65,40 @@ def dense_optimizer_matches(state: dict[str, Any], optimizer: torch.optim.Optimi
     if theirs is not None and theirs != type(optimizer).__name__:
         return False
     return set(saved[0]) - {"params"} == set(optimizer.param_groups[0]) - {"params"}
+
+
+class StepRng:
+    """The random stream the training steps' forward draws from (dropout masks), seeded by
+    ``train.seed`` and kept apart from the process's global generator: a run draws the same masks
+    whatever else the process does, and a checkpoint carries the stream so a resumed run draws
+    what an uninterrupted one would. Every rank runs the same stream."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self._devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=self._devices):
+            torch.manual_seed(seed + 1)  # not the stream the initial weights came from
+            self._cpu, self._cuda = self._capture()
+
+    def _capture(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        cuda = torch.cuda.get_rng_state(self._devices[0]) if self._devices else None
+        return torch.get_rng_state(), cuda
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Runs the block on this stream (the global generators restored after it)."""
+        with torch.random.fork_rng(devices=self._devices):
+            torch.set_rng_state(self._cpu)
+            if self._devices and self._cuda is not None:
+                torch.cuda.set_rng_state(self._cuda, self._devices[0])
+            yield
+            self._cpu, self._cuda = self._capture()
+
+    def state(self) -> dict[str, Optional[torch.Tensor]]:
+        return {"cpu": self._cpu, "cuda": self._cuda}
+
+    def load_state(self, state: dict[str, Optional[torch.Tensor]]) -> None:
+        cpu = state.get("cpu")
+        if cpu is not None:
+            self._cpu = cpu
+        if state.get("cuda") is not None and self._devices:
+            self._cuda = state["cuda"]

@@ -43,7 +43,7 @@ from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
 from dynarec.train.model_dir import config_record, write_config_record
 from dynarec.train.sink import TrainingLog
-from dynarec.train.state import check_resumable
+from dynarec.train.state import StepRng, check_resumable
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
@@ -74,11 +74,12 @@ class Trainer:
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
         self.input = TrainInput(config, self.ctx, self.device.type, follow)
-        # The dense model's initial weights come from the config's seed, without touching the
-        # process's global RNG (nothing else in a training step draws random numbers).
+        # The dense model's initial weights come from the config's seed, and a step's random
+        # draws (dropout) from a stream of their own: neither touches the process's global RNG.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(config.train.seed)
             self.task = RankingTask(config, self.device, self.ctx)
+        self.rng = StepRng(config.train.seed, self.device)
         self.evaluator = Evaluator(config, self.task, self.input, self.ctx)
         self.tasks = self.evaluator.tasks
         self._frozen_tables = {f.table_name for f in config.features() if f.embedded and not f.trainable}
@@ -122,6 +123,7 @@ class Trainer:
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
+            "step_rng": self.rng.state(),
         }
 
     def save(self) -> Path:
@@ -175,6 +177,8 @@ class Trainer:
         self.position = DataPosition(state["epoch"], state["row"])
         self.input.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
         self.log.load_state(state["history"])
+        if training:
+            self.rng.load_state(state.get("step_rng") or {})
         return path
 
     # -- training --------------------------------------------------------------------------
@@ -224,7 +228,8 @@ class Trainer:
 
     def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
         train = self.config.train
-        logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
+        with self.rng.active():
+            logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
         labels = batch.labels.to(self.device, non_blocking=True)
         global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
         loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum)

@@ -779,3 +779,18 @@ def test_every_field_the_conversion_speaks_of_is_in_the_field_table():
             if last and last not in named:
                 missing.add(f"{last} ({name}: {line[:100]})")
     assert not missing, sorted(missing)
+
+
+def test_lenient_drops_a_nested_sequence_group_left_without_its_sequence_with_its_encoder():
+    """dbmtl_has_sequence_mock with its click sequence refused: --lenient drops the four
+    click_50_seq__* features, then the deep group's nested click_50_seq group (only query
+    features left) and the DIN encoder reading it; buy_50_seq and its encoder stay."""
+    text = (EXAMPLES / "tests" / "dbmtl_has_sequence_mock.config").read_text()
+    text = text.replace('sequence_name: "click_50_seq"', 'sequence_name: "click_50_seq"\n        no_such_field: 1', 1)
+    result = convert_pipeline_config(text, train_input_path="d/train", eval_input_path="d/eval", lenient=True)
+    assert "model_config.feature_groups: sequence group 'click_50_seq' left incomplete, dropped with its encoders" in (
+        result.dropped
+    )
+    deep = config_from_dict(result.config).model.feature_groups[0]
+    assert [s.group_name for s in deep.sequence_groups] == ["buy_50_seq"]
+    assert [e.body.input for e in deep.sequence_encoders] == ["buy_50_seq"]

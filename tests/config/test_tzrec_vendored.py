@@ -25,8 +25,6 @@ DYNAREC_MODELS = {name for name in CONFIGS if re.search(rf"^\s*({MODELS})\s*\{{"
 
 # Of those, the ones refused, each with its reason (a regex the refusal must match).
 JRC = r"losses: \['jrc_loss'\] is not supported"
-SEQUENCE_ENCODERS = r"feature_groups\.sequence_groups: not supported"
-DROPOUT = r"dropout_ratio: dropout is not supported"
 SEVERAL_IDS_AN_ELEMENT = r"value_dim: 0: several ids a sequence element .* dynarec's sequence_feature takes one id"
 REFUSED = {
     # Not allowed by issue 29, left for dynarec's schema (docs/features.md): TorchEasyRec's
@@ -48,18 +46,8 @@ REFUSED = {
     # JRC's loss ranks a session's rows against each other inside one batch (a session column).
     "benchmark/taobao/dbmtl_jrc.config": JRC,
     "examples/dbmtl_taobao_jrc.config": JRC,
-    # Sequence encoders inside a DEEP group (DIN or pooling over a sequence_groups entry).
-    "benchmark/taobao/dbmtl_has_sequence.config": SEQUENCE_ENCODERS,
-    "benchmark/taobao/mmoe_has_sequence.config": SEQUENCE_ENCODERS,
-    "benchmark/taobao/ple_has_sequence.config": SEQUENCE_ENCODERS,
-    "examples/dbmtl_taobao_seq.config": SEQUENCE_ENCODERS,
-    "tests/dbmtl_has_sequence_mock.config": SEQUENCE_ENCODERS,
-    "tests/dbmtl_has_sequence_mock_focal_loss.config": SEQUENCE_ENCODERS,
-    "tests/dbmtl_has_sequence_variational_dropout_mock.config": SEQUENCE_ENCODERS,
-    # Dropout in the MLPs.
-    "benchmark/taobao_ccp/dbmtl.config": DROPOUT,
-    "benchmark/taobao_ccp/mmoe.config": DROPOUT,
-    "benchmark/taobao_ccp/ple.config": DROPOUT,
+    # Variational dropout: a learned per-feature dropout with its own regularization loss.
+    "tests/dbmtl_has_sequence_variational_dropout_mock.config": r"model_config\.variational_dropout: not supported",
 }
 
 # A refusal line: "  <field path>: <why>".

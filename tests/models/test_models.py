@@ -172,10 +172,12 @@ def test_din_attention_ignores_padding(pooling):
         torch.testing.assert_close(out[0], k[0, :2].mean(0))
 
 
-def test_sequence_group_dims_must_match():
+def test_a_sequence_groups_query_may_be_narrower_than_its_sequence_not_wider():
     c = config_dict()
     c["model"]["feature_groups"][2]["feature_names"] = ["item_id", "hist_item_id", "hist_cate_id"]
-    with pytest.raises(ValueError, match="query widths add up to 8 but sequence widths to 12"):
+    build_model(config_from_dict(c))  # query 8 wide, zero-padded to the sequence's 12
+    c["model"]["feature_groups"][2]["feature_names"] = ["item_id", "cate_id", "hist_cate_id"]
+    with pytest.raises(ValueError, match="'seq': query widths add up to 12 but sequence widths to 4"):
         build_model(config_from_dict(c))
 
 

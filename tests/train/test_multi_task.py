@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from dynarec.cli import main
@@ -106,3 +107,77 @@ def test_a_rare_task_learns_more_beside_an_abundant_one(tmp_path):
     for name in ("mmoe", "ple", "dbmtl"):
         assert auc[name]["auc_cvr"] > auc["alone"]["auc_cvr"] + 0.005, auc
         assert auc[name]["auc_ctr"] > 0.68, auc
+
+
+def dropout_config(tmp_path, num_steps):
+    """An MMoE with dropout after every expert and tower layer, on the tiny click log."""
+    cfg = multi_task_config_dict()
+    mmoe = cfg["model"]["mmoe"]
+    mmoe["expert_dropout_ratio"] = [0.3]
+    mmoe["task_towers"] = [{**t, "dropout_ratio": [0.2]} for t in mmoe["task_towers"]]
+    cfg["train"] = {**cfg["train"], "num_steps": num_steps}
+    del cfg["train"]["num_epochs"]
+    return config_from_dict(cfg, base_dir=tmp_path)
+
+
+def dense_weights(trainer):
+    return {k: v.clone() for k, v in trainer.task.dense.state_dict().items()}
+
+
+def test_dropout_draws_from_the_runs_own_seeded_stream_and_resumes_exactly(tmp_path):
+    """Two runs of one seed draw the same masks whatever the global RNG holds; a run stopped at
+    step 6 and resumed ends where an uninterrupted one does, bit for bit; eval is deterministic."""
+    make_data(tmp_path)
+    torch.manual_seed(1)
+    whole = Trainer(dropout_config(tmp_path, 12), tmp_path / "whole", progress=False)
+    whole.fit()
+    torch.manual_seed(2)
+    first = Trainer(dropout_config(tmp_path, 6), tmp_path / "parts", progress=False)
+    first.fit()
+    torch.manual_seed(3)
+    resumed = Trainer(dropout_config(tmp_path, 12), tmp_path / "parts", progress=False)
+    resumed.fit(resume=True)
+    a, b = dense_weights(whole), dense_weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    eval_file = str(tmp_path / "data" / "eval" / "part-0.parquet")
+    p1, _, _ = whole.predict(eval_file)
+    p2, _, _ = whole.predict(eval_file)
+    assert np.array_equal(p1["probs_cvr"], p2["probs_cvr"])
+
+    other = Trainer(dropout_config(tmp_path, 12).model_copy(), tmp_path / "other", progress=False)
+    other.rng = type(other.rng)(seed=7, device=other.device)  # another stream: other masks, other weights
+    other.fit()
+    assert any(not torch.equal(a[k], v) for k, v in dense_weights(other).items())
+
+
+def test_torcheasyrecs_dbmtl_with_sequence_encoders_imports_trains_and_serves(tmp_path, capsys):
+    """tests/dbmtl_has_sequence_mock.config: a deep group nesting two sequence groups (id and
+    dense sequences, ids and numbers as the query), read by DIN encoders; two tasks. import-config,
+    make-data, train, evaluate, export, predict: the served scores equal eval's."""
+    from tests.config.test_tzrec import EXAMPLES
+
+    config = tmp_path / "c" / "config.yaml"
+    pipeline = EXAMPLES / "tests" / "dbmtl_has_sequence_mock.config"
+    d = tmp_path / "c" / "d"
+    paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
+    assert main(["import-config", str(pipeline), "-o", str(config), *paths]) == 0
+    args = ["make-data", "--config", str(config), "--output-dir", str(d), "--train-rows", "300", "--eval-rows", "100"]
+    assert main(args) == 0
+    model_dir, export_dir = tmp_path / "m", tmp_path / "e"
+    assert main(["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    loaded = load_config(model_dir / "config.yaml")
+    deep = loaded.model.feature_groups[0]
+    assert [s.group_name for s in deep.sequence_groups] == ["click_50_seq", "buy_50_seq"]
+    assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    out = tmp_path / "p.parquet"
+    assert main(["predict", "--export-dir", str(export_dir), "--input", str(d / "eval"), "--output", str(out)]) == 0
+    capsys.readouterr()
+    served = pq.read_table(out)
+    trainer = Trainer(loaded, model_dir, progress=False)
+    trainer.restore(training=False)
+    outputs, _, _ = trainer.predict(str(d / "eval"))
+    for name in ("probs_ctr", "probs_cvr"):
+        np.testing.assert_allclose(served.column(name).to_numpy(), outputs[name], rtol=0, atol=1e-5)

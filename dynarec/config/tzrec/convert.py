@@ -164,6 +164,9 @@ def _sub_separator(message: Message, ctx: Context) -> str:
         for g in mc.values("feature_groups") if isinstance(mc, Message) else []:
             if isinstance(g, Message):
                 grouped.update(str(n) for n in g.values("feature_names"))
+                for sg in g.values("sequence_groups"):
+                    if isinstance(sg, Message):
+                        grouped.update(str(n) for n in sg.values("feature_names"))
     plain = [f"{s}__{n}" for s, n in subs if f"{s}__{n}" in grouped]
     rtp = [f"{s}_{n}" for s, n in subs if f"{s}_{n}" in grouped]
     if rtp and not plain:
@@ -181,7 +184,9 @@ def _leave_out_unused(features: list[Converted], model: ModelResult, ctx: Contex
     out, with a note (its refusals, if any, go with it)."""
     by_name = {f.name: f for f in features}
     used: set[str] = set()
-    todo = [n for g in model.model.get("feature_groups", []) for n in g["feature_names"]]
+    groups = model.model.get("feature_groups", [])
+    todo = [n for g in groups for n in g["feature_names"]]
+    todo += [n for g in groups for sg in g.get("sequence_groups", []) for n in sg["feature_names"]]
     while todo:
         n = todo.pop()
         if n in used:

@@ -33,20 +33,28 @@ _TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice"}
 class _MLP:
     units: list[int]
     activation: str = "relu"
+    dropout: list[float] = field(default_factory=list)
 
 
-def _mlp(r: Optional[Reader], path: str, ctx: Context, activations: frozenset[str] | set[str] = frozenset()) -> _MLP:
+def _mlp(
+    r: Optional[Reader],
+    path: str,
+    ctx: Context,
+    activations: frozenset[str] | set[str] = frozenset(),
+    dropout: bool = False,
+) -> _MLP:
     """An MLP: hidden_units, and its activation where dynarec's block takes one
-    (``activations``: the values it allows; empty: ReLU only)."""
+    (``activations``: the values it allows; empty: ReLU only), and its dropout ratios where it
+    takes them (``dropout``)."""
     if r is None:
         ctx.refuse(path, "an MLP with hidden_units is needed", fatal=True)
         return _MLP([1])
     units = r.integers("hidden_units")
     if not units:
         ctx.refuse(r.at("hidden_units"), "at least one layer is needed", fatal=True)
-    dropout = r.numbers("dropout_ratio")
-    if any(dropout):
-        ctx.refuse(r.at("dropout_ratio"), "dropout is not supported")
+    ratios = [float(x) for x in r.numbers("dropout_ratio")]
+    if any(ratios) and not dropout:
+        ctx.refuse(r.at("dropout_ratio"), "dropout is not supported in this MLP")
     activation = str(r.scalar("activation", "nn.ReLU"))
     mapped = _TORCH_ACTIVATIONS.get(activation)
     allowed = activations or {"relu"}
@@ -59,7 +67,13 @@ def _mlp(r: Optional[Reader], path: str, ctx: Context, activations: frozenset[st
     r.default_only("use_ln", False)
     r.default_only("bias", True)
     r.done()
-    return _MLP(units or [1], mapped if mapped is not None and mapped in allowed else "relu")
+    return _MLP(
+        units or [1], mapped if mapped is not None and mapped in allowed else "relu", ratios if any(ratios) else []
+    )
+
+
+def _units_and_dropout(mlp: _MLP) -> tuple[list[int], list[float]]:
+    return mlp.units, mlp.dropout
 
 
 def _groups(r: Reader, wide_rename: dict[str, str], known: set[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -78,17 +92,61 @@ def _groups(r: Reader, wide_rename: dict[str, str], known: set[str]) -> tuple[li
         for i, n in enumerate(names):
             if n not in known:
                 g.ctx.refuse(f"{g.at('feature_names')}[{i}]", f"unknown feature {n!r}")
-        g.refuse("sequence_groups", "sequence_encoders", "embedding_name_suffix", why="not supported", fatal=True)
-        out.append(
-            {
-                "group_name": str(g.scalar("group_name", "")),
-                "feature_names": names,
-                "group_type": _GROUP_TYPES.get(kind, "deep"),
-            }
-        )
+        g.refuse("embedding_name_suffix", why="not supported", fatal=True)
+        group: dict[str, Any] = {
+            "group_name": str(g.scalar("group_name", "")),
+            "feature_names": names,
+            "group_type": _GROUP_TYPES.get(kind, "deep"),
+        }
+        nested = [_sequence_group(s, known) for s in g.messages("sequence_groups")]
+        encoders = [e for e in (_sequence_encoder(e, nested) for e in g.messages("sequence_encoders")) if e]
+        if nested or encoders:
+            group["sequence_groups"], group["sequence_encoders"] = nested, encoders
+        out.append(group)
         paths.append(g.path)
         g.done()
     return out, paths
+
+
+def _sequence_group(s: Reader, known: set[str]) -> dict[str, Any]:
+    """A deep group's ``sequence_groups`` entry (unknown names refused by path, as in a group)."""
+    names = [str(n) for n in s.repeated("feature_names")]
+    for i, n in enumerate(names):
+        if n not in known:
+            s.ctx.refuse(f"{s.at('feature_names')}[{i}]", f"unknown feature {n!r}")
+    out = {"group_name": str(s.scalar("group_name", "")), "feature_names": names}
+    s.done()
+    return out
+
+
+_ENCODERS = ("din_encoder", "simple_attention", "pooling_encoder")
+
+
+def _sequence_encoder(e: Reader, groups: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A ``sequence_encoders`` entry: DIN, simple attention or pooling (others refused)."""
+    ctx = e.ctx
+    kinds = e.msg.names()
+    kind = next((k for k in kinds if k in _ENCODERS), None)
+    if kind is None:
+        e.refuse(*kinds, why=f"not supported (dynarec's encoders: {list(_ENCODERS)})", fatal=True)
+        return None
+    body = e.message(kind)
+    assert body is not None
+    out: dict[str, Any] = {}
+    if body.has("input"):
+        out["input"] = str(body.scalar("input"))
+    elif len(groups) == 1:
+        ctx.note(body.at("input"), f"not given: the group's only sequence group {groups[0]['group_name']!r}")
+    body.ignore("name", "an encoder's name, used for nothing here")
+    body.default_only("max_seq_length", 0, "cutting the sequence is not supported (sequence_length does)")
+    if kind == "din_encoder":
+        attn = _mlp(body.message("attn_mlp"), body.at("attn_mlp"), ctx, _activations("DINEncoderCfg", "activation"))
+        out["attn_hidden_units"], out["activation"] = attn.units, attn.activation
+    elif kind == "pooling_encoder":
+        out["pooling_type"] = str(body.scalar("pooling_type", "mean"))
+    body.done()
+    e.done()
+    return {kind: out}
 
 
 @dataclass
@@ -218,7 +276,7 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             name,
             m,
             labels,
-            lambda mlp, path: _mlp(mlp, path, ctx).units,
+            lambda mlp, path, dropout: _units_and_dropout(_mlp(mlp, path, ctx, dropout=dropout)),
             lambda module: _mask_net_module(module, ctx),
             lambda key: column_of(features, key),
             result.eval,
@@ -442,6 +500,7 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
         if removed:
             g["feature_names"] = [n for n in g["feature_names"] if n in features]
             dropped.append(f"{path}: {', '.join(removed)} taken out of group {g['group_name']!r}")
+        dropped += _prune_sequence_groups(g, path, features)
         kept = [features[n] for n in g["feature_names"]]
         empty = not kept
         if g["group_type"] == "sequence" and kept:
@@ -475,6 +534,35 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
             block[key] = kept_towers
         if not block["towers"] and not block["din_towers"]:
             ctx.refuse("model_config.multi_tower_din", "no tower is left after the dropped features", fatal=True)
+    return dropped
+
+
+def _prune_sequence_groups(group: dict[str, Any], path: str, features: dict[str, Converted]) -> list[str]:
+    """Takes the names that are no longer features out of ``group``'s sequence groups; a
+    sequence group left without sequence features (or, read by an attention, without query
+    features) goes with its encoders. Returns what was dropped."""
+    dropped: list[str] = []
+    encoders = group.get("sequence_encoders", [])
+    gone = set()
+    for sg in group.get("sequence_groups", []):
+        removed = [n for n in sg["feature_names"] if n not in features]
+        if not removed:
+            continue
+        sg["feature_names"] = [n for n in sg["feature_names"] if n in features]
+        dropped.append(f"{path}: {', '.join(removed)} taken out of sequence group {sg['group_name']!r}")
+        kept = [features[n] for n in sg["feature_names"]]
+        readers = [e for e in encoders if next(iter(e.values())).get("input", sg["group_name"]) == sg["group_name"]]
+        needs_query = any("pooling_encoder" not in e for e in readers)
+        if not any(f.sequence for f in kept) or (needs_query and all(f.sequence for f in kept)):
+            gone.add(sg["group_name"])
+            dropped.append(f"{path}: sequence group {sg['group_name']!r} left incomplete, dropped with its encoders")
+    if gone:
+        group["sequence_groups"] = [sg for sg in group["sequence_groups"] if sg["group_name"] not in gone]
+        group["sequence_encoders"] = [
+            e for e in encoders if next(iter(e.values())).get("input", next(iter(gone))) not in gone
+        ]
+        if not group["sequence_groups"]:
+            del group["sequence_groups"], group["sequence_encoders"]
     return dropped
 
 

@@ -70,7 +70,17 @@ def convert_metric(metric: Reader, grouping_column: Callable[[str], str], eval_o
 
 # -- task towers -------------------------------------------------------------------------------
 
-_Mlp = Callable[[Optional[Reader], str], list[int]]
+# An MLP block as (hidden_units, dropout ratios); its third argument: whether dynarec's field takes
+# dropout (otherwise a ratio above 0 is refused).
+_Mlp = Callable[[Optional[Reader], str, bool], tuple[list[int], list[float]]]
+
+
+def _put(out: dict[str, Any], prefix: str, mlp: tuple[list[int], list[float]]) -> None:
+    """``<prefix>hidden_units`` and, when any, ``<prefix>dropout_ratio`` into ``out``."""
+    units, dropout = mlp
+    out[f"{prefix}hidden_units"] = units
+    if dropout:
+        out[f"{prefix}dropout_ratio"] = dropout
 
 
 def _task_tower(
@@ -93,7 +103,7 @@ def _task_tower(
         ctx.refuse(t.at("label_name"), "a task tower needs its label_name", fatal=True)
     out["label_name"] = str(label or "")
     if (m := t.message("mlp")) is not None:
-        out["hidden_units"] = mlp(m, t.at("mlp"))
+        _put(out, "", mlp(m, t.at("mlp"), True))
     losses = [convert_loss(loss) for loss in t.messages("losses")]
     if not losses:
         ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
@@ -121,7 +131,7 @@ def _task_tower(
         relation_mlp = t.message("relation_mlp")
         if relations and relation_mlp is not None:
             out["relation_tower_names"] = relations
-            out["relation_hidden_units"] = mlp(relation_mlp, t.at("relation_mlp"))
+            _put(out, "relation_", mlp(relation_mlp, t.at("relation_mlp"), True))
         elif relations:
             ctx.note(t.at("relation_tower_names"), "ignored without a relation_mlp, as TorchEasyRec ignores them")
         elif relation_mlp is not None:
@@ -164,9 +174,9 @@ def convert_multi_task(
     """A multi-task model block (``name`` one of :data:`MULTI_TASK`)."""
     out: dict[str, Any] = {}
     if name == "mmoe":
-        out["expert_hidden_units"] = mlp(m.message("expert_mlp"), m.at("expert_mlp"))
+        _put(out, "expert_", mlp(m.message("expert_mlp"), m.at("expert_mlp"), True))
         if (gate := m.message("gate_mlp")) is not None:
-            out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"))
+            out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"), False)[0]
         out["num_expert"] = m.integer("num_expert", 3)
     elif name == "ple":
         out["extraction_networks"] = [_extraction_network(e, mlp) for e in m.messages("extraction_networks")]
@@ -175,12 +185,12 @@ def convert_multi_task(
     elif name == "dbmtl":
         if (module := m.message("mask_net")) is not None:
             out["mask_net"] = mask_net(module)
-        for key, field in (("bottom_mlp", "bottom_hidden_units"), ("expert_mlp", "expert_hidden_units")):
+        for key, prefix in (("bottom_mlp", "bottom_"), ("expert_mlp", "expert_")):
             if (block := m.message(key)) is not None:
-                out[field] = mlp(block, m.at(key))
+                _put(out, prefix, mlp(block, m.at(key), True))
         if (gate := m.message("gate_mlp")) is not None:
             if "expert_hidden_units" in out:
-                out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"))
+                out["gate_hidden_units"] = mlp(gate, m.at("gate_mlp"), False)[0]
             else:
                 m.ctx.note(m.at("gate_mlp"), "ignored without an expert_mlp, as TorchEasyRec ignores it")
         num_expert = m.integer("num_expert", 3)
@@ -195,10 +205,10 @@ def _extraction_network(e: Reader, mlp: _Mlp) -> dict[str, Any]:
     out: dict[str, Any] = {"network_name": str(e.scalar("network_name", ""))}
     out["expert_num_per_task"] = e.integer("expert_num_per_task", 1)
     out["share_num"] = e.integer("share_num", 0)
-    out["task_expert_hidden_units"] = mlp(e.message("task_expert_net"), e.at("task_expert_net"))
+    _put(out, "task_expert_", mlp(e.message("task_expert_net"), e.at("task_expert_net"), True))
     if out["share_num"] < 1:
         e.ctx.refuse(e.at("share_num"), "PLE needs shared experts (share_num >= 1)", fatal=True)
         out["share_num"] = 1
-    out["share_expert_hidden_units"] = mlp(e.message("share_expert_net"), e.at("share_expert_net"))
+    _put(out, "share_expert_", mlp(e.message("share_expert_net"), e.at("share_expert_net"), True))
     e.done()
     return out

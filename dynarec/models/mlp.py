@@ -1,0 +1,54 @@
+"""MLPs: linear layers with ReLU or Dice, and dropout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MLP", "Dice"]
+
+
+class Dice(nn.Module):
+    """DIN's data-adaptive activation (TorchEasyRec's): ``p = sigmoid(batch_norm(x))``,
+    ``p * x + (1 - p) * alpha * x`` with ``alpha`` learned per unit (starting at 0). Over
+    ``[B, units]`` or ``[B, L, units]`` (the statistics per unit over every row and position; in
+    eval the running statistics, so a row's output depends on that row alone)."""
+
+    def __init__(self, units: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(units, affine=False)
+        self.alpha = nn.Parameter(torch.zeros(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        p = torch.sigmoid(self.bn(flat)).reshape(x.shape)
+        return p * x + (1 - p) * self.alpha * x
+
+
+class MLP(nn.Sequential):
+    """Linear layers, each followed by ``activation`` (``relu`` or ``dice``) and, where
+    ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
+
+    ``dropout``: no ratio (none), one ratio for every layer, or one per layer (TorchEasyRec's
+    ``dropout_ratio``). Dropout draws from torch's global generator in training only; in eval the
+    MLP is deterministic.
+    """
+
+    out_dim: int
+
+    def __init__(
+        self, in_dim: int, hidden_units: Sequence[int], activation: str = "relu", dropout: Sequence[float] = ()
+    ):
+        ratios = list(dropout) * len(hidden_units) if len(dropout) == 1 else list(dropout)
+        if ratios and len(ratios) != len(hidden_units):
+            raise ValueError(f"dropout ratios {list(dropout)}: give one, or one per layer of {list(hidden_units)}")
+        layers: list[nn.Module] = []
+        for i, units in enumerate(hidden_units):
+            layers += [nn.Linear(in_dim, units), Dice(units) if activation == "dice" else nn.ReLU()]
+            if ratios and ratios[i] > 0:
+                layers.append(nn.Dropout(ratios[i]))
+            in_dim = units
+        super().__init__(*layers)
+        self.out_dim = in_dim
