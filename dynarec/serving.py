@@ -30,7 +30,7 @@ from dynarec.export_format import (
     read_export_meta,
     read_export_tables,
 )
-from dynarec.models.features import sequence_names
+from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.tasks import Tasks, check_predictions
 from dynarec.optim.sgd import SGD
@@ -65,6 +65,7 @@ class ExportedModel:
         self.key_counts: dict[str, int] = {}
         self._install(export_dir, meta, materialize(chain))
         self.sequence_features = sequence_names(self.config)
+        self.element_pooling = element_poolings(self.config)
         self.tasks = Tasks(self.config)
 
     def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -109,7 +110,9 @@ class ExportedModel:
         """``{output name: [B] or [B, C]}`` (``Tasks.predictions``: the click probability
         ``probability`` of a single-task model; ``probs_<task>`` / ``y_<task>`` of a multi-task
         one)."""
-        logits = self.dense(*model_inputs(self.embeddings, batch, self.sequence_features, self.device))
+        logits = self.dense(
+            *model_inputs(self.embeddings, batch, self.sequence_features, self.device, self.element_pooling)
+        )
         return self.tasks.predictions(logits)
 
     def predict_files(self, paths, batch_size: int = 4096) -> dict[str, np.ndarray]:

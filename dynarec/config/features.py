@@ -499,7 +499,9 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
 
 class SequenceFeatureCfg(_SingleInput, _Embeddable):
     """A behaviour history of ids: elements joined by ``separator`` (or a list column), the
-    last ``sequence_length`` kept, one embedding each."""
+    last ``sequence_length`` kept, one embedding each. ``value_dim: 0`` (TorchEasyRec's): several
+    ids an element, joined by ``value_separator``, their embeddings pooled per element by
+    ``pooling`` (``sum`` or ``mean``; an element without ids reads zeros)."""
 
     KIND: ClassVar[str] = "sequence_feature"
     TABLE_KINDS: ClassVar[tuple[str, ...]] = (
@@ -513,13 +515,13 @@ class SequenceFeatureCfg(_SingleInput, _Embeddable):
     )
     NEEDS_TABLE: ClassVar[bool] = True
     is_sequence: ClassVar[bool] = True
-    value_dim: ClassVar[int] = 1
     boundaries: ClassVar[None] = None  # type: ignore[misc]
-    pooling: ClassVar[str] = "none"  # type: ignore[misc]  # one embedding per element
 
     embedding_dim: Count
     sequence_length: Count
     separator: str = Field("|", min_length=1)
+    value_dim: Literal[0, 1] = 1
+    value_separator: str = Field(TZREC_SEPARATOR, min_length=1)  # between an element's ids (value_dim 0)
     value_type: ValueType = "int"
     # A missing row (null or "") and an empty element: this value (unset: a null row is an
     # error, "" is an empty sequence, an empty element is an error).
@@ -528,6 +530,17 @@ class SequenceFeatureCfg(_SingleInput, _Embeddable):
     @property
     def _string_keys(self) -> bool:
         return self.value_type == "string"
+
+    @property
+    def several_ids_an_element(self) -> bool:
+        return self.value_dim == 0
+
+    def _check_kind(self) -> None:
+        if self.value_dim == 0 and self.value_separator == self.separator:
+            raise ValueError(
+                f"value_separator {self.value_separator!r} (between an element's ids) must differ from separator "
+                "(between elements)"
+            )
 
 
 class RawFeatureCfg(_SingleInput, _Embeddable):

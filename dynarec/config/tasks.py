@@ -34,6 +34,7 @@ __all__ = [
     "LOSS_KEYS",
     "BinaryCrossEntropyCfg",
     "BinaryFocalLossCfg",
+    "JRCLossCfg",
     "L2LossCfg",
     "LossCfg",
     "Metric",
@@ -41,6 +42,7 @@ __all__ = [
     "TaskTowerCfg",
     "check_task_towers",
     "label_rules",
+    "session_field",
 ]
 
 
@@ -61,7 +63,16 @@ class L2LossCfg(Strict):
     pass
 
 
-LOSS_KEYS = ("binary_cross_entropy", "binary_focal_loss", "softmax_cross_entropy", "l2_loss")
+class JRCLossCfg(Strict):
+    """JRC (Sheng et al., 2022: calibration and ranking together) over a task of 2 classes:
+    ``alpha`` times the cross-entropy plus ``1 - alpha`` times each row's softmax against the
+    rows of its session (same ``session_name`` value) of the other class, within the batch."""
+
+    session_name: str = Field(min_length=1)  # the column whose value is a row's session (a user id)
+    alpha: float = Field(0.5, ge=0, le=1)
+
+
+LOSS_KEYS = ("binary_cross_entropy", "binary_focal_loss", "softmax_cross_entropy", "l2_loss", "jrc_loss")
 
 
 class LossCfg(Strict):
@@ -71,6 +82,7 @@ class LossCfg(Strict):
     binary_focal_loss: Optional[BinaryFocalLossCfg] = None
     softmax_cross_entropy: Optional[SoftmaxCrossEntropyCfg] = None
     l2_loss: Optional[L2LossCfg] = None
+    jrc_loss: Optional[JRCLossCfg] = None
 
     @model_validator(mode="after")
     def _one(self):
@@ -130,7 +142,13 @@ class TaskTowerCfg(Strict):
                 f"task '{self.tower_name}': l2_loss trains a regression output, which {sorted(kinds - {'l2_loss'})} "
                 "cannot share"
             )
-        if "softmax_cross_entropy" in kinds:
+        if "jrc_loss" in kinds:
+            if self.num_class != 2 or not kinds <= {"jrc_loss", "softmax_cross_entropy"}:
+                raise ValueError(
+                    f"task '{self.tower_name}': jrc_loss needs num_class 2 (got {self.num_class}) and no loss but "
+                    "softmax_cross_entropy beside it"
+                )
+        elif "softmax_cross_entropy" in kinds:
             if self.num_class < 2 or len(kinds) > 1:
                 raise ValueError(
                     f"task '{self.tower_name}': softmax_cross_entropy needs num_class >= 2 (got {self.num_class}) "
@@ -184,6 +202,18 @@ def check_task_towers(towers: list[TaskTowerCfg], where: str) -> None:
                     f"(earlier: {seen})"
                 )
         seen.append(t.tower_name)
+    try:
+        session_field(towers)
+    except ValueError as e:
+        raise ValueError(f"{where}.task_towers: {e}") from None
+
+
+def session_field(towers: list[TaskTowerCfg]) -> Optional[str]:
+    """The session column of the tasks' JRC losses (one for all); None without one."""
+    names = {loss.jrc_loss.session_name for t in towers for loss in t.losses if loss.jrc_loss is not None}
+    if len(names) > 1:
+        raise ValueError(f"jrc_loss: one session_name for every task, got {sorted(names)}")
+    return names.pop() if names else None
 
 
 def label_rules(towers: list[TaskTowerCfg]) -> dict[str, tuple[int, str]]:

@@ -42,7 +42,7 @@ from dynarec.config.features import (
     parse_input,
 )
 from dynarec.config.schema import Config
-from dynarec.config.tasks import label_rules
+from dynarec.config.tasks import label_rules, session_field
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
@@ -90,6 +90,11 @@ class Batch:
     groups: Optional[torch.Tensor]
     num_rows: int
     dense_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A sequence of several ids an element (value_dim 0): [B, L] int64, the ids of each element
+    # (0 past a row's elements). Its KJT lengths count ids; sequence_lengths() counts elements.
+    element_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [B] int64 session ids of the tasks' JRC losses (their session_name column), or None.
+    sessions: Optional[torch.Tensor] = None
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
@@ -100,6 +105,8 @@ class Batch:
             None if self.groups is None else self.groups.pin_memory(),
             self.num_rows,
             {k: v.pin_memory() for k, v in self.dense_lengths.items()},
+            {k: v.pin_memory() for k, v in self.element_lengths.items()},
+            None if self.sessions is None else self.sessions.pin_memory(),
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -111,6 +118,8 @@ class Batch:
         for n in names:
             if n in self.dense_lengths:
                 out[n] = self.dense_lengths[n]
+            elif n in self.element_lengths:
+                out[n] = (self.element_lengths[n] > 0).sum(1)  # an element holds at least one id
             else:
                 assert lengths is not None, f"no sequence feature '{n}' in the batch"
                 out[n] = lengths[keys.index(n)]
@@ -148,6 +157,9 @@ class _Ids:
     values: np.ndarray
     lengths: np.ndarray
     weights: Optional[np.ndarray] = None
+    # Several ids an element: the ids of each element (flat, row-major) and the elements a row.
+    element_lengths: Optional[np.ndarray] = None
+    elements: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -214,6 +226,7 @@ class BatchBuilder:
         self.label_fields = config.label_fields()
         self.label_rules = label_rules(config.tasks())
         self.group_field = self._group_field()
+        self.session_field = session_field(config.tasks())
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
             [n for n in names if n in sequences]
@@ -242,6 +255,8 @@ class BatchBuilder:
             cols += self.label_fields
         if self.group_field and self.with_labels:
             cols.append(self.group_field)
+        if self.session_field and self.with_labels:
+            cols.append(self.session_field)
         return list(dict.fromkeys(cols))
 
     def csv_column_types(self) -> dict[str, pa.DataType]:
@@ -274,6 +289,8 @@ class BatchBuilder:
                 raise DataError(f"{source}: missing column '{label}' ({self._label_owner(label)})")
         if self.with_labels and self.group_field and self.group_field not in names:
             raise DataError(f"{source}: missing column '{self.group_field}' (eval.grouped_auc_field)")
+        if self.with_labels and self.session_field and self.session_field not in names:
+            raise DataError(f"{source}: missing column '{self.session_field}' (jrc_loss.session_name)")
 
     def build(self, table: pa.Table, origin: Union[RowOrigin, str]) -> Batch:
         """``table``'s rows -> Batch. ``origin`` says where the rows came from (a file name:
@@ -303,14 +320,21 @@ class BatchBuilder:
             else:
                 assert isinstance(out, _Dense)
                 dense[f.feature_name] = torch.from_numpy(out.x32)
+        element_lengths = {
+            name: torch.from_numpy(_padded(out.element_lengths[:, None], out.elements, n)[:, :, 0].astype(np.int64))
+            for name, out in computed.items()
+            if isinstance(out, _Ids) and out.element_lengths is not None and out.elements is not None
+        }
         self._check_sequence_groups(computed, origin)
         labels = torch.zeros(n, len(self.label_fields))
-        groups = None
+        groups = sessions = None
         if self.with_labels:
             labels = torch.stack([self._labels(table.column(c), c, origin) for c in self.label_fields], dim=1)
             if self.group_field:
                 groups = self._group_ids(table.column(self.group_field))
-        return Batch(sparse, dense, labels, groups, n, dense_lengths)
+            if self.session_field:
+                sessions = self._group_ids(table.column(self.session_field))
+        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions)
 
     def _kjt(self, computed: dict[str, _Output]) -> JaggedBatch:
         keys, values, lengths, weights = [], [], [], []
@@ -333,11 +357,12 @@ class BatchBuilder:
         """The sequence features of one sequence group are concatenated position by position: in
         every row they must have the same length."""
         for names in self.sequence_groups:
-            lengths = {}
+            lengths: dict[str, np.ndarray] = {}
             for name in names:
                 out = computed[name]
                 assert isinstance(out, (_Ids, _DenseSequence))
-                lengths[name] = out.lengths
+                elements = out.elements if isinstance(out, _Ids) else None
+                lengths[name] = elements if elements is not None else out.lengths
             first = names[0]
             for other in names[1:]:
                 bad = np.nonzero(lengths[first] != lengths[other])[0]
@@ -393,6 +418,8 @@ class BatchBuilder:
             return self._weighted(f, col, origin)
         if isinstance(f, IdFeatureCfg) and f.boundaries is not None:
             return self._bucketized_numbers(f, col, origin)
+        if isinstance(f, SequenceFeatureCfg) and f.several_ids_an_element:
+            return self._element_ids(f, col, origin)
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
         t = col.type
         plan = self.plans[f.feature_name]
@@ -421,6 +448,28 @@ class BatchBuilder:
             j = fill_missing(j, dv, empty)
         ids = self._bucketize(f, j.values, j.lengths, origin)
         return _Ids(*_keep_last(f, ids, j.lengths))
+
+    def _element_ids(self, f: SequenceFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
+        """Several ids an element (``value_dim: 0``): elements split on ``separator`` (the last
+        ``sequence_length`` kept; a missing row holds ``default_value``'s one element), each
+        element's ids on ``value_separator``. The KJT gets every id of a row; the batch, the ids
+        of each element."""
+        outer = jagged(col, f.separator, empty_token=None, what="sequence")
+        if f.default_value is not None:
+            outer = fill_missing(outer, f.default_value)
+        index, elements = keep_last(np.arange(len(outer.values)), outer.lengths, f.sequence_length)
+        kept = outer.values if len(index) == len(outer.values) else outer.values.take(pa.array(index))
+        row_of_element = np.repeat(np.arange(len(elements)), elements)
+        try:
+            inner = jagged(kept, f.value_separator, what="sequence element")
+            empty = np.nonzero(inner.lengths == 0)[0]
+            if empty.size:
+                raise RowError(int(empty[0]), "a sequence element without ids")
+        except RowError as e:  # located by element: the element's row
+            raise RowError(int(row_of_element[e.row]), e.message) from None
+        ids_per_row = np.bincount(row_of_element, weights=inner.lengths, minlength=len(elements)).astype(np.int64)
+        ids = self._bucketize(f, inner.values, ids_per_row, origin)
+        return _Ids(ids, ids_per_row, element_lengths=inner.lengths.astype(np.int64), elements=elements)
 
     def _weighted(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """``id:weight`` pairs (joined by ``separator``, default ``\\x1d``; or a list of them), or
@@ -874,7 +923,7 @@ class BatchBuilder:
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:
-        """The grouped-AUC field's ids, int64 ``[B]``: integers as they are, strings hashed as a
+        """A grouping column's ids (grouped AUC, JRC sessions), int64 ``[B]``: integers as they are, strings hashed as a
         dynamic table's keys (in C++ where the extension is built), other values as ``str(x)``."""
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         if pa.types.is_integer(col.type):

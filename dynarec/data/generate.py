@@ -30,7 +30,7 @@ import socket
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -103,6 +103,7 @@ class _Column:
     words: list[str] = field(default_factory=list)
     value_dim: int = 1
     value_separator: str = ","
+    element_separator: Optional[str] = None  # a sequence of several ids an element: between them
     map_value: str = "number"  # number | vector | words | ids | strings
     keys: list[str] = field(default_factory=lambda: [f"k{i}" for i in range(KEYS)])
     key_sources: list[Input] = field(default_factory=list)  # a map's keys: what these inputs hold
@@ -162,6 +163,10 @@ class _Column:
         if self.kind == "ids" and self.separator is None and self.sequence_length is None:
             return pa.array(ids, pa.int64()), effect
         tokens = self._tokens(ids, rng)
+        if self.element_separator is not None:  # a third of the elements hold a second id
+            more = self._tokens(_zipf_ids(rng, vocabulary, total, spec.zipf_a), rng)
+            two = rng.random(total) < 1 / 3
+            tokens = [f"{t}{self.element_separator}{m}" if b else t for t, m, b in zip(tokens, more, two)]
         if self.separator is None:
             return pa.array(tokens, pa.string()), effect
         return _join(tokens, lengths, self.separator), effect
@@ -251,14 +256,17 @@ class _Planner:
     def _ids(self, f: Feature, name: str, separator: Optional[str], sequence_length: Optional[int] = None) -> None:
         """The column of an id-like feature (``f``'s bucketizer decides what it holds)."""
         kind = f.bucketizer
+        common: dict[str, Any] = {"separator": separator, "sequence_length": sequence_length}
+        if isinstance(f, SequenceFeatureCfg) and f.several_ids_an_element:
+            common["element_separator"] = f.value_separator
         if kind in ("vocab_list", "vocab_dict", "vocab_file"):
-            self.add(name, kind="words", words=self._words(f), separator=separator, sequence_length=sequence_length)
+            self.add(name, kind="words", words=self._words(f), **common)
         elif isinstance(f, IdFeatureCfg) and f.weighted:
             self.add(name, kind="weighted", separator=f.separator or "\x1d", vocabulary=self._rows(f))
         elif f.hashed:
-            self.add(name, kind="strings", separator=separator, sequence_length=sequence_length)
+            self.add(name, kind="strings", **common)
         else:
-            self.add(name, kind="ids", separator=separator, sequence_length=sequence_length, vocabulary=self._rows(f))
+            self.add(name, kind="ids", vocabulary=self._rows(f), **common)
 
     def _words(self, f: Feature) -> list[str]:
         """The words of a vocabulary feature (a vocab_file that does not exist is written)."""

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from dynarec.config.features import SequenceFeatureCfg
 from dynarec.config.schema import Config
 from dynarec.models.pooling import masked_mean
 
@@ -53,6 +54,16 @@ def feature_input(config: Config, name: str) -> FeatureInput:
         return FeatureInput(name, "dense_sequence", value_dim, value_dim)
     width = int(f.embedding_dim) if f.dense_embedding is not None else value_dim
     return FeatureInput(name, "dense", width, value_dim, f.dense_embedding)
+
+
+def element_poolings(config: Config) -> dict[str, str]:
+    """``{name: pooling}`` of the sequence features of several ids an element (``value_dim: 0``):
+    how each element's ids are pooled before the model reads the sequence."""
+    return {
+        f.feature_name: f.pooling
+        for f in config.features()
+        if isinstance(f, SequenceFeatureCfg) and f.several_ids_an_element
+    }
 
 
 def sequence_names(config: Config) -> list[str]:

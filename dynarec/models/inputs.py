@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["align_sequences", "model_inputs"]
+__all__ = ["align_sequences", "model_inputs", "pool_elements"]
 
 
 def align_sequences(
@@ -33,12 +35,37 @@ def align_sequences(
     return out
 
 
-def model_inputs(embeddings, batch, sequence_features: list[str], device: torch.device | str = "cpu"):
+def pool_elements(seq: torch.Tensor, element_lengths: torch.Tensor, pooling: str) -> torch.Tensor:
+    """A sequence of several ids an element: its ids' rows ``[B, T, D]`` (each row's ids in order,
+    zero-padded) pooled per element, ``element_lengths [B, L]`` ids each (0 past the row's
+    elements), by ``pooling`` (``sum`` or ``mean``): ``[B, L, D]``, zeros past a row's elements."""
+    b, t, d = seq.shape
+    ends = element_lengths.cumsum(1)  # [B, L]: where each element's ids end
+    positions = torch.arange(t, device=seq.device).expand(b, t).contiguous()
+    element = torch.searchsorted(ends, positions, right=True)  # [B, T]; past the row's ids: L
+    out = seq.new_zeros(b, element_lengths.shape[1] + 1, d).scatter_add_(1, element[..., None].expand(b, t, d), seq)
+    out = out[:, :-1].contiguous()  # (an exported program's inputs are contiguous)
+    if pooling == "mean":
+        out = out / element_lengths.clamp(min=1).to(seq.dtype)[..., None]
+    return out
+
+
+def model_inputs(
+    embeddings,
+    batch,
+    sequence_features: list[str],
+    device: torch.device | str = "cpu",
+    element_pooling: Optional[dict[str, str]] = None,
+):
     """``(embeddings, sequence lengths, dense features)`` for a dense model, from a batch with
-    ``.sparse`` (a KJT), ``.dense`` and ``.sequence_lengths(names)``, looked up in the
-    ``embeddings`` collection. Training, export and serving all go through here, so exported
+    ``.sparse`` (a KJT), ``.dense``, ``.element_lengths`` and ``.sequence_lengths(names)``, looked
+    up in the ``embeddings`` collection; a sequence of several ids an element pooled per element
+    by ``element_pooling[name]``. Training, export and serving all go through here, so exported
     predictions see exactly the inputs eval does."""
     dense = {k: v.to(device, non_blocking=True) for k, v in batch.dense.items()}
-    emb, dense = align_sequences(embeddings(batch.sparse), dense, sequence_features)
+    emb = embeddings(batch.sparse)
+    for name, pooling in (element_pooling or {}).items():
+        emb[name] = pool_elements(emb[name], batch.element_lengths[name].to(device, non_blocking=True), pooling)
+    emb, dense = align_sequences(emb, dense, sequence_features)
     lengths = {k: v.to(device, non_blocking=True) for k, v in batch.sequence_lengths(sequence_features).items()}
     return emb, lengths, dense

@@ -29,15 +29,51 @@ from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_
 __all__ = ["Tasks", "check_predictions", "task_loss"]
 
 
-def task_loss(tower: TaskTowerCfg, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+def _segment_logsumexp(values: torch.Tensor, member: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count]``: the log-sum-exp of ``values`` over the rows of each segment where ``member``
+    holds; ``-inf`` for a segment without such rows (its gradient 0, not NaN)."""
+    v = values.masked_fill(~member, float("-inf"))
+    top = values.new_full((count,), float("-inf")).scatter_reduce(0, segment, v, "amax")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    sums = values.new_zeros(count).scatter_add(0, segment, torch.exp(v - top[segment]))
+    return torch.where(sums > 0, torch.log(sums.clamp_min(torch.finfo(sums.dtype).tiny)) + top, top - float("inf"))
+
+
+def jrc_rows(logits: torch.Tensor, label: torch.Tensor, sessions: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Row losses ``[B]`` of JRC (TorchEasyRec's ``JRCLoss``, Sheng et al. 2022): ``alpha`` times
+    the cross-entropy of ``logits [B, 2]`` plus ``1 - alpha`` times the row's softmax against the
+    rows of its session of the other class, on the row's own class's logit: a positive ``i``'s
+    ``-log(e^{z1_i} / (e^{z1_i} + sum_{negatives j of i's session} e^{z1_j}))``, a negative's the
+    same on ``z0`` against the positives. Their mean over the batch is TorchEasyRec's loss."""
+    y = label.long()
+    ce = F.cross_entropy(logits, y, reduction="none")
+    _, segment = torch.unique(sessions, return_inverse=True)
+    count = int(segment.max()) + 1 if segment.numel() else 0
+    positive = y == 1
+    own = torch.where(positive, logits[:, 1], logits[:, 0])
+    # A positive competes on z1 with its session's negatives; a negative on z0 with its positives.
+    against_positives = _segment_logsumexp(logits[:, 1], ~positive, segment, count)
+    against_negatives = _segment_logsumexp(logits[:, 0], positive, segment, count)
+    others = torch.where(positive, against_positives[segment], against_negatives[segment])
+    session = F.softplus(others - own)  # log(e^own + e^others) - own; 0 with no competitor
+    return alpha * ce + (1 - alpha) * session
+
+
+def task_loss(
+    tower: TaskTowerCfg, logits: torch.Tensor, label: torch.Tensor, sessions: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Row losses ``[B]`` of ``tower``, summed over its losses (TorchEasyRec's formulas).
 
     ``logits``: ``[B]`` (binary / regression) or ``[B, num_class]``; ``label``: ``[B]`` float32
-    (a class index for softmax cross-entropy)."""
+    (a class index for softmax cross-entropy); ``sessions``: ``[B]`` int64 session ids (JRC)."""
     total = torch.zeros_like(label)
     for loss in tower.losses:
         s: Any = loss.settings
-        if loss.kind == "binary_cross_entropy":
+        if loss.kind == "jrc_loss":
+            if sessions is None:
+                raise ValueError(f"task '{tower.tower_name}': jrc_loss needs the batch's session ids")
+            total = total + jrc_rows(logits, label, sessions, s.alpha)
+        elif loss.kind == "binary_cross_entropy":
             target = label * (1.0 - s.label_smoothing) + 0.5 * s.label_smoothing if s.label_smoothing else label
             total = total + F.binary_cross_entropy_with_logits(logits, target, reduction="none")
         elif loss.kind == "binary_focal_loss":
@@ -94,16 +130,18 @@ class Tasks:
         labels: torch.Tensor,
         global_rows: int,
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        sessions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """This rank's share of the step's loss (module doc). ``labels``: ``[B, L]``;
-        ``global_sum`` sums a tensor over the ranks (None: one process)."""
+        ``global_sum`` sums a tensor over the ranks (None: one process); ``sessions`` ``[B]``:
+        the JRC losses' session ids (a session's rows compete within this rank's batch)."""
         weights = self.sample_weights(labels)
         if any(w is not None for w in weights):
             local = torch.stack([w.sum() if w is not None else logits.new_tensor(0.0) for w in weights])
             totals = global_sum(local) if global_sum is not None else local
         loss = logits.new_zeros(())
         for k, (t, z, w) in enumerate(zip(self.towers, self.split(logits), weights)):
-            rows = task_loss(t, z.float(), labels[:, self._label[k]])
+            rows = task_loss(t, z.float(), labels[:, self._label[k]], sessions)
             if w is None:
                 loss = loss + t.weight * rows.sum() / global_rows
             else:  # weights divided by their (global) mean, TorchEasyRec's div_no_nan

@@ -124,7 +124,9 @@ def _write_export(
     """Writes the files of the export bound for ``export_dir`` into the directory ``tmp``."""
     task.eval()
     with torch.no_grad():
-        emb, lengths, dense = model_inputs(task.embeddings, example, task.sequence_features, task.device)
+        emb, lengths, dense = model_inputs(
+            task.embeddings, example, task.sequence_features, task.device, task.element_pooling
+        )
     batch_dim = torch.export.Dim("batch", min=1)
     seq_dim = torch.export.Dim("seq", min=2)
     shapes = (

@@ -20,7 +20,7 @@ from dynarec.distributed.collection import ShardedEmbeddingCollection
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.embedding.memory import available_memory, format_bytes
-from dynarec.models.features import sequence_names
+from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
@@ -94,11 +94,12 @@ class RankingTask(nn.Module):
             ddp.register_comm_hook(self.ctx.group, _allreduce_sum_hook)
             self._dense_forward = ddp
         self.sequence_features = sequence_names(config)
+        self.element_pooling = element_poolings(config)
 
     def forward(self, batch: Batch, low_precision: bool = False) -> torch.Tensor:
         """Float32 logits (``[B]`` or ``[B, K]``); ``low_precision``: the dense model in bfloat16 (autocast: the
         embeddings are looked up and the logits returned in float32)."""
-        inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device)
+        inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device, self.element_pooling)
         if not low_precision:
             return self._dense_forward(*inputs)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):

@@ -232,7 +232,8 @@ class Trainer:
             logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
         labels = batch.labels.to(self.device, non_blocking=True)
         global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
-        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum)
+        sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
+        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions)
         bad = not bool(torch.isfinite(loss))
         if self.ctx.distributed:
             bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")

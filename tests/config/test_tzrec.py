@@ -635,24 +635,13 @@ def test_dice_maps_onto_the_din_towers_activation_and_is_refused_where_dynarec_h
 SEED = VENDORED / "multi_tower_din_fg_dynamicemb_mock.config"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two of its sequence features have several ids an element (value_dim: 0), which dynarec's "
-    "sequence_feature does not take (test_tzrec_features.py::test_several_ids_a_sequence_element_are_refused_by_path)",
-)
 def test_the_seeds_config_converts_without_lenient():
     result = convert_pipeline_config(SEED.read_text(), train_input_path="d", config_dir=SEED.parent)
     assert not result.dropped
 
 
 def test_the_seeds_one_adagrad_reaches_its_dynamic_and_fixed_tables():
-    result = convert_pipeline_config(SEED.read_text(), train_input_path="d", config_dir=SEED.parent, lenient=True)
-    assert [d.split(":")[0] for d in result.dropped] == [
-        "feature_configs[32].sequence_feature.features[1].id_feature",
-        "feature_configs[34].sequence_id_feature",
-        "model_config.feature_groups[1]",
-        "model_config.feature_groups[2]",
-    ]
+    result = convert_pipeline_config(SEED.read_text(), train_input_path="d", config_dir=SEED.parent)
     tables = plan_from_config(config_from_dict(result.config)).table_configs()
     dynamic = {t.name for t in tables if t.dynamic is not None}
     assert dynamic == {"user_id", "id_8"}

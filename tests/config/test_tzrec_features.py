@@ -324,12 +324,12 @@ def test_a_config_written_for_use_rtp_names_sub_features_with_one_underscore():
     assert any("USE_RTP=1" in n for n in result.notes)
 
 
-def test_several_ids_a_sequence_element_are_refused_by_path():
-    with pytest.raises(ConversionError) as e:
-        convert_pipeline_config(SEED.read_text(), train_input_path="d", config_dir=SEED.parent)
-    assert str(e.value).splitlines()[1:] == [
-        "  feature_configs[32].sequence_feature.features[1].id_feature.value_dim: 0: several ids a sequence element "
-        "(pooled per element in TorchEasyRec); dynarec's sequence_feature takes one id an element",
-        "  feature_configs[34].sequence_id_feature.value_dim: 0: several ids a sequence element (pooled per element "
-        "in TorchEasyRec); dynarec's sequence_feature takes one id an element",
-    ]
+def test_several_ids_a_sequence_element_keep_value_dim_0_their_separator_and_pooling():
+    result = convert_pipeline_config(SEED.read_text(), train_input_path="d", config_dir=SEED.parent)
+    several = {
+        body["feature_name"]: (body["value_dim"], body["value_separator"], body["pooling"])
+        for entry in result.config["feature_configs"]
+        for kind, body in entry.items()
+        if kind == "sequence_feature" and "value_dim" in body
+    }
+    assert several == {"click_50_seq__id_3": (0, "\x1d", "sum"), "buy_50_id_6_seq": (0, "\x1d", "sum")}

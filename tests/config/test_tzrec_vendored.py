@@ -24,15 +24,7 @@ MODELS = "|".join(tzrec_models())
 DYNAREC_MODELS = {name for name in CONFIGS if re.search(rf"^\s*({MODELS})\s*\{{", (ROOT / name).read_text(), re.M)}
 
 # Of those, the ones refused, each with its reason (a regex the refusal must match).
-JRC = r"losses: \['jrc_loss'\] is not supported"
-SEVERAL_IDS_AN_ELEMENT = r"value_dim: 0: several ids a sequence element .* dynarec's sequence_feature takes one id"
 REFUSED = {
-    # Not allowed by issue 29, left for dynarec's schema (docs/features.md): TorchEasyRec's
-    # value_dim 0 in a sequence, several ids an element pooled per element. The three configs
-    # below the next comment have it too.
-    "tests/multi_tower_din_fg_dynamicemb_mock.config": SEVERAL_IDS_AN_ELEMENT,
-    "tests/multi_tower_din_fg_mock.config": SEVERAL_IDS_AN_ELEMENT,
-    "tests/multi_tower_din_fg_mock_adagrad_init_acc.config": SEVERAL_IDS_AN_ELEMENT,
     # Allowed by issue 29: half-precision rows are issue 31's.
     "tests/multi_tower_din_fg_mock_bf16_emb_fp16.config": r"data_type: FP16 rows: half-precision tables are not in "
     r"dynarec yet \(issue 31\)",
@@ -43,9 +35,6 @@ REFUSED = {
     # FBGEMM's per-element clipping of the tables' gradients: dynarec's sparse optimizers have none.
     "tests/multi_tower_din_fg_mock_gradient_clipping.config": r"adagrad_optimizer\.gradient_clipping: clipping the "
     r"tables' gradients is not offered",
-    # JRC's loss ranks a session's rows against each other inside one batch (a session column).
-    "benchmark/taobao/dbmtl_jrc.config": JRC,
-    "examples/dbmtl_taobao_jrc.config": JRC,
     # Variational dropout: a learned per-feature dropout with its own regularization loss.
     "tests/dbmtl_has_sequence_variational_dropout_mock.config": r"model_config\.variational_dropout: not supported",
 }

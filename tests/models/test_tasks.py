@@ -145,3 +145,61 @@ def test_a_multi_task_config_refuses_names_it_cannot_resolve():
 @pytest.mark.parametrize("name", MULTI_TASK)
 def test_label_fields_of_a_multi_task_model(name):
     assert model_config(name).label_fields() == ["label", "label2"]
+
+
+# -- JRC ---------------------------------------------------------------------------------------
+
+JRC_LOGITS = torch.tensor(
+    [[0.9, 0.1], [0.5, 0.5], [0.3, 0.7], [0.2, 0.8], [0.8, 0.2], [0.55, 0.45], [0.33, 0.67], [0.55, 0.45]]
+)
+JRC_LABELS = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.float32)
+JRC_SESSIONS = torch.tensor([1, 1, 1, 1, 2, 2, 2, 2])
+
+
+def jrc_reference(logits, labels, sessions, alpha=0.5):
+    """TorchEasyRec's first JRCLoss, the batch-by-batch mask form, row by row."""
+    y = labels.long()
+    rows = []
+    for i in range(len(y)):
+        channel = int(y[i])
+        same = (sessions == sessions[i]) & (y != y[i])
+        same[i] = True
+        z = logits[:, channel].masked_fill(~same, -1e9)
+        rows.append(torch.nn.functional.cross_entropy(z[None], torch.tensor([i]), reduction="none")[0])
+    ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    return alpha * ce + (1 - alpha) * torch.stack(rows)
+
+
+def test_jrc_is_torcheasyrecs_loss_on_its_own_example():
+    from dynarec.models.tasks import jrc_rows
+
+    rows = jrc_rows(JRC_LOGITS, JRC_LABELS, JRC_SESSIONS, 0.5)
+    assert round(rows.mean().item(), 4) == 0.7199  # tzrec/loss/jrc_loss_test.py
+    torch.testing.assert_close(rows, jrc_reference(JRC_LOGITS, JRC_LABELS, JRC_SESSIONS))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_jrc_matches_the_mask_form_with_one_class_sessions_and_lone_rows(alpha):
+    from dynarec.models.tasks import jrc_rows
+
+    g = torch.Generator().manual_seed(0)
+    sessions = torch.tensor([5, 3, 3, 9, 9, 9, 7, 7, 5, 11])  # 11 alone; 7 all positive
+    labels = torch.tensor([1, 0, 1, 0, 0, 1, 1, 1, 0, 0], dtype=torch.float32)
+    logits = torch.randn(10, 2, generator=g, requires_grad=True)
+    rows = jrc_rows(logits, labels, sessions, alpha)
+    torch.testing.assert_close(rows, jrc_reference(logits, labels, sessions, alpha))
+    rows.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_jrc_needs_two_classes_and_one_session_column():
+    from dynarec.config.tasks import TaskTowerCfg, check_task_towers
+
+    with pytest.raises(ValueError, match="jrc_loss needs num_class 2"):
+        TaskTowerCfg(tower_name="ctr", label_name="clk", losses=[{"jrc_loss": {"session_name": "u"}}])
+    towers = [
+        TaskTowerCfg(tower_name=n, label_name=n, num_class=2, losses=[{"jrc_loss": {"session_name": s}}])
+        for n, s in (("ctr", "user_id"), ("cvr", "query_id"))
+    ]
+    with pytest.raises(ValueError, match=r"m.task_towers: jrc_loss: one session_name for every task"):
+        check_task_towers(towers, "m")

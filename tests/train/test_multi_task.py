@@ -152,32 +152,16 @@ def test_dropout_draws_from_the_runs_own_seeded_stream_and_resumes_exactly(tmp_p
     assert any(not torch.equal(a[k], v) for k, v in dense_weights(other).items())
 
 
-def test_torcheasyrecs_dbmtl_with_sequence_encoders_imports_trains_and_serves(tmp_path, capsys):
-    """tests/dbmtl_has_sequence_mock.config: a deep group nesting two sequence groups (id and
-    dense sequences, ids and numbers as the query), read by DIN encoders; two tasks. import-config,
-    make-data, train, evaluate, export, predict: the served scores equal eval's."""
-    from tests.config.test_tzrec import EXAMPLES
-
-    config = tmp_path / "c" / "config.yaml"
-    pipeline = EXAMPLES / "tests" / "dbmtl_has_sequence_mock.config"
-    d = tmp_path / "c" / "d"
-    paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
-    assert main(["import-config", str(pipeline), "-o", str(config), *paths]) == 0
-    args = ["make-data", "--config", str(config), "--output-dir", str(d), "--train-rows", "300", "--eval-rows", "100"]
-    assert main(args) == 0
-    model_dir, export_dir = tmp_path / "m", tmp_path / "e"
-    assert main(["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress"]) == 0
-    loaded = load_config(model_dir / "config.yaml")
-    deep = loaded.model.feature_groups[0]
-    assert [s.group_name for s in deep.sequence_groups] == ["click_50_seq", "buy_50_seq"]
-    assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
-    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
-    out = tmp_path / "p.parquet"
-    assert main(["predict", "--export-dir", str(export_dir), "--input", str(d / "eval"), "--output", str(out)]) == 0
-    capsys.readouterr()
-    served = pq.read_table(out)
-    trainer = Trainer(loaded, model_dir, progress=False)
-    trainer.restore(training=False)
-    outputs, _, _ = trainer.predict(str(d / "eval"))
-    for name in ("probs_ctr", "probs_cvr"):
-        np.testing.assert_allclose(served.column(name).to_numpy(), outputs[name], rtol=0, atol=1e-5)
+def test_a_missing_session_column_names_the_jrc_loss(tmp_path):
+    make_data(tmp_path)
+    cfg = multi_task_config_dict()
+    for t in cfg["model"]["mmoe"]["task_towers"]:
+        t.update(num_class=2, losses=[{"jrc_loss": {"session_name": "session"}}], metrics=["auc"])
+    cfg["data"]["train_input_path"] = str(tmp_path / "data" / "train")
+    trainer = Trainer(config_from_dict(cfg, base_dir=tmp_path), tmp_path / "m", progress=False)
+    with pytest.raises(Exception, match=r"missing column 'session' \(jrc_loss.session_name\)"):
+        trainer.fit()
+    cfg["model"]["mmoe"]["task_towers"][0]["losses"][0]["jrc_loss"]["session_name"] = "user_id"
+    cfg["model"]["mmoe"]["task_towers"][1]["losses"][0]["jrc_loss"]["session_name"] = "user_id"
+    report = Trainer(config_from_dict(cfg, base_dir=tmp_path), tmp_path / "m2", progress=False).fit()
+    assert 0.0 < report["eval"]["auc_ctr"] < 1.0

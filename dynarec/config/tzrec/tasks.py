@@ -21,16 +21,29 @@ _LOSSES: dict[str, dict[str, float]] = {
 _METRICS = ("auc", "grouped_auc", "mean_squared_error", "mean_absolute_error", "accuracy")
 
 
-def convert_loss(loss: Reader) -> Optional[dict[str, Any]]:
+def convert_loss(loss: Reader, column_of: Optional[Callable[[str], str]] = None) -> Optional[dict[str, Any]]:
     """One ``losses`` block as dynarec's ``{kind: {settings}}``; None (refused by path) for a loss
-    dynarec lacks (jrc_loss: a session's in-batch ranking; the semantic-id losses)."""
+    dynarec lacks (the semantic-id losses). ``column_of``: a feature's column (JRC's session
+    feature; without it jrc_loss is refused, as for a single-task model)."""
     kinds = loss.msg.names()
-    if len(kinds) != 1 or kinds[0] not in _LOSSES:
-        loss.ctx.refuse(loss.path, f"{kinds} is not supported ({', '.join(_LOSSES)} are)", fatal=True)
+    known = [*_LOSSES, "jrc_loss"] if column_of is not None else list(_LOSSES)
+    if len(kinds) != 1 or kinds[0] not in known:
+        loss.ctx.refuse(loss.path, f"{kinds} is not supported ({', '.join(known)} are)", fatal=True)
         loss.taken.update(kinds)
         return None
     body = loss.message(kinds[0])
     assert body is not None
+    if kinds[0] == "jrc_loss":
+        assert column_of is not None
+        session = str(body.scalar("session_name", ""))
+        if not session:
+            body.ctx.refuse(body.at("session_name"), "a session feature is needed", fatal=True)
+        out: dict[str, Any] = {"session_name": column_of(session) if session else ""}
+        if (alpha := body.number("alpha", 0.5)) != 0.5:
+            out["alpha"] = alpha
+        body.done()
+        loss.done()
+        return {"jrc_loss": out}
     settings = {k: body.number(k, default) for k, default in _LOSSES[kinds[0]].items()}
     body.done()
     loss.done()
@@ -104,7 +117,7 @@ def _task_tower(
     out["label_name"] = str(label or "")
     if (m := t.message("mlp")) is not None:
         _put(out, "", mlp(m, t.at("mlp"), True))
-    losses = [convert_loss(loss) for loss in t.messages("losses")]
+    losses = [convert_loss(loss, grouping_column) for loss in t.messages("losses")]
     if not losses:
         ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
     out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]

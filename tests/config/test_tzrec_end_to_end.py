@@ -1,0 +1,66 @@
+"""TorchEasyRec's own configs through the pipeline a user runs: import-config (strict), make-data,
+train, export, predict; the served scores equal eval's."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dynarec.cli import main
+from dynarec.config import load_config
+from dynarec.train.trainer import Trainer
+from tests.config.test_tzrec import EXAMPLES
+
+
+@pytest.mark.parametrize(
+    "name, outputs",
+    [
+        # The seed's config: a dynamicemb table beside FBGEMM ones under one Adagrad, sequences of
+        # several ids an element (value_dim: 0), DIN towers, dense sequences.
+        ("tests/multi_tower_din_fg_dynamicemb_mock", ["probability"]),
+        # A deep group nesting two sequence groups (id and dense sequences, ids and numbers as the
+        # query) read by DIN encoders; two tasks.
+        ("tests/dbmtl_has_sequence_mock", ["probs_ctr", "probs_cvr"]),
+        # Two tasks of 2 classes each under JRC, sessions by user (their [2] probabilities served).
+        ("examples/dbmtl_taobao_jrc", ["probs_ctr", "probs_cvr"]),
+    ],
+)
+def test_a_torcheasyrec_config_imports_trains_and_serves(name, outputs, tmp_path, capsys):
+    config = tmp_path / "c" / "config.yaml"
+    d = tmp_path / "c" / "d"
+    paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
+    assert main(["import-config", str(EXAMPLES / f"{name}.config"), "-o", str(config), *paths]) == 0
+    args = ["make-data", "--config", str(config), "--output-dir", str(d), "--train-rows", "300", "--eval-rows", "100"]
+    assert main(args) == 0
+    model_dir, export_dir = tmp_path / "m", tmp_path / "e"
+    assert main(["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    out = tmp_path / "p.parquet"
+    assert main(["predict", "--export-dir", str(export_dir), "--input", str(d / "eval"), "--output", str(out)]) == 0
+    capsys.readouterr()
+    served = pq.read_table(out)
+    trainer = Trainer(load_config(model_dir / "config.yaml"), model_dir, progress=False)
+    trainer.restore(training=False)
+    scores, _, _ = trainer.predict(str(d / "eval"))
+    for column in outputs:
+        np.testing.assert_allclose(np.array(served.column(column).to_pylist()), scores[column], rtol=0, atol=1e-5)
+
+
+def test_the_seeds_config_keeps_its_sequences_of_several_ids_an_element(tmp_path):
+    config_path = tmp_path / "config.yaml"
+    pipeline = EXAMPLES / "tests" / "multi_tower_din_fg_dynamicemb_mock.config"
+    assert main(["import-config", str(pipeline), "-o", str(config_path)]) == 0
+    config = load_config(config_path)
+    several = {
+        f.feature_name: (f.value_separator, f.pooling) for f in config.features() if getattr(f, "value_dim", 1) == 0
+    }
+    assert several == {"click_50_seq__id_3": ("\x1d", "sum"), "buy_50_id_6_seq": ("\x1d", "sum")}
+
+
+def test_the_dbmtl_configs_sequence_groups_are_nested_in_its_deep_group(tmp_path):
+    config_path = tmp_path / "config.yaml"
+    assert (
+        main(["import-config", str(EXAMPLES / "tests" / "dbmtl_has_sequence_mock.config"), "-o", str(config_path)]) == 0
+    )
+    deep = load_config(config_path).model.feature_groups[0]
+    assert [s.group_name for s in deep.sequence_groups] == ["click_50_seq", "buy_50_seq"]
+    assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
