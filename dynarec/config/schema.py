@@ -367,6 +367,19 @@ class WuKongCfg(Strict):
     dense_group: str = "dense"
 
 
+class RocketLaunchingCfg(Strict):
+    """A light net taught by a booster net over the first feature group, the light net served
+    (:mod:`dynarec.models.rocket_launching`): an optional shared MLP, the two MLPs, and
+    ``feature_based_distillation`` of each light layer by the first booster layer of its width
+    (``cosine``, or ``l2``: TorchEasyRec's non-cosine distance)."""
+
+    share_hidden_units: list[Count] = []
+    booster_hidden_units: list[Count] = Field(min_length=1)
+    light_hidden_units: list[Count] = Field(min_length=1)
+    feature_based_distillation: bool = False
+    feature_distillation_function: Literal["cosine", "l2"] = "cosine"
+
+
 class SimpleMultiTaskCfg(Strict):
     """Each task's tower MLP straight over the first feature group (no shared layer)."""
 
@@ -457,6 +470,7 @@ MODEL_KEYS = (
     "xdeepfm",
     "mask_net",
     "wukong",
+    "rocket_launching",
     *MULTI_TASK_KEYS,
 )
 
@@ -473,6 +487,7 @@ class ModelCfg(Strict):
     xdeepfm: Optional[XDeepFMCfg] = None
     mask_net: Optional[MaskNetCfg] = None
     wukong: Optional[WuKongCfg] = None
+    rocket_launching: Optional[RocketLaunchingCfg] = None
     simple_multi_task: Optional[SimpleMultiTaskCfg] = None
     mmoe: Optional[MMoECfg] = None
     ple: Optional[PLECfg] = None

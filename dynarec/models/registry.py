@@ -13,6 +13,7 @@ from dynarec.models.dlrm import DLRM
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
+from dynarec.models.rocket_launching import RocketLaunching
 from dynarec.models.wide_and_deep import WideAndDeep
 
 __all__ = ["MODELS", "build_model"]
@@ -28,6 +29,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "xdeepfm": XDeepFM,
     "mask_net": MaskNet,
     "wukong": WuKong,
+    "rocket_launching": RocketLaunching,
     "simple_multi_task": SimpleMultiTask,
     "mmoe": MMoE,
     "ple": PLE,

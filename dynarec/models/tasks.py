@@ -16,6 +16,7 @@ the rule every gradient here follows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -26,7 +27,18 @@ from dynarec.config.schema import Config
 from dynarec.config.tasks import TaskTowerCfg
 from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_error, mean_squared_error
 
-__all__ = ["Tasks", "check_predictions", "task_loss"]
+__all__ = ["Tasks", "Teaching", "check_predictions", "task_loss"]
+
+
+@dataclass
+class Teaching:
+    """What a teacher net's training forward leaves for the step's loss (RocketLaunching's
+    ``model.teaching``): the booster's logits ``[B]`` (trained by the task's own losses) and the
+    distillation's row terms ``[B]`` and batch term (a scalar)."""
+
+    booster_logits: torch.Tensor
+    rows: torch.Tensor
+    batch: torch.Tensor
 
 
 def _segment_logsumexp(values: torch.Tensor, member: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
@@ -131,10 +143,27 @@ class Tasks:
         global_rows: int,
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         sessions: Optional[torch.Tensor] = None,
+        teaching: Optional[Teaching] = None,
     ) -> torch.Tensor:
         """This rank's share of the step's loss (module doc). ``labels``: ``[B, L]``;
         ``global_sum`` sums a tensor over the ranks (None: one process); ``sessions`` ``[B]``:
-        the JRC losses' session ids (a session's rows compete within this rank's batch)."""
+        the JRC losses' session ids (a session's rows compete within this rank's batch);
+        ``teaching``: a teacher net's part (RocketLaunching): its logits under the same tasks'
+        losses, its row terms as the rows' share, its batch term as it is."""
+        loss = self._loss(logits, labels, global_rows, global_sum, sessions)
+        if teaching is not None:
+            loss = loss + self._loss(teaching.booster_logits, labels, global_rows, global_sum, sessions)
+            loss = loss + teaching.rows.sum() / global_rows + teaching.batch
+        return loss
+
+    def _loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        global_rows: int,
+        global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]],
+        sessions: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         weights = self.sample_weights(labels)
         if any(w is not None for w in weights):
             local = torch.stack([w.sum() if w is not None else logits.new_tensor(0.0) for w in weights])

@@ -233,7 +233,8 @@ class Trainer:
         labels = batch.labels.to(self.device, non_blocking=True)
         global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
-        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions)
+        teaching = getattr(self.task.dense, "teaching", None)  # a teacher net's part (RocketLaunching)
+        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions, teaching)
         bad = not bool(torch.isfinite(loss))
         if self.ctx.distributed:
             bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")

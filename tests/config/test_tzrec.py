@@ -783,3 +783,18 @@ def test_lenient_drops_a_nested_sequence_group_left_without_its_sequence_with_it
     deep = config_from_dict(result.config).model.feature_groups[0]
     assert [s.group_name for s in deep.sequence_groups] == ["buy_50_seq"]
     assert [e.body.input for e in deep.sequence_encoders] == ["buy_50_seq"]
+
+
+def test_rocket_launching_of_two_classes_is_one_logit_under_binary_cross_entropy():
+    """TorchEasyRec's criteo rocket_launching: num_class 2 under softmax_cross_entropy becomes one
+    logit under dynarec's binary cross-entropy (the same likelihood), said in a note."""
+    path = EXAMPLES / "examples" / "rocket_launching_criteo.config"
+    result = convert_pipeline_config(path.read_text(), train_input_path="d/train", eval_input_path="d/eval")
+    block = result.config["model"]["rocket_launching"]
+    assert block == {
+        "booster_hidden_units": [256, 128, 64, 32],
+        "light_hidden_units": [96, 64, 32],
+        "feature_based_distillation": True,
+    }
+    assert any("num_class 2 under softmax_cross_entropy: one logit" in n for n in result.notes)
+    assert config_from_dict(result.config).tasks()[0].num_class == 1

@@ -70,6 +70,7 @@ MODEL_BLOCKS = {
         },
         False,
     ),
+    "rocket_launching": ({"booster_hidden_units": [8, 4], "light_hidden_units": [4]}, False),
     "simple_multi_task": ({"task_towers": TASK_TOWERS}, False),
     "mmoe": (
         {"expert_hidden_units": [8], "num_expert": 2, "gate_hidden_units": [4], "task_towers": TASK_TOWERS},
@@ -154,7 +155,8 @@ def test_model_forward_backward(name):
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
     assert out.shape == ((5, 2) if name in MULTI_TASK else (5,)) and torch.isfinite(out).all()
-    out.sum().backward()
+    teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
+    (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()
     assert emb["a"].grad is not None and any(p.grad is not None for p in model.parameters())
 
 

@@ -169,6 +169,7 @@ _TARGETS = {
     "dcn_v1": "dcn",
     "dcn_v2": "dcn_v2",
     "xdeepfm": "xdeepfm",
+    "rocket_launching": "rocket_launching",
     **{name: name for name in MULTI_TASK},
 }
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
@@ -315,11 +316,21 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             "arch_with_sparse": bool(m.scalar("arch_with_sparse", True)),
         }
     m.done()
-    if r.scalar("num_class", 1) != 1:
-        ctx.refuse(r.at("num_class"), "only binary classification (num_class 1) is supported", fatal=True)
+    num_class = r.scalar("num_class", 1)
+    if num_class not in (1, 2):
+        ctx.refuse(r.at("num_class"), "only binary classification (num_class 1, or 2) is supported", fatal=True)
+    # Two classes under softmax cross-entropy are one logit under binary cross-entropy: the
+    # softmax of two logits is the sigmoid of their difference, the same likelihood.
+    two_classes: dict[str, Any] = {"softmax_cross_entropy": {}}
     for loss in r.messages("losses"):  # a single-task model: binary cross-entropy, as dynarec's
         converted = convert_loss(loss)
-        if converted is not None and converted != {"binary_cross_entropy": {}}:
+        if converted is not None and num_class == 2 and converted == two_classes:
+            ctx.note(
+                loss.path,
+                "num_class 2 under softmax_cross_entropy: one logit under binary cross-entropy (the softmax of two "
+                "logits is the sigmoid of their difference: the same model and likelihood, one output)",
+            )
+        elif converted is not None and converted != {"binary_cross_entropy": {}}:
             ctx.refuse(
                 loss.path,
                 f"{next(iter(converted))} is not supported for a single-task model (binary_cross_entropy without "
@@ -440,7 +451,37 @@ def _xdeepfm(m: Reader, ctx: Context) -> dict[str, Any]:
     }
 
 
-_ZOO = {"mask_net": _mask_net, "wukong": _wukong, "dcn_v1": _dcn, "dcn_v2": _dcn_v2, "xdeepfm": _xdeepfm}
+def _rocket_launching(m: Reader, ctx: Context) -> dict[str, Any]:
+    """rocket_launching {share_mlp, booster_mlp, light_mlp, feature_based_distillation,
+    feature_distillation_function}: over the first group (TorchEasyRec's too)."""
+    out: dict[str, Any] = {}
+    if (share := m.message("share_mlp")) is not None:
+        out["share_hidden_units"] = _mlp(share, m.at("share_mlp"), ctx).units
+    out["booster_hidden_units"] = _mlp(m.message("booster_mlp"), m.at("booster_mlp"), ctx).units
+    out["light_hidden_units"] = _mlp(m.message("light_mlp"), m.at("light_mlp"), ctx).units
+    if m.scalar("feature_based_distillation", False) in (True, "true"):
+        out["feature_based_distillation"] = True
+    function = str(m.scalar("feature_distillation_function", "COSINE"))
+    if function == "INNER_PRODUCT":
+        out["feature_distillation_function"] = "l2"
+        ctx.note(
+            m.at("feature_distillation_function"),
+            "INNER_PRODUCT: TorchEasyRec's non-cosine distance, sqrt(sum((b - l)^2)): dynarec's l2",
+        )
+    elif function != "COSINE":
+        ctx.refuse(m.at("feature_distillation_function"), f"{function!r} is not supported (COSINE, INNER_PRODUCT are)")
+    m.done()
+    return out
+
+
+_ZOO = {
+    "mask_net": _mask_net,
+    "wukong": _wukong,
+    "dcn_v1": _dcn,
+    "dcn_v2": _dcn_v2,
+    "xdeepfm": _xdeepfm,
+    "rocket_launching": _rocket_launching,
+}
 
 
 def column_of(features: list[Converted], name: str) -> str:
