@@ -225,7 +225,7 @@ def cmd_import_config(args) -> None:
         print(f"note: {n}")
     for d in result.dropped:
         print(f"dropped: {d}")
-    model = next(k for k in result.config["model"] if k != "feature_groups")
+    model = next(k for k in result.config["model"] if k not in ("feature_groups", "variational_dropout"))
     print(f"wrote {output} ({len(result.config['feature_configs'])} features, model {model})")
 
 

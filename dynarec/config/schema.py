@@ -475,8 +475,17 @@ MODEL_KEYS = (
 )
 
 
+class VariationalDropoutCfg(Strict):
+    """TorchEasyRec's variational dropout: a learned dropout rate per part of every deep group of
+    more than one part, trained through a concrete relaxation, its keep rates penalized by
+    ``regularization_lambda`` (:mod:`dynarec.models.variational_dropout`)."""
+
+    regularization_lambda: float = Field(0.01, ge=0)
+
+
 class ModelCfg(Strict):
     feature_groups: list[FeatureGroupCfg] = Field(min_length=1)
+    variational_dropout: Optional[VariationalDropoutCfg] = None
     multi_tower_din: Optional[MultiTowerDINCfg] = None
     din: Optional[DINCfg] = None
     deepfm: Optional[DeepFMCfg] = None
@@ -506,6 +515,11 @@ class ModelCfg(Strict):
                 raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
         if name in MULTI_TASK_KEYS:
             check_task_towers(self.task_towers, f"model.{name}")
+        if self.variational_dropout is not None and name in FIELD_WISE_MODELS:
+            raise ValueError(
+                f"variational_dropout: {name} reads its groups feature by feature; variational dropout applies to "
+                "a model reading whole deep groups"
+            )
         nested = [g.group_name for g in self.feature_groups if g.sequence_groups]
         if nested and name in FIELD_WISE_MODELS:
             raise ValueError(

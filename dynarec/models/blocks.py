@@ -11,6 +11,7 @@ from dynarec.models.features import FeatureInputs
 from dynarec.models.mlp import MLP, Dice
 from dynarec.models.pooling import masked_mean, sequence_mask
 from dynarec.models.sequence import DINAttention, SequenceGroup, sequence_encoder
+from dynarec.models.variational_dropout import VariationalDropout
 
 __all__ = ["MLP", "DINAttention", "DeepGroup", "Dice", "SequenceGroup", "masked_mean", "sequence_mask"]
 
@@ -34,7 +35,11 @@ class DeepGroup(nn.Module):
             seq = SequenceGroup(where, seq_cfg.feature_names, inputs, need_query=cfg.pooling_encoder is None)
             self.sequences.append(seq)
             self.encoders.append(sequence_encoder(where, cfg, seq))
-        self.out_dim = sum(inputs[n].width for n in self.names) + sum(s.dim for s in self.sequences)
+        widths = [inputs[n].width for n in self.names] + [s.dim for s in self.sequences]
+        self.out_dim = sum(widths)
+        vd = config.model.variational_dropout
+        # TorchEasyRec's rank models apply it to every group of more than one part.
+        self.dropout = VariationalDropout(widths, vd.regularization_lambda) if vd and len(widths) > 1 else None
 
     def parts(self, embeddings, seq_lengths, dense) -> list[torch.Tensor]:
         parts = [self.inputs[0].pooled(n, embeddings, seq_lengths, dense) for n in self.names]
@@ -43,4 +48,5 @@ class DeepGroup(nn.Module):
         return parts
 
     def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
-        return torch.cat(self.parts(embeddings, seq_lengths, dense), dim=1)
+        x = torch.cat(self.parts(embeddings, seq_lengths, dense), dim=1)
+        return self.dropout(x) if self.dropout is not None else x

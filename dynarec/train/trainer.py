@@ -38,6 +38,7 @@ from dynarec.data.reader import DataPosition, data_files
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.files import DirectoryBusyError, DirectoryLock
+from dynarec.models.variational_dropout import penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
@@ -235,6 +236,9 @@ class Trainer:
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
         teaching = getattr(self.task.dense, "teaching", None)  # a teacher net's part (RocketLaunching)
         loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions, teaching)
+        penalty = penalties(self.task.dense, batch.num_rows, global_rows or batch.num_rows)  # variational dropout
+        if penalty is not None:
+            loss = loss + penalty
         bad = not bool(torch.isfinite(loss))
         if self.ctx.distributed:
             bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")

@@ -20,6 +20,8 @@ from tests.config.test_tzrec import EXAMPLES
         # A deep group nesting two sequence groups (id and dense sequences, ids and numbers as the
         # query) read by DIN encoders; two tasks.
         ("tests/dbmtl_has_sequence_mock", ["probs_ctr", "probs_cvr"]),
+        # The same with variational dropout over the deep group's parts.
+        ("tests/dbmtl_has_sequence_variational_dropout_mock", ["probs_ctr", "probs_cvr"]),
         # Two tasks of 2 classes each under JRC, sessions by user (their [2] probabilities served).
         ("examples/dbmtl_taobao_jrc", ["probs_ctr", "probs_cvr"]),
     ],

@@ -35,8 +35,6 @@ REFUSED = {
     # FBGEMM's per-element clipping of the tables' gradients: dynarec's sparse optimizers have none.
     "tests/multi_tower_din_fg_mock_gradient_clipping.config": r"adagrad_optimizer\.gradient_clipping: clipping the "
     r"tables' gradients is not offered",
-    # Variational dropout: a learned per-feature dropout with its own regularization loss.
-    "tests/dbmtl_has_sequence_variational_dropout_mock.config": r"model_config\.variational_dropout: not supported",
 }
 
 # A refusal line: "  <field path>: <why>".

@@ -220,6 +220,10 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     wide_rename = _add_wide_features(r, features, wide_dim, wide_init, ctx)
     groups_out, group_paths = _groups(r, wide_rename, {f.name for f in features})
     out: dict[str, Any] = {"feature_groups": groups_out}
+    variational_dropout = None
+    if (vd := r.message("variational_dropout")) is not None:
+        variational_dropout = {"regularization_lambda": vd.number("regularization_lambda", 0.01)}
+        vd.done()
     result = ModelResult(out, {}, group_paths)
     groups = {g["group_name"]: g for g in groups_out}
     block: dict[str, Any]
@@ -353,7 +357,8 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         "metrics of the training batches, logged only; dynarec logs the training loss and computes its metrics on "
         "the eval data",
     )
-    r.refuse("variational_dropout")
+    if variational_dropout is not None:  # after the model block: the block is the model's first key
+        out["variational_dropout"] = variational_dropout
     r.done()
     return result
 
@@ -608,4 +613,4 @@ def _prune_sequence_groups(group: dict[str, Any], path: str, features: dict[str,
 
 
 def model_name(model: dict[str, Any]) -> str:
-    return next((k for k in model if k != "feature_groups"), "")
+    return next((k for k in model if k not in ("feature_groups", "variational_dropout")), "")
