@@ -107,6 +107,7 @@ class DenseAdam(DenseOptimizerSpec):
     beta2: float = 0.999
     eps: float = 1e-8
     yaml_key: ClassVar[str] = "adam_optimizer"
+    torch_class: ClassVar[type[torch.optim.Adam] | type[torch.optim.AdamW]] = torch.optim.Adam
 
     def _validate(self) -> None:
         cls = type(self).__name__
@@ -120,7 +121,7 @@ class DenseAdam(DenseOptimizerSpec):
 
     def build(self, params):
         params = list(params)
-        return torch.optim.Adam(
+        return self.torch_class(
             params,
             lr=self.lr,
             betas=(self.beta1, self.beta2),
@@ -136,17 +137,7 @@ class DenseAdamW(DenseAdam):
     TorchEasyRec's adamw_optimizer (torch's default is 0.01)."""
 
     yaml_key: ClassVar[str] = "adamw_optimizer"
-
-    def build(self, params):
-        params = list(params)
-        return torch.optim.AdamW(
-            params,
-            lr=self.lr,
-            betas=(self.beta1, self.beta2),
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            fused=_fused(params),
-        )
+    torch_class: ClassVar[type[torch.optim.Adam] | type[torch.optim.AdamW]] = torch.optim.AdamW
 
 
 DENSE_OPTIMIZERS: dict[str, type[DenseOptimizerSpec]] = {
