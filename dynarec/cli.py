@@ -190,6 +190,7 @@ def cmd_import_config(args) -> None:
     from dynarec.config import config_from_dict
     from dynarec.config.textproto import TextFormatError
     from dynarec.config.tzrec import ConversionError, convert_pipeline_config
+    from dynarec.config.tzrec.model import model_name
     from dynarec.files import atomic_write_text
 
     source = Path(args.pipeline_config)
@@ -225,7 +226,7 @@ def cmd_import_config(args) -> None:
         print(f"note: {n}")
     for d in result.dropped:
         print(f"dropped: {d}")
-    model = next(k for k in result.config["model"] if k not in ("feature_groups", "variational_dropout"))
+    model = model_name(result.config["model"])
     print(f"wrote {output} ({len(result.config['feature_configs'])} features, model {model})")
 
 

@@ -321,7 +321,7 @@ class BatchBuilder:
                 assert isinstance(out, _Dense)
                 dense[f.feature_name] = torch.from_numpy(out.x32)
         element_lengths = {
-            name: torch.from_numpy(_padded(out.element_lengths[:, None], out.elements, n)[:, :, 0].astype(np.int64))
+            name: torch.from_numpy(_padded(out.element_lengths, out.elements, n, np.int64))
             for name, out in computed.items()
             if isinstance(out, _Ids) and out.element_lengths is not None and out.elements is not None
         }
@@ -987,11 +987,11 @@ def _as_column(out: _Output, n: int) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), pa.array(out.x64.reshape(-1)))
 
 
-def _padded(x: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
-    """Elements ``[N, k]`` of rows of ``lengths`` -> ``[n, L, k]`` zero-padded (``L`` the
-    longest)."""
+def _padded(x: np.ndarray, lengths: np.ndarray, n: int, dtype: type = np.float32) -> np.ndarray:
+    """Elements ``[N, ...]`` of rows of ``lengths`` -> ``[n, L, ...]`` zero-padded (``L`` the
+    longest), of ``dtype``."""
     longest = int(lengths.max()) if len(lengths) else 0
-    out = np.zeros((n, longest, x.shape[1]), dtype=np.float32)
+    out = np.zeros((n, longest, *x.shape[1:]), dtype=dtype)
     row = np.repeat(np.arange(n), lengths)
     pos = np.arange(len(x)) - offsets_of(lengths)[:-1][row]
     out[row, pos] = x

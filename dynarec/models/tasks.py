@@ -59,8 +59,8 @@ def jrc_rows(logits: torch.Tensor, label: torch.Tensor, sessions: torch.Tensor, 
     same on ``z0`` against the positives. Their mean over the batch is TorchEasyRec's loss."""
     y = label.long()
     ce = F.cross_entropy(logits, y, reduction="none")
-    _, segment = torch.unique(sessions, return_inverse=True)
-    count = int(segment.max()) + 1 if segment.numel() else 0
+    unique, segment = torch.unique(sessions, return_inverse=True)
+    count = unique.numel()
     positive = y == 1
     own = torch.where(positive, logits[:, 1], logits[:, 0])
     # A positive competes on z1 with its session's negatives; a negative on z0 with its positives.

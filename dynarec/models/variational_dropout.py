@@ -50,12 +50,12 @@ class VariationalDropout(nn.Module):
         return x * (1 - torch.repeat_interleave(drop, self.widths, dim=1))
 
 
-def penalties(model: nn.Module, local_rows: int, global_rows: int) -> Optional[torch.Tensor]:
-    """This rank's share of the penalties the model's variational dropouts left in this training
-    forward (None without any): ``sum(penalty) / global_rows`` over the global batch, TorchEasyRec's
+def penalties(dropouts: Sequence[VariationalDropout], local_rows: int, global_rows: int) -> Optional[torch.Tensor]:
+    """This rank's share of the penalties ``dropouts`` (a model's) left in this training forward
+    (None without any): ``sum(penalty) / global_rows`` over the global batch, TorchEasyRec's
     ``lambda / batch_size * sum(1 - q)``, each rank taking ``local_rows / global_rows`` of it (the
     ranks' gradients are summed)."""
-    found = [m.penalty for m in model.modules() if isinstance(m, VariationalDropout) and m.penalty is not None]
+    found = [m.penalty for m in dropouts if m.penalty is not None]
     if not found:
         return None
     return torch.stack(found).sum() * (local_rows / global_rows**2)

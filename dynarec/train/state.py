@@ -71,9 +71,13 @@ class StepRng:
     """The random stream the training steps' forward draws from (dropout masks), seeded by
     ``train.seed`` and kept apart from the process's global generator: a run draws the same masks
     whatever else the process does, and a checkpoint carries the stream so a resumed run draws
-    what an uninterrupted one would. Every rank runs the same stream."""
+    what an uninterrupted one would. Every rank runs the same stream.
 
-    def __init__(self, seed: int, device: torch.device):
+    ``draws``: whether the forward draws at all; a model without dropout skips switching
+    generators every step (a host cost on the step's path)."""
+
+    def __init__(self, seed: int, device: torch.device, draws: bool = True):
+        self.draws = draws
         self._devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=self._devices):
             torch.manual_seed(seed + 1)  # not the stream the initial weights came from
@@ -86,6 +90,9 @@ class StepRng:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Runs the block on this stream (the global generators restored after it)."""
+        if not self.draws:
+            yield
+            return
         with torch.random.fork_rng(devices=self._devices):
             torch.set_rng_state(self._cpu)
             if self._devices and self._cuda is not None:

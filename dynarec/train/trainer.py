@@ -38,7 +38,7 @@ from dynarec.data.reader import DataPosition, data_files
 from dynarec.distributed.context import DistContext, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.files import DirectoryBusyError, DirectoryLock
-from dynarec.models.variational_dropout import penalties
+from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
@@ -80,7 +80,9 @@ class Trainer:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(config.train.seed)
             self.task = RankingTask(config, self.device, self.ctx)
-        self.rng = StepRng(config.train.seed, self.device)
+        self.variational_dropouts = [m for m in self.task.dense.modules() if isinstance(m, VariationalDropout)]
+        draws = bool(self.variational_dropouts) or any(isinstance(m, nn.Dropout) for m in self.task.dense.modules())
+        self.rng = StepRng(config.train.seed, self.device, draws)
         self.evaluator = Evaluator(config, self.task, self.input, self.ctx)
         self.tasks = self.evaluator.tasks
         self._frozen_tables = {f.table_name for f in config.features() if f.embedded and not f.trainable}
@@ -236,7 +238,7 @@ class Trainer:
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
         teaching = getattr(self.task.dense, "teaching", None)  # a teacher net's part (RocketLaunching)
         loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions, teaching)
-        penalty = penalties(self.task.dense, batch.num_rows, global_rows or batch.num_rows)  # variational dropout
+        penalty = penalties(self.variational_dropouts, batch.num_rows, global_rows or batch.num_rows)
         if penalty is not None:
             loss = loss + penalty
         bad = not bool(torch.isfinite(loss))

@@ -38,9 +38,9 @@ def test_eval_scales_each_part_by_its_keep_rate_and_leaves_no_penalty():
 def test_the_penalty_is_torcheasyrecs_per_batch_term_shared_by_the_ranks():
     vd = VariationalDropout([1, 1], regularization_lambda=0.5).train()
     vd(torch.randn(8, 2))
-    one_process = penalties(vd, 8, 8)
+    one_process = penalties([vd], 8, 8)
     torch.testing.assert_close(one_process, 0.5 * (1 - torch.sigmoid(vd.logit_p)).sum() / 8)
-    two_ranks = penalties(vd, 3, 8) + penalties(vd, 5, 8)  # two ranks' shares of one global batch
+    two_ranks = penalties([vd], 3, 8) + penalties([vd], 5, 8)  # two ranks' shares of one global batch
     torch.testing.assert_close(two_ranks, one_process)
 
 
@@ -57,7 +57,7 @@ def test_every_deep_group_of_several_parts_gets_one(name):
     assert groups and all(len(g.logit_p) > 1 for g in groups)
     emb, lengths, dense = inputs()
     out = model(emb, lengths, dense)
-    (out.sum() + penalties(model, 5, 5)).backward()
+    (out.sum() + penalties(groups, 5, 5)).backward()
     assert all(g.logit_p.grad is not None and g.logit_p.grad.abs().sum() > 0 for g in groups)
 
 
