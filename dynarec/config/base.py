@@ -8,7 +8,7 @@ import dataclasses
 import typing
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
 from dynarec.embedding.config import DynamicTableOptions
 from dynarec.embedding.initializers import Initializer
@@ -18,8 +18,8 @@ __all__ = [
     "DropoutRatios",
     "DynamicEmbField",
     "InitializerField",
+    "MLPDropouts",
     "Strict",
-    "check_dropout",
     "core_type",
     "exactly_one",
 ]
@@ -46,16 +46,23 @@ Count = Annotated[StrictInt, Field(gt=0)]
 DropoutRatios = list[Annotated[float, Field(ge=0, lt=1)]]
 
 
-def check_dropout(model: BaseModel, **pairs: str) -> None:
-    """Each ``ratios_field=units_field`` pair of ``model``: one ratio, or one per layer; a
-    ValueError naming the fields otherwise."""
-    for ratios_field, units_field in pairs.items():
-        ratios, units = getattr(model, ratios_field), getattr(model, units_field)
-        if len(ratios) > 1 and len(ratios) != len(units):
-            raise ValueError(
-                f"{ratios_field}: {len(ratios)} ratios for the {len(units)} layers of {units_field}; "
-                "give one, or one per layer"
-            )
+class MLPDropouts(Strict):
+    """A config of MLPs with dropout: each ``<prefix>dropout_ratio`` field gives one ratio, or one
+    per layer of its ``<prefix>hidden_units`` (a ValueError naming both otherwise)."""
+
+    @model_validator(mode="after")
+    def _dropout_per_layer(self):
+        for ratios_field in type(self).model_fields:
+            if not ratios_field.endswith("dropout_ratio"):
+                continue
+            units_field = ratios_field.removesuffix("dropout_ratio") + "hidden_units"
+            ratios, units = getattr(self, ratios_field), getattr(self, units_field)
+            if len(ratios) > 1 and len(ratios) != len(units):
+                raise ValueError(
+                    f"{ratios_field}: {len(ratios)} ratios for the {len(units)} layers of {units_field}; "
+                    "give one, or one per layer"
+                )
+        return self
 
 
 def _refuse_bool_numbers(cls: type, data: Any) -> Any:

@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from dynarec.config.base import Count, DropoutRatios, check_dropout, exactly_one
+from dynarec.config.base import Count, DropoutRatios, exactly_one
+from dynarec.config.base import MLPDropouts as _MLPDropouts
 from dynarec.config.base import Strict as _Strict
 from dynarec.config.features import (
     TABLE_SETTINGS,
@@ -76,6 +77,10 @@ _exactly_one = exactly_one
 class Strict(_Strict, BaseModel):
     """:class:`dynarec.config.base.Strict` (BaseModel named again so that linters see a pydantic
     model: its fields' defaults are copied per instance)."""
+
+
+class MLPDropouts(_MLPDropouts, BaseModel):
+    """:class:`dynarec.config.base.MLPDropouts`, named again as :class:`Strict` is."""
 
 
 # A sparse optimizer block, ``{adagrad_optimizer: {lr: 0.05, ...}}``: exactly one of the registered
@@ -386,7 +391,7 @@ class SimpleMultiTaskCfg(Strict):
     task_towers: list[TaskTowerCfg]
 
 
-class MMoECfg(Strict):
+class MMoECfg(MLPDropouts):
     """Multi-gate Mixture-of-Experts (Ma et al., 2018) over the first feature group:
     ``num_expert`` expert MLPs, one softmax gate per task (a linear map, after ``gate_hidden_units``
     when given) mixing them into that task's tower."""
@@ -397,13 +402,8 @@ class MMoECfg(Strict):
     num_expert: Count = 3
     task_towers: list[TaskTowerCfg]
 
-    @model_validator(mode="after")
-    def _dropout(self):
-        check_dropout(self, expert_dropout_ratio="expert_hidden_units")
-        return self
 
-
-class ExtractionNetworkCfg(Strict):
+class ExtractionNetworkCfg(MLPDropouts):
     """One PLE extraction layer: ``share_num`` shared experts and ``expert_num_per_task`` experts
     per task; each task's gate mixes its own and the shared experts."""
 
@@ -415,15 +415,6 @@ class ExtractionNetworkCfg(Strict):
     share_expert_dropout_ratio: DropoutRatios = []
     task_expert_dropout_ratio: DropoutRatios = []
 
-    @model_validator(mode="after")
-    def _dropout(self):
-        check_dropout(
-            self,
-            share_expert_dropout_ratio="share_expert_hidden_units",
-            task_expert_dropout_ratio="task_expert_hidden_units",
-        )
-        return self
-
 
 class PLECfg(Strict):
     """Progressive Layered Extraction (Tang et al., 2020): stacked extraction layers over the
@@ -433,7 +424,7 @@ class PLECfg(Strict):
     task_towers: list[TaskTowerCfg]
 
 
-class DBMTLCfg(Strict):
+class DBMTLCfg(MLPDropouts):
     """Deep Bayesian Multi-Target Learning over the first feature group: an optional MaskNet and
     bottom MLP shared by the tasks, optional MMoE experts (``expert_hidden_units``), each task's
     MLP, and relation MLPs that feed a task the outputs of the tasks it depends on
@@ -447,11 +438,6 @@ class DBMTLCfg(Strict):
     gate_hidden_units: list[Count] = []
     num_expert: Count = 3
     task_towers: list[TaskTowerCfg]
-
-    @model_validator(mode="after")
-    def _dropout(self):
-        check_dropout(self, bottom_dropout_ratio="bottom_hidden_units", expert_dropout_ratio="expert_hidden_units")
-        return self
 
 
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")

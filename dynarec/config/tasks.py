@@ -28,7 +28,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from dynarec.config.base import Count, DropoutRatios, Strict, check_dropout, exactly_one
+from dynarec.config.base import Count, DropoutRatios, MLPDropouts, Strict, exactly_one
 
 __all__ = [
     "LOSS_KEYS",
@@ -109,7 +109,7 @@ _METRICS_OF = {
 }
 
 
-class TaskTowerCfg(Strict):
+class TaskTowerCfg(MLPDropouts):
     """One task of a multi-task model (module doc). DBMTL's towers may also read the outputs of
     earlier towers (``relation_tower_names``) through ``relation_hidden_units``."""
 
@@ -130,7 +130,6 @@ class TaskTowerCfg(Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        check_dropout(self, dropout_ratio="hidden_units", relation_dropout_ratio="relation_hidden_units")
         if not self.losses:
             raise ValueError(f"task '{self.tower_name}': give at least one loss")
         kinds = {loss.kind for loss in self.losses}
