@@ -19,7 +19,7 @@ outside {0, 1}.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,7 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
+from dynarec.data.transport import Slot, pack, unpack
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
@@ -95,9 +96,31 @@ class Batch:
     element_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
     # [B] int64 session ids of the tasks' JRC losses (their session_name column), or None.
     sessions: Optional[torch.Tensor] = None
+    # Where the tensors are views of one packed buffer (a batch just arrived from a DataLoader
+    # worker, which pins it before anything else sees it): the buffer and how to rebuild the
+    # batch from it, so that pin_memory copies it once.
+    _packed: Optional[tuple[torch.Tensor, list[Slot], _Layout]] = field(default=None, repr=False, compare=False)
+
+    def __reduce__(self):
+        """Pickled (by a DataLoader worker, for the training process) as one buffer: one shared
+        memory file a batch, and one page-locked copy there (see dynarec.data.transport)."""
+        s = self.sparse
+        optional = [s.weights_or_none(), self.groups, self.sessions]
+        dicts = (self.dense, self.dense_lengths, self.element_lengths)
+        tensors = [s.values(), s.lengths(), self.labels, *(t for t in optional if t is not None)]
+        for d in dicts:
+            tensors += d.values()
+        layout = _Layout(
+            s.keys(), s.host_stats(), [t is not None for t in optional], [list(d) for d in dicts], self.num_rows
+        )
+        buffer, slots = pack(tensors)
+        return (_unpacked_batch, (buffer, slots, layout))
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
+        if self._packed is not None:
+            buffer, slots, layout = self._packed
+            return _unpacked_batch(buffer.pin_memory(), slots, layout)
         return Batch(
             self.sparse.pin_memory(),
             {k: v.pin_memory() for k, v in self.dense.items()},
@@ -124,6 +147,39 @@ class Batch:
                 assert lengths is not None, f"no sequence feature '{n}' in the batch"
                 out[n] = lengths[keys.index(n)]
         return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a packed batch holds besides its tensors (see ``Batch.__reduce__``): the sparse keys
+    and host statistics, which of weights, groups and sessions are present, the keys of the
+    dense, dense-lengths and element-lengths dicts, and the rows."""
+
+    keys: list[str]
+    stats: Any
+    present: list[bool]
+    dict_keys: list[list[str]]
+    num_rows: int
+
+
+def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
+    """The batch of ``Batch.__reduce__``, its tensors views of ``buffer``."""
+    tensors = iter(unpack(buffer, slots))
+    values, lengths, labels = next(tensors), next(tensors), next(tensors)
+    weights, groups, sessions = (next(tensors) if p else None for p in layout.present)
+    dense, dense_lengths, element_lengths = ({k: next(tensors) for k in keys} for keys in layout.dict_keys)
+    sparse = JaggedBatch(list(layout.keys), values, lengths, weights, layout.stats)
+    return Batch(
+        sparse,
+        dense,
+        labels,
+        groups,
+        layout.num_rows,
+        dense_lengths,
+        element_lengths,
+        sessions,
+        _packed=(buffer, slots, layout),
+    )
 
 
 @dataclass(frozen=True)
@@ -427,19 +483,10 @@ class BatchBuilder:
             if separator is None:  # one value a row, none missing
                 lengths = np.ones(len(col), dtype=np.int64)
                 return _Ids(self._token_ids(f, col, lengths, origin), lengths)
-        if dv is None and plan.kind not in _VOCABS and separator is not None and _is_string(t):
-            if plan.hashed:  # the C++ extension's one pass: split and hash
-                hashed = native.split_hash(col, separator, plan.modulus, plan.hash_function)
-                if hashed is not None:
-                    ids, lengths, bad = hashed
-                    if bad >= 0:
-                        raise self._empty_token(f, origin, bad, separator)
-                    return _Ids(*_keep_last(f, ids, lengths))
-            else:  # the C++ extension's one pass: split and parse
-                parsed = native.split_parse_int64(col, separator)
-                if parsed is not None:
-                    ids, lengths = parsed
-                    return _Ids(*_keep_last(f, self._checked_range(f, ids, lengths, origin), lengths))
+        if plan.kind not in _VOCABS and separator is not None and _is_string(t):
+            ids_ = self._split_natively(f, col, separator, origin)
+            if ids_ is not None:
+                return ids_
         j = jagged(col, separator, empty_token=dv)
         if dv is not None:
             empty = None
@@ -448,6 +495,39 @@ class BatchBuilder:
             j = fill_missing(j, dv, empty)
         ids = self._bucketize(f, j.values, j.lengths, origin)
         return _Ids(*_keep_last(f, ids, j.lengths))
+
+    def _split_natively(
+        self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, separator: str, origin: RowOrigin
+    ) -> Optional[_Ids]:
+        """A separator-joined string column's ids in the C++ extension's one pass (split, then
+        hash or parse), or None where pyarrow's path is needed. Without a default every field is
+        present and an empty token is an error. A default of "" (TorchEasyRec's) adds nothing:
+        null and empty fields hold no id and empty tokens are dropped. Another default is taken
+        here only where no field is missing (pyarrow's path fills it in)."""
+        dv = f.default_value
+        plan = self.plans[f.feature_name]
+        if dv is not None and col.null_count:
+            col = pc.fill_null(col, "")
+        drop_empty = dv == ""
+        if plan.hashed:
+            hashed = native.split_hash(col, separator, plan.modulus, plan.hash_function, drop_empty)
+            if hashed is None:
+                return None
+            ids, lengths, bad = hashed
+            if bad >= 0:
+                if dv is None:
+                    raise self._empty_token(f, origin, bad, separator)
+                return None
+        else:
+            parsed = native.split_parse_int64(col, separator, drop_empty)
+            if parsed is None:
+                return None
+            ids, lengths = parsed
+        if dv and not lengths.all():
+            return None
+        if not plan.hashed:
+            ids = self._checked_range(f, ids, lengths, origin)
+        return _Ids(*_keep_last(f, ids, lengths))
 
     def _element_ids(self, f: SequenceFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """Several ids an element (``value_dim: 0``): elements split on ``separator`` (the last

@@ -412,6 +412,14 @@ def worker_context(num_workers: int) -> Optional[str]:
     return "forkserver"
 
 
+def _init_worker(_: int) -> None:
+    """Set up a DataLoader worker: one Arrow thread (Parquet decoding, compute kernels), as torch
+    gives it one thread of its own. The workers are the parallelism; eight of them each with an
+    Arrow pool of every core oversubscribe the host."""
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+
+
 def default_num_workers(device_type: str) -> int:
     """``data.num_workers`` left unset: none on a CPU device (the step uses every core), and on
     a GPU as many as the host spares (all cores but two), up to 8."""
@@ -434,6 +442,7 @@ class BatchLoader:
             pin_memory=pin_memory,
             persistent_workers=False,
             multiprocessing_context=worker_context(num_workers),
+            worker_init_fn=_init_worker if num_workers else None,
         )
 
     def __iter__(self) -> Iterator[Batch]:

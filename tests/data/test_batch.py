@@ -9,6 +9,7 @@ import torch
 
 from dynarec.config import config_from_dict
 from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader
+from dynarec.embedding.jagged import split_features
 from dynarec.features import DYNAMIC_KEY_BUCKETS, native, to_hash_bucket_fast
 from tests.matrix import needs_fg_kernels
 from tests.pipeline_fixtures import config_dict
@@ -289,3 +290,47 @@ def test_an_empty_token_names_the_row_on_both_paths(column, where):
         hashed_builder().build(t, "t.parquet")
     with native.python_path(), pytest.raises(DataError, match=message):
         hashed_builder().build(t, "t.parquet")
+
+
+@needs_fg_kernels
+@pytest.mark.parametrize("sep", ["|", "::"])
+@pytest.mark.parametrize("default", ["", "9"])
+@pytest.mark.parametrize("bucketizer", ["hash_bucket_size", "num_buckets"])
+def test_a_defaulted_id_list_takes_the_native_pass_with_the_pyarrow_paths_batch(sep, default, bucketizer):
+    """TorchEasyRec's id features default to "": null and empty fields hold no id and empty
+    tokens are dropped, in one native pass (split, then hash or parse); another default takes
+    pyarrow's path where a field is missing. Both paths build the same batch, and the ids are
+    those of the kept tokens."""
+    c = config_dict()
+    feature = {"feature_name": "tags", "embedding_dim": 4, bucketizer: 1000, "separator": sep}
+    c["feature_configs"].append({"id_feature": {**feature, "default_value": default}})
+    c["model"]["feature_groups"][1]["feature_names"].append("tags")
+    b = BatchBuilder(config_from_dict(c))
+    fields = ["1", None, "", f"{sep}2", f"1{sep}{sep}2", f"2{sep}", f"1{sep}2{sep}3", sep, "3"]
+    base = table(**{k: v * 3 for k, v in ROWS.items()})
+    t = base.append_column("tags", pa.array(fields, pa.string()))
+    clean = base.append_column("tags", pa.array(["1", "2", f"1{sep}3"] * 3, pa.string()))
+    for piece in (t, clean):
+        fast = b.build(piece, "t.parquet")
+        with native.python_path():
+            slow = b.build(piece, "t.parquet")
+        assert_same_batches(fast, slow)
+    tags = split_features(b.build(t, "t.parquet").sparse)["tags"]
+    ends = tags.lengths.cumsum(0).tolist()
+    per_row = [tags.values[e - n : e].tolist() for e, n in zip(ends, tags.lengths.tolist())]
+    if bucketizer == "num_buckets":
+        i = {s: int(s) for s in "1239"}
+    else:
+        i = {s: int(to_hash_bucket_fast([s], 1000)[0]) for s in "1239"}
+    d = [] if default == "" else [i["9"]]  # a missing field's ids; pyarrow's path puts it for an empty token too
+    assert per_row == [
+        [i["1"]],
+        d,
+        d,
+        [*d, i["2"]],
+        [i["1"], *d, i["2"]],
+        [i["2"], *d],
+        [i["1"], i["2"], i["3"]],
+        d * 2 if default else d,
+        [i["3"]],
+    ]

@@ -140,32 +140,42 @@ def hash_strings(col: pa.Array, num_buckets: int, hash_function: HashFunction = 
 
 
 def split_hash(
-    col: pa.Array, separator: str, num_buckets: int, hash_function: HashFunction = "farmhash"
+    col: pa.Array,
+    separator: str,
+    num_buckets: int,
+    hash_function: HashFunction = "farmhash",
+    drop_empty: bool = False,
 ) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
     """Every row of a separator-joined string column split and each token hashed as
     :func:`hash_strings` does, in one pass: ``(values int64 [tokens], lengths int64 [len(col)],
     first_bad_row)``. An empty field is an empty list; a row holding an empty token (a leading,
     doubled or trailing separator) is bad: ``first_bad_row`` is the first such row (the other two
-    are then unspecified), else -1. Splitting takes the leftmost match and resumes after it, as
+    are then unspecified), else -1; with ``drop_empty`` empty tokens are dropped instead (no row
+    is bad). Splitting takes the leftmost match and resumes after it, as
     pyarrow's ``split_pattern``. None where the extension is not used, or ``col`` is not a
     non-empty string array without nulls."""
     kernels = _usable(col)
     if kernels is None:
         return None
-    values, lengths, bad = kernels.split_hash(*_buffers(col), separator, num_buckets, _FUNCTIONS[hash_function])
+    values, lengths, bad = kernels.split_hash(
+        *_buffers(col), separator, num_buckets, _FUNCTIONS[hash_function], drop_empty
+    )
     return values.numpy(), lengths.numpy(), int(bad)
 
 
-def split_parse_int64(col: pa.Array, separator: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+def split_parse_int64(
+    col: pa.Array, separator: str, drop_empty: bool = False
+) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """``(ids int64 [tokens], lengths int64 [len(col)])`` of a separator-joined decimal id column
-    without nulls, split and parsed in one pass (an empty field is an empty list). None where the
-    extension is not used, ``col`` is not a non-empty string array, or a field needs pyarrow's
-    path (whitespace, '+', an empty token, a non-digit, an int64 overflow: that path names it)."""
+    without nulls, split and parsed in one pass (an empty field is an empty list; with
+    ``drop_empty``, so is an empty token). None where the extension is not used, ``col`` is not a
+    non-empty string array, or a field needs pyarrow's path (whitespace, '+', an empty token, a
+    non-digit, an int64 overflow: that path names it)."""
     kernels = _usable(col)
     if kernels is None:
         return None
     data, offsets = _buffers(col)
-    ids, lengths, ok = kernels.split_parse_int64(data, offsets.to(torch.int64), separator)
+    ids, lengths, ok = kernels.split_parse_int64(data, offsets.to(torch.int64), separator, drop_empty)
     return (ids.numpy(), lengths.numpy()) if ok else None
 
 

@@ -273,7 +273,7 @@ auto with_strings(const torch::Tensor& data, const torch::Tensor& offsets, F&& f
 // leftmost match, resuming after it) and calls emit(begin, end) on each token, in order; false at
 // the first empty token (nothing is emitted after it).
 template <typename Emit>
-bool split_field(const char* p, const char* end, const char* sep, size_t s, Emit&& emit) {
+bool split_field(const char* p, const char* end, const char* sep, size_t s, bool drop_empty, Emit&& emit) {
   for (;;) {
     const char* q = end;
     for (const char* at = p; static_cast<size_t>(end - at) >= s;) {
@@ -286,8 +286,11 @@ bool split_field(const char* p, const char* end, const char* sep, size_t s, Emit
       }
       ++at;
     }
-    if (q == p) return false;
-    emit(p, q);
+    if (q != p) {
+      emit(p, q);
+    } else if (!drop_empty) {
+      return false;
+    }
     if (q == end) return true;
     p = q + s;  // at end after a trailing separator: the next token is empty
   }
@@ -297,7 +300,7 @@ bool split_field(const char* p, const char* end, const char* sep, size_t s, Emit
 // block, its set bits in order. Blocks may read past the field's end (never past data_end: the
 // last block of the column is copied), and the mask drops what lies past it.
 template <typename Emit>
-bool split_field_byte(const char* p, const char* end, const char* data_end, char sep, Emit&& emit) {
+bool split_field_byte(const char* p, const char* end, const char* data_end, char sep, bool drop_empty, Emit&& emit) {
 #if defined(__SSE2__)
   const __m128i needle = _mm_set1_epi8(sep);
   const char* start = p;  // the current token's first byte
@@ -314,17 +317,23 @@ bool split_field_byte(const char* p, const char* end, const char* data_end, char
     if (end - block < 16) mask &= (1u << (end - block)) - 1;
     for (; mask; mask &= mask - 1) {
       const char* q = block + __builtin_ctz(mask);
-      if (q == start) return false;
-      emit(start, q);
+      if (q != start) {
+        emit(start, q);
+      } else if (!drop_empty) {
+        return false;
+      }
       start = q + 1;
     }
   }
-  if (start == end) return false;  // a trailing separator
-  emit(start, end);
+  if (start != end) {
+    emit(start, end);
+  } else if (!drop_empty) {
+    return false;  // a trailing separator
+  }
   return true;
 #else
   (void)data_end;
-  return split_field(p, end, &sep, 1, emit);
+  return split_field(p, end, &sep, 1, drop_empty, emit);
 #endif
 }
 
@@ -361,11 +370,12 @@ torch::Tensor hash_strings(const torch::Tensor& data, const torch::Tensor& offse
 // Separator-joined string lists -> (values int64 [tokens], lengths int64 [n], first bad row):
 // every token hashed as hash_strings does, in one pass. What dynarec.data.batch does with
 // pyarrow's split_pattern then to_hash_bucket_fast: an empty string is an empty list; an empty
-// token (a leading, doubled or trailing separator) makes its row bad. The first bad row's index
-// is returned (values then empty, lengths unspecified), else -1.
+// token (a leading, doubled or trailing separator) makes its row bad, or is dropped
+// (`drop_empty`). The first bad row's index is returned (values then empty, lengths
+// unspecified), else -1.
 std::tuple<torch::Tensor, torch::Tensor, int64_t> split_hash(const torch::Tensor& data, const torch::Tensor& offsets,
                                                               const std::string& sep, int64_t num_buckets,
-                                                              int64_t function) {
+                                                              int64_t function, bool drop_empty) {
   TORCH_CHECK(!sep.empty(), "the separator is empty");
   const Buckets bucket(num_buckets);
   return with_hash(function, [&](auto hash) {
@@ -384,8 +394,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> split_hash(const torch::Tensor
         const char* p = d + off[r];
         const char* const end = d + off[r + 1];
         const int64_t first = count;
-        if (p != end && !(s == 1 ? split_field_byte(p, end, data_end, sep[0], emit)
-                                 : split_field(p, end, sep.data(), sep.size(), emit))) {
+        if (p != end && !(s == 1 ? split_field_byte(p, end, data_end, sep[0], drop_empty, emit)
+                                 : split_field(p, end, sep.data(), sep.size(), drop_empty, emit))) {
           return std::make_tuple(values.narrow(0, 0, 0), lengths, r);
         }
         len[r] = count - first;
@@ -398,11 +408,12 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> split_hash(const torch::Tensor
 // Separator-joined decimal int64 lists -> (values, lengths, ok), in one pass over a string
 // column's bytes (`data`, uint8) and offsets (`offsets`, int64 [n + 1], into data): what
 // dynarec.data.batch does with pyarrow's split_pattern + cast, for the strict common case. An
-// empty string is an empty list. ok = false at the first thing this parser does not take (an
-// empty token, anything but an optional '-' and digits, an int64 overflow): the caller then takes
-// pyarrow's path, which trims whitespace and names a malformed value.
+// empty string is an empty list; empty tokens are dropped with `drop_empty`. ok = false at the
+// first thing this parser does not take (an empty token otherwise, anything but an optional '-'
+// and digits, an int64 overflow): the caller then takes pyarrow's path, which trims whitespace
+// and names a malformed value.
 std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Tensor& data, const torch::Tensor& offsets,
-                                                                const std::string& sep) {
+                                                                const std::string& sep, bool drop_empty) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kUInt8 && data.is_contiguous(),
               "data must be contiguous uint8");
   check_cpu_int64(offsets, "offsets");
@@ -421,6 +432,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
     const char* const end = d + off[r + 1];
     int64_t count = 0;
     while (p < end) {
+      if (drop_empty && static_cast<size_t>(end - p) >= sep.size() && std::memcmp(p, sep.data(), sep.size()) == 0) {
+        p += sep.size();  // an empty token
+        continue;
+      }
       const bool negative = *p == '-';
       if (negative) ++p;
       const uint64_t limit = negative ? kMaxPositive + 1 : kMaxPositive;
@@ -438,7 +453,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> split_parse_int64(const torch::Te
       if (p == end) break;
       if (static_cast<size_t>(end - p) < sep.size() || std::memcmp(p, sep.data(), sep.size()) != 0) return fail();
       p += sep.size();
-      if (p == end) return fail();  // a trailing separator: an empty last token
+      if (p == end && !drop_empty) return fail();  // a trailing separator: an empty last token
     }
     len[r] = count;
   }
@@ -524,7 +539,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hash_strings", &hash_strings, "hash(s) % num_buckets of every string", py::arg("data"), py::arg("offsets"),
         py::arg("num_buckets"), py::arg("function") = 0, nogil);
   m.def("split_hash", &split_hash, "separator-joined string lists, hashed: values, lengths, first bad row",
-        py::arg("data"), py::arg("offsets"), py::arg("sep"), py::arg("num_buckets"), py::arg("function") = 0, nogil);
-  m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok", nogil);
+        py::arg("data"), py::arg("offsets"), py::arg("sep"), py::arg("num_buckets"), py::arg("function") = 0, py::arg("drop_empty") = false, nogil);
+  m.def("split_parse_int64", &split_parse_int64, "separator-joined int64 lists: values, lengths, ok", py::arg("data"),
+        py::arg("offsets"), py::arg("sep"), py::arg("drop_empty") = false, nogil);
   m.def("edit_distance", &edit_distance, "Levenshtein distance of two string columns, row by row", nogil);
 }
