@@ -1,15 +1,27 @@
 """Where a training step of ``dynarec train`` goes: the e2e benchmark's config and data
 (``dynarec bench e2e``), or any config (``--config``, its data paths as they are), trained by
-the Trainer for ``--steps`` steps under the torch profiler, after ``--warmup`` steps. Prints the
-wall time a step, the device's busy time a step, and the ops by host (self CPU) time and by
-device time. Usage:
+the Trainer. Prints, one line each:
 
-    python benchmarks/tools/profile_train.py --device cuda --batch 4096 --steps 30
-    python benchmarks/tools/profile_train.py --device cuda --config dlrm.yaml --steps 30
+- the data stage alone: batches from the DataLoader (its workers as configured), rows/s;
+- the steps alone, on batches built beforehand and held in memory, fed as ``fit`` feeds them
+  (the next batch's input stage read ahead while the backward runs): steps/s and samples/s;
+- the steps fed live by the DataLoader, as ``fit`` feeds them (``--live``);
+- with ``--cprofile``: the host's Python functions over those steps (live ones with ``--live``;
+  by own time and by cumulative time); with ``--torch-profile``: torch's op table (host and
+  device time).
+
+Usage:
+
+    python benchmarks/tools/profile_train.py --device cuda --batch 4096 --steps 50 --cprofile
+    python benchmarks/tools/profile_train.py --device cuda --config dlrm.yaml --steps 50
 """
 
 import argparse
+import cProfile
+import io
+import itertools
 import json
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +32,23 @@ from torch.profiler import ProfilerActivity, profile
 from dynarec.bench.common import cached_click_log
 from dynarec.bench.e2e import e2e_config, e2e_spec
 from dynarec.config import config_from_dict, load_config
+from dynarec.train.input import ReadAhead
 from dynarec.train.trainer import Trainer
+
+
+def _steps(trainer: Trainer, batches, sync) -> float:
+    """Seconds for the steps on ``batches`` (a list of batches, or the live ``(batch, position,
+    rows)`` items of ``TrainInput.batches``), fed as ``Trainer.fit`` feeds them."""
+    start = time.perf_counter()
+    items = batches if not isinstance(batches, list) else iter([(b, trainer.position, b.num_rows) for b in batches])
+    ahead = ReadAhead(items, trainer.task.embeddings)
+    item = ahead.next()
+    while item is not None:
+        trainer.train_step(item[0], item[2])
+        ahead.read()
+        item = ahead.next()
+    sync()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -32,6 +60,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--rows-shown", type=int, default=30)
+    p.add_argument("--cprofile", action="store_true", help="the host's Python functions over the steps")
+    p.add_argument("--torch-profile", action="store_true", help="torch's op table over the steps")
+    p.add_argument("--live", action="store_true", help="also the steps fed by the DataLoader")
+    p.add_argument("--threads", type=int, help="torch's intra-op threads in this process")
+    p.add_argument("--no-pin", action="store_true", help="batches in pageable memory")
     p.add_argument("--config", help="profile this config (its data paths as they are; --batch ignored)")
     a = p.parse_args()
     if a.config:
@@ -41,32 +74,52 @@ def main() -> None:
         spec = e2e_spec(a.train_rows, 10_000)
         raw = e2e_config(spec, cached_click_log(spec), a.batch, 1, a.workers)
     raw["data"]["eval_input_path"] = None
-    raw["train"].update(num_epochs=None, num_steps=a.warmup + a.steps, log_step_count_steps=10**9)
+    raw["train"].update(num_epochs=None, num_steps=10**9, log_step_count_steps=10**9)
+    on_cuda = a.device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     with tempfile.TemporaryDirectory() as work:
         trainer = Trainer(config_from_dict(raw), Path(work) / "m", device=a.device, progress=False)
-        sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
-        batches = trainer.input.batches(trainer.position)
-        for _ in range(a.warmup):
-            batch, trainer.position, rows = next(batches)
-            trainer.train_step(batch, rows)
-        sync()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+        trainer.input.pin = trainer.input.pin and not a.no_pin
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        source = trainer.input.batches(trainer.position)
+        next(source)  # the workers started
         start = time.perf_counter()
-        with profile(activities=activities) as prof:
-            for _ in range(a.steps):
-                batch, trainer.position, rows = next(batches)
-                trainer.train_step(batch, rows)
-            sync()
-        wall = (time.perf_counter() - start) / a.steps
-    events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / a.steps
-    print(
-        f"batch {a.batch} on {a.device}: {wall * 1e3:.2f} ms a step under the profiler "
-        f"({a.batch / wall:,.0f} samples/s); device busy {device_us / 1e3:.2f} ms a step"
-    )
-    print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows_shown))
-    if a.device.startswith("cuda"):
-        print(events.table(sort_by="self_device_time_total", row_limit=a.rows_shown))
+        batches = [next(source)[0] for _ in range(a.warmup + a.steps)]
+        data_s = time.perf_counter() - start
+        print(
+            f"data stage ({trainer.input.num_workers} workers): {len(batches) * a.batch / data_s:,.0f} rows/s "
+            f"({data_s / len(batches) * 1e3:.2f} ms a batch of {a.batch})"
+        )
+        _steps(trainer, batches[: a.warmup], sync)
+        steps_s = _steps(trainer, batches[a.warmup :], sync) / a.steps
+        print(
+            f"steps alone, batch {a.batch} on {a.device}: {steps_s * 1e3:.2f} ms a step "
+            f"({a.batch / steps_s:,.0f} samples/s)"
+        )
+        live = None
+        if a.live:
+            live = itertools.islice(source, a.steps)
+            _steps(trainer, itertools.islice(source, a.warmup), sync)
+            live_s = _steps(trainer, itertools.islice(source, a.steps), sync) / a.steps
+            print(f"steps fed by the DataLoader: {live_s * 1e3:.2f} ms a step ({a.batch / live_s:,.0f} samples/s)")
+        if a.cprofile:
+            prof = cProfile.Profile()
+            prof.enable()
+            _steps(trainer, live if live is not None else batches[a.warmup :], sync)
+            prof.disable()
+            for order in ("tottime", "cumulative"):
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats(order).print_stats(a.rows_shown)
+                print(f"--- cProfile over {a.steps} steps, by {order}\n{out.getvalue()}")
+        if a.torch_profile:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+            with profile(activities=activities) as tprof:
+                _steps(trainer, batches[a.warmup :], sync)
+            events = tprof.key_averages()
+            print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows_shown))
+            if on_cuda:
+                print(events.table(sort_by="self_device_time_total", row_limit=a.rows_shown))
 
 
 if __name__ == "__main__":
