@@ -431,16 +431,19 @@ def default_num_workers(device_type: str) -> int:
 class BatchLoader:
     """The batches of an :class:`ArrowBatchDataset`, built by ``num_workers`` DataLoader workers
     (0: in this process). ``pin_memory``: batches in page-locked memory (for a CUDA device:
-    their copy then overlaps the GPU's work). An error in a worker is raised here as it was
+    their copy then overlaps the GPU's work). ``persistent``: the workers serve every pass
+    over the dataset (each ``iter``), not one. An error in a worker is raised here as it was
     raised there."""
 
-    def __init__(self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False):
+    def __init__(
+        self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False, persistent: bool = False
+    ):
         self.loader = DataLoader(
             dataset,
             batch_size=None,
             num_workers=num_workers,
             pin_memory=pin_memory,
-            persistent_workers=False,
+            persistent_workers=persistent and num_workers > 0,
             multiprocessing_context=worker_context(num_workers),
             worker_init_fn=_init_worker if num_workers else None,
         )
@@ -452,6 +455,8 @@ class BatchLoader:
             yield item
 
 
-def make_loader(dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False) -> BatchLoader:
+def make_loader(
+    dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False, persistent: bool = False
+) -> BatchLoader:
     """A :class:`BatchLoader` over ``dataset``."""
-    return BatchLoader(dataset, num_workers, pin_memory)
+    return BatchLoader(dataset, num_workers, pin_memory, persistent)

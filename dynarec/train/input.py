@@ -81,6 +81,11 @@ class TrainInput:
         # data.cache_batches: a whole epoch's batches, built once (and the input's rows then).
         self._epoch_cache: Optional[list[Batch]] = None
         self._cache_rows = -1
+        # The loader of whole epochs (from row 0), its workers kept from one epoch to the next:
+        # starting a DataLoader's workers again each epoch costs seconds on a GPU host (8 workers
+        # from the fork server, each importing torch). Keyed by the files and their row counts.
+        self._epoch_loader: Optional[BatchLoader] = None
+        self._epoch_loader_key: Optional[tuple[tuple[str, ...], tuple[int, ...]]] = None
 
     @property
     def global_batch_size(self) -> int:
@@ -132,7 +137,7 @@ class TrainInput:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             cached = self._epoch_cache if position.row == 0 and self._cache_rows == dataset.num_rows else None
             keep = cfg.data.cache_batches and position.row == 0 and cached is None
-            batches = iter(cached if cached is not None else self.loader(dataset))
+            batches = iter(cached if cached is not None else self._epoch_batches(dataset, position))
             built: list[Batch] = []
             for _ in range(dataset.num_steps()):
                 rows = min(self.global_batch_size, dataset.num_rows - position.row)
@@ -150,6 +155,21 @@ class TrainInput:
                 self._epoch_cache, self._cache_rows = built, dataset.num_rows
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
+
+    def close(self) -> None:
+        """Lets the workers kept for whole epochs go (the run is over)."""
+        self._epoch_loader = self._epoch_loader_key = None
+
+    def _epoch_batches(self, dataset: ArrowBatchDataset, position: DataPosition) -> BatchLoader:
+        """The loader of an epoch's batches: from row 0 with workers, the one whose workers
+        outlive the epoch (the same files, the same rows); else a loader of its own."""
+        if position.row != 0 or self.num_workers == 0:
+            return self.loader(dataset)
+        key = (tuple(dataset.files), tuple(dataset.row_counts()))
+        if self._epoch_loader is None or self._epoch_loader_key != key:
+            self._epoch_loader = make_loader(dataset, self.num_workers, self.pin, persistent=True)
+            self._epoch_loader_key = key
+        return self._epoch_loader
 
     def _follow(self, position: DataPosition) -> Iterator[Item]:
         """``--follow``: full global batches of the directory's rows as files arrive."""

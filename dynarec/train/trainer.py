@@ -294,6 +294,7 @@ class Trainer:
             # its thread stopped, its event file flushed and closed. A process that trains again
             # and again kept one of each per run.
             stack.callback(self.log.close)
+            stack.callback(self.input.close)
             return self._fit_locked(resume)
 
     def _fit_locked(self, resume: bool) -> dict[str, Any]:

@@ -1,0 +1,44 @@
+import os
+
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.data.reader import DataPosition
+from dynarec.distributed.context import single_process
+from dynarec.train.input import TrainInput
+from tests.pipeline_fixtures import config_dict, make_data
+
+
+def epochs_of(tmp_path, workers: int, epochs: int = 3):
+    make_data(tmp_path)
+    cfg = config_dict(data__num_workers=workers, train__num_epochs=epochs)
+    for key in ("train_input_path", "eval_input_path"):
+        cfg["data"][key] = str(tmp_path / cfg["data"][key])
+    return TrainInput(config_from_dict(cfg), single_process("cpu"), "cpu")
+
+
+def test_whole_epochs_keep_their_workers_and_their_batches(tmp_path):
+    """From one epoch to the next the DataLoader's workers stay (starting them again costs
+    seconds on a GPU host); the batches are those of a run without workers."""
+    source = epochs_of(tmp_path, 2)
+    pids_by_epoch: dict[int, set[int]] = {}
+    labels = []
+    for batch, position, _ in source.batches(DataPosition()):
+        labels.append(batch.labels)
+        loader = source._epoch_loader
+        assert loader is not None
+        workers = loader.loader._iterator._workers  # torch's worker processes of this pass
+        pids_by_epoch.setdefault(position.epoch - (position.row == 0), set()).update(w.pid for w in workers)
+    assert len(pids_by_epoch) == 3 and len({frozenset(p) for p in pids_by_epoch.values()}) == 1
+    assert os.getpid() not in pids_by_epoch[0]
+    plain = [b.labels for b, _, _ in epochs_of(tmp_path, 0).batches(DataPosition())]
+    assert len(labels) == len(plain) and all(torch.equal(a, b) for a, b in zip(labels, plain))
+
+
+def test_an_epoch_resumed_mid_way_reads_from_its_row_then_whole_epochs_share_workers(tmp_path):
+    source = epochs_of(tmp_path, 2, epochs=2)
+    items = list(source.batches(DataPosition(0, 500)))
+    plain = list(epochs_of(tmp_path, 0, epochs=2).batches(DataPosition(0, 500)))
+    assert [p for _, p, _ in items] == [p for _, p, _ in plain]
+    assert all(torch.equal(a.labels, b.labels) for (a, _, _), (b, _, _) in zip(items, plain))
+    assert items[0][1] == DataPosition(0, 600) and source._epoch_loader is not None
