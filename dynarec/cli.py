@@ -39,6 +39,8 @@ def cmd_make_data(args) -> None:
         )
         for path in meta["vocab_files_written"]:
             print(f"wrote the vocab_file {path} (it did not exist; words <feature>_w0 ... one a line)")
+        if meta["item_table_written"]:
+            print(f"wrote the negative sampler's item table {meta['item_table_written']} (it did not exist)")
         return
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
@@ -208,6 +210,7 @@ def cmd_import_config(args) -> None:
             text,
             train_input_path=_relative_to(args.train_input_path, output.parent),
             eval_input_path=_relative_to(args.eval_input_path, output.parent),
+            sampler_input_path=_relative_to(args.sampler_input_path, output.parent),
             lenient=args.lenient,
             config_dir=source.parent,  # a relative vocab_file is relative to the pipeline config ...
             output_dir=output.parent,  # ... and written relative to the YAML
@@ -269,6 +272,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the YAML file to write")
     p.add_argument("--train-input-path", help="replaces train_input_path (needed for odps:// tables)")
     p.add_argument("--eval-input-path", help="replaces eval_input_path")
+    p.add_argument("--sampler-input-path", help="replaces data_config.negative_sampler.input_path (the item table)")
     p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
     p.set_defaults(run=cmd_import_config)
 

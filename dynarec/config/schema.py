@@ -440,7 +440,30 @@ class DBMTLCfg(MLPDropouts):
     task_towers: list[TaskTowerCfg]
 
 
+class MatchTowerCfg(TowerCfg):
+    use_bn: bool = False  # batch normalization after each linear layer (TorchEasyRec's MLP use_bn)
+
+
+class DSSMCfg(Strict):
+    """A two-tower retrieval model (TorchEasyRec's DSSM): a user tower over ``user_tower.input``
+    and an item tower over ``item_tower.input``, each an MLP then (``output_dim`` > 0) a linear
+    layer to ``output_dim``, L2-normalized for ``cosine`` similarity. A user's positive item is
+    scored against ``data.negative_sampler``'s sampled items (``in_batch_negative``: against the
+    batch's other items too) by ``similarity / temperature``, trained by softmax
+    cross-entropy; ``recall_at_k``: recall@k is reported for each k."""
+
+    user_tower: MatchTowerCfg
+    item_tower: MatchTowerCfg
+    output_dim: int = Field(ge=0)
+    similarity: Literal["inner_product", "cosine"] = "inner_product"
+    temperature: float = Field(1.0, gt=0)
+    in_batch_negative: bool = False
+    recall_at_k: list[Count] = [1, 5]
+
+
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+# Retrieval models: a user and an item tower scored against sampled items.
+RETRIEVAL_KEYS = ("dssm",)
 # Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
 # their groups cannot nest sequence_groups.
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
@@ -458,6 +481,7 @@ MODEL_KEYS = (
     "wukong",
     "rocket_launching",
     *MULTI_TASK_KEYS,
+    *RETRIEVAL_KEYS,
 )
 
 
@@ -487,6 +511,7 @@ class ModelCfg(Strict):
     mmoe: Optional[MMoECfg] = None
     ple: Optional[PLECfg] = None
     dbmtl: Optional[DBMTLCfg] = None
+    dssm: Optional[DSSMCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -538,6 +563,12 @@ class ModelCfg(Strict):
             return [("din.din_tower", self.din.din_tower.input, "sequence")]
         if name == "deepfm" and self.deepfm is not None and self.deepfm.fm_group is not None:
             return [("deepfm.fm_group", self.deepfm.fm_group, "deep")]
+        if name == "dssm":
+            assert self.dssm is not None
+            return [
+                ("dssm.user_tower", self.dssm.user_tower.input, "deep"),
+                ("dssm.item_tower", self.dssm.item_tower.input, "deep"),
+            ]
         return []
 
     @property
@@ -567,6 +598,24 @@ class ModelCfg(Strict):
         raise KeyError(name)
 
 
+class NegativeSamplerCfg(Strict):
+    """Sampled negatives of a retrieval model (TorchEasyRec's ``negative_sampler``): each batch
+    gets ``num_sample`` items (``num_eval_sample`` in eval; 0: ``num_sample``) drawn with
+    probability proportional to their weight, none of them an item of the batch, from the
+    item table at ``input_path``: columns ``id`` (int64), ``weight`` (float) and the attributes
+    (a string: the ``attr_fields`` columns' values in order, joined by ``attr_delimiter``); a
+    CSV or text table's fields are split on ``field_delimiter`` (default a tab), and a
+    ``name:type`` header keeps its name. ``item_id_field``: the batch's item id column."""
+
+    input_path: str
+    num_sample: Count
+    attr_fields: list[str] = Field(min_length=1)
+    item_id_field: str
+    attr_delimiter: str = Field(":", min_length=1)
+    num_eval_sample: int = Field(0, ge=0)
+    field_delimiter: Optional[str] = None
+
+
 class DataCfg(Strict):
     train_input_path: Union[str, list[str]]
     eval_input_path: Union[str, list[str], None] = None
@@ -581,6 +630,7 @@ class DataCfg(Strict):
     # of reading and building the files again (the same batches; memory: every batch's tensors).
     cache_batches: bool = False
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
+    negative_sampler: Optional[NegativeSamplerCfg] = None  # a retrieval model's sampled items
 
 
 class GradientClippingCfg(Strict):
@@ -694,6 +744,33 @@ class Config(Strict):
             if f.feature_name == name:
                 return f
         raise KeyError(name)
+
+    @model_validator(mode="after")
+    def _retrieval(self):
+        name, sampler = self.model.name, self.data.negative_sampler
+        if sampler is not None and name not in RETRIEVAL_KEYS:
+            raise ValueError(
+                f"data.negative_sampler: samples items for a retrieval model ({', '.join(RETRIEVAL_KEYS)}); "
+                f"model '{name}' is a ranking model"
+            )
+        if name not in RETRIEVAL_KEYS:
+            return self
+        cfg = self.model.dssm
+        assert cfg is not None
+        if sampler is None and not cfg.in_batch_negative:
+            raise ValueError(
+                "model.dssm: scores each user's item against other items: give data.negative_sampler, or set "
+                "in_batch_negative"
+            )
+        if sampler is not None:
+            for n in self.model.group(cfg.item_tower.input).feature_names:
+                outside = [c for c in self.feature(n).columns if c not in sampler.attr_fields]
+                if outside:
+                    raise ValueError(
+                        f"model.dssm.item_tower: feature '{n}' reads column(s) {outside}, which the sampled items "
+                        f"lack; data.negative_sampler.attr_fields: {sampler.attr_fields}"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _tasks(self):

@@ -43,6 +43,7 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
+from dynarec.data.sampler import negative_sampler
 from dynarec.data.transport import Slot, pack, unpack
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
@@ -96,6 +97,9 @@ class Batch:
     element_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
     # [B] int64 session ids of the tasks' JRC losses (their session_name column), or None.
     sessions: Optional[torch.Tensor] = None
+    # Rows after the first num_rows: a retrieval model's sampled items (data.negative_sampler),
+    # holding item features only (the others empty) and no labels. Features are [num_rows + sampled_rows].
+    sampled_rows: int = 0
     # Where the tensors are views of one packed buffer (a batch just arrived from a DataLoader
     # worker, which pins it before anything else sees it): the buffer and how to rebuild the
     # batch from it, so that pin_memory copies it once.
@@ -111,7 +115,12 @@ class Batch:
         for d in dicts:
             tensors += d.values()
         layout = _Layout(
-            s.keys(), s.host_stats(), [t is not None for t in optional], [list(d) for d in dicts], self.num_rows
+            s.keys(),
+            s.host_stats(),
+            [t is not None for t in optional],
+            [list(d) for d in dicts],
+            self.num_rows,
+            self.sampled_rows,
         )
         buffer, slots = pack(tensors)
         return (_unpacked_batch, (buffer, slots, layout))
@@ -130,11 +139,12 @@ class Batch:
             {k: v.pin_memory() for k, v in self.dense_lengths.items()},
             {k: v.pin_memory() for k, v in self.element_lengths.items()},
             None if self.sessions is None else self.sessions.pin_memory(),
+            self.sampled_rows,
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers)."""
-        b = self.num_rows
+        b = self.num_rows + self.sampled_rows
         keys = self.sparse.keys()
         lengths = self.sparse.lengths().view(len(keys), b) if keys else None
         out = {}
@@ -160,6 +170,7 @@ class _Layout:
     present: list[bool]
     dict_keys: list[list[str]]
     num_rows: int
+    sampled_rows: int
 
 
 def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
@@ -178,6 +189,7 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
         dense_lengths,
         element_lengths,
         sessions,
+        layout.sampled_rows,
         _packed=(buffer, slots, layout),
     )
 
@@ -238,6 +250,41 @@ class _DenseSequence:
 _Output = Union[_Ids, _Dense, _DenseSequence]
 
 
+def _appended(out: _Output, extra: Optional[_Output], rows: int) -> _Output:
+    """``out`` followed by ``rows`` more rows: ``extra``'s (of the same kind), or empty ones."""
+    if isinstance(out, _Ids):
+        e = extra if isinstance(extra, _Ids) else _Ids(np.empty(0, np.int64), np.zeros(rows, np.int64))
+        weights = None
+        if out.weights is not None or e.weights is not None:
+            weights = np.concatenate([
+                out.weights if out.weights is not None else np.ones(len(out.values), np.float32),
+                e.weights if e.weights is not None else np.ones(len(e.values), np.float32),
+            ])  # fmt: skip
+        element_lengths = elements = None
+        if out.element_lengths is not None or e.element_lengths is not None:
+            element_lengths = np.concatenate([
+                out.element_lengths if out.element_lengths is not None else out.lengths,
+                e.element_lengths if e.element_lengths is not None else e.lengths,
+            ])  # fmt: skip
+            elements = np.concatenate([
+                out.elements if out.elements is not None else out.lengths,
+                e.elements if e.elements is not None else e.lengths,
+            ])  # fmt: skip
+        return _Ids(
+            np.concatenate([out.values, e.values]), np.concatenate([out.lengths, e.lengths]), weights,
+            element_lengths, elements,
+        )  # fmt: skip
+    if isinstance(out, _Dense):
+        if isinstance(extra, _Dense):
+            return _Dense(np.concatenate([out.x32, extra.x32]), np.concatenate([out.x64, extra.x64]))
+        shape = (rows, *out.x32.shape[1:])
+        return _Dense(
+            np.concatenate([out.x32, np.zeros(shape, np.float32)]), np.concatenate([out.x64, np.zeros(shape)])
+        )
+    e_seq = extra if isinstance(extra, _DenseSequence) else _DenseSequence(out.x[:0], np.zeros(rows, np.int64))
+    return _DenseSequence(np.concatenate([out.x, e_seq.x]), np.concatenate([out.lengths, e_seq.lengths]))
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a feature's bucketizer needs on every batch, worked out once: the bucketizer, whether
@@ -265,7 +312,8 @@ _VOCABS = ("vocab_list", "vocab_dict", "vocab_file")
 class BatchBuilder:
     """Builds :class:`Batch` objects from Arrow tables for one config."""
 
-    def __init__(self, config: Config, with_labels: bool = True):
+    def __init__(self, config: Config, with_labels: bool = True, negatives: int = 0):
+        """``negatives``: the sampled items each batch gets (``data.negative_sampler``; 0: none)."""
         self.config = config
         self.with_labels = with_labels
         features = config.features()
@@ -283,6 +331,15 @@ class BatchBuilder:
         self.label_rules = label_rules(config.tasks())
         self.group_field = self._group_field()
         self.session_field = session_field(config.tasks())
+        sampler = config.data.negative_sampler
+        self.sampler = negative_sampler(sampler, config.train.seed) if sampler is not None and negatives else None
+        self.negatives = negatives if self.sampler is not None else 0
+        # The features the sampled items hold: those reading only their attributes (and such features).
+        self.sampled_features: set[str] = set()
+        for f in self.order:
+            if sampler is not None and all(c in sampler.attr_fields for c in f.columns):
+                if all(n in self.sampled_features for n in f.feature_inputs):
+                    self.sampled_features.add(f.feature_name)
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
             [n for n in names if n in sequences]
@@ -313,6 +370,8 @@ class BatchBuilder:
             cols.append(self.group_field)
         if self.session_field and self.with_labels:
             cols.append(self.session_field)
+        if self.sampler is not None:
+            cols.append(self.sampler.cfg.item_id_field)
         return list(dict.fromkeys(cols))
 
     def csv_column_types(self) -> dict[str, pa.DataType]:
@@ -347,6 +406,10 @@ class BatchBuilder:
             raise DataError(f"{source}: missing column '{self.group_field}' (eval.grouped_auc_field)")
         if self.with_labels and self.session_field and self.session_field not in names:
             raise DataError(f"{source}: missing column '{self.session_field}' (jrc_loss.session_name)")
+        if self.sampler is not None and self.sampler.cfg.item_id_field not in names:
+            raise DataError(
+                f"{source}: missing column '{self.sampler.cfg.item_id_field}' (data.negative_sampler.item_id_field)"
+            )
 
     def build(self, table: pa.Table, origin: Union[RowOrigin, str]) -> Batch:
         """``table``'s rows -> Batch. ``origin`` says where the rows came from (a file name:
@@ -365,23 +428,28 @@ class BatchBuilder:
             computed[f.feature_name] = out
             if f.feature_name in self.referenced:
                 outputs[f.feature_name] = _as_column(out, n)
+        self._check_sequence_groups(computed, origin)
+        sampled = 0
+        if self.sampler is not None:
+            computed = self._with_sampled_items(computed, table, origin)
+            sampled = self.negatives
+        rows = n + sampled
         sparse = self._kjt(computed)
         dense: dict[str, torch.Tensor] = {}
         dense_lengths: dict[str, torch.Tensor] = {}
         for f in self.dense_features:
             out = computed[f.feature_name]
             if isinstance(out, _DenseSequence):
-                dense[f.feature_name] = torch.from_numpy(_padded(out.x, out.lengths, n))
+                dense[f.feature_name] = torch.from_numpy(_padded(out.x, out.lengths, rows))
                 dense_lengths[f.feature_name] = torch.from_numpy(out.lengths)
             else:
                 assert isinstance(out, _Dense)
                 dense[f.feature_name] = torch.from_numpy(out.x32)
         element_lengths = {
-            name: torch.from_numpy(_padded(out.element_lengths, out.elements, n, np.int64))
+            name: torch.from_numpy(_padded(out.element_lengths, out.elements, rows, np.int64))
             for name, out in computed.items()
             if isinstance(out, _Ids) and out.element_lengths is not None and out.elements is not None
         }
-        self._check_sequence_groups(computed, origin)
         labels = torch.zeros(n, len(self.label_fields))
         groups = sessions = None
         if self.with_labels:
@@ -390,7 +458,40 @@ class BatchBuilder:
                 groups = self._group_ids(table.column(self.group_field))
             if self.session_field:
                 sessions = self._group_ids(table.column(self.session_field))
-        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions)
+        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled)
+
+    def _with_sampled_items(
+        self, computed: dict[str, _Output], table: pa.Table, origin: RowOrigin
+    ) -> dict[str, _Output]:
+        """Every feature with the sampled items' rows appended: the item features computed from
+        their attributes, every other feature empty there (no ids, zeros)."""
+        assert self.sampler is not None
+        cfg = self.sampler.cfg
+        try:
+            items = table.column(cfg.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            raise DataError(
+                f"{origin.label}: column '{cfg.item_id_field}' (data.negative_sampler.item_id_field) holds "
+                "something other than integer item ids"
+            ) from None
+        path, first, _ = origin.runs[0]
+        picks = self.sampler.draw(items, self.negatives, f"{path}:{first}")
+        types = {c: table.schema.field(c).type for c in cfg.attr_fields if c in table.schema.names}
+        items_table = pa.table(self.sampler.columns(picks, types))
+        where = RowOrigin.of(f"{cfg.input_path} (sampled items)", self.negatives)
+        extra: dict[str, _Output] = {}
+        outputs: dict[str, pa.Array] = {}
+        for f in self.order:
+            if f.feature_name not in self.sampled_features:
+                continue
+            try:
+                out = self._feature(f, items_table, outputs, where, self.negatives)
+            except RowError as e:
+                raise DataError(f"{self._where(f, where, e.row)}: {e.message}") from None
+            extra[f.feature_name] = out
+            if f.feature_name in self.referenced:
+                outputs[f.feature_name] = _as_column(out, self.negatives)
+        return {name: _appended(out, extra.get(name), self.negatives) for name, out in computed.items()}
 
     def _kjt(self, computed: dict[str, _Output]) -> JaggedBatch:
         keys, values, lengths, weights = [], [], [], []

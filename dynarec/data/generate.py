@@ -34,6 +34,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynarec.config.features import (
@@ -52,6 +53,7 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
+from dynarec.data.sampler import MULTI_VALUE_SEPARATOR
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
@@ -407,6 +409,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         per_file = -(-spec.train_rows // spec.train_files)
         first_label = config.label_fields()[0]  # the click: its rate and Bayes AUC go in meta.json
         clicks = 0
+        tables = []
         for i in range(spec.train_files):
             rows = min(per_file, spec.train_rows - i * per_file)
             if rows <= 0:
@@ -414,8 +417,10 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             table, _ = _table(columns, config, rows, spec, rng)
             clicks += int(np.sum(table.column(first_label).to_numpy()))
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
+            tables.append(table)
         table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
+        items_written = _write_item_table(config, [*tables, table])
         labels = table.column(first_label).to_numpy()
         meta = {
             "generator": "config",
@@ -426,6 +431,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             "eval_click_rate": float(np.mean(labels)),
             "bayes_optimal_eval_auc": auc(p, labels),
             "vocab_files_written": planner.vocab_files_written,
+            "item_table_written": items_written,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
@@ -434,3 +440,29 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
+    """A retrieval config's item table (``data.negative_sampler.input_path``), where it does not
+    exist: every item of ``tables``, weight 1, its attributes as first seen, in graph-learn's
+    text layout (dynarec.data.sampler). Returns its path, or None when nothing was written."""
+    sampler = config.data.negative_sampler
+    if sampler is None or Path(sampler.input_path).exists():
+        return None
+    rows = pa.concat_tables([t.select([sampler.item_id_field, *sampler.attr_fields]) for t in tables])
+    ids = rows.column(0).to_numpy()
+    _, first = np.unique(ids, return_index=True)
+    attrs = []
+    for j in range(len(sampler.attr_fields)):
+        col = rows.column(1 + j).combine_chunks().take(pa.array(first))
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            col = pc.binary_join(col.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR)
+        attrs.append(col.cast(pa.string()).to_pylist())
+    delimiter = sampler.field_delimiter or "\t"
+    lines = ["id:int64" + delimiter + "weight:float" + delimiter + "attrs:string"]
+    for k, i in enumerate(first):
+        lines.append(f"{int(ids[i])}{delimiter}1{delimiter}" + sampler.attr_delimiter.join(a[k] for a in attrs))
+    path = Path(sampler.input_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)

@@ -28,7 +28,8 @@ class Dice(nn.Module):
 
 
 class MLP(nn.Sequential):
-    """Linear layers, each followed by ``activation`` (``relu`` or ``dice``) and, where
+    """Linear layers, each followed by batch normalization (``batch_norm``, over ``[B, units]``),
+    ``activation`` (``relu`` or ``dice``) and, where
     ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
 
     ``dropout``: no ratio (none), one ratio for every layer, or one per layer (TorchEasyRec's
@@ -39,14 +40,22 @@ class MLP(nn.Sequential):
     out_dim: int
 
     def __init__(
-        self, in_dim: int, hidden_units: Sequence[int], activation: str = "relu", dropout: Sequence[float] = ()
+        self,
+        in_dim: int,
+        hidden_units: Sequence[int],
+        activation: str = "relu",
+        dropout: Sequence[float] = (),
+        batch_norm: bool = False,
     ):
         ratios = list(dropout) * len(hidden_units) if len(dropout) == 1 else list(dropout)
         if ratios and len(ratios) != len(hidden_units):
             raise ValueError(f"dropout ratios {list(dropout)}: give one, or one per layer of {list(hidden_units)}")
         layers: list[nn.Module] = []
         for i, units in enumerate(hidden_units):
-            layers += [nn.Linear(in_dim, units), Dice(units) if activation == "dice" else nn.ReLU()]
+            layers.append(nn.Linear(in_dim, units))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(units))
+            layers.append(Dice(units) if activation == "dice" else nn.ReLU())
             if ratios and ratios[i] > 0:
                 layers.append(nn.Dropout(ratios[i]))
             in_dim = units

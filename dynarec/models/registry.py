@@ -10,6 +10,7 @@ from dynarec.config.schema import Config
 from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
+from dynarec.models.dssm import DSSM
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
@@ -34,6 +35,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "mmoe": MMoE,
     "ple": PLE,
     "dbmtl": DBMTL,
+    "dssm": DSSM,
 }
 
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from dynarec.config.schema import Config
+from dynarec.config.schema import RETRIEVAL_KEYS, Config
 from dynarec.config.tasks import TaskTowerCfg
 from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_error, mean_squared_error
+from dynarec.models.retrieval import Retrieval
 
-__all__ = ["Tasks", "Teaching", "check_predictions", "task_loss"]
+__all__ = ["Tasks", "Teaching", "check_predictions", "task_loss", "tasks_of"]
 
 
 @dataclass
@@ -190,9 +191,10 @@ class Tasks:
             return "probability"
         return f"{'y' if t.kind == 'regression' else 'probs'}_{t.tower_name}"
 
-    def predictions(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Output name -> ``[B]`` probability (binary), ``[B, C]`` class probabilities
-        (multiclass) or ``[B]`` prediction (regression), float32."""
+        (multiclass) or ``[B]`` prediction (regression), float32 (``rows``: the batch's rows,
+        which a retrieval task needs; here they are the logits')."""
         out = {}
         for t, z in zip(self.towers, self.split(logits.float())):
             if t.kind == "binary":
@@ -248,3 +250,9 @@ def check_predictions(predictions: dict[str, np.ndarray], check: Callable[[np.nd
     ``[N, C]`` counts as one score (its sum)."""
     for name, x in predictions.items():
         check(x if x.ndim == 1 else x.sum(axis=1), f"prediction '{name}'")
+
+
+def tasks_of(config: Config) -> Union[Tasks, Retrieval]:
+    """The run-time task of ``config``'s model: :class:`Tasks` of a ranking model, or the
+    :class:`~dynarec.models.retrieval.Retrieval` task of a retrieval model."""
+    return Retrieval(config) if config.model.name in RETRIEVAL_KEYS else Tasks(config)

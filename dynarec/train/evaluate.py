@@ -11,7 +11,7 @@ import torch
 from dynarec.config.schema import Config
 from dynarec.data.batch import DataError
 from dynarec.distributed.context import DistContext
-from dynarec.models.tasks import Tasks, check_predictions
+from dynarec.models.tasks import check_predictions, tasks_of
 from dynarec.train.input import TrainInput
 from dynarec.train.task import RankingTask
 
@@ -23,7 +23,7 @@ class Evaluator:
 
     def __init__(self, config: Config, task: RankingTask, input: TrainInput, ctx: DistContext):
         self.config, self.task, self.input, self.ctx = config, task, input, ctx
-        self.tasks = Tasks(config)
+        self.tasks = tasks_of(config)
 
     @torch.no_grad()
     def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None):
@@ -40,7 +40,9 @@ class Evaluator:
         batches = iter(self.input.loader(dataset))
         for _ in range(steps):
             batch = next(batches)
-            outputs.append({k: v.cpu().numpy() for k, v in self.tasks.predictions(self.task(batch)).items()})
+            outputs.append(
+                {k: v.cpu().numpy() for k, v in self.tasks.predictions(self.task(batch), batch.num_rows).items()}
+            )
             labels.append(batch.labels.numpy())
             if batch.groups is not None:
                 groups.append(batch.groups.numpy())

@@ -97,12 +97,24 @@ class TrainInput:
         return self.config.data.eval_batch_size or self.config.data.batch_size
 
     def dataset(
-        self, paths, batch_size: int, with_labels: bool = True, start_row: int = 0, sharded: bool = True
+        self,
+        paths,
+        batch_size: int,
+        with_labels: bool = True,
+        start_row: int = 0,
+        sharded: bool = True,
+        training: bool = False,
     ) -> ArrowBatchDataset:
-        """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked."""
+        """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked;
+        ``training``: batches of the training data (their sampled items: ``num_sample``, else
+        ``num_eval_sample``, or ``num_sample`` where that is 0)."""
+        sampler = self.config.data.negative_sampler
+        negatives = 0
+        if sampler is not None:
+            negatives = sampler.num_sample if training else (sampler.num_eval_sample or sampler.num_sample)
         ds = ArrowBatchDataset(
             resolve_files(paths),
-            BatchBuilder(self.config, with_labels),
+            BatchBuilder(self.config, with_labels, negatives),
             batch_size,
             self.config.data.input_type,
             start_row=start_row,
@@ -132,7 +144,9 @@ class TrainInput:
             return
         cfg = self.config
         while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
-            dataset = self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row)
+            dataset = self.dataset(
+                cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row, training=True
+            )
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             cached = self._epoch_cache if position.row == 0 and self._cache_rows == dataset.num_rows else None
@@ -183,7 +197,10 @@ class TrainInput:
             dataset, steps = None, 0
             if listing and listing != seen:  # schemas and row counts are read only when files change
                 dataset = self.dataset(
-                    [str(directory / n) for n in names], self.config.data.batch_size, start_row=position.row
+                    [str(directory / n) for n in names],
+                    self.config.data.batch_size,
+                    start_row=position.row,
+                    training=True,
                 )
                 self._check_prefix(directory, names, dataset.row_counts())
                 steps = (dataset.num_rows - position.row) // self.global_batch_size

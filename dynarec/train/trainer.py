@@ -279,7 +279,7 @@ class Trainer:
         returns the final report (eval metrics empty without eval data)."""
         cfg = self.config
         if self.input.follow is None or data_files(str(cfg.data.train_input_path)):
-            self.input.dataset(cfg.data.train_input_path, cfg.data.batch_size)  # check every file before writing
+            self.input.dataset(cfg.data.train_input_path, cfg.data.batch_size, training=True)  # check every file first
         if cfg.data.eval_input_path:
             self.input.dataset(cfg.data.eval_input_path, self.input.eval_batch_size)
         with contextlib.ExitStack() as stack:  # one writer per model directory: rank 0 holds the lock

@@ -707,8 +707,8 @@ def test_lenient_refuses_by_path_what_cannot_be_dropped_consistently():
     assert "model_config.feature_groups[0]: group 'wide' left empty by the dropped features; deepfm needs it" in str(
         e.value
     )
-    with pytest.raises(ConversionError, match=r"model_config\.dssm: this model is not supported .*issue 30"):
-        convert_example("examples/dssm_taobao", lenient=True)
+    with pytest.raises(ConversionError, match=r"model_config\.mind: this model is not supported .*issue 30"):
+        convert_example("examples/mind_taobao", lenient=True)
 
 
 # -- relative paths --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynarec.config import config_from_dict
+from dynarec.config.schema import RETRIEVAL_KEYS
 from dynarec.models import MODELS
 from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
@@ -40,7 +41,8 @@ def data(tmp_path_factory):
     return root / "rows.parquet"
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# A retrieval model's towers are not exported yet (tests/models/test_retrieval.py asserts the refusal).
+@pytest.mark.parametrize("name", sorted(set(MODELS) - set(RETRIEVAL_KEYS)))
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
     raw["data"] = {"train_input_path": str(data), "batch_size": 64}

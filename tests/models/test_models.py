@@ -110,6 +110,15 @@ MODEL_BLOCKS = {
         False,
     ),
 }
+MODEL_BLOCKS["dssm"] = (
+    {
+        "user_tower": {"input": "deep", "hidden_units": [8]},
+        "item_tower": {"input": "item", "hidden_units": [8], "use_bn": True},
+        "output_dim": 3,
+        "in_batch_negative": True,
+    },
+    False,
+)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
 
 
@@ -128,6 +137,11 @@ def model_config(name):
         groups = [
             {"group_name": "sparse", "feature_names": ["a", "b", "s"]},
             {"group_name": "dense", "feature_names": ["x"]},
+        ]
+    if name == "dssm":  # a user and an item group
+        groups = [
+            {"group_name": "deep", "feature_names": ["a", "x"]},
+            {"group_name": "item", "feature_names": ["b", "s"]},
         ]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
@@ -154,7 +168,8 @@ def test_model_forward_backward(name):
     for v in emb.values():
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
-    assert out.shape == ((5, 2) if name in MULTI_TASK else (5,)) and torch.isfinite(out).all()
+    shape = (5, 2) if name in MULTI_TASK else (5, 6) if name == "dssm" else (5,)  # dssm: [user | item] of 3 each
+    assert out.shape == shape and torch.isfinite(out).all()
     teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
     (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()
     assert emb["a"].grad is not None and any(p.grad is not None for p in model.parameters())

@@ -42,6 +42,7 @@ def _mlp(
     ctx: Context,
     activations: frozenset[str] | set[str] = frozenset(),
     dropout: bool = False,
+    batch_norm: bool = False,
 ) -> _MLP:
     """An MLP: hidden_units, and its activation where dynarec's block takes one
     (``activations``: the values it allows; empty: ReLU only), and its dropout ratios where it
@@ -63,7 +64,10 @@ def _mlp(
         ctx.refuse(r.at("activation"), f"{activation!r} is not supported here ({', '.join(names)} on every layer are)")
     elif mapped != "relu":
         ctx.note(r.at("activation"), f"{activation} on every layer, as TorchEasyRec's")
-    r.default_only("use_bn", False)
+    if batch_norm:  # the caller reads use_bn
+        r.scalar("use_bn")
+    else:
+        r.default_only("use_bn", False)
     r.default_only("use_ln", False)
     r.default_only("bias", True)
     r.done()
@@ -170,8 +174,11 @@ _TARGETS = {
     "dcn_v2": "dcn_v2",
     "xdeepfm": "xdeepfm",
     "rocket_launching": "rocket_launching",
+    "dssm": "dssm",
+    "dssm_v2": "dssm",
     **{name: name for name in MULTI_TASK},
 }
+_RETRIEVAL = ("dssm", "dssm_v2")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
 
 
@@ -289,6 +296,15 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         for key in ("losses", "metrics"):
             if r.has(key):
                 ctx.refuse(r.at(key), f"a multi-task model's {key} belong in its task_towers", fatal=True)
+    elif name in _RETRIEVAL:
+        out["dssm"] = _dssm(r, m, ctx)
+        if name == "dssm_v2":
+            ctx.note(r.at(name), "dssm_v2's towers share the embedding lookups, as every dynarec model's do: dssm")
+        m.done()
+        if variational_dropout is not None:
+            out["variational_dropout"] = variational_dropout
+        r.done()
+        return result
     elif name in _ZOO:
         out[_TARGETS[name]] = _ZOO[name](m, ctx)
         if name == "xdeepfm":
@@ -361,6 +377,68 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         out["variational_dropout"] = variational_dropout
     r.done()
     return result
+
+
+def _dssm(r: Reader, m: Reader, ctx: Context) -> dict[str, Any]:
+    """dssm / dssm_v2 -> dynarec's dssm, with the model's softmax cross-entropy loss and its
+    recall_at_k metrics (TorchEasyRec's match models take no other)."""
+    out: dict[str, Any] = {}
+    for key in ("user_tower", "item_tower"):
+        t = m.message(key)
+        if t is None:
+            ctx.refuse(m.at(key), "a tower is needed", fatal=True)
+            continue
+        body = t.message("mlp")
+        use_bn = bool(body.scalar("use_bn", False)) if body is not None else False
+        mlp = _mlp(body, t.at("mlp"), ctx, _activations("MatchTowerCfg", "activation"), batch_norm=True)
+        tower: dict[str, Any] = {"input": str(t.scalar("input", "")), "hidden_units": mlp.units}
+        if mlp.activation != "relu":
+            tower["activation"] = mlp.activation
+        if use_bn:
+            tower["use_bn"] = True
+        out[key] = tower
+        t.done()
+    out["output_dim"] = m.integer("output_dim", 0)
+    similarity = str(m.scalar("similarity", "INNER_PRODUCT"))
+    if similarity not in ("INNER_PRODUCT", "COSINE"):
+        ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
+    out["similarity"] = similarity.lower()
+    out["temperature"] = m.number("temperature", 1.0)
+    out["in_batch_negative"] = bool(m.scalar("in_batch_negative", False))
+    for loss in r.messages("losses"):
+        kinds = loss.msg.names()
+        if kinds != ["softmax_cross_entropy"]:
+            ctx.refuse(loss.path, f"{kinds}: a match model trains by softmax_cross_entropy only", fatal=True)
+            loss.taken.update(kinds)
+            continue
+        body = loss.message("softmax_cross_entropy")
+        assert body is not None
+        body.default_only("label_smoothing", 0.0)
+        body.done()
+        loss.done()
+    top_k = []
+    for key in ("metrics", "train_metrics"):
+        for metric in r.messages(key):
+            if key == "train_metrics":
+                metric.ignore("decay_step", "the smoothing of a metric of the training batches")
+            kinds = [k for k in metric.msg.names() if key == "metrics" or k != "decay_step"]
+            if kinds != ["recall_at_k"]:
+                ctx.refuse(metric.path, f"{kinds}: a match model is scored by recall_at_k only")
+                metric.taken.update(kinds)
+                continue
+            body = metric.message("recall_at_k")
+            assert body is not None
+            k = body.integer("top_k", 5)
+            body.done()
+            metric.done()
+            if key == "metrics":
+                top_k.append(k)
+            else:
+                ctx.note(metric.path, "metrics of the training batches: dynarec computes recall@k on the eval data")
+    out["recall_at_k"] = list(dict.fromkeys(top_k)) or [5]
+    for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False), ("num_class", 1)):
+        r.default_only(key, default)
+    return out
 
 
 def _mask_net(m: Reader, ctx: Context) -> dict[str, Any]:

@@ -173,8 +173,45 @@ def data_source(path: Any, override: Optional[str], field_name: str, ctx: Contex
     return str(path)
 
 
-def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode:
+def _negative_sampler(n: Reader, override: Optional[str]) -> Optional[dict[str, Any]]:
+    """negative_sampler -> data.negative_sampler (its item table a file: ``override`` replaces
+    a table service)."""
+    given = n.scalar("input_path")
+    path: Optional[str] = override
+    if path is not None:
+        if given:
+            n.ctx.note(n.at("input_path"), f"{given!r} replaced by {override!r}")
+    elif str(given or "").startswith(("odps://", "kafka://")) or not given:
+        n.ctx.refuse(
+            n.at("input_path"),
+            f"{given!r}: dynarec reads the item table from a file: give --sampler-input-path",
+            fatal=True,
+        )
+    else:
+        path = str(given)
+    out: dict[str, Any] = {
+        "input_path": path or "",
+        "num_sample": n.integer("num_sample", 1),
+        "attr_fields": [str(x) for x in n.repeated("attr_fields")],
+        "item_id_field": str(n.scalar("item_id_field", "")),
+        "attr_delimiter": str(n.scalar("attr_delimiter", ":")),
+        "num_eval_sample": n.integer("num_eval_sample", 0),
+    }
+    if n.has("field_delimiter"):
+        out["field_delimiter"] = str(n.scalar("field_delimiter"))
+    n.default_only("item_id_delim", ";")
+    n.done()
+    return out if path else None
+
+
+def convert_data_config(
+    d: Reader, data: dict[str, Any], replaced: bool, sampler_input_path: Optional[str] = None
+) -> Mode:
     ctx = d.ctx
+    if (n := d.message("negative_sampler")) is not None:
+        sampler = _negative_sampler(n, sampler_input_path)
+        if sampler is not None:
+            data["negative_sampler"] = sampler
     data["batch_size"] = d.integer("batch_size", 1024)
     if d.has("eval_batch_size"):
         data["eval_batch_size"] = d.integer("eval_batch_size")
@@ -215,17 +252,27 @@ def convert_data_config(d: Reader, data: dict[str, Any], replaced: bool) -> Mode
     d.default_only("in_order", True)
     for key in ("sample_mask_prob", "negative_sample_mask_prob"):
         d.default_only(key, 0.0)
-    d.default_only("force_base_data_group", False)
+    if "negative_sampler" in data and d.scalar("force_base_data_group", False):
+        ctx.note(
+            d.at("force_base_data_group"),
+            "dynarec's batches hold every feature over all rows, the sampled items' too (their user features empty)",
+        )
+    else:
+        d.default_only("force_base_data_group", False)
     d.refuse(
         "sample_weight_fields",
         "sample_cost_field",
         "batch_cost_size",
         "input_fields_str",
-        "negative_sampler",
+    )
+    # A retrieval model's negatives: without them it has nothing to train against.
+    d.refuse(
         "negative_sampler_v2",
         "hard_negative_sampler",
         "hard_negative_sampler_v2",
         "tdm_sampler",
+        why="not supported (dynarec's negative_sampler draws items by weight)",
+        fatal=True,
     )
     d.done()
     return Mode(encoded=encoded, multival_sep=multival_sep)

@@ -1,0 +1,168 @@
+"""Sampled negative items of a retrieval model (``data.negative_sampler``).
+
+TorchEasyRec's ``NegativeSampler`` (graph-learn's ``node_weight`` negative sampler): each batch
+gets ``num_sample`` items drawn with probability proportional to their weight, none of them an
+item of the batch. Their attributes become ``num_sample`` extra rows of the batch, holding the
+item features only (dynarec.data.batch).
+
+The item table's columns, in order: the item id (int64), its weight (float) and its attributes
+(one string: the ``attr_fields`` columns' values, joined by ``attr_delimiter``; a list column's
+values joined by ``\x1d``). Parquet, or a
+CSV / text table split on ``field_delimiter`` (default a tab) whose header may be graph-learn's
+``id:int64	weight:float	attrs:string``.
+
+The draws of a batch depend on the seed and on where its rows start (file and row) alone, not
+on the DataLoader workers: a run and its resume see the same negatives. A batch position draws
+the same items every epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from dynarec.config.schema import NegativeSamplerCfg
+
+__all__ = ["MULTI_VALUE_SEPARATOR", "NegativeSampler", "SamplerError", "negative_sampler"]
+
+# Between the values of an attribute whose data column is a list (TorchEasyRec's multival_sep).
+MULTI_VALUE_SEPARATOR = "\x1d"
+
+# Draws of an item already in the batch are drawn again, at most this many rounds; then the rest
+# from the weights of the items outside the batch (a batch holding every item keeps its draws).
+_ROUNDS = 8
+
+
+class SamplerError(ValueError):
+    """A bad item table; the message names the file and what is wrong."""
+
+
+class NegativeSampler:
+    """Draws a batch's negative items and gives their attribute columns."""
+
+    def __init__(self, cfg: NegativeSamplerCfg, seed: int = 0):
+        self.cfg = cfg
+        self.seed = seed
+        self.ids, weights, attrs = _read_items(cfg)
+        self.cumulative = np.cumsum(weights)
+        parts = pc.split_pattern(attrs, cfg.attr_delimiter)
+        counts = pc.list_value_length(parts).to_numpy(zero_copy_only=False)
+        bad = np.nonzero(counts != len(cfg.attr_fields))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise SamplerError(
+                f"{cfg.input_path}, item {int(self.ids[i])}: {int(counts[i])} attribute(s) "
+                f"{attrs[i].as_py()!r}, attr_fields has {len(cfg.attr_fields)} ({', '.join(cfg.attr_fields)}), "
+                f"joined by {cfg.attr_delimiter!r}"
+            )
+        flat = parts.flatten()
+        k = len(cfg.attr_fields)
+        # [field][item]: each attribute column of the catalog, as strings
+        self.attrs = [flat.take(pa.array(np.arange(j, len(flat), k))) for j in range(k)]
+
+    @property
+    def num_items(self) -> int:
+        return len(self.ids)
+
+    def draw(self, batch_items: np.ndarray, count: int, key: str) -> np.ndarray:
+        """``count`` catalog indices drawn by weight (with replacement), none of whose ids is in
+        ``batch_items``; ``key`` seeds the draws (the batch's position)."""
+        digest = hashlib.blake2b(f"{self.seed}:{key}".encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        total = self.cumulative[-1]
+        picks = np.searchsorted(self.cumulative, rng.random(count) * total, side="right")
+        picks = np.minimum(picks, len(self.ids) - 1)
+        taken = np.asarray(batch_items, dtype=np.int64)
+        for _ in range(_ROUNDS):
+            clash = np.isin(self.ids[picks], taken)
+            if not clash.any():
+                return picks
+            again = rng.random(int(clash.sum())) * total
+            picks[clash] = np.minimum(np.searchsorted(self.cumulative, again, side="right"), len(self.ids) - 1)
+        clash = np.isin(self.ids[picks], taken)
+        if clash.any():  # the batch's items hold most of the weight: draw the rest from the others
+            cumulative = np.cumsum(np.diff(self.cumulative, prepend=0.0) * ~np.isin(self.ids, taken))
+            if cumulative[-1] > 0:
+                again = rng.random(int(clash.sum())) * cumulative[-1]
+                picks[clash] = np.minimum(np.searchsorted(cumulative, again, side="right"), len(self.ids) - 1)
+        return picks
+
+    def columns(self, picks: np.ndarray, types: dict[str, pa.DataType]) -> dict[str, pa.Array]:
+        """The attribute columns of the catalog items ``picks``, cast to the batch's column
+        ``types`` (strings where a column is not among them)."""
+        index = pa.array(picks)
+        out = {}
+        for name, values in zip(self.cfg.attr_fields, self.attrs):
+            col = values.take(index)
+            t = types.get(name)
+            if t is not None and t != col.type:
+                try:
+                    if pa.types.is_list(t) or pa.types.is_large_list(t):  # a list column: values joined
+                        col = pc.split_pattern(col, MULTI_VALUE_SEPARATOR)
+                    col = col.cast(t)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                    raise SamplerError(
+                        f"{self.cfg.input_path}: attribute '{name}' does not read as the data's {t} ({e})"
+                    ) from None
+            out[name] = col
+        return out
+
+
+def negative_sampler(cfg: NegativeSamplerCfg, seed: int) -> NegativeSampler:
+    """The sampler of ``cfg`` (its item table read once a process, for every dataset of a run)."""
+    return _cached(cfg.model_dump_json(), seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(cfg_json: str, seed: int) -> NegativeSampler:
+    return NegativeSampler(NegativeSamplerCfg.model_validate_json(cfg_json), seed)
+
+
+def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+    """``(ids int64, weights float64, attrs string)`` of the item table."""
+    path = Path(cfg.input_path)
+    if not path.exists():
+        raise SamplerError(f"data.negative_sampler.input_path: {cfg.input_path} does not exist")
+    try:
+        if path.suffix == ".parquet":
+            table = pq.read_table(path)
+        else:
+            delimiter = cfg.field_delimiter or "\t"
+            with open(path, encoding="utf-8") as f:
+                header = f.readline().rstrip("\r\n").split(delimiter)
+            types = dict(zip(header, (pa.int64(), pa.float64(), pa.string())))
+            table = pacsv.read_csv(
+                path,
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
+                convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False),
+            )
+            table = table.rename_columns([c.split(":")[0] for c in table.column_names])
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SamplerError(f"{cfg.input_path}: cannot read the item table ({e})") from None
+    if table.num_columns != 3 or table.num_rows == 0:
+        raise SamplerError(
+            f"{cfg.input_path}: an item table has 3 columns (id, weight, attributes) and rows; "
+            f"found {table.num_columns} column(s) {table.column_names}, {table.num_rows} row(s)"
+        )
+    ids, weights, attrs = (table.column(i).combine_chunks() for i in range(3))
+    try:
+        id_values = ids.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        w = weights.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise SamplerError(f"{cfg.input_path}: ids must be integers and weights numbers ({e})") from None
+    if ids.null_count or weights.null_count or attrs.null_count:
+        raise SamplerError(f"{cfg.input_path}: an item has a missing id, weight or attributes")
+    bad = np.nonzero(~np.isfinite(w) | (w < 0))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise SamplerError(f"{cfg.input_path}, item {int(id_values[i])}: weight {w[i]} is not a number >= 0")
+    if not w.sum() > 0:
+        raise SamplerError(f"{cfg.input_path}: every weight is 0")
+    return id_values, w, attrs.cast(pa.string())

@@ -1,0 +1,84 @@
+"""A retrieval model's task at run time (model.dssm): its loss, predictions and metrics, in
+the shape of :class:`~dynarec.models.tasks.Tasks`.
+
+The model gives ``[R, 2 * D]`` (user then item embedding per row) over a batch's ``B`` rows and
+its ``N`` sampled items (``R = B + N``). Each user ``i`` is scored against its own item and the
+sampled ones: ``s_i = [u_i . v_i, u_i . v_{B}, ..., u_i . v_{B+N-1}] / temperature``
+(``in_batch_negative``: against every item of the batch and the samples,
+``s_i = u_i . v_j / temperature`` for all ``j < R``, its own item at ``j = i``) — TorchEasyRec's
+``MatchModel.sim``. The loss is the softmax cross-entropy of the own item, averaged over the
+global batch. A row's prediction is its own item's rank among the scored items (0: the best;
+the items scoring strictly higher); recall@k is the share of rows ranking below k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dynarec.config.schema import Config
+
+__all__ = ["Retrieval"]
+
+
+class Retrieval:
+    """The task of a retrieval model (``config.model.dssm``)."""
+
+    def __init__(self, config: Config):
+        cfg = config.model.dssm
+        assert cfg is not None
+        self.temperature = cfg.temperature
+        self.in_batch_negative = cfg.in_batch_negative
+        self.top_k = list(cfg.recall_at_k)
+        self.towers = config.tasks()
+
+    def scores(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """``[B, C]`` similarity scores of the ``rows`` users (module doc); the own item is column
+        0 (``in_batch_negative``: column ``i`` of row ``i``)."""
+        half = out.shape[1] // 2
+        user, item = out[:rows, :half].float(), out[:, half:].float()
+        if self.in_batch_negative:
+            return user @ item.T / self.temperature
+        own = (user * item[:rows]).sum(1, keepdim=True)
+        return torch.cat([own, user @ item[rows:].T], dim=1) / self.temperature
+
+    def _own(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.in_batch_negative:
+            return torch.arange(scores.shape[0], device=scores.device)
+        return torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+
+    def loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        global_rows: int,
+        global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        sessions: Optional[torch.Tensor] = None,
+        teaching=None,
+    ) -> torch.Tensor:
+        """This rank's share of the mean softmax cross-entropy over the global batch (``labels``
+        ``[B, L]`` give the batch's rows; their values are not read)."""
+        scores = self.scores(logits, labels.shape[0])
+        return F.cross_entropy(scores, self._own(scores), reduction="sum") / global_rows
+
+    def output_names(self) -> list[str]:
+        return ["positive_rank"]
+
+    def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items."""
+        if rows is None:
+            raise ValueError("a retrieval model's predictions need the batch's rows (its sampled items follow them)")
+        scores = self.scores(logits, rows)
+        own = scores.gather(1, self._own(scores)[:, None])
+        return {"positive_rank": (scores > own).sum(1).float()}
+
+    def metrics(
+        self, predictions: dict[str, np.ndarray], labels: np.ndarray, groups: Optional[np.ndarray]
+    ) -> dict[str, float]:
+        """recall@k for each ``recall_at_k`` k: the share of rows whose own item ranks below k."""
+        rank = predictions["positive_rank"]
+        return {f"recall@{k}": float(np.mean(rank < k)) if len(rank) else float("nan") for k in self.top_k}

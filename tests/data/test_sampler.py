@@ -1,0 +1,154 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.config import config_from_dict
+from dynarec.config.schema import NegativeSamplerCfg
+from dynarec.data.batch import BatchBuilder, DataError
+from dynarec.data.sampler import NegativeSampler, SamplerError
+from dynarec.embedding.jagged import split_features
+from tests.pipeline_fixtures import config_dict
+
+
+def item_table(path, rows, header="id:int64\tweight:float\tfeature:string"):
+    path.write_text(header + "\n" + "".join(f"{i}\t{w}\t{a}\n" for i, w, a in rows))
+    return str(path)
+
+
+def sampler_cfg(path, **kw) -> NegativeSamplerCfg:
+    fields = ["item_id", "cate_id"]
+    return NegativeSamplerCfg(input_path=path, num_sample=4, attr_fields=fields, item_id_field="item_id", **kw)
+
+
+def test_draws_follow_the_weights_and_skip_the_batchs_items(tmp_path):
+    path = item_table(
+        tmp_path / "items.tsv", [(10, 1.0, "10:1"), (11, 3.0, "11:2"), (12, 6.0, "12:3"), (13, 0.0, "13:4")]
+    )
+    s = NegativeSampler(sampler_cfg(path))
+    picks = s.draw(np.array([], dtype=np.int64), 60_000, "f:0")
+    share = np.bincount(s.ids[picks], minlength=14)[10:] / len(picks)
+    np.testing.assert_allclose(share, [0.1, 0.3, 0.6, 0.0], atol=0.01)
+    picks = s.draw(np.array([12, 7]), 5_000, "f:0")
+    assert 12 not in set(s.ids[picks].tolist())  # in the batch
+    share = np.bincount(s.ids[picks], minlength=14)[10:12] / len(picks)
+    np.testing.assert_allclose(share, [0.25, 0.75], atol=0.03)  # the rest, by weight
+
+
+def test_draws_depend_on_the_seed_and_the_batch_position_alone(tmp_path):
+    path = item_table(tmp_path / "items.tsv", [(i, 1.0, f"{i}:{i % 3}") for i in range(100)])
+    a, b = NegativeSampler(sampler_cfg(path), seed=1), NegativeSampler(sampler_cfg(path), seed=1)
+    items = np.array([3, 4])
+    assert np.array_equal(a.draw(items, 50, "x.parquet:0"), b.draw(items, 50, "x.parquet:0"))
+    assert not np.array_equal(a.draw(items, 50, "x.parquet:0"), a.draw(items, 50, "x.parquet:100"))
+    assert not np.array_equal(
+        a.draw(items, 50, "x.parquet:0"), NegativeSampler(sampler_cfg(path), 2).draw(items, 50, "x.parquet:0")
+    )
+
+
+def test_a_parquet_item_table_reads_as_the_text_one(tmp_path):
+    rows = [(5, 1.0, "5:7"), (6, 2.0, "6:8")]
+    text = NegativeSampler(sampler_cfg(item_table(tmp_path / "items.tsv", rows)))
+    pq.write_table(pa.table({"id": [5, 6], "weight": [1.0, 2.0], "attrs": ["5:7", "6:8"]}), tmp_path / "items.parquet")
+    parquet = NegativeSampler(sampler_cfg(str(tmp_path / "items.parquet")))
+    assert text.ids.tolist() == parquet.ids.tolist() == [5, 6]
+    cols = parquet.columns(np.array([1, 0, 1]), {"item_id": pa.int64()})
+    assert cols["item_id"].to_pylist() == [6, 5, 6] and cols["cate_id"].to_pylist() == ["8", "7", "8"]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([(1, 1.0, "1:2:3")], r"item 1: 3 attribute\(s\) '1:2:3', attr_fields has 2"),
+        ([(1, -1.0, "1:2")], r"item 1: weight -1.0 is not a number >= 0"),
+        ([(1, 0.0, "1:2")], "every weight is 0"),
+    ],
+)
+def test_a_bad_item_table_names_the_item(tmp_path, rows, message):
+    with pytest.raises(SamplerError, match=message):
+        NegativeSampler(sampler_cfg(item_table(tmp_path / "items.tsv", rows)))
+
+
+def test_a_missing_item_table_names_the_setting(tmp_path):
+    with pytest.raises(SamplerError, match=r"data.negative_sampler.input_path: .*nope.tsv does not exist"):
+        NegativeSampler(sampler_cfg(str(tmp_path / "nope.tsv")))
+
+
+def dssm_config(path, **sampler) -> dict:
+    c = config_dict()
+    c["model"] = {
+        "feature_groups": [
+            {"group_name": "user", "feature_names": ["user_id", "age", "hist_item_id"]},
+            {"group_name": "item", "feature_names": ["item_id", "cate_id"]},
+        ],
+        "dssm": {
+            "user_tower": {"input": "user", "hidden_units": [8]},
+            "item_tower": {"input": "item", "hidden_units": [8]},
+            "output_dim": 4,
+        },
+    }
+    c["data"]["negative_sampler"] = {
+        "input_path": path, "num_sample": 5, "attr_fields": ["item_id", "cate_id"], "item_id_field": "item_id",
+        **sampler,
+    }  # fmt: skip
+    return c
+
+
+def test_a_batch_gets_its_sampled_items_rows_with_their_item_features_only(tmp_path):
+    """The sampled items follow the batch's rows: their item features are their attributes'
+    (cate_id '7' is id 7), their user features are empty; labels stay the batch's."""
+    path = item_table(tmp_path / "items.tsv", [(i, 1.0, f"{i}:{i % 10}") for i in range(100, 140)])
+    b = BatchBuilder(config_from_dict(dssm_config(path)), negatives=5)
+    t = pa.table(
+        {
+            "user_id": ["u1", "u2", "u3"], "age": [1, 2, 3], "item_id": [101, 102, 103], "cate_id": [1, 2, 3],
+            "hist_item_id": ["1|2", "", "3"], "hist_cate_id": ["1|1", "", "2"], "price": [1.0, 2.0, 3.0],
+            "clk": [1, 0, 1],
+        }
+    )  # fmt: skip
+    batch = b.build(t, "t.parquet")
+    assert batch.num_rows == 3 and batch.sampled_rows == 5 and batch.labels.shape == (3, 1)
+    f = split_features(batch.sparse)
+    picks = b.sampler.draw(np.array([101, 102, 103]), 5, "t.parquet:0")
+    drawn = b.sampler.ids[picks]
+    assert not set(drawn.tolist()) & {101, 102, 103}
+    assert f["item_id"].values.tolist() == [101, 102, 103, *drawn.tolist()]
+    assert f["cate_id"].values.tolist() == [1, 2, 3, *(drawn % 10).tolist()]
+    assert f["user_id"].lengths.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert f["hist_item_id"].lengths.tolist() == [2, 0, 1, 0, 0, 0, 0, 0]
+    assert batch.dense["price"].tolist()[3:] == [0.0] * 5
+    seq = batch.sequence_lengths(["hist_item_id"])["hist_item_id"]
+    assert seq.tolist() == [2, 0, 1, 0, 0, 0, 0, 0]
+    assert torch.equal(b.build(t, "t.parquet").sparse.values(), batch.sparse.values())  # the same draws
+
+
+def test_a_batch_without_the_item_id_column_names_it(tmp_path):
+    path = item_table(tmp_path / "items.tsv", [(i, 1.0, f"{i}:{i % 10}") for i in range(100, 110)])
+    cfg = dssm_config(path, item_id_field="adgroup")
+    b = BatchBuilder(config_from_dict(cfg), negatives=5)
+    t = pa.table({"user_id": ["u1"], "age": [1], "item_id": [101], "cate_id": [1], "hist_item_id": ["1"],
+                  "hist_cate_id": ["1"], "price": [1.0], "clk": [1]})  # fmt: skip
+    with pytest.raises(DataError, match=r"missing column 'adgroup' \(data.negative_sampler.item_id_field\)"):
+        b.build(t, "t.parquet")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c["data"].pop("negative_sampler"), "give data.negative_sampler, or set in_batch_negative"),
+        (
+            lambda c: c["model"]["feature_groups"][1]["feature_names"].append("price"),
+            r"feature 'price' reads column\(s\) \['price'\], which the sampled items lack",
+        ),
+        (
+            lambda c: c["model"].update({"dlrm": {}, "dssm": None}),
+            "data.negative_sampler: samples items for a retrieval model",
+        ),
+    ],
+)
+def test_retrieval_settings_that_cannot_train_are_config_errors(tmp_path, change, message):
+    c = dssm_config(str(tmp_path / "items.tsv"))
+    change(c)
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(c)
