@@ -461,9 +461,31 @@ class DSSMCfg(Strict):
     recall_at_k: list[Count] = [1, 5]
 
 
+class DATTowerCfg(MatchTowerCfg):
+    augment_input: str  # the group whose output (the augmented vector) joins the tower's input
+
+
+class DATCfg(Strict):
+    """TorchEasyRec's DAT (dual augmented two-tower, Yu et al. 2021): a DSSM whose towers also
+    read an augmented vector (``augment_input``: a group, typically the user's or the item's id
+    embedding, as wide as the towers' output), which the adaptive-mimic losses pull toward the
+    other tower's output: ``amm_u_weight * sum ||normalize(a_u) - v||^2`` over the positive
+    pairs (``v`` not trained by it), and ``amm_i_weight`` likewise for ``a_i`` and ``u``."""
+
+    user_tower: DATTowerCfg
+    item_tower: DATTowerCfg
+    output_dim: int = Field(ge=0)
+    similarity: Literal["inner_product", "cosine"] = "inner_product"
+    temperature: float = Field(1.0, gt=0)
+    in_batch_negative: bool = False
+    amm_u_weight: float = Field(0.5, ge=0)
+    amm_i_weight: float = Field(0.5, ge=0)
+    recall_at_k: list[Count] = [1, 5]
+
+
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
 # Retrieval models: a user and an item tower scored against sampled items.
-RETRIEVAL_KEYS = ("dssm",)
+RETRIEVAL_KEYS = ("dssm", "dat")
 # Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
 # their groups cannot nest sequence_groups.
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
@@ -512,6 +534,7 @@ class ModelCfg(Strict):
     ple: Optional[PLECfg] = None
     dbmtl: Optional[DBMTLCfg] = None
     dssm: Optional[DSSMCfg] = None
+    dat: Optional[DATCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -563,13 +586,26 @@ class ModelCfg(Strict):
             return [("din.din_tower", self.din.din_tower.input, "sequence")]
         if name == "deepfm" and self.deepfm is not None and self.deepfm.fm_group is not None:
             return [("deepfm.fm_group", self.deepfm.fm_group, "deep")]
-        if name == "dssm":
-            assert self.dssm is not None
-            return [
-                ("dssm.user_tower", self.dssm.user_tower.input, "deep"),
-                ("dssm.item_tower", self.dssm.item_tower.input, "deep"),
+        if name in RETRIEVAL_KEYS:
+            towers = self.retrieval
+            out = [
+                (f"{name}.user_tower", towers.user_tower.input, "deep"),
+                (f"{name}.item_tower", towers.item_tower.input, "deep"),
             ]
+            if isinstance(towers, DATCfg):
+                out += [
+                    (f"{name}.user_tower.augment_input", towers.user_tower.augment_input, "deep"),
+                    (f"{name}.item_tower.augment_input", towers.item_tower.augment_input, "deep"),
+                ]
+            return out
         return []
+
+    @property
+    def retrieval(self) -> Union[DSSMCfg, DATCfg]:
+        """The retrieval model's block (dssm or dat)."""
+        cfg = getattr(self, self.name)
+        assert isinstance(cfg, (DSSMCfg, DATCfg)), f"model '{self.name}' is not a retrieval model"
+        return cfg
 
     @property
     def name(self) -> str:
@@ -755,19 +791,19 @@ class Config(Strict):
             )
         if name not in RETRIEVAL_KEYS:
             return self
-        cfg = self.model.dssm
-        assert cfg is not None
+        cfg = self.model.retrieval
         if sampler is None and not cfg.in_batch_negative:
             raise ValueError(
-                "model.dssm: scores each user's item against other items: give data.negative_sampler, or set "
+                f"model.{name}: scores each user's item against other items: give data.negative_sampler, or set "
                 "in_batch_negative"
             )
         if sampler is not None:
-            for n in self.model.group(cfg.item_tower.input).feature_names:
+            groups = [cfg.item_tower.input] + ([cfg.item_tower.augment_input] if isinstance(cfg, DATCfg) else [])
+            for n in [n for g in groups for n in self.model.group(g).feature_names]:
                 outside = [c for c in self.feature(n).columns if c not in sampler.attr_fields]
                 if outside:
                     raise ValueError(
-                        f"model.dssm.item_tower: feature '{n}' reads column(s) {outside}, which the sampled items "
+                        f"model.{name}.item_tower: feature '{n}' reads column(s) {outside}, which the sampled items "
                         f"lack; data.negative_sampler.attr_fields: {sampler.attr_fields}"
                     )
         return self

@@ -19,6 +19,7 @@ outside {0, 1}.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -474,8 +475,8 @@ class BatchBuilder:
                 f"{origin.label}: column '{cfg.item_id_field}' (data.negative_sampler.item_id_field) holds "
                 "something other than integer item ids"
             ) from None
-        path, first, _ = origin.runs[0]
-        picks = self.sampler.draw(items, self.negatives, f"{path}:{first}")
+        path, first, _ = origin.runs[0]  # the file's name, not its directory: a moved copy draws the same
+        picks = self.sampler.draw(items, self.negatives, f"{Path(path).name}:{first}")
         types = {c: table.schema.field(c).type for c in cfg.attr_fields if c in table.schema.names}
         items_table = pa.table(self.sampler.columns(picks, types))
         where = RowOrigin.of(f"{cfg.input_path} (sampled items)", self.negatives)

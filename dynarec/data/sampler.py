@@ -11,9 +11,9 @@ values joined by ``\x1d``). Parquet, or a
 CSV / text table split on ``field_delimiter`` (default a tab) whose header may be graph-learn's
 ``id:int64	weight:float	attrs:string``.
 
-The draws of a batch depend on the seed and on where its rows start (file and row) alone, not
-on the DataLoader workers: a run and its resume see the same negatives. A batch position draws
-the same items every epoch.
+The draws of a batch depend on the seed and on where its rows start (the file's name and the
+row) alone, not on the DataLoader workers or the data's directory: a run and its resume see the
+same negatives. A batch position draws the same items every epoch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dynarec.config.schema import Config
 from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
-from dynarec.models.dssm import DSSM
+from dynarec.models.dssm import DAT, DSSM
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
@@ -36,6 +36,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "ple": PLE,
     "dbmtl": DBMTL,
     "dssm": DSSM,
+    "dat": DAT,
 }
 
 

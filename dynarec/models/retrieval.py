@@ -1,5 +1,5 @@
-"""A retrieval model's task at run time (model.dssm): its loss, predictions and metrics, in
-the shape of :class:`~dynarec.models.tasks.Tasks`.
+"""A retrieval model's task at run time (model.dssm, model.dat): its loss, predictions and
+metrics, in the shape of :class:`~dynarec.models.tasks.Tasks`.
 
 The model gives ``[R, 2 * D]`` (user then item embedding per row) over a batch's ``B`` rows and
 its ``N`` sampled items (``R = B + N``). Each user ``i`` is scored against its own item and the
@@ -7,8 +7,15 @@ sampled ones: ``s_i = [u_i . v_i, u_i . v_{B}, ..., u_i . v_{B+N-1}] / temperatu
 (``in_batch_negative``: against every item of the batch and the samples,
 ``s_i = u_i . v_j / temperature`` for all ``j < R``, its own item at ``j = i``) — TorchEasyRec's
 ``MatchModel.sim``. The loss is the softmax cross-entropy of the own item, averaged over the
-global batch. A row's prediction is its own item's rank among the scored items (0: the best;
-the items scoring strictly higher); recall@k is the share of rows ranking below k.
+global batch. DAT's rows end with the augmented vectors ``a_u``, ``a_v`` (``[R, 4 * D]``) and its
+loss adds the adaptive-mimic terms (TorchEasyRec's, summed over the batch's rows; each rank's
+share divided by the world size, as TorchEasyRec's averaged gradients are)::
+
+    amm_u_weight * sum_i ||normalize(a_u_i) - v_i||^2 + amm_i_weight * sum_i ||normalize(a_v_i) - u_i||^2
+
+the tower outputs ``u``, ``v`` held constant there. A row's prediction is its own item's rank
+among the scored items (0: the best; the items scoring strictly higher); recall@k is the share
+of rows ranking below k.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynarec.config.schema import Config
+from dynarec.config.schema import Config, DATCfg
 
 __all__ = ["Retrieval"]
 
@@ -28,19 +35,21 @@ __all__ = ["Retrieval"]
 class Retrieval:
     """The task of a retrieval model (``config.model.dssm``)."""
 
-    def __init__(self, config: Config):
-        cfg = config.model.dssm
-        assert cfg is not None
+    def __init__(self, config: Config, world_size: int = 1):
+        cfg = config.model.retrieval
         self.temperature = cfg.temperature
         self.in_batch_negative = cfg.in_batch_negative
         self.top_k = list(cfg.recall_at_k)
         self.towers = config.tasks()
+        self.dim = cfg.output_dim or cfg.user_tower.hidden_units[-1]
+        self.amm = (cfg.amm_u_weight, cfg.amm_i_weight) if isinstance(cfg, DATCfg) else None
+        self.world_size = world_size
 
     def scores(self, out: torch.Tensor, rows: int) -> torch.Tensor:
         """``[B, C]`` similarity scores of the ``rows`` users (module doc); the own item is column
         0 (``in_batch_negative``: column ``i`` of row ``i``)."""
-        half = out.shape[1] // 2
-        user, item = out[:rows, :half].float(), out[:, half:].float()
+        d = self.dim
+        user, item = out[:rows, :d].float(), out[:, d : 2 * d].float()
         if self.in_batch_negative:
             return user @ item.T / self.temperature
         own = (user * item[:rows]).sum(1, keepdim=True)
@@ -62,8 +71,18 @@ class Retrieval:
     ) -> torch.Tensor:
         """This rank's share of the mean softmax cross-entropy over the global batch (``labels``
         ``[B, L]`` give the batch's rows; their values are not read)."""
-        scores = self.scores(logits, labels.shape[0])
-        return F.cross_entropy(scores, self._own(scores), reduction="sum") / global_rows
+        rows = labels.shape[0]
+        scores = self.scores(logits, rows)
+        loss = F.cross_entropy(scores, self._own(scores), reduction="sum") / global_rows
+        if self.amm is not None:
+            d = self.dim
+            own = logits[:rows].float()
+            user, item = own[:, :d].detach(), own[:, d : 2 * d].detach()
+            user_augment, item_augment = own[:, 2 * d : 3 * d], own[:, 3 * d :]
+            amm_u = (F.normalize(user_augment, p=2.0, dim=1) - item).square().sum()
+            amm_i = (F.normalize(item_augment, p=2.0, dim=1) - user).square().sum()
+            loss = loss + (self.amm[0] * amm_u + self.amm[1] * amm_i) / self.world_size
+        return loss
 
     def output_names(self) -> list[str]:
         return ["positive_rank"]

@@ -252,7 +252,8 @@ def check_predictions(predictions: dict[str, np.ndarray], check: Callable[[np.nd
         check(x if x.ndim == 1 else x.sum(axis=1), f"prediction '{name}'")
 
 
-def tasks_of(config: Config) -> Union[Tasks, Retrieval]:
+def tasks_of(config: Config, world_size: int = 1) -> Union[Tasks, Retrieval]:
     """The run-time task of ``config``'s model: :class:`Tasks` of a ranking model, or the
-    :class:`~dynarec.models.retrieval.Retrieval` task of a retrieval model."""
-    return Retrieval(config) if config.model.name in RETRIEVAL_KEYS else Tasks(config)
+    :class:`~dynarec.models.retrieval.Retrieval` task of a retrieval model (trained by
+    ``world_size`` processes)."""
+    return Retrieval(config, world_size) if config.model.name in RETRIEVAL_KEYS else Tasks(config)

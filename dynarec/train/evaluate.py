@@ -23,7 +23,7 @@ class Evaluator:
 
     def __init__(self, config: Config, task: RankingTask, input: TrainInput, ctx: DistContext):
         self.config, self.task, self.input, self.ctx = config, task, input, ctx
-        self.tasks = tasks_of(config)
+        self.tasks = tasks_of(config, ctx.world_size)
 
     @torch.no_grad()
     def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None):

@@ -110,7 +110,7 @@ def test_a_batch_gets_its_sampled_items_rows_with_their_item_features_only(tmp_p
     batch = b.build(t, "t.parquet")
     assert batch.num_rows == 3 and batch.sampled_rows == 5 and batch.labels.shape == (3, 1)
     f = split_features(batch.sparse)
-    picks = b.sampler.draw(np.array([101, 102, 103]), 5, "t.parquet:0")
+    picks = b.sampler.draw(np.array([101, 102, 103]), 5, "t.parquet:0")  # the file's name and first row
     drawn = b.sampler.ids[picks]
     assert not set(drawn.tolist()) & {101, 102, 103}
     assert f["item_id"].values.tolist() == [101, 102, 103, *drawn.tolist()]

@@ -119,6 +119,16 @@ MODEL_BLOCKS["dssm"] = (
     },
     False,
 )
+MODEL_BLOCKS["dat"] = (
+    {
+        "user_tower": {"input": "deep", "augment_input": "user_aug", "hidden_units": [8]},
+        "item_tower": {"input": "item", "augment_input": "item_aug", "hidden_units": [8]},
+        "output_dim": 4,
+        "in_batch_negative": True,
+        "similarity": "cosine",
+    },
+    False,
+)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
 
 
@@ -138,10 +148,12 @@ def model_config(name):
             {"group_name": "sparse", "feature_names": ["a", "b", "s"]},
             {"group_name": "dense", "feature_names": ["x"]},
         ]
-    if name == "dssm":  # a user and an item group
+    if name in ("dssm", "dat"):  # a user and an item group (dat: and their augmented vectors, 4 wide)
         groups = [
             {"group_name": "deep", "feature_names": ["a", "x"]},
             {"group_name": "item", "feature_names": ["b", "s"]},
+            {"group_name": "user_aug", "feature_names": ["a"]},
+            {"group_name": "item_aug", "feature_names": ["b"]},
         ]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
@@ -168,7 +180,8 @@ def test_model_forward_backward(name):
     for v in emb.values():
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
-    shape = (5, 2) if name in MULTI_TASK else (5, 6) if name == "dssm" else (5,)  # dssm: [user | item] of 3 each
+    # dssm: [user | item] of 3 each; dat: [user | item | user augment | item augment] of 4 each
+    shape = (5, 2) if name in MULTI_TASK else (5, 6) if name == "dssm" else (5, 16) if name == "dat" else (5,)
     assert out.shape == shape and torch.isfinite(out).all()
     teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
     (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()

@@ -176,9 +176,10 @@ _TARGETS = {
     "rocket_launching": "rocket_launching",
     "dssm": "dssm",
     "dssm_v2": "dssm",
+    "dat": "dat",
     **{name: name for name in MULTI_TASK},
 }
-_RETRIEVAL = ("dssm", "dssm_v2")
+_RETRIEVAL = ("dssm", "dssm_v2", "dat")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
 
 
@@ -297,7 +298,7 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             if r.has(key):
                 ctx.refuse(r.at(key), f"a multi-task model's {key} belong in its task_towers", fatal=True)
     elif name in _RETRIEVAL:
-        out["dssm"] = _dssm(r, m, ctx)
+        out[_TARGETS[name]] = _two_tower(r, m, ctx, name)
         if name == "dssm_v2":
             ctx.note(r.at(name), "dssm_v2's towers share the embedding lookups, as every dynarec model's do: dssm")
         m.done()
@@ -379,9 +380,9 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     return result
 
 
-def _dssm(r: Reader, m: Reader, ctx: Context) -> dict[str, Any]:
-    """dssm / dssm_v2 -> dynarec's dssm, with the model's softmax cross-entropy loss and its
-    recall_at_k metrics (TorchEasyRec's match models take no other)."""
+def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
+    """dssm / dssm_v2 -> dynarec's dssm, dat -> dat, with the model's softmax cross-entropy loss
+    and its recall_at_k metrics (TorchEasyRec's match models take no other)."""
     out: dict[str, Any] = {}
     for key in ("user_tower", "item_tower"):
         t = m.message(key)
@@ -396,6 +397,8 @@ def _dssm(r: Reader, m: Reader, ctx: Context) -> dict[str, Any]:
             tower["activation"] = mlp.activation
         if use_bn:
             tower["use_bn"] = True
+        if name == "dat":
+            tower["augment_input"] = str(t.scalar("augment_input", ""))
         out[key] = tower
         t.done()
     out["output_dim"] = m.integer("output_dim", 0)
@@ -405,6 +408,9 @@ def _dssm(r: Reader, m: Reader, ctx: Context) -> dict[str, Any]:
     out["similarity"] = similarity.lower()
     out["temperature"] = m.number("temperature", 1.0)
     out["in_batch_negative"] = bool(m.scalar("in_batch_negative", False))
+    if name == "dat":
+        out["amm_u_weight"] = m.number("amm_u_weight", 0.5)
+        out["amm_i_weight"] = m.number("amm_i_weight", 0.5)
     for loss in r.messages("losses"):
         kinds = loss.msg.names()
         if kinds != ["softmax_cross_entropy"]:
