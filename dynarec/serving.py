@@ -32,7 +32,7 @@ from dynarec.export_format import (
 )
 from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
-from dynarec.models.tasks import Tasks, check_predictions
+from dynarec.models.tasks import check_predictions, tasks_of
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
@@ -66,7 +66,7 @@ class ExportedModel:
         self._install(export_dir, meta, materialize(chain))
         self.sequence_features = sequence_names(self.config)
         self.element_pooling = element_poolings(self.config)
-        self.tasks = Tasks(self.config)
+        self.tasks = tasks_of(self.config)
 
     def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, table in self.embeddings.tables.items():
@@ -107,13 +107,13 @@ class ExportedModel:
 
     @torch.no_grad()
     def predict_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``{output name: [B] or [B, C]}`` (``Tasks.predictions``: the click probability
+        """``{output name: [B] or [B, C]}`` (``Tasks.served``: the click probability
         ``probability`` of a single-task model; ``probs_<task>`` / ``y_<task>`` of a multi-task
-        one)."""
+        one; ``user_embedding`` and ``item_embedding`` ``[B, D]`` of a retrieval model)."""
         logits = self.dense(
             *model_inputs(self.embeddings, batch, self.sequence_features, self.device, self.element_pooling)
         )
-        return self.tasks.predictions(logits)
+        return self.tasks.served(logits)
 
     def predict_files(self, paths, batch_size: int = 4096) -> dict[str, np.ndarray]:
         """:meth:`predict_batch` over every row of ``paths``, in row order."""
@@ -123,7 +123,7 @@ class ExportedModel:
         parts = [{k: v.cpu().numpy() for k, v in self.predict_batch(b).items()} for b in make_loader(dataset, 0)]
         out = {
             name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=np.float32)
-            for name in self.tasks.output_names()
+            for name in self.tasks.served_names()
         }
         check_predictions(out, dataset.check_scores)
         return out

@@ -87,6 +87,16 @@ class Retrieval:
     def output_names(self) -> list[str]:
         return ["positive_rank"]
 
+    def served_names(self) -> list[str]:
+        return ["user_embedding", "item_embedding"]
+
+    def served(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What an export serves for each row (no sampled items there): ``{"user_embedding":
+        [B, D], "item_embedding": [B, D]}`` float32, the towers' outputs (normalized for cosine
+        similarity): a user's is the query of an index of the items'."""
+        d = self.dim
+        return {"user_embedding": logits[:, :d].float(), "item_embedding": logits[:, d : 2 * d].float()}
+
     def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
         """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items."""
         if rows is None:

@@ -186,6 +186,14 @@ class Tasks:
         """The prediction columns, in task order."""
         return [self._output_name(t) for t in self.towers]
 
+    def served_names(self) -> list[str]:
+        """What an export serves: :meth:`output_names`."""
+        return self.output_names()
+
+    def served(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What an export serves for each row: :meth:`predictions`."""
+        return self.predictions(logits)
+
     def _output_name(self, t: TaskTowerCfg) -> str:
         if not self.multi:
             return "probability"

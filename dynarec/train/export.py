@@ -28,7 +28,6 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from dynarec.config.schema import RETRIEVAL_KEYS
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
@@ -53,10 +52,9 @@ def export_model(
     directory that is not an export (a model directory, a user's own directory) or a file."""
     if example.num_rows < 2:
         raise ValueError("export needs an example batch of at least 2 rows")
-    if task.config.model.name in RETRIEVAL_KEYS:
+    if example.sampled_rows:
         raise ValueError(
-            f"model '{task.config.model.name}': exporting a retrieval model's towers (user and item embeddings "
-            "for serving and an item index) is not supported yet; evaluate it with dynarec evaluate"
+            "export traces the model on the data's rows alone: give an example batch without sampled items"
         )
     for t in task.embeddings.tables.values():
         if isinstance(t, DynamicTable) and t.eval_initializer.kind != "constant":

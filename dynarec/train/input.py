@@ -104,13 +104,15 @@ class TrainInput:
         start_row: int = 0,
         sharded: bool = True,
         training: bool = False,
+        sampled: bool = True,
     ) -> ArrowBatchDataset:
         """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked;
         ``training``: batches of the training data (their sampled items: ``num_sample``, else
-        ``num_eval_sample``, or ``num_sample`` where that is 0)."""
+        ``num_eval_sample``, or ``num_sample`` where that is 0); ``sampled``: False for batches
+        of the data's rows alone (an export's example)."""
         sampler = self.config.data.negative_sampler
         negatives = 0
-        if sampler is not None:
+        if sampler is not None and sampled:
             negatives = sampler.num_sample if training else (sampler.num_eval_sample or sampler.num_sample)
         ds = ArrowBatchDataset(
             resolve_files(paths),
@@ -131,7 +133,7 @@ class TrainInput:
         """The first ``rows`` rows of the eval (else train) data, without labels."""
         cfg = self.config
         paths = cfg.data.eval_input_path or cfg.data.train_input_path
-        dataset = self.dataset(paths, rows, with_labels=False, sharded=False)
+        dataset = self.dataset(paths, rows, with_labels=False, sharded=False, sampled=False)
         return next(iter(make_loader(dataset, 0)))
 
     def batches(self, position: DataPosition) -> Iterator[Item]:

@@ -41,8 +41,7 @@ def data(tmp_path_factory):
     return root / "rows.parquet"
 
 
-# A retrieval model's towers are not exported yet (tests/models/test_retrieval.py asserts the refusal).
-@pytest.mark.parametrize("name", sorted(set(MODELS) - set(RETRIEVAL_KEYS)))
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
     raw["data"] = {"train_input_path": str(data), "batch_size": 64}
@@ -55,8 +54,9 @@ def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     export = export_model(trainer.task, trainer.example_batch(), tmp_path / "export")
     model = ExportedModel(export)
     scores = {b: model.predict_files(str(data), batch_size=b) for b in (1, 37, 4096)}
-    assert list(scores[1]) == (["probs_ctr", "probs_cvr"] if name in MULTI_TASK else ["probability"])
+    served = ["user_embedding", "item_embedding"] if name in RETRIEVAL_KEYS else ["probability"]
+    assert list(scores[1]) == (["probs_ctr", "probs_cvr"] if name in MULTI_TASK else served)
     for output, one in scores[1].items():
-        assert one.shape == (300,)
+        assert one.shape[0] == 300 and one.ndim == (2 if name in RETRIEVAL_KEYS else 1)
         np.testing.assert_allclose(scores[37][output], one, rtol=0, atol=1e-6)
         np.testing.assert_allclose(scores[4096][output], one, rtol=0, atol=1e-6)

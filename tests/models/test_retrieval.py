@@ -77,7 +77,8 @@ def item_table_of(root) -> str:
 
 def test_dssm_trains_on_the_click_log_to_far_better_than_chance_recall(tmp_path):
     """20 sampled items a batch: chance recall@1 is 1/21. Six epochs of the tiny click log lift
-    it far above (the users' histories point at their items); export refuses the towers."""
+    it far above (the users' histories point at their items). The export serves each row's user
+    and item embeddings; their products rank as evaluation ranked."""
     make_data(tmp_path)
     c = dssm_config(item_table_of(tmp_path), num_sample=20)
     for key in ("train_input_path", "eval_input_path"):
@@ -90,10 +91,24 @@ def test_dssm_trains_on_the_click_log_to_far_better_than_chance_recall(tmp_path)
     # chance: 0.048; train.seed 0-3 (the draws') ended at recall@1 0.50, 0.50, 0.65, 0.38
     assert before["recall@1"] < 0.1 and after["recall@1"] > 0.3
     assert before["recall@5"] < 0.35 and after["recall@5"] > 0.6
+    from dynarec.serving import ExportedModel
     from dynarec.train.export import export_model
 
-    with pytest.raises(ValueError, match=r"exporting a retrieval model's towers .* is not supported yet"):
-        export_model(trainer.task, trainer.example_batch(), tmp_path / "export")
+    served = ExportedModel(export_model(trainer.task, trainer.example_batch(), tmp_path / "export"))
+    out = served.predict_files(c["data"]["eval_input_path"], batch_size=37)
+    user, item = out["user_embedding"], out["item_embedding"]
+    assert user.shape == item.shape == (400, 4)
+    # the served towers are the trained model's: its rows, re-scored, give evaluation's ranks
+    eval_batches = trainer.input.dataset(c["data"]["eval_input_path"], 100)
+    ranks = trainer.predict(c["data"]["eval_input_path"])[0]["positive_rank"]
+    task = trainer.evaluator.tasks
+    first = next(iter(trainer.input.loader(eval_batches)))
+    with torch.no_grad():
+        trainer.task.eval()
+        rows = trainer.task(first)
+    np.testing.assert_allclose(rows[:100, :4].numpy(), user[:100], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rows[:100, 4:8].numpy(), item[:100], rtol=1e-5, atol=1e-6)
+    assert task.predictions(rows, 100)["positive_rank"].numpy().tolist() == ranks[:100].tolist()
 
 
 def test_dats_adaptive_mimic_terms_pull_each_augmented_vector_toward_the_other_towers_output():
