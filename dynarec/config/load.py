@@ -50,8 +50,8 @@ def _format(e: ValidationError, source: str) -> str:
 def config_from_dict(
     data: Mapping[str, Any], source: str = "<dict>", base_dir: Union[str, Path, None] = None
 ) -> Config:
-    """Validates ``data``; relative data paths (and features' ``vocab_file``) are resolved
-    against ``base_dir``."""
+    """Validates ``data``; relative data paths (the negative sampler's item table and features'
+    ``vocab_file`` too) are resolved against ``base_dir``."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid config {source}: expected a mapping at the top level")
     data = dict(data)
@@ -61,6 +61,9 @@ def config_from_dict(
         for key in ("train_input_path", "eval_input_path"):
             v = d.get(key)
             d[key] = [resolve(x) for x in v] if isinstance(v, list) else resolve(v)
+        sampler = d.get("negative_sampler")
+        if isinstance(sampler, Mapping) and "input_path" in sampler:
+            d["negative_sampler"] = {**sampler, "input_path": resolve(sampler["input_path"])}
         data["data"] = d
     if base_dir is not None and isinstance(data.get("feature_configs"), list):
         data["feature_configs"] = [_resolve_vocab_file(entry, base_dir) for entry in data["feature_configs"]]

@@ -251,6 +251,18 @@ class _DenseSequence:
 _Output = Union[_Ids, _Dense, _DenseSequence]
 
 
+def _draw_key(path: str) -> str:
+    """A data file's part of its batches' negative draws: its name under its directory's name
+    (``train/part-0.parquet``, ``dt=1/part-0.parquet``), so that the draws do not depend on where
+    the data lies."""
+    p = Path(path)
+    return f"{p.parent.name}/{p.name}"
+
+
+def _or_empty(x: Optional[np.ndarray]) -> np.ndarray:
+    return x if x is not None else np.empty(0, np.int64)
+
+
 def _appended(out: _Output, extra: Optional[_Output], rows: int) -> _Output:
     """``out`` followed by ``rows`` more rows: ``extra``'s (of the same kind), or empty ones."""
     if isinstance(out, _Ids):
@@ -262,15 +274,11 @@ def _appended(out: _Output, extra: Optional[_Output], rows: int) -> _Output:
                 e.weights if e.weights is not None else np.ones(len(e.values), np.float32),
             ])  # fmt: skip
         element_lengths = elements = None
-        if out.element_lengths is not None or e.element_lengths is not None:
-            element_lengths = np.concatenate([
-                out.element_lengths if out.element_lengths is not None else out.lengths,
-                e.element_lengths if e.element_lengths is not None else e.lengths,
-            ])  # fmt: skip
-            elements = np.concatenate([
-                out.elements if out.elements is not None else out.lengths,
-                e.elements if e.elements is not None else e.lengths,
-            ])  # fmt: skip
+        if out.element_lengths is not None:  # several ids an element: the extra rows' elements
+            element_lengths = np.concatenate([out.element_lengths, _or_empty(e.element_lengths)])
+            elements = np.concatenate(
+                [out.elements, e.elements if e.elements is not None else np.zeros(rows, np.int64)]
+            )
         return _Ids(
             np.concatenate([out.values, e.values]), np.concatenate([out.lengths, e.lengths]), weights,
             element_lengths, elements,
@@ -475,11 +483,13 @@ class BatchBuilder:
                 f"{origin.label}: column '{cfg.item_id_field}' (data.negative_sampler.item_id_field) holds "
                 "something other than integer item ids"
             ) from None
-        path, first, _ = origin.runs[0]  # the file's name, not its directory: a moved copy draws the same
-        picks = self.sampler.draw(items, self.negatives, f"{Path(path).name}:{first}")
+        path, first, _ = origin.runs[0]
+        picks = self.sampler.draw(items, self.negatives, f"{_draw_key(path)}:{first}")
         types = {c: table.schema.field(c).type for c in cfg.attr_fields if c in table.schema.names}
         items_table = pa.table(self.sampler.columns(picks, types))
-        where = RowOrigin.of(f"{cfg.input_path} (sampled items)", self.negatives)
+        # An error names the sampled item and its row of the item table.
+        ids = self.sampler.ids[picks]
+        where = RowOrigin(tuple((f"{cfg.input_path}, item {i}", int(p), 1) for i, p in zip(ids, picks)))
         extra: dict[str, _Output] = {}
         outputs: dict[str, pa.Array] = {}
         for f in self.order:

@@ -409,7 +409,8 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         per_file = -(-spec.train_rows // spec.train_files)
         first_label = config.label_fields()[0]  # the click: its rate and Bayes AUC go in meta.json
         clicks = 0
-        tables = []
+        sampler = config.data.negative_sampler
+        tables: list[pa.Table] = []
         for i in range(spec.train_files):
             rows = min(per_file, spec.train_rows - i * per_file)
             if rows <= 0:
@@ -417,10 +418,13 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             table, _ = _table(columns, config, rows, spec, rng)
             clicks += int(np.sum(table.column(first_label).to_numpy()))
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
-            tables.append(table)
+            if sampler is not None:  # the items' columns, for the sampler's item table
+                tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
         table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
-        items_written = _write_item_table(config, [*tables, table])
+        if sampler is not None:
+            tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
+        items_written = _write_item_table(config, tables)
         labels = table.column(first_label).to_numpy()
         meta = {
             "generator": "config",
@@ -449,7 +453,7 @@ def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
     sampler = config.data.negative_sampler
     if sampler is None or Path(sampler.input_path).exists():
         return None
-    rows = pa.concat_tables([t.select([sampler.item_id_field, *sampler.attr_fields]) for t in tables])
+    rows = pa.concat_tables(tables)
     ids = rows.column(0).to_numpy()
     _, first = np.unique(ids, return_index=True)
     attrs = []
@@ -457,7 +461,14 @@ def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
         col = rows.column(1 + j).combine_chunks().take(pa.array(first))
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             col = pc.binary_join(col.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR)
-        attrs.append(col.cast(pa.string()).to_pylist())
+        values = col.cast(pa.string())
+        if values.null_count or pc.any(pc.match_substring(values, sampler.attr_delimiter)).as_py():
+            raise ValueError(
+                f"data.negative_sampler.attr_fields: column '{sampler.attr_fields[j]}' holds a missing value or one "
+                f"with the attr_delimiter {sampler.attr_delimiter!r}; the item table cannot carry it (choose "
+                "another attr_delimiter)"
+            )
+        attrs.append(values.to_pylist())
     delimiter = sampler.field_delimiter or "\t"
     lines = ["id:int64" + delimiter + "weight:float" + delimiter + "attrs:string"]
     for k, i in enumerate(first):

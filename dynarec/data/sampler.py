@@ -11,9 +11,10 @@ values joined by ``\x1d``). Parquet, or a
 CSV / text table split on ``field_delimiter`` (default a tab) whose header may be graph-learn's
 ``id:int64	weight:float	attrs:string``.
 
-The draws of a batch depend on the seed and on where its rows start (the file's name and the
-row) alone, not on the DataLoader workers or the data's directory: a run and its resume see the
-same negatives. A batch position draws the same items every epoch.
+The draws of a batch depend on the seed and on where its rows start (the file's name under its
+directory's name, and the row) alone, not on the DataLoader workers or where the data lies: a
+run and its resume see the same negatives. A batch position draws the same items every epoch
+(TorchEasyRec draws afresh).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class NegativeSampler:
             t = types.get(name)
             if t is not None and t != col.type:
                 try:
+                    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):  # "" is missing, as TorchEasyRec's
+                        col = pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col)
                     if pa.types.is_list(t) or pa.types.is_large_list(t):  # a list column: values joined
                         col = pc.split_pattern(col, MULTI_VALUE_SEPARATOR)
                     col = col.cast(t)

@@ -6,7 +6,8 @@ user tower) then its item embedding (its item group through the item tower), ``[
 ``D`` = ``output_dim`` (or the towers' last width where it is 0), L2-normalized for cosine
 similarity. DAT's towers also read an augmented vector (a group's output, joined to the tower's
 input), and the rows end with the two augmented vectors: ``[R, 4 * D]``. A training batch's
-rows are its users with their positive items, then the sampled items (item features only);
+rows are its users with their positive items, then the sampled items (item features only; the
+user tower reads the users' rows alone and gives zeros there);
 :class:`~dynarec.models.retrieval.Retrieval` scores each user against them. Serving a tower is
 reading its part of a row.
 """
@@ -76,9 +77,18 @@ class DSSM(nn.Module):
                     f"the adaptive-mimic loss compares it with the towers' {tower.out_dim}: make them equal"
                 )
 
-    def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
-        user, user_augment = self.user_tower(embeddings, seq_lengths, dense)
+    def forward(self, embeddings, seq_lengths, dense, rows: Optional[int] = None) -> torch.Tensor:
+        """``rows``: the rows that are users (the rest are sampled items): the user tower reads
+        those alone (its batch statistics too, as TorchEasyRec's), zeros after them."""
         item, item_augment = self.item_tower(embeddings, seq_lengths, dense)
+        total = item.shape[0]
+        if rows is None or rows == total:
+            user, user_augment = self.user_tower(embeddings, seq_lengths, dense)
+        else:
+            head = [{k: v[:rows] for k, v in d.items()} for d in (embeddings, seq_lengths, dense)]
+            user, user_augment = (
+                None if x is None else F.pad(x, (0, 0, 0, total - rows)) for x in self.user_tower(*head)
+            )
         parts = [user, item] + [a for a in (user_augment, item_augment) if a is not None]
         return torch.cat(parts, dim=1)
 

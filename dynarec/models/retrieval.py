@@ -98,12 +98,15 @@ class Retrieval:
         return {"user_embedding": logits[:, :d].float(), "item_embedding": logits[:, d : 2 * d].float()}
 
     def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items."""
+        """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items
+        (the other items scoring as high or higher; NaN where a score is not a number, which the
+        evaluation then names by file and row)."""
         if rows is None:
             raise ValueError("a retrieval model's predictions need the batch's rows (its sampled items follow them)")
         scores = self.scores(logits, rows)
         own = scores.gather(1, self._own(scores)[:, None])
-        return {"positive_rank": (scores > own).sum(1).float()}
+        rank = ((scores >= own).sum(1) - 1).float()  # a tie counts against the own item
+        return {"positive_rank": torch.where(torch.isfinite(scores).all(1), rank, float("nan"))}
 
     def metrics(
         self, predictions: dict[str, np.ndarray], labels: np.ndarray, groups: Optional[np.ndarray]

@@ -100,8 +100,10 @@ class RankingTask(nn.Module):
         """Float32 logits (``[B]`` or ``[B, K]``); ``low_precision``: the dense model in bfloat16 (autocast: the
         embeddings are looked up and the logits returned in float32)."""
         inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device, self.element_pooling)
+        # A retrieval model's batch may end with sampled items: the model learns where its users end.
+        extra = {"rows": batch.num_rows} if batch.sampled_rows else {}
         if not low_precision:
-            return self._dense_forward(*inputs)
+            return self._dense_forward(*inputs, **extra)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            logits = self._dense_forward(*inputs)
+            logits = self._dense_forward(*inputs, **extra)
         return logits.float()

@@ -110,7 +110,8 @@ def test_a_batch_gets_its_sampled_items_rows_with_their_item_features_only(tmp_p
     batch = b.build(t, "t.parquet")
     assert batch.num_rows == 3 and batch.sampled_rows == 5 and batch.labels.shape == (3, 1)
     f = split_features(batch.sparse)
-    picks = b.sampler.draw(np.array([101, 102, 103]), 5, "t.parquet:0")  # the file's name and first row
+    # keyed by the file's directory name (none here) and name, and its first row
+    picks = b.sampler.draw(np.array([101, 102, 103]), 5, "/t.parquet:0")
     drawn = b.sampler.ids[picks]
     assert not set(drawn.tolist()) & {101, 102, 103}
     assert f["item_id"].values.tolist() == [101, 102, 103, *drawn.tolist()]
@@ -152,3 +153,46 @@ def test_retrieval_settings_that_cannot_train_are_config_errors(tmp_path, change
     change(c)
     with pytest.raises(ValueError, match=message):
         config_from_dict(c)
+
+
+def test_rows_appended_after_several_ids_an_element_keep_their_elements_apart():
+    """A user sequence of several ids an element (value_dim 0) gets empty sampled rows: no
+    elements there, the batch's element lengths as they were."""
+    from dynarec.data.batch import _appended, _Ids
+
+    out = _Ids(np.arange(5), np.array([3, 2]), element_lengths=np.array([2, 1, 2]), elements=np.array([2, 1]))
+    grown = _appended(out, None, 4)
+    assert grown.lengths.tolist() == [3, 2, 0, 0, 0, 0] and grown.values.tolist() == [0, 1, 2, 3, 4]
+    assert grown.elements.tolist() == [2, 1, 0, 0, 0, 0] and grown.element_lengths.tolist() == [2, 1, 2]
+
+
+def test_an_item_feature_reading_a_user_column_through_another_feature_is_refused(tmp_path):
+    c = dssm_config(str(tmp_path / "items.tsv"))
+    c["feature_configs"].append(
+        {
+            "combo_feature": {
+                "feature_name": "item_x_age",
+                "expression": ["item:item_id", "user:age"],
+                "hash_bucket_size": 9,
+                "embedding_dim": 4,
+            }
+        }
+    )
+    c["model"]["feature_groups"][1]["feature_names"].append("item_x_age")
+    with pytest.raises(
+        ValueError, match=r"feature 'item_x_age' reads column\(s\) \['age'\], which the sampled items lack"
+    ):
+        config_from_dict(c)
+
+
+def test_the_item_table_path_is_relative_to_the_config(tmp_path):
+    import yaml
+
+    from dynarec.config import load_config
+
+    (tmp_path / "conf").mkdir()
+    c = dssm_config("../items/items.tsv")
+    (tmp_path / "conf" / "c.yaml").write_text(yaml.safe_dump(c))
+    assert load_config(tmp_path / "conf" / "c.yaml").data.negative_sampler.input_path == str(
+        tmp_path / "items" / "items.tsv"
+    )

@@ -42,22 +42,24 @@ def test_in_batch_negatives_score_every_item_of_the_batch_and_the_samples():
     scores = out[:b, :d] @ out[:, d:].T
     torch.testing.assert_close(task.loss(out, torch.zeros(b, 1), b), F.cross_entropy(scores, torch.arange(b)))
     ranks = task.predictions(out, b)["positive_rank"]
-    assert ranks.tolist() == [float((scores[i] > scores[i, i]).sum()) for i in range(b)]
+    assert ranks.tolist() == [float((scores[i] >= scores[i, i]).sum() - 1) for i in range(b)]
 
 
 def test_recall_at_k_is_the_share_of_own_items_ranked_below_k():
     task = retrieval(recall_at_k=[1, 3], output_dim=2)
-    # row 0: own item best; row 1: two samples above it; row 2: one above (a tie is not above)
+    # row 0: own item best; row 1: two samples above it; row 2: one above, two tied (a tie counts against)
     user = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     own = torch.tensor([[2.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
     samples = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
     out = torch.cat([torch.cat([user, torch.zeros(3, 2)]), torch.cat([own, samples])], dim=1)
     ranks = task.predictions(out, 3)["positive_rank"]
-    assert ranks.tolist() == [0.0, 2.0, 1.0]
+    assert ranks.tolist() == [0.0, 2.0, 3.0]
     assert task.metrics({"positive_rank": ranks.numpy()}, np.zeros((3, 1)), None) == {
         "recall@1": pytest.approx(1 / 3),
-        "recall@3": 1.0,
+        "recall@3": pytest.approx(2 / 3),
     }
+    out[1, 0] = float("nan")  # a score that is not a number: the row's rank too
+    assert task.predictions(out, 3)["positive_rank"].isnan().tolist() == [False, True, False]
 
 
 def item_table_of(root) -> str:
