@@ -465,7 +465,7 @@ class DATTowerCfg(MatchTowerCfg):
     augment_input: str  # the group whose output (the augmented vector) joins the tower's input
 
 
-class DATCfg(Strict):
+class DATCfg(DSSMCfg):
     """TorchEasyRec's DAT (dual augmented two-tower, Yu et al. 2021): a DSSM whose towers also
     read an augmented vector (``augment_input``: a group, typically the user's or the item's id
     embedding, as wide as the towers' output), which the adaptive-mimic losses pull toward the
@@ -474,13 +474,8 @@ class DATCfg(Strict):
 
     user_tower: DATTowerCfg
     item_tower: DATTowerCfg
-    output_dim: int = Field(ge=0)
-    similarity: Literal["inner_product", "cosine"] = "inner_product"
-    temperature: float = Field(1.0, gt=0)
-    in_batch_negative: bool = False
     amm_u_weight: float = Field(0.5, ge=0)
     amm_i_weight: float = Field(0.5, ge=0)
-    recall_at_k: list[Count] = [1, 5]
 
 
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
@@ -601,10 +596,10 @@ class ModelCfg(Strict):
         return []
 
     @property
-    def retrieval(self) -> Union[DSSMCfg, DATCfg]:
-        """The retrieval model's block (dssm or dat)."""
+    def retrieval(self) -> DSSMCfg:
+        """The retrieval model's block (dssm, or dat: a DSSMCfg with augmented towers)."""
         cfg = getattr(self, self.name)
-        assert isinstance(cfg, (DSSMCfg, DATCfg)), f"model '{self.name}' is not a retrieval model"
+        assert isinstance(cfg, DSSMCfg), f"model '{self.name}' is not a retrieval model"
         return cfg
 
     @property

@@ -14,13 +14,13 @@ reading its part of a row.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynarec.config.schema import Config, DATCfg, DATTowerCfg, DSSMCfg, MatchTowerCfg
+from dynarec.config.schema import Config, DATTowerCfg, DSSMCfg, MatchTowerCfg
 from dynarec.models.blocks import MLP, DeepGroup
 from dynarec.models.features import FeatureInputs
 
@@ -58,7 +58,7 @@ class _Tower(nn.Module):
 
 
 class DSSM(nn.Module):
-    def __init__(self, config: Config, cfg: Union[DSSMCfg, DATCfg]):
+    def __init__(self, config: Config, cfg: DSSMCfg):
         super().__init__()
         self.inputs = FeatureInputs(config)
         cosine = cfg.similarity == "cosine"
