@@ -792,6 +792,14 @@ class Config(Strict):
                 f"model.{name}: scores each user's item against other items: give data.negative_sampler, or set "
                 "in_batch_negative"
             )
+        if sampler is not None and not cfg.in_batch_negative:
+            candidates = 1 + (sampler.num_eval_sample or sampler.num_sample)
+            if max(cfg.recall_at_k) >= candidates:
+                raise ValueError(
+                    f"model.{name}.recall_at_k: {max(cfg.recall_at_k)} of {candidates} scored items (the own and "
+                    "the sampled ones) is every item: recall would be 1 whatever the model; give a smaller k or "
+                    "sample more items (data.negative_sampler.num_eval_sample)"
+                )
         if sampler is not None:
             groups = [cfg.item_tower.input] + ([cfg.item_tower.augment_input] if isinstance(cfg, DATCfg) else [])
             names = [n for g in groups for n in self.model.group(g).feature_names]

@@ -146,6 +146,10 @@ def test_a_batch_without_the_item_id_column_names_it(tmp_path):
             lambda c: c["model"].update({"dlrm": {}, "dssm": None}),
             "data.negative_sampler: samples items for a retrieval model",
         ),
+        (
+            lambda c: c["model"]["dssm"].update(recall_at_k=[1, 6]),
+            r"model.dssm.recall_at_k: 6 of 6 scored items \(the own and the sampled ones\) is every item",
+        ),
     ],
 )
 def test_retrieval_settings_that_cannot_train_are_config_errors(tmp_path, change, message):
