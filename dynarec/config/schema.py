@@ -805,7 +805,7 @@ class Config(Strict):
             names = [n for g in groups for n in self.model.group(g).feature_names]
             names += [n for g in groups for sg in self.model.group(g).sequence_groups for n in sg.feature_names]
             for n in dict.fromkeys(names):
-                outside = [c for c in self._columns_read(n) if c not in sampler.attr_fields]
+                outside = [c for c in self.columns_read(n) if c not in sampler.attr_fields]
                 if outside:
                     raise ValueError(
                         f"model.{name}.item_tower: feature '{n}' reads column(s) {outside}, which the sampled items "
@@ -813,12 +813,12 @@ class Config(Strict):
                     )
         return self
 
-    def _columns_read(self, name: str) -> list[str]:
+    def columns_read(self, name: str) -> list[str]:
         """The columns feature ``name`` reads, through the features it reads too."""
         f = self.feature(name)
         out = list(f.columns)
         for n in f.feature_inputs:
-            out += self._columns_read(n)
+            out += self.columns_read(n)
         return list(dict.fromkeys(out))
 
     @model_validator(mode="after")

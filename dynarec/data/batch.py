@@ -343,12 +343,13 @@ class BatchBuilder:
         sampler = config.data.negative_sampler
         self.sampler = negative_sampler(sampler, config.train.seed) if sampler is not None and negatives else None
         self.negatives = negatives if self.sampler is not None else 0
-        # The features the sampled items hold: those reading only their attributes (and such features).
+        # The features the sampled items hold: those reading only their attributes (through the features they read).
         self.sampled_features: set[str] = set()
-        for f in self.order:
-            if sampler is not None and all(c in sampler.attr_fields for c in f.columns):
-                if all(n in self.sampled_features for n in f.feature_inputs):
-                    self.sampled_features.add(f.feature_name)
+        if self.sampler is not None:
+            attrs = set(self.sampler.cfg.attr_fields)
+            self.sampled_features = {
+                f.feature_name for f in features if set(config.columns_read(f.feature_name)) <= attrs
+            }
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
             [n for n in names if n in sequences]
@@ -427,16 +428,7 @@ class BatchBuilder:
             origin = RowOrigin.of(origin, table.num_rows)
         self.check_schema(table.schema, origin.label)
         n = table.num_rows
-        outputs: dict[str, pa.Array] = {}
-        computed: dict[str, _Output] = {}
-        for f in self.order:
-            try:
-                out = self._feature(f, table, outputs, origin, n)
-            except RowError as e:
-                raise DataError(f"{self._where(f, origin, e.row)}: {e.message}") from None
-            computed[f.feature_name] = out
-            if f.feature_name in self.referenced:
-                outputs[f.feature_name] = _as_column(out, n)
+        computed = self._features(table, origin)
         self._check_sequence_groups(computed, origin)
         sampled = 0
         if self.sampler is not None:
@@ -490,19 +482,26 @@ class BatchBuilder:
         # An error names the sampled item and its row of the item table.
         ids = self.sampler.ids[picks]
         where = RowOrigin(tuple((f"{cfg.input_path}, item {i}", int(p), 1) for i, p in zip(ids, picks)))
-        extra: dict[str, _Output] = {}
+        extra = self._features(items_table, where, self.sampled_features)
+        return {name: _appended(out, extra.get(name), self.negatives) for name, out in computed.items()}
+
+    def _features(self, table: pa.Table, origin: RowOrigin, names: Optional[set[str]] = None) -> dict[str, _Output]:
+        """Every feature (of ``names``, default all) computed over ``table``'s rows, each after
+        the features it reads; a bad value is a DataError naming the row ``origin`` locates."""
+        n = table.num_rows
         outputs: dict[str, pa.Array] = {}
+        computed: dict[str, _Output] = {}
         for f in self.order:
-            if f.feature_name not in self.sampled_features:
+            if names is not None and f.feature_name not in names:
                 continue
             try:
-                out = self._feature(f, items_table, outputs, where, self.negatives)
+                out = self._feature(f, table, outputs, origin, n)
             except RowError as e:
-                raise DataError(f"{self._where(f, where, e.row)}: {e.message}") from None
-            extra[f.feature_name] = out
+                raise DataError(f"{self._where(f, origin, e.row)}: {e.message}") from None
+            computed[f.feature_name] = out
             if f.feature_name in self.referenced:
-                outputs[f.feature_name] = _as_column(out, self.negatives)
-        return {name: _appended(out, extra.get(name), self.negatives) for name, out in computed.items()}
+                outputs[f.feature_name] = _as_column(out, n)
+        return computed
 
     def _kjt(self, computed: dict[str, _Output]) -> JaggedBatch:
         keys, values, lengths, weights = [], [], [], []

@@ -53,7 +53,7 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
-from dynarec.data.sampler import MULTI_VALUE_SEPARATOR
+from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
@@ -469,11 +469,5 @@ def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
                 "another attr_delimiter)"
             )
         attrs.append(values.to_pylist())
-    delimiter = sampler.field_delimiter or "\t"
-    lines = ["id:int64" + delimiter + "weight:float" + delimiter + "attrs:string"]
-    for k, i in enumerate(first):
-        lines.append(f"{int(ids[i])}{delimiter}1{delimiter}" + sampler.attr_delimiter.join(a[k] for a in attrs))
-    path = Path(sampler.input_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    write_item_table(sampler, ids[first], np.ones(len(first)), [list(a) for a in zip(*attrs)])
+    return sampler.input_path

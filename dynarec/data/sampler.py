@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from dynarec.config.schema import NegativeSamplerCfg
 
-__all__ = ["MULTI_VALUE_SEPARATOR", "NegativeSampler", "SamplerError", "negative_sampler"]
+__all__ = ["MULTI_VALUE_SEPARATOR", "NegativeSampler", "SamplerError", "negative_sampler", "write_item_table"]
 
 # Between the values of an attribute whose data column is a list (TorchEasyRec's multival_sep).
 MULTI_VALUE_SEPARATOR = "\x1d"
@@ -126,6 +126,20 @@ def negative_sampler(cfg: NegativeSamplerCfg, seed: int) -> NegativeSampler:
 @functools.lru_cache(maxsize=4)
 def _cached(cfg_json: str, seed: int) -> NegativeSampler:
     return NegativeSampler(NegativeSamplerCfg.model_validate_json(cfg_json), seed)
+
+
+def write_item_table(cfg: NegativeSamplerCfg, ids: np.ndarray, weights: np.ndarray, attrs: list[list[str]]) -> None:
+    """Writes the item table at ``cfg.input_path`` in graph-learn's text layout (the one
+    :class:`NegativeSampler` reads): a header, then each item's id, weight and attributes (one
+    list of strings an item, in ``attr_fields`` order, joined by ``attr_delimiter``)."""
+    delimiter = cfg.field_delimiter or "\t"
+    lines = [delimiter.join(("id:int64", "weight:float", "attrs:string"))]
+    lines += [
+        delimiter.join((str(int(i)), f"{w:g}", cfg.attr_delimiter.join(a))) for i, w, a in zip(ids, weights, attrs)
+    ]
+    path = Path(cfg.input_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Array]:

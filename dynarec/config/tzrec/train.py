@@ -157,7 +157,12 @@ def _dense_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
 _FG_MODES = {"FG_NONE": True, "FG_NORMAL": False, "FG_DAG": False}
 
 
-def data_source(path: Any, override: Optional[str], field_name: str, ctx: Context) -> Optional[str]:
+def data_source(
+    path: Any, override: Optional[str], field_name: str, ctx: Context, flag: Optional[str] = None, fatal: bool = False
+) -> Optional[str]:
+    """``path`` as dynarec reads it: ``override`` where given (noted), None where empty; a table
+    service refused (``fatal``: --lenient cannot drop it), naming ``flag`` (default the field's
+    own: ``--train-input-path``) to give a file instead."""
     if override is not None:
         if path:
             ctx.note(field_name, f"{path!r} replaced by {override!r}")
@@ -165,9 +170,9 @@ def data_source(path: Any, override: Optional[str], field_name: str, ctx: Contex
     if not path:
         return None
     if str(path).startswith(("odps://", "kafka://")):
+        flag = flag or f"--{field_name.replace('_', '-')}"
         ctx.refuse(
-            field_name,
-            f"{path!r} is a table service; dynarec reads Parquet/CSV files: give --{field_name.replace('_', '-')}",
+            field_name, f"{path!r} is a table service; dynarec reads Parquet/CSV files: give {flag}", fatal=fatal
         )
         return None
     return str(path)
@@ -177,18 +182,9 @@ def _negative_sampler(n: Reader, override: Optional[str]) -> Optional[dict[str, 
     """negative_sampler -> data.negative_sampler (its item table a file: ``override`` replaces
     a table service)."""
     given = n.scalar("input_path")
-    path: Optional[str] = override
-    if path is not None:
-        if given:
-            n.ctx.note(n.at("input_path"), f"{given!r} replaced by {override!r}")
-    elif str(given or "").startswith(("odps://", "kafka://")) or not given:
-        n.ctx.refuse(
-            n.at("input_path"),
-            f"{given!r}: dynarec reads the item table from a file: give --sampler-input-path",
-            fatal=True,
-        )
-    else:
-        path = str(given)
+    path = data_source(given, override, n.at("input_path"), n.ctx, "--sampler-input-path", fatal=True)
+    if path is None and not given:
+        n.ctx.refuse(n.at("input_path"), "an item table is needed: give --sampler-input-path", fatal=True)
     out: dict[str, Any] = {
         "input_path": path or "",
         "num_sample": n.integer("num_sample", 1),
