@@ -47,7 +47,9 @@ def reference_outputs(leaf: torch.Tensor, samples, pooling: str, weights=None) -
 def reference_table_step(spec, *, lr, step, weight, states, features, poolings, grads, weights=None):
     """One training step of a table serving ``features`` ({name: samples}), in place.
 
-    The loss is ``sum_f (out_f * grads[f]).sum()``. Returns the outputs.
+    The loss is ``sum_f (out_f * grads[f]).sum()``; with ``spec.gradient_clipping`` the
+    gradient reaching each output element is ``grads[f]`` clamped to ``max_gradient``. Returns
+    the outputs.
     """
     leaf = weight.clone().requires_grad_(True)
     loss = torch.zeros(())
@@ -56,7 +58,10 @@ def reference_table_step(spec, *, lr, step, weight, states, features, poolings, 
         w = None if weights is None else weights.get(name)
         out = reference_outputs(leaf, samples, poolings[name], w)
         outs[name] = out.detach()
-        loss = loss + (out * grads[name]).sum()
+        g = grads[name]
+        if spec.gradient_clipping:
+            g = g.clamp(-spec.max_gradient, spec.max_gradient)
+        loss = loss + (out * g).sum()
         touched += [i for s in samples for i in s]
     loss.backward()
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(weight)

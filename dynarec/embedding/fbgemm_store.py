@@ -87,7 +87,13 @@ class FbgemmRowStore(RowStore):
         from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
         m = self._mapping
-        kwargs: dict = {"learning_rate": self.lr, "optimizer": EmbOptimType[m.optimizer], **m.kwargs}
+        kwargs: dict = {
+            "learning_rate": self.lr,
+            "optimizer": EmbOptimType[m.optimizer],
+            "gradient_clipping": self.spec.gradient_clipping,
+            "max_gradient": self.spec.max_gradient,
+            **m.kwargs,
+        }
         if m.weight_decay_mode is not None:
             kwargs["weight_decay_mode"] = WeightDecayMode[m.weight_decay_mode]
         return kwargs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = ["OptimizerSpec", "StateSpec", "check_finite", "check_non_negative", "check_positive"]
@@ -20,9 +20,6 @@ __all__ = ["OptimizerSpec", "StateSpec", "check_finite", "check_non_negative", "
 # Settings users bring from other libraries that dynarec deliberately does not offer, with the
 # reason given in the error message.
 NOT_OFFERED = {
-    "gradient_clipping": "gradient clipping is not offered (FBGEMM's CPU build clamps per bag, "
-    "before aggregation, which differs from its GPU meaning)",
-    "max_gradient": "gradient clipping is not offered",
     "max_norm": "max-norm clipping is not offered",
     "counter_based_regularization": "COUNTER weight decay is not offered",
     "cowclip_regularization": "COWCLIP is not offered",
@@ -68,15 +65,26 @@ def check_non_negative(cls_name: str, field: str, value: Any) -> None:
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Base of the sparse optimizer specs. ``lr`` is the initial learning rate; a schedule may
-    change a table's current learning rate at run time (``set_learning_rate``)."""
+    change a table's current learning rate at run time (``set_learning_rate``).
+
+    ``gradient_clipping`` (FBGEMM TBE's setting, keyword-only on every optimizer): each element
+    of a bag's output gradient is clamped to ``[-max_gradient, max_gradient]`` before the bag's
+    rows aggregate it (per sequence element for unpooled features) -- FBGEMM's meaning on CPU
+    and GPU alike; ``max_gradient`` is ignored while ``gradient_clipping`` is False."""
 
     lr: float = 0.01
+    gradient_clipping: bool = field(default=False, kw_only=True)
+    max_gradient: float = field(default=1.0, kw_only=True)
 
     # Hints for keys a spec does not have, keyed by the key (see ``from_dict``).
     missing_key_hints: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
-        check_non_negative(type(self).__name__, "lr", self.lr)
+        name = type(self).__name__
+        check_non_negative(name, "lr", self.lr)
+        if not isinstance(self.gradient_clipping, bool):
+            raise ValueError(f"{name}.gradient_clipping must be true or false, got {self.gradient_clipping!r}")
+        check_positive(name, "max_gradient", self.max_gradient)
         self._validate()
 
     def _validate(self) -> None:  # overridden by specs with more fields

@@ -85,11 +85,14 @@ def fused_bag_update(
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
     ``[num_bags, D]``: each unique row once, with the sum of its occurrences' gradients.
     ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first;
-    ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn)."""
+    ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn). With
+    ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
         return
+    if spec.gradient_clipping:
+        grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
     if kernel is not None and reducer is None:
         a = kernel(spec, step)

@@ -113,10 +113,6 @@ def test_a_field_dynarec_cannot_carry_is_an_error_naming_its_path_or_dropped_wit
             "data_config.sample_weight_fields",
         ),
         (
-            ("lr: 0.001\n        }\n        constant", "lr: 0.001\n gradient_clipping: true }\n constant"),
-            "gradient_clipping",
-        ),
-        (
             ("binary_cross_entropy {}", "softmax_cross_entropy {}"),
             "model_config.losses: softmax_cross_entropy is not supported for a single-task model",
         ),
@@ -648,6 +644,15 @@ def test_the_seeds_one_adagrad_reaches_its_dynamic_and_fixed_tables():
     assert len(tables) > len(dynamic) + 10  # and the fixed ones: ids, vocabularies, hashes, boundaries
     assert {t.optimizer for t in tables} == {Adagrad(lr=0.001, initial_accumulator_value=0.0)}
     assert "initial_accumulator_value=0.0" in repr(tables[0].optimizer)
+
+
+def test_sparse_gradient_clipping_reaches_every_table():
+    path = VENDORED / "multi_tower_din_fg_mock_gradient_clipping.config"
+    result = convert_pipeline_config(path.read_text(), train_input_path="d", config_dir=path.parent)
+    tables = plan_from_config(config_from_dict(result.config)).table_configs()
+    assert {t.optimizer for t in tables} == {Adagrad(lr=0.001, gradient_clipping=True, max_gradient=1.0)}
+    config = config_from_dict(result.config)
+    assert (config.train.gradient_clipping.max_norm, config.train.gradient_clipping.norm_type) == (1.0, 2.0)
 
 
 # -- --lenient ------------------------------------------------------------------------------------

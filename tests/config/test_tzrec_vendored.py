@@ -32,9 +32,6 @@ REFUSED = {
     # fused updates run inside backward. dynarec's mixed precision is bf16.
     "tests/multi_tower_din_fg_mock_fp16_ga.config": r"train_config\.mixed_precision: FP16: dynarec's "
     r"train\.mixed_precision takes \['bf16'\]",
-    # FBGEMM's per-element clipping of the tables' gradients: dynarec's sparse optimizers have none.
-    "tests/multi_tower_din_fg_mock_gradient_clipping.config": r"adagrad_optimizer\.gradient_clipping: clipping the "
-    r"tables' gradients is not offered",
     # Issue 29's tokenize_feature (a tokenizer library's vocabulary): not in dynarec yet.
     "tests/dssm_fg_mock.config": r"tokenize_feature: dynarec has no tokenize_feature",
     "tests/dssm_v2_fg_mock.config": r"tokenize_feature: dynarec has no tokenize_feature",

@@ -78,6 +78,7 @@ SPECS = (
         )
     ]
     + [Adam(lr=0.05), Adam(lr=0.05, weight_decay=0.1)]
+    + [Adagrad(lr=0.2, initial_accumulator_value=0.1, gradient_clipping=True, max_gradient=0.3)]
 )
 
 

@@ -23,6 +23,13 @@ SPECS = {
     "rowwise_decoupled": RowWiseAdagrad(lr=0.2, weight_decay=0.3, weight_decay_mode="decoupled"),
     "adam": Adam(lr=0.05),
     "adam_wd": Adam(lr=0.05, weight_decay=0.1, beta1=0.8, beta2=0.95),
+    # FBGEMM's gradient_clipping: the bags' output gradients (randn here) clamped to 0.3
+    "sgd_clip": SGD(lr=0.3, gradient_clipping=True, max_gradient=0.3),
+    "adagrad_clip": Adagrad(lr=0.2, initial_accumulator_value=0.1, gradient_clipping=True, max_gradient=0.3),
+    "rowwise_clip": RowWiseAdagrad(
+        lr=0.2, weight_decay=0.3, weight_decay_mode="l2", gradient_clipping=True, max_gradient=0.3
+    ),
+    "adam_clip": Adam(lr=0.05, gradient_clipping=True, max_gradient=0.3),
 }
 
 # scenario -> {feature: pooling}, weighted?

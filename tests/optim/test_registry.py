@@ -96,7 +96,7 @@ def test_a_registered_optimizer_validates_its_yaml_fields(sign_sgd):
     with pytest.raises(
         ConfigError,
         match=r"train.sparse_optimizer: sign_sgd_optimizer: unknown key 'eps' for "
-        r"SignSGD; allowed keys: lr, scale",
+        r"SignSGD; allowed keys: lr, gradient_clipping, max_gradient, scale",
     ):
         config_from_dict(config_dict(train__sparse_optimizer={"sign_sgd_optimizer": {"eps": 0.1}}))
     with pytest.raises(ConfigError, match=r"SignSGD.scale must be > 0"):

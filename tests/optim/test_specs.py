@@ -63,7 +63,7 @@ def test_specs_are_immutable():
         (SGD, "weight_decay", "unknown key 'weight_decay'"),
         (Adam, "weight_decay_mode", "unknown key 'weight_decay_mode'"),
         (Adagrad, "learning_rate", "unknown key 'learning_rate'"),
-        (RowWiseAdagrad, "gradient_clipping", "'gradient_clipping' is not supported"),
+        (RowWiseAdagrad, "max_norm", "'max_norm' is not supported"),
         (Adam, "counter_based_regularization", "COUNTER"),
     ],
 )
@@ -71,6 +71,18 @@ def test_from_dict_rejects_keys_by_name(cls, key, message):
     with pytest.raises(ValueError, match=message) as e:
         cls.from_dict({"lr": 0.1, key: 0.1}, where="train.sparse_optimizer")
     assert "train.sparse_optimizer" in str(e.value)
+
+
+@pytest.mark.parametrize("cls", [SGD, Adagrad, RowWiseAdagrad, Adam])
+def test_gradient_clipping_on_every_optimizer_validated(cls):
+    spec = cls.from_dict({"lr": 0.1, "gradient_clipping": True, "max_gradient": 0.5})
+    assert (spec.gradient_clipping, spec.max_gradient) == (True, 0.5)
+    assert cls.from_dict(spec.to_dict()) == spec
+    assert (cls().gradient_clipping, cls().max_gradient) == (False, 1.0)
+    with pytest.raises(ValueError, match=rf"where: {cls.__name__}.max_gradient must be > 0"):
+        cls.from_dict({"gradient_clipping": True, "max_gradient": 0.0}, where="where")
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.gradient_clipping must be true or false, got 1"):
+        cls(gradient_clipping=1)
 
 
 def test_from_dict_builds_and_validates():

@@ -100,9 +100,10 @@ def _sparse_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
         return {"sgd_optimizer": {"lr": 0.002}}, schedule
     name, o = found
     fields: dict[str, Any] = {"lr": o.number("lr", 0.002)}
-    o.default_only(
-        "gradient_clipping", False, "clipping the tables' gradients is not offered by dynarec's sparse optimizers"
-    )
+    # FBGEMM's clipping (each element of a bag's output gradient, before aggregation), as TorchEasyRec's.
+    if o.scalar("gradient_clipping", False):
+        fields["gradient_clipping"] = True
+        fields["max_gradient"] = o.number("max_gradient", 1.0)
     o.scalar("max_gradient")  # used only with gradient_clipping
     if name == "adagrad_optimizer":
         fields["initial_accumulator_value"] = o.number("initial_accumulator_value", 0.0)
