@@ -40,7 +40,10 @@ def cmd_make_data(args) -> None:
         for path in meta["vocab_files_written"]:
             print(f"wrote the vocab_file {path} (it did not exist; words <feature>_w0 ... one a line)")
         if meta["item_table_written"]:
-            print(f"wrote the negative sampler's item table {meta['item_table_written']} (it did not exist)")
+            print(
+                f"wrote the negative sampler's item table {meta['item_table_written']} "
+                "(it did not exist, or lies in the data directory)"
+            )
         return
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 

@@ -440,8 +440,9 @@ class DBMTLCfg(MLPDropouts):
     task_towers: list[TaskTowerCfg]
 
 
-class MatchTowerCfg(TowerCfg):
+class MatchTowerCfg(TowerCfg, MLPDropouts):
     use_bn: bool = False  # batch normalization after each linear layer (TorchEasyRec's MLP use_bn)
+    dropout_ratio: DropoutRatios = []
 
 
 class DSSMCfg(Strict):
@@ -459,6 +460,11 @@ class DSSMCfg(Strict):
     temperature: float = Field(1.0, gt=0)
     in_batch_negative: bool = False
     recall_at_k: list[Count] = [1, 5]
+
+    @property
+    def embedding_dim(self) -> int:
+        """The width of a user's and an item's embedding."""
+        return self.output_dim or self.user_tower.hidden_units[-1]
 
 
 class DATTowerCfg(MatchTowerCfg):
@@ -478,9 +484,67 @@ class DATCfg(DSSMCfg):
     amm_i_weight: float = Field(0.5, ge=0)
 
 
+class MINDCfg(DSSMCfg):
+    """TorchEasyRec's MIND (multi-interest network with dynamic routing, Li et al. 2019): the
+    user tower gives up to ``capsule.max_k`` interests a user; in training and evaluation each
+    user's embedding is their softmax mix by ``simi_pow`` times their similarity to the user's own
+    item (label-aware attention), scored as DSSM scores; an export serves the interests."""
+
+    user_tower: MINDUserTowerCfg
+    similarity: Literal["inner_product", "cosine"] = "cosine"
+    simi_pow: float = 10.0
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.output_dim or self.user_tower.concat_mlp.hidden_units[-1]
+
+
+class MLPCfg(MLPDropouts):
+    """An MLP (TorchEasyRec's ``MLP``): each linear layer (with a bias unless ``bias`` is false)
+    followed by batch normalization (``use_bn``, per unit over every row and position), the
+    activation and dropout."""
+
+    hidden_units: list[Count] = Field(min_length=1)
+    activation: Activation = "relu"
+    use_bn: bool = False
+    bias: bool = True
+    dropout_ratio: DropoutRatios = []
+
+
+class CapsuleCfg(Strict):
+    """MIND's behaviour-to-interest capsule layer (TorchEasyRec's ``B2ICapsule``): the sequence,
+    cut or zero-padded to ``max_seq_len``, mapped to ``high_dim`` by one bilinear matrix and
+    routed ``num_iters`` times into ``max_k`` interest capsules (``const_caps_num``: all of them;
+    else ``max(1, min(max_k, log2(length)))``), squashed with ``squash_pow``. Routing starts from
+    logits drawn from N(0, ``routing_logits_stddev``) (``routing_init_method: zeros``: from 0),
+    scaled by ``routing_logits_scale`` in the softmax."""
+
+    max_k: Count = 5
+    max_seq_len: Count
+    high_dim: Count
+    num_iters: Count = 3
+    routing_logits_scale: float = 20.0
+    routing_logits_stddev: float = Field(1.0, ge=0)
+    squash_pow: float = 1.0
+    const_caps_num: bool = False
+    routing_init_method: Literal["normal", "zeros"] = "normal"
+
+
+class MINDUserTowerCfg(MatchTowerCfg):
+    """MIND's user tower: the user group through the user MLP (``hidden_units``, its last layer
+    linear), the ``history_input`` sequence group through ``hist_seq_mlp`` (its last layer linear,
+    no bias) and the capsule layer; each interest joined to the user vector, through
+    ``concat_mlp`` and a linear map to ``output_dim``."""
+
+    history_input: str
+    hist_seq_mlp: Optional[MLPCfg] = None
+    capsule: CapsuleCfg
+    concat_mlp: MLPCfg
+
+
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
 # Retrieval models: a user and an item tower scored against sampled items.
-RETRIEVAL_KEYS = ("dssm", "dat")
+RETRIEVAL_KEYS = ("dssm", "dat", "mind")
 # Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
 # their groups cannot nest sequence_groups.
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
@@ -530,6 +594,7 @@ class ModelCfg(Strict):
     dbmtl: Optional[DBMTLCfg] = None
     dssm: Optional[DSSMCfg] = None
     dat: Optional[DATCfg] = None
+    mind: Optional[MINDCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -592,12 +657,14 @@ class ModelCfg(Strict):
                     (f"{name}.user_tower.augment_input", towers.user_tower.augment_input, "deep"),
                     (f"{name}.item_tower.augment_input", towers.item_tower.augment_input, "deep"),
                 ]
+            if isinstance(towers, MINDCfg):
+                out.append((f"{name}.user_tower.history_input", towers.user_tower.history_input, "sequence"))
             return out
         return []
 
     @property
     def retrieval(self) -> DSSMCfg:
-        """The retrieval model's block (dssm, or dat: a DSSMCfg with augmented towers)."""
+        """The retrieval model's block (dssm; dat and mind: a DSSMCfg with other towers)."""
         cfg = getattr(self, self.name)
         assert isinstance(cfg, DSSMCfg), f"model '{self.name}' is not a retrieval model"
         return cfg

@@ -424,7 +424,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
         if sampler is not None:
             tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
-        items_written = _write_item_table(config, tables)
+        items_written = _write_item_table(config, tables, target, tmp)
         labels = table.column(first_label).to_numpy()
         meta = {
             "generator": "config",
@@ -446,12 +446,17 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
     return meta
 
 
-def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
+def _write_item_table(config: Config, tables: list[pa.Table], target: Path, tmp: Path) -> Optional[str]:
     """A retrieval config's item table (``data.negative_sampler.input_path``), where it does not
-    exist: every item of ``tables``, weight 1, its attributes as first seen, in graph-learn's
-    text layout (dynarec.data.sampler). Returns its path, or None when nothing was written."""
+    exist or lies inside the data directory ``target`` (written into ``tmp``, which replaces it):
+    every item of ``tables``, weight 1, its attributes as first seen, in graph-learn's text layout
+    (dynarec.data.sampler). Returns its path, or None when nothing was written."""
     sampler = config.data.negative_sampler
-    if sampler is None or Path(sampler.input_path).exists():
+    if sampler is None:
+        return None
+    path = Path(sampler.input_path).absolute()
+    inside = path.is_relative_to(target.absolute())
+    if path.exists() and not inside:
         return None
     rows = pa.concat_tables(tables)
     ids = rows.column(0).to_numpy()
@@ -469,5 +474,6 @@ def _write_item_table(config: Config, tables: list[pa.Table]) -> Optional[str]:
                 "another attr_delimiter)"
             )
         attrs.append(values.to_pylist())
-    write_item_table(sampler, ids[first], np.ones(len(first)), [list(a) for a in zip(*attrs)])
+    destination = tmp / path.relative_to(target.absolute()) if inside else path
+    write_item_table(sampler, ids[first], np.ones(len(first)), [list(a) for a in zip(*attrs)], destination)
     return sampler.input_path

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from pathlib import Path
+from typing import Union
 
 import numpy as np
 import pyarrow as pa
@@ -128,16 +129,23 @@ def _cached(cfg_json: str, seed: int) -> NegativeSampler:
     return NegativeSampler(NegativeSamplerCfg.model_validate_json(cfg_json), seed)
 
 
-def write_item_table(cfg: NegativeSamplerCfg, ids: np.ndarray, weights: np.ndarray, attrs: list[list[str]]) -> None:
-    """Writes the item table at ``cfg.input_path`` in graph-learn's text layout (the one
-    :class:`NegativeSampler` reads): a header, then each item's id, weight and attributes (one
-    list of strings an item, in ``attr_fields`` order, joined by ``attr_delimiter``)."""
+def write_item_table(
+    cfg: NegativeSamplerCfg,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    attrs: list[list[str]],
+    path: Union[str, Path, None] = None,
+) -> None:
+    """Writes the item table at ``path`` (default ``cfg.input_path``) in graph-learn's text
+    layout (the one :class:`NegativeSampler` reads): a header, then each item's id, weight and
+    attributes (one list of strings an item, in ``attr_fields`` order, joined by
+    ``attr_delimiter``)."""
     delimiter = cfg.field_delimiter or "\t"
     lines = [delimiter.join(("id:int64", "weight:float", "attrs:string"))]
     lines += [
         delimiter.join((str(int(i)), f"{w:g}", cfg.attr_delimiter.join(a))) for i, w, a in zip(ids, weights, attrs)
     ]
-    path = Path(cfg.input_path)
+    path = Path(cfg.input_path if path is None else path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 

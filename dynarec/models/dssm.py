@@ -40,7 +40,7 @@ class _Tower(nn.Module):
         if isinstance(tower, DATTowerCfg):
             self.augment = DeepGroup(config, config.model.group(tower.augment_input), inputs)
         width = self.group.out_dim + (self.augment.out_dim if self.augment is not None else 0)
-        self.mlp = MLP(width, tower.hidden_units, tower.activation, batch_norm=tower.use_bn)
+        self.mlp = MLP(width, tower.hidden_units, tower.activation, tower.dropout_ratio, batch_norm=tower.use_bn)
         self.output = nn.Linear(self.mlp.out_dim, output_dim) if output_dim > 0 else None
         self.out_dim = output_dim if output_dim > 0 else self.mlp.out_dim
         self.cosine = cosine

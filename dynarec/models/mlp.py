@@ -27,10 +27,18 @@ class Dice(nn.Module):
         return p * x + (1 - p) * self.alpha * x
 
 
+class BatchNorm(nn.BatchNorm1d):
+    """Batch normalization per unit of the last dim over every other position: ``[..., units]``
+    (TorchEasyRec's MLP over ``[B, L, units]`` normalizes over ``B`` and ``L`` alike)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
 class MLP(nn.Sequential):
-    """Linear layers, each followed by batch normalization (``batch_norm``, over ``[B, units]``),
-    ``activation`` (``relu`` or ``dice``) and, where
-    ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
+    """Linear layers (``bias``: with biases), each followed by batch normalization
+    (``batch_norm``, per unit over every row and position), ``activation`` (``relu`` or ``dice``)
+    and, where ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
 
     ``dropout``: no ratio (none), one ratio for every layer, or one per layer (TorchEasyRec's
     ``dropout_ratio``). Dropout draws from torch's global generator in training only; in eval the
@@ -46,15 +54,16 @@ class MLP(nn.Sequential):
         activation: str = "relu",
         dropout: Sequence[float] = (),
         batch_norm: bool = False,
+        bias: bool = True,
     ):
         ratios = list(dropout) * len(hidden_units) if len(dropout) == 1 else list(dropout)
         if ratios and len(ratios) != len(hidden_units):
             raise ValueError(f"dropout ratios {list(dropout)}: give one, or one per layer of {list(hidden_units)}")
         layers: list[nn.Module] = []
         for i, units in enumerate(hidden_units):
-            layers.append(nn.Linear(in_dim, units))
+            layers.append(nn.Linear(in_dim, units, bias=bias))
             if batch_norm:
-                layers.append(nn.BatchNorm1d(units))
+                layers.append(BatchNorm(units))
             layers.append(Dice(units) if activation == "dice" else nn.ReLU())
             if ratios and ratios[i] > 0:
                 layers.append(nn.Dropout(ratios[i]))

@@ -11,6 +11,7 @@ from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
 from dynarec.models.dssm import DAT, DSSM
+from dynarec.models.mind import MIND
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
@@ -37,6 +38,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "dbmtl": DBMTL,
     "dssm": DSSM,
     "dat": DAT,
+    "mind": MIND,
 }
 
 

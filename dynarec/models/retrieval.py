@@ -1,4 +1,4 @@
-"""A retrieval model's task at run time (model.dssm, model.dat): its loss, predictions and
+"""A retrieval model's task at run time (model.dssm, model.dat, model.mind): its loss, predictions and
 metrics, in the shape of :class:`~dynarec.models.tasks.Tasks`.
 
 The model gives ``[R, 2 * D]`` (user then item embedding per row) over a batch's ``B`` rows and
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynarec.config.schema import Config, DATCfg
+from dynarec.config.schema import Config, DATCfg, MINDCfg
 
 __all__ = ["Retrieval"]
 
@@ -41,8 +41,10 @@ class Retrieval:
         self.in_batch_negative = cfg.in_batch_negative
         self.top_k = list(cfg.recall_at_k)
         self.towers = config.tasks()
-        self.dim = cfg.output_dim or cfg.user_tower.hidden_units[-1]
+        self.dim = cfg.embedding_dim
         self.amm = (cfg.amm_u_weight, cfg.amm_i_weight) if isinstance(cfg, DATCfg) else None
+        # MIND's rows end with each user's interests, which an export serves
+        self.interests = cfg.user_tower.capsule.max_k if isinstance(cfg, MINDCfg) else 0
         self.world_size = world_size
 
     def scores(self, out: torch.Tensor, rows: int) -> torch.Tensor:
@@ -88,14 +90,18 @@ class Retrieval:
         return ["positive_rank"]
 
     def served_names(self) -> list[str]:
-        return ["user_embedding", "item_embedding"]
+        return ["user_interests" if self.interests else "user_embedding", "item_embedding"]
 
     def served(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """What an export serves for each row (no sampled items there): ``{"user_embedding":
         [B, D], "item_embedding": [B, D]}`` float32, the towers' outputs (normalized for cosine
-        similarity): a user's is the query of an index of the items'."""
+        similarity): a user's is the query of an index of the items'. MIND serves
+        ``"user_interests"`` ``[B, K * D]`` instead (K queries a user, zero past its count)."""
         d = self.dim
-        return {"user_embedding": logits[:, :d].float(), "item_embedding": logits[:, d : 2 * d].float()}
+        item = logits[:, d : 2 * d].float()
+        if self.interests:
+            return {"user_interests": logits[:, 2 * d : (2 + self.interests) * d].float(), "item_embedding": item}
+        return {"user_embedding": logits[:, :d].float(), "item_embedding": item}
 
     def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
         """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items

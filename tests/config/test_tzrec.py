@@ -712,8 +712,8 @@ def test_lenient_refuses_by_path_what_cannot_be_dropped_consistently():
     assert "model_config.feature_groups[0]: group 'wide' left empty by the dropped features; deepfm needs it" in str(
         e.value
     )
-    with pytest.raises(ConversionError, match=r"model_config\.mind: this model is not supported .*issue 30"):
-        convert_example("examples/mind_taobao", lenient=True)
+    with pytest.raises(ConversionError, match=r"model_config\.pepnet: this model is not supported .*issue 30"):
+        convert_example("examples/pepnet_taobao", lenient=True)
 
 
 # -- relative paths --------------------------------------------------------------------------------
@@ -803,3 +803,57 @@ def test_rocket_launching_of_two_classes_is_one_logit_under_binary_cross_entropy
     }
     assert any("num_class 2 under softmax_cross_entropy: one logit" in n for n in result.notes)
     assert config_from_dict(result.config).tasks()[0].num_class == 1
+
+
+# -- MIND ------------------------------------------------------------------------------------------
+
+
+def test_mind_converts_with_its_capsules_mlps_and_defaults():
+    path = EXAMPLES / "examples" / "mind_taobao.config"
+    result = convert_pipeline_config(
+        path.read_text(), train_input_path="d", eval_input_path="e", sampler_input_path="i.tsv"
+    )
+    mind = config_from_dict(result.config).model.mind
+    user = mind.user_tower
+    assert (user.input, user.history_input, user.hidden_units, user.dropout_ratio) == (
+        "user",
+        "hist",
+        [256, 128],
+        [0.2],
+    )
+    assert user.hist_seq_mlp.hidden_units == [256, 128] and user.hist_seq_mlp.bias is False
+    assert user.concat_mlp.bias is False and user.concat_mlp.dropout_ratio == [0.2]
+    c = user.capsule
+    assert (c.max_k, c.num_iters, c.max_seq_len, c.high_dim, c.squash_pow, c.const_caps_num) == (
+        8,
+        3,
+        50,
+        64,
+        0.2,
+        False,
+    )
+    assert (c.routing_logits_scale, c.routing_logits_stddev, c.routing_init_method) == (20.0, 1.0, "normal")
+    assert (mind.item_tower.hidden_units, mind.item_tower.dropout_ratio) == ([256, 128], [0.2])
+    assert (mind.output_dim, mind.simi_pow, mind.similarity, mind.temperature) == (32, 20.0, "cosine", 0.01)
+    assert mind.recall_at_k == [1, 5] and mind.embedding_dim == 32
+
+
+def test_mind_without_output_dim_serves_its_concat_mlps_width():
+    """mind_mock sets no output_dim (TorchEasyRec then adds no output layers), batch-normalized
+    MLPs, and its sampler's attr_delimiter twice with one value (protobuf's text_format.Merge
+    keeps the last)."""
+    path = VENDORED / "mind_mock.config"
+    result = convert_pipeline_config(
+        path.read_text(), train_input_path="d", eval_input_path="e", sampler_input_path="i.tsv"
+    )
+    config = config_from_dict(result.config)
+    mind = config.model.mind
+    assert mind.output_dim == 0 and mind.embedding_dim == 128 and mind.similarity == "cosine"
+    assert mind.user_tower.use_bn and mind.user_tower.concat_mlp.use_bn and mind.item_tower.use_bn
+    assert config.data.negative_sampler.attr_delimiter == "\x02"
+    twice = path.read_text().replace(
+        'attr_delimiter: "\\x02"\n        attr_delimiter: "\\x02"', 'attr_delimiter: "\\x02"\n attr_delimiter: ","'
+    )
+    assert twice != path.read_text()
+    with pytest.raises(ConversionError, match=r"data_config\.negative_sampler\.attr_delimiter: expected one value"):
+        convert_pipeline_config(twice, train_input_path="d", eval_input_path="e", sampler_input_path="i.tsv")

@@ -200,3 +200,20 @@ def test_the_item_table_path_is_relative_to_the_config(tmp_path):
     assert load_config(tmp_path / "conf" / "c.yaml").data.negative_sampler.input_path == str(
         tmp_path / "items" / "items.tsv"
     )
+
+
+def test_make_data_writes_an_item_table_inside_its_directory_and_again_on_regeneration(tmp_path):
+    """The item table may live in the data directory make-data writes (the natural layout):
+    it goes in with the data, and a regeneration replaces it with the new data's items."""
+    from dynarec.data.generate import GenerateSpec, make_config_data
+
+    out = tmp_path / "data"
+    c = dssm_config(str(out / "items.tsv"))
+    c["data"]["train_input_path"], c["data"]["eval_input_path"] = str(out / "train"), str(out / "eval")
+    config = config_from_dict(c)
+    meta = make_config_data(config, out, GenerateSpec(train_rows=200, eval_rows=50, seed=1))
+    assert meta["item_table_written"] == str(out / "items.tsv")
+    first = (out / "items.tsv").read_text()
+    assert NegativeSampler(config.data.negative_sampler).ids.size > 10
+    make_config_data(config, out, GenerateSpec(train_rows=200, eval_rows=50, seed=2))
+    assert (out / "items.tsv").exists() and (out / "items.tsv").read_text() != first

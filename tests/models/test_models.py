@@ -129,7 +129,28 @@ MODEL_BLOCKS["dat"] = (
     },
     False,
 )
+MODEL_BLOCKS["mind"] = (
+    {
+        "user_tower": {
+            "input": "deep",
+            "history_input": "seq",
+            "hidden_units": [8, 6],
+            "use_bn": True,
+            "hist_seq_mlp": {"hidden_units": [8, 5], "use_bn": True, "bias": False},
+            "capsule": {"max_k": 3, "max_seq_len": 4, "high_dim": 6, "squash_pow": 0.2},
+            "concat_mlp": {"hidden_units": [8], "bias": False, "dropout_ratio": [0.1]},
+        },
+        "item_tower": {"input": "item", "hidden_units": [8], "dropout_ratio": [0.1]},
+        "output_dim": 4,
+        "in_batch_negative": True,
+        "simi_pow": 20,
+    },
+    True,
+)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+# a row's width: dssm [user | item] of 3 each; dat [user | item | user augment | item augment] of
+# 4 each; mind [user | item | 3 interests] of 4 each
+RETRIEVAL_WIDTH = {"dssm": 6, "dat": 16, "mind": 20}
 
 
 def model_config(name):
@@ -148,13 +169,16 @@ def model_config(name):
             {"group_name": "sparse", "feature_names": ["a", "b", "s"]},
             {"group_name": "dense", "feature_names": ["x"]},
         ]
-    if name in ("dssm", "dat"):  # a user and an item group (dat: and their augmented vectors, 4 wide)
+    if name in ("dssm", "dat", "mind"):  # a user and an item group (dat: and their augmented vectors, 4 wide)
         groups = [
             {"group_name": "deep", "feature_names": ["a", "x"]},
             {"group_name": "item", "feature_names": ["b", "s"]},
             {"group_name": "user_aug", "feature_names": ["a"]},
             {"group_name": "item_aug", "feature_names": ["b"]},
         ]
+        if name == "mind":  # and the user's history
+            groups[1]["feature_names"] = ["b"]
+            groups[2:] = [{"group_name": "seq", "group_type": "sequence", "feature_names": ["s"]}]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
     if name in MULTI_TASK:
@@ -180,8 +204,7 @@ def test_model_forward_backward(name):
     for v in emb.values():
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
-    # dssm: [user | item] of 3 each; dat: [user | item | user augment | item augment] of 4 each
-    shape = (5, 2) if name in MULTI_TASK else (5, 6) if name == "dssm" else (5, 16) if name == "dat" else (5,)
+    shape = (5, 2) if name in MULTI_TASK else (5, RETRIEVAL_WIDTH[name]) if name in RETRIEVAL_WIDTH else (5,)
     assert out.shape == shape and torch.isfinite(out).all()
     teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
     (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()

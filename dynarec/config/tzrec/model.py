@@ -34,6 +34,7 @@ class _MLP:
     units: list[int]
     activation: str = "relu"
     dropout: list[float] = field(default_factory=list)
+    bias: bool = True
 
 
 def _mlp(
@@ -43,10 +44,11 @@ def _mlp(
     activations: frozenset[str] | set[str] = frozenset(),
     dropout: bool = False,
     batch_norm: bool = False,
+    bias: bool = False,
 ) -> _MLP:
     """An MLP: hidden_units, and its activation where dynarec's block takes one
-    (``activations``: the values it allows; empty: ReLU only), and its dropout ratios where it
-    takes them (``dropout``)."""
+    (``activations``: the values it allows; empty: ReLU only), its dropout ratios where it
+    takes them (``dropout``), its ``bias`` where it takes it (``bias``; else only true)."""
     if r is None:
         ctx.refuse(path, "an MLP with hidden_units is needed", fatal=True)
         return _MLP([1])
@@ -69,10 +71,17 @@ def _mlp(
     else:
         r.default_only("use_bn", False)
     r.default_only("use_ln", False)
-    r.default_only("bias", True)
+    with_bias = True
+    if bias:
+        with_bias = bool(r.scalar("bias", True))
+    else:
+        r.default_only("bias", True)
     r.done()
     return _MLP(
-        units or [1], mapped if mapped is not None and mapped in allowed else "relu", ratios if any(ratios) else []
+        units or [1],
+        mapped if mapped is not None and mapped in allowed else "relu",
+        ratios if any(ratios) else [],
+        with_bias,
     )
 
 
@@ -177,9 +186,10 @@ _TARGETS = {
     "dssm": "dssm",
     "dssm_v2": "dssm",
     "dat": "dat",
+    "mind": "mind",
     **{name: name for name in MULTI_TASK},
 }
-_RETRIEVAL = ("dssm", "dssm_v2", "dat")
+_RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
 
 
@@ -389,20 +399,18 @@ def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
         if t is None:
             ctx.refuse(m.at(key), "a tower is needed", fatal=True)
             continue
-        body = t.message("mlp")
-        use_bn = bool(body.scalar("use_bn", False)) if body is not None else False
-        mlp = _mlp(body, t.at("mlp"), ctx, _activations("MatchTowerCfg", "activation"), batch_norm=True)
-        tower: dict[str, Any] = {"input": str(t.scalar("input", "")), "hidden_units": mlp.units}
-        if mlp.activation != "relu":
-            tower["activation"] = mlp.activation
-        if use_bn:
-            tower["use_bn"] = True
+        if name == "mind" and key == "user_tower":
+            out[key] = _mind_user_tower(t, ctx)
+        else:
+            out[key] = {"input": str(t.scalar("input", "")), **_match_mlp(t, "mlp", ctx)}
         if name == "dat":
-            tower["augment_input"] = str(t.scalar("augment_input", ""))
-        out[key] = tower
+            out[key]["augment_input"] = str(t.scalar("augment_input", ""))
         t.done()
     out["output_dim"] = m.integer("output_dim", 0)
-    similarity = str(m.scalar("similarity", "INNER_PRODUCT"))
+    if name == "mind":
+        out["simi_pow"] = m.number("simi_pow", 10.0)
+    # TorchEasyRec's MIND is cosine by default, its other match models inner product
+    similarity = str(m.scalar("similarity", "COSINE" if name == "mind" else "INNER_PRODUCT"))
     if similarity not in ("INNER_PRODUCT", "COSINE"):
         ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
     out["similarity"] = similarity.lower()
@@ -445,6 +453,55 @@ def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False), ("num_class", 1)):
         r.default_only(key, default)
     return out
+
+
+def _match_mlp(t: Reader, key: str, ctx: Context, bias: bool = False) -> dict[str, Any]:
+    """A match tower's MLP ``key`` as MatchTowerCfg's fields (hidden_units, activation, use_bn,
+    dropout_ratio), and MLPCfg's ``bias`` where ``bias`` says it is read."""
+    body = t.message(key)
+    use_bn = bool(body.scalar("use_bn", False)) if body is not None else False
+    activations = _activations("MatchTowerCfg", "activation")
+    mlp = _mlp(body, t.at(key), ctx, activations, dropout=True, batch_norm=True, bias=bias)
+    out: dict[str, Any] = {"hidden_units": mlp.units}
+    if not mlp.bias:
+        out["bias"] = False
+    if mlp.activation != "relu":
+        out["activation"] = mlp.activation
+    if use_bn:
+        out["use_bn"] = True
+    if mlp.dropout:
+        out["dropout_ratio"] = mlp.dropout
+    return out
+
+
+def _mind_user_tower(t: Reader, ctx: Context) -> dict[str, Any]:
+    """MINDUserTower {input, history_input, user_mlp, hist_seq_mlp, capsule_config, concat_mlp}."""
+    tower: dict[str, Any] = {
+        "input": str(t.scalar("input", "")),
+        "history_input": str(t.scalar("history_input", "")),
+        **_match_mlp(t, "user_mlp", ctx),
+    }
+    if t.has("hist_seq_mlp"):
+        tower["hist_seq_mlp"] = _match_mlp(t, "hist_seq_mlp", ctx, bias=True)
+    tower["concat_mlp"] = _match_mlp(t, "concat_mlp", ctx, bias=True)
+    # TorchEasyRec's MIND reads no user_seq_combine (its interests always join the user vector)
+    if t.has("user_seq_combine"):
+        ctx.note(t.at("user_seq_combine"), "not read by TorchEasyRec's MIND; each interest joins the user vector")
+    t.scalar("user_seq_combine")
+    c = t.message("capsule_config")
+    if c is None:
+        ctx.refuse(t.at("capsule_config"), "a capsule_config is needed", fatal=True)
+        return tower
+    capsule: dict[str, Any] = {"max_seq_len": c.integer("max_seq_len", 0), "high_dim": c.integer("high_dim", 0)}
+    for key, count in (("max_k", 5), ("num_iters", 3)):
+        capsule[key] = c.integer(key, count)
+    for key, number in (("routing_logits_scale", 20.0), ("routing_logits_stddev", 1.0), ("squash_pow", 1.0)):
+        capsule[key] = c.number(key, number)
+    capsule["const_caps_num"] = bool(c.scalar("const_caps_num", False))
+    capsule["routing_init_method"] = str(c.scalar("routing_init_method", "normal"))
+    c.done()
+    tower["capsule"] = capsule
+    return tower
 
 
 def _mask_net(m: Reader, ctx: Context) -> dict[str, Any]:
@@ -624,6 +681,8 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
     model = result.model
     dropped: list[str] = []
     gone: list[int] = []
+    # MIND's history: a sequence group with no query features (its capsules read the sequence alone)
+    history = model.get("mind", {}).get("user_tower", {}).get("history_input")
     for i, g in enumerate(model["feature_groups"]):
         path = result.group_paths[i] if i < len(result.group_paths) else f"model_config.feature_groups[{i}]"
         removed = [n for n in g["feature_names"] if n not in features]
@@ -634,7 +693,7 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
         kept = [features[n] for n in g["feature_names"]]
         empty = not kept
         if g["group_type"] == "sequence" and kept:
-            empty = not any(f.sequence for f in kept) or all(f.sequence for f in kept)
+            empty = not any(f.sequence for f in kept) or (all(f.sequence for f in kept) and g["group_name"] != history)
         if empty:
             gone.append(i)
             why = "left empty" if not kept else "left without sequence features or without query features"

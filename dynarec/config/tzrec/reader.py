@@ -78,7 +78,9 @@ class Reader:
         values = self.msg.values(name)
         if not values:
             return default
-        if len(values) > 1 or isinstance(values[0], Message):
+        # A field given twice with one value: protobuf's text_format.Merge (TorchEasyRec's
+        # reader) keeps the last; any other repetition is refused.
+        if isinstance(values[0], Message) or any(v != values[0] for v in values[1:]):
             self.ctx.refuse(self.at(name), "expected one value")
             return default
         return values[0]
