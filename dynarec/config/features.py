@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import BeforeValidator, Field, StrictInt, model_validator
 
 from dynarec.config.base import Count, DynamicEmbField, InitializerField, Strict, exactly_one
-from dynarec.embedding.config import Backend, DynamicTableOptions, ShardingType
+from dynarec.embedding.config import Backend, DynamicTableOptions, RowDtype, ShardingType
 from dynarec.features.expression import Expression
 from dynarec.features.hashing import HashFunction
 from dynarec.features.vocab import Vocabulary, read_vocab_file
@@ -386,6 +386,7 @@ class _Embeddable(_Feature):
     backend: Optional[Backend] = None  # default: train.sparse_backend
     sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
     trainable: bool = True  # false: the table keeps its initial (or loaded) rows
+    data_type: RowDtype = "fp32"  # fp16 / bf16: half-precision rows, stochastically rounded
 
     def _check_table(self) -> None:
         super()._check_table()
@@ -934,6 +935,7 @@ TABLE_SETTINGS = (
     "backend",
     "sharding",
     "trainable",
+    "data_type",
     "hash_function",
     "key_space",
 )

@@ -22,6 +22,7 @@ __all__ = [
     "BACKENDS",
     "CHECK_MODES",
     "POOLINGS",
+    "ROW_DTYPE_NAMES",
     "SCORE_STRATEGIES",
     "SHARDING_TYPES",
     "AdmissionConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "DynamicTableOptions",
     "FeatureConfig",
     "Pooling",
+    "RowDtype",
     "ScoreStrategy",
     "ShardingType",
     "TableConfig",
@@ -38,6 +40,7 @@ __all__ = [
 
 Pooling = Literal["sum", "mean", "none"]  # "none": a sequence feature, one embedding per id
 Backend = Literal["native", "fbgemm"]
+RowDtype = Literal["fp32", "fp16", "bf16"]  # a table's weight storage (its optimizer states stay fp32)
 ScoreStrategy = Literal["step", "timestamp", "lfu", "none"]
 CheckMode = Literal["error", "warn", "ignore"]
 # How a multi-process run spreads a table over its ranks (dynarec.planner.sharding).
@@ -45,6 +48,7 @@ ShardingType = Literal["data_parallel", "table_wise", "row_wise", "key_hash"]
 
 POOLINGS: tuple[str, ...] = get_args(Pooling)
 BACKENDS: tuple[str, ...] = get_args(Backend)
+ROW_DTYPE_NAMES: tuple[str, ...] = get_args(RowDtype)
 SCORE_STRATEGIES: tuple[str, ...] = get_args(ScoreStrategy)
 CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
 SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
@@ -164,6 +168,9 @@ class TableConfig:
             ``num_embeddings`` or ``max_capacity``.
         seed: initializer seed; default derived from the table name.
         sharding: forces how a multi-process run shards the table (default: the planner decides).
+        data_type: the weights' storage, ``fp32``, or ``fp16`` / ``bf16`` (half the bytes; the
+            update runs in fp32 and stores each weight by seeded stochastic rounding,
+            :mod:`dynarec.optim.rounding`; optimizer states stay fp32; native backend only).
     """
 
     name: str
@@ -177,9 +184,17 @@ class TableConfig:
     initializer: Optional[Initializer] = None
     seed: Optional[int] = None
     sharding: Optional[ShardingType] = None
+    data_type: RowDtype = "fp32"
 
     def __post_init__(self) -> None:
         where = f"table '{self.name}'"
+        if self.data_type not in ROW_DTYPE_NAMES:
+            raise ValueError(f"{where}: data_type must be one of {ROW_DTYPE_NAMES}, got {self.data_type!r}")
+        if self.data_type != "fp32" and self.backend != "native":
+            raise ValueError(
+                f"{where}: data_type {self.data_type} rows are trained by backend='native' (the fbgemm backend "
+                "keeps fp32 rows)"
+            )
         if self.sharding is not None and self.sharding not in SHARDING_TYPES:
             raise ValueError(f"{where}: sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
         check_count(where, "dim", self.dim)

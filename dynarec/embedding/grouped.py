@@ -38,8 +38,9 @@ ReducerFactory = Callable[[str, int], Optional[GradReducer]]
 
 def group_key(config: TableConfig, spec: OptimizerSpec) -> Optional[tuple]:
     """What tables must share to be grouped (dim, optimizer spec), or None for a table that is
-    looked up on its own (dynamic, or another backend)."""
-    if config.kind != "fixed" or config.backend != "native":
+    looked up on its own (dynamic, another backend, or half-precision rows: their rounding draws
+    are keyed by the table's own rows)."""
+    if config.kind != "fixed" or config.backend != "native" or config.data_type != "fp32":
         return None
     return (config.dim, spec)
 

@@ -18,6 +18,7 @@ import torch
 
 from dynarec.embedding.config import TableConfig
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.rounding import ROW_DTYPES
 
 __all__ = ["INDEX_BYTES_PER_SLOT", "TableBytes", "available_memory", "check_fits", "format_bytes", "table_bytes"]
 
@@ -39,7 +40,8 @@ class TableBytes:
 def table_bytes(
     config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = None, world_size: int = 1
 ) -> TableBytes:
-    """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest); a
+    """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest; weights
+    in the table's ``data_type``, states float32); a
     key-hash shard of ``world_size`` holds a ``1/world_size`` share of the admission counter."""
     if rows is None:
         if config.dynamic is None:
@@ -55,7 +57,8 @@ def table_bytes(
         if config.dynamic.admission is not None:
             counter = config.dynamic.admission.capacity or config.dynamic.max_capacity
             index += -(-counter // world_size) * INDEX_BYTES_PER_SLOT
-    return TableBytes(rows, rows * config.dim * 4, rows * state_width * 4, index)
+    row_bytes = ROW_DTYPES[config.data_type].itemsize
+    return TableBytes(rows, rows * config.dim * row_bytes, rows * state_width * 4, index)
 
 
 def available_memory(device: torch.device) -> int:

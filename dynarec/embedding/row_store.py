@@ -23,7 +23,8 @@ __all__ = ["NativeRowStore", "RowStore", "RowStoreSlice"]
 
 
 class RowStore(ABC):
-    """Rows ``[num_rows, dim]`` float32 with the optimizer states ``spec`` lays out.
+    """Rows ``[num_rows, dim]`` (float32, or a native store's half-precision ``dtype``) with the
+    optimizer states ``spec`` lays out (float32).
 
     ``lr`` is the current learning rate (a schedule changes it with ``set_learning_rate``). The
     step counter ``t`` is the table's (:class:`~dynarec.embedding.step.StepLifecycle`); a lookup
@@ -43,7 +44,7 @@ class RowStore(ABC):
     @property
     @abstractmethod
     def weight(self) -> torch.Tensor:
-        """``[num_rows, dim]`` float32 (a view: writing it writes the table)."""
+        """``[num_rows, dim]`` in the storage dtype (a view: writing it writes the table)."""
 
     @property
     @abstractmethod
@@ -97,7 +98,7 @@ class RowStore(ABC):
 
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of ``weight`` and every state at ``rows``."""
-        out = {"weight": self.weight.index_select(0, rows).clone()}
+        out = {"weight": self.weight.index_select(0, rows).float()}  # exact for half-precision rows
         for name, t in self.states.items():
             out[name] = t.index_select(0, rows).clone()
         return out
@@ -119,8 +120,9 @@ class RowStore(ABC):
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
-        """Gives ``rows`` fresh contents: ``weight`` and every state at its initial value."""
-        self.weight.index_copy_(0, rows, weight)
+        """Gives ``rows`` fresh contents: ``weight`` (float32; half-precision rows store it
+        rounded to nearest) and every state at its initial value."""
+        self.weight.index_copy_(0, rows, weight.to(self.weight.dtype))
         for spec in self.spec.state_specs():
             self.states[spec.name].index_fill_(0, rows, spec.initial_value)
 
@@ -167,6 +169,7 @@ class _NativeFusedLookup(torch.autograd.Function):
             grad_out=grad_out,
             reducer=store.grad_reducer,
             row_scores=ctx.row_scores,
+            rounding_seed=store.rounding_seed,
         )
         return None, None, None, None, None, None, None
 
@@ -188,13 +191,20 @@ class NativeRowStore(RowStore):
         spec: OptimizerSpec,
         device: torch.device | str = "cpu",
         grad_reducer: Optional[GradReducer] = None,
+        dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ):
+        """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
+        are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``
+        (:mod:`dynarec.optim.rounding`)."""
         super().__init__(num_rows, dim, spec, torch.device(device))
         self.grad_reducer = grad_reducer
+        self.dtype = dtype
+        self.rounding_seed = rounding_seed
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
-        self._weight = torch.zeros(num_rows, self.dim, dtype=torch.float32, device=self.device)
+        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device)
         self._states = {
             s.name: torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
             for s in self.spec.state_specs()
@@ -222,8 +232,13 @@ class NativeRowStore(RowStore):
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
         """The weighted-sum bags of the current weights (no autograd): the ``dynarec::pooled`` op
-        (Triton on a GPU, ``F.embedding_bag`` elsewhere)."""
-        return torch.ops.dynarec.pooled(self.weight, rows, offsets, per_sample_weights)
+        (Triton on a GPU, ``F.embedding_bag`` elsewhere); half-precision rows are read into
+        float32 first, and summed in float32."""
+        weight = self.weight
+        if weight.dtype != torch.float32:
+            weight = weight.index_select(0, rows).float()
+            rows = torch.arange(rows.numel(), device=rows.device)
+        return torch.ops.dynarec.pooled(weight, rows, offsets, per_sample_weights)
 
 
 class RowStoreSlice(NativeRowStore):
@@ -238,6 +253,7 @@ class RowStoreSlice(NativeRowStore):
     def __init__(self, parent: NativeRowStore, start: int, end: int, grad_reducer: Optional[GradReducer] = None):
         RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
         self.grad_reducer = grad_reducer
+        self.dtype, self.rounding_seed = parent.dtype, parent.rounding_seed
         self.parent = parent
         self.start, self.end = start, end
 

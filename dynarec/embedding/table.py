@@ -29,6 +29,7 @@ from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.embedding.streams import HostReadback, current_stream
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
+from dynarec.optim.rounding import ROW_DTYPES
 
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
 
@@ -83,7 +84,8 @@ def make_row_store(
         if grad_reducer is not None:
             raise ValueError(f"table '{config.name}': a data-parallel table needs backend 'native'")
         return FbgemmRowStore(num_rows, config.dim, spec, device, where=f"table '{config.name}'")
-    return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer)
+    dtype = ROW_DTYPES[config.data_type]
+    return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer, dtype, rounding_seed=int(config.seed or 0))
 
 
 class EmbeddingTable(ABC):

@@ -20,7 +20,7 @@ from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 __all__ = ["Adagrad"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # OptimizerSpec.__repr__
 class Adagrad(OptimizerSpec):
     """Exact Adagrad, elementwise accumulator ``momentum1[D]``."""
 

@@ -20,7 +20,7 @@ from dynarec.optim.registry import OptimizerDef, register
 __all__ = ["Adam"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # OptimizerSpec.__repr__
 class Adam(OptimizerSpec):
     eps: float = 1e-8
     beta1: float = 0.9

@@ -62,7 +62,7 @@ def check_non_negative(cls_name: str, field: str, value: Any) -> None:
         raise ValueError(f"{cls_name}.{field} must be >= 0, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class OptimizerSpec:
     """Base of the sparse optimizer specs. ``lr`` is the initial learning rate; a schedule may
     change a table's current learning rate at run time (``set_learning_rate``).
@@ -93,6 +93,12 @@ class OptimizerSpec:
     def state_specs(self) -> tuple[StateSpec, ...]:
         """The optimizer state tensors every row of a table carries, in a fixed order."""
         return ()
+
+    def __repr__(self) -> str:
+        """Every field, but the clipping pair only where clipping is on (it does nothing else)."""
+        hidden = () if self.gradient_clipping else ("gradient_clipping", "max_gradient")
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name not in hidden]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     def replace(self, **changes: Any) -> OptimizerSpec:
         return dataclasses.replace(self, **changes)

@@ -6,7 +6,9 @@ has kernel arguments (``OptimizerDef.kernel``), the ``dynarec::bag_update`` op a
 unique row's gradient and updates it in one pass (C++ on CPUs, Triton on GPUs, plain torch
 elsewhere); otherwise, and for a data-parallel table whose row gradients are reduced over ranks
 first, the gradients are aggregated per unique row with torch ops and :func:`fused_row_update`
-runs the optimizer's ``native_update`` (batched tensor ops, any device).
+runs the optimizer's ``native_update`` (batched tensor ops, any device). Half-precision rows
+take that path too, on float32 copies of the touched rows, stored back by seeded stochastic
+rounding (:mod:`dynarec.optim.rounding`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
 from dynarec.kernels.reference import aggregate, bag_gradients
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
+from dynarec.optim.rounding import rounding_noise, stochastic_round
 
 __all__ = ["GradReducer", "RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
 
@@ -80,13 +83,16 @@ def fused_bag_update(
     grad_out: torch.Tensor,
     reducer: Optional[GradReducer] = None,
     row_scores: Optional[RowScores] = None,
+    rounding_seed: int = 0,
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
     ``[num_bags, D]``: each unique row once, with the sum of its occurrences' gradients.
     ``reducer`` (data-parallel tables) sums the aggregated gradients over ranks first;
     ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn). With
-    ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first."""
+    ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first.
+    ``weight`` float16 / bfloat16: the rows are stored back by stochastic rounding, its draws
+    keyed by ``rounding_seed``, ``step`` and the row."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -94,7 +100,7 @@ def fused_bag_update(
     if spec.gradient_clipping:
         grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
-    if kernel is not None and reducer is None:
+    if kernel is not None and reducer is None and weight.dtype == torch.float32:
         a = kernel(spec, step)
         scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
         torch.ops.dynarec.bag_update(
@@ -108,4 +114,23 @@ def fused_bag_update(
         row_scores.scores.index_fill_(0, unique_rows, row_scores.value)
     if reducer is not None:
         unique_rows, agg = reducer(unique_rows, agg)
-    fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)
+    if weight.dtype == torch.float32:
+        fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)
+    else:
+        _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed)
+
+
+@torch.no_grad()
+def _rounded_row_update(spec, lr, step, weight, states, rows, grad, rounding_seed) -> None:
+    """:func:`fused_row_update` of half-precision rows: on float32 copies of ``rows`` (and of
+    their states), then stored back, the weights by stochastic rounding."""
+    if rows.numel() == 0:
+        return
+    compact = torch.arange(rows.numel(), device=rows.device)
+    w = weight.index_select(0, rows).float()
+    s = {name: t.index_select(0, rows) for name, t in states.items()}
+    fused_row_update(spec, lr=lr, step=step, weight=w, states=s, rows=compact, grad=grad)
+    for name, t in states.items():
+        t.index_copy_(0, rows, s[name])
+    noise = rounding_noise(rounding_seed, step, rows, weight.shape[1])
+    weight.index_copy_(0, rows, stochastic_round(w, weight.dtype, noise))

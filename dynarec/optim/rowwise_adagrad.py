@@ -21,7 +21,7 @@ WeightDecayMode = Literal["none", "l2", "decoupled"]
 WEIGHT_DECAY_MODES: tuple[str, ...] = get_args(WeightDecayMode)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # OptimizerSpec.__repr__
 class RowWiseAdagrad(OptimizerSpec):
     """Exact row-wise Adagrad, ``momentum1[1]`` per row, optional weight decay."""
 

@@ -13,7 +13,7 @@ from dynarec.optim.registry import FbgemmMapping, OptimizerDef, register
 __all__ = ["SGD"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # OptimizerSpec.__repr__
 class SGD(OptimizerSpec):
     """Exact SGD: ``w -= lr * g``. No state."""
 

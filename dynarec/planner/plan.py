@@ -164,6 +164,7 @@ def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[i
             optimizer=spec,
             initializer=first.initializer,
             sharding=first.sharding,
+            data_type=first.data_type,
         )
         ids = tuple(_ids_per_sample(f) for f in feats)
         out.append((table, spec, ids))

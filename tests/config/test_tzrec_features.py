@@ -9,6 +9,7 @@ import pytest
 
 from dynarec.config import config_from_dict
 from dynarec.config.tzrec import ConversionError, convert_pipeline_config
+from dynarec.planner import plan_from_config
 
 ROOT = Path(__file__).parent / "tzrec"
 SEED = ROOT / "tests" / "multi_tower_din_fg_dynamicemb_mock.config"
@@ -173,14 +174,15 @@ def test_zch_is_carried_onto_a_dynamic_table():
     assert config.feature("item_id").dynamic_table.score_strategy == "step"  # lru: least recently used
 
 
-def test_half_precision_rows_are_refused_naming_the_issue():
+def test_half_precision_rows_reach_their_tables():
     name = ROOT / "tests" / "multi_tower_din_fg_mock_bf16_emb_fp16.config"
-    with pytest.raises(ConversionError) as e:
-        convert_pipeline_config(name.read_text(), train_input_path="d", config_dir=name.parent)
-    assert (
-        "feature_configs[0].id_feature.data_type: FP16 rows: half-precision tables are not in dynarec yet (issue 31)"
-        in str(e.value)
-    )
+    result = convert_pipeline_config(name.read_text(), train_input_path="d", config_dir=name.parent)
+    assert body(result, "user_id")["data_type"] == "fp16"
+    assert any("data_type: FP16 rows, updated in fp32 and stored by stochastic rounding" in n for n in result.notes)
+    tables = {t.name: t for t in plan_from_config(config_from_dict(result.config)).table_configs()}
+    half = {n for n, t in tables.items() if t.data_type == "fp16"}
+    assert len(half) == 9 and all(tables[n].kind == "fixed" for n in half)
+    assert config_from_dict(result.config).train.mixed_precision == "bf16"
 
 
 def test_embedding_name_shares_a_table_and_a_conflict_is_refused_by_path():

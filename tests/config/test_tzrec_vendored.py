@@ -25,9 +25,6 @@ DYNAREC_MODELS = {name for name in CONFIGS if re.search(rf"^\s*({MODELS})\s*\{{"
 
 # Of those, the ones refused, each with its reason (a regex the refusal must match).
 REFUSED = {
-    # Allowed by issue 29: half-precision rows are issue 31's.
-    "tests/multi_tower_din_fg_mock_bf16_emb_fp16.config": r"data_type: FP16 rows: half-precision tables are not in "
-    r"dynarec yet \(issue 31\)",
     # FP16 training needs loss scaling (grad_scaler), which dynarec cannot apply: the tables'
     # fused updates run inside backward. dynarec's mixed precision is bf16.
     "tests/multi_tower_din_fg_mock_fp16_ga.config": r"train_config\.mixed_precision: FP16: dynarec's "

@@ -341,14 +341,16 @@ class _Build:
         if data_type == "FP32":
             return
         if data_type not in ("FP16", "BF16"):
-            self.ctx.refuse(r.at("data_type"), f"{data_type!r} is not a data type TorchEasyRec takes (FP32, FP16)")
+            self.ctx.refuse(
+                r.at("data_type"), f"{data_type!r} is not a data type TorchEasyRec takes (FP32, FP16, BF16)"
+            )
         elif not table:
             self.ctx.note(r.at("data_type"), "ignored (the feature has no table)")
         else:
-            self.ctx.refuse(
+            self.body["data_type"] = data_type.lower()
+            self.ctx.note(
                 r.at("data_type"),
-                f"{data_type} rows: half-precision tables are not in dynarec yet (issue 31); FP32 rows would "
-                "change the model's memory, not what it computes",
+                f"{data_type} rows, updated in fp32 and stored by stochastic rounding (FBGEMM's), states fp32",
             )
 
     def table(self, allowed: tuple[str, ...], *, needed: bool) -> Optional[str]:

@@ -1,0 +1,63 @@
+"""Half-precision rows: the stochastic rounding of an updated fp32 row to its storage type.
+
+A table may keep its weights in ``fp16`` or ``bf16`` (its optimizer states stay fp32). Its update
+runs in fp32 on the rows it touches, and each new weight ``x`` is stored as one of the two
+storage values around it, ``lo <= |x| < hi`` in magnitude, ``hi`` with probability
+``(|x| - |lo|) / (|hi| - |lo|)``: unbiased (``E[stored] = x``), as FBGEMM's stochastic rounding
+is. (FBGEMM adds 16 random bits below a bf16's mantissa and truncates, which is the same
+distribution; for fp16 the rule above also covers subnormals.) A value the storage type holds
+exactly is stored as it is.
+
+The uniform draws are a counter-based hash of ``(seed, step, row, column)`` (murmur3's 32-bit
+finalizer, in int64 tensor arithmetic), not a generator's state: the same table, step and row get
+the same draw on any device, in any order, so a run is reproducible bit for bit and a reference
+can recompute every draw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ROW_DTYPES", "rounding_noise", "stochastic_round"]
+
+# A table's row storage types (TableConfig.data_type) and their torch dtypes.
+ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finalizer of ``h``'s low 32 bits (int64 in, int64 in ``[0, 2**32)`` out)."""
+    h = h & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def rounding_noise(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[U, dim]`` float32 uniform draws in ``[0, 1)`` (24 bits) for rows ``rows`` (``[U]``
+    int64, row indices below 2**32) of a table seeded ``seed`` at step ``step``."""
+    base = int(_fmix32(torch.tensor((seed * 0x9E3779B1 + step * 0x7FEB352D) & _M32)))
+    r = _fmix32((rows.to(torch.int64) * 0x27D4EB2F) ^ base)
+    cols = torch.arange(dim, dtype=torch.int64, device=rows.device)
+    h = _fmix32(r[:, None] * 0x165667B1 + cols[None, :])
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) in ``dtype`` (float16 or bfloat16), rounded up in magnitude where
+    ``noise`` (uniform ``[0, 1)``, ``x``'s shape) is below the fraction of the way from the
+    storage value below ``|x|`` to the one above (module doc). NaN and infinities stay as
+    they are; a value past the type's range saturates at its largest finite value."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"stochastic rounding stores float16 or bfloat16, not {dtype}")
+    nearest = x.to(dtype)
+    bits = nearest.view(torch.int16)
+    # Sign-magnitude: for either sign, one less in the int16 view is one step toward zero.
+    lo_bits = torch.where(nearest.float().abs() > x.abs(), bits - 1, bits)
+    hi_bits = lo_bits + 1
+    lo, hi = lo_bits.view(dtype).float(), hi_bits.view(dtype).float()
+    up = noise < (x - lo) / (hi - lo)  # False where x is lo exactly, or NaN, or infinite
+    return torch.where(up, hi_bits, lo_bits).view(dtype)
