@@ -29,6 +29,7 @@ from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition, initial_states
+from dynarec.optim.rounding import ROW_DTYPES, rounding_noise, stochastic_round
 from dynarec.planner import plan_from_config
 
 __all__ = ["MAX_ROWS", "TableVerdict", "verify_config", "verify_table"]
@@ -82,7 +83,8 @@ def verify_table(table: TableConfig, device: str = "cpu", steps: int = 8, seed: 
     assert spec is not None, "a planned table always carries its optimizer spec"
     copy = _small_copy(table)
     kind = "dynamic" if table.dynamic is not None else "fixed"
-    verdict = TableVerdict(table.name, kind, table.backend, repr(spec), ok=True)
+    rows = "" if table.data_type == "fp32" else f" {table.data_type} rows"
+    verdict = TableVerdict(table.name, kind, table.backend + rows, repr(spec), ok=True)
     _run(copy, spec, device, steps, seed, verdict, record=True)
     other: Backend = "fbgemm" if table.backend == "native" else "native"
     if other == "fbgemm" and not fbgemm_available():
@@ -150,6 +152,7 @@ class _Reference:
     def __init__(self, coll: EmbeddingCollection, name: str, spec: OptimizerSpec):
         self.table = coll.tables[name]
         self.spec = spec
+        self.dtype = ROW_DTYPES[self.table.config.data_type]
         self.rows: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.fresh = 0
         self.returned = 0
@@ -163,6 +166,7 @@ class _Reference:
         if not keys:
             return
         weights = self.table.initial_weights(torch.tensor(keys, dtype=torch.int64, device=self.table.device)).cpu()
+        weights = weights.to(self.dtype).float()  # half-precision rows start at the nearest value
         states = initial_states(self.spec, len(keys), weights.shape[1])
         for i, key in enumerate(keys):
             self.rows[key] = (weights[i].clone(), {name: v[i].clone() for name, v in states.items()})
@@ -179,10 +183,15 @@ class _Reference:
         self.fresh += len(new)
         self.returned += len(self._evicted.intersection(new))
         update = definition(self.spec).reference_update
-        for key in sorted(grads):
-            if key in self.rows:
-                w, states = self.rows[key]
-                update(self.spec, lr=self.spec.lr, step=self.table.step, w=w, states=states, g=grads[key].clone())
+        updated = [key for key in sorted(grads) if key in self.rows]
+        for key in updated:
+            w, states = self.rows[key]
+            update(self.spec, lr=self.spec.lr, step=self.table.step, w=w, states=states, g=grads[key].clone())
+        if self.dtype != torch.float32 and updated:  # half-precision rows: stored by stochastic rounding
+            w = torch.stack([self.rows[k][0] for k in updated])
+            noise = rounding_noise(int(self.table.config.seed or 0), self.table.step, torch.tensor(updated), w.shape[1])
+            for k, row in zip(updated, stochastic_round(w, self.dtype, noise).float()):
+                self.rows[k][0].copy_(row)
 
 
 def _run(

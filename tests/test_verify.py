@@ -50,6 +50,35 @@ def test_every_optimizer_and_pooling_verifies(tmp_path):
         assert verdicts and all(v.ok for v in verdicts), [v.line() for v in verdicts]
 
 
+def half_precision_demo(data_type: str) -> dict:
+    import yaml
+
+    raw = yaml.safe_load(open(DEMO).read())
+    for f in raw["feature_configs"]:
+        body = next(iter(f.values()))
+        if "embedding_dim" in body:
+            body["data_type"] = data_type
+    return raw
+
+
+def test_half_precision_rows_verify_bit_for_bit_with_the_rounding():
+    """The reference stores each updated row by the same keyed stochastic rounding: every
+    table, the dynamic one through eviction and returning keys, matches to the bit."""
+    verdicts = verify_config(config_from_dict(half_precision_demo("bf16"), base_dir="dynarec/resources"))
+    assert [v.backend for v in verdicts] == ["native bf16 rows"] * 4
+    assert all(v.ok and v.max_dw == 0.0 for v in verdicts), [v.line() for v in verdicts]
+    assert verdicts[0].returned_keys > 0
+
+
+def test_half_precision_rows_rounded_to_nearest_are_caught(monkeypatch):
+    """An update that rounds to nearest instead (the updates below half a step lost): caught."""
+    import dynarec.optim.fused as fused
+
+    monkeypatch.setattr(fused, "stochastic_round", lambda x, dtype, noise: x.to(dtype))
+    verdicts = verify_config(config_from_dict(half_precision_demo("fp16"), base_dir="dynarec/resources"), steps=4)
+    assert not any(v.ok for v in verdicts) and all("weight of id" in v.problems[0] for v in verdicts)
+
+
 def test_the_seeds_bug_is_caught_and_names_the_dynamic_table(monkeypatch, capsys):
     """Fresh dynamic rows whose accumulator ignores initial_accumulator_value (fixed tables
     allocate their states elsewhere and stay right): verify fails naming the dynamic table."""

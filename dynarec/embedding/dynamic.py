@@ -56,7 +56,7 @@ from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.pack import Bags
-from dynarec.embedding.row_store import RowStore
+from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
@@ -85,6 +85,8 @@ class DynamicTable(EmbeddingTable):
         max_buckets = num_buckets(max_capacity, bucket_size)
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         store = make_row_store(config, spec, init_buckets * bucket_size, self.device)
+        if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by key
+            store.row_keys = lambda slots: self.index.keys[slots]
         #: The index, the rows behind it and how both grow.
         self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
         self.admission: Optional[Admission] = None

@@ -11,6 +11,7 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -170,6 +171,7 @@ class _NativeFusedLookup(torch.autograd.Function):
             reducer=store.grad_reducer,
             row_scores=ctx.row_scores,
             rounding_seed=store.rounding_seed,
+            row_keys=store.row_keys,
         )
         return None, None, None, None, None, None, None
 
@@ -195,12 +197,15 @@ class NativeRowStore(RowStore):
         rounding_seed: int = 0,
     ):
         """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
-        are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``
-        (:mod:`dynarec.optim.rounding`)."""
+        are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
+        each row's draws keyed by ``row_keys(rows)`` (set by the owning table: a fixed table's
+        global row ids, a dynamic table's keys; default the row indices;
+        :mod:`dynarec.optim.rounding`)."""
         super().__init__(num_rows, dim, spec, torch.device(device))
         self.grad_reducer = grad_reducer
         self.dtype = dtype
         self.rounding_seed = rounding_seed
+        self.row_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
@@ -253,7 +258,7 @@ class RowStoreSlice(NativeRowStore):
     def __init__(self, parent: NativeRowStore, start: int, end: int, grad_reducer: Optional[GradReducer] = None):
         RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
         self.grad_reducer = grad_reducer
-        self.dtype, self.rounding_seed = parent.dtype, parent.rounding_seed
+        self.dtype, self.rounding_seed, self.row_keys = parent.dtype, parent.rounding_seed, None
         self.parent = parent
         self.start, self.end = start, end
 

@@ -84,6 +84,7 @@ def fused_bag_update(
     reducer: Optional[GradReducer] = None,
     row_scores: Optional[RowScores] = None,
     rounding_seed: int = 0,
+    row_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
@@ -92,7 +93,8 @@ def fused_bag_update(
     ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn). With
     ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first.
     ``weight`` float16 / bfloat16: the rows are stored back by stochastic rounding, its draws
-    keyed by ``rounding_seed``, ``step`` and the row."""
+    keyed by ``rounding_seed``, ``step`` and each row's key (``row_keys(rows)``; default the
+    row index)."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -117,13 +119,14 @@ def fused_bag_update(
     if weight.dtype == torch.float32:
         fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)
     else:
-        _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed)
+        keys = row_keys(unique_rows) if row_keys is not None else unique_rows
+        _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed, keys)
 
 
 @torch.no_grad()
-def _rounded_row_update(spec, lr, step, weight, states, rows, grad, rounding_seed) -> None:
+def _rounded_row_update(spec, lr, step, weight, states, rows, grad, rounding_seed, keys) -> None:
     """:func:`fused_row_update` of half-precision rows: on float32 copies of ``rows`` (and of
-    their states), then stored back, the weights by stochastic rounding."""
+    their states), then stored back, the weights by stochastic rounding drawn by ``keys``."""
     if rows.numel() == 0:
         return
     compact = torch.arange(rows.numel(), device=rows.device)
@@ -132,5 +135,5 @@ def _rounded_row_update(spec, lr, step, weight, states, rows, grad, rounding_see
     fused_row_update(spec, lr=lr, step=step, weight=w, states=s, rows=compact, grad=grad)
     for name, t in states.items():
         t.index_copy_(0, rows, s[name])
-    noise = rounding_noise(rounding_seed, step, rows, weight.shape[1])
+    noise = rounding_noise(rounding_seed, step, keys, weight.shape[1])
     weight.index_copy_(0, rows, stochastic_round(w, weight.dtype, noise))

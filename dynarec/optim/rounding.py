@@ -8,10 +8,11 @@ is. (FBGEMM adds 16 random bits below a bf16's mantissa and truncates, which is 
 distribution; for fp16 the rule above also covers subnormals.) A value the storage type holds
 exactly is stored as it is.
 
-The uniform draws are a counter-based hash of ``(seed, step, row, column)`` (murmur3's 32-bit
-finalizer, in int64 tensor arithmetic), not a generator's state: the same table, step and row get
-the same draw on any device, in any order, so a run is reproducible bit for bit and a reference
-can recompute every draw.
+The uniform draws are a counter-based hash of ``(seed, step, key, column)`` (murmur3's 32-bit
+finalizer, in int64 tensor arithmetic), not a generator's state: the same table, step and key get
+the same draw on any device, in any order, wherever the key's row lives (a fixed table's key is
+its global row id, a dynamic table's its int64 key, so growth, relocation and sharding do not
+change a draw); a run is reproducible bit for bit and a reference can recompute every draw.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def rounding_noise(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[U, dim]`` float32 uniform draws in ``[0, 1)`` (24 bits) for rows ``rows`` (``[U]``
-    int64, row indices below 2**32) of a table seeded ``seed`` at step ``step``."""
+def rounding_noise(seed: int, step: int, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[U, dim]`` float32 uniform draws in ``[0, 1)`` (24 bits) for the rows of ``keys``
+    (``[U]`` int64, any values) of a table seeded ``seed`` at step ``step``."""
     base = int(_fmix32(torch.tensor((seed * 0x9E3779B1 + step * 0x7FEB352D) & _M32)))
-    r = _fmix32((rows.to(torch.int64) * 0x27D4EB2F) ^ base)
-    cols = torch.arange(dim, dtype=torch.int64, device=rows.device)
+    keys = keys.to(torch.int64)
+    high = _fmix32(((keys >> 32) & _M32) ^ base)
+    r = _fmix32(((keys & _M32) * 0x27D4EB2F) ^ high)
+    cols = torch.arange(dim, dtype=torch.int64, device=keys.device)
     h = _fmix32(r[:, None] * 0x165667B1 + cols[None, :])
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 

@@ -147,6 +147,34 @@ def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
         torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
 
 
+def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
+    """bf16 rows on every sharding type: the rounding draws are keyed by (seed, step, key), not
+    by where a row lives, so 2 x 60 rows a step store what 1 x 120 store (a draw could flip only
+    where the fp32 updates, equal to 1e-5, straddle it)."""
+    configs = []
+    for batch in (120, 60):
+        c = mixed_config(runs, batch)
+        for f in c["feature_configs"]:
+            body = next(iter(f.values()))
+            if "embedding_dim" in body:
+                body["data_type"] = "bf16"
+        configs.append(write_config(runs, c, f"bf16_{batch}.yaml"))
+    for config, model_dir, nproc in ((configs[0], "h1", 1), (configs[1], "h2", 2)):
+        rc, out = run(
+            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
+        )
+        assert rc == 0, out
+    (_, t1), (s2, t2) = merged_tables(tmp_path / "h1"), merged_tables(tmp_path / "h2")
+    assert s2["plan"]["world_size"] == 2 and t1.keys() == t2.keys()
+    for name in t1:
+        ka, kb = t1[name].get("keys"), t2[name].get("keys")
+        ia, ib = (torch.argsort(ka), torch.argsort(kb)) if ka is not None else (slice(None), slice(None))
+        x, y = t1[name]["weight"][ia].float(), t2[name]["weight"][ib].float()
+        assert torch.equal(x, x.to(torch.bfloat16).float())  # stored as bf16
+        assert (x == y).float().mean() > 0.999, name
+        torch.testing.assert_close(x, y, rtol=2**-7, atol=1e-6, msg=name)  # a flip is one bf16 step
+
+
 def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):
     # A resume needs the same global batch: 2 x 60 -> 3 x 50 is refused naming both.
     subprocess.run(["cp", "-r", str(runs / "m2"), str(tmp_path / "m3")], check=True)
