@@ -440,6 +440,46 @@ class DBMTLCfg(MLPDropouts):
     task_towers: list[TaskTowerCfg]
 
 
+class PEPNetCfg(MLPDropouts):
+    """TorchEasyRec's PEPNet (parameter and embedding personalized network, Chang et al. 2023):
+    ``main_input``'s vector, scaled by EPNet's gate over ``[domain_input, main]`` (where
+    ``domain_input`` is given), goes through PPNet's per-task MLP (``ppnet_hidden_units``), each
+    layer's output scaled by a gate over ``[uia_input, main]`` (where ``uia_input`` is given), into
+    each task's tower. A gate is ``gamma * sigmoid(linear(relu(linear(x))))``, the main vector
+    held constant in the gates' inputs. ``domain_label`` (TorchEasyRec's ``domain_input_name``):
+    each task has ``task_domain_num`` towers, and a row's loss and metrics read the tower of
+    its domain (that label's value, in ``[0, task_domain_num)``); predictions and exports give
+    every domain's (``probs_<task>_<domain>``)."""
+
+    main_input: str = "all"
+    domain_input: Optional[str] = None
+    uia_input: Optional[str] = None
+    epnet_hidden_unit: Optional[Count] = None  # default: the main vector's width
+    epnet_gamma: float = 2.0
+    ppnet_hidden_units: list[Count] = []
+    ppnet_activation: Activation = "relu"
+    ppnet_dropout_ratio: DropoutRatios = []
+    ppnet_gamma: float = 2.0
+    domain_label: Optional[str] = None
+    task_domain_num: Count = 1
+    task_towers: list[TaskTowerCfg]
+
+    @model_validator(mode="after")
+    def _ppnet(self):
+        if self.uia_input is not None and not self.ppnet_hidden_units:
+            raise ValueError("uia_input: PPNet needs ppnet_hidden_units")
+        if self.uia_input is None and self.ppnet_hidden_units:
+            raise ValueError("ppnet_hidden_units: PPNet runs only with a uia_input group")
+        if self.task_domain_num > 1 and self.domain_label is None:
+            raise ValueError("task_domain_num: several towers a task need a domain_label choosing a row's")
+        return self
+
+    @property
+    def domains(self) -> int:
+        """Towers a task: ``task_domain_num`` where a domain label chooses, else 1."""
+        return self.task_domain_num if self.domain_label is not None else 1
+
+
 class MatchTowerCfg(TowerCfg, MLPDropouts):
     use_bn: bool = False  # batch normalization after each linear layer (TorchEasyRec's MLP use_bn)
     dropout_ratio: DropoutRatios = []
@@ -542,7 +582,7 @@ class MINDUserTowerCfg(MatchTowerCfg):
     concat_mlp: MLPCfg
 
 
-MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # Retrieval models: a user and an item tower scored against sampled items.
 RETRIEVAL_KEYS = ("dssm", "dat", "mind")
 # Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
@@ -592,6 +632,7 @@ class ModelCfg(Strict):
     mmoe: Optional[MMoECfg] = None
     ple: Optional[PLECfg] = None
     dbmtl: Optional[DBMTLCfg] = None
+    pepnet: Optional[PEPNetCfg] = None
     dssm: Optional[DSSMCfg] = None
     dat: Optional[DATCfg] = None
     mind: Optional[MINDCfg] = None
@@ -646,6 +687,11 @@ class ModelCfg(Strict):
             return [("din.din_tower", self.din.din_tower.input, "sequence")]
         if name == "deepfm" and self.deepfm is not None and self.deepfm.fm_group is not None:
             return [("deepfm.fm_group", self.deepfm.fm_group, "deep")]
+        if name == "pepnet":
+            p = self.pepnet
+            assert p is not None
+            given = (("main_input", p.main_input), ("domain_input", p.domain_input), ("uia_input", p.uia_input))
+            return [(f"pepnet.{key}", group, "deep") for key, group in given if group is not None]
         if name in RETRIEVAL_KEYS:
             towers = self.retrieval
             out = [
@@ -910,10 +956,13 @@ class Config(Strict):
 
     def label_fields(self) -> list[str]:
         """The label columns the model reads, in first-use order: each task's label, then its
-        task-space indicator."""
+        task-space indicator; then PEPNet's domain label."""
         names: list[str] = []
         for t in self.tasks():
             for n in (t.label_name, t.task_space_indicator_label):
                 if n is not None and n not in names:
                     names.append(n)
+        pepnet = self.model.pepnet
+        if pepnet is not None and pepnet.domain_label is not None and pepnet.domain_label not in names:
+            names.append(pepnet.domain_label)  # which of a task's towers a row's loss reads
         return names

@@ -369,12 +369,16 @@ def _labels(config: Config, logit: np.ndarray, p: np.ndarray, rng: np.random.Gen
     """Every label column of ``config``: the first a click drawn with probability ``p``; a later
     binary label a rarer event that needs the click (a purchase: ``sigmoid(logit - k)`` of its
     own, ``k`` its position); a class label the quantile bucket of a noisy ``logit``; any other
-    (a regression target, an indicator) ``logit`` plus noise."""
+    (a regression target, an indicator) ``logit`` plus noise; PEPNet's domain label a domain
+    drawn uniformly (its column is often a feature's too, which then reads the domain)."""
     rules = label_rules(config.tasks())
+    pepnet = config.model.pepnet
     out: dict[str, np.ndarray] = {}
     for k, name in enumerate(config.label_fields()):
         classes = rules.get(name, (None, ""))[0]
-        if k == 0 and classes == 2:
+        if pepnet is not None and name == pepnet.domain_label and name not in rules:
+            out[name] = rng.integers(0, pepnet.task_domain_num, p.size)
+        elif k == 0 and classes == 2:
             out[name] = (rng.random(p.size) < p).astype(np.int64)
         elif classes == 2:
             own = 1.0 / (1.0 + np.exp(-(logit - k)))

@@ -14,6 +14,7 @@ from dynarec.models.dssm import DAT, DSSM
 from dynarec.models.mind import MIND
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
+from dynarec.models.pepnet import PEPNet
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
 from dynarec.models.rocket_launching import RocketLaunching
 from dynarec.models.wide_and_deep import WideAndDeep
@@ -36,6 +37,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "mmoe": MMoE,
     "ple": PLE,
     "dbmtl": DBMTL,
+    "pepnet": PEPNet,
     "dssm": DSSM,
     "dat": DAT,
     "mind": MIND,

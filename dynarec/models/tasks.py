@@ -117,6 +117,38 @@ class Tasks:
             None if t.task_space_indicator_label is None else self.labels.index(t.task_space_indicator_label)
             for t in self.towers
         ]
+        # PEPNet's domains: several towers a task, a row's loss and metrics reading its domain's
+        pepnet = config.model.pepnet
+        self.domains = pepnet.domains if pepnet is not None else 1
+        self.domain_label = pepnet.domain_label if self.domains > 1 and pepnet is not None else None
+        self._domain = self.labels.index(self.domain_label) if self.domain_label is not None else None
+
+    def choose(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[B, width]``: each row's own domain's towers out of the model's ``[B, width * domains]``
+        (each task's ``domains`` towers side by side); the logits as they are with one domain."""
+        if self._domain is None:
+            return logits
+        rows = logits.shape[0]
+        cols = logits.reshape(rows, -1)
+        if cols.shape[1] != self.width * self.domains:
+            raise ValueError(
+                f"the model gave {cols.shape[1]} outputs a row, its tasks need {self.width * self.domains}"
+            )
+        domain = labels[:, self._domain]
+        bad = (domain < 0) | (domain >= self.domains) | (domain != domain.round())
+        if bool(bad.any()):
+            value = float(domain[bad][0])
+            raise ValueError(
+                f"label '{self.domain_label}' (model.pepnet.domain_label) is {value:g} in a row: a domain is an "
+                f"integer in [0, {self.domains}) (task_domain_num)"
+            )
+        index = domain.long()
+        parts, start = [], 0
+        for w in self.widths:
+            block = cols[:, start : start + w * self.domains].reshape(rows, self.domains, w)
+            parts.append(block.gather(1, index[:, None, None].expand(-1, 1, w)).squeeze(1))
+            start += w * self.domains
+        return torch.cat(parts, dim=1)
 
     def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Each task's logits: ``[B]`` for one output, ``[B, num_class]`` otherwise."""
@@ -165,6 +197,7 @@ class Tasks:
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]],
         sessions: Optional[torch.Tensor],
     ) -> torch.Tensor:
+        logits = self.choose(logits, labels)
         weights = self.sample_weights(labels)
         if any(w is not None for w in weights):
             local = torch.stack([w.sum() if w is not None else logits.new_tensor(0.0) for w in weights])
@@ -183,8 +216,13 @@ class Tasks:
     # -- predictions ---------------------------------------------------------------------------
 
     def output_names(self) -> list[str]:
-        """The prediction columns, in task order."""
-        return [self._output_name(t) for t in self.towers]
+        """The prediction columns, in task order (PEPNet's domains: each task's per domain,
+        ``probs_<task>_<domain>``)."""
+        return [name for t in self.towers for name in self._domain_names(t)]
+
+    def _domain_names(self, t: TaskTowerCfg) -> list[str]:
+        name = self._output_name(t)
+        return [name] if self._domain is None else [f"{name}_{d}" for d in range(self.domains)]
 
     def served_names(self) -> list[str]:
         """What an export serves: :meth:`output_names`."""
@@ -204,14 +242,27 @@ class Tasks:
         (multiclass) or ``[B]`` prediction (regression), float32 (``rows``: the batch's rows,
         which a retrieval task needs; here they are the logits')."""
         out = {}
-        for t, z in zip(self.towers, self.split(logits.float())):
-            if t.kind == "binary":
-                out[self._output_name(t)] = torch.sigmoid(z)
-            elif t.kind == "multiclass":
-                out[self._output_name(t)] = torch.softmax(z, dim=1)
-            else:
-                out[self._output_name(t)] = z
-        return out
+        logits = logits.float()
+        heads = [logits] if self._domain is None else self._by_domain(logits)
+        for d, head in enumerate(heads):
+            for t, z in zip(self.towers, self.split(head)):
+                name = self._domain_names(t)[min(d, len(heads) - 1)]
+                if t.kind == "binary":
+                    out[name] = torch.sigmoid(z)
+                elif t.kind == "multiclass":
+                    out[name] = torch.softmax(z, dim=1)
+                else:
+                    out[name] = z
+        return {name: out[name] for name in self.output_names()}
+
+    def _by_domain(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """The model's ``[B, width * domains]`` as one ``[B, width]`` per domain."""
+        cols = logits.reshape(logits.shape[0], -1)
+        blocks = torch.split(cols, [w * self.domains for w in self.widths], dim=1)
+        return [
+            torch.cat([b.reshape(b.shape[0], self.domains, w)[:, d] for b, w in zip(blocks, self.widths)], dim=1)
+            for d in range(self.domains)
+        ]
 
     # -- metrics --------------------------------------------------------------------------------
 
@@ -223,12 +274,20 @@ class Tasks:
         names end in ``_<tower>``."""
         out: dict[str, float] = {}
         for k, t in enumerate(self.towers):
-            pred, y = predictions[self._output_name(t)], labels[:, self._label[k]]
+            pred, y = self._own_domain(t, predictions, labels), labels[:, self._label[k]]
             for m in t.eval_metrics:
                 value = _metric(m, t, pred, y, groups)
                 if value is not None:
                     out[m if not self.multi else f"{m}_{t.tower_name}"] = value
         return out
+
+    def _own_domain(self, t: TaskTowerCfg, predictions: dict[str, np.ndarray], labels: np.ndarray) -> np.ndarray:
+        """Task ``t``'s predictions, each row's of its own domain (PEPNet's domains)."""
+        names = self._domain_names(t)
+        if self._domain is None:
+            return predictions[names[0]]
+        stacked = np.stack([predictions[n] for n in names], axis=1)  # [N, domains(, C)]
+        return stacked[np.arange(len(stacked)), labels[:, self._domain].astype(np.int64)]
 
 
 def _metric(

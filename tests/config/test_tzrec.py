@@ -857,3 +857,20 @@ def test_mind_without_output_dim_serves_its_concat_mlps_width():
     assert twice != path.read_text()
     with pytest.raises(ConversionError, match=r"data_config\.negative_sampler\.attr_delimiter: expected one value"):
         convert_pipeline_config(twice, train_input_path="d", eval_input_path="e", sampler_input_path="i.tsv")
+
+
+def test_pepnet_converts_with_its_groups_gates_and_domains():
+    path = EXAMPLES / "examples" / "pepnet_taobao.config"
+    result = convert_pipeline_config(path.read_text(), train_input_path="d", eval_input_path="e")
+    config = config_from_dict(result.config)
+    p = config.model.pepnet
+    assert (p.main_input, p.domain_input, p.uia_input) == ("all", "domain", "uia")
+    assert (p.ppnet_hidden_units, p.ppnet_dropout_ratio, p.epnet_gamma, p.ppnet_gamma) == (
+        [512, 256],
+        [0.1, 0.1],
+        2.0,
+        2.0,
+    )
+    assert (p.domain_label, p.task_domain_num, p.domains) == ("occupation", 3, 3)
+    assert [t.tower_name for t in p.task_towers] == ["ctr", "cvr"]
+    assert config.label_fields() == ["clk", "buy", "occupation"]

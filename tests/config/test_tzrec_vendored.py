@@ -61,7 +61,7 @@ def refusal_lines(e: ConversionError) -> list[str]:
 
 def test_the_vendored_configs_are_the_65():
     assert len(CONFIGS) == 65
-    assert len(DYNAREC_MODELS) == 53
+    assert len(DYNAREC_MODELS) == 54
     assert set(REFUSED) <= DYNAREC_MODELS
 
 

@@ -147,7 +147,19 @@ MODEL_BLOCKS["mind"] = (
     },
     True,
 )
-MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+MODEL_BLOCKS["pepnet"] = (
+    {
+        "main_input": "deep",
+        "domain_input": "dom",
+        "uia_input": "uia",
+        "epnet_hidden_unit": 5,
+        "ppnet_hidden_units": [6, 4],
+        "ppnet_dropout_ratio": [0.1],
+        "task_towers": TASK_TOWERS,
+    },
+    False,
+)
+MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # a row's width: dssm [user | item] of 3 each; dat [user | item | user augment | item augment] of
 # 4 each; mind [user | item | 3 interests] of 4 each
 RETRIEVAL_WIDTH = {"dssm": 6, "dat": 16, "mind": 20}
@@ -179,6 +191,8 @@ def model_config(name):
         if name == "mind":  # and the user's history
             groups[1]["feature_names"] = ["b"]
             groups[2:] = [{"group_name": "seq", "group_type": "sequence", "feature_names": ["s"]}]
+    if name == "pepnet":  # its domain and user-item-author groups
+        groups += [{"group_name": "dom", "feature_names": ["b"]}, {"group_name": "uia", "feature_names": ["a"]}]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
     if name in MULTI_TASK:

@@ -307,6 +307,21 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         for key in ("losses", "metrics"):
             if r.has(key):
                 ctx.refuse(r.at(key), f"a multi-task model's {key} belong in its task_towers", fatal=True)
+        if name == "pepnet":  # TorchEasyRec's PEPNet reads its groups by name
+            if "all" not in groups:
+                ctx.refuse(r.at("feature_groups"), "pepnet needs a group named 'all'", fatal=True)
+            block = out[name]
+            block["main_input"] = "all"
+            for group, key in (("domain", "domain_input"), ("uia", "uia_input")):
+                if group in groups:
+                    block[key] = group
+            if "uia_input" not in block and block.get("ppnet_hidden_units"):
+                ctx.note(
+                    r.at("pepnet"), "ppnet_hidden_units ignored without a 'uia' group, as TorchEasyRec ignores them"
+                )
+                del block["ppnet_hidden_units"]
+            if not block.get("ppnet_hidden_units"):
+                block.pop("ppnet_hidden_units", None)
     elif name in _RETRIEVAL:
         out[_TARGETS[name]] = _two_tower(r, m, ctx, name)
         if name == "dssm_v2":

@@ -172,7 +172,7 @@ def _towers(
 
 # -- the models ----------------------------------------------------------------------------------
 
-MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl")
+MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 
 
 def convert_multi_task(
@@ -209,6 +209,21 @@ def convert_multi_task(
         num_expert = m.integer("num_expert", 3)
         if "expert_hidden_units" in out:
             out["num_expert"] = num_expert
+    elif name == "pepnet":  # its groups ('all', 'domain', 'uia') are set by the caller, which sees them
+        if m.has("epnet_hidden_unit"):
+            out["epnet_hidden_unit"] = m.integer("epnet_hidden_unit", 1)
+        out["epnet_gamma"] = m.number("epnet_gamma", 2.0)
+        out["ppnet_hidden_units"] = m.integers("ppnet_hidden_units")
+        activation = str(m.scalar("ppnet_activation", "nn.ReLU"))
+        if activation not in ("nn.ReLU", "Dice"):
+            m.ctx.refuse(m.at("ppnet_activation"), f"{activation!r} is not supported (nn.ReLU, Dice are)")
+        out["ppnet_activation"] = "dice" if activation == "Dice" else "relu"
+        if ratios := [float(x) for x in m.numbers("ppnet_dropout_ratio")]:
+            out["ppnet_dropout_ratio"] = ratios
+        out["ppnet_gamma"] = m.number("ppnet_gamma", 2.0)
+        if m.has("domain_input_name"):
+            out["domain_label"] = str(m.scalar("domain_input_name"))
+        out["task_domain_num"] = m.integer("task_domain_num", 1)
     out["task_towers"] = _towers(m, labels, mlp, grouping_column, eval_out, bayes=name == "dbmtl")
     m.done()
     return out
