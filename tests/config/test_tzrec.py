@@ -712,8 +712,8 @@ def test_lenient_refuses_by_path_what_cannot_be_dropped_consistently():
     assert "model_config.feature_groups[0]: group 'wide' left empty by the dropped features; deepfm needs it" in str(
         e.value
     )
-    with pytest.raises(ConversionError, match=r"model_config\.pepnet: this model is not supported .*issue 30"):
-        convert_example("examples/pepnet_taobao", lenient=True)
+    with pytest.raises(ConversionError, match=r"model_config\.tdm: this model is not supported .*issue 30"):
+        convert_example("examples/tdm_taobao", lenient=True)
 
 
 # -- relative paths --------------------------------------------------------------------------------
