@@ -6,13 +6,10 @@ import math
 import pytest
 import torch
 
-from dynarec.config import config_from_dict
 from dynarec.config.schema import CapsuleCfg
 from dynarec.models.mind import MIND, CapsuleLayer
-from dynarec.train.trainer import Trainer
 from tests.data.test_sampler import dssm_config
-from tests.models.test_retrieval import item_table_of
-from tests.pipeline_fixtures import make_data
+from tests.models.test_retrieval import trained_on_the_click_log
 
 
 def reference_capsules(cfg: CapsuleCfg, bilinear, sequence, length, start_logits):
@@ -120,14 +117,7 @@ def mind_config(path, **sampler):
 def test_mind_trains_on_the_click_log_to_far_better_than_chance_recall(tmp_path):
     """20 sampled items a batch: chance recall@1 is 1/21; the users' histories point at their
     items. The export serves each user's 3 interests (8 numbers each) and each item."""
-    make_data(tmp_path)
-    c = mind_config(item_table_of(tmp_path), num_sample=20)
-    for key in ("train_input_path", "eval_input_path"):
-        c["data"][key] = str(tmp_path / c["data"][key])
-    c["train"]["num_epochs"] = 6
-    trainer = Trainer(config_from_dict(c), tmp_path / "model", progress=False)
-    before = trainer.evaluate()
-    after = trainer.fit()["eval"]
+    c, trainer, before, after = trained_on_the_click_log(tmp_path, mind_config)
     # chance: 0.048; train.seed 0-3 ended at recall@1 0.54, 0.52, 0.48, 0.49 (recall@5 0.70-0.78)
     assert before["recall@1"] < 0.1 and after["recall@1"] > 0.35
     assert after["recall@5"] > 0.6
