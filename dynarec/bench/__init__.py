@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
     "e2e": (_e2e, "the `dynarec train` command on a Taobao-like log vs a plain-PyTorch peer: samples/s, eval AUC"),
     "fused-step": (_steps("bench_fused_step"), "a fixed table's fused step (CPU: vs FBGEMM TBE; GPU: vs the roofline)"),
     "dynamic-step": (_steps("bench_dynamic_step"), "a dynamic table's step vs a fixed table's on the same ids"),
+    "row-dtype": (_steps("bench_row_dtype"), "a fixed table's step with fp32, bf16 and fp16 rows on the same ids"),
     "hash-find": (_steps("bench_hash_find"), "the hash index's find and find-or-insert"),
     "sweep": (_steps("bench_sweep"), "the fused step across workloads: worst and best ratios"),
     "train-step": (_train_step, "the demo model's step in process (torchrun: weak scaling) vs plain torch"),
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--device", default="cpu")
         p.add_argument("--json", help="also write the report to this JSON file")
-        if name in ("fused-step", "dynamic-step", "hash-find", "sweep"):
+        if name in ("fused-step", "dynamic-step", "row-dtype", "hash-find", "sweep"):
             _step_options(p)
             _timing_options(p)
         if name == "sweep":

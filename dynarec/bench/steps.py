@@ -3,6 +3,7 @@ and sweeps over the workload (``dynarec bench fused-step | dynamic-step | hash-f
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -26,7 +27,7 @@ from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.step import Journal
 from dynarec.optim import SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
 
-__all__ = ["bench_dynamic_step", "bench_fused_step", "bench_hash_find", "bench_sweep"]
+__all__ = ["bench_dynamic_step", "bench_fused_step", "bench_hash_find", "bench_row_dtype", "bench_sweep"]
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "sgd": SGD(lr=0.01),
@@ -197,6 +198,35 @@ def bench_dynamic_step(args) -> dict:
             f"score_strategy {args.score_strategy}"
         )
     return {"benchmark": "dynamic-step", "workload": vars(w), "results": results, "summary": lines}
+
+
+def bench_row_dtype(args) -> dict:
+    """A fixed native table's fused step with its rows in fp32, bf16 and fp16 (states fp32), on
+    the same ids, timed interleaved: each half-precision step against the fp32 one."""
+    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    spec = OPTIMIZERS[args.optimizer]
+    batches = w.batches(device=args.device)
+    kinds = ("fp32", "bf16", "fp16")
+
+    def make(data_type):
+        table = dataclasses.replace(make_table("fixed", "native", w), data_type=data_type)
+        return lambda: EmbeddingCollection([table], spec, device=args.device)
+
+    r = measure(
+        {k: make(k) for k in kinds}, {k: batches for k in kinds}, args.steps, args.runs, args.warmup, args.device
+    )
+    for v in r.values():
+        v.pop("coll")
+    ratios = {f"{k}_over_fp32": ratio(r, k, "fp32") for k in kinds[1:]}
+    lines = [f"{k:>5} rows: {_rate(r[k], args.device)}" for k in kinds]
+    lines.append(", ".join(f"{k} / fp32 = {v:.2f}x" for k, v in zip(kinds[1:], ratios.values())))
+    return {
+        "benchmark": "row-dtype",
+        "workload": vars(w),
+        "optimizer": repr(spec),
+        "results": {**r, **ratios},
+        "summary": lines,
+    }
 
 
 def bench_hash_find(args) -> dict:

@@ -61,6 +61,7 @@ from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.optim.base import OptimizerSpec
+from dynarec.optim.rounding import RowKeys
 
 __all__ = ["DynamicTable", "TableFullError"]
 
@@ -86,7 +87,7 @@ class DynamicTable(EmbeddingTable):
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         store = make_row_store(config, spec, init_buckets * bucket_size, self.device)
         if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by key
-            store.row_keys = lambda slots: self.index.keys[slots]
+            store.row_keys = RowKeys(keys=lambda: self.index.keys)
         #: The index, the rows behind it and how both grow.
         self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
         self.admission: Optional[Admission] = None

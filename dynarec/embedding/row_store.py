@@ -11,14 +11,15 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
+from dynarec.kernels.gpu import HAVE_TRITON
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
+from dynarec.optim.rounding import RowKeys
 
 __all__ = ["NativeRowStore", "RowStore", "RowStoreSlice"]
 
@@ -198,14 +199,13 @@ class NativeRowStore(RowStore):
     ):
         """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
         are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
-        each row's draws keyed by ``row_keys(rows)`` (set by the owning table: a fixed table's
-        global row ids, a dynamic table's keys; default the row indices;
-        :mod:`dynarec.optim.rounding`)."""
+        each row's draws keyed by ``row_keys`` (set by the owning table: a fixed table's global
+        row ids, a dynamic table's keys; default the row indices; :mod:`dynarec.optim.rounding`)."""
         super().__init__(num_rows, dim, spec, torch.device(device))
         self.grad_reducer = grad_reducer
         self.dtype = dtype
         self.rounding_seed = rounding_seed
-        self.row_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.row_keys = RowKeys()
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
@@ -240,7 +240,7 @@ class NativeRowStore(RowStore):
         (Triton on a GPU, ``F.embedding_bag`` elsewhere); half-precision rows are read into
         float32 first, and summed in float32."""
         weight = self.weight
-        if weight.dtype != torch.float32:
+        if weight.dtype != torch.float32 and not (weight.is_cuda and HAVE_TRITON):  # Triton reads them as they are
             weight = weight.index_select(0, rows).float()
             rows = torch.arange(rows.numel(), device=rows.device)
         return torch.ops.dynarec.pooled(weight, rows, offsets, per_sample_weights)
@@ -258,7 +258,7 @@ class RowStoreSlice(NativeRowStore):
     def __init__(self, parent: NativeRowStore, start: int, end: int, grad_reducer: Optional[GradReducer] = None):
         RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
         self.grad_reducer = grad_reducer
-        self.dtype, self.rounding_seed, self.row_keys = parent.dtype, parent.rounding_seed, None
+        self.dtype, self.rounding_seed, self.row_keys = parent.dtype, parent.rounding_seed, RowKeys()
         self.parent = parent
         self.start, self.end = start, end
 

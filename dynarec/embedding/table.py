@@ -29,7 +29,7 @@ from dynarec.embedding.step import Step, StepLifecycle
 from dynarec.embedding.streams import HostReadback, current_stream
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
-from dynarec.optim.rounding import ROW_DTYPES
+from dynarec.optim.rounding import ROW_DTYPES, RowKeys
 
 __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
 
@@ -265,7 +265,7 @@ class FixedTable(EmbeddingTable):
         if store is None:
             store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
         if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by global row id
-            store.row_keys = lambda rows: rows + start
+            store.row_keys = RowKeys(offset=start)
         self._store = store
         chunk = 1 << 16
         with torch.no_grad():

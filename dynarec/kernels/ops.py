@@ -65,7 +65,8 @@ SCHEMAS = {
     "pooled": "(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights) -> Tensor",
     "bag_update": "(Tensor(a!) weight, Tensor(b!)? momentum1, Tensor(c!)? momentum2, Tensor grad_out, Tensor rows,"
     " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
-    " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2) -> ()",
+    " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2,"
+    " Tensor? row_keys=None, int key_offset=0, int rounding_base=0) -> ()",
 }
 
 
@@ -144,8 +145,17 @@ def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]
     return {name: t for name, t in (("momentum1", momentum1), ("momentum2", momentum2)) if t is not None}
 
 
+def _float32_rows(weight: torch.Tensor) -> None:
+    if weight.dtype != torch.float32:
+        raise ValueError(
+            f"dynarec::bag_update stores {weight.dtype} rows on CUDA (Triton) only; elsewhere fused_bag_update "
+            "updates half-precision rows in torch"
+        )
+
+
 def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
-                    eps, wd, beta1, beta2, bias1, bias2):  # fmt: skip
+                    eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
+    _float32_rows(weight)
     if cpu.ops() is None:
         return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
                                     wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2)  # fmt: skip
@@ -203,13 +213,13 @@ def _pooled_triton(weight, rows, offsets, psw):
 
 
 def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
-                       eps, wd, beta1, beta2, bias1, bias2):  # fmt: skip
+                       eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
     from dynarec.kernels.gpu import update
 
     update.bag_update(
         _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
         states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
-        scores=scores, score=score,
+        scores=scores, score=score, row_keys=row_keys, key_offset=key_offset, rounding_base=rounding_base,
     )  # fmt: skip
 
 

@@ -20,10 +20,11 @@ from typing import Optional
 import torch
 
 import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
+from dynarec.kernels.gpu import HAVE_TRITON
 from dynarec.kernels.reference import aggregate, bag_gradients
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
-from dynarec.optim.rounding import rounding_noise, stochastic_round
+from dynarec.optim.rounding import RowKeys, rounding_base, rounding_noise, stochastic_round
 
 __all__ = ["GradReducer", "RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
 
@@ -84,7 +85,7 @@ def fused_bag_update(
     reducer: Optional[GradReducer] = None,
     row_scores: Optional[RowScores] = None,
     rounding_seed: int = 0,
-    row_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    row_keys: RowKeys = RowKeys(),
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
@@ -93,8 +94,8 @@ def fused_bag_update(
     ``row_scores``: also sets the score of each row of ``rows`` (unless withdrawn). With
     ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first.
     ``weight`` float16 / bfloat16: the rows are stored back by stochastic rounding, its draws
-    keyed by ``rounding_seed``, ``step`` and each row's key (``row_keys(rows)``; default the
-    row index)."""
+    keyed by ``rounding_seed``, ``step`` and each row's key (``row_keys``; default the row
+    index): by the Triton kernels on CUDA, by torch ops elsewhere."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -102,13 +103,16 @@ def fused_bag_update(
     if spec.gradient_clipping:
         grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
-    if kernel is not None and reducer is None and weight.dtype == torch.float32:
+    half = weight.dtype != torch.float32
+    if kernel is not None and reducer is None and (not half or (weight.is_cuda and HAVE_TRITON)):
         a = kernel(spec, step)
         scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
+        keys = row_keys.keys() if half and row_keys.keys is not None else None
+        base = rounding_base(rounding_seed, step) if half else 0
         torch.ops.dynarec.bag_update(
             weight, states.get("momentum1"), states.get("momentum2"), grad_out, rows, offsets, per_sample_weights,
             scores, value, int(a.code), int(a.weight_decay_mode), float(lr), a.eps, a.weight_decay, a.beta1, a.beta2,
-            a.bias1, a.bias2,
+            a.bias1, a.bias2, keys, row_keys.offset, base,
         )  # fmt: skip
         return
     unique_rows, agg = aggregate(grad_out, rows, offsets, per_sample_weights)
@@ -116,11 +120,10 @@ def fused_bag_update(
         row_scores.scores.index_fill_(0, unique_rows, row_scores.value)
     if reducer is not None:
         unique_rows, agg = reducer(unique_rows, agg)
-    if weight.dtype == torch.float32:
+    if not half:
         fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)
     else:
-        keys = row_keys(unique_rows) if row_keys is not None else unique_rows
-        _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed, keys)
+        _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed, row_keys.of(unique_rows))
 
 
 @torch.no_grad()

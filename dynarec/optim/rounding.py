@@ -17,14 +17,34 @@ change a draw); a run is reproducible bit for bit and a reference can recompute 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-__all__ = ["ROW_DTYPES", "rounding_noise", "stochastic_round"]
+__all__ = ["ROUNDING_CODES", "ROW_DTYPES", "RowKeys", "rounding_base", "rounding_noise", "stochastic_round"]
 
 # A table's row storage types (TableConfig.data_type) and their torch dtypes.
 ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+# The Triton update's code for each storage type (its ``ROUND`` constexpr): 0 stores float32.
+ROUNDING_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 _M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    """The keys of a row store's rows, which its rounding draws are keyed by: ``keys()[row]``
+    (a dynamic table: its index's key array, read when the update runs) or ``row + offset`` (a
+    fixed table: its global row ids)."""
+
+    keys: Optional[Callable[[], torch.Tensor]] = None
+    offset: int = 0
+
+    def of(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.keys()[rows] if self.keys is not None else rows + self.offset
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -37,10 +57,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def rounding_base(seed: int, step: int) -> int:
+    """The hash of ``(seed, step)`` every draw of a table's step starts from, in ``[0, 2**32)``
+    (the Triton update takes it as an argument)."""
+    return int(_fmix32(torch.tensor((seed * 0x9E3779B1 + step * 0x7FEB352D) & _M32)))
+
+
 def rounding_noise(seed: int, step: int, keys: torch.Tensor, dim: int) -> torch.Tensor:
     """``[U, dim]`` float32 uniform draws in ``[0, 1)`` (24 bits) for the rows of ``keys``
-    (``[U]`` int64, any values) of a table seeded ``seed`` at step ``step``."""
-    base = int(_fmix32(torch.tensor((seed * 0x9E3779B1 + step * 0x7FEB352D) & _M32)))
+    (``[U]`` int64, any values) of a table seeded ``seed`` at step ``step``. The Triton update
+    (``dynarec/kernels/gpu/update.py``) draws the same numbers in uint32 arithmetic."""
+    base = rounding_base(seed, step)
     keys = keys.to(torch.int64)
     high = _fmix32(((keys >> 32) & _M32) ^ base)
     r = _fmix32(((keys & _M32) * 0x27D4EB2F) ^ high)

@@ -18,13 +18,17 @@ SCALARS = dict(
     n="i32", D="i32", lr="fp32", eps="fp32", wd="fp32", beta1="fp32", beta2="fp32", bias1="fp32", bias2="fp32",
     c1="fp32", c2="fp32", decay="fp32",
 )  # fmt: skip
+ROUNDING = dict(keys_ptr=I64, key_offset="i64", round_base="i64")  # a half-precision table's draws
 UPDATE = dict(
     weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, grad_ptr=F32, order_ptr=I64, sorted_rows_ptr=I32, bag_ptr=I64,
-    psw_ptr=F32, scores_ptr=I64, score="i64", part_first_ptr=F32, part_last_ptr=F32, **SCALARS,
+    psw_ptr=F32, scores_ptr=I64, score="i64", part_first_ptr=F32, part_last_ptr=F32, **SCALARS, **ROUNDING,
 )  # fmt: skip
 CROSSING = dict(
-    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **SCALARS
-)
+    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **SCALARS,
+    **ROUNDING,
+)  # fmt: skip
+# half-precision rows: (the weight pointer, the ROUND code, whether a key array gives the rows' keys)
+HALF = [("*bf16", 1, True), ("*fp16", 2, False)]
 # (optimizer code, weight-decay mode): every code without weight decay, and the modes each offers
 OPTIMIZERS = [(int(code), int(WeightDecayCode.NONE)) for code in KernelCode] + [
     (int(KernelCode.ROWWISE_ADAGRAD), int(WeightDecayCode.L2)),
@@ -65,14 +69,25 @@ def kernels():
         *[(plan._displace_kernel, displace, dict(BS=16, BSP=16, EVICT=evict, BLOCK=64)) for evict in (True, False)],
         (plan._place_kernel, place, dict(BLOCK=256)),
         *[(lookup._pooled_kernel, pooled, dict(HAS_W=w, BLOCK_D=128)) for w in (True, False)],
+        (lookup._pooled_kernel, dict(pooled, weight_ptr="*bf16"), dict(HAS_W=True, BLOCK_D=128)),
     ]  # fmt: skip
     for opt, wd in OPTIMIZERS:
-        flags = dict(OPT=opt, WD_MODE=wd)
+        flags = dict(OPT=opt, WD_MODE=wd, ROUND=0, HAS_KEYS=False)
         cases += [
             (update._update_run_kernel, UPDATE, dict(flags, HAS_W=True, HAS_SCORES=True, BLOCK_D=128, L=128)),
             (update._update_block_kernel, UPDATE, dict(flags, HAS_W=False, HAS_SCORES=False, BLOCK_D=16, L=64)),
             (update._update_crossing_kernel, CROSSING, dict(flags, BLOCK_D=128, L=128, P=16)),
         ]
+        for weight, code, keyed in HALF:
+            half = dict(flags, ROUND=code, HAS_KEYS=keyed)
+            cases += [
+                (update._update_run_kernel, dict(UPDATE, weight_ptr=weight),
+                 dict(half, HAS_W=True, HAS_SCORES=True, BLOCK_D=128, L=128)),
+                (update._update_block_kernel, dict(UPDATE, weight_ptr=weight),
+                 dict(half, HAS_W=False, HAS_SCORES=False, BLOCK_D=16, L=64)),
+                (update._update_crossing_kernel, dict(CROSSING, weight_ptr=weight),
+                 dict(half, BLOCK_D=128, L=128, P=16)),
+            ]  # fmt: skip
     return cases
 
 

@@ -107,6 +107,26 @@ def test_every_registered_optimizer_with_kernels_runs_in_the_triton_update_as_it
     gpu_checks.check_registered_kernel(DEVICE, spec, gpu.bag_update)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("keyed", [True, False], ids=["dynamic", "fixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
+def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_them(spec, dtype, keyed, kernel):
+    gpu_checks.check_half_update(DEVICE, spec, dtype, keyed, kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pooled_forward_reads_half_precision_rows_in_float32(dtype):
+    rows, offsets, psw = gpu_checks.random_bags(DEVICE, bags=12, dim=8)
+    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    got = gpu.pooled_forward(weight, rows, offsets, psw)
+    ref = torch.nn.functional.embedding_bag(
+        rows, weight.float(), offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_the_triton_update_has_no_case_for_an_unknown_code():
     """A code without its case in ``_apply_update`` stops the kernel's compilation (under the
     interpreter: its run) with the static assertion's message, somewhere in the error's causes."""

@@ -33,7 +33,7 @@ if HAVE_TRITON:
         i = start
         while i < end:  # a while loop: Triton's interpreter runs it too
             r = tl.load(rows_ptr + i)
-            v = tl.load(weight_ptr + r * D + d, mask=dm, other=0.0)
+            v = tl.load(weight_ptr + r * D + d, mask=dm, other=0.0).to(tl.float32)  # half-precision rows too
             if HAS_W:
                 v = v * tl.load(psw_ptr + i)
             acc += v
@@ -44,7 +44,8 @@ if HAVE_TRITON:
 def pooled_forward(
     weight: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``: ``[num_bags, D]`` float32."""
+    """``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``: ``[num_bags, D]`` float32 (summed in
+    float32 whatever the rows' dtype)."""
     num_bags, dim = offsets.numel() - 1, weight.shape[1]
     out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
     if num_bags:

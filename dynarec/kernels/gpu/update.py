@@ -23,6 +23,7 @@ import torch
 
 from dynarec.kernels.gpu._triton import HAVE_TRITON, row_block
 from dynarec.optim.kernel import KernelCode, WeightDecayCode
+from dynarec.optim.rounding import ROUNDING_CODES
 
 if HAVE_TRITON:
     import triton
@@ -85,16 +86,61 @@ if HAVE_TRITON:
     _WD_DECOUPLED = tl.constexpr(int(WeightDecayCode.DECOUPLED))
 
     @triton.jit
+    def _fmix32(h):
+        """murmur3's 32-bit finalizer, in uint32 arithmetic (``dynarec.optim.rounding``'s)."""
+        h = h ^ (h >> 16)
+        h = h * 0x85EBCA6B
+        h = h ^ (h >> 13)
+        h = h * 0xC2B2AE35
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _store_rows(weight_ptr, off, dm, w, row, live, d, keys_ptr, key_offset, round_base, ROUND, HAS_KEYS):
+        """Stores the updated rows ``w`` ([R, BLOCK_D] float32): as they are (``ROUND`` 0), or
+        by stochastic rounding to bfloat16 (1) or float16 (2) with the draws of
+        ``dynarec.optim.rounding`` (a row's key: ``keys[row]``, or ``row + key_offset``)."""
+        if ROUND == 0:
+            tl.store(weight_ptr + off, w, mask=dm)
+        else:
+            if HAS_KEYS:
+                key = tl.load(keys_ptr + row, mask=live, other=0).to(tl.int64)
+            else:
+                key = row + key_offset
+            high = _fmix32((key >> 32).to(tl.uint32) ^ round_base.to(tl.uint32))
+            r = _fmix32((key.to(tl.uint32) * 0x27D4EB2F) ^ high)
+            h = _fmix32(r[:, None] * 0x165667B1 + d[None, :].to(tl.uint32))
+            u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+            if ROUND == 1:
+                nearest = w.to(tl.bfloat16)
+            else:
+                nearest = w.to(tl.float16)
+            bits = nearest.to(tl.int16, bitcast=True).to(tl.int32)
+            # sign-magnitude: one less in the int16 view is one step toward zero, for either sign
+            lo_bits = tl.where(tl.abs(nearest.to(tl.float32)) > tl.abs(w), bits - 1, bits)
+            hi_bits = lo_bits + 1
+            if ROUND == 1:
+                lo = lo_bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+                hi = hi_bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+                out = tl.where(u < (w - lo) / (hi - lo), hi_bits, lo_bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                lo = lo_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                hi = hi_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                out = tl.where(u < (w - lo) / (hi - lo), hi_bits, lo_bits).to(tl.int16).to(tl.float16, bitcast=True)
+            tl.store(weight_ptr + off, out, mask=dm)
+
+    @triton.jit
     def _apply_update(
         weight_ptr, s1_ptr, s2_ptr, row, live, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr,
+        keys_ptr, key_offset, round_base,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
     ):  # fmt: skip
         """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
         aggregated gradients ``g`` ([R, BLOCK_D] float32): one case per ``KernelCode`` (a code
-        without one does not compile)."""
+        without one does not compile). Rows of a half-precision table (``ROUND``) are read into
+        float32 and stored by :func:`_store_rows`."""
         dm = live[:, None] & (d < D)[None, :]
         off = row[:, None] * D + d[None, :]
-        w = tl.load(weight_ptr + off, mask=dm, other=0.0)
+        w = tl.load(weight_ptr + off, mask=dm, other=0.0).to(tl.float32)
         if OPT == _SGD:
             w = w - lr * g
         elif OPT == _ADAGRAD:  # h += g*g; w -= lr * g / (sqrt(h) + eps)
@@ -124,7 +170,7 @@ if HAVE_TRITON:
             w = w - lr * upd
         else:
             tl.static_assert(False, "_apply_update has no case for this kernel code")
-        tl.store(weight_ptr + off, w, mask=dm)
+        _store_rows(weight_ptr, off, dm, w, row, live, d, keys_ptr, key_offset, round_base, ROUND, HAS_KEYS)
 
     @triton.jit
     def _segmented_add(v1, f1, v2, f2):
@@ -136,8 +182,9 @@ if HAVE_TRITON:
     def _update_block_kernel(
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
-        BLOCK_D: tl.constexpr, L: tl.constexpr,
+        keys_ptr, key_offset, round_base,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, as one [L, BLOCK_D] tile: their
         gradients gathered, summed per run of equal rows by a segmented scan, and every row whose
@@ -170,7 +217,7 @@ if HAVE_TRITON:
         whole = ends & ~crosses_start
         _apply_update(
             weight_ptr, s1_ptr, s2_ptr, row, whole, sums, d, D, lr, eps, wd, beta1, beta2,
-            bias1, bias2, c1, c2, decay, OPT, WD_MODE,
+            bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
         )  # fmt: skip
         first_end = crosses_start & ((row != nxt) | (lane == L - 1))
         if tl.max(first_end.to(tl.int32), axis=0) > 0:
@@ -184,8 +231,9 @@ if HAVE_TRITON:
     def _update_run_kernel(
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr,
-        BLOCK_D: tl.constexpr, L: tl.constexpr,
+        keys_ptr, key_offset, round_base,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, read one at a time: each gradient
         row added to its run's sum in occurrence order, and a run's row updated where the run
@@ -218,7 +266,8 @@ if HAVE_TRITON:
                 else:
                     _apply_update(
                         weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
-                        acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, OPT, WD_MODE,
+                        acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+                        keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
                     )  # fmt: skip
                 acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                 first = False
@@ -232,8 +281,9 @@ if HAVE_TRITON:
     @triton.jit
     def _update_crossing_kernel(
         weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr,
-        n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+        n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        BLOCK_D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     ):  # fmt: skip
         """One program per block whose last run begins in it and goes on past it (a hot row, or
         a run cut by a block boundary): its ``part_last``, then the ``part_first`` of each next
@@ -258,7 +308,8 @@ if HAVE_TRITON:
                 c = tl.where(tl.min(on.to(tl.int32), axis=0) > 0, c + P, blocks)  # a block off the run: done
             _apply_update(
                 weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
-                g[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, OPT, WD_MODE,
+                g[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+                keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
             )  # fmt: skip
 
 
@@ -274,6 +325,9 @@ def bag_update(
     grad_out: torch.Tensor,
     scores: Optional[torch.Tensor] = None,
     score: int = 0,
+    row_keys: Optional[torch.Tensor] = None,
+    key_offset: int = 0,
+    rounding_base: int = 0,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
@@ -284,7 +338,10 @@ def bag_update(
     its runs of equal rows and updates each run that starts and ends in it; a run crossing blocks
     (a hot row) is finished by the block where it starts, from the other blocks' partial sums, in
     block order. Four torch ops and two kernels a step. ``scores`` (``[num_rows]`` int64): the
-    block where a row's run ends also sets ``scores[row] = score``."""
+    block where a row's run ends also sets ``scores[row] = score``. A ``weight`` of bfloat16 or
+    float16 is updated in float32 and stored by stochastic rounding, each row's draws keyed by
+    ``row_keys[row]`` (or ``row + key_offset``) from ``rounding_base``
+    (:mod:`dynarec.optim.rounding`)."""
     n, dim = rows.numel(), weight.shape[1]
     if n == 0:
         return
@@ -315,22 +372,26 @@ def bag_update(
         1.0 - args.beta2,
         1.0 - lr * args.weight_decay,
     )
-    opt = dict(OPT=int(args.code), WD_MODE=int(args.weight_decay_mode), BLOCK_D=block_d, L=block)
+    rounding = (row_keys if row_keys is not None else sorted_rows, int(key_offset), int(rounding_base))
+    opt = dict(
+        OPT=int(args.code), WD_MODE=int(args.weight_decay_mode), ROUND=ROUNDING_CODES[weight.dtype],
+        HAS_KEYS=row_keys is not None, BLOCK_D=block_d, L=block,
+    )  # fmt: skip
     runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=scores is not None)
     if scores is None:
         scores = sorted_rows  # not read
     if kernel == "run":
         _update_run_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, **opt, **runs, num_warps=_tile_warps(block_d),
+            *scalars, *rounding, **opt, **runs, num_warps=_tile_warps(block_d),
         )  # fmt: skip
     else:
         _update_block_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, **opt, **runs, num_warps=_tile_warps(block * block_d),
+            *scalars, *rounding, **opt, **runs, num_warps=_tile_warps(block * block_d),
         )  # fmt: skip
     if blocks > 1:
         _update_crossing_kernel[(blocks - 1,)](
-            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, **opt, P=tuning.crossing_blocks,
-            num_warps=_tile_warps(block_d),
+            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, *rounding, **opt,
+            P=tuning.crossing_blocks, num_warps=_tile_warps(block_d),
         )  # fmt: skip

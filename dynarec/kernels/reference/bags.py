@@ -69,13 +69,19 @@ def bag_update(
     beta2: float,
     bias1: float,
     bias2: float,
+    row_keys: Optional[torch.Tensor] = None,
+    key_offset: int = 0,
+    rounding_base: int = 0,
 ) -> None:
     """The fused backward + update of one step of bags: each unique row of ``rows`` once, with
     the sum of its occurrences' gradients (``grad_out`` ``[num_bags, D]``), by the optimizer of
     ``code`` (``dynarec.optim.kernel``; its scalars as ``KernelArgs`` has them), in place on
     ``weight`` ``[num_rows, D]`` and the optimizer's states (``[num_rows, D or 1]`` float32, None
     where it has none). ``scores`` (``[num_rows]`` int64): ``scores[row] = score`` for each row
-    updated."""
+    updated. Float32 rows only (``row_keys``, ``key_offset``, ``rounding_base``: the Triton
+    kernel's half-precision rounding, not taken here)."""
+    if weight.dtype != torch.float32:
+        raise ValueError(f"the reference dynarec::bag_update updates float32 rows, not {weight.dtype}")
     if rows.numel() == 0:
         return
     unique_rows, grad = aggregate(grad_out, rows, offsets, per_sample_weights)
