@@ -23,7 +23,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ROUNDING_CODES", "ROW_DTYPES", "RowKeys", "rounding_base", "rounding_noise", "stochastic_round"]
+__all__ = [
+    "ROUNDING_CODES",
+    "ROW_DTYPES",
+    "RowKeys",
+    "rounded_match",
+    "rounding_base",
+    "rounding_noise",
+    "stochastic_round",
+]
 
 # A table's row storage types (TableConfig.data_type) and their torch dtypes.
 ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,3 +99,26 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -
     lo, hi = lo_bits.view(dtype).float(), hi_bits.view(dtype).float()
     up = noise < (x - lo) / (hi - lo)  # False where x is lo exactly, or NaN, or infinite
     return torch.where(up, hi_bits, lo_bits).view(dtype)
+
+
+def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    nearest = x.to(dtype)
+    bits = nearest.view(torch.int16)
+    lo_bits = torch.where(nearest.float().abs() > x.abs(), bits - 1, bits)
+    return lo_bits.view(dtype).float(), (lo_bits + 1).view(dtype).float()
+
+
+def rounded_match(
+    stored: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor, rtol: float, atol: float
+) -> torch.Tensor:
+    """Elementwise: ``stored`` (the table's half-precision values, as float32) is the rounding
+    of a reference's float32 update ``x`` with ``noise``, allowing for the update itself being
+    equal only to ``atol + rtol * |x|``: where the draw lies within that much of the threshold
+    between the two neighbours of ``x``, either neighbour is a match (two float32 results that
+    differ in their last bits may round apart there); elsewhere only the rounding of ``x``."""
+    lo, hi = _neighbours(x, dtype)
+    exact = stored == stochastic_round(x, dtype, noise).float()
+    step = (hi - lo).abs()
+    p = (x - lo) / (hi - lo)
+    close = (noise - p).abs() * step <= atol + rtol * x.abs()
+    return exact | (close & ((stored == lo) | (stored == hi)))

@@ -4,7 +4,7 @@ rule bit for bit, and reproducible draws."""
 import pytest
 import torch
 
-from dynarec.optim.rounding import rounding_noise, stochastic_round
+from dynarec.optim.rounding import rounded_match, rounding_noise, stochastic_round
 
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -67,3 +67,20 @@ def test_draws_depend_on_seed_step_row_and_column_only():
         assert (other != a).float().mean() > 0.99
     many = rounding_noise(0, 1, torch.arange(4096), 64)
     assert abs(float(many.mean()) - 0.5) < 0.005 and abs(float((many < 0.25).float().mean()) - 0.25) < 0.005
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounded_match_allows_a_flip_only_where_the_draw_straddles_two_close_updates(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(20000, generator=g)
+    noise = torch.rand(20000, generator=g)
+    stored = stochastic_round(x, dtype, noise).float()
+    assert rounded_match(stored, x, dtype, noise, rtol=1e-5, atol=1e-6).all()
+    # an update one float32 ulp away rounds apart only where its draw sits at the threshold
+    nudged = torch.nextafter(x, torch.full_like(x, float("inf")))
+    other = stochastic_round(nudged, dtype, noise).float()
+    assert rounded_match(other, x, dtype, noise, rtol=1e-5, atol=1e-6).all()
+    # nearest rounding, or a value past the neighbours, does not match
+    nearest = x.to(dtype).float()
+    assert (~rounded_match(nearest, x, dtype, noise, rtol=1e-5, atol=1e-6)).float().mean() > 0.2
+    assert not rounded_match(stored * 1.1 + 0.01, x, dtype, noise, rtol=1e-5, atol=1e-6).any()
