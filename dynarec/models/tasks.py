@@ -142,13 +142,8 @@ class Tasks:
                 f"label '{self.domain_label}' (model.pepnet.domain_label) is {value:g} in a row: a domain is an "
                 f"integer in [0, {self.domains}) (task_domain_num)"
             )
-        index = domain.long()
-        parts, start = [], 0
-        for w in self.widths:
-            block = cols[:, start : start + w * self.domains].reshape(rows, self.domains, w)
-            parts.append(block.gather(1, index[:, None, None].expand(-1, 1, w)).squeeze(1))
-            start += w * self.domains
-        return torch.cat(parts, dim=1)
+        heads = torch.stack(self._by_domain(cols), dim=1)  # [B, domains, width]
+        return heads.gather(1, domain.long()[:, None, None].expand(-1, 1, self.width)).squeeze(1)
 
     def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Each task's logits: ``[B]`` for one output, ``[B, num_class]`` otherwise."""
@@ -246,7 +241,7 @@ class Tasks:
         heads = [logits] if self._domain is None else self._by_domain(logits)
         for d, head in enumerate(heads):
             for t, z in zip(self.towers, self.split(head)):
-                name = self._domain_names(t)[min(d, len(heads) - 1)]
+                name = self._domain_names(t)[d]
                 if t.kind == "binary":
                     out[name] = torch.sigmoid(z)
                 elif t.kind == "multiclass":

@@ -91,21 +91,20 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -
     they are; a value past the type's range saturates at its largest finite value."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"stochastic rounding stores float16 or bfloat16, not {dtype}")
-    nearest = x.to(dtype)
-    bits = nearest.view(torch.int16)
-    # Sign-magnitude: for either sign, one less in the int16 view is one step toward zero.
-    lo_bits = torch.where(nearest.float().abs() > x.abs(), bits - 1, bits)
-    hi_bits = lo_bits + 1
+    lo_bits, hi_bits = _neighbour_bits(x, dtype)
     lo, hi = lo_bits.view(dtype).float(), hi_bits.view(dtype).float()
     up = noise < (x - lo) / (hi - lo)  # False where x is lo exactly, or NaN, or infinite
     return torch.where(up, hi_bits, lo_bits).view(dtype)
 
 
-def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _neighbour_bits(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 bits of the ``dtype`` values just below and just above ``|x|`` in magnitude
+    (``x`` itself below where ``dtype`` holds it exactly)."""
     nearest = x.to(dtype)
     bits = nearest.view(torch.int16)
+    # Sign-magnitude: for either sign, one less in the int16 view is one step toward zero.
     lo_bits = torch.where(nearest.float().abs() > x.abs(), bits - 1, bits)
-    return lo_bits.view(dtype).float(), (lo_bits + 1).view(dtype).float()
+    return lo_bits, lo_bits + 1
 
 
 def rounded_match(
@@ -116,7 +115,8 @@ def rounded_match(
     equal only to ``atol + rtol * |x|``: where the draw lies within that much of the threshold
     between the two neighbours of ``x``, either neighbour is a match (two float32 results that
     differ in their last bits may round apart there); elsewhere only the rounding of ``x``."""
-    lo, hi = _neighbours(x, dtype)
+    lo_bits, hi_bits = _neighbour_bits(x, dtype)
+    lo, hi = lo_bits.view(dtype).float(), hi_bits.view(dtype).float()
     exact = stored == stochastic_round(x, dtype, noise).float()
     step = (hi - lo).abs()
     p = (x - lo) / (hi - lo)
