@@ -14,6 +14,7 @@ Usage:
 
     python benchmarks/tools/profile_train.py --device cuda --batch 4096 --steps 50 --cprofile
     python benchmarks/tools/profile_train.py --device cuda --config dlrm.yaml --steps 50
+    python benchmarks/tools/profile_train.py --device cuda --set train.cuda_graphs=false
 """
 
 import argparse
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from dynarec.bench.common import cached_click_log
@@ -66,6 +68,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch's intra-op threads in this process")
     p.add_argument("--no-pin", action="store_true", help="batches in pageable memory")
     p.add_argument("--config", help="profile this config (its data paths as they are; --batch ignored)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config field, dotted, its value as YAML (e.g. train.cuda_graphs=false); repeatable",
+    )
     a = p.parse_args()
     if a.config:
         raw = json.loads(load_config(a.config).model_dump_json())
@@ -74,6 +83,13 @@ def main() -> None:
         spec = e2e_spec(a.train_rows, 10_000)
         raw = e2e_config(spec, cached_click_log(spec), a.batch, 1, a.workers)
     raw["data"]["eval_input_path"] = None
+    for item in a.set:
+        key, _, value = item.partition("=")
+        *parents, last = key.split(".")
+        node = raw
+        for k in parents:
+            node = node[k]
+        node[last] = yaml.safe_load(value)
     raw["train"].update(num_epochs=None, num_steps=10**9, log_step_count_steps=10**9)
     on_cuda = a.device.startswith("cuda")
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)

@@ -804,6 +804,10 @@ class TrainCfg(Strict):
     # The dense optimizer steps every this many steps on the sum of their gradients, each step's
     # loss divided by it; the tables' fused updates run every step (TorchEasyRec's rule).
     gradient_accumulation_steps: Count = 1
+    # On a GPU, in one process: the dense model's training forward and backward replayed as CUDA
+    # graphs, one per input shape (dynarec/train/graphs.py). Not with mixed_precision or
+    # gradient_accumulation_steps > 1, where the model runs eagerly.
+    cuda_graphs: bool = True
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

@@ -26,7 +26,7 @@ Every op has four implementations:
 Where the table says ``torch``, that device runs the default. The C++ and Triton planners hold a
 bucket's claims in one 64-bit mask: a bucket of more than 64 slots is planned by the default.
 
-Defined with ``torch.library.define`` and ``register_kernel`` / ``register_fake`` rather than
+Defined with ``torch.library.define``, ``impl`` and ``register_fake`` rather than
 ``torch.library.custom_op``: the same dispatcher registrations, without the Python wrapper
 custom_op adds around every call (several times the dispatch itself; a GPU step is host-bound,
 and a dynamic table makes several of these calls a step).
@@ -289,10 +289,13 @@ def _register() -> None:
         torch.library.register_fake(qualname, fake)
         if triton is not None and _TRITON_ON_CPU:
             on_cpu = triton
+        # torch.library.impl, not register_kernel: register_kernel wraps the kernel in
+        # torch._disable_dynamo, whose first call imports torch._dynamo (seconds, once a
+        # process) and whose every call sets and resets the frame evaluator.
         if on_cpu is not None:
-            torch.library.register_kernel(qualname, "cpu", on_cpu)
+            torch.library.impl(qualname, "cpu", on_cpu)
         if triton is not None and _triton.HAVE_TRITON:
-            torch.library.register_kernel(qualname, "cuda", triton)
+            torch.library.impl(qualname, "cuda", triton)
 
 
 _register()

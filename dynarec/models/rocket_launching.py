@@ -38,6 +38,10 @@ def _hidden(mlp: MLP, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 class RocketLaunching(nn.Module):
+    # Its forward leaves the booster's outputs in self.teaching for the loss: a CUDA graph's
+    # replay would not set them (dynarec.train.graphs).
+    capturable = False
+
     def __init__(self, config: Config, cfg: RocketLaunchingCfg):
         super().__init__()
         self.cfg = cfg

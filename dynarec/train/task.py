@@ -24,6 +24,7 @@ from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
+from dynarec.train.graphs import DenseGraphs
 
 __all__ = ["RankingTask", "check_dense_fits"]
 
@@ -93,6 +94,20 @@ class RankingTask(nn.Module):
             )
             ddp.register_comm_hook(self.ctx.group, _allreduce_sum_hook)
             self._dense_forward = ddp
+        # Captured in training where the graphs can hold: one process (no DDP hooks), float32,
+        # gradients not accumulated over steps (a replay rewrites the buffer a parameter's .grad
+        # was taken from), and a model that keeps nothing of a forward pass outside its outputs.
+        train = config.train
+        self.graphs: Optional[DenseGraphs] = None
+        if (
+            train.cuda_graphs
+            and self.device.type == "cuda"
+            and not self.ctx.distributed
+            and train.mixed_precision is None
+            and train.gradient_accumulation_steps == 1
+            and getattr(self.dense, "capturable", True)
+        ):
+            self.graphs = DenseGraphs(self.dense)
         self.sequence_features = sequence_names(config)
         self.element_pooling = element_poolings(config)
 
@@ -103,6 +118,8 @@ class RankingTask(nn.Module):
         # A retrieval model's batch may end with sampled items: the model learns where its users end.
         extra = {"rows": batch.num_rows} if batch.sampled_rows else {}
         if not low_precision:
+            if self.graphs is not None and self.training and not extra:
+                return self.graphs(*inputs)
             return self._dense_forward(*inputs, **extra)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             logits = self._dense_forward(*inputs, **extra)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -90,9 +91,19 @@ class Trainer:
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
+        if self.task.graphs is not None:
+            self.task.graphs.on_refusal = self._graphs_refused
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         self.position = DataPosition()
+
+    def _graphs_refused(self, reason: str) -> None:
+        print(
+            f"step {self.step + 1}: the dense model runs eagerly: its CUDA graph capture failed ({reason}); "
+            "train.cuda_graphs: false skips the attempt",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @property
     def global_batch_size(self) -> int:

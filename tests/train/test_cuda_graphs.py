@@ -1,0 +1,132 @@
+"""The dense model's CUDA graphs (dynarec.train.graphs): replays equal eager passes — outputs,
+parameter and input gradients, batch-norm statistics, dropout draws — a new input shape gets its
+own graph, a model that cannot be captured runs eagerly with the reason reported once, and a
+trained run with graphs equals the one without."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dynarec.config import load_config
+from dynarec.train.graphs import DenseGraphs
+from dynarec.train.trainer import Trainer
+from tests.matrix import needs_cuda
+from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+
+class _Dense(nn.Module):
+    """The dense models' contract: (embeddings, sequence lengths, dense features) -> logits."""
+
+    def __init__(self, host_read: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(9, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+        self.host_read = host_read
+
+    def forward(self, emb, lengths, dense):
+        seq = emb["hist"].sum(1) / lengths["hist"].clamp(min=1)[:, None]
+        x = torch.cat([emb["user"], seq, dense["price"][:, None]], 1)
+        if self.host_read and float(x.abs().max()) > 1e9:  # a host read: not capturable
+            x = x * 0
+        return self.net(x).squeeze(1)
+
+
+def _inputs(batch: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    emb = {
+        "user": torch.randn(batch, 4, generator=g).cuda().requires_grad_(),
+        "hist": torch.randn(batch, length, 4, generator=g).cuda().requires_grad_(),
+    }
+    lengths = {"hist": torch.randint(0, length + 1, (batch,), generator=g).cuda()}
+    dense = {"price": torch.rand(batch, generator=g).cuda()}
+    return emb, lengths, dense
+
+
+def _step(model, forward, inputs, seed):
+    torch.manual_seed(seed)
+    out = forward(*inputs)
+    (out.square().mean() + out.mean()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    input_grads = {n: t.grad.clone() for n, t in inputs[0].items()}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads.values()):
+            p -= 0.1 * g
+    return out.detach().clone(), grads, input_grads
+
+
+@needs_cuda
+def test_replays_equal_eager_passes():
+    torch.manual_seed(0)
+    eager = _Dense().cuda()
+    graphed_model = copy.deepcopy(eager)
+    graphs = DenseGraphs(graphed_model)
+    shapes = [(64, 5), (64, 5), (64, 5), (32, 5), (64, 7), (64, 5)]
+    for i, (batch, length) in enumerate(shapes):
+        want = _step(eager, eager, _inputs(batch, length, i), 100 + i)
+        got = _step(graphed_model, graphs, _inputs(batch, length, i), 100 + i)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        for (name, b), gb in zip(eager.named_buffers(), graphed_model.buffers()):
+            torch.testing.assert_close(gb, b, rtol=1e-5, atol=1e-6, msg=f"step {i}: buffer {name}")
+    assert graphs.refused is None
+    assert graphs.num_graphs == 3  # (64, 5), (32, 5), (64, 7)
+    assert graphs.replays == len(shapes)
+
+
+@needs_cuda
+def test_signatures_beyond_the_limit_run_eagerly():
+    torch.manual_seed(0)
+    model = _Dense().cuda()
+    graphs = DenseGraphs(model, max_graphs=1)
+    graphs(*_inputs(16, 3, 0))
+    out = graphs(*_inputs(8, 3, 1))
+    assert graphs.num_graphs == 1 and graphs.replays == 1
+    assert out.shape == (8,)
+
+
+@needs_cuda
+def test_a_model_that_reads_the_host_runs_eagerly_and_says_why():
+    torch.manual_seed(0)
+    eager = _Dense(host_read=True).cuda()
+    model = copy.deepcopy(eager)
+    reasons = []
+    graphs = DenseGraphs(model, on_refusal=reasons.append)
+    for i in range(3):
+        want = _step(eager, eager, _inputs(16, 3, i), i)
+        got = _step(model, graphs, _inputs(16, 3, i), i)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(reasons) == 1 and graphs.refused == reasons[0]
+    assert graphs.num_graphs == 0 and graphs.replays == 0
+    torch.cuda.synchronize()  # the device is still usable
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_training_with_graphs_equals_training_without(tmp_path):
+    make_data(tmp_path)
+    runs = {}
+    for graphs in (True, False):
+        config = load_config(write_config(tmp_path, config_dict(train__cuda_graphs=graphs), f"g{graphs}.yaml"))
+        trainer = Trainer(config, tmp_path / f"model-{graphs}", device="cuda", progress=False)
+        metrics = trainer.fit()
+        runs[graphs] = (metrics, trainer)
+    (m_on, on), (m_off, off) = runs[True], runs[False]
+    assert off.task.graphs is None
+    assert on.task.graphs.refused is None and on.task.graphs.num_graphs >= 1
+    assert on.task.graphs.replays == m_on["step"] == m_off["step"]
+    assert m_on["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-4)
+    for (name, p), q in zip(off.task.dense.named_parameters(), on.task.dense.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+    for name, table in off.task.embeddings.tables.items():
+        got = on.task.embeddings.tables[name].dump()["weight"]
+        torch.testing.assert_close(got, table.dump()["weight"], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_no_graphs_off_the_gpu(tmp_path):
+    make_data(tmp_path)
+    config = load_config(write_config(tmp_path, config_dict()))
+    assert config.train.cuda_graphs
+    assert Trainer(config, tmp_path / "m", device="cpu", progress=False).task.graphs is None
