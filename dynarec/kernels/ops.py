@@ -47,7 +47,7 @@ from dynarec.kernels.gpu import _triton
 from dynarec.kernels.layout import NO_SLOT
 from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode
 
-__all__ = ["SCHEMAS"]
+__all__ = ["SCHEMAS", "stores_half_rows"]
 
 _MAX_KERNEL_BUCKET = 64  # the C++ and Triton planners keep a bucket's claims in one 64-bit mask
 
@@ -145,25 +145,29 @@ def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]
     return {name: t for name, t in (("momentum1", momentum1), ("momentum2", momentum2)) if t is not None}
 
 
-def _float32_rows(weight: torch.Tensor) -> None:
-    if weight.dtype != torch.float32:
-        raise ValueError(
-            f"dynarec::bag_update stores {weight.dtype} rows on CUDA (Triton) only; elsewhere fused_bag_update "
-            "updates half-precision rows in torch"
-        )
-
-
 def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
                     eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
-    _float32_rows(weight)
     if cpu.ops() is None:
+        if weight.dtype != torch.float32:
+            raise ValueError(
+                f"dynarec::bag_update stores {weight.dtype} rows with the C++ extension or Triton only; without "
+                "them fused_bag_update updates half-precision rows in torch"
+            )
         return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
                                     wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2)  # fmt: skip
     cpu.bag_update(
         _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
         states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
-        scores=scores, score=score,
+        scores=scores, score=score, row_keys=row_keys, key_offset=key_offset, rounding_base=rounding_base,
     )  # fmt: skip
+
+
+def stores_half_rows(device: torch.device) -> bool:
+    """Whether ``dynarec::bag_update`` stores float16 / bfloat16 rows on ``device``: Triton's
+    kernels (CUDA, or the CPU under Triton's interpreter) and the C++ extension do."""
+    if device.type == "cuda":
+        return _triton.HAVE_TRITON
+    return device.type == "cpu" and (_TRITON_ON_CPU or cpu.ops() is not None)
 
 
 # -- CUDA (and CPU under Triton's interpreter): the Triton kernels ------------------------------

@@ -28,9 +28,11 @@ __all__ = [
 
 
 def _fused(params: list[torch.nn.Parameter]) -> Optional[bool]:
-    """torch's fused update (one kernel for every parameter) where every parameter is on a GPU;
-    elsewhere torch's default."""
-    return True if params and all(p.is_cuda for p in params) else None
+    """torch's fused update (one kernel for every parameter) where every parameter is on one
+    CPU or GPU device type; elsewhere torch's default. On the CPU too: torch's default there is
+    a loop of a dozen ops per parameter (DIN's dense Adam step: 1.2 ms -> 0.23 ms on 2 cores)."""
+    kinds = {p.device.type for p in params}
+    return True if len(kinds) == 1 and kinds <= {"cpu", "cuda"} else None
 
 
 @dataclass(frozen=True)

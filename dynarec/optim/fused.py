@@ -19,8 +19,7 @@ from typing import Optional
 
 import torch
 
-import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
-from dynarec.kernels.gpu import HAVE_TRITON
+import dynarec.kernels.ops  # registers torch.ops.dynarec (a module: it imports dynarec.optim itself)
 from dynarec.kernels.reference import aggregate, bag_gradients
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
@@ -95,7 +94,8 @@ def fused_bag_update(
     ``spec.gradient_clipping``, ``grad_out`` is clamped elementwise to ``max_gradient`` first.
     ``weight`` float16 / bfloat16: the rows are stored back by stochastic rounding, its draws
     keyed by ``rounding_seed``, ``step`` and each row's key (``row_keys``; default the row
-    index): by the Triton kernels on CUDA, by torch ops elsewhere."""
+    index): by the Triton kernels on CUDA and the C++ kernel on the CPU (torch ops where there
+    is neither, and for data-parallel tables)."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -104,7 +104,7 @@ def fused_bag_update(
         grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
     half = weight.dtype != torch.float32
-    if kernel is not None and reducer is None and (not half or (weight.is_cuda and HAVE_TRITON)):
+    if kernel is not None and reducer is None and (not half or dynarec.kernels.ops.stores_half_rows(weight.device)):
         a = kernel(spec, step)
         scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
         keys = row_keys.keys() if half and row_keys.keys is not None else None
@@ -115,12 +115,36 @@ def fused_bag_update(
             a.bias1, a.bias2, keys, row_keys.offset, base,
         )  # fmt: skip
         return
+    torch_bag_update(
+        spec, lr, step, weight, states, rows, offsets, per_sample_weights, grad_out, reducer, row_scores, rounding_seed,
+        row_keys,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def torch_bag_update(
+    spec: OptimizerSpec,
+    lr: float,
+    step: int,
+    weight: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    grad_out: torch.Tensor,
+    reducer: Optional[GradReducer] = None,
+    row_scores: Optional[RowScores] = None,
+    rounding_seed: int = 0,
+    row_keys: RowKeys = RowKeys(),
+) -> None:
+    """:func:`fused_bag_update` in torch ops (its gradient already clamped): the kernels'
+    reference, and the path of optimizers without kernels and of data-parallel tables."""
     unique_rows, agg = aggregate(grad_out, rows, offsets, per_sample_weights)
     if row_scores is not None:
         row_scores.scores.index_fill_(0, unique_rows, row_scores.value)
     if reducer is not None:
         unique_rows, agg = reducer(unique_rows, agg)
-    if not half:
+    if weight.dtype == torch.float32:
         fused_row_update(spec, lr=lr, step=step, weight=weight, states=states, rows=unique_rows, grad=agg)
     else:
         _rounded_row_update(spec, lr, step, weight, states, unique_rows, agg, rounding_seed, row_keys.of(unique_rows))

@@ -346,14 +346,14 @@ def check_registered_kernel(device, spec, update, dim=6, steps=2, num_rows=30):
         torch.testing.assert_close(states[k].cpu(), states_ref[k], rtol=1e-5, atol=1e-6)
 
 
-def check_half_update(device, spec, dtype, keyed, dim=8, steps=3, kernel=None, max_len=6):
-    """The Triton update of half-precision rows (``dtype``) against the torch path of
+def check_half_update(device, spec, dtype, keyed, dim=8, steps=3, kernel=None, max_len=6, update=None):
+    """The Triton update (or ``update``: the C++ one) of half-precision rows (``dtype``) against the torch path of
     ``fused_bag_update`` on a CPU copy: the same fp32 update, stored by the same keyed
     stochastic rounding (``keyed``: a dynamic table's key array, else row + offset). Where the
     kernel's float32 arithmetic matches torch's to the bit (SGD: one multiply and subtract) the
     rows match to the bit; elsewhere a draw may flip where the two float32 results straddle it,
     one storage step."""
-    from dynarec.optim.fused import fused_bag_update
+    from dynarec.optim.fused import torch_bag_update
     from dynarec.optim.rounding import RowKeys
 
     g = torch.Generator().manual_seed(3)
@@ -365,16 +365,16 @@ def check_half_update(device, spec, dtype, keyed, dim=8, steps=3, kernel=None, m
     for step in range(1, steps + 1):
         rows, offsets, psw = random_bags("cpu", bags=40, dim=dim, seed=step, max_len=max_len)
         grad_out = torch.randn(offsets.numel() - 1, dim, generator=g)
-        with tuned(gpu_update, kernel=kernel):
-            gpu.bag_update(
+        with tuned(gpu_update, kernel=kernel) if update is None else contextlib.nullcontext():
+            (update or gpu.bag_update)(
                 definition(spec).kernel(spec, step), lr=spec.lr, weight=w, states=states, rows=rows.to(device),
                 offsets=offsets.to(device), per_sample_weights=psw.to(device), grad_out=grad_out.to(device),
                 row_keys=keys.to(device) if keyed else None, key_offset=0 if keyed else 1000,
                 rounding_base=rounding_base(11, step),
             )  # fmt: skip
-        fused_bag_update(
-            spec, lr=spec.lr, step=step, weight=w_cpu, states=states_cpu, rows=rows, offsets=offsets,
-            per_sample_weights=psw, grad_out=grad_out, rounding_seed=11, row_keys=row_keys_cpu,
+        torch_bag_update(
+            spec, spec.lr, step, w_cpu, states_cpu, rows, offsets, psw, grad_out, rounding_seed=11,
+            row_keys=row_keys_cpu,
         )  # fmt: skip
     got, want = w.cpu().float(), w_cpu.float()
     assert w.dtype == dtype

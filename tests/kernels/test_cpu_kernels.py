@@ -76,6 +76,38 @@ def test_every_registered_optimizer_with_kernels_runs_in_the_cpp_update_as_its_r
     gpu_checks.check_registered_kernel("cpu", spec, cpu.bag_update)
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["dynamic", "fixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
+def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_them(spec, dtype, keyed):
+    """The C++ update of bf16 / fp16 rows: the torch path's fp32 update stored by the same keyed
+    stochastic rounding (bit for bit where the float32 arithmetic is, SGD)."""
+    gpu_checks.check_half_update("cpu", spec, dtype, keyed, update=cpu.bag_update, max_len=60)
+
+
+def test_half_precision_rounding_of_special_values_matches_the_torch_rounding():
+    """Zeros, subnormals, the largest finite values and beyond (saturated), infinities and NaN:
+    one SGD step of lr 0 stores each value as ``stochastic_round`` does."""
+    from dynarec.optim import SGD
+    from dynarec.optim.rounding import rounding_base, rounding_noise, stochastic_round
+
+    for dtype in (torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        values = torch.tensor(
+            [0.0, -0.0, info.tiny / 4, -info.tiny / 3, info.max, -info.max, float("inf"), float("-inf"), 1.0, -1.5]
+        )
+        weight = values.to(dtype)[None, :].repeat(2, 1)
+        args = definition(SGD(lr=0.0)).kernel(SGD(lr=0.0), 1)
+        grad = torch.zeros(1, values.numel())
+        rows, offsets = torch.tensor([1]), torch.tensor([0, 1])
+        cpu.bag_update(args, lr=0.0, weight=weight, states={}, rows=rows, offsets=offsets, per_sample_weights=None,
+                       grad_out=grad, key_offset=5, rounding_base=rounding_base(3, 1))  # fmt: skip
+        noise = rounding_noise(3, 1, torch.tensor([6]), values.numel())
+        want = stochastic_round(values.to(dtype).float()[None, :], dtype, noise)
+        assert torch.equal(weight[1].view(torch.int16), want[0].view(torch.int16)), dtype
+        assert torch.equal(weight[0], values.to(dtype))  # an untouched row
+
+
 def test_the_cpp_update_refuses_a_code_it_has_no_case_for_and_writes_nothing():
     weight, rows, offsets = torch.ones(4, 2), torch.tensor([0, 1]), torch.tensor([0, 2])
     for args in (KernelArgs(code=99), KernelArgs(code=0, weight_decay_mode=7)):  # type: ignore[arg-type]

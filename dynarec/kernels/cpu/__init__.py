@@ -55,11 +55,26 @@ def available() -> bool:
 
 
 def bag_update(
-    args, *, lr: float, weight, states, rows, offsets, per_sample_weights, grad_out, scores=None, score: int = 0
+    args,
+    *,
+    lr: float,
+    weight,
+    states,
+    rows,
+    offsets,
+    per_sample_weights,
+    grad_out,
+    scores=None,
+    score: int = 0,
+    row_keys=None,
+    key_offset: int = 0,
+    rounding_base: int = 0,
 ) -> None:
     """The fused backward + update of weighted-sum bags (the ``dynarec::bag_update`` op) in C++;
     ``args``: the optimizer's ``KernelArgs``; ``scores`` (``[num_rows]`` int64, optional):
-    ``scores[row] = score`` for each updated row."""
+    ``scores[row] = score`` for each updated row. A ``weight`` of bfloat16 or float16 is updated
+    in float32 and stored by stochastic rounding, each row's draws keyed by ``row_keys[row]``
+    (or ``row + key_offset``) from ``rounding_base`` (:mod:`dynarec.optim.rounding`)."""
     kernels = ops()
     assert kernels is not None
     empty = weight.new_empty(0)
@@ -82,6 +97,9 @@ def bag_update(
         args.bias2,
         scores,
         int(score),
+        None if row_keys is None else row_keys.contiguous(),
+        int(key_offset),
+        int(rounding_base),
     )
     if negative == -2:
         raise NotImplementedError(

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -312,6 +313,71 @@ inline void update_row(int64_t opt, int64_t wd_mode, const UpdateScalars& k, int
   }
 }
 
+// murmur3's 32-bit finalizer (dynarec.optim.rounding._fmix32).
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// A row's hash for its rounding draws, from its int64 key and the step's base
+// (dynarec.optim.rounding.rounding_noise; column d draws fmix32(hash * 0x165667B1 + d)).
+inline uint32_t rounding_row_hash(int64_t key, uint32_t base) {
+  const uint64_t k = static_cast<uint64_t>(key);
+  const uint32_t high = fmix32(static_cast<uint32_t>(k >> 32) ^ base);
+  return fmix32((static_cast<uint32_t>(k) * 0x27D4EB2Fu) ^ high);
+}
+
+// `x` stored in H (c10::BFloat16 or c10::Half) by stochastic rounding with the uniform draw `u`
+// (dynarec.optim.rounding.stochastic_round): the neighbour above |x| where u is below the
+// fraction of the way to it, else the one below; x itself where H holds it exactly.
+template <typename H>
+inline H round_stochastic(float x, float u) {
+  const H nearest(x);  // round to nearest even, as torch's conversion
+  uint16_t lo_bits = nearest.x;
+  if (std::fabs(static_cast<float>(nearest)) > std::fabs(x)) lo_bits = static_cast<uint16_t>(lo_bits - 1);
+  const uint16_t hi_bits = static_cast<uint16_t>(lo_bits + 1);
+  const float lo = static_cast<float>(H(lo_bits, H::from_bits()));
+  const float hi = static_cast<float>(H(hi_bits, H::from_bits()));
+  return H(u < (x - lo) / (hi - lo) ? hi_bits : lo_bits, H::from_bits());
+}
+
+// The rows of a fused update in their storage type W: float32 rows are updated in place; half
+// rows (c10::BFloat16 / c10::Half) are read into float32, updated there and stored back by
+// stochastic rounding, each row's draws keyed by its key (`keys[row]`, or `row + key_offset`).
+template <typename W>
+struct RowAccess {
+  W* rows;
+  int64_t D;
+  const int64_t* keys;
+  int64_t key_offset;
+  uint32_t base;
+
+  // The row's float32 values to update: the row itself (float32) or `scratch` filled from it.
+  float* load(int64_t row, float* scratch) const {
+    if constexpr (std::is_same_v<W, float>) {
+      return rows + row * D;
+    } else {
+      const W* w = rows + row * D;
+      for (int64_t d = 0; d < D; ++d) scratch[d] = static_cast<float>(w[d]);
+      return scratch;
+    }
+  }
+
+  void store(int64_t row, const float* values) const {
+    if constexpr (!std::is_same_v<W, float>) {
+      const uint32_t h = rounding_row_hash(keys ? keys[row] : row + key_offset, base);
+      W* w = rows + row * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const uint32_t draw = fmix32(h * 0x165667B1u + static_cast<uint32_t>(d));
+        w[d] = round_stochastic<W>(values[d], static_cast<float>(draw >> 8) * (1.0f / 16777216.0f));
+      }
+    }
+  }
+};
+
 }  // namespace
 
 // The fused backward + update of weighted-sum bags (the dynarec::bag_update op): the ids sorted
@@ -325,10 +391,13 @@ inline void update_row(int64_t opt, int64_t wd_mode, const UpdateScalars& k, int
 int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tensor state2, const torch::Tensor& grad_out,
                          const torch::Tensor& rows, const torch::Tensor& offsets, const c10::optional<torch::Tensor>& psw,
                          int64_t opt, int64_t wd_mode, double lr, double eps, double wd, double beta1, double beta2,
-                         double bias1, double bias2, const c10::optional<torch::Tensor>& scores, int64_t score) {
+                         double bias1, double bias2, const c10::optional<torch::Tensor>& scores, int64_t score,
+                         const c10::optional<torch::Tensor>& row_keys, int64_t key_offset, int64_t rounding_base) {
   check_cpu_int64(rows, "rows");
   check_cpu_int64(offsets, "offsets");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight must be contiguous float32");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.is_contiguous() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf),
+              "weight must be contiguous float32, bfloat16 or float16");
   TORCH_CHECK(grad_out.is_contiguous() && grad_out.scalar_type() == torch::kFloat32, "grad_out must be contiguous float32");
   if (!known_update(opt, wd_mode)) return -2;
   const int64_t n = rows.numel();
@@ -350,7 +419,6 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
     if (q == 0 || srow[q] != srow[q - 1]) heads.push_back(q);
   heads.push_back(n);
   const int64_t segments = static_cast<int64_t>(heads.size()) - 1;
-  float* w_all = weight.data_ptr<float>();
   float* s1 = state1.numel() ? state1.data_ptr<float>() : nullptr;
   float* s2 = state2.numel() ? state2.data_ptr<float>() : nullptr;
   const float* go = grad_out.data_ptr<float>();
@@ -366,22 +434,40 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
     TORCH_CHECK(scores->numel() >= weight.size(0), "scores must have a score per row");
     sc = scores->data_ptr<int64_t>();
   }
+  const int64_t* keys = nullptr;
+  if (row_keys.has_value()) {
+    check_cpu_int64(*row_keys, "row_keys");
+    keys = row_keys->data_ptr<int64_t>();
+  }
   const UpdateScalars k(lr, eps, wd, beta1, beta2, bias1, bias2);
-  at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(D), gu(D);
-    for (int64_t s = begin; s < end; ++s) {
-      std::fill(g.begin(), g.end(), 0.0f);
-      for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
-        const int64_t i = order[q];
-        const float* gr = go + bag[i] * D;
-        const float scale = pw ? pw[i] : 1.0f;
-        for (int64_t d = 0; d < D; ++d) g[d] += gr[d] * scale;
+  auto run = [&](auto* w_all) {
+    using W = std::remove_pointer_t<decltype(w_all)>;
+    const RowAccess<W> access{w_all, D, keys, key_offset, static_cast<uint32_t>(rounding_base)};
+    at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(D), gu(D), w_row(D);
+      for (int64_t s = begin; s < end; ++s) {
+        std::fill(g.begin(), g.end(), 0.0f);
+        for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
+          const int64_t i = order[q];
+          const float* gr = go + bag[i] * D;
+          const float scale = pw ? pw[i] : 1.0f;
+          for (int64_t d = 0; d < D; ++d) g[d] += gr[d] * scale;
+        }
+        const int64_t row = srow[heads[s]];
+        if (sc) sc[row] = score;
+        float* w = access.load(row, w_row.data());
+        update_row(opt, wd_mode, k, row, D, g.data(), gu.data(), w, s1, s2);
+        access.store(row, w);
       }
-      const int64_t row = srow[heads[s]];
-      if (sc) sc[row] = score;
-      update_row(opt, wd_mode, k, row, D, g.data(), gu.data(), w_all + row * D, s1, s2);
-    }
-  });
+    });
+  };
+  if (dtype == torch::kBFloat16) {
+    run(weight.data_ptr<c10::BFloat16>());
+  } else if (dtype == torch::kHalf) {
+    run(weight.data_ptr<c10::Half>());
+  } else {
+    run(weight.data_ptr<float>());
+  }
   return -1;
 }
 
