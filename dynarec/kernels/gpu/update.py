@@ -110,22 +110,15 @@ if HAVE_TRITON:
             r = _fmix32((key.to(tl.uint32) * 0x27D4EB2F) ^ high)
             h = _fmix32(r[:, None] * 0x165667B1 + d[None, :].to(tl.uint32))
             u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-            if ROUND == 1:
-                nearest = w.to(tl.bfloat16)
-            else:
-                nearest = w.to(tl.float16)
+            half = weight_ptr.dtype.element_ty  # bfloat16 (ROUND 1) or float16 (ROUND 2)
+            nearest = w.to(half)
             bits = nearest.to(tl.int16, bitcast=True).to(tl.int32)
             # sign-magnitude: one less in the int16 view is one step toward zero, for either sign
             lo_bits = tl.where(tl.abs(nearest.to(tl.float32)) > tl.abs(w), bits - 1, bits)
             hi_bits = lo_bits + 1
-            if ROUND == 1:
-                lo = lo_bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-                hi = hi_bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-                out = tl.where(u < (w - lo) / (hi - lo), hi_bits, lo_bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:
-                lo = lo_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                hi = hi_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                out = tl.where(u < (w - lo) / (hi - lo), hi_bits, lo_bits).to(tl.int16).to(tl.float16, bitcast=True)
+            lo = lo_bits.to(tl.int16).to(half, bitcast=True).to(tl.float32)
+            hi = hi_bits.to(tl.int16).to(half, bitcast=True).to(tl.float32)
+            out = tl.where(u < (w - lo) / (hi - lo), hi_bits, lo_bits).to(tl.int16).to(half, bitcast=True)
             tl.store(weight_ptr + off, out, mask=dm)
 
     @triton.jit
