@@ -7,8 +7,9 @@ unique row's gradient and updates it in one pass (C++ on CPUs, Triton on GPUs, p
 elsewhere); otherwise, and for a data-parallel table whose row gradients are reduced over ranks
 first, the gradients are aggregated per unique row with torch ops and :func:`fused_row_update`
 runs the optimizer's ``native_update`` (batched tensor ops, any device). Half-precision rows
-are rounded by the Triton kernels on CUDA; elsewhere they take the torch path, on float32 copies
-of the touched rows stored back by seeded stochastic rounding (:mod:`dynarec.optim.rounding`).
+are rounded in the kernels (Triton on CUDA, C++ on CPUs); the torch path
+(:func:`torch_bag_update`) updates float32 copies of the touched rows and stores them back by the
+same seeded stochastic rounding (:mod:`dynarec.optim.rounding`).
 """
 
 from __future__ import annotations

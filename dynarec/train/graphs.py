@@ -15,9 +15,13 @@ leave no trace (the model's buffers, batch-norm statistics say, and the random g
 restored), so the first replayed step starts from the state an eager step would.
 
 Where it runs the model eagerly instead: a signature beyond ``max_graphs`` (each graph keeps its
-own inputs, outputs and gradients), and a model that cannot be captured — one whose forward or
-backward waits for the device (a host read), or whose capture fails otherwise: the reason is
-reported once and the model stays eager for the run.
+own inputs, outputs and gradients), a forward without gradients, and a model that cannot be
+captured — one whose forward or backward waits for the device (a host read), or whose capture
+fails otherwise: the reason is reported once and the model stays eager for the run.
+
+A replay's parameter gradients are the graph's own buffers (as ``make_graphed_callables``'):
+each step's must be consumed and dropped before the next replay, as the trainer's dense step
+does (``zero_grad(set_to_none=True)``, no gradient accumulation when graphs are on).
 
 This is torch's ``make_graphed_callables`` recipe, with what a trainer needs beyond it: captures
 that errors in other threads (a DataLoader's pinning thread) cannot break, a failed capture that
@@ -94,7 +98,15 @@ class _Captured:
                     live, wanted, [g for g in self.grad_outputs if g is not None], allow_unused=True
                 )
         found = iter(grads)
-        self.grad_inputs = [next(found) if t.requires_grad else None for t in surface]
+        self.grad_inputs = [next(found, None) if t.requires_grad else None for t in surface]
+        # Where autograd gave two inputs one gradient tensor (an add passing it through), the
+        # later ones get copies: each parameter's .grad must be its own memory, as eagerly.
+        seen: set[int] = set()
+        self.copy_grad = []
+        for g in self.grad_inputs:
+            self.copy_grad.append(g is not None and g.data_ptr() in seen)
+            if g is not None:
+                seen.add(g.data_ptr())
         self.has_backward = bool(live)
         # Detached: the capture's autograd graph (and the accumulators it made on the capture's
         # stream) is released.
@@ -122,7 +134,16 @@ class _Replay(torch.autograd.Function):
                 static.copy_(given)
         if captured.has_backward:
             captured.backward.replay()
-        return (None, *(g.detach() if g is not None else None for g in captured.grad_inputs))
+        # The parameters' .grad take these buffers as they are (autograd's accumulator steals a
+        # tensor only it holds): correct while each step's gradients are consumed and dropped
+        # before the next replay (the trainer's zero_grad(set_to_none=True), no accumulation).
+        return (
+            None,
+            *(
+                None if g is None else (g.clone() if copy else g.detach())
+                for g, copy in zip(captured.grad_inputs, captured.copy_grad)
+            ),
+        )
 
 
 class DenseGraphs:
@@ -154,6 +175,8 @@ class DenseGraphs:
         return len(self._graphs)
 
     def __call__(self, *inputs: dict[str, torch.Tensor]) -> Any:
+        if not torch.is_grad_enabled():  # a forward without backward: nothing to replay
+            return self.dense(*inputs)
         key = _signature(inputs)
         captured = self._graphs.get(key)
         if captured is None:
@@ -173,6 +196,7 @@ class DenseGraphs:
         generator = torch.cuda.default_generators[index]
         rng = generator.clone_state()
         buffers = [(b, b.detach().clone()) for b in self.dense.buffers()]
+        stream = torch.cuda.current_stream(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
@@ -181,8 +205,13 @@ class DenseGraphs:
         except torch.OutOfMemoryError:
             raise  # the step's own error (the trainer names it), not the model's
         except Exception as e:  # the model cannot be captured: it stays eager
-            # A failed capture leaves the generator marked as capturing: its state is replaced.
+            # A capture that fails inside torch.cuda.graph leaves its side stream current and the
+            # generator marked as capturing: both are put back (the generator's state replaced,
+            # which graphs captured before would no longer follow: they are dropped too).
+            torch.cuda.set_stream(stream)
             generator.graphsafe_set_state(rng)
+            self._graphs.clear()
+            self._pool = None
             torch.cuda.synchronize(device)
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             self.refused = f"{type(e).__name__}: {first}" if first else type(e).__name__

@@ -103,6 +103,66 @@ def test_a_model_that_reads_the_host_runs_eagerly_and_says_why():
     torch.cuda.synchronize()  # the device is still usable
 
 
+class _FailsInCapture(_Dense):
+    """Eagerly fine, and passes the warm-up's sync check; inside a capture it reads the host,
+    which invalidates the capture (torch then raises from the graph's exit)."""
+
+    def forward(self, emb, lengths, dense):
+        out = super().forward(emb, lengths, dense)
+        if torch.cuda.is_current_stream_capturing():
+            out = out + float(out.detach().sum()) * 0
+        return out
+
+
+@needs_cuda
+def test_a_capture_that_fails_leaves_the_stream_and_the_generator_as_they_were():
+    torch.manual_seed(0)
+    eager = _FailsInCapture().cuda()
+    model = copy.deepcopy(eager)
+    reasons = []
+    graphs = DenseGraphs(model, on_refusal=reasons.append)
+    stream = torch.cuda.current_stream()
+    for i in range(3):  # dropout draws after the failed capture: the generator works
+        want = _step(eager, eager, _inputs(16, 3, i), i)
+        got = _step(model, graphs, _inputs(16, 3, i), i)
+        assert torch.cuda.current_stream() == stream
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(reasons) == 1 and graphs.num_graphs == 0 and graphs.replays == 0
+
+
+class _SharedGradient(nn.Module):
+    """Two parameters autograd hands one gradient tensor (``a + b``: the add passes it on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.ones(4))
+
+    def forward(self, emb, lengths, dense):
+        return (emb["user"] * (self.a + self.b)).sum(1)
+
+
+@needs_cuda
+def test_parameters_given_one_gradient_tensor_get_their_own_grad():
+    model = _SharedGradient().cuda()
+    graphs = DenseGraphs(model)
+    for i in range(2):
+        graphs(*_inputs(8, 3, i)).sum().backward()
+        assert graphs.replays == i + 1
+        assert model.a.grad.data_ptr() != model.b.grad.data_ptr()
+        torch.testing.assert_close(model.a.grad, model.b.grad)
+        model.zero_grad(set_to_none=True)
+
+
+@needs_cuda
+def test_a_forward_without_gradients_runs_eagerly():
+    model = _Dense().cuda()
+    graphs = DenseGraphs(model)
+    with torch.no_grad():
+        out = graphs(*_inputs(8, 3, 0))
+    assert out.shape == (8,) and graphs.num_graphs == 0 and graphs.refused is None
+
+
 @needs_cuda
 @pytest.mark.slow
 def test_training_with_graphs_equals_training_without(tmp_path):

@@ -437,6 +437,7 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
   const int64_t* keys = nullptr;
   if (row_keys.has_value()) {
     check_cpu_int64(*row_keys, "row_keys");
+    TORCH_CHECK(row_keys->numel() >= weight.size(0), "row_keys must hold a key per row");
     keys = row_keys->data_ptr<int64_t>();
   }
   const UpdateScalars k(lr, eps, wd, beta1, beta2, bias1, bias2);
