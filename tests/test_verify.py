@@ -76,7 +76,7 @@ def test_half_precision_rows_rounded_to_nearest_are_caught(monkeypatch):
     import dynarec.optim.fused as fused
 
     # the torch path's rounding broken (the kernels, C++ and Triton, then left out)
-    monkeypatch.setattr(dynarec.kernels.ops, "stores_half_rows", lambda device: False)
+    monkeypatch.setattr(dynarec.kernels.ops, "takes_half_rows", lambda device: False)
     monkeypatch.setattr(fused, "stochastic_round", lambda x, dtype, noise: x.to(dtype))
     verdicts = verify_config(config_from_dict(half_precision_demo("fp16"), base_dir="dynarec/resources"), steps=4)
     assert not any(v.ok for v in verdicts) and all("weight of id" in v.problems[0] for v in verdicts)

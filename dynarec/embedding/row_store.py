@@ -15,8 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
-from dynarec.kernels.gpu import HAVE_TRITON
+import dynarec.kernels.ops  # registers torch.ops.dynarec
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 from dynarec.optim.rounding import RowKeys
@@ -237,10 +236,10 @@ class NativeRowStore(RowStore):
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
         """The weighted-sum bags of the current weights (no autograd): the ``dynarec::pooled`` op
-        (Triton on a GPU, ``F.embedding_bag`` elsewhere); half-precision rows are read into
-        float32 first, and summed in float32."""
+        (Triton on a GPU, ``F.embedding_bag`` elsewhere); half-precision rows are summed in
+        float32 (read as they are by the kernels, Triton and C++; else copied to float32 first)."""
         weight = self.weight
-        if weight.dtype != torch.float32 and not (weight.is_cuda and HAVE_TRITON):  # Triton reads them as they are
+        if weight.dtype != torch.float32 and not dynarec.kernels.ops.takes_half_rows(weight.device):
             weight = weight.index_select(0, rows).float()
             rows = torch.arange(rows.numel(), device=rows.device)
         return torch.ops.dynarec.pooled(weight, rows, offsets, per_sample_weights)

@@ -9,7 +9,7 @@
 | ``place_keys`` | a commit of new keys into free slots | torch | Triton |
 | ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
 | ``uniform01`` | key-seeded uniform draws | C++ | torch |
-| ``pooled`` | weighted-sum bags | torch | Triton |
+| ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
 | ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
 
 Every op has four implementations:
@@ -47,7 +47,7 @@ from dynarec.kernels.gpu import _triton
 from dynarec.kernels.layout import NO_SLOT
 from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode
 
-__all__ = ["SCHEMAS", "stores_half_rows"]
+__all__ = ["SCHEMAS", "takes_half_rows"]
 
 _MAX_KERNEL_BUCKET = 64  # the C++ and Triton planners keep a bucket's claims in one 64-bit mask
 
@@ -162,9 +162,17 @@ def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, 
     )  # fmt: skip
 
 
-def stores_half_rows(device: torch.device) -> bool:
-    """Whether ``dynarec::bag_update`` stores float16 / bfloat16 rows on ``device``: Triton's
-    kernels (CUDA, or the CPU under Triton's interpreter) and the C++ extension do."""
+def _pooled_cpu(weight, rows, offsets, psw):
+    kernels = cpu.ops()
+    if weight.dtype == torch.float32 or kernels is None:
+        return reference.pooled(weight, rows, offsets, psw)
+    return kernels.pooled_half(weight.contiguous(), rows.contiguous(), offsets.contiguous(), psw)
+
+
+def takes_half_rows(device: torch.device) -> bool:
+    """Whether ``dynarec::pooled`` reads and ``dynarec::bag_update`` stores float16 / bfloat16
+    rows on ``device``: Triton's kernels (CUDA, or the CPU under Triton's interpreter) and the
+    C++ extension do; elsewhere the callers convert the touched rows to float32 first."""
     if device.type == "cuda":
         return _triton.HAVE_TRITON
     return device.type == "cpu" and (_TRITON_ON_CPU or cpu.ops() is not None)
@@ -280,7 +288,7 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
     "place_keys": (reference.place_keys, _returns_none, None, _place_keys_triton),
     "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
     "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, None),
-    "pooled": (reference.pooled, _pooled_fake, None, _pooled_triton),
+    "pooled": (reference.pooled, _pooled_fake, _pooled_cpu, _pooled_triton),
     "bag_update": (reference.bag_update, _returns_none, _bag_update_cpu, _bag_update_triton),
 }
 

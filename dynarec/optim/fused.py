@@ -105,7 +105,7 @@ def fused_bag_update(
         grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
     half = weight.dtype != torch.float32
-    if kernel is not None and reducer is None and (not half or dynarec.kernels.ops.stores_half_rows(weight.device)):
+    if kernel is not None and reducer is None and (not half or dynarec.kernels.ops.takes_half_rows(weight.device)):
         a = kernel(spec, step)
         scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
         keys = row_keys.keys() if half and row_keys.keys is not None else None

@@ -85,6 +85,24 @@ def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_th
     gpu_checks.check_half_update("cpu", spec, dtype, keyed, update=cpu.bag_update, max_len=60)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pooled_reads_half_precision_rows_in_float32(dtype, weighted):
+    """The C++ pooled lookup of bf16 / fp16 rows equals ``F.embedding_bag`` over their float32
+    values (empty bags and repeated rows included)."""
+    rows, offsets, psw = gpu_checks.random_bags("cpu", bags=40, dim=8, max_len=6)
+    offsets[5] = offsets[4]  # an empty bag
+    rows, offsets = rows.contiguous(), offsets.contiguous()
+    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    psw = psw if weighted else None
+    got = torch.ops.dynarec.pooled(weight, rows, offsets, psw)
+    want = torch.nn.functional.embedding_bag(
+        rows, weight.float(), offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_half_precision_rounding_of_special_values_matches_the_torch_rounding():
     """Zeros, subnormals, the largest finite values and beyond (saturated), infinities and NaN:
     one SGD step of lr 0 stores each value as ``stochastic_round`` does."""

@@ -472,6 +472,48 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
   return -1;
 }
 
+// Weighted-sum bags of half-precision rows (the dynarec::pooled op for a bf16 / fp16 weight):
+// out[b] = sum_{i in bag b} psw[i] * float(weight[rows[i]]), [num_bags, D] float32, each bag
+// summed in float32 in its ids' order. Rows are not checked (the caller's ids are in range).
+torch::Tensor pooled_half(const torch::Tensor& weight, const torch::Tensor& rows, const torch::Tensor& offsets,
+                          const c10::optional<torch::Tensor>& psw) {
+  check_cpu_int64(rows, "rows");
+  check_cpu_int64(offsets, "offsets");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.is_contiguous() && (dtype == torch::kBFloat16 || dtype == torch::kHalf),
+              "weight must be contiguous bfloat16 or float16");
+  const int64_t D = weight.size(1);
+  const int64_t num_bags = offsets.numel() - 1;
+  auto out = torch::zeros({num_bags, D}, weight.options().dtype(torch::kFloat32));
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  torch::Tensor psw_c;
+  const float* pw = nullptr;
+  if (psw.has_value()) {
+    psw_c = psw->contiguous();
+    pw = psw_c.data_ptr<float>();
+  }
+  float* o = out.data_ptr<float>();
+  auto run = [&](const auto* w_all) {
+    at::parallel_for(0, num_bags, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        float* acc = o + b * D;
+        for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+          const auto* w = w_all + r[i] * D;
+          const float scale = pw ? pw[i] : 1.0f;
+          for (int64_t d = 0; d < D; ++d) acc[d] += scale * static_cast<float>(w[d]);
+        }
+      }
+    });
+  };
+  if (dtype == torch::kBFloat16) {
+    run(weight.data_ptr<c10::BFloat16>());
+  } else {
+    run(weight.data_ptr<c10::Half>());
+  }
+  return out;
+}
+
 namespace {
 
 // The buckets one insert plan touches, in a flat open-addressing table (no allocation per
@@ -813,6 +855,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("claim_free_slots", &claim_free_slots, "step 1 of an insert plan: free slots in ranked rounds");
   m.def("plan_insert", &plan_insert, "an insert plan's three steps: free slots, one cuckoo move, eviction");
   m.def("fused_bag_update", &fused_bag_update, "fused backward + optimizer update of weighted-sum bags");
+  m.def("pooled_half", &pooled_half, "weighted-sum bags of bf16 / fp16 rows, in float32");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
