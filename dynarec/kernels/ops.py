@@ -147,12 +147,7 @@ def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]
 
 def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
                     eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
-    if cpu.ops() is None:
-        if weight.dtype != torch.float32:
-            raise ValueError(
-                f"dynarec::bag_update stores {weight.dtype} rows with the C++ extension or Triton only; without "
-                "them fused_bag_update updates half-precision rows in torch"
-            )
+    if cpu.ops() is None:  # (float32 rows only: the reference refuses half-precision ones)
         return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
                                     wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2)  # fmt: skip
     cpu.bag_update(

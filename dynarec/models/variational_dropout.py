@@ -28,6 +28,10 @@ class VariationalDropout(nn.Module):
     the scaled input and leaves ``self.penalty`` (``lambda * sum(1 - q)``, a scalar) for the
     step's loss (:func:`penalties`)."""
 
+    # self.penalty lives outside the outputs: a CUDA graph's replay would not set it
+    # (dynarec.train.graphs).
+    capturable = False
+
     widths: torch.Tensor
 
     def __init__(self, widths: Sequence[int], regularization_lambda: float):

@@ -23,7 +23,6 @@ from dynarec.embedding.memory import available_memory, format_bytes
 from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.registry import build_model
-from dynarec.models.variational_dropout import VariationalDropout
 from dynarec.planner.plan import Plan, plan_from_config
 from dynarec.train.graphs import DenseGraphs
 
@@ -106,9 +105,8 @@ class RankingTask(nn.Module):
             and not self.ctx.distributed
             and train.mixed_precision is None
             and train.gradient_accumulation_steps == 1
-            and getattr(self.dense, "capturable", True)
-            # its penalty is read from an attribute its forward sets, outside the outputs
-            and not any(isinstance(m, VariationalDropout) for m in self.dense.modules())
+            # a module whose forward leaves something outside its outputs says so (capturable = False)
+            and all(getattr(m, "capturable", True) for m in self.dense.modules())
         ):
             self.graphs = DenseGraphs(self.dense)
         self.sequence_features = sequence_names(config)

@@ -78,8 +78,9 @@ def bag_update(
     ``code`` (``dynarec.optim.kernel``; its scalars as ``KernelArgs`` has them), in place on
     ``weight`` ``[num_rows, D]`` and the optimizer's states (``[num_rows, D or 1]`` float32, None
     where it has none). ``scores`` (``[num_rows]`` int64): ``scores[row] = score`` for each row
-    updated. Float32 rows only (``row_keys``, ``key_offset``, ``rounding_base``: the Triton
-    kernel's half-precision rounding, not taken here)."""
+    updated. Float32 rows only (``row_keys``, ``key_offset``, ``rounding_base``: the C++ and
+    Triton kernels' half-precision rounding, not taken here; ``fused_bag_update`` rounds half
+    rows in torch ops where neither kernel runs)."""
     if weight.dtype != torch.float32:
         raise ValueError(f"the reference dynarec::bag_update updates float32 rows, not {weight.dtype}")
     if rows.numel() == 0:
