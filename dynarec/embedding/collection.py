@@ -12,7 +12,7 @@ from torch import nn
 
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key
+from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key, packs_dims
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, as_jagged, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
@@ -95,9 +95,11 @@ class EmbeddingCollection(nn.Module):
         prefetch_depth: how many batches :meth:`prefetch` keeps ready (default 2 on a GPU: a
             batch's copy and finds then get a whole step to finish; 1 elsewhere, where a stage
             runs in place and a find made two steps ahead is redone more often).
-        group_tables: fixed tables of one dim and one optimizer spec on the native backend
-            share one row store, looked up and updated once a step for all of them
-            (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either way).
+        group_tables: fixed float32 tables of one optimizer spec on the native backend share one
+            row store, looked up and updated once a step for all of them
+            (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either
+            way, within float32 summation order): tables of one dim on any device, tables of
+            several dims packed end to end where the kernels take them (a GPU).
         row_reducers: data-parallel tables (a sharded run's replicas): ``row_reducers(name,
             rows)`` gives each native fixed store the reducer that sums its row gradients over
             the ranks before the update (see :class:`~dynarec.embedding.row_store.NativeRowStore`).
@@ -139,12 +141,14 @@ class EmbeddingCollection(nn.Module):
             specs[config.name] = spec
         # Before allocating anything: the tables at their largest must fit the device's memory.
         check_fits([(c, specs[c.name]) for c in tables], self.device, memory_budget)
-        # Fixed tables of one dim and one optimizer spec share a row store and a lookup
-        # (TableGroup); the others are looked up on their own. Units keep the tables' order.
+        # Fixed tables of one optimizer spec (and one dim, where rows of several dims cannot be
+        # packed) share a row store and a lookup (TableGroup); the others are looked up on their
+        # own. Units keep the tables' order.
         groups: dict[tuple, list[TableConfig]] = {}
         if group_tables:
             for config in tables:
-                key = group_key(config, specs[config.name])
+                spec = specs[config.name]
+                key = group_key(config, spec, packs_dims(spec, self.device, row_reducers is not None))
                 if key is not None:
                     groups.setdefault(key, []).append(config)
         grouped = {c.name: members for members in groups.values() if len(members) > 1 for c in members}

@@ -3,15 +3,18 @@
 FBGEMM's TBE and dynamicemb's table fusion serve every table of a group with one weight buffer
 and per-table row offsets, so a step's lookup of all their features is one pooled lookup and its
 backward one fused update, whatever the number of tables. A :class:`TableGroup` does that for
-fixed tables of one dim and one optimizer spec on the native backend: their rows are consecutive
-ranges of one :class:`~dynarec.embedding.row_store.NativeRowStore`, each table keeping its own
+fixed float32 tables of one optimizer spec on the native backend: their rows lie in one
+:class:`~dynarec.embedding.row_store.PackedRowStore`, each table keeping its own
 :class:`~dynarec.embedding.row_store.RowStoreSlice` of it (reads, writes, dumps and loads by
-table, as before).
+table, as before). Tables of one dim group on any device. Tables of several dims group where the
+``dynarec`` ops' packed form has kernels (a GPU with Triton): their rows are packed end to end
+and a bag's output is the group's widest dim, each feature given its own dim's columns back; on
+a CPU, where a lookup launches nothing, they are looked up apart.
 
-The grouping changes no result: a row's update depends only on its own aggregated gradient and
-the table's learning rate and step counter, and each bag pools in the same order. Where the
-tables' learning rates or step counters differ (one was set or loaded apart from the others),
-the group looks each table up on its own for that step.
+The grouping changes no result beyond float32 summation order: a row's update depends only on
+its own aggregated gradient and the table's learning rate and step counter, and each bag pools
+in the same order. Where the tables' learning rates or step counters differ (one was set or
+loaded apart from the others), the group looks each table up on its own for that step.
 """
 
 from __future__ import annotations
@@ -21,28 +24,40 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
+import dynarec.kernels.ops
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
-from dynarec.embedding.row_store import NativeRowStore, RowStoreSlice
+from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
 from dynarec.embedding.table import FixedTable, FoundKeys
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
+from dynarec.optim.registry import definition
 
-__all__ = ["GroupBags", "ReducerFactory", "TableGroup", "group_key"]
+__all__ = ["GroupBags", "ReducerFactory", "TableGroup", "group_key", "packs_dims"]
 
 # A data-parallel table's row-gradient reducer for a store of ``rows`` rows named ``name``.
 ReducerFactory = Callable[[str, int], Optional[GradReducer]]
 
 
-def group_key(config: TableConfig, spec: OptimizerSpec) -> Optional[tuple]:
-    """What tables must share to be grouped (dim, optimizer spec), or None for a table that is
-    looked up on its own (dynamic, another backend, or half-precision rows: their rounding draws
-    are keyed by the table's own rows)."""
+def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False) -> Optional[tuple]:
+    """What tables must share to be grouped, or None for a table that is looked up on its own
+    (dynamic, another backend, or half-precision rows: their rounding draws are keyed by the
+    table's own rows). ``packs_dims`` (:func:`packs_dims`): tables of several dims group too
+    (the optimizer spec alone), else the dim and the spec."""
     if config.kind != "fixed" or config.backend != "native" or config.data_type != "fp32":
         return None
-    return (config.dim, spec)
+    return (spec,) if packs_dims else (config.dim, spec)
+
+
+def packs_dims(spec: OptimizerSpec, device: torch.device, data_parallel: bool) -> bool:
+    """Whether tables of several dims may share a packed store on ``device``: where the ops'
+    packed form has kernels (Triton on a GPU; on a CPU a lookup launches nothing, and the C++
+    kernels take rows of one dim), for an optimizer with kernel arguments, and not for
+    data-parallel tables (their row gradients are reduced over ranks at the row's dim)."""
+    return dynarec.kernels.ops.packs_rows(device) and definition(spec).kernel is not None and not data_parallel
 
 
 class TableGroup:
@@ -59,17 +74,20 @@ class TableGroup:
     ):
         """``reducers``: data-parallel tables' row-gradient reducers, ``reducers(name, rows)``
         (the group's store gets one over all its rows, each table's slice its own)."""
-        if len({group_key(c, spec) for c in configs}) != 1 or group_key(configs[0], spec) is None:
+        packs = packs_dims(spec, torch.device(device), reducers is not None)
+        if len({group_key(c, spec, packs) for c in configs}) != 1 or group_key(configs[0], spec, packs) is None:
             raise ValueError(f"tables {[c.name for c in configs]} differ in dim, kind or backend: no group")
-        rows = [int(c.num_embeddings) for c in configs]  # type: ignore[arg-type]
+        shapes = [(int(c.num_embeddings), c.dim) for c in configs]  # type: ignore[arg-type]
+        rows = sum(n for n, _ in shapes)
         self.name = "+".join(c.name for c in configs)
         reducer = (lambda name, n: None) if reducers is None else reducers
-        self.store = NativeRowStore(sum(rows), configs[0].dim, spec, device, reducer(self.name, sum(rows)))
+        self.store = PackedRowStore(shapes, spec, device, reducer(self.name, rows))
+        self.dims = [c.dim for c in configs]
         self.tables: list[FixedTable] = []
         self.bases: list[int] = []
         base = 0
-        for config, n in zip(configs, rows):
-            store = RowStoreSlice(self.store, base, base + n, reducer(config.name, n))
+        for i, (config, (n, _)) in enumerate(zip(configs, shapes)):
+            store = RowStoreSlice(self.store, i, reducer(config.name, n))
             self.tables.append(FixedTable(config, spec, device, store=store))
             self.bases.append(base)
             base += n
@@ -93,7 +111,7 @@ class TableGroup:
     def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[GroupBags, BagLayout]:
         """Every feature of every table as one list of bags over the store's rows: each table's
         ids shifted by its base (one op for the whole group)."""
-        inputs, bases, counts, parts = [], [], [], []
+        inputs, bases, counts, parts, dims = [], [], [], [], []
         for table, base in zip(self.tables, self.bases):
             num_bags = num_ids = 0
             for f in table.features:
@@ -102,10 +120,11 @@ class TableGroup:
                 inputs.append((f.name, pooling, s))
                 bases.append(base)
                 counts.append(s.num_ids)
+                dims.append(table.config.dim)
                 num_bags += s.num_ids if pooling == "none" else s.lengths.numel()
                 num_ids += s.num_ids
             parts.append((num_bags, num_ids))
-        bags, layout = pack(inputs)
+        bags, layout = pack(inputs, dims if self.store.layout is not None else None)
         device = bags.ids.device
         shift = torch.repeat_interleave(
             torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True),
@@ -136,7 +155,8 @@ class TableGroup:
 
     def _lookup_apart(self, bags: GroupBags) -> torch.Tensor:
         """Each table's own training lookup of its part of ``bags`` (its rates or step counters
-        differ from the others'), the results in the group's bag order."""
+        differ from the others'), the results in the group's bag order (zero past a table's dim
+        in packed rows)."""
         outs = []
         bag_at = id_at = 0
         for table, base, (num_bags, num_ids) in zip(self.tables, self.bases, bags.parts):
@@ -145,7 +165,8 @@ class TableGroup:
                 bags.offsets[bag_at : bag_at + num_bags + 1] - id_at,
                 None if bags.weights is None else bags.weights[id_at : id_at + num_ids],
             )
-            outs.append(table.lookup(part, True))
+            out = table.lookup(part, True)
+            outs.append(F.pad(out, (0, self.store.dim - out.shape[1])) if out.shape[1] < self.store.dim else out)
             bag_at, id_at = bag_at + num_bags, id_at + num_ids
         return torch.cat(outs)
 

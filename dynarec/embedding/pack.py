@@ -51,13 +51,16 @@ class Bags:
 @dataclass(frozen=True)
 class FeatureBags:
     """One feature's share of the bags: ``num_bags`` consecutive bags, unpacked as ``pooling``.
-    ``lengths`` ``[B]`` are the samples' lengths; ``max_length`` their max (host int)."""
+    ``lengths`` ``[B]`` are the samples' lengths; ``max_length`` their max (host int). ``dim``:
+    the feature's columns of bags wider than its table (packed rows of several dims), or None
+    (all of them)."""
 
     name: str
     pooling: Pooling
     num_bags: int
     lengths: torch.Tensor
     max_length: int
+    dim: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,18 @@ class BagLayout:
     features: tuple[FeatureBags, ...]
 
 
-def pack(inputs: Sequence[tuple[str, Pooling, FeatureSlice]]) -> tuple[Bags, BagLayout]:
-    """Packs the features ``(name, pooling, slice)`` of one table into one list of bags.
+def pack(
+    inputs: Sequence[tuple[str, Pooling, FeatureSlice]], dims: Optional[Sequence[int]] = None
+) -> tuple[Bags, BagLayout]:
+    """Packs the features ``(name, pooling, slice)`` of one table into one list of bags
+    (``dims``: each feature's dim, where the bags are wider: packed rows of several tables).
 
     Mean pooling divides by each sample's full length ``L`` through the per-sample weights
     (FBGEMM's GPU meaning, with or without per-sample weights); an empty bag pools to zeros.
     """
     ids, lengths, weights, layout = [], [], [], []
     need_weights = any(p == "mean" or s.weights is not None for _, p, s in inputs)
-    for name, pooling, s in inputs:
+    for i, (name, pooling, s) in enumerate(inputs):
         ids.append(s.values)
         if pooling == "none":
             lengths.append(torch.ones_like(s.values))
@@ -90,7 +96,7 @@ def pack(inputs: Sequence[tuple[str, Pooling, FeatureSlice]]) -> tuple[Bags, Bag
             w = scale if w is None else w * scale
         if need_weights:
             weights.append(w if w is not None else torch.ones(s.num_ids, device=s.values.device))
-        layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length))
+        layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length, None if dims is None else dims[i]))
     all_lengths = _cat(lengths)
     offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
     bags = Bags(_cat(ids), offsets, _cat(weights) if need_weights else None)
@@ -111,6 +117,8 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
     # gradients, where slices would each scatter into a zero tensor of all the bags.
     chunks = pooled.split([f.num_bags for f in layout.features]) if len(layout.features) > 1 else (pooled,)
     for f, chunk in zip(layout.features, chunks):
+        if f.dim is not None and f.dim < chunk.shape[1]:
+            chunk = chunk[:, : f.dim]
         out[f.name] = pad_sequence_rows(chunk, f.lengths, f.max_length) if f.pooling == "none" else chunk
     return out
 

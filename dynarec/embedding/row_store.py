@@ -11,16 +11,18 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
 import dynarec.kernels.ops  # registers torch.ops.dynarec
+from dynarec.kernels.packed import packed_layout, table_views
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["NativeRowStore", "RowStore", "RowStoreSlice"]
+__all__ = ["NativeRowStore", "PackedRowStore", "RowStore", "RowStoreSlice"]
 
 
 class RowStore(ABC):
@@ -172,6 +174,7 @@ class _NativeFusedLookup(torch.autograd.Function):
             row_scores=ctx.row_scores,
             rounding_seed=store.rounding_seed,
             row_keys=store.row_keys,
+            layout=store.layout,
         )
         return None, None, None, None, None, None, None
 
@@ -185,6 +188,8 @@ class NativeRowStore(RowStore):
     gradients)``, so every replica applies the same update."""
 
     writes_row_scores = True
+    #: Packed rows' layout on the device (:class:`PackedRowStore`); None: rows ``[num_rows, dim]``.
+    layout: Optional[torch.Tensor] = None
 
     def __init__(
         self,
@@ -245,8 +250,69 @@ class NativeRowStore(RowStore):
         return torch.ops.dynarec.pooled(weight, rows, offsets, per_sample_weights)
 
 
+class PackedRowStore(NativeRowStore):
+    """The rows of several fixed tables in one store (a
+    :class:`~dynarec.embedding.grouped.TableGroup`'s), table ``i`` of ``shapes[i] = (rows, dim)``
+    holding the store's rows from the sum of the rows before it. Each table reads and writes
+    its rows through a :class:`RowStoreSlice`; the group looks all of them up at once.
+
+    Tables of one dim lie as any store's rows, ``[num_rows, dim]``. Tables of several dims lie
+    packed end to end (:mod:`dynarec.kernels.packed`: ``weight`` and element-wise states flat,
+    row-wise states one float a row, :attr:`layout` their layout on the device); the lookup's
+    bags are then ``[num_bags, dim]`` with ``dim`` the widest, zero past a bag's table's dim, and
+    the ``dynarec`` ops' packed form looks up and updates them (the Triton kernels: a collection
+    packs tables of several dims only where they run)."""
+
+    def __init__(
+        self,
+        shapes: Sequence[tuple[int, int]],
+        spec: OptimizerSpec,
+        device: torch.device | str = "cpu",
+        grad_reducer: Optional[GradReducer] = None,
+    ):
+        self.shapes = [(int(rows), int(dim)) for rows, dim in shapes]
+        dims = {dim for _, dim in self.shapes}
+        if len(dims) > 1 and grad_reducer is not None:
+            raise ValueError("packed rows of several dims cannot take a row-gradient reducer")
+        self.packed_layout = packed_layout(self.shapes) if len(dims) > 1 else None  # on the host
+        self.layout = None if self.packed_layout is None else self.packed_layout.to(device)
+        super().__init__(sum(rows for rows, _ in self.shapes), max(dims), spec, device, grad_reducer)
+
+    def _allocate(self, num_rows: int) -> None:
+        if self.packed_layout is None:
+            return super()._allocate(num_rows)
+        elements = sum(rows * dim for rows, dim in self.shapes)
+        self._weight = torch.zeros(elements, dtype=self.dtype, device=self.device)
+        self._states = {
+            s.name: torch.full(
+                (num_rows if s.rowwise else elements,), s.initial_value, dtype=torch.float32, device=self.device
+            )
+            for s in self.spec.state_specs()
+        }
+
+    def table_rows(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Table ``index``'s ``(weight [rows, dim], {state: [rows, dim or 1]})``, views."""
+        if self.packed_layout is None:
+            start = sum(rows for rows, _ in self.shapes[:index])
+            end = start + self.shapes[index][0]
+            return self._weight[start:end], {name: t[start:end] for name, t in self._states.items()}
+        weight = table_views(self._weight, self.packed_layout)[index]
+        return weight, {name: table_views(t, self.packed_layout)[index] for name, t in self._states.items()}
+
+    def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
+        if self.layout is None:
+            return super().pooled(rows, offsets, per_sample_weights)
+        return torch.ops.dynarec.pooled(self._weight, rows, offsets, per_sample_weights, self.layout, self.dim)
+
+    def storage(self):
+        raise NotImplementedError("a group's shared row store is never resized")
+
+    def restore_storage(self, handle) -> None:
+        raise NotImplementedError("a group's shared row store is never resized")
+
+
 class RowStoreSlice(NativeRowStore):
-    """Rows ``[start, end)`` of a :class:`NativeRowStore` shared by several fixed tables (a
+    """Table ``index``'s rows of a :class:`PackedRowStore` shared by several fixed tables (a
     :class:`~dynarec.embedding.grouped.TableGroup`): its weight and states are views of the
     parent's, so reads, writes, lookups and updates through the slice act on the shared rows,
     and the group's one lookup of every table's ids acts on the same memory. Its learning rate
@@ -254,29 +320,20 @@ class RowStoreSlice(NativeRowStore):
 
     A fixed table never changes size: :meth:`reallocate` (a load) resets the rows in place."""
 
-    def __init__(self, parent: NativeRowStore, start: int, end: int, grad_reducer: Optional[GradReducer] = None):
-        RowStore.__init__(self, end - start, parent.dim, parent.spec, parent.device)
+    def __init__(self, parent: PackedRowStore, index: int, grad_reducer: Optional[GradReducer] = None):
+        rows, dim = parent.shapes[index]
+        RowStore.__init__(self, rows, dim, parent.spec, parent.device)
         self.grad_reducer = grad_reducer
         self.dtype, self.rounding_seed, self.row_keys = parent.dtype, parent.rounding_seed, RowKeys()
-        self.parent = parent
-        self.start, self.end = start, end
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.parent.weight[self.start : self.end]
-
-    @property
-    def states(self) -> dict[str, torch.Tensor]:
-        return {name: t[self.start : self.end] for name, t in self.parent.states.items()}
+        self._weight, self._states = parent.table_rows(index)
 
     @torch.no_grad()
     def _allocate(self, num_rows: int) -> None:
-        if num_rows != self.end - self.start:
-            raise ValueError(f"a slice of a shared row store holds {self.end - self.start} rows, not {num_rows}")
-        self.weight.zero_()
-        states = self.states
+        if num_rows != self.num_rows:
+            raise ValueError(f"a slice of a shared row store holds {self.num_rows} rows, not {num_rows}")
+        self._weight.zero_()
         for spec in self.spec.state_specs():
-            states[spec.name].fill_(spec.initial_value)
+            self._states[spec.name].fill_(spec.initial_value)
 
     def storage(self):
         raise NotImplementedError("a slice of a shared row store is never resized")

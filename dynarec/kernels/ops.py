@@ -12,6 +12,11 @@
 | ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
 | ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
 
+``pooled`` and ``bag_update`` also take packed rows of several tables of different dims (a
+``layout``, :mod:`dynarec.kernels.packed`): one launch for a whole group on a GPU (Triton); on a
+CPU the plain-torch twin serves them (a collection packs tables of different dims only where the
+Triton kernels run: on a CPU, tables of one dim share rows ``[num_rows, D]`` instead).
+
 Every op has four implementations:
 
 - the default: its plain-torch twin (:mod:`dynarec.kernels.reference`), on any device; the
@@ -47,7 +52,7 @@ from dynarec.kernels.gpu import _triton
 from dynarec.kernels.layout import NO_SLOT
 from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode
 
-__all__ = ["SCHEMAS", "takes_half_rows"]
+__all__ = ["SCHEMAS", "packs_rows", "takes_half_rows"]
 
 _MAX_KERNEL_BUCKET = 64  # the C++ and Triton planners keep a bucket's claims in one 64-bit mask
 
@@ -62,11 +67,12 @@ SCHEMAS = {
     " Tensor new_scores) -> ()",
     "fill_at": "(Tensor(a!) t, Tensor idx, int value) -> ()",
     "uniform01": "(Tensor keys, int dim, int seed, int stream) -> Tensor",
-    "pooled": "(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights) -> Tensor",
+    "pooled": "(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights, Tensor? layout=None,"
+    " int width=0) -> Tensor",
     "bag_update": "(Tensor(a!) weight, Tensor(b!)? momentum1, Tensor(c!)? momentum2, Tensor grad_out, Tensor rows,"
     " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
     " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2,"
-    " Tensor? row_keys=None, int key_offset=0, int rounding_base=0) -> ()",
+    " Tensor? row_keys=None, int key_offset=0, int rounding_base=0, Tensor? layout=None) -> ()",
 }
 
 
@@ -146,10 +152,11 @@ def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]
 
 
 def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
-                    eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
-    if cpu.ops() is None:  # (float32 rows only: the reference refuses half-precision ones)
+                    eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0,
+                    layout=None):  # fmt: skip
+    if cpu.ops() is None or layout is not None:  # (float32 rows only: the reference refuses half ones)
         return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
-                                    wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2)  # fmt: skip
+                                    wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2, layout=layout)  # fmt: skip
     cpu.bag_update(
         _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
         states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
@@ -157,10 +164,10 @@ def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, 
     )  # fmt: skip
 
 
-def _pooled_cpu(weight, rows, offsets, psw):
+def _pooled_cpu(weight, rows, offsets, psw, layout=None, width=0):
     kernels = cpu.ops()
     if weight.dtype == torch.float32 or kernels is None:
-        return reference.pooled(weight, rows, offsets, psw)
+        return reference.pooled(weight, rows, offsets, psw, layout, width)
     return kernels.pooled_half(weight.contiguous(), rows.contiguous(), offsets.contiguous(), psw)
 
 
@@ -171,6 +178,13 @@ def takes_half_rows(device: torch.device) -> bool:
     if device.type == "cuda":
         return _triton.HAVE_TRITON
     return device.type == "cpu" and (_TRITON_ON_CPU or cpu.ops() is not None)
+
+
+def packs_rows(device: torch.device) -> bool:
+    """Whether ``dynarec::pooled`` and ``dynarec::bag_update`` run packed rows
+    (:mod:`dynarec.kernels.packed`) in kernels on ``device``: Triton's (CUDA, or the CPU under
+    Triton's interpreter); elsewhere their plain-torch twin does, table by table."""
+    return _triton.HAVE_TRITON and (device.type == "cuda" or (device.type == "cpu" and _TRITON_ON_CPU))
 
 
 # -- CUDA (and CPU under Triton's interpreter): the Triton kernels ------------------------------
@@ -213,20 +227,22 @@ def _place_keys_triton(keys, scores, tags, slots, new_keys, new_scores):
     plan.place_keys(keys, scores, tags, slots, new_keys, new_scores)
 
 
-def _pooled_triton(weight, rows, offsets, psw):
+def _pooled_triton(weight, rows, offsets, psw, layout=None, width=0):
     from dynarec.kernels.gpu import lookup
 
-    return lookup.pooled_forward(weight, rows, offsets, psw)
+    return lookup.pooled_forward(weight, rows, offsets, psw, layout, width)
 
 
 def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
-                       eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0):  # fmt: skip
+                       eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0,
+                       layout=None):  # fmt: skip
     from dynarec.kernels.gpu import update
 
     update.bag_update(
         _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
         states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
         scores=scores, score=score, row_keys=row_keys, key_offset=key_offset, rounding_base=rounding_base,
+        layout=layout,
     )  # fmt: skip
 
 
@@ -261,8 +277,9 @@ def _uniform01_fake(keys, dim, seed, stream):
     return keys.new_empty((keys.shape[0], dim), dtype=torch.float64)
 
 
-def _pooled_fake(weight, rows, offsets, psw):
-    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]), dtype=torch.float32)
+def _pooled_fake(weight, rows, offsets, psw, layout=None, width=0):
+    dim = width if layout is not None else weight.shape[1]
+    return weight.new_empty((offsets.shape[0] - 1, dim), dtype=torch.float32)
 
 
 # -- registration ----------------------------------------------------------------------------------

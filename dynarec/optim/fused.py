@@ -86,6 +86,7 @@ def fused_bag_update(
     row_scores: Optional[RowScores] = None,
     rounding_seed: int = 0,
     row_keys: RowKeys = RowKeys(),
+    layout: Optional[torch.Tensor] = None,
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
@@ -96,7 +97,9 @@ def fused_bag_update(
     ``weight`` float16 / bfloat16: the rows are stored back by stochastic rounding, its draws
     keyed by ``rounding_seed``, ``step`` and each row's key (``row_keys``; default the row
     index): by the Triton kernels on CUDA and the C++ kernel on the CPU (torch ops where there
-    is neither, and for data-parallel tables)."""
+    is neither, and for data-parallel tables). ``layout``: ``weight`` and the states are packed
+    rows of several fixed float32 tables (:mod:`dynarec.kernels.packed`; the op's kernels only:
+    no reducer, an optimizer with kernel arguments)."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -105,6 +108,8 @@ def fused_bag_update(
         grad_out = grad_out.clamp(-spec.max_gradient, spec.max_gradient)
     kernel = definition(spec).kernel
     half = weight.dtype != torch.float32
+    if layout is not None and (kernel is None or reducer is not None or half):
+        raise ValueError(f"packed rows are updated by the bag_update kernels only; {spec!r} with them is not")
     if kernel is not None and reducer is None and (not half or dynarec.kernels.ops.takes_half_rows(weight.device)):
         a = kernel(spec, step)
         scores, value = (None, 0) if row_scores is None else (row_scores.scores, int(row_scores.value))
@@ -113,7 +118,7 @@ def fused_bag_update(
         torch.ops.dynarec.bag_update(
             weight, states.get("momentum1"), states.get("momentum2"), grad_out, rows, offsets, per_sample_weights,
             scores, value, int(a.code), int(a.weight_decay_mode), float(lr), a.eps, a.weight_decay, a.beta1, a.beta2,
-            a.bias1, a.bias2, keys, row_keys.offset, base,
+            a.bias1, a.bias2, keys, row_keys.offset, base, layout,
         )  # fmt: skip
         return
     torch_bag_update(

@@ -1,11 +1,14 @@
-"""Table batching: fixed tables of one dim and one optimizer spec share a row store and one
-lookup a step (TableGroup). Grouped and per-table collections give the same outputs, weights and
-states bit for bit, for every optimizer and pooling, and a step is one fused update per group."""
+"""Table batching: fixed tables of one optimizer spec share a row store and one lookup a step
+(TableGroup): tables of one dim on any device, tables of several dims packed end to end where the
+Triton kernels run (a GPU; the CPU under Triton's interpreter, whose lane runs this file too).
+Grouped and per-table collections give the same outputs, weights and states (bit for bit on the
+CPU's kernels), for every optimizer and pooling, and a step is one fused update per group."""
 
 import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec.kernels.ops import packs_rows
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.matrix import DEVICES
 
@@ -20,7 +23,8 @@ SPECS = [
 
 def tables():
     """Three fixed tables of dim 8 (one group; one of them serves a pooled feature and a sequence),
-    a fixed table of dim 4, a dynamic table of dim 8 (neither in the group), mean pooling on one."""
+    a fixed table of dim 4 (in the group where rows of several dims are packed), a dynamic table
+    of dim 8 (never in a group), mean pooling on one."""
     return [
         TableConfig(name="a", dim=8, num_embeddings=50, features=["fa", FeatureConfig("sa", pooling="none")]),
         TableConfig(name="b", dim=8, num_embeddings=7, features=["fb"], pooling="mean"),
@@ -83,9 +87,10 @@ def test_grouped_tables_equal_tables_looked_up_apart(device, spec, weighted):
     batches = [batch(g, 33, weighted) for _ in range(4)]
     grouped = EmbeddingCollection(tables(), spec, device=device)
     apart = EmbeddingCollection(tables(), spec, device=device, group_tables=False)
-    assert grouped.lookup_groups == [("a", "b", "c"), ("d",), ("u",)]
+    packed = packs_rows(torch.device(device))
+    assert grouped.lookup_groups == ([("a", "b", "c", "d")] if packed else [("a", "b", "c"), ("d",)]) + [("u",)]
     assert apart.lookup_groups == [("a",), ("b",), ("c",), ("d",), ("u",)]
-    exact = device == "cpu"
+    exact = device == "cpu" and not packed
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
         assert_outputs(x, y, exact)
     assert_same(grouped, apart, exact)
@@ -109,7 +114,10 @@ def test_a_step_of_a_group_is_one_fused_update(device, monkeypatch):
     monkeypatch.setattr("dynarec.embedding.row_store.fused_bag_update", counted)
     coll = EmbeddingCollection(tables(), Adagrad(lr=0.1), device=device)
     run(coll, [batch(torch.Generator().manual_seed(1), 9, False)], device)
-    assert sorted(calls) == sorted([50 + 7 + 300, 20, coll.tables["u"].capacity])
+    if packs_rows(torch.device(device)):  # one update of the packed rows (weight: every element)
+        assert sorted(calls) == sorted([(50 + 7 + 300) * 8 + 20 * 4, coll.tables["u"].capacity])
+    else:
+        assert sorted(calls) == sorted([50 + 7 + 300, 20, coll.tables["u"].capacity])
 
 
 def test_tables_of_a_group_keep_their_own_rows_learning_rates_and_step_counters():
@@ -137,3 +145,44 @@ def test_tables_of_a_group_keep_their_own_rows_learning_rates_and_step_counters(
         assert all(torch.equal(before[n][k], v) for k, v in coll.tables[n].dump().items())
     with pytest.raises(ValueError, match=r"table 'b', feature 'read_rows': id 7 is out of range \[0, 7\)"):
         coll.read_rows("b", torch.tensor([7]))
+
+
+PACKED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(
+    not packs_rows(torch.device(PACKED_DEVICE)),
+    reason="rows of several dims are packed where the Triton kernels run (a GPU; the CPU under Triton's interpreter)",
+)
+@pytest.mark.parametrize("spec", [SPECS[1], SPECS[2], SPECS[4]], ids=repr)
+def test_fixed_tables_of_several_dims_share_one_packed_lookup(spec):
+    """Fixed tables of dims 8, 8, 4 and 20 (sequence and mean-pooled features among them): one
+    lookup unit, the same outputs, rows and states as each table apart (to the GPU tolerance),
+    each feature's output of its own table's dim; training and evaluation."""
+    device = PACKED_DEVICE
+    configs = [t for t in tables() if t.kind == "fixed"] + [
+        TableConfig(name="e", dim=20, num_embeddings=11, features=["fe"], pooling="mean")
+    ]
+    rows = {**ROWS, "fe": 11}
+    g = torch.Generator().manual_seed(4)
+
+    def fixed_batch():
+        lists, weights = {}, {}
+        for name in ("fa", "sa", "fb", "fc", "fd", "fe"):
+            lengths = torch.randint(0, 4, (9,), generator=g)
+            lists[name] = [torch.randint(0, rows[name], (int(n),), generator=g).tolist() for n in lengths]
+            weights[name] = [torch.rand(int(n), generator=g).tolist() for n in lengths]
+        return JaggedBatch.from_lists(lists, weights)
+
+    batches = [fixed_batch() for _ in range(2)]
+    grouped = EmbeddingCollection(configs, spec, device=device)
+    apart = EmbeddingCollection(configs, spec, device=device, group_tables=False)
+    assert grouped.lookup_groups == [("a", "b", "c", "d", "e")]
+    for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
+        assert_outputs(x, y, exact=False)
+        assert x["fd"].shape == (9, 4) and x["fe"].shape == (9, 20) and x["sa"].shape[2] == 8
+    assert_same(grouped, apart, exact=False)
+    grouped.eval()
+    apart.eval()
+    with torch.no_grad():
+        assert_outputs(grouped(batches[0].to(device)), apart(batches[0].to(device)), exact=False)

@@ -386,3 +386,58 @@ def check_half_update(device, spec, dtype, keyed, dim=8, steps=3, kernel=None, m
         assert ((got - want).abs() <= 2 * step_size + 1e-30).all()
     for k in states:
         torch.testing.assert_close(states[k].cpu(), states_cpu[k], rtol=1e-5, atol=1e-6)
+
+
+def check_packed(device, spec, dims=(3, 16, 70), steps=3, kernel=None, max_len=6, bags=9, pooled=None, update=None):
+    """The pooled lookup and the fused update of packed rows (tables of ``dims``, their rows end to
+    end; :mod:`dynarec.kernels.packed`) against each table's own: ``pooled`` / ``update`` (default
+    the Triton kernels, with ``kernel`` as their tuning) over ``steps`` steps of bags of every
+    table, the bags' output ``[num_bags, widest dim]`` zero past a table's dim, its gradient
+    random there (the update reads a row's own columns only)."""
+    from dynarec.kernels.packed import packed_layout, table_views
+
+    pooled = pooled or gpu.pooled_forward
+    update = update or gpu.bag_update
+    g = torch.Generator().manual_seed(3)
+    shapes = [(n, d) for n, d in zip((7, 50, 30), dims)]
+    width = max(dims)
+    layout = packed_layout(shapes, device)
+    host_layout = packed_layout(shapes)
+    refs = [torch.randn(n, d, generator=g).to(device) for n, d in shapes]
+    states_ref = [
+        {s.name: torch.full((n, s.width(d)), s.initial_value, device=device) for s in spec.state_specs()}
+        for n, d in shapes
+    ]
+    weight = torch.cat([w.flatten() for w in refs])
+    states = {s.name: torch.cat([st[s.name].flatten() for st in states_ref]) for s in spec.state_specs()}
+    tol = dict(rtol=1e-5, atol=1e-6 if max_len <= 6 else 2e-5)  # check_update's: long bags sum in another order
+    for step in range(1, steps + 1):
+        parts = [random_bags(device, num_rows=n, bags=bags, max_len=max_len, seed=10 * step + t) for t, (n, _) in
+                 enumerate(shapes)]  # fmt: skip
+        rows = torch.cat([p[0] + int(host_layout[0, t]) for t, p in enumerate(parts)])
+        offsets = torch.cat([parts[0][1]] + [p[1][1:] + sum(int(q[1][-1]) for q in parts[:t]) for t, p in
+                                             enumerate(parts) if t > 0])  # fmt: skip
+        psw = torch.cat([p[2] for p in parts])
+        out = pooled(weight, rows, offsets, psw, layout, width)
+        expected = torch.cat([
+            torch.nn.functional.pad(torch.nn.functional.embedding_bag(
+                r, refs[t], o, mode="sum", per_sample_weights=w, include_last_offset=True), (0, width - shapes[t][1]))
+            for t, (r, o, w) in enumerate(parts)
+        ])  # fmt: skip
+        torch.testing.assert_close(out, expected, **tol)
+        grad_out = torch.randn(offsets.numel() - 1, width, generator=g).to(device)
+        with tuned(gpu_update, kernel=kernel):
+            update(definition(spec).kernel(spec, step), lr=spec.lr, weight=weight, states=states, rows=rows,
+                   offsets=offsets, per_sample_weights=psw, grad_out=grad_out, layout=layout)  # fmt: skip
+        bag_at = 0
+        for t, (r, o, w) in enumerate(parts):
+            bags = o.numel() - 1
+            per_id = bag_gradients(grad_out[bag_at : bag_at + bags, : shapes[t][1]], o, w, r.numel())
+            unique, inverse = torch.unique(r, return_inverse=True)
+            agg = per_id.new_zeros(unique.numel(), shapes[t][1]).index_add_(0, inverse, per_id)
+            fused_row_update(spec, lr=spec.lr, step=step, weight=refs[t], states=states_ref[t], rows=unique, grad=agg)
+            bag_at += bags
+    for t in range(len(shapes)):
+        torch.testing.assert_close(table_views(weight, host_layout.to(device))[t], refs[t], **tol)
+        for name in states:
+            torch.testing.assert_close(table_views(states[name], host_layout.to(device))[t], states_ref[t][name], **tol)

@@ -220,3 +220,9 @@ else:
         """Unweighted bags, wide and narrow rows, single-occurrence blocks, with the optimizers of
         a row-wise state and of two states."""
         gpu_checks.check_update(DEVICE, spec, dim=dim, weighted=weighted, block=block, kernel=kernel, **shape)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
+def test_packed_rows_of_several_dims_are_looked_up_and_updated_as_each_table_apart(spec, kernel):
+    gpu_checks.check_packed(DEVICE, spec, kernel=kernel, max_len=lane(60, 6), steps=lane(3, 2), bags=lane(9, 4))

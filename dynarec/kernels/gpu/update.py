@@ -29,6 +29,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from dynarec.kernels.gpu.packed import table_of, table_place
+
 __all__ = ["TUNING", "Tuning", "bag_update"]
 
 UpdateKernel = Literal["run", "scan"]
@@ -122,17 +124,32 @@ if HAVE_TRITON:
             tl.store(weight_ptr + off, out, mask=dm)
 
     @triton.jit
+    def _row_place(row, D, layout_ptr, T, PACKED: tl.constexpr):
+        """``(first element, dim)`` of rows ``row`` ([R] int64): of ``[num_rows, D]`` rows, or
+        (``PACKED``) of group rows in packed rows of layout ``[3, T + 1]``."""
+        if PACKED:
+            start, element_start, dim = table_place(table_of(row, layout_ptr, T), layout_ptr, T)
+            base = element_start + (row - start) * dim
+        else:
+            base = row * D
+            dim = row * 0 + D
+        return base, dim
+
+    @triton.jit
     def _apply_update(
         weight_ptr, s1_ptr, s2_ptr, row, live, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        keys_ptr, key_offset, round_base, layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
     ):  # fmt: skip
         """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
         aggregated gradients ``g`` ([R, BLOCK_D] float32): one case per ``KernelCode`` (a code
         without one does not compile). Rows of a half-precision table (``ROUND``) are read into
-        float32 and stored by :func:`_store_rows`."""
-        dm = live[:, None] & (d < D)[None, :]
-        off = row[:, None] * D + d[None, :]
+        float32 and stored by :func:`_store_rows`. ``PACKED``: ``row`` are group rows of packed
+        rows (a row-wise state is indexed by them, the weights and element-wise states by
+        :func:`_row_place`)."""
+        base, dim = _row_place(row, D, layout_ptr, T, PACKED)
+        dm = live[:, None] & (d[None, :] < dim[:, None])
+        off = base[:, None] + d[None, :]
         w = tl.load(weight_ptr + off, mask=dm, other=0.0).to(tl.float32)
         if OPT == _SGD:
             w = w - lr * g
@@ -145,7 +162,7 @@ if HAVE_TRITON:
             if WD_MODE == _WD_L2:
                 gu = g + wd * w
             gu = tl.where(dm, gu, 0.0)
-            h = tl.load(s1_ptr + row, mask=live, other=0.0) + tl.sum(gu * gu, axis=1) / D
+            h = tl.load(s1_ptr + row, mask=live, other=0.0) + tl.sum(gu * gu, axis=1) / dim.to(tl.float32)
             tl.store(s1_ptr + row, h, mask=live)
             m = (lr / (tl.sqrt(h) + eps))[:, None]
             if WD_MODE == _WD_DECOUPLED:
@@ -175,8 +192,8 @@ if HAVE_TRITON:
     def _update_block_kernel(
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        keys_ptr, key_offset, round_base, layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, as one [L, BLOCK_D] tile: their
@@ -210,7 +227,8 @@ if HAVE_TRITON:
         whole = ends & ~crosses_start
         _apply_update(
             weight_ptr, s1_ptr, s2_ptr, row, whole, sums, d, D, lr, eps, wd, beta1, beta2,
-            bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
+            bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base, layout_ptr, T,
+            OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
         )  # fmt: skip
         first_end = crosses_start & ((row != nxt) | (lane == L - 1))
         if tl.max(first_end.to(tl.int32), axis=0) > 0:
@@ -224,8 +242,8 @@ if HAVE_TRITON:
     def _update_run_kernel(
         weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
         part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        keys_ptr, key_offset, round_base, layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
         """One program per block of ``L`` sorted occurrences, read one at a time: each gradient
@@ -260,7 +278,7 @@ if HAVE_TRITON:
                     _apply_update(
                         weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
                         acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-                        keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
+                        keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
                     )  # fmt: skip
                 acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                 first = False
@@ -275,7 +293,8 @@ if HAVE_TRITON:
     def _update_crossing_kernel(
         weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr,
         n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
+        layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         BLOCK_D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     ):  # fmt: skip
         """One program per block whose last run begins in it and goes on past it (a hot row, or
@@ -302,7 +321,7 @@ if HAVE_TRITON:
             _apply_update(
                 weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
                 g[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-                keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
+                keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
             )  # fmt: skip
 
 
@@ -321,6 +340,7 @@ def bag_update(
     row_keys: Optional[torch.Tensor] = None,
     key_offset: int = 0,
     rounding_base: int = 0,
+    layout: Optional[torch.Tensor] = None,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
@@ -334,8 +354,10 @@ def bag_update(
     block where a row's run ends also sets ``scores[row] = score``. A ``weight`` of bfloat16 or
     float16 is updated in float32 and stored by stochastic rounding, each row's draws keyed by
     ``row_keys[row]`` (or ``row + key_offset``) from ``rounding_base``
-    (:mod:`dynarec.optim.rounding`)."""
-    n, dim = rows.numel(), weight.shape[1]
+    (:mod:`dynarec.optim.rounding`). With a ``layout`` (:mod:`dynarec.kernels.packed`):
+    ``weight`` and the states are packed rows of several tables, ``rows`` group rows and
+    ``grad_out`` ``[num_bags, width]``."""
+    n, dim = rows.numel(), (grad_out.shape[1] if layout is not None else weight.shape[1])
     if n == 0:
         return
     lengths = offsets[1:] - offsets[:-1]
@@ -365,10 +387,13 @@ def bag_update(
         1.0 - args.beta2,
         1.0 - lr * args.weight_decay,
     )
-    rounding = (row_keys if row_keys is not None else sorted_rows, int(key_offset), int(rounding_base))
+    keys_and_layout = (
+        row_keys if row_keys is not None else sorted_rows, int(key_offset), int(rounding_base),
+        layout if layout is not None else sorted_rows, 0 if layout is None else layout.shape[1] - 1,
+    )  # fmt: skip
     opt = dict(
         OPT=int(args.code), WD_MODE=int(args.weight_decay_mode), ROUND=ROUNDING_CODES[weight.dtype],
-        HAS_KEYS=row_keys is not None, BLOCK_D=block_d, L=block,
+        HAS_KEYS=row_keys is not None, PACKED=layout is not None, BLOCK_D=block_d, L=block,
     )  # fmt: skip
     runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=scores is not None)
     if scores is None:
@@ -376,15 +401,15 @@ def bag_update(
     if kernel == "run":
         _update_run_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, *rounding, **opt, **runs, num_warps=_tile_warps(block_d),
+            *scalars, *keys_and_layout, **opt, **runs, num_warps=_tile_warps(block_d),
         )  # fmt: skip
     else:
         _update_block_kernel[(blocks,)](
             weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, *rounding, **opt, **runs, num_warps=_tile_warps(block * block_d),
+            *scalars, *keys_and_layout, **opt, **runs, num_warps=_tile_warps(block * block_d),
         )  # fmt: skip
     if blocks > 1:
         _update_crossing_kernel[(blocks - 1,)](
-            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, *rounding, **opt,
+            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, *keys_and_layout, **opt,
             P=tuning.crossing_blocks, num_warps=_tile_warps(block_d),
         )  # fmt: skip

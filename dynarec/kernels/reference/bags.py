@@ -6,34 +6,60 @@ Bags are CSR: ``rows`` ``[n]`` int64 row indices, ``offsets`` ``[num_bags + 1]``
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from dynarec.kernels.packed import table_views
 from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode, update_rows
 
 __all__ = ["aggregate", "bag_gradients", "bag_update", "pooled"]
 
 
 def pooled(
-    weight: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    layout: Optional[torch.Tensor] = None,
+    width: int = 0,
 ) -> torch.Tensor:
-    """``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``: ``[num_bags, D]`` float32."""
-    return F.embedding_bag(
-        rows, weight, offsets, mode="sum", per_sample_weights=per_sample_weights, include_last_offset=True
-    )
+    """``out[b] = sum_{i in bag b} psw[i] * weight[rows[i]]``: ``[num_bags, D]`` float32. With a
+    ``layout`` (:mod:`dynarec.kernels.packed`), ``weight`` is packed rows, ``rows`` group rows,
+    and the output ``[num_bags, width]``, zero past each bag's table's dim."""
+    if layout is None:
+        return F.embedding_bag(
+            rows, weight, offsets, mode="sum", per_sample_weights=per_sample_weights, include_last_offset=True
+        )
+    out = torch.zeros(offsets.numel() - 1, width, dtype=torch.float32, device=weight.device)
+    bag_of_id = _bag_of_id(offsets, rows.numel())
+    for (start, end), table in zip(_row_ranges(layout), table_views(weight, layout)):
+        mine = (rows >= start) & (rows < end)
+        v = table.index_select(0, rows[mine] - start)
+        if per_sample_weights is not None:
+            v = v * per_sample_weights[mine][:, None]
+        out[:, : table.shape[1]].index_add_(0, bag_of_id[mine], v)
+    return out
+
+
+def _bag_of_id(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids)
+
+
+def _row_ranges(layout: torch.Tensor) -> list[tuple[int, int]]:
+    """Each table's group rows ``[start, end)``."""
+    starts = layout[0].tolist()
+    return list(itertools.pairwise(starts))
 
 
 def bag_gradients(
     grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
 ) -> torch.Tensor:
     """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_id = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
-    )
-    g = grad_out.index_select(0, bag_of_id)
+    g = grad_out.index_select(0, _bag_of_id(offsets, num_ids))
     if per_sample_weights is not None:
         g.mul_(per_sample_weights[:, None])
     return g
@@ -72,6 +98,7 @@ def bag_update(
     row_keys: Optional[torch.Tensor] = None,
     key_offset: int = 0,
     rounding_base: int = 0,
+    layout: Optional[torch.Tensor] = None,
 ) -> None:
     """The fused backward + update of one step of bags: each unique row of ``rows`` once, with
     the sum of its occurrences' gradients (``grad_out`` ``[num_bags, D]``), by the optimizer of
@@ -80,7 +107,9 @@ def bag_update(
     where it has none). ``scores`` (``[num_rows]`` int64): ``scores[row] = score`` for each row
     updated. Float32 rows only (``row_keys``, ``key_offset``, ``rounding_base``: the C++ and
     Triton kernels' half-precision rounding, not taken here; ``fused_bag_update`` rounds half
-    rows in torch ops where neither kernel runs)."""
+    rows in torch ops where neither kernel runs). With a ``layout``
+    (:mod:`dynarec.kernels.packed`), ``weight`` and the states are packed rows, ``rows`` group
+    rows and ``grad_out`` ``[num_bags, width]``; each table's rows are updated as its own."""
     if weight.dtype != torch.float32:
         raise ValueError(f"the reference dynarec::bag_update updates float32 rows, not {weight.dtype}")
     if rows.numel() == 0:
@@ -92,4 +121,14 @@ def bag_update(
     args = KernelArgs(
         KernelCode(code), eps, weight_decay, WeightDecayCode(weight_decay_mode), beta1, beta2, bias1, bias2
     )
-    update_rows(args, lr=lr, weight=weight, states=states, rows=unique_rows, grad=grad)
+    if layout is None:
+        update_rows(args, lr=lr, weight=weight, states=states, rows=unique_rows, grad=grad)
+        return
+    tables = {name: table_views(t, layout) for name, t in (("weight", weight), *states.items())}
+    for t, (start, end) in enumerate(_row_ranges(layout)):
+        mine = (unique_rows >= start) & (unique_rows < end)
+        w = tables["weight"][t]
+        update_rows(
+            args, lr=lr, weight=w, states={name: tables[name][t] for name in states},
+            rows=unique_rows[mine] - start, grad=grad[mine, : w.shape[1]].contiguous(),
+        )  # fmt: skip
