@@ -363,6 +363,7 @@ _TABLE_ONLY = {
     "pooling": "sum",
     "hash_function": "farmhash",
     "default_bucketize_value": None,
+    "cache_load_factor": None,
 }
 
 
@@ -387,6 +388,8 @@ class _Embeddable(_Feature):
     sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
     trainable: bool = True  # false: the table keeps its initial (or loaded) rows
     data_type: RowDtype = "fp32"  # fp16 / bf16: half-precision rows, stochastically rounded
+    # A fixed table's rows in host memory, this share of them cached on the device (None: all there)
+    cache_load_factor: Optional[float] = Field(None, gt=0, le=1)
 
     def _check_table(self) -> None:
         super()._check_table()
@@ -936,6 +939,7 @@ TABLE_SETTINGS = (
     "sharding",
     "trainable",
     "data_type",
+    "cache_load_factor",
     "hash_function",
     "key_space",
 )

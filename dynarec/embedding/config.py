@@ -35,6 +35,7 @@ __all__ = [
     "ScoreStrategy",
     "ShardingType",
     "TableConfig",
+    "cache_rows_of",
     "check_count",
 ]
 
@@ -149,6 +150,12 @@ class DynamicTableOptions:
             raise ValueError(f"{where}: check_mode must be one of {CHECK_MODES}, got {self.check_mode!r}")
 
 
+def cache_rows_of(num_rows: int, cache_load_factor: float) -> int:
+    """Slots of a cache holding ``cache_load_factor`` of ``num_rows`` rows: the share rounded up
+    (at least one row, at most all)."""
+    return max(1, min(num_rows, math.ceil(num_rows * cache_load_factor - 1e-9)))
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding table: fixed (``num_embeddings`` rows, ids ``[0, num_embeddings)``) or
@@ -171,6 +178,9 @@ class TableConfig:
         data_type: the weights' storage, ``fp32``, or ``fp16`` / ``bf16`` (half the bytes; the
             update runs in fp32 and stores each weight by seeded stochastic rounding,
             :mod:`dynarec.optim.rounding`; optimizer states stay fp32; native backend only).
+        cache_load_factor: a fixed table whose rows live in host memory, this share of them
+            cached on the device (:mod:`dynarec.embedding.cached_store`; torchrec's name for
+            FBGEMM's managed caching); None: every row on the device. Native backend, fp32 rows.
     """
 
     name: str
@@ -185,9 +195,24 @@ class TableConfig:
     seed: Optional[int] = None
     sharding: Optional[ShardingType] = None
     data_type: RowDtype = "fp32"
+    cache_load_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         where = f"table '{self.name}'"
+        if self.cache_load_factor is not None:
+            f = self.cache_load_factor
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+                raise ValueError(f"{where}: cache_load_factor must be a share of the rows in (0, 1], got {f!r}")
+            if self.dynamic is not None:
+                raise ValueError(
+                    f"{where}: cache_load_factor keeps a fixed table's rows in host memory; a dynamic table's host "
+                    "tier is not built yet (its rows stay on the device)"
+                )
+            if self.backend != "native" or self.data_type != "fp32":
+                raise ValueError(
+                    f"{where}: cache_load_factor caches fp32 rows of backend 'native', not {self.data_type} rows of "
+                    f"backend '{self.backend}'"
+                )
         if self.data_type not in ROW_DTYPE_NAMES:
             raise ValueError(f"{where}: data_type must be one of {ROW_DTYPE_NAMES}, got {self.data_type!r}")
         if self.data_type != "fp32" and self.backend != "native":

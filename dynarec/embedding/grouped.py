@@ -44,10 +44,13 @@ ReducerFactory = Callable[[str, int], Optional[GradReducer]]
 
 def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False) -> Optional[tuple]:
     """What tables must share to be grouped, or None for a table that is looked up on its own
-    (dynamic, another backend, or half-precision rows: their rounding draws are keyed by the
-    table's own rows). ``packs_dims`` (:func:`packs_dims`): tables of several dims group too
-    (the optimizer spec alone), else the dim and the spec."""
+    (dynamic, another backend, half-precision rows: their rounding draws are keyed by the
+    table's own rows, or rows in host memory behind a cache). ``packs_dims``
+    (:func:`packs_dims`): tables of several dims group too (the optimizer spec alone), else the
+    dim and the spec."""
     if config.kind != "fixed" or config.backend != "native" or config.data_type != "fp32":
+        return None
+    if config.cache_load_factor is not None:  # its rows live in host memory, behind its own cache
         return None
     return (spec,) if packs_dims else (config.dim, spec)
 

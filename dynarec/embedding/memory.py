@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dynarec.embedding.config import TableConfig
+from dynarec.embedding.config import TableConfig, cache_rows_of
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import ROW_DTYPES
 
@@ -27,10 +27,14 @@ INDEX_BYTES_PER_SLOT = 8 + 8 + 4 + 1  # key, score, pin, occupancy
 
 @dataclass(frozen=True)
 class TableBytes:
+    """Bytes on the device (weights, states, index) and, for a table whose rows live in host
+    memory (``cache_load_factor``), ``host``: every row's weights and states there."""
+
     rows: int
     weights: int
     states: int
     index: int
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -41,7 +45,7 @@ def table_bytes(
     config: TableConfig, spec: OptimizerSpec, rows: Optional[int] = None, world_size: int = 1
 ) -> TableBytes:
     """Bytes of ``config`` trained by ``spec`` at ``rows`` rows (default: its largest; weights
-    in the table's ``data_type``, states float32); a
+    in the table's ``data_type``, states float32; a cached table's device bytes are its cache's); a
     key-hash shard of ``world_size`` holds a ``1/world_size`` share of the admission counter."""
     if rows is None:
         if config.dynamic is None:
@@ -57,8 +61,12 @@ def table_bytes(
         if config.dynamic.admission is not None:
             counter = config.dynamic.admission.capacity or config.dynamic.max_capacity
             index += -(-counter // world_size) * INDEX_BYTES_PER_SLOT
-    row_bytes = ROW_DTYPES[config.data_type].itemsize
-    return TableBytes(rows, rows * config.dim * row_bytes, rows * state_width * 4, index)
+    row_bytes = ROW_DTYPES[config.data_type].itemsize * config.dim + state_width * 4
+    if config.cache_load_factor is not None:  # on the device its cache; every row in host memory
+        cached = cache_rows_of(rows, config.cache_load_factor)
+        weights = cached * config.dim * ROW_DTYPES[config.data_type].itemsize
+        return TableBytes(rows, weights, cached * state_width * 4, index, host=rows * row_bytes)
+    return TableBytes(rows, rows * config.dim * ROW_DTYPES[config.data_type].itemsize, rows * state_width * 4, index)
 
 
 def available_memory(device: torch.device) -> int:

@@ -200,8 +200,10 @@ class NativeRowStore(RowStore):
         grad_reducer: Optional[GradReducer] = None,
         dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
+        pinned: bool = False,
     ):
-        """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
+        """``pinned``: rows in page-locked host memory (a CPU store a GPU copies from).
+        ``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
         are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
         each row's draws keyed by ``row_keys`` (set by the owning table: a fixed table's global
         row ids, a dynamic table's keys; default the row indices; :mod:`dynarec.optim.rounding`)."""
@@ -210,12 +212,16 @@ class NativeRowStore(RowStore):
         self.dtype = dtype
         self.rounding_seed = rounding_seed
         self.row_keys = RowKeys()
+        self.pinned = pinned
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
-        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device)
+        pin = self.pinned
+        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device, pin_memory=pin)
         self._states = {
-            s.name: torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
+            s.name: torch.full(
+                (num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device, pin_memory=pin
+            )
             for s in self.spec.state_specs()
         }
 

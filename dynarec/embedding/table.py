@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from dynarec.embedding.config import FeatureConfig, TableConfig
+from dynarec.embedding.cached_store import CachedRowStore
+from dynarec.embedding.config import FeatureConfig, TableConfig, cache_rows_of
 from dynarec.embedding.fbgemm_store import FbgemmRowStore
 from dynarec.embedding.hash_index import IndexStamp
 from dynarec.embedding.initializers import Initializer
@@ -84,6 +85,14 @@ def make_row_store(
         if grad_reducer is not None:
             raise ValueError(f"table '{config.name}': a data-parallel table needs backend 'native'")
         return FbgemmRowStore(num_rows, config.dim, spec, device, where=f"table '{config.name}'")
+    if config.cache_load_factor is not None:
+        if grad_reducer is not None:
+            raise ValueError(
+                f"table '{config.name}': a data-parallel table keeps every row on each device (cache_load_factor "
+                "caches a table's own rows; shard it row_wise)"
+            )
+        cache_rows = cache_rows_of(num_rows, config.cache_load_factor)
+        return CachedRowStore(num_rows, config.dim, spec, device, cache_rows, name=config.name)
     dtype = ROW_DTYPES[config.data_type]
     return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer, dtype, rounding_seed=int(config.seed or 0))
 
@@ -266,6 +275,8 @@ class FixedTable(EmbeddingTable):
             store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
         if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by global row id
             store.row_keys = RowKeys(offset=start)
+        if isinstance(store, CachedRowStore):  # its cache keeps the rows of this table's pending steps
+            store.steps = self.steps
         self._store = store
         chunk = 1 << 16
         with torch.no_grad():

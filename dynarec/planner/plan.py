@@ -22,7 +22,7 @@ from typing import Optional
 
 from dynarec.config.schema import Config
 from dynarec.embedding.config import FeatureConfig, ShardingType, TableConfig
-from dynarec.embedding.memory import format_bytes, table_bytes
+from dynarec.embedding.memory import TableBytes, format_bytes, table_bytes
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.sgd import SGD
 from dynarec.planner.sharding import TableSharding
@@ -51,16 +51,24 @@ class TablePlan:
     ids_per_sample: tuple[int, ...] = ()
 
     def bytes_on(self, rank: int) -> int:
-        """Bytes this table takes on ``rank`` at its largest (weights, optimizer states, index)."""
+        """Bytes this table takes on ``rank``'s device at its largest (weights, optimizer states,
+        index; a table cached from host memory: its cache)."""
+        return self._bytes(rank).total
+
+    def host_bytes_on(self, rank: int) -> int:
+        """Bytes of this table's rows in ``rank``'s host memory (``cache_load_factor``), else 0."""
+        return self._bytes(rank).host
+
+    def _bytes(self, rank: int) -> TableBytes:
         s, t = self.sharding, self.table
         if not s.holds(rank):
-            return 0
+            return TableBytes(0, 0, 0, 0)
         if s.kind == "row_wise":
             start, end = s.rows_of(rank)
-            return table_bytes(t, self.optimizer, rows=end - start).total
+            return table_bytes(t, self.optimizer, rows=end - start)
         if s.kind == "key_hash":
-            return table_bytes(t, self.optimizer, rows=s.capacity_per_rank, world_size=s.world_size).total
-        return table_bytes(t, self.optimizer).total
+            return table_bytes(t, self.optimizer, rows=s.capacity_per_rank, world_size=s.world_size)
+        return table_bytes(t, self.optimizer)
 
     def exchange_bytes(self, batch_size: int) -> int:
         """Estimated bytes a rank sends per training step for this table (forward and backward):
@@ -78,7 +86,8 @@ class TablePlan:
         bags = batch_size * sum(1 if self.table.pooling_of(f) != "none" else n for f, n in zip(features, per_sample))
         return int(leave * (ids * _ROUTED_ID_BYTES + 2 * bags * self.table.dim * 4))
 
-    def row(self, batch_size: int = 0) -> dict[str, object]:
+    def row(self, batch_size: int = 0, host: bool = False) -> dict[str, object]:
+        """The table's line of the plan (``host``: with its bytes in host memory)."""
         t, s = self.table, self.sharding
         rows = t.num_embeddings if t.dynamic is None else f"{t.dynamic.init_capacity}..{t.dynamic.max_capacity}"
         feats = ", ".join(f"{f.name}({t.pooling_of(f)})" for f in t.feature_configs)
@@ -95,6 +104,8 @@ class TablePlan:
             row["sharding"] = s.kind
             row["ranks"] = s.describe_ranks()
         row["bytes/rank"] = format_bytes(max(self.bytes_on(r) for r in range(s.world_size)))
+        if host:
+            row["host bytes/rank"] = format_bytes(max(self.host_bytes_on(r) for r in range(s.world_size)))
         if s.world_size > 1:
             row["exchange/step/rank"] = format_bytes(self.exchange_bytes(batch_size))
         return row
@@ -117,8 +128,10 @@ class Plan:
 
     def describe(self) -> list[dict[str, object]]:
         """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter),
-        features; bytes per rank; with several ranks its sharding, ranks and exchange per step."""
-        return [t.row(self.batch_size) for t in self.tables]
+        features; bytes per rank on the device (and in host memory, where a table keeps its rows
+        there); with several ranks its sharding, ranks and exchange per step."""
+        host = any(t.table.cache_load_factor is not None for t in self.tables)
+        return [t.row(self.batch_size, host) for t in self.tables]
 
     def format(self) -> str:
         """The plan as a text table, one line per table, and the per-rank totals."""
@@ -165,6 +178,7 @@ def _tables_of(config: Config) -> list[tuple[TableConfig, OptimizerSpec, tuple[i
             initializer=first.initializer,
             sharding=first.sharding,
             data_type=first.data_type,
+            cache_load_factor=first.cache_load_factor,
         )
         ids = tuple(_ids_per_sample(f) for f in feats)
         out.append((table, spec, ids))

@@ -1,0 +1,172 @@
+"""A fixed table's host-memory tier (dynarec.embedding.cached_store): its rows in host memory, a
+cache of them on the device. Trained with a cache of a quarter of its rows, rows evicted and
+loaded back every step, a table equals the same table kept whole on the device bit for bit (on
+the CPU), for every optimizer and pooling; pending steps keep their rows; what cannot fit, or
+cannot be cached, is refused by name."""
+
+import pytest
+import torch
+
+from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec.embedding.cached_store import CacheFullError
+from dynarec.embedding.config import cache_rows_of
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+
+SPECS = [
+    SGD(lr=0.3),
+    Adagrad(lr=0.2, initial_accumulator_value=0.1),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="l2"),
+    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled"),
+    Adam(lr=0.05, weight_decay=0.01),
+]
+ROWS = 200
+
+
+def table(pooling, cache):
+    return TableConfig(
+        name="t", dim=6, num_embeddings=ROWS, pooling=pooling,
+        features=["f", FeatureConfig("s", pooling="none")], cache_load_factor=cache,
+    )  # fmt: skip
+
+
+def batches(n, size=8, seed=0, weighted=True):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lists, weights = {}, {}
+        for name in ("f", "s"):
+            lengths = torch.randint(0, 4, (size,), generator=g)
+            lists[name] = [torch.randint(0, ROWS, (int(k),), generator=g).tolist() for k in lengths]
+            weights[name] = [torch.rand(int(k), generator=g).tolist() for k in lengths]
+        out.append(JaggedBatch.from_lists(lists, weights if weighted else None))
+    return out
+
+
+def train(coll, data):
+    outs = []
+    for kjt in data:
+        out = coll(kjt)
+        sum((v * torch.arange(v.numel()).view_as(v).cos()).sum() for v in out.values()).backward()
+        outs.append({k: v.detach().clone() for k, v in out.items()})
+    return outs
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_a_cached_table_trains_as_the_table_kept_whole_on_the_device(spec, pooling):
+    data = batches(8, weighted=pooling == "sum")
+    cached = EmbeddingCollection([table(pooling, 0.25)], spec)
+    whole = EmbeddingCollection([table(pooling, None)], spec)
+    store = cached.tables["t"].store
+    assert store.cache_rows == 50
+    for x, y in zip(train(cached, data), train(whole, data)):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert store.counters["written_back"] > 0 and store.counters["loaded"] > store.cache_rows  # rows came and went
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cached.eval()
+    whole.eval()
+    with torch.no_grad():
+        x, y = cached(data[0]), whole(data[0])
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_rows_read_written_dumped_and_loaded_through_the_cache():
+    spec = Adagrad(lr=0.1)
+    coll = EmbeddingCollection([table("sum", 0.25)], spec)
+    train(coll, batches(3, seed=1))
+    rows = torch.tensor([0, 5, 199])
+    before = coll.read_rows("t", rows)
+    coll.write_rows("t", rows, {"weight": torch.full((3, 6), 2.0)})
+    assert torch.equal(coll.read_rows("t", rows)["weight"], torch.full((3, 6), 2.0))
+    assert torch.equal(coll.read_rows("t", rows)["momentum1"], before["momentum1"])
+    dump = coll.tables["t"].dump()
+    other = EmbeddingCollection([table("sum", 0.25)], spec)
+    other.tables["t"].load(dump)
+    data = batches(2, seed=2)
+    whole = EmbeddingCollection([table("sum", None)], spec)
+    whole.tables["t"].load(dump)
+    for x, y in zip(train(other, data), train(whole, data)):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():
+    """Two forwards before their backwards (gradient accumulation): the second may not take the
+    first's rows, so with a cache too small for both it is refused by name, and nothing moved;
+    with room for both, the two steps equal the uncached ones."""
+    spec = Adam(lr=0.05)
+    data = batches(2, size=8, seed=3)
+    need = [int(torch.unique(b.values()).numel()) for b in data]
+    tight = EmbeddingCollection([table("sum", (max(need) + 1) / ROWS)], spec)
+    tight(data[0])
+    with pytest.raises(CacheFullError, match=r"table 't': a lookup needs \d+ rows more on the device, but its cache"):
+        tight(data[1])
+    roomy, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (sum(need) / ROWS, None))
+    for coll in (roomy, whole):
+        loss = sum(v.sum() for kjt in data for v in coll(kjt).values())
+        loss.backward()
+    a, b = roomy.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(CacheFullError, match="raise cache_load_factor"):
+        EmbeddingCollection([table("sum", 2 / ROWS)], spec)(data[0])
+
+
+def test_rows_are_not_read_from_outside_while_a_step_is_pending():
+    coll = EmbeddingCollection([table("sum", 0.5)], SGD(lr=0.1))
+    coll(batches(1)[0])
+    with pytest.raises(RuntimeError, match="table 't': its rows are read or written from outside while a training"):
+        coll.tables["t"].dump()
+
+
+def test_what_cannot_be_cached_is_refused_by_name():
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match=r"table 't': cache_load_factor must be a share of the rows in \(0, 1\]"):
+            table("sum", bad)
+    with pytest.raises(ValueError, match="a dynamic table's host tier is not built yet"):
+        TableConfig(name="t", dim=4, dynamic=DynamicTableOptions(64), features=["f"], cache_load_factor=0.5)
+    with pytest.raises(ValueError, match="caches fp32 rows of backend 'native', not bf16 rows"):
+        TableConfig(name="t", dim=4, num_embeddings=8, features=["f"], cache_load_factor=0.5, data_type="bf16")
+    assert cache_rows_of(200, 0.25) == 50 and cache_rows_of(3, 0.01) == 1 and cache_rows_of(7, 1.0) == 7
+
+
+def test_a_yaml_config_trains_a_cached_table_as_the_table_kept_whole(tmp_path):
+    """``cache_load_factor`` on the features of a table (YAML): the trainer's run equals the one
+    without it, every table's rows and states bit for bit (the cache evicting as it goes)."""
+    from dynarec.config import load_config
+    from dynarec.train.trainer import Trainer
+    from tests.pipeline_fixtures import config_dict, make_data, write_config
+
+    make_data(tmp_path)
+    dumps = []
+    for factor in (None, 0.75):
+        c = config_dict(data__eval_input_path=None)
+        for entry in c["feature_configs"]:
+            body = next(iter(entry.values()))
+            if body.get("embedding_name") == "item" and factor is not None:
+                body["cache_load_factor"] = factor
+        trainer = Trainer(load_config(write_config(tmp_path, c, f"c{factor}.yaml")), tmp_path / f"m{factor}",
+                          progress=False)  # fmt: skip
+        trainer.fit()
+        store = trainer.task.embeddings.tables["item"].store
+        assert (type(store).__name__, getattr(store, "cache_rows", None)) == (
+            ("NativeRowStore", None) if factor is None else ("CachedRowStore", 150)
+        )
+        dumps.append({n: t.dump() for n, t in trainer.task.embeddings.tables.items()})
+        if factor is not None:
+            assert store.counters["written_back"] > 0
+    for name, dump in dumps[0].items():
+        assert all(torch.equal(v, dumps[1][name][k]) for k, v in dump.items()), name
+
+
+def test_the_plan_shows_a_cached_tables_bytes_on_the_device_and_in_host_memory():
+    from dynarec.embedding.memory import table_bytes
+    from dynarec.planner.plan import Plan, TablePlan
+    from dynarec.planner.sharding import TableSharding
+
+    spec = Adagrad(lr=0.1)
+    cached, whole = table("sum", 0.25), table("sum", None)
+    b, w = table_bytes(cached, spec), table_bytes(whole, spec)
+    assert (b.weights, b.states, b.host) == (w.weights // 4, w.states // 4, w.weights + w.states)
+    plan = Plan((TablePlan(cached, spec, TableSharding("table_wise", 1, (0,))),))
+    (row,) = plan.describe()
+    assert (row["bytes/rank"], row["host bytes/rank"]) == ("2.3 KiB", "9.4 KiB")
