@@ -259,11 +259,16 @@ def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optiona
                 f"table '{table.name}': data_parallel sharding needs backend 'native' (its row "
                 "gradients are all-reduced before the fused update); use table_wise or row_wise"
             )
+        if kind == "data_parallel" and table.cache_load_factor is not None:
+            raise PlanError(
+                f"table '{table.name}': a data_parallel table keeps every row on each device; with "
+                "cache_load_factor use table_wise or row_wise"
+            )
     elif world == 1:
         kind = "table_wise"
     elif table.dynamic is not None:
         kind = "key_hash"
-    elif full.weights <= DATA_PARALLEL_MAX_BYTES and table.backend == "native":
+    elif full.weights <= DATA_PARALLEL_MAX_BYTES and table.backend == "native" and table.cache_load_factor is None:
         kind = "data_parallel"
     elif budget is None or full.total <= budget // 4:
         kind = "table_wise"

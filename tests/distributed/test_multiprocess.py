@@ -175,6 +175,22 @@ def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
         torch.testing.assert_close(x, y, rtol=2**-7, atol=1e-6, msg=name)  # a flip is one bf16 step
 
 
+def test_tables_cached_from_host_memory_on_two_processes_equal_one(runs, tmp_path):
+    """The item table (row_wise) and the category table (table_wise) with their rows in host
+    memory behind a device cache (``cache_load_factor``), on two processes: each shard caches
+    its own rows, and the run equals the one-process run without caches (to the sharded runs'
+    1e-5)."""
+    c = mixed_config(runs, 60)
+    for i in (2, 3, 4, 5):
+        next(iter(c["feature_configs"][i].values()))["cache_load_factor"] = 1.0
+    config = write_config(runs, c, "cached_60.yaml")
+    rc, out = run("train", "--config", config, "--model-dir", tmp_path / "c2", "--no-progress", "--nproc", 2)
+    assert rc == 0, out
+    (_, t1), (s2, t2) = merged_tables(runs / "m1"), merged_tables(tmp_path / "c2")
+    assert s2["plan"]["world_size"] == 2
+    assert_tables_close(t1, t2)
+
+
 def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):
     # A resume needs the same global batch: 2 x 60 -> 3 x 50 is refused naming both.
     subprocess.run(["cp", "-r", str(runs / "m2"), str(tmp_path / "m3")], check=True)

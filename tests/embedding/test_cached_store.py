@@ -170,3 +170,15 @@ def test_the_plan_shows_a_cached_tables_bytes_on_the_device_and_in_host_memory()
     plan = Plan((TablePlan(cached, spec, TableSharding("table_wise", 1, (0,))),))
     (row,) = plan.describe()
     assert (row["bytes/rank"], row["host bytes/rank"]) == ("2.3 KiB", "9.4 KiB")
+
+
+def test_the_planner_never_replicates_a_cached_table():
+    from dynarec.planner.plan import PlanError, _decide
+
+    spec = Adagrad(lr=0.1)
+    assert _decide(table("sum", 0.25), spec, 2, None, [0, 0]).kind == "table_wise"
+    assert _decide(table("sum", None), spec, 2, None, [0, 0]).kind == "data_parallel"
+    forced = TableConfig(name="t", dim=6, num_embeddings=ROWS, features=["f"], cache_load_factor=0.5,
+                         sharding="data_parallel")  # fmt: skip
+    with pytest.raises(PlanError, match="a data_parallel table keeps every row on each device"):
+        _decide(forced, spec, 2, None, [0, 0])
