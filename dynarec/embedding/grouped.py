@@ -6,10 +6,11 @@ backward one fused update, whatever the number of tables. A :class:`TableGroup` 
 fixed float32 tables of one optimizer spec on the native backend: their rows lie in one
 :class:`~dynarec.embedding.row_store.PackedRowStore`, each table keeping its own
 :class:`~dynarec.embedding.row_store.RowStoreSlice` of it (reads, writes, dumps and loads by
-table, as before). Tables of one dim group on any device. Tables of several dims group where the
-``dynarec`` ops' packed form has kernels (a GPU with Triton): their rows are packed end to end
-and a bag's output is the group's widest dim, each feature given its own dim's columns back; on
-a CPU, where a lookup launches nothing, they are looked up apart.
+table, as before). Tables of one dim group on any device. Tables of several dims within one row
+tile of the kernels (dims 1-16, 17-32, 33-64, ...) group where the ``dynarec`` ops' packed form
+has kernels (a GPU with Triton): their rows are packed end to end and a bag's output is the
+group's widest dim, each feature given its own dim's columns back; on a CPU, where a lookup
+launches nothing, they are looked up apart.
 
 The grouping changes no result beyond float32 summation order: a row's update depends only on
 its own aggregated gradient and the table's learning rate and step counter, and each bag pools
@@ -46,13 +47,20 @@ def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False
     """What tables must share to be grouped, or None for a table that is looked up on its own
     (dynamic, another backend, half-precision rows: their rounding draws are keyed by the
     table's own rows, or rows in host memory behind a cache). ``packs_dims``
-    (:func:`packs_dims`): tables of several dims group too (the optimizer spec alone), else the
-    dim and the spec."""
+    (:func:`packs_dims`): tables of several dims within one row tile group too (the tile and the
+    spec), else the dim and the spec."""
     if config.kind != "fixed" or config.backend != "native" or config.data_type != "fp32":
         return None
     if config.cache_load_factor is not None:  # its rows live in host memory, behind its own cache
         return None
-    return (spec,) if packs_dims else (config.dim, spec)
+    return (_dim_class(config.dim), spec) if packs_dims else (config.dim, spec)
+
+
+def _dim_class(dim: int) -> int:
+    """The kernels' row tile of ``dim`` floats (the next power of two, at least 16): tables
+    packed together share it, so a narrow table's bags are never much wider than its rows (a
+    bag's output and gradient take the group's widest dim)."""
+    return max(16, 1 << (dim - 1).bit_length())
 
 
 def packs_dims(spec: OptimizerSpec, device: torch.device, data_parallel: bool) -> bool:

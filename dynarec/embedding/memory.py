@@ -23,6 +23,8 @@ from dynarec.optim.rounding import ROW_DTYPES
 __all__ = ["INDEX_BYTES_PER_SLOT", "TableBytes", "available_memory", "check_fits", "format_bytes", "table_bytes"]
 
 INDEX_BYTES_PER_SLOT = 8 + 8 + 4 + 1  # key, score, pin, occupancy
+CACHE_MAP_BYTES_PER_ROW = 4  # a cached table's map from each row to its cache slot (int32)
+CACHE_BYTES_PER_SLOT = 8 + 8  # a cache slot's row and last use
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,10 @@ def table_bytes(
             counter = config.dynamic.admission.capacity or config.dynamic.max_capacity
             index += -(-counter // world_size) * INDEX_BYTES_PER_SLOT
     row_bytes = ROW_DTYPES[config.data_type].itemsize * config.dim + state_width * 4
-    if config.cache_load_factor is not None:  # on the device its cache; every row in host memory
+    if config.cache_load_factor is not None:  # on the device its cache and slot map; every row in host memory
         cached = cache_rows_of(rows, config.cache_load_factor)
         weights = cached * config.dim * ROW_DTYPES[config.data_type].itemsize
+        index = CACHE_MAP_BYTES_PER_ROW * rows + CACHE_BYTES_PER_SLOT * cached
         return TableBytes(rows, weights, cached * state_width * 4, index, host=rows * row_bytes)
     return TableBytes(rows, rows * config.dim * ROW_DTYPES[config.data_type].itemsize, rows * state_width * 4, index)
 
@@ -104,6 +107,18 @@ def check_fits(
     breakdown = [(config, table_bytes(config, spec)) for config, spec in tables]
     if sizes is not None:  # shards: their share of each table
         breakdown = [(config, _scaled(b, n)) for (config, b), n in zip(breakdown, sizes)]
+    host = sum(b.host for _, b in breakdown)
+    if host:  # rows kept in host memory (cache_load_factor): the host must hold them
+        in_ram = host + (sum(b.total for _, b in breakdown) if device.type == "cpu" else 0)
+        free = available_memory(torch.device("cpu"))
+        if in_ram > free:
+            held = [(c, b) for c, b in breakdown if b.host]
+            lines = [f"  table '{c.name}': {format_bytes(b.host)} of rows in host memory" for c, b in held]
+            raise ValueError(
+                f"the tables need {format_bytes(in_ram)} of host memory but {format_bytes(free)} is available:\n"
+                + "\n".join(lines)
+                + "\nlower them, or train with more memory"
+            )
     total = sum(b.total for _, b in breakdown)
     if total <= budget:
         return
@@ -122,4 +137,6 @@ def check_fits(
 def _scaled(full: TableBytes, total: int) -> TableBytes:
     """``full``'s breakdown scaled to ``total`` bytes (a shard holding that share of it)."""
     f = total / max(full.total, 1)
-    return TableBytes(int(full.rows * f), int(full.weights * f), int(full.states * f), int(full.index * f))
+    return TableBytes(
+        int(full.rows * f), int(full.weights * f), int(full.states * f), int(full.index * f), int(full.host * f)
+    )

@@ -117,8 +117,10 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
     # gradients, where slices would each scatter into a zero tensor of all the bags.
     chunks = pooled.split([f.num_bags for f in layout.features]) if len(layout.features) > 1 else (pooled,)
     for f, chunk in zip(layout.features, chunks):
-        if f.dim is not None and f.dim < chunk.shape[1]:
+        if f.dim is not None and f.dim < chunk.shape[1]:  # packed rows: the feature's own columns
             chunk = chunk[:, : f.dim]
+            if f.pooling != "none":  # a model may view it ([B, D] as any table's output is)
+                chunk = chunk.contiguous()
         out[f.name] = pad_sequence_rows(chunk, f.lengths, f.max_length) if f.pooling == "none" else chunk
     return out
 

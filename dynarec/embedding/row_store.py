@@ -149,10 +149,11 @@ class _NativeFusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step, row_scores):
+    def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step, row_scores, on_update):
         ctx.store = store
         ctx.step = step
         ctx.row_scores = row_scores
+        ctx.on_update = on_update
         ctx.save_for_backward(rows, offsets, per_sample_weights)
         return store.pooled(rows, offsets, per_sample_weights)
 
@@ -176,7 +177,9 @@ class _NativeFusedLookup(torch.autograd.Function):
             row_keys=store.row_keys,
             layout=store.layout,
         )
-        return None, None, None, None, None, None, None
+        if ctx.on_update is not None:
+            ctx.on_update()
+        return None, None, None, None, None, None, None, None
 
 
 class NativeRowStore(RowStore):
@@ -200,10 +203,8 @@ class NativeRowStore(RowStore):
         grad_reducer: Optional[GradReducer] = None,
         dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
-        pinned: bool = False,
     ):
-        """``pinned``: rows in page-locked host memory (a CPU store a GPU copies from).
-        ``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
+        """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
         are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
         each row's draws keyed by ``row_keys`` (set by the owning table: a fixed table's global
         row ids, a dynamic table's keys; default the row indices; :mod:`dynarec.optim.rounding`)."""
@@ -212,16 +213,12 @@ class NativeRowStore(RowStore):
         self.dtype = dtype
         self.rounding_seed = rounding_seed
         self.row_keys = RowKeys()
-        self.pinned = pinned
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
-        pin = self.pinned
-        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device, pin_memory=pin)
+        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device)
         self._states = {
-            s.name: torch.full(
-                (num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device, pin_memory=pin
-            )
+            s.name: torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
             for s in self.spec.state_specs()
         }
 
@@ -239,10 +236,12 @@ class NativeRowStore(RowStore):
     def restore_storage(self, handle) -> None:
         self.num_rows, self._weight, self._states = handle
 
-    def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores=None):
+    def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores=None, on_update=None):
+        """``on_update``: called once the training lookup's fused update has run."""
         if train and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
-            return _NativeFusedLookup.apply(anchor, self, rows, offsets, per_sample_weights, step, row_scores)
+            args = (rows, offsets, per_sample_weights, step, row_scores, on_update)
+            return _NativeFusedLookup.apply(anchor, self, *args)
         return self.pooled(rows, offsets, per_sample_weights)
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):

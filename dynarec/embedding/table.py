@@ -275,8 +275,6 @@ class FixedTable(EmbeddingTable):
             store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
         if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by global row id
             store.row_keys = RowKeys(offset=start)
-        if isinstance(store, CachedRowStore):  # its cache keeps the rows of this table's pending steps
-            store.steps = self.steps
         self._store = store
         chunk = 1 << 16
         with torch.no_grad():

@@ -10,15 +10,9 @@ import torch
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
 from dynarec.embedding.cached_store import CacheFullError
 from dynarec.embedding.config import cache_rows_of
-from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from dynarec.optim import SGD, Adagrad, Adam
+from tests.kernels.gpu_checks import SPECS
 
-SPECS = [
-    SGD(lr=0.3),
-    Adagrad(lr=0.2, initial_accumulator_value=0.1),
-    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="l2"),
-    RowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled"),
-    Adam(lr=0.05, weight_decay=0.01),
-]
 ROWS = 200
 
 
@@ -98,7 +92,7 @@ def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():
     data = batches(2, size=8, seed=3)
     need = [int(torch.unique(b.values()).numel()) for b in data]
     tight = EmbeddingCollection([table("sum", (max(need) + 1) / ROWS)], spec)
-    tight(data[0])
+    first = tight(data[0])  # its backward still to come
     with pytest.raises(CacheFullError, match=r"table 't': a lookup needs \d+ rows more on the device, but its cache"):
         tight(data[1])
     roomy, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (sum(need) / ROWS, None))
@@ -109,13 +103,50 @@ def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(CacheFullError, match="raise cache_load_factor"):
         EmbeddingCollection([table("sum", 2 / ROWS)], spec)(data[0])
+    del first
 
 
-def test_rows_are_not_read_from_outside_while_a_step_is_pending():
+def test_rows_are_not_written_or_dumped_while_an_update_is_still_to_come():
+    """A dump or a write empties the cache: refused while a training lookup's update is still to
+    come (it would update an emptied slot); a read of rows writes the cache back and is allowed."""
+    from dynarec.embedding.step import StepPendingError
+
     coll = EmbeddingCollection([table("sum", 0.5)], SGD(lr=0.1))
-    coll(batches(1)[0])
-    with pytest.raises(RuntimeError, match="table 't': its rows are read or written from outside while a training"):
+    out = coll(batches(1)[0])
+    assert coll.read_rows("t", torch.tensor([3]))["weight"].shape == (1, 6)
+    with pytest.raises(StepPendingError, match="table 't': its rows are written or viewed whole while a training"):
         coll.tables["t"].dump()
+    sum(v.sum() for v in out.values()).backward()
+    coll.tables["t"].dump()
+
+
+def test_a_late_backward_finds_its_rows_where_it_left_them():
+    """Two forwards, the second's backward (which commits both steps), a third forward, then the
+    first's backward: the first lookup's slots are kept until its own update ran — a cache with
+    no other room refuses the third forward by name; with room, the run equals the uncached one.
+    A forward dropped without a backward (an aborted step) gives its slots back."""
+    spec = SGD(lr=1.0)
+    a, b = JaggedBatch.from_lists({"f": [[0, 1]], "s": [[]]}), JaggedBatch.from_lists({"f": [[2, 3]], "s": [[]]})
+
+    def late(coll):
+        o1, o2 = coll(a), coll(a)
+        sum(v.sum() for v in o2.values()).backward()
+        o3 = coll(b)
+        for o in (o1, o3):
+            sum(v.sum() for v in o.values()).backward()
+
+    tight = EmbeddingCollection([table("sum", 2 / ROWS)], spec)
+    with pytest.raises(CacheFullError, match="rows whose update is still to come"):
+        late(tight)
+    roomy, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (4 / ROWS, None))
+    late(roomy)
+    late(whole)
+    x, y = roomy.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(x[k], y[k]) for k in x)
+    dropped = EmbeddingCollection([table("sum", 2 / ROWS)], spec)
+    dropped(a)  # its output dropped at once, the step undone
+    dropped.abort_step()
+    sum(v.sum() for v in dropped(b).values()).backward()
 
 
 def test_what_cannot_be_cached_is_refused_by_name():
@@ -167,9 +198,10 @@ def test_the_plan_shows_a_cached_tables_bytes_on_the_device_and_in_host_memory()
     cached, whole = table("sum", 0.25), table("sum", None)
     b, w = table_bytes(cached, spec), table_bytes(whole, spec)
     assert (b.weights, b.states, b.host) == (w.weights // 4, w.states // 4, w.weights + w.states)
+    assert b.index == 4 * ROWS + 16 * 50  # the slot map of every row, each slot's row and last use
     plan = Plan((TablePlan(cached, spec, TableSharding("table_wise", 1, (0,))),))
     (row,) = plan.describe()
-    assert (row["bytes/rank"], row["host bytes/rank"]) == ("2.3 KiB", "9.4 KiB")
+    assert (row["bytes/rank"], row["host bytes/rank"]) == ("3.9 KiB", "9.4 KiB")
 
 
 def test_the_planner_never_replicates_a_cached_table():
@@ -182,3 +214,11 @@ def test_the_planner_never_replicates_a_cached_table():
                          sharding="data_parallel")  # fmt: skip
     with pytest.raises(PlanError, match="a data_parallel table keeps every row on each device"):
         _decide(forced, spec, 2, None, [0, 0])
+
+
+def test_rows_the_host_cannot_hold_are_refused_before_anything_is_allocated():
+    from dynarec.embedding.memory import check_fits
+
+    huge = TableConfig(name="huge", dim=128, num_embeddings=10**12, features=["f"], cache_load_factor=0.001)
+    with pytest.raises(ValueError, match=r"of host memory but .* is available:\n  table 'huge': .* of rows in host"):
+        check_fits([(huge, Adagrad(lr=0.1))], torch.device("cpu"))

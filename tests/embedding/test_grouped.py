@@ -156,12 +156,12 @@ PACKED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 )
 @pytest.mark.parametrize("spec", [SPECS[1], SPECS[2], SPECS[4]], ids=repr)
 def test_fixed_tables_of_several_dims_share_one_packed_lookup(spec):
-    """Fixed tables of dims 8, 8, 4 and 20 (sequence and mean-pooled features among them): one
+    """Fixed tables of dims 8, 8, 8, 4 and 12 (sequence and mean-pooled features among them): one
     lookup unit, the same outputs, rows and states as each table apart (to the GPU tolerance),
     each feature's output of its own table's dim; training and evaluation."""
     device = PACKED_DEVICE
     configs = [t for t in tables() if t.kind == "fixed"] + [
-        TableConfig(name="e", dim=20, num_embeddings=11, features=["fe"], pooling="mean")
+        TableConfig(name="e", dim=12, num_embeddings=11, features=["fe"], pooling="mean")
     ]
     rows = {**ROWS, "fe": 11}
     g = torch.Generator().manual_seed(4)
@@ -180,9 +180,25 @@ def test_fixed_tables_of_several_dims_share_one_packed_lookup(spec):
     assert grouped.lookup_groups == [("a", "b", "c", "d", "e")]
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
         assert_outputs(x, y, exact=False)
-        assert x["fd"].shape == (9, 4) and x["fe"].shape == (9, 20) and x["sa"].shape[2] == 8
+        assert x["fd"].shape == (9, 4) and x["fe"].shape == (9, 12) and x["sa"].shape[2] == 8
+        assert x["fd"].is_contiguous() and x["fe"].is_contiguous()
     assert_same(grouped, apart, exact=False)
     grouped.eval()
     apart.eval()
     with torch.no_grad():
         assert_outputs(grouped(batches[0].to(device)), apart(batches[0].to(device)), exact=False)
+
+
+def test_tables_pack_with_tables_of_their_row_tile_only():
+    """Packed, a bag's output is the group's widest dim: tables pack only within one row tile of
+    the kernels (dims up to 16, up to 32, ...), so a narrow table never carries a wide one's
+    columns; unpacked, tables group by dim."""
+    from dynarec.embedding.grouped import group_key
+
+    spec = Adagrad(lr=0.1)
+
+    def key(dim, packs):
+        return group_key(TableConfig(name="t", dim=dim, num_embeddings=4, features=["f"]), spec, packs)
+
+    assert key(4, True) == key(16, True) != key(17, True) == key(32, True) != key(64, True)
+    assert key(4, False) != key(8, False)
