@@ -9,6 +9,9 @@ the optimizer registry, ``docs/optimizers.md``'s formulas): fresh rows start fro
 initializer and the spec's initial state values (``initial_accumulator_value``), evicted rows
 are forgotten, and a returning key starts fresh again. Where the other row-store backend can run
 the spec (FBGEMM's TBE where installed), its twin runs the same steps against the same reference.
+A table whose rows live in host memory (``cache_load_factor``) runs as such, its cache the
+share of the copy's rows the config gives (at least a step's ids), rows evicted and loaded back
+between the steps.
 
 This is the check of the bug class dynarec exists to prevent — a setting that reaches one kind of
 table and not another — runnable by any user, on any config, in seconds.
@@ -24,6 +27,7 @@ import torch
 
 from dynarec.config.schema import Config
 from dynarec.embedding import EmbeddingCollection, JaggedBatch
+from dynarec.embedding.cached_store import CachedRowStore
 from dynarec.embedding.config import Backend, FeatureConfig, TableConfig
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
@@ -84,6 +88,8 @@ def verify_table(table: TableConfig, device: str = "cpu", steps: int = 8, seed: 
     copy = _small_copy(table)
     kind = "dynamic" if table.dynamic is not None else "fixed"
     rows = "" if table.data_type == "fp32" else f" {table.data_type} rows"
+    if copy.cache_load_factor is not None:
+        rows += " in host memory"
     verdict = TableVerdict(table.name, kind, table.backend + rows, repr(spec), ok=True)
     _run(copy, spec, device, steps, seed, verdict, record=True)
     other: Backend = "fbgemm" if table.backend == "native" else "native"
@@ -94,7 +100,9 @@ def verify_table(table: TableConfig, device: str = "cpu", steps: int = 8, seed: 
     else:
         twin = TableVerdict(table.name, kind, other, repr(spec), ok=True)
         try:
-            _run(dataclasses.replace(copy, backend=other), spec, device, steps, seed, twin, record=False)
+            # (the twin keeps every row on the device: a cache is the native backend's)
+            twin_table = dataclasses.replace(copy, backend=other, cache_load_factor=None)
+            _run(twin_table, spec, device, steps, seed, twin, record=False)
         except ValueError as e:  # the other backend refuses this table (a setting it cannot take)
             verdict.notes.append(f"({other} twin: refused, {e})")
         else:
@@ -107,7 +115,11 @@ def verify_table(table: TableConfig, device: str = "cpu", steps: int = 8, seed: 
 def _small_copy(table: TableConfig) -> TableConfig:
     if table.dynamic is None:
         assert table.num_embeddings is not None
-        return dataclasses.replace(table, num_embeddings=min(table.num_embeddings, MAX_ROWS), sharding=None)
+        rows = min(table.num_embeddings, MAX_ROWS)
+        cache = table.cache_load_factor
+        if cache is not None:  # a step's ids (at most BATCH x MAX_LEN a feature) always fit its cache
+            cache = min(1.0, max(cache, BATCH * MAX_LEN * len(table.features) / rows))
+        return dataclasses.replace(table, num_embeddings=rows, sharding=None, cache_load_factor=cache)
     d = table.dynamic
     bs = d.bucket_size
     admission = d.admission
@@ -225,6 +237,12 @@ def _run(
         _compare(coll, table, ref, verdict, step)
     if record:
         verdict.fresh_rows, verdict.returned_keys = ref.fresh, ref.returned
+        store = coll.tables[table.name].store
+        if isinstance(store, CachedRowStore):
+            verdict.notes.append(
+                f"(cache of {store.cache_rows} of {store.num_rows} rows: {store.counters['loaded']} loaded, "
+                f"{store.counters['written_back']} written back)"
+            )
 
 
 def _row_gradients(features, samples, poolings, upstream) -> dict[int, torch.Tensor]:

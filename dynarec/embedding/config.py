@@ -208,11 +208,10 @@ class TableConfig:
                     f"{where}: cache_load_factor keeps a fixed table's rows in host memory; a dynamic table's host "
                     "tier is not built yet (its rows stay on the device)"
                 )
-            if self.backend != "native" or self.data_type != "fp32":
-                raise ValueError(
-                    f"{where}: cache_load_factor caches fp32 rows of backend 'native', not {self.data_type} rows of "
-                    f"backend '{self.backend}'"
-                )
+            if self.backend != "native":
+                raise ValueError(f"{where}: cache_load_factor caches rows of backend 'native', not '{self.backend}'")
+            if self.data_type != "fp32":
+                raise ValueError(f"{where}: cache_load_factor caches fp32 rows, not {self.data_type} rows")
         if self.data_type not in ROW_DTYPE_NAMES:
             raise ValueError(f"{where}: data_type must be one of {ROW_DTYPE_NAMES}, got {self.data_type!r}")
         if self.data_type != "fp32" and self.backend != "native":

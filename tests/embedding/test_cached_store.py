@@ -155,8 +155,10 @@ def test_what_cannot_be_cached_is_refused_by_name():
             table("sum", bad)
     with pytest.raises(ValueError, match="a dynamic table's host tier is not built yet"):
         TableConfig(name="t", dim=4, dynamic=DynamicTableOptions(64), features=["f"], cache_load_factor=0.5)
-    with pytest.raises(ValueError, match="caches fp32 rows of backend 'native', not bf16 rows"):
+    with pytest.raises(ValueError, match="cache_load_factor caches fp32 rows, not bf16 rows"):
         TableConfig(name="t", dim=4, num_embeddings=8, features=["f"], cache_load_factor=0.5, data_type="bf16")
+    with pytest.raises(ValueError, match="cache_load_factor caches rows of backend 'native', not 'fbgemm'"):
+        TableConfig(name="t", dim=4, num_embeddings=8, features=["f"], cache_load_factor=0.5, backend="fbgemm")
     assert cache_rows_of(200, 0.25) == 50 and cache_rows_of(3, 0.01) == 1 and cache_rows_of(7, 1.0) == 7
 
 
