@@ -93,7 +93,6 @@ class TableGroup:
         self.name = "+".join(c.name for c in configs)
         reducer = (lambda name, n: None) if reducers is None else reducers
         self.store = PackedRowStore(shapes, spec, device, reducer(self.name, rows))
-        self.dims = [c.dim for c in configs]
         self.tables: list[FixedTable] = []
         self.bases: list[int] = []
         base = 0

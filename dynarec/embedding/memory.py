@@ -63,13 +63,12 @@ def table_bytes(
         if config.dynamic.admission is not None:
             counter = config.dynamic.admission.capacity or config.dynamic.max_capacity
             index += -(-counter // world_size) * INDEX_BYTES_PER_SLOT
-    row_bytes = ROW_DTYPES[config.data_type].itemsize * config.dim + state_width * 4
+    weight_row, state_row = ROW_DTYPES[config.data_type].itemsize * config.dim, state_width * 4
     if config.cache_load_factor is not None:  # on the device its cache and slot map; every row in host memory
         cached = cache_rows_of(rows, config.cache_load_factor)
-        weights = cached * config.dim * ROW_DTYPES[config.data_type].itemsize
         index = CACHE_MAP_BYTES_PER_ROW * rows + CACHE_BYTES_PER_SLOT * cached
-        return TableBytes(rows, weights, cached * state_width * 4, index, host=rows * row_bytes)
-    return TableBytes(rows, rows * config.dim * ROW_DTYPES[config.data_type].itemsize, rows * state_width * 4, index)
+        return TableBytes(rows, cached * weight_row, cached * state_row, index, host=rows * (weight_row + state_row))
+    return TableBytes(rows, rows * weight_row, rows * state_row, index)
 
 
 def available_memory(device: torch.device) -> int:

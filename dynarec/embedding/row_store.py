@@ -279,12 +279,12 @@ class PackedRowStore(NativeRowStore):
         dims = {dim for _, dim in self.shapes}
         if len(dims) > 1 and grad_reducer is not None:
             raise ValueError("packed rows of several dims cannot take a row-gradient reducer")
-        self.packed_layout = packed_layout(self.shapes) if len(dims) > 1 else None  # on the host
-        self.layout = None if self.packed_layout is None else self.packed_layout.to(device)
+        self.host_layout = packed_layout(self.shapes)  # each table's rows, whatever the dims
+        self.layout = self.host_layout.to(device) if len(dims) > 1 else None
         super().__init__(sum(rows for rows, _ in self.shapes), max(dims), spec, device, grad_reducer)
 
     def _allocate(self, num_rows: int) -> None:
-        if self.packed_layout is None:
+        if self.layout is None:
             return super()._allocate(num_rows)
         elements = sum(rows * dim for rows, dim in self.shapes)
         self._weight = torch.zeros(elements, dtype=self.dtype, device=self.device)
@@ -296,13 +296,10 @@ class PackedRowStore(NativeRowStore):
         }
 
     def table_rows(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Table ``index``'s ``(weight [rows, dim], {state: [rows, dim or 1]})``, views."""
-        if self.packed_layout is None:
-            start = sum(rows for rows, _ in self.shapes[:index])
-            end = start + self.shapes[index][0]
-            return self._weight[start:end], {name: t[start:end] for name, t in self._states.items()}
-        weight = table_views(self._weight, self.packed_layout)[index]
-        return weight, {name: table_views(t, self.packed_layout)[index] for name, t in self._states.items()}
+        """Table ``index``'s ``(weight [rows, dim], {state: [rows, dim or 1]})``, views (rows of
+        one dim lie packed as rows ``[num_rows, dim]`` do)."""
+        weight = table_views(self._weight.view(-1), self.host_layout)[index]
+        return weight, {name: table_views(t.view(-1), self.host_layout)[index] for name, t in self._states.items()}
 
     def pooled(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor]):
         if self.layout is None:
