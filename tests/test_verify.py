@@ -115,7 +115,7 @@ def test_verify_runs_on_every_device(device):
     assert all(v.ok for v in verdicts), [v.line() for v in verdicts]
 
 
-def test_a_table_in_host_memory_verifies_through_its_cache():
+def test_a_table_in_host_memory_verifies_through_its_cache(device):
     """The demo's item table with its rows in host memory behind a small cache: verified as
     such, rows evicted and loaded back between the steps, every row equal to the reference."""
     import yaml
@@ -125,7 +125,7 @@ def test_a_table_in_host_memory_verifies_through_its_cache():
         body = next(iter(entry.values()))
         if body.get("embedding_name") == "item":
             body["cache_load_factor"] = 0.01
-    verdicts = verify_config(config_from_dict(raw, base_dir="dynarec/resources"))
+    verdicts = verify_config(config_from_dict(raw, base_dir="dynarec/resources"), device=device)
     item = next(v for v in verdicts if v.table == "item")
     assert item.ok and item.backend == "native in host memory", item.line()
     assert "written back)" in item.line() and " 0 written back" not in item.line(), item.line()
