@@ -7,10 +7,13 @@ DataLoader workers. A data position (epoch, rows consumed) seeks straight to its
 
 from __future__ import annotations
 
+import copy
 import glob
 import multiprocessing
 import os
-import pickle
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,18 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from dynarec.data import shared_decode
 from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
+from dynarec.data.shared_decode import (
+    PassAbandoned,
+    RowGroupExchange,
+    Unit,
+    clean,
+    pass_directory,
+    remove_chunks,
+    shared_memory_dir,
+    travelling,
+)
 
 __all__ = [
     "ArrowBatchDataset",
@@ -224,6 +238,10 @@ class ArrowBatchDataset(IterableDataset):
     builds steps ``w, w + W, ...``, so the batches are the same whatever the number of workers.
     Seeking to ``start_row`` reads no row before it: Parquet row groups are skipped by their
     metadata, whole files by their row counts.
+
+    With ``shared_root`` set (by :class:`BatchLoader`, for several workers over Parquet files)
+    each row group is decoded by one worker and read by the others from shared memory
+    (:mod:`dynarec.data.shared_decode`); otherwise every worker decodes the rows it passes.
     """
 
     def __init__(
@@ -245,6 +263,11 @@ class ArrowBatchDataset(IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self._row_counts: Optional[list[int]] = None
+        self._units: Optional[list[Unit]] = None
+        # Shared decoding: the loader's directory of passes, and the number of the pass before
+        # this copy's next one (each __iter__ in a worker is the next pass).
+        self.shared_root: Optional[str] = None
+        self.shared_pass = 0
 
     @property
     def global_batch_size(self) -> int:
@@ -311,6 +334,43 @@ class ArrowBatchDataset(IterableDataset):
         """Global batches in one pass from ``start_row``."""
         return -(-max(self.num_rows - self.start_row, 0) // self.global_batch_size)
 
+    def units(self) -> Optional[list[Unit]]:
+        """The non-empty Parquet row groups of a pass, from ``start_row`` on (read from the files'
+        footers once); None where a file is not Parquet."""
+        if self._units is None:
+            if any(_file_type(f, self.input_type) != "parquet" for f in self.files):
+                return None
+            units: list[Unit] = []
+            skip, start = self.start_row, 0
+            for path, count in zip(self.files, self.row_counts()):
+                if skip >= count:
+                    skip -= count
+                    continue
+                first = 0
+                for g, n in enumerate(_row_group_sizes(path)):
+                    if first + n > skip:
+                        cut = max(skip - first, 0)
+                        units.append(Unit(path, g, first, cut, start, n - cut))
+                        start += n - cut
+                    first += n
+                skip = 0
+            self._units = units
+        return self._units
+
+    def _read_unit(self, unit: Unit) -> Iterator[pa.RecordBatch]:
+        """Row group ``unit``'s record batches of a published chunk's rows (the builder's
+        columns), from its first row: one chunk decoded at a time."""
+        try:
+            reader = pq.ParquetFile(unit.path).iter_batches(
+                batch_size=shared_decode.CHUNK_ROWS,
+                row_groups=[unit.row_group],
+                columns=self.builder.columns(),
+                use_threads=False,
+            )
+            yield from reader
+        except (pa.ArrowInvalid, OSError) as e:  # a corrupt page
+            raise DataError(f"{unit.path}: cannot be read ({e})") from None
+
     def _pieces(self) -> Iterator[tuple[str, int, pa.Table]]:
         """``(file, first row in file, slice)`` covering every row from ``start_row`` on."""
         skip = self.start_row
@@ -325,17 +385,54 @@ class ArrowBatchDataset(IterableDataset):
             skip = 0
 
     def __iter__(self) -> Iterator[Union[Batch, WorkerFailure]]:
-        if get_worker_info() is None:
-            yield from self._batches()
+        info = get_worker_info()
+        if info is None:
+            yield from self._batches(0, 1)
             return
+        self.shared_pass += 1
         try:  # in a DataLoader worker: the error travels to the main process as it is
-            yield from self._batches()
+            if self.shared_root is not None and info.num_workers > 1:
+                directory = pass_directory(self.shared_root, self.shared_pass)
+                yield from self._shared_batches(info.id, info.num_workers, directory)
+            else:
+                yield from self._batches(info.id, info.num_workers)
+        except PassAbandoned:  # the training process moved on: nothing to deliver
+            return
         except Exception as e:
             yield WorkerFailure.of(e)
 
-    def _batches(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+    def _shared_batches(self, worker: int, workers: int, directory: Path) -> Iterator[Batch]:
+        """Worker ``worker``'s batches, its row groups decoded for all ``workers`` (see
+        :mod:`dynarec.data.shared_decode`)."""
+        units = self.units()
+        assert units is not None
+        exchange = RowGroupExchange(directory, worker, workers, units, self._read_unit, shared_decode.CHUNK_ROWS)
+        global_batch = self.global_batch_size
+        ahead = workers * max((u.rows for u in units), default=0) + 2 * workers * global_batch
+        total = units[-1].end if units else 0
+        first = 0  # the first row group of the step
+        for step in range(worker, self.num_steps(), workers):
+            lo, hi = step * global_batch, min((step + 1) * global_batch, total)
+            while units[first].end <= lo:
+                first += 1
+            exchange.decode_ahead(total, before=hi)  # its own rows up to the step's, before any wait
+            exchange.frontier = hi + ahead
+            pieces = []
+            u = first
+            while u < len(units) and units[u].start < hi:
+                unit = units[u]
+                a, b = max(lo - unit.start, 0), min(hi, unit.end) - unit.start
+                pieces.append((unit.path, unit.first_row + unit.skip + a, exchange.rows(u, a, b)))
+                u += 1
+            exchange.forget_before(lo)
+            yield self._build_share(pieces, hi - lo)
+            # Own rows the next two rounds of steps read (the others wait for them), then a share
+            # of those further ahead: row groups decode in parallel, spread over the steps.
+            exchange.decode_ahead(total, before=hi + 2 * workers * global_batch)
+            exchange.decode_ahead(2 * global_batch, before=hi + ahead)
+        exchange.decode_rest()  # the others' last steps may read them
+
+    def _batches(self, worker: int, workers: int) -> Iterator[Batch]:
         global_batch = self.global_batch_size
         pieces: list[tuple[str, int, pa.Table]] = []  # the current global batch
         rows = step = 0
@@ -363,6 +460,9 @@ class ArrowBatchDataset(IterableDataset):
             if a < b:
                 mine.append((path, first + a, t.slice(a, b - a)))
             offset += t.num_rows
+        if not mine:  # a last global batch of fewer rows than ranks: this rank's share is empty
+            path, first, t = pieces[0]
+            mine.append((path, first, t.slice(0, 0)))
         return self._build(mine)
 
     def _build(self, pieces: list[tuple[str, int, pa.Table]]) -> Batch:
@@ -389,11 +489,7 @@ class WorkerFailure:
 
     @classmethod
     def of(cls, e: BaseException) -> WorkerFailure:
-        try:
-            pickle.dumps(e)
-        except Exception:  # an exception that cannot travel: its message can
-            return cls(DataError(f"{type(e).__name__}: {e}"))
-        return cls(e)
+        return cls(travelling(e))  # an exception that cannot travel: its message can
 
 
 def worker_context(num_workers: int) -> Optional[str]:
@@ -433,11 +529,23 @@ class BatchLoader:
     (0: in this process). ``pin_memory``: batches in page-locked memory (for a CUDA device:
     their copy then overlaps the GPU's work). ``persistent``: the workers serve every pass
     over the dataset (each ``iter``), not one. An error in a worker is raised here as it was
-    raised there."""
+    raised there.
+
+    Several workers over Parquet files decode each row group once between them, through a
+    directory in shared memory this loader owns (:mod:`dynarec.data.shared_decode`): a pass's
+    row groups are deleted as their steps are delivered, the pass's directory when it ends or
+    is abandoned, the whole directory with the loader."""
 
     def __init__(
         self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False, persistent: bool = False
     ):
+        self.shared_root: Optional[str] = None
+        self._passes = 0
+        if num_workers > 1 and dataset.units() is not None:
+            dataset = copy.copy(dataset)
+            dataset.shared_root = self.shared_root = _new_shared_root()
+            weakref.finalize(self, clean, self.shared_root)
+        self.dataset = dataset
         self.loader = DataLoader(
             dataset,
             batch_size=None,
@@ -449,10 +557,59 @@ class BatchLoader:
         )
 
     def __iter__(self) -> Iterator[Batch]:
-        for item in self.loader:
-            if isinstance(item, WorkerFailure):
-                raise item.error
-            yield item
+        if self.shared_root is None:
+            for item in self.loader:
+                yield _delivered(item)
+            return
+        self._passes += 1
+        self.dataset.shared_pass = self._passes - 1  # workers started now count from here
+        for old in Path(self.shared_root).glob("pass-*"):  # an abandoned pass: its workers stop waiting
+            shutil.rmtree(old, ignore_errors=True)
+        directory = pass_directory(self.shared_root, self._passes)
+        directory.mkdir()
+        units = self.dataset.units() or []
+        chunk_rows = shared_decode.CHUNK_ROWS
+        chunks = [(u, i) for u, unit in enumerate(units) for i in range(unit.num_chunks(chunk_rows))]
+        global_batch = self.dataset.global_batch_size
+        total = units[-1].end if units else 0
+        done = 0  # of chunks: those before it are deleted
+        try:
+            for step, item in enumerate(self.loader):
+                yield _delivered(item)
+                delivered = min((step + 1) * global_batch, total)
+                read = done
+                while read < len(chunks) and units[chunks[read][0]].chunk_end(chunks[read][1], chunk_rows) <= delivered:
+                    read += 1
+                remove_chunks(directory, chunks[done:read])
+                done = read
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _delivered(item: Union[Batch, WorkerFailure]) -> Batch:
+    if isinstance(item, WorkerFailure):
+        raise item.error
+    return item
+
+
+def _new_shared_root() -> str:
+    """A fresh directory in shared memory for a loader's decoded row groups; those of processes
+    no longer running (killed before they could remove theirs) are removed first."""
+    base = shared_memory_dir()
+    for stale in Path(base).glob("dynarec-rows-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and os.path.isdir("/proc"):
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"dynarec-rows-{os.getpid()}-", dir=base)
+
+
+def _row_group_sizes(path: str) -> list[int]:
+    """Rows of each row group of a Parquet file."""
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
 
 def make_loader(

@@ -97,6 +97,14 @@ def test_ranks_take_contiguous_shares_of_each_global_batch(files):
     assert merged == every_row
 
 
+def test_a_last_global_batch_of_fewer_rows_than_ranks_leaves_a_rank_an_empty_share(files):
+    """37 rows in global batches of 12 (3 ranks of 4): the last global batch holds 1 row, rank 0
+    takes it, ranks 1 and 2 an empty batch each (they take part in the step all the same)."""
+    shares = [prices(make_loader(ArrowBatchDataset(files, builder(), 4, rank=r, world_size=3), 0)) for r in range(3)]
+    assert [len(s[-1]) for s in shares] == [0, 0, 1]
+    assert [len(s) for s in shares] == [4, 4, 4]
+
+
 def test_num_rows_of_parquet_and_csv(files):
     assert [reader_module.num_rows(f) for f in files] == [10, 15, 12]
 

@@ -1,0 +1,303 @@
+"""Row groups decoded once for all of a loader's workers.
+
+DataLoader worker ``w`` of ``W`` builds steps ``w, w + W, ...`` (so the batches are the same
+whatever the number of workers), and so needs rows of every Parquet row group. Each worker
+decoding every row group would decode the files ``W`` times over — and decoding is half the data
+stage (about 1 µs a row of the demo's schema or a Criteo-shaped one on one core, as much as
+building the batch). Instead, row group ``u`` of a pass (the ``u``-th from the pass's first row)
+is decoded by worker ``u mod W`` alone, in chunks of ``chunk_rows`` rows, each written as an
+Arrow IPC file to shared memory (``/dev/shm``, else the temp directory) and memory-mapped by the
+workers that need its rows: read in place, never copied.
+
+A row group decodes sequentially, so ``W`` workers keep up with their own builds only by decoding
+``W`` row groups at once, each ahead of use. A worker decodes:
+
+- the chunks of its own that the step it builds needs, first;
+- after each step, its own chunks that the next two rounds of ``W`` steps read (the other
+  workers are about to wait for them), then up to ``2 * global batch`` rows of those further
+  ahead (up to ``ahead`` rows past the step): in the steady state a round of steps asks each
+  worker for about one global batch of decoding, so the row groups ahead decode in parallel,
+  spread over the steps, and are ready when the pass reaches them;
+- while it waits for another's chunk, its own next chunks (up to ``ahead`` rows past the step);
+- at the end of its steps, all of its own chunks left (another's last steps may read them).
+
+Only the first row group of a pass decodes at one core's pace while it is read.
+
+Every worker decodes what its current step needs of its own before it waits for another's, and
+waits only for chunks of row groups at or before those of its step: the worker of the earliest
+step not yet delivered never waits on an idle decoder, and a pass cannot deadlock. The training
+process deletes a chunk's file once every step that reads it was delivered, and the pass's
+directory when the pass ends or is abandoned; a worker waiting on a directory gone stops (its
+pass was abandoned). An error decoding a row group travels as a file beside its chunks to the
+workers waiting for them.
+
+Memory: the chunks between the earliest step not yet delivered and ``ahead`` rows past the
+latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+
+from dynarec.data.batch import DataError
+
+__all__ = [
+    "PassAbandoned",
+    "RowGroupExchange",
+    "Unit",
+    "clean",
+    "pass_directory",
+    "remove_chunks",
+    "shared_memory_dir",
+    "travelling",
+]
+
+# How long a worker waits for another's chunk before it calls the pass stuck.
+WAIT_TIMEOUT_S = 600.0
+# Rows of a published chunk: a file holds a few megabytes of the demo's schema.
+CHUNK_ROWS = 16384
+
+
+class PassAbandoned(Exception):
+    """The pass's directory is gone: the training process ended or abandoned the pass."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Parquet row group of a pass: the pass's rows ``[start, start + rows)`` are rows
+    ``[skip, skip + rows)`` of row group ``row_group`` of ``path``, whose first row is row
+    ``first_row`` of the file (``skip`` > 0 only where a pass starts inside the row group)."""
+
+    path: str
+    row_group: int
+    first_row: int
+    skip: int
+    start: int
+    rows: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+    def num_chunks(self, chunk_rows: int) -> int:
+        return -(-(self.skip + self.rows) // chunk_rows)
+
+    def chunk_end(self, i: int, chunk_rows: int) -> int:
+        """The pass row after chunk ``i``."""
+        return min(self.start - self.skip + (i + 1) * chunk_rows, self.end)
+
+    def chunk_start(self, i: int, chunk_rows: int) -> int:
+        """The pass row of chunk ``i``'s first row (before the pass's first for a skipped one)."""
+        return self.start - self.skip + i * chunk_rows
+
+
+def shared_memory_dir() -> str:
+    """``/dev/shm`` where it can be written (files there live in memory), else the temp directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def pass_directory(root: str, number: int) -> Path:
+    return Path(root) / f"pass-{number}"
+
+
+def chunk_name(u: int, i: int) -> str:
+    return f"{u}.{i}.arrow"
+
+
+class RowGroupExchange:
+    """One worker's view of a pass's row groups (``units``): its own (``u mod workers ==
+    worker``) read by ``read_unit`` (the row group's record batches, from its first row) and
+    published to ``directory`` in chunks of ``chunk_rows`` rows, the others' mapped from there.
+    ``frontier``: the pass row before which this worker decodes its own chunks while it waits
+    (the loop sets it each step)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        worker: int,
+        workers: int,
+        units: list[Unit],
+        read_unit: Callable[[Unit], Iterator[pa.RecordBatch]],
+        chunk_rows: int = CHUNK_ROWS,
+    ):
+        self.directory = directory
+        self.worker = worker
+        self.workers = workers
+        self.units = units
+        self.read_unit = read_unit
+        self.chunk_rows = chunk_rows
+        self.frontier = 0
+        self._own = list(range(worker, len(units), workers))
+        self._own_index = 0  # of self._own: the row group being decoded
+        self._chunks: Optional[Iterator[pa.Table]] = None  # its chunks still to come
+        self._next_chunk = 0
+        self._mapped: dict[tuple[int, int], pa.Table] = {}
+
+    # -- this worker's own row groups ----------------------------------------------------------
+
+    def _next_own(self) -> Optional[tuple[int, int]]:
+        """``(row group, chunk)`` this worker decodes next, None when it has decoded all."""
+        if self._own_index >= len(self._own):
+            return None
+        return self._own[self._own_index], self._next_chunk
+
+    def _published(self, u: int, i: int) -> bool:
+        """Whether own chunk ``(u, i)`` is published."""
+        nxt = self._next_own()
+        return nxt is None or (u, i) < nxt
+
+    def decode_one(self) -> bool:
+        """Decodes and publishes this worker's next chunk; False when none is left."""
+        nxt = self._next_own()
+        if nxt is None:
+            return False
+        u, i = nxt
+        if self._chunks is None:
+            self._chunks = _rechunked(self.read_unit(self.units[u]), self.chunk_rows)
+        try:
+            table = next(self._chunks)
+        except Exception as e:
+            error = travelling(e)
+            self._write_atomic(self.directory / f"{u}.error", lambda f: pickle.dump(error, f))
+            raise
+
+        def write(f) -> None:
+            with pa.ipc.new_file(f, table.schema) as writer:
+                writer.write_table(table)
+
+        self._write_atomic(self.directory / chunk_name(u, i), write)
+        self._next_chunk += 1
+        if self._next_chunk == self.units[u].num_chunks(self.chunk_rows):
+            self._own_index, self._next_chunk, self._chunks = self._own_index + 1, 0, None
+        return True
+
+    def decode_ahead(self, rows: int, before: int) -> None:
+        """Decodes own chunks starting before pass row ``before``, about ``rows`` rows of them."""
+        done = 0
+        while done < rows:
+            nxt = self._next_own()
+            if nxt is None or self.units[nxt[0]].chunk_start(nxt[1], self.chunk_rows) >= before:
+                return
+            self.decode_one()
+            done += self.chunk_rows
+
+    def decode_rest(self) -> None:
+        """Decodes every own chunk left."""
+        while self.decode_one():
+            pass
+
+    # -- rows of any row group -----------------------------------------------------------------
+
+    def rows(self, u: int, a: int, b: int) -> pa.Table:
+        """Rows ``[a, b)`` of row group ``u``'s rows of the pass, as one table."""
+        c, skip = self.chunk_rows, self.units[u].skip
+        first, last = (skip + a) // c, (skip + b - 1) // c
+        parts = [self._chunk(u, i) for i in range(first, last + 1)]
+        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        return table.slice(skip + a - first * c, b - a)
+
+    def forget_before(self, row: int) -> None:
+        """Lets go of the chunks ending at or before pass row ``row`` (this worker's later steps
+        do not read them)."""
+        for key in [k for k in self._mapped if self.units[k[0]].chunk_end(k[1], self.chunk_rows) <= row]:
+            del self._mapped[key]
+
+    def _chunk(self, u: int, i: int) -> pa.Table:
+        if (u, i) not in self._mapped:
+            if u % self.workers == self.worker:
+                while not self._published(u, i):
+                    self.decode_one()
+            self._mapped[(u, i)] = self._map(u, i)
+        return self._mapped[(u, i)]
+
+    def _map(self, u: int, i: int) -> pa.Table:
+        """Waits for chunk ``(u, i)`` (or its decoder's error) and maps it; decodes this worker's
+        own chunks before the frontier meanwhile."""
+        path, error = self.directory / chunk_name(u, i), self.directory / f"{u}.error"
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        pause = 1e-4
+        while True:
+            try:
+                with pa.memory_map(str(path)) as source:
+                    return pa.ipc.open_file(source).read_all()
+            except FileNotFoundError:
+                pass
+            if error.exists():
+                with open(error, "rb") as f:
+                    raise pickle.load(f)
+            if not self.directory.is_dir():
+                raise PassAbandoned
+            if time.monotonic() > deadline:
+                unit = self.units[u]
+                raise TimeoutError(
+                    f"{unit.path}: row group {unit.row_group} was not decoded within {WAIT_TIMEOUT_S:.0f}s "
+                    f"by DataLoader worker {u % self.workers}"
+                )
+            nxt = self._next_own()
+            if nxt is not None and self.units[nxt[0]].chunk_start(nxt[1], self.chunk_rows) < self.frontier:
+                self.decode_one()  # work of its own while it waits
+                continue
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def _write_atomic(self, path: Path, write: Callable) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, path)
+        except FileNotFoundError:  # the directory was removed meanwhile
+            raise PassAbandoned from None
+
+
+def _rechunked(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Table]:
+    """Tables of exactly ``rows`` rows (the last one fewer) of ``batches``' rows in order."""
+    pending: list[pa.RecordBatch] = []
+    held = 0
+    for batch in batches:
+        while batch.num_rows:
+            take = min(rows - held, batch.num_rows)
+            pending.append(batch.slice(0, take))
+            held += take
+            batch = batch.slice(take)
+            if held == rows:
+                yield pa.Table.from_batches(pending)
+                pending, held = [], 0
+    if held:
+        yield pa.Table.from_batches(pending)
+
+
+def travelling(e: BaseException) -> BaseException:
+    """``e`` as it can travel to another process: itself, or a DataError of its message where
+    it cannot be pickled."""
+    try:
+        pickle.dumps(e)
+    except Exception:
+        return DataError(f"{type(e).__name__}: {e}")
+    return e
+
+
+def remove_chunks(directory: Path, chunks: list[tuple[int, int]]) -> None:
+    """Deletes the files of ``(row group, chunk)`` ``chunks`` (their steps were delivered)."""
+    for u, i in chunks:
+        try:
+            os.unlink(directory / chunk_name(u, i))
+        except FileNotFoundError:
+            pass
+
+
+def clean(root: Optional[str]) -> None:
+    """Removes ``root`` and every pass directory in it."""
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,138 @@
+"""Row groups decoded once for all of a loader's workers (dynarec.data.shared_decode): the
+batches are those of one process whatever the workers, row groups, chunks, seek position and
+rank; each row group is read by one worker; an abandoned pass and the loader leave nothing in
+shared memory; a decoding error reaches the training process as the one-line error."""
+
+import os
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynarec.data import ArrowBatchDataset, DataError, make_loader, shared_decode
+from dynarec.data.shared_decode import pass_directory
+from tests.data.test_reader import builder, prices, rows_table
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+@pytest.fixture
+def parquet_files(tmp_path):
+    """61 rows in three Parquet files of row groups of 3, 4 and 7 rows (an empty file between)."""
+    pq.write_table(rows_table(10), tmp_path / "a.parquet", row_group_size=3)
+    pq.write_table(rows_table(0), tmp_path / "b.parquet")
+    pq.write_table(rows_table(23, 10), tmp_path / "c.parquet", row_group_size=4)
+    pq.write_table(rows_table(28, 33), tmp_path / "d.parquet", row_group_size=7)
+    return [str(tmp_path / n) for n in ("a.parquet", "b.parquet", "c.parquet", "d.parquet")]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 2 rows: a row group is published in several (forked workers inherit it)."""
+    monkeypatch.setattr(shared_decode, "CHUNK_ROWS", 2)
+
+
+def batches_of(loader):
+    return [(b.dense["price"].tolist(), b.labels.tolist(), b.sparse.values().tolist()) for b in loader]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("start_row", [0, 5, 13, 44])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_workers_decoding_for_each_other_give_the_batches_of_one_process(
+    parquet_files, small_chunks, workers, start_row, rank
+):
+    def dataset():
+        return ArrowBatchDataset(parquet_files, builder(), 3, start_row=start_row, rank=rank, world_size=2)
+
+    one = batches_of(make_loader(dataset(), 0))
+    loader = make_loader(dataset(), workers)
+    assert loader.shared_root is not None
+    assert batches_of(loader) == one
+    assert os.listdir(loader.shared_root) == []  # the pass's directory went with the pass
+
+
+def test_each_row_group_is_read_by_one_worker(parquet_files, small_chunks, tmp_path):
+    """Three workers' generators run side by side (threads): every row group is read once, by
+    the worker it belongs to, and together they give every step once, as one process does."""
+    reads: list[tuple[int, int]] = []
+    workers = 3
+    one = prices(make_loader(ArrowBatchDataset(parquet_files, builder(), 4, start_row=2), 0))
+    ds = ArrowBatchDataset(parquet_files, builder(), 4, start_row=2)
+    units = ds.units()
+    real = ds._read_unit
+
+    def counting(unit):
+        reads.append((threading.get_ident(), units.index(unit)))
+        return real(unit)
+
+    ds._read_unit = counting
+    directory = tmp_path / "pass"
+    directory.mkdir()
+    got: dict[int, list] = {}
+    idents: dict[int, int] = {}
+
+    def run(w):
+        idents[w] = threading.get_ident()
+        got[w] = [b.dense["price"].tolist() for b in ds._shared_batches(w, workers, directory)]
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    steps = [got[s % workers][s // workers] for s in range(len(one))]
+    assert steps == one
+    assert sorted(u for _, u in reads) == list(range(len(units)))  # each row group read once
+    worker_of = {ident: w for w, ident in idents.items()}
+    assert all(u % workers == worker_of[ident] for ident, u in reads)
+
+
+def test_an_abandoned_pass_lets_the_next_one_start_and_the_loader_leaves_nothing(parquet_files, small_chunks):
+    """A persistent loader's pass left after two batches (a run stopping at num_steps): its
+    workers stop waiting, the next pass gives every batch, and the loader's directory goes with
+    the loader."""
+    one = batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 0))
+    loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 3, persistent=True)
+    root = Path(loader.shared_root)
+    first = iter(loader)
+    assert batches_of([next(first), next(first)]) == one[:2]
+    del first
+    assert batches_of(loader) == one
+    assert batches_of(loader) == one
+    assert not pass_directory(str(root), 1).exists()
+    del loader
+    assert not root.exists()
+
+
+def test_a_row_group_that_cannot_be_decoded_is_the_one_line_error(tmp_path, small_chunks):
+    good = tmp_path / "a.parquet"
+    pq.write_table(rows_table(12), good, row_group_size=4)
+    bad = tmp_path / "b.parquet"
+    data = bytearray(good.read_bytes())
+    data[200:260] = b"\xff" * 60  # inside the first row group's column chunks
+    bad.write_bytes(bytes(data))
+    files = [str(good), str(bad)]
+    with pytest.raises(DataError, match=r"b\.parquet: cannot be read"):
+        list(make_loader(ArrowBatchDataset(files, builder(), 3), 2))
+
+
+def test_csv_files_are_decoded_by_every_worker_as_before(tmp_path):
+    """A CSV file has no row groups to share: the loader keeps no directory for it."""
+    import pyarrow.csv as pacsv
+
+    pacsv.write_csv(rows_table(9), tmp_path / "a.csv")
+    ds = ArrowBatchDataset([str(tmp_path / "a.csv")], builder(), 3)
+    assert ds.units() is None
+    loader = make_loader(ds, 2)
+    assert loader.shared_root is None
+    assert batches_of(loader) == batches_of(make_loader(ArrowBatchDataset([str(tmp_path / "a.csv")], builder(), 3), 0))
+
+
+def test_a_single_worker_or_none_shares_nothing(parquet_files):
+    assert make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 1).shared_root is None
+    assert make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 0).shared_root is None
+    assert torch.get_num_threads() >= 1
