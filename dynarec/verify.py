@@ -125,12 +125,16 @@ def _small_copy(table: TableConfig) -> TableConfig:
     admission = d.admission
     if admission is not None and admission.capacity is not None:
         admission = dataclasses.replace(admission, capacity=min(admission.capacity, 64 * bs))
-    # 8 buckets per feature: a step's ids (at most BATCH x MAX_LEN a feature) always fit.
+    # 8 buckets per feature: a step's ids (at most BATCH x MAX_LEN a feature) always fit, as in its cache.
     capacity = 8 * bs * len(table.features)
+    cache = table.cache_load_factor
+    if cache is not None:
+        cache = min(1.0, max(cache, BATCH * MAX_LEN * len(table.features) / capacity))
     return dataclasses.replace(
         table,
         dynamic=dataclasses.replace(d, max_capacity=capacity, init_capacity=2 * bs, admission=admission),
         sharding=None,
+        cache_load_factor=cache,
     )
 
 

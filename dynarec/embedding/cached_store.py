@@ -1,9 +1,12 @@
-"""A host-memory tier: a fixed table's rows in host memory, its hot rows cached on the device.
+"""A host-memory tier: a table's rows in host memory, its hot rows cached on the device.
 
 FBGEMM TBE's managed caching and dynamicemb's caching mode keep a table's rows (weights and
 optimizer states together) in host memory and the rows a step touches in a cache on the device.
-:class:`CachedRowStore` does that for a fixed table: ``cache_rows`` slots on the device, each
-holding one row of the table with its states, over the whole table in host memory.
+:class:`CachedRowStore` does that for a fixed table's rows and for a dynamic table's slots:
+``cache_rows`` slots on the device, each holding one row of the table with its states, over
+every row in host memory. A dynamic table's hash index stays on the device (a key is found,
+inserted or evicted there whether its row is cached or not: the rows move, the keys do not), and
+its rows grow in host memory; the cache keeps its size (the share of the table's largest).
 
 A lookup first makes every row of its bags resident. The batch's rows missing from the cache
 take the slots of the least recently used rows (empty slots first); the rows they displace are
@@ -17,10 +20,13 @@ on the device (bit for bit on the CPU, whose update sums a row's gradients in oc
 whatever the rows' numbering; to float32 summation order on a GPU, whose update blocks depend
 on the numbering).
 
-Reads of the rows from outside (``read_rows``) write the cache back first; writes (loads,
-``write_rows``) and whole-table views (dumps) also empty it, and are refused while a training
-lookup's update is still to come. On the device the cache keeps a map from every row of the
-table to its slot (4 bytes a row; FBGEMM's set-associative cache needs none: not built).
+Rows read, written or reset from outside (``read``, ``write``, ``reset_rows``: a dynamic
+table's inserts, moves and evictions, ``write_rows``) go to wherever each row lives, the cache
+or host memory. Whole-table views (``weight``, ``states``: dumps) write the cache back and empty
+it, refused while a training lookup's update is still to come. A growth moves the rows in host
+memory and renumbers the cached ones in place. On the device the cache keeps a map from every
+row of the table to its slot (4 bytes a row; FBGEMM's set-associative cache needs none: not
+built).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class CachedRowStore(RowStore):
         if cache_rows < 1:
             raise ValueError(f"table '{name}': a cache needs at least one row, got {cache_rows}")
         self.name = name
-        self.cache_rows = min(cache_rows, num_rows)
+        self.cache_rows = cache_rows
         self.host = NativeRowStore(num_rows, dim, spec, "cpu")
         self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device)
         self.counters = {"loaded": 0, "written_back": 0}
@@ -148,19 +154,54 @@ class CachedRowStore(RowStore):
         self._write_back(empty=True)
         return self.host.states
 
+    def _where(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cached mask on the device, their slots, the others' rows on the CPU)`` of ``rows``."""
+        slots = self._slot_of_row[rows.to(self.device)].long()
+        cached = slots >= 0
+        return cached, slots[cached], rows.to(self.device)[~cached].cpu()
+
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        self._write_back(empty=False)
-        return {k: v.to(rows.device) for k, v in self.host.read(rows.cpu()).items()}
+        """Copies of the rows' weights and states (on ``rows``' device), from wherever each lives."""
+        cached, slots, _ = self._where(rows)
+        out = {k: v.to(self.device) for k, v in self.host.read(rows.cpu()).items()}
+        if slots.numel():
+            for k, v in self.cache.read(slots).items():
+                out[k][cached] = v
+        return {k: v.to(rows.device) for k, v in out.items()}
 
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        self._write_back(empty=True)
-        self.host.write(rows.cpu(), values)
+        cached, slots, elsewhere = self._where(rows)
+        values = {k: v.to(self.device) for k, v in values.items()}
+        if elsewhere.numel():
+            self.host.write(elsewhere, {k: v[~cached].cpu() for k, v in values.items()})
+        if slots.numel():
+            self.cache.write(slots, {k: v[cached] for k, v in values.items()})
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
-        self._write_back(empty=True)
-        self.host.reset_rows(rows.cpu(), weight.cpu())
+        cached, slots, elsewhere = self._where(rows)
+        weight = weight.to(self.device)
+        if elsewhere.numel():
+            self.host.reset_rows(elsewhere, weight[~cached].cpu())
+        if slots.numel():
+            self.cache.reset_rows(slots, weight[cached])
+
+    @torch.no_grad()
+    def resize(self, num_rows: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A growth: rows ``src`` become rows ``dst`` of ``num_rows``, in host memory (moved) and in
+        the cache (renumbered in place); cached rows not in ``src`` (lost) free their slots."""
+        self.host.resize(num_rows, src.cpu(), dst.cpu())
+        src, dst = src.to(self.device), dst.to(self.device)
+        slots = self._slot_of_row[src].long()
+        held = slots >= 0
+        slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
+        slot_of_row[dst[held]] = slots[held].to(torch.int32)
+        row_of_slot = torch.full_like(self._row_of_slot, -1)
+        row_of_slot[slots[held]] = dst[held]
+        self._last_used[row_of_slot < 0] = -1  # the lost rows' slots are free
+        self._slot_of_row, self._row_of_slot = slot_of_row, row_of_slot
+        self.num_rows = num_rows
 
     def _allocate(self, num_rows: int) -> None:
         """A load: fresh rows in host memory, an empty cache."""
@@ -174,10 +215,19 @@ class CachedRowStore(RowStore):
         self.cache.set_learning_rate(lr)
 
     def storage(self):
-        raise NotImplementedError("a fixed table's cached store is never resized")
+        """The rows as they are now (the cache written back) and where the cache holds them:
+        :meth:`restore_storage` puts back the rows of before a growth, the cache emptied."""
+        self._write_back(empty=False)
+        return self.host.storage(), self.num_rows
 
     def restore_storage(self, handle) -> None:
-        raise NotImplementedError("a fixed table's cached store is never resized")
+        """Undoes a growth (its step failed: nothing of it is kept, no update of it is to come):
+        the host rows of :meth:`storage`, which the cache had been written back into; the
+        cache's rows since are dropped."""
+        host, self.num_rows = handle
+        self.host.restore_storage(host)
+        self._in_flight.clear()
+        self._reset_cache(self.num_rows)
 
     @property
     def nbytes(self) -> int:

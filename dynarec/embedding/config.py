@@ -178,9 +178,11 @@ class TableConfig:
         data_type: the weights' storage, ``fp32``, or ``fp16`` / ``bf16`` (half the bytes; the
             update runs in fp32 and stores each weight by seeded stochastic rounding,
             :mod:`dynarec.optim.rounding`; optimizer states stay fp32; native backend only).
-        cache_load_factor: a fixed table whose rows live in host memory, this share of them
-            cached on the device (:mod:`dynarec.embedding.cached_store`; torchrec's name for
-            FBGEMM's managed caching); None: every row on the device. Native backend, fp32 rows.
+        cache_load_factor: a table whose rows live in host memory, this share of its rows (a
+            dynamic table's: of ``max_capacity``) cached on the device
+            (:mod:`dynarec.embedding.cached_store`; torchrec's name for FBGEMM's managed caching,
+            dynamicemb's for its caching mode); None: every row on the device. Native backend,
+            fp32 rows.
     """
 
     name: str
@@ -203,11 +205,6 @@ class TableConfig:
             f = self.cache_load_factor
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
                 raise ValueError(f"{where}: cache_load_factor must be a share of the rows in (0, 1], got {f!r}")
-            if self.dynamic is not None:
-                raise ValueError(
-                    f"{where}: cache_load_factor keeps a fixed table's rows in host memory; a dynamic table's host "
-                    "tier is not built yet (its rows stay on the device)"
-                )
             if self.backend != "native":
                 raise ValueError(f"{where}: cache_load_factor caches rows of backend 'native', not '{self.backend}'")
             if self.data_type != "fp32":

@@ -85,7 +85,8 @@ class DynamicTable(EmbeddingTable):
         bucket_size = options.bucket_size
         max_buckets = num_buckets(max_capacity, bucket_size)
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
-        store = make_row_store(config, spec, init_buckets * bucket_size, self.device)
+        rows, max_rows = init_buckets * bucket_size, max_buckets * bucket_size
+        store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
         if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by key
             store.row_keys = RowKeys(keys=lambda: self.index.keys)
         #: The index, the rows behind it and how both grow.

@@ -66,7 +66,7 @@ def table_bytes(
     weight_row, state_row = ROW_DTYPES[config.data_type].itemsize * config.dim, state_width * 4
     if config.cache_load_factor is not None:  # on the device its cache and slot map; every row in host memory
         cached = cache_rows_of(rows, config.cache_load_factor)
-        index = CACHE_MAP_BYTES_PER_ROW * rows + CACHE_BYTES_PER_SLOT * cached
+        index += CACHE_MAP_BYTES_PER_ROW * rows + CACHE_BYTES_PER_SLOT * cached  # a dynamic table's index stays
         return TableBytes(rows, cached * weight_row, cached * state_row, index, host=rows * (weight_row + state_row))
     return TableBytes(rows, rows * weight_row, rows * state_row, index)
 

@@ -78,9 +78,12 @@ def make_row_store(
     num_rows: int,
     device: torch.device,
     grad_reducer: Optional[GradReducer] = None,
+    max_rows: Optional[int] = None,
 ) -> RowStore:
     """The row store of ``config``'s backend; ``grad_reducer``: a data-parallel table's (the
-    native backend only: FBGEMM's kernels update the rows before any reduction could run)."""
+    native backend only: FBGEMM's kernels update the rows before any reduction could run);
+    ``max_rows``: the most rows it grows to (a dynamic table's; sizes a host-memory tier's
+    cache), default ``num_rows``."""
     if config.backend == "fbgemm":
         if grad_reducer is not None:
             raise ValueError(f"table '{config.name}': a data-parallel table needs backend 'native'")
@@ -91,7 +94,7 @@ def make_row_store(
                 f"table '{config.name}': a data-parallel table keeps every row on each device (cache_load_factor "
                 "caches a table's own rows; shard it row_wise)"
             )
-        cache_rows = cache_rows_of(num_rows, config.cache_load_factor)
+        cache_rows = cache_rows_of(max_rows or num_rows, config.cache_load_factor)
         return CachedRowStore(num_rows, config.dim, spec, device, cache_rows, name=config.name)
     dtype = ROW_DTYPES[config.data_type]
     return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer, dtype, rounding_seed=int(config.seed or 0))

@@ -92,7 +92,9 @@ def test_dynamicemb_carries_every_field_and_torcheasyrecs_defaults():
     # not used for a dynamicemb table (TorchEasyRec initializes it by initializer_args).
     assert u["initializer"] == {"kind": "truncated_normal", "mean": 0.0, "std": 1 / math.sqrt(16)}
     assert any("init_fn: ignored" in n for n in result.notes)
-    assert any("cache_load_factor: ignored" in n for n in result.notes)
+    # "percentage of embedding rows caching on gpu": the table's rows in host memory behind a cache
+    assert u["cache_load_factor"] == 0.5
+    assert any("cache_load_factor: the table's rows in host memory" in n for n in result.notes)
     config_from_dict(result.config)
 
 

@@ -176,13 +176,14 @@ def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
 
 
 def test_tables_cached_from_host_memory_on_two_processes_equal_one(runs, tmp_path):
-    """The item table (row_wise) and the category table (table_wise) with their rows in host
-    memory behind a device cache (``cache_load_factor``), on two processes: each shard caches
-    its own rows, and the run equals the one-process run without caches (to the sharded runs'
-    1e-5)."""
+    """The item table (row_wise), the category table (table_wise) and the user table (dynamic,
+    key-hash sharded; a cache of a tenth of each shard's keys) with their rows in host memory
+    behind a device cache (``cache_load_factor``), on two processes: each shard caches its own
+    rows, and the run equals the one-process run without caches (to the sharded runs' 1e-5)."""
     c = mixed_config(runs, 60)
     for i in (2, 3, 4, 5):
         next(iter(c["feature_configs"][i].values()))["cache_load_factor"] = 1.0
+    c["feature_configs"][0]["id_feature"]["cache_load_factor"] = 0.1
     config = write_config(runs, c, "cached_60.yaml")
     rc, out = run("train", "--config", config, "--model-dir", tmp_path / "c2", "--no-progress", "--nproc", 2)
     assert rc == 0, out

@@ -1,8 +1,9 @@
-"""A fixed table's host-memory tier (dynarec.embedding.cached_store): its rows in host memory, a
-cache of them on the device. Trained with a cache of a quarter of its rows, rows evicted and
-loaded back every step, a table equals the same table kept whole on the device bit for bit (on
-the CPU), for every optimizer and pooling; pending steps keep their rows; what cannot fit, or
-cannot be cached, is refused by name."""
+"""A table's host-memory tier (dynarec.embedding.cached_store): its rows in host memory, a cache
+of them on the device. Trained with a cache of a quarter of its rows, rows evicted and loaded
+back every step, a fixed table equals the same table kept whole on the device bit for bit (on
+the CPU), for every optimizer and pooling; so does a dynamic table, its keys growing the table
+and evicting each other meanwhile; pending steps keep their rows; what cannot fit, or cannot be
+cached, is refused by name."""
 
 import pytest
 import torch
@@ -74,6 +75,65 @@ def test_a_cached_table_trains_as_the_table_kept_whole_on_the_device(spec, pooli
     with torch.no_grad():
         x, y = cached(data[0]), whole(data[0])
     assert all(same(x[k], y[k], device) for k in x)
+
+
+def dynamic_table(cache, score="step"):
+    """Up to 256 keys, from 64 slots: 2000 keys grow it to 256, then evict the coldest each step."""
+    options = DynamicTableOptions(256, init_capacity=64, bucket_size=8, score_strategy=score)
+    features = ["f", FeatureConfig("s", pooling="none")]
+    return TableConfig(name="t", dim=6, dynamic=options, features=features, cache_load_factor=cache)
+
+
+def key_batches(n, size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lists = {}
+        for name in ("f", "s"):
+            lengths = torch.randint(0, 4, (size,), generator=g)
+            lists[name] = [(torch.randint(0, 2000, (int(k),), generator=g) * 7919 + 13).tolist() for k in lengths]
+        out.append(JaggedBatch.from_lists(lists))
+    return out
+
+
+@pytest.mark.parametrize("score", ["step", "lfu"])
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_a_cached_dynamic_table_trains_as_the_table_kept_whole_through_growth_and_eviction(spec, score, device):
+    data = [kjt.to(device) for kjt in key_batches(12)]
+    cached = EmbeddingCollection([dynamic_table(0.25, score)], spec, device=device)
+    whole = EmbeddingCollection([dynamic_table(None, score)], spec, device=device)
+    store = cached.tables["t"].store
+    assert store.cache_rows == 64 and store.num_rows == 64  # a quarter of max_capacity; the rows start at 64
+    for x, y in zip(train(cached, data), train(whole, data)):
+        assert x.keys() == y.keys() and all(same(x[k], y[k], device) for k in x)
+    table = cached.tables["t"]
+    assert table.capacity == 256 and table.evicted_keys > 0 and store.counters["written_back"] > 0
+    a, b = table.dump(), whole.tables["t"].dump()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert same(a[k], b[k], device), k
+
+
+def test_a_growth_undone_puts_back_a_cached_dynamic_tables_rows():
+    """A step that grew the table aborted (its rows cached meanwhile): the rows, keys and states of
+    before the step, as the table kept whole gives them."""
+    from dynarec.embedding.snapshot import dump
+
+    spec = Adagrad(lr=0.1, initial_accumulator_value=0.1)
+    runs = []
+    for cache in (0.5, None):
+        coll = EmbeddingCollection([dynamic_table(cache)], spec)
+        train(coll, key_batches(2, seed=4))
+        table = coll.tables["t"]
+        before, capacity = dump(table.index, table.store, table.step, None), table.capacity
+        coll(JaggedBatch.from_lists({"f": [list(range(10, 110))], "s": [[]]}))
+        assert table.capacity > capacity
+        coll.abort_step()
+        after = dump(table.index, table.store, table.step, None)
+        assert table.capacity == capacity and all(torch.equal(before[k], after[k]) for k in before)
+        train(coll, key_batches(3, seed=5))
+        runs.append(table.dump())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
 def test_rows_read_written_dumped_and_loaded_through_the_cache():
@@ -164,8 +224,6 @@ def test_what_cannot_be_cached_is_refused_by_name():
     for bad in (0, 1.5, -0.1, True):
         with pytest.raises(ValueError, match=r"table 't': cache_load_factor must be a share of the rows in \(0, 1\]"):
             table("sum", bad)
-    with pytest.raises(ValueError, match="a dynamic table's host tier is not built yet"):
-        TableConfig(name="t", dim=4, dynamic=DynamicTableOptions(64), features=["f"], cache_load_factor=0.5)
     with pytest.raises(ValueError, match="cache_load_factor caches fp32 rows, not bf16 rows"):
         TableConfig(name="t", dim=4, num_embeddings=8, features=["f"], cache_load_factor=0.5, data_type="bf16")
     with pytest.raises(ValueError, match="cache_load_factor caches rows of backend 'native', not 'fbgemm'"):
@@ -174,30 +232,32 @@ def test_what_cannot_be_cached_is_refused_by_name():
 
 
 def test_a_yaml_config_trains_a_cached_table_as_the_table_kept_whole(tmp_path):
-    """``cache_load_factor`` on the features of a table (YAML): the trainer's run equals the one
-    without it, every table's rows and states bit for bit (the cache evicting as it goes)."""
+    """``cache_load_factor`` on the features of a fixed table and of a dynamic one (YAML): the
+    trainer's run equals the one without it, every table's keys, rows and states bit for bit (the
+    caches evicting as they go)."""
     from dynarec.config import load_config
     from dynarec.train.trainer import Trainer
     from tests.pipeline_fixtures import config_dict, make_data, write_config
 
     make_data(tmp_path)
     dumps = []
-    for factor in (None, 0.75):
+    for factor in (None, {"item": 0.75, "user_id": 0.25}):
         c = config_dict(data__eval_input_path=None)
         for entry in c["feature_configs"]:
             body = next(iter(entry.values()))
-            if body.get("embedding_name") == "item" and factor is not None:
-                body["cache_load_factor"] = factor
-        trainer = Trainer(load_config(write_config(tmp_path, c, f"c{factor}.yaml")), tmp_path / f"m{factor}",
-                          progress=False)  # fmt: skip
+            name = body.get("embedding_name", body["feature_name"])
+            if factor is not None and name in factor:
+                body["cache_load_factor"] = factor[name]
+        tag = "cached" if factor else "whole"
+        trainer = Trainer(load_config(write_config(tmp_path, c, f"{tag}.yaml")), tmp_path / tag, progress=False)
         trainer.fit()
-        store = trainer.task.embeddings.tables["item"].store
-        assert (type(store).__name__, getattr(store, "cache_rows", None)) == (
-            ("NativeRowStore", None) if factor is None else ("CachedRowStore", 150)
+        stores = [trainer.task.embeddings.tables[name].store for name in ("item", "user_id")]
+        assert [(type(s).__name__, getattr(s, "cache_rows", None)) for s in stores] == (
+            [("NativeRowStore", None)] * 2 if factor is None else [("CachedRowStore", 150), ("CachedRowStore", 128)]
         )
         dumps.append({n: t.dump() for n, t in trainer.task.embeddings.tables.items()})
         if factor is not None:
-            assert store.counters["written_back"] > 0
+            assert all(s.counters["written_back"] > 0 for s in stores)
     for name, dump in dumps[0].items():
         assert all(torch.equal(v, dumps[1][name][k]) for k, v in dump.items()), name
 
@@ -212,6 +272,9 @@ def test_the_plan_shows_a_cached_tables_bytes_on_the_device_and_in_host_memory()
     b, w = table_bytes(cached, spec), table_bytes(whole, spec)
     assert (b.weights, b.states, b.host) == (w.weights // 4, w.states // 4, w.weights + w.states)
     assert b.index == 4 * ROWS + 16 * 50  # the slot map of every row, each slot's row and last use
+    d, dw = table_bytes(dynamic_table(0.25), spec), table_bytes(dynamic_table(None), spec)
+    assert (d.weights, d.host) == (dw.weights // 4, dw.weights + dw.states)
+    assert d.index == dw.index + 4 * 256 + 16 * 64  # the hash index stays on the device, beside the cache's map
     plan = Plan((TablePlan(cached, spec, TableSharding("table_wise", 1, (0,))),))
     (row,) = plan.describe()
     assert (row["bytes/rank"], row["host bytes/rank"]) == ("3.9 KiB", "9.4 KiB")

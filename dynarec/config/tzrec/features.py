@@ -136,8 +136,9 @@ _SCORES = {"STEP": "step", "TIMESTAMP": "timestamp", "LFU": "lfu", "NO_EVICTION"
 _ZERO = {"kind": "constant", "value": 0.0}
 
 
-def _dynamicemb(r: Reader, dim: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``dynamicemb`` block (spec §2.15) -> dynarec's, and the table's initializer."""
+def _dynamicemb(r: Reader, dim: int) -> tuple[dict[str, Any], dict[str, Any], Optional[float]]:
+    """The ``dynamicemb`` block (spec §2.15) -> dynarec's, the table's initializer and its
+    ``cache_load_factor`` (None: every row on the device)."""
     out: dict[str, Any] = {"max_capacity": r.integer("max_capacity", 0)}
     if r.has("init_capacity_per_rank"):
         out["init_capacity"] = r.integer("init_capacity_per_rank")
@@ -171,10 +172,17 @@ def _dynamicemb(r: Reader, dim: int) -> tuple[dict[str, Any], dict[str, Any]]:
         a.ignore("counter_bucket_capacity", "the counter's bucket size, a layout choice")
         a.done()
         out["admission"] = adm
-    r.ignore("cache_load_factor", "dynamicemb's HBM cache sizing; dynarec keeps the table on the device")
+    cache = None
+    if r.has("cache_load_factor"):  # "percentage of embedding rows caching on gpu"
+        cache = float(r.number("cache_load_factor"))
+        r.ctx.note(
+            r.at("cache_load_factor"),
+            "the table's rows in host memory, this share of max_capacity cached on the device (dynarec's cache "
+            "is an LRU cache of rows; dynamicemb's caching: false keeps a fixed share there instead)",
+        )
     r.refuse("init_table", why="a table of initial rows is not supported (train, or resume a dynarec checkpoint)")
     r.done()
-    return out, init
+    return out, init, cache
 
 
 def _zch(r: Reader) -> dict[str, Any]:
@@ -388,7 +396,10 @@ class _Build:
                     r.at("init_fn"), "ignored: TorchEasyRec initializes dynamicemb tables from initializer_args"
                 )
                 self.body.pop("initializer", None)
-            self.body["dynamicemb"], self.body["initializer"] = _dynamicemb(d, int(self.body.get("embedding_dim", 1)))
+            dim = int(self.body.get("embedding_dim", 1))
+            self.body["dynamicemb"], self.body["initializer"], cache = _dynamicemb(d, dim)
+            if cache is not None:
+                self.body["cache_load_factor"] = cache
             if not encoded:  # FG hashes the value's string form into the key (value_type "string")
                 self.body["value_type"] = "string"
                 self._hash()
