@@ -817,6 +817,9 @@ class TrainCfg(Strict):
     # Bytes a rank's tables may take at their largest ("80GiB", or an integer); default: the memory
     # available on the rank's device. A plan that does not fit is an error naming the table.
     memory_budget_per_rank: Optional[ByteSize] = None
+    # Bytes of rows a rank may keep in host memory (tables with cache_load_factor: "1TB"); default:
+    # the host's available memory when the tables are built. A plan over it is an error naming the table.
+    host_memory_budget_per_rank: Optional[ByteSize] = None
     # Seconds a rank waits in a collective of a multi-process run before it gives up, naming what
     # it waited for.
     collective_timeout_seconds: float = Field(300.0, gt=0)

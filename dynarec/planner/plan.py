@@ -126,6 +126,10 @@ class Plan:
     def bytes_on(self, rank: int) -> int:
         return sum(t.bytes_on(rank) for t in self.tables)
 
+    def host_bytes_on(self, rank: int) -> int:
+        """Bytes of rows the tables keep in ``rank``'s host memory (``cache_load_factor``)."""
+        return sum(t.host_bytes_on(rank) for t in self.tables)
+
     def describe(self) -> list[dict[str, object]]:
         """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter),
         features; bytes per rank on the device (and in host memory, where a table keeps its rows
@@ -143,10 +147,13 @@ class Plan:
         if self.world_size > 1:
             worst = max(range(self.world_size), key=self.bytes_on)
             exchange = sum(t.exchange_bytes(self.batch_size) for t in self.tables)
+            host = max(range(self.world_size), key=self.host_bytes_on)
+            in_host = self.host_bytes_on(host)
             lines.append(
-                f"{self.world_size} ranks: at most {format_bytes(self.bytes_on(worst))} of tables on a rank "
-                f"(rank {worst}); about {format_bytes(exchange)} exchanged per step per rank at batch "
-                f"{self.batch_size} per rank"
+                f"{self.world_size} ranks: at most {format_bytes(self.bytes_on(worst))} of tables on a rank's device "
+                f"(rank {worst})"
+                + (f" and {format_bytes(in_host)} in its host memory (rank {host})" if in_host else "")
+                + f"; about {format_bytes(exchange)} exchanged per step per rank at batch {self.batch_size} per rank"
             )
         return "\n".join(lines)
 
@@ -198,9 +205,10 @@ def _ids_per_sample(f) -> int:
 
 def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optional[int] = None) -> Plan:
     """The plan of a config's tables (features sharing an ``embedding_name`` share a table):
-    :func:`plan_tables` with the config's optimizers, batch size and memory budget (default
-    ``train.memory_budget_per_rank``)."""
+    :func:`plan_tables` with the config's optimizers, batch size and memory budgets (default
+    ``train.memory_budget_per_rank``; in host memory ``train.host_memory_budget_per_rank``)."""
     budget = memory_budget if memory_budget is not None else config.train.memory_budget_per_rank
+    host = config.train.host_memory_budget_per_rank
     tables = _tables_of(config)
     return plan_tables(
         [t for t, _, _ in tables],
@@ -208,6 +216,7 @@ def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optiona
         None if budget is None else int(budget),
         batch_size=config.data.batch_size,
         ids_per_sample=[ids for _, _, ids in tables],
+        host_memory_budget=None if host is None else int(host),
     )
 
 
@@ -218,11 +227,13 @@ def plan_tables(
     optimizer: Optional[OptimizerSpec] = None,
     batch_size: int = 0,
     ids_per_sample: Optional[Sequence[tuple[int, ...]]] = None,
+    host_memory_budget: Optional[int] = None,
 ) -> Plan:
     """One :class:`TablePlan` per table, sharded over ``world_size`` ranks; each table trained by
     its own ``TableConfig.optimizer``, else ``optimizer``.
 
-    ``memory_budget``: bytes per rank (None: unchecked here — the tables check the device's
+    ``memory_budget``: bytes per rank on its device, ``host_memory_budget``: bytes of rows per
+    rank in host memory (None: unchecked here — the tables check the device's and the host's
     memory when they are built); ``batch_size`` (per rank) and ``ids_per_sample`` (per table,
     per feature; default 1) size the plan's exchange estimate."""
     load = [0] * world_size
@@ -239,7 +250,9 @@ def plan_tables(
         plans.append(plan)
     result = Plan(tuple(plans), world_size, batch_size)
     if memory_budget is not None:
-        _check_budget(result, memory_budget)
+        _check_budget(result, memory_budget, "device")
+    if host_memory_budget is not None:
+        _check_budget(result, host_memory_budget, "host")
     return result
 
 
@@ -287,14 +300,24 @@ def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optiona
     return TableSharding(kind, world, tuple(range(world)), capacity_per_rank=per_rank)
 
 
-def _check_budget(plan: Plan, budget: int) -> None:
+def _check_budget(plan: Plan, budget: int, where: str) -> None:
+    """PlanError naming the tables and their bytes where a rank's tables take more than ``budget``
+    on its device (``where`` "device") or in its host memory ("host")."""
+    host = where == "host"
     for rank in range(plan.world_size):
-        used = plan.bytes_on(rank)
+        used = plan.host_bytes_on(rank) if host else plan.bytes_on(rank)
         if used > budget:
-            parts = sorted(((t.bytes_on(rank), t) for t in plan.tables), key=lambda x: -x[0])
+            parts = sorted(
+                ((t.host_bytes_on(rank) if host else t.bytes_on(rank), t) for t in plan.tables), key=lambda x: -x[0]
+            )
             detail = "; ".join(f"table '{t.table.name}' ({t.sharding.kind}) {format_bytes(b)}" for b, t in parts if b)
+            field, place, knob = (
+                ("host_memory_budget_per_rank", "in the host memory of", "cache_load_factor's tables")
+                if host
+                else ("memory_budget_per_rank", "on", "max_capacity / num_buckets / embedding_dim, cache_load_factor")
+            )
             raise PlanError(
-                f"the plan puts {format_bytes(used)} of tables on rank {rank} of {plan.world_size}, over "
-                f"train.memory_budget_per_rank {format_bytes(budget)}: {detail}; lower max_capacity / num_buckets / "
-                "embedding_dim, force another sharding, or use more ranks"
+                f"the plan puts {format_bytes(used)} of tables {place} rank {rank} of {plan.world_size}, over "
+                f"train.{field} {format_bytes(budget)}: {detail}; lower {knob}, force another sharding, or use "
+                "more ranks"
             )

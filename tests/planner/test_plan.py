@@ -197,3 +197,34 @@ def test_a_billion_key_dynamic_table_and_a_100m_row_table_plan_onto_64_ranks_of_
     worst = max(plan.bytes_on(r) for r in range(64))
     assert 15 << 30 < worst < 20 << 30  # ~16.7 GiB: 1e9 x 128 x (weight + Adagrad state) / 64, plus the index
     assert "exchanged per step per rank" in plan.format()
+
+
+def test_a_10b_key_dynamic_table_fits_64_h200s_with_its_rows_in_host_memory():
+    """Issue 31's on-paper check: 10 billion keys at dim 128 (Adagrad) on 64 ranks of 141 GB HBM
+    and 1 TB host memory fit with the rows in host memory behind a cache of a tenth of them, and
+    not without; a host budget too small is an error naming the table."""
+    from pathlib import Path
+
+    import yaml
+
+    from dynarec.config import config_from_dict
+    from dynarec.planner.plan import PlanError
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "plan_world64_10b.yaml"
+    raw = yaml.safe_load(path.read_text())
+    plan = plan_from_config(config_from_dict(raw), world_size=64)
+    device, host = max(plan.bytes_on(r) for r in range(64)), max(plan.host_bytes_on(r) for r in range(64))
+    # per rank 156.25M slots: index 21 B + cache map 4 B a slot, a tenth cached at 1 KiB + 16 B; rows 1 KiB each
+    assert 18 << 30 < device < 22 << 30 and 148 << 30 < host < 150 << 30
+    assert "149.0 GiB in its host memory" in plan.format() and "host bytes/rank" in plan.format()
+    whole = yaml.safe_load(path.read_text())
+    del whole["feature_configs"][0]["id_feature"]["cache_load_factor"]
+    with pytest.raises(PlanError, match=r"over train.memory_budget_per_rank 131.3 GiB: table 'user_id' \(key_hash\)"):
+        plan_from_config(config_from_dict(whole), world_size=64)
+    raw["train"]["host_memory_budget_per_rank"] = "100GiB"
+    with pytest.raises(
+        PlanError,
+        match=r"149.0 GiB of tables in the host memory of rank 0 of 64, over train.host_memory_budget_per_rank "
+        r"100.0 GiB: table 'user_id' \(key_hash\) 149.0 GiB",
+    ):
+        plan_from_config(config_from_dict(raw), world_size=64)
