@@ -14,15 +14,13 @@ Usage:
 """
 
 import argparse
-import json
 import time
 
 import pyarrow as pa
 import torch
 
-from dynarec.bench.common import cached_click_log
-from dynarec.bench.e2e import e2e_config, e2e_spec
-from dynarec.config import config_from_dict, load_config
+from dynarec.bench.e2e import profiled_config
+from dynarec.config import config_from_dict
 from dynarec.data.batch import RowOrigin
 from dynarec.data.reader import _record_batches, make_loader
 from dynarec.distributed.context import single_process
@@ -38,13 +36,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=60, help="batches timed per worker count")
     p.add_argument("--config", help="this config's training files (--batch ignored)")
     a = p.parse_args()
-    if a.config:
-        raw = json.loads(load_config(a.config).model_dump_json())
-        a.batch = raw["data"]["batch_size"]
-    else:
-        spec = e2e_spec(a.train_rows, 10_000)
-        raw = e2e_config(spec, cached_click_log(spec), a.batch, 1, None)
-    raw["data"]["eval_input_path"] = None
+    raw, a.batch = profiled_config(a.config, a.batch, a.train_rows)
     if a.device.startswith("cuda"):
         torch.zeros(1, device=a.device)  # CUDA initialized, as in a training run (workers then fork-served)
     inputs = TrainInput(config_from_dict(raw), single_process(a.device), torch.device(a.device).type)

@@ -21,7 +21,6 @@ import argparse
 import cProfile
 import io
 import itertools
-import json
 import pstats
 import tempfile
 import time
@@ -31,9 +30,8 @@ import torch
 import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from dynarec.bench.common import cached_click_log
-from dynarec.bench.e2e import e2e_config, e2e_spec
-from dynarec.config import config_from_dict, load_config
+from dynarec.bench.e2e import profiled_config
+from dynarec.config import config_from_dict
 from dynarec.train.input import ReadAhead
 from dynarec.train.trainer import Trainer
 
@@ -76,13 +74,7 @@ def main() -> None:
         help="a config field, dotted, its value as YAML (e.g. train.cuda_graphs=false); repeatable",
     )
     a = p.parse_args()
-    if a.config:
-        raw = json.loads(load_config(a.config).model_dump_json())
-        a.batch = raw["data"]["batch_size"]
-    else:
-        spec = e2e_spec(a.train_rows, 10_000)
-        raw = e2e_config(spec, cached_click_log(spec), a.batch, 1, a.workers)
-    raw["data"]["eval_input_path"] = None
+    raw, a.batch = profiled_config(a.config, a.batch, a.train_rows, a.workers)
     for item in a.set:
         key, _, value = item.partition("=")
         *parents, last = key.split(".")
