@@ -8,6 +8,7 @@ DataLoader workers. A data position (epoch, rows consumed) seeks straight to its
 from __future__ import annotations
 
 import copy
+import fcntl
 import glob
 import multiprocessing
 import os
@@ -31,8 +32,10 @@ from dynarec.data.shared_decode import (
     RowGroupExchange,
     Unit,
     clean,
+    mark_failed,
     pass_directory,
     remove_chunks,
+    retire,
     shared_memory_dir,
     travelling,
 )
@@ -264,10 +267,11 @@ class ArrowBatchDataset(IterableDataset):
         self.world_size = world_size
         self._row_counts: Optional[list[int]] = None
         self._units: Optional[list[Unit]] = None
-        # Shared decoding: the loader's directory of passes, and the number of the pass before
-        # this copy's next one (each __iter__ in a worker is the next pass).
+        # Shared decoding: the loader's directory of passes, the number of the pass before this
+        # copy's next one (each __iter__ in a worker is the next pass), and the rows of a chunk.
         self.shared_root: Optional[str] = None
         self.shared_pass = 0
+        self.chunk_rows = shared_decode.CHUNK_ROWS
 
     @property
     def global_batch_size(self) -> int:
@@ -347,10 +351,10 @@ class ArrowBatchDataset(IterableDataset):
                     skip -= count
                     continue
                 first = 0
-                for g, n in enumerate(_row_group_sizes(path)):
-                    if first + n > skip:
+                for g, (n, nbytes) in enumerate(_row_groups(path)):
+                    if n and first + n > skip:  # (an empty row group holds nothing to read)
                         cut = max(skip - first, 0)
-                        units.append(Unit(path, g, first, cut, start, n - cut))
+                        units.append(Unit(path, g, first, cut, start, n - cut, nbytes))
                         start += n - cut
                     first += n
                 skip = 0
@@ -362,7 +366,7 @@ class ArrowBatchDataset(IterableDataset):
         columns), from its first row: one chunk decoded at a time."""
         try:
             reader = pq.ParquetFile(unit.path).iter_batches(
-                batch_size=shared_decode.CHUNK_ROWS,
+                batch_size=self.chunk_rows,
                 row_groups=[unit.row_group],
                 columns=self.builder.columns(),
                 use_threads=False,
@@ -399,14 +403,17 @@ class ArrowBatchDataset(IterableDataset):
         except PassAbandoned:  # the training process moved on: nothing to deliver
             return
         except Exception as e:
-            yield WorkerFailure.of(e)
+            failure = WorkerFailure.of(e)
+            if self.shared_root is not None:  # the workers waiting for its chunks fail with it
+                mark_failed(pass_directory(self.shared_root, self.shared_pass), info.id, failure.error)
+            yield failure
 
     def _shared_batches(self, worker: int, workers: int, directory: Path) -> Iterator[Batch]:
         """Worker ``worker``'s batches, its row groups decoded for all ``workers`` (see
         :mod:`dynarec.data.shared_decode`)."""
         units = self.units()
         assert units is not None
-        exchange = RowGroupExchange(directory, worker, workers, units, self._read_unit, shared_decode.CHUNK_ROWS)
+        exchange = RowGroupExchange(directory, worker, workers, units, self._read_unit, self.chunk_rows)
         global_batch = self.global_batch_size
         ahead = workers * max((u.rows for u in units), default=0) + 2 * workers * global_batch
         total = units[-1].end if units else 0
@@ -415,7 +422,7 @@ class ArrowBatchDataset(IterableDataset):
             lo, hi = step * global_batch, min((step + 1) * global_batch, total)
             while units[first].end <= lo:
                 first += 1
-            exchange.decode_ahead(total, before=hi)  # its own rows up to the step's, before any wait
+            exchange.decode_ahead(before=hi)  # its own rows up to the step's, before any wait
             exchange.frontier = hi + ahead
             pieces = []
             u = first
@@ -428,8 +435,8 @@ class ArrowBatchDataset(IterableDataset):
             yield self._build_share(pieces, hi - lo)
             # Own rows the next two rounds of steps read (the others wait for them), then a share
             # of those further ahead: row groups decode in parallel, spread over the steps.
-            exchange.decode_ahead(total, before=hi + 2 * workers * global_batch)
-            exchange.decode_ahead(2 * global_batch, before=hi + ahead)
+            exchange.decode_ahead(before=hi + 2 * workers * global_batch)
+            exchange.decode_ahead(before=hi + ahead, rows=2 * global_batch)
         exchange.decode_rest()  # the others' last steps may read them
 
     def _batches(self, worker: int, workers: int) -> Iterator[Batch]:
@@ -541,10 +548,13 @@ class BatchLoader:
     ):
         self.shared_root: Optional[str] = None
         self._passes = 0
-        if num_workers > 1 and dataset.units() is not None:
+        units = dataset.units() if num_workers > 1 else None
+        if units and _shared_memory_holds(units, num_workers):
             dataset = copy.copy(dataset)
-            dataset.shared_root = self.shared_root = _new_shared_root()
-            weakref.finalize(self, clean, self.shared_root)
+            dataset.chunk_rows = shared_decode.CHUNK_ROWS
+            self.shared_root, lock = _new_shared_root()
+            dataset.shared_root = self.shared_root
+            weakref.finalize(self, clean, self.shared_root, lock)
         self.dataset = dataset
         self.loader = DataLoader(
             dataset,
@@ -564,17 +574,19 @@ class BatchLoader:
         self._passes += 1
         self.dataset.shared_pass = self._passes - 1  # workers started now count from here
         for old in Path(self.shared_root).glob("pass-*"):  # an abandoned pass: its workers stop waiting
-            shutil.rmtree(old, ignore_errors=True)
+            retire(old)
         directory = pass_directory(self.shared_root, self._passes)
         directory.mkdir()
         units = self.dataset.units() or []
-        chunk_rows = shared_decode.CHUNK_ROWS
+        chunk_rows = self.dataset.chunk_rows
         chunks = [(u, i) for u, unit in enumerate(units) for i in range(unit.num_chunks(chunk_rows))]
         global_batch = self.dataset.global_batch_size
         total = units[-1].end if units else 0
         done = 0  # of chunks: those before it are deleted
+        steps = 0
         try:
             for step, item in enumerate(self.loader):
+                steps += 1
                 yield _delivered(item)
                 delivered = min((step + 1) * global_batch, total)
                 read = done
@@ -582,8 +594,13 @@ class BatchLoader:
                     read += 1
                 remove_chunks(directory, chunks[done:read])
                 done = read
+            if steps < self.dataset.num_steps():  # the workers found their pass's directory gone
+                raise DataError(
+                    f"the data loader's shared directory {directory} was removed during the pass ({steps} of "
+                    f"{self.dataset.num_steps()} batches delivered); another process deleted it"
+                )
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            retire(directory)
 
 
 def _delivered(item: Union[Batch, WorkerFailure]) -> Batch:
@@ -592,24 +609,50 @@ def _delivered(item: Union[Batch, WorkerFailure]) -> Batch:
     return item
 
 
-def _new_shared_root() -> str:
-    """A fresh directory in shared memory for a loader's decoded row groups; those of processes
-    no longer running (killed before they could remove theirs) are removed first."""
+def _new_shared_root() -> tuple[str, int]:
+    """A fresh directory in shared memory for a loader's decoded row groups, and the descriptor
+    of the lock its loader holds on it while it lives. Directories whose lock nobody holds (their
+    process was killed before it could remove them) are removed first; a live one, of any
+    process or container sharing the memory, is never touched."""
     base = shared_memory_dir()
-    for stale in Path(base).glob("dynarec-rows-*-*"):
-        pid = stale.name.split("-")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and os.path.isdir("/proc"):
-            shutil.rmtree(stale, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"dynarec-rows-{os.getpid()}-", dir=base)
+    for stale in Path(base).glob("dynarec-rows-*"):
+        try:
+            fd = os.open(stale / _LOCK, os.O_RDWR)
+        except OSError:  # no lock file: being created, or not ours
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its loader lives
+            os.close(fd)
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        os.close(fd)
+    root = tempfile.mkdtemp(prefix="dynarec-rows-", dir=base)
+    fd = os.open(os.path.join(root, _LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return root, fd
 
 
-def _row_group_sizes(path: str) -> list[int]:
-    """Rows of each row group of a Parquet file."""
+_LOCK = ".lock"
+
+
+def _shared_memory_holds(units: list[Unit], workers: int) -> bool:
+    """Whether the shared-memory directory has room for the chunks a pass keeps there at once
+    (about ``workers + 2`` of the largest row groups, uncompressed, twice over for Arrow's own
+    layout); where it has not (a container's small /dev/shm), every worker decodes its own rows."""
+    need = 2 * (workers + 2) * max(u.nbytes for u in units)
+    stat = os.statvfs(shared_memory_dir())
+    return stat.f_bavail * stat.f_frsize >= need
+
+
+def _row_groups(path: str) -> list[tuple[int, int]]:
+    """``(rows, uncompressed bytes)`` of each row group of a Parquet file."""
     try:
         meta = pq.ParquetFile(path).metadata
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    return [(g.num_rows, g.total_byte_size) for g in groups]
 
 
 def make_loader(

@@ -84,6 +84,7 @@ class Unit:
     skip: int
     start: int
     rows: int
+    nbytes: int = 0  # the row group's uncompressed bytes (its footer's; all its columns)
 
     @property
     def end(self) -> int:
@@ -99,6 +100,10 @@ class Unit:
     def chunk_start(self, i: int, chunk_rows: int) -> int:
         """The pass row of chunk ``i``'s first row (before the pass's first for a skipped one)."""
         return self.start - self.skip + i * chunk_rows
+
+    def chunk_rows_in_pass(self, i: int, chunk_rows: int) -> int:
+        """Rows of chunk ``i`` that belong to the pass."""
+        return self.chunk_end(i, chunk_rows) - max(self.chunk_start(i, chunk_rows), self.start)
 
 
 def shared_memory_dir() -> str:
@@ -182,15 +187,16 @@ class RowGroupExchange:
             self._own_index, self._next_chunk, self._chunks = self._own_index + 1, 0, None
         return True
 
-    def decode_ahead(self, rows: int, before: int) -> None:
-        """Decodes own chunks starting before pass row ``before``, about ``rows`` rows of them."""
+    def decode_ahead(self, before: int, rows: Optional[int] = None) -> None:
+        """Decodes own chunks starting before pass row ``before``: all of them, or about ``rows``
+        rows of them."""
         done = 0
-        while done < rows:
+        while rows is None or done < rows:
             nxt = self._next_own()
             if nxt is None or self.units[nxt[0]].chunk_start(nxt[1], self.chunk_rows) >= before:
                 return
             self.decode_one()
-            done += self.chunk_rows
+            done += self.units[nxt[0]].chunk_rows_in_pass(nxt[1], self.chunk_rows)
 
     def decode_rest(self) -> None:
         """Decodes every own chunk left."""
@@ -233,9 +239,10 @@ class RowGroupExchange:
                     return pa.ipc.open_file(source).read_all()
             except FileNotFoundError:
                 pass
-            if error.exists():
-                with open(error, "rb") as f:
-                    raise pickle.load(f)
+            for failed in (error, self.directory / worker_failed(u % self.workers)):
+                if failed.exists():
+                    with open(failed, "rb") as f:
+                        raise pickle.load(f)
             if not self.directory.is_dir():
                 raise PassAbandoned
             if time.monotonic() > deadline:
@@ -252,13 +259,43 @@ class RowGroupExchange:
             pause = min(pause * 2, 2e-3)
 
     def _write_atomic(self, path: Path, write: Callable) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-            os.replace(tmp, path)
-        except FileNotFoundError:  # the directory was removed meanwhile
-            raise PassAbandoned from None
+        write_atomic(path, write)
+
+
+def write_atomic(path: Path, write: Callable) -> None:
+    """``write(file)`` into a temporary beside ``path``, then renamed to it; PassAbandoned where
+    the directory is gone (the pass was abandoned meanwhile)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except FileNotFoundError:
+        raise PassAbandoned from None
+
+
+def worker_failed(worker: int) -> str:
+    """The file a worker leaves in its pass's directory when it fails (its error, pickled): the
+    workers waiting for its chunks raise the same error instead of waiting."""
+    return f"worker-{worker}.failed"
+
+
+def mark_failed(directory: Path, worker: int, error: BaseException) -> None:
+    try:
+        write_atomic(directory / worker_failed(worker), lambda f: pickle.dump(error, f))
+    except (PassAbandoned, OSError):  # nothing to tell: the pass is gone, or the disk is full
+        pass
+
+
+def retire(directory: Path) -> None:
+    """Removes a pass's directory: renamed first (at once, whole), so a worker still writing
+    fails at once instead of leaving a file behind, then deleted."""
+    tomb = directory.with_name(f".{directory.name}.retired.{os.getpid()}.{time.monotonic_ns()}")
+    try:
+        os.rename(directory, tomb)
+    except OSError:
+        return
+    shutil.rmtree(tomb, ignore_errors=True)
 
 
 def _rechunked(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Table]:
@@ -297,7 +334,7 @@ def remove_chunks(directory: Path, chunks: list[tuple[int, int]]) -> None:
             pass
 
 
-def clean(root: Optional[str]) -> None:
-    """Removes ``root`` and every pass directory in it."""
-    if root is not None:
-        shutil.rmtree(root, ignore_errors=True)
+def clean(root: str, lock: int) -> None:
+    """Removes ``root`` and every pass directory in it, then lets go of its lock."""
+    shutil.rmtree(root, ignore_errors=True)
+    os.close(lock)

@@ -30,7 +30,7 @@ def parquet_files(tmp_path):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 2 rows: a row group is published in several (forked workers inherit it)."""
+    """Chunks of 2 rows: a row group is published in several (the loader gives its workers the size)."""
     monkeypatch.setattr(shared_decode, "CHUNK_ROWS", 2)
 
 
@@ -51,7 +51,7 @@ def test_workers_decoding_for_each_other_give_the_batches_of_one_process(
     loader = make_loader(dataset(), workers)
     assert loader.shared_root is not None
     assert batches_of(loader) == one
-    assert os.listdir(loader.shared_root) == []  # the pass's directory went with the pass
+    assert os.listdir(loader.shared_root) == [".lock"]  # the pass's directory went with the pass
 
 
 def test_each_row_group_is_read_by_one_worker(parquet_files, small_chunks, tmp_path):
@@ -136,3 +136,40 @@ def test_a_single_worker_or_none_shares_nothing(parquet_files):
     assert make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 1).shared_root is None
     assert make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 0).shared_root is None
     assert torch.get_num_threads() >= 1
+
+
+def test_row_groups_smaller_than_a_chunk_and_empty_ones_give_the_batches_of_one_process(tmp_path):
+    """Row groups of 3 rows (a chunk each, at the real chunk size) and empty row groups between
+    them (a writer given an empty table writes one): the batches of one process."""
+    empty = rows_table(3).slice(0, 0)
+    writer = pq.ParquetWriter(tmp_path / "a.parquet", empty.schema)
+    for start in range(0, 30, 3):
+        writer.write_table(rows_table(3, start))
+        writer.write_table(empty)
+    writer.close()
+    assert pq.ParquetFile(tmp_path / "a.parquet").metadata.num_row_groups == 20
+    files = [str(tmp_path / "a.parquet")]
+    ds = ArrowBatchDataset(files, builder(), 4, start_row=1)
+    assert [u.rows for u in ds.units()] == [2] + [3] * 9
+    one = batches_of(make_loader(ArrowBatchDataset(files, builder(), 4, start_row=1), 0))
+    assert batches_of(make_loader(ds, 3)) == one
+
+
+def test_a_worker_failing_lets_the_workers_waiting_for_its_rows_fail_with_its_error(
+    parquet_files, small_chunks, monkeypatch
+):
+    """The owner of a row group cannot write its chunks (a full /dev/shm): the error reaches
+    the training process, and no worker waits for the rows it never wrote."""
+    import errno
+
+    monkeypatch.setattr(shared_decode, "WAIT_TIMEOUT_S", 20.0)  # a wait would surface as a TimeoutError
+    real = shared_decode.write_atomic
+
+    def full(path, write):
+        if path.name.startswith("2."):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, write)
+
+    monkeypatch.setattr(shared_decode, "write_atomic", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        list(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2))
