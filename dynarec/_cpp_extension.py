@@ -77,9 +77,12 @@ class CppExtension:
         """The module built in ``directory``, imported, where it is newer than every C++ file
         beside the sources (the flags and torch version are in the directory's name); else None
         (torch's ``load`` then checks and builds)."""
-        if self.name in sys.modules:
-            return sys.modules[self.name]
         path = os.path.join(directory, f"{self.name}.so")
+        loaded = sys.modules.get(self.name)
+        if loaded is not None and getattr(loaded, "__file__", None) == path:
+            return loaded
+        if loaded is not None or os.path.exists(os.path.join(directory, "lock")):
+            return None  # another build of the name is loaded, or one is being built: torch's load decides
         try:
             built = os.path.getmtime(path)
             folders = {os.path.dirname(os.path.abspath(s)) for s in self.sources}

@@ -171,6 +171,9 @@ class CachedRowStore(RowStore):
 
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        for name, v in values.items():  # before the split: a shape error names the field, as the other stores do
+            if v.shape[0] != rows.numel():
+                raise ValueError(f"'{name}' must have {rows.numel()} rows, got shape {tuple(v.shape)}")
         cached, slots, elsewhere = self._where(rows)
         values = {k: v.to(self.device) for k, v in values.items()}
         if elsewhere.numel():
@@ -204,8 +207,10 @@ class CachedRowStore(RowStore):
         self.num_rows = num_rows
 
     def _allocate(self, num_rows: int) -> None:
-        """A load: fresh rows in host memory, an empty cache."""
-        self._write_back(empty=True)
+        """A load: fresh rows in host memory, an empty cache (the cache's rows are replaced with
+        the others; a table refuses a load while a step is pending, so no slot kept for an update
+        still to come is needed: an aborted step's lookup may still hold some)."""
+        self._in_flight.clear()
         self.host.reallocate(num_rows)
         self.cache.reallocate(self.cache_rows)
         self._reset_cache(num_rows)
@@ -221,7 +226,8 @@ class CachedRowStore(RowStore):
         return self.host.storage(), self.num_rows
 
     def restore_storage(self, handle) -> None:
-        """Undoes a growth (its step failed: nothing of it is kept, no update of it is to come):
+        """Undoes a growth (its step aborted: nothing of it is kept; a table grows only while no
+        other lookup's update is to come, so the aborted step's are the only ones in flight):
         the host rows of :meth:`storage`, which the cache had been written back into; the
         cache's rows since are dropped."""
         host, self.num_rows = handle

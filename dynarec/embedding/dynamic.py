@@ -45,7 +45,9 @@ evictions (buckets full) read more.
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -99,6 +101,10 @@ class DynamicTable(EmbeddingTable):
             )  # fmt: skip
         self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
         self._served_step: Optional[int] = None  # the last training step this table looked up
+        # Training lookups whose fused update is still to come (a step committed by a later
+        # step's backward may still have its own): a growth would move their rows under them.
+        self._updates_to_come: set[int] = set()
+        self._lookups = itertools.count()
 
     @property
     def index(self) -> BucketedHashIndex:
@@ -215,7 +221,23 @@ class DynamicTable(EmbeddingTable):
             row_scores = self.score_policy.schedule(slots, step, fused)
             out = self.store.lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
             self._commit_on_backward(out, step)
+            self._await_update(out, step)
         return out if missing_out is None else out + missing_out
+
+    def _await_update(self, out: torch.Tensor, step: Step) -> None:
+        """Counts ``out``'s fused update as still to come until its backward reaches it (the update
+        runs then), its output is dropped, or its step is aborted."""
+        if not out.requires_grad:
+            return
+        token = next(self._lookups)
+        self._updates_to_come.add(token)
+
+        def done(*_) -> None:
+            self._updates_to_come.discard(token)
+
+        out.register_hook(done)
+        weakref.finalize(out, done)
+        step.journal.record(done)
 
     def _still_holds(self, found: FoundKeys) -> bool:
         """Whether a find made earlier gives this lookup's slots: every key present then is still
@@ -263,8 +285,9 @@ class DynamicTable(EmbeddingTable):
     # -- insertion, growth, eviction -------------------------------------------------------------
 
     def _can_grow(self) -> bool:
-        """Growth moves rows: only when no step but the current one is pending."""
-        return self.space.can_grow(len(self.steps.pending))
+        """Growth moves rows: only when no step but the current one is pending and no earlier
+        lookup's update is still to come (a late backward finds its rows where it left them)."""
+        return self.space.can_grow(len(self.steps.pending)) and not self._updates_to_come
 
     def _insert(
         self,

@@ -214,7 +214,8 @@ class EmbeddingTable(ABC):
         """The row fields a load takes from ``dump``; ValueError naming the missing ones. Called
         before anything is replaced, and refused while a training step is pending."""
         self.steps.check_idle("load")
-        fields = ["weight"] if weights_only else ["weight", *self.store.states]
+        # The states' names from the spec: the store's views of them could write a cache back.
+        fields = ["weight"] if weights_only else ["weight", *(s.name for s in self.spec.state_specs())]
         missing = [f for f in fields + ([] if weights_only else ["step"]) if f not in dump]
         if missing:
             raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {type(self.spec).__name__})")

@@ -96,6 +96,10 @@ def test_dynamicemb_carries_every_field_and_torcheasyrecs_defaults():
     assert u["cache_load_factor"] == 0.5
     assert any("cache_load_factor: the table's rows in host memory" in n for n in result.notes)
     config_from_dict(result.config)
+    half = convert(text.replace("embedding_dim: 16", 'embedding_dim: 16 data_type: "BF16"', 1))
+    assert "cache_load_factor" not in body(half, "u") and body(half, "u")["data_type"] == "bf16"
+    assert any("cache_load_factor: dropped: dynarec keeps half-precision rows" in n for n in half.notes)
+    config_from_dict(half.config)
 
 
 def test_vocabularies_weighted_and_trainable():

@@ -136,6 +136,48 @@ def test_a_growth_undone_puts_back_a_cached_dynamic_tables_rows():
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
+@pytest.mark.parametrize("cache", [0.5, None])
+def test_a_table_does_not_grow_under_a_late_backward(cache):
+    """Two forwards, the second's backward (committing both steps), a third step whose new keys
+    would grow the table, aborted; then the first's backward: it finds its rows where it left
+    them (a growth waits while an earlier lookup's update is still to come), and its keys get both
+    updates, cached or not."""
+    coll = EmbeddingCollection([dynamic_table(cache)], SGD(lr=1.0))
+    train(coll, key_batches(1, seed=4))
+    a = JaggedBatch.from_lists({"f": [[5, 6]], "s": [[]]})
+    o1, o2 = coll(a), coll(a)
+    before = coll.read_rows("t", torch.tensor([5, 6]))["weight"]  # created by o1's step
+    sum(v.sum() for v in o2.values()).backward()
+    table = coll.tables["t"]
+    capacity = table.capacity
+    with pytest.warns(UserWarning, match="could not get a row"):
+        o3 = coll(JaggedBatch.from_lists({"f": [list(range(1000, 1100))], "s": [[]]}))
+    assert table.capacity == capacity  # no growth while o1's update is to come
+    coll.abort_step()
+    del o3
+    sum(v.sum() for v in o1.values()).backward()
+    assert torch.equal(coll.read_rows("t", torch.tensor([5, 6]))["weight"], before - 1.0 - 1.0)  # two SGD steps
+    coll(JaggedBatch.from_lists({"f": [list(range(1000, 1100))], "s": [[]]}))
+    assert table.capacity > capacity  # nothing to come now: it grows
+
+
+def test_a_load_after_an_aborted_step_replaces_the_cache_too():
+    """An aborted step's lookup, its output still held (a traceback keeps it), does not stop a
+    load: the cache is replaced with the rest."""
+    spec = Adagrad(lr=0.1)
+    coll = EmbeddingCollection([dynamic_table(0.25)], spec)
+    train(coll, key_batches(1, seed=2))
+    table = coll.tables["t"]
+    saved = table.dump()
+    train(coll, key_batches(4, seed=3))
+    held = coll(key_batches(1, seed=7)[0])
+    coll.abort_step()
+    table.load(saved)
+    assert torch.equal(coll.read_rows("t", saved["keys"])["weight"], saved["weight"])
+    train(coll, key_batches(2, seed=8))
+    del held
+
+
 def test_rows_read_written_dumped_and_loaded_through_the_cache():
     spec = Adagrad(lr=0.1)
     coll = EmbeddingCollection([table("sum", 0.25)], spec)
