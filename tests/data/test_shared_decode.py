@@ -173,3 +173,15 @@ def test_a_worker_failing_lets_the_workers_waiting_for_its_rows_fail_with_its_er
     monkeypatch.setattr(shared_decode, "write_atomic", full)
     with pytest.raises(OSError, match="No space left on device"):
         list(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2))
+
+
+def test_workers_from_a_fork_server_share_the_decoding_too(parquet_files, small_chunks, monkeypatch):
+    """A CUDA run's workers start from a fork server (nothing inherited: the dataset, its shared
+    directory and chunk size travel pickled): the batches of one process."""
+    from dynarec.data import reader
+
+    monkeypatch.setattr(reader, "worker_context", lambda n: "forkserver" if n else None)
+    one = batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 0))
+    loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 2)
+    assert loader.dataset.chunk_rows == 2
+    assert batches_of(loader) == one
