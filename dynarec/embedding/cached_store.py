@@ -40,6 +40,7 @@ from dynarec.embedding.row_store import NativeRowStore, RowStore
 from dynarec.embedding.step import StepPendingError
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import RowScores
+from dynarec.optim.rounding import RowKeys
 
 __all__ = ["CacheFullError", "CachedRowStore"]
 
@@ -49,23 +50,39 @@ class CacheFullError(RuntimeError):
 
 
 class CachedRowStore(RowStore):
-    """``num_rows`` rows in host memory, ``cache_rows`` of them at a time on ``device`` (float32
-    rows; see the module's doc). ``name`` names the table in errors."""
+    """``num_rows`` rows in host memory, ``cache_rows`` of them at a time on ``device`` (see the
+    module's doc). ``name`` names the table in errors. ``dtype`` and ``rounding_seed``: the
+    rows' storage, as :class:`NativeRowStore`'s; half-precision rows' rounding draws are keyed by
+    :attr:`row_keys` (set by the owning table, in its rows' numbering) whatever slot a row takes."""
 
     def __init__(
-        self, num_rows: int, dim: int, spec: OptimizerSpec, device: torch.device | str, cache_rows: int, name: str = ""
+        self,
+        num_rows: int,
+        dim: int,
+        spec: OptimizerSpec,
+        device: torch.device | str,
+        cache_rows: int,
+        name: str = "",
+        dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ):
         super().__init__(num_rows, dim, spec, torch.device(device))
         if cache_rows < 1:
             raise ValueError(f"table '{name}': a cache needs at least one row, got {cache_rows}")
         self.name = name
         self.cache_rows = cache_rows
-        self.host = NativeRowStore(num_rows, dim, spec, "cpu")
-        self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device)
+        self.row_keys = RowKeys()
+        self.host = NativeRowStore(num_rows, dim, spec, "cpu", dtype=dtype, rounding_seed=rounding_seed)
+        self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device, dtype=dtype, rounding_seed=rounding_seed)
+        self.cache.row_keys = RowKeys(keys=self._slot_keys)  # a slot's draws are its row's
         self.counters = {"loaded": 0, "written_back": 0}
         self._clock = 0  # one tick a lookup
         self._in_flight: set[int] = set()  # ticks of training lookups whose update is still to come
         self._reset_cache(num_rows)
+
+    def _slot_keys(self) -> torch.Tensor:
+        """The key (:attr:`row_keys`) of each cache slot's row (an empty slot's: any)."""
+        return self.row_keys.of(self._row_of_slot.clamp(min=0))
 
     def _reset_cache(self, num_rows: int) -> None:
         device = self.device

@@ -181,8 +181,7 @@ class TableConfig:
         cache_load_factor: a table whose rows live in host memory, this share of its rows (a
             dynamic table's: of ``max_capacity``) cached on the device
             (:mod:`dynarec.embedding.cached_store`; torchrec's name for FBGEMM's managed caching,
-            dynamicemb's for its caching mode); None: every row on the device. Native backend,
-            fp32 rows.
+            dynamicemb's for its caching mode); None: every row on the device. Native backend.
     """
 
     name: str
@@ -207,8 +206,6 @@ class TableConfig:
                 raise ValueError(f"{where}: cache_load_factor must be a share of the rows in (0, 1], got {f!r}")
             if self.backend != "native":
                 raise ValueError(f"{where}: cache_load_factor caches rows of backend 'native', not '{self.backend}'")
-            if self.data_type != "fp32":
-                raise ValueError(f"{where}: cache_load_factor caches fp32 rows, not {self.data_type} rows")
         if self.data_type not in ROW_DTYPE_NAMES:
             raise ValueError(f"{where}: data_type must be one of {ROW_DTYPE_NAMES}, got {self.data_type!r}")
         if self.data_type != "fp32" and self.backend != "native":

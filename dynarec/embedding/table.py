@@ -88,6 +88,7 @@ def make_row_store(
         if grad_reducer is not None:
             raise ValueError(f"table '{config.name}': a data-parallel table needs backend 'native'")
         return FbgemmRowStore(num_rows, config.dim, spec, device, where=f"table '{config.name}'")
+    dtype, seed = ROW_DTYPES[config.data_type], int(config.seed or 0)
     if config.cache_load_factor is not None:
         if grad_reducer is not None:
             raise ValueError(
@@ -95,9 +96,8 @@ def make_row_store(
                 "caches a table's own rows; shard it row_wise)"
             )
         cache_rows = cache_rows_of(max_rows or num_rows, config.cache_load_factor)
-        return CachedRowStore(num_rows, config.dim, spec, device, cache_rows, name=config.name)
-    dtype = ROW_DTYPES[config.data_type]
-    return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer, dtype, rounding_seed=int(config.seed or 0))
+        return CachedRowStore(num_rows, config.dim, spec, device, cache_rows, config.name, dtype, seed)
+    return NativeRowStore(num_rows, config.dim, spec, device, grad_reducer, dtype, rounding_seed=seed)
 
 
 class EmbeddingTable(ABC):
@@ -277,7 +277,7 @@ class FixedTable(EmbeddingTable):
             raise ValueError(f"table '{self.name}': given a store of {store.num_rows} rows for {self.num_embeddings}")
         if store is None:
             store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
-        if isinstance(store, NativeRowStore):  # half-precision rows' rounding draws: by global row id
+        if isinstance(store, (NativeRowStore, CachedRowStore)):  # half-precision rows' rounding draws: by global row id
             store.row_keys = RowKeys(offset=start)
         self._store = store
         chunk = 1 << 16

@@ -97,8 +97,7 @@ def test_dynamicemb_carries_every_field_and_torcheasyrecs_defaults():
     assert any("cache_load_factor: the table's rows in host memory" in n for n in result.notes)
     config_from_dict(result.config)
     half = convert(text.replace("embedding_dim: 16", 'embedding_dim: 16 data_type: "BF16"', 1))
-    assert "cache_load_factor" not in body(half, "u") and body(half, "u")["data_type"] == "bf16"
-    assert any("cache_load_factor: dropped: dynarec keeps half-precision rows" in n for n in half.notes)
+    assert (body(half, "u")["cache_load_factor"], body(half, "u")["data_type"]) == (0.5, "bf16")
     config_from_dict(half.config)
 
 

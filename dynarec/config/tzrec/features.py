@@ -398,12 +398,7 @@ class _Build:
                 self.body.pop("initializer", None)
             dim = int(self.body.get("embedding_dim", 1))
             self.body["dynamicemb"], self.body["initializer"], cache = _dynamicemb(d, dim)
-            if cache is not None and str(r.scalar("data_type", "FP32")).upper() != "FP32":
-                self.ctx.note(
-                    d.at("cache_load_factor"),
-                    "dropped: dynarec keeps half-precision rows on the device (its host-memory tier caches fp32 rows)",
-                )
-            elif cache is not None:
+            if cache is not None:
                 self.body["cache_load_factor"] = cache
             if not encoded:  # FG hashes the value's string form into the key (value_type "string")
                 self.body["value_type"] = "string"
