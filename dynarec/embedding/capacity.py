@@ -90,10 +90,12 @@ class Capacity:
     def grow(self, journal: Optional[Journal]) -> None:
         """Doubles the buckets (at most ``max_buckets``), moving every row; ``journal`` records
         how to put back the index, the rows and the counters as they were."""
+        if journal is None:  # nothing to undo (a host-memory tier's storage() writes its cache back)
+            self._rehash(min(self.max_buckets, self.index.num_buckets * 2))
+            return
         old = (self.index, self.store.storage(), dict(self.counters))
         self._rehash(min(self.max_buckets, self.index.num_buckets * 2))
-        if journal is not None:
-            journal.record(lambda: self._restore(*old))
+        journal.record(lambda: self._restore(*old))
 
     def install(self, index: BucketedHashIndex) -> None:
         """Replaces the index by ``index`` (a load's), with fresh rows for each of its slots."""
