@@ -102,8 +102,8 @@ class Unit:
         return self.start - self.skip + i * chunk_rows
 
     def chunk_rows_in_pass(self, i: int, chunk_rows: int) -> int:
-        """Rows of chunk ``i`` that belong to the pass."""
-        return self.chunk_end(i, chunk_rows) - max(self.chunk_start(i, chunk_rows), self.start)
+        """Rows of chunk ``i`` that belong to the pass (0 for one wholly before it)."""
+        return max(0, self.chunk_end(i, chunk_rows) - max(self.chunk_start(i, chunk_rows), self.start))
 
 
 def shared_memory_dir() -> str:
@@ -181,7 +181,8 @@ class RowGroupExchange:
             with pa.ipc.new_file(f, table.schema) as writer:
                 writer.write_table(table)
 
-        self._write_atomic(self.directory / chunk_name(u, i), write)
+        if self.units[u].chunk_rows_in_pass(i, self.chunk_rows) > 0:  # (a resumed pass skips rows before it)
+            self._write_atomic(self.directory / chunk_name(u, i), write)
         self._next_chunk += 1
         if self._next_chunk == self.units[u].num_chunks(self.chunk_rows):
             self._own_index, self._next_chunk, self._chunks = self._own_index + 1, 0, None
