@@ -28,8 +28,8 @@ waits only for chunks of row groups at or before those of its step: the worker o
 step not yet delivered never waits on an idle decoder, and a pass cannot deadlock. The training
 process deletes a chunk's file once every step that reads it was delivered, and the pass's
 directory when the pass ends or is abandoned; a worker waiting on a directory gone stops (its
-pass was abandoned). An error decoding a row group travels as a file beside its chunks to the
-workers waiting for them.
+pass was abandoned). A worker that fails (decoding, writing a chunk, building a batch) leaves
+its error in the pass's directory, and the workers waiting for its chunks raise it too.
 
 Memory: the chunks between the earliest step not yet delivered and ``ahead`` rows past the
 latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps).
@@ -170,19 +170,14 @@ class RowGroupExchange:
         u, i = nxt
         if self._chunks is None:
             self._chunks = _rechunked(self.read_unit(self.units[u]), self.chunk_rows)
-        try:
-            table = next(self._chunks)
-        except Exception as e:
-            error = travelling(e)
-            self._write_atomic(self.directory / f"{u}.error", lambda f: pickle.dump(error, f))
-            raise
+        table = next(self._chunks)  # a decoding error fails the worker: mark_failed tells the waiting ones
 
         def write(f) -> None:
             with pa.ipc.new_file(f, table.schema) as writer:
                 writer.write_table(table)
 
         if self.units[u].chunk_rows_in_pass(i, self.chunk_rows) > 0:  # (a resumed pass skips rows before it)
-            self._write_atomic(self.directory / chunk_name(u, i), write)
+            write_atomic(self.directory / chunk_name(u, i), write)
         self._next_chunk += 1
         if self._next_chunk == self.units[u].num_chunks(self.chunk_rows):
             self._own_index, self._next_chunk, self._chunks = self._own_index + 1, 0, None
@@ -231,7 +226,7 @@ class RowGroupExchange:
     def _map(self, u: int, i: int) -> pa.Table:
         """Waits for chunk ``(u, i)`` (or its decoder's error) and maps it; decodes this worker's
         own chunks before the frontier meanwhile."""
-        path, error = self.directory / chunk_name(u, i), self.directory / f"{u}.error"
+        path, failed = self.directory / chunk_name(u, i), self.directory / worker_failed(u % self.workers)
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         pause = 1e-4
         while True:
@@ -240,10 +235,9 @@ class RowGroupExchange:
                     return pa.ipc.open_file(source).read_all()
             except FileNotFoundError:
                 pass
-            for failed in (error, self.directory / worker_failed(u % self.workers)):
-                if failed.exists():
-                    with open(failed, "rb") as f:
-                        raise pickle.load(f)
+            if failed.exists():
+                with open(failed, "rb") as f:
+                    raise pickle.load(f)
             if not self.directory.is_dir():
                 raise PassAbandoned
             if time.monotonic() > deadline:
@@ -258,9 +252,6 @@ class RowGroupExchange:
                 continue
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
-
-    def _write_atomic(self, path: Path, write: Callable) -> None:
-        write_atomic(path, write)
 
 
 def write_atomic(path: Path, write: Callable) -> None:
