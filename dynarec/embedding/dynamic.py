@@ -54,12 +54,11 @@ import torch
 
 from dynarec.embedding import snapshot
 from dynarec.embedding.admission import Admission
-from dynarec.embedding.cached_store import CachedRowStore
 from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.pack import Bags
-from dynarec.embedding.row_store import NativeRowStore, RowStore
+from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
@@ -90,8 +89,7 @@ class DynamicTable(EmbeddingTable):
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         rows, max_rows = init_buckets * bucket_size, max_buckets * bucket_size
         store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
-        if isinstance(store, (NativeRowStore, CachedRowStore)):  # half-precision rows' rounding draws: by key
-            store.row_keys = RowKeys(keys=lambda: self.index.keys)
+        store.row_keys = RowKeys(keys=lambda: self.index.keys)  # half-precision rows' rounding draws: by key
         #: The index, the rows behind it and how both grow.
         self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
         self.admission: Optional[Admission] = None

@@ -43,6 +43,9 @@ class RowStore(ABC):
 
     #: Whether :meth:`lookup` takes ``row_scores``: its update then writes the rows' scores.
     writes_row_scores = False
+    #: The keys half-precision rows' rounding draws are keyed by, set by the owning table (a
+    #: fixed table's global row ids, a dynamic table's keys); stores of fp32 rows never read them.
+    row_keys: RowKeys = RowKeys()
 
     @property
     @abstractmethod

@@ -277,8 +277,7 @@ class FixedTable(EmbeddingTable):
             raise ValueError(f"table '{self.name}': given a store of {store.num_rows} rows for {self.num_embeddings}")
         if store is None:
             store = make_row_store(config, spec, self.num_embeddings, self.device, grad_reducer)
-        if isinstance(store, (NativeRowStore, CachedRowStore)):  # half-precision rows' rounding draws: by global row id
-            store.row_keys = RowKeys(offset=start)
+        store.row_keys = RowKeys(offset=start)  # half-precision rows' rounding draws: by global row id
         self._store = store
         chunk = 1 << 16
         with torch.no_grad():
