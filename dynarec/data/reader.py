@@ -157,10 +157,7 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 def num_rows(path: str, input_type: Optional[str] = None) -> int:
     """Rows of a file: a Parquet footer's count, or a CSV file's rows (read once)."""
     if _file_type(path, input_type) == "parquet":
-        try:
-            return pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+        return _parquet_metadata(path).num_rows
     try:
         with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
             return sum(b.num_rows for b in reader)
@@ -645,12 +642,17 @@ def _shared_memory_holds(units: list[Unit], workers: int) -> bool:
     return stat.f_bavail * stat.f_frsize >= need
 
 
-def _row_groups(path: str) -> list[tuple[int, int]]:
-    """``(rows, uncompressed bytes)`` of each row group of a Parquet file."""
+def _parquet_metadata(path: str) -> pq.FileMetaData:
+    """A Parquet file's footer; DataError naming the file where it is not one."""
     try:
-        meta = pq.ParquetFile(path).metadata
+        return pq.ParquetFile(path).metadata
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _row_groups(path: str) -> list[tuple[int, int]]:
+    """``(rows, uncompressed bytes)`` of each row group of a Parquet file."""
+    meta = _parquet_metadata(path)
     groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
     return [(g.num_rows, g.total_byte_size) for g in groups]
 

@@ -173,9 +173,10 @@ class CachedRowStore(RowStore):
 
     def _where(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cached mask on the device, their slots, the others' rows on the CPU)`` of ``rows``."""
-        slots = self._slot_of_row[rows.to(self.device)].long()
+        rows = rows.to(self.device)
+        slots = self._slot_of_row[rows].long()
         cached = slots >= 0
-        return cached, slots[cached], rows.to(self.device)[~cached].cpu()
+        return cached, slots[cached], rows[~cached].cpu()
 
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the rows' weights and states (on ``rows``' device), from wherever each lives."""
