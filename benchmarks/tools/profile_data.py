@@ -18,8 +18,8 @@ import time
 
 import pyarrow as pa
 import torch
+from tool_config import profiled_config  # beside this script
 
-from dynarec.bench.e2e import profiled_config
 from dynarec.config import config_from_dict
 from dynarec.data.batch import RowOrigin
 from dynarec.data.reader import _record_batches, make_loader

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 import yaml
+from tool_config import profiled_config  # beside this script
 from torch.profiler import ProfilerActivity, profile
 
-from dynarec.bench.e2e import profiled_config
 from dynarec.config import config_from_dict
 from dynarec.train.input import ReadAhead
 from dynarec.train.trainer import Trainer

@@ -99,22 +99,6 @@ def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, wor
     return raw
 
 
-def profiled_config(config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None):
-    """``(raw config, batch size)`` a profiling tool runs: ``config``'s (its data paths as they
-    are, its batch size), else the e2e benchmark's at ``batch`` over its click log of
-    ``train_rows`` rows (generated on first use); no eval input."""
-    if config:
-        from dynarec.config import load_config
-
-        raw = json.loads(load_config(config).model_dump_json())
-        batch = raw["data"]["batch_size"]
-    else:
-        spec = e2e_spec(train_rows, 10_000)
-        raw = e2e_config(spec, cached_click_log(spec), batch, 1, workers)
-    raw["data"]["eval_input_path"] = None
-    return raw, batch
-
-
 def _run_dynarec(workdir: Path, device: str) -> tuple[list[str], float, dict[str, Any]]:
     """Runs ``dynarec train`` in ``workdir`` on its ``config.yaml`` into ``model/``; returns the
     command as a user types it, its wall seconds and its report (``metrics.json``'s ``final``:

@@ -56,8 +56,10 @@ __all__ = [
     "RowGroupExchange",
     "Unit",
     "clean",
+    "mark_failed",
     "pass_directory",
     "remove_chunks",
+    "retire",
     "shared_memory_dir",
     "travelling",
 ]
