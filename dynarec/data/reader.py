@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -343,29 +344,30 @@ class ArrowBatchDataset(IterableDataset):
                 return None
             units: list[Unit] = []
             skip, start = self.start_row, 0
+            columns = self.builder.columns()
             for path, count in zip(self.files, self.row_counts()):
                 if skip >= count:
                     skip -= count
                     continue
                 first = 0
-                for g, (n, nbytes) in enumerate(_row_groups(path)):
+                for g, (n, nbytes, sizes) in enumerate(_row_groups(path, columns)):
                     if n and first + n > skip:  # (an empty row group holds nothing to read)
                         cut = max(skip - first, 0)
-                        units.append(Unit(path, g, first, cut, start, n - cut, nbytes))
+                        units.append(Unit(path, g, first, cut, start, n - cut, nbytes, sizes))
                         start += n - cut
                     first += n
                 skip = 0
             self._units = units
         return self._units
 
-    def _read_unit(self, unit: Unit) -> Iterator[pa.RecordBatch]:
-        """Row group ``unit``'s record batches of a published chunk's rows (the builder's
-        columns), from its first row: one chunk decoded at a time."""
+    def _read_unit(self, unit: Unit, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+        """Row group ``unit``'s record batches of a published chunk's rows (``columns``, of the
+        builder's; none: all of them), from its first row: one chunk decoded at a time."""
         try:
             reader = pq.ParquetFile(unit.path).iter_batches(
                 batch_size=self.chunk_rows,
                 row_groups=[unit.row_group],
-                columns=self.builder.columns(),
+                columns=list(columns or self.builder.columns()),
                 use_threads=False,
             )
             yield from reader
@@ -538,19 +540,23 @@ class BatchLoader:
     Several workers over Parquet files decode each row group once between them, through a
     directory in shared memory this loader owns (:mod:`dynarec.data.shared_decode`): a pass's
     row groups are deleted as their steps are delivered, the pass's directory when it ends or
-    is abandoned, the whole directory with the loader."""
+    is abandoned, the whole directory with the loader. The deleting runs on a thread of the
+    loader's own: freeing a chunk's pages takes the time of a training step's host work."""
 
     def __init__(
         self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False, persistent: bool = False
     ):
         self.shared_root: Optional[str] = None
+        self.num_workers = num_workers
         self._passes = 0
+        self._deleter: Optional[ThreadPoolExecutor] = None
         units = dataset.units() if num_workers > 1 else None
         if units and _shared_memory_holds(units, num_workers):
             dataset = copy.copy(dataset)
             dataset.chunk_rows = shared_decode.CHUNK_ROWS
             self.shared_root, lock = _new_shared_root()
             dataset.shared_root = self.shared_root
+            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-chunk-deleter")
             weakref.finalize(self, clean, self.shared_root, lock)
         self.dataset = dataset
         self.loader = DataLoader(
@@ -564,7 +570,7 @@ class BatchLoader:
         )
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.shared_root is None:
+        if self.shared_root is None or self._deleter is None:
             for item in self.loader:
                 yield _delivered(item)
             return
@@ -576,7 +582,8 @@ class BatchLoader:
         directory.mkdir()
         units = self.dataset.units() or []
         chunk_rows = self.dataset.chunk_rows
-        chunks = [(u, i) for u, unit in enumerate(units) for i in range(unit.num_chunks(chunk_rows))]
+        parts = [len(shared_decode.column_parts(unit, self.num_workers)) for unit in units]
+        chunks = [(u, i, parts[u]) for u, unit in enumerate(units) for i in range(unit.num_chunks(chunk_rows))]
         global_batch = self.dataset.global_batch_size
         total = units[-1].end if units else 0
         done = 0  # of chunks: those before it are deleted
@@ -589,7 +596,8 @@ class BatchLoader:
                 read = done
                 while read < len(chunks) and units[chunks[read][0]].chunk_end(chunks[read][1], chunk_rows) <= delivered:
                     read += 1
-                remove_chunks(directory, chunks[done:read])
+                if read > done:
+                    self._deleter.submit(remove_chunks, directory, chunks[done:read])
                 done = read
             if steps < self.dataset.num_steps():  # the workers found their pass's directory gone
                 raise DataError(
@@ -597,7 +605,7 @@ class BatchLoader:
                     f"{self.dataset.num_steps()} batches delivered); another process deleted it"
                 )
         finally:
-            retire(directory)
+            retire(directory, self._deleter)
 
 
 def _delivered(item: Union[Batch, WorkerFailure]) -> Batch:
@@ -650,11 +658,24 @@ def _parquet_metadata(path: str) -> pq.FileMetaData:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def _row_groups(path: str) -> list[tuple[int, int]]:
-    """``(rows, uncompressed bytes)`` of each row group of a Parquet file."""
+def _row_groups(path: str, columns: Sequence[str]) -> list[tuple[int, int, tuple[tuple[str, int], ...]]]:
+    """``(rows, uncompressed bytes, ((column, its uncompressed bytes), ...))`` of each row group
+    of a Parquet file, the columns those of ``columns`` the file holds, in that order (a nested
+    column's bytes are its leaves')."""
     meta = _parquet_metadata(path)
-    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
-    return [(g.num_rows, g.total_byte_size) for g in groups]
+    out = []
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        sizes = dict.fromkeys(columns, 0)
+        held: set[str] = set()
+        for j in range(group.num_columns):
+            chunk = group.column(j)
+            name = chunk.path_in_schema.split(".", 1)[0]
+            if name in sizes:
+                sizes[name] += chunk.total_uncompressed_size
+                held.add(name)
+        out.append((group.num_rows, group.total_byte_size, tuple((c, sizes[c]) for c in columns if c in held)))
+    return out
 
 
 def make_loader(

@@ -4,32 +4,34 @@ DataLoader worker ``w`` of ``W`` builds steps ``w, w + W, ...`` (so the batches 
 whatever the number of workers), and so needs rows of every Parquet row group. Each worker
 decoding every row group would decode the files ``W`` times over — and decoding is half the data
 stage (about 1 µs a row of the demo's schema or a Criteo-shaped one on one core, as much as
-building the batch). Instead, row group ``u`` of a pass (the ``u``-th from the pass's first row)
-is decoded by worker ``u mod W`` alone, in chunks of ``chunk_rows`` rows, each written as an
-Arrow IPC file to shared memory (``/dev/shm``, else the temp directory) and memory-mapped by the
-workers that need its rows: read in place, never copied.
+building the batch). Instead every row group is decoded once, by all workers together: its
+columns are split into ``P = min(W, columns)`` parts of about equal bytes (:func:`column_parts`),
+and part ``p`` of the ``u``-th row group of a pass is decoded by worker ``(u * P + p) mod W``
+alone, in chunks of ``chunk_rows`` rows, each written as an Arrow IPC file to shared memory
+(``/dev/shm``, else the temp directory) and memory-mapped by the workers that need its rows: read
+in place, never copied, the parts of a chunk put side by side.
 
-A row group decodes sequentially, so ``W`` workers keep up with their own builds only by decoding
-``W`` row groups at once, each ahead of use. A worker decodes:
+A row group's column decodes sequentially; split by columns, a row group decodes at up to ``P``
+cores' pace, and the pass's first row group (which every worker waits for at the start of an
+epoch) no longer at one core's. A worker decodes:
 
-- the chunks of its own that the step it builds needs, first;
-- after each step, its own chunks that the next two rounds of ``W`` steps read (the other
-  workers are about to wait for them), then up to ``2 * global batch`` rows of those further
-  ahead (up to ``ahead`` rows past the step): in the steady state a round of steps asks each
-  worker for about one global batch of decoding, so the row groups ahead decode in parallel,
-  spread over the steps, and are ready when the pass reaches them;
-- while it waits for another's chunk, its own next chunks (up to ``ahead`` rows past the step);
-- at the end of its steps, all of its own chunks left (another's last steps may read them).
-
-Only the first row group of a pass decodes at one core's pace while it is read.
+- its parts of the chunks that the step it builds needs, first;
+- after each step, its parts that the next two rounds of ``W`` steps read (the other workers
+  are about to wait for them), then up to ``2 * global batch`` rows' worth of those further
+  ahead (up to ``ahead`` rows past the step; a part counts for its share of the columns): in
+  the steady state a round of steps asks each worker for about one global batch of decoding, so
+  the row groups ahead decode in parallel, spread over the steps, and are ready when the pass
+  reaches them;
+- while it waits for another's part, its own next ones (up to ``ahead`` rows past the step);
+- at the end of its steps, all of its own parts left (another's last steps may read them).
 
 Every worker decodes what its current step needs of its own before it waits for another's, and
 waits only for chunks of row groups at or before those of its step: the worker of the earliest
 step not yet delivered never waits on an idle decoder, and a pass cannot deadlock. The training
-process deletes a chunk's file once every step that reads it was delivered, and the pass's
+process deletes a chunk's files once every step that reads it was delivered, and the pass's
 directory when the pass ends or is abandoned; a worker waiting on a directory gone stops (its
 pass was abandoned). A worker that fails (decoding, writing a chunk, building a batch) leaves
-its error in the pass's directory, and the workers waiting for its chunks raise it too.
+its error in the pass's directory, and the workers waiting for its parts raise it too.
 
 Memory: the chunks between the earliest step not yet delivered and ``ahead`` rows past the
 latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps).
@@ -43,6 +45,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -56,6 +59,7 @@ __all__ = [
     "RowGroupExchange",
     "Unit",
     "clean",
+    "column_parts",
     "mark_failed",
     "pass_directory",
     "remove_chunks",
@@ -87,6 +91,8 @@ class Unit:
     start: int
     rows: int
     nbytes: int = 0  # the row group's uncompressed bytes (its footer's; all its columns)
+    # The columns read, each with its uncompressed bytes in the row group (the footer's)
+    columns: tuple[tuple[str, int], ...] = ()
 
     @property
     def end(self) -> int:
@@ -118,16 +124,36 @@ def pass_directory(root: str, number: int) -> Path:
     return Path(root) / f"pass-{number}"
 
 
-def chunk_name(u: int, i: int) -> str:
-    return f"{u}.{i}.arrow"
+def chunk_name(u: int, i: int, part: int) -> str:
+    return f"{u}.{i}.{part}.arrow"
+
+
+def column_parts(unit: Unit, workers: int) -> list[tuple[str, ...]]:
+    """``unit``'s columns in ``min(workers, columns)`` parts of about equal bytes (each column,
+    largest first, to the lightest part so far), each part in the columns' order; the same in
+    every process. A unit without columns is one part (every column: ``()``)."""
+    if not unit.columns:
+        return [()]
+    count = min(workers, len(unit.columns))
+    loads, members = [0] * count, [[] for _ in range(count)]  # type: list[int], list[list[int]]
+    for j in sorted(range(len(unit.columns)), key=lambda j: (-unit.columns[j][1], j)):
+        lightest = min(range(count), key=lambda p: (loads[p], p))
+        loads[lightest] += unit.columns[j][1]
+        members[lightest].append(j)
+    return [tuple(unit.columns[j][0] for j in sorted(m)) for m in members]
+
+
+def part_owner(u: int, part: int, parts: int, workers: int) -> int:
+    """The worker that decodes part ``part`` (of ``parts``) of the pass's row group ``u``."""
+    return (u * parts + part) % workers
 
 
 class RowGroupExchange:
-    """One worker's view of a pass's row groups (``units``): its own (``u mod workers ==
-    worker``) read by ``read_unit`` (the row group's record batches, from its first row) and
-    published to ``directory`` in chunks of ``chunk_rows`` rows, the others' mapped from there.
-    ``frontier``: the pass row before which this worker decodes its own chunks while it waits
-    (the loop sets it each step)."""
+    """One worker's view of a pass's row groups (``units``): its own parts of them (see
+    :func:`part_owner`) read by ``read_unit`` (the row group's record batches of the part's
+    columns, from its first row) and published to ``directory`` in chunks of ``chunk_rows``
+    rows, the others' mapped from there. ``frontier``: the pass row before which this worker
+    decodes its own parts while it waits (the loop sets it each step)."""
 
     def __init__(
         self,
@@ -135,7 +161,7 @@ class RowGroupExchange:
         worker: int,
         workers: int,
         units: list[Unit],
-        read_unit: Callable[[Unit], Iterator[pa.RecordBatch]],
+        read_unit: Callable[[Unit, tuple[str, ...]], Iterator[pa.RecordBatch]],
         chunk_rows: int = CHUNK_ROWS,
     ):
         self.directory = directory
@@ -145,59 +171,70 @@ class RowGroupExchange:
         self.read_unit = read_unit
         self.chunk_rows = chunk_rows
         self.frontier = 0
-        self._own = list(range(worker, len(units), workers))
-        self._own_index = 0  # of self._own: the row group being decoded
+        self._parts = [column_parts(unit, workers) for unit in units]
+        # (row group, part) this worker decodes, in the pass's order: at most one part of each
+        self._own = [
+            (u, p)
+            for u, parts in enumerate(self._parts)
+            for p in range(len(parts))
+            if part_owner(u, p, len(parts), workers) == worker
+        ]
+        self._own_part = dict(self._own)
+        self._own_index = 0  # of self._own: the part being decoded
         self._chunks: Optional[Iterator[pa.Table]] = None  # its chunks still to come
         self._next_chunk = 0
         self._mapped: dict[tuple[int, int], pa.Table] = {}
 
-    # -- this worker's own row groups ----------------------------------------------------------
+    # -- this worker's own parts ---------------------------------------------------------------
 
-    def _next_own(self) -> Optional[tuple[int, int]]:
-        """``(row group, chunk)`` this worker decodes next, None when it has decoded all."""
+    def _next_own(self) -> Optional[tuple[int, int, int]]:
+        """``(row group, part, chunk)`` this worker decodes next, None when it has decoded all."""
         if self._own_index >= len(self._own):
             return None
-        return self._own[self._own_index], self._next_chunk
+        u, p = self._own[self._own_index]
+        return u, p, self._next_chunk
 
     def _published(self, u: int, i: int) -> bool:
-        """Whether own chunk ``(u, i)`` is published."""
+        """Whether this worker's part of chunk ``(u, i)`` is published."""
         nxt = self._next_own()
-        return nxt is None or (u, i) < nxt
+        return nxt is None or (u, i) < (nxt[0], nxt[2])
 
-    def decode_one(self) -> bool:
-        """Decodes and publishes this worker's next chunk; False when none is left."""
+    def decode_one(self) -> float:
+        """Decodes and publishes this worker's next chunk of a part; the rows it decoded as a
+        share of whole rows (its rows times its share of the columns), 0 when none is left."""
         nxt = self._next_own()
         if nxt is None:
-            return False
-        u, i = nxt
+            return 0.0
+        u, p, i = nxt
+        unit, parts = self.units[u], self._parts[u]
         if self._chunks is None:
-            self._chunks = _rechunked(self.read_unit(self.units[u]), self.chunk_rows)
+            self._chunks = _rechunked(self.read_unit(unit, parts[p]), self.chunk_rows)
         table = next(self._chunks)  # a decoding error fails the worker: mark_failed tells the waiting ones
 
         def write(f) -> None:
             with pa.ipc.new_file(f, table.schema) as writer:
                 writer.write_table(table)
 
-        if self.units[u].chunk_rows_in_pass(i, self.chunk_rows) > 0:  # (a resumed pass skips rows before it)
-            write_atomic(self.directory / chunk_name(u, i), write)
+        rows = unit.chunk_rows_in_pass(i, self.chunk_rows)
+        if rows > 0:  # (a resumed pass skips rows before it)
+            write_atomic(self.directory / chunk_name(u, i, p), write)
         self._next_chunk += 1
-        if self._next_chunk == self.units[u].num_chunks(self.chunk_rows):
+        if self._next_chunk == unit.num_chunks(self.chunk_rows):
             self._own_index, self._next_chunk, self._chunks = self._own_index + 1, 0, None
-        return True
+        return max(rows, 1) / len(parts)
 
     def decode_ahead(self, before: int, rows: Optional[int] = None) -> None:
-        """Decodes own chunks starting before pass row ``before``: all of them, or about ``rows``
-        rows of them."""
-        done = 0
+        """Decodes own parts of chunks starting before pass row ``before``: all of them, or about
+        ``rows`` rows' worth of them (a part counting for its share of the columns)."""
+        done = 0.0
         while rows is None or done < rows:
             nxt = self._next_own()
-            if nxt is None or self.units[nxt[0]].chunk_start(nxt[1], self.chunk_rows) >= before:
+            if nxt is None or self.units[nxt[0]].chunk_start(nxt[2], self.chunk_rows) >= before:
                 return
-            self.decode_one()
-            done += self.units[nxt[0]].chunk_rows_in_pass(nxt[1], self.chunk_rows)
+            done += self.decode_one()
 
     def decode_rest(self) -> None:
-        """Decodes every own chunk left."""
+        """Decodes every own part left."""
         while self.decode_one():
             pass
 
@@ -218,17 +255,25 @@ class RowGroupExchange:
             del self._mapped[key]
 
     def _chunk(self, u: int, i: int) -> pa.Table:
+        """Chunk ``(u, i)``: its parts mapped and put side by side (in the unit's column order)."""
         if (u, i) not in self._mapped:
-            if u % self.workers == self.worker:
+            if u in self._own_part:
                 while not self._published(u, i):
                     self.decode_one()
-            self._mapped[(u, i)] = self._map(u, i)
+            parts = [self._map(u, i, p) for p in range(len(self._parts[u]))]
+            if len(parts) == 1:
+                self._mapped[(u, i)] = parts[0]
+            else:
+                columns = {name: t.column(name) for t in parts for name in t.column_names}
+                order = [name for name, _ in self.units[u].columns]
+                self._mapped[(u, i)] = pa.table({name: columns[name] for name in order})
         return self._mapped[(u, i)]
 
-    def _map(self, u: int, i: int) -> pa.Table:
-        """Waits for chunk ``(u, i)`` (or its decoder's error) and maps it; decodes this worker's
-        own chunks before the frontier meanwhile."""
-        path, failed = self.directory / chunk_name(u, i), self.directory / worker_failed(u % self.workers)
+    def _map(self, u: int, i: int, p: int) -> pa.Table:
+        """Waits for part ``p`` of chunk ``(u, i)`` (or its decoder's error) and maps it; decodes
+        this worker's own parts before the frontier meanwhile."""
+        owner = part_owner(u, p, len(self._parts[u]), self.workers)
+        path, failed = self.directory / chunk_name(u, i, p), self.directory / worker_failed(owner)
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         pause = 1e-4
         while True:
@@ -246,10 +291,10 @@ class RowGroupExchange:
                 unit = self.units[u]
                 raise TimeoutError(
                     f"{unit.path}: row group {unit.row_group} was not decoded within {WAIT_TIMEOUT_S:.0f}s "
-                    f"by DataLoader worker {u % self.workers}"
+                    f"by DataLoader worker {owner}"
                 )
             nxt = self._next_own()
-            if nxt is not None and self.units[nxt[0]].chunk_start(nxt[1], self.chunk_rows) < self.frontier:
+            if nxt is not None and self.units[nxt[0]].chunk_start(nxt[2], self.chunk_rows) < self.frontier:
                 self.decode_one()  # work of its own while it waits
                 continue
             time.sleep(pause)
@@ -281,15 +326,19 @@ def mark_failed(directory: Path, worker: int, error: BaseException) -> None:
         pass
 
 
-def retire(directory: Path) -> None:
+def retire(directory: Path, deleter: Optional[Executor] = None) -> None:
     """Removes a pass's directory: renamed first (at once, whole), so a worker still writing
-    fails at once instead of leaving a file behind, then deleted."""
+    fails at once instead of leaving a file behind, then deleted (on ``deleter``'s thread, if
+    given)."""
     tomb = directory.with_name(f".{directory.name}.retired.{os.getpid()}.{time.monotonic_ns()}")
     try:
         os.rename(directory, tomb)
     except OSError:
         return
-    shutil.rmtree(tomb, ignore_errors=True)
+    if deleter is None:
+        shutil.rmtree(tomb, ignore_errors=True)
+    else:
+        deleter.submit(shutil.rmtree, tomb, ignore_errors=True)
 
 
 def _rechunked(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Table]:
@@ -319,13 +368,14 @@ def travelling(e: BaseException) -> BaseException:
     return e
 
 
-def remove_chunks(directory: Path, chunks: list[tuple[int, int]]) -> None:
-    """Deletes the files of ``(row group, chunk)`` ``chunks`` (their steps were delivered)."""
-    for u, i in chunks:
-        try:
-            os.unlink(directory / chunk_name(u, i))
-        except FileNotFoundError:
-            pass
+def remove_chunks(directory: Path, chunks: list[tuple[int, int, int]]) -> None:
+    """Deletes the files of ``(row group, chunk, parts)`` ``chunks`` (their steps were delivered)."""
+    for u, i, parts in chunks:
+        for p in range(parts):
+            try:
+                os.unlink(directory / chunk_name(u, i, p))
+            except FileNotFoundError:
+                pass
 
 
 def clean(root: str, lock: int) -> None:

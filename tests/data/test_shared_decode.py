@@ -5,6 +5,7 @@ shared memory; a decoding error reaches the training process as the one-line err
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -51,22 +52,27 @@ def test_workers_decoding_for_each_other_give_the_batches_of_one_process(
     loader = make_loader(dataset(), workers)
     assert loader.shared_root is not None
     assert batches_of(loader) == one
-    assert os.listdir(loader.shared_root) == [".lock"]  # the pass's directory went with the pass
+    assert not pass_directory(loader.shared_root, 1).exists()  # the pass's directory went with the pass ...
+    deadline = time.monotonic() + 10
+    while os.listdir(loader.shared_root) != [".lock"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # ... and its files, deleted on the loader's thread
+    assert os.listdir(loader.shared_root) == [".lock"]
 
 
-def test_each_row_group_is_read_by_one_worker(parquet_files, small_chunks, tmp_path):
-    """Three workers' generators run side by side (threads): every row group is read once, by
-    the worker it belongs to, and together they give every step once, as one process does."""
-    reads: list[tuple[int, int]] = []
+def test_each_part_of_each_row_group_is_read_once_by_the_worker_it_belongs_to(parquet_files, small_chunks, tmp_path):
+    """Three workers' generators run side by side (threads): every row group's columns are read
+    once, in parts of about equal bytes each read by the worker it belongs to, and together they
+    give every step once, as one process does."""
+    reads: list[tuple[int, int, tuple[str, ...]]] = []
     workers = 3
     one = prices(make_loader(ArrowBatchDataset(parquet_files, builder(), 4, start_row=2), 0))
     ds = ArrowBatchDataset(parquet_files, builder(), 4, start_row=2)
     units = ds.units()
     real = ds._read_unit
 
-    def counting(unit):
-        reads.append((threading.get_ident(), units.index(unit)))
-        return real(unit)
+    def counting(unit, columns):
+        reads.append((threading.get_ident(), units.index(unit), columns))
+        return real(unit, columns)
 
     ds._read_unit = counting
     directory = tmp_path / "pass"
@@ -86,9 +92,20 @@ def test_each_row_group_is_read_by_one_worker(parquet_files, small_chunks, tmp_p
     assert not any(t.is_alive() for t in threads)
     steps = [got[s % workers][s // workers] for s in range(len(one))]
     assert steps == one
-    assert sorted(u for _, u in reads) == list(range(len(units)))  # each row group read once
     worker_of = {ident: w for w, ident in idents.items()}
-    assert all(u % workers == worker_of[ident] for ident, u in reads)
+    for u, unit in enumerate(units):
+        parts = shared_decode.column_parts(unit, workers)
+        assert len(parts) == workers  # (8 columns)
+        read = sorted((worker_of[ident], columns) for ident, v, columns in reads if v == u)
+        assert read == sorted((shared_decode.part_owner(u, p, workers, workers), parts[p]) for p in range(workers))
+        assert sorted(c for _, columns in read for c in columns) == sorted(ds.builder.columns())
+
+
+def test_column_parts_balance_bytes_and_keep_the_columns_order():
+    unit = shared_decode.Unit("f", 0, 0, 0, 0, 10, columns=(("a", 5), ("b", 50), ("c", 20), ("d", 20), ("e", 5)))
+    assert shared_decode.column_parts(unit, 3) == [("b",), ("a", "c"), ("d", "e")]  # 50, 25, 25 bytes
+    assert shared_decode.column_parts(unit, 8) == [("b",), ("c",), ("d",), ("a",), ("e",)]
+    assert shared_decode.column_parts(unit, 1) == [("a", "b", "c", "d", "e")]
 
 
 def test_an_abandoned_pass_lets_the_next_one_start_and_the_loader_leaves_nothing(parquet_files, small_chunks):
