@@ -513,12 +513,15 @@ class BatchBuilder:
             lengths.append(out.lengths)
             if self.weighted:
                 weights.append(out.weights if out.weights is not None else np.ones(len(out.values), np.float32))
-        return JaggedBatch(
+        kjt = JaggedBatch(
             keys,
             torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
             torch.from_numpy(np.concatenate(lengths)) if lengths else torch.empty(0, dtype=torch.int64),
             torch.from_numpy(np.concatenate(weights)) if weights else None,
         )
+        # Worked out here (in a DataLoader worker, beside the ids): the training process checks
+        # the ids against its tables from these, without a pass over them on its main thread.
+        return kjt.with_id_ranges([(int(v.min()), int(v.max())) if len(v) else (0, -1) for v in values])
 
     def _check_sequence_groups(self, computed: dict[str, _Output], origin: RowOrigin) -> None:
         """The sequence features of one sequence group are concatenated position by position: in

@@ -181,10 +181,10 @@ class ShardedEmbeddingCollection(nn.Module):
     def _checked_slices(self, kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
         tables = {f.name: tp.table for tp in self.plan.tables for f in tp.table.feature_configs}
 
-        def validate(name: str, ids: torch.Tensor) -> None:  # against the whole table, not this shard
-            table = tables[name]
+        def validate(name: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]]) -> None:
+            table = tables[name]  # against the whole table, not this shard
             if table.num_embeddings is not None:
-                check_id_range(table.name, name, ids, table.num_embeddings)
+                check_id_range(table.name, name, ids, table.num_embeddings, id_range)
 
         slices = checked_slices(kjt, self._features, validate)
         return {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}

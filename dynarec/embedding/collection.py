@@ -13,7 +13,7 @@ from torch import nn
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key, packs_dims
-from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike, as_jagged, split_features
+from dynarec.embedding.jagged import FeatureSlice, JaggedBatch, KeyedJaggedLike, as_jagged, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
 from dynarec.embedding.streams import StagedInput, input_stage
@@ -24,12 +24,18 @@ __all__ = ["EmbeddingCollection", "checked_slices"]
 
 
 def checked_slices(
-    kjt: KeyedJaggedLike, features: Sequence[str], validate: Callable[[str, torch.Tensor], None]
+    kjt: KeyedJaggedLike,
+    features: Sequence[str],
+    validate: Callable[[str, torch.Tensor, Optional[tuple[int, int]]], None],
 ) -> dict[str, FeatureSlice]:
     """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
     table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
-    ids)`` (a table's id check), finite per-sample weights. Errors name the features."""
+    ids, id_range)`` (a table's id check; ``id_range``: the ids' ``(smallest, largest)`` where
+    the batch's maker worked it out, else None), finite per-sample weights. Errors name the
+    features."""
     slices = split_features(kjt)
+    ranges = kjt.host_stats().id_range_per_key if isinstance(kjt, JaggedBatch) else None
+    range_of = dict(zip(kjt.keys(), ranges)) if ranges is not None else {}
     unknown = [k for k in slices if k not in features]
     if unknown:
         raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {list(features)}")
@@ -37,7 +43,7 @@ def checked_slices(
     if missing:
         raise ValueError(f"batch is missing feature(s) {missing}")
     for name, s in slices.items():
-        validate(name, s.values)
+        validate(name, s.values, range_of.get(name))
         if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
@@ -238,7 +244,7 @@ class EmbeddingCollection(nn.Module):
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
             slices = checked_slices(
-                kjt, list(self._features), lambda name, ids: self._features[name][0].validate(name, ids)
+                kjt, list(self._features), lambda name, ids, r: self._features[name][0].validate(name, ids, r)
             )
             if values.device != self.device:  # one copy of each of the batch's tensors, sliced there
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))

@@ -13,6 +13,7 @@ device for them; torchrec's KJT gives ``length_per_key()`` (cached by torchrec).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -31,11 +32,15 @@ class KeyedJaggedLike(Protocol):
 
 @dataclass(frozen=True)
 class _HostStats:
-    """Per key: ids (sum of lengths), longest sample, shortest length (negative: invalid)."""
+    """Per key: ids (sum of lengths), longest sample, shortest length (negative: invalid); and
+    ``(smallest, largest)`` id where the batch's maker worked them out beside its ids (a
+    DataLoader worker: the training process then checks ids against its tables without reading
+    them; ``(0, -1)`` for a key without ids), else None."""
 
     length_per_key: tuple[int, ...]
     max_length_per_key: tuple[int, ...]
     min_length_per_key: tuple[int, ...]
+    id_range_per_key: Optional[tuple[tuple[int, int], ...]] = None
 
 
 def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
@@ -92,6 +97,14 @@ class JaggedBatch:
         if self._stats is None:
             self._stats = _host_stats(self._keys, self._lengths)
         return self._stats
+
+    def with_id_ranges(self, ranges: Sequence[tuple[int, int]]) -> JaggedBatch:
+        """This batch, its host statistics holding ``ranges``: each key's ``(smallest, largest)``
+        id (``(0, -1)``: none), as its maker computed them."""
+        if len(ranges) != len(self._keys):
+            raise ValueError(f"{len(ranges)} id ranges for {len(self._keys)} keys")
+        stats = dataclasses.replace(self.host_stats(), id_range_per_key=tuple((int(a), int(b)) for a, b in ranges))
+        return JaggedBatch(self._keys, self._values, self._lengths, self._weights, stats)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:
         w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)

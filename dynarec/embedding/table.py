@@ -59,13 +59,22 @@ class FoundKeys:
         return self._all_present
 
 
-def check_id_range(table: str, feature: str, ids: torch.Tensor, num_rows: int) -> None:
-    """ValueError naming the table, the feature and the id, for an id outside ``[0, num_rows)``."""
-    if ids.numel() == 0:
+def check_id_range(
+    table: str, feature: str, ids: torch.Tensor, num_rows: int, id_range: Optional[tuple[int, int]] = None
+) -> None:
+    """ValueError naming the table, the feature and the id, for an id outside ``[0, num_rows)``.
+    ``id_range``: ``(smallest, largest)`` of ``ids`` where already known (the batch's host
+    statistics; ``(0, -1)``: no ids), read instead of ``ids``."""
+    if id_range is None:
+        if ids.numel() == 0:
+            return
+        lo_hi = torch.aminmax(ids)
+        id_range = (int(lo_hi[0]), int(lo_hi[1]))
+    lo, hi = id_range
+    if hi < lo:
         return
-    lo, hi = torch.aminmax(ids)
-    if int(lo) < 0 or int(hi) >= num_rows:
-        bad = int(lo) if int(lo) < 0 else int(hi)
+    if lo < 0 or hi >= num_rows:
+        bad = lo if lo < 0 else hi
         raise ValueError(f"table '{table}', feature '{feature}': id {bad} is out of range [0, {num_rows})")
 
 
@@ -187,8 +196,11 @@ class EmbeddingTable(ABC):
         output's backward apply the fused optimizer to the touched rows and commit the step.
         """
 
-    def validate(self, feature: str, ids: torch.Tensor) -> None:  # noqa: B027 - a hook: most kinds take any id
-        """Raises ValueError for ids this table cannot take, before anything is written."""
+    def validate(  # noqa: B027 - a hook: most kinds take any id
+        self, feature: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]] = None
+    ) -> None:
+        """Raises ValueError for ids this table cannot take, before anything is written
+        (``id_range``: their ``(smallest, largest)`` where known; see :func:`check_id_range`)."""
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """Key-seeded initial weights ``[n, D]`` of a new row for each id."""
@@ -289,8 +301,8 @@ class FixedTable(EmbeddingTable):
     def store(self) -> RowStore:
         return self._store
 
-    def validate(self, feature: str, ids: torch.Tensor) -> None:
-        check_id_range(self.name, feature, ids, self.num_embeddings)
+    def validate(self, feature: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]] = None) -> None:
+        check_id_range(self.name, feature, ids, self.num_embeddings, id_range)
 
     def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
         step = self.steps.current if train else None

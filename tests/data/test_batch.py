@@ -1,5 +1,7 @@
 """Batch building and readers: values, layouts, and an error naming the culprit per bad input."""
 
+import pickle
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -51,6 +53,14 @@ def test_batch_values_and_layout():
     )
     assert b.labels.tolist() == [[1.0], [0.0], [1.0]]  # [B, L]: one label column
     assert b.groups.tolist() == users
+    # each feature's smallest and largest id, worked out beside the ids (the training process
+    # checks them against its tables from these), through the DataLoader's pickling too
+    for got in (kjt, pickle.loads(pickle.dumps(b)).sparse):
+        ranges, start = got.host_stats().id_range_per_key, 0
+        for key, n in zip(kjt.keys(), lengths.sum(1).tolist()):
+            ids = values[start : start + n]
+            assert ranges[kjt.keys().index(key)] == ((int(ids.min()), int(ids.max())) if n else (0, -1))
+            start += n
 
 
 @pytest.mark.parametrize(

@@ -213,6 +213,21 @@ def test_out_of_range_ids_name_table_feature_value_and_write_nothing(backend, ba
     assert coll.tables["user"].size == 0 and coll.tables["user"].step == 0
 
 
+def test_ids_are_checked_from_the_ranges_their_batch_was_made_with(backend):
+    """A batch from a DataLoader worker holds each feature's smallest and largest id, worked out
+    where it was built: the check reads those, not the ids (an empty feature's (0, -1) passes)."""
+    coll = EmbeddingCollection(
+        [TableConfig(name="cate", dim=4, num_embeddings=10, features=["cate_id", "other"], backend=backend)],
+        optimizer=SGD(lr=1.0),
+    )
+    kjt = JaggedBatch.from_lists({"cate_id": [[1, 2]], "other": [[]]})
+    with pytest.raises(ValueError, match=r"table 'cate', feature 'cate_id': id 12 is out of range \[0, 10\)"):
+        coll(kjt.with_id_ranges([(1, 12), (0, -1)]))  # (what its maker said)
+    coll(kjt.with_id_ranges([(1, 2), (0, -1)]))
+    with pytest.raises(ValueError, match="1 id ranges for 2 keys"):
+        kjt.with_id_ranges([(1, 2)])
+
+
 def test_negative_length_names_feature():
     coll = make_collection("native", SGD(), {"f": "sum"})
     kjt = JaggedBatch(["f"], torch.tensor([1, 2]), torch.tensor([3, -1]))
