@@ -96,9 +96,22 @@ class DINAttention(nn.Module):
         if self.pooling == "mean":
             return masked_mean(keys, lengths)
         mask = sequence_mask(lengths, keys.shape[1])  # [B, L]
-        q = _pad_query(query, self.dim)[:, None, :].expand_as(keys)
-        logits = self.score(torch.cat([q, keys, q - keys, q * keys], dim=-1)).squeeze(-1)
-        return _attend(logits, mask, keys)
+        return _attend(self._scores(_pad_query(query, self.dim), keys), mask, keys)
+
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[B, L]``: the score MLP on ``[q, k, q - k, q * k]`` at every position, its first
+        layer ``W = [Wq | Wk | Wd | Wm]`` factored — ``(Wq + Wd) q + b`` once a row, ``(Wk - Wd) k
+        + Wm (q * k)`` at each position: the same function with half the first layer's work and
+        no ``[B, L, 4D]`` input (on a CPU the attention's forward and backward took 1.4x as long
+        the plain way)."""
+        mlp, out = self.score
+        first = mlp[0]
+        wq, wk, wd, wm = first.weight.split(self.dim, dim=1)
+        row = F.linear(q, wq + wd, first.bias)  # [B, H]
+        h = F.linear(keys, wk - wd) + F.linear(q[:, None, :] * keys, wm) + row[:, None, :]
+        for layer in list(mlp)[1:]:
+            h = layer(h)
+        return out(h).squeeze(-1)
 
 
 def _attend(logits: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

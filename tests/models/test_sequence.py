@@ -38,6 +38,23 @@ def test_din_attention_zero_pads_a_narrower_query():
         torch.testing.assert_close(out[b], w @ kk)
 
 
+@pytest.mark.parametrize("activation", ["relu", "dice"])
+def test_din_attention_scores_and_their_gradients_are_the_plain_mlp_on_q_k_q_minus_k_q_times_k(activation):
+    """The score MLP's first layer is computed factored (once a row for the query's part): its
+    scores and every parameter's gradient equal the plain MLP on the concatenated input's."""
+    torch.manual_seed(0)
+    att = DINAttention(6, [5, 3], activation=activation)
+    q, k = rows(dq=6)
+    plain = att.score(torch.cat([q[:, None].expand_as(k), k, q[:, None] - k, q[:, None] * k], dim=-1)).squeeze(-1)
+    factored = att._scores(q, k)
+    torch.testing.assert_close(factored, plain)
+    weights = torch.randn_like(plain)
+    want = torch.autograd.grad((plain * weights).sum(), list(att.parameters()))
+    got = torch.autograd.grad((att._scores(q, k) * weights).sum(), list(att.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_simple_attention_is_a_softmax_of_dot_products():
     q, k = rows(dq=6)
     out = SimpleAttention()(q, k, LENGTHS)
