@@ -8,13 +8,17 @@ the Trainer. Prints, one line each:
 - the steps fed live by the DataLoader, as ``fit`` feeds them (``--live``);
 - with ``--cprofile``: the host's Python functions over those steps (live ones with ``--live``;
   by own time and by cumulative time); with ``--torch-profile``: torch's op table (host and
-  device time).
+  device time);
+- with ``--timeline N`` instead: N steps fed live from the pass's first batch, as ``fit`` feeds
+  them (worker start, the first step's compilation and epoch boundaries included), printed per
+  ``--window`` steps: ms a step, the longest, and how long the loop waited for its batches.
 
 Usage:
 
     python benchmarks/tools/profile_train.py --device cuda --batch 4096 --steps 50 --cprofile
     python benchmarks/tools/profile_train.py --device cuda --config dlrm.yaml --steps 50
     python benchmarks/tools/profile_train.py --device cuda --set train.cuda_graphs=false
+    python benchmarks/tools/profile_train.py --device cuda --config dlrm.yaml --timeline 300
 """
 
 import argparse
@@ -51,6 +55,46 @@ def _steps(trainer: Trainer, batches, sync) -> float:
     return time.perf_counter() - start
 
 
+def _timeline(trainer: Trainer, steps: int, window: int, sync) -> None:
+    """``steps`` steps fed live from the pass's first batch, printed per ``window`` steps (see
+    the module's docstring)."""
+    waits: list[float] = []
+
+    def timed(items):
+        while True:
+            start = time.perf_counter()
+            item = next(items, None)
+            waits.append(time.perf_counter() - start)
+            if item is None:
+                return
+            yield item
+
+    ahead = ReadAhead(timed(trainer.input.batches(trainer.position)), trainer.task.embeddings)
+    item = ahead.next()
+    ends = [time.perf_counter()]
+    for _ in range(steps):
+        if item is None:
+            break
+        trainer.train_step(item[0], item[2])
+        ahead.read()
+        item = ahead.next()
+        ends.append(time.perf_counter())
+        if (len(ends) - 1) % window == 0 or item is None:
+            sync()
+            done = len(ends) - 1
+            first = max(done - window, 0)
+            times = [b - a for a, b in zip(ends[first:-1], ends[first + 1 :])]
+            waited = waits[first + 1 : done + 1]
+            where = f"epoch {item[1].epoch} row {item[1].row:,}" if item is not None else "end of the data"
+            print(
+                f"steps {first + 1:5d}-{done:5d}: {sum(times) / len(times) * 1e3:7.2f} ms a step "
+                f"(longest {max(times) * 1e3:7.1f}); waited for batches {sum(waited) / len(waited) * 1e3:6.2f} ms "
+                f"a step (longest {max(waited) * 1e3:6.1f}); next: {where}"
+            )
+    done, total = len(ends) - 1, ends[-1] - ends[0]
+    print(f"{done} steps from the pass's first batch: {done * trainer.input.global_batch_size / total:,.0f} samples/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
@@ -66,6 +110,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch's intra-op threads in this process")
     p.add_argument("--no-pin", action="store_true", help="batches in pageable memory")
     p.add_argument("--config", help="profile this config (its data paths as they are; --batch ignored)")
+    p.add_argument("--timeline", type=int, metavar="N", help="only: N steps fed live from the pass's start, per window")
+    p.add_argument("--window", type=int, default=25, help="steps a --timeline line averages")
     p.add_argument(
         "--set",
         action="append",
@@ -90,6 +136,9 @@ def main() -> None:
         trainer.input.pin = trainer.input.pin and not a.no_pin
         if a.threads:
             torch.set_num_threads(a.threads)
+        if a.timeline:
+            _timeline(trainer, a.timeline, a.window, sync)
+            return
         source = trainer.input.batches(trainer.position)
         next(source)  # the workers started
         start = time.perf_counter()
