@@ -104,8 +104,10 @@ class DINAttention(nn.Module):
         + Wm (q * k)`` at each position: the same function with half the first layer's work and
         no ``[B, L, 4D]`` input (on a CPU the attention's forward and backward took 1.4x as long
         the plain way)."""
-        mlp, out = self.score
+        mlp, out = self.score[0], self.score[1]
+        assert isinstance(mlp, MLP)
         first = mlp[0]
+        assert isinstance(first, nn.Linear)
         wq, wk, wd, wm = first.weight.split(self.dim, dim=1)
         row = F.linear(q, wq + wd, first.bias)  # [B, H]
         h = F.linear(keys, wk - wd) + F.linear(q[:, None, :] * keys, wm) + row[:, None, :]
