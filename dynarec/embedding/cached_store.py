@@ -180,12 +180,20 @@ class CachedRowStore(RowStore):
 
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the rows' weights and states (on ``rows``' device), from wherever each lives."""
-        cached, slots, _ = self._where(rows)
-        out = {k: v.to(self.device) for k, v in self.host.read(rows.cpu()).items()}
-        if slots.numel():
-            for k, v in self.cache.read(slots).items():
-                out[k][cached] = v
-        return {k: v.to(rows.device) for k, v in out.items()}
+        cached, slots, elsewhere = self._where(rows)
+        if not slots.numel():
+            return {k: v.to(rows.device) for k, v in self.host.read(rows.cpu()).items()}
+        from_cache = self.cache.read(slots)
+        if not elsewhere.numel():
+            return {k: v.to(rows.device) for k, v in from_cache.items()}
+        from_host = self.host.read(elsewhere.cpu())  # the rows of ~cached, in order
+        out = {}
+        for k, h in from_host.items():
+            v = h.new_empty((rows.numel(), *h.shape[1:]), device=self.device)
+            v[~cached] = h.to(self.device)
+            v[cached] = from_cache[k].to(v.dtype)
+            out[k] = v.to(rows.device)
+        return out
 
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
@@ -255,4 +263,9 @@ class CachedRowStore(RowStore):
 
     @property
     def nbytes(self) -> int:
+        """The host copy's bytes and the device cache's (see :attr:`host_nbytes`)."""
         return self.host.nbytes + self.cache.nbytes
+
+    @property
+    def host_nbytes(self) -> int:  # type: ignore[override]
+        return self.host.nbytes

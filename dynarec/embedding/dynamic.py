@@ -156,6 +156,7 @@ class DynamicTable(EmbeddingTable):
             "dropped_keys": self.dropped_keys,
             "moved_keys": counters["moved"],
             "bytes": self.nbytes,
+            "host_bytes": self.store.host_nbytes,  # of them, in host memory
         }
 
     def describe(self) -> dict[str, object]:

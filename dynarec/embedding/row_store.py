@@ -46,6 +46,8 @@ class RowStore(ABC):
     #: The keys half-precision rows' rounding draws are keyed by, set by the owning table (a
     #: fixed table's global row ids, a dynamic table's keys); stores of fp32 rows never read them.
     row_keys: RowKeys = RowKeys()
+    #: Of the store's bytes, those in host memory (a host-memory tier's rows; 0 for a store on its device).
+    host_nbytes = 0
 
     @property
     @abstractmethod

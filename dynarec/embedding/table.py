@@ -254,6 +254,7 @@ class EmbeddingTable(ABC):
             "optimizer": repr(self.spec),
             "step": self.step,
             "bytes": self.nbytes,
+            "host_bytes": self.store.host_nbytes,  # of them, in host memory
         }
 
     @property

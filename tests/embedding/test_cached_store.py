@@ -77,6 +77,33 @@ def test_a_cached_table_trains_as_the_table_kept_whole_on_the_device(spec, pooli
     assert all(same(x[k], y[k], device) for k in x)
 
 
+@pytest.mark.parametrize("data_type", ["fp32", "fp16"])
+def test_rows_read_from_the_cache_from_host_memory_or_both_are_the_whole_tables(data_type, device):
+    """read_rows of rows all cached, none cached, and some of each: the values and dtypes of the
+    table kept whole; describe() counts the host copy's bytes apart."""
+    spec = Adagrad(lr=0.1)
+    cfg = lambda cache: TableConfig(
+        name="t", dim=6, num_embeddings=ROWS, features=["f", FeatureConfig("s", pooling="none")],
+        cache_load_factor=cache, data_type=data_type,
+    )  # fmt: skip
+    cached = EmbeddingCollection([cfg(0.25)], spec, device=device)
+    whole = EmbeddingCollection([cfg(None)], spec, device=device)
+    data = [kjt.to(device) for kjt in batches(4)]
+    train(cached, data), train(whole, data)
+    store = cached.tables["t"].store
+    slot_of = store._slot_of_row.cpu()
+    in_cache, on_host = torch.nonzero(slot_of >= 0).flatten(), torch.nonzero(slot_of < 0).flatten()
+    assert in_cache.numel() and on_host.numel()
+    for rows in (in_cache, on_host, torch.cat([on_host[:3], in_cache[:3], on_host[3:5]]), torch.arange(ROWS)):
+        a, b = cached.read_rows("t", rows), whole.read_rows("t", rows)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and same(a[k], b[k], device), k
+    info = cached.tables["t"].describe()
+    assert info["host_bytes"] == store.host.nbytes > 0 and info["bytes"] == store.host.nbytes + store.cache.nbytes
+    assert whole.tables["t"].describe()["host_bytes"] == 0
+
+
 def dynamic_table(cache, score="step"):
     """Up to 256 keys, from 64 slots: 2000 keys grow it to 256, then evict the coldest each step."""
     options = DynamicTableOptions(256, init_capacity=64, bucket_size=8, score_strategy=score)
