@@ -27,6 +27,7 @@ from torch import nn
 
 from dynarec.distributed.context import DistContext
 from dynarec.distributed.routing import return_pooled, route
+from dynarec.embedding.capacity import shard_init_capacity
 from dynarec.embedding.collection import EmbeddingCollection, checked_slices
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike
@@ -96,11 +97,9 @@ class ShardedEmbeddingCollection(nn.Module):
             return FixedTable(config, tp.optimizer, self.device, rows=s.rows_of(rank))
         if s.kind == "key_hash":
             assert config.dynamic is not None and s.capacity_per_rank is not None
-            bs = config.dynamic.bucket_size
-            init = max(bs, -(-config.dynamic.init_capacity // s.world_size // bs) * bs)  # type: ignore[operator]
-            return DynamicTable(
-                config, tp.optimizer, self.device, capacity=(min(init, s.capacity_per_rank), s.capacity_per_rank)
-            )
+            d = config.dynamic
+            init = shard_init_capacity(d.init_capacity, s.world_size, d.bucket_size, s.capacity_per_rank)  # type: ignore[arg-type]
+            return DynamicTable(config, tp.optimizer, self.device, capacity=(init, s.capacity_per_rank))
         return (FixedTable if config.dynamic is None else DynamicTable)(config, tp.optimizer, self.device)
 
     @property

@@ -22,12 +22,32 @@ from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal
 
-__all__ = ["Capacity", "num_buckets"]
+__all__ = ["Capacity", "num_buckets", "rows_before_last_growth", "shard_init_capacity"]
 
 
 def num_buckets(capacity: int, bucket_size: int) -> int:
     """Buckets of ``bucket_size`` slots in ``capacity`` slots (at least one)."""
     return max(1, capacity // bucket_size)
+
+
+def shard_init_capacity(init_capacity: int, world_size: int, bucket_size: int, capacity_per_rank: int) -> int:
+    """A key-hash shard's initial capacity: its share of the table's, whole buckets, at least one,
+    at most the shard's max capacity."""
+    share = max(bucket_size, -(-init_capacity // world_size // bucket_size) * bucket_size)
+    return min(share, capacity_per_rank)
+
+
+def rows_before_last_growth(init_capacity: int, max_capacity: int, bucket_size: int) -> int:
+    """Rows a table growing by doubling from ``init_capacity`` holds just before it grows to
+    ``max_capacity`` for the last time (0: it starts there and never grows)."""
+    init_b = min(num_buckets(max_capacity, bucket_size), num_buckets(init_capacity, bucket_size))
+    max_b = num_buckets(max_capacity, bucket_size)
+    if init_b >= max_b:
+        return 0
+    b = init_b
+    while b * 2 < max_b:
+        b *= 2
+    return b * bucket_size
 
 
 class Capacity:

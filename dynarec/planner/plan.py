@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dynarec.config.schema import Config
+from dynarec.embedding.capacity import shard_init_capacity
 from dynarec.embedding.config import FeatureConfig, ShardingType, TableConfig
 from dynarec.embedding.memory import TableBytes, format_bytes, table_bytes
 from dynarec.optim.base import OptimizerSpec
@@ -59,6 +60,12 @@ class TablePlan:
         """Bytes of this table's rows in ``rank``'s host memory (``cache_load_factor``), else 0."""
         return self._bytes(rank).host
 
+    def peak_bytes_on(self, rank: int, host: bool = False) -> int:
+        """:meth:`bytes_on` (``host``: :meth:`host_bytes_on`) with a dynamic table's last growth:
+        the allocation it grows from is held until the step commits."""
+        b = self._bytes(rank)
+        return b.host_peak if host else b.peak
+
     def _bytes(self, rank: int) -> TableBytes:
         s, t = self.sharding, self.table
         if not s.holds(rank):
@@ -67,7 +74,10 @@ class TablePlan:
             start, end = s.rows_of(rank)
             return table_bytes(t, self.optimizer, rows=end - start)
         if s.kind == "key_hash":
-            return table_bytes(t, self.optimizer, rows=s.capacity_per_rank, world_size=s.world_size)
+            assert t.dynamic is not None and s.capacity_per_rank is not None
+            d, per_rank = t.dynamic, s.capacity_per_rank
+            init = shard_init_capacity(d.init_capacity, s.world_size, d.bucket_size, per_rank)  # type: ignore[arg-type]
+            return table_bytes(t, self.optimizer, rows=per_rank, world_size=s.world_size, init_rows=init)
         return table_bytes(t, self.optimizer)
 
     def exchange_bytes(self, batch_size: int) -> int:
@@ -154,6 +164,20 @@ class Plan:
                 f"(rank {worst})"
                 + (f" and {format_bytes(in_host)} in its host memory (rank {host})" if in_host else "")
                 + f"; about {format_bytes(exchange)} exchanged per step per rank at batch {self.batch_size} per rank"
+            )
+        peaks = [
+            (sum(t.peak_bytes_on(r) for t in self.tables), sum(t.peak_bytes_on(r, host=True) for t in self.tables))
+            for r in range(self.world_size)
+        ]
+        device_peak, host_peak = max(p[0] for p in peaks), max(p[1] for p in peaks)
+        if device_peak > max(map(self.bytes_on, range(self.world_size))) or host_peak > max(
+            map(self.host_bytes_on, range(self.world_size))
+        ):
+            lines.append(
+                f"growing (init_capacity below max_capacity), a dynamic table holds the allocation it grows from "
+                f"until the step commits: at most {format_bytes(device_peak)} on a rank's device"
+                + (f" and {format_bytes(host_peak)} in its host memory" if host_peak else "")
+                + " at a last growth (what the memory budgets are checked against)"
             )
         return "\n".join(lines)
 
@@ -305,11 +329,9 @@ def _check_budget(plan: Plan, budget: int, where: str) -> None:
     on its device (``where`` "device") or in its host memory ("host")."""
     host = where == "host"
     for rank in range(plan.world_size):
-        used = plan.host_bytes_on(rank) if host else plan.bytes_on(rank)
+        used = sum(t.peak_bytes_on(rank, host) for t in plan.tables)  # (a growing table's last growth included)
         if used > budget:
-            parts = sorted(
-                ((t.host_bytes_on(rank) if host else t.bytes_on(rank), t) for t in plan.tables), key=lambda x: -x[0]
-            )
+            parts = sorted(((t.peak_bytes_on(rank, host), t) for t in plan.tables), key=lambda x: -x[0])
             detail = "; ".join(f"table '{t.table.name}' ({t.sharding.kind}) {format_bytes(b)}" for b, t in parts if b)
             field, place, knob = (
                 ("host_memory_budget_per_rank", "in the host memory of", "cache_load_factor's tables")
@@ -317,7 +339,8 @@ def _check_budget(plan: Plan, budget: int, where: str) -> None:
                 else ("memory_budget_per_rank", "on", "max_capacity / num_buckets / embedding_dim, cache_load_factor")
             )
             raise PlanError(
-                f"the plan puts {format_bytes(used)} of tables {place} rank {rank} of {plan.world_size}, over "
+                f"the plan puts {format_bytes(used)} of tables {place} rank {rank} of {plan.world_size} (a growing "
+                f"table's last growth included), over "
                 f"train.{field} {format_bytes(budget)}: {detail}; lower {knob}, force another sharding, or use "
                 "more ranks"
             )

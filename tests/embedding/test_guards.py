@@ -74,10 +74,30 @@ def test_a_second_backward_through_a_step_is_refused_and_updates_once():
     ],
 )
 def test_tables_that_do_not_fit_are_refused_before_allocating(table, message):
-    with pytest.raises(ValueError, match=r"the tables need .* at their largest but .* is available on cpu"):
+    with pytest.raises(ValueError, match=r"the tables need .* at their (largest|peak .*) but .* is available on cpu"):
         EmbeddingCollection([table], Adagrad())
     with pytest.raises(ValueError, match=message):
         EmbeddingCollection([table], Adagrad())
+
+
+def test_a_growing_table_must_fit_with_the_allocation_it_grows_from():
+    """Growing by doubling, a dynamic table keeps the rows, states and index it grows from until
+    the step commits (so that the step can be undone): 4,096 -> 8,192 -> 16,384 -> 20,000 rows
+    holds 16,384 rows' more at its last growth. A budget between its largest and that peak refuses
+    it, naming the growth; starting at max_capacity it fits."""
+    from dynarec.embedding.memory import INDEX_BYTES_PER_SLOT, check_fits, table_bytes
+
+    spec = Adagrad()
+    growing = TableConfig(name="g", dim=8, dynamic=DynamicTableOptions(20_000, init_capacity=4096), features=["x"])
+    b = table_bytes(growing, spec)
+    row = 8 * 4 + 8 * 4 + INDEX_BYTES_PER_SLOT  # weight, Adagrad state, index slot
+    assert (b.rows, b.total, b.growth) == (20_000, 20_000 * row, 16_384 * row)
+    budget = b.total + b.growth // 2
+    with pytest.raises(ValueError, match=r"(?s)at their peak .* table 'g': .* more while it grows to them"):
+        check_fits([(growing, spec)], torch.device("cpu"), budget)
+    whole = TableConfig(name="g", dim=8, dynamic=DynamicTableOptions(20_000), features=["x"])
+    assert table_bytes(whole, spec).growth == 0
+    check_fits([(whole, spec)], torch.device("cpu"), budget)
 
 
 @pytest.mark.parametrize("field", ["values", "lengths", "weights"])

@@ -221,10 +221,13 @@ def test_a_10b_key_dynamic_table_fits_64_h200s_with_its_rows_in_host_memory():
     del whole["feature_configs"][0]["id_feature"]["cache_load_factor"]
     with pytest.raises(PlanError, match=r"over train.memory_budget_per_rank 131.3 GiB: table 'user_id' \(key_hash\)"):
         plan_from_config(config_from_dict(whole), world_size=64)
-    raw["train"]["host_memory_budget_per_rank"] = "100GiB"
+    # Growing from 262,144 rows a rank by doubling, its last growth (134,217,728 -> 156,250,000 rows
+    # a rank) holds the rows it grows from until the step commits: 128 GiB more host memory
+    assert "and 277.0 GiB in its host memory at a last growth" in plan.format()
+    raw["train"]["host_memory_budget_per_rank"] = "200GiB"
     with pytest.raises(
         PlanError,
-        match=r"149.0 GiB of tables in the host memory of rank 0 of 64, over train.host_memory_budget_per_rank "
-        r"100.0 GiB: table 'user_id' \(key_hash\) 149.0 GiB",
+        match=r"277.0 GiB of tables in the host memory of rank 0 of 64 \(a growing table's last growth included\), "
+        r"over train.host_memory_budget_per_rank 200.0 GiB: table 'user_id' \(key_hash\) 277.0 GiB",
     ):
         plan_from_config(config_from_dict(raw), world_size=64)
