@@ -549,14 +549,14 @@ class BatchLoader:
         self.shared_root: Optional[str] = None
         self.num_workers = num_workers
         self._passes = 0
-        self._deleter: Optional[ThreadPoolExecutor] = None
+        # Deletes delivered chunks (its thread starts at the first: only with shared decoding)
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-chunk-deleter")
         units = dataset.units() if num_workers > 1 else None
         if units and _shared_memory_holds(units, num_workers):
             dataset = copy.copy(dataset)
             dataset.chunk_rows = shared_decode.CHUNK_ROWS
             self.shared_root, lock = _new_shared_root()
             dataset.shared_root = self.shared_root
-            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-chunk-deleter")
             weakref.finalize(self, clean, self.shared_root, lock)
         self.dataset = dataset
         self.loader = DataLoader(
@@ -570,7 +570,7 @@ class BatchLoader:
         )
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.shared_root is None or self._deleter is None:
+        if self.shared_root is None:
             for item in self.loader:
                 yield _delivered(item)
             return
@@ -666,15 +666,12 @@ def _row_groups(path: str, columns: Sequence[str]) -> list[tuple[int, int, tuple
     out = []
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
-        sizes = dict.fromkeys(columns, 0)
-        held: set[str] = set()
+        sizes: dict[str, int] = {}
         for j in range(group.num_columns):
             chunk = group.column(j)
             name = chunk.path_in_schema.split(".", 1)[0]
-            if name in sizes:
-                sizes[name] += chunk.total_uncompressed_size
-                held.add(name)
-        out.append((group.num_rows, group.total_byte_size, tuple((c, sizes[c]) for c in columns if c in held)))
+            sizes[name] = sizes.get(name, 0) + chunk.total_uncompressed_size
+        out.append((group.num_rows, group.total_byte_size, tuple((c, sizes[c]) for c in columns if c in sizes)))
     return out
 
 

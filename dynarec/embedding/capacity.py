@@ -40,11 +40,9 @@ def shard_init_capacity(init_capacity: int, world_size: int, bucket_size: int, c
 def rows_before_last_growth(init_capacity: int, max_capacity: int, bucket_size: int) -> int:
     """Rows a table growing by doubling from ``init_capacity`` holds just before it grows to
     ``max_capacity`` for the last time (0: it starts there and never grows)."""
-    init_b = min(num_buckets(max_capacity, bucket_size), num_buckets(init_capacity, bucket_size))
-    max_b = num_buckets(max_capacity, bucket_size)
-    if init_b >= max_b:
+    b, max_b = num_buckets(init_capacity, bucket_size), num_buckets(max_capacity, bucket_size)
+    if b >= max_b:
         return 0
-    b = init_b
     while b * 2 < max_b:
         b *= 2
     return b * bucket_size

@@ -171,9 +171,10 @@ def check_fits(
         + f"; set by {'num_buckets' if c.dynamic is None else 'dynamicemb.max_capacity'} and embedding_dim"
         for c, b in sorted(breakdown, key=lambda x: -x[1].peak)
     ]
-    what = "at their peak (a growing table's last growth included)" if any(b.growth for _, b in breakdown) else ""
+    growing = any(b.growth for _, b in breakdown)
+    what = "at their peak (a growing table's last growth included)" if growing else "at their largest"
     raise ValueError(
-        f"the tables need {format_bytes(total)} {what or 'at their largest'} but {format_bytes(budget)} is "
+        f"the tables need {format_bytes(total)} {what} but {format_bytes(budget)} is "
         f"available on {device}:\n" + "\n".join(lines) + "\nlower them, or train with more memory"
     )
 

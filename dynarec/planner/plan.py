@@ -140,6 +140,10 @@ class Plan:
         """Bytes of rows the tables keep in ``rank``'s host memory (``cache_load_factor``)."""
         return sum(t.host_bytes_on(rank) for t in self.tables)
 
+    def peak_bytes_on(self, rank: int, host: bool = False) -> int:
+        """The tables' :meth:`TablePlan.peak_bytes_on` on ``rank``: what the budgets are checked against."""
+        return sum(t.peak_bytes_on(rank, host) for t in self.tables)
+
     def describe(self) -> list[dict[str, object]]:
         """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter),
         features; bytes per rank on the device (and in host memory, where a table keeps its rows
@@ -165,14 +169,10 @@ class Plan:
                 + (f" and {format_bytes(in_host)} in its host memory (rank {host})" if in_host else "")
                 + f"; about {format_bytes(exchange)} exchanged per step per rank at batch {self.batch_size} per rank"
             )
-        peaks = [
-            (sum(t.peak_bytes_on(r) for t in self.tables), sum(t.peak_bytes_on(r, host=True) for t in self.tables))
-            for r in range(self.world_size)
-        ]
-        device_peak, host_peak = max(p[0] for p in peaks), max(p[1] for p in peaks)
-        if device_peak > max(map(self.bytes_on, range(self.world_size))) or host_peak > max(
-            map(self.host_bytes_on, range(self.world_size))
-        ):
+        ranks = range(self.world_size)
+        device_peak = max(self.peak_bytes_on(r) for r in ranks)
+        host_peak = max(self.peak_bytes_on(r, host=True) for r in ranks)
+        if device_peak > max(map(self.bytes_on, ranks)) or host_peak > max(map(self.host_bytes_on, ranks)):
             lines.append(
                 f"growing (init_capacity below max_capacity), a dynamic table holds the allocation it grows from "
                 f"until the step commits: at most {format_bytes(device_peak)} on a rank's device"
@@ -329,7 +329,7 @@ def _check_budget(plan: Plan, budget: int, where: str) -> None:
     on its device (``where`` "device") or in its host memory ("host")."""
     host = where == "host"
     for rank in range(plan.world_size):
-        used = sum(t.peak_bytes_on(rank, host) for t in plan.tables)  # (a growing table's last growth included)
+        used = plan.peak_bytes_on(rank, host)  # (a growing table's last growth included)
         if used > budget:
             parts = sorted(((t.peak_bytes_on(rank, host), t) for t in plan.tables), key=lambda x: -x[0])
             detail = "; ".join(f"table '{t.table.name}' ({t.sharding.kind}) {format_bytes(b)}" for b, t in parts if b)
