@@ -11,7 +11,9 @@ the Trainer. Prints, one line each:
   device time);
 - with ``--timeline N`` instead: N steps fed live from the pass's first batch, as ``fit`` feeds
   them (worker start, the first step's compilation and epoch boundaries included), printed per
-  ``--window`` steps: ms a step, the longest, and how long the loop waited for its batches.
+  ``--window`` steps: ms a step, the longest, the host's time in the step's calls and in the
+  next batch's input stage, and how long the loop waited for its batches (``--held``: the same
+  on ``--warmup + --steps`` batches held in memory, built after the workers delivered).
 
 Usage:
 
@@ -27,6 +29,7 @@ import io
 import itertools
 import pstats
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,9 +58,11 @@ def _steps(trainer: Trainer, batches, sync) -> float:
     return time.perf_counter() - start
 
 
-def _timeline(trainer: Trainer, steps: int, window: int, sync) -> None:
-    """``steps`` steps fed live from the pass's first batch, printed per ``window`` steps (see
-    the module's docstring)."""
+def _timeline(trainer: Trainer, items, steps: int, window: int, sync) -> None:
+    """``steps`` steps fed from ``items`` (``TrainInput.batches`` live from the pass's first
+    batch, or batches held in memory), printed per ``window`` steps (see the module's
+    docstring), with the host's time a step split into the step's own calls (``train_step``),
+    the next batch's input stage (``ReadAhead.read`` less the wait) and the wait for batches."""
     waits: list[float] = []
 
     def timed(items):
@@ -69,14 +74,20 @@ def _timeline(trainer: Trainer, steps: int, window: int, sync) -> None:
                 return
             yield item
 
-    ahead = ReadAhead(timed(trainer.input.batches(trainer.position)), trainer.task.embeddings)
+    ahead = ReadAhead(timed(items), trainer.task.embeddings)
     item = ahead.next()
     ends = [time.perf_counter()]
+    stepping: list[float] = []
+    reading: list[float] = []
     for _ in range(steps):
         if item is None:
             break
+        start = time.perf_counter()
         trainer.train_step(item[0], item[2])
+        stepped = time.perf_counter()
         ahead.read()
+        reading.append(time.perf_counter() - stepped)
+        stepping.append(stepped - start)
         item = ahead.next()
         ends.append(time.perf_counter())
         if (len(ends) - 1) % window == 0 or item is None:
@@ -85,14 +96,16 @@ def _timeline(trainer: Trainer, steps: int, window: int, sync) -> None:
             first = max(done - window, 0)
             times = [b - a for a, b in zip(ends[first:-1], ends[first + 1 :])]
             waited = waits[first + 1 : done + 1]
+            read_s = sum(reading[first:done]) - sum(waited)
             where = f"epoch {item[1].epoch} row {item[1].row:,}" if item is not None else "end of the data"
             print(
                 f"steps {first + 1:5d}-{done:5d}: {sum(times) / len(times) * 1e3:7.2f} ms a step "
-                f"(longest {max(times) * 1e3:7.1f}); waited for batches {sum(waited) / len(waited) * 1e3:6.2f} ms "
-                f"a step (longest {max(waited) * 1e3:6.1f}); next: {where}"
+                f"(longest {max(times) * 1e3:7.1f}; train_step {sum(stepping[first:done]) / len(times) * 1e3:.2f}, "
+                f"input stage {read_s / len(times) * 1e3:.2f}); waited for batches "
+                f"{sum(waited) / len(waited) * 1e3:6.2f} ms a step (longest {max(waited) * 1e3:6.1f}); next: {where}"
             )
     done, total = len(ends) - 1, ends[-1] - ends[0]
-    print(f"{done} steps from the pass's first batch: {done * trainer.input.global_batch_size / total:,.0f} samples/s")
+    print(f"{done} steps: {done * trainer.input.global_batch_size / total:,.0f} samples/s")
 
 
 def main() -> None:
@@ -112,6 +125,8 @@ def main() -> None:
     p.add_argument("--config", help="profile this config (its data paths as they are; --batch ignored)")
     p.add_argument("--timeline", type=int, metavar="N", help="only: N steps fed live from the pass's start, per window")
     p.add_argument("--window", type=int, default=25, help="steps a --timeline line averages")
+    p.add_argument("--held", action="store_true", help="--timeline on warmup + steps batches held in memory")
+    p.add_argument("--drain", action="store_true", help="with --held: a thread drains the DataLoader meanwhile")
     p.add_argument(
         "--set",
         action="append",
@@ -136,8 +151,8 @@ def main() -> None:
         trainer.input.pin = trainer.input.pin and not a.no_pin
         if a.threads:
             torch.set_num_threads(a.threads)
-        if a.timeline:
-            _timeline(trainer, a.timeline, a.window, sync)
+        if a.timeline and not a.held:
+            _timeline(trainer, trainer.input.batches(trainer.position), a.timeline, a.window, sync)
             return
         source = trainer.input.batches(trainer.position)
         next(source)  # the workers started
@@ -148,6 +163,19 @@ def main() -> None:
             f"data stage ({trainer.input.num_workers} workers): {len(batches) * a.batch / data_s:,.0f} rows/s "
             f"({data_s / len(batches) * 1e3:.2f} ms a batch of {a.batch})"
         )
+        if a.timeline:  # --held
+            held = iter([(b, trainer.position, b.num_rows) for b in batches])
+            stop = threading.Event()
+            drain = threading.Thread(target=lambda: any(stop.is_set() for _ in source))
+            if a.drain:  # the live loader's work, its batches dropped, beside the held steps
+                drain.start()
+            try:
+                _timeline(trainer, held, a.timeline, a.window, sync)
+            finally:
+                stop.set()
+                if a.drain:
+                    drain.join()
+            return
         _steps(trainer, batches[: a.warmup], sync)
         steps_s = _steps(trainer, batches[a.warmup :], sync) / a.steps
         print(

@@ -18,6 +18,7 @@ outside {0, 1}.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,7 +46,7 @@ from dynarec.config.features import (
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
 from dynarec.data.sampler import negative_sampler
-from dynarec.data.transport import Slot, pack, unpack
+from dynarec.data.transport import Slot, pack, read_into, unpack
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
@@ -67,7 +68,7 @@ from dynarec.features.values import (
     vectors,
 )
 
-__all__ = ["Batch", "BatchBuilder", "DataError", "RowOrigin"]
+__all__ = ["Batch", "BatchBuilder", "BatchFile", "DataError", "RowOrigin"]
 
 
 class DataError(ValueError):
@@ -106,9 +107,9 @@ class Batch:
     # batch from it, so that pin_memory copies it once.
     _packed: Optional[tuple[torch.Tensor, list[Slot], _Layout]] = field(default=None, repr=False, compare=False)
 
-    def __reduce__(self):
-        """Pickled (by a DataLoader worker, for the training process) as one buffer: one shared
-        memory file a batch, and one page-locked copy there (see dynarec.data.transport)."""
+    def packed(self) -> tuple[torch.Tensor, list[Slot], _Layout]:
+        """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
+        dynarec.data.transport), and what rebuilds the batch from it besides."""
         s = self.sparse
         optional = [s.weights_or_none(), self.groups, self.sessions]
         dicts = (self.dense, self.dense_lengths, self.element_lengths)
@@ -124,7 +125,12 @@ class Batch:
             self.sampled_rows,
         )
         buffer, slots = pack(tensors)
-        return (_unpacked_batch, (buffer, slots, layout))
+        return buffer, slots, layout
+
+    def __reduce__(self):
+        """Pickled (by a DataLoader worker, for the training process) as one buffer: one shared
+        memory file a batch, and one page-locked copy there (see dynarec.data.transport)."""
+        return (_unpacked_batch, self.packed())
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
@@ -193,6 +199,42 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
         layout.sampled_rows,
         _packed=(buffer, slots, layout),
     )
+
+
+@dataclass(frozen=True)
+class BatchFile:
+    """A batch a DataLoader worker wrote to a file in shared memory, packed (``Batch.packed``):
+    what travels to the training process in its place — a path and a layout, where a pickled
+    tensor would be a shared-memory mapping whose descriptor is handed over a socket, in Python,
+    by the loader's thread in the training process. That thread competes for the interpreter
+    with the training loop; reading a file holds the interpreter for a few calls. The training
+    process reads the file once (into page-locked memory where the batch is bound for a GPU:
+    :meth:`pin_memory`, which the DataLoader's pinning thread calls) and deletes it."""
+
+    path: str
+    nbytes: int
+    slots: list[Slot]
+    layout: _Layout
+
+    def load(self, pin: bool = False) -> Batch:
+        """The batch (in page-locked memory if ``pin``); the file is deleted. DataError naming
+        the file where it cannot be read."""
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+                read_into(f, buffer)
+            os.unlink(self.path)
+        except OSError as e:
+            raise DataError(f"a DataLoader worker's batch file {self.path} could not be read ({e})") from None
+        return _unpacked_batch(buffer, self.slots, self.layout)
+
+    def pin_memory(self) -> Union[Batch, DataError]:
+        """The batch in page-locked memory; an error as a value, raised where the training loop
+        takes the batch (raised here, torch would wrap it in its pinning thread's traceback)."""
+        try:
+            return self.load(pin=True)
+        except DataError as e:
+            return e
 
 
 @dataclass(frozen=True)

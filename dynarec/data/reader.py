@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dynarec.data import shared_decode
-from dynarec.data.batch import Batch, BatchBuilder, DataError, RowOrigin
+from dynarec.data.batch import Batch, BatchBuilder, BatchFile, DataError, RowOrigin
 from dynarec.data.shared_decode import (
     PassAbandoned,
     RowGroupExchange,
@@ -39,6 +39,7 @@ from dynarec.data.shared_decode import (
     retire,
     shared_memory_dir,
     travelling,
+    write_batch,
 )
 
 __all__ = [
@@ -387,7 +388,7 @@ class ArrowBatchDataset(IterableDataset):
                 yield path, first, table
             skip = 0
 
-    def __iter__(self) -> Iterator[Union[Batch, WorkerFailure]]:
+    def __iter__(self) -> Iterator[Union[Batch, BatchFile, WorkerFailure]]:
         info = get_worker_info()
         if info is None:
             yield from self._batches(0, 1)
@@ -407,9 +408,9 @@ class ArrowBatchDataset(IterableDataset):
                 mark_failed(pass_directory(self.shared_root, self.shared_pass), info.id, failure.error)
             yield failure
 
-    def _shared_batches(self, worker: int, workers: int, directory: Path) -> Iterator[Batch]:
-        """Worker ``worker``'s batches, its row groups decoded for all ``workers`` (see
-        :mod:`dynarec.data.shared_decode`)."""
+    def _shared_batches(self, worker: int, workers: int, directory: Path) -> Iterator[BatchFile]:
+        """Worker ``worker``'s batches, its row groups decoded for all ``workers``, each sent as
+        a file of the pass's ``directory`` (see :mod:`dynarec.data.shared_decode`)."""
         units = self.units()
         assert units is not None
         exchange = RowGroupExchange(directory, worker, workers, units, self._read_unit, self.chunk_rows)
@@ -431,7 +432,7 @@ class ArrowBatchDataset(IterableDataset):
                 pieces.append((unit.path, unit.first_row + unit.skip + a, exchange.rows(u, a, b)))
                 u += 1
             exchange.forget_before(lo)
-            yield self._build_share(pieces, hi - lo)
+            yield write_batch(directory, step, self._build_share(pieces, hi - lo))
             # Own rows the next two rounds of steps read (the others wait for them), then a share
             # of those further ahead: row groups decode in parallel, spread over the steps.
             exchange.decode_ahead(before=hi + 2 * workers * global_batch)
@@ -608,9 +609,15 @@ class BatchLoader:
             retire(directory, self._deleter)
 
 
-def _delivered(item: Union[Batch, WorkerFailure]) -> Batch:
+def _delivered(item: Union[Batch, BatchFile, DataError, WorkerFailure]) -> Batch:
+    """The batch a worker delivered (read where it came as a file and nothing pinned it); the
+    worker's error, or the pinning thread's, raised as it was."""
     if isinstance(item, WorkerFailure):
         raise item.error
+    if isinstance(item, DataError):
+        raise item
+    if isinstance(item, BatchFile):
+        return item.load()
     return item
 
 

@@ -33,6 +33,9 @@ directory when the pass ends or is abandoned; a worker waiting on a directory go
 pass was abandoned). A worker that fails (decoding, writing a chunk, building a batch) leaves
 its error in the pass's directory, and the workers waiting for its parts raise it too.
 
+A worker's batches travel through the pass's directory too (:func:`write_batch`): a file each,
+read into page-locked memory by the training process and deleted there (``BatchFile``).
+
 Memory: the chunks between the earliest step not yet delivered and ``ahead`` rows past the
 latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps).
 """
@@ -52,7 +55,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from dynarec.data.batch import DataError
+from dynarec.data.batch import Batch, BatchFile, DataError
 
 __all__ = [
     "PassAbandoned",
@@ -66,6 +69,7 @@ __all__ = [
     "retire",
     "shared_memory_dir",
     "travelling",
+    "write_batch",
 ]
 
 # How long a worker waits for another's chunk before it calls the pass stuck.
@@ -311,6 +315,15 @@ def write_atomic(path: Path, write: Callable) -> None:
         os.replace(tmp, path)
     except FileNotFoundError:
         raise PassAbandoned from None
+
+
+def write_batch(directory: Path, step: int, batch: Batch) -> BatchFile:
+    """Step ``step``'s batch, packed, written to a file of the pass's ``directory`` (what a
+    worker sends in the batch's place); PassAbandoned where the directory is gone."""
+    buffer, slots, layout = batch.packed()
+    path = directory / f"batch-{step}.bin"
+    write_atomic(path, lambda f: f.write(buffer.numpy().data))
+    return BatchFile(str(path), buffer.numel(), slots, layout)
 
 
 def worker_failed(worker: int) -> str:

@@ -4,16 +4,19 @@ training process, and is page-locked there.
 A worker's batch holds a tensor per feature and per field (values, lengths, labels, dense
 features: over twenty for a Criteo-shaped config). Sent as they are, each is a shared-memory
 file to create, open and map, and then a separate page-locked copy, all in the loader's one
-thread; packed, the batch is one file and one copy.
+thread; packed, the batch is one file and one copy. Where the loader decodes through a
+directory in shared memory (dynarec.data.shared_decode), the packed buffer travels as a file
+there (``BatchFile``), read straight into page-locked memory.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Slot", "pack", "unpack"]
+__all__ = ["Slot", "pack", "read_into", "unpack"]
 
 # Byte offsets of packed tensors are multiples of this: every dtype's view of its slice is aligned.
 _ALIGN = 64
@@ -49,3 +52,18 @@ def _view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
         numel *= n
     width = torch.empty((), dtype=dtype).element_size()
     return buffer[offset : offset + numel * width].view(dtype).view(shape)
+
+
+def read_into(file: io.RawIOBase, buffer: torch.Tensor) -> None:
+    """Fills ``buffer`` (a contiguous CPU uint8 tensor, page-locked or not) from ``file`` (open
+    for unbuffered reading at its start), which must hold exactly its bytes (OSError otherwise).
+    The interpreter is free while the bytes are copied."""
+    view = buffer.numpy().data
+    filled = 0
+    while filled < len(view):
+        n = file.readinto(view[filled:])
+        if not n:
+            raise OSError(f"it holds {filled} bytes, {len(view)} expected")
+        filled += n
+    if file.read(1):
+        raise OSError(f"it holds more than the {len(view)} bytes expected")

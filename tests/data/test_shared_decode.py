@@ -1,7 +1,8 @@
 """Row groups decoded once for all of a loader's workers (dynarec.data.shared_decode): the
 batches are those of one process whatever the workers, row groups, chunks, seek position and
 rank; each row group is read by one worker; an abandoned pass and the loader leave nothing in
-shared memory; a decoding error reaches the training process as the one-line error."""
+shared memory; a decoding error reaches the training process as the one-line error; the
+batches travel as files of the pass's directory."""
 
 import os
 import threading
@@ -82,7 +83,7 @@ def test_each_part_of_each_row_group_is_read_once_by_the_worker_it_belongs_to(pa
 
     def run(w):
         idents[w] = threading.get_ident()
-        got[w] = [b.dense["price"].tolist() for b in ds._shared_batches(w, workers, directory)]
+        got[w] = [b.load().dense["price"].tolist() for b in ds._shared_batches(w, workers, directory)]
 
     threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
     for t in threads:
@@ -202,3 +203,15 @@ def test_workers_from_a_fork_server_share_the_decoding_too(parquet_files, small_
     loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 2)
     assert loader.dataset.chunk_rows == 2
     assert batches_of(loader) == one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_batches_for_a_gpu_arrive_as_files_read_into_page_locked_memory(parquet_files):
+    """With CUDA initialized (workers from the fork server), each worker's batch is a file of the
+    pass's directory, read by the DataLoader's pinning thread straight into page-locked memory."""
+    torch.zeros(1, device="cuda")
+    one = batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 0))
+    loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 2, pin_memory=True)
+    got = list(loader)
+    assert all(b.labels.is_pinned() and b.sparse.values().is_pinned() for b in got)
+    assert batches_of(got) == one

@@ -1,9 +1,11 @@
+import os
 import pickle
 
 import pytest
 import torch
 
-from dynarec.data.batch import Batch
+from dynarec.data.batch import Batch, DataError
+from dynarec.data.shared_decode import PassAbandoned, write_batch
 from dynarec.data.transport import pack, unpack
 from dynarec.embedding.jagged import JaggedBatch
 
@@ -74,3 +76,46 @@ def test_a_packed_batch_is_pinned_in_one_copy():
     assert_same(back, pinned)
     assert pinned.sparse.values().is_pinned() and pinned.dense["seq"].is_pinned()
     assert pinned.labels.untyped_storage().data_ptr() == pinned.sparse.values().untyped_storage().data_ptr()
+
+
+def test_a_batch_file_comes_back_whole_and_is_deleted_once_read(tmp_path):
+    batch = every_field_batch()
+    sent = write_batch(tmp_path, 3, batch)
+    assert sent.path == str(tmp_path / "batch-3.bin") and os.path.getsize(sent.path) == sent.nbytes
+    assert len(pickle.dumps(sent)) < 2048  # a path and a layout travel, not the tensors
+    back = pickle.loads(pickle.dumps(sent)).load()
+    assert_same(batch, back)
+    assert not os.path.exists(sent.path) and list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_file_that_cannot_be_read_is_a_named_error(tmp_path):
+    sent = write_batch(tmp_path, 0, every_field_batch())
+    with open(sent.path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(DataError, match=r"batch file .*batch-0.bin could not be read .*more than the \d+ bytes"):
+        sent.load()
+    os.unlink(sent.path)
+    with pytest.raises(DataError, match=r"batch-0.bin could not be read"):
+        sent.load()
+
+
+def test_a_batch_file_gone_is_an_error_value_from_the_pinning_thread(tmp_path):
+    """torch's pinning thread would wrap a raised error in its own traceback: the error comes as
+    a value, raised where the training loop takes the batch."""
+    sent = write_batch(tmp_path, 0, every_field_batch())
+    os.unlink(sent.path)
+    got = sent.pin_memory()
+    assert isinstance(got, DataError) and "batch-0.bin" in str(got)
+
+
+def test_a_batch_file_is_not_written_into_a_pass_abandoned(tmp_path):
+    with pytest.raises(PassAbandoned):
+        write_batch(tmp_path / "gone", 0, every_field_batch())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_a_batch_file_is_read_straight_into_page_locked_memory(tmp_path):
+    batch = every_field_batch()
+    pinned = write_batch(tmp_path, 1, batch).pin_memory()
+    assert_same(batch, pinned)
+    assert pinned.sparse.values().is_pinned() and pinned.dense["seq"].is_pinned()
