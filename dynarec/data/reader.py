@@ -553,7 +553,7 @@ class BatchLoader:
         # Deletes delivered chunks (its thread starts at the first: only with shared decoding)
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-chunk-deleter")
         units = dataset.units() if num_workers > 1 else None
-        if units and _shared_memory_holds(units, num_workers):
+        if units and _shared_memory_holds(units, num_workers, dataset.global_batch_size):
             dataset = copy.copy(dataset)
             dataset.chunk_rows = shared_decode.CHUNK_ROWS
             self.shared_root, lock = _new_shared_root()
@@ -648,11 +648,14 @@ def _new_shared_root() -> tuple[str, int]:
 _LOCK = ".lock"
 
 
-def _shared_memory_holds(units: list[Unit], workers: int) -> bool:
-    """Whether the shared-memory directory has room for the chunks a pass keeps there at once
-    (about ``workers + 2`` of the largest row groups, uncompressed, twice over for Arrow's own
-    layout); where it has not (a container's small /dev/shm), every worker decodes its own rows."""
-    need = 2 * (workers + 2) * max(u.nbytes for u in units)
+def _shared_memory_holds(units: list[Unit], workers: int, global_batch: int) -> bool:
+    """Whether the shared-memory directory has room for what a pass keeps there at once: about
+    ``workers + 2`` of the largest row groups, uncompressed, twice over for Arrow's own layout,
+    and the batches on their way to the training process (DataLoader's two a worker, each at
+    twice its rows' uncompressed bytes: ids widen to 64 bits). Where it has not (a container's
+    small /dev/shm), every worker decodes its own rows and batches travel as torch sends them."""
+    row_bytes = max(u.nbytes / max(u.rows, 1) for u in units)
+    need = 2 * (workers + 2) * max(u.nbytes for u in units) + 2 * workers * 2 * global_batch * row_bytes
     stat = os.statvfs(shared_memory_dir())
     return stat.f_bavail * stat.f_frsize >= need
 

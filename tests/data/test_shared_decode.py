@@ -215,3 +215,19 @@ def test_batches_for_a_gpu_arrive_as_files_read_into_page_locked_memory(parquet_
     got = list(loader)
     assert all(b.labels.is_pinned() and b.sparse.values().is_pinned() for b in got)
     assert batches_of(got) == one
+
+
+def test_shared_memory_must_hold_the_row_groups_and_the_batches_on_their_way(monkeypatch):
+    """4 workers, row groups of 1,000 rows and 100 kB: 2 x 6 row groups (1.2 MB) and 2 batches a
+    worker of 512 rows at twice their 100 bytes a row (819,200 bytes): 2,019,200 bytes in all."""
+    from dynarec.data import reader
+
+    units = [shared_decode.Unit("a", g, 0, 0, 1000 * g, 1000, 100_000) for g in range(3)]
+
+    def free(nbytes):
+        monkeypatch.setattr(reader.os, "statvfs", lambda _: os.statvfs_result((4096, 1, 0, 0, nbytes, 0, 0, 0, 0, 255)))
+
+    free(2_019_200)
+    assert reader._shared_memory_holds(units, 4, 512)
+    free(2_019_199)
+    assert not reader._shared_memory_holds(units, 4, 512)
