@@ -168,7 +168,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class _Layout:
-    """What a packed batch holds besides its tensors (see ``Batch.__reduce__``): the sparse keys
+    """What a packed batch holds besides its tensors (see ``Batch.packed``): the sparse keys
     and host statistics, which of weights, groups and sessions are present, the keys of the
     dense, dense-lengths and element-lengths dicts, and the rows."""
 
@@ -181,7 +181,8 @@ class _Layout:
 
 
 def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
-    """The batch of ``Batch.__reduce__``, its tensors views of ``buffer``."""
+    """The batch of ``Batch.packed`` (pickled, or sent as a ``BatchFile``), its tensors views
+    of ``buffer``."""
     tensors = iter(unpack(buffer, slots))
     values, lengths, labels = next(tensors), next(tensors), next(tensors)
     weights, groups, sessions = (next(tensors) if p else None for p in layout.present)
@@ -203,10 +204,11 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
 
 @dataclass(frozen=True)
 class BatchFile:
-    """A batch a DataLoader worker wrote to a file in shared memory, packed (``Batch.packed``):
-    what travels to the training process in its place — a path and a layout, where a pickled
-    tensor would be a shared-memory mapping whose descriptor is handed over a socket, in Python,
-    by the loader's thread in the training process. That thread competes for the interpreter
+    """A batch a DataLoader worker wrote, packed (``Batch.packed``), to a file of its loader's
+    shared directory (in shared memory, else the temp directory): what travels to the training
+    process in its place — a path and a layout, where a pickled tensor would be a shared-memory
+    mapping whose descriptor is handed over a socket, in Python, by the loader's thread in the
+    training process. That thread competes for the interpreter
     with the training loop; reading a file holds the interpreter for a few calls. The training
     process reads the file once (into page-locked memory where the batch is bound for a GPU:
     :meth:`pin_memory`, which the DataLoader's pinning thread calls) and deletes it."""
@@ -225,7 +227,10 @@ class BatchFile:
                 read_into(f, buffer)
             os.unlink(self.path)
         except OSError as e:
-            raise DataError(f"a DataLoader worker's batch file {self.path} could not be read ({e})") from None
+            why = (e.strerror if isinstance(e, FileNotFoundError) else None) or str(e)
+            if not os.path.isdir(os.path.dirname(self.path)):
+                why += "; its pass's directory is gone: the pass was abandoned, or another process removed it"
+            raise DataError(f"a DataLoader worker's batch file {self.path} could not be read ({why})") from None
         return _unpacked_batch(buffer, self.slots, self.layout)
 
     def pin_memory(self) -> Union[Batch, DataError]:
@@ -234,7 +239,7 @@ class BatchFile:
         try:
             return self.load(pin=True)
         except DataError as e:
-            return e
+            return e.with_traceback(None)  # (its frames would hold the buffer until it is raised)
 
 
 @dataclass(frozen=True)

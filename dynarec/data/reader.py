@@ -542,7 +542,10 @@ class BatchLoader:
     directory in shared memory this loader owns (:mod:`dynarec.data.shared_decode`): a pass's
     row groups are deleted as their steps are delivered, the pass's directory when it ends or
     is abandoned, the whole directory with the loader. The deleting runs on a thread of the
-    loader's own: freeing a chunk's pages takes the time of a training step's host work."""
+    loader's own: freeing a chunk's pages takes the time of a training step's host work. The
+    workers' batches come through that directory too, a file each (``BatchFile``), read (by
+    the DataLoader's pinning thread, straight into page-locked memory, where it pins) and
+    deleted as they arrive."""
 
     def __init__(
         self, dataset: ArrowBatchDataset, num_workers: int, pin_memory: bool = False, persistent: bool = False
@@ -550,10 +553,10 @@ class BatchLoader:
         self.shared_root: Optional[str] = None
         self.num_workers = num_workers
         self._passes = 0
-        # Deletes delivered chunks (its thread starts at the first: only with shared decoding)
+        # Deletes delivered row groups' chunks (its thread starts at the first: only with shared decoding)
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynarec-chunk-deleter")
         units = dataset.units() if num_workers > 1 else None
-        if units and _shared_memory_holds(units, num_workers, dataset.global_batch_size):
+        if units and _shared_memory_holds(units, num_workers, dataset.batch_size):
             dataset = copy.copy(dataset)
             dataset.chunk_rows = shared_decode.CHUNK_ROWS
             self.shared_root, lock = _new_shared_root()
@@ -648,14 +651,16 @@ def _new_shared_root() -> tuple[str, int]:
 _LOCK = ".lock"
 
 
-def _shared_memory_holds(units: list[Unit], workers: int, global_batch: int) -> bool:
+def _shared_memory_holds(units: list[Unit], workers: int, batch_rows: int) -> bool:
     """Whether the shared-memory directory has room for what a pass keeps there at once: about
     ``workers + 2`` of the largest row groups, uncompressed, twice over for Arrow's own layout,
-    and the batches on their way to the training process (DataLoader's two a worker, each at
-    twice its rows' uncompressed bytes: ids widen to 64 bits). Where it has not (a container's
-    small /dev/shm), every worker decodes its own rows and batches travel as torch sends them."""
+    and the batches of ``batch_rows`` rows (this rank's share of a step) on their way to the
+    training process, DataLoader's two a worker, each at 4 times its rows' uncompressed bytes
+    (ids and lengths widen to 64 bits; dictionary-encoded columns count small in the footers).
+    Where it has not (a container's small /dev/shm), every worker decodes its own rows and
+    batches travel as torch sends them."""
     row_bytes = max(u.nbytes / max(u.rows, 1) for u in units)
-    need = 2 * (workers + 2) * max(u.nbytes for u in units) + 2 * workers * 2 * global_batch * row_bytes
+    need = 2 * (workers + 2) * max(u.nbytes for u in units) + 2 * workers * 4 * batch_rows * row_bytes
     stat = os.statvfs(shared_memory_dir())
     return stat.f_bavail * stat.f_frsize >= need
 

@@ -37,7 +37,8 @@ A worker's batches travel through the pass's directory too (:func:`write_batch`)
 read into page-locked memory by the training process and deleted there (``BatchFile``).
 
 Memory: the chunks between the earliest step not yet delivered and ``ahead`` rows past the
-latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps).
+latest one, in shared memory (``ahead``: ``W`` row groups and two rounds of steps), and up to
+``2 W`` batch files (DataLoader's prefetching: two a worker).
 """
 
 from __future__ import annotations

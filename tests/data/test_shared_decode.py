@@ -207,8 +207,8 @@ def test_workers_from_a_fork_server_share_the_decoding_too(parquet_files, small_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_batches_for_a_gpu_arrive_as_files_read_into_page_locked_memory(parquet_files):
-    """With CUDA initialized (workers from the fork server), each worker's batch is a file of the
-    pass's directory, read by the DataLoader's pinning thread straight into page-locked memory."""
+    """With CUDA initialized (workers from the fork server), each worker's batch is read by the
+    DataLoader's pinning thread straight into page-locked memory."""
     torch.zeros(1, device="cuda")
     one = batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 0))
     loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3, start_row=5), 2, pin_memory=True)
@@ -219,7 +219,7 @@ def test_batches_for_a_gpu_arrive_as_files_read_into_page_locked_memory(parquet_
 
 def test_shared_memory_must_hold_the_row_groups_and_the_batches_on_their_way(monkeypatch):
     """4 workers, row groups of 1,000 rows and 100 kB: 2 x 6 row groups (1.2 MB) and 2 batches a
-    worker of 512 rows at twice their 100 bytes a row (819,200 bytes): 2,019,200 bytes in all."""
+    worker of 512 rows at 4 times their 100 bytes a row (1,638,400 bytes): 2,838,400 in all."""
     from dynarec.data import reader
 
     units = [shared_decode.Unit("a", g, 0, 0, 1000 * g, 1000, 100_000) for g in range(3)]
@@ -227,7 +227,25 @@ def test_shared_memory_must_hold_the_row_groups_and_the_batches_on_their_way(mon
     def free(nbytes):
         monkeypatch.setattr(reader.os, "statvfs", lambda _: os.statvfs_result((4096, 1, 0, 0, nbytes, 0, 0, 0, 0, 255)))
 
-    free(2_019_200)
+    free(2_838_400)
     assert reader._shared_memory_holds(units, 4, 512)
-    free(2_019_199)
+    free(2_838_399)
     assert not reader._shared_memory_holds(units, 4, 512)
+
+
+def test_workers_send_their_batches_as_files_read_and_deleted_as_they_arrive(parquet_files, monkeypatch):
+    from dynarec.data import reader
+    from dynarec.data.batch import BatchFile
+
+    arrived = []
+    delivered = reader._delivered
+
+    def recording(item):
+        arrived.append(item)
+        return delivered(item)
+
+    one = batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 0))
+    monkeypatch.setattr(reader, "_delivered", recording)
+    assert batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2)) == one
+    assert len(arrived) == len(one) and all(isinstance(b, BatchFile) for b in arrived)
+    assert not any(os.path.exists(b.path) for b in arrived)

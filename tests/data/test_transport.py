@@ -119,3 +119,11 @@ def test_a_batch_file_is_read_straight_into_page_locked_memory(tmp_path):
     pinned = write_batch(tmp_path, 1, batch).pin_memory()
     assert_same(batch, pinned)
     assert pinned.sparse.values().is_pinned() and pinned.dense["seq"].is_pinned()
+
+
+def test_a_batch_file_whose_pass_is_gone_says_so(tmp_path):
+    (tmp_path / "pass").mkdir()
+    sent = write_batch(tmp_path / "pass", 0, every_field_batch())
+    (tmp_path / "pass").rename(tmp_path / "retired")
+    with pytest.raises(DataError, match=r"batch-0.bin could not be read \(No such file or directory; its pass's dir"):
+        sent.load()
