@@ -208,10 +208,10 @@ class BatchFile:
     shared directory (in shared memory, else the temp directory): what travels to the training
     process in its place — a path and a layout, where a pickled tensor would be a shared-memory
     mapping whose descriptor is handed over a socket, in Python, by the loader's thread in the
-    training process. That thread competes for the interpreter
-    with the training loop; reading a file holds the interpreter for a few calls. The training
-    process reads the file once (into page-locked memory where the batch is bound for a GPU:
-    :meth:`pin_memory`, which the DataLoader's pinning thread calls) and deletes it."""
+    training process. That thread competes for the interpreter with the training loop; reading
+    a file holds the interpreter for a few calls. The training process reads the file once
+    (into page-locked memory where the batch is bound for a GPU: :meth:`pin_memory`, which the
+    DataLoader's pinning thread calls) and deletes it."""
 
     path: str
     nbytes: int
