@@ -149,6 +149,19 @@ class Batch:
             self.sampled_rows,
         )
 
+    @property
+    def buffer(self) -> Optional[torch.Tensor]:
+        """The one buffer (uint8) the batch's tensors are views of, where they are (a batch a
+        DataLoader worker packed), else None."""
+        return None if self._packed is None else self._packed[0]
+
+    def viewing(self, buffer: torch.Tensor) -> Batch:
+        """This batch with its tensors views of ``buffer``, a copy of :attr:`buffer` (on a
+        device, say: the whole batch moved in one copy)."""
+        assert self._packed is not None, "a batch of separate tensors has no buffer"
+        _, slots, layout = self._packed
+        return _unpacked_batch(buffer, slots, layout)
+
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers)."""
         b = self.num_rows + self.sampled_rows
@@ -568,7 +581,8 @@ class BatchBuilder:
         )
         # Worked out here (in a DataLoader worker, beside the ids): the training process checks
         # the ids against its tables from these, without a pass over them on its main thread.
-        return kjt.with_id_ranges([(int(v.min()), int(v.max())) if len(v) else (0, -1) for v in values])
+        finite = None if not weights else bool(all(np.isfinite(w).all() for w in weights))
+        return kjt.with_id_ranges([(int(v.min()), int(v.max())) if len(v) else (0, -1) for v in values], finite)
 
     def _check_sequence_groups(self, computed: dict[str, _Output], origin: RowOrigin) -> None:
         """The sequence features of one sequence group are concatenated position by position: in

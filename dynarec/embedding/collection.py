@@ -31,10 +31,12 @@ def checked_slices(
     """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
     table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
     ids, id_range)`` (a table's id check; ``id_range``: the ids' ``(smallest, largest)`` where
-    the batch's maker worked it out, else None), finite per-sample weights. Errors name the
-    features."""
+    the batch's maker worked it out, else None), finite per-sample weights (read where the maker
+    did not check them). Errors name the features."""
     slices = split_features(kjt)
-    ranges = kjt.host_stats().id_range_per_key if isinstance(kjt, JaggedBatch) else None
+    stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else None
+    ranges = stats.id_range_per_key if stats is not None else None
+    weights_checked = stats is not None and stats.weights_finite is True
     range_of = dict(zip(kjt.keys(), ranges)) if ranges is not None else {}
     unknown = [k for k in slices if k not in features]
     if unknown:
@@ -44,10 +46,17 @@ def checked_slices(
         raise ValueError(f"batch is missing feature(s) {missing}")
     for name, s in slices.items():
         validate(name, s.values, range_of.get(name))
-        if s.weights is not None and s.num_ids and not bool(torch.isfinite(s.weights).all()):
+        if s.weights is not None and s.num_ids and not weights_checked and not bool(torch.isfinite(s.weights).all()):
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
     return slices
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` (``cuda`` meaning the current CUDA device)."""
+    if device.type != "cuda" or device.index is not None:
+        return t.device == device
+    return t.is_cuda and t.device.index == torch.cuda.current_device()
 
 
 def _build_table(
@@ -246,7 +255,7 @@ class EmbeddingCollection(nn.Module):
             slices = checked_slices(
                 kjt, list(self._features), lambda name, ids, r: self._features[name][0].validate(name, ids, r)
             )
-            if values.device != self.device:  # one copy of each of the batch's tensors, sliced there
+            if not _on(values, self.device):  # one copy of each of the batch's tensors, sliced there
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}

@@ -32,7 +32,7 @@ from dynarec.embedding.config import TableConfig
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
-from dynarec.embedding.table import FixedTable, FoundKeys
+from dynarec.embedding.table import FixedTable, FoundKeys, commit_on_backward
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 from dynarec.optim.registry import definition
@@ -159,8 +159,7 @@ class TableGroup:
             return self._lookup_apart(bags)
         self.store.set_learning_rate(rates.pop())
         out = self.store.lookup(bags.ids, bags.offsets, bags.weights, True, step=steps[0].t)
-        for table, step in zip(self.tables, steps):
-            table._commit_on_backward(out, step)
+        commit_on_backward(out, list(zip(self.tables, steps)))
         return out
 
     def _lookup_apart(self, bags: GroupBags) -> torch.Tensor:

@@ -35,12 +35,14 @@ class _HostStats:
     """Per key: ids (sum of lengths), longest sample, shortest length (negative: invalid); and
     ``(smallest, largest)`` id where the batch's maker worked them out beside its ids (a
     DataLoader worker: the training process then checks ids against its tables without reading
-    them; ``(0, -1)`` for a key without ids), else None."""
+    them; ``(0, -1)`` for a key without ids), else None; and whether every per-id weight is a
+    finite number, where the maker checked it, else None."""
 
     length_per_key: tuple[int, ...]
     max_length_per_key: tuple[int, ...]
     min_length_per_key: tuple[int, ...]
     id_range_per_key: Optional[tuple[tuple[int, int], ...]] = None
+    weights_finite: Optional[bool] = None
 
 
 def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
@@ -98,12 +100,14 @@ class JaggedBatch:
             self._stats = _host_stats(self._keys, self._lengths)
         return self._stats
 
-    def with_id_ranges(self, ranges: Sequence[tuple[int, int]]) -> JaggedBatch:
+    def with_id_ranges(self, ranges: Sequence[tuple[int, int]], weights_finite: Optional[bool] = None) -> JaggedBatch:
         """This batch, its host statistics holding ``ranges``: each key's ``(smallest, largest)``
-        id (``(0, -1)``: none), as its maker computed them."""
+        id (``(0, -1)``: none), and ``weights_finite`` (whether every weight is a finite number),
+        as its maker computed them."""
         if len(ranges) != len(self._keys):
             raise ValueError(f"{len(ranges)} id ranges for {len(self._keys)} keys")
-        stats = dataclasses.replace(self.host_stats(), id_range_per_key=tuple((int(a), int(b)) for a, b in ranges))
+        ranges = tuple((int(a), int(b)) for a, b in ranges)
+        stats = dataclasses.replace(self.host_stats(), id_range_per_key=ranges, weights_finite=weights_finite)
         return JaggedBatch(self._keys, self._values, self._lengths, self._weights, stats)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:

@@ -13,7 +13,7 @@ first, then ``lookup``; the lookup output's backward commits the step, ``abort_s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -32,7 +32,7 @@ from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 from dynarec.optim.rounding import ROW_DTYPES, RowKeys
 
-__all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "make_row_store"]
+__all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "commit_on_backward", "make_row_store"]
 
 
 class FoundKeys:
@@ -57,6 +57,28 @@ class FoundKeys:
         if self._all_present is None:
             self._all_present = not bool(self._absent.read())
         return self._all_present
+
+
+def commit_on_backward(out: torch.Tensor, steps: Sequence[tuple[EmbeddingTable, Step]]) -> None:
+    """The backward of ``out`` (one lookup of these tables' rows) commits each table's ``step``
+    (and its earlier pending steps), through one hook whatever the number of tables; a second
+    backward through it (``retain_graph=True``) would update the rows twice and is refused."""
+    if not out.requires_grad:
+        return
+
+    def on_backward(grad: torch.Tensor) -> None:
+        for table, step in steps:
+            if step.backward_ran:
+                raise RuntimeError(
+                    f"table '{table.name}': a second backward through the lookup of training step {step.t} "
+                    "(retain_graph=True?) would apply the fused optimizer to its rows twice; run one backward "
+                    "per training forward"
+                )
+        for table, step in steps:
+            step.backward_ran = True
+            table.steps.commit(step)
+
+    out.register_hook(on_backward)
 
 
 def check_id_range(
@@ -150,22 +172,7 @@ class EmbeddingTable(ABC):
             self.steps.commit(self.steps.pending[-1])
 
     def _commit_on_backward(self, out: torch.Tensor, step: Step) -> None:
-        """The backward of ``out`` commits ``step`` (and every earlier pending step); a second
-        backward through it (``retain_graph=True``) would update the rows twice and is refused."""
-        if not out.requires_grad:
-            return
-
-        def on_backward(grad: torch.Tensor) -> None:
-            if step.backward_ran:
-                raise RuntimeError(
-                    f"table '{self.name}': a second backward through the lookup of training step {step.t} "
-                    "(retain_graph=True?) would apply the fused optimizer to its rows twice; run one backward "
-                    "per training forward"
-                )
-            step.backward_ran = True
-            self.steps.commit(step)
-
-        out.register_hook(on_backward)
+        commit_on_backward(out, [(self, step)])
 
     @property
     def learning_rate(self) -> float:

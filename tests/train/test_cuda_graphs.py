@@ -190,3 +190,90 @@ def test_no_graphs_off_the_gpu(tmp_path):
     config = load_config(write_config(tmp_path, config_dict()))
     assert config.train.cuda_graphs
     assert Trainer(config, tmp_path / "m", device="cpu", progress=False).task.graphs is None
+
+
+def _views_of_one_base(batch: int, seed: int, shift: int = 0):
+    """The model's inputs as a step makes them: embeddings as views of one grouped lookup's output,
+    dense features and lengths as views of one buffer the batch was copied in (``shift`` bytes
+    of other tensors before them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(2 * batch, 4, generator=g).requires_grad_()
+    pooled = out * 1.0  # a non-leaf output, as a lookup's
+    buffer = torch.zeros(shift + 64 * 8 + batch * 16, dtype=torch.uint8)
+    dense_at = shift + 64
+    lengths_at = dense_at + -(-batch * 4 // 64) * 64  # aligned, as a packed buffer's
+    buffer[dense_at : dense_at + batch * 4].view(torch.float32).copy_(torch.rand(batch, generator=g))
+    buffer[lengths_at : lengths_at + batch * 8].view(torch.int64).copy_(torch.randint(0, 4, (batch,), generator=g))
+    emb = {"user": pooled[:batch], "item": pooled[batch:, :3]}
+    lengths = {"hist": buffer[lengths_at : lengths_at + batch * 8].view(torch.int64)}
+    dense = {"price": buffer[dense_at : dense_at + batch * 4].view(torch.float32)}
+    return out, pooled, (emb, lengths, dense)
+
+
+def test_inputs_viewing_one_tensor_are_fed_through_it():
+    from dynarec.train.graphs import _Feed, _flat, _view_of
+
+    _, pooled, inputs = _views_of_one_base(8, 0)
+    feed = _Feed.of(_flat(inputs))
+    assert len(feed.sources) == 2  # the lookup's output; the batch's bytes from 'hist' to 'price'
+    assert feed.sources[0] is pooled
+    assert feed.sources[1].dtype == torch.uint8 and feed.sources[1].numel() == 64 + 8 * 8
+    static = [s.detach().clone() for s in feed.sources]
+    for t, view in zip(_flat(inputs), feed.views):
+        got = _view_of(static[view.source], view)
+        assert got.shape == t.shape and got.dtype == t.dtype
+        torch.testing.assert_close(got, t.detach())
+    # Other tensors of the batch before them (more ids this step) change nothing of the graph.
+    assert _Feed.of(_flat(_views_of_one_base(8, 1, shift=192)[2])).key == feed.key
+    assert _Feed.of(_flat(_views_of_one_base(16, 0)[2])).key != feed.key
+
+
+def test_inputs_needing_a_gradient_apart_from_a_base_are_their_own_sources():
+    from dynarec.train.graphs import _Feed
+
+    a = torch.randn(4, 2, requires_grad=True)
+    b = torch.randn(6, 3).requires_grad_()[:, :2]  # a view of a leaf
+    c = torch.randn(4, 2).t()  # no gradient, its own memory
+    feed = _Feed.of([a, b, c])
+    assert [v.offset for v in feed.views] == [None, 0, 0]
+    assert feed.sources[0] is a and feed.sources[1] is b._base and feed.sources[2].dtype == torch.uint8
+
+
+@needs_cuda
+def test_replays_through_a_base_equal_eager_passes():
+    class _Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(9, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, emb, lengths, dense):
+            x = torch.cat([emb["user"], emb["item"], (dense["price"] * lengths["hist"])[:, None]], 1)
+            return self.net(x).squeeze(1)
+
+    torch.manual_seed(0)
+    eager = _Split().cuda()
+    graphed = copy.deepcopy(eager)
+    graphs = DenseGraphs(graphed)
+    for i, shift in enumerate([0, 0, 128, 64, 0]):
+        results = []
+        for model, forward in ((eager, eager), (graphed, graphs)):
+            out, _, (emb, lengths, dense) = _views_of_one_base(16, i, shift)
+            out = out.detach().cuda().requires_grad_()
+            pooled = out * 1.0
+            emb = {"user": pooled[:16], "item": pooled[16:, :3]}
+            on_device = [{k: v.cuda() for k, v in d.items()} for d in (lengths, dense)]
+            parts = [v.view(torch.uint8) for v in (*on_device[0].values(), *on_device[1].values())]
+            buffer = torch.cat([torch.zeros(shift, dtype=torch.uint8, device="cuda"), *parts])  # other tensors first
+            lengths = {"hist": buffer[shift : shift + 128].view(torch.int64)}
+            dense = {"price": buffer[shift + 128 :].view(torch.float32)}
+            y = forward(emb, lengths, dense)
+            y.square().sum().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            results.append((y.detach().clone(), out.grad.clone(), grads))
+        (want_y, want_g, want_p), (got_y, got_g, got_p) = results
+        torch.testing.assert_close(got_y, want_y)
+        torch.testing.assert_close(got_g, want_g)  # the base's gradient, through the graph
+        for w, g in zip(want_p, got_p):
+            torch.testing.assert_close(g, w)
+    assert graphs.refused is None and graphs.num_graphs == 1 and graphs.replays == 5
