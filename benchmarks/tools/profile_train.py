@@ -48,7 +48,7 @@ def _steps(trainer: Trainer, batches, sync) -> float:
     rows)`` items of ``TrainInput.batches``), fed as ``Trainer.fit`` feeds them."""
     start = time.perf_counter()
     items = batches if not isinstance(batches, list) else iter([(b, trainer.position, b.num_rows) for b in batches])
-    ahead = ReadAhead(items, trainer.task.embeddings, trainer.device)
+    ahead = ReadAhead(items, trainer.task.embeddings)
     item = ahead.next()
     while item is not None:
         trainer.train_step(item[0], item[2])
@@ -74,7 +74,7 @@ def _timeline(trainer: Trainer, items, steps: int, window: int, sync) -> None:
                 return
             yield item
 
-    ahead = ReadAhead(timed(items), trainer.task.embeddings, trainer.device)
+    ahead = ReadAhead(timed(items), trainer.task.embeddings)
     item = ahead.next()
     ends = [time.perf_counter()]
     stepping: list[float] = []

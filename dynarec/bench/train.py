@@ -130,7 +130,7 @@ def bench_train_step(args) -> dict:
     model_dir = Path(tempfile.mkdtemp(prefix=f"dynarec-bench-train-rank{ctx.rank}-"))
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
     # as Trainer.fit: the next batch is read, and its input stage started, while a backward runs
-    ahead = ReadAhead(trainer.input.batches(trainer.position), trainer.task.embeddings, trainer.device)
+    ahead = ReadAhead(trainer.input.batches(trainer.position), trainer.task.embeddings)
 
     def run_dynarec(steps: int) -> float:
         sync()

@@ -149,19 +149,6 @@ class Batch:
             self.sampled_rows,
         )
 
-    @property
-    def buffer(self) -> Optional[torch.Tensor]:
-        """The one buffer (uint8) the batch's tensors are views of, where they are (a batch a
-        DataLoader worker packed), else None."""
-        return None if self._packed is None else self._packed[0]
-
-    def viewing(self, buffer: torch.Tensor) -> Batch:
-        """This batch with its tensors views of ``buffer``, a copy of :attr:`buffer` (on a
-        device, say: the whole batch moved in one copy)."""
-        assert self._packed is not None, "a batch of separate tensors has no buffer"
-        _, slots, layout = self._packed
-        return _unpacked_batch(buffer, slots, layout)
-
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers)."""
         b = self.num_rows + self.sampled_rows

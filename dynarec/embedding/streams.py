@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HostReadback", "StagedInput", "copy_in", "current_stream", "input_stage"]
+__all__ = ["HostReadback", "StagedInput", "current_stream", "input_stage"]
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
 _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # current_stream's wrappers, by device and stream id
@@ -126,18 +126,6 @@ def input_stage(
         yield staged
         staged.ready = torch.cuda.Event()
         staged.ready.record(side)
-
-
-def copy_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """``host`` (page-locked) copied to ``device`` (CUDA) on its input stream, beside the main
-    stream's work, and the event after the copy: wait for it on the stream that reads the copy
-    (``wait_event``) and mark the copy as read there (``record_stream``)."""
-    side = _input_stream(device)
-    with torch.cuda.stream(side):
-        copy = host.to(device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    return copy, done
 
 
 class HostReadback:

@@ -32,7 +32,6 @@ gradient accumulator then belongs to the training stream, not to the capture's).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -45,103 +44,10 @@ __all__ = ["DenseGraphs"]
 Inputs = tuple[dict[str, torch.Tensor], ...]
 
 
-@dataclass(frozen=True)
-class _View:
-    """Where one input lies in its source: ``offset`` (elements of a gradient source, bytes of a
-    byte source; None: the input is the source itself), and its dtype, shape and strides."""
-
-    source: int
-    offset: Optional[int]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Feed:
-    """How a step's inputs reach a graph: through their sources, the tensors a replay copies
-    into its static ones. Inputs that are views of one tensor (a grouped lookup's output, split
-    by feature; a batch's features, views of the one buffer it was copied to the device in) are
-    fed through it: one copy in a step, and for those that need a gradient, one gradient out —
-    the base's, where autograd would build it from one slice per feature.
-
-    - gradient sources: a contiguous base that needs a gradient, with its views of its dtype;
-      any other input that needs one is its own source;
-    - byte sources: inputs without gradient sharing one memory block, fed as the bytes from the
-      first to the end of the last (offsets relative to the first, so a batch whose other
-      tensors move them does not change the graph); a tensor without elements is its own source.
-
-    ``key`` is what a graph is specialised to besides the inputs' names (their layout within
-    their sources and the sources' shapes); ``sources`` are this step's, in the graph's order."""
-
-    key: tuple
-    sources: list[torch.Tensor]
-    views: tuple[_View, ...]
-
-    @classmethod
-    def of(cls, flat: Sequence[torch.Tensor]) -> _Feed:
-        sources: list[torch.Tensor] = []
-        found: dict[tuple, int] = {}  # a source's identity -> its index
-        views: list[Optional[_View]] = []
-        spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # byte source -> (input, offset, tensor)
-        for i, t in enumerate(flat):
-            base = t._base
-            if (
-                t.requires_grad
-                and base is not None
-                and base.requires_grad
-                and base.dtype == t.dtype
-                and base.is_contiguous()
-            ):
-                k = found.setdefault(("grad", id(base)), len(sources))
-                if k == len(sources):
-                    sources.append(base)
-                views.append(_View(k, int(t.storage_offset() - base.storage_offset()), t.dtype, t.shape, t.stride()))
-            elif t.requires_grad or t.numel() == 0:
-                views.append(_View(len(sources), None, t.dtype, t.shape, t.stride()))
-                sources.append(t)
-            else:
-                k = found.setdefault(("bytes", t.untyped_storage().data_ptr()), len(sources))
-                if k == len(sources):
-                    sources.append(t)  # replaced by its bytes below
-                spans.setdefault(k, []).append((i, int(t.storage_offset()) * t.element_size(), t))
-                views.append(None)
-        for k, members in spans.items():
-            lo = min(off for _, off, _ in members)
-            if any((off - lo) % t.element_size() for _, off, t in members):  # (not from one packed buffer)
-                lo = 0
-            hi = max(off + _extent(t) * t.element_size() for _, off, t in members)
-            t = members[0][2]
-            sources[k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                t.untyped_storage(), lo, (hi - lo,), (1,)
-            )
-            for i, off, t in members:
-                views[i] = _View(k, off - lo, t.dtype, t.shape, t.stride())
-        done = tuple(v for v in views if v is not None)
-        shapes = tuple((s.dtype, s.shape, s.stride(), s.requires_grad) for s in sources)
-        return cls((done, shapes), sources, done)
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements from ``t``'s first to its last, inclusive (``t`` has some)."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
-def _view_of(source: torch.Tensor, view: _View) -> torch.Tensor:
-    """The input ``view`` describes, as a view of ``source`` (a static source)."""
-    if view.offset is None:
-        return source
-    if source.dtype == torch.uint8:  # a byte source (a gradient source is floating point)
-        width = torch.empty((), dtype=view.dtype).element_size()
-        extent = 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride))
-        return source[view.offset : view.offset + extent * width].view(view.dtype).as_strided(view.shape, view.stride)
-    return source.as_strided(view.shape, view.stride, source.storage_offset() + view.offset)
-
-
-def _signature(inputs: Inputs, feed: _Feed) -> tuple:
-    """What a graph is specialised to: each input dict's keys in order, and the feed's layout
-    (each input's dtype, shape, strides and place in its source; the sources' shapes)."""
-    return tuple(tuple(d) for d in inputs), feed.key
+def _signature(inputs: Inputs) -> tuple:
+    """What a graph is specialised to: each input dict's keys in order, with each tensor's shape,
+    dtype and whether it needs a gradient (a graph's inputs are flattened in this order)."""
+    return tuple(tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in d.items()) for d in inputs)
 
 
 def _flat(inputs: Inputs) -> list[torch.Tensor]:
@@ -149,16 +55,16 @@ def _flat(inputs: Inputs) -> list[torch.Tensor]:
 
 
 class _Captured:
-    """One signature's forward and backward graphs with their static tensors: ``sources`` (the
-    feed's, copied into before a replay), ``outputs`` (the forward's, flattened),
-    ``grad_outputs`` (copied into before the backward's replay) and ``grad_inputs`` (for the
-    sources then the parameters; None where none is needed)."""
+    """One signature's forward and backward graphs with their static tensors: ``inputs`` (copied
+    into before a replay), ``outputs`` (the forward's, flattened), ``grad_outputs`` (copied into
+    before the backward's replay) and ``grad_inputs`` (for ``inputs`` then the parameters; None
+    where none is needed)."""
 
-    def __init__(self, dense: nn.Module, params: Sequence[nn.Parameter], inputs: Inputs, feed: _Feed, pool: Any):
-        self.sources = [s.detach().clone().requires_grad_(s.requires_grad) for s in feed.sources]
-        values = iter([_view_of(self.sources[v.source], v) for v in feed.views])
+    def __init__(self, dense: nn.Module, params: Sequence[nn.Parameter], inputs: Inputs, pool: Any):
+        self.inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in _flat(inputs)]
+        values = iter(self.inputs)
         sample = tuple({k: next(values) for k in d} for d in inputs)
-        surface = [*self.sources, *params]
+        surface = [*self.inputs, *params]
         wanted = [t for t in surface if t.requires_grad]
 
         def passes() -> tuple[list[torch.Tensor], Any, tuple[Optional[torch.Tensor], ...]]:
@@ -212,7 +118,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, captured: _Captured, *surface: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for static, given in zip(captured.sources, surface):
+        for static, given in zip(captured.inputs, surface):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         captured.forward.replay()
@@ -271,21 +177,20 @@ class DenseGraphs:
     def __call__(self, *inputs: dict[str, torch.Tensor]) -> Any:
         if not torch.is_grad_enabled():  # a forward without backward: nothing to replay
             return self.dense(*inputs)
-        feed = _Feed.of(_flat(inputs))
-        key = _signature(inputs, feed)
+        key = _signature(inputs)
         captured = self._graphs.get(key)
         if captured is None:
             if self.refused is not None or len(self._graphs) >= self.max_graphs:
                 return self.dense(*inputs)
-            captured = self._capture(inputs, feed)
+            captured = self._capture(inputs)
             if captured is None:
                 return self.dense(*inputs)
             self._graphs[key] = captured
         self.replays += 1
-        outputs = _Replay.apply(captured, *feed.sources, *self._params)
+        outputs = _Replay.apply(captured, *_flat(inputs), *self._params)
         return tree_unflatten(list(outputs), captured.spec)
 
-    def _capture(self, inputs: Inputs, feed: _Feed) -> Optional[_Captured]:
+    def _capture(self, inputs: Inputs) -> Optional[_Captured]:
         device = next(t for d in inputs for t in d.values()).device
         index = device.index if device.index is not None else torch.cuda.current_device()
         generator = torch.cuda.default_generators[index]
@@ -296,7 +201,7 @@ class DenseGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         try:
             with torch.random.fork_rng(devices=[device]):
-                return _Captured(self.dense, self._params, inputs, feed, self._pool)
+                return _Captured(self.dense, self._params, inputs, self._pool)
         except torch.OutOfMemoryError:
             raise  # the step's own error (the trainer names it), not the model's
         except Exception as e:  # the model cannot be captured: it stays eager

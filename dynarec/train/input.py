@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
-
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
 from dynarec.data.reader import (
@@ -31,7 +29,6 @@ from dynarec.data.reader import (
     resolve_files,
 )
 from dynarec.distributed.context import DistContext
-from dynarec.embedding.streams import copy_in, current_stream
 
 __all__ = ["FollowOptions", "Item", "ReadAhead", "TrainInput"]
 
@@ -281,18 +278,12 @@ class ReadAhead:
     (their copy to the GPU and their hash finds: ``prefetch``) overlap that backward. Up to the
     embeddings' ``prefetch_depth`` batches are held. An error reading one is raised where the
     loop asks for that batch, after the steps before it: the step it interrupts is not the one
-    it belongs to.
+    it belongs to."""
 
-    On a CUDA ``device`` a batch whose tensors are views of one page-locked buffer (a DataLoader
-    worker's) moves to the device whole, in one copy on the input stream, and the loop gets it
-    there: its embeddings' input stage, its dense features and its labels read that copy, where
-    each of its tensors would be a copy of its own."""
-
-    def __init__(self, batches: Iterator[Item], embeddings, device: Optional[torch.device] = None):
+    def __init__(self, batches: Iterator[Item], embeddings):
         self._batches = batches
         self._embeddings = embeddings
-        self._device = device if device is not None and device.type == "cuda" else None
-        self._read: deque[tuple[str, Any, Optional[torch.cuda.Event]]] = deque()
+        self._read: deque[tuple[str, Any]] = deque()
 
     def read(self, steps_left: Optional[int] = None) -> None:
         """Reads (and prefetches) batches until ``prefetch_depth`` are held, or as many as the
@@ -306,28 +297,17 @@ class ReadAhead:
             try:
                 item = next(self._batches, None)
             except Exception as e:  # raised by next(), after the steps before it
-                self._read.append(("error", e, None))
+                self._read.append(("error", e))
                 return
-            copied = None
+            self._read.append(("item", item))
             if item is not None and isinstance(item[0], Batch):
-                batch = item[0]
-                host = batch.buffer
-                if self._device is not None and host is not None and host.is_pinned():
-                    buffer, copied = copy_in(host, self._device)
-                    batch = batch.viewing(buffer)
-                    item = (batch, *item[1:])
-                self._embeddings.prefetch(batch.sparse, copied)
-            self._read.append(("item", item, copied))
+                self._embeddings.prefetch(item[0].sparse)
 
     def next(self) -> Optional[Item]:
         """The oldest batch read ahead, else the next one."""
         if not self._read:
             return next(self._batches, None)
-        kind, value, copied = self._read.popleft()
+        kind, value = self._read.popleft()
         if kind == "error":
             raise value
-        if copied is not None and self._device is not None:  # the batch's copy, read on this stream
-            stream = current_stream(self._device)
-            stream.wait_event(copied)
-            value[0].buffer.record_stream(stream)
         return value

@@ -340,7 +340,7 @@ class Trainer:
         start_step = self.step
         evaluated_at = saved_at = None
         item = first
-        ahead = ReadAhead(batches, self.task.embeddings, self.device)
+        ahead = ReadAhead(batches, self.task.embeddings)
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None

@@ -146,6 +146,9 @@ def test_weighted_pairs_and_map_columns_carry_weights_in_the_kjt():
     assert ids(b, "f") == [[12, 123], [5]]
     assert weights(b, "f") == pytest.approx([0.9, 0.21, 2.0])
     assert weights(b, "g") == [1.0, 1.0]
+    assert b.sparse.host_stats().weights_finite is True  # said by the maker: the step reads no weight
+    with pytest.raises(DataError, match=r"row 0: feature 'f' \(column 'f'\): weight nan is not a finite number"):
+        build([f, other], f=pa.array([f"12:nan{H}123:0.21", "5:2"]), g=pa.array([1, 2]))
     m = pa.array([[(3, 0.5), (7, 1.5)], [], [(1, 1.0)]], pa.map_(pa.int64(), pa.float32()))
     b = build(id_feature(num_buckets=10, weighted=True), f=m)
     assert ids(b, "f") == [[3, 7], [], [1]]

@@ -110,3 +110,30 @@ def test_two_dimensional_batch_tensors_are_refused_by_name(field):
     with pytest.raises(ValueError, match=rf"the batch's {field} must be 1-D .*got shape \("):
         coll(kjt)
     assert same(before, dumps(coll)) and coll.tables["d"].size == 0
+
+
+def test_weights_are_checked_from_what_their_batch_was_made_with():
+    """A batch from a DataLoader worker says whether its weights are all finite (worked out where
+    it was built): the check reads that, not the weights; unsaid, the weights are read."""
+    kjt = JaggedBatch.from_lists({"a": [[1, 2]], "b": [[5]]}, {"a": [[1.0, float("nan")]], "b": [[1.0]]})
+    with pytest.raises(ValueError, match=r"feature 'a': per-sample weight nan is not a finite number"):
+        collection()(kjt.with_id_ranges([(1, 2), (5, 5)], weights_finite=None))
+    with pytest.raises(ValueError, match=r"feature 'a': per-sample weight nan is not a finite number"):
+        collection()(kjt.with_id_ranges([(1, 2), (5, 5)], weights_finite=False))
+    collection()(kjt.with_id_ranges([(1, 2), (5, 5)], weights_finite=True))  # (what its maker said)
+
+
+def test_a_second_backward_through_grouped_tables_is_refused_and_updates_once():
+    """Tables sharing one lookup commit their steps through one hook; a second backward through it
+    is refused for the first of them, and no table's rows move again."""
+    tables = [TableConfig(name=n, dim=4, num_embeddings=10, features=[n]) for n in ("f", "g")]
+    coll = EmbeddingCollection(tables, Adagrad(lr=0.5))
+    assert coll.lookup_groups == [("f", "g")]
+    out = coll(JaggedBatch.from_lists({"f": [[3]], "g": [[4]]}))
+    loss = out["f"].sum() + out["g"].sum()
+    loss.backward(retain_graph=True)
+    assert [coll.tables[n].step for n in ("f", "g")] == [1, 1]
+    once = dumps(coll)
+    with pytest.raises(RuntimeError, match=r"table 'f': a second backward through the lookup of training step 1"):
+        loss.backward()
+    assert same(once, dumps(coll))

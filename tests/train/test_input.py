@@ -6,7 +6,6 @@ from dynarec.config import config_from_dict
 from dynarec.data.reader import DataPosition
 from dynarec.distributed.context import single_process
 from dynarec.train.input import TrainInput
-from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import config_dict, make_data
 
 
@@ -43,59 +42,3 @@ def test_an_epoch_resumed_mid_way_reads_from_its_row_then_whole_epochs_share_wor
     assert [p for _, p, _ in items] == [p for _, p, _ in plain]
     assert all(torch.equal(a.labels, b.labels) for (a, _, _), (b, _, _) in zip(items, plain))
     assert items[0][1] == DataPosition(0, 600) and source._epoch_loader is not None
-
-
-class _Prefetches:
-    """An embeddings stand-in for ReadAhead: records the batches it was asked to prefetch."""
-
-    prefetch_depth = 2
-
-    def __init__(self):
-        self.prefetched = []
-
-    def prefetch(self, kjt, ready=None):
-        self.prefetched.append((kjt, ready))
-
-
-def _packed_batches(tmp_path, pin: bool):
-    """Batches as a training process receives them from a DataLoader worker: views of one buffer."""
-    source = epochs_of(tmp_path, 0, epochs=1)
-    for batch, position, rows in source.batches(DataPosition()):
-        buffer, slots, layout = batch.packed()
-        yield batch_of(buffer.pin_memory() if pin else buffer, slots, layout), position, rows
-
-
-def batch_of(buffer, slots, layout):
-    from dynarec.data.batch import _unpacked_batch
-
-    return _unpacked_batch(buffer, slots, layout)
-
-
-def test_read_ahead_keeps_batches_where_they_are_off_a_gpu(tmp_path):
-    from dynarec.train.input import ReadAhead
-
-    embeddings = _Prefetches()
-    ahead = ReadAhead(_packed_batches(tmp_path, pin=False), embeddings, torch.device("cpu"))
-    ahead.read()
-    batch = ahead.next()[0]
-    kjt, ready = embeddings.prefetched[0]
-    assert batch.labels.device.type == "cpu" and kjt is batch.sparse and ready is None
-
-
-@needs_cuda
-def test_read_ahead_moves_a_packed_batch_to_the_gpu_in_one_copy(tmp_path):
-    from dynarec.train.input import ReadAhead
-
-    embeddings = _Prefetches()
-    host = [b for b, _, _ in _packed_batches(tmp_path, pin=True)]
-    ahead = ReadAhead(_packed_batches(tmp_path, pin=True), embeddings, torch.device("cuda"))
-    ahead.read()
-    got = ahead.next()[0]
-    assert got.buffer.is_cuda and got.buffer.numel() == host[0].buffer.numel()
-    kjt, ready = embeddings.prefetched[0]
-    assert kjt is got.sparse and ready is not None  # the input stage reads the copy after it is made
-    for t in (got.sparse.values(), got.sparse.lengths(), got.labels, *got.dense.values()):
-        assert t.is_cuda and t.untyped_storage().data_ptr() == got.buffer.untyped_storage().data_ptr()
-    torch.testing.assert_close(got.labels.cpu(), host[0].labels)
-    torch.testing.assert_close(got.sparse.values().cpu(), host[0].sparse.values())
-    assert got.sparse.host_stats() == host[0].sparse.host_stats()  # the checks still read nothing back
