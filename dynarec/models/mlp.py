@@ -35,10 +35,14 @@ class BatchNorm(nn.BatchNorm1d):
         return super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "dice": Dice, "silu": nn.SiLU, "none": nn.Identity}
+
+
 class MLP(nn.Sequential):
     """Linear layers (``bias``: with biases), each followed by batch normalization
-    (``batch_norm``, per unit over every row and position), ``activation`` (``relu`` or ``dice``)
-    and, where ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
+    (``batch_norm``, per unit over every row and position), layer normalization (``layer_norm``:
+    TorchEasyRec's ``use_ln``), ``activation`` (``relu``, ``dice``, ``silu`` or ``none``) and,
+    where ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
 
     ``dropout``: no ratio (none), one ratio for every layer, or one per layer (TorchEasyRec's
     ``dropout_ratio``). Dropout draws from torch's global generator in training only; in eval the
@@ -55,7 +59,10 @@ class MLP(nn.Sequential):
         dropout: Sequence[float] = (),
         batch_norm: bool = False,
         bias: bool = True,
+        layer_norm: bool = False,
     ):
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: one of {sorted(_ACTIVATIONS)}")
         ratios = list(dropout) * len(hidden_units) if len(dropout) == 1 else list(dropout)
         if ratios and len(ratios) != len(hidden_units):
             raise ValueError(f"dropout ratios {list(dropout)}: give one, or one per layer of {list(hidden_units)}")
@@ -64,7 +71,10 @@ class MLP(nn.Sequential):
             layers.append(nn.Linear(in_dim, units, bias=bias))
             if batch_norm:
                 layers.append(BatchNorm(units))
-            layers.append(Dice(units) if activation == "dice" else nn.ReLU())
+            if layer_norm:
+                layers.append(nn.LayerNorm(units))
+            if activation != "none":
+                layers.append(Dice(units) if activation == "dice" else _ACTIVATIONS[activation]())
             if ratios and ratios[i] > 0:
                 layers.append(nn.Dropout(ratios[i]))
             in_dim = units
