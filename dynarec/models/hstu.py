@@ -38,7 +38,9 @@ __all__ = [
     "TimestampLayerNormPostprocessor",
     "assemble_rows",
     "hstu_valid_mask",
+    "semi_local_mask",
     "take_candidates",
+    "truncate_history",
 ]
 
 
@@ -522,3 +524,53 @@ class FusionMTLTower(nn.Module):
         if self.mlp is not None:
             x = self.mlp(x)
         return list(torch.split(self.out(x), self.num_classes, dim=-1))
+
+
+def semi_local_mask(
+    lengths: torch.Tensor, num_targets: torch.Tensor, num_contexts: int, n: int, sla_k1: int, sla_k2: int
+) -> torch.Tensor:
+    """``[B, n, n]`` bool: Semi-Local Attention (UltraHSTU's ``sla_k1``, ``sla_k2``), replacing
+    :func:`hstu_valid_mask` in every layer of a channel. A history query at position ``p`` (the
+    contexts count as history) sees a global prefix of ``k2 = max(sla_k2, num_contexts)`` keys
+    and a causal window of its last ``sla_k1`` keys, itself included:
+    ``[0, min(p + 1, k2)) ∪ [max(p - sla_k1 + 1, k2), p + 1)``; a candidate sees the whole
+    history, not itself nor another candidate. Keys and queries past a row's length never."""
+    pos = _positions(lengths, n)
+    history = (lengths - num_targets).clamp(min=0)[:, None, None]  # contexts and history: Hb
+    q, k = pos[:, :, None], pos[:, None, :]
+    k2 = max(sla_k2, num_contexts)
+    prefix = k < torch.clamp(q + 1, max=k2)
+    window = (k >= torch.clamp(q - sla_k1 + 1, min=k2)) & (k <= q)
+    valid = torch.where(q < history, prefix | window, k < history)
+    inside = pos < lengths[:, None]
+    return valid & inside[:, :, None] & inside[:, None, :]
+
+
+def truncate_history(
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    num_targets: torch.Tensor,
+    num_contexts: int,
+    tail_len: int,
+    *others: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """UltraHSTU's mid-stack truncation (``attn_truncation_tail_len``): each row keeps its
+    contexts, its last ``tail_len`` history tokens (the oldest dropped) and every candidate.
+    ``x [B, N, ...]`` and ``others`` (the tokens' timestamps, say: ``[B, N, ...]``) ->
+    ``(x', lengths', others')``, padded to the longest kept row (zeros past a row)."""
+    c = num_contexts
+    history = lengths - c - num_targets
+    dropped = (history - tail_len).clamp(min=0)
+    kept = lengths - dropped
+    n = int(kept.max()) if kept.numel() else 0
+    j = _positions(lengths, n)
+    src = torch.where(j < c, j, j + dropped[:, None])
+    inside = j < kept[:, None]
+    src = torch.where(inside, src, 0)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        index = src.view(*src.shape, *(1 for _ in t.shape[2:])).expand(*src.shape, *t.shape[2:])
+        out = t.gather(1, index)
+        return out * inside.view(*inside.shape, *(1 for _ in t.shape[2:])).to(out.dtype)
+
+    return take(x), kept, [take(t) for t in others]

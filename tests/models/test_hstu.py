@@ -291,3 +291,34 @@ def test_the_fusion_tower_scores_every_task_from_user_times_item():
     assert torch.equal(tower.out.bias, torch.zeros(4))  # Xavier weights, zero biases
     with pytest.raises(ValueError, match="activation 'tanh'"):
         FusionMTLTower(4, [1], hidden_units=(8,), activation="tanh")
+
+
+def test_semi_local_attention_keeps_a_global_prefix_and_a_local_window():
+    from dynarec.models.hstu import semi_local_mask
+
+    # 2 contexts, 5 history tokens, 2 candidates; k1 = 2, k2 = max(3, 2) = 3
+    got = semi_local_mask(torch.tensor([9]), torch.tensor([2]), 2, 10, sla_k1=2, sla_k2=3)[0]
+    want = {
+        0: {0},
+        1: {0, 1},
+        2: {0, 1, 2},
+        3: {0, 1, 2, 3},
+        4: {0, 1, 2, 3, 4},
+        5: {0, 1, 2, 4, 5},  # the prefix [0, 3) and the window [4, 6)
+        6: {0, 1, 2, 5, 6},
+        7: set(range(7)),  # a candidate: the whole history, not itself
+        8: set(range(7)),
+    }
+    for p in range(10):
+        assert {j for j in range(10) if got[p, j]} == want.get(p, set()), p
+
+
+def test_truncation_keeps_the_contexts_the_newest_history_and_every_candidate():
+    from dynarec.models.hstu import truncate_history
+
+    x = torch.tensor([[10.0, 0, 1, 2, 3, 4, 50, 51], [20.0, 7, 60, 0, 0, 0, 0, 0]])[..., None]
+    ts = x.squeeze(-1) * 100
+    out, lengths, (ts_out,) = truncate_history(x, torch.tensor([8, 3]), torch.tensor([2, 1]), 1, 2, ts)
+    assert lengths.tolist() == [5, 3]
+    assert out[..., 0].tolist() == [[10, 3, 4, 50, 51], [20, 7, 60, 0, 0]]
+    assert ts_out.tolist() == (out[..., 0] * 100).tolist()
