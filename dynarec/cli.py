@@ -156,6 +156,11 @@ def cmd_predict(args) -> None:
         outputs, config = model.predict_files(files), model.config
     else:
         trainer = _restored(args)
+        if trainer.config.candidate_feature() is not None:
+            raise ValueError(
+                f"predict: model.{trainer.config.model.name} scores each row's candidates; writing its scores (a list "
+                "a row) is not supported yet — evaluate it with `dynarec evaluate`"
+            )
         outputs, _, _ = trainer.predict(files, with_labels=False)
         config = trainer.config
     columns = {name: _prediction_column(x) for name, x in outputs.items()}

@@ -43,6 +43,7 @@ from dynarec.config.features import (
     check_features,
     dependency_order,
 )
+from dynarec.config.hstu import HSTU_GROUPS, DlrmHSTUCfg
 from dynarec.config.tasks import TaskTowerCfg, check_task_towers
 from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
@@ -589,6 +590,9 @@ RETRIEVAL_KEYS = ("dssm", "dat", "mind")
 # their groups cannot nest sequence_groups.
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
 
+# Models that score each row's candidates (labels are lists, one value a candidate).
+CANDIDATE_KEYS = ("dlrm_hstu",)
+
 MODEL_KEYS = (
     "multi_tower_din",
     "din",
@@ -603,6 +607,7 @@ MODEL_KEYS = (
     "rocket_launching",
     *MULTI_TASK_KEYS,
     *RETRIEVAL_KEYS,
+    *CANDIDATE_KEYS,
 )
 
 
@@ -636,6 +641,7 @@ class ModelCfg(Strict):
     dssm: Optional[DSSMCfg] = None
     dat: Optional[DATCfg] = None
     mind: Optional[MINDCfg] = None
+    dlrm_hstu: Optional[DlrmHSTUCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -648,8 +654,10 @@ class ModelCfg(Strict):
             twice = sorted({n for n in g.feature_names if g.feature_names.count(n) > 1})
             if twice:
                 raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
-        if name in MULTI_TASK_KEYS:
+        if name in MULTI_TASK_KEYS or name in CANDIDATE_KEYS:
             check_task_towers(self.task_towers, f"model.{name}")
+        if name == "dlrm_hstu":
+            self._check_hstu_groups()
         if self.variational_dropout is not None and name in FIELD_WISE_MODELS:
             raise ValueError(
                 f"variational_dropout: {name} reads its groups feature by feature; variational dropout applies to "
@@ -671,6 +679,24 @@ class ModelCfg(Strict):
                     f"{'sequence' if wanted == 'sequence' else 'deep'} group"
                 )
         return self
+
+    def _check_hstu_groups(self) -> None:
+        """A DlrmHSTU model's groups: TorchEasyRec's fixed names, each of its kind."""
+        cfg = self.dlrm_hstu
+        assert cfg is not None
+        kinds = {g.group_name: g.group_type for g in self.feature_groups}
+        needed = ["uih", "candidate", "uih_timestamp", "candidate_timestamp"]
+        if cfg.hstu.action_encoder is not None:
+            needed.append("uih_action")
+        missing = [g for g in needed if g not in kinds]
+        if missing:
+            raise ValueError(f"dlrm_hstu: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
+        for g, kind in kinds.items():
+            if g not in HSTU_GROUPS:
+                raise ValueError(f"dlrm_hstu: reads the groups {list(HSTU_GROUPS)}; group '{g}' would be ignored")
+            if (kind == "sequence") != HSTU_GROUPS[g]:
+                want = "a sequence group" if HSTU_GROUPS[g] else "a deep group"
+                raise ValueError(f"dlrm_hstu: group '{g}' must be {want}, it is '{kind}'")
 
     def _tower_inputs(self, name: str) -> list[tuple[str, str, str]]:
         """``(config path, group name, 'deep' | 'sequence')`` of every tower input of the model."""
@@ -733,6 +759,17 @@ class ModelCfg(Strict):
                 out.append((f"model.feature_groups[{i}]", g.group_name, list(g.feature_names)))
             for j, s in enumerate(g.sequence_groups):
                 out.append((f"model.feature_groups[{i}].sequence_groups[{j}]", s.group_name, list(s.feature_names)))
+        return out
+
+    def aligned_sequences(self) -> list[list[str]]:
+        """Feature names whose sequences the model reads position by position, so that a row's
+        must have one length: each sequence group's; a DlrmHSTU's history groups together
+        (items, actions, timestamps) and its candidate groups together."""
+        out = [names for _, _, names in self.sequence_groups()]
+        if self.dlrm_hstu is not None:
+            groups = {g.group_name: list(g.feature_names) for g in self.feature_groups}
+            for side in (("uih", "uih_action", "uih_watchtime", "uih_timestamp"), ("candidate", "candidate_timestamp")):
+                out.append([n for g in side for n in groups.get(g, [])])
         return out
 
     def group(self, name: str) -> FeatureGroupCfg:
@@ -960,6 +997,13 @@ class Config(Strict):
                 tower_name="main", label_name=self.data.label_field or "label", metrics=list(self.eval.metrics)
             )
         ]
+
+    def candidate_feature(self) -> Optional[str]:
+        """The sequence feature whose elements are each row's candidates, for a model that scores
+        them (``dlrm_hstu``): its labels are lists, one value a candidate; None for the others."""
+        if self.model.name not in CANDIDATE_KEYS:
+            return None
+        return self.model.group("candidate").feature_names[0]
 
     def label_fields(self) -> list[str]:
         """The label columns the model reads, in first-use order: each task's label, then its

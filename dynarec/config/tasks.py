@@ -127,6 +127,9 @@ class TaskTowerCfg(MLPDropouts):
     relation_tower_names: list[str] = Field(default_factory=list)
     relation_hidden_units: list[Count] = Field(default_factory=list)
     relation_dropout_ratio: DropoutRatios = Field(default_factory=list)
+    # The label holds bitmasks (an action's bits, say): the task's label is whether any of these
+    # bits is set, ``(label & task_bitmask) > 0`` (TorchEasyRec's FusionSubTaskConfig.task_bitmask).
+    task_bitmask: Optional[Count] = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -166,6 +169,8 @@ class TaskTowerCfg(MLPDropouts):
                 raise ValueError(
                     f"task '{self.tower_name}': metric '{m}' needs 2 classes, the task has {self.num_class}"
                 )
+        if self.task_bitmask is not None and self.kind != "binary" and "jrc_loss" not in kinds:
+            raise ValueError(f"task '{self.tower_name}': task_bitmask makes a binary label; the task is {self.kind}")
         if self.relation_tower_names and not self.relation_hidden_units:
             raise ValueError(f"task '{self.tower_name}': relation_tower_names need relation_hidden_units")
         return self
@@ -218,10 +223,12 @@ def session_field(towers: list[TaskTowerCfg]) -> Optional[str]:
 def label_rules(towers: list[TaskTowerCfg]) -> dict[str, tuple[int, str]]:
     """``{label: (classes, rule)}`` for each label a classification task reads: its values must
     be class indices below ``classes`` (0 or 1 for a binary task); ``rule`` says so in an error.
-    A regression label or a task-space indicator may hold any finite number (not listed)."""
+    A regression label or a task-space indicator may hold any finite number (not listed); a
+    bitmask label (``task_bitmask``) any integer from 0 (``classes`` 0)."""
     rules: dict[str, tuple[int, str]] = {}
+    masks = {t.label_name for t in towers if t.task_bitmask is not None}
     for t in towers:
-        if t.kind == "regression":
+        if t.kind == "regression" or t.label_name in masks:
             continue
         classes = 2 if t.kind == "binary" else t.num_class
         rule = (
@@ -229,4 +236,6 @@ def label_rules(towers: list[TaskTowerCfg]) -> dict[str, tuple[int, str]]:
         )
         if t.label_name not in rules or classes < rules[t.label_name][0]:
             rules[t.label_name] = (classes, rule)
+    for name in masks:
+        rules[name] = (0, "a bitmask label (task_bitmask) must be an integer from 0")
     return rules

@@ -85,7 +85,9 @@ class Batch:
     dense sequence (zero-padded to the batch's longest; its lengths in ``dense_lengths``, ``[B]``
     int64). ``labels``: ``[B, L]`` float32, one column per ``Config.label_fields()`` entry
     (a single-task model's ``data.label_field`` alone). ``groups``: ``[B]`` int64 ids of the grouped-AUC
-    field (or None).
+    field (or None). A model scoring each row's candidates (``Config.candidate_feature()``) has a
+    label a candidate: ``labels`` is ``[C, L]`` over the batch's ``C`` candidates, row after row,
+    and ``groups`` and ``sessions`` give each candidate its row's id.
     """
 
     sparse: JaggedBatch
@@ -384,6 +386,7 @@ class BatchBuilder:
             (f.feature_name, c) for f in self.sparse_features + self.dense_features for c in f.columns
         ]
         self.label_fields = config.label_fields()
+        self.candidate_feature = config.candidate_feature()
         self.label_rules = label_rules(config.tasks())
         self.group_field = self._group_field()
         self.session_field = session_field(config.tasks())
@@ -399,9 +402,9 @@ class BatchBuilder:
             }
         sequences = {f.feature_name for f in features if f.is_sequence}
         self.sequence_groups = [
-            [n for n in names if n in sequences]
-            for _, _, names in config.model.sequence_groups()
-            if sum(n in sequences for n in names) > 1
+            list(dict.fromkeys(n for n in names if n in sequences))
+            for names in config.model.aligned_sequences()
+            if sum(n in sequences for n in set(names)) > 1
         ]
 
     def _label_owner(self, label: str) -> str:
@@ -498,15 +501,27 @@ class BatchBuilder:
             for name, out in computed.items()
             if isinstance(out, _Ids) and out.element_lengths is not None and out.elements is not None
         }
-        labels = torch.zeros(n, len(self.label_fields))
+        # A model scoring each row's candidates reads a label a candidate: its rows are theirs.
+        counts = None
+        if self.candidate_feature is not None:
+            ids = computed[self.candidate_feature]
+            assert isinstance(ids, _Ids)
+            counts = ids.lengths[:n]
+        labels = torch.zeros(n if counts is None else int(counts.sum()), len(self.label_fields))
         groups = sessions = None
         if self.with_labels:
-            labels = torch.stack([self._labels(table.column(c), c, origin) for c in self.label_fields], dim=1)
+            columns = [self._labels(table.column(c), c, origin, counts) for c in self.label_fields]
+            labels = torch.stack(columns, dim=1)
             if self.group_field:
-                groups = self._group_ids(table.column(self.group_field))
+                groups = self._per_candidate(self._group_ids(table.column(self.group_field)), counts)
             if self.session_field:
-                sessions = self._group_ids(table.column(self.session_field))
+                sessions = self._per_candidate(self._group_ids(table.column(self.session_field)), counts)
         return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled)
+
+    @staticmethod
+    def _per_candidate(ids: torch.Tensor, counts: Optional[np.ndarray]) -> torch.Tensor:
+        """A row's id for each of its candidates (``counts`` a row), or the rows' ids as they are."""
+        return ids if counts is None else torch.repeat_interleave(ids, torch.from_numpy(counts))
 
     def _with_sampled_items(
         self, computed: dict[str, _Output], table: pa.Table, origin: RowOrigin
@@ -589,7 +604,8 @@ class BatchBuilder:
                     raise DataError(
                         f"{origin.locate(i)}: sequence features '{first}' and '{other}' of one sequence group "
                         f"have {lengths[first][i]} and {lengths[other][i]} elements; every sequence of a group "
-                        "needs one length per row"
+                        "needs one length per row (a dlrm_hstu model's history groups are one group, its candidate "
+                        "groups another)"
                     )
 
     # -- where ---------------------------------------------------------------------------
@@ -1151,17 +1167,41 @@ class BatchBuilder:
 
     # -- labels ----------------------------------------------------------------------------
 
-    def _labels(self, col, name: str, origin: RowOrigin) -> torch.Tensor:
+    def _labels(self, col, name: str, origin: RowOrigin, counts: Optional[np.ndarray] = None) -> torch.Tensor:
         """Label column ``name`` as float32 ``[B]``: finite numbers, and class indices (0 or 1 for
-        a binary task) where a classification task reads it."""
-        x = _float64(col, lambda i: f"{origin.locate(i)}: label column '{name}'", origin.label)
+        a binary task; integers from 0 for a bitmask) where a classification task reads it. With
+        ``counts`` (each row's candidates) the column holds a list a row, one value a candidate:
+        ``[sum(counts)]``, row after row."""
+        locate = lambda i: f"{origin.locate(i)}: label column '{name}'"
+        if counts is not None:
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+                raise DataError(
+                    f"{origin.label}: label column '{name}' has type {col.type}; the model scores each row's "
+                    f"candidates (feature '{self.candidate_feature}'): give a list a row, one value a candidate"
+                )
+            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+            wrong = np.flatnonzero(lengths != counts)
+            if wrong.size:
+                i = int(wrong[0])
+                raise DataError(
+                    f"{locate(i)} holds {lengths[i]} value(s) for the row's {counts[i]} candidate(s) (feature "
+                    f"'{self.candidate_feature}')"
+                )
+            rows = np.repeat(np.arange(len(lengths)), lengths)
+            x = _float64(col.flatten(), lambda j: locate(int(rows[j])), origin.label)
+        else:
+            rows = None
+            x = _float64(col, locate, origin.label)
         classes, rule = self.label_rules.get(name, (None, "labels must be finite numbers"))
         bad = ~np.isfinite(x)
-        if classes is not None:
+        if classes == 0:  # a bitmask
+            bad |= (x < 0) | (x != np.round(x))
+        elif classes is not None:
             bad |= (x < 0) | (x >= classes) | (x != np.round(x))
         i = int(np.argmax(bad)) if bad.any() else -1
         if i >= 0:
-            raise DataError(f"{origin.locate(i)}: label column '{name}' holds {x[i]}; {rule}")
+            raise DataError(f"{locate(i if rows is None else int(rows[i]))} holds {x[i]}; {rule}")
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:

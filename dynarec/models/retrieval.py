@@ -21,7 +21,7 @@ of rows ranking below k.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class Retrieval:
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
-        global_rows: int,
+        global_rows: Union[int, torch.Tensor],
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         sessions: Optional[torch.Tensor] = None,
         teaching=None,

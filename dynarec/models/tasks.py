@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_
 from dynarec.models.retrieval import Retrieval
 
 __all__ = ["Tasks", "Teaching", "check_predictions", "task_loss", "tasks_of"]
+
+Labels = TypeVar("Labels", torch.Tensor, np.ndarray)
 
 
 @dataclass
@@ -153,6 +155,17 @@ class Tasks:
         parts = torch.split(cols, self.widths, dim=1)
         return [p.squeeze(1) if w == 1 else p for p, w in zip(parts, self.widths)]
 
+    def label(self, k: int, labels: Labels) -> Labels:
+        """Task ``k``'s label column of ``labels [N, L]`` (torch or numpy): with a
+        ``task_bitmask``, whether any of its bits is set in the column's bitmask (0. or 1.)."""
+        y = labels[:, self._label[k]]
+        mask = self.towers[k].task_bitmask
+        if mask is None:
+            return y
+        if isinstance(y, torch.Tensor):
+            return ((y.long() & mask) > 0).to(y.dtype)
+        return ((y.astype(np.int64) & mask) > 0).astype(y.dtype)
+
     def sample_weights(self, labels: torch.Tensor) -> list[Optional[torch.Tensor]]:
         """Each task's row weights ``[B]`` from its task-space indicator (None without one)."""
         out: list[Optional[torch.Tensor]] = []
@@ -168,7 +181,7 @@ class Tasks:
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
-        global_rows: int,
+        global_rows: Union[int, torch.Tensor],
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         sessions: Optional[torch.Tensor] = None,
         teaching: Optional[Teaching] = None,
@@ -188,7 +201,7 @@ class Tasks:
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
-        global_rows: int,
+        global_rows: Union[int, torch.Tensor],
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]],
         sessions: Optional[torch.Tensor],
     ) -> torch.Tensor:
@@ -199,7 +212,7 @@ class Tasks:
             totals = global_sum(local) if global_sum is not None else local
         loss = logits.new_zeros(())
         for k, (t, z, w) in enumerate(zip(self.towers, self.split(logits), weights)):
-            rows = task_loss(t, z.float(), labels[:, self._label[k]], sessions)
+            rows = task_loss(t, z.float(), self.label(k, labels), sessions)
             if w is None:
                 loss = loss + t.weight * rows.sum() / global_rows
             else:  # weights divided by their (global) mean, TorchEasyRec's div_no_nan
@@ -269,7 +282,7 @@ class Tasks:
         names end in ``_<tower>``."""
         out: dict[str, float] = {}
         for k, t in enumerate(self.towers):
-            pred, y = self._own_domain(t, predictions, labels), labels[:, self._label[k]]
+            pred, y = self._own_domain(t, predictions, labels), self.label(k, labels)
             for m in t.eval_metrics:
                 value = _metric(m, t, pred, y, groups)
                 if value is not None:

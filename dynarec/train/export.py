@@ -50,6 +50,11 @@ def export_model(
 
     Raises FileExistsError, before writing anything, when ``export_dir`` is a non-empty
     directory that is not an export (a model directory, a user's own directory) or a file."""
+    if task.config.candidate_feature() is not None:
+        raise ValueError(
+            f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "
+            "scores a row) is not supported yet — evaluate it with `dynarec evaluate`"
+        )
     if example.num_rows < 2:
         raise ValueError("export needs an example batch of at least 2 rows")
     if example.sampled_rows:

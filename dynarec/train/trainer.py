@@ -95,6 +95,7 @@ class Trainer:
             self.task.graphs.on_refusal = self._graphs_refused
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
+        self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
         self.position = DataPosition()
 
     def _graphs_refused(self, reason: str) -> None:
@@ -248,7 +249,12 @@ class Trainer:
         global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
         teaching = getattr(self.task.dense, "teaching", None)  # a teacher net's part (RocketLaunching)
-        loss = self.tasks.loss(logits, labels, global_rows or batch.num_rows, global_sum, sessions, teaching)
+        count: Union[int, torch.Tensor] = global_rows or batch.num_rows
+        if self.scores_candidates:  # the loss is the mean over every rank's candidates
+            count = labels.shape[0]
+            if self.ctx.distributed:
+                count = global_sum(torch.tensor(float(count), device=self.device))
+        loss = self.tasks.loss(logits, labels, count, global_sum, sessions, teaching)
         penalty = penalties(self.variational_dropouts, batch.num_rows, global_rows or batch.num_rows)
         if penalty is not None:
             loss = loss + penalty

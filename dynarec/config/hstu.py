@@ -1,0 +1,139 @@
+"""The generative ranker's config (``model.dlrm_hstu``): TorchEasyRec's ``DlrmHSTU``
+(``multi_task_rank.proto``) in dynarec's names, its blocks those of :mod:`dynarec.models.hstu`.
+
+A DlrmHSTU model scores each row's candidates: its feature groups have fixed names —
+``uih`` (the user's history of items, a sequence group), ``candidate`` (the items to score, a
+sequence group: its length is the row's number of candidates), ``uih_timestamp`` and
+``candidate_timestamp`` (one number an element: seconds), ``uih_action`` (an action bitmask an
+element, with an ``action_encoder``) and ``contextual`` (a deep group of features of one width,
+optional) — and its labels are lists, one value a candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from dynarec.config.base import Count, Strict
+from dynarec.config.tasks import TaskTowerCfg
+
+__all__ = [
+    "HSTU_GROUPS",
+    "ActionEncoderCfg",
+    "DlrmHSTUCfg",
+    "HSTUCfg",
+    "HSTUPostprocessorCfg",
+    "PositionalEncoderCfg",
+    "STUCfg",
+]
+
+# The groups a DlrmHSTU model reads (TorchEasyRec's names), and whether each is a sequence group.
+HSTU_GROUPS = {
+    "contextual": False,
+    "uih": True,
+    "candidate": True,
+    "uih_action": True,
+    "uih_watchtime": True,
+    "uih_timestamp": True,
+    "candidate_timestamp": True,
+}
+
+
+class STUCfg(Strict):
+    """One STU layer's sizes (:class:`dynarec.models.hstu.STULayer`)."""
+
+    embedding_dim: Count
+    num_heads: Count
+    hidden_dim: Count
+    attention_dim: Count
+    output_dropout_ratio: float = Field(0.3, ge=0, lt=1)
+    max_attn_len: int = Field(0, ge=0)
+    attn_alpha: Optional[float] = Field(None, gt=0)  # None: 1 / sqrt(attention_dim)
+    use_group_norm: bool = False
+
+
+class PositionalEncoderCfg(Strict):
+    """Position and time buckets (:class:`dynarec.models.hstu.HSTUPositionalEncoder`)."""
+
+    num_position_buckets: Count
+    num_time_buckets: int = Field(0, ge=0)
+    use_time_encoding: bool = False
+    time_bucket_fn: Literal["sqrt", "log"] = "sqrt"
+    time_bucket_increments: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _time(self):
+        if self.use_time_encoding and self.num_time_buckets < 1:
+            raise ValueError("use_time_encoding needs num_time_buckets >= 1")
+        return self
+
+
+class ActionEncoderCfg(Strict):
+    """TorchEasyRec's ``simple_action_encoder``: an embedding per action bit."""
+
+    action_embedding_dim: Count
+    action_weights: list[Count] = Field(min_length=1)
+
+
+class HSTUPostprocessorCfg(Strict):
+    """The candidates' postprocessor: ``timestamp_layernorm`` (time of day and week, then a
+    Linear and a LayerNorm), ``layernorm`` or ``l2norm``."""
+
+    kind: Literal["timestamp_layernorm", "layernorm", "l2norm"] = "layernorm"
+    time_duration_period_units: list[Count] = Field(default_factory=list)
+    time_duration_units_per_period: list[Count] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _periods(self):
+        if len(self.time_duration_period_units) != len(self.time_duration_units_per_period):
+            raise ValueError("time_duration_period_units and time_duration_units_per_period differ in length")
+        if self.kind == "timestamp_layernorm" and not self.time_duration_period_units:
+            raise ValueError("timestamp_layernorm needs time_duration_period_units and time_duration_units_per_period")
+        return self
+
+
+class HSTUCfg(Strict):
+    """The transducer (:class:`dynarec.models.hstu.HSTUTransducer`): contextual tokens, the
+    content MLP over the history and candidate rows (the slice content encoder), the action
+    encoder and its MLP (optional), positions and times, ``attn_num_layers`` STU layers, the
+    candidates' postprocessor."""
+
+    stu: STUCfg
+    attn_num_layers: Count = 3
+    input_dropout_ratio: float = Field(0.2, ge=0, lt=1)
+    positional_encoder: PositionalEncoderCfg
+    content_mlp_hidden_dim: Count
+    action_encoder: Optional[ActionEncoderCfg] = None
+    action_mlp_hidden_dim: Optional[Count] = None
+    postprocessor: HSTUPostprocessorCfg = Field(default_factory=HSTUPostprocessorCfg)
+
+    @model_validator(mode="after")
+    def _action(self):
+        if (self.action_encoder is None) != (self.action_mlp_hidden_dim is None):
+            raise ValueError("action_encoder and action_mlp_hidden_dim go together")
+        return self
+
+
+class DlrmHSTUCfg(Strict):
+    """TorchEasyRec's DlrmHSTU (module doc): the transducer's encoding of each candidate times
+    the candidate's own (an item MLP over its rows: Linear, SwishLayerNorm, Linear, LayerNorm),
+    then the fusion tower — an MLP (``fusion_hidden_units``) and one Linear emitting every task's
+    logits. ``max_seq_len`` divides the attention scores (a constant, as TorchEasyRec's)."""
+
+    hstu: HSTUCfg
+    max_seq_len: Count
+    item_embedding_hidden_dim: Count = 512
+    fusion_hidden_units: list[Count] = Field(default_factory=list)
+    fusion_activation: Literal["relu", "silu", "none"] = "relu"
+    fusion_layer_norm: bool = False
+    task_towers: list[TaskTowerCfg] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _towers(self):
+        for t in self.task_towers:
+            if t.hidden_units or t.relation_tower_names:
+                raise ValueError(
+                    f"dlrm_hstu.task_towers ({t.tower_name}): the fusion tower is shared; a task has no MLP of its own"
+                )
+        return self

@@ -1,0 +1,147 @@
+"""DlrmHSTU: TorchEasyRec's generative ranker (``tzrec/models/dlrm_hstu.py``), scoring every
+candidate of a row from the user's history through HSTU (:mod:`dynarec.models.hstu`).
+
+For each row: the contextual features become tokens, the history's items (``uih``) and the
+candidates' (``candidate``) tokens of their content and actions; the STU stack encodes
+``[contexts | history | candidates]`` under the target-aware mask (a candidate sees the history,
+never another candidate), and each candidate's encoding, times its own item embedding (an MLP
+over its rows), goes through the fusion tower to every task's logits. The model returns
+``[C, width]``: the batch's ``C`` candidates, row after row, the tasks' logits side by side —
+the rows :class:`~dynarec.models.tasks.Tasks` scores against a label a candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dynarec.config.hstu import DlrmHSTUCfg, HSTUPostprocessorCfg
+from dynarec.config.schema import Config
+from dynarec.models.features import FeatureInputs
+from dynarec.models.hstu import (
+    FusionMTLTower,
+    HSTUPositionalEncoder,
+    HSTUTransducer,
+    L2NormPostprocessor,
+    LayerNormPostprocessor,
+    SimpleActionEncoder,
+    SimpleContextualizedMLP,
+    STULayer,
+    STUStack,
+    TimestampLayerNormPostprocessor,
+)
+
+__all__ = ["DlrmHSTU"]
+
+
+def _postprocessor(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
+    if cfg.kind == "timestamp_layernorm":
+        return TimestampLayerNormPostprocessor(dim, cfg.time_duration_period_units, cfg.time_duration_units_per_period)
+    return LayerNormPostprocessor(dim) if cfg.kind == "layernorm" else L2NormPostprocessor()
+
+
+class DlrmHSTU(nn.Module):
+    # The rows and the attention's length change with every batch, and a batch's candidates are
+    # picked by a mask: no CUDA graph holds it.
+    capturable = False
+
+    def __init__(self, config: Config, cfg: DlrmHSTUCfg):
+        super().__init__()
+        self.inputs = FeatureInputs(config)
+        groups = {g.group_name: list(g.feature_names) for g in config.model.feature_groups}
+        self.history = groups["uih"]
+        self.candidates = groups["candidate"]
+        self.history_time = groups["uih_timestamp"][0]
+        self.candidate_time = groups["candidate_timestamp"][0]
+        self.actions = groups["uih_action"][0] if cfg.hstu.action_encoder is not None else None
+        self.contextual = groups.get("contextual", [])
+        widths = {self.inputs[n].width for n in self.contextual}
+        if len(widths) > 1:
+            raise ValueError(
+                f"dlrm_hstu: the contextual features become one token each and must share one width, got "
+                f"{ {n: self.inputs[n].width for n in self.contextual} }"
+            )
+        for group, names in (("uih_timestamp", [self.history_time]), ("candidate_timestamp", [self.candidate_time])):
+            if len(groups[group]) != 1 or self.inputs[names[0]].width != 1:
+                raise ValueError(f"dlrm_hstu: group '{group}' holds one feature of one number an element (seconds)")
+        history_dim = sum(self.inputs[n].width for n in self.history)
+        candidate_dim = sum(self.inputs[n].width for n in self.candidates)
+        hstu, stu = cfg.hstu, cfg.hstu.stu
+        dim = stu.embedding_dim
+        action = hstu.action_encoder
+        self.transducer = HSTUTransducer(
+            dim=dim,
+            history_dim=history_dim,
+            candidate_dim=candidate_dim,
+            content_hidden_dim=hstu.content_mlp_hidden_dim,
+            positional=HSTUPositionalEncoder(
+                dim,
+                hstu.positional_encoder.num_position_buckets,
+                len(self.contextual),
+                hstu.positional_encoder.num_time_buckets,
+                hstu.positional_encoder.use_time_encoding,
+                hstu.positional_encoder.time_bucket_fn,
+                hstu.positional_encoder.time_bucket_increments,
+            ),
+            stack=STUStack(
+                [
+                    STULayer(
+                        dim,
+                        stu.num_heads,
+                        stu.hidden_dim,
+                        stu.attention_dim,
+                        scaling_seqlen=cfg.max_seq_len,
+                        output_dropout_ratio=stu.output_dropout_ratio,
+                        use_group_norm=stu.use_group_norm,
+                        attn_alpha=stu.attn_alpha,
+                    )
+                    for _ in range(hstu.attn_num_layers)
+                ]
+            ),
+            postprocessor=_postprocessor(hstu.postprocessor, dim),
+            num_contexts=len(self.contextual),
+            contextual_dim=widths.pop() if widths else 0,
+            action_encoder=SimpleActionEncoder(action.action_embedding_dim, action.action_weights) if action else None,
+            action_hidden_dim=hstu.action_mlp_hidden_dim or 0,
+            input_dropout_ratio=hstu.input_dropout_ratio,
+            max_attn_len=stu.max_attn_len,
+        )
+        self.item_mlp = SimpleContextualizedMLP(candidate_dim, cfg.item_embedding_hidden_dim, dim)
+        self.tower = FusionMTLTower(
+            dim,
+            [t.num_class for t in cfg.task_towers],
+            tuple(cfg.fusion_hidden_units),
+            cfg.fusion_activation,
+            cfg.fusion_layer_norm,
+        )
+
+    def _sequence(self, names: list[str], embeddings, dense) -> torch.Tensor:
+        return torch.cat([self.inputs.positions(n, embeddings, dense) for n in names], dim=-1)
+
+    def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
+        """``[C, width]``: every candidate's tasks' logits, row after row (module doc)."""
+        history = self._sequence(self.history, embeddings, dense)
+        candidates = self._sequence(self.candidates, embeddings, dense)
+        num_targets = seq_lengths[self.candidates[0]]
+        actions: Optional[torch.Tensor] = None
+        if self.actions is not None:
+            actions = self.inputs.positions(self.actions, embeddings, dense)[..., 0].round().long()
+        contextual = None
+        if self.contextual:
+            contextual = torch.cat([self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.contextual], 1)
+        user = self.transducer(
+            history,
+            seq_lengths[self.history[0]],
+            self.inputs.positions(self.history_time, embeddings, dense)[..., 0].float(),
+            candidates,
+            num_targets,
+            self.inputs.positions(self.candidate_time, embeddings, dense)[..., 0].float(),
+            actions,
+            contextual,
+        )
+        item = self.item_mlp(candidates)
+        logits = torch.cat(self.tower(user, item), dim=-1)  # [B, Lt, width]
+        valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < num_targets[:, None]
+        return logits[valid]
