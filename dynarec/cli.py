@@ -30,7 +30,12 @@ def cmd_make_data(args) -> None:
         meta = make_config_data(
             load_config(args.config),
             args.output_dir,
-            GenerateSpec(train_rows=args.train_rows, eval_rows=args.eval_rows, seed=args.seed),
+            GenerateSpec(
+                train_rows=args.train_rows,
+                eval_rows=args.eval_rows,
+                seed=args.seed,
+                max_sequence_length=args.max_sequence_length,
+            ),
         )
         print(
             f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows of the columns of {args.config} "
@@ -263,6 +268,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-users", type=int, default=20_000)
     p.add_argument("--num-items", type=int, default=5_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=50,
+        help="with --config: a generated sequence holds 1 to this many elements a row, whatever its sequence_length",
+    )
     p.set_defaults(run=cmd_make_data)
 
     def common(p, model_dir_required=True):

@@ -19,6 +19,15 @@ trains on the data as it is.
 The label is drawn from a hidden logistic model — a random effect per (column, id or word) and a
 slope per numeric column — so a converted config can be smoke-trained and its AUC means something
 (the Bayes-optimal AUC of the eval split is written to ``meta.json``).
+
+A model that scores each row's candidates (``Config.candidate_feature()``, ``dlrm_hstu``) gets
+label columns of lists, one value a candidate of the row (aligned with the candidate sequence's
+elements): each candidate's logit is the row's plus the effect of the candidate's id; a bitmask
+label (``task_bitmask``) sets bit ``k`` with probability ``sigmoid(logit - k)``. The features of
+its ``uih_timestamp`` group hold seconds, ascending (oldest first) up to 1.6e9; those of its
+``candidate_timestamp`` group the row's query time, one value (after the history) for every
+candidate. Generated sequences hold at most ``GenerateSpec.max_sequence_length`` elements, whatever
+a feature's ``sequence_length`` (TorchEasyRec's HSTU configs keep 8000).
 """
 
 from __future__ import annotations
@@ -61,6 +70,11 @@ __all__ = ["GenerateSpec", "make_config_data"]
 
 KEYS = 12  # distinct keys of a lookup or match key column
 VOCAB_FILE_WORDS = 100
+NOW = 1_600_000_000  # seconds: a history's last time; its candidates' query time a little later
+# The features of these groups of a dlrm_hstu model hold times (a history's, its candidates') and
+# the history's actions (bitmasks).
+TIME_GROUPS = {"uih_timestamp": "history_times", "candidate_timestamp": "candidate_times", "uih_action": "actions"}
+ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (k + 2)
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,13 @@ class GenerateSpec:
     vocabulary: int = 100_000  # at most this many distinct ids per column (a fixed table's rows if fewer)
     zipf_a: float = 1.1
     seed: int = 0
+    # A generated sequence draws 1 to this many elements a row (fewer where the feature's
+    # sequence_length is smaller), whatever its sequence_length.
+    max_sequence_length: int = 50
+
+    def __post_init__(self):
+        if self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be at least 1, got {self.max_sequence_length}")
 
 
 def _zipf_ids(rng: np.random.Generator, vocabulary: int, n: int, a: float) -> np.ndarray:
@@ -98,7 +119,9 @@ class _Column:
     share of each row's logit (:meth:`draw`)."""
 
     name: str
-    kind: str  # ids | strings | words | weighted | number | vector | dense_sequence | map | nested_map | keys | text
+    # ids | strings | words | weighted | number | vector | dense_sequence | history_times | candidate_times |
+    # actions | map | nested_map | keys | text
+    kind: str
     separator: Optional[str] = None
     sequence_length: Optional[int] = None
     vocabulary: int = 1000
@@ -109,6 +132,7 @@ class _Column:
     map_value: str = "number"  # number | vector | words | ids | strings
     keys: list[str] = field(default_factory=lambda: [f"k{i}" for i in range(KEYS)])
     key_sources: list[Input] = field(default_factory=list)  # a map's keys: what these inputs hold
+    candidates: bool = False  # the elements are each row's candidates (Config.candidate_feature())
 
     def domain(self) -> list[str]:
         """The most frequent values this column holds, as strings (a map keyed by them hits)."""
@@ -123,12 +147,14 @@ class _Column:
         return [f"k{i}" for i in range(KEYS)]
 
     def draw(self, n: int, spec: GenerateSpec, rng: np.random.Generator, lengths_by_max: dict[int, np.ndarray]):
-        """``(values, logit share)`` of ``n`` rows. Sequences of one ``sequence_length`` share their
-        lengths (``lengths_by_max``, filled by the first): the sequences of one sequence group
-        must have one length per row."""
+        """``(values, logit share)`` of ``n`` rows (the candidates' column: the share of each
+        element, each candidate's own). Sequences of one ``sequence_length`` share their lengths
+        (``lengths_by_max``, filled by the first): the sequences of one sequence group must have
+        one length per row."""
         lengths = np.ones(n, dtype=np.int64)
         if self.sequence_length is not None:
-            lengths = lengths_by_max.setdefault(self.sequence_length, rng.integers(1, self.sequence_length + 1, n))
+            longest = min(self.sequence_length, spec.max_sequence_length)
+            lengths = lengths_by_max.setdefault(self.sequence_length, rng.integers(1, longest + 1, n))
         k = self.value_dim
         if self.kind == "number":
             x = np.round(np.exp(rng.normal(1.0, 1.0, n)), 3)
@@ -145,6 +171,14 @@ class _Column:
                 return pa.ListArray.from_arrays(pa.array(offsets), flat), share
             inner = pa.FixedSizeListArray.from_arrays(flat, k).cast(pa.list_(pa.float64()))
             return pa.ListArray.from_arrays(pa.array(offsets), inner), share
+        if self.kind in ("history_times", "candidate_times"):
+            return self._times(lengths, rng), np.zeros(n)
+        if self.kind == "actions":
+            total = int(lengths.sum())
+            bits = rng.random((total, ACTION_BITS)) < 1.0 / (np.arange(ACTION_BITS) + 2)
+            x = (bits * (1 << np.arange(ACTION_BITS))).sum(1).astype(np.float64)
+            offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+            return pa.ListArray.from_arrays(pa.array(offsets), pa.array(x, pa.float64())), np.zeros(n)
         if self.kind == "text":
             letters = np.array(list("abcdefgh"))
             words = ["".join(rng.choice(letters, rng.integers(1, 8))) for _ in range(n)]
@@ -161,7 +195,11 @@ class _Column:
         total = int(lengths.sum())
         ids = _zipf_ids(rng, vocabulary, total, spec.zipf_a)
         row = np.repeat(np.arange(n), lengths)
-        effect = np.bincount(row, weights=_effect(self.name, ids, spec.seed), minlength=n) / np.maximum(lengths, 1)
+        effect = _effect(self.name, ids, spec.seed)
+        if self.candidates:  # each candidate's own share: the scored items' signal the strongest
+            effect = 2.0 * effect
+        else:  # the row's share: the mean of its elements'
+            effect = np.bincount(row, weights=effect, minlength=n) / np.maximum(lengths, 1)
         if self.kind == "ids" and self.separator is None and self.sequence_length is None:
             return pa.array(ids, pa.int64()), effect
         tokens = self._tokens(ids, rng)
@@ -172,6 +210,19 @@ class _Column:
         if self.separator is None:
             return pa.array(tokens, pa.string()), effect
         return _join(tokens, lengths, self.separator), effect
+
+    def _times(self, lengths: np.ndarray, rng: np.random.Generator) -> pa.Array:
+        """Seconds, a list a row: a history's ascending (oldest first, the last ``NOW``), a row's
+        candidates' its query time (one for them all, at or after ``NOW``)."""
+        n = len(lengths)
+        if self.kind == "candidate_times":
+            x = np.repeat(NOW + rng.integers(0, 3600, n), lengths).astype(np.float64)
+        else:  # each element the sum of the gaps after it before NOW
+            gaps = np.round(rng.exponential(3600.0, int(lengths.sum())))
+            ends = np.cumsum(gaps)
+            x = NOW - (np.repeat(ends[np.cumsum(lengths) - 1], lengths) - ends)
+        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(x, pa.float64()))
 
     def _tokens(self, ids: np.ndarray, rng: np.random.Generator) -> list[str]:
         if self.kind == "words":
@@ -231,6 +282,12 @@ class _Planner:
         self.columns: dict[str, _Column] = {}
         self.by_name = {f.feature_name: f for f in config.features()}
         self.vocab_files_written: list[str] = []
+        self._time_groups = {
+            n: TIME_GROUPS[g.group_name]
+            for g in config.model.feature_groups
+            if g.group_name in TIME_GROUPS
+            for n in g.feature_names
+        }
 
     def add(self, name: str, **kw) -> None:
         if name not in self.columns:
@@ -242,6 +299,18 @@ class _Planner:
         for c in self.columns.values():  # a map is keyed by what its key inputs hold
             if c.key_sources:
                 c.keys = list(dict.fromkeys(k for inp in c.key_sources for k in self._domain(inp)))
+        candidate = self.config.candidate_feature()
+        if candidate is not None:
+            f = self.by_name[candidate]
+            column = None
+            if isinstance(f, SequenceFeatureCfg) and not f.input.feature:
+                column = self.columns.get(f.input.name)
+            if column is None or column.sequence_length is None or column.kind not in ("ids", "strings", "words"):
+                raise ValueError(
+                    f"make-data: the candidates' feature '{candidate}' must read a column of id sequences (its labels "
+                    "are lists, one value an element)"
+                )
+            column.candidates = True
         return list(self.columns.values())
 
     def _domain(self, inp: Input) -> list[str]:
@@ -305,7 +374,9 @@ class _Planner:
         elif isinstance(f, SequenceRawFeatureCfg):
             name = self._column_of(f.input)
             if name is not None:
-                self.add(name, kind="dense_sequence", value_dim=f.value_dim, sequence_length=f.sequence_length)
+                times = self._time_groups.get(f.feature_name)
+                kind = times if times is not None and f.value_dim == 1 else "dense_sequence"
+                self.add(name, kind=kind, value_dim=f.value_dim, sequence_length=f.sequence_length)
         elif isinstance(f, ComboFeatureCfg):
             for inp in f.inputs:
                 if not inp.feature:
@@ -349,16 +420,27 @@ class _Planner:
 def _table(
     columns: list[_Column], config: Config, n: int, spec: GenerateSpec, rng: np.random.Generator
 ) -> tuple[pa.Table, np.ndarray]:
+    """``n`` rows of ``columns`` and their labels; and the labels' click probabilities (one a
+    candidate for a model that scores each row's candidates, whose labels are lists)."""
     data: dict[str, pa.Array] = {}
     logit = np.full(n, -1.0)
     lengths: dict[int, np.ndarray] = {}
+    counts, candidate_share = None, np.zeros(0)  # each row's candidates, each candidate's share
     for c in columns:
         values, share = c.draw(n, spec, rng, lengths)
         data[c.name] = values
-        logit += share
+        if c.candidates:  # a logit a candidate: its row's and its own share
+            assert c.sequence_length is not None
+            counts, candidate_share = lengths[c.sequence_length], share
+        else:
+            logit += share
+    if counts is not None:
+        logit = np.repeat(logit, counts) + candidate_share
     p = 1.0 / (1.0 + np.exp(-logit))
     for name, values in _labels(config, logit, p, rng).items():
         data[name] = pa.array(values)
+        if counts is not None:  # a list a row, one value a candidate
+            data[name] = pa.ListArray.from_arrays(pa.array(np.r_[0, np.cumsum(counts)].astype(np.int32)), data[name])
     group = config.eval.grouped_auc_field
     if group and group not in data:
         data[group] = pa.array(rng.integers(0, max(n // 20, 1), n))
@@ -368,10 +450,16 @@ def _table(
 def _labels(config: Config, logit: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Every label column of ``config``: the first a click drawn with probability ``p``; a later
     binary label a rarer event that needs the click (a purchase: ``sigmoid(logit - k)`` of its
-    own, ``k`` its position); a class label the quantile bucket of a noisy ``logit``; any other
-    (a regression target, an indicator) ``logit`` plus noise; PEPNet's domain label a domain
-    drawn uniformly (its column is often a feature's too, which then reads the domain)."""
+    own, ``k`` its position); a bitmask label (``task_bitmask``) bit ``b`` of its tasks' masks
+    set with probability ``sigmoid(logit - b)``; a class label the quantile bucket of a noisy
+    ``logit``; any other (a regression target, an indicator) ``logit`` plus noise; PEPNet's domain
+    label a domain drawn uniformly (its column is often a feature's too, which then reads the
+    domain)."""
     rules = label_rules(config.tasks())
+    bits: dict[str, int] = {}  # a bitmask label's: up to its tasks' highest bit
+    for t in config.tasks():
+        if t.task_bitmask:
+            bits[t.label_name] = max(bits.get(t.label_name, 1), t.task_bitmask.bit_length())
     pepnet = config.model.pepnet
     out: dict[str, np.ndarray] = {}
     for k, name in enumerate(config.label_fields()):
@@ -383,6 +471,9 @@ def _labels(config: Config, logit: np.ndarray, p: np.ndarray, rng: np.random.Gen
         elif classes == 2:
             own = 1.0 / (1.0 + np.exp(-(logit - k)))
             out[name] = ((rng.random(p.size) < own) & (next(iter(out.values())) > 0)).astype(np.int64)
+        elif classes == 0:  # a bitmask: the first bit the most frequent
+            set_bit = rng.random((bits[name], p.size)) < 1.0 / (1.0 + np.exp(-(logit - np.arange(bits[name])[:, None])))
+            out[name] = (set_bit.astype(np.int64) << np.arange(bits[name])[:, None]).sum(axis=0)
         elif classes is not None:
             noisy = logit + rng.normal(0.0, 0.5, p.size)
             edges = np.quantile(noisy, np.linspace(0, 1, classes + 1)[1:-1]) if p.size else np.zeros(classes - 1)
@@ -412,7 +503,8 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         (tmp / "eval").mkdir()
         per_file = -(-spec.train_rows // spec.train_files)
         first_label = config.label_fields()[0]  # the click: its rate and Bayes AUC go in meta.json
-        clicks = 0
+        bitmask = label_rules(config.tasks()).get(first_label, (None, ""))[0] == 0
+        clicks = examples = 0
         sampler = config.data.negative_sampler
         tables: list[pa.Table] = []
         for i in range(spec.train_files):
@@ -420,7 +512,8 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             if rows <= 0:
                 break
             table, _ = _table(columns, config, rows, spec, rng)
-            clicks += int(np.sum(table.column(first_label).to_numpy()))
+            click = _clicks(table.column(first_label), bitmask)
+            clicks, examples = clicks + int(np.sum(click)), examples + click.size
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
             if sampler is not None:  # the items' columns, for the sampler's item table
                 tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
@@ -429,13 +522,13 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         if sampler is not None:
             tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
         items_written = _write_item_table(config, tables, target, tmp)
-        labels = table.column(first_label).to_numpy()
+        labels = _clicks(table.column(first_label), bitmask)
         meta = {
             "generator": "config",
             "columns": [c.name for c in columns],
             "train_rows": spec.train_rows,
             "eval_rows": spec.eval_rows,
-            "train_click_rate": clicks / max(spec.train_rows, 1),
+            "train_click_rate": clicks / max(examples, 1),
             "eval_click_rate": float(np.mean(labels)),
             "bayes_optimal_eval_auc": auc(p, labels),
             "vocab_files_written": planner.vocab_files_written,
@@ -448,6 +541,15 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _clicks(column: pa.ChunkedArray, bitmask: bool) -> np.ndarray:
+    """A label's values, one an example (a candidate's, for a list a row); a bitmask's bit 0 (the
+    one set with probability ``sigmoid(logit)``)."""
+    if pa.types.is_list(column.type):
+        column = pc.list_flatten(column)
+    x = column.to_numpy()
+    return x & 1 if bitmask else x
 
 
 def _write_item_table(config: Config, tables: list[pa.Table], target: Path, tmp: Path) -> Optional[str]:

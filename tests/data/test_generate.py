@@ -49,10 +49,13 @@ def test_make_data_with_a_config_on_the_command_line(tmp_path, capsys):
 
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config_dict()))
     args = ["make-data", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "data")]
-    assert main([*args, "--train-rows", "200", "--eval-rows", "50"]) == 0
+    assert main([*args, "--train-rows", "200", "--eval-rows", "50", "--max-sequence-length", "3"]) == 0
     assert "of the columns of" in capsys.readouterr().out
     config = load_config(tmp_path / "c.yaml")
-    assert sum(b.num_rows for b in batches_of(config, tmp_path / "data")) == 200
+    batches = batches_of(config, tmp_path / "data")
+    assert sum(b.num_rows for b in batches) == 200
+    lengths = [int(b.sequence_lengths(["hist_item_id"])["hist_item_id"].max()) for b in batches]
+    assert max(lengths) == 3  # sequence_length 6, --max-sequence-length 3
 
 
 def test_make_data_of_a_config_using_every_kind_builds_batches(tmp_path):
@@ -160,3 +163,63 @@ def test_make_data_writes_every_label_of_a_multi_task_model(tmp_path):
     assert table.schema.field("dwell").type == "double"
     (batch, *_) = batches_of(config, tmp_path / "d")
     assert batch.labels.shape == (64, 4)  # label, label2, stars, dwell: Config.label_fields()
+
+
+def test_a_model_scoring_candidates_gets_a_label_list_a_row_one_value_a_candidate(tmp_path):
+    """dlrm_hstu: a bitmask label (0..255, bit 0 the most frequent) and a regression target, a list a
+    row aligned with the row's candidates, whose labels follow their ids; histories' times ascend
+    up to the candidates' query time; a sequence_length of 8000 draws at most max_sequence_length."""
+    import copy
+
+    import numpy as np
+    import pyarrow as pa
+
+    from dynarec.metrics import auc
+    from tests.models.test_dlrm_hstu import CONFIG
+
+    c = copy.deepcopy(CONFIG)
+    for f in c["feature_configs"][2:5]:  # the history's: TorchEasyRec's HSTU configs keep 8000
+        next(iter(f.values()))["sequence_length"] = 8000
+    towers = c["model"]["dlrm_hstu"]["task_towers"]
+    towers += [{"tower_name": f"bit{k}", "label_name": "actions", "task_bitmask": 1 << k} for k in range(2, 8)]
+    towers.append({"tower_name": "watch", "label_name": "watch_time", "losses": [{"l2_loss": {}}]})
+    config = config_from_dict(c)
+    spec = GenerateSpec(train_rows=3000, eval_rows=1000, train_files=1, max_sequence_length=7)
+    meta = make_config_data(config, tmp_path / "d", spec)
+    assert 0.1 < meta["eval_click_rate"] < 0.6 and meta["bayes_optimal_eval_auc"] > 0.7
+
+    def read(part):
+        table = pq.read_table(tmp_path / "d" / part / "part-0.parquet")
+        candidates = [s.split("|") for s in table.column("cand_item").to_pylist()]
+        return table, candidates
+
+    table, candidates = read("train")
+    assert table.schema.field("actions").type == pa.list_(pa.int64())
+    assert table.schema.field("watch_time").type == pa.list_(pa.float64())
+    actions, watch = table.column("actions").to_pylist(), table.column("watch_time").to_pylist()
+    times, query = table.column("hist_time").to_pylist(), table.column("cand_time").to_pylist()
+    for cands, a, w, t, q in zip(candidates, actions, watch, times, query):
+        assert 1 <= len(cands) <= 5 and len(a) == len(w) == len(q) == len(cands)
+        assert 1 <= len(t) <= 7 and t == sorted(t) and len(set(q)) == 1 and q[0] >= t[-1] > 1.5e9
+    history_actions = np.concatenate([np.array(a) for a in table.column("hist_action").to_pylist()])
+    assert np.all(history_actions == np.round(history_actions)) and 0 <= history_actions.min()
+    assert history_actions.max() < 256 and np.mean(history_actions.astype(np.int64) & 1) > 0.3  # bitmasks
+    flat = np.concatenate([np.array(a, dtype=np.int64) for a in actions])
+    assert flat.min() >= 0 and flat.max() < 256
+    rates = [float(np.mean(flat >> k & 1)) for k in range(8)]
+    assert rates[:5] == sorted(rates[:5], reverse=True) and rates[0] > 0.1 and rates[4] > 0
+    assert sum(b.num_rows for b in batches_of(config, tmp_path / "d")) == 3000  # the reader checks the lists
+
+    # A candidate's click follows its id: each id's click rate on train ranks eval's candidates.
+    ids = np.concatenate([np.array(c, dtype=np.int64) for c in candidates])
+    clicks = flat & 1
+    rate = np.bincount(ids, clicks, 50) / np.maximum(np.bincount(ids, minlength=50), 1)
+    table, candidates = read("eval")
+    ids = np.concatenate([np.array(c, dtype=np.int64) for c in candidates])
+    clicks = np.concatenate([np.array(a, dtype=np.int64) for a in table.column("actions").to_pylist()]) & 1
+    assert auc(rate[ids], clicks) > 0.65
+
+
+def test_max_sequence_length_must_be_positive():
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        GenerateSpec(max_sequence_length=0)
