@@ -8,11 +8,10 @@ import pytest
 
 from dynarec.config import config_from_dict
 from dynarec.config.schema import RETRIEVAL_KEYS
-from dynarec.models import MODELS
 from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
 from dynarec.train.trainer import Trainer
-from tests.models.test_models import MULTI_TASK, model_config
+from tests.models.test_models import MULTI_TASK, ROW_MODELS, model_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def data(tmp_path_factory):
     return root / "rows.parquet"
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", ROW_MODELS)
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
     raw["data"] = {"train_input_path": str(data), "batch_size": 64}

@@ -105,8 +105,9 @@ def convert_pipeline_config(
         ctx.refuse("model_config", "a model_config is needed", fatal=True)
         model = ModelResult({"feature_groups": [], "dlrm": {}}, {})
     eval_cfg.update(model.eval)
-    if model_name(model.model) in MULTI_TASK:
+    if model_name(model.model) in (*MULTI_TASK, "dlrm_hstu"):  # the labels its task towers name
         data.pop("label_field", None)
+        _note_unread_labels(labels, model.model, d.at("label_fields") if d is not None else "", ctx)
     elif len(labels) != 1:
         where = d.at("label_fields") if d is not None else "data_config.label_fields"
         ctx.refuse(where, f"a single-task model reads one label field, got {labels}", fatal=True)
@@ -145,6 +146,17 @@ def convert_pipeline_config(
         config["eval"] = eval_cfg
     _check_config(config, output_dir)
     return ConversionResult(config, ctx.notes, dropped)
+
+
+def _note_unread_labels(labels: list[str], model: dict[str, Any], where: str, ctx: Context) -> None:
+    """A label field no task tower reads (nor a task space indicator, nor PEPNet's domain label)
+    trains nothing: noted, and not read."""
+    block = model.get(model_name(model), {})
+    read = {t.get(k) for t in block.get("task_towers", []) for k in ("label_name", "task_space_indicator_label")}
+    read.add(block.get("domain_label"))
+    unread = [n for n in labels if n not in read]
+    if unread:
+        ctx.note(where, f"{unread}: read by no task tower, so not read (a task tower's label_name is what it reads)")
 
 
 def _sub_separator(message: Message, ctx: Context) -> str:

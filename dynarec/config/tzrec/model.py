@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -10,7 +11,13 @@ from dynarec.config.textproto import Message
 from dynarec.config.tzrec.features import Converted, initializer
 from dynarec.config.tzrec.reader import Context, Reader
 from dynarec.config.tzrec.schema_fields import field_values
-from dynarec.config.tzrec.tasks import MULTI_TASK, convert_loss, convert_metric, convert_multi_task
+from dynarec.config.tzrec.tasks import (
+    MULTI_TASK,
+    convert_fusion_mtl_tower,
+    convert_loss,
+    convert_metric,
+    convert_multi_task,
+)
 
 __all__ = ["ModelResult", "column_of", "convert_model", "prune_model", "tzrec_models"]
 
@@ -188,6 +195,12 @@ _TARGETS = {
     "dat": "dat",
     "mind": "mind",
     **{name: name for name in MULTI_TASK},
+    "dlrm_hstu": "dlrm_hstu",
+}
+# TorchEasyRec's models dynarec does not have yet, with what they need beyond dlrm_hstu.
+_NOT_YET = {
+    "ultra_hstu": "UltraHSTU's HSTU channels, attention truncation and semi-local attention; dlrm_hstu converts",
+    "hstu_match": "HSTU retrieval, an HSTU user tower (uih_preprocessor) against an item tower; dlrm_hstu converts",
 }
 _RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
@@ -222,9 +235,11 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     if len(model_names) != 1:
         for n in others:
             r.taken.add(n)
-            ctx.refuse(
-                r.at(n), f"this model is not supported ({', '.join(models)} are; issue 30: the model zoo)", fatal=True
-            )
+            if n in _NOT_YET:
+                why = f"this model is not supported yet: {_NOT_YET[n]} (issue 30)"
+            else:
+                why = f"this model is not supported ({', '.join(models)} are; issue 30: the model zoo)"
+            ctx.refuse(r.at(n), why, fatal=True)
         if not others:
             ctx.refuse(r.path, f"give one of {list(models)}", fatal=True)
         r.taken.update(r.msg.names())
@@ -294,6 +309,12 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         if name == "deepfm" and "fm" in groups:
             block["fm_group"] = "fm"
         out[name] = block
+    elif name == "dlrm_hstu":
+        out[name] = _dlrm_hstu(m, ctx, groups_out, lambda key: column_of(features, key), result.eval)
+        _check_hstu_groups(r, groups_out, out[name], ctx)
+        for key in ("losses", "metrics"):
+            if r.has(key):
+                ctx.refuse(r.at(key), f"dlrm_hstu's {key} belong in its fusion_mtl_tower.task_configs", fatal=True)
     elif name in MULTI_TASK:
         out[name] = convert_multi_task(
             name,
@@ -392,8 +413,19 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             ctx.refuse(metric.path, f"{kind} is not supported for a single-task model (auc, grouped_auc are)")
     if metrics:
         result.eval["metrics"] = list(dict.fromkeys(metrics))
-    for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False)):
-        r.default_only(key, default)
+    if name == "dlrm_hstu":
+        kernel = str(r.scalar("kernel", "PYTORCH"))
+        if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
+            ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
+        elif kernel != "PYTORCH":
+            ctx.note(
+                r.at("kernel"),
+                f"{kernel}: dynarec computes TorchEasyRec's PyTorch reference formulas (its own kernels) whatever the "
+                "kernel; the same model, numbers equal up to rounding",
+            )
+    else:
+        r.default_only("kernel", "PYTORCH")
+    r.default_only("use_pareto_loss_weight", False)
     r.ignore(
         "train_metrics",
         "metrics of the training batches, logged only; dynarec logs the training loss and computes its metrics on "
@@ -633,6 +665,315 @@ def _rocket_launching(m: Reader, ctx: Context) -> dict[str, Any]:
         ctx.refuse(m.at("feature_distillation_function"), f"{function!r} is not supported (COSINE, INNER_PRODUCT are)")
     m.done()
     return out
+
+
+# -- dlrm_hstu ------------------------------------------------------------------------------------
+
+
+def _flag(r: Reader, name: str, default: bool) -> bool:
+    return bool(r.scalar(name, default))
+
+
+def _required(r: Reader, name: str, what: str = "") -> None:
+    """A field TorchEasyRec requires: refused (fatal) when absent."""
+    if not r.has(name):
+        r.ctx.refuse(r.at(name), f"{what or name} is needed", fatal=True)
+
+
+def _dlrm_hstu(
+    m: Reader, ctx: Context, groups: list[dict[str, Any]], column: Callable[[str], str], eval_out: dict[str, Any]
+) -> dict[str, Any]:
+    """dlrm_hstu {hstu, fusion_mtl_tower, max_seq_len, item_embedding_hidden_dim, ...} -> dynarec's
+    dlrm_hstu (dynarec/config/hstu.py): the transducer, the item MLP's width, the fusion tower
+    and its tasks (``fusion_mtl_tower.task_configs``)."""
+    contextual = next((len(g["feature_names"]) for g in groups if g["group_name"] == "contextual"), 0)
+    out: dict[str, Any] = {}
+    if (h := m.message("hstu")) is not None:
+        out["hstu"] = _hstu(h, ctx, contextual)
+    else:
+        _required(m, "hstu", "an hstu block")
+    _required(m, "max_seq_len")
+    out["max_seq_len"] = m.integer("max_seq_len", 1)
+    out["item_embedding_hidden_dim"] = m.integer("item_embedding_hidden_dim", 512)
+    m.default_only(
+        "enable_global_average_loss",
+        True,
+        "dynarec's loss is the mean over every rank's candidates; a mean over each rank's own is not supported",
+        fatal=True,
+    )
+    m.default_only(
+        "sequence_timestamp_is_ascending",
+        True,
+        "dynarec reads each history in ascending time, its last element the latest",
+        fatal=True,
+    )
+    m.default_only(
+        "concat_contextual_features",
+        False,
+        "dynarec makes one token of each contextual feature; one token of them all is not supported",
+        fatal=True,
+    )
+    if (f := m.message("fusion_mtl_tower")) is not None:
+        out.update(convert_fusion_mtl_tower(f, column, eval_out))
+    else:
+        _required(m, "fusion_mtl_tower", "a fusion_mtl_tower with its task_configs")
+        out["task_towers"] = []
+    m.done()
+    return out
+
+
+def _hstu(h: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
+    """HSTU {stu, input_dropout_ratio, attn_num_layers, positional_encoder, input_preprocessor,
+    output_postprocessor, ...} -> dynarec's ``hstu`` block (its input preprocessor's fields
+    flattened: content_mlp_hidden_dim, action_encoder, action_mlp_hidden_dim)."""
+    out: dict[str, Any] = {}
+    if (stu := h.message("stu")) is not None:
+        out["stu"] = _stu(stu, ctx, contextual)
+    else:
+        _required(h, "stu", "an stu block")
+    out["attn_num_layers"] = h.integer("attn_num_layers", 3)
+    out["input_dropout_ratio"] = h.number("input_dropout_ratio", 0.2)
+    if (p := h.message("positional_encoder")) is not None:
+        out["positional_encoder"] = _positional_encoder(p, ctx)
+    else:
+        _required(h, "positional_encoder", "a positional_encoder")
+    if (ip := h.message("input_preprocessor")) is not None:
+        out.update(_input_preprocessor(ip, ctx))
+    else:
+        _required(h, "input_preprocessor", "an input_preprocessor")
+    if (op := h.message("output_postprocessor")) is not None:
+        out["postprocessor"] = _postprocessor(op, ctx)
+    else:
+        _required(h, "output_postprocessor", "an output_postprocessor")
+    truncation = "attention truncation (UltraHSTU's) is not supported"
+    h.default_only("attn_truncation_split_layer", 0, truncation, fatal=True)
+    h.default_only("attn_truncation_tail_len", 0, truncation, fatal=True)
+    h.default_only(
+        "name",
+        "",
+        "a channel name (UltraHSTU's mixture of transducers) is not supported: dlrm_hstu reads the groups uih, "
+        "uih_action, uih_watchtime, uih_timestamp",
+        fatal=True,
+    )
+    h.done()
+    return out
+
+
+def _stu(s: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
+    """STU's sizes; the recomputation and scheduling switches (no effect on the numbers) noted."""
+    out: dict[str, Any] = {}
+    for key in ("embedding_dim", "num_heads", "hidden_dim", "attention_dim"):
+        _required(s, key)
+        out[key] = s.integer(key, 1)
+    out["output_dropout_ratio"] = s.number("output_dropout_ratio", 0.3)
+    out["max_attn_len"] = s.integer("max_attn_len", 0)
+    alpha = s.number("attn_alpha", 0.0)
+    if alpha > 0:
+        out["attn_alpha"] = alpha
+    elif alpha < 0:
+        ctx.refuse(s.at("attn_alpha"), f"{alpha}: must be above 0 (0 or unset: 1 / sqrt(attention_dim))", fatal=True)
+    elif s.has("attn_alpha"):
+        ctx.note(s.at("attn_alpha"), "0: unset, 1 / sqrt(attention_dim) (TorchEasyRec's)")
+    out["use_group_norm"] = _flag(s, "use_group_norm", False)
+    for key in ("recompute_normed_x", "recompute_uvqk", "recompute_y"):
+        s.ignore(key, "activation recomputation in backward: memory against time, the same numbers")
+    s.ignore("sort_by_length", "the kernels' scheduling of sequences by length, the same numbers")
+    seq_len = s.integer("contextual_seq_len", -1)
+    if seq_len >= 0 and seq_len != contextual:
+        ctx.refuse(
+            s.at("contextual_seq_len"),
+            f"{seq_len}: only a value < 0 (the default: the contextual group's feature count) or that count "
+            f"({contextual}) is supported",
+            fatal=True,
+        )
+    elif seq_len >= 0:
+        ctx.note(s.at("contextual_seq_len"), f"{seq_len}: the contextual group's feature count, as when unset")
+    scaling = s.integer("scaling_seqlen", -1)
+    if scaling >= 0:
+        ctx.refuse(
+            s.at("scaling_seqlen"),
+            f"{scaling}: only values < 0 (the default: attention scaled by max_seq_len) are supported",
+            fatal=True,
+        )
+    for key in ("sla_k1", "sla_k2"):
+        s.default_only(key, 0, "semi-local attention (UltraHSTU's) is not supported", fatal=True)
+    s.done()
+    return out
+
+
+def _positional_encoder(p: Reader, ctx: Context) -> dict[str, Any]:
+    """GRPositionalEncoder: the same fields."""
+    _required(p, "num_position_buckets")
+    out: dict[str, Any] = {
+        "num_position_buckets": p.integer("num_position_buckets", 1),
+        "num_time_buckets": p.integer("num_time_buckets", 0),
+        "use_time_encoding": _flag(p, "use_time_encoding", False),
+    }
+    if out["use_time_encoding"] and out["num_time_buckets"] < 1:
+        ctx.refuse(p.at("num_time_buckets"), "use_time_encoding needs num_time_buckets >= 1", fatal=True)
+    fn = str(p.scalar("time_bucket_fn", "sqrt"))
+    if fn not in ("sqrt", "log"):
+        ctx.refuse(p.at("time_bucket_fn"), f"{fn!r} is not supported (sqrt, log are)", fatal=True)
+    out["time_bucket_fn"] = fn if fn in ("sqrt", "log") else "sqrt"
+    out["time_bucket_increments"] = p.number("time_bucket_increments", 60.0)
+    p.done()
+    return out
+
+
+def _input_preprocessor(ip: Reader, ctx: Context) -> dict[str, Any]:
+    """input_preprocessor {contextual_preprocessor {action_encoder, action_mlp, content_encoder,
+    content_mlp}} -> content_mlp_hidden_dim, action_encoder, action_mlp_hidden_dim."""
+    ip.refuse(
+        "contextual_interleave_preprocessor",
+        why="interleaved targets are not supported (contextual_preprocessor is)",
+        fatal=True,
+    )
+    ip.refuse("uih_preprocessor", why="hstu_match's preprocessor; dlrm_hstu's is contextual_preprocessor", fatal=True)
+    cp = ip.message("contextual_preprocessor")
+    if cp is None:
+        if not ip.has("contextual_interleave_preprocessor") and not ip.has("uih_preprocessor"):
+            _required(ip, "contextual_preprocessor", "a contextual_preprocessor")
+        ip.done()
+        return {}
+    out: dict[str, Any] = {}
+    if (ce := cp.message("content_encoder")) is not None:
+        ce.refuse(
+            "pad_content_encoder", "mlp_content_encoder", why="not supported (slice_content_encoder is)", fatal=True
+        )
+        if (sl := ce.message("slice_content_encoder")) is not None:
+            sl.done()
+        elif not ce.has("pad_content_encoder") and not ce.has("mlp_content_encoder"):
+            _required(ce, "slice_content_encoder", "a content encoder (slice_content_encoder)")
+        ce.done()
+    else:
+        _required(cp, "content_encoder", "a content_encoder (slice_content_encoder)")
+    content = _contextualized_mlp(cp, "content_mlp", ctx)
+    if content is not None:
+        out["content_mlp_hidden_dim"] = content
+    elif not cp.has("content_mlp"):
+        _required(cp, "content_mlp", "a content_mlp (simple_mlp)")
+    encoder = None
+    if (ae := cp.message("action_encoder")) is not None:
+        encoder = _action_encoder(ae, ctx)
+    action_mlp = _contextualized_mlp(cp, "action_mlp", ctx)
+    if cp.has("action_encoder") != cp.has("action_mlp"):
+        given, missing = (
+            ("action_encoder", "action_mlp") if cp.has("action_encoder") else ("action_mlp", "action_encoder")
+        )
+        ctx.refuse(cp.at(missing), f"{given} and {missing} go together", fatal=True)
+    elif encoder is not None and action_mlp is not None:
+        out["action_encoder"] = encoder
+        out["action_mlp_hidden_dim"] = action_mlp
+    cp.done()
+    ip.done()
+    return out
+
+
+def _contextualized_mlp(cp: Reader, key: str, ctx: Context) -> Optional[int]:
+    """``key {simple_mlp {hidden_dim}}``: the hidden dim (parameterized_mlp refused)."""
+    body = cp.message(key)
+    if body is None:
+        return None
+    body.refuse(
+        "parameterized_mlp",
+        why="not supported (simple_mlp is: the contextual embeddings do not parameterize the MLP)",
+        fatal=True,
+    )
+    simple = body.message("simple_mlp")
+    dim = None
+    if simple is not None:
+        _required(simple, "hidden_dim")
+        dim = simple.integer("hidden_dim", 1)
+        simple.done()
+    elif not body.has("parameterized_mlp"):
+        _required(body, "simple_mlp", "a simple_mlp")
+    body.done()
+    return dim
+
+
+def _action_encoder(ae: Reader, ctx: Context) -> Optional[dict[str, Any]]:
+    """action_encoder {simple_action_encoder {action_embedding_dim, action_weights, ...}}."""
+    simple = ae.message("simple_action_encoder")
+    if simple is None:
+        _required(ae, "simple_action_encoder", "a simple_action_encoder")
+        ae.done()
+        return None
+    _required(simple, "action_embedding_dim")
+    out: dict[str, Any] = {
+        "action_embedding_dim": simple.integer("action_embedding_dim", 1),
+        "action_weights": simple.integers("action_weights"),
+    }
+    if not out["action_weights"]:
+        ctx.refuse(simple.at("action_weights"), "at least one action bitmask is needed", fatal=True)
+    for key in ("watchtime_to_action_thresholds", "watchtime_to_action_weights"):
+        if simple.integers(key):
+            ctx.refuse(simple.at(key), "watch-time actions are not supported (only an empty list is)", fatal=True)
+    simple.ignore(
+        "embedding_init_std", "TorchEasyRec's action encoder initializes its embeddings with std 0.1 whatever it says"
+    )
+    simple.done()
+    ae.done()
+    return out
+
+
+_POSTPROCESSORS = {
+    "timestamp_layernorm_postprocessor": "timestamp_layernorm",
+    "layernorm_postprocessor": "layernorm",
+    "l2norm_postprocessor": "l2norm",
+}
+
+
+def _postprocessor(op: Reader, ctx: Context) -> dict[str, Any]:
+    """output_postprocessor {timestamp_layernorm_postprocessor {time_duration_period_units,
+    time_duration_units_per_period} | layernorm_postprocessor | l2norm_postprocessor}."""
+    given = [k for k in _POSTPROCESSORS if op.has(k)]
+    if len(given) != 1:
+        ctx.refuse(op.path, f"give exactly one of {list(_POSTPROCESSORS)} (got {given or 'none'})", fatal=True)
+        op.taken.update(_POSTPROCESSORS)
+        op.done()
+        return {}
+    body = op.message(given[0])
+    assert body is not None
+    out: dict[str, Any] = {"kind": _POSTPROCESSORS[given[0]]}
+    if given[0] == "timestamp_layernorm_postprocessor":
+        units = body.integers("time_duration_period_units")
+        per = body.integers("time_duration_units_per_period")
+        if not units or len(units) != len(per):
+            ctx.refuse(
+                body.path,
+                "time_duration_period_units and time_duration_units_per_period must be given, of one length "
+                f"(got {len(units)} and {len(per)})",
+                fatal=True,
+            )
+        out["time_duration_period_units"] = units
+        out["time_duration_units_per_period"] = per
+    body.done()
+    op.done()
+    return out
+
+
+def _check_hstu_groups(r: Reader, groups: list[dict[str, Any]], block: dict[str, Any], ctx: Context) -> None:
+    """TorchEasyRec's DlrmHSTU reads its groups by name: refused by path when one is missing,
+    unknown (TorchEasyRec would ignore it) or of the other kind."""
+    from dynarec.config.hstu import HSTU_GROUPS
+
+    kinds = {g["group_name"]: g["group_type"] for g in groups}
+    needed = ["uih", "candidate", "uih_timestamp", "candidate_timestamp"]
+    if "action_encoder" in block.get("hstu", {}):
+        needed.append("uih_action")
+    for g in needed:
+        if g not in kinds:
+            ctx.refuse(r.at("feature_groups"), f"dlrm_hstu needs a group named {g!r}", fatal=True)
+    for g, kind in kinds.items():
+        if g not in HSTU_GROUPS:
+            ctx.refuse(
+                r.at("feature_groups"),
+                f"dlrm_hstu reads the groups {list(HSTU_GROUPS)}; group {g!r} would be ignored by TorchEasyRec",
+                fatal=True,
+            )
+        elif (kind == "sequence") != HSTU_GROUPS[g]:
+            want = "a SEQUENCE or JAGGED_SEQUENCE group" if HSTU_GROUPS[g] else "a DEEP group"
+            ctx.refuse(r.at("feature_groups"), f"dlrm_hstu's group {g!r} must be {want}", fatal=True)
 
 
 _ZOO = {

@@ -1,6 +1,6 @@
 """Losses, metrics and task towers (``tzrec/protos/loss.proto``, ``metric.proto``,
-``tower.proto``), and the multi-task models that hold the towers: simple_multi_task, mmoe, ple
-and dbmtl (``multi_task_rank.proto``)."""
+``tower.proto``), the multi-task models that hold the towers: simple_multi_task, mmoe, ple
+and dbmtl (``multi_task_rank.proto``), and DlrmHSTU's fusion tower (``FusionMTLTower``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from dynarec.config.tzrec.reader import Reader
 
-__all__ = ["MULTI_TASK", "convert_loss", "convert_metric", "convert_multi_task"]
+__all__ = ["MULTI_TASK", "convert_fusion_mtl_tower", "convert_loss", "convert_metric", "convert_multi_task"]
 
 # TorchEasyRec's loss -> its fields and defaults, as dynarec takes them.
 _LOSSES: dict[str, dict[str, float]] = {
@@ -239,4 +239,75 @@ def _extraction_network(e: Reader, mlp: _Mlp) -> dict[str, Any]:
         out["share_num"] = 1
     _put(out, "share_expert_", mlp(e.message("share_expert_net"), e.at("share_expert_net"), True))
     e.done()
+    return out
+
+
+# -- DlrmHSTU's fusion tower ---------------------------------------------------------------------
+
+# The fusion MLP's activations (TorchEasyRec's MLP ``activation``: "" is none) -> dynarec's.
+_FUSION_ACTIVATIONS = {"nn.ReLU": "relu", "nn.SiLU": "silu", "": "none"}
+
+
+def convert_fusion_mtl_tower(
+    f: Reader, column: Callable[[str], str], eval_out: dict[str, Any], model: str = "dlrm_hstu"
+) -> dict[str, Any]:
+    """``fusion_mtl_tower {mlp, task_configs}`` as dynarec's ``fusion_hidden_units``,
+    ``fusion_activation``, ``fusion_layer_norm`` and ``task_towers`` (one a task config).
+    ``column``: a feature's column (JRC's session feature, a grouped AUC's key)."""
+    ctx = f.ctx
+    out: dict[str, Any] = {}
+    if (mlp := f.message("mlp")) is not None:
+        out["fusion_hidden_units"] = mlp.integers("hidden_units")
+        if any(mlp.numbers("dropout_ratio")):
+            ctx.refuse(mlp.at("dropout_ratio"), f"dropout is not supported in {model}'s fusion MLP", fatal=True)
+        activation = str(mlp.scalar("activation", "nn.ReLU"))
+        if activation not in _FUSION_ACTIVATIONS:
+            allowed = ", ".join(repr(k) for k in _FUSION_ACTIVATIONS)
+            ctx.refuse(mlp.at("activation"), f"{activation!r} is not supported ({allowed} are)", fatal=True)
+        elif activation != "nn.ReLU" and out["fusion_hidden_units"]:
+            shown = activation or "no activation"
+            ctx.note(mlp.at("activation"), f"{shown} on every layer, as TorchEasyRec's")
+        out["fusion_activation"] = _FUSION_ACTIVATIONS.get(activation, "relu")
+        mlp.default_only("use_bn", False, f"batch normalization is not supported in {model}'s fusion MLP", fatal=True)
+        mlp.default_only("bias", True, "linear layers without bias are not supported", fatal=True)
+        out["fusion_layer_norm"] = bool(mlp.scalar("use_ln", False))
+        mlp.done()
+    towers = [_fusion_task(t, i, column, eval_out) for i, t in enumerate(f.messages("task_configs"))]
+    if not towers:
+        ctx.refuse(f.at("task_configs"), "at least one task is needed", fatal=True)
+    out["task_towers"] = towers
+    f.done()
+    return out
+
+
+def _fusion_task(t: Reader, i: int, column: Callable[[str], str], eval_out: dict[str, Any]) -> dict[str, Any]:
+    """A FusionSubTaskConfig {task_name, label_name, task_bitmask, losses, metrics, num_class,
+    weight, train_metrics} as dynarec's task tower (no MLP of its own: the fusion MLP is shared)."""
+    ctx = t.ctx
+    if not t.has("task_name"):
+        ctx.refuse(t.at("task_name"), "a task needs its task_name", fatal=True)
+    out: dict[str, Any] = {"tower_name": str(t.scalar("task_name", f"task{i}"))}
+    label = t.scalar("label_name")
+    if label is None:
+        ctx.refuse(t.at("label_name"), "a task needs its label_name", fatal=True)
+    out["label_name"] = str(label or "")
+    if t.has("task_bitmask"):
+        bitmask = t.integer("task_bitmask", 1)
+        if bitmask < 1:
+            ctx.refuse(t.at("task_bitmask"), f"{bitmask}: a bitmask of no bit makes every label 0", fatal=True)
+        else:
+            out["task_bitmask"] = bitmask
+    losses = [convert_loss(loss, column) for loss in t.messages("losses")]
+    if not losses:
+        ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
+    out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]
+    metrics = [convert_metric(metric, column, eval_out) for metric in t.messages("metrics")]
+    if kept := [m for m in dict.fromkeys(metrics) if m is not None]:
+        out["metrics"] = kept
+    if (num_class := t.integer("num_class", 1)) != 1:
+        out["num_class"] = num_class
+    if (weight := t.number("weight", 1.0)) != 1.0:
+        out["weight"] = weight
+    t.ignore("train_metrics", "metrics of the training batches, logged only")
+    t.done()
     return out
