@@ -19,6 +19,7 @@ from dynarec.config.base import Count, Strict
 from dynarec.config.tasks import TaskTowerCfg
 
 __all__ = [
+    "CHANNEL_SUFFIXES",
     "HSTU_GROUPS",
     "ActionEncoderCfg",
     "DlrmHSTUCfg",
@@ -26,18 +27,13 @@ __all__ = [
     "HSTUPostprocessorCfg",
     "PositionalEncoderCfg",
     "STUCfg",
+    "UltraHSTUCfg",
 ]
 
-# The groups a DlrmHSTU model reads (TorchEasyRec's names), and whether each is a sequence group.
-HSTU_GROUPS = {
-    "contextual": False,
-    "uih": True,
-    "candidate": True,
-    "uih_action": True,
-    "uih_watchtime": True,
-    "uih_timestamp": True,
-    "candidate_timestamp": True,
-}
+# The groups a generative ranker reads besides its channels' (TorchEasyRec's names), and whether
+# each is a sequence group; a channel's history groups: its name, then these suffixes.
+HSTU_GROUPS = {"contextual": False, "candidate": True, "candidate_timestamp": True}
+CHANNEL_SUFFIXES = ("", "_action", "_watchtime", "_timestamp")
 
 
 class STUCfg(Strict):
@@ -51,6 +47,10 @@ class STUCfg(Strict):
     max_attn_len: int = Field(0, ge=0)
     attn_alpha: Optional[float] = Field(None, gt=0)  # None: 1 / sqrt(attention_dim)
     use_group_norm: bool = False
+    # Semi-local attention (UltraHSTU's): a history token sees a global prefix of max(sla_k2,
+    # contexts) tokens and its last sla_k1; a candidate the whole history, not itself. 0, 0: off.
+    sla_k1: int = Field(0, ge=0)
+    sla_k2: int = Field(0, ge=0)
 
 
 class PositionalEncoderCfg(Strict):
@@ -97,9 +97,15 @@ class HSTUCfg(Strict):
     """The transducer (:class:`dynarec.models.hstu.HSTUTransducer`): contextual tokens, the
     content MLP over the history and candidate rows (the slice content encoder), the action
     encoder and its MLP (optional), positions and times, ``attn_num_layers`` STU layers, the
-    candidates' postprocessor."""
+    candidates' postprocessor. ``name``: the channel, whose history groups are ``<name>``,
+    ``<name>_action``, ``<name>_watchtime`` and ``<name>_timestamp`` (empty: ``uih``). With
+    ``attn_truncation_split_layer`` > 0 the layers from that one on read each row's contexts, its
+    last ``attn_truncation_tail_len`` history tokens and its candidates (UltraHSTU's)."""
 
     stu: STUCfg
+    name: str = ""
+    attn_truncation_split_layer: int = Field(0, ge=0)
+    attn_truncation_tail_len: int = Field(0, ge=0)
     attn_num_layers: Count = 3
     input_dropout_ratio: float = Field(0.2, ge=0, lt=1)
     positional_encoder: PositionalEncoderCfg
@@ -112,16 +118,24 @@ class HSTUCfg(Strict):
     def _action(self):
         if (self.action_encoder is None) != (self.action_mlp_hidden_dim is None):
             raise ValueError("action_encoder and action_mlp_hidden_dim go together")
+        split, tail = self.attn_truncation_split_layer, self.attn_truncation_tail_len
+        if (split > 0) != (tail > 0) or split >= self.attn_num_layers:
+            raise ValueError(
+                f"attn_truncation_split_layer ({split}) and attn_truncation_tail_len ({tail}): both 0, or both above "
+                f"0 with the split below attn_num_layers ({self.attn_num_layers})"
+            )
         return self
 
+    @property
+    def history_group(self) -> str:
+        """The name of this channel's history group (its others add ``_action``, ``_watchtime``, ``_timestamp``)."""
+        return self.name or "uih"
 
-class DlrmHSTUCfg(Strict):
-    """TorchEasyRec's DlrmHSTU (module doc): the transducer's encoding of each candidate times
-    the candidate's own (an item MLP over its rows: Linear, SwishLayerNorm, Linear, LayerNorm),
-    then the fusion tower — an MLP (``fusion_hidden_units``) and one Linear emitting every task's
-    logits. ``max_seq_len`` divides the attention scores (a constant, as TorchEasyRec's)."""
 
-    hstu: HSTUCfg
+class _GenerativeRankerCfg(Strict):
+    """What DlrmHSTU and UltraHSTU share: the candidates' own embedding, the fusion tower, the
+    tasks. ``max_seq_len`` divides the attention scores (a constant, as TorchEasyRec's)."""
+
     max_seq_len: Count
     item_embedding_hidden_dim: Count = 512
     fusion_hidden_units: list[Count] = Field(default_factory=list)
@@ -134,6 +148,42 @@ class DlrmHSTUCfg(Strict):
         for t in self.task_towers:
             if t.hidden_units or t.relation_tower_names:
                 raise ValueError(
-                    f"dlrm_hstu.task_towers ({t.tower_name}): the fusion tower is shared; a task has no MLP of its own"
+                    f"task_towers ({t.tower_name}): the fusion tower is shared; a task has no MLP of its own"
                 )
+        return self
+
+    @property
+    def channels(self) -> list[HSTUCfg]:
+        raise NotImplementedError
+
+
+class DlrmHSTUCfg(_GenerativeRankerCfg):
+    """TorchEasyRec's DlrmHSTU (module doc): the transducer's encoding of each candidate times
+    the candidate's own (an item MLP over its rows: Linear, SwishLayerNorm, Linear, LayerNorm),
+    then the fusion tower — an MLP (``fusion_hidden_units``) and one Linear emitting every task's
+    logits."""
+
+    hstu: HSTUCfg
+
+    @property
+    def channels(self) -> list[HSTUCfg]:
+        return [self.hstu]
+
+
+class UltraHSTUCfg(_GenerativeRankerCfg):
+    """TorchEasyRec's UltraHSTU, a mixture of transducers: one per history channel (``hstu``
+    entries, each its own ``name`` and groups, sharing the candidates and the contexts), their
+    encodings of a candidate concatenated; the candidate's own embedding as wide as them all."""
+
+    hstu: list[HSTUCfg] = Field(min_length=1)
+
+    @property
+    def channels(self) -> list[HSTUCfg]:
+        return list(self.hstu)
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [c.history_group for c in self.hstu]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ultra_hstu.hstu: each channel needs its own name, got {names}")
         return self

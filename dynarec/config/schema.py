@@ -43,7 +43,7 @@ from dynarec.config.features import (
     check_features,
     dependency_order,
 )
-from dynarec.config.hstu import HSTU_GROUPS, DlrmHSTUCfg
+from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS, DlrmHSTUCfg, UltraHSTUCfg
 from dynarec.config.tasks import TaskTowerCfg, check_task_towers
 from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
@@ -591,7 +591,7 @@ RETRIEVAL_KEYS = ("dssm", "dat", "mind")
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
 
 # Models that score each row's candidates (labels are lists, one value a candidate).
-CANDIDATE_KEYS = ("dlrm_hstu",)
+CANDIDATE_KEYS = ("dlrm_hstu", "ultra_hstu")
 
 MODEL_KEYS = (
     "multi_tower_din",
@@ -642,6 +642,7 @@ class ModelCfg(Strict):
     dat: Optional[DATCfg] = None
     mind: Optional[MINDCfg] = None
     dlrm_hstu: Optional[DlrmHSTUCfg] = None
+    ultra_hstu: Optional[UltraHSTUCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -656,8 +657,8 @@ class ModelCfg(Strict):
                 raise ValueError(f"feature_groups[{i}] ({g.group_name}): feature(s) {twice} listed twice")
         if name in MULTI_TASK_KEYS or name in CANDIDATE_KEYS:
             check_task_towers(self.task_towers, f"model.{name}")
-        if name == "dlrm_hstu":
-            self._check_hstu_groups()
+        if name in CANDIDATE_KEYS:
+            self._check_hstu_groups(name)
         if self.variational_dropout is not None and name in FIELD_WISE_MODELS:
             raise ValueError(
                 f"variational_dropout: {name} reads its groups feature by feature; variational dropout applies to "
@@ -680,23 +681,25 @@ class ModelCfg(Strict):
                 )
         return self
 
-    def _check_hstu_groups(self) -> None:
-        """A DlrmHSTU model's groups: TorchEasyRec's fixed names, each of its kind."""
-        cfg = self.dlrm_hstu
-        assert cfg is not None
+    def _check_hstu_groups(self, name: str) -> None:
+        """A generative ranker's groups: TorchEasyRec's fixed names, each of its kind."""
+        cfg = getattr(self, name)
         kinds = {g.group_name: g.group_type for g in self.feature_groups}
-        needed = ["uih", "candidate", "uih_timestamp", "candidate_timestamp"]
-        if cfg.hstu.action_encoder is not None:
-            needed.append("uih_action")
+        known = dict(HSTU_GROUPS)
+        needed = ["candidate", "candidate_timestamp"]
+        for channel in cfg.channels:
+            base = channel.history_group
+            known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES})
+            needed += [base, base + "_timestamp"] + ([base + "_action"] if channel.action_encoder else [])
         missing = [g for g in needed if g not in kinds]
         if missing:
-            raise ValueError(f"dlrm_hstu: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
+            raise ValueError(f"{name}: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
         for g, kind in kinds.items():
-            if g not in HSTU_GROUPS:
-                raise ValueError(f"dlrm_hstu: reads the groups {list(HSTU_GROUPS)}; group '{g}' would be ignored")
-            if (kind == "sequence") != HSTU_GROUPS[g]:
-                want = "a sequence group" if HSTU_GROUPS[g] else "a deep group"
-                raise ValueError(f"dlrm_hstu: group '{g}' must be {want}, it is '{kind}'")
+            if g not in known:
+                raise ValueError(f"{name}: reads the groups {list(known)}; group '{g}' would be ignored")
+            if (kind == "sequence") != known[g]:
+                want = "a sequence group" if known[g] else "a deep group"
+                raise ValueError(f"{name}: group '{g}' must be {want}, it is '{kind}'")
 
     def _tower_inputs(self, name: str) -> list[tuple[str, str, str]]:
         """``(config path, group name, 'deep' | 'sequence')`` of every tower input of the model."""
@@ -763,12 +766,15 @@ class ModelCfg(Strict):
 
     def aligned_sequences(self) -> list[list[str]]:
         """Feature names whose sequences the model reads position by position, so that a row's
-        must have one length: each sequence group's; a DlrmHSTU's history groups together
-        (items, actions, timestamps) and its candidate groups together."""
+        must have one length: each sequence group's; a generative ranker's history groups of a
+        channel together (items, actions, timestamps) and its candidate groups together."""
         out = [names for _, _, names in self.sequence_groups()]
-        if self.dlrm_hstu is not None:
+        if self.name in CANDIDATE_KEYS:
             groups = {g.group_name: list(g.feature_names) for g in self.feature_groups}
-            for side in (("uih", "uih_action", "uih_watchtime", "uih_timestamp"), ("candidate", "candidate_timestamp")):
+            sides = [
+                [c.history_group + suffix for suffix in CHANNEL_SUFFIXES] for c in getattr(self, self.name).channels
+            ]
+            for side in [*sides, ["candidate", "candidate_timestamp"]]:
                 out.append([n for g in side for n in groups.get(g, [])])
         return out
 

@@ -71,9 +71,9 @@ __all__ = ["GenerateSpec", "make_config_data"]
 KEYS = 12  # distinct keys of a lookup or match key column
 VOCAB_FILE_WORDS = 100
 NOW = 1_600_000_000  # seconds: a history's last time; its candidates' query time a little later
-# The features of these groups of a dlrm_hstu model hold times (a history's, its candidates') and
-# the history's actions (bitmasks).
-TIME_GROUPS = {"uih_timestamp": "history_times", "candidate_timestamp": "candidate_times", "uih_action": "actions"}
+# The features of a generative ranker's groups holding times (a channel's history's, the
+# candidates') and the histories' actions (bitmasks), by the group name's ending.
+TIME_GROUPS = {"_timestamp": "history_times", "_action": "actions"}
 ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (k + 2)
 
 
@@ -92,6 +92,16 @@ class GenerateSpec:
     def __post_init__(self):
         if self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be at least 1, got {self.max_sequence_length}")
+
+
+def _group_kind(config: Config, group: str) -> Optional[str]:
+    """What the features of ``group`` hold where the model gives its group names a meaning (a
+    generative ranker: candidate_times, history_times, actions), else None."""
+    if config.candidate_feature() is None:
+        return None
+    if group == "candidate_timestamp":
+        return "candidate_times"
+    return next((kind for end, kind in TIME_GROUPS.items() if group.endswith(end)), None)
 
 
 def _zipf_ids(rng: np.random.Generator, vocabulary: int, n: int, a: float) -> np.ndarray:
@@ -283,9 +293,9 @@ class _Planner:
         self.by_name = {f.feature_name: f for f in config.features()}
         self.vocab_files_written: list[str] = []
         self._time_groups = {
-            n: TIME_GROUPS[g.group_name]
+            n: kind
             for g in config.model.feature_groups
-            if g.group_name in TIME_GROUPS
+            if (kind := _group_kind(config, g.group_name))
             for n in g.feature_names
         }
 

@@ -12,12 +12,12 @@ the rows :class:`~dynarec.models.tasks.Tasks` scores against a label a candidate
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from dynarec.config.hstu import DlrmHSTUCfg, HSTUPostprocessorCfg
+from dynarec.config.hstu import DlrmHSTUCfg, HSTUCfg, HSTUPostprocessorCfg, UltraHSTUCfg
 from dynarec.config.schema import Config
 from dynarec.models.features import FeatureInputs
 from dynarec.models.hstu import (
@@ -33,7 +33,7 @@ from dynarec.models.hstu import (
     TimestampLayerNormPostprocessor,
 )
 
-__all__ = ["DlrmHSTU"]
+__all__ = ["DlrmHSTU", "UltraHSTU"]
 
 
 def _postprocessor(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
@@ -42,38 +42,72 @@ def _postprocessor(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
     return LayerNormPostprocessor(dim) if cfg.kind == "layernorm" else L2NormPostprocessor()
 
 
+class _Channel:
+    """A transducer's inputs: its history group's features, their timestamps and actions."""
+
+    def __init__(self, groups: dict[str, list[str]], cfg: HSTUCfg):
+        base = cfg.history_group
+        self.history = groups[base]
+        self.time = groups[base + "_timestamp"][0]
+        self.actions = groups[base + "_action"][0] if cfg.action_encoder is not None else None
+
+
 class DlrmHSTU(nn.Module):
+    """DlrmHSTU (module doc); with several channels (``ultra_hstu``: TorchEasyRec's UltraHSTU, a
+    mixture of transducers) each channel's transducer reads its own history and the shared
+    candidates and contexts, and a candidate's encodings are concatenated."""
+
     # The rows and the attention's length change with every batch, and a batch's candidates are
     # picked by a mask: no CUDA graph holds it.
     capturable = False
 
-    def __init__(self, config: Config, cfg: DlrmHSTUCfg):
+    def __init__(self, config: Config, cfg: Union[DlrmHSTUCfg, UltraHSTUCfg]):
         super().__init__()
         self.inputs = FeatureInputs(config)
         groups = {g.group_name: list(g.feature_names) for g in config.model.feature_groups}
-        self.history = groups["uih"]
         self.candidates = groups["candidate"]
-        self.history_time = groups["uih_timestamp"][0]
         self.candidate_time = groups["candidate_timestamp"][0]
-        self.actions = groups["uih_action"][0] if cfg.hstu.action_encoder is not None else None
         self.contextual = groups.get("contextual", [])
         widths = {self.inputs[n].width for n in self.contextual}
         if len(widths) > 1:
             raise ValueError(
-                f"dlrm_hstu: the contextual features become one token each and must share one width, got "
+                f"{config.model.name}: the contextual features become one token each and must share one width, got "
                 f"{ {n: self.inputs[n].width for n in self.contextual} }"
             )
-        for group, names in (("uih_timestamp", [self.history_time]), ("candidate_timestamp", [self.candidate_time])):
-            if len(groups[group]) != 1 or self.inputs[names[0]].width != 1:
-                raise ValueError(f"dlrm_hstu: group '{group}' holds one feature of one number an element (seconds)")
-        history_dim = sum(self.inputs[n].width for n in self.history)
+        self.channels = [_Channel(groups, c) for c in cfg.channels]
+        for channel, c in zip(self.channels, cfg.channels):
+            for group, name in (
+                (c.history_group + "_timestamp", channel.time),
+                ("candidate_timestamp", self.candidate_time),
+            ):
+                if len(groups[group]) != 1 or self.inputs[name].width != 1:
+                    raise ValueError(
+                        f"{config.model.name}: group '{group}' holds one feature of one number an element (seconds)"
+                    )
         candidate_dim = sum(self.inputs[n].width for n in self.candidates)
-        hstu, stu = cfg.hstu, cfg.hstu.stu
+        self.transducers = nn.ModuleList(
+            self._transducer(c, ch, candidate_dim, cfg.max_seq_len, widths.copy())
+            for c, ch in zip(cfg.channels, self.channels)
+        )
+        dim = sum(c.stu.embedding_dim for c in cfg.channels)
+        self.item_mlp = SimpleContextualizedMLP(candidate_dim, cfg.item_embedding_hidden_dim, dim)
+        self.tower = FusionMTLTower(
+            dim,
+            [t.num_class for t in cfg.task_towers],
+            tuple(cfg.fusion_hidden_units),
+            cfg.fusion_activation,
+            cfg.fusion_layer_norm,
+        )
+
+    def _transducer(
+        self, hstu: HSTUCfg, channel: _Channel, candidate_dim: int, max_seq_len: int, widths: set[int]
+    ) -> HSTUTransducer:
+        stu = hstu.stu
         dim = stu.embedding_dim
         action = hstu.action_encoder
-        self.transducer = HSTUTransducer(
+        return HSTUTransducer(
             dim=dim,
-            history_dim=history_dim,
+            history_dim=sum(self.inputs[n].width for n in channel.history),
             candidate_dim=candidate_dim,
             content_hidden_dim=hstu.content_mlp_hidden_dim,
             positional=HSTUPositionalEncoder(
@@ -92,7 +126,7 @@ class DlrmHSTU(nn.Module):
                         stu.num_heads,
                         stu.hidden_dim,
                         stu.attention_dim,
-                        scaling_seqlen=cfg.max_seq_len,
+                        scaling_seqlen=max_seq_len,
                         output_dropout_ratio=stu.output_dropout_ratio,
                         use_group_norm=stu.use_group_norm,
                         attn_alpha=stu.attn_alpha,
@@ -107,14 +141,8 @@ class DlrmHSTU(nn.Module):
             action_hidden_dim=hstu.action_mlp_hidden_dim or 0,
             input_dropout_ratio=hstu.input_dropout_ratio,
             max_attn_len=stu.max_attn_len,
-        )
-        self.item_mlp = SimpleContextualizedMLP(candidate_dim, cfg.item_embedding_hidden_dim, dim)
-        self.tower = FusionMTLTower(
-            dim,
-            [t.num_class for t in cfg.task_towers],
-            tuple(cfg.fusion_hidden_units),
-            cfg.fusion_activation,
-            cfg.fusion_layer_norm,
+            sla=(stu.sla_k1, stu.sla_k2),
+            truncation=(hstu.attn_truncation_split_layer, hstu.attn_truncation_tail_len),
         )
 
     def _sequence(self, names: list[str], embeddings, dense) -> torch.Tensor:
@@ -122,26 +150,35 @@ class DlrmHSTU(nn.Module):
 
     def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
         """``[C, width]``: every candidate's tasks' logits, row after row (module doc)."""
-        history = self._sequence(self.history, embeddings, dense)
         candidates = self._sequence(self.candidates, embeddings, dense)
         num_targets = seq_lengths[self.candidates[0]]
-        actions: Optional[torch.Tensor] = None
-        if self.actions is not None:
-            actions = self.inputs.positions(self.actions, embeddings, dense)[..., 0].round().long()
+        query_times = self.inputs.positions(self.candidate_time, embeddings, dense)[..., 0].float()
         contextual = None
         if self.contextual:
             contextual = torch.cat([self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.contextual], 1)
-        user = self.transducer(
-            history,
-            seq_lengths[self.history[0]],
-            self.inputs.positions(self.history_time, embeddings, dense)[..., 0].float(),
-            candidates,
-            num_targets,
-            self.inputs.positions(self.candidate_time, embeddings, dense)[..., 0].float(),
-            actions,
-            contextual,
-        )
+        encodings = []
+        for channel, transducer in zip(self.channels, self.transducers):
+            actions: Optional[torch.Tensor] = None
+            if channel.actions is not None:
+                actions = self.inputs.positions(channel.actions, embeddings, dense)[..., 0].round().long()
+            encodings.append(
+                transducer(
+                    self._sequence(channel.history, embeddings, dense),
+                    seq_lengths[channel.history[0]],
+                    self.inputs.positions(channel.time, embeddings, dense)[..., 0].float(),
+                    candidates,
+                    num_targets,
+                    query_times,
+                    actions,
+                    contextual,
+                )
+            )
+        user = torch.cat(encodings, dim=-1)
         item = self.item_mlp(candidates)
         logits = torch.cat(self.tower(user, item), dim=-1)  # [B, Lt, width]
         valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < num_targets[:, None]
         return logits[valid]
+
+
+# UltraHSTU is DlrmHSTU with several channels (its config's hstu is a list).
+UltraHSTU = DlrmHSTU

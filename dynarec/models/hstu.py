@@ -432,7 +432,12 @@ class HSTUTransducer(nn.Module):
         action_hidden_dim: int = 0,
         input_dropout_ratio: float = 0.2,
         max_attn_len: int = 0,
+        sla: tuple[int, int] = (0, 0),
+        truncation: tuple[int, int] = (0, 0),
     ):
+        """``sla``: ``(sla_k1, sla_k2)`` of :func:`semi_local_mask` for every layer (``(0, 0)``: the
+        target-aware mask); ``truncation``: ``(split layer, tail)`` of :func:`truncate_history`
+        before that layer (``(0, 0)``: none)."""
         super().__init__()
         if candidate_dim < history_dim:
             raise ValueError(
@@ -448,6 +453,12 @@ class HSTUTransducer(nn.Module):
         )
         self.positional, self.stack, self.postprocessor = positional, stack, postprocessor
         self.input_dropout_ratio, self.max_attn_len = input_dropout_ratio, max_attn_len
+        self.sla, self.truncation = sla, truncation
+
+    def _mask(self, lengths: torch.Tensor, num_targets: torch.Tensor, n: int) -> torch.Tensor:
+        if any(self.sla):
+            return semi_local_mask(lengths, num_targets, self.num_contexts, n, *self.sla)
+        return hstu_valid_mask(lengths, num_targets, self.num_contexts, n, self.max_attn_len)
 
     def forward(
         self,
@@ -490,7 +501,13 @@ class HSTUTransducer(nn.Module):
         ts = ts.squeeze(-1)
         x = self.positional(x, lengths, num_targets, ts)
         x = F.dropout(x, self.input_dropout_ratio, self.training)
-        x = self.stack(x, hstu_valid_mask(lengths, num_targets, c, x.shape[1], self.max_attn_len))
+        mask = self._mask(lengths, num_targets, x.shape[1])
+        split, tail = self.truncation
+        for i, layer in enumerate(self.stack):
+            if split and i == split:  # from here on: the contexts, the newest history, the candidates
+                x, lengths, _ = truncate_history(x, lengths, num_targets, c, tail)
+                mask = self._mask(lengths, num_targets, x.shape[1])
+            x = layer(x, mask)
         out = take_candidates(x, lengths, num_targets, lt)
         valid = (_positions(num_targets, lt) < num_targets[:, None])[..., None]
         return self.postprocessor(out, candidate_timestamps) * valid.to(out.dtype)

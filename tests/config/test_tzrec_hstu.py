@@ -1,6 +1,7 @@
-"""`dynarec import-config` of TorchEasyRec's DlrmHSTU (``dlrm_hstu``): the vendored kuairand
-configs convert to dynarec's ``dlrm_hstu`` block (dynarec/config/hstu.py), and every field
-dynarec cannot carry is refused by its path (configs written by editing the vendored ones)."""
+"""`dynarec import-config` of TorchEasyRec's generative rankers, DlrmHSTU (``dlrm_hstu``) and
+UltraHSTU (``ultra_hstu``): the vendored kuairand configs convert to dynarec's blocks of those
+names (dynarec/config/hstu.py), and every field dynarec cannot carry is refused by its path
+(configs written by editing the vendored ones)."""
 
 import re
 from pathlib import Path
@@ -12,7 +13,10 @@ from dynarec.config.tzrec import ConversionError, convert_pipeline_config
 
 TESTS = Path(__file__).parent / "tzrec" / "tests"
 RTP = (TESTS / "dlrm_hstu_rtp_kuairand_1k.config").read_text()
+ULTRA = (TESTS / "ultra_hstu_cutlass_kuairand_1k.config").read_text()
+BENCHMARK = Path(__file__).parent / "tzrec" / "benchmark" / "kuairand" / "dlrm_hstu.config"
 HSTU = "model_config.dlrm_hstu"
+UH = "model_config.ultra_hstu"
 
 
 def convert(text: str, **kw):
@@ -184,13 +188,27 @@ MLP = f"{HSTU}.fusion_mtl_tower.mlp"
             "max_seq_len: 4096 concat_contextual_features: true",
             f"{HSTU}.concat_contextual_features",
         ),
-        ("attn_num_layers: 3", "attn_num_layers: 3 attn_truncation_split_layer: 1", f"{P}.attn_truncation_split_layer"),
-        ("attn_num_layers: 3", "attn_num_layers: 3 attn_truncation_tail_len: 64", f"{P}.attn_truncation_tail_len"),
-        ("attn_num_layers: 3", 'attn_num_layers: 3 name: "uih_click"', f"{P}.name"),
+        # attention truncation: both fields above 0, the split below attn_num_layers (TorchEasyRec's rule)
+        (
+            "attn_num_layers: 3",
+            "attn_num_layers: 3 attn_truncation_split_layer: 1",
+            f"{P}.attn_truncation_split_layer: attn_truncation_split_layer 1, attn_truncation_tail_len 0: both 0",
+        ),
+        (
+            "attn_num_layers: 3",
+            "attn_num_layers: 3 attn_truncation_tail_len: 64",
+            f"{P}.attn_truncation_tail_len: attn_truncation_split_layer 0, attn_truncation_tail_len 64: both 0",
+        ),
+        (
+            "attn_num_layers: 3",
+            "attn_num_layers: 3 attn_truncation_split_layer: 3 attn_truncation_tail_len: 64",
+            f"{P}.attn_truncation_split_layer: attn_truncation_split_layer 3, attn_truncation_tail_len 64",
+        ),
+        # a named channel is UltraHSTU's
+        ("attn_num_layers: 3", 'attn_num_layers: 3 name: "uih_click"', f"{P}.name: 'uih_click': a named channel"),
         ("use_group_norm: true", "use_group_norm: true contextual_seq_len: 3", f"{P}.stu.contextual_seq_len"),
         ("use_group_norm: true", "use_group_norm: true scaling_seqlen: 4096", f"{P}.stu.scaling_seqlen"),
-        ("use_group_norm: true", "use_group_norm: true sla_k1: 16", f"{P}.stu.sla_k1"),
-        ("use_group_norm: true", "use_group_norm: true sla_k2: 16", f"{P}.stu.sla_k2"),
+        ("use_group_norm: true", "use_group_norm: true sla_k1: -1", f"{P}.stu.sla_k1: -1: must be 0 or above"),
         ("use_group_norm: true", "use_group_norm: true attn_alpha: -1.0", f"{P}.stu.attn_alpha"),
         (
             "use_time_encoding: true",
@@ -287,13 +305,154 @@ def test_lenient_cannot_drop_what_changes_the_model():
     assert "--lenient cannot drop" in text and f"{HSTU}.concat_contextual_features" in text
 
 
+def test_dlrm_hstu_maps_semi_local_attention_and_attention_truncation():
+    text = edit("use_group_norm: true", "use_group_norm: true sla_k1: 16 sla_k2: 4")
+    text = edit(
+        "attn_num_layers: 3", "attn_num_layers: 3 attn_truncation_split_layer: 1 attn_truncation_tail_len: 64", text
+    )
+    cfg = config_from_dict(convert(text).config).model.dlrm_hstu
+    assert cfg is not None
+    assert (cfg.hstu.stu.sla_k1, cfg.hstu.stu.sla_k2) == (16, 4)
+    assert (cfg.hstu.attn_truncation_split_layer, cfg.hstu.attn_truncation_tail_len) == (1, 64)
+    # one side of semi-local attention alone is TorchEasyRec's too (the other 0: that side off)
+    cfg = config_from_dict(
+        convert(edit("use_group_norm: true", "use_group_norm: true sla_k2: 8")).config
+    ).model.dlrm_hstu
+    assert cfg is not None and (cfg.hstu.stu.sla_k1, cfg.hstu.stu.sla_k2) == (0, 8)
+    # unset: off, and not written
+    block = convert(RTP).config["model"]["dlrm_hstu"]["hstu"]
+    assert "sla_k1" not in block["stu"] and "attn_truncation_split_layer" not in block
+    # TorchEasyRec's Triton kernel has no semi-local mask: it refuses the pair
+    text = refusal(
+        edit("kernel: PYTORCH", "kernel: TRITON", edit("use_group_norm: true", "use_group_norm: true sla_k1: 16"))
+    )
+    assert "\n  model_config.kernel: TRITON with semi-local attention" in text, text
+
+
+def test_the_ultra_hstu_config_converts_with_two_channels():
+    result = convert(ULTRA)
+    assert not result.dropped
+    config = config_from_dict(result.config)
+    assert config.model.name == "ultra_hstu"
+    cfg = config.model.ultra_hstu
+    assert cfg is not None
+    assert (cfg.max_seq_len, cfg.item_embedding_hidden_dim) == (4096, 512)
+    assert [c.name for c in cfg.hstu] == ["uih_click", "uih_view"]
+    assert [c.history_group for c in cfg.channels] == ["uih_click", "uih_view"]
+    for c in cfg.hstu:
+        assert (c.stu.sla_k1, c.stu.sla_k2) == (256, 32)
+        assert (c.attn_truncation_split_layer, c.attn_truncation_tail_len) == (2, 512)
+        assert c.attn_num_layers == 4 and c.stu.embedding_dim == 512 and c.stu.use_group_norm
+        assert c.action_encoder is not None and c.action_encoder.action_weights == [1, 2, 4, 8, 16, 32, 64, 128]
+        assert c.content_mlp_hidden_dim == 256 and c.postprocessor.kind == "timestamp_layernorm"
+    assert cfg.fusion_hidden_units == [512] and cfg.fusion_activation == "silu" and cfg.fusion_layer_norm
+    assert len(cfg.task_towers) == 9 and cfg.task_towers[1].losses[0].kind == "jrc_loss"
+    groups = [g.group_name for g in config.model.feature_groups]
+    assert groups[1:5] == ["uih_click", "uih_click_action", "uih_click_watchtime", "uih_click_timestamp"]
+    assert groups[5:9] == ["uih_view", "uih_view_action", "uih_view_watchtime", "uih_view_timestamp"]
+    assert config.candidate_feature() == "cand_seq__video_id"
+    assert config.label_fields() == ["cand_seq__action_weight", "cand_seq__watch_time"]
+    notes = "\n".join(result.notes)
+    assert f"{UH}.fusion_mtl_tower.mlp.activation: nn.SiLU on every layer" in notes
+    assert "model_config.kernel: CUTLASS: dynarec computes" in notes
+
+
+def test_one_unnamed_ultra_hstu_channel_reads_the_uih_groups():
+    """UltraHSTU of one channel, unnamed: DlrmHSTU's groups (TorchEasyRec allows it)."""
+    text = RTP.replace("dlrm_hstu {", "ultra_hstu {", 1)
+    cfg = config_from_dict(convert(text).config).model.ultra_hstu
+    assert cfg is not None and len(cfg.hstu) == 1 and cfg.hstu[0].history_group == "uih"
+
+
+CH_VIEW = '\n            name: "uih_view"'  # the second channel's name (not the group's)
+
+
+def ultra(old: str, new: str) -> str:
+    assert old in ULTRA, old
+    return ULTRA.replace(old, new, 1)
+
+
 @pytest.mark.parametrize(
-    ("name", "model", "why"),
+    ("text", "path"),
     [
-        ("ultra_hstu_cutlass_kuairand_1k", "ultra_hstu", "UltraHSTU's HSTU channels"),
-        ("hstu_kuairand_1k", "hstu_match", "HSTU retrieval"),
+        (ultra(CH_VIEW, ""), f"{UH}.hstu[1].name: with two or more hstu channels each needs a name"),
+        (ultra(CH_VIEW, 'name: "uih_click"'), f"{UH}.hstu[1].name: 'uih_click': another channel"),
+        (
+            ultra('group_name: "uih_view_timestamp"', 'group_name: "uih_view_stamps"'),
+            "model_config.feature_groups: ultra_hstu needs a group named 'uih_view_timestamp'",
+        ),
+        (
+            ultra(CH_VIEW, 'name: "uih_other"'),
+            "model_config.feature_groups: ultra_hstu needs a group named 'uih_other'",
+        ),
+        (
+            ultra(CH_VIEW, 'name: "uih_other"'),
+            "model_config.feature_groups: ultra_hstu reads the groups ['contextual', 'candidate', "
+            "'candidate_timestamp', 'uih_click', 'uih_click_action', 'uih_click_watchtime', 'uih_click_timestamp', "
+            "'uih_other', 'uih_other_action', 'uih_other_watchtime', 'uih_other_timestamp']; group 'uih_view' would "
+            "be ignored by TorchEasyRec",
+        ),
+        (
+            ultra("attn_truncation_split_layer: 2", "attn_truncation_split_layer: 4"),
+            f"{UH}.hstu[0].attn_truncation_split_layer: attn_truncation_split_layer 4, attn_truncation_tail_len 512",
+        ),
+        (ultra("kernel: CUTLASS", "kernel: TRITON"), "model_config.kernel: TRITON with semi-local attention"),
+        (
+            re.sub(
+                r"hstu \{\s*name: \"uih_click\".*?\n        \}\n        hstu \{\s*name: \"uih_view\".*?\n        \}\n",
+                "",
+                ULTRA,
+                flags=re.S,
+            ),
+            f"{UH}.hstu: at least one hstu channel is needed",
+        ),
+        (
+            ultra("    kernel: CUTLASS", "    metrics { auc {} }"),
+            "model_config.metrics: ultra_hstu's metrics belong in its fusion_mtl_tower.task_configs",
+        ),
     ],
 )
-def test_ultra_hstu_and_hstu_match_are_refused_with_their_reason(name, model, why):
-    text = refusal((TESTS / f"{name}.config").read_text())
-    assert f"\n  model_config.{model}: this model is not supported yet: {why}" in text, text
+def test_what_ultra_hstu_cannot_carry_is_refused_by_path(text, path):
+    out = refusal(text)
+    assert f"\n  {path}" in out, out
+
+
+def test_the_benchmark_config_maps_a_missing_sequence_length_to_max_seq_len():
+    """FG_NONE sequence_id_feature / sequence_raw_feature without sequence_length: TorchEasyRec
+    truncates nothing (only pyfg reads it); dynarec keeps the model's max_seq_len."""
+    result = convert(BENCHMARK.read_text())
+    config = config_from_dict(result.config)
+    assert config.model.name == "dlrm_hstu"
+    sequences = ["video_id", "item_video_id", "action_timestamp", "item_query_time", "action_weight", "watch_time"]
+    assert {n: config.feature(n).sequence_length for n in sequences} == dict.fromkeys(sequences, 8000)
+    notes = "\n".join(result.notes)
+    for i, kind in enumerate(["sequence_id_feature"] * 2 + ["sequence_raw_feature"] * 4):
+        assert (
+            f"feature_configs[{i}].{kind}.sequence_length: not given: 8000. TorchEasyRec does not truncate FG_NONE "
+            "sequences; dynarec keeps each row's last 8000 elements, the model's max_seq_len" in notes
+        )
+    # a given sequence_length is kept
+    text = BENCHMARK.read_text().replace(
+        'feature_name: "watch_time"', 'feature_name: "watch_time" sequence_length: 8000'
+    )
+    assert "feature_configs[5]" not in "\n".join(convert(text).notes)
+
+
+def test_a_missing_sequence_length_is_refused_elsewhere():
+    """Without FG_NONE (pyfg truncates by sequence_length), or outside a generative ranker."""
+    text = BENCHMARK.read_text().replace("fg_mode: FG_NONE", "fg_mode: FG_DAG")
+    text = re.sub(r'feature_name: "(\w+)"', r'feature_name: "\1" expression: "user:\1"', text)
+    out = refusal(text)
+    assert "\n  feature_configs[0].sequence_id_feature: dynarec's sequence_feature needs 'sequence_length'" in out
+    din = (TESTS / "multi_tower_din_fg_mock.config").read_text().replace("fg_mode: FG_DAG", "fg_mode: FG_NONE")
+    old = 'feature_name: "buy_50_user_id_seq"\n        sequence_length: 50'
+    assert old in din
+    out = refusal(din.replace(old, 'feature_name: "buy_50_user_id_seq"'))
+    assert re.search(
+        r"\n  feature_configs\[\d+\]\.sequence_id_feature: dynarec's sequence_feature needs 'sequence_length'", out
+    )
+
+
+def test_hstu_match_is_refused_with_its_reason():
+    text = refusal((TESTS / "hstu_kuairand_1k.config").read_text())
+    assert "\n  model_config.hstu_match: this model is not supported yet: HSTU retrieval" in text, text

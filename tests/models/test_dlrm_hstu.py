@@ -236,3 +236,40 @@ def test_a_candidate_s_scores_do_not_depend_on_the_other_rows(tmp_path):
         together = trainer.task(builder.build(table, "t.parquet"))
         alone = torch.cat([trainer.task(builder.build(table.slice(i, 1), "t.parquet")) for i in range(3)])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def _ultra(cfg: dict) -> dict:
+    """CONFIG as an UltraHSTU of two channels over the same history: 'uih_a' as DlrmHSTU's,
+    'uih_b' with semi-local attention and its history truncated to 2 tokens from layer 1."""
+    cfg = copy.deepcopy(cfg)
+    groups = cfg["model"]["feature_groups"]
+    for g in list(groups):
+        if g["group_name"].startswith("uih"):
+            for channel in ("uih_a", "uih_b"):
+                groups.append(dict(g, group_name=g["group_name"].replace("uih", channel)))
+            groups.remove(g)
+    block = cfg["model"].pop("dlrm_hstu")
+    first = dict(block.pop("hstu"), name="uih_a")
+    second = copy.deepcopy(first)
+    second.update(name="uih_b", attn_truncation_split_layer=1, attn_truncation_tail_len=2)
+    second["stu"].update(sla_k1=2, sla_k2=3)
+    cfg["model"]["ultra_hstu"] = {**block, "hstu": [first, second]}
+    return cfg
+
+
+def test_ultra_hstu_mixes_its_channels_encodings(tmp_path):
+    path = _setup(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(_ultra(raw), sort_keys=False))
+    config = load_config(path)
+    trainer = Trainer(config, tmp_path / "model", device="cpu", progress=False)
+    model = trainer.task.dense
+    assert len(model.transducers) == 2 and model.transducers[1].sla == (2, 3)
+    assert model.tower.mlp[0].in_features == 32  # the fusion tower reads both channels' 16 + 16
+    assert model.item_mlp[-1].normalized_shape == (32,)
+    report = trainer.fit()
+    assert report["eval"]["auc_click"] > 0.75
+    with pytest.raises(Exception, match=r"ultra_hstu.hstu: each channel needs its own name"):
+        cfg = _ultra(CONFIG)
+        cfg["model"]["ultra_hstu"]["hstu"][1]["name"] = "uih_a"
+        config_from_dict(cfg)

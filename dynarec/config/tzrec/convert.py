@@ -16,8 +16,8 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from dynarec.config.textproto import Message, parse
-from dynarec.config.tzrec.features import Converted, Mode, convert_features
-from dynarec.config.tzrec.model import ModelResult, convert_model, model_name, prune_model
+from dynarec.config.tzrec.features import Converted, Mode, convert_features, default_sequence_lengths
+from dynarec.config.tzrec.model import GENERATIVE, ModelResult, convert_model, model_name, prune_model
 from dynarec.config.tzrec.reader import Context, Reader
 from dynarec.config.tzrec.tasks import MULTI_TASK
 from dynarec.config.tzrec.train import convert_data_config, convert_train_config, data_source
@@ -105,7 +105,11 @@ def convert_pipeline_config(
         ctx.refuse("model_config", "a model_config is needed", fatal=True)
         model = ModelResult({"feature_groups": [], "dlrm": {}}, {})
     eval_cfg.update(model.eval)
-    if model_name(model.model) in (*MULTI_TASK, "dlrm_hstu"):  # the labels its task towers name
+    name = model_name(model.model)
+    if name in GENERATIVE and mode.encoded:
+        read = {n for g in model.model["feature_groups"] for n in g["feature_names"]}
+        default_sequence_lengths(features, read, int(model.model[name].get("max_seq_len", 1)), ctx)
+    if name in (*MULTI_TASK, *GENERATIVE):  # the labels its task towers name
         data.pop("label_field", None)
         _note_unread_labels(labels, model.model, d.at("label_fields") if d is not None else "", ctx)
     elif len(labels) != 1:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from dynarec.config.tzrec.reader import Context, Reader, one_of
 from dynarec.config.tzrec.schema_fields import kind_fields
 
-__all__ = ["Converted", "Mode", "convert_features", "initializer"]
+__all__ = ["Converted", "Mode", "convert_features", "default_sequence_lengths", "initializer"]
 
 
 @dataclass
@@ -1105,3 +1105,20 @@ def _grouped_sequence(f: Reader, mode: Mode) -> list[Converted]:
         c.refused = shared + c.refused
         out.append(c)
     return out
+
+
+def default_sequence_lengths(features: list[Converted], names: set[str], length: int, ctx: Context) -> None:
+    """FG_NONE ``sequence_id_feature`` / ``sequence_raw_feature`` of ``names`` (those a generative
+    ranker reads) without ``sequence_length`` (optional in TorchEasyRec, used only by pyfg's
+    truncation): ``length``, the model's ``max_seq_len``, with a note. Elsewhere dynarec's schema
+    refuses a sequence feature without one."""
+    for f in features:
+        # (a grouped sequence_feature without one is refused already: TorchEasyRec requires it there)
+        if f.name not in names or not f.sequence or "sequence_length" in f.body or f.refused:
+            continue
+        f.body["sequence_length"] = length
+        ctx.note(
+            f"{f.path}.sequence_length",
+            f"not given: {length}. TorchEasyRec does not truncate FG_NONE sequences; dynarec keeps each row's last "
+            f"{length} elements, the model's max_seq_len",
+        )

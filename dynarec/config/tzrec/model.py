@@ -19,7 +19,7 @@ from dynarec.config.tzrec.tasks import (
     convert_multi_task,
 )
 
-__all__ = ["ModelResult", "column_of", "convert_model", "prune_model", "tzrec_models"]
+__all__ = ["GENERATIVE", "ModelResult", "column_of", "convert_model", "prune_model", "tzrec_models"]
 
 _GROUP_TYPES = {"DEEP": "deep", "WIDE": "wide", "SEQUENCE": "sequence", "JAGGED_SEQUENCE": "sequence"}
 
@@ -196,11 +196,14 @@ _TARGETS = {
     "mind": "mind",
     **{name: name for name in MULTI_TASK},
     "dlrm_hstu": "dlrm_hstu",
+    "ultra_hstu": "ultra_hstu",
 }
+# The generative rankers (dynarec/config/hstu.py): DlrmHSTU, and UltraHSTU (several channels).
+GENERATIVE = ("dlrm_hstu", "ultra_hstu")
 # TorchEasyRec's models dynarec does not have yet, with what they need beyond dlrm_hstu.
 _NOT_YET = {
-    "ultra_hstu": "UltraHSTU's HSTU channels, attention truncation and semi-local attention; dlrm_hstu converts",
-    "hstu_match": "HSTU retrieval, an HSTU user tower (uih_preprocessor) against an item tower; dlrm_hstu converts",
+    "hstu_match": "HSTU retrieval, an HSTU user tower (uih_preprocessor) against an item tower; dlrm_hstu and "
+    "ultra_hstu convert",
 }
 _RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
@@ -309,12 +312,12 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         if name == "deepfm" and "fm" in groups:
             block["fm_group"] = "fm"
         out[name] = block
-    elif name == "dlrm_hstu":
-        out[name] = _dlrm_hstu(m, ctx, groups_out, lambda key: column_of(features, key), result.eval)
-        _check_hstu_groups(r, groups_out, out[name], ctx)
+    elif name in GENERATIVE:
+        out[name] = _generative_ranker(name, m, ctx, groups_out, lambda key: column_of(features, key), result.eval)
+        _check_hstu_groups(r, groups_out, name, out[name], ctx)
         for key in ("losses", "metrics"):
             if r.has(key):
-                ctx.refuse(r.at(key), f"dlrm_hstu's {key} belong in its fusion_mtl_tower.task_configs", fatal=True)
+                ctx.refuse(r.at(key), f"{name}'s {key} belong in its fusion_mtl_tower.task_configs", fatal=True)
     elif name in MULTI_TASK:
         out[name] = convert_multi_task(
             name,
@@ -413,10 +416,17 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             ctx.refuse(metric.path, f"{kind} is not supported for a single-task model (auc, grouped_auc are)")
     if metrics:
         result.eval["metrics"] = list(dict.fromkeys(metrics))
-    if name == "dlrm_hstu":
+    if name in GENERATIVE:
         kernel = str(r.scalar("kernel", "PYTORCH"))
         if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
             ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
+        elif kernel == "TRITON" and any(_semi_local(c) for c in _channels(out)):
+            ctx.refuse(
+                r.at("kernel"),
+                "TRITON with semi-local attention (sla_k1 / sla_k2): TorchEasyRec refuses it (its Triton kernel has "
+                "no semi-local mask; CUTLASS and PYTORCH have)",
+                fatal=True,
+            )
         elif kernel != "PYTORCH":
             ctx.note(
                 r.at("kernel"),
@@ -667,7 +677,7 @@ def _rocket_launching(m: Reader, ctx: Context) -> dict[str, Any]:
     return out
 
 
-# -- dlrm_hstu ------------------------------------------------------------------------------------
+# -- dlrm_hstu, ultra_hstu -------------------------------------------------------------------------
 
 
 def _flag(r: Reader, name: str, default: bool) -> bool:
@@ -680,18 +690,31 @@ def _required(r: Reader, name: str, what: str = "") -> None:
         r.ctx.refuse(r.at(name), f"{what or name} is needed", fatal=True)
 
 
-def _dlrm_hstu(
-    m: Reader, ctx: Context, groups: list[dict[str, Any]], column: Callable[[str], str], eval_out: dict[str, Any]
+def _generative_ranker(
+    name: str,
+    m: Reader,
+    ctx: Context,
+    groups: list[dict[str, Any]],
+    column: Callable[[str], str],
+    eval_out: dict[str, Any],
 ) -> dict[str, Any]:
-    """dlrm_hstu {hstu, fusion_mtl_tower, max_seq_len, item_embedding_hidden_dim, ...} -> dynarec's
-    dlrm_hstu (dynarec/config/hstu.py): the transducer, the item MLP's width, the fusion tower
-    and its tasks (``fusion_mtl_tower.task_configs``)."""
+    """dlrm_hstu / ultra_hstu {hstu, fusion_mtl_tower, max_seq_len, item_embedding_hidden_dim, ...}
+    -> dynarec's block of that name (dynarec/config/hstu.py): the transducer (ultra_hstu: one a
+    channel, ``hstu`` repeated), the item MLP's width, the fusion tower and its tasks
+    (``fusion_mtl_tower.task_configs``)."""
     contextual = next((len(g["feature_names"]) for g in groups if g["group_name"] == "contextual"), 0)
     out: dict[str, Any] = {}
-    if (h := m.message("hstu")) is not None:
-        out["hstu"] = _hstu(h, ctx, contextual)
+    if name == "dlrm_hstu":
+        if (h := m.message("hstu")) is not None:
+            out["hstu"] = _hstu(h, ctx, contextual, name)
+        else:
+            _required(m, "hstu", "an hstu block")
     else:
-        _required(m, "hstu", "an hstu block")
+        channels = m.messages("hstu")
+        if not channels:
+            ctx.refuse(m.at("hstu"), "at least one hstu channel is needed", fatal=True)
+        out["hstu"] = [_hstu(h, ctx, contextual, name) for h in channels]
+        _check_channel_names(channels, out["hstu"], ctx)
     _required(m, "max_seq_len")
     out["max_seq_len"] = m.integer("max_seq_len", 1)
     out["item_embedding_hidden_dim"] = m.integer("item_embedding_hidden_dim", 512)
@@ -714,7 +737,7 @@ def _dlrm_hstu(
         fatal=True,
     )
     if (f := m.message("fusion_mtl_tower")) is not None:
-        out.update(convert_fusion_mtl_tower(f, column, eval_out))
+        out.update(convert_fusion_mtl_tower(f, column, eval_out, name))
     else:
         _required(m, "fusion_mtl_tower", "a fusion_mtl_tower with its task_configs")
         out["task_towers"] = []
@@ -722,17 +745,64 @@ def _dlrm_hstu(
     return out
 
 
-def _hstu(h: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
+def _check_channel_names(channels: list[Reader], blocks: list[dict[str, Any]], ctx: Context) -> None:
+    """UltraHSTU's channels: with two or more, each names itself, no two alike (TorchEasyRec
+    asserts it); one may go unnamed (its groups: ``uih``, ...)."""
+    names = [str(b.get("name", "")) for b in blocks]
+    if len(names) < 2:
+        return
+    for i, (h, n) in enumerate(zip(channels, names)):
+        if not n:
+            ctx.refuse(h.at("name"), "with two or more hstu channels each needs a name (TorchEasyRec's)", fatal=True)
+        elif n in names[:i]:
+            ctx.refuse(h.at("name"), f"{n!r}: another channel has this name; each needs its own", fatal=True)
+
+
+def _channels(model: dict[str, Any]) -> list[dict[str, Any]]:
+    """A converted generative ranker's channels (dlrm_hstu: its one hstu block)."""
+    name = next((k for k in GENERATIVE if k in model), "")
+    hstu = model.get(name, {}).get("hstu", {} if name == "dlrm_hstu" else [])
+    return hstu if isinstance(hstu, list) else [hstu]
+
+
+def _semi_local(channel: dict[str, Any]) -> bool:
+    stu = channel.get("stu", {})
+    return bool(stu.get("sla_k1") or stu.get("sla_k2"))
+
+
+def _hstu(h: Reader, ctx: Context, contextual: int, model: str) -> dict[str, Any]:
     """HSTU {stu, input_dropout_ratio, attn_num_layers, positional_encoder, input_preprocessor,
-    output_postprocessor, ...} -> dynarec's ``hstu`` block (its input preprocessor's fields
-    flattened: content_mlp_hidden_dim, action_encoder, action_mlp_hidden_dim)."""
+    output_postprocessor, attn_truncation_*, name} -> dynarec's ``hstu`` block (a channel; its
+    input preprocessor's fields flattened: content_mlp_hidden_dim, action_encoder,
+    action_mlp_hidden_dim)."""
     out: dict[str, Any] = {}
+    name = str(h.scalar("name", ""))
+    if name and model == "dlrm_hstu":
+        ctx.refuse(
+            h.at("name"),
+            f"{name!r}: a named channel is ultra_hstu's (TorchEasyRec's DlrmHSTU would size its transducer by the "
+            "group 'uih' and read the named groups); dlrm_hstu reads uih, uih_action, uih_watchtime, uih_timestamp",
+            fatal=True,
+        )
+    elif name:
+        out["name"] = name
     if (stu := h.message("stu")) is not None:
         out["stu"] = _stu(stu, ctx, contextual)
     else:
         _required(h, "stu", "an stu block")
     out["attn_num_layers"] = h.integer("attn_num_layers", 3)
     out["input_dropout_ratio"] = h.number("input_dropout_ratio", 0.2)
+    split = h.integer("attn_truncation_split_layer", 0)
+    tail = h.integer("attn_truncation_tail_len", 0)
+    if split < 0 or tail < 0 or (split > 0) != (tail > 0) or split >= out["attn_num_layers"]:
+        ctx.refuse(
+            h.at("attn_truncation_tail_len" if split == 0 and tail > 0 else "attn_truncation_split_layer"),
+            f"attn_truncation_split_layer {split}, attn_truncation_tail_len {tail}: both 0 (no truncation), or "
+            f"both above 0 with the split below attn_num_layers ({out['attn_num_layers']}), as TorchEasyRec requires",
+            fatal=True,
+        )
+    elif split > 0:
+        out["attn_truncation_split_layer"], out["attn_truncation_tail_len"] = split, tail
     if (p := h.message("positional_encoder")) is not None:
         out["positional_encoder"] = _positional_encoder(p, ctx)
     else:
@@ -745,16 +815,6 @@ def _hstu(h: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
         out["postprocessor"] = _postprocessor(op, ctx)
     else:
         _required(h, "output_postprocessor", "an output_postprocessor")
-    truncation = "attention truncation (UltraHSTU's) is not supported"
-    h.default_only("attn_truncation_split_layer", 0, truncation, fatal=True)
-    h.default_only("attn_truncation_tail_len", 0, truncation, fatal=True)
-    h.default_only(
-        "name",
-        "",
-        "a channel name (UltraHSTU's mixture of transducers) is not supported: dlrm_hstu reads the groups uih, "
-        "uih_action, uih_watchtime, uih_timestamp",
-        fatal=True,
-    )
     h.done()
     return out
 
@@ -795,8 +855,12 @@ def _stu(s: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
             f"{scaling}: only values < 0 (the default: attention scaled by max_seq_len) are supported",
             fatal=True,
         )
-    for key in ("sla_k1", "sla_k2"):
-        s.default_only(key, 0, "semi-local attention (UltraHSTU's) is not supported", fatal=True)
+    for key in ("sla_k1", "sla_k2"):  # semi-local attention: 0, 0 is off
+        value = s.integer(key, 0)
+        if value < 0:
+            ctx.refuse(s.at(key), f"{value}: must be 0 or above", fatal=True)
+        elif value:
+            out[key] = value
     s.done()
     return out
 
@@ -952,28 +1016,33 @@ def _postprocessor(op: Reader, ctx: Context) -> dict[str, Any]:
     return out
 
 
-def _check_hstu_groups(r: Reader, groups: list[dict[str, Any]], block: dict[str, Any], ctx: Context) -> None:
-    """TorchEasyRec's DlrmHSTU reads its groups by name: refused by path when one is missing,
-    unknown (TorchEasyRec would ignore it) or of the other kind."""
-    from dynarec.config.hstu import HSTU_GROUPS
+def _check_hstu_groups(r: Reader, groups: list[dict[str, Any]], name: str, block: dict[str, Any], ctx: Context) -> None:
+    """TorchEasyRec's DlrmHSTU and UltraHSTU read their groups by name — the shared ones
+    (``contextual``, ``candidate``, ``candidate_timestamp``) and each channel's ``<name>``,
+    ``<name>_action``, ``<name>_watchtime``, ``<name>_timestamp`` (unnamed: ``uih``): refused
+    by path when one is missing, unknown (TorchEasyRec would ignore it) or of the other kind."""
+    from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS
 
     kinds = {g["group_name"]: g["group_type"] for g in groups}
-    needed = ["uih", "candidate", "uih_timestamp", "candidate_timestamp"]
-    if "action_encoder" in block.get("hstu", {}):
-        needed.append("uih_action")
-    for g in needed:
+    known = dict(HSTU_GROUPS)
+    needed = ["candidate", "candidate_timestamp"]
+    for channel in _channels({name: block}):
+        base = str(channel.get("name") or "uih")
+        known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES})
+        needed += [base, base + "_timestamp"] + ([base + "_action"] if "action_encoder" in channel else [])
+    for g in dict.fromkeys(needed):
         if g not in kinds:
-            ctx.refuse(r.at("feature_groups"), f"dlrm_hstu needs a group named {g!r}", fatal=True)
+            ctx.refuse(r.at("feature_groups"), f"{name} needs a group named {g!r}", fatal=True)
     for g, kind in kinds.items():
-        if g not in HSTU_GROUPS:
+        if g not in known:
             ctx.refuse(
                 r.at("feature_groups"),
-                f"dlrm_hstu reads the groups {list(HSTU_GROUPS)}; group {g!r} would be ignored by TorchEasyRec",
+                f"{name} reads the groups {list(known)}; group {g!r} would be ignored by TorchEasyRec",
                 fatal=True,
             )
-        elif (kind == "sequence") != HSTU_GROUPS[g]:
-            want = "a SEQUENCE or JAGGED_SEQUENCE group" if HSTU_GROUPS[g] else "a DEEP group"
-            ctx.refuse(r.at("feature_groups"), f"dlrm_hstu's group {g!r} must be {want}", fatal=True)
+        elif (kind == "sequence") != known[g]:
+            want = "a SEQUENCE or JAGGED_SEQUENCE group" if known[g] else "a DEEP group"
+            ctx.refuse(r.at("feature_groups"), f"{name}'s group {g!r} must be {want}", fatal=True)
 
 
 _ZOO = {
