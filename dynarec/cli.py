@@ -161,12 +161,7 @@ def cmd_predict(args) -> None:
         outputs, config = model.predict_files(files), model.config
     else:
         trainer = _restored(args)
-        if trainer.config.candidate_feature() is not None:
-            raise ValueError(
-                f"predict: model.{trainer.config.model.name} scores each row's candidates; writing its scores (a list "
-                "a row) is not supported yet — evaluate it with `dynarec evaluate`"
-            )
-        outputs, _, _ = trainer.predict(files, with_labels=False)
+        outputs, _, _ = trainer.predict(files, with_labels=False, per_row=True)  # (a list a row, of candidates)
         config = trainer.config
     columns = {name: _prediction_column(x) for name, x in outputs.items()}
     for label in config.label_fields():  # pass the labels through
@@ -180,10 +175,14 @@ def cmd_predict(args) -> None:
 
 def _prediction_column(x):
     """A prediction as a Parquet column: float32, a fixed-size list for a row of class
-    probabilities."""
+    probabilities; a list a row of a model scoring each row's candidates (an object array)."""
     import numpy as np
     import pyarrow as pa
 
+    if x.dtype == object:  # a list a row: its candidates' predictions (each a number or a row of classes)
+        rows = [np.asarray(r, dtype=np.float32) for r in x]
+        inner = pa.float32() if not rows or rows[0].ndim == 1 else pa.list_(pa.float32())
+        return pa.array([r.tolist() for r in rows], pa.list_(inner))
     x = x.astype(np.float32)
     if x.ndim == 1:
         return pa.array(x)

@@ -26,16 +26,21 @@ class Evaluator:
         self.tasks = tasks_of(config, ctx.world_size)
 
     @torch.no_grad()
-    def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None):
+    def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None, per_row: bool = False):
         """Eval-mode predictions over ``paths``, in row order: ``(outputs, labels, groups)``:
         ``{output name: [N] or [N, C]}`` (``Tasks.predictions``: ``probability`` for a
         single-task model), labels ``[N, L]`` (``Config.label_fields()``) and grouped-AUC ids
         ``[N]`` (None without labels). In a multi-process run every rank scores its share of
         each global batch and every rank gets all predictions. A prediction that is not a finite
-        number is a ValueError naming its file and row."""
+        number is a ValueError naming its file and row.
+
+        A model scoring each row's candidates (``Config.candidate_feature()``) gives them over
+        the candidates, ``N`` theirs, row after row; with ``per_row`` each output is then an
+        object array of one entry a row, its candidates' predictions (what ``predict`` writes)."""
         self.task.eval()
         dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels)
-        outputs, labels, groups = [], [], []
+        outputs, labels, groups, counts = [], [], [], []
+        candidate = self.config.candidate_feature()
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
         batches = iter(self.input.loader(dataset))
         for _ in range(steps):
@@ -46,17 +51,33 @@ class Evaluator:
             labels.append(batch.labels.numpy())
             if batch.groups is not None:
                 groups.append(batch.groups.numpy())
+            if candidate is not None:
+                counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].numpy())
         self.task.train()
         if self.ctx.distributed:  # global batch s is rank 0's share, then rank 1's, ...
-            parts = self.ctx.all_gather_objects((outputs, labels, groups), "the eval predictions")
+            parts = self.ctx.all_gather_objects((outputs, labels, groups, counts), "the eval predictions")
             outputs = [p for s in range(steps) for part in parts for p in part[0][s : s + 1]]
             labels = [x for s in range(steps) for part in parts for x in part[1][s : s + 1]]
             groups = [x for s in range(steps) for part in parts for x in part[2][s : s + 1]]
+            counts = [x for s in range(steps) for part in parts for x in part[3][s : s + 1]]
         predictions = {
             name: np.concatenate([o[name] for o in outputs]) if outputs else np.zeros(0, np.float32)
             for name in self.tasks.output_names()
         }
-        check_predictions(predictions, dataset.check_scores)
+        rows = np.concatenate(counts) if counts else np.zeros(0, np.int64)  # a candidate model's a row
+
+        def check(scores: np.ndarray, what: str) -> None:
+            if candidate is not None:  # a candidate's bad score is named by its row: their sum
+                scores = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=scores, minlength=len(rows))
+            dataset.check_scores(scores, what)
+
+        check_predictions(predictions, check)
+        if candidate is not None and per_row:
+            splits = np.cumsum(rows)[:-1]
+            for name, x in predictions.items():
+                column = np.empty(len(rows), dtype=object)
+                column[:] = np.split(x, splits) if len(rows) else []
+                predictions[name] = column
         width = len(self.config.label_fields())
         return (
             predictions,

@@ -53,7 +53,7 @@ def export_model(
     if task.config.candidate_feature() is not None:
         raise ValueError(
             f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "
-            "scores a row) is not supported yet — evaluate it with `dynarec evaluate`"
+            "scores a row) is not supported yet — score it with `dynarec evaluate` or `dynarec predict --model-dir`"
         )
     if example.num_rows < 2:
         raise ValueError("export needs an example batch of at least 2 rows")

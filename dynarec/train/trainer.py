@@ -115,9 +115,9 @@ class Trainer:
         """The first ``rows`` rows of the eval (else train) data, without labels."""
         return self.input.example_batch(rows)
 
-    def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None):
+    def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None, per_row: bool = False):
         """:meth:`Evaluator.predict` of this model."""
-        return self.evaluator.predict(paths, with_labels, max_steps)
+        return self.evaluator.predict(paths, with_labels, max_steps, per_row)
 
     def evaluate(self, paths=None) -> dict[str, float]:
         """:meth:`Evaluator.evaluate` of this model."""

@@ -145,6 +145,20 @@ def test_dlrm_hstu_learns_each_candidate_s_label(tmp_path):
         from dynarec.train.export import export_model
 
         export_model(trainer.task, trainer.example_batch(), tmp_path / "export")
+    # predict writes a list a row, its candidates' scores (and passes the label lists through)
+    from dynarec.cli import main
+
+    out, eval_dir = tmp_path / "scores.parquet", str(tmp_path / "data" / "eval")
+    assert main(["predict", "--model-dir", str(tmp_path / "model"), "--input", eval_dir, "--output", str(out)]) == 0
+    written = pq.read_table(out)
+    flat, _, _ = trainer.predict(eval_dir, with_labels=False)
+    for name in ("probs_click", "probs_like"):
+        rows = written.column(name).to_pylist()
+        assert [len(r) for r in rows] == [len(c) for c in candidates.to_pylist()]
+        np.testing.assert_allclose(np.concatenate([np.array(r) for r in rows if r]), flat[name], rtol=1e-6)
+    assert (
+        written.column("actions").to_pylist() == pq.read_table(tmp_path / "data" / "eval").column("actions").to_pylist()
+    )
 
 
 def test_the_labels_are_each_candidate_s_with_its_row_s_ids():
