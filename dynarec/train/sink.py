@@ -71,7 +71,9 @@ class TrainingLog:
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         self.history["eval"].append([step, metrics])
         self.scalars(step, {f"eval/{k}": v for k, v in metrics.items() if k != "num_examples"})
-        self.line(step, f"eval auc {metrics.get('auc', math.nan):.4f}")
+        shown = [(k, v) for k, v in metrics.items() if k != "num_examples"]
+        more = f" (+{len(shown) - 4} more)" if len(shown) > 4 else ""  # a multi-task model's: each task's
+        self.line(step, "eval " + ", ".join(f"{k} {v:.4f}" for k, v in shown[:4]) + more)
 
     def line(self, step: int, text: str) -> None:
         """A plain progress line (not on a terminal, where the bar shows progress)."""
