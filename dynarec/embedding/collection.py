@@ -52,13 +52,6 @@ def checked_slices(
     return slices
 
 
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t`` is on ``device`` (``cuda`` meaning the current CUDA device)."""
-    if device.type != "cuda" or device.index is not None:
-        return t.device == device
-    return t.is_cuda and t.device.index == torch.cuda.current_device()
-
-
 def _build_table(
     config: TableConfig, spec: OptimizerSpec, device: torch.device, row_reducers: Optional[ReducerFactory]
 ) -> EmbeddingTable:
@@ -255,7 +248,7 @@ class EmbeddingCollection(nn.Module):
             slices = checked_slices(
                 kjt, list(self._features), lambda name, ids, r: self._features[name][0].validate(name, ids, r)
             )
-            if not _on(values, self.device):  # one copy of each of the batch's tensors, sliced there
+            if values.device != self.device:  # one copy of each of the batch's tensors, sliced there
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}

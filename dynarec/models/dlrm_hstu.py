@@ -33,7 +33,7 @@ from dynarec.models.hstu import (
     TimestampLayerNormPostprocessor,
 )
 
-__all__ = ["DlrmHSTU", "UltraHSTU"]
+__all__ = ["DlrmHSTU"]
 
 
 def _postprocessor(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
@@ -178,7 +178,3 @@ class DlrmHSTU(nn.Module):
         logits = torch.cat(self.tower(user, item), dim=-1)  # [B, Lt, width]
         valid = torch.arange(logits.shape[1], device=logits.device)[None, :] < num_targets[:, None]
         return logits[valid]
-
-
-# UltraHSTU is DlrmHSTU with several channels (its config's hstu is a list).
-UltraHSTU = DlrmHSTU

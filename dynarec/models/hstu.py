@@ -165,7 +165,7 @@ class HSTUPositionalEncoder(nn.Module):
     Positions count back from the newest UIH token (``c + 1``) to the oldest (``c + U``), every
     candidate at ``c``, contextual tokens at ``0 .. c - 1``, clamped to the last bucket. With
     ``use_time_encoding`` a token's time bucket comes from its age against the row's query time
-    (the last token's timestamp, or ``query_time`` where given):
+    (its last token's timestamp: the last candidate's query time):
     ``int(clamp(f(max(qt - ts, 1e-6) / increments) / num_time_buckets, 0, 1) * num_time_buckets)``,
     ``f`` sqrt or log. Without it the position is the token's index, clamped to ``L - T``."""
 
@@ -197,10 +197,9 @@ class HSTUPositionalEncoder(nn.Module):
         lengths: torch.Tensor,
         num_targets: torch.Tensor,
         timestamps: torch.Tensor,
-        query_time: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(position [B, N], time [B, N] or None)`` bucket of every token (``timestamps
-        [B, N]`` float32 seconds; ``query_time [B]`` or None: the row's last timestamp)."""
+        [B, N]`` float32 seconds)."""
         n = timestamps.shape[1]
         j = _positions(lengths, n)
         high = (lengths - num_targets)[:, None]
@@ -209,8 +208,7 @@ class HSTUPositionalEncoder(nn.Module):
             return torch.minimum(j, high.clamp(max=self.num_position_buckets - 1)), None
         pos = (high - torch.minimum(j, high) + c).clamp(max=self.num_position_buckets - 1)
         pos = torch.where(j < c, j, pos)
-        if query_time is None:
-            query_time = timestamps.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        query_time = timestamps.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
         dt = (query_time[:, None] - timestamps).clamp(min=1e-6) / self.time_bucket_increments
         f = torch.sqrt(dt) if self.time_bucket_fn == "sqrt" else torch.log(dt)
         nt = self.num_time_buckets
@@ -223,10 +221,9 @@ class HSTUPositionalEncoder(nn.Module):
         lengths: torch.Tensor,
         num_targets: torch.Tensor,
         timestamps: torch.Tensor,
-        query_time: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x [B, N, D]`` -> ``[B, N, D]``."""
-        pos, time = self.buckets(lengths, num_targets, timestamps, query_time)
+        pos, time = self.buckets(lengths, num_targets, timestamps)
         out = x * math.sqrt(self.dim) + self.position_embeddings[pos].to(x.dtype)
         if time is not None:
             out = out + self.time_embeddings[time].to(x.dtype)

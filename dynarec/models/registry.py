@@ -10,7 +10,7 @@ from dynarec.config.schema import Config
 from dynarec.models.deepfm import DeepFM
 from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
-from dynarec.models.dlrm_hstu import DlrmHSTU, UltraHSTU
+from dynarec.models.dlrm_hstu import DlrmHSTU
 from dynarec.models.dssm import DAT, DSSM
 from dynarec.models.mind import MIND
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
@@ -43,7 +43,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "dat": DAT,
     "mind": MIND,
     "dlrm_hstu": DlrmHSTU,
-    "ultra_hstu": UltraHSTU,
+    "ultra_hstu": DlrmHSTU,  # several channels: its config's hstu is a list
 }
 
 

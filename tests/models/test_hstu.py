@@ -143,9 +143,9 @@ def test_positions_count_back_from_the_newest_history_token_and_times_bucket_by_
     assert time[0, :7].tolist() == want == [2, 2, 2, 1, 1, 0, 0]
     few = HSTUPositionalEncoder(4, num_position_buckets=4, num_contexts=2, num_time_buckets=4, use_time_encoding=True)
     assert few.buckets(torch.tensor([7]), torch.tensor([2]), ts)[0][0, :7].tolist() == [0, 1, 3, 3, 3, 2, 2]
-    # a query time given (retrieval: the request's) replaces the last timestamp
-    _, later = enc.buckets(torch.tensor([7]), torch.tensor([2]), ts, query_time=torch.tensor([60.0 * 64 + 400]))
-    assert later[0, 5].item() == 4  # sqrt(64) / 4 = 2 -> clamped to 1 -> the last bucket
+    later = ts.clone()
+    later[0, 5:7] = 60.0 * 64 + 400  # candidates queried later: ages past the last bucket's
+    assert enc.buckets(torch.tensor([7]), torch.tensor([2]), later)[1][0, 2].item() == 4  # sqrt(69)/4 > 1: clamped
     x = torch.randn(1, 8, 4)
     out = enc(x, torch.tensor([7]), torch.tensor([2]), ts)
     torch.testing.assert_close(
