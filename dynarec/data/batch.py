@@ -401,11 +401,10 @@ class BatchBuilder:
                 f.feature_name for f in features if set(config.columns_read(f.feature_name)) <= attrs
             }
         sequences = {f.feature_name for f in features if f.is_sequence}
-        self.sequence_groups = [
-            list(dict.fromkeys(n for n in names if n in sequences))
-            for names in config.model.aligned_sequences()
-            if sum(n in sequences for n in set(names)) > 1
-        ]
+        aligned = (
+            list(dict.fromkeys(n for n in names if n in sequences)) for names in config.model.aligned_sequences()
+        )
+        self.sequence_groups = [names for names in aligned if len(names) > 1]
 
     def _label_owner(self, label: str) -> str:
         if not self.config.model.task_towers:

@@ -71,9 +71,9 @@ __all__ = ["GenerateSpec", "make_config_data"]
 KEYS = 12  # distinct keys of a lookup or match key column
 VOCAB_FILE_WORDS = 100
 NOW = 1_600_000_000  # seconds: a history's last time; its candidates' query time a little later
-# The features of a generative ranker's groups holding times (a channel's history's, the
-# candidates') and the histories' actions (bitmasks), by the group name's ending.
-TIME_GROUPS = {"_timestamp": "history_times", "_action": "actions"}
+# What the features of a generative ranker's groups hold, by the group name's ending: a channel's
+# history's times, its actions (bitmasks); candidate_timestamp's: the candidates' query times.
+GROUP_KINDS = {"_timestamp": "history_times", "_action": "actions"}
 ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (k + 2)
 
 
@@ -101,7 +101,7 @@ def _group_kind(config: Config, group: str) -> Optional[str]:
         return None
     if group == "candidate_timestamp":
         return "candidate_times"
-    return next((kind for end, kind in TIME_GROUPS.items() if group.endswith(end)), None)
+    return next((kind for end, kind in GROUP_KINDS.items() if group.endswith(end)), None)
 
 
 def _zipf_ids(rng: np.random.Generator, vocabulary: int, n: int, a: float) -> np.ndarray:
@@ -292,7 +292,7 @@ class _Planner:
         self.columns: dict[str, _Column] = {}
         self.by_name = {f.feature_name: f for f in config.features()}
         self.vocab_files_written: list[str] = []
-        self._time_groups = {
+        self._group_kinds = {
             n: kind
             for g in config.model.feature_groups
             if (kind := _group_kind(config, g.group_name))
@@ -384,8 +384,8 @@ class _Planner:
         elif isinstance(f, SequenceRawFeatureCfg):
             name = self._column_of(f.input)
             if name is not None:
-                times = self._time_groups.get(f.feature_name)
-                kind = times if times is not None and f.value_dim == 1 else "dense_sequence"
+                held = self._group_kinds.get(f.feature_name)
+                kind = held if held is not None and f.value_dim == 1 else "dense_sequence"
                 self.add(name, kind=kind, value_dim=f.value_dim, sequence_length=f.sequence_length)
         elif isinstance(f, ComboFeatureCfg):
             for inp in f.inputs:

@@ -65,10 +65,11 @@ class Evaluator:
             for name in self.tasks.output_names()
         }
         rows = np.concatenate(counts) if counts else np.zeros(0, np.int64)  # a candidate model's a row
+        row_of = np.repeat(np.arange(len(rows)), rows)
 
         def check(scores: np.ndarray, what: str) -> None:
             if candidate is not None:  # a candidate's bad score is named by its row: their sum
-                scores = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=scores, minlength=len(rows))
+                scores = np.bincount(row_of, weights=scores, minlength=len(rows))
             dataset.check_scores(scores, what)
 
         check_predictions(predictions, check)

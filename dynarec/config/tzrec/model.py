@@ -680,10 +680,6 @@ def _rocket_launching(m: Reader, ctx: Context) -> dict[str, Any]:
 # -- dlrm_hstu, ultra_hstu -------------------------------------------------------------------------
 
 
-def _flag(r: Reader, name: str, default: bool) -> bool:
-    return bool(r.scalar(name, default))
-
-
 def _required(r: Reader, name: str, what: str = "") -> None:
     """A field TorchEasyRec requires: refused (fatal) when absent."""
     if not r.has(name):
@@ -834,7 +830,7 @@ def _stu(s: Reader, ctx: Context, contextual: int) -> dict[str, Any]:
         ctx.refuse(s.at("attn_alpha"), f"{alpha}: must be above 0 (0 or unset: 1 / sqrt(attention_dim))", fatal=True)
     elif s.has("attn_alpha"):
         ctx.note(s.at("attn_alpha"), "0: unset, 1 / sqrt(attention_dim) (TorchEasyRec's)")
-    out["use_group_norm"] = _flag(s, "use_group_norm", False)
+    out["use_group_norm"] = bool(s.scalar("use_group_norm", False))
     for key in ("recompute_normed_x", "recompute_uvqk", "recompute_y"):
         s.ignore(key, "activation recomputation in backward: memory against time, the same numbers")
     s.ignore("sort_by_length", "the kernels' scheduling of sequences by length, the same numbers")
@@ -871,7 +867,7 @@ def _positional_encoder(p: Reader, ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {
         "num_position_buckets": p.integer("num_position_buckets", 1),
         "num_time_buckets": p.integer("num_time_buckets", 0),
-        "use_time_encoding": _flag(p, "use_time_encoding", False),
+        "use_time_encoding": bool(p.scalar("use_time_encoding", False)),
     }
     if out["use_time_encoding"] and out["num_time_buckets"] < 1:
         ctx.refuse(p.at("num_time_buckets"), "use_time_encoding needs num_time_buckets >= 1", fatal=True)

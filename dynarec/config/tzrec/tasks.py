@@ -117,18 +117,7 @@ def _task_tower(
     out["label_name"] = str(label or "")
     if (m := t.message("mlp")) is not None:
         _put(out, "", mlp(m, t.at("mlp"), True))
-    losses = [convert_loss(loss, grouping_column) for loss in t.messages("losses")]
-    if not losses:
-        ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
-    out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]
-    metrics = [convert_metric(metric, grouping_column, eval_out) for metric in t.messages("metrics")]
-    out["metrics"] = [m for m in dict.fromkeys(metrics) if m is not None]
-    if not out["metrics"]:
-        del out["metrics"]
-    if (num_class := t.integer("num_class", 1)) != 1:
-        out["num_class"] = num_class
-    if (weight := t.number("weight", 1.0)) != 1.0:
-        out["weight"] = weight
+    _task_fields(t, out, grouping_column, eval_out)
     if t.has("task_space_indicator_label"):
         out["task_space_indicator_label"] = str(t.scalar("task_space_indicator_label"))
         for key in ("in_task_space_weight", "out_task_space_weight"):
@@ -151,6 +140,23 @@ def _task_tower(
             ctx.note(t.at("relation_mlp"), "ignored without relation_tower_names, as TorchEasyRec ignores it")
     t.done()
     return out
+
+
+def _task_fields(t: Reader, out: dict[str, Any], column: Callable[[str], str], eval_out: dict[str, Any]) -> None:
+    """What a task tower and a fusion task config share, into ``out``: ``losses`` (binary
+    cross-entropy where none is given), ``metrics`` (once each; a grouped AUC's key into
+    ``eval_out``), ``num_class`` and ``weight`` where not their defaults."""
+    losses = [convert_loss(loss, column) for loss in t.messages("losses")]
+    if not losses:
+        t.ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
+    out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]
+    metrics = [convert_metric(metric, column, eval_out) for metric in t.messages("metrics")]
+    if kept := [m for m in dict.fromkeys(metrics) if m is not None]:
+        out["metrics"] = kept
+    if (num_class := t.integer("num_class", 1)) != 1:
+        out["num_class"] = num_class
+    if (weight := t.number("weight", 1.0)) != 1.0:
+        out["weight"] = weight
 
 
 def _towers(
@@ -297,17 +303,7 @@ def _fusion_task(t: Reader, i: int, column: Callable[[str], str], eval_out: dict
             ctx.refuse(t.at("task_bitmask"), f"{bitmask}: a bitmask of no bit makes every label 0", fatal=True)
         else:
             out["task_bitmask"] = bitmask
-    losses = [convert_loss(loss, column) for loss in t.messages("losses")]
-    if not losses:
-        ctx.note(t.at("losses"), "none given: binary_cross_entropy (dynarec's default)")
-    out["losses"] = [loss for loss in losses if loss is not None] or [{"binary_cross_entropy": {}}]
-    metrics = [convert_metric(metric, column, eval_out) for metric in t.messages("metrics")]
-    if kept := [m for m in dict.fromkeys(metrics) if m is not None]:
-        out["metrics"] = kept
-    if (num_class := t.integer("num_class", 1)) != 1:
-        out["num_class"] = num_class
-    if (weight := t.number("weight", 1.0)) != 1.0:
-        out["weight"] = weight
+    _task_fields(t, out, column, eval_out)
     t.ignore("train_metrics", "metrics of the training batches, logged only")
     t.done()
     return out
