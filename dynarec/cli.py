@@ -43,7 +43,7 @@ def cmd_make_data(args) -> None:
             f"Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
         )
         for path in meta["vocab_files_written"]:
-            print(f"wrote the vocab_file {path} (it did not exist; words <feature>_w0 ... one a line)")
+            print(f"wrote the vocab_file {path} (it did not exist: a vocabulary, or a tokenizer of the made-up words)")
         if meta["item_table_written"]:
             print(
                 f"wrote the negative sampler's item table {meta['item_table_written']} "

@@ -33,6 +33,7 @@ from dynarec.config.base import Count, DynamicEmbField, InitializerField, Strict
 from dynarec.embedding.config import Backend, DynamicTableOptions, RowDtype, ShardingType
 from dynarec.features.expression import Expression
 from dynarec.features.hashing import HashFunction
+from dynarec.features.text import NormOption, TextNormalizer, Tokenizer, TokenizerType, tokenizer
 from dynarec.features.vocab import Vocabulary, read_vocab_file
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "RawFeatureCfg",
     "SequenceFeatureCfg",
     "SequenceRawFeatureCfg",
+    "TextNormalizerCfg",
+    "TokenizeFeatureCfg",
     "ValueType",
     "ZchCfg",
     "check_features",
@@ -831,6 +834,72 @@ class SequenceRawFeatureCfg(_SingleInput, _Embeddable):
             raise ValueError("embedding_dim: a dense sequence has no table (give boundaries for ids)")
 
 
+class TextNormalizerCfg(Strict):
+    """TorchEasyRec's ``text_normalizer`` (:class:`dynarec.features.text.TextNormalizer`):
+    ``norm_options`` (none given: ``TEXT_LOWER2UPPER``, ``TEXT_SBC2DBC``, ``TEXT_CHT2CHS``,
+    ``TEXT_FILTER``, TorchEasyRec's default), ``stop_char_file`` (the characters ``TEXT_FILTER``
+    removes; default: Unicode punctuation, symbols and controls), ``max_length`` (characters
+    kept)."""
+
+    norm_options: list[NormOption] = Field(default_factory=list)
+    stop_char_file: Optional[str] = None
+    max_length: Optional[Count] = None
+
+    @model_validator(mode="after")
+    def _valid(self):
+        self.normalizer()
+        return self
+
+    def normalizer(self) -> TextNormalizer:
+        return TextNormalizer(tuple(self.norm_options), self.stop_char_file, self.max_length)
+
+
+class TokenizeFeatureCfg(_SingleInput, _Embeddable):
+    """Text -> token ids, pooled: a string column (or a list of strings, their tokens in order)
+    normalized by ``text_normalizer`` (if given) and tokenized by ``vocab_file``, a tokenizer file
+    (``tokenizer_type``: ``bpe``, a HuggingFace ``tokenizer.json``; ``sentencepiece``, a
+    ``.model``). The table has the tokenizer's vocabulary size rows, ids as the tokenizer gives
+    them. A missing or empty text is ``default_value`` (``""``: no ids)."""
+
+    KIND: ClassVar[str] = "tokenize_feature"
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = ()
+    value_dim: ClassVar[int] = 0
+    num_buckets: ClassVar[None] = None  # type: ignore[misc]
+    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
+    vocab_list: ClassVar[None] = None  # type: ignore[misc]
+    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
+    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
+    boundaries: ClassVar[None] = None  # type: ignore[misc]
+    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
+    zch: ClassVar[None] = None  # type: ignore[misc]
+    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
+
+    embedding_dim: Count
+    vocab_file: str  # the tokenizer file (a vocabulary in the other kinds)
+    tokenizer_type: TokenizerType = "bpe"
+    text_normalizer: Optional[TextNormalizerCfg] = None
+    default_value: str = ""
+
+    @property
+    def bucketizer(self) -> Optional[str]:
+        return "tokenizer"
+
+    @property
+    def table_rows(self) -> Optional[int]:
+        return self.tokenizer().vocab_size
+
+    @property
+    def hashed(self) -> bool:
+        return False
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer (read once per process; a TokenizerError names an unreadable file)."""
+        return tokenizer(self.vocab_file, self.tokenizer_type)
+
+    def normalize(self, text: str) -> str:
+        return self.text_normalizer.normalizer()(text) if self.text_normalizer is not None else text
+
+
 def _check_default_numbers(f) -> None:
     """A numeric kind's ``default_value``: numbers (one, or ``value_dim``)."""
     dv = getattr(f, "default_value", None)
@@ -878,6 +947,7 @@ Feature = Union[
     ExprFeatureCfg,
     CustomFeatureCfg,
     SequenceRawFeatureCfg,
+    TokenizeFeatureCfg,
 ]
 
 FEATURE_KINDS: tuple[str, ...] = (
@@ -890,6 +960,7 @@ FEATURE_KINDS: tuple[str, ...] = (
     "expr_feature",
     "custom_feature",
     "sequence_raw_feature",
+    "tokenize_feature",
 )
 
 
@@ -905,6 +976,7 @@ class FeatureCfg(Strict):
     expr_feature: Optional[ExprFeatureCfg] = None
     custom_feature: Optional[CustomFeatureCfg] = None
     sequence_raw_feature: Optional[SequenceRawFeatureCfg] = None
+    tokenize_feature: Optional[TokenizeFeatureCfg] = None
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -941,6 +1013,7 @@ TABLE_SETTINGS = (
     "data_type",
     "cache_load_factor",
     "hash_function",
+    "tokenizer_type",
     "key_space",
 )
 

@@ -40,6 +40,7 @@ from dynarec.config.features import (
     RawFeatureCfg,
     SequenceFeatureCfg,
     SequenceRawFeatureCfg,
+    TokenizeFeatureCfg,
     check_features,
     dependency_order,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "SequenceFeatureCfg",
     "SequenceRawFeatureCfg",
     "SparseOptimizer",
+    "TokenizeFeatureCfg",
 ]
 
 

@@ -40,6 +40,7 @@ from dynarec.config.features import (
     RawFeatureCfg,
     SequenceFeatureCfg,
     SequenceRawFeatureCfg,
+    TokenizeFeatureCfg,
     dependency_order,
     parse_input,
 )
@@ -628,6 +629,8 @@ class BatchBuilder:
         col = lambda i=0: self._input(f.inputs[i], table, outputs)
         if isinstance(f, (IdFeatureCfg, SequenceFeatureCfg)):
             return self._ids(f, col(), origin)
+        if isinstance(f, TokenizeFeatureCfg):
+            return self._tokenize(f, col())
         if isinstance(f, RawFeatureCfg):
             return self._raw(f, col(), origin)
         if isinstance(f, SequenceRawFeatureCfg):
@@ -727,6 +730,28 @@ class BatchBuilder:
         ids_per_row = np.bincount(row_of_element, weights=inner.lengths, minlength=len(elements)).astype(np.int64)
         ids = self._bucketize(f, inner.values, ids_per_row, origin)
         return _Ids(ids, ids_per_row, element_lengths=inner.lengths.astype(np.int64), elements=elements)
+
+    def _tokenize(self, f: TokenizeFeatureCfg, col: pa.Array) -> _Ids:
+        """Texts -> token ids: a string column (a list column: each text's tokens in order),
+        each text normalized, then ``default_value`` in place of a text left empty and of a row
+        without one (``""``: no ids), then tokenized."""
+        j = jagged(col, None)
+        texts = as_strings(j.values).to_pylist()
+        if f.text_normalizer is not None:
+            normalize = f.text_normalizer.normalizer()
+            texts = [normalize(t) for t in texts]
+        counts = j.lengths
+        dv = f.default_value
+        if dv:
+            texts = [t or dv for t in texts]
+            if not counts.all():  # a row without a text holds the default
+                at = offsets_of(counts)[:-1]
+                for row in np.nonzero(counts == 0)[0][::-1]:
+                    texts.insert(int(at[row]), dv)
+                counts = np.maximum(counts, 1)
+        ids, tokens = f.tokenizer().encode(texts)
+        lengths = np.bincount(np.repeat(np.arange(len(counts)), counts), weights=tokens, minlength=len(counts))
+        return _Ids(ids, lengths.astype(np.int64))
 
     def _weighted(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """``id:weight`` pairs (joined by ``separator``, default ``\\x1d``; or a list of them), or

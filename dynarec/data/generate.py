@@ -10,10 +10,12 @@ feature expects (docs/features.md):
   sequence as a list of lists (``value_dim`` > 1) or a list of floats;
 - a lookup's map as a map column (``key -> number``, ``key -> word``, or ``key -> "1,2,..."``
   for ``value_dim`` > 1) over the keys its key column draws from; a match's nested map as a map
-  column ``pkey -> "skey:value,..."``; EditDistance's inputs as short strings.
+  column ``pkey -> "skey:value,..."``; EditDistance's inputs as short strings; a tokenize
+  feature's text as 1 to 6 words of a made-up lexicon joined by spaces.
 
 A ``vocab_file`` that does not exist is written where the config names it (``<feature>_w<i>``
-words, one a line) and reported in the metadata (``vocab_files_written``), so that the config
+words, one a line; a tokenize feature's: a tokenizer of its type trained on the lexicon after the
+feature's normalizer) and reported in the metadata (``vocab_files_written``), so that the config
 trains on the data as it is.
 
 The label is drawn from a hidden logistic model — a random effect per (column, id or word) and a
@@ -58,6 +60,7 @@ from dynarec.config.features import (
     RawFeatureCfg,
     SequenceFeatureCfg,
     SequenceRawFeatureCfg,
+    TokenizeFeatureCfg,
     parse_input,
 )
 from dynarec.config.schema import Config
@@ -75,6 +78,9 @@ NOW = 1_600_000_000  # seconds: a history's last time; its candidates' query tim
 # history's times, its actions (bitmasks); candidate_timestamp's: the candidates' query times.
 GROUP_KINDS = {"_timestamp": "history_times", "_action": "actions"}
 ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (k + 2)
+_SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
+LEXICON = [a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in ("", "n", "s")]  # a text's words
+TEXT_WORDS = 6  # a generated text holds 1 to this many words
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class _Column:
 
     name: str
     # ids | strings | words | weighted | number | vector | dense_sequence | history_times | candidate_times |
-    # actions | map | nested_map | keys | text
+    # actions | map | nested_map | keys | text | sentence
     kind: str
     separator: Optional[str] = None
     sequence_length: Optional[int] = None
@@ -200,8 +206,8 @@ class _Column:
         if self.kind == "keys":
             ids = rng.integers(0, len(self.keys), n)
             return pa.array([self.keys[i] for i in ids], pa.string()), 0.3 * _effect(self.name, ids, spec.seed)
-        # id-like: ids, strings, words, weighted
-        vocabulary = len(self.words) if self.kind == "words" else self.vocabulary
+        # id-like: ids, strings, words, weighted, sentence (words of the lexicon)
+        vocabulary = len(self.words) if self.kind in ("words", "sentence") else self.vocabulary
         total = int(lengths.sum())
         ids = _zipf_ids(rng, vocabulary, total, spec.zipf_a)
         row = np.repeat(np.arange(n), lengths)
@@ -235,6 +241,8 @@ class _Column:
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(x, pa.float64()))
 
     def _tokens(self, ids: np.ndarray, rng: np.random.Generator) -> list[str]:
+        if self.kind == "sentence":
+            return [self.words[i] for i in ids]
         if self.kind == "words":
             out = [self.words[i] for i in ids]
             for i in np.nonzero(rng.random(len(ids)) < 0.05)[0]:  # a few words not in the vocabulary
@@ -413,6 +421,39 @@ class _Planner:
             for inp in f.inputs:
                 if not inp.feature:
                     self.add(inp.name, kind="text")
+        elif isinstance(f, TokenizeFeatureCfg):
+            name = self._column_of(f.input)
+            if name is not None:
+                self._tokenizer_file(f)
+                self.add(name, kind="sentence", words=LEXICON, separator=" ", sequence_length=TEXT_WORDS)
+
+    def _tokenizer_file(self, f: TokenizeFeatureCfg) -> None:
+        """A tokenize feature's tokenizer, trained on the lexicon (after the feature's
+        normalizer) and written where the config names it, when it does not exist."""
+        path = Path(f.vocab_file)
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        words = sorted({f.normalize(w) for w in LEXICON} - {""})
+        if f.tokenizer_type == "bpe":
+            from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+            tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+            tok.pre_tokenizer = pre_tokenizers.Whitespace()
+            tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"]))
+            tok.save(str(path))
+        else:
+            import io
+
+            import sentencepiece
+
+            model = io.BytesIO()
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(words), model_writer=model, vocab_size=200, hard_vocab_limit=False,
+                minloglevel=2,
+            )  # fmt: skip
+            path.write_bytes(model.getvalue())
+        self.vocab_files_written.append(str(path))
 
     def _map_values(self, f: Union[LookupFeatureCfg, MatchFeatureCfg]) -> dict:
         if not f.discrete:

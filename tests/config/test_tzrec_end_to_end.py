@@ -66,3 +66,27 @@ def test_the_dbmtl_configs_sequence_groups_are_nested_in_its_deep_group(tmp_path
     deep = load_config(config_path).model.feature_groups[0]
     assert [s.group_name for s in deep.sequence_groups] == ["click_50_seq", "buy_50_seq"]
     assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
+
+
+def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(tmp_path, capsys):
+    """TorchEasyRec's dssm_v2_fg_mock: an item title tokenized by TorchEasyRec's own BPE file
+    (vendored), pooled into the item tower, its sampled items' titles too."""
+    config = tmp_path / "config.yaml"
+    d = tmp_path / "d"
+    paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
+    pipeline = EXAMPLES / "tests" / "dssm_v2_fg_mock.config"
+    assert (
+        main(["import-config", str(pipeline), "-o", str(config), *paths, "--sampler-input-path", str(d / "i.tsv")]) == 0
+    )
+    title = next(f for f in load_config(config).features() if f.feature_name == "item_title")
+    assert (title.KIND, title.table_rows, title.text_normalizer.normalizer()("Ｔｉｔｌｅ, 漢字")) == (
+        "tokenize_feature", 50277, "TITLE 汉字",
+    )  # fmt: skip
+    assert (
+        main(
+            ["make-data", "--config", str(config), "--output-dir", str(d), "--train-rows", "300", "--eval-rows", "100"]
+        )
+        == 0
+    )
+    assert main(["train", "--config", str(config), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert '"recall@5"' in capsys.readouterr().out

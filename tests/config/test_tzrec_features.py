@@ -154,6 +154,54 @@ def test_fg_none_turns_every_bucketizer_into_the_rows_of_its_table():
     config_from_dict(result.config)
 
 
+TOKENIZER = ROOT / "tests" / "data" / "test" / "tokenizer.json"  # TorchEasyRec's, vendored
+
+
+@pytest.mark.parametrize("fg_mode", ["FG_DAG", "FG_NONE"])
+def test_tokenize_feature_keeps_its_tokenizer_and_normalizer(fg_mode):
+    """FG modes: the text tokenized as TorchEasyRec does; FG_NONE: the column holds the token ids,
+    a fixed table of the tokenizer's vocabulary size (50277 with its added tokens)."""
+    text = config_text(
+        f"""feature_configs {{ tokenize_feature {{ feature_name: "t" expression: "item:title" vocab_file: "{TOKENIZER}"
+             embedding_dim: 8 pooling: MEAN default_value: "x"
+             text_normalizer {{ norm_options: [TEXT_UPPER2LOWER, TEXT_SBC2DBC] max_length: 64 }} }} }}""",
+        'feature_groups { group_name: "deep" feature_names: ["t"] }',
+        fg_mode=fg_mode,
+    )
+    result = convert(text)
+    if fg_mode == "FG_NONE":
+        assert bodies(result)["t"] == {
+            "id_feature": {"feature_name": "t", "embedding_dim": 8, "pooling": "mean", "num_buckets": 50277,
+                           "separator": "\x03", "default_value": ""},
+        }  # fmt: skip
+    else:
+        assert bodies(result)["t"] == {
+            "tokenize_feature": {
+                "feature_name": "t", "expression": "item:title", "embedding_dim": 8, "pooling": "mean",
+                "vocab_file": str(TOKENIZER), "default_value": "x",
+                "text_normalizer": {"norm_options": ["TEXT_UPPER2LOWER", "TEXT_SBC2DBC"], "max_length": 64},
+            }
+        }  # fmt: skip
+    config_from_dict(result.config)
+
+
+def test_tokenize_feature_refusals_name_the_field(tmp_path):
+    text = config_text(
+        """feature_configs { tokenize_feature { feature_name: "t" expression: "item:title" vocab_file: "missing.json"
+             embedding_dim: 8 tokens_as_sequence: true tokenizer_type: "wordpiece"
+             text_normalizer { norm_options: [TEXT_NOPE] } } }""",
+        'feature_groups { group_name: "deep" feature_names: ["t"] }',
+    )
+    with pytest.raises(ConversionError) as e:
+        convert(text, config_dir=tmp_path)
+    message = str(e.value)
+    for field in ("vocab_file: ", "tokens_as_sequence: ", "tokenizer_type: 'wordpiece'", "norm_options: ['TEXT_NOPE']"):
+        assert f"  feature_configs.tokenize_feature.{field}" in message or f".text_normalizer.{field}" in message, (
+            message
+        )
+    assert f"{tmp_path / 'missing.json'} does not exist" in message
+
+
 def test_hash_bucket_size_hashes_with_torcheasyrecs_default_hash():
     result = convert_pipeline_config(
         (ROOT / "examples" / "multi_tower_din_taobao.config").read_text(), train_input_path="d", eval_input_path="e"

@@ -2,8 +2,8 @@
 tests/config/tzrec/{examples,benchmark,tests}/ (65 files, unmodified; README.md there lists each
 one's model): each converts and loads, or is refused with every reason naming a field path; with
 ``--lenient`` each converts, or is refused naming what cannot be dropped consistently. The 59
-configs whose model dynarec has convert without ``--lenient``, except the 5 listed below with
-their reasons: 54 convert."""
+configs whose model dynarec has convert without ``--lenient``, except the 2 listed below with
+their reasons: 57 convert."""
 
 import re
 from pathlib import Path
@@ -29,10 +29,6 @@ REFUSED = {
     # fused updates run inside backward. dynarec's mixed precision is bf16.
     "tests/multi_tower_din_fg_mock_fp16_ga.config": r"train_config\.mixed_precision: FP16: dynarec's "
     r"train\.mixed_precision takes \['bf16'\]",
-    # Issue 29's tokenize_feature (a tokenizer library's vocabulary): not in dynarec yet.
-    "tests/dssm_fg_mock.config": r"tokenize_feature: dynarec has no tokenize_feature",
-    "tests/dssm_v2_fg_mock.config": r"tokenize_feature: dynarec has no tokenize_feature",
-    "tests/dssm_v2_mlpemb_fg_mock.config": r"tokenize_feature: dynarec has no tokenize_feature",
     # Hard negatives (sampled from a user-item edge table): dynarec's sampler draws by weight only.
     "tests/dssm_fg_hard_negative_mock.config": r"data_config\.hard_negative_sampler: not supported",
 }
@@ -62,7 +58,7 @@ def refusal_lines(e: ConversionError) -> list[str]:
 def test_the_vendored_configs_are_the_65():
     assert len(CONFIGS) == 65
     assert len(DYNAREC_MODELS) == 59
-    assert len(DYNAREC_MODELS - set(REFUSED)) == 54
+    assert len(DYNAREC_MODELS - set(REFUSED)) == 57
     assert set(REFUSED) <= DYNAREC_MODELS
 
 

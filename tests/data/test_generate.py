@@ -10,6 +10,7 @@ from dynarec.config.tzrec import convert_pipeline_config
 from dynarec.data import ArrowBatchDataset, BatchBuilder, make_loader
 from dynarec.data.generate import GenerateSpec, make_config_data
 from tests.config.test_tzrec import EXAMPLES
+from tests.data.test_kinds import ids as ids_of
 from tests.pipeline_fixtures import config_dict
 
 
@@ -223,3 +224,28 @@ def test_a_model_scoring_candidates_gets_a_label_list_a_row_one_value_a_candidat
 def test_max_sequence_length_must_be_positive():
     with pytest.raises(ValueError, match="max_sequence_length"):
         GenerateSpec(max_sequence_length=0)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_a_tokenize_feature_gets_texts_and_a_tokenizer_where_its_file_is_missing(kind, tmp_path):
+    """Texts of made-up words; a tokenizer of the feature's type trained on them after its
+    normalizer (upper-cased here: TorchEasyRec's default), which tokenizes them without unknowns."""
+    from tests.config.test_config import every_kind_config
+
+    c = every_kind_config()
+    path = tmp_path / "tok" / ("tokenizer.json" if kind == "bpe" else "spiece.model")
+    feature = {"feature_name": "title", "embedding_dim": 4, "vocab_file": str(path), "tokenizer_type": kind}
+    c["feature_configs"].append({"tokenize_feature": {**feature, "text_normalizer": {}}})
+    c["model"]["feature_groups"][1]["feature_names"].append("title")
+    config = config_from_dict(c)
+    meta = make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=200, eval_rows=64, train_files=1))
+    assert meta["vocab_files_written"] == [str(path)]
+    texts = pq.read_table(tmp_path / "d" / "train" / "part-0.parquet").column("title").to_pylist()
+    assert all(1 <= len(t.split(" ")) <= 6 for t in texts) and texts[0].islower()
+    tok = config.features()[-1].tokenizer()
+    ids, lengths = tok.encode([config.features()[-1].normalize(t) for t in texts])
+    assert lengths.min() >= 1 and ids.max() < tok.vocab_size
+    if kind == "bpe":  # no word falls back to the unknown token
+        assert tok._hf.token_to_id("[UNK]") not in set(ids.tolist())
+    (batch, *_) = batches_of(config, tmp_path / "d")
+    assert min(len(row) for row in ids_of(batch, "title")) >= 1

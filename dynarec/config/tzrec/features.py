@@ -484,38 +484,47 @@ class _Build:
         return vocab
 
     def _vocab_file(self, dbv: Optional[int]) -> None:
-        """``vocab_file`` (+ ``asset_dir``): resolved against the pipeline config's directory,
-        checked, and written relative to the output YAML."""
-        r, mode = self.r, self.mode
-        name = r.string("vocab_file", "")
-        asset_dir = r.string("asset_dir")
+        """``vocab_file`` (+ ``asset_dir``): resolved, checked, and its table's rows counted."""
+        r = self.r
         if dbv is None:
             self.ctx.refuse(r.at("vocab_file"), "needs default_bucketize_value (TorchEasyRec refuses it without)")
-        path = Path(os.path.join(asset_dir, name) if asset_dir else name)
-        base = mode.config_dir if mode.config_dir is not None else Path.cwd()
-        full = Path(os.path.normpath(base / path)) if not path.is_absolute() else path
-        if not full.is_file():
-            self.ctx.refuse(
-                r.at("vocab_file"),
-                f"{full} does not exist (a relative vocab_file is relative to the pipeline config's directory)",
-            )
+        found = self.asset(r, "vocab_file")
+        if found is None:
             return
+        full, written = found
         try:
             self.rows = _vocab_file_rows(full)
         except (OSError, UnicodeDecodeError, ValueError) as e:
             self.ctx.refuse(r.at("vocab_file"), f"{full} cannot be read as a vocabulary ({e})")
             return
-        if not mode.encoded:
-            written = str(full)
-            if mode.output_dir is not None and not path.is_absolute():
-                written = os.path.relpath(full, os.path.abspath(mode.output_dir))
+        if not self.mode.encoded:
             self.body["vocab_file"] = written
-            if not path.is_absolute():
-                self.ctx.note(
-                    r.at("vocab_file"),
-                    f"{name!r} resolved against the pipeline config's directory (TorchEasyRec: the current "
-                    f"directory{' and asset_dir' if asset_dir else ''}), written as {written!r}",
-                )
+
+    def asset(self, r: Reader, key: str) -> Optional[tuple[Path, str]]:
+        """A file field of ``r`` (joined to the feature's ``asset_dir``), resolved against the
+        pipeline config's directory: ``(the file, the path the YAML gives)``, relative to the
+        output YAML where it was relative; None (refused) where it does not exist."""
+        mode = self.mode
+        name = r.string(key, "")
+        asset_dir = self.r.string("asset_dir")
+        path = Path(os.path.join(asset_dir, name) if asset_dir else name)
+        base = mode.config_dir if mode.config_dir is not None else Path.cwd()
+        full = Path(os.path.normpath(base / path)) if not path.is_absolute() else path
+        if not full.is_file():
+            self.ctx.refuse(
+                r.at(key), f"{full} does not exist (a relative {key} is relative to the pipeline config's directory)"
+            )
+            return None
+        written = str(full)
+        if mode.output_dir is not None and not path.is_absolute():
+            written = os.path.relpath(full, os.path.abspath(mode.output_dir))
+        if not path.is_absolute() and not mode.encoded:
+            self.ctx.note(
+                r.at(key),
+                f"{name!r} resolved against the pipeline config's directory (TorchEasyRec: the current "
+                f"directory{' and asset_dir' if asset_dir else ''}), written as {written!r}",
+            )
+        return full, written
 
     # -- values ------------------------------------------------------------------------------
 
@@ -643,8 +652,8 @@ class _Build:
             r.taken.update(("sequence_length", "sequence_delim"))
             r.ignore("sequence_fields", "which inputs are sequences: the feature's column is")
         r.taken.add("asset_dir")
-        if r.has("asset_dir") and self.bucketizer != "vocab_file":
-            self.ctx.note(r.at("asset_dir"), "ignored (used only with vocab_file)")
+        if r.has("asset_dir") and self.bucketizer not in ("vocab_file", "tokenizer"):
+            self.ctx.note(r.at("asset_dir"), "ignored (used only with vocab_file and a tokenizer)")
         r.done()
 
 
@@ -991,6 +1000,92 @@ def _struct_value(r: Reader) -> Any:
     return value
 
 
+_NORM_OPTIONS = (
+    "TEXT_LOWER2UPPER",
+    "TEXT_UPPER2LOWER",
+    "TEXT_SBC2DBC",
+    "TEXT_CHT2CHS",
+    "TEXT_FILTER",
+    "TEXT_SPLITCHRS",
+    "TEXT_REMOVE_SPACE",
+)
+
+
+def _tokenize(b: _Build) -> str:
+    """tokenize_feature (spec §2.9): a text's token ids (a tokenizer file), pooled. FG_NONE: the
+    column holds the ids, a fixed table of the tokenizer's vocabulary size."""
+    r, mode = b.r, b.mode
+    b.single_input()
+    b.embedding(needed=True)
+    r.default_only("tokens_as_sequence", False, "tokens as a sequence of embeddings is not supported (pooled are)")
+    kind = str(r.scalar("tokenizer_type", "bpe"))
+    if kind not in ("bpe", "sentencepiece"):
+        b.ctx.refuse(r.at("tokenizer_type"), f"{kind!r}: TorchEasyRec's tokenizer types are bpe and sentencepiece")
+    found = b.asset(r, "vocab_file")
+    b.bucketizer = "tokenizer"
+    pooling = str(r.scalar("pooling", "sum")).lower()
+    if pooling not in ("sum", "mean"):
+        b.ctx.refuse(r.at("pooling"), f"{pooling!r} is not supported (sum, mean are)")
+    b.body["pooling"] = pooling
+    norm = r.message("text_normalizer")
+    if mode.encoded:
+        if found is not None and kind in ("bpe", "sentencepiece"):
+            from dynarec.features.text import TokenizerError, tokenizer
+
+            try:
+                b.rows = b.body["num_buckets"] = tokenizer(str(found[0]), kind).vocab_size
+            except TokenizerError as e:
+                b.ctx.refuse(r.at("vocab_file"), str(e))
+        b.body["separator"] = mode.multival_sep
+        if norm is not None:
+            b.ctx.note(norm.path, "FG_NONE: the column holds token ids, normalized already")
+            norm.taken.update(norm.msg.names())
+            norm.done()
+        b._default_value("")
+        b.common()
+        return "id_feature"
+    if found is not None:
+        b.body["vocab_file"] = found[1]
+    if kind != "bpe":
+        b.body["tokenizer_type"] = kind
+    if norm is not None:
+        b.body["text_normalizer"] = _text_normalizer(b, norm)
+    b._default_value("")
+    b.common()
+    return "tokenize_feature"
+
+
+def _text_normalizer(b: _Build, norm: Reader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    options = [str(o) for o in norm.msg.values("norm_options")]
+    norm.taken.add("norm_options")
+    bad = [o for o in options if o not in _NORM_OPTIONS]
+    if bad:
+        b.ctx.refuse(norm.at("norm_options"), f"{bad}: TorchEasyRec's options are {list(_NORM_OPTIONS)}")
+    if options:
+        out["norm_options"] = options
+    if norm.has("max_length"):
+        out["max_length"] = norm.integer("max_length")
+    if norm.has("stop_char_file"):
+        found = b.asset(norm, "stop_char_file")
+        if found is not None:
+            out["stop_char_file"] = found[1]
+    elif "TEXT_FILTER" in (options or ["TEXT_FILTER"]):
+        b.ctx.note(
+            norm.path,
+            "TEXT_FILTER without stop_char_file: dynarec removes Unicode punctuation, symbols and controls (pyfg's "
+            "built-in list is not published; texts holding other characters it lists tokenize differently)",
+        )
+    if not options:
+        b.ctx.note(
+            norm.path,
+            "no norm_options: TorchEasyRec's default TEXT_LOWER2UPPER, TEXT_SBC2DBC, TEXT_CHT2CHS, TEXT_FILTER "
+            "(upper-cased before the tokenizer)",
+        )
+    norm.done()
+    return out
+
+
 _KINDS: dict[str, Callable[[_Build], str]] = {
     "id_feature": _id,
     "raw_feature": _raw,
@@ -999,6 +1094,7 @@ _KINDS: dict[str, Callable[[_Build], str]] = {
     "match_feature": _match,
     "expr_feature": _expr,
     "custom_feature": _custom,
+    "tokenize_feature": _tokenize,
 }
 
 _FEATURE_KINDS = (
