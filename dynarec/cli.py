@@ -25,7 +25,7 @@ def _config_for(args):
 def cmd_make_data(args) -> None:
     if args.config:
         from dynarec.config import load_config
-        from dynarec.data.generate import GenerateSpec, make_config_data
+        from dynarec.data.generate import EDGES_PER_USER, GenerateSpec, make_config_data
 
         meta = make_config_data(
             load_config(args.config),
@@ -44,6 +44,8 @@ def cmd_make_data(args) -> None:
         )
         for path in meta["vocab_files_written"]:
             print(f"wrote the vocab_file {path} (it did not exist: a vocabulary, or a tokenizer of the made-up words)")
+        if meta.get("edge_table_written"):
+            print(f"wrote the hard negatives' edge table {meta['edge_table_written']} ({EDGES_PER_USER} items a user)")
         if meta["item_table_written"]:
             print(
                 f"wrote the negative sampler's item table {meta['item_table_written']} "
@@ -223,6 +225,7 @@ def cmd_import_config(args) -> None:
             train_input_path=_relative_to(args.train_input_path, output.parent),
             eval_input_path=_relative_to(args.eval_input_path, output.parent),
             sampler_input_path=_relative_to(args.sampler_input_path, output.parent),
+            hard_negative_edge_path=_relative_to(args.hard_negative_edge_path, output.parent),
             lenient=args.lenient,
             config_dir=source.parent,  # a relative vocab_file is relative to the pipeline config ...
             output_dir=output.parent,  # ... and written relative to the YAML
@@ -291,6 +294,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-input-path", help="replaces train_input_path (needed for odps:// tables)")
     p.add_argument("--eval-input-path", help="replaces eval_input_path")
     p.add_argument("--sampler-input-path", help="replaces data_config.negative_sampler.input_path (the item table)")
+    p.add_argument(
+        "--hard-negative-edge-path",
+        help="replaces data_config.hard_negative_sampler.hard_neg_edge_input_path (the user -> item edge table)",
+    )
     p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
     p.set_defaults(run=cmd_import_config)
 

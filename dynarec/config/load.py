@@ -63,7 +63,10 @@ def config_from_dict(
             d[key] = [resolve(x) for x in v] if isinstance(v, list) else resolve(v)
         sampler = d.get("negative_sampler")
         if isinstance(sampler, Mapping) and "input_path" in sampler:
-            d["negative_sampler"] = {**sampler, "input_path": resolve(sampler["input_path"])}
+            sampler = d["negative_sampler"] = {**sampler, "input_path": resolve(sampler["input_path"])}
+            hard = sampler.get("hard_negatives")
+            if isinstance(hard, Mapping) and "edge_input_path" in hard:
+                sampler["hard_negatives"] = {**hard, "edge_input_path": resolve(hard["edge_input_path"])}
         data["data"] = d
     if base_dir is not None and isinstance(data.get("feature_configs"), list):
         data["feature_configs"] = [_resolve_vocab_file(entry, base_dir) for entry in data["feature_configs"]]

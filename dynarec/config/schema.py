@@ -787,6 +787,19 @@ class ModelCfg(Strict):
         raise KeyError(name)
 
 
+class HardNegativesCfg(Strict):
+    """Hard negatives besides the sampled items (TorchEasyRec's ``hard_negative_sampler``): each
+    row's user (its ``user_id_field`` column) gets the items of its edges in the edge table at
+    ``edge_input_path`` — columns ``user_id`` (int64), ``item_id`` (int64, an item of the item
+    table), ``weight`` (float; a CSV / text table split on the sampler's ``field_delimiter``) —
+    all of them, or at most ``num_hard_sample`` (more: that many drawn by edge weight, without
+    replacement). They are scored against their own user only."""
+
+    edge_input_path: str
+    user_id_field: str
+    num_hard_sample: Optional[Count] = None
+
+
 class NegativeSamplerCfg(Strict):
     """Sampled negatives of a retrieval model (TorchEasyRec's ``negative_sampler``): each batch
     gets ``num_sample`` items (``num_eval_sample`` in eval; 0: ``num_sample``) drawn with
@@ -794,7 +807,8 @@ class NegativeSamplerCfg(Strict):
     item table at ``input_path``: columns ``id`` (int64), ``weight`` (float) and the attributes
     (a string: the ``attr_fields`` columns' values in order, joined by ``attr_delimiter``); a
     CSV or text table's fields are split on ``field_delimiter`` (default a tab), and a
-    ``name:type`` header keeps its name. ``item_id_field``: the batch's item id column."""
+    ``name:type`` header keeps its name. ``item_id_field``: the batch's item id column;
+    ``hard_negatives``: each user's hard negatives besides."""
 
     input_path: str
     num_sample: Count
@@ -803,6 +817,7 @@ class NegativeSamplerCfg(Strict):
     attr_delimiter: str = Field(":", min_length=1)
     num_eval_sample: int = Field(0, ge=0)
     field_delimiter: Optional[str] = None
+    hard_negatives: Optional[HardNegativesCfg] = None
 
 
 class DataCfg(Strict):

@@ -105,6 +105,9 @@ class Batch:
     # Rows after the first num_rows: a retrieval model's sampled items (data.negative_sampler),
     # holding item features only (the others empty) and no labels. Features are [num_rows + sampled_rows].
     sampled_rows: int = 0
+    # The last H sampled rows are hard negatives (data.negative_sampler.hard_negatives): [H] int64,
+    # the row of the user each belongs to (ascending), or None.
+    hard_negative_rows: Optional[torch.Tensor] = None
     # Where the tensors are views of one packed buffer (a batch just arrived from a DataLoader
     # worker, which pins it before anything else sees it): the buffer and how to rebuild the
     # batch from it, so that pin_memory copies it once.
@@ -114,7 +117,7 @@ class Batch:
         """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
         dynarec.data.transport), and what rebuilds the batch from it besides."""
         s = self.sparse
-        optional = [s.weights_or_none(), self.groups, self.sessions]
+        optional = [s.weights_or_none(), self.groups, self.sessions, self.hard_negative_rows]
         dicts = (self.dense, self.dense_lengths, self.element_lengths)
         tensors = [s.values(), s.lengths(), self.labels, *(t for t in optional if t is not None)]
         for d in dicts:
@@ -150,6 +153,7 @@ class Batch:
             {k: v.pin_memory() for k, v in self.element_lengths.items()},
             None if self.sessions is None else self.sessions.pin_memory(),
             self.sampled_rows,
+            None if self.hard_negative_rows is None else self.hard_negative_rows.pin_memory(),
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -172,7 +176,7 @@ class Batch:
 @dataclass(frozen=True)
 class _Layout:
     """What a packed batch holds besides its tensors (see ``Batch.packed``): the sparse keys
-    and host statistics, which of weights, groups and sessions are present, the keys of the
+    and host statistics, which of weights, groups, sessions and hard-negative rows are present, the keys of the
     dense, dense-lengths and element-lengths dicts, and the rows."""
 
     keys: list[str]
@@ -188,7 +192,7 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
     of ``buffer``."""
     tensors = iter(unpack(buffer, slots))
     values, lengths, labels = next(tensors), next(tensors), next(tensors)
-    weights, groups, sessions = (next(tensors) if p else None for p in layout.present)
+    weights, groups, sessions, hard_negative_rows = (next(tensors) if p else None for p in layout.present)
     dense, dense_lengths, element_lengths = ({k: next(tensors) for k in keys} for keys in layout.dict_keys)
     sparse = JaggedBatch(list(layout.keys), values, lengths, weights, layout.stats)
     return Batch(
@@ -201,6 +205,7 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
         element_lengths,
         sessions,
         layout.sampled_rows,
+        hard_negative_rows,
         _packed=(buffer, slots, layout),
     )
 
@@ -432,6 +437,8 @@ class BatchBuilder:
             cols.append(self.session_field)
         if self.sampler is not None:
             cols.append(self.sampler.cfg.item_id_field)
+            if self.sampler.cfg.hard_negatives is not None:
+                cols.append(self.sampler.cfg.hard_negatives.user_id_field)
         return list(dict.fromkeys(cols))
 
     def csv_column_types(self) -> dict[str, pa.DataType]:
@@ -470,6 +477,11 @@ class BatchBuilder:
             raise DataError(
                 f"{source}: missing column '{self.sampler.cfg.item_id_field}' (data.negative_sampler.item_id_field)"
             )
+        hard = self.sampler.cfg.hard_negatives if self.sampler is not None else None
+        if hard is not None and hard.user_id_field not in names:
+            raise DataError(
+                f"{source}: missing column '{hard.user_id_field}' (data.negative_sampler.hard_negatives.user_id_field)"
+            )
 
     def build(self, table: pa.Table, origin: Union[RowOrigin, str]) -> Batch:
         """``table``'s rows -> Batch. ``origin`` says where the rows came from (a file name:
@@ -480,10 +492,9 @@ class BatchBuilder:
         n = table.num_rows
         computed = self._features(table, origin)
         self._check_sequence_groups(computed, origin)
-        sampled = 0
+        sampled, hard_rows = 0, None
         if self.sampler is not None:
-            computed = self._with_sampled_items(computed, table, origin)
-            sampled = self.negatives
+            computed, sampled, hard_rows = self._with_sampled_items(computed, table, origin)
         rows = n + sampled
         sparse = self._kjt(computed)
         dense: dict[str, torch.Tensor] = {}
@@ -516,7 +527,7 @@ class BatchBuilder:
                 groups = self._per_candidate(self._group_ids(table.column(self.group_field)), counts)
             if self.session_field:
                 sessions = self._per_candidate(self._group_ids(table.column(self.session_field)), counts)
-        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled)
+        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled, hard_rows)
 
     @staticmethod
     def _per_candidate(ids: torch.Tensor, counts: Optional[np.ndarray]) -> torch.Tensor:
@@ -525,27 +536,39 @@ class BatchBuilder:
 
     def _with_sampled_items(
         self, computed: dict[str, _Output], table: pa.Table, origin: RowOrigin
-    ) -> dict[str, _Output]:
-        """Every feature with the sampled items' rows appended: the item features computed from
-        their attributes, every other feature empty there (no ids, zeros)."""
+    ) -> tuple[dict[str, _Output], int, Optional[torch.Tensor]]:
+        """``(outputs, sampled rows, hard-negative rows)``: every feature with the sampled items'
+        rows appended (the ``negatives`` drawn, then each row's hard negatives): the item features
+        computed from their attributes, every other feature empty there (no ids, zeros)."""
         assert self.sampler is not None
         cfg = self.sampler.cfg
-        try:
-            items = table.column(cfg.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise DataError(
-                f"{origin.label}: column '{cfg.item_id_field}' (data.negative_sampler.item_id_field) holds "
-                "something other than integer item ids"
-            ) from None
+        items = self._int_ids(table, cfg.item_id_field, "data.negative_sampler.item_id_field", "item", origin)
         path, first, _ = origin.runs[0]
-        picks = self.sampler.draw(items, self.negatives, f"{_draw_key(path)}:{first}")
+        key = f"{_draw_key(path)}:{first}"
+        picks = self.sampler.draw(items, self.negatives, key)
+        hard_rows = None
+        if cfg.hard_negatives is not None:
+            field = cfg.hard_negatives.user_id_field
+            users = self._int_ids(table, field, "data.negative_sampler.hard_negatives.user_id_field", "user", origin)
+            hard, rows = self.sampler.hard(users, key)
+            picks = np.concatenate([picks, hard])
+            hard_rows = torch.from_numpy(rows)
         types = {c: table.schema.field(c).type for c in cfg.attr_fields if c in table.schema.names}
         items_table = pa.table(self.sampler.columns(picks, types))
         # An error names the sampled item and its row of the item table.
         ids = self.sampler.ids[picks]
         where = RowOrigin(tuple((f"{cfg.input_path}, item {i}", int(p), 1) for i, p in zip(ids, picks)))
         extra = self._features(items_table, where, self.sampled_features)
-        return {name: _appended(out, extra.get(name), self.negatives) for name, out in computed.items()}
+        outputs = {name: _appended(out, extra.get(name), len(picks)) for name, out in computed.items()}
+        return outputs, len(picks), hard_rows
+
+    def _int_ids(self, table: pa.Table, column: str, field: str, what: str, origin: RowOrigin) -> np.ndarray:
+        try:
+            return table.column(column).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            raise DataError(
+                f"{origin.label}: column '{column}' ({field}) holds something other than integer {what} ids"
+            ) from None
 
     def _features(self, table: pa.Table, origin: RowOrigin, names: Optional[set[str]] = None) -> dict[str, _Output]:
         """Every feature (of ``names``, default all) computed over ``table``'s rows, each after

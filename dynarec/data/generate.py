@@ -317,6 +317,15 @@ class _Planner:
         for c in self.columns.values():  # a map is keyed by what its key inputs hold
             if c.key_sources:
                 c.keys = list(dict.fromkeys(k for inp in c.key_sources for k in self._domain(inp)))
+        sampler = self.config.data.negative_sampler
+        if sampler is not None:  # the sampler's tables key items (and users) by integer ids
+            fields = [sampler.item_id_field]
+            if sampler.hard_negatives is not None:
+                fields.append(sampler.hard_negatives.user_id_field)
+            for name in fields:
+                self.add(name, kind="ids")
+                if self.columns[name].kind == "strings":
+                    self.columns[name].kind = "ids"
         candidate = self.config.candidate_feature()
         if candidate is not None:
             f = self.by_name[candidate]
@@ -558,6 +567,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         clicks = examples = 0
         sampler = config.data.negative_sampler
         tables: list[pa.Table] = []
+        users: list[pa.ChunkedArray] = []
         for i in range(spec.train_files):
             rows = min(per_file, spec.train_rows - i * per_file)
             if rows <= 0:
@@ -568,11 +578,14 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
             if sampler is not None:  # the items' columns, for the sampler's item table
                 tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
+                if sampler.hard_negatives is not None:
+                    users.append(table.column(sampler.hard_negatives.user_id_field))
         table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
         if sampler is not None:
             tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
         items_written = _write_item_table(config, tables, target, tmp)
+        edges_written = _write_edge_table(config, users, tables, target, tmp, rng)
         labels = _clicks(table.column(first_label), bitmask)
         meta = {
             "generator": "config",
@@ -584,6 +597,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             "bayes_optimal_eval_auc": auc(p, labels),
             "vocab_files_written": planner.vocab_files_written,
             "item_table_written": items_written,
+            "edge_table_written": edges_written,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
@@ -634,3 +648,33 @@ def _write_item_table(config: Config, tables: list[pa.Table], target: Path, tmp:
     destination = tmp / path.relative_to(target.absolute()) if inside else path
     write_item_table(sampler, ids[first], np.ones(len(first)), [list(a) for a in zip(*attrs)], destination)
     return sampler.input_path
+
+
+EDGES_PER_USER = 3  # a user's hard negatives in a generated edge table
+
+
+def _write_edge_table(
+    config: Config, users: list[pa.ChunkedArray], tables: list[pa.Table], target: Path, tmp: Path, rng
+) -> Optional[str]:
+    """A hard-negative sampler's edge table (``data.negative_sampler.hard_negatives``), where it
+    does not exist or lies inside ``target``: every user of the training data gets
+    ``EDGES_PER_USER`` items of the catalog (drawn uniformly, weight 1) in graph-learn's text
+    layout. Returns its path, or None when nothing was written."""
+    sampler = config.data.negative_sampler
+    if sampler is None or sampler.hard_negatives is None:
+        return None
+    path = Path(sampler.hard_negatives.edge_input_path).absolute()
+    inside = path.is_relative_to(target.absolute())
+    if path.exists() and not inside:
+        return None
+    user_ids = np.unique(np.concatenate([u.cast(pa.int64()).to_numpy() for u in users]))
+    item_ids = np.unique(np.concatenate([t.column(0).cast(pa.int64()).to_numpy() for t in tables]))
+    src = np.repeat(user_ids, EDGES_PER_USER)
+    dst = item_ids[rng.integers(0, len(item_ids), len(src))]
+    delimiter = sampler.field_delimiter or "\t"
+    lines = [delimiter.join(("src_id:int64", "dst_id:int64", "weight:float"))]
+    lines += [f"{u}{delimiter}{i}{delimiter}1" for u, i in zip(src.tolist(), dst.tolist())]
+    destination = tmp / path.relative_to(target.absolute()) if inside else path
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text("\n".join(lines) + "\n")
+    return sampler.hard_negatives.edge_input_path

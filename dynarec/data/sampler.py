@@ -11,6 +11,12 @@ values joined by ``\x1d``). Parquet, or a
 CSV / text table split on ``field_delimiter`` (default a tab) whose header may be graph-learn's
 ``id:int64	weight:float	attrs:string``.
 
+With ``hard_negatives`` (TorchEasyRec's ``hard_negative_sampler``), each row's user also gets
+the items of its edges in the edge table (columns user id, item id, weight; Parquet or text as
+the item table) — all of them (graph-learn's ``full`` neighbour strategy, TorchEasyRec's), or at
+most ``num_hard_sample`` (more: that many drawn by edge weight without replacement) —
+appended after the sampled items with the row each belongs to.
+
 The draws of a batch depend on the seed and on where its rows start (the file's name under its
 directory's name, and the row) alone, not on the DataLoader workers or where the data lies: a
 run and its resume see the same negatives. A batch position draws the same items every epoch
@@ -68,6 +74,7 @@ class NegativeSampler:
         k = len(cfg.attr_fields)
         # [field][item]: each attribute column of the catalog, as strings
         self.attrs = [flat.take(pa.array(np.arange(j, len(flat), k))) for j in range(k)]
+        self.edges = _read_edges(cfg, self.ids) if cfg.hard_negatives is not None else None
 
     @property
     def num_items(self) -> int:
@@ -95,6 +102,37 @@ class NegativeSampler:
                 again = rng.random(int(clash.sum())) * cumulative[-1]
                 picks[clash] = np.minimum(np.searchsorted(cumulative, again, side="right"), len(self.ids) - 1)
         return picks
+
+    def hard(self, users: np.ndarray, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(picks, rows)``: catalog indices of the hard negatives of each of ``users`` (a batch's
+        user ids, row by row) and the row each belongs to, rows ascending; ``key`` seeds the draws
+        of a user with more edges than ``num_hard_sample`` (unset: every edge)."""
+        assert self.edges is not None and self.cfg.hard_negatives is not None
+        users_sorted, offsets, items, weights = self.edges
+        limit = self.cfg.hard_negatives.num_hard_sample
+        if not len(users_sorted):
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        at = np.searchsorted(users_sorted, users)
+        at = np.minimum(at, len(users_sorted) - 1)
+        known = users_sorted[at] == users
+        starts = np.where(known, offsets[at], 0)
+        counts = np.where(known, offsets[at + 1] - offsets[at], 0)
+        rng = None
+        picks, rows = [], []
+        for row in np.nonzero(counts)[0]:
+            first, n = int(starts[row]), int(counts[row])
+            chosen = items[first : first + n]
+            if limit is not None and n > limit:
+                if rng is None:
+                    digest = hashlib.blake2b(f"{self.seed}:hard:{key}".encode(), digest_size=8).digest()
+                    rng = np.random.default_rng(int.from_bytes(digest, "little"))
+                w = weights[first : first + n]
+                chosen = chosen[rng.choice(n, limit, replace=False, p=w / w.sum() if w.sum() > 0 else None)]
+            picks.append(chosen)
+            rows.append(np.full(len(chosen), row, dtype=np.int64))
+        if not picks:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(picks), np.concatenate(rows)
 
     def columns(self, picks: np.ndarray, types: dict[str, pa.DataType]) -> dict[str, pa.Array]:
         """The attribute columns of the catalog items ``picks``, cast to the batch's column
@@ -150,27 +188,34 @@ def write_item_table(
     path.write_text("\n".join(lines) + "\n")
 
 
-def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Array]:
-    """``(ids int64, weights float64, attrs string)`` of the item table."""
-    path = Path(cfg.input_path)
+def _read_table(path_text: str, delimiter: str, types: tuple[pa.DataType, ...], field: str, noun: str) -> pa.Table:
+    """A Parquet table, or a CSV / text table split on ``delimiter`` whose header may be
+    graph-learn's (``name:type``; the names kept), its columns read as ``types``; SamplerError
+    naming the config ``field`` of a missing file, or the ``noun`` table that cannot be read."""
+    path = Path(path_text)
     if not path.exists():
-        raise SamplerError(f"data.negative_sampler.input_path: {cfg.input_path} does not exist")
+        raise SamplerError(f"{field}: {path_text} does not exist")
     try:
         if path.suffix == ".parquet":
-            table = pq.read_table(path)
-        else:
-            delimiter = cfg.field_delimiter or "\t"
-            with open(path, encoding="utf-8") as f:
-                header = f.readline().rstrip("\r\n").split(delimiter)
-            types = dict(zip(header, (pa.int64(), pa.float64(), pa.string())))
-            table = pacsv.read_csv(
-                path,
-                parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
-                convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False),
-            )
-            table = table.rename_columns([c.split(":")[0] for c in table.column_names])
+            return pq.read_table(path)
+        with open(path, encoding="utf-8") as f:
+            header = f.readline().rstrip("\r\n").split(delimiter)
+        table = pacsv.read_csv(
+            path,
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
+            convert_options=pacsv.ConvertOptions(column_types=dict(zip(header, types)), strings_can_be_null=False),
+        )
+        return table.rename_columns([c.split(":")[0] for c in table.column_names])
     except (pa.ArrowInvalid, OSError) as e:
-        raise SamplerError(f"{cfg.input_path}: cannot read the item table ({e})") from None
+        raise SamplerError(f"{path_text}: cannot read the {noun} table ({e})") from None
+
+
+def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+    """``(ids int64, weights float64, attrs string)`` of the item table."""
+    delimiter = cfg.field_delimiter or "\t"
+    table = _read_table(
+        cfg.input_path, delimiter, (pa.int64(), pa.float64(), pa.string()), "data.negative_sampler.input_path", "item"
+    )
     if table.num_columns != 3 or table.num_rows == 0:
         raise SamplerError(
             f"{cfg.input_path}: an item table has 3 columns (id, weight, attributes) and rows; "
@@ -184,10 +229,58 @@ def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Arr
         raise SamplerError(f"{cfg.input_path}: ids must be integers and weights numbers ({e})") from None
     if ids.null_count or weights.null_count or attrs.null_count:
         raise SamplerError(f"{cfg.input_path}: an item has a missing id, weight or attributes")
-    bad = np.nonzero(~np.isfinite(w) | (w < 0))[0]
-    if bad.size:
-        i = int(bad[0])
-        raise SamplerError(f"{cfg.input_path}, item {int(id_values[i])}: weight {w[i]} is not a number >= 0")
+    _check_weights(w, cfg.input_path, lambda i: f"item {int(id_values[i])}")
     if not w.sum() > 0:
         raise SamplerError(f"{cfg.input_path}: every weight is 0")
     return id_values, w, attrs.cast(pa.string())
+
+
+def _check_weights(w: np.ndarray, path: str, name) -> None:
+    bad = np.nonzero(~np.isfinite(w) | (w < 0))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise SamplerError(f"{path}, {name(i)}: weight {w[i]} is not a number >= 0")
+
+
+def _read_edges(cfg: NegativeSamplerCfg, item_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The hard-negative edge table by user: ``(users sorted unique, offsets [U + 1], catalog
+    indices of their items, edge weights)``, each user's edges in the table's order."""
+    hard = cfg.hard_negatives
+    assert hard is not None
+    path = hard.edge_input_path
+    delimiter = cfg.field_delimiter or "\t"
+    table = _read_table(
+        path,
+        delimiter,
+        (pa.int64(), pa.int64(), pa.float64()),
+        "data.negative_sampler.hard_negatives.edge_input_path",
+        "edge",
+    )
+    if table.num_columns != 3:
+        raise SamplerError(
+            f"{path}: an edge table has 3 columns (user id, item id, weight); found {table.num_columns} column(s) "
+            f"{table.column_names}"
+        )
+    try:
+        users, items, w = (
+            table.column(i).combine_chunks().cast(t).to_numpy(zero_copy_only=False)
+            for i, t in enumerate((pa.int64(), pa.int64(), pa.float64()))
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise SamplerError(f"{path}: user and item ids must be integers and weights numbers ({e})") from None
+    if any(table.column(i).null_count for i in range(3)):
+        raise SamplerError(f"{path}: an edge has a missing user id, item id or weight")
+    _check_weights(w, path, lambda i: f"edge {int(users[i])} -> {int(items[i])}")
+    order = np.argsort(item_ids, kind="stable")
+    at = np.minimum(np.searchsorted(item_ids[order], items), len(order) - 1)
+    unknown = np.nonzero(item_ids[order][at] != items)[0]
+    if unknown.size:
+        i = int(unknown[0])
+        raise SamplerError(
+            f"{path}: edge {int(users[i])} -> {int(items[i])}: item {int(items[i])} is not in the item table "
+            f"{cfg.input_path} (a hard negative needs its attributes)"
+        )
+    by_user = np.argsort(users, kind="stable")
+    users_sorted, counts = np.unique(users[by_user], return_counts=True)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return users_sorted, offsets, order[at][by_user], w[by_user]

@@ -6,10 +6,13 @@ its ``N`` sampled items (``R = B + N``). Each user ``i`` is scored against its o
 sampled ones: ``s_i = [u_i . v_i, u_i . v_{B}, ..., u_i . v_{B+N-1}] / temperature``
 (``in_batch_negative``: against every item of the batch and the samples,
 ``s_i = u_i . v_j / temperature`` for all ``j < R``, its own item at ``j = i``) — TorchEasyRec's
-``MatchModel.sim``. The loss is the softmax cross-entropy of the own item, averaged over the
-global batch. DAT's rows end with the augmented vectors ``a_u``, ``a_v`` (``[R, 4 * D]``) and its
-loss adds the adaptive-mimic terms (TorchEasyRec's, summed over the batch's rows; each rank's
-share divided by the world size, as TorchEasyRec's averaged gradients are)::
+``MatchModel.sim``. With hard negatives (the last ``H`` sampled rows, each of one user: the
+batch's ``hard_negative_rows``) a user's scores end with its own hard negatives, ``-inf`` past
+their count (``in_batch_negative``: they are items like the others). The loss is the softmax
+cross-entropy of the own item, averaged over the global batch. DAT's rows end with the
+augmented vectors ``a_u``, ``a_v`` (``[R, 4 * D]``) and its loss adds the adaptive-mimic terms
+(TorchEasyRec's, summed over the batch's rows; each rank's share divided by the world size, as
+TorchEasyRec's averaged gradients are)::
 
     amm_u_weight * sum_i ||normalize(a_u_i) - v_i||^2 + amm_i_weight * sum_i ||normalize(a_v_i) - u_i||^2
 
@@ -47,15 +50,25 @@ class Retrieval:
         self.interests = cfg.user_tower.capsule.max_k if isinstance(cfg, MINDCfg) else 0
         self.world_size = world_size
 
-    def scores(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+    def scores(self, out: torch.Tensor, rows: int, hard_negative_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[B, C]`` similarity scores of the ``rows`` users (module doc); the own item is column
         0 (``in_batch_negative``: column ``i`` of row ``i``)."""
         d = self.dim
         user, item = out[:rows, :d].float(), out[:, d : 2 * d].float()
         if self.in_batch_negative:
             return user @ item.T / self.temperature
+        hard = 0 if hard_negative_rows is None else hard_negative_rows.numel()
         own = (user * item[:rows]).sum(1, keepdim=True)
-        return torch.cat([own, user @ item[rows:].T], dim=1) / self.temperature
+        parts = [own, user @ item[rows : item.shape[0] - hard].T]
+        if hard:
+            assert hard_negative_rows is not None
+            owner = hard_negative_rows.to(user.device)
+            counts = torch.bincount(owner, minlength=rows)
+            position = torch.arange(hard, device=user.device) - (torch.cumsum(counts, 0) - counts)[owner]
+            block = user.new_full((rows, int(counts.max())), float("-inf"))
+            block[owner, position] = (user[owner] * item[item.shape[0] - hard :]).sum(1)
+            parts.append(block)
+        return torch.cat(parts, dim=1) / self.temperature
 
     def _own(self, scores: torch.Tensor) -> torch.Tensor:
         if self.in_batch_negative:
@@ -70,11 +83,12 @@ class Retrieval:
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         sessions: Optional[torch.Tensor] = None,
         teaching=None,
+        hard_negative_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """This rank's share of the mean softmax cross-entropy over the global batch (``labels``
         ``[B, L]`` give the batch's rows; their values are not read)."""
         rows = labels.shape[0]
-        scores = self.scores(logits, rows)
+        scores = self.scores(logits, rows, hard_negative_rows)
         loss = F.cross_entropy(scores, self._own(scores), reduction="sum") / global_rows
         if self.amm is not None:
             d = self.dim
@@ -103,16 +117,20 @@ class Retrieval:
             return {"user_interests": logits[:, 2 * d : (2 + self.interests) * d].float(), "item_embedding": item}
         return {"user_embedding": logits[:, :d].float(), "item_embedding": item}
 
-    def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+    def predictions(
+        self, logits: torch.Tensor, rows: Optional[int] = None, hard_negative_rows: Optional[torch.Tensor] = None
+    ) -> dict[str, torch.Tensor]:
         """``{"positive_rank": [B] float32}``: each user's own item's rank among its scored items
-        (the other items scoring as high or higher; NaN where a score is not a number, which the
-        evaluation then names by file and row)."""
+        (the other items scoring as high or higher; NaN where a score is NaN or +inf, or the own
+        item's not finite, which the evaluation then names by file and row; -inf marks no hard
+        negative)."""
         if rows is None:
             raise ValueError("a retrieval model's predictions need the batch's rows (its sampled items follow them)")
-        scores = self.scores(logits, rows)
+        scores = self.scores(logits, rows, hard_negative_rows)
         own = scores.gather(1, self._own(scores)[:, None])
         rank = ((scores >= own).sum(1) - 1).float()  # a tie counts against the own item
-        return {"positive_rank": torch.where(torch.isfinite(scores).all(1), rank, float("nan"))}
+        bad = torch.isnan(scores).any(1) | torch.isposinf(scores).any(1) | ~torch.isfinite(own[:, 0])
+        return {"positive_rank": torch.where(bad, float("nan"), rank)}
 
     def metrics(
         self, predictions: dict[str, np.ndarray], labels: np.ndarray, groups: Optional[np.ndarray]

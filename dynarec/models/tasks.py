@@ -185,12 +185,15 @@ class Tasks:
         global_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         sessions: Optional[torch.Tensor] = None,
         teaching: Optional[Teaching] = None,
+        hard_negative_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """This rank's share of the step's loss (module doc). ``labels``: ``[B, L]``;
         ``global_sum`` sums a tensor over the ranks (None: one process); ``sessions`` ``[B]``:
         the JRC losses' session ids (a session's rows compete within this rank's batch);
         ``teaching``: a teacher net's part (RocketLaunching): its logits under the same tasks'
-        losses, its row terms as the rows' share, its batch term as it is."""
+        losses, its row terms as the rows' share, its batch term as it is. ``hard_negative_rows``:
+        a retrieval task's (a ranking batch has none)."""
+        assert hard_negative_rows is None, "a ranking batch has no hard negatives"
         loss = self._loss(logits, labels, global_rows, global_sum, sessions)
         if teaching is not None:
             loss = loss + self._loss(teaching.booster_logits, labels, global_rows, global_sum, sessions)
@@ -245,10 +248,12 @@ class Tasks:
             return "probability"
         return f"{'y' if t.kind == 'regression' else 'probs'}_{t.tower_name}"
 
-    def predictions(self, logits: torch.Tensor, rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+    def predictions(
+        self, logits: torch.Tensor, rows: Optional[int] = None, hard_negative_rows: Optional[torch.Tensor] = None
+    ) -> dict[str, torch.Tensor]:
         """Output name -> ``[B]`` probability (binary), ``[B, C]`` class probabilities
-        (multiclass) or ``[B]`` prediction (regression), float32 (``rows``: the batch's rows,
-        which a retrieval task needs; here they are the logits')."""
+        (multiclass) or ``[B]`` prediction (regression), float32 (``rows``, ``hard_negative_rows``:
+        what a retrieval task needs of the batch; here the rows are the logits')."""
         out = {}
         logits = logits.float()
         heads = [logits] if self._domain is None else self._by_domain(logits)

@@ -45,9 +45,8 @@ class Evaluator:
         batches = iter(self.input.loader(dataset))
         for _ in range(steps):
             batch = next(batches)
-            outputs.append(
-                {k: v.cpu().numpy() for k, v in self.tasks.predictions(self.task(batch), batch.num_rows).items()}
-            )
+            predicted = self.tasks.predictions(self.task(batch), batch.num_rows, batch.hard_negative_rows)
+            outputs.append({k: v.cpu().numpy() for k, v in predicted.items()})
             labels.append(batch.labels.numpy())
             if batch.groups is not None:
                 groups.append(batch.groups.numpy())

@@ -254,7 +254,9 @@ class Trainer:
             count = labels.shape[0]
             if self.ctx.distributed:
                 count = global_sum(torch.tensor(float(count), device=self.device))
-        loss = self.tasks.loss(logits, labels, count, global_sum, sessions, teaching)
+        hard = batch.hard_negative_rows
+        hard = None if hard is None else hard.to(self.device, non_blocking=True)
+        loss = self.tasks.loss(logits, labels, count, global_sum, sessions, teaching, hard)
         penalty = penalties(self.variational_dropouts, batch.num_rows, global_rows or batch.num_rows)
         if penalty is not None:
             loss = loss + penalty

@@ -68,25 +68,25 @@ def test_the_dbmtl_configs_sequence_groups_are_nested_in_its_deep_group(tmp_path
     assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
 
 
-def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["dssm_v2_fg_mock", "dssm_fg_hard_negative_mock"])
+def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(name, tmp_path, capsys):
     """TorchEasyRec's dssm_v2_fg_mock: an item title tokenized by TorchEasyRec's own BPE file
-    (vendored), pooled into the item tower, its sampled items' titles too."""
+    (vendored), pooled into the item tower, its sampled items' titles too; dssm_fg_hard_negative_mock
+    the same with each user's hard negatives from an edge table (make-data writes one)."""
     config = tmp_path / "config.yaml"
     d = tmp_path / "d"
     paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
-    pipeline = EXAMPLES / "tests" / "dssm_v2_fg_mock.config"
-    assert (
-        main(["import-config", str(pipeline), "-o", str(config), *paths, "--sampler-input-path", str(d / "i.tsv")]) == 0
-    )
-    title = next(f for f in load_config(config).features() if f.feature_name == "item_title")
+    paths += ["--sampler-input-path", str(d / "i.tsv"), "--hard-negative-edge-path", str(d / "e.tsv")]
+    assert main(["import-config", str(EXAMPLES / "tests" / f"{name}.config"), "-o", str(config), *paths]) == 0
+    loaded = load_config(config)
+    title = next(f for f in loaded.features() if f.feature_name == "item_title")
     assert (title.KIND, title.table_rows, title.text_normalizer.normalizer()("Ｔｉｔｌｅ, 漢字")) == (
         "tokenize_feature", 50277, "TITLE 汉字",
     )  # fmt: skip
-    assert (
-        main(
-            ["make-data", "--config", str(config), "--output-dir", str(d), "--train-rows", "300", "--eval-rows", "100"]
-        )
-        == 0
-    )
+    hard = loaded.data.negative_sampler.hard_negatives
+    assert (hard is not None) == (name == "dssm_fg_hard_negative_mock")
+    rows = ["--train-rows", "300", "--eval-rows", "100"]
+    assert main(["make-data", "--config", str(config), "--output-dir", str(d), *rows]) == 0
+    assert (d / "e.tsv").exists() == (hard is not None)
     assert main(["train", "--config", str(config), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
     assert '"recall@5"' in capsys.readouterr().out

@@ -217,3 +217,67 @@ def test_make_data_writes_an_item_table_inside_its_directory_and_again_on_regene
     assert NegativeSampler(config.data.negative_sampler).ids.size > 10
     make_config_data(config, out, GenerateSpec(train_rows=200, eval_rows=50, seed=2))
     assert (out / "items.tsv").exists() and (out / "items.tsv").read_text() != first
+
+
+def edge_table(path, rows, header="src_id:int64\tdst_id:int64\tweight:float"):
+    path.write_text(header + "\n" + "".join(f"{u}\t{i}\t{w}\n" for u, i, w in rows))
+    return str(path)
+
+
+def hard_sampler(tmp_path, edges, **hard) -> NegativeSampler:
+    items = item_table(tmp_path / "items.tsv", [(i, 1.0, f"{i}:{i % 10}") for i in range(100, 110)])
+    hard = {"edge_input_path": edge_table(tmp_path / "edges.tsv", edges), "user_id_field": "uid", **hard}
+    return NegativeSampler(sampler_cfg(items, hard_negatives=hard))
+
+
+def test_hard_negatives_are_each_users_edges_with_the_row_they_belong_to(tmp_path):
+    s = hard_sampler(tmp_path, [(7, 101, 1.0), (5, 103, 1.0), (7, 104, 2.0), (9, 109, 1.0)])
+    picks, rows = s.hard(np.array([7, 8, 5, 7]), "k")  # user 8 has no edges; user 7 is two rows
+    assert s.ids[picks].tolist() == [101, 104, 103, 101, 104] and rows.tolist() == [0, 0, 2, 3, 3]
+    picks, rows = s.hard(np.array([8]), "k")
+    assert picks.size == 0 and rows.size == 0
+
+
+def test_past_num_hard_sample_a_users_edges_are_drawn_by_weight_without_replacement(tmp_path):
+    edges = [(1, 100 + i, w) for i, w in enumerate([1.0, 0.0, 3.0, 6.0])]
+    s = hard_sampler(tmp_path, edges, num_hard_sample=2)
+    counts = np.zeros(10)
+    for k in range(3000):
+        picks, rows = s.hard(np.array([1]), f"k{k}")
+        assert len(picks) == 2 and len(set(picks.tolist())) == 2 and rows.tolist() == [0, 0]
+        counts[s.ids[picks] - 100] += 1
+    assert counts[1] == 0  # weight 0: never
+    # two of {100: 1, 102: 3, 103: 6} without replacement: P(103) = 0.6 + 0.1*6/9 + 0.3*6/7 = 0.9238
+    np.testing.assert_allclose(counts[3] / 3000, 0.6 + 0.1 * 6 / 9 + 0.3 * 6 / 7, atol=0.02)
+    assert np.array_equal(s.hard(np.array([1]), "same")[0], s.hard(np.array([1]), "same")[0])
+
+
+def test_an_edge_to_an_item_not_in_the_item_table_is_named(tmp_path):
+    with pytest.raises(SamplerError, match=r"edges\.tsv: edge 3 -> 555: item 555 is not in the item table"):
+        hard_sampler(tmp_path, [(3, 101, 1.0), (3, 555, 1.0)])
+    with pytest.raises(SamplerError, match=r"edge 3 -> 101: weight -1\.0 is not a number >= 0"):
+        hard_sampler(tmp_path, [(3, 101, -1.0)])
+
+
+def test_a_batch_ends_with_its_users_hard_negatives_and_their_rows(tmp_path):
+    import pickle
+
+    path = item_table(tmp_path / "items.tsv", [(i, 1.0, f"{i}:{i % 10}") for i in range(100, 140)])
+    edges = edge_table(tmp_path / "edges.tsv", [(2, 120, 1.0), (2, 121, 1.0), (1, 130, 1.0)])
+    hard = {"edge_input_path": edges, "user_id_field": "uid"}
+    b = BatchBuilder(config_from_dict(dssm_config(path, hard_negatives=hard)), negatives=5)
+    t = pa.table(
+        {
+            "user_id": ["u1", "u2", "u3"], "uid": [1, 3, 2], "age": [1, 2, 3], "item_id": [101, 102, 103],
+            "cate_id": [1, 2, 3], "hist_item_id": ["1|2", "", "3"], "hist_cate_id": ["1|1", "", "2"],
+            "price": [1.0, 2.0, 3.0], "clk": [1, 0, 1],
+        }
+    )  # fmt: skip
+    batch = b.build(t, "t.parquet")
+    assert batch.num_rows == 3 and batch.sampled_rows == 5 + 3
+    assert batch.hard_negative_rows.tolist() == [0, 2, 2]  # user 1 at row 0, user 2 at row 2
+    assert split_features(batch.sparse)["item_id"].values.tolist()[-3:] == [130, 120, 121]
+    back = pickle.loads(pickle.dumps(batch))  # a worker's batch travels packed
+    assert back.hard_negative_rows.tolist() == [0, 2, 2] and back.sampled_rows == 8
+    with pytest.raises(DataError, match=r"missing column 'uid' \(data.negative_sampler.hard_negatives.user_id_field\)"):
+        b.build(t.drop_columns(["uid"]), "t.parquet")

@@ -146,3 +146,30 @@ def test_dats_adaptive_mimic_terms_pull_each_augmented_vector_toward_the_other_t
     (loss - base).backward()
     assert out.grad[:, : 2 * d].abs().sum() == 0  # the towers' outputs are held constant by the mimic terms
     assert out.grad[:b, 2 * d :].abs().sum() > 0 and out.grad[b:].abs().sum() == 0
+
+
+def test_hard_negatives_are_scored_against_their_own_user_only():
+    """TorchEasyRec's _sim_with_sampler with hard_neg_indices [[0, 0], [1, 0], [1, 1]]: user 0 has
+    one hard negative, user 1 two, user 2 none; columns past a user's count are -inf."""
+    torch.manual_seed(2)
+    b, n, h, d = 3, 2, 3, 4
+    user, item = torch.randn(b + n + h, d), torch.randn(b + n + h, d)
+    out = torch.cat([user, item], dim=1)
+    owners = torch.tensor([0, 1, 1])
+    task = retrieval(temperature=0.5, output_dim=d)
+    scores = task.scores(out, b, owners)
+    ninf = float("-inf")
+    want = torch.tensor(
+        [
+            [user[i] @ item[i], user[i] @ item[3], user[i] @ item[4], *hard]
+            for i, hard in enumerate(
+                [[user[0] @ item[5], ninf], [user[1] @ item[6], user[1] @ item[7]], [ninf, ninf]]
+            )
+        ]
+    )  # fmt: skip
+    torch.testing.assert_close(scores, want / 0.5)
+    loss = task.loss(out, torch.zeros(b, 1), b, hard_negative_rows=owners)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, F.cross_entropy(want / 0.5, torch.zeros(b, dtype=torch.long)))
+    ranks = task.predictions(out, b, owners)["positive_rank"]  # -inf is no item: never above the own
+    assert ranks.tolist() == [float((want[i] >= want[i, 0]).sum() - 1) for i in range(b)]

@@ -179,13 +179,17 @@ def data_source(
     return str(path)
 
 
-def _negative_sampler(n: Reader, override: Optional[str]) -> Optional[dict[str, Any]]:
-    """negative_sampler -> data.negative_sampler (its item table a file: ``override`` replaces
-    a table service)."""
-    given = n.scalar("input_path")
-    path = data_source(given, override, n.at("input_path"), n.ctx, "--sampler-input-path", fatal=True)
+def _negative_sampler(
+    n: Reader, override: Optional[str], edge_override: Optional[str] = None, hard: bool = False
+) -> Optional[dict[str, Any]]:
+    """negative_sampler (``hard``: hard_negative_sampler, its edge table in ``hard_negatives``)
+    -> data.negative_sampler; the item (and edge) tables files: ``override`` / ``edge_override``
+    replace a table service or an empty path."""
+    key = "item_input_path" if hard else "input_path"
+    given = n.scalar(key)
+    path = data_source(given, override, n.at(key), n.ctx, "--sampler-input-path", fatal=True)
     if path is None and not given:
-        n.ctx.refuse(n.at("input_path"), "an item table is needed: give --sampler-input-path", fatal=True)
+        n.ctx.refuse(n.at(key), "an item table is needed: give --sampler-input-path", fatal=True)
     out: dict[str, Any] = {
         "input_path": path or "",
         "num_sample": n.integer("num_sample", 1),
@@ -196,19 +200,43 @@ def _negative_sampler(n: Reader, override: Optional[str]) -> Optional[dict[str, 
     }
     if n.has("field_delimiter"):
         out["field_delimiter"] = str(n.scalar("field_delimiter"))
-    n.default_only("item_id_delim", ";")
+    edges = None
+    if hard:
+        given = n.scalar("hard_neg_edge_input_path")
+        where = n.at("hard_neg_edge_input_path")
+        edges = data_source(given, edge_override, where, n.ctx, "--hard-negative-edge-path", fatal=True)
+        if edges is None and not given:
+            n.ctx.refuse(where, "a user -> item edge table is needed: give --hard-negative-edge-path", fatal=True)
+        out["hard_negatives"] = {"edge_input_path": edges or "", "user_id_field": str(n.scalar("user_id_field", ""))}
+        n.ignore("user_input_path", "the users come from the data's user_id_field; their edges from the edge table")
+        if n.has("num_hard_sample"):
+            out["hard_negatives"]["num_hard_sample"] = n.integer("num_hard_sample")
+            n.ctx.note(
+                n.at("num_hard_sample"),
+                "a user with more edges gets that many drawn by edge weight (TorchEasyRec's graph-learn 'full' "
+                "strategy returns every edge)",
+            )
+        n.taken.add("num_hard_sample")
+    else:
+        n.default_only("item_id_delim", ";")
     n.done()
-    return out if path else None
+    return out if path and (edges or not hard) else None
 
 
 def convert_data_config(
-    d: Reader, data: dict[str, Any], replaced: bool, sampler_input_path: Optional[str] = None
+    d: Reader,
+    data: dict[str, Any],
+    replaced: bool,
+    sampler_input_path: Optional[str] = None,
+    hard_negative_edge_path: Optional[str] = None,
 ) -> Mode:
     ctx = d.ctx
-    if (n := d.message("negative_sampler")) is not None:
-        sampler = _negative_sampler(n, sampler_input_path)
-        if sampler is not None:
-            data["negative_sampler"] = sampler
+    for key in ("negative_sampler", "hard_negative_sampler"):
+        if (n := d.message(key)) is not None:
+            hard = key == "hard_negative_sampler"
+            sampler = _negative_sampler(n, sampler_input_path, hard_negative_edge_path, hard)
+            if sampler is not None:
+                data["negative_sampler"] = sampler
     data["batch_size"] = d.integer("batch_size", 1024)
     if d.has("eval_batch_size"):
         data["eval_batch_size"] = d.integer("eval_batch_size")
@@ -265,10 +293,9 @@ def convert_data_config(
     # A retrieval model's negatives: without them it has nothing to train against.
     d.refuse(
         "negative_sampler_v2",
-        "hard_negative_sampler",
         "hard_negative_sampler_v2",
         "tdm_sampler",
-        why="not supported (dynarec's negative_sampler draws items by weight)",
+        why="not supported (dynarec's negative_sampler draws items by weight, hard_negative_sampler's edges too)",
         fatal=True,
     )
     d.done()
