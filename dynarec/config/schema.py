@@ -842,6 +842,16 @@ class GradientClippingCfg(Strict):
     norm_type: float = Field(2.0, gt=0)
 
 
+class GradScalerCfg(Strict):
+    """FP16's dynamic loss scaling (torch.amp.GradScaler's fields and defaults; TorchEasyRec's
+    ``grad_scaler``): dynarec/train/loss_scaling.py."""
+
+    init_scale: float = Field(65536.0, gt=0)
+    growth_factor: float = Field(2.0, gt=1)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: Count = 2000
+
+
 class TrainCfg(Strict):
     sparse_optimizer: SparseOptimizer
     table_optimizers: dict[str, SparseOptimizer] = {}  # per-table overrides, by table name
@@ -854,10 +864,10 @@ class TrainCfg(Strict):
     save_checkpoints_steps: Optional[Count] = None
     save_checkpoints_epochs: Optional[Count] = None  # also a checkpoint after every this many epochs
     keep_checkpoints: Count = 3
-    # The dense model's forward in bfloat16 (torch.autocast; the tables and the loss stay float32).
-    # No loss scaling is needed for bfloat16, and none could be: the tables' fused update runs
-    # inside backward, where a scaled loss would scale their gradients.
-    mixed_precision: Optional[Literal["bf16"]] = None
+    # The dense model's forward in bfloat16 or float16 (torch.autocast; the tables and the loss stay
+    # float32). fp16 takes grad_scaler: dynamic loss scaling, the tables' updates inside it.
+    mixed_precision: Optional[Literal["bf16", "fp16"]] = None
+    grad_scaler: Optional[GradScalerCfg] = None
     # The dense parameters' gradient norm clipped to max_norm before the dense optimizer's step
     # (torch.nn.utils.clip_grad_norm_); the tables' fused updates take their gradients as they are.
     gradient_clipping: Optional[GradientClippingCfg] = None
@@ -888,6 +898,11 @@ class TrainCfg(Strict):
     def _steps_or_epochs(self):
         if self.num_epochs is not None and self.num_steps is not None:
             raise ValueError("give one of num_epochs or num_steps, not both")
+        if self.grad_scaler is not None and self.mixed_precision != "fp16":
+            raise ValueError(
+                f"grad_scaler: loss scaling is for mixed_precision fp16 (given: {self.mixed_precision!r}; "
+                "bf16 needs none)"
+            )
         return self
 
     @property

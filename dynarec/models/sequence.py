@@ -119,7 +119,8 @@ class DINAttention(nn.Module):
 def _attend(logits: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Masked softmax of ``logits [B, L]`` over the valid positions, the keys ``[B, L, D]`` summed
     by it: ``[B, D]``, zeros for an empty sequence."""
-    w = torch.softmax(logits.masked_fill(~mask, -1e9), dim=1) * mask.to(keys.dtype)
+    # the dtype's lowest value (float16's is -65504): its exp is 0 beside any valid position's
+    w = torch.softmax(logits.masked_fill(~mask, torch.finfo(logits.dtype).min), dim=1) * mask.to(keys.dtype)
     return torch.bmm(w[:, None, :], keys).squeeze(1)
 
 

@@ -29,6 +29,9 @@ from dynarec.train.graphs import DenseGraphs
 __all__ = ["RankingTask", "check_dense_fits"]
 
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _allreduce_sum_hook(process_group, bucket):
     """DDP comm hook: the sum (not the mean) of the ranks' gradients."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
@@ -112,16 +115,41 @@ class RankingTask(nn.Module):
         self.sequence_features = sequence_names(config)
         self.element_pooling = element_poolings(config)
 
-    def forward(self, batch: Batch, low_precision: bool = False) -> torch.Tensor:
-        """Float32 logits (``[B]`` or ``[B, K]``); ``low_precision``: the dense model in bfloat16 (autocast: the
-        embeddings are looked up and the logits returned in float32)."""
-        inputs = model_inputs(self.embeddings, batch, self.sequence_features, self.device, self.element_pooling)
+    def forward(self, batch: Batch, precision: Optional[str] = None) -> torch.Tensor:
+        """Float32 logits (``[B]`` or ``[B, K]``); ``precision`` (``"bf16"`` / ``"fp16"``): the dense model
+        under autocast in that dtype (the embeddings are looked up and the logits returned in float32)."""
+        return self._forward(batch, precision, detach=False)[0]
+
+    def forward_detached(
+        self, batch: Batch, precision: Optional[str] = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`forward` where the dense model reads every embedding output that needs a gradient as a
+        leaf of its own: ``(logits, [(output, leaf)])``. A backward of the logits stops at the leaves; the
+        outputs' backward (the tables' fused updates) is the caller's to run, with the leaves' gradients
+        or not at all (dynarec/train/loss_scaling.py)."""
+        return self._forward(batch, precision, detach=True)
+
+    def _forward(
+        self, batch: Batch, precision: Optional[str], detach: bool
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        emb, lengths, dense = model_inputs(
+            self.embeddings, batch, self.sequence_features, self.device, self.element_pooling
+        )
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if detach:
+            leaves: dict[int, torch.Tensor] = {}  # one leaf an output (a dict may name one twice)
+            for k, v in emb.items():
+                if v.requires_grad:
+                    if id(v) not in leaves:
+                        leaves[id(v)] = v.detach().requires_grad_()
+                        held.append((v, leaves[id(v)]))
+                    emb[k] = leaves[id(v)]
         # A retrieval model's batch may end with sampled items: the model learns where its users end.
         extra = {"rows": batch.num_rows} if batch.sampled_rows else {}
-        if not low_precision:
+        if precision is None:
             if self.graphs is not None and self.training and not extra:
-                return self.graphs(*inputs)
-            return self._dense_forward(*inputs, **extra)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            logits = self._dense_forward(*inputs, **extra)
-        return logits.float()
+                return self.graphs(emb, lengths, dense), held
+            return self._dense_forward(emb, lengths, dense, **extra), held
+        with torch.autocast(self.device.type, dtype=_AUTOCAST[precision]):
+            logits = self._dense_forward(emb, lengths, dense, **extra)
+        return logits.float(), held

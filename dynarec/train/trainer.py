@@ -43,6 +43,7 @@ from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
+from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
@@ -95,6 +96,8 @@ class Trainer:
             self.task.graphs.on_refusal = self._graphs_refused
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
+        scaling = config.train.grad_scaler
+        self.loss_scaler = LossScaler(scaling) if scaling is not None else None
         self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
         self.position = DataPosition()
 
@@ -139,6 +142,7 @@ class Trainer:
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
             "step_rng": self.rng.state(),
+            **({"loss_scaler": self.loss_scaler.state()} if self.loss_scaler is not None else {}),
         }
 
     def save(self) -> Path:
@@ -194,6 +198,8 @@ class Trainer:
         self.log.load_state(state["history"])
         if training:
             self.rng.load_state(state.get("step_rng") or {})
+            if self.loss_scaler is not None and "loss_scaler" in state:
+                self.loss_scaler.load_state(state["loss_scaler"])
         return path
 
     # -- training --------------------------------------------------------------------------
@@ -243,8 +249,12 @@ class Trainer:
 
     def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
         train = self.config.train
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
         with self.rng.active():
-            logits = self.task(batch, low_precision=train.mixed_precision == "bf16")
+            if self.loss_scaler is None:
+                logits = self.task(batch, precision=train.mixed_precision)
+            else:  # the tables' backward runs after the overflow check (dynarec/train/loss_scaling.py)
+                logits, held = self.task.forward_detached(batch, precision=train.mixed_precision)
         labels = batch.labels.to(self.device, non_blocking=True)
         global_sum = partial(self.ctx.all_reduce_sum, what="the tasks' sample weights")
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
@@ -278,19 +288,49 @@ class Trainer:
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
         accumulate = train.gradient_accumulation_steps
-        (loss / accumulate).backward()  # the fused sparse optimizer updates the touched rows here
+        if self.loss_scaler is None:
+            (loss / accumulate).backward()  # the fused sparse optimizer updates the touched rows here
+        else:
+            self._scaled_backward(loss / accumulate, held)
         self.step += 1
         if self.step % accumulate == 0:
             self._dense_step()
         return loss.detach()
 
+    def _scaled_backward(self, loss: torch.Tensor, held: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """FP16 loss scaling (dynarec/train/loss_scaling.py): the scaled loss's backward through the dense
+        model to the embedding leaves ``held``; then, where every gradient of the step is finite on every
+        rank (and none overflowed earlier in the accumulation window), the tables' backward on the leaves'
+        gradients divided by the scale; else the tables' step is aborted."""
+        scaler = self.loss_scaler
+        assert scaler is not None
+        (loss * scaler.scale).backward()
+        grads = [leaf.grad for _, leaf in held if leaf.grad is not None]
+        dense = [p.grad for p in self.task.dense.parameters() if p.grad is not None]
+        overflow = scaler.overflowed or not scaler.finite(grads + dense)
+        if self.ctx.distributed:
+            overflow = self.ctx.any(overflow, f"the gradients' overflow check of step {self.step + 1}")
+        scaler.overflowed = overflow
+        if overflow:
+            self.task.embeddings.abort_step()
+            return
+        outputs = [out for out, leaf in held if leaf.grad is not None]
+        torch.autograd.backward(outputs, [g / scaler.scale for g in grads])  # the fused updates run here
+
     def _dense_step(self) -> None:
-        """The dense optimizer's step on the gradients summed since the last one (clipped first
-        when train.gradient_clipping says so), then zeroed."""
+        """The dense optimizer's step on the gradients summed since the last one (unscaled first under
+        loss scaling, and skipped where they overflowed; clipped when train.gradient_clipping says
+        so), then zeroed."""
+        params = list(self.task.dense.parameters())
+        take = True
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(params)
+            take = self.loss_scaler.update()
         clipping = self.config.train.gradient_clipping
-        if clipping is not None:
-            nn.utils.clip_grad_norm_(self.task.dense.parameters(), clipping.max_norm, clipping.norm_type)
-        self.dense_optimizer.step()
+        if take and clipping is not None:
+            nn.utils.clip_grad_norm_(params, clipping.max_norm, clipping.norm_type)
+        if take:
+            self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
@@ -386,6 +426,8 @@ class Trainer:
             "step": self.step,
             "train_seconds": seconds,
             "skipped_batches": self.skipped_batches,
+            **({"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}),
+            **({"overflow_skipped_steps": self.loss_scaler.skipped_steps} if self.loss_scaler is not None else {}),
             "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
             "eval": final,
         }

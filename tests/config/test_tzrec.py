@@ -602,9 +602,16 @@ def test_mixed_precision_clipping_and_accumulation_map_onto_the_train_section():
     train = config_from_dict(convert_pipeline_config(text, train_input_path="d").config).train
     assert (train.mixed_precision, train.gradient_accumulation_steps) == ("bf16", 4)
     assert (train.gradient_clipping.max_norm, train.gradient_clipping.norm_type) == (0.5, 2.0)
+    fp16 = "mixed_precision: 'FP16' grad_scaler { init_scale: 1024 growth_interval: 100 }"
+    text = MOCK.read_text().replace("num_epochs: 1", f"num_epochs: 1\n {fp16}")
+    train = config_from_dict(convert_pipeline_config(text, train_input_path="d").config).train
+    assert train.mixed_precision == "fp16"
+    assert (train.grad_scaler.init_scale, train.grad_scaler.growth_interval, train.grad_scaler.growth_factor) == (
+        1024.0, 100, 2.0,
+    )  # fmt: skip
     for edit, message in [
-        ("mixed_precision: 'FP16'", r"train_config\.mixed_precision: FP16: dynarec's train\.mixed_precision takes"),
-        ("grad_scaler {}", r"train_config\.grad_scaler: loss scaling is not supported"),
+        ("mixed_precision: 'FP8'", r"train_config\.mixed_precision: 'FP8' is not a mixed precision TorchEasyRec takes"),
+        ("grad_scaler { init_scale: 'x' }", r"train_config\.grad_scaler\.init_scale"),
         ("grad_clipping { clipping_type: 'value' }", r"train_config\.grad_clipping\.clipping_type: 'value' is not"),
     ]:
         with pytest.raises(ConversionError, match=message):

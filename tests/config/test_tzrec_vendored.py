@@ -2,8 +2,8 @@
 tests/config/tzrec/{examples,benchmark,tests}/ (65 files, unmodified; README.md there lists each
 one's model): each converts and loads, or is refused with every reason naming a field path; with
 ``--lenient`` each converts, or is refused naming what cannot be dropped consistently. The 59
-configs whose model dynarec has convert without ``--lenient``, except the one listed below with
-its reason: 58 convert."""
+configs whose model dynarec has convert without ``--lenient`` (``REFUSED`` lists any that may not,
+with the reason its refusal must give): all 59."""
 
 import re
 from pathlib import Path
@@ -24,12 +24,7 @@ MODELS = "|".join(tzrec_models())
 DYNAREC_MODELS = {name for name in CONFIGS if re.search(rf"^\s*({MODELS})\s*\{{", (ROOT / name).read_text(), re.M)}
 
 # Of those, the ones refused, each with its reason (a regex the refusal must match).
-REFUSED = {
-    # FP16 training needs loss scaling (grad_scaler), which dynarec cannot apply: the tables'
-    # fused updates run inside backward. dynarec's mixed precision is bf16.
-    "tests/multi_tower_din_fg_mock_fp16_ga.config": r"train_config\.mixed_precision: FP16: dynarec's "
-    r"train\.mixed_precision takes \['bf16'\]",
-}
+REFUSED: dict[str, str] = {}
 
 # A refusal line: "  <field path>: <why>".
 PATH = re.compile(r"^  (?:[A-Za-z_]\w*(?:\[\d+\])?)(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*: \S")
@@ -57,7 +52,7 @@ def refusal_lines(e: ConversionError) -> list[str]:
 def test_the_vendored_configs_are_the_65():
     assert len(CONFIGS) == 65
     assert len(DYNAREC_MODELS) == 59
-    assert len(DYNAREC_MODELS - set(REFUSED)) == 58
+    assert len(DYNAREC_MODELS - set(REFUSED)) == 59
     assert set(REFUSED) <= DYNAREC_MODELS
 
 

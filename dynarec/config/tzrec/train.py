@@ -407,11 +407,22 @@ def _precision(t: Reader, train: dict[str, Any]) -> None:
     if t.has("grad_scaler"):
         gs = t.message("grad_scaler")
         assert gs is not None
-        gs.taken.update(gs.msg.names())
-        ctx.refuse(
+        scaler: dict[str, Any] = {}
+        for key in ("init_scale", "growth_factor", "backoff_factor"):
+            if gs.has(key):
+                scaler[key] = gs.number(key)
+        if gs.has("growth_interval"):
+            scaler["growth_interval"] = gs.integer("growth_interval")
+        gs.done()
+        if train.get("mixed_precision") != "fp16":
+            ctx.note(t.at("grad_scaler"), "ignored: loss scaling is for mixed_precision FP16")
+            t.taken.add("grad_scaler")
+            return
+        train["grad_scaler"] = scaler
+        ctx.note(
             t.at("grad_scaler"),
-            "loss scaling is not supported (the tables' fused updates run inside backward, where a scaled loss "
-            "would scale their gradients)",
+            "dynamic loss scaling whose skipped steps skip the tables' updates too, and whose tables see unscaled "
+            "gradients (TorchEasyRec's fused table updates take the scaled ones); docs/optimizers.md",
         )
     t.taken.add("grad_scaler")
 
