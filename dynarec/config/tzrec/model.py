@@ -357,6 +357,8 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         return result
     elif name in _ZOO:
         out[_TARGETS[name]] = _ZOO[name](m, ctx)
+        if name == "wukong":
+            _check_wukong_widths(m, out[_TARGETS[name]], groups, {f.name: f.body for f in features}, ctx)
         if name == "xdeepfm":
             for g in ("wide", "deep"):
                 if g not in groups:
@@ -610,6 +612,28 @@ def _wukong(m: Reader, ctx: Context) -> dict[str, Any]:
         out["dense_hidden_units"] = _mlp(dense, m.at("dense_mlp"), ctx).units
     out["final_hidden_units"] = _mlp(m.message("final"), m.at("final"), ctx).units
     return out
+
+
+def _check_wukong_widths(
+    m: Reader, block: dict[str, Any], groups: dict[str, Any], bodies: dict[str, dict[str, Any]], ctx: Context
+) -> None:
+    """TorchEasyRec's WuKong checks (and raises) what dynarec's checks when the model is built: the
+    sparse group's fields of one width, and the dense MLP's output one more field of it."""
+    sparse = groups.get("sparse") or (next(iter(groups.values())) if len(groups) == 1 else None)
+    if sparse is None:
+        return
+    dims = {bodies.get(n, {}).get("embedding_dim") for n in sparse["feature_names"]}
+    if len(dims) > 1:
+        ctx.refuse(m.path, f"the group 'sparse' holds fields of several widths {sorted(map(str, dims))}", fatal=True)
+    units = block.get("dense_hidden_units")
+    if units and "dense" in groups and len(dims) == 1 and units[-1] != next(iter(dims)):
+        ctx.refuse(
+            m.at("dense_mlp"),
+            f"its last hidden unit ({units[-1]}) must equal the sparse features' embedding_dim "
+            f"({next(iter(dims))}): the dense MLP's output is one more field (TorchEasyRec raises 'dense mlp last "
+            "hidden_unit must be the same sparse feature dim' on this config too)",
+            fatal=True,
+        )
 
 
 def _dcn(m: Reader, ctx: Context) -> dict[str, Any]:
