@@ -42,6 +42,7 @@ __all__ = [
     "FEATURE_KINDS",
     "TABLE_SETTINGS",
     "AutoDisCfg",
+    "BoolMaskFeatureCfg",
     "ComboFeatureCfg",
     "CustomFeatureCfg",
     "ExprFeatureCfg",
@@ -49,10 +50,12 @@ __all__ = [
     "FeatureCfg",
     "IdFeatureCfg",
     "Input",
+    "KvDotProductCfg",
     "LookupFeatureCfg",
     "MatchFeatureCfg",
     "MlpCfg",
     "NormalizerCfg",
+    "OverlapFeatureCfg",
     "RawFeatureCfg",
     "SequenceFeatureCfg",
     "SequenceRawFeatureCfg",
@@ -793,6 +796,100 @@ class CustomFeatureCfg(_Embeddable):
         _check_dense(self)
 
 
+class _Dense(_Embeddable):
+    """A kind of one number a row that may be dense: only ``boundaries`` makes ids."""
+
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
+    value_dim: ClassVar[int] = 1
+    num_buckets: ClassVar[None] = None  # type: ignore[misc]
+    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
+    vocab_list: ClassVar[None] = None  # type: ignore[misc]
+    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
+    vocab_file: ClassVar[None] = None  # type: ignore[misc]
+    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
+    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
+    zch: ClassVar[None] = None  # type: ignore[misc]
+    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
+
+    separator: str = Field(TZREC_SEPARATOR, min_length=1)  # between the terms of a string input
+    normalizer: Optional[NormalizerCfg] = None
+    autodis: Optional[AutoDisCfg] = None
+    mlp: Optional[MlpCfg] = None
+
+    def _check_kind(self) -> None:
+        _check_dense(self)
+
+
+OverlapMethod = Literal["query_common_ratio", "title_common_ratio", "is_contain", "is_equal", "index_of"]
+
+
+class OverlapFeatureCfg(_Dense):
+    """How much the terms of ``query`` and ``title`` (each split on ``separator``, or a list
+    column) overlap, one number a row by ``method``: ``query_common_ratio`` (the query's terms
+    found in the title, over the query's), ``title_common_ratio`` (the title's found in the query,
+    over the title's), ``is_contain`` (1 when the query's terms appear in the title in their order),
+    ``is_equal`` (1 when the terms are the same), ``index_of`` (the first term position where the
+    query appears whole in the title, -1 where it does not). An empty or missing input: 0 (-1 for
+    index_of)."""
+
+    KIND: ClassVar[str] = "overlap_feature"
+
+    query: str
+    title: str
+    method: OverlapMethod
+
+    @property
+    def inputs(self) -> tuple[Input, ...]:
+        return (parse_input(self.query), parse_input(self.title))
+
+
+class KvDotProductCfg(_Dense):
+    """The dot product of two weighted key sets, one number a row: ``query`` and ``document``
+    each a string of ``key:weight`` terms (a key alone weighs 1) joined by ``separator``, a list of
+    them, or a map column ``key -> weight``; the sum over their common keys of the products of
+    weights (a key given twice in one input: its last weight). A missing or empty document (or
+    query): ``default_value``."""
+
+    KIND: ClassVar[str] = "kv_dot_product"
+
+    query: str
+    document: str
+    kv_delimiter: str = Field(":", min_length=1, max_length=1)
+    default_value: str = "0"
+    normalizer: ClassVar[None] = None  # type: ignore[misc]  # TorchEasyRec sends none to pyfg
+
+    @property
+    def inputs(self) -> tuple[Input, ...]:
+        return (parse_input(self.query), parse_input(self.document))
+
+
+class BoolMaskFeatureCfg(_Embeddable):
+    """Ids kept by a mask: ``expression: [values, mask]``, both split on ``separator`` (or list
+    columns) to the same count a row; the values whose mask is true (``true`` / ``1``; ``false``
+    / ``0``) are bucketized as id_feature's and pooled. A row without values kept holds
+    ``default_value`` (``""``: no id)."""
+
+    KIND: ClassVar[str] = "bool_mask_feature"
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = (*IdFeatureCfg.TABLE_KINDS[:5], "dynamicemb", "zch")
+    NEEDS_TABLE: ClassVar[bool] = True
+    value_dim: ClassVar[int] = 1
+    boundaries: ClassVar[None] = None  # type: ignore[misc]
+
+    expression: list[str] = Field(min_length=2, max_length=2)
+    embedding_dim: Count
+    separator: str = Field(TZREC_SEPARATOR, min_length=1)
+    value_type: ValueType = "int"
+    default_value: str = ""
+
+    @property
+    def inputs(self) -> tuple[Input, ...]:
+        return tuple(parse_input(e) for e in self.expression)
+
+    @property
+    def _string_keys(self) -> bool:
+        return self.value_type == "string"
+
+
 class SequenceRawFeatureCfg(_SingleInput, _Embeddable):
     """A sequence of numbers: elements joined by ``separator`` (or a list column), each
     ``value_dim`` numbers joined by ``value_separator`` (or a list of lists); the last
@@ -948,6 +1045,9 @@ Feature = Union[
     CustomFeatureCfg,
     SequenceRawFeatureCfg,
     TokenizeFeatureCfg,
+    OverlapFeatureCfg,
+    KvDotProductCfg,
+    BoolMaskFeatureCfg,
 ]
 
 FEATURE_KINDS: tuple[str, ...] = (
@@ -961,6 +1061,9 @@ FEATURE_KINDS: tuple[str, ...] = (
     "custom_feature",
     "sequence_raw_feature",
     "tokenize_feature",
+    "overlap_feature",
+    "kv_dot_product",
+    "bool_mask_feature",
 )
 
 
@@ -977,6 +1080,9 @@ class FeatureCfg(Strict):
     custom_feature: Optional[CustomFeatureCfg] = None
     sequence_raw_feature: Optional[SequenceRawFeatureCfg] = None
     tokenize_feature: Optional[TokenizeFeatureCfg] = None
+    overlap_feature: Optional[OverlapFeatureCfg] = None
+    kv_dot_product: Optional[KvDotProductCfg] = None
+    bool_mask_feature: Optional[BoolMaskFeatureCfg] = None
 
     @model_validator(mode="after")
     def _one_kind(self):

@@ -29,14 +29,17 @@ import pyarrow.compute as pc
 import torch
 
 from dynarec.config.features import (
+    BoolMaskFeatureCfg,
     ComboFeatureCfg,
     CustomFeatureCfg,
     ExprFeatureCfg,
     Feature,
     IdFeatureCfg,
     Input,
+    KvDotProductCfg,
     LookupFeatureCfg,
     MatchFeatureCfg,
+    OverlapFeatureCfg,
     RawFeatureCfg,
     SequenceFeatureCfg,
     SequenceRawFeatureCfg,
@@ -62,9 +65,12 @@ from dynarec.features.values import (
     jagged,
     join_keys,
     keep_last,
+    kv_dot,
     map_entries,
+    mask_values,
     numbers,
     offsets_of,
+    overlap,
     product,
     vectors,
 )
@@ -654,6 +660,16 @@ class BatchBuilder:
             return self._ids(f, col(), origin)
         if isinstance(f, TokenizeFeatureCfg):
             return self._tokenize(f, col())
+        if isinstance(f, OverlapFeatureCfg):
+            x = overlap(jagged(col(0), f.separator), jagged(col(1), f.separator), f.method)
+            return self._finish(f, x[:, None], np.ones(n, dtype=bool), origin)
+        if isinstance(f, KvDotProductCfg):
+            return self._kv_dot(f, col(0), col(1), origin, n)
+        if isinstance(f, BoolMaskFeatureCfg):
+            values, mask = jagged(col(0), f.separator), jagged(col(1), f.separator)
+            kept, lengths = mask_values(values, mask)
+            j = fill_missing(Jagged(kept, lengths, lengths == 0), f.default_value or None)
+            return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
         if isinstance(f, RawFeatureCfg):
             return self._raw(f, col(), origin)
         if isinstance(f, SequenceRawFeatureCfg):
@@ -775,6 +791,27 @@ class BatchBuilder:
         ids, tokens = f.tokenizer().encode(texts)
         lengths = np.bincount(np.repeat(np.arange(len(counts)), counts), weights=tokens, minlength=len(counts))
         return _Ids(ids, lengths.astype(np.int64))
+
+    def _kv_dot(self, f: KvDotProductCfg, query: pa.Array, document: pa.Array, origin: RowOrigin, n: int):
+        """kv_dot_product: each input's ``(keys, weights, lengths)`` (a map column's entries, or
+        ``key:weight`` terms split on ``separator``: the weight after the last ``kv_delimiter``, 1
+        without one), their dot products; a row missing either side takes ``default_value``."""
+
+        def weighted(col: pa.Array, what: str):
+            if pa.types.is_map(col.type):
+                lengths, keys, w = map_entries(col)
+                return as_strings(keys), numbers(w, lengths, f"{what} weight"), lengths
+            j = jagged(col, f.separator)
+            terms = as_strings(j.values)
+            has = pc.match_substring(terms, f.kv_delimiter)  # a key alone weighs 1
+            terms = pc.if_else(has, terms, pc.binary_join_element_wise(terms, "1", f.kv_delimiter))
+            parts = pc.split_pattern(terms, f.kv_delimiter, max_splits=1, reverse=True)
+            keys = pc.list_element(parts, 0)
+            w = numbers(pc.list_element(parts, 1), j.lengths, f"{what} weight")
+            return keys, w, j.lengths
+
+        dots, empty = kv_dot(weighted(query, "query"), weighted(document, "document"))
+        return self._finish(f, dots[:, None], ~empty, origin)
 
     def _weighted(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """``id:weight`` pairs (joined by ``separator``, default ``\\x1d``; or a list of them), or

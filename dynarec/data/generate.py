@@ -49,14 +49,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynarec.config.features import (
+    BoolMaskFeatureCfg,
     ComboFeatureCfg,
     CustomFeatureCfg,
     ExprFeatureCfg,
     Feature,
     IdFeatureCfg,
     Input,
+    KvDotProductCfg,
     LookupFeatureCfg,
     MatchFeatureCfg,
+    OverlapFeatureCfg,
     RawFeatureCfg,
     SequenceFeatureCfg,
     SequenceRawFeatureCfg,
@@ -81,6 +84,8 @@ ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (
 _SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
 LEXICON = [a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in ("", "n", "s")]  # a text's words
 TEXT_WORDS = 6  # a generated text holds 1 to this many words
+TERMS = 4  # an overlap / kv_dot_product input holds 1 to this many terms of a few
+MASKED = 5  # a bool_mask_feature's values and mask hold 1 to this many, as many each
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class _Column:
 
     name: str
     # ids | strings | words | weighted | number | vector | dense_sequence | history_times | candidate_times |
-    # actions | map | nested_map | keys | text | sentence
+    # actions | map | nested_map | keys | text | sentence | mask
     kind: str
     separator: Optional[str] = None
     sequence_length: Optional[int] = None
@@ -243,6 +248,8 @@ class _Column:
     def _tokens(self, ids: np.ndarray, rng: np.random.Generator) -> list[str]:
         if self.kind == "sentence":
             return [self.words[i] for i in ids]
+        if self.kind == "mask":
+            return ["true" if i % 2 == 0 else "false" for i in ids]
         if self.kind == "words":
             out = [self.words[i] for i in ids]
             for i in np.nonzero(rng.random(len(ids)) < 0.05)[0]:  # a few words not in the vocabulary
@@ -430,6 +437,23 @@ class _Planner:
             for inp in f.inputs:
                 if not inp.feature:
                     self.add(inp.name, kind="text")
+        elif isinstance(f, OverlapFeatureCfg):
+            for inp in f.inputs:
+                if not inp.feature:
+                    self.add(
+                        inp.name, kind="sentence", words=LEXICON[:10], separator=f.separator, sequence_length=TERMS
+                    )
+        elif isinstance(f, KvDotProductCfg):
+            terms = [f"k{i}{f.kv_delimiter}{(i % 4 + 1) / 4}" for i in range(10)]
+            for inp in f.inputs:
+                if not inp.feature:
+                    self.add(inp.name, kind="sentence", words=terms, separator=f.separator, sequence_length=TERMS)
+        elif isinstance(f, BoolMaskFeatureCfg):
+            values, mask = f.inputs
+            if not values.feature:
+                self._ids(f, values.name, f.separator, MASKED)
+            if not mask.feature:
+                self.add(mask.name, kind="mask", separator=f.separator, sequence_length=MASKED)
         elif isinstance(f, TokenizeFeatureCfg):
             name = self._column_of(f.input)
             if name is not None:

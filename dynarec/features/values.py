@@ -32,9 +32,12 @@ __all__ = [
     "jagged",
     "join_keys",
     "keep_last",
+    "kv_dot",
     "map_entries",
+    "mask_values",
     "numbers",
     "offsets_of",
+    "overlap",
     "product",
     "row_of",
     "split",
@@ -334,3 +337,82 @@ def edit_distance_reference(a: str, b: str, utf8: bool) -> int:
             row[j] = min(up + 1, row[j - 1] + 1, diagonal + (x[i - 1] != y[j - 1]))
             diagonal = up
     return row[-1]
+
+
+def _rows(j: Jagged) -> list[list]:
+    values = j.values.to_pylist()
+    ends = np.cumsum(j.lengths)
+    return [values[e - n : e] for e, n in zip(ends.tolist(), j.lengths.tolist())]
+
+
+def overlap(query: Jagged, title: Jagged, method: str) -> np.ndarray:
+    """TorchEasyRec's overlap_feature, ``[B]`` float64 a row (the terms of each row of
+    ``query`` and ``title``): ``query_common_ratio`` (the query's terms found in the title over
+    the query's), ``title_common_ratio`` (the title's found in the query over the title's),
+    ``is_contain`` (1 when the query's terms appear in the title in their order), ``is_equal``
+    (1 when the terms are the same), ``index_of`` (the first position where the query appears
+    whole in the title; -1 where it does not). An empty side gives 0 (-1 for index_of). One pass
+    in Python a row: a text-matching kind, rare beside the id kinds."""
+    out = np.zeros(len(query.lengths))
+    for i, (q, t) in enumerate(zip(_rows(query), _rows(title))):
+        if method == "index_of":
+            n = len(q)
+            out[i] = next((k for k in range(len(t) - n + 1) if n and t[k : k + n] == q), -1)
+        elif not q or not t:
+            continue
+        elif method == "query_common_ratio":
+            found = set(t)
+            out[i] = sum(w in found for w in q) / len(q)
+        elif method == "title_common_ratio":
+            found = set(q)
+            out[i] = sum(w in found for w in t) / len(t)
+        elif method == "is_contain":
+            terms = iter(t)
+            out[i] = float(all(any(w == x for x in terms) for w in q))
+        else:  # is_equal
+            out[i] = float(q == t)
+    return out
+
+
+def kv_dot(query: tuple[pa.Array, pa.Array, np.ndarray], document: tuple[pa.Array, pa.Array, np.ndarray]):
+    """TorchEasyRec's kv_dot_product: ``(dots [B] float64, empty [B] bool)`` of two inputs given
+    as ``(keys, weights float64, lengths)``: each row's sum over the keys both hold of the products
+    of their weights (a key given twice in one input: its last weight); ``empty`` marks the rows
+    where either input holds nothing."""
+    qk, qw, ql = query
+    dk, dw, dl = document
+    q_rows = _rows(Jagged(qk, ql, ql == 0))
+    d_rows = _rows(Jagged(dk, dl, dl == 0))
+    q_w = np.split(np.asarray(qw, dtype=np.float64), np.cumsum(ql)[:-1])
+    d_w = np.split(np.asarray(dw, dtype=np.float64), np.cumsum(dl)[:-1])
+    out = np.zeros(len(ql))
+    for i in range(len(ql)):
+        weights = dict(zip(d_rows[i], d_w[i].tolist()))
+        out[i] = sum(w * weights[k] for k, w in dict(zip(q_rows[i], q_w[i].tolist())).items() if k in weights)
+    return out, (ql == 0) | (dl == 0)
+
+
+_TRUE = {"true": True, "1": True, "false": False, "0": False}
+
+
+def mask_values(values: Jagged, mask: Jagged) -> tuple[pa.Array, np.ndarray]:
+    """TorchEasyRec's bool_mask_feature: ``(kept values, kept a row)``, the values whose mask is
+    true (``true`` / ``1``, ``false`` / ``0``, or booleans / integers); RowError naming a row whose
+    counts differ or a mask that is not a boolean."""
+    bad = np.nonzero(values.lengths != mask.lengths)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise RowError(i, f"{int(values.lengths[i])} value(s) but {int(mask.lengths[i])} mask value(s)")
+    flags = mask.values
+    if pa.types.is_boolean(flags.type):
+        keep = np.asarray(flags.to_numpy(zero_copy_only=False), dtype=bool)
+    else:
+        words = [str(x).strip().lower() for x in flags.to_pylist()]
+        unknown = next((k for k, w in enumerate(words) if w not in _TRUE), None)
+        if unknown is not None:
+            raise RowError(row_of(mask.lengths, unknown), f"mask value {words[unknown]!r} is not true/false or 1/0")
+        keep = np.fromiter((_TRUE[w] for w in words), bool, len(words))
+    counts = np.bincount(
+        np.repeat(np.arange(len(values.lengths)), values.lengths), weights=keep, minlength=len(values.lengths)
+    )
+    return values.values.filter(pa.array(keep)), counts.astype(np.int64)

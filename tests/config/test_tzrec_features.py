@@ -202,6 +202,50 @@ def test_tokenize_feature_refusals_name_the_field(tmp_path):
     assert f"{tmp_path / 'missing.json'} does not exist" in message
 
 
+@pytest.mark.parametrize("fg_mode", ["FG_DAG", "FG_NONE"])
+def test_overlap_kv_dot_product_and_bool_mask_keep_torcheasyrecs_fields(fg_mode):
+    text = config_text(
+        """feature_configs { overlap_feature { feature_name: "o" query: "user:q" title: "item:t"
+             method: "title_common_ratio" } }
+           feature_configs { overlap_feature { feature_name: "ob" query: "user:q" title: "item:t" method: "is_contain"
+             boundaries: [0.5] embedding_dim: 4 } }
+           feature_configs { kv_dot_product { feature_name: "k" query: "user:q" document: "item:d" separator: "|" } }
+           feature_configs { bool_mask_feature { feature_name: "m" expression: ["user:v", "user:mask"] separator: ","
+             num_buckets: 100 embedding_dim: 4 } }""",
+        'feature_groups { group_name: "deep" feature_names: ["o", "ob", "k", "m"] }',
+        fg_mode=fg_mode,
+    )
+    result = convert(text)
+    got = bodies(result)
+    if fg_mode == "FG_NONE":  # the columns hold the FG outputs: numbers, bucket ids
+        assert {n: next(iter(b)) for n, b in got.items()} == {
+            "o": "raw_feature", "ob": "id_feature", "k": "raw_feature", "m": "id_feature",
+        }  # fmt: skip
+        assert (body(result, "ob")["num_buckets"], body(result, "m")["num_buckets"]) == (2, 100)
+    else:
+        assert got["o"] == {
+            "overlap_feature": {
+                "feature_name": "o",
+                "query": "user:q",
+                "title": "item:t",
+                "method": "title_common_ratio",
+            }
+        }
+        assert body(result, "ob")["boundaries"] == [0.5]
+        assert body(result, "k") == {
+            "feature_name": "k", "query": "user:q", "document": "item:d", "separator": "|", "default_value": "0",
+        }  # fmt: skip
+        assert body(result, "m")["expression"] == ["user:v", "user:mask"] and body(result, "m")["separator"] == ","
+    config_from_dict(result.config)
+    bad = config_text(
+        """feature_configs { overlap_feature { feature_name: "o" query: "user:q" title: "item:t"
+             method: "proximity_min_cover" } }""",
+        'feature_groups { group_name: "deep" feature_names: ["o"] }',
+    )
+    with pytest.raises(ConversionError, match=r"overlap_feature\.method: 'proximity_min_cover': dynarec's methods"):
+        convert(bad)
+
+
 def test_hash_bucket_size_hashes_with_torcheasyrecs_default_hash():
     result = convert_pipeline_config(
         (ROOT / "examples" / "multi_tower_din_taobao.config").read_text(), train_input_path="d", eval_input_path="e"

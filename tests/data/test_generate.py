@@ -249,3 +249,27 @@ def test_a_tokenize_feature_gets_texts_and_a_tokenizer_where_its_file_is_missing
         assert tok._hf.token_to_id("[UNK]") not in set(ids.tolist())
     (batch, *_) = batches_of(config, tmp_path / "d")
     assert min(len(row) for row in ids_of(batch, "title")) >= 1
+
+
+def test_overlap_kv_dot_product_and_bool_mask_get_columns_that_meet(tmp_path):
+    """Terms of a few words (so queries and titles overlap), k:w terms, and a mask as long as its
+    values row by row."""
+    from tests.config.test_config import every_kind_config
+
+    c = every_kind_config()
+    c["feature_configs"] += [
+        {"overlap_feature": {"feature_name": "ov", "query": "user:oq", "title": "item:ot", "method": "is_contain"}},
+        {"kv_dot_product": {"feature_name": "kv", "query": "user:kq", "document": "item:kd"}},
+        {"bool_mask_feature": {"feature_name": "bm", "expression": ["user:bv", "user:bk"], "num_buckets": 50,
+                               "embedding_dim": 4}},
+    ]  # fmt: skip
+    c["model"]["feature_groups"][1]["feature_names"] += ["ov", "kv", "bm"]
+    config = config_from_dict(c)
+    make_config_data(config, tmp_path / "d", GenerateSpec(train_rows=200, eval_rows=64, train_files=1))
+    (batch, *_) = batches_of(config, tmp_path / "d")
+    assert 0 < float((batch.dense["ov"] > 0).float().mean()) < 1 and float((batch.dense["kv"] > 0).float().mean()) > 0
+    table = pq.read_table(tmp_path / "d" / "train" / "part-0.parquet")
+    values, mask = table.column("bv").to_pylist(), table.column("bk").to_pylist()
+    assert all(len(v.split("\x1d")) == len(m.split("\x1d")) for v, m in zip(values, mask))
+    kept = ids_of(batch, "bm")
+    assert sum(map(len, kept)) < sum(len(v.split("\x1d")) for v in values[: len(kept)])

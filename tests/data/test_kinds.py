@@ -565,3 +565,64 @@ def test_the_common_interface():
     assert (lk.embedded, lk.table_rows, lk.columns, lk.table_name) == (True, 2, ("m", "k"), "l")
     assert (s.embedded, s.is_sequence, s.value_dim) == (False, True, 2)
     assert (e.embedded, e.dense_embedding, e.embedding_dim, e.columns) == (False, "mlp", 4, ("a",))
+
+
+# -- overlap, kv_dot_product, bool_mask: TorchEasyRec's own test cases ------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, query, title, expected",
+    [
+        # tzrec/features/overlap_feature_test.py (terms joined by \x1d, or lists)
+        ("query_common_ratio", [f"abc{H}efg", f"abc{H}efg", "", None],
+         [f"abc{H}qwe{H}rty{H}uio", f"abc{H}efg{H}rty", "", None], [0.5, 1.0, 0.0, 0.0]),
+        ("query_common_ratio", [["abc", "efg"], ["abc", "efg"], [], None],
+         [["abc", "qwe", "rty", "uio"], ["abc", "efg", "rty"], [], None], [0.5, 1.0, 0.0, 0.0]),
+        ("title_common_ratio", [f"abc{H}efg", f"abc{H}efg", "", None],
+         [f"abc{H}qwe{H}rty{H}uio", "abc", "", None], [0.25, 1.0, 0.0, 0.0]),
+        ("is_contain", [f"abc{H}efg", f"abc{H}efg", "", None],
+         [f"abc{H}qwe{H}rty{H}uio", f"abc{H}efg{H}rty", "", None], [0.0, 1.0, 0.0, 0.0]),
+        ("is_equal", [f"abc{H}efg", f"abc{H}efg", "", None], [f"abc{H}efg{H}rty", f"abc{H}efg", "", None],
+         [0.0, 1.0, 0.0, 0.0]),
+        ("query_common_ratio", [["abc", "defg"], ["abc", "efg"], [], None],
+         [["abc", "qwe", "rty", "uio"], ["abc", "efg", "rty"], [], None], [0.5, 1.0, 0.0, 0.0]),
+        # dynarec's reading of the documented ones: in order, not necessarily adjacent; index_of whole
+        ("is_contain", [f"abc{H}rty", f"rty{H}abc"], [f"abc{H}qwe{H}rty", f"abc{H}qwe{H}rty"], [1.0, 0.0]),
+        ("index_of", [f"efg{H}rty", f"abc{H}rty", ""], [f"abc{H}efg{H}rty", f"abc{H}efg{H}rty", "abc"],
+         [1.0, -1.0, -1.0]),
+    ],
+)  # fmt: skip
+def test_overlap_feature(method, query, title, expected):
+    f = {"overlap_feature": {"feature_name": "o", "query": "user:q", "title": "item:t", "method": method}}
+    batch = build(f, q=pa.array(query), t=pa.array(title))
+    assert batch.dense["o"].flatten().tolist() == pytest.approx(expected)
+
+
+def test_kv_dot_product():
+    """tzrec's docs: "a:0.5|b:0.5" . "d:0.5|b:0.5" = 0.25; keys alone weigh 1 (a set
+    intersection's size); map columns and lists of k:w alike; an empty document: default_value."""
+    f = {"kv_dot_product": {"feature_name": "k", "query": "user:q", "document": "item:d", "separator": "|"}}
+    batch = build(f, q=["a:0.5|b:0.5", "a|b|c", "a|b|c", "x:2|x:3", "a"], d=["d:0.5|b:0.5", "a|b|d", "", "x:2", None])
+    assert batch.dense["k"].flatten().tolist() == [0.25, 2.0, 0.0, 6.0, 0.0]  # a key twice: its last weight
+    m = pa.map_(pa.string(), pa.float64())
+    f["kv_dot_product"]["default_value"] = "-1"
+    batch = build(f, q=pa.array([["a:0.5", "b:0.5"], ["a", "b", "c"], ["a"]]),
+                  d=pa.array([[("d", 0.5), ("b", 0.5)], [("a", 0.5), ("b", 0.5)], []], m))  # fmt: skip
+    assert batch.dense["k"].flatten().tolist() == [0.25, 1.0, -1.0]
+    with pytest.raises(DataError, match=r"row 1.*document weight"):
+        build(f, q=["a", "a"], d=["a:1", "a:x"])
+
+
+def test_bool_mask_feature():
+    """tzrec/features/bool_mask_feature_test.py's cases: "123,456,90,80" & "true,false,true,false"
+    -> 123, 90; lists and 1/0 masks alike; then bucketized as ids."""
+    f = {"bool_mask_feature": {"feature_name": "m", "expression": ["user:v", "user:k"], "separator": ",",
+                               "num_buckets": 1000, "embedding_dim": 4, "default_value": "7"}}  # fmt: skip
+    batch = build(f, v=["123,456,90,80", "123,456,90,80", "1,2"], k=["true,false,true,false", "1,0,1,0", "0,0"])
+    assert ids(batch, "m") == [[123, 90], [123, 90], [7]]  # nothing kept: the default
+    batch = build(f, v=pa.array([[1, 2, 3, 4]]), k=pa.array([[True, False, True, False]]))
+    assert ids(batch, "m") == [[1, 3]]
+    with pytest.raises(DataError, match=r"row 0.*2 value\(s\) but 3 mask value\(s\)"):
+        build(f, v=["1,2"], k=["1,0,1"])
+    with pytest.raises(DataError, match=r"mask value 'yes' is not true/false"):
+        build(f, v=["1,2"], k=["1,yes"])

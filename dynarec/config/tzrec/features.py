@@ -821,7 +821,9 @@ def _sparse_or_dense(b: _Build, *, sparse: bool, kind: str) -> str:
     raw_feature (numbers) over the feature's column."""
     if not b.mode.encoded:
         return kind
-    for key in ("expression", "map", "key", "nested_map", "pkey", "skey", "variables", "operator_name"):
+    for key in ("expression", "map", "key", "nested_map", "pkey", "skey", "variables", "operator_name", "query"):
+        b.body.pop(key, None)
+    for key in ("title", "document", "method", "kv_delimiter"):
         b.body.pop(key, None)
     for key in ("operator_params", "combiner", "normalizer", "value_separator"):
         b.body.pop(key, None)
@@ -1000,6 +1002,65 @@ def _struct_value(r: Reader) -> Any:
     return value
 
 
+_OVERLAP_METHODS = ("query_common_ratio", "title_common_ratio", "is_contain", "is_equal", "index_of")
+
+
+def _overlap(b: _Build) -> str:
+    """overlap_feature (spec §2.7): how much a query's and a title's terms overlap."""
+    r = b.r
+    b.body["query"] = b.inputs("query")
+    b.body["title"] = b.inputs("title")
+    method = str(r.scalar("method", ""))
+    if method not in _OVERLAP_METHODS:
+        b.ctx.refuse(
+            r.at("method"),
+            f"{method!r}: dynarec's methods are {list(_OVERLAP_METHODS)} (the proximity_* ones are not offered)",
+        )
+    b.body["method"] = method
+    return _dense_kind(b, "overlap_feature", default_value=False)
+
+
+def _kv_dot_product(b: _Build) -> str:
+    """kv_dot_product (spec §2.8): the dot product of two weighted key sets."""
+    r = b.r
+    b.body["query"] = b.inputs("query")
+    b.body["document"] = b.inputs("document")
+    if r.has("kv_delimiter"):
+        b.body["kv_delimiter"] = str(r.scalar("kv_delimiter"))
+    r.taken.add("kv_delimiter")
+    if r.has("normalizer"):
+        b.ctx.note(r.at("normalizer"), "ignored: TorchEasyRec sends kv_dot_product's normalizer to no one")
+    r.taken.add("normalizer")
+    return _dense_kind(b, "kv_dot_product", default_value=True)
+
+
+def _dense_kind(b: _Build, kind: str, *, default_value: bool) -> str:
+    """The fields of a kind of one number a row: boundaries, or autodis / mlp, or dense."""
+    r = b.r
+    which = b.table(("boundaries",), needed=False)
+    dense_emb = b.dense_embedding() if which is None else None
+    b.embedding(needed=which is not None or dense_emb is not None)
+    if _numeric_common(b) != 1:
+        b.ctx.refuse(r.at("value_dim"), f"{kind} gives one number a row")
+    b.body.pop("value_dim", None)
+    if not default_value:
+        b.body.pop("default_value", None)
+    if kind == "overlap_feature":
+        b.normalizer()
+    b.common()
+    return _sparse_or_dense(b, sparse=which is not None, kind=kind)
+
+
+def _bool_mask(b: _Build) -> str:
+    """bool_mask_feature (spec §2.11): the values a mask keeps, bucketized as ids."""
+    b.body["expression"] = b.inputs("expression", count=2)
+    b.embedding(needed=True)
+    b.table(_ID_TABLES, needed=True)
+    b.values(value_dim_default=0, several_default=True)
+    b.common()
+    return _sparse_or_dense(b, sparse=True, kind="bool_mask_feature")
+
+
 _NORM_OPTIONS = (
     "TEXT_LOWER2UPPER",
     "TEXT_UPPER2LOWER",
@@ -1095,6 +1156,9 @@ _KINDS: dict[str, Callable[[_Build], str]] = {
     "expr_feature": _expr,
     "custom_feature": _custom,
     "tokenize_feature": _tokenize,
+    "overlap_feature": _overlap,
+    "kv_dot_product": _kv_dot_product,
+    "bool_mask_feature": _bool_mask,
 }
 
 _FEATURE_KINDS = (
