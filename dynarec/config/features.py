@@ -23,6 +23,7 @@ dense (raw, lookup, match, expr, custom, sequence_raw) is dense without one.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
@@ -745,16 +746,22 @@ class ExprFeatureCfg(_Embeddable):
         _check_dense(self)
 
 
-# custom_feature operators built into dynarec: name -> {parameter: allowed values}
-CUSTOM_OPERATORS: dict[str, dict[str, tuple[str, ...]]] = {
+# custom_feature operators built into dynarec: name -> {parameter: allowed values (None: any string)}
+CUSTOM_OPERATORS: dict[str, dict[str, Optional[tuple[str, ...]]]] = {
     "EditDistance": {"encoding": ("latin", "utf-8")},
+    "RegexReplace": {"regex_patten": None, "replacement": None},  # TorchEasyRec's spelling
 }
 
 
 class CustomFeatureCfg(_Embeddable):
-    """TorchEasyRec's custom operators, built in (``CUSTOM_OPERATORS``): ``EditDistance`` of its
-    two inputs' strings (``encoding``: ``latin``, bytes, the default; ``utf-8``, characters).
-    One number a row; dense, or ids by any bucketizer, or an ``autodis`` / ``mlp`` embedding."""
+    """TorchEasyRec's custom operators, built in (``CUSTOM_OPERATORS``):
+
+    - ``EditDistance`` of its two inputs' strings (``encoding``: ``latin``, bytes, the default;
+      ``utf-8``, characters): one number a row; dense, or ids by any bucketizer, or an
+      ``autodis`` / ``mlp`` embedding;
+    - ``RegexReplace`` of its one input's strings: every match of ``regex_patten`` (RE2 syntax)
+      replaced by ``replacement`` (``$1`` or ``\\1``: a group); the string bucketized into ids (a
+      bucketizer other than boundaries)."""
 
     KIND: ClassVar[str] = "custom_feature"
     TABLE_KINDS: ClassVar[tuple[str, ...]] = _Mapped.TABLE_KINDS
@@ -779,6 +786,12 @@ class CustomFeatureCfg(_Embeddable):
     def encoding(self) -> str:
         return str(self.operator_params.get("encoding", "latin"))
 
+    @property
+    def replacement(self) -> tuple[str, str]:
+        """RegexReplace's ``(pattern, replacement)``, the replacement's ``$n`` written RE2's ``\\n``."""
+        text = str(self.operator_params.get("replacement", ""))
+        return str(self.operator_params["regex_patten"]), re.sub(r"\$(\d)", r"\\\1", text)
+
     def _check_kind(self) -> None:
         params = CUSTOM_OPERATORS.get(self.operator_name)
         if params is None:
@@ -789,11 +802,38 @@ class CustomFeatureCfg(_Embeddable):
         for key, value in self.operator_params.items():
             if key not in params:
                 raise ValueError(f"operator_params: {self.operator_name} takes {sorted(params)}, not '{key}'")
-            if value not in params[key]:
-                raise ValueError(f"operator_params.{key}: one of {list(params[key])}, got {value!r}")
+            allowed = params[key]
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"operator_params.{key}: one of {list(allowed)}, got {value!r}")
+            if allowed is None and not isinstance(value, str):
+                raise ValueError(f"operator_params.{key}: a string, got {value!r}")
         if self.operator_name == "EditDistance" and len(self.expression) != 2:
             raise ValueError(f"EditDistance takes two inputs (expression: [a, b]), got {len(self.expression)}")
+        if self.operator_name == "RegexReplace":
+            self._check_regex()
+            return
         _check_dense(self)
+
+    def _check_regex(self) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if len(self.expression) != 1:
+            raise ValueError(f"RegexReplace takes one input (expression: [a]), got {len(self.expression)}")
+        if "regex_patten" not in self.operator_params:
+            raise ValueError("operator_params.regex_patten: RegexReplace needs the pattern to replace")
+        if self.bucketizer in (None, "boundaries"):
+            raise ValueError(
+                "RegexReplace gives strings: give a bucketizer that makes ids of them (hash_bucket_size, a vocabulary, "
+                "dynamicemb, zch)"
+            )
+        pattern, replacement = self.replacement
+        try:
+            pc.replace_substring_regex(pa.array([""]), pattern, replacement)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(
+                f"operator_params.regex_patten: {pattern!r} is not a regular expression RE2 takes ({e})"
+            ) from None
 
 
 class _Dense(_Embeddable):

@@ -1231,6 +1231,8 @@ class BatchBuilder:
         return self._finish(f, result[:, None], present, origin)
 
     def _custom(self, f: CustomFeatureCfg, cols: list[pa.Array], origin: RowOrigin, n: int) -> _Output:
+        if f.operator_name == "RegexReplace":
+            return self._regex_replace(f, cols[0], origin)
         present = np.ones(n, dtype=bool)
         strings = []
         for c in cols:
@@ -1247,6 +1249,18 @@ class BatchBuilder:
             return self._finish(f, d[:, None], present, origin)
         values = pc.cast(pa.array(d[present].astype(np.int64)), pa.string())
         j = fill_missing(Jagged(values, present.astype(np.int64), ~present), f.default_value)
+        return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
+
+    def _regex_replace(self, f: CustomFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
+        """RegexReplace: each string with every match replaced (pyarrow's RE2, vectorized), then
+        bucketized; a missing or empty string (or one the replacement empties) is
+        ``default_value`` (``""``: no id)."""
+        if _is_list(col.type):
+            raise DataError(f"{origin.label}: feature '{f.feature_name}': RegexReplace takes strings, not lists")
+        pattern, replacement = f.replacement
+        out = pc.replace_substring_regex(as_strings(col), pattern, replacement)
+        present = np.asarray(pc.fill_null(pc.greater(pc.utf8_length(out), 0), False).to_numpy(zero_copy_only=False))
+        j = fill_missing(Jagged(out.filter(pa.array(present)), present.astype(np.int64), ~present), f.default_value)
         return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
 
     # -- labels ----------------------------------------------------------------------------

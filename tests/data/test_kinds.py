@@ -493,12 +493,12 @@ def test_bad_values_are_named_by_row(features, columns, message):
             {
                 "custom_feature": {
                     "feature_name": "c",
-                    "operator_name": "RegexReplace",
-                    "operator_lib_file": "pyfg/lib/libregex_replace.so",
+                    "operator_name": "SeqExpr",
+                    "operator_lib_file": "pyfg/lib/libseq_expr.so",
                     "expression": ["a"],
                 }
             },
-            r"the custom operator 'RegexReplace' is not built into dynarec .*built in: \['EditDistance'\]",
+            r"the custom operator 'SeqExpr' is not built into dynarec .*built in: \['EditDistance', 'RegexReplace'\]",
         ),
         (
             {
@@ -626,3 +626,20 @@ def test_bool_mask_feature():
         build(f, v=["1,2"], k=["1,0,1"])
     with pytest.raises(DataError, match=r"mask value 'yes' is not true/false"):
         build(f, v=["1,2"], k=["1,yes"])
+
+
+def test_regex_replace_replaces_every_match_then_bucketizes():
+    """TorchEasyRec's documented RegexReplace (regex_patten, replacement): the string with every
+    match replaced ($n: a group), bucketized; a missing or emptied string takes default_value."""
+    params = {"regex_patten": "([a-z]+)([0-9]+)", "replacement": "$2$1"}
+    f = {"custom_feature": {"feature_name": "r", "operator_name": "RegexReplace", "operator_params": params,
+                            "expression": ["user:q"], "vocab_list": ["12ab", "3c-4d"], "default_value": "",
+                            "embedding_dim": 4}}  # fmt: skip
+    # vocab_list without default_bucketize_value: word i -> i + 2, unknown -> 1
+    assert ids(build(f, q=["ab12", "c3-d4", "zz", "", None]), "r") == [[2], [3], [1], [], []]
+    with pytest.raises(ConfigError, match="RegexReplace gives strings"):
+        config({"custom_feature": {**f["custom_feature"], "vocab_list": None, "boundaries": [1.0]}})
+    with pytest.raises(ConfigError, match="regex_patten: '\\(' is not a regular expression"):
+        config({"custom_feature": {**f["custom_feature"], "operator_params": {"regex_patten": "("}}})
+    with pytest.raises(ConfigError, match="RegexReplace takes one input"):
+        config({"custom_feature": {**f["custom_feature"], "expression": ["user:q", "item:t"]}})

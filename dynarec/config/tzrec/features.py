@@ -956,6 +956,8 @@ def _custom(b: _Build) -> str:
     which = b.table(_LOOKUP_TABLES, needed=False)
     dense_emb = b.dense_embedding() if which is None else None
     b.embedding(needed=which is not None or dense_emb is not None)
+    if operator == "RegexReplace" and which in (None, "boundaries"):
+        b.ctx.refuse(r.path, "RegexReplace gives strings: a bucketizer that makes ids of them is needed")
     _numeric_common(b)
     b.normalizer()
     b.common()
