@@ -189,8 +189,11 @@ def test_a_worker_failing_lets_the_workers_waiting_for_its_rows_fail_with_its_er
         return real(path, write)
 
     monkeypatch.setattr(shared_decode, "write_atomic", full)
+    loader = make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2)
+    if loader.shared_root is None:  # shared memory too small for the chunks: each worker decodes on its own
+        pytest.skip("this machine's shared memory cannot hold the chunks: the workers do not share decoding")
     with pytest.raises(OSError, match="No space left on device"):
-        list(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2))
+        list(loader)
 
 
 def test_workers_from_a_fork_server_share_the_decoding_too(parquet_files, small_chunks, monkeypatch):
