@@ -653,6 +653,22 @@ def test_the_seeds_one_adagrad_reaches_its_dynamic_and_fixed_tables():
     assert "initial_accumulator_value=0.0" in repr(tables[0].optimizer)
 
 
+def test_the_seeds_config_with_torcheasyrecs_initial_accumulator_value_verifies_on_every_table():
+    """The bug this project answers: Adagrad's initial_accumulator_value 0.1 (TensorFlow's, as the
+    vendored adagrad_init_acc mock sets it) written into the seed's config reaches its dynamic
+    tables and its fixed ones alike, and `dynarec verify` holds every one of them to the
+    reference (FBGEMM's twin where the table has one)."""
+    text = SEED.read_text()
+    assert text.count("adagrad_optimizer {") == 1
+    text = text.replace("adagrad_optimizer {", "adagrad_optimizer {\n            initial_accumulator_value: 0.1", 1)
+    config = config_from_dict(convert_pipeline_config(text, train_input_path="d", config_dir=SEED.parent).config)
+    tables = plan_from_config(config).table_configs()
+    assert {t.optimizer for t in tables} == {Adagrad(lr=0.001, initial_accumulator_value=0.1)}
+    assert {t.name for t in tables if t.dynamic is not None} == {"user_id", "id_8"}
+    verdicts = verify_config(config, steps=2)
+    assert len(verdicts) == len(tables) and all(v.ok for v in verdicts), [v.line() for v in verdicts if not v.ok]
+
+
 def test_sparse_gradient_clipping_reaches_every_table():
     path = VENDORED / "multi_tower_din_fg_mock_gradient_clipping.config"
     result = convert_pipeline_config(path.read_text(), train_input_path="d", config_dir=path.parent)
