@@ -1,6 +1,7 @@
 """Multi-process training on CPU (gloo, torchrun): the same results as one process on the same
 global batches, checkpoints that reshard across world sizes, and faults that stop every rank."""
 
+import json
 import os
 import subprocess
 import sys
@@ -173,6 +174,39 @@ def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
         assert torch.equal(x, x.to(torch.bfloat16).float())  # stored as bf16
         assert (x == y).float().mean() > 0.999, name
         torch.testing.assert_close(x, y, rtol=2**-7, atol=1e-6, msg=name)  # a flip is one bf16 step
+
+
+def test_fp16_loss_scaling_on_two_processes(runs, tmp_path):
+    """FP16 with loss scaling on every sharding type. A scale that overflows none of the steps
+    (2^10): the tables see the unscaled gradients on each rank, and 2 x 60 rows a step equal
+    1 x 120 to fp16's 1e-3 (the dense model to 5e-3). A scale that overflows the first steps
+    (2^30): every rank takes every overflow as its own (a rank that aborted alone would leave the
+    others' collectives waiting), and the run ends with the steps after them applied."""
+    configs = []
+    for batch in (120, 60):
+        c = mixed_config(runs, batch, mixed_precision="fp16", grad_scaler={"init_scale": 1024.0})
+        configs.append(write_config(runs, c, f"fp16_{batch}.yaml"))
+    c = mixed_config(runs, 60, mixed_precision="fp16", grad_scaler={"init_scale": 2.0**30})
+    overflowing = write_config(runs, c, "fp16_overflow.yaml")
+    for config, model_dir, nproc in ((configs[0], "f1", 1), (configs[1], "f2", 2), (overflowing, "f3", 2)):
+        rc, out = run(
+            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
+        )
+        assert rc == 0, out
+    finals = [json.loads((tmp_path / d / "metrics.json").read_text())["final"] for d in ("f1", "f2", "f3")]
+    assert finals[0]["overflow_skipped_steps"] == finals[1]["overflow_skipped_steps"] == 0
+    assert 0 < finals[2]["overflow_skipped_steps"] < STEPS and finals[2]["loss_scale"] < 2.0**30
+    (s1, t1), (s2, t2) = merged_tables(tmp_path / "f1"), merged_tables(tmp_path / "f2")
+    assert s2["plan"]["world_size"] == 2 and s1["loss_scaler"] == s2["loss_scaler"]
+    for name in t1:
+        ka, kb = t1[name].get("keys"), t2[name].get("keys")
+        ia, ib = (torch.argsort(ka), torch.argsort(kb)) if ka is not None else (slice(None), slice(None))
+        if ka is not None:
+            assert torch.equal(ka.sort().values, kb.sort().values), name
+        torch.testing.assert_close(t1[name]["weight"][ia], t2[name]["weight"][ib], rtol=1e-3, atol=1e-5, msg=name)
+    for k in s1["dense"]:
+        # Adam's normalized steps carry float16's rounding of the two splits of a batch (measured 2.7e-3)
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], rtol=0, atol=5e-3, msg=k)
 
 
 def test_tables_cached_from_host_memory_on_two_processes_equal_one(runs, tmp_path):
