@@ -424,6 +424,22 @@ class _Embeddable(_Feature):
             )
 
 
+class _Numbers(_Embeddable):
+    """A kind whose values are numbers: ``boundaries`` is its one bucketizer (the others are
+    unknown keys)."""
+
+    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
+    num_buckets: ClassVar[None] = None  # type: ignore[misc]
+    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
+    vocab_list: ClassVar[None] = None  # type: ignore[misc]
+    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
+    vocab_file: ClassVar[None] = None  # type: ignore[misc]
+    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
+    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
+    zch: ClassVar[None] = None  # type: ignore[misc]
+    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
+
+
 class _SingleInput(_Feature):
     """A feature of one input: ``input_name`` (a column; default ``feature_name``), or
     TorchEasyRec's ``expression: "side:column"`` (e.g. ``"user:user_id"``) or ``"feature:name"``."""
@@ -554,22 +570,12 @@ class SequenceFeatureCfg(_SingleInput, _Embeddable):
             )
 
 
-class RawFeatureCfg(_SingleInput, _Embeddable):
+class RawFeatureCfg(_Numbers, _SingleInput):
     """Numbers: ``value_dim`` a row (a list column, or ``separator``-joined), normalized; dense
     ``[B]`` / ``[B, value_dim]``, or ids with ``boundaries`` (one per number, pooled), or the input
     of a dense embedding (``autodis`` / ``mlp``) that the model applies."""
 
     KIND: ClassVar[str] = "raw_feature"
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
-    num_buckets: ClassVar[None] = None  # type: ignore[misc]
-    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
-    vocab_list: ClassVar[None] = None  # type: ignore[misc]
-    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
-    vocab_file: ClassVar[None] = None  # type: ignore[misc]
-    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
-    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
-    zch: ClassVar[None] = None  # type: ignore[misc]
-    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
 
     normalizer: Optional[NormalizerCfg] = None
     value_dim: Count = 1
@@ -701,23 +707,13 @@ class MatchFeatureCfg(_Mapped):
         super()._check_inputs()
 
 
-class ExprFeatureCfg(_Embeddable):
+class ExprFeatureCfg(_Numbers):
     """One number a row: ``expression`` over ``variables`` (each ``side:name`` or
     ``feature:name``, named ``name`` in the formula); dense, or ids with ``boundaries``, or an
     ``autodis`` / ``mlp`` embedding."""
 
     KIND: ClassVar[str] = "expr_feature"
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
     value_dim: ClassVar[int] = 1
-    num_buckets: ClassVar[None] = None  # type: ignore[misc]
-    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
-    vocab_list: ClassVar[None] = None  # type: ignore[misc]
-    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
-    vocab_file: ClassVar[None] = None  # type: ignore[misc]
-    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
-    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
-    zch: ClassVar[None] = None  # type: ignore[misc]
-    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
 
     expression: str
     variables: list[str] = Field(min_length=1)
@@ -836,20 +832,10 @@ class CustomFeatureCfg(_Embeddable):
             ) from None
 
 
-class _Dense(_Embeddable):
+class _Dense(_Numbers):
     """A kind of one number a row that may be dense: only ``boundaries`` makes ids."""
 
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
     value_dim: ClassVar[int] = 1
-    num_buckets: ClassVar[None] = None  # type: ignore[misc]
-    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
-    vocab_list: ClassVar[None] = None  # type: ignore[misc]
-    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
-    vocab_file: ClassVar[None] = None  # type: ignore[misc]
-    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
-    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
-    zch: ClassVar[None] = None  # type: ignore[misc]
-    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
 
     separator: str = Field(TZREC_SEPARATOR, min_length=1)  # between the terms of a string input
     normalizer: Optional[NormalizerCfg] = None
@@ -930,24 +916,14 @@ class BoolMaskFeatureCfg(_Embeddable):
         return self.value_type == "string"
 
 
-class SequenceRawFeatureCfg(_SingleInput, _Embeddable):
+class SequenceRawFeatureCfg(_Numbers, _SingleInput):
     """A sequence of numbers: elements joined by ``separator`` (or a list column), each
     ``value_dim`` numbers joined by ``value_separator`` (or a list of lists); the last
     ``sequence_length`` kept. Dense ``[B, L, value_dim]`` (normalized, zero-padded to the batch's
     longest, lengths in ``Batch.dense_lengths``), or, with ``boundaries``, a sequence of ids."""
 
     KIND: ClassVar[str] = "sequence_raw_feature"
-    TABLE_KINDS: ClassVar[tuple[str, ...]] = ("boundaries",)
     is_sequence: ClassVar[bool] = True
-    num_buckets: ClassVar[None] = None  # type: ignore[misc]
-    hash_bucket_size: ClassVar[None] = None  # type: ignore[misc]
-    vocab_list: ClassVar[None] = None  # type: ignore[misc]
-    vocab_dict: ClassVar[None] = None  # type: ignore[misc]
-    vocab_file: ClassVar[None] = None  # type: ignore[misc]
-    default_bucketize_value: ClassVar[None] = None  # type: ignore[misc]
-    dynamicemb: ClassVar[None] = None  # type: ignore[misc]
-    zch: ClassVar[None] = None  # type: ignore[misc]
-    hash_function: ClassVar[HashFunction] = "farmhash"  # type: ignore[misc]
     pooling: ClassVar[str] = "none"  # type: ignore[misc]  # one embedding per element
 
     sequence_length: Count

@@ -785,12 +785,17 @@ def _raw(b: _Build) -> str:
 
 def _combo(b: _Build) -> str:
     """combo_feature (spec §2.3): the cartesian product of its inputs' values, bucketized."""
+    return _ids_of_inputs(b, "combo_feature", _COMBO_TABLES)
+
+
+def _ids_of_inputs(b: _Build, kind: str, tables: tuple[str, ...]) -> str:
+    """A kind of ids computed from its ``expression``'s two (or more) inputs (combo, bool_mask)."""
     b.body["expression"] = b.inputs("expression", count=2)
     b.embedding(needed=True)
-    b.table(_COMBO_TABLES, needed=True)
+    b.table(tables, needed=True)
     b.values(value_dim_default=0, several_default=True)
     b.common()
-    return _sparse_or_dense(b, sparse=True, kind="combo_feature")
+    return _sparse_or_dense(b, sparse=True, kind=kind)
 
 
 def _numeric_common(b: _Build, *, value_dim_default: int = 1) -> int:
@@ -1055,12 +1060,7 @@ def _dense_kind(b: _Build, kind: str, *, default_value: bool) -> str:
 
 def _bool_mask(b: _Build) -> str:
     """bool_mask_feature (spec §2.11): the values a mask keeps, bucketized as ids."""
-    b.body["expression"] = b.inputs("expression", count=2)
-    b.embedding(needed=True)
-    b.table(_ID_TABLES, needed=True)
-    b.values(value_dim_default=0, several_default=True)
-    b.common()
-    return _sparse_or_dense(b, sparse=True, kind="bool_mask_feature")
+    return _ids_of_inputs(b, "bool_mask_feature", _ID_TABLES)
 
 
 _NORM_OPTIONS = (
