@@ -773,24 +773,29 @@ class BatchBuilder:
     def _tokenize(self, f: TokenizeFeatureCfg, col: pa.Array) -> _Ids:
         """Texts -> token ids: a string column (a list column: each text's tokens in order),
         each text normalized, then ``default_value`` in place of a text left empty and of a row
-        without one (``""``: no ids), then tokenized."""
+        without one (``""``: no ids), then tokenized. Each distinct text of the batch is
+        normalized and tokenized once (titles repeat across rows)."""
         j = jagged(col, None)
-        texts = as_strings(j.values).to_pylist()
+        counts, dv = j.lengths, f.default_value
+        encoded = as_strings(j.values).dictionary_encode()
+        distinct = encoded.dictionary.to_pylist()
         if f.text_normalizer is not None:
             normalize = f.text_normalizer.normalizer()
-            texts = [normalize(t) for t in texts]
-        counts = j.lengths
-        dv = f.default_value
-        if dv:
-            texts = [t or dv for t in texts]
-            if not counts.all():  # a row without a text holds the default
-                at = offsets_of(counts)[:-1]
-                for row in np.nonzero(counts == 0)[0][::-1]:
-                    texts.insert(int(at[row]), dv)
-                counts = np.maximum(counts, 1)
-        ids, tokens = f.tokenizer().encode(texts)
-        lengths = np.bincount(np.repeat(np.arange(len(counts)), counts), weights=tokens, minlength=len(counts))
-        return _Ids(ids, lengths.astype(np.int64))
+            distinct = [normalize(t) for t in distinct]
+        distinct = [t or dv for t in distinct] + [dv]  # the last: a row without a text (not normalized)
+        token_ids, per_distinct = f.tokenizer().encode(distinct)
+        index = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        if dv and not counts.all():  # a row without a text holds the default's one text
+            texts = np.where(counts == 0, 1, counts)
+            row = np.repeat(np.arange(len(counts)), counts)
+            placed = np.full(int(texts.sum()), len(distinct) - 1, dtype=np.int64)
+            placed[offsets_of(texts)[:-1][row] + np.arange(len(index)) - offsets_of(counts)[:-1][row]] = index
+            index, counts = placed, texts
+        per_text = per_distinct[index]
+        starts = offsets_of(per_distinct)[:-1][index]
+        gather = np.repeat(starts - offsets_of(per_text)[:-1], per_text) + np.arange(int(per_text.sum()))
+        lengths = np.bincount(np.repeat(np.arange(len(counts)), counts), weights=per_text, minlength=len(counts))
+        return _Ids(token_ids[gather], lengths.astype(np.int64))
 
     def _kv_dot(self, f: KvDotProductCfg, query: pa.Array, document: pa.Array, origin: RowOrigin, n: int):
         """kv_dot_product: each input's ``(keys, weights, lengths)`` (a map column's entries, or

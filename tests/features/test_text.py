@@ -112,3 +112,15 @@ def test_a_tokenizer_pickles_by_its_file():
     assert pickle.loads(pickle.dumps(t)) is t  # a worker reads the file once, as its own
     ids_, lengths = t.encode(["abc efg", ""])
     assert ids_.dtype == np.int64 and ids_.tolist() == [19758, 299, 16054] and lengths.tolist() == [3, 0]
+
+
+def test_a_batch_tokenizes_each_distinct_text_once_and_gives_every_row_its_own_ids():
+    rng = np.random.default_rng(0)
+    titles = ["Ａｂｃ efg", "hij", "", "漢字 xyz!", None]
+    texts = [titles[i] for i in rng.integers(0, len(titles), 200)]
+    f = tokenize(vocab_file=BPE, default_value="xyz", text_normalizer={})
+    got = ids(build(f, text=texts), "t")
+    normalize = config(f).features()[0].normalize
+    tok = tokenizer(BPE, "bpe")
+    want = [tok.encode([normalize(t or "") or "xyz"])[0].tolist() for t in texts]
+    assert got == want
