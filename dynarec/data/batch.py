@@ -1253,8 +1253,7 @@ class BatchBuilder:
         if f.bucketizer in (None, "boundaries"):
             return self._finish(f, d[:, None], present, origin)
         values = pc.cast(pa.array(d[present].astype(np.int64)), pa.string())
-        j = fill_missing(Jagged(values, present.astype(np.int64), ~present), f.default_value)
-        return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
+        return self._ids_where_present(f, values, present, origin)
 
     def _regex_replace(self, f: CustomFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """RegexReplace: each string with every match replaced (pyarrow's RE2, vectorized), then
@@ -1265,7 +1264,12 @@ class BatchBuilder:
         pattern, replacement = f.replacement
         out = pc.replace_substring_regex(as_strings(col), pattern, replacement)
         present = np.asarray(pc.fill_null(pc.greater(pc.utf8_length(out), 0), False).to_numpy(zero_copy_only=False))
-        j = fill_missing(Jagged(out.filter(pa.array(present)), present.astype(np.int64), ~present), f.default_value)
+        return self._ids_where_present(f, out.filter(pa.array(present)), present, origin)
+
+    def _ids_where_present(self, f: CustomFeatureCfg, values: pa.Array, present: np.ndarray, origin: RowOrigin) -> _Ids:
+        """One value a row where ``present`` (``values``, theirs in order), ``default_value`` in the
+        other rows (``""``: no id), bucketized."""
+        j = fill_missing(Jagged(values, present.astype(np.int64), ~present), f.default_value)
         return _Ids(self._bucketize(f, j.values, j.lengths, origin), j.lengths)
 
     # -- labels ----------------------------------------------------------------------------
