@@ -37,10 +37,14 @@ def cmd_make_data(args) -> None:
                 max_sequence_length=args.max_sequence_length,
             ),
         )
+        labels = (
+            f"; click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
+            if "eval_click_rate" in meta
+            else " (the model reads no label)"
+        )
         print(
             f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows of the columns of {args.config} "
-            f"({', '.join(meta['columns'])}) under {args.output_dir}; click rate {meta['eval_click_rate']:.3f}; "
-            f"Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
+            f"({', '.join(meta['columns'])}) under {args.output_dir}{labels}"
         )
         for path in meta["vocab_files_written"]:
             print(f"wrote the vocab_file {path} (it did not exist: a vocabulary, or a tokenizer of the made-up words)")
@@ -176,8 +180,9 @@ def cmd_predict(args) -> None:
 
 
 def _prediction_column(x):
-    """A prediction as a Parquet column: float32, a fixed-size list for a row of class
-    probabilities; a list a row of a model scoring each row's candidates (an object array)."""
+    """A prediction as a Parquet column: float32 (int64: a semantic-ID model's codes), a fixed-size
+    list for a row of class probabilities or codes; a list a row of a model scoring each row's
+    candidates (an object array)."""
     import numpy as np
     import pyarrow as pa
 
@@ -185,7 +190,7 @@ def _prediction_column(x):
         rows = [np.asarray(r, dtype=np.float32) for r in x]
         inner = pa.float32() if not rows or rows[0].ndim == 1 else pa.list_(pa.float32())
         return pa.array([r.tolist() for r in rows], pa.list_(inner))
-    x = x.astype(np.float32)
+    x = x.astype(np.int64 if x.dtype.kind in "iu" else np.float32)  # codes stay integers
     if x.ndim == 1:
         return pa.array(x)
     return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])

@@ -48,6 +48,7 @@ from dynarec.config.features import (
     dependency_order,
 )
 from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS, DlrmHSTUCfg, UltraHSTUCfg
+from dynarec.config.sid import SID_KEYS, SidRqkmeansCfg, SidRqvaeCfg
 from dynarec.config.tasks import TaskTowerCfg, check_task_towers
 from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
@@ -616,6 +617,7 @@ MODEL_KEYS = (
     *MULTI_TASK_KEYS,
     *RETRIEVAL_KEYS,
     *CANDIDATE_KEYS,
+    *SID_KEYS,
 )
 
 
@@ -651,6 +653,8 @@ class ModelCfg(Strict):
     mind: Optional[MINDCfg] = None
     dlrm_hstu: Optional[DlrmHSTUCfg] = None
     ultra_hstu: Optional[UltraHSTUCfg] = None
+    sid_rqvae: Optional[SidRqvaeCfg] = None
+    sid_rqkmeans: Optional[SidRqkmeansCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -667,6 +671,11 @@ class ModelCfg(Strict):
             check_task_towers(self.task_towers, f"model.{name}")
         if name in CANDIDATE_KEYS:
             self._check_hstu_groups(name)
+        if name in SID_KEYS:
+            top = {g.group_name: g for g in self.feature_groups}
+            for where, group, _ in self._tower_inputs(name):
+                if group in top and top[group].sequence_groups:
+                    raise ValueError(f"{where}: a semantic-ID model reads its group's features; '{group}' nests some")
         if self.variational_dropout is not None and name in FIELD_WISE_MODELS:
             raise ValueError(
                 f"variational_dropout: {name} reads its groups feature by feature; variational dropout applies to "
@@ -743,7 +752,28 @@ class ModelCfg(Strict):
             if isinstance(towers, MINDCfg):
                 out.append((f"{name}.user_tower.history_input", towers.user_tower.history_input, "sequence"))
             return out
+        if name in SID_KEYS:
+            sid = self.sid
+            out = [(f"{name}.input", self.sid_input, "deep")]
+            if isinstance(sid, SidRqvaeCfg) and sid.contrastive is not None:
+                out += [
+                    (f"{name}.contrastive.pair_group", sid.contrastive.pair_group, "deep"),
+                    (f"{name}.contrastive.pair_flag_group", sid.contrastive.pair_flag_group, "deep"),
+                ]
+            return out
         return []
+
+    @property
+    def sid(self) -> Union[SidRqvaeCfg, SidRqkmeansCfg]:
+        """The semantic-ID model's block (sid_rqvae, sid_rqkmeans)."""
+        cfg = getattr(self, self.name)
+        assert isinstance(cfg, (SidRqvaeCfg, SidRqkmeansCfg)), f"model '{self.name}' is not a semantic-ID model"
+        return cfg
+
+    @property
+    def sid_input(self) -> str:
+        """The group a semantic-ID model's codes are of: its ``input``, else the first group."""
+        return self.sid.input or self.feature_groups[0].group_name
 
     @property
     def retrieval(self) -> DSSMCfg:
@@ -1030,12 +1060,22 @@ class Config(Strict):
                 f"data.label_field: model '{self.model.name}' reads the labels its task_towers name (label_name), "
                 "not data.label_field; remove it"
             )
+        if self.model.name in SID_KEYS and self.data.label_field is not None:
+            raise ValueError(f"data.label_field: model '{self.model.name}' gives semantic ids and reads no label")
+        if self.model.name == "sid_rqkmeans" and self.train.eval_every_steps is not None:
+            raise ValueError(
+                "train.eval_every_steps: model 'sid_rqkmeans' fits its centroids when training ends; an evaluation "
+                "before would score none"
+            )
         return self
 
     def tasks(self) -> list[TaskTowerCfg]:
         """The model's tasks: a multi-task model's task towers, or the one task of a single-task
         model (``data.label_field`` under binary cross-entropy, scored by ``eval.metrics``, named
-        ``main``: its outputs and metrics carry no task suffix)."""
+        ``main``: its outputs and metrics carry no task suffix); none for a semantic-ID model,
+        which reads no label."""
+        if self.model.name in SID_KEYS:
+            return []
         return self.model.task_towers or [
             TaskTowerCfg(
                 tower_name="main", label_name=self.data.label_field or "label", metrics=list(self.eval.metrics)

@@ -528,7 +528,8 @@ class BatchBuilder:
         groups = sessions = None
         if self.with_labels:
             columns = [self._labels(table.column(c), c, origin, counts) for c in self.label_fields]
-            labels = torch.stack(columns, dim=1)
+            if columns:  # (a semantic-ID model reads none)
+                labels = torch.stack(columns, dim=1)
             if self.group_field:
                 groups = self._per_candidate(self._group_ids(table.column(self.group_field)), counts)
             if self.session_field:

@@ -586,8 +586,9 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         (tmp / "train").mkdir(parents=True)
         (tmp / "eval").mkdir()
         per_file = -(-spec.train_rows // spec.train_files)
-        first_label = config.label_fields()[0]  # the click: its rate and Bayes AUC go in meta.json
-        bitmask = label_rules(config.tasks()).get(first_label, (None, ""))[0] == 0
+        # the click: its rate and Bayes AUC go in meta.json (a semantic-ID model reads no label)
+        first_label = next(iter(config.label_fields()), None)
+        bitmask = first_label is not None and label_rules(config.tasks()).get(first_label, (None, ""))[0] == 0
         clicks = examples = 0
         sampler = config.data.negative_sampler
         tables: list[pa.Table] = []
@@ -597,8 +598,9 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             if rows <= 0:
                 break
             table, _ = _table(columns, config, rows, spec, rng)
-            click = _clicks(table.column(first_label), bitmask)
-            clicks, examples = clicks + int(np.sum(click)), examples + click.size
+            if first_label is not None:
+                click = _clicks(table.column(first_label), bitmask)
+                clicks, examples = clicks + int(np.sum(click)), examples + click.size
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
             if sampler is not None:  # the items' columns, for the sampler's item table
                 tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
@@ -610,19 +612,24 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
         items_written = _write_item_table(config, tables, target, tmp)
         edges_written = _write_edge_table(config, users, tables, target, tmp, rng)
-        labels = _clicks(table.column(first_label), bitmask)
-        meta = {
+        meta: dict[str, Any] = {
             "generator": "config",
             "columns": [c.name for c in columns],
             "train_rows": spec.train_rows,
             "eval_rows": spec.eval_rows,
-            "train_click_rate": clicks / max(examples, 1),
-            "eval_click_rate": float(np.mean(labels)),
-            "bayes_optimal_eval_auc": auc(p, labels),
-            "vocab_files_written": planner.vocab_files_written,
-            "item_table_written": items_written,
-            "edge_table_written": edges_written,
         }
+        if first_label is not None:
+            labels = _clicks(table.column(first_label), bitmask)
+            meta["train_click_rate"] = clicks / max(examples, 1)
+            meta["eval_click_rate"] = float(np.mean(labels))
+            meta["bayes_optimal_eval_auc"] = auc(p, labels)
+        meta.update(
+            {
+                "vocab_files_written": planner.vocab_files_written,
+                "item_table_written": items_written,
+                "edge_table_written": edges_written,
+            }
+        )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
         replace_dir(tmp, target, is_ours=lambda d: (d / "meta.json").is_file(), what="synthetic data directory")

@@ -18,6 +18,7 @@ from dynarec.models.multi_tower_din import MultiTowerDIN
 from dynarec.models.pepnet import PEPNet
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
 from dynarec.models.rocket_launching import RocketLaunching
+from dynarec.models.sid import SidRqkmeans, SidRqvae
 from dynarec.models.wide_and_deep import WideAndDeep
 
 __all__ = ["MODELS", "build_model"]
@@ -44,6 +45,8 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "mind": MIND,
     "dlrm_hstu": DlrmHSTU,
     "ultra_hstu": DlrmHSTU,  # several channels: its config's hstu is a list
+    "sid_rqvae": SidRqvae,
+    "sid_rqkmeans": SidRqkmeans,
 }
 
 

@@ -24,9 +24,12 @@ import torch
 from torch.nn import functional as F
 
 from dynarec.config.schema import RETRIEVAL_KEYS, Config
+from dynarec.config.sid import SID_KEYS
 from dynarec.config.tasks import TaskTowerCfg
 from dynarec.metrics import accuracy, auc, grouped_auc, log_loss, mean_absolute_error, mean_squared_error
+from dynarec.models.features import feature_input
 from dynarec.models.retrieval import Retrieval
+from dynarec.models.semantic_ids import SemanticIds
 
 __all__ = ["Tasks", "Teaching", "check_predictions", "task_loss", "tasks_of"]
 
@@ -332,8 +335,14 @@ def check_predictions(predictions: dict[str, np.ndarray], check: Callable[[np.nd
         check(x if x.ndim == 1 else x.sum(axis=1), f"prediction '{name}'")
 
 
-def tasks_of(config: Config, world_size: int = 1) -> Union[Tasks, Retrieval]:
-    """The run-time task of ``config``'s model: :class:`Tasks` of a ranking model, or the
+def tasks_of(config: Config, world_size: int = 1) -> Union[Tasks, Retrieval, SemanticIds]:
+    """The run-time task of ``config``'s model: :class:`Tasks` of a ranking model, the
     :class:`~dynarec.models.retrieval.Retrieval` task of a retrieval model (trained by
-    ``world_size`` processes)."""
-    return Retrieval(config, world_size) if config.model.name in RETRIEVAL_KEYS else Tasks(config)
+    ``world_size`` processes), or the :class:`~dynarec.models.semantic_ids.SemanticIds` task of a
+    semantic-ID model."""
+    if config.model.name in RETRIEVAL_KEYS:
+        return Retrieval(config, world_size)
+    if config.model.name in SID_KEYS:
+        group = config.model.group(config.model.sid_input)
+        return SemanticIds(config, sum(feature_input(config, n).width for n in group.feature_names))
+    return Tasks(config)

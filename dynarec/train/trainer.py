@@ -164,6 +164,11 @@ class Trainer:
         number of ranks: every rank takes its own part of every table (see distributed.reshard).
         ``training``: to continue training (the global batch must match the checkpoint's)."""
         path, state, shards = self.checkpoints.load(path)
+        if training and hasattr(self.task.dense, "finish_training"):
+            raise CheckpointError(
+                f"{path}: model '{self.config.model.name}' samples its training rows in memory, which checkpoints do "
+                "not hold (it is fitted once, when training ends): train it again from the start"
+            )
         saved_plan = state.get("plan")
         if not isinstance(saved_plan, dict):
             raise CheckpointError(f"{path} holds no plan (written by an older dynarec); train into another model_dir")
@@ -413,6 +418,10 @@ class Trainer:
                 self.log.line(self.step, "checkpoint saved")
             item = ahead.next() if self._more_steps() else None
         seconds = self.log.seconds
+        finish = getattr(self.task.dense, "finish_training", None)  # a model fitted once training ends
+        if finish is not None:
+            self.log.line(self.step, finish())
+            saved_at = None
         if saved_at != self.step:
             self.save()
         final: dict[str, Any] = {}

@@ -363,3 +363,25 @@ def test_a_retrieval_model_with_its_negative_sampler_trains_on_two_processes(tmp
         assert final["step"] == 72, final
         recall[nproc] = final["eval"]["recall@1"]
     assert recall[1] > 0.3 and recall[2] > 0.3, recall
+
+
+def test_an_rqvae_with_pairs_on_two_processes_equals_one(tmp_path):
+    """RQ-VAE's Sinkhorn assignment (its cost standardized and its sums taken over both ranks'
+    rows) and the pair contrastive loss (every rank's pair rows as columns): the dense model of
+    2 x 60 rows a step equals that of 1 x 120."""
+    from tests.models.test_sid import hierarchical_items, sid_config, write_items
+
+    x = hierarchical_items(1200, seed=3)
+    data = write_items(tmp_path / "items.parquet", x, pairs=x + 0.05)
+    states = []
+    for nproc, batch in ((1, 120), (2, 60)):
+        c = sid_config(pairs=True, data=data)
+        c["data"]["batch_size"] = batch
+        c["train"].update(num_epochs=None, num_steps=STEPS)
+        config = write_config(tmp_path, c, f"rqvae{nproc}.yaml")
+        rc, out = run("train", "--config", config, "--model-dir", tmp_path / f"r{nproc}", "--no-progress", "--nproc",
+                      nproc)  # fmt: skip
+        assert rc == 0, out
+        states.append(load_checkpoint(latest_checkpoint(tmp_path / f"r{nproc}" / "checkpoints"))[0]["dense"])
+    for k in states[0]:
+        torch.testing.assert_close(states[0][k], states[1][k], **TOL, msg=k)

@@ -8,6 +8,7 @@ import pytest
 
 from dynarec.config import config_from_dict
 from dynarec.config.schema import RETRIEVAL_KEYS
+from dynarec.config.sid import SID_KEYS
 from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
 from dynarec.train.trainer import Trainer
@@ -44,7 +45,7 @@ def data(tmp_path_factory):
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
     raw["data"] = {"train_input_path": str(data), "batch_size": 64}
-    if name not in MULTI_TASK:
+    if name not in MULTI_TASK and name not in SID_KEYS:
         raw["data"]["label_field"] = "label"
     raw["train"]["num_epochs"] = 1
     raw["eval"] = {"metrics": ["auc"]}
@@ -56,8 +57,10 @@ def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     served = ["user_embedding", "item_embedding"] if name in RETRIEVAL_KEYS else ["probability"]
     if name == "mind":
         served[0] = "user_interests"
+    if name in SID_KEYS:
+        served = ["codes"]
     assert list(scores[1]) == (["probs_ctr", "probs_cvr"] if name in MULTI_TASK else served)
     for output, one in scores[1].items():
-        assert one.shape[0] == 300 and one.ndim == (2 if name in RETRIEVAL_KEYS else 1)
+        assert one.shape[0] == 300 and one.ndim == (2 if name in RETRIEVAL_KEYS or name in SID_KEYS else 1)
         np.testing.assert_allclose(scores[37][output], one, rtol=0, atol=1e-6)
         np.testing.assert_allclose(scores[4096][output], one, rtol=0, atol=1e-6)

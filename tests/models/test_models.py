@@ -5,6 +5,7 @@ import torch
 
 from dynarec.config import config_from_dict
 from dynarec.config.schema import CANDIDATE_KEYS
+from dynarec.config.sid import SID_KEYS
 from dynarec.models import MODELS, build_model
 from dynarec.models.blocks import DINAttention
 from tests.pipeline_fixtures import config_dict
@@ -160,6 +161,8 @@ MODEL_BLOCKS["pepnet"] = (
     },
     False,
 )
+MODEL_BLOCKS["sid_rqvae"] = ({"codebook": [4, 3], "embed_dim": 4, "hidden_dims": [6]}, False)
+MODEL_BLOCKS["sid_rqkmeans"] = ({"codebook": [4, 3]}, False)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # The models scoring rows; those scoring each row's candidates (dlrm_hstu: other groups, a label a
 # candidate, no export yet) are tested in their own files (tests/models/test_dlrm_hstu.py).
@@ -199,7 +202,7 @@ def model_config(name):
         groups += [{"group_name": "dom", "feature_names": ["b"]}, {"group_name": "uia", "feature_names": ["a"]}]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
-    if name in MULTI_TASK:
+    if name in MULTI_TASK or name in SID_KEYS:  # their task towers name their labels; semantic ids read none
         del c["data"]["label_field"]
     return config_from_dict(c)
 
@@ -223,6 +226,8 @@ def test_model_forward_backward(name):
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
     shape = (5, 2) if name in MULTI_TASK else (5, RETRIEVAL_WIDTH[name]) if name in RETRIEVAL_WIDTH else (5,)
+    if name in SID_KEYS:  # codes (2 layers), x_hat and x (9 wide: a, b, x), rqvae's z and latents (4; 2 x 4)
+        shape = (5, 2 + 9 + 9 + (4 + 8 if name == "sid_rqvae" else 0))
     assert out.shape == shape and torch.isfinite(out).all()
     teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
     (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()

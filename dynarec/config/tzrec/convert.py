@@ -116,6 +116,10 @@ def convert_pipeline_config(
     if name in (*MULTI_TASK, *GENERATIVE):  # the labels its task towers name
         data.pop("label_field", None)
         _note_unread_labels(labels, model.model, d.at("label_fields") if d is not None else "", ctx)
+    elif name in ("sid_rqvae", "sid_rqkmeans"):  # reads no label
+        data.pop("label_field", None)
+        if labels:
+            ctx.note(d.at("label_fields") if d is not None else "", f"{labels}: a semantic-ID model reads no label")
     elif len(labels) != 1:
         where = d.at("label_fields") if d is not None else "data_config.label_fields"
         ctx.refuse(where, f"a single-task model reads one label field, got {labels}", fatal=True)

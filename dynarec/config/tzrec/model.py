@@ -197,6 +197,8 @@ _TARGETS = {
     **{name: name for name in MULTI_TASK},
     "dlrm_hstu": "dlrm_hstu",
     "ultra_hstu": "ultra_hstu",
+    "sid_rqvae": "sid_rqvae",
+    "sid_rqkmeans": "sid_rqkmeans",
 }
 # The generative rankers (dynarec/config/hstu.py): DlrmHSTU, and UltraHSTU (several channels).
 GENERATIVE = ("dlrm_hstu", "ultra_hstu")
@@ -206,6 +208,7 @@ _NOT_YET = {
     "ultra_hstu convert",
 }
 _RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
+_SID = ("sid_rqvae", "sid_rqkmeans")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
 
 
@@ -353,6 +356,11 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         m.done()
         if variational_dropout is not None:
             out["variational_dropout"] = variational_dropout
+        r.done()
+        return result
+    elif name in _SID:
+        out[name] = _sid(r, m, ctx, name, groups_out)
+        m.done()
         r.done()
         return result
     elif name in _ZOO:
@@ -511,6 +519,109 @@ def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
     out["recall_at_k"] = list(dict.fromkeys(top_k)) or [5]
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False), ("num_class", 1)):
         r.default_only(key, default)
+    return out
+
+
+def _sid(r: Reader, m: Reader, ctx: Context, name: str, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """sid_rqvae / sid_rqkmeans -> dynarec's (dynarec/config/sid.py), with the model's losses
+    (``sid_loss``: recon_loss, commitment_loss, contrastive_loss; the contrastive structure and
+    objective are one setting in dynarec). Their input is the first feature group, as TorchEasyRec's."""
+    out: dict[str, Any] = {"codebook": m.integers("codebook")}
+    if not out["codebook"]:
+        ctx.refuse(m.at("codebook"), "codebook: each layer's number of codes is needed", fatal=True)
+    out["normalize_residuals"] = bool(m.scalar("normalize_residuals", False))
+    if (c := m.message("candidate_output_config")) is not None:
+        if bool(c.scalar("enabled", False)):
+            out["candidate_output"] = {"top_k": c.integer("top_k", 1)}
+            c.default_only("strategy", "last_layer_knn", "only the last layer's nearest codes are candidates")
+        else:
+            c.ignore("top_k", "candidate output is disabled")
+            c.ignore("strategy", "candidate output is disabled")
+        c.done()
+    for key in ("metrics", "train_metrics"):
+        if r.has(key):
+            r.ignore(key, "a semantic-ID model reports mse, rel_l1 and unique_sid_ratio")
+    r.default_only("kernel", "PYTORCH")
+    r.default_only("use_pareto_loss_weight", False)
+    r.default_only("num_class", 1)
+    if name == "sid_rqkmeans":
+        if (k := m.message("faiss_kmeans_kwargs")) is not None:
+            kmeans: dict[str, Any] = {}
+            for key in ("niter", "nredo", "seed", "max_points_per_centroid", "min_points_per_centroid"):
+                if k.has(key):
+                    kmeans[key] = k.integer(key)
+            for key in ("spherical", "verbose"):
+                if k.has(key):
+                    kmeans[key] = bool(k.scalar(key))
+            k.done()
+            out["kmeans"] = kmeans
+        if m.integer("train_sample_size", 0):
+            out["train_sample_size"] = m.integer("train_sample_size")
+        for loss in r.messages("losses"):
+            ctx.refuse(loss.path, "sid_rqkmeans trains by k-means: it takes no loss", fatal=True)
+            loss.taken.update(loss.msg.names())
+        return out
+    out["embed_dim"] = m.integer("embed_dim", 64)
+    if m.has("hidden_dims"):
+        out["hidden_dims"] = m.integers("hidden_dims")
+    for key, default in (("forward_mode", "ste"), ("distance_type", "l2")):
+        value = str(m.scalar(key, default))
+        allowed = ("ste", "gumbel_softmax") if key == "forward_mode" else ("l2", "cosine")
+        if value not in allowed:
+            ctx.refuse(m.at(key), f"{value!r} is not supported ({', '.join(allowed)} are)", fatal=True)
+        out[key] = value
+    out["rotation_trick"] = bool(m.scalar("rotation_trick", False))
+    out["kmeans_init"] = bool(m.scalar("kmeans_init", False))
+    sinkhorn = m.message("sinkhorn_config")
+    enabled = bool(sinkhorn.scalar("enabled", True)) if sinkhorn is not None else True
+    if sinkhorn is not None:
+        out["sinkhorn"] = {
+            "iters": sinkhorn.integer("iters", 5),
+            "epsilon": sinkhorn.number("epsilon", 10.0),
+            "enabled": enabled,
+        }
+        sinkhorn.done()
+    if out["forward_mode"] == "gumbel_softmax":
+        if enabled:  # TorchEasyRec turns it off, with a warning
+            ctx.note(m.at("forward_mode"), "gumbel_softmax: Sinkhorn is turned off, as TorchEasyRec turns it off")
+            out["sinkhorn"] = {**out.get("sinkhorn", {}), "enabled": False}
+        if out["rotation_trick"]:
+            ctx.note(m.at("rotation_trick"), "no effect with gumbel_softmax (TorchEasyRec ignores it): dropped")
+            out["rotation_trick"] = False
+    structure = m.message("contrastive_config")
+    objective = False
+    out["recon_loss"] = out["commitment_loss"] = None
+    for loss in r.messages("losses"):
+        kinds = loss.msg.names()
+        kind = kinds[0] if len(kinds) == 1 else None
+        body = loss.message(kind) if kind in ("recon_loss", "commitment_loss", "contrastive_loss") else None
+        if body is None:
+            ctx.refuse(loss.path, f"{kinds}: a semantic-ID model trains by recon, commitment and contrastive losses")
+            loss.taken.update(kinds)
+            continue
+        if kind == "recon_loss":
+            out["recon_loss"] = {"type": str(body.scalar("recon_type", "l2"))}
+        elif kind == "commitment_loss":
+            weights = body.numbers("latent_weight") or [1.0, 0.5]
+            out["commitment_loss"] = {"latent_weight": weights, "type": str(body.scalar("commitment_type", "l2"))}
+        else:
+            objective = True
+        body.done()
+        loss.done()
+    if structure is not None:
+        out["contrastive"] = {
+            "pair_group": str(structure.scalar("pair_feature_group", "")),
+            "pair_flag_group": str(structure.scalar("pair_flag_feature_group", "")),
+        }
+        structure.done()
+    if (structure is not None) != objective:
+        ctx.refuse(
+            m.at("contrastive_config"),
+            "contrastive_config and a contrastive_loss must be set together (TorchEasyRec refuses one alone)",
+            fatal=True,
+        )
+    if groups:
+        out["input"] = groups[0]["group_name"]
     return out
 
 
