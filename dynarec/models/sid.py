@@ -225,8 +225,10 @@ class SidRqvae(nn.Module):
                     "row; it holds one flag (above 0.5: the row is a pair)"
                 )
             self.logit_scales = nn.Parameter(torch.full((3,), LOGIT_SCALE_INIT))
-        # kmeans_init: the codebooks from the first training batch (faiss on the host).
+        # kmeans_init: the codebooks from the first training batch (faiss on the host); the flag
+        # saved with the model, its mirror read by the steps (no device read a step).
         self.register_buffer("codebooks_ready", torch.tensor(not cfg.kmeans_init))
+        self._ready = not cfg.kmeans_init
         self.capturable = not cfg.kmeans_init  # a CUDA graph cannot hold the host's fit
 
     def quantizers(self) -> list[VectorQuantizer]:
@@ -257,12 +259,17 @@ class SidRqvae(nn.Module):
                 dist.broadcast(c, src=0)
             layer.codebook.weight.copy_(c)
         self.codebooks_ready.fill_(True)
+        self._ready = True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._ready = bool(self.codebooks_ready)
 
     def _view(self, x: torch.Tensor, candidates_of: bool) -> dict[str, torch.Tensor]:
         """One view's parts: its encoding, quantization and reconstruction (module doc)."""
         cfg = self.cfg
         z = self.encoder(x)
-        if self.training and not bool(self.codebooks_ready):
+        if self.training and not self._ready:
             self._kmeans_init(z)
         gumbel = self.training and cfg.forward_mode == "gumbel_softmax"
         codes, total, cumulative, last = residual_walk(

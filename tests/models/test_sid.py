@@ -302,6 +302,11 @@ def test_kmeans_init_fits_the_codebooks_on_the_first_training_batch(monkeypatch)
     first = [layer.codebook.weight.detach().clone() for layer in model.layers]
     model({}, {}, {"item_emb": torch.randn(64, D)})  # once
     assert all(torch.equal(a, layer.codebook.weight) for a, layer in zip(first, model.layers))
+    restored, _, _ = model_and_task(sid_config(kmeans_init=True))
+    restored.load_state_dict(model.state_dict())  # a checkpoint's codebooks are not fitted again
+    restored.train()
+    restored({}, {}, {"item_emb": torch.randn(64, D)})
+    assert all(torch.equal(a, layer.codebook.weight) for a, layer in zip(first, restored.layers))
     small, _, _ = model_and_task(sid_config(kmeans_init=True))
     small.train()
     with pytest.raises(ValueError, match=r"first training batch, which holds 3 rows .* largest codebook needs 4"):
@@ -481,3 +486,34 @@ def test_the_task_names_its_outputs_and_metrics():
         None,
     )
     assert metrics == {"mse": 2.5, "rel_l1": 1.0, "unique_sid_ratio": 0.75}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_semantic_ids_train_on_the_gpu_as_on_the_cpu(tmp_path):
+    """RQ-VAE (its dense model in CUDA graphs on the GPU) and RQ-KMeans (the sample copied to the
+    host, fitted there) trained on the CPU and on the GPU: RQ-KMeans's centroids and codes are the
+    same; RQ-VAE's codes agree on nearly every row and its reconstruction error to a few percent
+    (float summation orders differ, and a balanced assignment's ties may fall the other way)."""
+    x = hierarchical_items(1500, seed=4)
+    data = write_items(tmp_path / "items.parquet", x)
+    for kind, block in (
+        ("sid_rqkmeans", {"kmeans": {"nredo": 3, "seed": 1}, "train_sample_size": 2000}),
+        ("sid_rqvae", {}),
+    ):
+        c = sid_config(kind, data=data, **block)
+        c["data"]["eval_input_path"] = str(data)
+        c["train"]["num_epochs"] = 3
+        runs = {}
+        for device in ("cpu", "cuda"):
+            trainer = Trainer(config_from_dict(c), tmp_path / f"{kind}-{device}", device, progress=False)
+            report = trainer.fit()
+            predicted, _, _ = trainer.predict(str(data), with_labels=False)
+            runs[device] = (report["eval"], predicted["codes"], trainer.task.dense)
+        (cpu, cpu_codes, cpu_model), (gpu, gpu_codes, gpu_model) = runs["cpu"], runs["cuda"]
+        if kind == "sid_rqkmeans":
+            for a, b in zip(cpu_model.centroids(), gpu_model.centroids()):
+                torch.testing.assert_close(a, b.cpu())
+            np.testing.assert_array_equal(cpu_codes, gpu_codes)
+        else:
+            assert (cpu_codes == gpu_codes).all(axis=1).mean() > 0.95
+            assert gpu["mse"] == pytest.approx(cpu["mse"], rel=0.05)
