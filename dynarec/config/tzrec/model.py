@@ -532,10 +532,10 @@ def _sid(r: Reader, m: Reader, ctx: Context, name: str, groups: list[dict[str, A
     out["normalize_residuals"] = bool(m.scalar("normalize_residuals", False))
     if (c := m.message("candidate_output_config")) is not None:
         if bool(c.scalar("enabled", False)):
-            out["candidate_output"] = {"top_k": c.integer("top_k", 1)}
+            out["candidate_output"] = {"top_k": c.integer("topk", 1)}
             c.default_only("strategy", "last_layer_knn", "only the last layer's nearest codes are candidates")
         else:
-            c.ignore("top_k", "candidate output is disabled")
+            c.ignore("topk", "candidate output is disabled")
             c.ignore("strategy", "candidate output is disabled")
         c.done()
     for key in ("metrics", "train_metrics"):
