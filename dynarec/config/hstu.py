@@ -24,6 +24,7 @@ __all__ = [
     "ActionEncoderCfg",
     "DlrmHSTUCfg",
     "HSTUCfg",
+    "HSTUMatchUserTowerCfg",
     "HSTUPostprocessorCfg",
     "PositionalEncoderCfg",
     "STUCfg",
@@ -130,6 +131,42 @@ class HSTUCfg(Strict):
     def history_group(self) -> str:
         """The name of this channel's history group (its others add ``_action``, ``_watchtime``, ``_timestamp``)."""
         return self.name or "uih"
+
+
+class UIHEncoderCfg(Strict):
+    """HSTU over a user's history alone (TorchEasyRec's ``HSTUMatchEncoder`` with its
+    ``uih_preprocessor``): each history row through one Linear to ``stu.embedding_dim`` (plus its
+    actions' encoding through the action MLP), the contextual tokens before them, positions and
+    times, ``attn_num_layers`` STU layers under the causal mask, the postprocessor on every token;
+    the user is the row's last token (zeros for an empty row)."""
+
+    stu: STUCfg
+    attn_num_layers: Count = 3
+    input_dropout_ratio: float = Field(0.2, ge=0, lt=1)
+    positional_encoder: PositionalEncoderCfg
+    action_encoder: Optional[ActionEncoderCfg] = None
+    action_mlp_hidden_dim: Optional[Count] = None
+    postprocessor: HSTUPostprocessorCfg = Field(default_factory=lambda: HSTUPostprocessorCfg(kind="l2norm"))
+
+    @model_validator(mode="after")
+    def _action(self):
+        if (self.action_encoder is None) != (self.action_mlp_hidden_dim is None):
+            raise ValueError("action_encoder and action_mlp_hidden_dim go together")
+        if self.stu.sla_k1 or self.stu.sla_k2:
+            raise ValueError(
+                "stu.sla_k1 / sla_k2: semi-local attention is UltraHSTU's; the user tower reads the history whole"
+            )
+        return self
+
+
+class HSTUMatchUserTowerCfg(Strict):
+    """HSTUMatch's user tower: :class:`UIHEncoderCfg` over the history group ``input`` (its
+    ``<input>_action``, ``<input>_timestamp`` groups beside it), ``max_seq_len`` dividing the
+    attention scores."""
+
+    input: str = "uih"
+    hstu: UIHEncoderCfg
+    max_seq_len: Count
 
 
 class _GenerativeRankerCfg(Strict):

@@ -47,7 +47,7 @@ from dynarec.config.features import (
     check_features,
     dependency_order,
 )
-from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS, DlrmHSTUCfg, UltraHSTUCfg
+from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS, DlrmHSTUCfg, HSTUMatchUserTowerCfg, UltraHSTUCfg
 from dynarec.config.sid import SID_KEYS, SidRqkmeansCfg, SidRqvaeCfg
 from dynarec.config.tasks import TaskTowerCfg, check_task_towers
 from dynarec.embedding.config import Backend
@@ -176,7 +176,7 @@ class LRScheduleCfg(Strict):
 
 # An MLP's activation: ReLU, or Dice (DIN's data-adaptive activation: a batch-normalized gate
 # between x and alpha * x, alpha learned per unit; in eval it uses the running statistics).
-Activation = Literal["relu", "dice"]
+Activation = Literal["relu", "dice", "none"]  # none: linear layers (TorchEasyRec's activation "")
 
 
 class SequenceGroupCfg(Strict):
@@ -592,9 +592,38 @@ class MINDUserTowerCfg(MatchTowerCfg):
     concat_mlp: MLPCfg
 
 
+class HSTUMatchCfg(Strict):
+    """TorchEasyRec's HSTUMatch (two-tower retrieval, ``hstu.py``): the user tower is HSTU over
+    the user's history (:class:`~dynarec.config.hstu.HSTUMatchUserTowerCfg`; its last token is the
+    user), the item tower an MLP (then ``output_dim`` > 0: a linear layer) over each candidate's
+    rows; L2-normalized for ``cosine``. A row's candidates (the ``candidate`` sequence group) are
+    its positives: each is a query of the row's user, scored against its own item and the sampled
+    items (``data.negative_sampler``, whose ``item_id_field`` is the candidates' column) by
+    ``similarity / temperature`` under softmax cross-entropy; recall@k over the queries. Optional
+    groups: ``contextual`` (features of one width, a token each before the history) and
+    ``query_time`` (one number a row: the request time the history's ages count from; absent, the
+    newest history token's time)."""
+
+    user_tower: HSTUMatchUserTowerCfg
+    item_tower: MatchTowerCfg
+    output_dim: int = Field(0, ge=0)
+    similarity: Literal["inner_product", "cosine"] = "inner_product"
+    temperature: float = Field(1.0, gt=0)
+    in_batch_negative: Literal[False] = False  # several positives a row: TorchEasyRec refuses it too
+    recall_at_k: list[Count] = [1, 5]
+
+    @property
+    def embedding_dim(self) -> int:
+        """The width of a user's and an item's embedding."""
+        return self.output_dim or self.user_tower.hstu.stu.embedding_dim
+
+
 MULTI_TASK_KEYS = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # Retrieval models: a user and an item tower scored against sampled items.
-RETRIEVAL_KEYS = ("dssm", "dat", "mind")
+RETRIEVAL_KEYS = ("dssm", "dat", "mind", "hstu_match")
+# HSTUMatch's groups (TorchEasyRec's fixed names besides the towers' inputs), and whether each is
+# a sequence group.
+HSTU_MATCH_GROUPS = {"contextual": False, "query_time": False}
 # Models that read groups feature by feature (FM, pairwise interactions, CIN, WuKong's fields):
 # their groups cannot nest sequence_groups.
 FIELD_WISE_MODELS = ("deepfm", "dlrm", "xdeepfm", "wukong")
@@ -653,6 +682,7 @@ class ModelCfg(Strict):
     mind: Optional[MINDCfg] = None
     dlrm_hstu: Optional[DlrmHSTUCfg] = None
     ultra_hstu: Optional[UltraHSTUCfg] = None
+    hstu_match: Optional[HSTUMatchCfg] = None
     sid_rqvae: Optional[SidRqvaeCfg] = None
     sid_rqkmeans: Optional[SidRqkmeansCfg] = None
 
@@ -671,6 +701,8 @@ class ModelCfg(Strict):
             check_task_towers(self.task_towers, f"model.{name}")
         if name in CANDIDATE_KEYS:
             self._check_hstu_groups(name)
+        if name == "hstu_match":
+            self._check_hstu_match_groups()
         if name in SID_KEYS:
             top = {g.group_name: g for g in self.feature_groups}
             for where, group, _ in self._tower_inputs(name):
@@ -718,6 +750,29 @@ class ModelCfg(Strict):
                 want = "a sequence group" if known[g] else "a deep group"
                 raise ValueError(f"{name}: group '{g}' must be {want}, it is '{kind}'")
 
+    def _check_hstu_match_groups(self) -> None:
+        """HSTUMatch's groups: its towers' inputs, the history's ``_action`` / ``_watchtime`` /
+        ``_timestamp`` groups (sequences), ``contextual`` and ``query_time`` (deep)."""
+        cfg = self.hstu_match
+        assert cfg is not None
+        base = cfg.user_tower.input
+        kinds = {g.group_name: g.group_type for g in self.feature_groups}
+        known = {**HSTU_MATCH_GROUPS, base: True, cfg.item_tower.input: True}
+        known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES[1:]})
+        needed = [base + "_timestamp"] if cfg.user_tower.hstu.positional_encoder.use_time_encoding else []
+        needed += [base + "_action"] if cfg.user_tower.hstu.action_encoder is not None else []
+        missing = [g for g in needed if g not in kinds]
+        if missing:
+            raise ValueError(f"hstu_match: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
+        for g, kind in kinds.items():
+            if g not in known:
+                raise ValueError(f"hstu_match: reads the groups {list(known)}; group '{g}' would be ignored")
+            if (kind == "sequence") != known[g]:
+                raise ValueError(f"hstu_match: group '{g}' must be {'a sequence' if known[g] else 'a deep'} group")
+        for g in (base + "_action", base + "_timestamp", "query_time"):
+            if g in kinds and len(self.group(g).feature_names) != 1:
+                raise ValueError(f"hstu_match: group '{g}' holds one feature of one number an element")
+
     def _tower_inputs(self, name: str) -> list[tuple[str, str, str]]:
         """``(config path, group name, 'deep' | 'sequence')`` of every tower input of the model."""
         if name == "multi_tower_din":
@@ -738,8 +793,15 @@ class ModelCfg(Strict):
             assert p is not None
             given = (("main_input", p.main_input), ("domain_input", p.domain_input), ("uia_input", p.uia_input))
             return [(f"pepnet.{key}", group, "deep") for key, group in given if group is not None]
+        if name == "hstu_match":
+            assert self.hstu_match is not None
+            return [
+                ("hstu_match.user_tower", self.hstu_match.user_tower.input, "sequence"),
+                ("hstu_match.item_tower", self.hstu_match.item_tower.input, "sequence"),
+            ]
         if name in RETRIEVAL_KEYS:
             towers = self.retrieval
+            assert isinstance(towers, DSSMCfg)
             out = [
                 (f"{name}.user_tower", towers.user_tower.input, "deep"),
                 (f"{name}.item_tower", towers.item_tower.input, "deep"),
@@ -776,10 +838,10 @@ class ModelCfg(Strict):
         return self.sid.input or self.feature_groups[0].group_name
 
     @property
-    def retrieval(self) -> DSSMCfg:
-        """The retrieval model's block (dssm; dat and mind: a DSSMCfg with other towers)."""
+    def retrieval(self) -> Union[DSSMCfg, HSTUMatchCfg]:
+        """The retrieval model's block (dssm; dat and mind: a DSSMCfg with other towers; hstu_match)."""
         cfg = getattr(self, self.name)
-        assert isinstance(cfg, DSSMCfg), f"model '{self.name}' is not a retrieval model"
+        assert isinstance(cfg, (DSSMCfg, HSTUMatchCfg)), f"model '{self.name}' is not a retrieval model"
         return cfg
 
     @property
@@ -807,13 +869,16 @@ class ModelCfg(Strict):
         must have one length: each sequence group's; a generative ranker's history groups of a
         channel together (items, actions, timestamps) and its candidate groups together."""
         out = [names for _, _, names in self.sequence_groups()]
+        groups = {g.group_name: list(g.feature_names) for g in self.feature_groups}
         if self.name in CANDIDATE_KEYS:
-            groups = {g.group_name: list(g.feature_names) for g in self.feature_groups}
             sides = [
                 [c.history_group + suffix for suffix in CHANNEL_SUFFIXES] for c in getattr(self, self.name).channels
             ]
             for side in [*sides, ["candidate", "candidate_timestamp"]]:
                 out.append([n for g in side for n in groups.get(g, [])])
+        if self.hstu_match is not None:
+            base = self.hstu_match.user_tower.input
+            out.append([n for suffix in CHANNEL_SUFFIXES for n in groups.get(base + suffix, [])])
         return out
 
     def group(self, name: str) -> FeatureGroupCfg:
@@ -1031,6 +1096,19 @@ class Config(Strict):
                     "the sampled ones) is every item: recall would be 1 whatever the model; give a smaller k or "
                     "sample more items (data.negative_sampler.num_eval_sample)"
                 )
+        if isinstance(cfg, HSTUMatchCfg):
+            if sampler is None:
+                raise ValueError(
+                    "model.hstu_match: scores each positive against sampled items: give data.negative_sampler"
+                )
+            if sampler.hard_negatives is not None:
+                raise ValueError("data.negative_sampler.hard_negatives: not supported with hstu_match yet")
+            candidate = self.candidate_feature()
+            if candidate is None or sampler.item_id_field not in self.columns_read(candidate):
+                raise ValueError(
+                    f"data.negative_sampler.item_id_field: hstu_match's positives are its candidates' ids; "
+                    f"'{sampler.item_id_field}' is not the column of its candidate feature '{candidate}'"
+                )
         if sampler is not None:
             groups = [cfg.item_tower.input] + ([cfg.item_tower.augment_input] if isinstance(cfg, DATCfg) else [])
             names = [n for g in groups for n in self.model.group(g).feature_names]
@@ -1084,7 +1162,10 @@ class Config(Strict):
 
     def candidate_feature(self) -> Optional[str]:
         """The sequence feature whose elements are each row's candidates, for a model that scores
-        them (``dlrm_hstu``): its labels are lists, one value a candidate; None for the others."""
+        them (``dlrm_hstu``; ``hstu_match``: its positives): its labels are lists, one value a
+        candidate; None for the others."""
+        if self.model.hstu_match is not None:
+            return self.model.group(self.model.hstu_match.item_tower.input).feature_names[0]
         if self.model.name not in CANDIDATE_KEYS:
             return None
         return self.model.group("candidate").feature_names[0]

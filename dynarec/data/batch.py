@@ -379,6 +379,22 @@ class _Plan:
 _VOCABS = ("vocab_list", "vocab_dict", "vocab_file")
 
 
+def sequence_elements(column: Union[pa.Array, pa.ChunkedArray], separator: str) -> pa.ChunkedArray:
+    """Every element of a column of sequences (lists, or strings joined by ``separator``), row
+    after row; empty strings dropped."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out = []
+    for chunk in chunks:
+        if pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
+            out.append(pc.list_flatten(chunk))
+        elif pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type):
+            parts = pc.list_flatten(pc.split_pattern(chunk, separator))
+            out.append(parts.filter(pc.not_equal(parts, "")))
+        else:
+            out.append(chunk)
+    return pa.chunked_array(out, type=out[0].type if out else pa.int64())
+
+
 class BatchBuilder:
     """Builds :class:`Batch` objects from Arrow tables for one config."""
 
@@ -417,6 +433,10 @@ class BatchBuilder:
             list(dict.fromkeys(n for n in names if n in sequences)) for names in config.model.aligned_sequences()
         )
         self.sequence_groups = [names for names in aligned if len(names) > 1]
+        # The separator of each column a sequence feature reads (an id column may hold a row's ids).
+        self._sequence_separators = {
+            c: f.separator for f in features if isinstance(f, SequenceFeatureCfg) for c in f.columns
+        }
 
     def _label_owner(self, label: str) -> str:
         if not self.config.model.task_towers:
@@ -570,8 +590,12 @@ class BatchBuilder:
         return outputs, len(picks), hard_rows
 
     def _int_ids(self, table: pa.Table, column: str, field: str, what: str, origin: RowOrigin) -> np.ndarray:
+        values: Union[pa.Array, pa.ChunkedArray] = table.column(column)
+        separator = self._sequence_separators.get(column)
+        if separator is not None:  # hstu_match: the column of each row's candidates, their ids the positives
+            values = sequence_elements(values, separator)
         try:
-            return table.column(column).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+            return values.combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             raise DataError(
                 f"{origin.label}: column '{column}' ({field}) holds something other than integer {what} ids"

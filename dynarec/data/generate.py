@@ -68,6 +68,7 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
+from dynarec.data.batch import sequence_elements
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
@@ -661,11 +662,16 @@ def _write_item_table(config: Config, tables: list[pa.Table], target: Path, tmp:
     if path.exists() and not inside:
         return None
     rows = pa.concat_tables(tables)
-    ids = rows.column(0).to_numpy()
+    columns = [rows.column(j) for j in range(rows.num_columns)]
+    candidate = config.candidate_feature()
+    if candidate is not None:  # hstu_match: each row holds several items (its positives)
+        separator = config.feature(candidate).separator
+        columns = [sequence_elements(c, separator) for c in columns]
+    ids = columns[0].combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
     _, first = np.unique(ids, return_index=True)
     attrs = []
     for j in range(len(sampler.attr_fields)):
-        col = rows.column(1 + j).combine_chunks().take(pa.array(first))
+        col = columns[1 + j].combine_chunks().take(pa.array(first))
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             col = pc.binary_join(col.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR)
         values = col.cast(pa.string())

@@ -33,10 +33,11 @@ from dynarec.models.hstu import (
     TimestampLayerNormPostprocessor,
 )
 
-__all__ = ["DlrmHSTU"]
+__all__ = ["DlrmHSTU", "postprocessor_of"]
 
 
-def _postprocessor(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
+def postprocessor_of(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
+    """The tokens' postprocessor of ``cfg`` (``x [B, N, D]``, its timestamps ``[B, N]``)."""
     if cfg.kind == "timestamp_layernorm":
         return TimestampLayerNormPostprocessor(dim, cfg.time_duration_period_units, cfg.time_duration_units_per_period)
     return LayerNormPostprocessor(dim) if cfg.kind == "layernorm" else L2NormPostprocessor()
@@ -134,7 +135,7 @@ class DlrmHSTU(nn.Module):
                     for _ in range(hstu.attn_num_layers)
                 ]
             ),
-            postprocessor=_postprocessor(hstu.postprocessor, dim),
+            postprocessor=postprocessor_of(hstu.postprocessor, dim),
             num_contexts=len(self.contextual),
             contextual_dim=widths.pop() if widths else 0,
             action_encoder=SimpleActionEncoder(action.action_embedding_dim, action.action_weights) if action else None,

@@ -167,7 +167,8 @@ class HSTUPositionalEncoder(nn.Module):
     ``use_time_encoding`` a token's time bucket comes from its age against the row's query time
     (its last token's timestamp: the last candidate's query time):
     ``int(clamp(f(max(qt - ts, 1e-6) / increments) / num_time_buckets, 0, 1) * num_time_buckets)``,
-    ``f`` sqrt or log. Without it the position is the token's index, clamped to ``L - T``."""
+    ``f`` sqrt or log (``query_time [B]`` given: the row's age anchor instead, HSTUMatch's request
+    time). Without it the position is the token's index, clamped to ``L - T``."""
 
     def __init__(
         self,
@@ -197,9 +198,11 @@ class HSTUPositionalEncoder(nn.Module):
         lengths: torch.Tensor,
         num_targets: torch.Tensor,
         timestamps: torch.Tensor,
+        query_time: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(position [B, N], time [B, N] or None)`` bucket of every token (``timestamps
-        [B, N]`` float32 seconds)."""
+        [B, N]`` float32 seconds; ``query_time [B]``: the ages' anchor, default each row's last
+        token's time)."""
         n = timestamps.shape[1]
         j = _positions(lengths, n)
         high = (lengths - num_targets)[:, None]
@@ -208,7 +211,8 @@ class HSTUPositionalEncoder(nn.Module):
             return torch.minimum(j, high.clamp(max=self.num_position_buckets - 1)), None
         pos = (high - torch.minimum(j, high) + c).clamp(max=self.num_position_buckets - 1)
         pos = torch.where(j < c, j, pos)
-        query_time = timestamps.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        if query_time is None:
+            query_time = timestamps.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
         dt = (query_time[:, None] - timestamps).clamp(min=1e-6) / self.time_bucket_increments
         f = torch.sqrt(dt) if self.time_bucket_fn == "sqrt" else torch.log(dt)
         nt = self.num_time_buckets
@@ -221,9 +225,10 @@ class HSTUPositionalEncoder(nn.Module):
         lengths: torch.Tensor,
         num_targets: torch.Tensor,
         timestamps: torch.Tensor,
+        query_time: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x [B, N, D]`` -> ``[B, N, D]``."""
-        pos, time = self.buckets(lengths, num_targets, timestamps)
+        pos, time = self.buckets(lengths, num_targets, timestamps, query_time)
         out = x * math.sqrt(self.dim) + self.position_embeddings[pos].to(x.dtype)
         if time is not None:
             out = out + self.time_embeddings[time].to(x.dtype)

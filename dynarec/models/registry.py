@@ -12,6 +12,7 @@ from dynarec.models.din import DIN
 from dynarec.models.dlrm import DLRM
 from dynarec.models.dlrm_hstu import DlrmHSTU
 from dynarec.models.dssm import DAT, DSSM
+from dynarec.models.hstu_match import HSTUMatch
 from dynarec.models.mind import MIND
 from dynarec.models.multi_task import DBMTL, PLE, MMoE, SimpleMultiTask
 from dynarec.models.multi_tower_din import MultiTowerDIN
@@ -45,6 +46,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "mind": MIND,
     "dlrm_hstu": DlrmHSTU,
     "ultra_hstu": DlrmHSTU,  # several channels: its config's hstu is a list
+    "hstu_match": HSTUMatch,
     "sid_rqvae": SidRqvae,
     "sid_rqkmeans": SidRqkmeans,
 }

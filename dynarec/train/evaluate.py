@@ -45,7 +45,8 @@ class Evaluator:
         batches = iter(self.input.loader(dataset))
         for _ in range(steps):
             batch = next(batches)
-            predicted = self.tasks.predictions(self.task(batch), batch.num_rows, batch.hard_negative_rows)
+            # (the rows scored: a retrieval model's users, or the queries of hstu_match's positives)
+            predicted = self.tasks.predictions(self.task(batch), batch.labels.shape[0], batch.hard_negative_rows)
             outputs.append({k: v.cpu().numpy() for k, v in predicted.items()})
             labels.append(batch.labels.numpy())
             if batch.groups is not None:

@@ -50,6 +50,11 @@ def export_model(
 
     Raises FileExistsError, before writing anything, when ``export_dir`` is a non-empty
     directory that is not an export (a model directory, a user's own directory) or a file."""
+    if task.config.model.hstu_match is not None:
+        raise ValueError(
+            "export: model.hstu_match: exporting its towers (the user's history encoder, the item tower for an "
+            "index of the items) is not supported yet — score it with `dynarec evaluate` (recall@k)"
+        )
     if task.config.candidate_feature() is not None:
         raise ValueError(
             f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "

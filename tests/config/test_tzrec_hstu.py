@@ -453,6 +453,36 @@ def test_a_missing_sequence_length_is_refused_elsewhere():
     )
 
 
-def test_hstu_match_is_refused_with_its_reason():
-    text = refusal((TESTS / "hstu_kuairand_1k.config").read_text())
-    assert "\n  model_config.hstu_match: this model is not supported yet: HSTU retrieval" in text, text
+def test_the_hstu_match_config_converts():
+    """TorchEasyRec's HSTUMatch on KuaiRand: the user tower's hstu as dlrm_hstu's with the
+    uih_preprocessor's action encoder, the item tower's linear MLP, the first label read, the
+    sampler's attr_fields named as the candidates' sub-feature."""
+    result = convert((TESTS / "hstu_kuairand_1k.config").read_text())
+    c = result.config
+    block = c["model"]["hstu_match"]
+    assert block["user_tower"]["input"] == "uih" and block["user_tower"]["max_seq_len"] == 4096
+    hstu = block["user_tower"]["hstu"]
+    assert hstu["action_mlp_hidden_dim"] == 64 and hstu["postprocessor"] == {"kind": "l2norm"}
+    assert "content_mlp_hidden_dim" not in hstu
+    assert block["item_tower"] == {"input": "candidate", "hidden_units": [32], "activation": "none"}
+    assert (block["similarity"], block["temperature"], block["recall_at_k"]) == ("cosine", 0.05, [1, 5])
+    assert c["data"]["label_field"] == "cand_seq__action_weight"
+    sampler = c["data"]["negative_sampler"]
+    assert sampler["attr_fields"] == ["cand_seq__video_id"] and sampler["item_id_field"] == "cand_seq__video_id"
+    config = config_from_dict(c)
+    assert config.candidate_feature() == "cand_seq__video_id"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "path"),
+    [
+        ("uih_preprocessor {", "contextual_preprocessor {", r"hstu_match\.user_tower\.hstu\.input_preprocessor"),
+        ("similarity: COSINE", "similarity: COSINE\n        sequence_timestamp_is_ascending: false", "ascending"),
+        ("softmax_cross_entropy {}", "binary_cross_entropy {}", r"model_config\.losses: \['binary_cross_entropy'\]"),
+    ],
+)
+def test_what_hstu_match_cannot_carry_is_refused_by_path(old, new, path):
+    text = (TESTS / "hstu_kuairand_1k.config").read_text()
+    assert old in text
+    with pytest.raises(ConversionError, match=path):
+        convert(text.replace(old, new))

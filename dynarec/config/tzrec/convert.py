@@ -116,6 +116,8 @@ def convert_pipeline_config(
     if name in (*MULTI_TASK, *GENERATIVE):  # the labels its task towers name
         data.pop("label_field", None)
         _note_unread_labels(labels, model.model, d.at("label_fields") if d is not None else "", ctx)
+    elif name == "hstu_match":  # TorchEasyRec's match models read their first label (whose values no loss reads)
+        _hstu_match_data(data, labels, d.at("label_fields") if d is not None else "data_config.label_fields", ctx)
     elif name in ("sid_rqvae", "sid_rqkmeans"):  # reads no label
         data.pop("label_field", None)
         if labels:
@@ -158,6 +160,31 @@ def convert_pipeline_config(
         config["eval"] = eval_cfg
     _check_config(config, output_dir)
     return ConversionResult(config, ctx.notes, dropped)
+
+
+def _hstu_match_data(data: dict[str, Any], labels: list[str], where: str, ctx: Context) -> None:
+    """hstu_match's data: its label (the first, a list a row: one value a positive, read for its
+    count); the sampler's attr_fields named as the candidates' sub-features are (TorchEasyRec
+    writes them without the sequence's prefix)."""
+    if not labels:
+        ctx.refuse(where, "hstu_match reads a label (a list a row, one value a candidate)", fatal=True)
+        return
+    data["label_field"] = labels[0]
+    if len(labels) > 1:
+        ctx.note(where, f"{labels[1:]}: not read (a match model reads its first label, and not its values)")
+    sampler = data.get("negative_sampler")
+    if sampler is None:
+        return
+    prefix, sep, _ = sampler["item_id_field"].partition("__")
+    if sep:
+        renamed = [a if a.startswith(prefix + "__") else f"{prefix}__{a}" for a in sampler["attr_fields"]]
+        if renamed != sampler["attr_fields"]:
+            ctx.note(
+                "data_config.negative_sampler.attr_fields",
+                f"{sampler['attr_fields']} -> {renamed}: the candidates' sub-features ({prefix}'s), which the sampled "
+                "items' attributes become, in order",
+            )
+            sampler["attr_fields"] = renamed
 
 
 def _note_unread_labels(labels: list[str], model: dict[str, Any], where: str, ctx: Context) -> None:

@@ -33,7 +33,7 @@ def _activations(cls_name: str, name: str) -> set[str]:
     return {str(v) for v in field_values(cls, name)} if cls is not None else set()
 
 
-_TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice"}
+_TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice", "": "none"}
 
 
 @dataclass
@@ -72,7 +72,7 @@ def _mlp(
         names = [k for k, v in _TORCH_ACTIVATIONS.items() if v in allowed]
         ctx.refuse(r.at("activation"), f"{activation!r} is not supported here ({', '.join(names)} on every layer are)")
     elif mapped != "relu":
-        ctx.note(r.at("activation"), f"{activation} on every layer, as TorchEasyRec's")
+        ctx.note(r.at("activation"), f"{activation or 'none (linear layers)'} on every layer, as TorchEasyRec's")
     if batch_norm:  # the caller reads use_bn
         r.scalar("use_bn")
     else:
@@ -199,13 +199,13 @@ _TARGETS = {
     "ultra_hstu": "ultra_hstu",
     "sid_rqvae": "sid_rqvae",
     "sid_rqkmeans": "sid_rqkmeans",
+    "hstu_match": "hstu_match",
 }
 # The generative rankers (dynarec/config/hstu.py): DlrmHSTU, and UltraHSTU (several channels).
 GENERATIVE = ("dlrm_hstu", "ultra_hstu")
-# TorchEasyRec's models dynarec does not have yet, with what they need beyond dlrm_hstu.
+# TorchEasyRec's models dynarec does not have yet, with what they need.
 _NOT_YET = {
-    "hstu_match": "HSTU retrieval, an HSTU user tower (uih_preprocessor) against an item tower; dlrm_hstu and "
-    "ultra_hstu convert",
+    "tdm": "tree-based retrieval: a tree index of the items built offline, layer-wise sampling and beam search",
 }
 _RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
 _SID = ("sid_rqvae", "sid_rqkmeans")
@@ -358,6 +358,11 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
             out["variational_dropout"] = variational_dropout
         r.done()
         return result
+    elif name == "hstu_match":
+        out[name] = _hstu_match(r, m, ctx, groups_out)
+        m.done()
+        r.done()
+        return result
     elif name in _SID:
         out[name] = _sid(r, m, ctx, name, groups_out)
         m.done()
@@ -457,35 +462,55 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     return result
 
 
-def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
-    """dssm / dssm_v2 -> dynarec's dssm, dat -> dat, with the model's softmax cross-entropy loss
-    and its recall_at_k metrics (TorchEasyRec's match models take no other)."""
+def _hstu_match(r: Reader, m: Reader, ctx: Context, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """hstu_match {user_tower {input, hstu, max_seq_len}, item_tower {input, mlp}, output_dim,
+    similarity, temperature} -> dynarec's hstu_match: its user tower's hstu as dlrm_hstu's (its
+    preprocessor the uih_preprocessor's fields); the match models' loss and metrics."""
     out: dict[str, Any] = {}
-    for key in ("user_tower", "item_tower"):
-        t = m.message(key)
-        if t is None:
-            ctx.refuse(m.at(key), "a tower is needed", fatal=True)
-            continue
-        if name == "mind" and key == "user_tower":
-            out[key] = _mind_user_tower(t, ctx)
+    contextual = next((len(g["feature_names"]) for g in groups if g["group_name"] == "contextual"), 0)
+    if (ut := m.message("user_tower")) is not None:
+        user: dict[str, Any] = {"input": str(ut.scalar("input", "uih"))}
+        _required(ut, "max_seq_len")
+        user["max_seq_len"] = ut.integer("max_seq_len", 1)
+        if (h := ut.message("hstu")) is not None:
+            user["hstu"] = _hstu(h, ctx, contextual, "hstu_match")
         else:
-            out[key] = {"input": str(t.scalar("input", "")), **_match_mlp(t, "mlp", ctx)}
-        if name == "dat":
-            out[key]["augment_input"] = str(t.scalar("augment_input", ""))
-        t.done()
+            _required(ut, "hstu", "an hstu block")
+        ut.done()
+        out["user_tower"] = user
+    else:
+        _required(m, "user_tower", "a user tower")
+    if (it := m.message("item_tower")) is not None:
+        if not it.has("mlp"):
+            ctx.refuse(
+                it.at("mlp"), "an item tower without an MLP is not supported (give mlp {hidden_units})", fatal=True
+            )
+        out["item_tower"] = {"input": str(it.scalar("input", "candidate")), **_match_mlp(it, "mlp", ctx)}
+        it.done()
+    else:
+        _required(m, "item_tower", "an item tower")
     out["output_dim"] = m.integer("output_dim", 0)
-    if name == "mind":
-        out["simi_pow"] = m.number("simi_pow", 10.0)
-    # TorchEasyRec's MIND is cosine by default, its other match models inner product
-    similarity = str(m.scalar("similarity", "COSINE" if name == "mind" else "INNER_PRODUCT"))
+    similarity = str(m.scalar("similarity", "INNER_PRODUCT"))
     if similarity not in ("INNER_PRODUCT", "COSINE"):
         ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
-    out["similarity"] = similarity.lower()
+    out["similarity"] = similarity.lower() if similarity in ("INNER_PRODUCT", "COSINE") else "inner_product"
     out["temperature"] = m.number("temperature", 1.0)
-    out["in_batch_negative"] = bool(m.scalar("in_batch_negative", False))
-    if name == "dat":
-        out["amm_u_weight"] = m.number("amm_u_weight", 0.5)
-        out["amm_i_weight"] = m.number("amm_i_weight", 0.5)
+    m.default_only("sequence_timestamp_is_ascending", True, "histories newest-first are not supported")
+    m.default_only("in_batch_negative", False, "several positives a row: TorchEasyRec refuses it too")
+    out["recall_at_k"] = _match_losses_and_metrics(r, ctx)
+    kernel = str(r.scalar("kernel", "PYTORCH"))
+    if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
+        ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
+    elif kernel != "PYTORCH":
+        ctx.note(r.at("kernel"), f"{kernel}: dynarec computes TorchEasyRec's PyTorch reference formulas")
+    for key, default in (("use_pareto_loss_weight", False), ("num_class", 1)):
+        r.default_only(key, default)
+    return out
+
+
+def _match_losses_and_metrics(r: Reader, ctx: Context) -> list[int]:
+    """A match model's ``losses`` (softmax_cross_entropy only) and ``metrics`` / ``train_metrics``
+    (recall_at_k only): the recall@k's ``top_k``s (default [5])."""
     for loss in r.messages("losses"):
         kinds = loss.msg.names()
         if kinds != ["softmax_cross_entropy"]:
@@ -516,7 +541,39 @@ def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
                 top_k.append(k)
             else:
                 ctx.note(metric.path, "metrics of the training batches: dynarec computes recall@k on the eval data")
-    out["recall_at_k"] = list(dict.fromkeys(top_k)) or [5]
+    return list(dict.fromkeys(top_k)) or [5]
+
+
+def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
+    """dssm / dssm_v2 -> dynarec's dssm, dat -> dat, with the model's softmax cross-entropy loss
+    and its recall_at_k metrics (TorchEasyRec's match models take no other)."""
+    out: dict[str, Any] = {}
+    for key in ("user_tower", "item_tower"):
+        t = m.message(key)
+        if t is None:
+            ctx.refuse(m.at(key), "a tower is needed", fatal=True)
+            continue
+        if name == "mind" and key == "user_tower":
+            out[key] = _mind_user_tower(t, ctx)
+        else:
+            out[key] = {"input": str(t.scalar("input", "")), **_match_mlp(t, "mlp", ctx)}
+        if name == "dat":
+            out[key]["augment_input"] = str(t.scalar("augment_input", ""))
+        t.done()
+    out["output_dim"] = m.integer("output_dim", 0)
+    if name == "mind":
+        out["simi_pow"] = m.number("simi_pow", 10.0)
+    # TorchEasyRec's MIND is cosine by default, its other match models inner product
+    similarity = str(m.scalar("similarity", "COSINE" if name == "mind" else "INNER_PRODUCT"))
+    if similarity not in ("INNER_PRODUCT", "COSINE"):
+        ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
+    out["similarity"] = similarity.lower()
+    out["temperature"] = m.number("temperature", 1.0)
+    out["in_batch_negative"] = bool(m.scalar("in_batch_negative", False))
+    if name == "dat":
+        out["amm_u_weight"] = m.number("amm_u_weight", 0.5)
+        out["amm_i_weight"] = m.number("amm_i_weight", 0.5)
+    out["recall_at_k"] = _match_losses_and_metrics(r, ctx)
     for key, default in (("kernel", "PYTORCH"), ("use_pareto_loss_weight", False), ("num_class", 1)):
         r.default_only(key, default)
     return out
@@ -908,7 +965,11 @@ def _hstu(h: Reader, ctx: Context, contextual: int, model: str) -> dict[str, Any
     action_mlp_hidden_dim)."""
     out: dict[str, Any] = {}
     name = str(h.scalar("name", ""))
-    if name and model == "dlrm_hstu":
+    if model == "hstu_match":
+        h.default_only("name", "", "hstu_match's user tower reads the groups of its input")
+        h.default_only("attn_truncation_split_layer", 0, "not supported in hstu_match's user tower yet")
+        h.default_only("attn_truncation_tail_len", 0, "not supported in hstu_match's user tower yet")
+    elif name and model == "dlrm_hstu":
         ctx.refuse(
             h.at("name"),
             f"{name!r}: a named channel is ultra_hstu's (TorchEasyRec's DlrmHSTU would size its transducer by the "
@@ -939,7 +1000,7 @@ def _hstu(h: Reader, ctx: Context, contextual: int, model: str) -> dict[str, Any
     else:
         _required(h, "positional_encoder", "a positional_encoder")
     if (ip := h.message("input_preprocessor")) is not None:
-        out.update(_input_preprocessor(ip, ctx))
+        out.update(_uih_preprocessor(ip, ctx) if model == "hstu_match" else _input_preprocessor(ip, ctx))
     else:
         _required(h, "input_preprocessor", "an input_preprocessor")
     if (op := h.message("output_postprocessor")) is not None:
@@ -1060,6 +1121,37 @@ def _input_preprocessor(ip: Reader, ctx: Context) -> dict[str, Any]:
         out["action_encoder"] = encoder
         out["action_mlp_hidden_dim"] = action_mlp
     cp.done()
+    ip.done()
+    return out
+
+
+def _uih_preprocessor(ip: Reader, ctx: Context) -> dict[str, Any]:
+    """input_preprocessor {uih_preprocessor {action_encoder, action_mlp}} (hstu_match's) ->
+    action_encoder, action_mlp_hidden_dim."""
+    ip.refuse(
+        "contextual_preprocessor",
+        "contextual_interleave_preprocessor",
+        why="hstu_match's user tower reads the history alone (uih_preprocessor)",
+        fatal=True,
+    )
+    up = ip.message("uih_preprocessor")
+    out: dict[str, Any] = {}
+    if up is None:
+        if not ip.has("contextual_preprocessor") and not ip.has("contextual_interleave_preprocessor"):
+            _required(ip, "uih_preprocessor", "a uih_preprocessor")
+        ip.done()
+        return out
+    encoder = _action_encoder(ae, ctx) if (ae := up.message("action_encoder")) is not None else None
+    action_mlp = _contextualized_mlp(up, "action_mlp", ctx)
+    if up.has("action_encoder") != up.has("action_mlp"):
+        given, missing = (
+            ("action_encoder", "action_mlp") if up.has("action_encoder") else ("action_mlp", "action_encoder")
+        )
+        ctx.refuse(up.at(missing), f"{given} and {missing} go together", fatal=True)
+    elif encoder is not None and action_mlp is not None:
+        out["action_encoder"] = encoder
+        out["action_mlp_hidden_dim"] = action_mlp
+    up.done()
     ip.done()
     return out
 
