@@ -733,13 +733,18 @@ class ModelCfg(Strict):
     def _check_hstu_groups(self, name: str) -> None:
         """A generative ranker's groups: TorchEasyRec's fixed names, each of its kind."""
         cfg = getattr(self, name)
-        kinds = {g.group_name: g.group_type for g in self.feature_groups}
         known = dict(HSTU_GROUPS)
         needed = ["candidate", "candidate_timestamp"]
         for channel in cfg.channels:
             base = channel.history_group
             known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES})
             needed += [base, base + "_timestamp"] + ([base + "_action"] if channel.action_encoder else [])
+        self._check_named_groups(name, known, needed)
+
+    def _check_named_groups(self, name: str, known: dict[str, bool], needed: list[str]) -> None:
+        """A model reading its groups by name: every group is one it reads (``known``: whether
+        each is a sequence group) and of its kind, and the ``needed`` ones are given."""
+        kinds = {g.group_name: g.group_type for g in self.feature_groups}
         missing = [g for g in needed if g not in kinds]
         if missing:
             raise ValueError(f"{name}: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
@@ -756,21 +761,14 @@ class ModelCfg(Strict):
         cfg = self.hstu_match
         assert cfg is not None
         base = cfg.user_tower.input
-        kinds = {g.group_name: g.group_type for g in self.feature_groups}
         known = {**HSTU_MATCH_GROUPS, base: True, cfg.item_tower.input: True}
         known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES[1:]})
         needed = [base + "_timestamp"] if cfg.user_tower.hstu.positional_encoder.use_time_encoding else []
         needed += [base + "_action"] if cfg.user_tower.hstu.action_encoder is not None else []
-        missing = [g for g in needed if g not in kinds]
-        if missing:
-            raise ValueError(f"hstu_match: needs the feature group(s) {missing}; groups: {sorted(kinds)}")
-        for g, kind in kinds.items():
-            if g not in known:
-                raise ValueError(f"hstu_match: reads the groups {list(known)}; group '{g}' would be ignored")
-            if (kind == "sequence") != known[g]:
-                raise ValueError(f"hstu_match: group '{g}' must be {'a sequence' if known[g] else 'a deep'} group")
+        self._check_named_groups("hstu_match", known, needed)
+        names = {g.group_name for g in self.feature_groups}
         for g in (base + "_action", base + "_timestamp", "query_time"):
-            if g in kinds and len(self.group(g).feature_names) != 1:
+            if g in names and len(self.group(g).feature_names) != 1:
                 raise ValueError(f"hstu_match: group '{g}' holds one feature of one number an element")
 
     def _tower_inputs(self, name: str) -> list[tuple[str, str, str]]:

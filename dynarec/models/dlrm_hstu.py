@@ -17,7 +17,14 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from dynarec.config.hstu import DlrmHSTUCfg, HSTUCfg, HSTUPostprocessorCfg, UltraHSTUCfg
+from dynarec.config.hstu import (
+    DlrmHSTUCfg,
+    HSTUCfg,
+    HSTUPostprocessorCfg,
+    PositionalEncoderCfg,
+    STUCfg,
+    UltraHSTUCfg,
+)
 from dynarec.config.schema import Config
 from dynarec.models.features import FeatureInputs
 from dynarec.models.hstu import (
@@ -33,7 +40,39 @@ from dynarec.models.hstu import (
     TimestampLayerNormPostprocessor,
 )
 
-__all__ = ["DlrmHSTU", "postprocessor_of"]
+__all__ = ["DlrmHSTU", "positional_of", "postprocessor_of", "stu_stack_of"]
+
+
+def positional_of(cfg: PositionalEncoderCfg, dim: int, num_contexts: int) -> HSTUPositionalEncoder:
+    """The positional encoder of ``cfg`` for tokens of ``dim`` after ``num_contexts`` contexts."""
+    return HSTUPositionalEncoder(
+        dim,
+        cfg.num_position_buckets,
+        num_contexts,
+        cfg.num_time_buckets,
+        cfg.use_time_encoding,
+        cfg.time_bucket_fn,
+        cfg.time_bucket_increments,
+    )
+
+
+def stu_stack_of(stu: STUCfg, num_layers: int, max_seq_len: int) -> STUStack:
+    """``num_layers`` STU layers of ``stu``'s sizes, scores divided by ``max_seq_len``."""
+    return STUStack(
+        [
+            STULayer(
+                stu.embedding_dim,
+                stu.num_heads,
+                stu.hidden_dim,
+                stu.attention_dim,
+                scaling_seqlen=max_seq_len,
+                output_dropout_ratio=stu.output_dropout_ratio,
+                use_group_norm=stu.use_group_norm,
+                attn_alpha=stu.attn_alpha,
+            )
+            for _ in range(num_layers)
+        ]
+    )
 
 
 def postprocessor_of(cfg: HSTUPostprocessorCfg, dim: int) -> nn.Module:
@@ -111,30 +150,8 @@ class DlrmHSTU(nn.Module):
             history_dim=sum(self.inputs[n].width for n in channel.history),
             candidate_dim=candidate_dim,
             content_hidden_dim=hstu.content_mlp_hidden_dim,
-            positional=HSTUPositionalEncoder(
-                dim,
-                hstu.positional_encoder.num_position_buckets,
-                len(self.contextual),
-                hstu.positional_encoder.num_time_buckets,
-                hstu.positional_encoder.use_time_encoding,
-                hstu.positional_encoder.time_bucket_fn,
-                hstu.positional_encoder.time_bucket_increments,
-            ),
-            stack=STUStack(
-                [
-                    STULayer(
-                        dim,
-                        stu.num_heads,
-                        stu.hidden_dim,
-                        stu.attention_dim,
-                        scaling_seqlen=max_seq_len,
-                        output_dropout_ratio=stu.output_dropout_ratio,
-                        use_group_norm=stu.use_group_norm,
-                        attn_alpha=stu.attn_alpha,
-                    )
-                    for _ in range(hstu.attn_num_layers)
-                ]
-            ),
+            positional=positional_of(hstu.positional_encoder, dim, len(self.contextual)),
+            stack=stu_stack_of(stu, hstu.attn_num_layers, max_seq_len),
             postprocessor=postprocessor_of(hstu.postprocessor, dim),
             num_contexts=len(self.contextual),
             contextual_dim=widths.pop() if widths else 0,

@@ -27,17 +27,9 @@ from torch import nn
 
 from dynarec.config.hstu import UIHEncoderCfg
 from dynarec.config.schema import Config, HSTUMatchCfg
-from dynarec.models.dlrm_hstu import postprocessor_of
+from dynarec.models.dlrm_hstu import positional_of, postprocessor_of, stu_stack_of
 from dynarec.models.features import FeatureInputs
-from dynarec.models.hstu import (
-    ContextualProjection,
-    HSTUPositionalEncoder,
-    SimpleActionEncoder,
-    SimpleContextualizedMLP,
-    STULayer,
-    STUStack,
-    hstu_valid_mask,
-)
+from dynarec.models.hstu import ContextualProjection, SimpleActionEncoder, SimpleContextualizedMLP, hstu_valid_mask
 from dynarec.models.mlp import MLP
 
 __all__ = ["HSTUMatch", "UIHEncoder"]
@@ -61,31 +53,9 @@ class UIHEncoder(nn.Module):
         self.action_mlp = None
         if self.action_encoder is not None and cfg.action_mlp_hidden_dim is not None:
             self.action_mlp = SimpleContextualizedMLP(self.action_encoder.output_dim, cfg.action_mlp_hidden_dim, dim)
-        self.positional = HSTUPositionalEncoder(
-            dim,
-            pe.num_position_buckets,
-            num_contexts,
-            pe.num_time_buckets,
-            pe.use_time_encoding,
-            pe.time_bucket_fn,
-            pe.time_bucket_increments,
-        )
+        self.positional = positional_of(pe, dim, num_contexts)
         self.input_dropout_ratio = cfg.input_dropout_ratio
-        self.stack = STUStack(
-            [
-                STULayer(
-                    dim,
-                    stu.num_heads,
-                    stu.hidden_dim,
-                    stu.attention_dim,
-                    scaling_seqlen=max_seq_len,
-                    output_dropout_ratio=stu.output_dropout_ratio,
-                    use_group_norm=stu.use_group_norm,
-                    attn_alpha=stu.attn_alpha,
-                )
-                for _ in range(cfg.attn_num_layers)
-            ]
-        )
+        self.stack = stu_stack_of(stu, cfg.attn_num_layers, max_seq_len)
         self.max_attn_len = stu.max_attn_len
         self.postprocessor = postprocessor_of(cfg.postprocessor, dim)
 

@@ -165,8 +165,9 @@ MODEL_BLOCKS["sid_rqvae"] = ({"codebook": [4, 3], "embed_dim": 4, "hidden_dims":
 MODEL_BLOCKS["sid_rqkmeans"] = ({"codebook": [4, 3]}, False)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # The models scoring rows; those scoring each row's candidates (dlrm_hstu: other groups, a label a
-# candidate, no export yet) are tested in their own files (tests/models/test_dlrm_hstu.py).
-ROW_MODELS = sorted(set(MODELS) - set(CANDIDATE_KEYS))
+# candidate, no export yet; hstu_match: a query a candidate) are tested in their own files
+# (tests/models/test_dlrm_hstu.py, tests/models/test_hstu_match.py).
+ROW_MODELS = sorted(set(MODELS) - set(CANDIDATE_KEYS) - {"hstu_match"})
 # a row's width: dssm [user | item] of 3 each; dat [user | item | user augment | item augment] of
 # 4 each; mind [user | item | 3 interests] of 4 each
 RETRIEVAL_WIDTH = {"dssm": 6, "dat": 16, "mind": 20}

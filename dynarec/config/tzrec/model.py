@@ -1108,18 +1108,7 @@ def _input_preprocessor(ip: Reader, ctx: Context) -> dict[str, Any]:
         out["content_mlp_hidden_dim"] = content
     elif not cp.has("content_mlp"):
         _required(cp, "content_mlp", "a content_mlp (simple_mlp)")
-    encoder = None
-    if (ae := cp.message("action_encoder")) is not None:
-        encoder = _action_encoder(ae, ctx)
-    action_mlp = _contextualized_mlp(cp, "action_mlp", ctx)
-    if cp.has("action_encoder") != cp.has("action_mlp"):
-        given, missing = (
-            ("action_encoder", "action_mlp") if cp.has("action_encoder") else ("action_mlp", "action_encoder")
-        )
-        ctx.refuse(cp.at(missing), f"{given} and {missing} go together", fatal=True)
-    elif encoder is not None and action_mlp is not None:
-        out["action_encoder"] = encoder
-        out["action_mlp_hidden_dim"] = action_mlp
+    out.update(_actions(cp, ctx))
     cp.done()
     ip.done()
     return out
@@ -1141,19 +1130,24 @@ def _uih_preprocessor(ip: Reader, ctx: Context) -> dict[str, Any]:
             _required(ip, "uih_preprocessor", "a uih_preprocessor")
         ip.done()
         return out
-    encoder = _action_encoder(ae, ctx) if (ae := up.message("action_encoder")) is not None else None
-    action_mlp = _contextualized_mlp(up, "action_mlp", ctx)
-    if up.has("action_encoder") != up.has("action_mlp"):
-        given, missing = (
-            ("action_encoder", "action_mlp") if up.has("action_encoder") else ("action_mlp", "action_encoder")
-        )
-        ctx.refuse(up.at(missing), f"{given} and {missing} go together", fatal=True)
-    elif encoder is not None and action_mlp is not None:
-        out["action_encoder"] = encoder
-        out["action_mlp_hidden_dim"] = action_mlp
+    out.update(_actions(up, ctx))
     up.done()
     ip.done()
     return out
+
+
+def _actions(p: Reader, ctx: Context) -> dict[str, Any]:
+    """A preprocessor's ``action_encoder`` and ``action_mlp`` (both, or neither) -> action_encoder,
+    action_mlp_hidden_dim."""
+    encoder = _action_encoder(ae, ctx) if (ae := p.message("action_encoder")) is not None else None
+    action_mlp = _contextualized_mlp(p, "action_mlp", ctx)
+    if p.has("action_encoder") != p.has("action_mlp"):
+        pair = ["action_encoder", "action_mlp"]
+        given, missing = pair if p.has("action_encoder") else pair[::-1]
+        ctx.refuse(p.at(missing), f"{given} and {missing} go together", fatal=True)
+    elif encoder is not None and action_mlp is not None:
+        return {"action_encoder": encoder, "action_mlp_hidden_dim": action_mlp}
+    return {}
 
 
 def _contextualized_mlp(cp: Reader, key: str, ctx: Context) -> Optional[int]:
