@@ -15,7 +15,8 @@ batch's rows each hold their positives (the candidate sequence); the sampled ite
 rows, one candidate each. The model returns one row a candidate, ``[E, 2 * D]``: the row's user
 (zeros for a sampled item) then the candidate's item — a positive's row is a query, scored by
 ``Retrieval`` against its own item and every sampled item (``_sim_with_sampler``'s layout with
-each user repeated for each of its positives, as TorchEasyRec's ``repeat_interleave``)."""
+each user repeated for each of its positives, as TorchEasyRec's ``repeat_interleave``). An export
+serves :class:`HSTUMatchTowers`: a row's user and the item of its first candidate."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from dynarec.models.features import FeatureInputs
 from dynarec.models.hstu import ContextualProjection, SimpleActionEncoder, SimpleContextualizedMLP, hstu_valid_mask
 from dynarec.models.mlp import MLP
 
-__all__ = ["HSTUMatch", "UIHEncoder"]
+__all__ = ["HSTUMatch", "HSTUMatchTowers", "UIHEncoder"]
 
 
 class UIHEncoder(nn.Module):
@@ -192,3 +193,28 @@ class HSTUMatch(nn.Module):
             user = self.users(*[{k: v[:rows] for k, v in d.items()} for d in (embeddings, seq_lengths, dense)])
         query = user[owner.clamp(max=rows - 1)] * (owner < rows)[:, None].to(user.dtype)
         return torch.cat([query, item], dim=1)
+
+    def serving(self) -> nn.Module:
+        """What an export serves: :class:`HSTUMatchTowers` over this model's weights."""
+        return HSTUMatchTowers(self)
+
+
+class HSTUMatchTowers(nn.Module):
+    """HSTUMatch's two towers a row, what an export serves: ``[B, 2 * D]``, each row's user (its
+    history; as in training) then the item of its first candidate (zeros without one) — over a
+    table of users the queries, over a table of items (a candidate each) an item index, whose
+    inner products are the trained model's scores times the temperature."""
+
+    def __init__(self, model: HSTUMatch):
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
+        m = self.model
+        user = m.users(embeddings, seq_lengths, dense)
+        candidates = torch.cat([m.inputs.positions(n, embeddings, dense) for n in m.candidates], dim=-1)
+        if candidates.shape[1] == 0:
+            return torch.cat([user, torch.zeros_like(user)], dim=1)
+        has = (seq_lengths[m.candidates[0]] > 0)[:, None]
+        item = m.items(candidates[:, 0]) * has.to(user.dtype)
+        return torch.cat([user, item], dim=1)

@@ -50,12 +50,7 @@ def export_model(
 
     Raises FileExistsError, before writing anything, when ``export_dir`` is a non-empty
     directory that is not an export (a model directory, a user's own directory) or a file."""
-    if task.config.model.hstu_match is not None:
-        raise ValueError(
-            "export: model.hstu_match: exporting its towers (the user's history encoder, the item tower for an "
-            "index of the items) is not supported yet — score it with `dynarec evaluate` (recall@k)"
-        )
-    if task.config.candidate_feature() is not None:
+    if task.config.candidate_feature() is not None and task.config.model.hstu_match is None:
         raise ValueError(
             f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "
             "scores a row) is not supported yet — score it with `dynarec evaluate` or `dynarec predict --model-dir`"
@@ -148,7 +143,10 @@ def _write_export(
         {k: {0: batch_dim} for k in lengths},
         {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in dense},
     )
-    program = torch.export.export(task.dense.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
+    # What a row is served (a model may serve another function of its weights: HSTUMatch its towers).
+    serving = getattr(task.dense, "serving", None)
+    served: torch.nn.Module = serving() if callable(serving) else task.dense
+    program = torch.export.export(served.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
     # Serialized in memory first: torch's file writer aborts the process on a failed write (a
     # full disk), where Python's raises an OSError that names the file.
     buffer = io.BytesIO()

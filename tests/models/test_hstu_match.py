@@ -25,6 +25,7 @@ from dynarec.models.hstu_match import HSTUMatch
 from dynarec.models.inputs import model_inputs
 from dynarec.models.tasks import tasks_of
 from dynarec.planner.plan import plan_from_config
+from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
 from dynarec.train.trainer import Trainer
 
@@ -226,7 +227,9 @@ def test_each_positive_is_a_query_against_its_own_item_and_the_sampled_ones():
 def test_hstu_match_learns_a_users_taste_from_its_history(log, tmp_path):
     """Trained 15 epochs: recall@1 and @5 far above chance (1/21 and 5/21 with 20 sampled items;
     measured 0.42 and 0.87 — near the ceiling, as about 2 of the 20 samples share the user's
-    taste), each positive of an eval row scored; export is refused by name."""
+    taste), each positive of an eval row scored. The export serves the towers: a row's user as
+    the trained model's, the item of its first candidate as the item tower's; their products, over
+    the temperature, are the trained model's scores."""
     c = config(log)
     c["train"]["num_epochs"] = 15
     trainer = Trainer(config_from_dict(c), tmp_path / "m", progress=False)
@@ -238,8 +241,25 @@ def test_hstu_match_learns_a_users_taste_from_its_history(log, tmp_path):
     predicted, _, _ = trainer.predict(str(log / "eval.parquet"), per_row=True)
     lengths = [len(r) for r in pq.read_table(log / "eval.parquet").column("clk").to_pylist()]
     assert [len(r) for r in predicted["positive_rank"]] == lengths
-    with pytest.raises(ValueError, match=r"export: model\.hstu_match: exporting its towers"):
-        export_model(trainer.task, trainer.example_batch(), tmp_path / "e")
+    export = ExportedModel(export_model(trainer.task, trainer.example_batch(), tmp_path / "e"))
+    served = export.predict_files(str(log / "eval.parquet"), batch_size=37)
+    assert list(served) == ["user_embedding", "item_embedding"]
+    builder = BatchBuilder(trainer.config, with_labels=False)
+    batch = builder.build(pq.read_table(log / "eval.parquet"), "eval.parquet")
+    task = trainer.task
+    task.eval()
+    with torch.no_grad():
+        emb, lengths, dense = model_inputs(task.embeddings, batch, task.sequence_features, "cpu")
+        users = task.dense.users(emb, lengths, dense)
+        first = emb["cand_item"][:, 0]
+        items = task.dense.items(first) * (lengths["cand_item"] > 0)[:, None]
+    np.testing.assert_allclose(served["user_embedding"], users.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(served["item_embedding"], items.numpy(), rtol=1e-4, atol=1e-5)
+    # a query's scores in evaluation: the served user against the served items, over the temperature
+    with torch.no_grad():
+        out = task.dense(emb, lengths, dense)
+    q0 = (out[0, :8] * out[0, 8:]).sum() / 0.1
+    assert float(q0) == pytest.approx(float(users[0] @ items[0]) / 0.1, rel=1e-4)
 
 
 @pytest.mark.parametrize(
