@@ -289,18 +289,21 @@ class ContextualProjection(nn.Module):
 class SimpleActionEncoder(nn.Module):
     """Actions as embeddings (TorchEasyRec's ``simple_action_encoder``): a history token's action
     bitmask sets slot ``k`` to ``E[k] [a]`` where its bit ``action_weights[k]`` is on (zeros
-    elsewhere), ``[K * a]`` in all; every candidate gets one learned vector ``[K * a]``. Both
-    tables ``~ N(0, 0.1)``."""
+    elsewhere), ``[K * a]`` in all; every candidate gets one learned vector ``[K * a]``
+    (``with_targets``: a sequence without candidates has none). Both tables ``~ N(0, 0.1)``."""
 
     action_weights: torch.Tensor
 
-    def __init__(self, action_embedding_dim: int, action_weights: list[int]):
+    def __init__(self, action_embedding_dim: int, action_weights: list[int], with_targets: bool = True):
         super().__init__()
         self.register_buffer("action_weights", torch.tensor(action_weights, dtype=torch.int64), persistent=False)
         k = len(action_weights)
         self.output_dim = k * action_embedding_dim
         self.action_embeddings = nn.Parameter(torch.empty(k, action_embedding_dim).normal_(0.0, 0.1))
-        self.target_action_embedding = nn.Parameter(torch.empty(1, self.output_dim).normal_(0.0, 0.1))
+        # (an unread parameter would stall a multi-process step: DDP waits for its gradient)
+        self.target_action_embedding = (
+            nn.Parameter(torch.empty(1, self.output_dim).normal_(0.0, 0.1)) if with_targets else None
+        )
 
     def forward(self, actions: torch.Tensor) -> torch.Tensor:
         """``actions [...]`` int64 bitmasks -> ``[..., K * a]``."""
@@ -310,6 +313,7 @@ class SimpleActionEncoder(nn.Module):
 
     def targets(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The candidates' action encoding, ``[*shape, K * a]``."""
+        assert self.target_action_embedding is not None, "this action encoder encodes no candidate"
         return self.target_action_embedding.view(*(1 for _ in shape), -1).expand(*shape, -1)
 
 

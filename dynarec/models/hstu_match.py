@@ -49,7 +49,9 @@ class UIHEncoder(nn.Module):
         self.projection = nn.Linear(history_dim, dim)
         self.contexts = ContextualProjection(num_contexts, contextual_dim, dim) if num_contexts else None
         self.action_encoder = (
-            SimpleActionEncoder(action.action_embedding_dim, action.action_weights) if action else None
+            SimpleActionEncoder(action.action_embedding_dim, action.action_weights, with_targets=False)
+            if action
+            else None
         )
         self.action_mlp = None
         if self.action_encoder is not None and cfg.action_mlp_hidden_dim is not None:
