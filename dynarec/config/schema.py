@@ -763,8 +763,10 @@ class ModelCfg(Strict):
         base = cfg.user_tower.input
         known = {**HSTU_MATCH_GROUPS, base: True, cfg.item_tower.input: True}
         known.update({base + suffix: True for suffix in CHANNEL_SUFFIXES[1:]})
-        needed = [base + "_timestamp"] if cfg.user_tower.hstu.positional_encoder.use_time_encoding else []
-        needed += [base + "_action"] if cfg.user_tower.hstu.action_encoder is not None else []
+        hstu = cfg.user_tower.hstu
+        timed = hstu.positional_encoder.use_time_encoding or hstu.postprocessor.kind == "timestamp_layernorm"
+        needed = [base + "_timestamp"] if timed else []
+        needed += [base + "_action"] if hstu.action_encoder is not None else []
         self._check_named_groups("hstu_match", known, needed)
         names = {g.group_name for g in self.feature_groups}
         for g in (base + "_action", base + "_timestamp", "query_time"):

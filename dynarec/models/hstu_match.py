@@ -107,11 +107,17 @@ class HSTUMatch(nn.Module):
         groups = {g.group_name: list(g.feature_names) for g in config.model.feature_groups}
         base = cfg.user_tower.input
         self.history = groups[base]
-        timed = cfg.user_tower.hstu.positional_encoder.use_time_encoding
-        self.time = groups[base + "_timestamp"][0] if timed else None
+        # the history's times (TorchEasyRec's uih_preprocessor reads them whenever given): the time
+        # buckets and a timestamp postprocessor read them
+        self.time = groups[base + "_timestamp"][0] if base + "_timestamp" in groups else None
         self.actions = groups[base + "_action"][0] if cfg.user_tower.hstu.action_encoder is not None else None
         self.contextual = groups.get("contextual", [])
         self.query_time = groups.get("query_time", [None])[0]
+        if self.query_time is not None and inputs[self.query_time].width != 1:
+            raise ValueError(
+                f"hstu_match: group 'query_time' holds one number a row (the request time); feature "
+                f"'{self.query_time}' gives {inputs[self.query_time].width}"
+            )
         self.candidates = groups[cfg.item_tower.input]
         widths = {inputs[n].width for n in self.contextual}
         if len(widths) > 1:

@@ -152,6 +152,8 @@ def contrastive_loss(
         [a, b, parts["x"], parts["pair_x"], pair.float()[:, None]]
     )
     rows = a.shape[0]
+    if rows == 0:  # this rank's share is empty (it took part in the gathers)
+        return a.sum() * 0
     own = start + torch.arange(rows, device=a.device)
     safe = torch.where(pair, own, own.new_zeros(()))  # a non-pair row's term is masked out below
     masked = (pair_all[:, 0] < 0.5)[None, :]

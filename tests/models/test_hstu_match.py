@@ -145,7 +145,7 @@ def log(tmp_path_factory):
     return root
 
 
-def tzrec_user(model: HSTUMatch, history, times, actions, contextual, query_time) -> torch.Tensor:
+def tzrec_user(model: HSTUMatch, history, times, actions, contextual, query_time=None) -> torch.Tensor:
     """TorchEasyRec's HSTUMatchEncoder on one jagged row (no padding): the uih_preprocessor, the
     positional encoder's _get_col_indices and time buckets (num_targets 0, the request time the
     anchor), the STU layers under the causal mask, l2norm, the last token."""
@@ -160,6 +160,8 @@ def tzrec_user(model: HSTUMatch, history, times, actions, contextual, query_time
     col = col.clamp(max=pe.num_position_buckets - 1)
     col[:c] = torch.arange(c)
     ts = torch.cat([torch.zeros(c), times])
+    if query_time is None:  # the anchor: the last token's time
+        query_time = ts[-1]
     dt = (query_time - ts).clamp(min=1e-6) / pe.time_bucket_increments
     nt = pe.num_time_buckets
     buckets = ((torch.sqrt(dt) / nt).clamp(0, 1) * nt).int().long()
@@ -171,11 +173,15 @@ def tzrec_user(model: HSTUMatch, history, times, actions, contextual, query_time
     return F.normalize(x[-1], p=2.0, dim=-1, eps=1e-6)
 
 
-def test_users_and_items_are_torcheasyrecs_row_by_row(log):
+@pytest.mark.parametrize("request_time", [True, False], ids=["query_time", "newest-token"])
+def test_users_and_items_are_torcheasyrecs_row_by_row(log, request_time):
     """A batch's users (padded, batched) equal TorchEasyRec's encoder on each row alone, empty
-    histories included; each candidate row holds its row's user and its item; the sampled items
-    follow with no user."""
+    histories included, the ages counted from the request time or (without the query_time group)
+    from each row's last token; each candidate row holds its row's user and its item; the sampled
+    items follow with no user."""
     c = config(log)
+    if not request_time:
+        c["model"]["feature_groups"] = [g for g in c["model"]["feature_groups"] if g["group_name"] != "query_time"]
     cfg = config_from_dict(c)
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -195,7 +201,7 @@ def test_users_and_items_are_torcheasyrecs_row_by_row(log):
                 dense["hist_time"][i, :u].reshape(-1).float(),
                 dense["hist_action"][i, :u].reshape(-1).round().long(),
                 torch.cat([emb["user_id"][i], emb["age"][i]]),
-                dense["request_time"][i].float(),
+                dense["request_time"][i].float() if request_time else None,
             )
             own = torch.repeat_interleave(torch.arange(30 + 20), lengths["cand_item"]) == i
             assert own.sum() == int(lengths["cand_item"][i])
@@ -205,6 +211,37 @@ def test_users_and_items_are_torcheasyrecs_row_by_row(log):
         positives = cand[torch.arange(cand.shape[1])[None, :] < lengths["cand_item"][:30, None]]
         items = F.normalize(model.item_mlp(positives), p=2.0, dim=-1, eps=1e-6)
         torch.testing.assert_close(out[: len(items), 8:], items)
+
+
+def test_a_timestamp_postprocessor_reads_the_history_times_without_time_buckets(tmp_path):
+    """TorchEasyRec's uih_preprocessor reads the history's times whenever they are given: a
+    timestamp postprocessor gets them with use_time_encoding off (and needs the group)."""
+    c = config(tmp_path)
+    hstu = c["model"]["hstu_match"]["user_tower"]["hstu"]
+    hstu["positional_encoder"]["use_time_encoding"] = False
+    hstu["postprocessor"] = {
+        "kind": "timestamp_layernorm",
+        "time_duration_period_units": [3600],
+        "time_duration_units_per_period": [24],
+    }
+    model = build_model(config_from_dict(c))
+    model.eval()
+    torch.manual_seed(1)
+    emb = {"hist_item": torch.randn(2, 3, 8), "user_id": torch.randn(2, 4), "age": torch.randn(2, 4)}
+    lengths = {
+        "hist_item": torch.tensor([3, 2]),
+        "hist_time": torch.tensor([3, 2]),
+        "hist_action": torch.tensor([3, 2]),
+    }
+    times = torch.tensor([[1.7e9, 1.7e9 + 60, 1.7e9 + 120], [1.7e9, 1.7e9 + 7200, 0.0]])
+    dense = {"hist_time": times[..., None], "hist_action": torch.ones(2, 3, 1), "request_time": torch.zeros(2)}
+    with torch.no_grad():
+        a = model.users(emb, lengths, dense)
+        b = model.users(emb, lengths, {**dense, "hist_time": (times + 5 * 3600)[..., None]})
+    assert not torch.allclose(a, b)
+    c["model"]["feature_groups"] = [g for g in c["model"]["feature_groups"] if g["group_name"] != "uih_timestamp"]
+    with pytest.raises(ValueError, match=r"needs the feature group\(s\) \['uih_timestamp'\]"):
+        config_from_dict(c)
 
 
 def test_each_positive_is_a_query_against_its_own_item_and_the_sampled_ones():

@@ -199,6 +199,29 @@ def test_squared_distances_equal_cdists_at_every_batch_size():
         torch.testing.assert_close(squared_l2(x, w), torch.cdist(x, w).pow(2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("distance", ["l2", "cosine"])
+def test_codes_are_assigned_in_float32_under_mixed_precision(distance):
+    """Under bf16 autocast (train.mixed_precision) a layer's distances stay float32: the codes
+    are the float32 ones (in bf16, |x|^2 - 2 x.w + |w|^2 cancels: far rows get a wrong code)."""
+    model, _, _ = model_and_task(sid_config(codebook=[256], embed_dim=16, distance_type=distance))
+    layer = model.layers[0]
+    x = torch.randn(4096, 16) + 5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        d = layer.distances(x)
+    assert d.dtype == torch.float32
+    torch.testing.assert_close(d, layer.distances(x), rtol=0, atol=0)
+
+
+def test_a_rank_without_rows_takes_part_and_adds_nothing():
+    """A rank whose share of a global batch is empty: Sinkhorn's cost and the contrastive loss
+    take no row (and no error) there."""
+    assert standardized_cost(torch.empty(0, 4)).shape == (0, 4)
+    _, task, _ = model_and_task(sid_config(pairs=True))
+    out = torch.zeros(0, task.layout.width, requires_grad=True)
+    loss = task.loss(out, torch.zeros(0, 0), global_rows=1)
+    assert float(loss.detach()) == 0.0
+
+
 @pytest.mark.parametrize(
     "block",
     [
