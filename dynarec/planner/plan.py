@@ -154,7 +154,9 @@ class Plan:
     def format(self) -> str:
         """The plan as a text table, one line per table, and the per-rank totals."""
         rows = self.describe()
-        cols = list(rows[0]) if rows else []
+        if not rows:
+            return "no embedding tables: the model reads dense features only"
+        cols = list(rows[0])
         widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
         lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
         lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]

@@ -540,3 +540,11 @@ def test_semantic_ids_train_on_the_gpu_as_on_the_cpu(tmp_path):
         else:
             assert (cpu_codes == gpu_codes).all(axis=1).mean() > 0.95
             assert gpu["mse"] == pytest.approx(cpu["mse"], rel=0.05)
+
+
+def test_a_model_without_tables_plans_and_verifies_by_saying_so():
+    from dynarec.planner import plan_from_config
+
+    assert plan_from_config(config_from_dict(sid_config())).format() == (
+        "no embedding tables: the model reads dense features only"
+    )
