@@ -16,8 +16,8 @@ import torch
 from pydantic import ValidationError
 
 from dynarec.config.schema import Config
-from dynarec.data.batch import Batch, BatchBuilder
-from dynarec.data.reader import ArrowBatchDataset, make_loader, resolve_files
+from dynarec.data.batch import Batch, BatchBuilder, DataError
+from dynarec.data.reader import ArrowBatchDataset, file_schema, make_loader, resolve_files
 from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.export_format import (
     META,
@@ -32,6 +32,7 @@ from dynarec.export_format import (
 )
 from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
+from dynarec.models.retrieval import Retrieval
 from dynarec.models.tasks import check_predictions, tasks_of
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
@@ -105,6 +106,30 @@ class ExportedModel:
         current = {name: export_tensors(t.dump()) for name, t in self.embeddings.tables.items()}
         self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current})
 
+    def _servable(self, files: list[str]) -> tuple[list[str], frozenset[str]]:
+        """``(the outputs served, the features left empty)`` for ``files``: every output where
+        they hold every column; a retrieval model's tower whose columns they hold, otherwise (none:
+        every output, and the missing column is the batches' error)."""
+        names = self.tasks.served_names()
+        if not isinstance(self.tasks, Retrieval):
+            return names, frozenset()
+        csv_types = BatchBuilder(self.config, with_labels=False).csv_column_types()
+        present = set.intersection(*(set(file_schema(f, self.config.data.input_type, csv_types).names) for f in files))
+        towers = self.tasks.tower_features(self.config)
+        missing = {
+            n: sorted({c for f in towers[n] for c in self.config.columns_read(f) if c not in present}) for n in names
+        }
+        readable = [n for n in names if not missing[n]]
+        if not readable:
+            raise DataError(
+                f"{files[0]}: holds the columns of neither tower: "
+                + "; ".join(f"{n} needs {cols}" for n, cols in missing.items())
+            )
+        if len(readable) == len(names):
+            return names, frozenset()
+        served = set().union(*(towers[n] for n in readable))
+        return readable, frozenset(f.feature_name for f in self.config.features() if f.feature_name not in served)
+
     @torch.no_grad()
     def predict_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``{output name: [B] or [B, C]}`` (``Tasks.served``: the click probability
@@ -116,14 +141,17 @@ class ExportedModel:
         return self.tasks.served(logits)
 
     def predict_files(self, paths, batch_size: int = 4096) -> dict[str, np.ndarray]:
-        """:meth:`predict_batch` over every row of ``paths``, in row order."""
-        builder = BatchBuilder(self.config, with_labels=False)
-        dataset = ArrowBatchDataset(resolve_files(paths), builder, batch_size, self.config.data.input_type)
+        """:meth:`predict_batch` over every row of ``paths``, in row order. A retrieval model's
+        files may hold one tower's columns alone (an item catalog, a table of users): then that
+        tower's output is served (the other tower's features are empty, its output not given)."""
+        files = resolve_files(paths)
+        names, empty = self._servable(files)
+        builder = BatchBuilder(self.config, with_labels=False, empty_features=empty)
+        dataset = ArrowBatchDataset(files, builder, batch_size, self.config.data.input_type)
         dataset.check_files()
         parts = [{k: v.cpu().numpy() for k, v in self.predict_batch(b).items()} for b in make_loader(dataset, 0)]
         out = {
-            name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=np.float32)
-            for name in self.tasks.served_names()
+            name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=np.float32) for name in names
         }
         check_predictions(out, dataset.check_scores)
         return out

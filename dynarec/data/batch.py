@@ -324,6 +324,25 @@ def _or_empty(x: Optional[np.ndarray]) -> np.ndarray:
     return x if x is not None else np.empty(0, np.int64)
 
 
+def _empty(f: Feature, rows: int) -> _Output:
+    """``rows`` empty rows of feature ``f``: no ids, or zeros."""
+    if f.embedded:
+        several = isinstance(f, SequenceFeatureCfg) and f.several_ids_an_element
+        nothing = np.empty(0, np.int64)
+        return _Ids(
+            nothing,
+            np.zeros(rows, np.int64),
+            None,
+            nothing if several else None,
+            np.zeros(rows, np.int64) if several else None,
+        )
+    k = int(f.value_dim)
+    if f.is_sequence:
+        return _DenseSequence(np.zeros((0, k), np.float32), np.zeros(rows, np.int64))
+    x = np.zeros(rows if k == 1 else (rows, k))
+    return _Dense(x.astype(np.float32), x)
+
+
 def _appended(out: _Output, extra: Optional[_Output], rows: int) -> _Output:
     """``out`` followed by ``rows`` more rows: ``extra``'s (of the same kind), or empty ones."""
     if isinstance(out, _Ids):
@@ -398,10 +417,15 @@ def sequence_elements(column: Union[pa.Array, pa.ChunkedArray], separator: str) 
 class BatchBuilder:
     """Builds :class:`Batch` objects from Arrow tables for one config."""
 
-    def __init__(self, config: Config, with_labels: bool = True, negatives: int = 0):
-        """``negatives``: the sampled items each batch gets (``data.negative_sampler``; 0: none)."""
+    def __init__(
+        self, config: Config, with_labels: bool = True, negatives: int = 0, empty_features: frozenset[str] = frozenset()
+    ):
+        """``negatives``: the sampled items each batch gets (``data.negative_sampler``; 0: none);
+        ``empty_features``: features not read from the data but empty in every row (no ids, zeros),
+        their columns not needed (a retrieval model's other tower, serving one tower's table)."""
         self.config = config
         self.with_labels = with_labels
+        self.empty_features = empty_features
         features = config.features()
         self.sparse_features = [f for f in features if f.embedded]  # the KJT's keys, in config order
         self.dense_features = [f for f in features if not f.embedded]
@@ -411,7 +435,10 @@ class BatchBuilder:
         self.weighted = any(getattr(f, "weighted", False) for f in self.sparse_features)
         self.plans = {f.feature_name: _Plan.of(f) for f in features}
         self._feature_columns = [
-            (f.feature_name, c) for f in self.sparse_features + self.dense_features for c in f.columns
+            (f.feature_name, c)
+            for f in self.sparse_features + self.dense_features
+            if f.feature_name not in empty_features
+            for c in f.columns
         ]
         self.label_fields = config.label_fields()
         self.candidate_feature = config.candidate_feature()
@@ -516,7 +543,12 @@ class BatchBuilder:
             origin = RowOrigin.of(origin, table.num_rows)
         self.check_schema(table.schema, origin.label)
         n = table.num_rows
-        computed = self._features(table, origin)
+        if self.empty_features:
+            read = {f.feature_name for f in self.order} - self.empty_features
+            computed = self._features(table, origin, read)
+            computed.update({f.feature_name: _empty(f, n) for f in self.order if f.feature_name not in read})
+        else:
+            computed = self._features(table, origin)
         self._check_sequence_groups(computed, origin)
         sampled, hard_rows = 0, None
         if self.sampler is not None:

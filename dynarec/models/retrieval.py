@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynarec.config.schema import Config, DATCfg, MINDCfg
+from dynarec.config.hstu import CHANNEL_SUFFIXES
+from dynarec.config.schema import Config, DATCfg, HSTUMatchCfg, MINDCfg
 
 __all__ = ["Retrieval"]
 
@@ -105,6 +106,44 @@ class Retrieval:
 
     def served_names(self) -> list[str]:
         return ["user_interests" if self.interests else "user_embedding", "item_embedding"]
+
+    def tower_features(self, config: Config) -> dict[str, set[str]]:
+        """``{served name: the features its tower reads}`` (its groups' features, nested sequence
+        groups' and the features those read through ``feature:`` inputs): a table of one tower's
+        columns serves that tower's output."""
+        cfg, model = config.model.retrieval, config.model
+        names = {g.group_name for g in model.feature_groups}
+        if isinstance(cfg, HSTUMatchCfg):
+            base = cfg.user_tower.input
+            user = [base + s for s in CHANNEL_SUFFIXES] + ["contextual", "query_time"]
+            item = [cfg.item_tower.input]
+        else:
+            user, item = [cfg.user_tower.input], [cfg.item_tower.input]
+            if isinstance(cfg, DATCfg):
+                user.append(cfg.user_tower.augment_input)
+                item.append(cfg.item_tower.augment_input)
+            if isinstance(cfg, MINDCfg):
+                user.append(cfg.user_tower.history_input)
+
+        def read(groups: list[str]) -> set[str]:
+            out: set[str] = set()
+            todo = [
+                n
+                for g in groups
+                if g in names
+                for n in [
+                    *model.group(g).feature_names,
+                    *(m for s in model.group(g).sequence_groups for m in s.feature_names),
+                ]
+            ]
+            while todo:
+                n = todo.pop()
+                if n not in out:
+                    out.add(n)
+                    todo.extend(config.feature(n).feature_inputs)
+            return out
+
+        return dict(zip(self.served_names(), (read(user), read(item))))
 
     def served(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """What an export serves for each row (no sampled items there): ``{"user_embedding":

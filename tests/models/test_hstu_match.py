@@ -292,6 +292,15 @@ def test_hstu_match_learns_a_users_taste_from_its_history(log, tmp_path):
         items = task.dense.items(first) * (lengths["cand_item"] > 0)[:, None]
     np.testing.assert_allclose(served["user_embedding"], users.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(served["item_embedding"], items.numpy(), rtol=1e-4, atol=1e-5)
+    # an item catalog: the candidate column alone (an item a row) serves the item index
+    catalog = pa.table({"cand_item": [str(i) for i in range(ITEMS)]})
+    pq.write_table(catalog, tmp_path / "items.parquet")
+    index = export.predict_files(str(tmp_path / "items.parquet"))
+    assert list(index) == ["item_embedding"] and index["item_embedding"].shape == (ITEMS, 8)
+    with torch.no_grad():
+        table_rows = task.embeddings.read_rows("item", torch.arange(ITEMS))["weight"]  # the shared item table
+        want = task.dense.items(table_rows).numpy()
+    np.testing.assert_allclose(index["item_embedding"], want, rtol=1e-4, atol=1e-5)
     # a query's scores in evaluation: the served user against the served items, over the temperature
     with torch.no_grad():
         out = task.dense(emb, lengths, dense)

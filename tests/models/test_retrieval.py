@@ -1,9 +1,11 @@
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dynarec.config import config_from_dict
+from dynarec.data import DataError
 from dynarec.models.retrieval import Retrieval
 from dynarec.train.trainer import Trainer
 from tests.data.test_sampler import dssm_config
@@ -116,6 +118,21 @@ def test_dssm_trains_on_the_click_log_to_far_better_than_chance_recall(tmp_path)
     np.testing.assert_allclose(rows[:100, :4].numpy(), user[:100], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(rows[:100, 4:8].numpy(), item[:100], rtol=1e-5, atol=1e-6)
     assert task.predictions(rows, 100)["positive_rank"].numpy().tolist() == ranks[:100].tolist()
+    # an item catalog (the item tower's columns alone) serves the item index; a table of users the queries
+    table = pq.read_table(c["data"]["eval_input_path"])
+    for columns, name, want in (
+        (["item_id", "cate_id"], "item_embedding", item),
+        (["user_id", "age", "hist_item_id"], "user_embedding", user),
+    ):
+        pq.write_table(table.select(columns), tmp_path / f"{name}.parquet")
+        alone = served.predict_files(str(tmp_path / f"{name}.parquet"), batch_size=64)
+        assert list(alone) == [name]
+        np.testing.assert_allclose(alone[name], want, rtol=1e-5, atol=1e-6)
+    pq.write_table(table.select(["item_id"]), tmp_path / "neither.parquet")
+    with pytest.raises(
+        DataError, match=r"neither tower: user_embedding needs \['age', .*item_embedding needs \['cate_id'\]"
+    ):
+        served.predict_files(str(tmp_path / "neither.parquet"))
 
 
 def test_dats_adaptive_mimic_terms_pull_each_augmented_vector_toward_the_other_towers_output():
