@@ -2,7 +2,7 @@
 user would smoke-test it: import-config (strict), make-data, 20 training steps, an evaluation
 with finite metrics, on the CPU and (where there is one) the GPU (on an H200, 2026-12-03, the
 same conversion at batch 64 of 1,500 generated rows: all 58 that converted then trained and
-evaluated, 80 s; the four semantic-ID and HSTUMatch configs since have not run on a GPU yet).
+evaluated, 80 s; at batch 16, the 62 that convert now, semantic ids and HSTUMatch included).
 Batches and evaluation are kept small, and so are the fixed tables (at most ``ROWS`` rows: the
 Criteo benchmarks' 40M-row tables take 30 GiB)."""
 
