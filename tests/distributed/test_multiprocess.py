@@ -411,4 +411,4 @@ def test_hstu_match_with_a_dynamic_item_table_trains_on_two_processes(tmp_path):
         assert rc == 0, out
         final = json.loads((tmp_path / f"h{nproc}" / "metrics.json").read_text())["final"]
         recall[nproc] = final["eval"]["recall@1"]
-    assert recall[1] > 0.25 and recall[2] > 0.25, recall
+    assert recall[1] > 0.2 and recall[2] > 0.2, recall
