@@ -106,18 +106,19 @@ class ExportedModel:
         current = {name: export_tensors(t.dump()) for name, t in self.embeddings.tables.items()}
         self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current})
 
-    def _servable(self, files: list[str]) -> tuple[list[str], frozenset[str]]:
-        """``(the outputs served, the features left empty)`` for ``files``: every output where
-        they hold every column; a retrieval model's tower whose columns they hold, otherwise (none:
-        every output, and the missing column is the batches' error)."""
+    def _servable(self, files: list[str], builder: BatchBuilder) -> tuple[list[str], frozenset[str]]:
+        """``(the outputs served, the features left empty)`` for ``files`` (``builder``: every
+        feature's): every output where they hold every column; a retrieval model's tower whose
+        columns they hold, otherwise (none: every output, and the missing column is the batches'
+        error)."""
         names = self.tasks.served_names()
         if not isinstance(self.tasks, Retrieval):
             return names, frozenset()
-        csv_types = BatchBuilder(self.config, with_labels=False).csv_column_types()
+        csv_types = builder.csv_column_types()
         present = set.intersection(*(set(file_schema(f, self.config.data.input_type, csv_types).names) for f in files))
         towers = self.tasks.tower_features(self.config)
         missing = {
-            n: sorted({c for f in towers[n] for c in self.config.columns_read(f) if c not in present}) for n in names
+            n: sorted({c for f in towers[n] for c in self.config.feature(f).columns if c not in present}) for n in names
         }
         readable = [n for n in names if not missing[n]]
         if not readable:
@@ -145,8 +146,10 @@ class ExportedModel:
         files may hold one tower's columns alone (an item catalog, a table of users): then that
         tower's output is served (the other tower's features are empty, its output not given)."""
         files = resolve_files(paths)
-        names, empty = self._servable(files)
-        builder = BatchBuilder(self.config, with_labels=False, empty_features=empty)
+        builder = BatchBuilder(self.config, with_labels=False)
+        names, empty = self._servable(files, builder)
+        if empty:
+            builder = BatchBuilder(self.config, with_labels=False, empty_features=empty)
         dataset = ArrowBatchDataset(files, builder, batch_size, self.config.data.input_type)
         dataset.check_files()
         parts = [{k: v.cpu().numpy() for k, v in self.predict_batch(b).items()} for b in make_loader(dataset, 0)]

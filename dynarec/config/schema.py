@@ -265,6 +265,10 @@ class FeatureGroupCfg(Strict):
             raise ValueError(f"sequence_groups: {unread} read by no sequence_encoders entry")
         return self
 
+    def all_feature_names(self) -> list[str]:
+        """The group's features, then those of its nested sequence groups."""
+        return [*self.feature_names, *(n for s in self.sequence_groups for n in s.feature_names)]
+
     def encoded_sequences(self) -> list[tuple[str, SequenceEncoderCfg, SequenceGroupCfg]]:
         """``(config path, encoder, the sequence group it reads)`` of every sequence encoder."""
         groups = {s.group_name: s for s in self.sequence_groups}
@@ -1111,9 +1115,7 @@ class Config(Strict):
                 )
         if sampler is not None:
             groups = [cfg.item_tower.input] + ([cfg.item_tower.augment_input] if isinstance(cfg, DATCfg) else [])
-            names = [n for g in groups for n in self.model.group(g).feature_names]
-            names += [n for g in groups for sg in self.model.group(g).sequence_groups for n in sg.feature_names]
-            for n in dict.fromkeys(names):
+            for n in dict.fromkeys(n for g in groups for n in self.model.group(g).all_feature_names()):
                 outside = [c for c in self.columns_read(n) if c not in sampler.attr_fields]
                 if outside:
                     raise ValueError(
@@ -1122,13 +1124,16 @@ class Config(Strict):
                     )
         return self
 
+    def features_read(self, name: str) -> list[str]:
+        """Feature ``name`` and the features it reads (``feature:`` inputs), through theirs too."""
+        out = [name]
+        for n in self.feature(name).feature_inputs:
+            out += self.features_read(n)
+        return list(dict.fromkeys(out))
+
     def columns_read(self, name: str) -> list[str]:
         """The columns feature ``name`` reads, through the features it reads too."""
-        f = self.feature(name)
-        out = list(f.columns)
-        for n in f.feature_inputs:
-            out += self.columns_read(n)
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(c for n in self.features_read(name) for c in self.feature(n).columns))
 
     @model_validator(mode="after")
     def _tasks(self):

@@ -343,35 +343,31 @@ def _empty(f: Feature, rows: int) -> _Output:
     return _Dense(x.astype(np.float32), x)
 
 
-def _appended(out: _Output, extra: Optional[_Output], rows: int) -> _Output:
-    """``out`` followed by ``rows`` more rows: ``extra``'s (of the same kind), or empty ones."""
+def _appended(out: _Output, extra: _Output) -> _Output:
+    """``out``'s rows followed by ``extra``'s (of the same kind; :func:`_empty` for empty rows)."""
     if isinstance(out, _Ids):
-        e = extra if isinstance(extra, _Ids) else _Ids(np.empty(0, np.int64), np.zeros(rows, np.int64))
+        assert isinstance(extra, _Ids)
         weights = None
-        if out.weights is not None or e.weights is not None:
+        if out.weights is not None or extra.weights is not None:
             weights = np.concatenate([
                 out.weights if out.weights is not None else np.ones(len(out.values), np.float32),
-                e.weights if e.weights is not None else np.ones(len(e.values), np.float32),
+                extra.weights if extra.weights is not None else np.ones(len(extra.values), np.float32),
             ])  # fmt: skip
         element_lengths = elements = None
         if out.element_lengths is not None:  # several ids an element: the extra rows' elements
-            element_lengths = np.concatenate([out.element_lengths, _or_empty(e.element_lengths)])
+            element_lengths = np.concatenate([out.element_lengths, _or_empty(extra.element_lengths)])
             elements = np.concatenate(
-                [out.elements, e.elements if e.elements is not None else np.zeros(rows, np.int64)]
+                [out.elements, extra.elements if extra.elements is not None else np.zeros(len(extra.lengths), np.int64)]
             )
         return _Ids(
-            np.concatenate([out.values, e.values]), np.concatenate([out.lengths, e.lengths]), weights,
+            np.concatenate([out.values, extra.values]), np.concatenate([out.lengths, extra.lengths]), weights,
             element_lengths, elements,
         )  # fmt: skip
     if isinstance(out, _Dense):
-        if isinstance(extra, _Dense):
-            return _Dense(np.concatenate([out.x32, extra.x32]), np.concatenate([out.x64, extra.x64]))
-        shape = (rows, *out.x32.shape[1:])
-        return _Dense(
-            np.concatenate([out.x32, np.zeros(shape, np.float32)]), np.concatenate([out.x64, np.zeros(shape)])
-        )
-    e_seq = extra if isinstance(extra, _DenseSequence) else _DenseSequence(out.x[:0], np.zeros(rows, np.int64))
-    return _DenseSequence(np.concatenate([out.x, e_seq.x]), np.concatenate([out.lengths, e_seq.lengths]))
+        assert isinstance(extra, _Dense)
+        return _Dense(np.concatenate([out.x32, extra.x32]), np.concatenate([out.x64, extra.x64]))
+    assert isinstance(extra, _DenseSequence)
+    return _DenseSequence(np.concatenate([out.x, extra.x]), np.concatenate([out.lengths, extra.lengths]))
 
 
 @dataclass(frozen=True)
@@ -431,6 +427,7 @@ class BatchBuilder:
         self.dense_features = [f for f in features if not f.embedded]
         # Computed ids first, then numbers, each after the features it reads.
         self.order: list[Feature] = dependency_order(self.sparse_features + self.dense_features)
+        self.features = {f.feature_name: f for f in features}
         self.referenced = {name for f in features for name in f.feature_inputs}
         self.weighted = any(getattr(f, "weighted", False) for f in self.sparse_features)
         self.plans = {f.feature_name: _Plan.of(f) for f in features}
@@ -618,7 +615,10 @@ class BatchBuilder:
         ids = self.sampler.ids[picks]
         where = RowOrigin(tuple((f"{cfg.input_path}, item {i}", int(p), 1) for i, p in zip(ids, picks)))
         extra = self._features(items_table, where, self.sampled_features)
-        outputs = {name: _appended(out, extra.get(name), len(picks)) for name, out in computed.items()}
+        outputs = {
+            name: _appended(out, extra[name] if name in extra else _empty(self.features[name], len(picks)))
+            for name, out in computed.items()
+        }
         return outputs, len(picks), hard_rows
 
     def _int_ids(self, table: pa.Table, column: str, field: str, what: str, origin: RowOrigin) -> np.ndarray:

@@ -163,12 +163,9 @@ class DlrmHSTU(nn.Module):
             truncation=(hstu.attn_truncation_split_layer, hstu.attn_truncation_tail_len),
         )
 
-    def _sequence(self, names: list[str], embeddings, dense) -> torch.Tensor:
-        return torch.cat([self.inputs.positions(n, embeddings, dense) for n in names], dim=-1)
-
     def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
         """``[C, width]``: every candidate's tasks' logits, row after row (module doc)."""
-        candidates = self._sequence(self.candidates, embeddings, dense)
+        candidates = self.inputs.concatenated(self.candidates, embeddings, dense)
         num_targets = seq_lengths[self.candidates[0]]
         query_times = self.inputs.positions(self.candidate_time, embeddings, dense)[..., 0].float()
         contextual = None
@@ -181,7 +178,7 @@ class DlrmHSTU(nn.Module):
                 actions = self.inputs.positions(channel.actions, embeddings, dense)[..., 0].round().long()
             encodings.append(
                 transducer(
-                    self._sequence(channel.history, embeddings, dense),
+                    self.inputs.concatenated(channel.history, embeddings, dense),
                     seq_lengths[channel.history[0]],
                     self.inputs.positions(channel.time, embeddings, dense)[..., 0].float(),
                     candidates,

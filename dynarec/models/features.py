@@ -152,3 +152,8 @@ class FeatureInputs(nn.Module):
             return embeddings[name]
         x = dense[name]
         return x.reshape(*x.shape[:2], -1)
+
+    def concatenated(self, names: list[str], embeddings, dense) -> torch.Tensor:
+        """Sequences read position by position: their :meth:`positions` side by side, ``[B, L, sum of
+        widths]``."""
+        return torch.cat([self.positions(n, embeddings, dense) for n in names], dim=-1)

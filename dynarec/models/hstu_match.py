@@ -158,7 +158,7 @@ class HSTUMatch(nn.Module):
 
     def users(self, embeddings, seq_lengths, dense) -> torch.Tensor:
         """``[B, D]``: each row's user (module doc)."""
-        history = torch.cat([self.inputs.positions(n, embeddings, dense) for n in self.history], dim=-1)
+        history = self.inputs.concatenated(self.history, embeddings, dense)
         actions = self._number(self.actions, embeddings, dense)
         contextual = None
         if self.contextual:
@@ -172,21 +172,23 @@ class HSTUMatch(nn.Module):
             contextual,
             None if query_time is None else query_time.float(),
         )
-        if self.user_output is not None:
-            user = self.user_output(user)
-        return F.normalize(user, p=2.0, dim=-1, eps=1e-6) if self.cosine else user
+        return self._embedding(user, self.user_output)
 
     def items(self, candidates: torch.Tensor) -> torch.Tensor:
         """``[E, D]``: the item tower over candidates' rows ``[E, candidate_dim]``."""
-        item = self.item_mlp(candidates)
-        if self.item_output is not None:
-            item = self.item_output(item)
-        return F.normalize(item, p=2.0, dim=-1, eps=1e-6) if self.cosine else item
+        return self._embedding(self.item_mlp(candidates), self.item_output)
+
+    def _embedding(self, x: torch.Tensor, output: Optional[nn.Linear]) -> torch.Tensor:
+        """A tower's output: its linear map to ``output_dim`` (where there is one), normalized for
+        cosine similarity."""
+        if output is not None:
+            x = output(x)
+        return F.normalize(x, p=2.0, dim=-1, eps=1e-6) if self.cosine else x
 
     def forward(self, embeddings, seq_lengths, dense, rows: Optional[int] = None) -> torch.Tensor:
         """``[E, 2 * D]``: a row a candidate of the batch, in row order (module doc); ``rows``: the
         batch's rows (the sampled items after them)."""
-        candidates = torch.cat([self.inputs.positions(n, embeddings, dense) for n in self.candidates], dim=-1)
+        candidates = self.inputs.concatenated(self.candidates, embeddings, dense)
         lengths = seq_lengths[self.candidates[0]]
         total = candidates.shape[0]
         rows = total if rows is None else rows
@@ -195,10 +197,7 @@ class HSTUMatch(nn.Module):
         owner = torch.repeat_interleave(torch.arange(total, device=lengths.device), lengths)
         if rows == 0:
             return torch.cat([torch.zeros_like(item), item], dim=1)
-        if rows == total:
-            user = self.users(embeddings, seq_lengths, dense)
-        else:
-            user = self.users(*[{k: v[:rows] for k, v in d.items()} for d in (embeddings, seq_lengths, dense)])
+        user = self.users(*[{k: v[:rows] for k, v in d.items()} for d in (embeddings, seq_lengths, dense)])
         query = user[owner.clamp(max=rows - 1)] * (owner < rows)[:, None].to(user.dtype)
         return torch.cat([query, item], dim=1)
 
@@ -220,7 +219,7 @@ class HSTUMatchTowers(nn.Module):
     def forward(self, embeddings, seq_lengths, dense) -> torch.Tensor:
         m = self.model
         user = m.users(embeddings, seq_lengths, dense)
-        candidates = torch.cat([m.inputs.positions(n, embeddings, dense) for n in m.candidates], dim=-1)
+        candidates = m.inputs.concatenated(m.candidates, embeddings, dense)
         if candidates.shape[1] == 0:
             return torch.cat([user, torch.zeros_like(user)], dim=1)
         has = (seq_lengths[m.candidates[0]] > 0)[:, None]

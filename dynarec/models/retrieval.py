@@ -108,9 +108,9 @@ class Retrieval:
         return ["user_interests" if self.interests else "user_embedding", "item_embedding"]
 
     def tower_features(self, config: Config) -> dict[str, set[str]]:
-        """``{served name: the features its tower reads}`` (its groups' features, nested sequence
-        groups' and the features those read through ``feature:`` inputs): a table of one tower's
-        columns serves that tower's output."""
+        """``{served name: the features its tower reads}`` (its groups' features and those they
+        read through ``feature:`` inputs): a table of one tower's columns serves that tower's
+        output."""
         cfg, model = config.model.retrieval, config.model
         names = {g.group_name for g in model.feature_groups}
         if isinstance(cfg, HSTUMatchCfg):
@@ -126,22 +126,13 @@ class Retrieval:
                 user.append(cfg.user_tower.history_input)
 
         def read(groups: list[str]) -> set[str]:
-            out: set[str] = set()
-            todo = [
-                n
+            return {
+                m
                 for g in groups
                 if g in names
-                for n in [
-                    *model.group(g).feature_names,
-                    *(m for s in model.group(g).sequence_groups for m in s.feature_names),
-                ]
-            ]
-            while todo:
-                n = todo.pop()
-                if n not in out:
-                    out.add(n)
-                    todo.extend(config.feature(n).feature_inputs)
-            return out
+                for n in model.group(g).all_feature_names()
+                for m in config.features_read(n)
+            }
 
         return dict(zip(self.served_names(), (read(user), read(item))))
 

@@ -117,14 +117,19 @@ def _logits_scale(raw: torch.Tensor) -> torch.Tensor:
     return raw.clamp(max=LOGIT_SCALE_MAX).exp()
 
 
+def world_size() -> int:
+    """The processes of the run (the default process group's), 1 without one."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _gather_rows(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     """Every rank's rows of each of ``tensors`` (``[rows, ...]``, as many rows each), rank after rank
     (differentiable; ranks may hold different row counts), and where this rank's rows start. In
     one process: the tensors as they are, and 0."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return tensors, 0
     rows = tensors[0].shape[0]
-    counts = [torch.zeros(1, dtype=torch.long, device=tensors[0].device) for _ in range(dist.get_world_size())]
+    counts = [torch.zeros(1, dtype=torch.long, device=tensors[0].device) for _ in range(world_size())]
     dist.all_gather(counts, torch.tensor([rows], device=tensors[0].device))
     sizes = [int(c) for c in counts]
     most = max(sizes)
@@ -197,7 +202,7 @@ class SemanticIds:
         ``[B, 0]`` (none is read). RQ-KMeans trains nothing: its loss is 0 (times the output, so
         that the step's backward runs)."""
         parts = self.layout.unpack(logits)
-        loss = logits.new_zeros(()) + 0 * logits.sum()
+        loss = 0 * logits.sum()
         pair = parts["pair_flag"][:, 0] > 0.5 if self.pairs else None
         pairs_total: Optional[torch.Tensor] = None
         if pair is not None:

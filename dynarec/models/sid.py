@@ -21,7 +21,7 @@ Each model returns its :class:`~dynarec.models.semantic_ids.SidLayout` row a bat
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional, Union, cast
+from typing import Optional, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from dynarec.config.schema import Config
 from dynarec.config.sid import SidRqkmeansCfg, SidRqvaeCfg
 from dynarec.models.blocks import MLP, DeepGroup
 from dynarec.models.features import FeatureInputs
-from dynarec.models.semantic_ids import LOGIT_SCALE_INIT, layout_of
+from dynarec.models.semantic_ids import LOGIT_SCALE_INIT, layout_of, world_size
 
 __all__ = ["ReservoirSampler", "SidRqkmeans", "SidRqvae", "faiss_kmeans", "residual_kmeans", "sinkhorn"]
 
@@ -41,13 +41,9 @@ __all__ = ["ReservoirSampler", "SidRqkmeans", "SidRqvae", "faiss_kmeans", "resid
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
     """``x`` reduced over the ranks (sum, or ``op``), in place; as it is in one process."""
-    if _world() > 1:
+    if world_size() > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op)
     return x
 
@@ -59,7 +55,7 @@ def sinkhorn(cost: torch.Tensor, iters: int, epsilon: float) -> torch.Tensor:
     times each code's total to ``1 / K`` and each row's to ``1 / B``, ``B`` the rows over every
     rank (the sums too); returned times ``B``."""
     q = torch.exp(-cost * epsilon).t()
-    k, rows = q.shape[0], q.shape[1] * _world()
+    k, rows = q.shape[0], q.shape[1] * world_size()
     q /= _all_reduce(q.sum()) + 1e-8
     for _ in range(iters):
         q /= _all_reduce(q.sum(dim=1, keepdim=True)) + 1e-8
@@ -80,7 +76,7 @@ def standardized_cost(distances: torch.Tensor) -> torch.Tensor:
     std = (_all_reduce((distances - mean).square().sum()) / n).sqrt()
     cost = (distances - mean) / std.add(1e-12)
     low = cost.min() if cost.numel() else cost.new_tensor(float("inf"))  # a rank may hold no row
-    return cost - _all_reduce(low, dist.ReduceOp.MIN if _world() > 1 else None)
+    return cost - _all_reduce(low, dist.ReduceOp.MIN)
 
 
 def squared_l2(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -245,7 +241,7 @@ class SidRqvae(nn.Module):
         centroids), once (TorchEasyRec's ``init_embed_``: faiss, niter 10, seed 123)."""
         largest = max(self.cfg.codebook)
         enough = torch.tensor([float(z.shape[0] >= largest)], device=z.device)
-        if _world() > 1:
+        if world_size() > 1:
             dist.broadcast(enough, src=0)
         if not bool(enough):
             raise ValueError(
@@ -253,14 +249,14 @@ class SidRqvae(nn.Module):
                 f"holds {z.shape[0]} rows (rank 0's); the largest codebook needs {largest}: raise data.batch_size "
                 "or set kmeans_init: false"
             )
-        if _world() == 1 or dist.get_rank() == 0:
+        if world_size() == 1 or dist.get_rank() == 0:
             sample = z.float().cpu().numpy()
             fitted = residual_kmeans(sample, list(self.cfg.codebook), False, {"niter": 10, "seed": 123})
             centers = [torch.from_numpy(c).to(z.device) for c in fitted]
         else:
             centers = [z.new_empty(n, self.cfg.embed_dim, dtype=torch.float32) for n in self.cfg.codebook]
         for layer, c in zip(self.quantizers(), centers):
-            if _world() > 1:
+            if world_size() > 1:
                 dist.broadcast(c, src=0)
             layer.codebook.weight.copy_(c)
         self.codebooks_ready.fill_(True)
@@ -339,9 +335,12 @@ class ReservoirSampler:
         accept = torch.rand(len(x), generator=self.generator, dtype=torch.float64) < self.capacity / (position + 1)
         idx = accept.nonzero()[:, 0]
         slots = torch.randint(0, self.capacity, (len(idx),), generator=self.generator)
-        last = torch.full((self.capacity,), -1, dtype=torch.long).scatter_reduce(0, slots, idx, "amax")
-        taken = (last >= 0).nonzero()[:, 0]
-        self._buffer[taken] = x[last[taken]]
+        # of the rows drawing one slot the last (the stable sort keeps their order): a pass over the
+        # accepted rows, not over the whole sample
+        slots, order = torch.sort(slots, stable=True)
+        last = torch.ones_like(slots, dtype=torch.bool)
+        last[:-1] = slots[1:] != slots[:-1]
+        self._buffer[slots[last]] = x[idx[order[last]]]
         self.seen += len(x)
 
 
@@ -350,14 +349,13 @@ class SidRqkmeans(nn.Module):
 
     # Training copies each batch to the host's sample.
     capturable = False
-    fitted: torch.Tensor
 
     def __init__(self, config: Config, cfg: SidRqkmeansCfg):
         super().__init__()
-        if _world() > 1:
+        if world_size() > 1:
             raise ValueError(
                 f"model.sid_rqkmeans: fits its centroids on one process's sample of the training rows; this run has "
-                f"{_world()} processes: train it in one"
+                f"{world_size()} processes: train it in one"
             )
         self.cfg = cfg
         self.inputs = FeatureInputs(config)
@@ -366,7 +364,6 @@ class SidRqkmeans(nn.Module):
         self.layout = layout_of(config, dim)
         for k, n in enumerate(cfg.codebook):
             self.register_buffer(f"centroids_{k}", torch.zeros(n, dim))
-        self.register_buffer("fitted", torch.tensor(False))
         # The trainer's step needs a parameter: the loss reads it times 0 (nothing trains).
         self.unused = nn.Parameter(torch.zeros(()))
         self.sample = ReservoirSampler(cfg.sample_size, dim, config.train.seed)
@@ -389,7 +386,6 @@ class SidRqkmeans(nn.Module):
         )
         for c, f in zip(self.centroids(), fitted):
             c.copy_(torch.from_numpy(f))
-        self.fitted.fill_(True)
         self.sample = ReservoirSampler(self.sample.capacity, self.sample.dim, 0)  # its memory back
         return f"fitted {len(fitted)} layers of centroids {list(self.cfg.codebook)} on {len(rows)} sampled rows"
 
@@ -421,6 +417,3 @@ class SidRqkmeans(nn.Module):
             d = squared_l2(last, centroids[-1])
             parts["candidate_codes"], parts["candidate_scores"] = candidates(codes, d, self.layout.top_k)
         return self.layout.pack(parts)
-
-
-SidModel = Union[SidRqvae, SidRqkmeans]

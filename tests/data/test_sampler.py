@@ -162,10 +162,15 @@ def test_retrieval_settings_that_cannot_train_are_config_errors(tmp_path, change
 def test_rows_appended_after_several_ids_an_element_keep_their_elements_apart():
     """A user sequence of several ids an element (value_dim 0) gets empty sampled rows: no
     elements there, the batch's element lengths as they were."""
-    from dynarec.data.batch import _appended, _Ids
+    from dynarec.config.features import SequenceFeatureCfg
+    from dynarec.data.batch import _appended, _empty, _Ids
 
+    feature = SequenceFeatureCfg(
+        feature_name="s", sequence_length=5, embedding_dim=4, num_buckets=10, value_dim=0, value_separator=";"
+    )
+    assert feature.several_ids_an_element
     out = _Ids(np.arange(5), np.array([3, 2]), element_lengths=np.array([2, 1, 2]), elements=np.array([2, 1]))
-    grown = _appended(out, None, 4)
+    grown = _appended(out, _empty(feature, 4))
     assert grown.lengths.tolist() == [3, 2, 0, 0, 0, 0] and grown.values.tolist() == [0, 1, 2, 3, 4]
     assert grown.elements.tolist() == [2, 1, 0, 0, 0, 0] and grown.element_lengths.tolist() == [2, 1, 2]
 

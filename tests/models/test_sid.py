@@ -387,7 +387,7 @@ def test_rqkmeans_fits_faiss_residual_kmeans_on_the_training_rows_and_exports_it
     trainer = Trainer(config, tmp_path / "m", progress=False)
     report = trainer.fit()
     model = trainer.task.dense
-    assert isinstance(model, SidRqkmeans) and bool(model.fitted)
+    assert isinstance(model, SidRqkmeans)
     residual = x.copy()  # every row sampled (train_sample_size >= rows), in the data's order
     for k in range(3):
         km = faiss.Kmeans(D, 4, niter=20, nredo=5, seed=5)
@@ -414,7 +414,7 @@ def test_rqkmeans_refuses_a_sample_smaller_than_a_codebook_and_several_processes
     trainer = Trainer(config_from_dict(sid_config("sid_rqkmeans", data=data)), tmp_path / "m", progress=False)
     with pytest.raises(ValueError, match="training gave 3 rows to fit the centroids; the largest codebook needs 4"):
         trainer.fit()
-    monkeypatch.setattr(sid_module, "_world", lambda: 2)
+    monkeypatch.setattr(sid_module, "world_size", lambda: 2)
     with pytest.raises(ValueError, match="this run has 2 processes: train it in one"):
         build_model(config_from_dict(sid_config("sid_rqkmeans")))
 

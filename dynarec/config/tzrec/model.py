@@ -432,22 +432,7 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     if metrics:
         result.eval["metrics"] = list(dict.fromkeys(metrics))
     if name in GENERATIVE:
-        kernel = str(r.scalar("kernel", "PYTORCH"))
-        if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
-            ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
-        elif kernel == "TRITON" and any(_semi_local(c) for c in _channels(out)):
-            ctx.refuse(
-                r.at("kernel"),
-                "TRITON with semi-local attention (sla_k1 / sla_k2): TorchEasyRec refuses it (its Triton kernel has "
-                "no semi-local mask; CUTLASS and PYTORCH have)",
-                fatal=True,
-            )
-        elif kernel != "PYTORCH":
-            ctx.note(
-                r.at("kernel"),
-                f"{kernel}: dynarec computes TorchEasyRec's PyTorch reference formulas (its own kernels) whatever the "
-                "kernel; the same model, numbers equal up to rounding",
-            )
+        _hstu_kernel(r, ctx, semi_local=any(_semi_local(c) for c in _channels(out)))
     else:
         r.default_only("kernel", "PYTORCH")
     r.default_only("use_pareto_loss_weight", False)
@@ -490,22 +475,44 @@ def _hstu_match(r: Reader, m: Reader, ctx: Context, groups: list[dict[str, Any]]
     else:
         _required(m, "item_tower", "an item tower")
     out["output_dim"] = m.integer("output_dim", 0)
-    similarity = str(m.scalar("similarity", "INNER_PRODUCT"))
-    if similarity not in ("INNER_PRODUCT", "COSINE"):
-        ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
-    out["similarity"] = similarity.lower() if similarity in ("INNER_PRODUCT", "COSINE") else "inner_product"
+    out["similarity"] = _similarity(m, ctx, "INNER_PRODUCT")
     out["temperature"] = m.number("temperature", 1.0)
     m.default_only("sequence_timestamp_is_ascending", True, "histories newest-first are not supported")
     m.default_only("in_batch_negative", False, "several positives a row: TorchEasyRec refuses it too")
     out["recall_at_k"] = _match_losses_and_metrics(r, ctx)
-    kernel = str(r.scalar("kernel", "PYTORCH"))
-    if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
-        ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
-    elif kernel != "PYTORCH":
-        ctx.note(r.at("kernel"), f"{kernel}: dynarec computes TorchEasyRec's PyTorch reference formulas")
+    _hstu_kernel(r, ctx, semi_local=False)
     for key, default in (("use_pareto_loss_weight", False), ("num_class", 1)):
         r.default_only(key, default)
     return out
+
+
+def _similarity(m: Reader, ctx: Context, default: str) -> str:
+    """A match model's ``similarity`` (INNER_PRODUCT, COSINE) as dynarec's; another is refused."""
+    similarity = str(m.scalar("similarity", default))
+    if similarity not in ("INNER_PRODUCT", "COSINE"):
+        ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
+    return similarity.lower()
+
+
+def _hstu_kernel(r: Reader, ctx: Context, semi_local: bool) -> None:
+    """An HSTU model's ``kernel``: dynarec computes TorchEasyRec's PyTorch reference formulas
+    whatever it says (noted); TRITON with semi-local attention refused, as TorchEasyRec refuses it."""
+    kernel = str(r.scalar("kernel", "PYTORCH"))
+    if kernel not in ("PYTORCH", "TRITON", "CUTLASS"):
+        ctx.refuse(r.at("kernel"), f"{kernel!r} is not supported (PYTORCH, TRITON, CUTLASS are)")
+    elif kernel == "TRITON" and semi_local:
+        ctx.refuse(
+            r.at("kernel"),
+            "TRITON with semi-local attention (sla_k1 / sla_k2): TorchEasyRec refuses it (its Triton kernel has "
+            "no semi-local mask; CUTLASS and PYTORCH have)",
+            fatal=True,
+        )
+    elif kernel != "PYTORCH":
+        ctx.note(
+            r.at("kernel"),
+            f"{kernel}: dynarec computes TorchEasyRec's PyTorch reference formulas (its own kernels) whatever the "
+            "kernel; the same model, numbers equal up to rounding",
+        )
 
 
 def _match_losses_and_metrics(r: Reader, ctx: Context) -> list[int]:
@@ -564,10 +571,7 @@ def _two_tower(r: Reader, m: Reader, ctx: Context, name: str) -> dict[str, Any]:
     if name == "mind":
         out["simi_pow"] = m.number("simi_pow", 10.0)
     # TorchEasyRec's MIND is cosine by default, its other match models inner product
-    similarity = str(m.scalar("similarity", "COSINE" if name == "mind" else "INNER_PRODUCT"))
-    if similarity not in ("INNER_PRODUCT", "COSINE"):
-        ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
-    out["similarity"] = similarity.lower()
+    out["similarity"] = _similarity(m, ctx, "COSINE" if name == "mind" else "INNER_PRODUCT")
     out["temperature"] = m.number("temperature", 1.0)
     out["in_batch_negative"] = bool(m.scalar("in_batch_negative", False))
     if name == "dat":
