@@ -486,3 +486,30 @@ def test_what_hstu_match_cannot_carry_is_refused_by_path(old, new, path):
     assert old in text
     with pytest.raises(ConversionError, match=path):
         convert(text.replace(old, new))
+
+
+@pytest.mark.parametrize("name", ["hstu_kuairand_1k.config", "dat_mock.config"])
+def test_a_match_models_unsupported_similarity_is_refused_and_dropped_by_lenient(name):
+    text = (TESTS / name).read_text()
+    text = text.replace("similarity: COSINE", "similarity: EUCLID").replace(
+        "similarity: INNER_PRODUCT", "similarity: EUCLID"
+    )
+    assert "EUCLID" in text
+    with pytest.raises(ConversionError, match=r"similarity: EUCLID is not supported \(INNER_PRODUCT, COSINE are\)"):
+        convert(text, sampler_input_path="d/items.tsv")
+    result = convert(text, sampler_input_path="d/items.tsv", lenient=True)
+    model = next(v for k, v in result.config["model"].items() if k != "feature_groups")
+    assert model["similarity"] == "inner_product"
+    config_from_dict(result.config)
+
+
+def test_lenient_keeps_the_sequence_groups_an_hstu_model_reads_alone():
+    """An HSTU model's sequence groups hold no query features (its transducer reads them as
+    sequences): a --lenient conversion dropping an unrelated field keeps them."""
+    text = (TESTS / "hstu_kuairand_1k.config").read_text().replace("similarity: COSINE", "similarity: EUCLID")
+    model = convert(text, lenient=True).config["model"]
+    assert [g["group_name"] for g in model["feature_groups"]][:3] == ["contextual", "uih", "candidate"]
+    text = edit("use_group_norm: true", "use_group_norm: true attn_alpha: -1")
+    with pytest.raises(ConversionError) as e:
+        convert(text, lenient=True)
+    assert "left without sequence features" not in str(e.value)

@@ -487,10 +487,12 @@ def _hstu_match(r: Reader, m: Reader, ctx: Context, groups: list[dict[str, Any]]
 
 
 def _similarity(m: Reader, ctx: Context, default: str) -> str:
-    """A match model's ``similarity`` (INNER_PRODUCT, COSINE) as dynarec's; another is refused."""
+    """A match model's ``similarity`` (INNER_PRODUCT, COSINE) as dynarec's; another is refused
+    (``--lenient`` drops it: the model's default)."""
     similarity = str(m.scalar("similarity", default))
     if similarity not in ("INNER_PRODUCT", "COSINE"):
         ctx.refuse(m.at("similarity"), f"{similarity} is not supported (INNER_PRODUCT, COSINE are)")
+        similarity = default
     return similarity.lower()
 
 
@@ -1327,8 +1329,10 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
     model = result.model
     dropped: list[str] = []
     gone: list[int] = []
-    # MIND's history: a sequence group with no query features (its capsules read the sequence alone)
+    # Sequence groups with no query features (read as sequences alone): MIND's history (its
+    # capsules), every group of an HSTU model (its transducer, HSTUMatch's towers)
     history = model.get("mind", {}).get("user_tower", {}).get("history_input")
+    hstu = model_name(model) in (*GENERATIVE, "hstu_match")
     for i, g in enumerate(model["feature_groups"]):
         path = result.group_paths[i] if i < len(result.group_paths) else f"model_config.feature_groups[{i}]"
         removed = [n for n in g["feature_names"] if n not in features]
@@ -1339,7 +1343,8 @@ def prune_model(result: ModelResult, features: dict[str, Converted], ctx: Contex
         kept = [features[n] for n in g["feature_names"]]
         empty = not kept
         if g["group_type"] == "sequence" and kept:
-            empty = not any(f.sequence for f in kept) or (all(f.sequence for f in kept) and g["group_name"] != history)
+            alone = hstu or g["group_name"] == history
+            empty = not any(f.sequence for f in kept) or (all(f.sequence for f in kept) and not alone)
         if empty:
             gone.append(i)
             why = "left empty" if not kept else "left without sequence features or without query features"
