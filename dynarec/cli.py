@@ -1,4 +1,4 @@
-"""The ``dynarec`` command: make-data, plan, verify, train, evaluate, export, predict, demo, bench."""
+"""The ``dynarec`` command: make-data, plan, verify, train, evaluate, export, predict, tdm, demo, bench."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def cmd_make_data(args) -> None:
             print(f"wrote the vocab_file {path} (it did not exist: a vocabulary, or a tokenizer of the made-up words)")
         if meta.get("edge_table_written"):
             print(f"wrote the hard negatives' edge table {meta['edge_table_written']} ({EDGES_PER_USER} items a user)")
+        if meta.get("tree_written"):
+            t = meta["tree_written"]
+            print(
+                f"wrote the TDM tree {t['path']} and its edge table ({t['items']} items, {t['levels']} levels: "
+                f"data.tdm_sampler.layer_num_sample takes {t['levels']} entries)"
+            )
         if meta["item_table_written"]:
             print(
                 f"wrote the negative sampler's item table {meta['item_table_written']} "
@@ -231,6 +237,7 @@ def cmd_import_config(args) -> None:
             eval_input_path=_relative_to(args.eval_input_path, output.parent),
             sampler_input_path=_relative_to(args.sampler_input_path, output.parent),
             hard_negative_edge_path=_relative_to(args.hard_negative_edge_path, output.parent),
+            tree_dir=_relative_to(args.tree_dir, output.parent),
             lenient=args.lenient,
             config_dir=source.parent,  # a relative vocab_file is relative to the pipeline config ...
             output_dir=output.parent,  # ... and written relative to the YAML
@@ -251,6 +258,146 @@ def cmd_import_config(args) -> None:
         print(f"dropped: {d}")
     model = model_name(result.config["model"])
     print(f"wrote {output} ({len(result.config['feature_configs'])} features, model {model})")
+
+
+def _fields(text: Optional[str]) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else []
+
+
+def cmd_tdm_init_tree(args) -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from dynarec.data.reader import read_table, resolve_files
+    from dynarec.data.tree import init_tree, write_tree
+
+    attrs, raw = _fields(args.attr_fields), _fields(args.raw_attr_fields)
+    columns = list(dict.fromkeys([args.item_id_field, args.cate_id_field, *attrs, *raw]))
+    files = resolve_files(args.items, "--items")
+    tables = []
+    for f in files:
+        table = read_table(f)
+        missing = [c for c in columns if c not in table.schema.names]
+        if missing:
+            raise ValueError(f"{f}: missing column(s) {missing} (of --item-id-field, --cate-id-field, the attr fields)")
+        tables.append(table.select(columns))
+    items = pa.concat_tables(tables, promote_options="permissive")
+    try:
+        ids = items.column(args.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise ValueError(f"--item-id-field '{args.item_id_field}': the item ids must be integers") from None
+    unique, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"{', '.join(files)}: item {unique[counts > 1][0]} is listed twice; an item table lists each item once"
+        )
+    tree = init_tree(
+        ids,
+        items.column(args.cate_id_field),
+        [items.column(c) for c in [*attrs, *raw]],
+        n_cluster=args.n_cluster,
+        raw=range(len(attrs), len(attrs) + len(raw)),
+    )
+    out = write_tree(tree, args.output_dir, args.attr_delimiter)
+    _print_tree(tree, out, [*attrs, *raw])
+
+
+def _print_tree(tree, out: Path, attr_fields: list[str]) -> None:
+    import numpy as np
+
+    print(
+        f"wrote the tree of {int(np.diff(tree.level_starts)[-1])} items under {out} (node_table.txt, edge_table.txt, "
+        f"predict_edge_table.txt): {tree.num_levels} levels, node ids up to {int(tree.ids.max())}; "
+        f"data.tdm_sampler: item_input_path {out / 'node_table.txt'}, edge_input_path {out / 'edge_table.txt'}, "
+        f"attr_fields {attr_fields}, layer_num_sample of {tree.num_levels} entries"
+    )
+
+
+def cmd_tdm_cluster_tree(args) -> None:
+    from dynarec.data.reader import file_schema, resolve_files
+    from dynarec.data.tree import cluster_tree, write_tree
+    from dynarec.tdm import config_tree, item_embeddings
+
+    trainer = _restored(args)
+    config = trainer.config
+    tree = config_tree(config)
+    cfg = config.data.tdm_sampler
+    assert cfg is not None
+    raw = _fields(args.raw_attr_fields)
+    unknown = [c for c in raw if c not in cfg.attr_fields]
+    if unknown:
+        raise ValueError(f"--raw-attr-fields: {unknown} are not among data.tdm_sampler.attr_fields {cfg.attr_fields}")
+    types = {
+        f.name: f.type for f in file_schema(resolve_files(config.data.train_input_path)[0], config.data.input_type)
+    }
+    embeddings = item_embeddings(trainer.task, config, tree, types)
+    leaves = slice(int(tree.level_starts[-2]), len(tree.ids))
+    new = cluster_tree(
+        tree.ids[leaves],
+        embeddings,
+        [a[leaves] for a in tree.attrs],
+        n_cluster=args.n_cluster,
+        raw=[cfg.attr_fields.index(c) for c in raw],
+        seed=args.seed,
+    )
+    out = write_tree(new, args.output_dir, cfg.attr_delimiter)
+    print(f"clustered the {embeddings.shape[0]} items' {embeddings.shape[1]}-wide embeddings of step {trainer.step}")
+    _print_tree(new, out, cfg.attr_fields)
+
+
+def cmd_tdm_retrieve(args) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dynarec.data.batch import BatchBuilder, RowOrigin
+    from dynarec.data.reader import read_table, resolve_files
+    from dynarec.files import atomic_path
+    from dynarec.serving import ExportedModel
+    from dynarec.tdm import BeamSearch, config_tree
+
+    model = ExportedModel(args.export_dir, device=args.device)
+    config = model.config
+    tree = config_tree(config)
+    cfg = config.data.tdm_sampler
+    assert cfg is not None
+    builder = BatchBuilder(config, with_labels=False)
+
+    def score(table):
+        batch = builder.build(table, RowOrigin.of("the (user, tree node) rows of beam search", table.num_rows))
+        return model.predict_batch(batch)["probability"].float().cpu().numpy()
+
+    search = BeamSearch(config, tree, score, args.recall_num)
+    files = resolve_files(args.input)
+    if Path(args.output).is_dir():
+        raise FileExistsError(f"--output {args.output} is a directory; retrieve writes one Parquet file")
+    items, scores, truth = [], [], []
+    for f in files:
+        table = read_table(f)
+        for start in range(0, table.num_rows, args.batch_size):
+            users = table.slice(start, args.batch_size)
+            found = search.search(users)
+            items.append(found.items)
+            scores.append(found.scores)
+            if cfg.item_id_field in users.schema.names:
+                truth.append(users.column(cfg.item_id_field).cast(pa.int64()).to_numpy(zero_copy_only=False))
+    k = args.recall_num
+    ids = np.concatenate(items) if items else np.zeros((0, k), np.int64)
+    probs = np.concatenate(scores) if scores else np.zeros((0, k), np.float32)
+    columns = {
+        "recall_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), k),
+        "recall_scores": pa.FixedSizeListArray.from_arrays(pa.array(probs.reshape(-1)), k),
+    }
+    line = f"retrieved {k} items for each of {len(ids)} rows to {args.output}"
+    if truth and len(np.concatenate(truth)) == len(ids):
+        gt = np.concatenate(truth)
+        columns[cfg.item_id_field] = pa.array(gt)
+        hits = (ids == gt[:, None]).any(axis=1)
+        line += f"; recall@{k} (the row's {cfg.item_id_field} among them): {hits.mean():.4f}"
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(Path(args.output)) as tmp:
+        pq.write_table(pa.table(columns), str(tmp))
+    print(line)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -302,6 +449,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hard-negative-edge-path",
         help="replaces data_config.hard_negative_sampler.hard_neg_edge_input_path (the user -> item edge table)",
+    )
+    p.add_argument(
+        "--tree-dir",
+        help="replaces data_config.tdm_sampler's item_input_path and edge_input_path with this directory's "
+        "node_table.txt and edge_table.txt (dynarec tdm init-tree writes them)",
     )
     p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
     p.set_defaults(run=cmd_import_config)
@@ -356,6 +508,34 @@ def _build_parser() -> argparse.ArgumentParser:
         "and the label columns the input holds",
     )
     p.set_defaults(run=cmd_predict)
+
+    p = sub.add_parser("tdm", help="a TDM model's tree: build it, cluster it from a trained model, retrieve by it")
+    tdm = p.add_subparsers(dest="tdm_command", required=True)
+    q = tdm.add_parser("init-tree", help="TorchEasyRec's initial tree: items sorted by category, split n ways")
+    q.add_argument("--items", nargs="+", required=True, help="the item table(s): one row an item")
+    q.add_argument("--item-id-field", required=True)
+    q.add_argument("--cate-id-field", required=True, help="the items' category column (the tree's first split)")
+    q.add_argument("--attr-fields", help="item columns the nodes carry, comma-separated (voted up the tree)")
+    q.add_argument("--raw-attr-fields", help="numeric item columns the nodes carry after them (averaged up the tree)")
+    q.add_argument("--attr-delimiter", default=",")
+    q.add_argument("--n-cluster", type=int, default=2, help="the tree's branching factor")
+    q.add_argument("--output-dir", required=True)
+    q.set_defaults(run=cmd_tdm_init_tree)
+    q = tdm.add_parser("cluster-tree", help="a learnt tree: the items clustered by a trained model's embeddings")
+    common(q)
+    q.add_argument("--output-dir", required=True)
+    q.add_argument("--n-cluster", type=int, default=2)
+    q.add_argument("--raw-attr-fields", help="which of data.tdm_sampler.attr_fields are numbers (averaged)")
+    q.add_argument("--seed", type=int, default=0, help="k-means's seed")
+    q.set_defaults(run=cmd_tdm_cluster_tree)
+    q = tdm.add_parser("retrieve", help="beam search of each row's items down the tree, by an exported model")
+    q.add_argument("--export-dir", required=True)
+    q.add_argument("--input", nargs="+", required=True, help="the user rows (the model's columns)")
+    q.add_argument("--output", required=True, help="a Parquet file: recall_ids and recall_scores, k a row")
+    q.add_argument("--recall-num", type=int, required=True, help="items a row")
+    q.add_argument("--batch-size", type=int, default=256, help="user rows searched together")
+    q.add_argument("--device", default="cpu")
+    q.set_defaults(run=cmd_tdm_retrieve)
 
     p = sub.add_parser("bench", help="run a benchmark (medians, with its baseline in the same run)")
     bench.add_arguments(p)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
@@ -14,6 +14,7 @@ from dynarec.embedding.config import DynamicTableOptions
 from dynarec.embedding.initializers import Initializer
 
 __all__ = [
+    "Activation",
     "Count",
     "DropoutRatios",
     "DynamicEmbField",
@@ -43,6 +44,11 @@ Count = Annotated[StrictInt, Field(gt=0)]
 
 # Dropout after an MLP's layers (TorchEasyRec's dropout_ratio): no ratio (none), one for every
 # layer, or one per layer.
+# An MLP's activation: ReLU; Dice (DIN's data-adaptive activation: a batch-normalized gate
+# between x and alpha * x, alpha learned per unit; in eval it uses the running statistics); PReLU
+# (one learned slope a layer, TorchEasyRec's nn.PReLU); none: linear layers (TorchEasyRec's "").
+Activation = Literal["relu", "dice", "prelu", "none"]
+
 DropoutRatios = list[Annotated[float, Field(ge=0, lt=1)]]
 
 

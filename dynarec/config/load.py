@@ -67,6 +67,9 @@ def config_from_dict(
             hard = sampler.get("hard_negatives")
             if isinstance(hard, Mapping) and "edge_input_path" in hard:
                 sampler["hard_negatives"] = {**hard, "edge_input_path": resolve(hard["edge_input_path"])}
+        tdm = d.get("tdm_sampler")
+        if isinstance(tdm, Mapping):
+            d["tdm_sampler"] = {k: resolve(v) if k.endswith("_path") else v for k, v in tdm.items()}
         data["data"] = d
     if base_dir is not None and isinstance(data.get("feature_configs"), list):
         data["feature_configs"] = [_resolve_vocab_file(entry, base_dir) for entry in data["feature_configs"]]

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from dynarec.config.base import Count, DropoutRatios, exactly_one
+from dynarec.config.base import Activation, Count, DropoutRatios, exactly_one
 from dynarec.config.base import MLPDropouts as _MLPDropouts
 from dynarec.config.base import Strict as _Strict
 from dynarec.config.features import (
@@ -50,6 +50,7 @@ from dynarec.config.features import (
 from dynarec.config.hstu import CHANNEL_SUFFIXES, HSTU_GROUPS, DlrmHSTUCfg, HSTUMatchUserTowerCfg, UltraHSTUCfg
 from dynarec.config.sid import SID_KEYS, SidRqkmeansCfg, SidRqvaeCfg
 from dynarec.config.tasks import TaskTowerCfg, check_task_towers
+from dynarec.config.tdm import TDMCfg, TDMSamplerCfg
 from dynarec.embedding.config import Backend
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.dense import DenseOptimizerSpec, dense_spec_from_yaml, dense_spec_to_yaml
@@ -172,11 +173,6 @@ class LRScheduleCfg(Strict):
         if self.warmup:
             return base + (self.learning_rates[0] - base) * k / self.schedule_steps[0]
         return base
-
-
-# An MLP's activation: ReLU, or Dice (DIN's data-adaptive activation: a batch-normalized gate
-# between x and alpha * x, alpha learned per unit; in eval it uses the running statistics).
-Activation = Literal["relu", "dice", "none"]  # none: linear layers (TorchEasyRec's activation "")
 
 
 class SequenceGroupCfg(Strict):
@@ -651,6 +647,7 @@ MODEL_KEYS = (
     *RETRIEVAL_KEYS,
     *CANDIDATE_KEYS,
     *SID_KEYS,
+    "tdm",
 )
 
 
@@ -689,6 +686,7 @@ class ModelCfg(Strict):
     hstu_match: Optional[HSTUMatchCfg] = None
     sid_rqvae: Optional[SidRqvaeCfg] = None
     sid_rqkmeans: Optional[SidRqkmeansCfg] = None
+    tdm: Optional[TDMCfg] = None
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -707,6 +705,14 @@ class ModelCfg(Strict):
             self._check_hstu_groups(name)
         if name == "hstu_match":
             self._check_hstu_match_groups()
+        if name == "tdm":
+            sequence = [g.group_name for g in self.feature_groups if g.group_type == "sequence"]
+            wide = [g.group_name for g in self.feature_groups if g.group_type == "wide"]
+            if len(sequence) != 1 or wide:
+                raise ValueError(
+                    f"tdm: reads one sequence group (its multi-window DIN's) and deep groups; sequence groups "
+                    f"{sequence}, wide groups {wide}"
+                )
         if name in SID_KEYS:
             top = {g.group_name: g for g in self.feature_groups}
             for where, group, _ in self._tower_inputs(name):
@@ -940,6 +946,7 @@ class DataCfg(Strict):
     cache_batches: bool = False
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
     negative_sampler: Optional[NegativeSamplerCfg] = None  # a retrieval model's sampled items
+    tdm_sampler: Optional[TDMSamplerCfg] = None  # a TDM model's tree and its layer-wise samples
 
 
 class GradientClippingCfg(Strict):
@@ -1075,6 +1082,17 @@ class Config(Strict):
             if f.feature_name == name:
                 return f
         raise KeyError(name)
+
+    @model_validator(mode="after")
+    def _tdm(self):
+        sampler, name = self.data.tdm_sampler, self.model.name
+        if (sampler is None) != (name != "tdm"):
+            raise ValueError(
+                "model.tdm: trains on its tree's layer-wise samples: give data.tdm_sampler"
+                if sampler is None
+                else f"data.tdm_sampler: samples a TDM model's tree; model '{name}' is not tdm"
+            )
+        return self
 
     @model_validator(mode="after")
     def _retrieval(self):

@@ -49,7 +49,8 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
-from dynarec.data.sampler import negative_sampler
+from dynarec.data.sampler import attribute_columns, negative_sampler
+from dynarec.data.tdm_sampler import TreeSamples, tdm_sampler
 from dynarec.data.transport import Slot, pack, read_into, unpack
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
@@ -370,6 +371,30 @@ def _appended(out: _Output, extra: _Output) -> _Output:
     return _DenseSequence(np.concatenate([out.x, extra.x]), np.concatenate([out.lengths, extra.lengths]))
 
 
+def _jagged_take(lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The flat positions of ``rows``' values, row after row, in values laid out by ``lengths``."""
+    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1][rows]
+    counts = lengths[rows]
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+def _taken(out: _Output, rows: np.ndarray) -> _Output:
+    """``out``'s rows ``rows`` (int64, any order, repeats allowed)."""
+    if isinstance(out, _Ids):
+        element_lengths = elements = None
+        if out.element_lengths is not None and out.elements is not None:  # several ids an element
+            at = _jagged_take(out.elements, rows)
+            element_lengths, elements = out.element_lengths[at], out.elements[rows]
+            at = _jagged_take(out.element_lengths, at)
+        else:
+            at = _jagged_take(out.lengths, rows)
+        weights = out.weights[at] if out.weights is not None else None
+        return _Ids(out.values[at], out.lengths[rows], weights, element_lengths, elements)
+    if isinstance(out, _Dense):
+        return _Dense(out.x32[rows], out.x64[rows])
+    return _DenseSequence(out.x[_jagged_take(out.lengths, rows)], out.lengths[rows])
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a feature's bucketizer needs on every batch, worked out once: the bucketizer, whether
@@ -414,11 +439,18 @@ class BatchBuilder:
     """Builds :class:`Batch` objects from Arrow tables for one config."""
 
     def __init__(
-        self, config: Config, with_labels: bool = True, negatives: int = 0, empty_features: frozenset[str] = frozenset()
+        self,
+        config: Config,
+        with_labels: bool = True,
+        negatives: int = 0,
+        empty_features: frozenset[str] = frozenset(),
+        tree_samples: bool = False,
     ):
         """``negatives``: the sampled items each batch gets (``data.negative_sampler``; 0: none);
         ``empty_features``: features not read from the data but empty in every row (no ids, zeros),
-        their columns not needed (a retrieval model's other tower, serving one tower's table)."""
+        their columns not needed (a retrieval model's other tower, serving one tower's table);
+        ``tree_samples``: each batch gets a TDM model's layer-wise sampled rows
+        (``data.tdm_sampler``, with labels)."""
         self.config = config
         self.with_labels = with_labels
         self.empty_features = empty_features
@@ -452,6 +484,23 @@ class BatchBuilder:
             self.sampled_features = {
                 f.feature_name for f in features if set(config.columns_read(f.feature_name)) <= attrs
             }
+        tdm = config.data.tdm_sampler
+        self.tdm = tdm_sampler(tdm, config.train.seed) if tdm is not None and tree_samples and with_labels else None
+        # A sampled tree node's row: features of its item columns alone are computed from its
+        # attributes, those of none copied from the row, the others computed over the row's
+        # values with the node's in its item columns.
+        self.node_features: set[str] = set()
+        self.mixed_features: set[str] = set()
+        if tdm is not None:
+            item_columns = set(tdm.item_columns)
+            for f in features:
+                read = set(config.columns_read(f.feature_name))
+                if read and read <= item_columns:
+                    self.node_features.add(f.feature_name)
+                elif read & item_columns:
+                    self.mixed_features.add(f.feature_name)
+        if self.tdm is not None:
+            self._check_node_ids(config)
         sequences = {f.feature_name for f in features if f.is_sequence}
         aligned = (
             list(dict.fromkeys(n for n in names if n in sequences)) for names in config.model.aligned_sequences()
@@ -461,6 +510,22 @@ class BatchBuilder:
         self._sequence_separators = {
             c: f.separator for f in features if isinstance(f, SequenceFeatureCfg) for c in f.columns
         }
+
+    def _check_node_ids(self, config: Config) -> None:
+        """A fixed table of the item ids (``num_buckets``) must hold the tree's inner nodes'
+        ids too (the largest item id + a code + 1): ValueError naming the feature otherwise,
+        before any batch."""
+        assert self.tdm is not None
+        cfg, top = self.tdm.cfg, int(self.tdm.tree.ids.max())
+        for f in self.sparse_features:
+            if f.bucketizer == "num_buckets" and config.columns_read(f.feature_name) == [cfg.item_id_field]:
+                if f.table_rows is not None and top >= f.table_rows:
+                    raise ValueError(
+                        f"feature '{f.feature_name}': num_buckets {f.table_rows}, but the tree of "
+                        f"{cfg.item_input_path} has node ids up to {top} (an inner node's: the largest item id + "
+                        f"its code + 1), which data.tdm_sampler.item_id_field '{cfg.item_id_field}' holds in its "
+                        f"sampled rows; give num_buckets above {top}, or hash the ids (hash_bucket_size)"
+                    )
 
     def _label_owner(self, label: str) -> str:
         if not self.config.model.task_towers:
@@ -489,6 +554,8 @@ class BatchBuilder:
             cols.append(self.sampler.cfg.item_id_field)
             if self.sampler.cfg.hard_negatives is not None:
                 cols.append(self.sampler.cfg.hard_negatives.user_id_field)
+        if self.tdm is not None:
+            cols.append(self.tdm.cfg.item_id_field)
         return list(dict.fromkeys(cols))
 
     def csv_column_types(self) -> dict[str, pa.DataType]:
@@ -532,6 +599,8 @@ class BatchBuilder:
             raise DataError(
                 f"{source}: missing column '{hard.user_id_field}' (data.negative_sampler.hard_negatives.user_id_field)"
             )
+        if self.tdm is not None and self.tdm.cfg.item_id_field not in names:
+            raise DataError(f"{source}: missing column '{self.tdm.cfg.item_id_field}' (data.tdm_sampler.item_id_field)")
 
     def build(self, table: pa.Table, origin: Union[RowOrigin, str]) -> Batch:
         """``table``'s rows -> Batch. ``origin`` says where the rows came from (a file name:
@@ -550,6 +619,10 @@ class BatchBuilder:
         sampled, hard_rows = 0, None
         if self.sampler is not None:
             computed, sampled, hard_rows = self._with_sampled_items(computed, table, origin)
+        tree = None
+        if self.tdm is not None:
+            computed, tree = self._with_tree_samples(computed, table, origin)
+            n += len(tree.rows)
         rows = n + sampled
         sparse = self._kjt(computed)
         dense: dict[str, torch.Tensor] = {}
@@ -577,12 +650,18 @@ class BatchBuilder:
         groups = sessions = None
         if self.with_labels:
             columns = [self._labels(table.column(c), c, origin, counts) for c in self.label_fields]
+            if tree is not None:  # the sampled tree nodes' rows: 1 an ancestor, 0 a negative
+                columns = [torch.cat([c, torch.from_numpy(tree.labels)]) for c in columns]
             if columns:  # (a semantic-ID model reads none)
                 labels = torch.stack(columns, dim=1)
             if self.group_field:
                 groups = self._per_candidate(self._group_ids(table.column(self.group_field)), counts)
             if self.session_field:
                 sessions = self._per_candidate(self._group_ids(table.column(self.session_field)), counts)
+            if tree is not None:  # a sampled row is its row's
+                at = torch.from_numpy(tree.rows)
+                groups = None if groups is None else torch.cat([groups, groups[at]])
+                sessions = None if sessions is None else torch.cat([sessions, sessions[at]])
         return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled, hard_rows)
 
     @staticmethod
@@ -620,6 +699,42 @@ class BatchBuilder:
             for name, out in computed.items()
         }
         return outputs, len(picks), hard_rows
+
+    def _with_tree_samples(
+        self, computed: dict[str, _Output], table: pa.Table, origin: RowOrigin
+    ) -> tuple[dict[str, _Output], TreeSamples]:
+        """``(outputs, samples)``: every feature with the rows of the batch's sampled tree nodes
+        appended (dynarec.data.tdm_sampler), and what was sampled."""
+        assert self.tdm is not None
+        cfg, tree = self.tdm.cfg, self.tdm.tree
+        items = self._int_ids(table, cfg.item_id_field, "data.tdm_sampler.item_id_field", "item", origin)
+        leaves = tree.leaf_nodes(items)
+        if (leaves < 0).any():
+            i = int(np.nonzero(leaves < 0)[0][0])
+            raise DataError(
+                f"{origin.locate(i)}: item {items[i]} (column '{cfg.item_id_field}') is no leaf of the tree "
+                f"{cfg.item_input_path} (data.tdm_sampler): build the tree over every item the data holds"
+            )
+        path, first, _ = origin.runs[0]
+        samples = self.tdm.sample(leaves, f"{_draw_key(path)}:{first}")
+        types = {c: table.schema.field(c).type for c in cfg.item_columns if c in table.schema.names}
+        node_ids = pa.array(tree.ids[samples.nodes]).cast(pa.string())
+        strings = [node_ids, *tree.attribute_strings(samples.nodes)]
+        nodes = pa.table(attribute_columns(cfg.item_columns, strings, types, cfg.item_input_path))
+        # An error names the sampled node and the row it was sampled for.
+        where = RowOrigin(((f"{cfg.item_input_path} (the nodes sampled for {origin.label})", 0, len(samples.rows)),))
+        extra = self._features(nodes, where, self.node_features)
+        if self.mixed_features:
+            rows = table.take(pa.array(samples.rows))
+            for name in cfg.item_columns:
+                if name in rows.schema.names:
+                    rows = rows.set_column(rows.schema.get_field_index(name), name, nodes.column(name))
+            extra.update(self._features(rows, where, self.mixed_features))
+        outputs = {
+            name: _appended(out, extra[name] if name in extra else _taken(out, samples.rows))
+            for name, out in computed.items()
+        }
+        return outputs, samples
 
     def _int_ids(self, table: pa.Table, column: str, field: str, what: str, origin: RowOrigin) -> np.ndarray:
         values: Union[pa.Array, pa.ChunkedArray] = table.column(column)

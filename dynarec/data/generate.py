@@ -70,6 +70,7 @@ from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
+from dynarec.data.tree import init_tree, write_tree_tables
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
@@ -81,6 +82,9 @@ NOW = 1_600_000_000  # seconds: a history's last time; its candidates' query tim
 # What the features of a generative ranker's groups hold, by the group name's ending: a channel's
 # history's times, its actions (bitmasks); candidate_timestamp's: the candidates' query times.
 GROUP_KINDS = {"_timestamp": "history_times", "_action": "actions"}
+# A TDM config's item ids: a 1/8 of the item table's rows, so that the tree's inner nodes
+# (ids above the items', up to about four times as many) fit in the table too.
+TDM_ID_SHARE = 8
 ACTION_BITS = 8  # a history element's bitmask: bit k set with probability 1 / (k + 2)
 _SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
 LEXICON = [a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in ("", "n", "s")]  # a text's words
@@ -334,6 +338,13 @@ class _Planner:
                 self.add(name, kind="ids")
                 if self.columns[name].kind == "strings":
                     self.columns[name].kind = "ids"
+        tdm = self.config.data.tdm_sampler
+        if tdm is not None:  # the tree's leaves are integer ids, its inner nodes' ids above them
+            self.add(tdm.item_id_field, kind="ids")
+            items = self.columns[tdm.item_id_field]
+            items.kind = "ids"
+            # the inner nodes' ids (the largest item id + a code + 1) stay in the item's table
+            items.vocabulary = max(2, items.vocabulary // TDM_ID_SHARE)
         candidate = self.config.candidate_feature()
         if candidate is not None:
             f = self.by_name[candidate]
@@ -592,6 +603,11 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         bitmask = first_label is not None and label_rules(config.tasks()).get(first_label, (None, ""))[0] == 0
         clicks = examples = 0
         sampler = config.data.negative_sampler
+        item_columns = []
+        if sampler is not None:
+            item_columns = [sampler.item_id_field, *sampler.attr_fields]
+        elif config.data.tdm_sampler is not None:
+            item_columns = config.data.tdm_sampler.item_columns
         tables: list[pa.Table] = []
         users: list[pa.ChunkedArray] = []
         for i in range(spec.train_files):
@@ -603,15 +619,17 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
                 click = _clicks(table.column(first_label), bitmask)
                 clicks, examples = clicks + int(np.sum(click)), examples + click.size
             pq.write_table(table, tmp / "train" / f"part-{i}.parquet")
-            if sampler is not None:  # the items' columns, for the sampler's item table
-                tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
+            if item_columns:  # the items' columns, for the sampler's item table or tree
+                tables.append(table.select(item_columns))
+            if sampler is not None:
                 if sampler.hard_negatives is not None:
                     users.append(table.column(sampler.hard_negatives.user_id_field))
         table, p = _table(columns, config, spec.eval_rows, spec, rng)
         pq.write_table(table, tmp / "eval" / "part-0.parquet")
-        if sampler is not None:
-            tables.append(table.select([sampler.item_id_field, *sampler.attr_fields]))
+        if item_columns:
+            tables.append(table.select(item_columns))
         items_written = _write_item_table(config, tables, target, tmp)
+        tree_written = _write_tree(config, tables, target, tmp)
         edges_written = _write_edge_table(config, users, tables, target, tmp, rng)
         meta: dict[str, Any] = {
             "generator": "config",
@@ -628,6 +646,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
             {
                 "vocab_files_written": planner.vocab_files_written,
                 "item_table_written": items_written,
+                "tree_written": tree_written,
                 "edge_table_written": edges_written,
             }
         )
@@ -685,6 +704,37 @@ def _write_item_table(config: Config, tables: list[pa.Table], target: Path, tmp:
     destination = tmp / path.relative_to(target.absolute()) if inside else path
     write_item_table(sampler, ids[first], np.ones(len(first)), [list(a) for a in zip(*attrs)], destination)
     return sampler.input_path
+
+
+def _write_tree(config: Config, tables: list[pa.Table], target: Path, tmp: Path) -> Optional[dict[str, Any]]:
+    """A TDM config's tree (``data.tdm_sampler``'s node and edge tables), where they do not exist
+    or lie inside the data directory ``target``: TorchEasyRec's initial tree (binary, the items
+    sorted by their first attribute, then id) over every item of ``tables``, its attributes as
+    first seen. Returns ``{path, items, levels}``, or None when nothing was written."""
+    tdm = config.data.tdm_sampler
+    if tdm is None:
+        return None
+    paths = [Path(tdm.item_input_path).absolute(), Path(tdm.edge_input_path).absolute()]
+    inside = [p.is_relative_to(target.absolute()) for p in paths]
+    if all(p.exists() and not i for p, i in zip(paths, inside)):
+        return None
+    rows = pa.concat_tables(tables)
+    ids = rows.column(0).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+    _, first = np.unique(ids, return_index=True)
+    index = pa.array(first)
+    attrs = [rows.column(j).combine_chunks().take(index) for j in range(1, rows.num_columns)]
+    attrs = [
+        pc.binary_join(a.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR) if _is_list(a.type) else a for a in attrs
+    ]
+    categories = attrs[0] if attrs else pa.array([""] * len(first))
+    tree = init_tree(ids[first], categories, attrs, n_cluster=2)
+    node, edge = (tmp / p.relative_to(target.absolute()) if i else p for p, i in zip(paths, inside))
+    write_tree_tables(tree, node, edge, attr_delimiter=tdm.attr_delimiter)
+    return {"path": tdm.item_input_path, "items": len(first), "levels": tree.num_levels}
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 EDGES_PER_USER = 3  # a user's hard negatives in a generated edge table

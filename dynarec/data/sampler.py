@@ -38,7 +38,15 @@ import pyarrow.parquet as pq
 
 from dynarec.config.schema import NegativeSamplerCfg
 
-__all__ = ["MULTI_VALUE_SEPARATOR", "NegativeSampler", "SamplerError", "negative_sampler", "write_item_table"]
+__all__ = [
+    "MULTI_VALUE_SEPARATOR",
+    "NegativeSampler",
+    "SamplerError",
+    "attribute_columns",
+    "negative_sampler",
+    "read_graph_table",
+    "write_item_table",
+]
 
 # Between the values of an attribute whose data column is a list (TorchEasyRec's multival_sep).
 MULTI_VALUE_SEPARATOR = "\x1d"
@@ -138,23 +146,32 @@ class NegativeSampler:
         """The attribute columns of the catalog items ``picks``, cast to the batch's column
         ``types`` (strings where a column is not among them)."""
         index = pa.array(picks)
-        out = {}
-        for name, values in zip(self.cfg.attr_fields, self.attrs):
-            col = values.take(index)
-            t = types.get(name)
-            if t is not None and t != col.type:
-                try:
-                    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):  # "" is missing, as TorchEasyRec's
-                        col = pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col)
-                    if pa.types.is_list(t) or pa.types.is_large_list(t):  # a list column: values joined
-                        col = pc.split_pattern(col, MULTI_VALUE_SEPARATOR)
-                    col = col.cast(t)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                    raise SamplerError(
-                        f"{self.cfg.input_path}: attribute '{name}' does not read as the data's {t} ({e})"
-                    ) from None
-            out[name] = col
-        return out
+        return attribute_columns(
+            self.cfg.attr_fields, [values.take(index) for values in self.attrs], types, self.cfg.input_path
+        )
+
+
+def attribute_columns(
+    names: list[str], values: list[pa.Array], types: dict[str, pa.DataType], path: str
+) -> dict[str, pa.Array]:
+    """Attribute columns ``names`` of sampled items (``values``: strings, read from the table at
+    ``path``) cast to the batch's column ``types`` (strings where a column is not among them): an
+    empty value is missing (TorchEasyRec's), a list column's values split on
+    :data:`MULTI_VALUE_SEPARATOR`; SamplerError where a value does not read as its column's."""
+    out = {}
+    for name, col in zip(names, values):
+        t = types.get(name)
+        if t is not None and t != col.type:
+            try:
+                if not (pa.types.is_string(t) or pa.types.is_large_string(t)):  # "" is missing, as TorchEasyRec's
+                    col = pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col)
+                if pa.types.is_list(t) or pa.types.is_large_list(t):  # a list column: values joined
+                    col = pc.split_pattern(col, MULTI_VALUE_SEPARATOR)
+                col = col.cast(t)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise SamplerError(f"{path}: attribute '{name}' does not read as the data's {t} ({e})") from None
+        out[name] = col
+    return out
 
 
 def negative_sampler(cfg: NegativeSamplerCfg, seed: int) -> NegativeSampler:
@@ -188,7 +205,7 @@ def write_item_table(
     path.write_text("\n".join(lines) + "\n")
 
 
-def _read_table(path_text: str, delimiter: str, types: tuple[pa.DataType, ...], field: str, noun: str) -> pa.Table:
+def read_graph_table(path_text: str, delimiter: str, types: tuple[pa.DataType, ...], field: str, noun: str) -> pa.Table:
     """A Parquet table, or a CSV / text table split on ``delimiter`` whose header may be
     graph-learn's (``name:type``; the names kept), its columns read as ``types``; SamplerError
     naming the config ``field`` of a missing file, or the ``noun`` table that cannot be read."""
@@ -213,7 +230,7 @@ def _read_table(path_text: str, delimiter: str, types: tuple[pa.DataType, ...], 
 def _read_items(cfg: NegativeSamplerCfg) -> tuple[np.ndarray, np.ndarray, pa.Array]:
     """``(ids int64, weights float64, attrs string)`` of the item table."""
     delimiter = cfg.field_delimiter or "\t"
-    table = _read_table(
+    table = read_graph_table(
         cfg.input_path, delimiter, (pa.int64(), pa.float64(), pa.string()), "data.negative_sampler.input_path", "item"
     )
     if table.num_columns != 3 or table.num_rows == 0:
@@ -249,7 +266,7 @@ def _read_edges(cfg: NegativeSamplerCfg, item_ids: np.ndarray) -> tuple[np.ndarr
     assert hard is not None
     path = hard.edge_input_path
     delimiter = cfg.field_delimiter or "\t"
-    table = _read_table(
+    table = read_graph_table(
         path,
         delimiter,
         (pa.int64(), pa.int64(), pa.float64()),

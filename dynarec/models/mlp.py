@@ -1,4 +1,4 @@
-"""MLPs: linear layers with ReLU or Dice, and dropout."""
+"""MLPs: linear layers with ReLU, Dice or PReLU, and dropout."""
 
 from __future__ import annotations
 
@@ -35,13 +35,19 @@ class BatchNorm(nn.BatchNorm1d):
         return super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
-_ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "dice": Dice, "silu": nn.SiLU, "none": nn.Identity}
+_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU,
+    "dice": Dice,
+    "prelu": nn.PReLU,  # one slope a layer, from 0.25 (TorchEasyRec's nn.PReLU())
+    "silu": nn.SiLU,
+    "none": nn.Identity,
+}
 
 
 class MLP(nn.Sequential):
     """Linear layers (``bias``: with biases), each followed by batch normalization
     (``batch_norm``, per unit over every row and position), layer normalization (``layer_norm``:
-    TorchEasyRec's ``use_ln``), ``activation`` (``relu``, ``dice``, ``silu`` or ``none``) and,
+    TorchEasyRec's ``use_ln``), ``activation`` (``relu``, ``dice``, ``prelu``, ``silu`` or ``none``) and,
     where ``dropout`` gives a ratio above 0, dropout: ``[..., in_dim] -> [..., hidden_units[-1]]``.
 
     ``dropout``: no ratio (none), one ratio for every layer, or one per layer (TorchEasyRec's

@@ -20,6 +20,7 @@ from dynarec.models.pepnet import PEPNet
 from dynarec.models.rankers import DCN, DCNV2, MaskNet, WuKong, XDeepFM
 from dynarec.models.rocket_launching import RocketLaunching
 from dynarec.models.sid import SidRqkmeans, SidRqvae
+from dynarec.models.tdm import TDM
 from dynarec.models.wide_and_deep import WideAndDeep
 
 __all__ = ["MODELS", "build_model"]
@@ -49,6 +50,7 @@ MODELS: dict[str, Any] = {  # model key -> class taking (config, its own model b
     "hstu_match": HSTUMatch,
     "sid_rqvae": SidRqvae,
     "sid_rqkmeans": SidRqkmeans,
+    "tdm": TDM,
 }
 
 

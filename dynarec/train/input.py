@@ -116,7 +116,7 @@ class TrainInput:
             negatives = sampler.num_sample if training else (sampler.num_eval_sample or sampler.num_sample)
         ds = ArrowBatchDataset(
             resolve_files(paths),
-            BatchBuilder(self.config, with_labels, negatives),
+            BatchBuilder(self.config, with_labels, negatives, tree_samples=sampled),
             batch_size,
             self.config.data.input_type,
             start_row=start_row,

@@ -9,6 +9,7 @@ import pytest
 from dynarec.config import config_from_dict
 from dynarec.config.schema import RETRIEVAL_KEYS
 from dynarec.config.sid import SID_KEYS
+from dynarec.data.tree import init_tree, write_tree
 from dynarec.serving import ExportedModel
 from dynarec.train.export import export_model
 from dynarec.train.trainer import Trainer
@@ -45,6 +46,19 @@ def data(tmp_path_factory):
 def test_scores_do_not_depend_on_the_batch(name, data, tmp_path):
     raw = model_config(name).model_dump(mode="json")
     raw["data"] = {"train_input_path": str(data), "batch_size": 64}
+    if name == "tdm":  # trained on the samples of a tree over the items "b", scored row by row
+        ids = np.arange(10)
+        write_tree(init_tree(ids, pa.array(["c"] * 10), []), tmp_path / "tree")
+        raw["data"]["tdm_sampler"] = {
+            "item_input_path": str(tmp_path / "tree" / "node_table.txt"),
+            "edge_input_path": str(tmp_path / "tree" / "edge_table.txt"),
+            "item_id_field": "b",
+            "layer_num_sample": [0, 1, 1, 1, 1],
+        }
+        for f in raw["feature_configs"]:  # the table of "b" (and "s") holds the inner nodes' ids too (up to 24)
+            body = next(v for v in f.values() if v is not None)
+            if body["feature_name"] in ("b", "s"):
+                body["num_buckets"] = 32
     if name not in MULTI_TASK and name not in SID_KEYS:
         raw["data"]["label_field"] = "label"
     raw["train"]["num_epochs"] = 1

@@ -163,6 +163,10 @@ MODEL_BLOCKS["pepnet"] = (
 )
 MODEL_BLOCKS["sid_rqvae"] = ({"codebook": [4, 3], "embed_dim": 4, "hidden_dims": [6]}, False)
 MODEL_BLOCKS["sid_rqkmeans"] = ({"codebook": [4, 3]}, False)
+MODEL_BLOCKS["tdm"] = (
+    {"multiwindow_din": {"windows_len": [1, 2]}, "final_hidden_units": [8], "final_batch_norm": True},
+    True,
+)
 MULTI_TASK = ("simple_multi_task", "mmoe", "ple", "dbmtl", "pepnet")
 # The models scoring rows; those scoring each row's candidates (dlrm_hstu: other groups, a label a
 # candidate, no export yet; hstu_match: a query a candidate) are tested in their own files
@@ -203,6 +207,13 @@ def model_config(name):
         groups += [{"group_name": "dom", "feature_names": ["b"]}, {"group_name": "uia", "feature_names": ["a"]}]
     c = config_dict(feature_configs=SAME_DIM)
     c["model"] = {"feature_groups": groups, name: block}
+    if name == "tdm":  # its tree (read when batches are built)
+        c["data"]["tdm_sampler"] = {
+            "item_input_path": "tree/node_table.txt",
+            "edge_input_path": "tree/edge_table.txt",
+            "item_id_field": "b",
+            "layer_num_sample": [0, 1],
+        }
     if name in MULTI_TASK or name in SID_KEYS:  # their task towers name their labels; semantic ids read none
         del c["data"]["label_field"]
     return config_from_dict(c)
@@ -226,6 +237,8 @@ def test_model_forward_backward(name):
     for v in emb.values():
         v.requires_grad_(True)
     out = model(emb, lengths, dense)
+    if name == "tdm":  # the windows of the sequence and the query: (2 + 1) x 4, the deep group 9
+        assert model.multiwindow.out_dim == 12
     shape = (5, 2) if name in MULTI_TASK else (5, RETRIEVAL_WIDTH[name]) if name in RETRIEVAL_WIDTH else (5,)
     if name in SID_KEYS:  # codes (2 layers), x_hat and x (9 wide: a, b, x), rqvae's z and latents (4; 2 x 4)
         shape = (5, 2 + 9 + 9 + (4 + 8 if name == "sid_rqvae" else 0))

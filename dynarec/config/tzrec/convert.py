@@ -43,6 +43,7 @@ def convert_pipeline_config(
     eval_input_path: Optional[str] = None,
     sampler_input_path: Optional[str] = None,
     hard_negative_edge_path: Optional[str] = None,
+    tree_dir: Optional[str] = None,
     lenient: bool = False,
     config_dir: Union[str, Path, None] = None,
     output_dir: Union[str, Path, None] = None,
@@ -50,7 +51,8 @@ def convert_pipeline_config(
     """A ``pipeline.config``'s text -> a dynarec config (a dict ready for YAML and
     ``config_from_dict``). ``train_input_path`` / ``eval_input_path`` replace the data source
     (required for ``odps://`` tables), ``sampler_input_path`` the negative sampler's item table,
-    ``hard_negative_edge_path`` a hard_negative_sampler's edge table.
+    ``hard_negative_edge_path`` a hard_negative_sampler's edge table, ``tree_dir`` a TDM
+    sampler's tree (its node_table.txt and edge_table.txt).
     ``config_dir``: the pipeline config's directory (relative ``vocab_file`` paths are relative
     to it; default the current directory); ``output_dir``: the YAML's directory (paths are
     written relative to it; default absolute). ConversionError lists every refused field unless
@@ -82,7 +84,9 @@ def convert_pipeline_config(
     d = top.message("data_config")
     labels = [str(x) for x in d.msg.values("label_fields")] if d is not None else []
     mode = (
-        convert_data_config(d, data, replaced, sampler_input_path, hard_negative_edge_path) if d is not None else None
+        convert_data_config(d, data, replaced, sampler_input_path, hard_negative_edge_path, tree_dir)
+        if d is not None
+        else None
     )
     if mode is None:
         mode = Mode(encoded=True)  # TorchEasyRec's default fg_mode, FG_NONE

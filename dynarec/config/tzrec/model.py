@@ -33,7 +33,7 @@ def _activations(cls_name: str, name: str) -> set[str]:
     return {str(v) for v in field_values(cls, name)} if cls is not None else set()
 
 
-_TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice", "": "none"}
+_TORCH_ACTIVATIONS = {"nn.ReLU": "relu", "Dice": "dice", "nn.PReLU": "prelu", "": "none"}
 
 
 @dataclass
@@ -200,13 +200,12 @@ _TARGETS = {
     "sid_rqvae": "sid_rqvae",
     "sid_rqkmeans": "sid_rqkmeans",
     "hstu_match": "hstu_match",
+    "tdm": "tdm",
 }
 # The generative rankers (dynarec/config/hstu.py): DlrmHSTU, and UltraHSTU (several channels).
 GENERATIVE = ("dlrm_hstu", "ultra_hstu")
 # TorchEasyRec's models dynarec does not have yet, with what they need.
-_NOT_YET = {
-    "tdm": "tree-based retrieval: a tree index of the items built offline, layer-wise sampling and beam search",
-}
+_NOT_YET: dict[str, str] = {}
 _RETRIEVAL = ("dssm", "dssm_v2", "dat", "mind")
 _SID = ("sid_rqvae", "sid_rqkmeans")
 _WIDE_DIM = {"deepfm": 4, "wide_and_deep": 4, "xdeepfm": 16}  # wide_embedding_dim's default
@@ -368,6 +367,8 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         m.done()
         r.done()
         return result
+    elif name == "tdm":
+        out[name] = _tdm(m, ctx)
     elif name in _ZOO:
         out[_TARGETS[name]] = _ZOO[name](m, ctx)
         if name == "wukong":
@@ -445,6 +446,34 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
         out["variational_dropout"] = variational_dropout
     r.done()
     return result
+
+
+def _tdm(m: Reader, ctx: Context) -> dict[str, Any]:
+    """tdm {multiwindow_din {windows_len, attn_mlp}, final} -> dynarec's tdm."""
+    activations = _activations("TDMCfg", "final_activation")
+    out: dict[str, Any] = {}
+    if (w := m.message("multiwindow_din")) is not None:
+        windows = w.integers("windows_len")
+        if not windows:
+            ctx.refuse(w.at("windows_len"), "at least one window is needed", fatal=True)
+        attn = _mlp(w.message("attn_mlp"), w.at("attn_mlp"), ctx, activations)
+        out["multiwindow_din"] = {
+            "windows_len": windows or [1],
+            "attn_hidden_units": attn.units,
+            "attn_activation": attn.activation,
+        }
+        w.done()
+    else:
+        _required(m, "multiwindow_din", "a multiwindow_din block")
+    final = m.message("final")
+    use_bn = bool(final.scalar("use_bn", False)) if final is not None else False
+    mlp = _mlp(final, m.at("final"), ctx, activations, batch_norm=True)
+    out["final_hidden_units"] = mlp.units
+    if mlp.activation != "relu":
+        out["final_activation"] = mlp.activation
+    if use_bn:
+        out["final_batch_norm"] = True
+    return out
 
 
 def _hstu_match(r: Reader, m: Reader, ctx: Context, groups: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,12 +3,14 @@ optimizers, learning-rate schedules, checkpoints, batches and how features read 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from dynarec.config.schema import TrainCfg
 from dynarec.config.tzrec.features import Mode
 from dynarec.config.tzrec.reader import Context, Reader, one_of
 from dynarec.config.tzrec.schema_fields import field_values
+from dynarec.data.tree import EDGE_TABLE, NODE_TABLE
 
 __all__ = ["convert_data_config", "convert_train_config", "data_source"]
 
@@ -223,12 +225,48 @@ def _negative_sampler(
     return out if path and (edges or not hard) else None
 
 
+def _tdm_sampler(n: Reader, tree_dir: Optional[str]) -> Optional[dict[str, Any]]:
+    """tdm_sampler -> data.tdm_sampler; ``tree_dir`` (``dynarec tdm init-tree``'s output)
+    replaces the node and edge tables' paths (a table service's, an empty one)."""
+    out: dict[str, Any] = {}
+    for key, name in (("item_input_path", NODE_TABLE), ("edge_input_path", EDGE_TABLE)):
+        given = n.scalar(key)
+        override = os.path.join(tree_dir, name) if tree_dir is not None else None
+        path = data_source(given, override, n.at(key), n.ctx, "--tree-dir", fatal=True)
+        if path is None and not given:
+            n.ctx.refuse(
+                n.at(key),
+                "the tree's tables are needed: give --tree-dir (dynarec tdm init-tree writes them)",
+                fatal=True,
+            )
+        out[key] = path or ""
+    n.ignore("predict_edge_input_path", "dynarec's beam search reads the tree from the node and edge tables")
+    item_id_field = str(n.scalar("item_id_field", ""))
+    attrs = [str(x) for x in n.repeated("attr_fields")]
+    # TorchEasyRec puts these two first where they are not; dynarec's attr_fields are the rest
+    for first in ("tree_level", item_id_field):
+        if attrs[:1] == [first]:
+            attrs = attrs[1:]
+    out.update(item_id_field=item_id_field, attr_fields=attrs, layer_num_sample=n.integers("layer_num_sample"))
+    out["attr_delimiter"] = str(n.scalar("attr_delimiter", ":"))
+    if n.has("field_delimiter"):
+        out["field_delimiter"] = str(n.scalar("field_delimiter"))
+    if n.has("remain_ratio"):
+        out["remain_ratio"] = n.number("remain_ratio", 1.0)
+    if n.has("probability_type"):
+        out["probability_type"] = str(n.scalar("probability_type"))
+    n.ignore("num_eval_sample", "TorchEasyRec's TDM sampler does not read it (eval rows are sampled as training's)")
+    n.done()
+    return out if out["item_input_path"] and out["edge_input_path"] else None
+
+
 def convert_data_config(
     d: Reader,
     data: dict[str, Any],
     replaced: bool,
     sampler_input_path: Optional[str] = None,
     hard_negative_edge_path: Optional[str] = None,
+    tree_dir: Optional[str] = None,
 ) -> Mode:
     ctx = d.ctx
     for key in ("negative_sampler", "hard_negative_sampler"):
@@ -237,6 +275,8 @@ def convert_data_config(
             sampler = _negative_sampler(n, sampler_input_path, hard_negative_edge_path, hard)
             if sampler is not None:
                 data["negative_sampler"] = sampler
+    if (n := d.message("tdm_sampler")) is not None and (tdm := _tdm_sampler(n, tree_dir)) is not None:
+        data["tdm_sampler"] = tdm
     data["batch_size"] = d.integer("batch_size", 1024)
     if d.has("eval_batch_size"):
         data["eval_batch_size"] = d.integer("eval_batch_size")
@@ -294,7 +334,6 @@ def convert_data_config(
     d.refuse(
         "negative_sampler_v2",
         "hard_negative_sampler_v2",
-        "tdm_sampler",
         why="not supported (dynarec's negative_sampler draws items by weight, hard_negative_sampler's edges too)",
         fatal=True,
     )
