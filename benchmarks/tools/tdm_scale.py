@@ -95,7 +95,7 @@ def config(root: Path, items: int, levels: int, batch: int) -> dict:
             },
         },
         "train": {
-            "sparse_optimizer": {"adagrad_optimizer": {"lr": 0.05}},
+            "sparse_optimizer": {"adagrad_optimizer": {"lr": 0.1}},
             "dense_optimizer": {"adam_optimizer": {"lr": 0.002}},
             "num_epochs": 1,
         },
@@ -111,7 +111,8 @@ def main() -> None:
     p.add_argument("--users", type=int, default=500, help="eval rows retrieved for")
     p.add_argument("--exhaustive-users", type=int, default=200, help="of them, scored against every item too")
     p.add_argument("--k", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tdm-scale-"))
@@ -121,7 +122,9 @@ def main() -> None:
     cates = pa.array((ids // max(args.items // args.tastes // 4, 1)).astype(str))
     tree = init_tree(ids, cates, [cates])
     write_tree(tree, root / "tree")
-    cfg = config_from_dict(config(root, args.items, tree.num_levels, args.batch_size))
+    raw = config(root, args.items, tree.num_levels, args.batch_size)
+    raw["train"]["num_epochs"] = args.epochs
+    cfg = config_from_dict(raw)
     trainer = Trainer(cfg, root / "m", args.device, progress=False)
     start = time.perf_counter()
     report = trainer.fit()
@@ -142,13 +145,13 @@ def main() -> None:
     catalog = pa.table({"item_id": ids, "cate": cates})
     exhaustive = []
     for u in range(min(users.num_rows, args.exhaustive_users)):
-        rows = users.slice(u, 1).drop_columns(["item_id", "cate"])
-        rows = pa.table({**{c: rows.column(c).take(pa.array(np.zeros(args.items, np.int64))) for c in rows.column_names},
-                         "item_id": catalog.column("item_id"), "cate": catalog.column("cate")})  # fmt: skip
+        user = users.slice(u, 1).drop_columns(["item_id", "cate"])
+        repeated = {c: user.column(c).take(pa.array(np.zeros(args.items, np.int64))) for c in user.column_names}
+        rows = pa.table({**repeated, "item_id": catalog.column("item_id"), "cate": catalog.column("cate")})
         exhaustive.append(ids[np.argsort(-score(rows), kind="stable")[: args.k]])
     best = np.stack(exhaustive)
-    popular = np.argsort(-np.bincount(pq.read_table(root / "train.parquet").column("item_id").to_numpy(),
-                                      minlength=args.items), kind="stable")[: args.k]  # fmt: skip
+    clicks = np.bincount(pq.read_table(root / "train.parquet").column("item_id").to_numpy(), minlength=args.items)
+    popular = np.argsort(-clicks, kind="stable")[: args.k]
     overlap = np.mean([len(set(a) & set(b)) / args.k for a, b in zip(found, best)])
     head = truth[: len(best)]
     print(
@@ -164,7 +167,7 @@ def main() -> None:
                 f"recall@{args.k}_exhaustive": float((best == head[:, None]).any(1).mean()),
                 f"recall@{args.k}_popularity": float(np.isin(truth, popular).mean()),
                 "beam_overlap_with_exhaustive_topk": round(float(overlap), 4),
-                "train_rows_per_s": round(args.train_rows / train_s, 1),
+                "train_rows_per_s": round(args.epochs * args.train_rows / train_s, 1),
                 "retrieve_users_per_s": round(users.num_rows / retrieve_s, 1),
                 "device": args.device,
             }

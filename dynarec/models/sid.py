@@ -371,6 +371,15 @@ class SidRqkmeans(nn.Module):
     def centroids(self) -> list[torch.Tensor]:
         return [getattr(self, f"centroids_{k}") for k in range(len(self.cfg.codebook))]
 
+    def check_servable(self) -> None:
+        """ValueError where the centroids were never fitted: a checkpoint written before training
+        ended holds none (all zeros; a fit never gives that), and its codes would all be 0."""
+        if all(not bool(c.any()) for c in self.centroids()):
+            raise ValueError(
+                "model.sid_rqkmeans: these centroids are not fitted (the fit runs once, when training ends; a "
+                "checkpoint written before then holds none): evaluate, predict or export the final checkpoint"
+            )
+
     @torch.no_grad()
     def finish_training(self) -> str:
         """Fits the centroids on the training rows' sample (module doc); returns what it did."""

@@ -13,7 +13,7 @@ from dynarec.data.batch import DataError
 from dynarec.distributed.context import DistContext
 from dynarec.models.tasks import check_predictions, tasks_of
 from dynarec.train.input import TrainInput
-from dynarec.train.task import RankingTask
+from dynarec.train.task import RankingTask, check_servable
 
 __all__ = ["Evaluator"]
 
@@ -37,6 +37,7 @@ class Evaluator:
         A model scoring each row's candidates (``Config.candidate_feature()``) gives them over
         the candidates, ``N`` theirs, row after row; with ``per_row`` each output is then an
         object array of one entry a row, its candidates' predictions (what ``predict`` writes)."""
+        check_servable(self.task)
         self.task.eval()
         dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels)
         outputs, labels, groups, counts = [], [], [], []

@@ -33,7 +33,7 @@ from dynarec.embedding.dynamic import DynamicTable
 from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
 from dynarec.files import file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
-from dynarec.train.task import RankingTask
+from dynarec.train.task import RankingTask, check_servable
 
 __all__ = ["EXPORT_FORMAT", "diff_tables", "export_model"]
 
@@ -55,6 +55,7 @@ def export_model(
             f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "
             "scores a row) is not supported yet — score it with `dynarec evaluate` or `dynarec predict --model-dir`"
         )
+    check_servable(task)
     if example.num_rows < 2:
         raise ValueError("export needs an example batch of at least 2 rows")
     if example.sampled_rows:

@@ -26,7 +26,7 @@ from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
 from dynarec.train.graphs import DenseGraphs
 
-__all__ = ["RankingTask", "check_dense_fits"]
+__all__ = ["RankingTask", "check_dense_fits", "check_servable"]
 
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +59,14 @@ def check_dense_fits(config: Config, device: torch.device, budget: Optional[int]
         f"weights, gradients and {states} optimizer state(s) each) but {format_bytes(budget)} is available on "
         f"{device}; its largest layers: {layers}; make the model's hidden_units smaller"
     )
+
+
+def check_servable(task: RankingTask) -> None:
+    """ValueError where ``task``'s dense model cannot score yet (its ``check_servable``: an
+    RQ-KMeans checkpoint written before its fit); evaluation, prediction and export call it."""
+    check = getattr(task.dense, "check_servable", None)
+    if check is not None:
+        check()
 
 
 class RankingTask(nn.Module):

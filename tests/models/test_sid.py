@@ -419,6 +419,21 @@ def test_rqkmeans_refuses_a_sample_smaller_than_a_codebook_and_several_processes
         build_model(config_from_dict(sid_config("sid_rqkmeans")))
 
 
+def test_an_rqkmeans_checkpoint_written_before_its_fit_is_not_scored(tmp_path):
+    """Its centroids are all zeros until training ends: evaluate, predict and export say so
+    instead of giving every row the codes 0."""
+    data = write_items(tmp_path / "items.parquet", hierarchical_items(200))
+    trainer = Trainer(config_from_dict(sid_config("sid_rqkmeans", data=data)), tmp_path / "m", progress=False)
+    for action in (
+        lambda: trainer.evaluate(str(data)),
+        lambda: trainer.predict(str(data), with_labels=False),
+        lambda: export_model(trainer.task, trainer.example_batch(), tmp_path / "export"),
+    ):
+        with pytest.raises(ValueError, match="these centroids are not fitted .* export the final checkpoint"):
+            action()
+    assert not (tmp_path / "export").exists()
+
+
 # -- quality, end to end ----------------------------------------------------------------------------
 
 
