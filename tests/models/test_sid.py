@@ -429,7 +429,7 @@ def test_an_rqkmeans_checkpoint_written_before_its_fit_is_not_scored(tmp_path):
         lambda: trainer.predict(str(data), with_labels=False),
         lambda: export_model(trainer.task, trainer.example_batch(), tmp_path / "export"),
     ):
-        with pytest.raises(ValueError, match="these centroids are not fitted .* export the final checkpoint"):
+        with pytest.raises(ValueError, match=r"these centroids are not fitted .* export the final checkpoint"):
             action()
     assert not (tmp_path / "export").exists()
 
