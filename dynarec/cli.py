@@ -268,18 +268,21 @@ def cmd_tdm_init_tree(args) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from dynarec.data.reader import read_table, resolve_files
-    from dynarec.data.tree import init_tree, write_tree
+    from dynarec.data.reader import file_schema, read_table, resolve_files
+    from dynarec.data.tree import init_tree, node_attribute, write_tree
 
     attrs, raw = _fields(args.attr_fields), _fields(args.raw_attr_fields)
     columns = list(dict.fromkeys([args.item_id_field, args.cate_id_field, *attrs, *raw]))
     files = resolve_files(args.items, "--items")
+    # a CSV file's ids and attributes as strings, as training reads them ("001" is not 1)
+    strings = {c: pa.string() for c in [args.item_id_field, args.cate_id_field, *attrs]}
     tables = []
     for f in files:
-        table = read_table(f)
-        missing = [c for c in columns if c not in table.schema.names]
+        names = file_schema(f, None, strings).names
+        missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"{f}: missing column(s) {missing} (of --item-id-field, --cate-id-field, the attr fields)")
+        table = read_table(f, columns, None, strings)
         tables.append(table.select(columns))
     items = pa.concat_tables(tables, promote_options="permissive")
     try:
@@ -293,8 +296,8 @@ def cmd_tdm_init_tree(args) -> None:
         )
     tree = init_tree(
         ids,
-        items.column(args.cate_id_field),
-        [items.column(c) for c in [*attrs, *raw]],
+        node_attribute(items.column(args.cate_id_field)),
+        [node_attribute(items.column(c)) for c in [*attrs, *raw]],
         n_cluster=args.n_cluster,
         raw=range(len(attrs), len(attrs) + len(raw)),
     )
@@ -368,12 +371,14 @@ def cmd_tdm_retrieve(args) -> None:
         return model.predict_batch(batch)["probability"].float().cpu().numpy()
 
     search = BeamSearch(config, tree, score, args.recall_num)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: at least 1 user row, got {args.batch_size}")
     files = resolve_files(args.input)
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; retrieve writes one Parquet file")
     items, scores, truth = [], [], []
     for f in files:
-        table = read_table(f)
+        table = read_table(f, None, config.data.input_type, builder.csv_column_types())
         for start in range(0, table.num_rows, args.batch_size):
             users = table.slice(start, args.batch_size)
             found = search.search(users)

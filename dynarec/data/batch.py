@@ -115,6 +115,9 @@ class Batch:
     # The last H sampled rows are hard negatives (data.negative_sampler.hard_negatives): [H] int64,
     # the row of the user each belongs to (ascending), or None.
     hard_negative_rows: Optional[torch.Tensor] = None
+    # A TDM batch (data.tdm_sampler): [num_rows] int64, the data row each row holds the values of
+    # (the batch's rows their own, a sampled tree node's row the row it was sampled for); else None.
+    source_rows: Optional[torch.Tensor] = None
     # Where the tensors are views of one packed buffer (a batch just arrived from a DataLoader
     # worker, which pins it before anything else sees it): the buffer and how to rebuild the
     # batch from it, so that pin_memory copies it once.
@@ -124,7 +127,7 @@ class Batch:
         """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
         dynarec.data.transport), and what rebuilds the batch from it besides."""
         s = self.sparse
-        optional = [s.weights_or_none(), self.groups, self.sessions, self.hard_negative_rows]
+        optional = [s.weights_or_none(), self.groups, self.sessions, self.hard_negative_rows, self.source_rows]
         dicts = (self.dense, self.dense_lengths, self.element_lengths)
         tensors = [s.values(), s.lengths(), self.labels, *(t for t in optional if t is not None)]
         for d in dicts:
@@ -161,6 +164,7 @@ class Batch:
             None if self.sessions is None else self.sessions.pin_memory(),
             self.sampled_rows,
             None if self.hard_negative_rows is None else self.hard_negative_rows.pin_memory(),
+            None if self.source_rows is None else self.source_rows.pin_memory(),
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -183,8 +187,8 @@ class Batch:
 @dataclass(frozen=True)
 class _Layout:
     """What a packed batch holds besides its tensors (see ``Batch.packed``): the sparse keys
-    and host statistics, which of weights, groups, sessions and hard-negative rows are present, the keys of the
-    dense, dense-lengths and element-lengths dicts, and the rows."""
+    and host statistics, which of weights, groups, sessions, hard-negative rows and source rows
+    are present, the keys of the dense, dense-lengths and element-lengths dicts, and the rows."""
 
     keys: list[str]
     stats: Any
@@ -199,7 +203,7 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
     of ``buffer``."""
     tensors = iter(unpack(buffer, slots))
     values, lengths, labels = next(tensors), next(tensors), next(tensors)
-    weights, groups, sessions, hard_negative_rows = (next(tensors) if p else None for p in layout.present)
+    weights, groups, sessions, hard_negative_rows, source_rows = (next(tensors) if p else None for p in layout.present)
     dense, dense_lengths, element_lengths = ({k: next(tensors) for k in keys} for keys in layout.dict_keys)
     sparse = JaggedBatch(list(layout.keys), values, lengths, weights, layout.stats)
     return Batch(
@@ -213,6 +217,7 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
         sessions,
         layout.sampled_rows,
         hard_negative_rows,
+        source_rows,
         _packed=(buffer, slots, layout),
     )
 
@@ -499,6 +504,8 @@ class BatchBuilder:
                     self.node_features.add(f.feature_name)
                 elif read & item_columns:
                     self.mixed_features.add(f.feature_name)
+        # what the mixed features read, computed with them over the combined rows
+        self.mixed_inputs = {n for m in self.mixed_features for n in config.features_read(m)}
         if self.tdm is not None:
             self._check_node_ids(config)
         sequences = {f.feature_name for f in features if f.is_sequence}
@@ -662,7 +669,12 @@ class BatchBuilder:
                 at = torch.from_numpy(tree.rows)
                 groups = None if groups is None else torch.cat([groups, groups[at]])
                 sessions = None if sessions is None else torch.cat([sessions, sessions[at]])
-        return Batch(sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled, hard_rows)
+        source = None
+        if tree is not None:
+            source = torch.from_numpy(np.concatenate([np.arange(table.num_rows), tree.rows]))
+        return Batch(
+            sparse, dense, labels, groups, n, dense_lengths, element_lengths, sessions, sampled, hard_rows, source
+        )
 
     @staticmethod
     def _per_candidate(ids: torch.Tensor, counts: Optional[np.ndarray]) -> torch.Tensor:
@@ -729,7 +741,8 @@ class BatchBuilder:
             for name in cfg.item_columns:
                 if name in rows.schema.names:
                     rows = rows.set_column(rows.schema.get_field_index(name), name, nodes.column(name))
-            extra.update(self._features(rows, where, self.mixed_features))
+            mixed = self._features(rows, where, self.mixed_inputs)
+            extra.update({name: mixed[name] for name in self.mixed_features})
         outputs = {
             name: _appended(out, extra[name] if name in extra else _taken(out, samples.rows))
             for name, out in computed.items()

@@ -70,7 +70,7 @@ from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
-from dynarec.data.tree import init_tree, write_tree_tables
+from dynarec.data.tree import init_tree, node_attribute, write_tree_tables
 from dynarec.files import fsync_tree, replace_dir
 from dynarec.metrics import auc
 
@@ -716,25 +716,25 @@ def _write_tree(config: Config, tables: list[pa.Table], target: Path, tmp: Path)
         return None
     paths = [Path(tdm.item_input_path).absolute(), Path(tdm.edge_input_path).absolute()]
     inside = [p.is_relative_to(target.absolute()) for p in paths]
-    if all(p.exists() and not i for p, i in zip(paths, inside)):
+    kept = [p.exists() and not i for p, i in zip(paths, inside)]
+    if all(kept):
         return None
+    if any(kept):  # one table of a tree without the other: writing it would not match
+        have, lack = ("item", "edge") if kept[0] else ("edge", "item")
+        raise ValueError(
+            f"data.tdm_sampler: {have}_input_path exists outside the data directory but {lack}_input_path does "
+            "not; give both tables of one tree (dynarec tdm init-tree), or neither for make-data to write them"
+        )
     rows = pa.concat_tables(tables)
     ids = rows.column(0).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
     _, first = np.unique(ids, return_index=True)
     index = pa.array(first)
-    attrs = [rows.column(j).combine_chunks().take(index) for j in range(1, rows.num_columns)]
-    attrs = [
-        pc.binary_join(a.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR) if _is_list(a.type) else a for a in attrs
-    ]
+    attrs = [node_attribute(rows.column(j).combine_chunks().take(index)) for j in range(1, rows.num_columns)]
     categories = attrs[0] if attrs else pa.array([""] * len(first))
     tree = init_tree(ids[first], categories, attrs, n_cluster=2)
     node, edge = (tmp / p.relative_to(target.absolute()) if i else p for p, i in zip(paths, inside))
     write_tree_tables(tree, node, edge, attr_delimiter=tdm.attr_delimiter)
     return {"path": tdm.item_input_path, "items": len(first), "levels": tree.num_levels}
-
-
-def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 EDGES_PER_USER = 3  # a user's hard negatives in a generated edge table

@@ -216,9 +216,14 @@ def _csv_row_of(path: str, input_type: Optional[str]) -> str:
     return ""
 
 
-def read_table(path: str, columns: Optional[list[str]] = None, input_type: Optional[str] = None) -> pa.Table:
-    batches = list(_record_batches(path, columns or file_schema(path, input_type).names, input_type))
-    return pa.Table.from_batches(batches) if batches else file_schema(path, input_type).empty_table()
+def read_table(
+    path: str, columns: Optional[list[str]] = None, input_type: Optional[str] = None, csv_types: ColumnTypes = None
+) -> pa.Table:
+    """The ``columns`` (default all) of a file; a CSV file's columns named in ``csv_types`` take
+    those types."""
+    schema = file_schema(path, input_type, csv_types)
+    batches = list(_record_batches(path, columns or schema.names, input_type, csv_types))
+    return pa.Table.from_batches(batches) if batches else schema.empty_table()
 
 
 @dataclass(frozen=True)

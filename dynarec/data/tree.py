@@ -9,7 +9,8 @@ list into ``n`` equal parts recursively (TorchEasyRec's ``init_tree``); :func:`c
 splitting their embeddings with balanced k-means recursively (``cluster_tree``; faiss's k-means
 where TorchEasyRec calls scikit-learn's). An inner node's id is the largest item id + its code +
 1, its attributes the most common value of each attribute over the items below it (ties: the
-smallest) and the mean of each raw attribute (rounded for integers).
+smallest, where TorchEasyRec's take the first in its leaves' order) and the mean of each raw
+attribute (rounded for integers).
 
 On disk, graph-learn's text tables TorchEasyRec reads and writes (:func:`write_tree`,
 :func:`read_tree`): ``node_table.txt`` (``id  weight  level,id,attributes...``, after a virtual
@@ -17,9 +18,11 @@ node ``-1`` TorchEasyRec's graph-learn uses to find the root), ``edge_table.txt`
 each of its ancestors below the root) and ``predict_edge_table.txt`` (each node to its
 children, TorchEasyRec's retrieval table; dynarec reads the tree from the first two).
 
-One difference: with ``n_cluster`` > 2 TorchEasyRec pulls codes below ``n^depth - 1``, which is
+Differences: with ``n_cluster`` > 2 TorchEasyRec pulls codes below ``n^depth - 1``, which is
 not where the last level starts (``(n^depth - 1) / (n - 1)``), and leaves some items a level
-above the others; dynarec puts every item on the last level (the same tree for ``n_cluster`` 2).
+above the others; dynarec puts every item on the last level (the same tree for ``n_cluster``
+2). A single item is a leaf under a root (TorchEasyRec's is the root itself: a tree of one
+level no sampler trains).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "TreeError",
     "cluster_tree",
     "init_tree",
+    "node_attribute",
     "read_tree",
     "tree_from_codes",
     "write_tree",
@@ -147,8 +151,7 @@ def tree_from_codes(
     distinct, none an ancestor of another) and their ``attrs`` (a column ``[M]`` per attribute;
     those at the positions ``raw`` numbers, averaged, the others voted); each code pulled down to
     the last level by first children."""
-    if n_cluster < 2:
-        raise ValueError(f"n_cluster: a tree's branching factor is at least 2, got {n_cluster}")
+    _check_branching(n_cluster)
     m = len(item_ids)
     if m == 0:
         raise ValueError("a tree needs at least one item")
@@ -157,7 +160,7 @@ def tree_from_codes(
     codes = np.asarray(codes, dtype=np.int64).copy()
     if (codes < 0).any():
         raise ValueError("tree codes are >= 0")
-    depth = 0
+    depth = 1  # (one item: the root and its leaf)
     while n_cluster**depth < m:
         depth += 1
     depth = max(depth, int(_level_of(codes[codes.argmax() : codes.argmax() + 1], n_cluster)[0]))
@@ -191,6 +194,22 @@ def tree_from_codes(
     return Tree(ids, levels, parents, np.ones(len(ids)), tuple(columns))
 
 
+def _check_branching(n_cluster: int) -> None:
+    if n_cluster < 2:
+        raise ValueError(f"n_cluster: a tree's branching factor is at least 2, got {n_cluster}")
+
+
+def node_attribute(column: Union[pa.Array, pa.ChunkedArray]) -> pa.Array:
+    """An item column as a node attribute: a list column's values joined by
+    :data:`~dynarec.data.sampler.MULTI_VALUE_SEPARATOR` (TorchEasyRec's multival_sep)."""
+    from dynarec.data.sampler import MULTI_VALUE_SEPARATOR
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return pc.binary_join(column.cast(pa.list_(pa.string())), MULTI_VALUE_SEPARATOR)
+    return column
+
+
 def _strings(column: pa.Array, raw: bool) -> pa.Array:
     """Attribute values as the node table writes them: a missing one "" (a raw one "0")."""
     return column.cast(pa.string()).fill_null("0" if raw else "")
@@ -199,8 +218,8 @@ def _strings(column: pa.Array, raw: bool) -> pa.Array:
 def _inner_values(column: pa.Array, groups: np.ndarray, raw: bool) -> pa.Array:
     """The value of each inner node of one level (the codes in ``groups``, each item's, in code
     order) for one attribute: the most common of its items' values (ties: the smallest; missing
-    and empty values not counted; none: missing), or for a raw attribute their mean (rounded to
-    an integer column's integers)."""
+    and empty values not counted; none: missing), or for a raw attribute the mean of its items'
+    values (missing ones not counted; rounded to an integer column's integers)."""
     nodes = np.unique(groups)
     slot = np.searchsorted(nodes, groups)
     if raw:
@@ -210,11 +229,16 @@ def _inner_values(column: pa.Array, groups: np.ndarray, raw: bool) -> pa.Array:
                 column = column.cast(pa.int64())
             except pa.ArrowInvalid:
                 column = column.cast(pa.float64())
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
         x = pc.fill_null(column.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
-        mean = np.bincount(slot, weights=x, minlength=len(nodes)) / np.bincount(slot, minlength=len(nodes))
+        counts = np.bincount(slot[valid], minlength=len(nodes))
+        mean = np.bincount(slot[valid], weights=x[valid], minlength=len(nodes)) / np.maximum(counts, 1)
         if pa.types.is_integer(column.type):
-            return pa.array(np.round(mean).astype(np.int64)).cast(pa.string())
-        return pa.array(mean).cast(column.type, safe=False).cast(pa.string())
+            values = pa.array(np.round(mean).astype(np.int64))
+        else:
+            values = pa.array(mean).cast(column.type, safe=False)
+        # no value below a node: missing, written as 0 (TorchEasyRec's)
+        return _strings(pc.if_else(pa.array(counts > 0), values, pa.scalar(None, values.type)), raw=True)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         valid &= pc.not_equal(column, "").fill_null(False).to_numpy(zero_copy_only=False)
@@ -236,6 +260,7 @@ def init_tree(
     """TorchEasyRec's initial tree: the items sorted by (category as a string, id), coded by
     splitting the sorted list into ``n_cluster`` near-equal parts recursively (part ``i`` of a
     node coded ``c`` gets ``n c + n - i``)."""
+    _check_branching(n_cluster)
     cats = _strings(categories.combine_chunks() if isinstance(categories, pa.ChunkedArray) else categories, False)
     _, rank = np.unique(np.asarray(cats.to_pylist(), dtype=object), return_inverse=True)
     order = np.lexsort((np.asarray(item_ids), rank))
@@ -265,6 +290,7 @@ def cluster_tree(
     """TorchEasyRec's learnt tree: the items split by their ``embeddings`` (float ``[M, D]``)
     into ``n_cluster`` balanced clusters recursively (:func:`balanced_split`); a set of at most
     ``n_cluster`` items gives each a child of its node."""
+    _check_branching(n_cluster)
     x = np.ascontiguousarray(embeddings, dtype=np.float32)
     if x.ndim != 2 or len(x) != len(item_ids):
         raise ValueError(f"embeddings: one row per item ({len(item_ids)}), got shape {x.shape}")

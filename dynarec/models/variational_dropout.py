@@ -12,7 +12,7 @@ parts that do not pay for themselves toward being dropped: the learned rates ran
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -54,7 +54,9 @@ class VariationalDropout(nn.Module):
         return x * (1 - torch.repeat_interleave(drop, self.widths, dim=1))
 
 
-def penalties(dropouts: Sequence[VariationalDropout], local_rows: int, global_rows: int) -> Optional[torch.Tensor]:
+def penalties(
+    dropouts: Sequence[VariationalDropout], local_rows: int, global_rows: Union[int, torch.Tensor]
+) -> Optional[torch.Tensor]:
     """This rank's share of the penalties ``dropouts`` (a model's) left in this training forward
     (None without any): ``sum(penalty) / global_rows`` over the global batch, TorchEasyRec's
     ``lambda / batch_size * sum(1 - q)``, each rank taking ``local_rows / global_rows`` of it (the

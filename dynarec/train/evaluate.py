@@ -40,7 +40,7 @@ class Evaluator:
         check_servable(self.task)
         self.task.eval()
         dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels)
-        outputs, labels, groups, counts = [], [], [], []
+        outputs, labels, groups, counts, sources = [], [], [], [], []
         candidate = self.config.candidate_feature()
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
         batches = iter(self.input.loader(dataset))
@@ -54,23 +54,31 @@ class Evaluator:
                 groups.append(batch.groups.numpy())
             if candidate is not None:
                 counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].numpy())
+            if batch.source_rows is not None:  # a TDM batch: its rows and its sampled nodes' rows
+                sources.append(batch.source_rows.numpy())
         self.task.train()
         if self.ctx.distributed:  # global batch s is rank 0's share, then rank 1's, ...
-            parts = self.ctx.all_gather_objects((outputs, labels, groups, counts), "the eval predictions")
+            gathered = (outputs, labels, groups, counts, sources)
+            parts = self.ctx.all_gather_objects(gathered, "the eval predictions")
             outputs = [p for s in range(steps) for part in parts for p in part[0][s : s + 1]]
             labels = [x for s in range(steps) for part in parts for x in part[1][s : s + 1]]
             groups = [x for s in range(steps) for part in parts for x in part[2][s : s + 1]]
             counts = [x for s in range(steps) for part in parts for x in part[3][s : s + 1]]
+            sources = [x for s in range(steps) for part in parts for x in part[4][s : s + 1]]
         predictions = {
             name: np.concatenate([o[name] for o in outputs]) if outputs else np.zeros(0, np.float32)
             for name in self.tasks.output_names()
         }
         rows = np.concatenate(counts) if counts else np.zeros(0, np.int64)  # a candidate model's a row
-        row_of = np.repeat(np.arange(len(rows)), rows)
+        row_of, data_rows = np.repeat(np.arange(len(rows)), rows), len(rows)
+        if sources:  # a TDM model's rows: each one's data row, over the whole evaluation
+            starts = np.cumsum([0] + [int(s.max()) + 1 if len(s) else 0 for s in sources])
+            row_of = np.concatenate([start + s for start, s in zip(starts, sources)])
+            data_rows = int(starts[-1])
 
         def check(scores: np.ndarray, what: str) -> None:
-            if candidate is not None:  # a candidate's bad score is named by its row: their sum
-                scores = np.bincount(row_of, weights=scores, minlength=len(rows))
+            if candidate is not None or sources:  # a bad score is named by its data row: their sum
+                scores = np.bincount(row_of, weights=scores, minlength=data_rows)
             dataset.check_scores(scores, what)
 
         check_predictions(predictions, check)

@@ -99,6 +99,8 @@ class Trainer:
         scaling = config.train.grad_scaler
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
         self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
+        # TDM: a batch's rows and its sampled tree nodes' rows, all of them labelled
+        self.tree_samples = config.data.tdm_sampler is not None
         self.position = DataPosition()
 
     def _graphs_refused(self, reason: str) -> None:
@@ -265,14 +267,16 @@ class Trainer:
         sessions = None if batch.sessions is None else batch.sessions.to(self.device, non_blocking=True)
         teaching = getattr(self.task.dense, "teaching", None)  # a teacher net's part (RocketLaunching)
         count: Union[int, torch.Tensor] = global_rows or batch.num_rows
-        if self.scores_candidates:  # the loss is the mean over every rank's candidates
+        if self.scores_candidates or self.tree_samples:  # the mean over every rank's candidates / rows
             count = labels.shape[0]
             if self.ctx.distributed:
                 count = global_sum(torch.tensor(float(count), device=self.device))
         hard = batch.hard_negative_rows
         hard = None if hard is None else hard.to(self.device, non_blocking=True)
         loss = self.tasks.loss(logits, labels, count, global_sum, sessions, teaching, hard)
-        penalty = penalties(self.variational_dropouts, batch.num_rows, global_rows or batch.num_rows)
+        penalty = penalties(
+            self.variational_dropouts, batch.num_rows, count if self.tree_samples else global_rows or batch.num_rows
+        )
         if penalty is not None:
             loss = loss + penalty
         bad = not bool(torch.isfinite(loss))

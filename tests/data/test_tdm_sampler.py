@@ -64,11 +64,19 @@ def config(root, **sampler) -> dict:
                     "embedding_dim": 4,
                 }
             },
+            {  # and one reading a row-side feature's output with an item column
+                "combo_feature": {
+                    "feature_name": "uid_cate",
+                    "expression": ["feature:user", "item:cate"],
+                    "hash_bucket_size": 97,
+                    "embedding_dim": 4,
+                }
+            },
         ],
         "model": {
             "feature_groups": [
                 {"group_name": "seq", "group_type": "sequence", "feature_names": ["item_id", "hist"]},
-                {"group_name": "other", "feature_names": ["user", "cate", "user_cate"]},
+                {"group_name": "other", "feature_names": ["user", "cate", "user_cate", "uid_cate"]},
             ],
             "tdm": {"multiwindow_din": {"windows_len": [2, 3]}, "final_hidden_units": [8]},
         },

@@ -49,15 +49,21 @@ def tzrec_init_tree(items: list[tuple[int, str]], n: int = 2) -> dict[int, int]:
     return codes
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 37, 64])
+def test_one_item_is_a_leaf_under_a_root():
+    """TorchEasyRec gives a single item the root's code: a tree of one level, which no sampler
+    can train; dynarec puts it under a root."""
+    tree = init_tree(np.array([7]), pa.array(["c"]), [])
+    assert tree.num_levels == 2 and tree.ids.tolist() == [8, 7] and tree.parents.tolist() == [-1, 0]  # root: 7 + 0 + 1
+
+
+@pytest.mark.parametrize("count", [2, 3, 5, 8, 37, 64])
 def test_the_initial_tree_is_torcheasyrecs(count):
     rng = np.random.default_rng(count)
     ids = rng.choice(1000, count, replace=False)
     cats = [f"c{c}" for c in rng.integers(0, 4, count)]
     expected = tzrec_init_tree(list(zip(ids.tolist(), cats)))
     tree = init_tree(ids, pa.array(cats), [pa.array(cats)])
-    depth = max(math.ceil(math.log2(count)), 0) if count > 1 else 0
-    assert tree.num_levels == depth + 1
+    assert tree.num_levels == math.ceil(math.log2(count)) + 1
     max_item = int(ids.max())
     # leaves: each item at its reference code, the codes' order the tree's
     first = tree.level_starts[-2]
@@ -91,6 +97,21 @@ def test_inner_attributes_are_the_items_mode_and_raw_mean():
     assert by_id[one] == ["b", "1", str(10 / 3)]  # {c, b, b}; brands {None, 3, 1}: a tie, the smallest
     assert by_id[two] == ["a", "2", "2.5"]
     assert by_id[14] == ["c", "", "5"]  # a leaf keeps its own; missing is ""
+
+
+def test_a_raw_mean_skips_missing_values_and_none_is_written_0():
+    tree = init_tree(np.arange(4), pa.array(["a", "a", "b", "b"]), [pa.array([1.0, 3.0, None, None])], raw=[0])
+    by_id = {int(i): tree.attrs[0][k].as_py() for k, i in enumerate(tree.ids)}
+    # inner ids 3 + code + 1: the root 4, {2, 3} (code 1) 5, {0, 1} (code 2) 6
+    assert by_id[4] == "2" and by_id[6] == "2"  # the mean of 1 and 3, the missing ones not counted
+    assert by_id[5] == "0" and by_id[2] == "0"  # no value below: written 0
+
+
+def test_a_branching_factor_below_2_is_refused():
+    with pytest.raises(ValueError, match="n_cluster: a tree's branching factor is at least 2, got 1"):
+        init_tree(np.arange(4), pa.array(["a"] * 4), [], n_cluster=1)
+    with pytest.raises(ValueError, match="at least 2, got 1"):
+        cluster_tree(np.arange(4), np.zeros((4, 2)), [], n_cluster=1)
 
 
 def test_an_integer_raw_attribute_is_averaged_and_rounded():

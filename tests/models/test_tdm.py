@@ -278,3 +278,92 @@ def test_a_tdm_model_needs_its_sampler_and_one_sequence_group(tmp_path):
     c["model"]["feature_groups"][1]["group_type"] = "sequence"
     with pytest.raises(ValueError, match=r"tdm: reads one sequence group"):
         config_from_dict(c)
+
+
+def test_the_training_loss_is_the_mean_over_the_batchs_and_its_samples_rows(tmp_path):
+    """A batch of 64 rows trains on 64 x 44 (the rows, 7 ancestors, 36 negatives): the loss is
+    the binary cross-entropy's mean over all of them (TorchEasyRec's, over the expanded batch),
+    not their sum over the 64."""
+    from dynarec.train.trainer import Trainer
+
+    write_log(tmp_path, 64, "train.parquet", 0)
+    ids = np.arange(ITEMS)
+    cats = pa.array((ids // 16).astype(str))
+    write_tree(init_tree(ids, cats, [cats]), tmp_path / "tree")
+    trainer = Trainer(config_from_dict(config_dict(tmp_path)), tmp_path / "m", progress=False)
+    dataset = trainer.input.dataset(str(tmp_path / "train.parquet"), 64, training=True)
+    batch = next(iter(trainer.input.loader(dataset)))
+    assert batch.num_rows == 64 * 44
+    seen = []
+    trainer.task.dense.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    loss = trainer.train_step(batch, 64)
+    expected = F.binary_cross_entropy_with_logits(seen[0], batch.labels[:, 0])
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_init_tree_reads_csv_ids_and_attributes_as_strings_and_joins_list_attributes(tmp_path, capsys):
+    (tmp_path / "items.csv").write_text("item_id,cate,brand\n1,007,10\n2,007,11\n3,010,1e3\n")
+    rc = main([
+        "tdm", "init-tree", "--items", str(tmp_path / "items.csv"), "--item-id-field", "item_id",
+        "--cate-id-field", "cate", "--attr-fields", "cate,brand", "--output-dir", str(tmp_path / "t"),
+    ])  # fmt: skip
+    assert rc == 0 and "wrote the tree of 3 items" in capsys.readouterr().out
+    tree = read_tree(str(tmp_path / "t" / "node_table.txt"), str(tmp_path / "t" / "edge_table.txt"), 2)
+    leaves = {int(i): (tree.attrs[0][k].as_py(), tree.attrs[1][k].as_py()) for k, i in enumerate(tree.ids)}
+    assert leaves[1] == ("007", "10") and leaves[3] == ("010", "1e3")  # as the data's strings
+    pq.write_table(
+        pa.table({"item_id": [1, 2], "cate": ["a", "b"], "tags": [["x", "y"], ["z"]]}), tmp_path / "i.parquet"
+    )
+    rc = main([
+        "tdm", "init-tree", "--items", str(tmp_path / "i.parquet"), "--item-id-field", "item_id",
+        "--cate-id-field", "cate", "--attr-fields", "tags", "--output-dir", str(tmp_path / "t2"),
+    ])  # fmt: skip
+    assert rc == 0
+    tree = read_tree(str(tmp_path / "t2" / "node_table.txt"), str(tmp_path / "t2" / "edge_table.txt"), 1)
+    assert tree.attrs[0][tree.leaf_nodes(np.array([1]))[0]].as_py() == "x\x1dy"  # TorchEasyRec's multival_sep
+
+
+def test_tdm_commands_name_bad_arguments(trained, tmp_path, capsys):
+    args = ["tdm", "retrieve", "--export-dir", str(trained / "export"), "--input", str(trained / "eval.parquet")]
+    assert main([*args, "--output", str(tmp_path / "r.parquet"), "--recall-num", "10", "--batch-size", "0"]) == 2
+    assert "--batch-size: at least 1 user row, got 0" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "r.parquet"), "--recall-num", "300"]) == 2
+    assert "recall_num 300: the tree holds 256 items" in capsys.readouterr().err
+    rc = main([
+        "tdm", "init-tree", "--items", str(trained / "items.parquet"), "--item-id-field", "item_id",
+        "--cate-id-field", "cate", "--n-cluster", "1", "--output-dir", str(tmp_path / "t"),
+    ])  # fmt: skip
+    assert rc == 2 and "branching factor is at least 2, got 1" in capsys.readouterr().err
+
+
+def test_make_data_will_not_write_half_of_a_users_tree(tmp_path):
+    from dynarec.data.generate import GenerateSpec, make_config_data
+
+    c = config_dict(tmp_path)
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "node_table.txt").write_text("a user's node table\n")
+    with pytest.raises(ValueError, match="item_input_path exists outside the data directory but edge_input_path"):
+        make_config_data(config_from_dict(c), tmp_path / "d", GenerateSpec(train_rows=50, eval_rows=20))
+    assert (tmp_path / "tree" / "node_table.txt").read_text() == "a user's node table\n"
+
+
+def test_a_score_that_is_not_a_number_on_a_sampled_row_names_the_row_it_was_sampled_for(tmp_path):
+    from dynarec.train.trainer import Trainer
+
+    write_log(tmp_path, 64, "train.parquet", 0)
+    write_log(tmp_path, 20, "eval.parquet", 1)
+    ids = np.arange(ITEMS)
+    cats = pa.array((ids // 16).astype(str))
+    write_tree(init_tree(ids, cats, [cats]), tmp_path / "tree")
+    trainer = Trainer(config_from_dict(config_dict(tmp_path)), tmp_path / "m", progress=False)
+    forward = trainer.task.forward
+
+    def nan_on_a_sampled_row_of_row_13(batch, *args, **kwargs):
+        out = forward(batch, *args, **kwargs).clone()
+        sampled = torch.nonzero(batch.source_rows == 13).flatten()
+        out[sampled[1]] = float("nan")  # (sampled[0] is row 13 itself)
+        return out
+
+    trainer.task.forward = nan_on_a_sampled_row_of_row_13
+    with pytest.raises(ValueError, match=r"eval\.parquet, row 13: the model's .* is nan \(1 of 20 rows"):
+        trainer.evaluate(str(tmp_path / "eval.parquet"))

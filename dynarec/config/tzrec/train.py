@@ -249,6 +249,12 @@ def _tdm_sampler(n: Reader, tree_dir: Optional[str]) -> Optional[dict[str, Any]]
             attrs = attrs[1:]
     out.update(item_id_field=item_id_field, attr_fields=attrs, layer_num_sample=n.integers("layer_num_sample"))
     out["attr_delimiter"] = str(n.scalar("attr_delimiter", ":"))
+    if not n.has("attr_delimiter"):
+        n.ctx.note(
+            n.at("attr_delimiter"),
+            "unset: TorchEasyRec's default ':'; its tree tools (and dynarec tdm init-tree) write ',' unless given "
+            "--attr-delimiter ':'",
+        )
     if n.has("field_delimiter"):
         out["field_delimiter"] = str(n.scalar("field_delimiter"))
     if n.has("remain_ratio"):
