@@ -65,9 +65,9 @@ class TDMSampler:
                 )
         # each leaf's ancestor at every level, [leaves, L]
         self.leaf_paths = tree.paths[tree.level_starts[-2] :]
-        self.cumulative = [
-            np.cumsum(tree.weights[tree.level_starts[i] : tree.level_starts[i + 1]]) for i in range(tree.num_levels)
-        ]
+        weights = [tree.weights[tree.level_starts[i] : tree.level_starts[i + 1]] for i in range(tree.num_levels)]
+        self.cumulative = [np.cumsum(w) for w in weights]
+        self.uniform = [bool((w == w[0]).all()) for w in weights]  # (TorchEasyRec's tools weigh every node 1)
         inner = tree.num_levels - 2  # the levels between the root and the leaves
         if cfg.probability_type == "UNIFORM":
             p = np.full(inner, 1.0 / max(inner, 1))
@@ -123,8 +123,11 @@ class TDMSampler:
         todo = np.arange(b)
         for _ in range(_ROUNDS):
             width = 2 * k + 8
-            draws = np.searchsorted(cumulative, rng.random((len(todo), width)) * cumulative[-1], side="right")
-            draws = np.minimum(draws, size - 1)
+            if self.uniform[level]:
+                draws = rng.integers(0, size, (len(todo), width))
+            else:
+                draws = np.searchsorted(cumulative, rng.random((len(todo), width)) * cumulative[-1], side="right")
+                draws = np.minimum(draws, size - 1)
             # previously taken nodes of the row first, so that a repeat of them is rejected too
             taken = out[todo]
             seq = np.concatenate([taken, draws], axis=1)
