@@ -396,22 +396,30 @@ def test_hstu_match_with_a_dynamic_item_table_trains_on_two_processes(tmp_path):
 
     write_log(tmp_path, 1500, 0)
     write_log(tmp_path, 300, 1)
-    recall = {}
+    finals = _runs_with_a_dynamic_item_table(tmp_path, lambda: config(tmp_path), 15, "match")
+    recall = {nproc: final["eval"]["recall@1"] for nproc, final in finals.items()}
+    assert recall[1] > 0.2 and recall[2] > 0.2, recall
+
+
+def _runs_with_a_dynamic_item_table(tmp_path, config_of, epochs: int, name: str) -> dict[int, dict]:
+    """The final metrics of ``dynarec train`` on one and on two processes of ``config_of()``,
+    its ``item`` table made dynamic, with as many steps (two ranks of the same batch each: twice
+    the epochs)."""
+    finals = {}
     for nproc in (1, 2):
-        c = config(tmp_path)
+        c = config_of()
         for f in c["feature_configs"]:
             body = next(iter(f.values()))
             if body.get("embedding_name") == "item":
                 body.pop("num_buckets")
                 body["dynamicemb"] = {"max_capacity": 1024, "init_capacity": 64, "bucket_size": 8}
-        c["train"]["num_epochs"] = 15 * nproc  # as many steps: two ranks of the same batch each
-        config_path = write_config(tmp_path, c, f"match{nproc}.yaml")
-        rc, out = run("train", "--config", config_path, "--model-dir", tmp_path / f"h{nproc}", "--no-progress",
-                      "--nproc", nproc)  # fmt: skip
+        c["train"]["num_epochs"] = epochs * nproc
+        config_path = write_config(tmp_path, c, f"{name}{nproc}.yaml")
+        model_dir = tmp_path / f"{name}{nproc}"
+        rc, out = run("train", "--config", config_path, "--model-dir", model_dir, "--no-progress", "--nproc", nproc)
         assert rc == 0, out
-        final = json.loads((tmp_path / f"h{nproc}" / "metrics.json").read_text())["final"]
-        recall[nproc] = final["eval"]["recall@1"]
-    assert recall[1] > 0.2 and recall[2] > 0.2, recall
+        finals[nproc] = json.loads((model_dir / "metrics.json").read_text())["final"]
+    return finals
 
 
 def test_tdm_with_a_dynamic_item_table_trains_on_two_processes(tmp_path):
@@ -428,20 +436,7 @@ def test_tdm_with_a_dynamic_item_table_trains_on_two_processes(tmp_path):
     write_tree(
         init_tree(ids, pa.array((ids // 16).astype(str)), [pa.array((ids // 16).astype(str))]), tmp_path / "tree"
     )
-    auc = {}
-    for nproc in (1, 2):
-        c = config_dict(tmp_path)
-        for f in c["feature_configs"]:
-            body = next(iter(f.values()))
-            if body.get("embedding_name") == "item":
-                body.pop("num_buckets")
-                body["dynamicemb"] = {"max_capacity": 1024, "init_capacity": 64, "bucket_size": 8}
-        c["train"]["num_epochs"] = 2 * nproc  # as many steps: two ranks of the same batch each
-        config_path = write_config(tmp_path, c, f"tdm{nproc}.yaml")
-        rc, out = run("train", "--config", config_path, "--model-dir", tmp_path / f"t{nproc}", "--no-progress",
-                      "--nproc", nproc)  # fmt: skip
-        assert rc == 0, out
-        final = json.loads((tmp_path / f"t{nproc}" / "metrics.json").read_text())["final"]
-        assert final["eval"]["num_examples"] == 200 * (1 + 7 + 36)
-        auc[nproc] = final["eval"]["auc"]
+    finals = _runs_with_a_dynamic_item_table(tmp_path, lambda: config_dict(tmp_path), 2, "tdm")
+    assert all(final["eval"]["num_examples"] == 200 * (1 + 7 + 36) for final in finals.values())
+    auc = {nproc: final["eval"]["auc"] for nproc, final in finals.items()}
     assert auc[1] > 0.9 and auc[2] > 0.9, auc
