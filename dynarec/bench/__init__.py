@@ -58,6 +58,7 @@ BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
     "dynamic-step": (_steps("bench_dynamic_step"), "a dynamic table's step vs a fixed table's on the same ids"),
     "row-dtype": (_steps("bench_row_dtype"), "a fixed table's step with fp32, bf16 and fp16 rows on the same ids"),
     "hash-find": (_steps("bench_hash_find"), "the hash index's find and find-or-insert"),
+    "host-tier": (_steps("bench_host_tier"), "a table in host memory with a device cache vs the table whole on it"),
     "sweep": (_steps("bench_sweep"), "the fused step across workloads: worst and best ratios"),
     "train-step": (_train_step, "the demo model's step in process (torchrun: weak scaling) vs plain torch"),
     "data-stage": (_data_stage, "batch building: the C++ feature generation vs pyarrow + pyfarmhash"),
@@ -94,9 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--device", default="cpu")
         p.add_argument("--json", help="also write the report to this JSON file")
-        if name in ("fused-step", "dynamic-step", "row-dtype", "hash-find", "sweep"):
+        if name in ("fused-step", "dynamic-step", "row-dtype", "hash-find", "sweep", "host-tier"):
             _step_options(p)
             _timing_options(p)
+        if name == "host-tier":
+            p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")
+            p.add_argument("--kind", default="dynamic", choices=["fixed", "dynamic"])
         if name == "sweep":
             p.add_argument(
                 "--grid-rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000], help="CPU: table rows"

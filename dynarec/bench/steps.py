@@ -13,6 +13,7 @@ import torch
 from dynarec.bench.common import (
     HBM_ROOFLINE_GBPS,
     Workload,
+    _time_steps,
     copy_bandwidth,
     filled_hash_index,
     make_table,
@@ -27,7 +28,14 @@ from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.step import Journal
 from dynarec.optim import SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
 
-__all__ = ["bench_dynamic_step", "bench_fused_step", "bench_hash_find", "bench_row_dtype", "bench_sweep"]
+__all__ = [
+    "bench_dynamic_step",
+    "bench_fused_step",
+    "bench_hash_find",
+    "bench_host_tier",
+    "bench_row_dtype",
+    "bench_sweep",
+]
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "sgd": SGD(lr=0.01),
@@ -225,6 +233,56 @@ def bench_row_dtype(args) -> dict:
         "workload": vars(w),
         "optimizer": repr(spec),
         "results": {**r, **ratios},
+        "summary": lines,
+    }
+
+
+def bench_host_tier(args) -> dict:
+    """A table whose rows live in host memory, ``--cache-load-factor`` of them cached on the
+    device (issue 31's host tier), against the same table kept whole on the device: the fused
+    step on the same Zipf ids, timed interleaved (``--steps`` at least the workload's 8 batches,
+    or the timed steps revisit the rows the cache already holds). Beside the ratio: the rows a
+    steady step loads into the cache and writes back (the host<->device traffic) and their
+    bytes."""
+    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    spec = OPTIMIZERS[args.optimizer]
+    batches = w.batches(keys_over_int64=args.kind == "dynamic", device=args.device)
+    whole = make_table(args.kind, "native", w)
+    cached = dataclasses.replace(whole, cache_load_factor=args.cache_load_factor)
+
+    def make(table):
+        return lambda: EmbeddingCollection([table], spec, device=args.device)
+
+    makers = {"whole": make(whole), "cached": make(cached)}
+    r = measure(makers, {k: batches for k in makers}, args.steps, args.runs, args.warmup, args.device)
+    store = r["cached"]["coll"].tables["t"].store
+    for key in store.counters:  # a steady step's traffic: counted over every batch again
+        store.counters[key] = 0
+    counted = max(args.steps, len(batches))
+    _time_steps(r["cached"]["coll"], batches, counted, synchronizer(args.device))
+    per_step = {k: v / counted for k, v in store.counters.items()}
+    row_bytes = 4 * (w.dim + _state_floats(spec, w.dim))
+    traffic = (per_step["loaded"] + per_step["written_back"]) * row_bytes
+    cache_rows, unique = store.cache_rows, w.unique_fraction(batches) * w.ids_per_step
+    for v in r.values():
+        v.pop("coll")
+    cached_over_whole = ratio(r, "cached", "whole")
+    lines = [
+        f"whole on {args.device}: {_rate(r['whole'], args.device)}",
+        f"cached ({args.cache_load_factor:g} of {args.rows:,} rows: {cache_rows:,} slots): {_rate(r['cached'], args.device)}",
+        f"cached / whole = {cached_over_whole:.2f}x; a steady step loads {per_step['loaded']:,.0f} rows and writes "
+        f"back {per_step['written_back']:,.0f} ({traffic / 1e6:,.1f} MB of rows and states; {unique:,.0f} distinct "
+        f"rows a step)",
+    ]
+    return {
+        "benchmark": "host-tier",
+        "workload": vars(w),
+        "kind": args.kind,
+        "optimizer": repr(spec),
+        "cache_load_factor": args.cache_load_factor,
+        "cache_rows": cache_rows,
+        "results": {**r, "cached_over_whole": cached_over_whole},
+        "steady_step": {**per_step, "bytes": traffic, "distinct_rows": unique},
         "summary": lines,
     }
 

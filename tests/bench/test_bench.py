@@ -53,6 +53,20 @@ def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp
     assert result["dynamic_report"]["dropped_keys"] == 0 and result["dynamic_report"]["size"] > 0
 
 
+@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
+def test_host_tier_times_a_cached_table_against_the_table_whole_and_counts_its_traffic(tmp_path, kind):
+    tiny = [*TINY[:-4], "--steps", "8", "--runs", "2"]  # every batch of the workload a run
+    report = run(tmp_path, "host-tier", *tiny, "--warmup", "1", "--kind", kind, "--cache-load-factor", "0.15")
+    results = report["results"]
+    assert report["kind"] == kind and report["cache_rows"] >= 0.15 * 2000
+    assert results["cached_over_whole"] == pytest.approx(same_run_ratio(results["cached"], results["whole"]))
+    step = report["steady_step"]
+    # 256 Zipf ids a step over 2,000 rows: some rows miss the cache of 300+, and a row moved in is
+    # one moved out once the cache is full
+    assert step["loaded"] > 0 and step["loaded"] <= step["distinct_rows"]
+    assert step["bytes"] == (step["loaded"] + step["written_back"]) * 4 * (8 + 8)  # Adagrad: rows and states
+
+
 def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
     report = run(tmp_path, "fused-step", *TINY, "--warmup", "1")
     results = report["results"]
