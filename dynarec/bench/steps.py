@@ -269,7 +269,7 @@ def bench_host_tier(args) -> dict:
     cached_over_whole = ratio(r, "cached", "whole")
     lines = [
         f"whole on {args.device}: {_rate(r['whole'], args.device)}",
-        f"cached ({args.cache_load_factor:g} of {args.rows:,} rows: {cache_rows:,} slots): {_rate(r['cached'], args.device)}",
+        f"cached ({args.cache_load_factor:g} of the rows: {cache_rows:,} slots): {_rate(r['cached'], args.device)}",
         f"cached / whole = {cached_over_whole:.2f}x; a steady step loads {per_step['loaded']:,.0f} rows and writes "
         f"back {per_step['written_back']:,.0f} ({traffic / 1e6:,.1f} MB of rows and states; {unique:,.0f} distinct "
         f"rows a step)",
