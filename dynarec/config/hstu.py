@@ -171,9 +171,12 @@ class HSTUMatchUserTowerCfg(Strict):
 
 class _GenerativeRankerCfg(Strict):
     """What DlrmHSTU and UltraHSTU share: the candidates' own embedding, the fusion tower, the
-    tasks. ``max_seq_len`` divides the attention scores (a constant, as TorchEasyRec's)."""
+    tasks. ``max_seq_len`` divides the attention scores (a constant, as TorchEasyRec's);
+    ``sequence_timestamp_is_ascending: false``: the data's histories are newest first (each
+    row's is read in reverse, as TorchEasyRec's flip does)."""
 
     max_seq_len: Count
+    sequence_timestamp_is_ascending: bool = True
     item_embedding_hidden_dim: Count = 512
     fusion_hidden_units: list[Count] = Field(default_factory=list)
     fusion_activation: Literal["relu", "silu", "none"] = "relu"

@@ -602,7 +602,8 @@ class HSTUMatchCfg(Strict):
     ``similarity / temperature`` under softmax cross-entropy; recall@k over the queries. Optional
     groups: ``contextual`` (features of one width, a token each before the history) and
     ``query_time`` (one number a row: the request time the history's ages count from; absent, the
-    newest history token's time)."""
+    newest history token's time). ``sequence_timestamp_is_ascending: false``: the data's
+    histories are newest first (each row's is read in reverse, as TorchEasyRec's flip does)."""
 
     user_tower: HSTUMatchUserTowerCfg
     item_tower: MatchTowerCfg
@@ -611,6 +612,7 @@ class HSTUMatchCfg(Strict):
     temperature: float = Field(1.0, gt=0)
     in_batch_negative: Literal[False] = False  # several positives a row: TorchEasyRec refuses it too
     recall_at_k: list[Count] = [1, 5]
+    sequence_timestamp_is_ascending: bool = True
 
     @property
     def embedding_dim(self) -> int:

@@ -38,6 +38,7 @@ from dynarec.models.hstu import (
     STULayer,
     STUStack,
     TimestampLayerNormPostprocessor,
+    oldest_first,
 )
 
 __all__ = ["DlrmHSTU", "positional_of", "postprocessor_of", "stu_stack_of"]
@@ -107,6 +108,7 @@ class DlrmHSTU(nn.Module):
         groups = {g.group_name: list(g.feature_names) for g in config.model.feature_groups}
         self.candidates = groups["candidate"]
         self.candidate_time = groups["candidate_timestamp"][0]
+        self.newest_first = not cfg.sequence_timestamp_is_ascending
         self.contextual = groups.get("contextual", [])
         widths = {self.inputs[n].width for n in self.contextual}
         if len(widths) > 1:
@@ -176,11 +178,17 @@ class DlrmHSTU(nn.Module):
             actions: Optional[torch.Tensor] = None
             if channel.actions is not None:
                 actions = self.inputs.positions(channel.actions, embeddings, dense)[..., 0].round().long()
+            history = self.inputs.concatenated(channel.history, embeddings, dense)
+            times = self.inputs.positions(channel.time, embeddings, dense)[..., 0].float()
+            lengths = seq_lengths[channel.history[0]]
+            if self.newest_first:  # the data's histories newest first: each row's read in reverse
+                history, times = oldest_first(history, lengths), oldest_first(times, lengths)
+                actions = oldest_first(actions, lengths)
             encodings.append(
                 transducer(
-                    self.inputs.concatenated(channel.history, embeddings, dense),
-                    seq_lengths[channel.history[0]],
-                    self.inputs.positions(channel.time, embeddings, dense)[..., 0].float(),
+                    history,
+                    lengths,
+                    times,
                     candidates,
                     num_targets,
                     query_times,

@@ -15,7 +15,7 @@ oldest first | the candidates]``, of length ``L = c + U + T``; ``num_targets`` i
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, overload
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ __all__ = [
     "TimestampLayerNormPostprocessor",
     "assemble_rows",
     "hstu_valid_mask",
+    "oldest_first",
     "semi_local_mask",
     "take_candidates",
     "truncate_history",
@@ -46,6 +47,23 @@ __all__ = [
 
 def _positions(lengths: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=lengths.device).expand(lengths.shape[0], n)
+
+
+@overload
+def oldest_first(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
+@overload
+def oldest_first(x: None, lengths: torch.Tensor) -> None: ...
+def oldest_first(x: Optional[torch.Tensor], lengths: torch.Tensor) -> Optional[torch.Tensor]:
+    """Each row's first ``lengths[b]`` positions of ``x`` ``[B, L, ...]`` in reverse (a history
+    given newest first, read oldest first), the padding after them kept zero; None stays None."""
+    if x is None:
+        return None
+    positions = torch.arange(x.shape[1], device=x.device)
+    source = lengths[:, None] - 1 - positions[None, :]  # [B, L]
+    valid = source >= 0
+    index = source.clamp(min=0)
+    taken = torch.gather(x, 1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x))
+    return taken * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
 
 
 def hstu_valid_mask(

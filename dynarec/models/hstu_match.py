@@ -30,7 +30,13 @@ from dynarec.config.hstu import UIHEncoderCfg
 from dynarec.config.schema import Config, HSTUMatchCfg
 from dynarec.models.dlrm_hstu import positional_of, postprocessor_of, stu_stack_of
 from dynarec.models.features import FeatureInputs
-from dynarec.models.hstu import ContextualProjection, SimpleActionEncoder, SimpleContextualizedMLP, hstu_valid_mask
+from dynarec.models.hstu import (
+    ContextualProjection,
+    SimpleActionEncoder,
+    SimpleContextualizedMLP,
+    hstu_valid_mask,
+    oldest_first,
+)
 from dynarec.models.mlp import MLP
 
 __all__ = ["HSTUMatch", "HSTUMatchTowers", "UIHEncoder"]
@@ -111,6 +117,7 @@ class HSTUMatch(nn.Module):
         # buckets and a timestamp postprocessor read them
         self.time = groups[base + "_timestamp"][0] if base + "_timestamp" in groups else None
         self.actions = groups[base + "_action"][0] if cfg.user_tower.hstu.action_encoder is not None else None
+        self.newest_first = not cfg.sequence_timestamp_is_ascending
         self.contextual = groups.get("contextual", [])
         self.query_time = groups.get("query_time", [None])[0]
         if self.query_time is not None and inputs[self.query_time].width != 1:
@@ -164,10 +171,18 @@ class HSTUMatch(nn.Module):
         if self.contextual:
             contextual = torch.cat([self.inputs.pooled(n, embeddings, seq_lengths, dense) for n in self.contextual], 1)
         query_time = self._number(self.query_time, embeddings, dense)
+        lengths = seq_lengths[self.history[0]]
+        times = self._number(self.time, embeddings, dense)
+        if self.newest_first:  # the data's histories newest first: each row's read in reverse
+            history, times, actions = (
+                oldest_first(history, lengths),
+                oldest_first(times, lengths),
+                oldest_first(actions, lengths),
+            )
         user = self.user_tower(
             history,
-            seq_lengths[self.history[0]],
-            self._number(self.time, embeddings, dense),
+            lengths,
+            times,
             None if actions is None else actions.round().long(),
             contextual,
             None if query_time is None else query_time.float(),

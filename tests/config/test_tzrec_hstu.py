@@ -180,11 +180,6 @@ MLP = f"{HSTU}.fusion_mtl_tower.mlp"
         ),
         (
             "max_seq_len: 4096",
-            "max_seq_len: 4096 sequence_timestamp_is_ascending: false",
-            f"{HSTU}.sequence_timestamp_is_ascending",
-        ),
-        (
-            "max_seq_len: 4096",
             "max_seq_len: 4096 concat_contextual_features: true",
             f"{HSTU}.concat_contextual_features",
         ),
@@ -453,6 +448,18 @@ def test_a_missing_sequence_length_is_refused_elsewhere():
     )
 
 
+def test_newest_first_histories_are_carried():
+    """``sequence_timestamp_is_ascending: false`` (histories newest first) on DlrmHSTU and
+    HSTUMatch: the same field (the models read each history in reverse)."""
+    text = RTP.replace("max_seq_len: 4096", "max_seq_len: 4096 sequence_timestamp_is_ascending: false", 1)
+    assert text != RTP
+    assert config_from_dict(convert(text).config).model.dlrm_hstu.sequence_timestamp_is_ascending is False
+    match = (TESTS / "hstu_kuairand_1k.config").read_text()
+    text = match.replace("similarity: COSINE", "similarity: COSINE\n        sequence_timestamp_is_ascending: false")
+    assert text != match
+    assert config_from_dict(convert(text).config).model.hstu_match.sequence_timestamp_is_ascending is False
+
+
 def test_the_hstu_match_config_converts():
     """TorchEasyRec's HSTUMatch on KuaiRand: the user tower's hstu as dlrm_hstu's with the
     uih_preprocessor's action encoder, the item tower's linear MLP, the first label read, the
@@ -477,7 +484,6 @@ def test_the_hstu_match_config_converts():
     ("old", "new", "path"),
     [
         ("uih_preprocessor {", "contextual_preprocessor {", r"hstu_match\.user_tower\.hstu\.input_preprocessor"),
-        ("similarity: COSINE", "similarity: COSINE\n        sequence_timestamp_is_ascending: false", "ascending"),
         ("softmax_cross_entropy {}", "binary_cross_entropy {}", r"model_config\.losses: \['binary_cross_entropy'\]"),
     ],
 )

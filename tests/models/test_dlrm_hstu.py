@@ -287,3 +287,33 @@ def test_ultra_hstu_mixes_its_channels_encodings(tmp_path):
         cfg = _ultra(CONFIG)
         cfg["model"]["ultra_hstu"]["hstu"][1]["name"] = "uih_a"
         config_from_dict(cfg)
+
+
+def _newest_first(table: pa.Table, columns: list[str]) -> pa.Table:
+    """``table`` with each row's ``columns`` (lists) in reverse: its histories newest first."""
+    for name in columns:
+        reversed_rows = pa.array([row[::-1] for row in table.column(name).to_pylist()], table.column(name).type)
+        table = table.set_column(table.schema.get_field_index(name), name, reversed_rows)
+    return table
+
+
+@pytest.mark.parametrize("kind", ["dlrm_hstu", "ultra_hstu"])
+def test_newest_first_histories_score_as_the_same_histories_oldest_first(tmp_path, kind):
+    """``sequence_timestamp_is_ascending: false`` (TorchEasyRec's flip of the features): a model
+    reading each history newest first scores as the same model reading it oldest first."""
+    cfg = copy.deepcopy(CONFIG) if kind == "dlrm_hstu" else _ultra(CONFIG)
+    ascending = Trainer(config_from_dict(cfg), tmp_path / "a", device="cpu", progress=False)
+    cfg["model"][kind]["sequence_timestamp_is_ascending"] = False
+    descending = Trainer(config_from_dict(cfg), tmp_path / "d", device="cpu", progress=False)
+    descending.task.load_state_dict(ascending.task.state_dict())
+    table = _table(12, 7)  # (ultra_hstu's two channels read the same history)
+    history = ["hist_item", "hist_time", "hist_action"]
+    flipped = _newest_first(table, history)
+    ascending.task.eval()
+    descending.task.eval()
+    with torch.no_grad():
+        want = ascending.task(BatchBuilder(ascending.config).build(table, "t.parquet"))
+        got = descending.task(BatchBuilder(descending.config).build(flipped, "t.parquet"))
+        other = ascending.task(BatchBuilder(ascending.config).build(flipped, "t.parquet"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(other, want, atol=1e-3)  # (the order matters to the model)

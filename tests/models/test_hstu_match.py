@@ -331,3 +331,27 @@ def test_what_hstu_match_refuses(change, message, tmp_path):
     change(c)
     with pytest.raises(ValueError, match=message):
         build_model(config_from_dict(c))
+
+
+def test_newest_first_histories_give_the_users_of_the_same_histories_oldest_first(log):
+    """``sequence_timestamp_is_ascending: false``: each row's history, its times and actions read
+    in reverse — the users equal those of the same histories given oldest first."""
+    table = pq.read_table(log / "eval.parquet").slice(0, 25)
+    flipped = table
+    for name in ("hist_item", "hist_time", "hist_action"):
+        rows = ["|".join(v.split("|")[::-1]) if v else v for v in table.column(name).to_pylist()]
+        flipped = flipped.set_column(flipped.schema.get_field_index(name), name, pa.array(rows))
+    users = {}
+    for key, ascending, data in (("want", True, table), ("got", False, flipped), ("other", True, flipped)):
+        c = config(log)
+        c["model"]["hstu_match"]["sequence_timestamp_is_ascending"] = ascending
+        cfg = config_from_dict(c)
+        torch.manual_seed(0)
+        model = build_model(cfg).eval()
+        batch = BatchBuilder(cfg).build(data, "eval.parquet")
+        tables = EmbeddingCollection(plan_from_config(cfg).table_configs())
+        emb, lengths, dense = model_inputs(tables, batch, ["hist_item", "hist_time", "hist_action", "cand_item"], "cpu")
+        with torch.no_grad():
+            users[key] = model.users(emb, lengths, dense)
+    torch.testing.assert_close(users["got"], users["want"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(users["other"], users["want"], atol=1e-3)  # (the order matters to the model)

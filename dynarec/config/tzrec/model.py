@@ -506,7 +506,8 @@ def _hstu_match(r: Reader, m: Reader, ctx: Context, groups: list[dict[str, Any]]
     out["output_dim"] = m.integer("output_dim", 0)
     out["similarity"] = _similarity(m, ctx, "INNER_PRODUCT")
     out["temperature"] = m.number("temperature", 1.0)
-    m.default_only("sequence_timestamp_is_ascending", True, "histories newest-first are not supported")
+    if m.has("sequence_timestamp_is_ascending"):
+        out["sequence_timestamp_is_ascending"] = bool(m.scalar("sequence_timestamp_is_ascending"))
     m.default_only("in_batch_negative", False, "several positives a row: TorchEasyRec refuses it too")
     out["recall_at_k"] = _match_losses_and_metrics(r, ctx)
     _hstu_kernel(r, ctx, semi_local=False)
@@ -947,12 +948,8 @@ def _generative_ranker(
         "dynarec's loss is the mean over every rank's candidates; a mean over each rank's own is not supported",
         fatal=True,
     )
-    m.default_only(
-        "sequence_timestamp_is_ascending",
-        True,
-        "dynarec reads each history in ascending time, its last element the latest",
-        fatal=True,
-    )
+    if m.has("sequence_timestamp_is_ascending"):
+        out["sequence_timestamp_is_ascending"] = bool(m.scalar("sequence_timestamp_is_ascending"))
     m.default_only(
         "concat_contextual_features",
         False,
