@@ -317,6 +317,7 @@ def _print_tree(tree, out: Path, attr_fields: list[str]) -> None:
 
 
 def cmd_tdm_cluster_tree(args) -> None:
+    from dynarec.data.batch import BatchBuilder
     from dynarec.data.reader import file_schema, resolve_files
     from dynarec.data.tree import cluster_tree, write_tree
     from dynarec.tdm import config_tree, item_embeddings
@@ -330,9 +331,10 @@ def cmd_tdm_cluster_tree(args) -> None:
     unknown = [c for c in raw if c not in cfg.attr_fields]
     if unknown:
         raise ValueError(f"--raw-attr-fields: {unknown} are not among data.tdm_sampler.attr_fields {cfg.attr_fields}")
-    types = {
-        f.name: f.type for f in file_schema(resolve_files(config.data.train_input_path)[0], config.data.input_type)
-    }
+    # the data's column types (a CSV file's ids as strings, as training reads them)
+    csv_types = BatchBuilder(config, with_labels=False).csv_column_types()
+    first = resolve_files(config.data.train_input_path)[0]
+    types = {f.name: f.type for f in file_schema(first, config.data.input_type, csv_types)}
     embeddings = item_embeddings(trainer.task, config, tree, types)
     leaves = slice(int(tree.level_starts[-2]), len(tree.ids))
     new = cluster_tree(

@@ -21,10 +21,11 @@ import torch
 
 from dynarec.config.schema import Config
 from dynarec.data.batch import BatchBuilder, DataError, RowOrigin
-from dynarec.data.sampler import attribute_columns
-from dynarec.data.tree import Tree, read_tree
+from dynarec.data.tdm_sampler import config_tree as tdm_sampler_tree
+from dynarec.data.tdm_sampler import node_columns, with_node_columns
+from dynarec.data.tree import Tree
 
-__all__ = ["BeamSearch", "Retrieved", "config_tree", "item_embeddings", "node_columns"]
+__all__ = ["BeamSearch", "Retrieved", "config_tree", "item_embeddings"]
 
 # (user, node) rows scored a forward pass
 SCORE_BATCH = 65536
@@ -35,18 +36,7 @@ def config_tree(config: Config) -> Tree:
     cfg = config.data.tdm_sampler
     if cfg is None:
         raise ValueError(f"model '{config.model.name}' has no tree: beam search and clustering are TDM's (model.tdm)")
-    return read_tree(
-        cfg.item_input_path, cfg.edge_input_path, len(cfg.attr_fields), cfg.attr_delimiter, cfg.field_delimiter
-    )
-
-
-def node_columns(config: Config, tree: Tree, nodes: np.ndarray, types: dict[str, pa.DataType]) -> dict[str, pa.Array]:
-    """The item columns (``item_id_field``, ``attr_fields``) of tree ``nodes``, cast to the data's
-    column ``types``."""
-    cfg = config.data.tdm_sampler
-    assert cfg is not None
-    strings = [pa.array(tree.ids[nodes]).cast(pa.string()), *tree.attribute_strings(nodes)]
-    return attribute_columns(cfg.item_columns, strings, types, cfg.item_input_path)
+    return tdm_sampler_tree(cfg)
 
 
 @dataclass(frozen=True)
@@ -68,7 +58,8 @@ class BeamSearch:
         leaves = int(np.diff(tree.level_starts)[-1])
         if k > leaves:
             raise ValueError(f"recall_num {k}: the tree holds {leaves} items")
-        self.config, self.tree, self.score, self.k = config, tree, score, k
+        assert config.data.tdm_sampler is not None
+        self.cfg, self.tree, self.score, self.k = config.data.tdm_sampler, tree, score, k
         offsets, _ = tree.children
         n = max(2, int(np.diff(offsets).max()))  # the branching factor
         self.first_level = min(math.ceil(math.log(2 * n * k, n)), tree.num_levels - 1)
@@ -103,11 +94,8 @@ class BeamSearch:
         types = {f.name: f.type for f in users.schema}
         for start in range(0, len(rows), SCORE_BATCH):
             part = slice(start, start + SCORE_BATCH)
-            table = users.take(pa.array(rows[part]))
-            for name, column in node_columns(self.config, self.tree, nodes[part], types).items():
-                at = table.schema.get_field_index(name)
-                table = table.set_column(at, name, column) if at >= 0 else table.append_column(name, column)
-            out[part] = self.score(table)
+            columns = node_columns(self.cfg, self.tree, nodes[part], types)
+            out[part] = self.score(with_node_columns(users.take(pa.array(rows[part])), columns))
         return out
 
 
@@ -140,7 +128,7 @@ def item_embeddings(task, config: Config, tree: Tree, types: dict[str, pa.DataTy
     try:
         for start in range(0, len(leaves), batch_size):
             nodes = leaves[start : start + batch_size]
-            table = pa.table(node_columns(config, tree, nodes, types))
+            table = pa.table(node_columns(cfg, tree, nodes, types))
             batch = builder.build(table, RowOrigin.of(f"{cfg.item_input_path} (its leaves)", len(nodes), start))
             inputs = model_inputs(task.embeddings, batch, sequence_names(config), task.device, element_poolings(config))
             parts.append(model.item_embedding(*inputs).float().cpu().numpy())

@@ -49,8 +49,8 @@ from dynarec.config.features import (
 )
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
-from dynarec.data.sampler import attribute_columns, negative_sampler
-from dynarec.data.tdm_sampler import TreeSamples, tdm_sampler
+from dynarec.data.sampler import negative_sampler
+from dynarec.data.tdm_sampler import TreeSamples, node_columns, tdm_sampler, with_node_columns
 from dynarec.data.transport import Slot, pack, read_into, unpack
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
@@ -730,17 +730,12 @@ class BatchBuilder:
         path, first, _ = origin.runs[0]
         samples = self.tdm.sample(leaves, f"{_draw_key(path)}:{first}")
         types = {c: table.schema.field(c).type for c in cfg.item_columns if c in table.schema.names}
-        node_ids = pa.array(tree.ids[samples.nodes]).cast(pa.string())
-        strings = [node_ids, *tree.attribute_strings(samples.nodes)]
-        nodes = pa.table(attribute_columns(cfg.item_columns, strings, types, cfg.item_input_path))
-        # An error names the sampled node and the row it was sampled for.
+        columns = node_columns(cfg, tree, samples.nodes, types)
+        # An error names the node table and the rows the nodes were sampled for.
         where = RowOrigin(((f"{cfg.item_input_path} (the nodes sampled for {origin.label})", 0, len(samples.rows)),))
-        extra = self._features(nodes, where, self.node_features)
+        extra = self._features(pa.table(columns), where, self.node_features)
         if self.mixed_features:
-            rows = table.take(pa.array(samples.rows))
-            for name in cfg.item_columns:
-                if name in rows.schema.names:
-                    rows = rows.set_column(rows.schema.get_field_index(name), name, nodes.column(name))
+            rows = with_node_columns(table.take(pa.array(samples.rows)), columns)
             mixed = self._features(rows, where, self.mixed_inputs)
             extra.update({name: mixed[name] for name in self.mixed_features})
         outputs = {

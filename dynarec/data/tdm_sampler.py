@@ -20,11 +20,13 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from dynarec.config.tdm import TDMSamplerCfg
+from dynarec.data.sampler import attribute_columns
 from dynarec.data.tree import Tree, TreeError, read_tree
 
-__all__ = ["TDMSampler", "TreeSamples", "tdm_sampler"]
+__all__ = ["TDMSampler", "TreeSamples", "config_tree", "node_columns", "tdm_sampler", "with_node_columns"]
 
 # Rounds of draws before a row's missing negatives are taken from what its level has left.
 _ROUNDS = 4
@@ -41,15 +43,38 @@ class TreeSamples:
     labels: np.ndarray
 
 
+def config_tree(cfg: TDMSamplerCfg) -> Tree:
+    """The tree of ``cfg``'s node and edge tables."""
+    return read_tree(
+        cfg.item_input_path, cfg.edge_input_path, len(cfg.attr_fields), cfg.attr_delimiter, cfg.field_delimiter
+    )
+
+
+def node_columns(
+    cfg: TDMSamplerCfg, tree: Tree, nodes: np.ndarray, types: dict[str, pa.DataType]
+) -> dict[str, pa.Array]:
+    """The item columns (``item_id_field``, ``attr_fields``) of tree ``nodes``, cast to the data's
+    column ``types`` (strings where a column is not among them)."""
+    strings = [pa.array(tree.ids[nodes]).cast(pa.string()), *tree.attribute_strings(nodes)]
+    return attribute_columns(cfg.item_columns, strings, types, cfg.item_input_path)
+
+
+def with_node_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
+    """``table`` (rows copied for tree nodes) with its item columns replaced by the nodes'
+    ``columns`` (:func:`node_columns`; a column it lacks appended)."""
+    for name, column in columns.items():
+        at = table.schema.get_field_index(name)
+        table = table.set_column(at, name, column) if at >= 0 else table.append_column(name, column)
+    return table
+
+
 class TDMSampler:
     """The tree of ``cfg`` and the layer-wise draws over it."""
 
     def __init__(self, cfg: TDMSamplerCfg, seed: int = 0):
         self.cfg = cfg
         self.seed = seed
-        self.tree: Tree = read_tree(
-            cfg.item_input_path, cfg.edge_input_path, len(cfg.attr_fields), cfg.attr_delimiter, cfg.field_delimiter
-        )
+        self.tree: Tree = config_tree(cfg)
         tree, samples = self.tree, cfg.layer_num_sample
         if len(samples) != tree.num_levels:
             raise TreeError(
