@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "page_lock", "synchronize"]
 
 _INSTALL = "see README.md, 'On a GPU', to install torch's CUDA build (make setup DEVICE=cuda)"
 
@@ -25,3 +27,26 @@ def check_device(name: str) -> torch.device:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def page_lock(t: torch.Tensor) -> torch.Tensor:
+    """Locks the memory of ``t`` (a contiguous CPU tensor) in place for CUDA devices and returns
+    it: a GPU then reads and writes it over its link at the address the host uses (unified
+    virtual addressing), as a kernel's argument; unlocked when ``t`` is freed. Unlike
+    ``pin_memory()`` it neither copies nor rounds the allocation up to a power of two (torch's
+    pinned allocator does: 32 GB locked for a 20.5 GB table's rows)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"page_lock takes a contiguous CPU tensor, got {t.device} {tuple(t.shape)}")
+    if t.numel():
+        cudart = torch.cuda.cudart()
+        ptr = t.data_ptr()
+        torch.cuda.check_error(cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
+        weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for every stream of ``device`` (a CUDA device; nothing elsewhere): before the host
+    reads or frees memory that the device's queued kernels may still read or write."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

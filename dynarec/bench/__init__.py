@@ -101,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name == "host-tier":
             p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")
             p.add_argument("--kind", default="dynamic", choices=["fixed", "dynamic"])
+            p.add_argument("--zipf", type=float, default=1.05, help="the ids' Zipf exponent (higher: more skewed)")
         if name == "sweep":
             p.add_argument(
                 "--grid-rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000], help="CPU: table rows"

@@ -59,7 +59,8 @@ class Workload:
         self, keys_over_int64: bool = False, scatter_rows: bool = False, device: str = "cpu"
     ) -> list[JaggedBatch]:
         """Batches on the host (pinned where ``device`` is CUDA: the collection validates them
-        there, with no device sync, and copies them over asynchronously, as in training).
+        there, with no device sync, and copies them over asynchronously, as in training), with
+        their ids' range computed, as the trainer's data stage computes it in its workers.
         ``keys_over_int64``: ids hashed over the int64 range (dynamic tables);
         ``scatter_rows``: ids hashed over ``[0, num_embeddings)`` (a fixed table whose hot rows
         are spread like a dynamic table's slots, not packed at the low ids)."""
@@ -72,10 +73,9 @@ class Workload:
             elif scatter_rows:
                 ids = (mix64(ids) & ((1 << 63) - 1)) % self.num_embeddings
             lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
-            if device.startswith("cuda"):  # on the host, pinned: as the trainer's DataLoader gives them
-                out.append(JaggedBatch(["f"], ids.pin_memory(), lengths.pin_memory()))
-            else:
-                out.append(JaggedBatch(["f"], ids, lengths))
+            # the ids' range as the data stage's workers give it (a fixed table's range check reads it)
+            batch = JaggedBatch(["f"], ids, lengths).with_id_ranges([(int(ids.min()), int(ids.max()))])
+            out.append(batch.pin_memory() if device.startswith("cuda") else batch)  # pinned: as the DataLoader's
         return out
 
     def unique_fraction(self, batches: list[JaggedBatch]) -> float:

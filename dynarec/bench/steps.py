@@ -244,7 +244,9 @@ def bench_host_tier(args) -> dict:
     or the timed steps revisit the rows the cache already holds). Beside the ratio: the rows a
     steady step loads into the cache and writes back (the host<->device traffic) and their
     bytes."""
-    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    w = Workload(
+        num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor, zipf_a=args.zipf
+    )
     spec = OPTIMIZERS[args.optimizer]
     batches = w.batches(keys_over_int64=args.kind == "dynamic", device=args.device)
     whole = make_table(args.kind, "native", w)
@@ -267,12 +269,13 @@ def bench_host_tier(args) -> dict:
     for v in r.values():
         v.pop("coll")
     cached_over_whole = ratio(r, "cached", "whole")
+    link_gbps = traffic * r["cached"]["ids_per_s_median"] / w.ids_per_step / 1e9  # the step's rows over its time
     lines = [
         f"whole on {args.device}: {_rate(r['whole'], args.device)}",
         f"cached ({args.cache_load_factor:g} of the rows: {cache_rows:,} slots): {_rate(r['cached'], args.device)}",
         f"cached / whole = {cached_over_whole:.2f}x; a steady step loads {per_step['loaded']:,.0f} rows and writes "
         f"back {per_step['written_back']:,.0f} ({traffic / 1e6:,.1f} MB of rows and states; {unique:,.0f} distinct "
-        f"rows a step)",
+        f"rows a step), {link_gbps:.1f} GB/s of them over the cached step's time",
     ]
     return {
         "benchmark": "host-tier",
@@ -282,7 +285,7 @@ def bench_host_tier(args) -> dict:
         "cache_load_factor": args.cache_load_factor,
         "cache_rows": cache_rows,
         "results": {**r, "cached_over_whole": cached_over_whole},
-        "steady_step": {**per_step, "bytes": traffic, "distinct_rows": unique},
+        "steady_step": {**per_step, "bytes": traffic, "distinct_rows": unique, "link_GBps": link_gbps},
         "summary": lines,
     }
 

@@ -20,6 +20,12 @@ on the device (bit for bit on the CPU, whose update sums a row's gradients in oc
 whatever the rows' numbering; to float32 summation order on a GPU, whose update blocks depend
 on the numbering).
 
+Rows move by ``dynarec::exchange_rows``, one launch a field (the weights, each state) and a
+lookup: the rows a lookup displaces are written back and its missing rows read into their slots
+by the device itself, over its link, from host memory locked in place for it
+(:func:`~dynarec.devices.page_lock`; a CPU "device" moves them with torch ops). The host reads or
+frees the host rows only after waiting for the device (whole-table views, growth, loads).
+
 Rows read, written or reset from outside (``read``, ``write``, ``reset_rows``: a dynamic
 table's inserts, moves and evictions, ``write_rows``) go to wherever each row lives, the cache
 or host memory. Whole-table views (``weight``, ``states``: dumps) write the cache back and empty
@@ -36,7 +42,8 @@ from typing import Optional
 
 import torch
 
-from dynarec.embedding.row_store import NativeRowStore, RowStore
+from dynarec.devices import synchronize
+from dynarec.embedding.row_store import NativeRowStore, RowStore, field_rows
 from dynarec.embedding.step import StepPendingError
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import RowScores
@@ -72,7 +79,9 @@ class CachedRowStore(RowStore):
         self.name = name
         self.cache_rows = cache_rows
         self.row_keys = RowKeys()
-        self.host = NativeRowStore(num_rows, dim, spec, "cpu", dtype=dtype, rounding_seed=rounding_seed)
+        self.host = NativeRowStore(
+            num_rows, dim, spec, "cpu", dtype=dtype, rounding_seed=rounding_seed, page_locked=self.device.type == "cuda"
+        )
         self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device, dtype=dtype, rounding_seed=rounding_seed)
         self.cache.row_keys = RowKeys(keys=self._slot_keys)  # a slot's draws are its row's
         self.counters = {"loaded": 0, "written_back": 0}
@@ -131,15 +140,24 @@ class CachedRowStore(RowStore):
             )
         victims = order[: missing.numel()]
         old = self._row_of_slot[victims]
-        held = old >= 0
-        if bool(held.any()):
-            self.host.write(old[held].cpu(), {k: v.cpu() for k, v in self.cache.read(victims[held]).items()})
-            self._slot_of_row[old[held]] = -1
-            self.counters["written_back"] += int(held.sum())
-        self.cache.write(victims, self.host.read(missing.cpu()))
+        self._exchange(victims, old, missing)
+        held = old[old >= 0]
+        self._slot_of_row[held] = -1
         self._slot_of_row[missing] = victims.to(torch.int32)
         self._row_of_slot[victims] = missing
         self.counters["loaded"] += missing.numel()
+        self.counters["written_back"] += held.numel()
+
+    def _fields(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(cache rows, host rows)`` of the weights and of each state."""
+        states = [(t, self.host.states[k]) for k, t in self.cache.states.items()]
+        return [(self.cache.weight, self.host.weight), *states]
+
+    def _exchange(self, slots: torch.Tensor, out_rows: Optional[torch.Tensor], in_rows: Optional[torch.Tensor]):
+        """Every field's ``dynarec::exchange_rows``: the rows of cache ``slots`` written back to
+        host rows ``out_rows`` (where >= 0), then host rows ``in_rows`` read into them."""
+        for cache, host in self._fields():
+            torch.ops.dynarec.exchange_rows(cache, slots, host, out_rows, in_rows)
 
     @torch.no_grad()
     def _write_back(self, empty: bool) -> None:
@@ -152,10 +170,10 @@ class CachedRowStore(RowStore):
             )
         held = torch.nonzero(self._row_of_slot >= 0).squeeze(1)
         if held.numel():
-            rows = self._row_of_slot[held]
-            self.host.write(rows.cpu(), {k: v.cpu() for k, v in self.cache.read(held).items()})
+            self._exchange(held, self._row_of_slot[held], None)
         if empty:
             self._reset_cache(self.num_rows)
+        synchronize(self.device)  # the host rows are the host's to read from here
 
     # -- the rows from outside -----------------------------------------------------------------
 
@@ -172,54 +190,62 @@ class CachedRowStore(RowStore):
         return self.host.states
 
     def _where(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(cached mask on the device, their slots, the others' rows on the CPU)`` of ``rows``."""
+        """``(cached mask, their slots, the others' rows)`` of ``rows``, on the device."""
         rows = rows.to(self.device)
         slots = self._slot_of_row[rows].long()
         cached = slots >= 0
-        return cached, slots[cached], rows[~cached].cpu()
+        return cached, slots[cached], rows[~cached]
 
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of the rows' weights and states (on ``rows``' device), from wherever each lives."""
+        """Copies of the rows' weights (float32) and states (on ``rows``' device), from wherever
+        each lives."""
         cached, slots, elsewhere = self._where(rows)
-        if not slots.numel():
-            return {k: v.to(rows.device) for k, v in self.host.read(rows.cpu()).items()}
-        from_cache = self.cache.read(slots)
-        if not elsewhere.numel():
-            return {k: v.to(rows.device) for k, v in from_cache.items()}
-        from_host = self.host.read(elsewhere.cpu())  # the rows of ~cached, in order
+        at = torch.arange(rows.numel(), device=self.device)
         out = {}
-        for k, h in from_host.items():
-            v = h.new_empty((rows.numel(), *h.shape[1:]), device=self.device)
-            v[~cached] = h.to(self.device)
-            v[cached] = from_cache[k].to(v.dtype)
-            out[k] = v.to(rows.device)
+        for name, (cache, host) in zip(self._field_names(), self._fields()):
+            v = cache.new_empty((rows.numel(), *cache.shape[1:]))
+            v[cached] = cache[slots]
+            torch.ops.dynarec.exchange_rows(v, at[~cached], host, None, elsewhere)
+            out[name] = (v.float() if name == "weight" else v).to(rows.device)
         return out
+
+    def _field_names(self) -> list[str]:
+        return ["weight", *self.cache.states]
 
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        for name, v in values.items():  # before the split: a shape error names the field, as the other stores do
-            if v.shape[0] != rows.numel():
-                raise ValueError(f"'{name}' must have {rows.numel()} rows, got shape {tuple(v.shape)}")
+        names = self._field_names()
+        fields = dict(zip(names, self._fields()))
+        values = {
+            k: field_rows(k, v, fields[k][0] if k in fields else None, rows.numel(), sorted(names), self.device)
+            for k, v in values.items()
+        }
         cached, slots, elsewhere = self._where(rows)
-        values = {k: v.to(self.device) for k, v in values.items()}
-        if elsewhere.numel():
-            self.host.write(elsewhere, {k: v[~cached].cpu() for k, v in values.items()})
         if slots.numel():
             self.cache.write(slots, {k: v[cached] for k, v in values.items()})
+        if elsewhere.numel():
+            at = torch.arange(elsewhere.numel(), device=self.device)
+            for k, v in values.items():
+                torch.ops.dynarec.exchange_rows(v[~cached].contiguous(), at, fields[k][1], elsewhere, None)
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
         cached, slots, elsewhere = self._where(rows)
         weight = weight.to(self.device)
-        if elsewhere.numel():
-            self.host.reset_rows(elsewhere, weight[~cached].cpu())
         if slots.numel():
             self.cache.reset_rows(slots, weight[cached])
+        if elsewhere.numel():
+            fresh = {"weight": weight[~cached]}
+            for spec in self.spec.state_specs():
+                width = self.cache.states[spec.name].shape[1]
+                fresh[spec.name] = torch.full((elsewhere.numel(), width), spec.initial_value, device=self.device)
+            self.write(elsewhere, fresh)
 
     @torch.no_grad()
     def resize(self, num_rows: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A growth: rows ``src`` become rows ``dst`` of ``num_rows``, in host memory (moved) and in
         the cache (renumbered in place); cached rows not in ``src`` (lost) free their slots."""
+        synchronize(self.device)  # the old host rows are read, then freed, by the host
         self.host.resize(num_rows, src.cpu(), dst.cpu())
         src, dst = src.to(self.device), dst.to(self.device)
         slots = self._slot_of_row[src].long()
@@ -237,6 +263,7 @@ class CachedRowStore(RowStore):
         the others; a table refuses a load while a step is pending, so no slot kept for an update
         still to come is needed: an aborted step's lookup may still hold some)."""
         self._in_flight.clear()
+        synchronize(self.device)  # the old host rows are freed
         self.host.reallocate(num_rows)
         self.cache.reallocate(self.cache_rows)
         self._reset_cache(num_rows)
@@ -257,6 +284,7 @@ class CachedRowStore(RowStore):
         the host rows of :meth:`storage`, which the cache had been written back into; the
         cache's rows since are dropped."""
         host, self.num_rows = handle
+        synchronize(self.device)  # the host rows since are freed
         self.host.restore_storage(host)
         self._in_flight.clear()
         self._reset_cache(self.num_rows)

@@ -17,12 +17,13 @@ from typing import Any, Optional
 import torch
 
 import dynarec.kernels.ops  # registers torch.ops.dynarec
+from dynarec.devices import page_lock
 from dynarec.kernels.packed import packed_layout, table_views
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["NativeRowStore", "PackedRowStore", "RowStore", "RowStoreSlice"]
+__all__ = ["NativeRowStore", "PackedRowStore", "RowStore", "RowStoreSlice", "field_rows"]
 
 
 class RowStore(ABC):
@@ -116,15 +117,8 @@ class RowStore(ABC):
         """Writes the given tensors (``weight`` and/or state names) at ``rows``."""
         targets = {"weight": self.weight, **self.states}
         for name, v in values.items():
-            if name not in targets:
-                raise ValueError(f"unknown row field '{name}'; this table has {sorted(targets)}")
-            t = targets[name]
-            v = v.to(device=t.device, dtype=t.dtype)
-            if v.dim() == 1 and t.shape[1] == 1:
-                v = v[:, None]
-            if tuple(v.shape) != (rows.numel(), t.shape[1]):
-                raise ValueError(f"'{name}' must have shape {(rows.numel(), t.shape[1])}, got {tuple(v.shape)}")
-            t.index_copy_(0, rows, v)
+            v = field_rows(name, v, targets.get(name), rows.numel(), sorted(targets))
+            targets[name].index_copy_(0, rows, v)
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
@@ -144,6 +138,28 @@ class RowStore(ABC):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.states.values()))
+
+
+def field_rows(
+    name: str,
+    values: torch.Tensor,
+    like: Optional[torch.Tensor],
+    n: int,
+    fields: list[str],
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """``values`` of ``n`` rows of the field ``name`` (``weight`` or a state) of rows like ``like``
+    (None: the table has no such field, named among ``fields``), on ``device`` (default:
+    ``like``'s) in ``like``'s dtype and ``[n, width]`` (a row-wise state may be given ``[n]``);
+    ValueError naming the field."""
+    if like is None:
+        raise ValueError(f"unknown row field '{name}'; this table has {fields}")
+    v = values.to(device=like.device if device is None else device, dtype=like.dtype)
+    if v.dim() == 1 and like.shape[1] == 1:
+        v = v[:, None]
+    if tuple(v.shape) != (n, like.shape[1]):
+        raise ValueError(f"'{name}' must have shape {(n, like.shape[1])}, got {tuple(v.shape)}")
+    return v
 
 
 class _NativeFusedLookup(torch.autograd.Function):
@@ -208,8 +224,11 @@ class NativeRowStore(RowStore):
         grad_reducer: Optional[GradReducer] = None,
         dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
+        page_locked: bool = False,
     ):
-        """``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
+        """``page_locked`` (rows on the CPU): their memory locked for CUDA devices
+        (:func:`~dynarec.devices.page_lock`: a GPU reads and writes them in place; a host-memory
+        tier's rows). ``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
         are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
         each row's draws keyed by ``row_keys`` (set by the owning table: a fixed table's global
         row ids, a dynamic table's keys; default the row indices; :mod:`dynarec.optim.rounding`)."""
@@ -218,12 +237,16 @@ class NativeRowStore(RowStore):
         self.dtype = dtype
         self.rounding_seed = rounding_seed
         self.row_keys = RowKeys()
+        self.page_locked = page_locked
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
-        self._weight = torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device)
+        lock = page_lock if self.page_locked else (lambda t: t)
+        self._weight = lock(torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device))
         self._states = {
-            s.name: torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
+            s.name: lock(
+                torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
+            )
             for s in self.spec.state_specs()
         }
 

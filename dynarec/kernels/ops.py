@@ -11,6 +11,7 @@
 | ``uniform01`` | key-seeded uniform draws | C++ | torch |
 | ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
 | ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
+| ``exchange_rows`` | rows written back from a device cache to host memory, and read into it | torch | Triton |
 
 ``pooled`` and ``bag_update`` also take packed rows of several tables of different dims (a
 ``layout``, :mod:`dynarec.kernels.packed`): one launch for a whole group on a GPU (Triton); on a
@@ -73,6 +74,7 @@ SCHEMAS = {
     " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
     " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2,"
     " Tensor? row_keys=None, int key_offset=0, int rounding_base=0, Tensor? layout=None) -> ()",
+    "exchange_rows": "(Tensor(a!) cache, Tensor slots, Tensor(b!) host, Tensor? out_rows, Tensor? in_rows) -> ()",
 }
 
 
@@ -246,6 +248,14 @@ def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, ps
     )  # fmt: skip
 
 
+def _exchange_rows_triton(cache, slots, host, out_rows, in_rows):
+    from dynarec.kernels.gpu import rows
+
+    if host.device.type == "cpu" and not (_TRITON_ON_CPU or host.is_pinned()):  # the device cannot reach it
+        return reference.exchange_rows(cache, slots, host, out_rows, in_rows)
+    rows.exchange_rows(cache, slots, host, out_rows, in_rows)
+
+
 # -- fake: shapes and dtypes -----------------------------------------------------------------------
 
 
@@ -302,6 +312,7 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
     "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, None),
     "pooled": (reference.pooled, _pooled_fake, _pooled_cpu, _pooled_triton),
     "bag_update": (reference.bag_update, _returns_none, _bag_update_cpu, _bag_update_triton),
+    "exchange_rows": (reference.exchange_rows, _returns_none, None, _exchange_rows_triton),
 }
 
 

@@ -237,23 +237,34 @@ def test_a_load_after_an_aborted_step_replaces_the_cache_too():
     del held
 
 
-def test_rows_read_written_dumped_and_loaded_through_the_cache():
+def test_rows_read_written_dumped_and_loaded_through_the_cache(device):
+    """Rows in the cache and rows in host memory in one read and one write (on a GPU the host
+    rows are locked for it, and read and written by it in place)."""
     spec = Adagrad(lr=0.1)
-    coll = EmbeddingCollection([table("sum", 0.25)], spec)
-    train(coll, batches(3, seed=1))
-    rows = torch.tensor([0, 5, 199])
+    coll = EmbeddingCollection([table("sum", 0.25)], spec, device=device)
+    whole = EmbeddingCollection([table("sum", None)], spec, device=device)
+    data = [kjt.to(device) for kjt in batches(3, seed=1)]
+    train(coll, data), train(whole, data)
+    store = coll.tables["t"].store
+    assert store.host.weight.is_pinned() == (device != "cpu")
+    where = store._slot_of_row.cpu()
+    rows = torch.cat([torch.nonzero(where >= 0)[:3, 0], torch.nonzero(where < 0)[:3, 0]])
     before = coll.read_rows("t", rows)
-    coll.write_rows("t", rows, {"weight": torch.full((3, 6), 2.0)})
-    assert torch.equal(coll.read_rows("t", rows)["weight"], torch.full((3, 6), 2.0))
-    assert torch.equal(coll.read_rows("t", rows)["momentum1"], before["momentum1"])
+    for k, v in whole.read_rows("t", rows).items():
+        assert same(before[k], v, device), k
+    coll.write_rows("t", rows, {"weight": torch.arange(36.0).view(6, 6), "momentum1": torch.full((6, 6), 0.5)})
+    assert torch.equal(coll.read_rows("t", rows)["weight"].cpu(), torch.arange(36.0).view(6, 6))
+    assert torch.equal(coll.read_rows("t", rows)["momentum1"].cpu(), torch.full((6, 6), 0.5))
+    whole.write_rows("t", rows, {"weight": torch.arange(36.0).view(6, 6), "momentum1": torch.full((6, 6), 0.5)})
     dump = coll.tables["t"].dump()
-    other = EmbeddingCollection([table("sum", 0.25)], spec)
+    for k, v in whole.tables["t"].dump().items():
+        assert same(dump[k], v, device) if v.is_floating_point() else torch.equal(dump[k].cpu(), v.cpu()), k
+    other = EmbeddingCollection([table("sum", 0.25)], spec, device=device)
     other.tables["t"].load(dump)
-    data = batches(2, seed=2)
-    whole = EmbeddingCollection([table("sum", None)], spec)
+    data = [kjt.to(device) for kjt in batches(2, seed=2)]
     whole.tables["t"].load(dump)
     for x, y in zip(train(other, data), train(whole, data)):
-        assert all(torch.equal(x[k], y[k]) for k in x)
+        assert all(same(x[k], y[k], device) for k in x)
 
 
 def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():

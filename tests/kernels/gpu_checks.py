@@ -441,3 +441,36 @@ def check_packed(device, spec, dims=(3, 16, 70), steps=3, kernel=None, max_len=6
         torch.testing.assert_close(table_views(weight, host_layout.to(device))[t], refs[t], **tol)
         for name in states:
             torch.testing.assert_close(table_views(states[name], host_layout.to(device))[t], states_ref[t][name], **tol)
+
+
+def check_exchange_rows(device, dtype, width, host_where, halves=("out", "in"), n=40, seed=0):
+    """``exchange_rows`` (the reference and the kernel) against a row-by-row loop: bits moved
+    (NaN payloads, negative zeros), rows written out where ``out_rows >= 0`` only.
+    ``host_where``: ``device`` (the host rows on the device too) or ``locked`` (CPU memory locked
+    for the device, which reads and writes it in place; on the interpreter's lane: CPU)."""
+    from dynarec.devices import page_lock
+    from dynarec.kernels.gpu import rows as gpu_rows
+
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    host = torch.randint(-(2**15), 2**15, (1000, width), generator=g, dtype=torch.int32).to(bits).view(dtype)
+    cache = torch.randint(-(2**15), 2**15, (64, width), generator=g, dtype=torch.int32).to(bits).view(dtype)
+    slots = torch.randperm(64, generator=g)[:n]
+    picked = torch.randperm(1000, generator=g)[: 2 * n]
+    out_rows = torch.where(torch.rand(n, generator=g) < 0.25, -1, picked[:n]) if "out" in halves else None
+    in_rows = picked[n:] if "in" in halves else None
+    want_host, want_cache = host.clone(), cache.clone()
+    for i in range(n):
+        if out_rows is not None and out_rows[i] >= 0:
+            want_host[out_rows[i]] = want_cache[slots[i]]
+        if in_rows is not None:
+            want_cache[slots[i]] = want_host[in_rows[i]]
+    on_device = [None if t is None else t.to(device) for t in (slots, out_rows, in_rows)]
+    for run in (reference.exchange_rows, gpu_rows.exchange_rows):
+        got_host = host.clone().to(device) if host_where == "device" else host.clone()
+        if host_where == "locked" and torch.device(device).type == "cuda":
+            got_host = page_lock(got_host)
+        got_cache = cache.clone().to(device)
+        run(got_cache, on_device[0], got_host, on_device[1], on_device[2])
+        assert torch.equal(got_cache.cpu().view(bits), want_cache.view(bits)), run
+        assert torch.equal(got_host.cpu().view(bits), want_host.view(bits)), run

@@ -226,3 +226,12 @@ else:
 @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
 def test_packed_rows_of_several_dims_are_looked_up_and_updated_as_each_table_apart(spec, kernel):
     gpu_checks.check_packed(DEVICE, spec, kernel=kernel, max_len=lane(60, 6), steps=lane(3, 2), bags=lane(9, 4))
+
+
+@pytest.mark.parametrize("host_where", ["device", "locked"])
+@pytest.mark.parametrize("halves", [("out", "in"), ("out",), ("in",)], ids=["both", "out", "in"])
+@pytest.mark.parametrize(
+    "dtype, width", [(torch.float32, 1), (torch.float32, 128), (torch.bfloat16, 70), (torch.float16, 8)]
+)
+def test_exchange_rows_moves_rows_bit_for_bit_between_a_cache_and_host_memory(dtype, width, halves, host_where):
+    gpu_checks.check_exchange_rows(DEVICE, dtype, width, host_where, halves)

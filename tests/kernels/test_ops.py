@@ -56,6 +56,10 @@ def sample_args():
             (weight.clone(), torch.zeros(10, 3), torch.zeros(10, 3), torch.randn(3, 3), *bags, scores, 7, *adam),
             (weight.clone(), None, None, torch.randn(3, 3), rows, offsets, None, None, 0, *sgd),
         ],
+        "exchange_rows": [
+            (torch.randn(4, 3), torch.tensor([2, 0]), weight.clone(), torch.tensor([-1, 5]), torch.tensor([7, 8])),
+            (torch.randn(4, 3), torch.tensor([1]), weight.clone(), None, torch.tensor([9])),
+        ],
     }
 
 

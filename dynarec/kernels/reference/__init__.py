@@ -6,7 +6,8 @@ the tolerance policy where they sum in another (pooling, the fused update).
 - :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, the two-choice find, the
   key-seeded uniform draws;
 - :mod:`.plan`: an insert plan's three steps, and the index writes a commit and a touch make;
-- :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags.
+- :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags;
+- :mod:`.rows`: rows moved between a device cache and host memory.
 
 Written with batched tensor ops, no Python loop per key; imports torch alone (and the optimizer
 table, ``dynarec.optim.kernel``).
@@ -15,6 +16,7 @@ table, ``dynarec.optim.kernel``).
 from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, pooled
 from dynarec.kernels.reference.hashing import candidate_buckets, find, key_tags, mix64, uniform01
 from dynarec.kernels.reference.plan import claim_free_slots, fill_at, place_keys, plan_insert
+from dynarec.kernels.reference.rows import exchange_rows
 
 __all__ = [
     "aggregate",
@@ -22,6 +24,7 @@ __all__ = [
     "bag_update",
     "candidate_buckets",
     "claim_free_slots",
+    "exchange_rows",
     "fill_at",
     "find",
     "key_tags",
