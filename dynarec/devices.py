@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-__all__ = ["check_device", "page_lock", "synchronize"]
+__all__ = ["HostMemoryError", "check_device", "page_lock", "synchronize"]
 
 _INSTALL = "see README.md, 'On a GPU', to install torch's CUDA build (make setup DEVICE=cuda)"
 
@@ -39,10 +39,19 @@ def page_lock(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"page_lock takes a contiguous CPU tensor, got {t.device} {tuple(t.shape)}")
     if t.numel():
         cudart = torch.cuda.cudart()
-        ptr = t.data_ptr()
-        torch.cuda.check_error(cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        code = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+        if code != 0:
+            raise HostMemoryError(
+                f"{nbytes / 1e9:.2f} GB of host memory could not be locked for the GPU (cudaHostRegister: CUDA error "
+                f"{code}); the host's free memory or its locked-memory limit is too small for the rows kept there"
+            )
         weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
+
+
+class HostMemoryError(RuntimeError):
+    """Host memory a GPU should reach could not be locked for it."""
 
 
 def synchronize(device: torch.device) -> None:

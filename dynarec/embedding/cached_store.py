@@ -37,12 +37,14 @@ built).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 
-from dynarec.devices import synchronize
+from dynarec.devices import HostMemoryError, synchronize
 from dynarec.embedding.row_store import NativeRowStore, RowStore, field_rows
 from dynarec.embedding.step import StepPendingError
 from dynarec.optim.base import OptimizerSpec
@@ -79,15 +81,30 @@ class CachedRowStore(RowStore):
         self.name = name
         self.cache_rows = cache_rows
         self.row_keys = RowKeys()
-        self.host = NativeRowStore(
-            num_rows, dim, spec, "cpu", dtype=dtype, rounding_seed=rounding_seed, page_locked=self.device.type == "cuda"
-        )
+        with self._naming_host_errors():
+            self.host = NativeRowStore(
+                num_rows,
+                dim,
+                spec,
+                "cpu",
+                dtype=dtype,
+                rounding_seed=rounding_seed,
+                page_locked=self.device.type == "cuda",
+            )
         self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device, dtype=dtype, rounding_seed=rounding_seed)
         self.cache.row_keys = RowKeys(keys=self._slot_keys)  # a slot's draws are its row's
         self.counters = {"loaded": 0, "written_back": 0}
         self._clock = 0  # one tick a lookup
         self._in_flight: set[int] = set()  # ticks of training lookups whose update is still to come
         self._reset_cache(num_rows)
+
+    @contextlib.contextmanager
+    def _naming_host_errors(self) -> Iterator[None]:
+        """Host rows that cannot be locked for the GPU: the error names the table."""
+        try:
+            yield
+        except HostMemoryError as e:
+            raise HostMemoryError(f"table '{self.name}': {e}; lower the rows it keeps or give the host more") from None
 
     def _slot_keys(self) -> torch.Tensor:
         """The key (:attr:`row_keys`) of each cache slot's row (an empty slot's: any)."""
@@ -250,7 +267,8 @@ class CachedRowStore(RowStore):
         """A growth: rows ``src`` become rows ``dst`` of ``num_rows``, in host memory (moved) and in
         the cache (renumbered in place); cached rows not in ``src`` (lost) free their slots."""
         synchronize(self.device)  # the old host rows are read, then freed, by the host
-        self.host.resize(num_rows, src.cpu(), dst.cpu())
+        with self._naming_host_errors():
+            self.host.resize(num_rows, src.cpu(), dst.cpu())
         src, dst = src.to(self.device), dst.to(self.device)
         slots = self._slot_of_row[src].long()
         held = slots >= 0
@@ -268,7 +286,8 @@ class CachedRowStore(RowStore):
         still to come is needed: an aborted step's lookup may still hold some)."""
         self._in_flight.clear()
         synchronize(self.device)  # the old host rows are freed
-        self.host.reallocate(num_rows)
+        with self._naming_host_errors():
+            self.host.reallocate(num_rows)
         self.cache.reallocate(self.cache_rows)
         self._reset_cache(num_rows)
 
