@@ -133,15 +133,16 @@ class CachedRowStore(RowStore):
         self._in_flight.discard(tick)
 
     def _resident(self, rows: torch.Tensor, tick: int) -> torch.Tensor:
-        """The cache slot (int64) of every row of ``rows``, loading the missing ones."""
-        unique = torch.unique(rows)
-        slots = self._slot_of_row[unique].long()
-        if bool((slots < 0).any()):  # (one sync where every row is cached)
-            self._last_used[slots[slots >= 0]] = tick  # this batch's cached rows are not evicted for it
-            self._load(unique[slots < 0], min(self._in_flight, default=tick))
-            slots = self._slot_of_row[unique].long()
-        self._last_used[slots] = tick
-        return self._slot_of_row[rows].long()
+        """The cache slot (int64) of every row of ``rows``, loading the missing ones. Where every
+        row is cached: two gathers, one stamp and one sync (no sort of the batch's rows)."""
+        slots = self._slot_of_row[rows].long()
+        absent = slots < 0
+        if bool(absent.any()):
+            self._last_used[slots[~absent]] = tick  # this batch's cached rows are not evicted for it
+            self._load(torch.unique(rows[absent]), min(self._in_flight, default=tick))
+            slots = self._slot_of_row[rows].long()
+        self._last_used[slots] = tick  # (a row met twice: the same stamp twice)
+        return slots
 
     @torch.no_grad()
     def _load(self, missing: torch.Tensor, keep_from: int) -> None:
