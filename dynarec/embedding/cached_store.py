@@ -169,15 +169,15 @@ class CachedRowStore(RowStore):
         self.counters["loaded"] += missing.numel()
         self.counters["written_back"] += held.numel()
 
-    def _fields(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(cache rows, host rows)`` of the weights and of each state."""
-        states = [(t, self.host.states[k]) for k, t in self.cache.states.items()]
-        return [(self.cache.weight, self.host.weight), *states]
+    def _fields(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{field: (cache rows, host rows)}`` of the weights and of each state."""
+        states = {k: (t, self.host.states[k]) for k, t in self.cache.states.items()}
+        return {"weight": (self.cache.weight, self.host.weight), **states}
 
     def _exchange(self, slots: torch.Tensor, out_rows: Optional[torch.Tensor], in_rows: Optional[torch.Tensor]):
         """Every field's ``dynarec::exchange_rows``: the rows of cache ``slots`` written back to
         host rows ``out_rows`` (where >= 0), then host rows ``in_rows`` read into them."""
-        for cache, host in self._fields():
+        for cache, host in self._fields().values():
             torch.ops.dynarec.exchange_rows(cache, slots, host, out_rows, in_rows)
 
     @torch.no_grad()
@@ -224,31 +224,26 @@ class CachedRowStore(RowStore):
         cached, slots, elsewhere = self._where(rows)
         at = torch.arange(rows.numel(), device=self.device)
         out = {}
-        for name, (cache, host) in zip(self._field_names(), self._fields()):
+        for name, (cache, host) in self._fields().items():
             v = cache.new_empty((rows.numel(), *cache.shape[1:]))
             v[cached] = cache[slots]
             torch.ops.dynarec.exchange_rows(v, at[~cached], host, None, elsewhere)
             out[name] = (v.float() if name == "weight" else v).to(rows.device)
         return out
 
-    def _field_names(self) -> list[str]:
-        return ["weight", *self.cache.states]
-
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        names = self._field_names()
-        fields = dict(zip(names, self._fields()))
-        values = {
-            k: field_rows(k, v, fields[k][0] if k in fields else None, rows.numel(), sorted(names), self.device)
+        fields = self._fields()
+        values = {  # checked before any row is written: a bad field writes nothing
+            k: field_rows(k, v, fields[k][0] if k in fields else None, rows.numel(), sorted(fields), self.device)
             for k, v in values.items()
         }
         cached, slots, elsewhere = self._where(rows)
-        if slots.numel():
-            self.cache.write(slots, {k: v[cached] for k, v in values.items()})
-        if elsewhere.numel():
-            at = torch.arange(elsewhere.numel(), device=self.device)
-            for k, v in values.items():
-                torch.ops.dynarec.exchange_rows(v[~cached].contiguous(), at, fields[k][1], elsewhere, None)
+        at = torch.arange(elsewhere.numel(), device=self.device)
+        for k, v in values.items():
+            cache, host = fields[k]
+            cache.index_copy_(0, slots, v[cached])
+            torch.ops.dynarec.exchange_rows(v[~cached].contiguous(), at, host, elsewhere, None)
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
