@@ -14,19 +14,15 @@ pytestmark = [
 ]
 
 I64, U8, I32, F32 = "*i64", "*u8", "*i32", "*fp32"
-SCALARS = dict(
-    n="i32", D="i32", lr="fp32", eps="fp32", wd="fp32", beta1="fp32", beta2="fp32", bias1="fp32", bias2="fp32",
-    c1="fp32", c2="fp32", decay="fp32",
-)  # fmt: skip
-ROUNDING = dict(keys_ptr=I64, key_offset="i64", round_base="i64")  # a half-precision table's draws
+# the step's id count and scalars are read from the device (a captured update replays them)
+STEP = dict(n_ptr=I64, hyper_ptr="*fp64", D="i32", keys_ptr=I64)
 UPDATE = dict(
     weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, grad_ptr=F32, order_ptr=I64, sorted_rows_ptr=I32, bag_ptr=I64,
-    psw_ptr=F32, scores_ptr=I64, score="i64", part_first_ptr=F32, part_last_ptr=F32, **SCALARS, **ROUNDING,
+    psw_ptr=F32, scores_ptr=I64, part_first_ptr=F32, part_last_ptr=F32, **STEP,
 )  # fmt: skip
 CROSSING = dict(
-    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **SCALARS,
-    **ROUNDING,
-)  # fmt: skip
+    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, sorted_rows_ptr=I32, part_first_ptr=F32, part_last_ptr=F32, **STEP
+)
 # half-precision rows: (the weight pointer, the ROUND code, whether a key array gives the rows' keys)
 HALF = [("*bf16", 1, True), ("*fp16", 2, False)]
 # (optimizer code, weight-decay mode): every code without weight decay, and the modes each offers

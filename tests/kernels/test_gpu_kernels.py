@@ -16,6 +16,7 @@ import torch
 from dynarec.kernels import gpu
 from dynarec.kernels.gpu import _triton
 from dynarec.kernels.gpu import update as gpu_update
+from dynarec.optim import Adam, definition
 from tests.kernels import gpu_checks
 
 INTERPRETED = gpu.INTERPRETED
@@ -113,6 +114,47 @@ def test_every_registered_optimizer_with_kernels_runs_in_the_triton_update_as_it
 @pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
 def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_them(spec, dtype, keyed, kernel):
     gpu_checks.check_half_update(DEVICE, spec, dtype, keyed, kernel=kernel)
+
+
+@pytest.mark.parametrize("capture", lane([True, False], [False]), ids=lambda c: "graph" if c else "launched")
+@pytest.mark.parametrize(
+    "dtype, keyed",
+    [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False)],
+    ids=["fp32", "bf16", "fp16"],
+)
+@pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
+def test_a_static_update_gives_the_update_of_each_step_bit_for_bit(spec, dtype, keyed, capture):
+    gpu_checks.check_static_update(DEVICE, spec, dtype, keyed, capture=capture)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bag_update_replays_a_captured_update_once_a_shape_recurs(kernel):
+    """The same steps with :data:`CAPTURE` on and off: the same rows bit for bit, and the steps
+    of one table, bags and stream captured once per capacity they fall in, on its second step,
+    whatever their id counts within it."""
+    spec = Adam(lr=0.01)
+    steps = [gpu_checks.random_bags(DEVICE, num_rows=200, bags=64, max_len=8, seed=step) for step in range(1, 9)]
+    capacities = [gpu_update.capacity_for(rows.numel()) for rows, _, _ in steps]
+    recurring = {c for c in capacities if capacities.count(c) > 1}
+    assert recurring and len({rows.numel() for rows, _, _ in steps}) > len(set(capacities))
+    results = []
+    for enabled in (True, False):
+        gpu_update._CAPTURED.clear()
+        before = gpu_update._CAPTURED.captures
+        with gpu_checks.tuned(gpu_update, "CAPTURE", enabled=enabled), gpu_checks.tuned(gpu_update, kernel=kernel):
+            weight = torch.randn(200, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+            states = {s.name: torch.zeros(200, s.width(64), device=DEVICE) for s in spec.state_specs()}
+            for step, (rows, offsets, psw) in enumerate(steps, 1):
+                grad_out = torch.randn(64, 64, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+                gpu.bag_update(definition(spec).kernel(spec, step), lr=spec.lr, weight=weight, states=states,
+                               rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out)  # fmt: skip
+        results.append((weight, states, gpu_update._CAPTURED.captures - before))
+    (w_graph, s_graph, captured), (w_plain, s_plain, not_captured) = results
+    assert captured == len(recurring) and not_captured == 0
+    assert torch.equal(w_graph, w_plain)
+    for k in s_plain:
+        assert torch.equal(s_graph[k], s_plain[k])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

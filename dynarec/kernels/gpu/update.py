@@ -12,16 +12,23 @@ The update is a template over the optimizer: a compile-time code (``KernelCode``
 mode (``WeightDecayCode``) of ``dynarec.optim.kernel``'s table, one case each in
 :func:`_apply_update`, and the scalars each optimizer registers (``OptimizerDef.kernel``,
 ``KernelArgs``).
+
+The kernels read the step's id count (its offsets' last) and scalars (learning rate, Adam's bias
+corrections, the score, the rounding draws' base: :data:`HYPER`) from device memory, so one
+launch serves every step of a shape: on a GPU, once a table's step shape recurs, the update is a
+CUDA graph replayed on fixed buffers (:class:`StaticBagUpdate`), a few copies and one launch of
+host work instead of a dozen launches.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 
-from dynarec.kernels.gpu._triton import HAVE_TRITON, row_block
+from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, row_block
 from dynarec.optim.kernel import KernelCode, WeightDecayCode
 from dynarec.optim.rounding import ROUNDING_CODES
 
@@ -31,7 +38,17 @@ if HAVE_TRITON:
 
     from dynarec.kernels.gpu.packed import table_of, table_place
 
-__all__ = ["TUNING", "Tuning", "bag_update"]
+__all__ = [
+    "CAPTURE",
+    "HYPER",
+    "TUNING",
+    "Capture",
+    "StaticBagUpdate",
+    "Tuning",
+    "bag_update",
+    "capacity_for",
+    "hyper_values",
+]
 
 UpdateKernel = Literal["run", "scan"]
 
@@ -187,12 +204,22 @@ if HAVE_TRITON:
         """Combine of a segmented sum scan: a set flag starts a new segment."""
         return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
 
-    # score not specialized: an int argument equal to 1 would become a constant
-    @triton.jit(do_not_specialize=["score"])
+    @triton.jit
+    def _hyper(h):
+        """The step's scalars from ``hyper`` (float64, :data:`HYPER`'s order): the optimizer's in
+        float32 (as a float argument would be), the score and the rounding draws' in int64."""
+        return (
+            tl.load(h + 0).to(tl.float32), tl.load(h + 1).to(tl.float32), tl.load(h + 2).to(tl.float32),
+            tl.load(h + 3).to(tl.float32), tl.load(h + 4).to(tl.float32), tl.load(h + 5).to(tl.float32),
+            tl.load(h + 6).to(tl.float32), tl.load(h + 7).to(tl.float32), tl.load(h + 8).to(tl.float32),
+            tl.load(h + 9).to(tl.float32),
+            tl.load(h + 10).to(tl.int64), tl.load(h + 11).to(tl.int64), tl.load(h + 12).to(tl.int64),
+        )  # fmt: skip
+
+    @triton.jit
     def _update_block_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
-        part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base, layout_ptr, T,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
+        part_first_ptr, part_last_ptr, n_ptr, hyper_ptr, D, keys_ptr, layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
@@ -202,6 +229,8 @@ if HAVE_TRITON:
         sum here in ``part_first``, one crossing its end in ``part_last``, for
         :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
         ends (once per row)."""
+        n = tl.load(n_ptr).to(tl.int64)
+        lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, score, key_offset, round_base = _hyper(hyper_ptr)
         b = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, L)
         p = b * L + lane
@@ -238,11 +267,10 @@ if HAVE_TRITON:
         if tl.max(last.to(tl.int32), axis=0) > 0:
             tl.store(part_last_ptr + b * BLOCK_D + d, tl.sum(tl.where(last[:, None], sums, 0.0), axis=0))
 
-    @triton.jit(do_not_specialize=["score"])
+    @triton.jit
     def _update_run_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr, score,
-        part_first_ptr, part_last_ptr, n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base, layout_ptr, T,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
+        part_first_ptr, part_last_ptr, n_ptr, hyper_ptr, D, keys_ptr, layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
     ):  # fmt: skip
@@ -252,6 +280,8 @@ if HAVE_TRITON:
         ``part_first``, one crossing its end in ``part_last``, for
         :func:`_update_crossing_kernel`. ``HAS_SCORES``: ``scores[row] = score`` where a run
         ends (once per row)."""
+        n = tl.load(n_ptr).to(tl.int64)
+        lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, score, key_offset, round_base = _hyper(hyper_ptr)
         b = tl.program_id(0).to(tl.int64)
         start = b * L
         end = tl.minimum(start + L, n)
@@ -291,8 +321,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _update_crossing_kernel(
-        weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr,
-        n, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, keys_ptr, key_offset, round_base,
+        weight_ptr, s1_ptr, s2_ptr, sorted_rows_ptr, part_first_ptr, part_last_ptr, n_ptr, hyper_ptr, D, keys_ptr,
         layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         BLOCK_D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
@@ -300,6 +329,8 @@ if HAVE_TRITON:
         """One program per block whose last run begins in it and goes on past it (a hot row, or
         a run cut by a block boundary): its ``part_last``, then the ``part_first`` of each next
         block that the run covers, ``P`` blocks at a time, in block order; then the update."""
+        n = tl.load(n_ptr).to(tl.int64)
+        lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay, _, key_offset, round_base = _hyper(hyper_ptr)
         b = tl.program_id(0).to(tl.int64)
         q = b * L + L - 1
         blocks = tl.cdiv(n, L)
@@ -323,6 +354,128 @@ if HAVE_TRITON:
                 g[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
                 keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
             )  # fmt: skip
+
+
+#: The step's scalars, in the order of the float64 tensor the kernels read them from: a captured
+#: update (:class:`StaticBagUpdate`) replays with this step's values. ``c1``, ``c2``: ``1 - beta``,
+#: ``decay``: ``1 - lr * weight_decay``, in double (the bits torch's native update uses), then
+#: float32 like every optimizer scalar; the last three are integers under 2^53, exact in float64.
+HYPER = (
+    "lr", "eps", "weight_decay", "beta1", "beta2", "bias1", "bias2", "c1", "c2", "decay",
+    "score", "key_offset", "rounding_base",
+)  # fmt: skip
+
+
+def hyper_values(args, lr: float, score: int = 0, key_offset: int = 0, rounding_base: int = 0) -> list[float]:
+    """A step's :data:`HYPER` values (``args``: the optimizer's ``KernelArgs``)."""
+    for name, value in (("score", score), ("key_offset", key_offset), ("rounding_base", rounding_base)):
+        if abs(int(value)) >= 2**53:
+            raise ValueError(f"bag_update: {name} {value} is not under 2^53 in magnitude")
+    return [
+        float(lr), float(args.eps), float(args.weight_decay), float(args.beta1), float(args.beta2),
+        float(args.bias1), float(args.bias2), 1.0 - args.beta1, 1.0 - args.beta2, 1.0 - lr * args.weight_decay,
+        float(score), float(key_offset), float(rounding_base),
+    ]  # fmt: skip
+
+
+def _pinned(values: list[float]) -> torch.Tensor:
+    """``values`` in a float64 host tensor, page-locked: copied to a GPU without blocking the host
+    (torch's host allocator keeps it until the copy is done)."""
+    return torch.tensor(values, dtype=torch.float64, pin_memory=True)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one update launch compiles for and how it cuts the step: the kernels' constexprs, the
+    row tile and the block kernel (:data:`TUNING`'s choice at the time)."""
+
+    code: int
+    weight_decay_mode: int
+    round: int
+    has_keys: bool
+    packed: bool
+    has_w: bool
+    has_scores: bool
+    dim: int
+    int32_rows: bool
+    tuning: Tuning
+
+    @property
+    def block_d(self) -> int:
+        return row_block(self.dim)
+
+    @property
+    def kernel(self) -> UpdateKernel:
+        return self.tuning.kernel_for(self.block_d)
+
+    @property
+    def block(self) -> int:
+        return self.tuning.block_for(self.kernel, self.block_d)
+
+    @staticmethod
+    def of(args, weight, per_sample_weights, grad_out, scores, row_keys, layout) -> Launch:
+        """The launch of a step of these tensors (``args``: the optimizer's ``KernelArgs``)."""
+        return Launch(
+            code=int(args.code), weight_decay_mode=int(args.weight_decay_mode), round=ROUNDING_CODES[weight.dtype],
+            has_keys=row_keys is not None, packed=layout is not None, has_w=per_sample_weights is not None,
+            has_scores=scores is not None, dim=grad_out.shape[1] if layout is not None else weight.shape[1],
+            int32_rows=weight.shape[0] < 2**31, tuning=TUNING,
+        )  # fmt: skip
+
+
+def _run(
+    launch: Launch,
+    weight: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    live: torch.Tensor,
+    psw: Optional[torch.Tensor],
+    grad_out: torch.Tensor,
+    scores: Optional[torch.Tensor],
+    row_keys: Optional[torch.Tensor],
+    layout: Optional[torch.Tensor],
+    hyper: torch.Tensor,
+) -> None:
+    """The update's device work, no host read: ``rows`` ``[m]`` (int32 where ``launch`` says),
+    the first ``live[0]`` of them the step's, any after it greater than every row (they sort
+    last and are never read); ``offsets`` CSR of all ``m``; ``hyper`` the :data:`HYPER` values
+    (float64, on the device)."""
+    m = rows.numel()
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=m)
+    sorted_rows, order = torch.sort(rows, stable=True)
+    s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
+    block_d, block = launch.block_d, launch.block
+    blocks = triton.cdiv(m, block)
+    part_first = torch.empty(blocks, block_d, dtype=torch.float32, device=weight.device)
+    part_last = torch.empty_like(part_first)
+    rest = (
+        live, hyper, launch.dim, row_keys if row_keys is not None else sorted_rows,
+        layout if layout is not None else sorted_rows, 0 if layout is None else layout.shape[1] - 1,
+    )  # fmt: skip
+    opt = dict(
+        OPT=launch.code, WD_MODE=launch.weight_decay_mode, ROUND=launch.round, HAS_KEYS=launch.has_keys,
+        PACKED=launch.packed, BLOCK_D=block_d, L=block,
+    )  # fmt: skip
+    runs = dict(HAS_W=launch.has_w, HAS_SCORES=launch.has_scores)
+    psw = psw if psw is not None else grad_out  # not read
+    scores = scores if scores is not None else sorted_rows  # not read
+    if launch.kernel == "run":
+        _update_run_kernel[(blocks,)](
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, part_first, part_last, *rest,
+            **opt, **runs, num_warps=_tile_warps(block_d),
+        )  # fmt: skip
+    else:
+        _update_block_kernel[(blocks,)](
+            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, part_first, part_last, *rest,
+            **opt, **runs, num_warps=_tile_warps(block * block_d),
+        )  # fmt: skip
+    if blocks > 1:
+        _update_crossing_kernel[(blocks - 1,)](
+            weight, s1, s2, sorted_rows, part_first, part_last, *rest, **opt, P=launch.tuning.crossing_blocks,
+            num_warps=_tile_warps(block_d),
+        )  # fmt: skip
 
 
 def bag_update(
@@ -350,66 +503,230 @@ def bag_update(
     rows: half the radix passes), then cut into blocks (:data:`TUNING`). A block's program sums
     its runs of equal rows and updates each run that starts and ends in it; a run crossing blocks
     (a hot row) is finished by the block where it starts, from the other blocks' partial sums, in
-    block order. Four torch ops and two kernels a step. ``scores`` (``[num_rows]`` int64): the
-    block where a row's run ends also sets ``scores[row] = score``. A ``weight`` of bfloat16 or
-    float16 is updated in float32 and stored by stochastic rounding, each row's draws keyed by
-    ``row_keys[row]`` (or ``row + key_offset``) from ``rounding_base``
-    (:mod:`dynarec.optim.rounding`). With a ``layout`` (:mod:`dynarec.kernels.packed`):
-    ``weight`` and the states are packed rows of several tables, ``rows`` group rows and
-    ``grad_out`` ``[num_bags, width]``."""
-    n, dim = rows.numel(), (grad_out.shape[1] if layout is not None else weight.shape[1])
-    if n == 0:
+    block order. ``scores`` (``[num_rows]`` int64): the block where a row's run ends also sets
+    ``scores[row] = score``. A ``weight`` of bfloat16 or float16 is updated in float32 and
+    stored by stochastic rounding, each row's draws keyed by ``row_keys[row]`` (or ``row +
+    key_offset``) from ``rounding_base`` (:mod:`dynarec.optim.rounding`). With a ``layout``
+    (:mod:`dynarec.kernels.packed`): ``weight`` and the states are packed rows of several tables,
+    ``rows`` group rows and ``grad_out`` ``[num_bags, width]``.
+
+    On a GPU the step's host work is a few copies and one graph launch once its shapes recur
+    (:data:`CAPTURE`, :class:`StaticBagUpdate`); the kernels and their results are the same."""
+    if rows.numel() == 0:
         return
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=n)
-    sorted_rows, order = torch.sort(rows.to(torch.int32) if weight.shape[0] < 2**31 else rows, stable=True)
-    s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
-    grad_out = grad_out.contiguous()
-    psw = per_sample_weights.contiguous() if per_sample_weights is not None else grad_out
-    tuning = TUNING
-    block_d = row_block(dim)
-    kernel = tuning.kernel_for(block_d)
-    block = tuning.block_for(kernel, block_d)
-    blocks = triton.cdiv(n, block)
-    part_first = torch.empty(blocks, block_d, dtype=torch.float32, device=weight.device)
-    part_last = torch.empty_like(part_first)
-    scalars = (
-        dim,
-        float(lr),
-        float(args.eps),
-        float(args.weight_decay),
-        float(args.beta1),
-        float(args.beta2),
-        float(args.bias1),
-        float(args.bias2),
-        # 1 - beta and 1 - lr * wd in double, then float32: the bits torch's native update uses
-        1.0 - args.beta1,
-        1.0 - args.beta2,
-        1.0 - lr * args.weight_decay,
+    launch = Launch.of(args, weight, per_sample_weights, grad_out, scores, row_keys, layout)
+    hyper = hyper_values(args, lr, score, key_offset, rounding_base)
+    static = _CAPTURED.lookup(launch, weight, states, rows, offsets, per_sample_weights, grad_out, scores, row_keys,
+                              layout)  # fmt: skip
+    if static is not None:
+        static(rows, offsets, per_sample_weights, grad_out, hyper)
+        return
+    device_hyper = (
+        _pinned(hyper).to(weight.device, non_blocking=True)
+        if weight.is_cuda
+        else torch.tensor(hyper, dtype=torch.float64, device=weight.device)
     )
-    keys_and_layout = (
-        row_keys if row_keys is not None else sorted_rows, int(key_offset), int(rounding_base),
-        layout if layout is not None else sorted_rows, 0 if layout is None else layout.shape[1] - 1,
+    _run(
+        launch, weight, states, rows.to(torch.int32) if launch.int32_rows else rows, offsets, offsets[-1:],
+        per_sample_weights.contiguous() if per_sample_weights is not None else None, grad_out.contiguous(),
+        scores, row_keys, layout, device_hyper,
     )  # fmt: skip
-    opt = dict(
-        OPT=int(args.code), WD_MODE=int(args.weight_decay_mode), ROUND=ROUNDING_CODES[weight.dtype],
-        HAS_KEYS=row_keys is not None, PACKED=layout is not None, BLOCK_D=block_d, L=block,
-    )  # fmt: skip
-    runs = dict(HAS_W=per_sample_weights is not None, HAS_SCORES=scores is not None)
-    if scores is None:
-        scores = sorted_rows  # not read
-    if kernel == "run":
-        _update_run_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, *keys_and_layout, **opt, **runs, num_warps=_tile_warps(block_d),
+
+
+def capacity_for(n: int) -> int:
+    """The ids a static update of ``n`` ids holds: ``n`` rounded up to 16 sizes an octave (at
+    most 1/16 more), at least 256: steps of nearby sizes share one."""
+    step = max(256, 1 << max(0, n.bit_length() - 5))
+    return -(-n // step) * step
+
+
+class StaticBagUpdate:
+    """:func:`bag_update` on fixed buffers, for steps of up to ``capacity`` ids in
+    ``num_bags`` bags of one table (its rows, states, scores, keys and layout as given here).
+    A call copies the step's ids, offsets, weights, output gradient and scalars into the buffers
+    (ids past the step's: a row greater than every row, which sorts last and is never read; the
+    step's id count read by the kernels from its offsets) and runs the update. With ``capture``
+    (a GPU), the first call also captures the update in a CUDA graph, which every later call
+    replays: a step's host work is then five copies and one launch, whatever the kernels."""
+
+    def __init__(
+        self,
+        launch: Launch,
+        weight: torch.Tensor,
+        states: dict[str, torch.Tensor],
+        scores: Optional[torch.Tensor],
+        row_keys: Optional[torch.Tensor],
+        layout: Optional[torch.Tensor],
+        capacity: int,
+        num_bags: int,
+        grad_width: int,
+        capture: bool,
+    ):
+        device = weight.device
+        dtype = torch.int32 if launch.int32_rows else torch.int64
+        self.launch, self.weight, self.states = launch, weight, states
+        self.scores, self.row_keys, self.layout = scores, row_keys, layout
+        self.capacity, self.num_bags, self.capture = capacity, num_bags, capture
+        self.beyond = torch.iinfo(dtype).max  # greater than every row: sorts last
+        self.rows = torch.full((capacity,), self.beyond, dtype=dtype, device=device)
+        # one more bag holds the ids past the step's, so the offsets always cover the capacity
+        self.offsets = torch.full((num_bags + 2,), capacity, dtype=torch.int64, device=device)
+        self.psw = torch.zeros(capacity, dtype=torch.float32, device=device) if launch.has_w else None
+        self.grad = torch.zeros(num_bags, grad_width, dtype=torch.float32, device=device)
+        self.hyper = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._live = capacity  # rows[live:] hold ``beyond``
+        self._staging = _HostStaging(len(HYPER), device)
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor],
+        grad_out: torch.Tensor,
+        hyper: list[float],
+    ) -> None:
+        n = rows.numel()
+        if n > self.capacity or offsets.numel() != self.num_bags + 1:
+            raise ValueError(
+                f"StaticBagUpdate holds {self.capacity} ids in {self.num_bags} bags, got {n} in {offsets.numel() - 1}"
+            )
+        self.rows[:n].copy_(rows)
+        if n < self._live:  # the last step's ids past this one's
+            self.rows[n : self._live].fill_(self.beyond)
+        self._live = n
+        self.offsets[:-1].copy_(offsets)
+        if self.psw is not None and per_sample_weights is not None:
+            self.psw[:n].copy_(per_sample_weights)
+        self.grad.copy_(grad_out)
+        self._staging.copy_to(self.hyper, hyper)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self._run()  # compiles the kernels: a capture must not
+        if self.capture:
+            self.graph = self._captured()
+
+    def _run(self) -> None:
+        _run(
+            self.launch, self.weight, self.states, self.rows, self.offsets, self.offsets[-2:-1], self.psw,
+            self.grad, self.scores, self.row_keys, self.layout, self.hyper,
         )  # fmt: skip
-    else:
-        _update_block_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, score, part_first, part_last, n,
-            *scalars, *keys_and_layout, **opt, **runs, num_warps=_tile_warps(block * block_d),
+
+    def _captured(self) -> torch.cuda.CUDAGraph:
+        """The update captured on a side stream (its temporaries in the graph's own memory pool);
+        the current stream waits for the capture, which runs nothing."""
+        device = self.weight.device
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._run()
+            finally:
+                graph.capture_end()
+        main.wait_stream(side)
+        return graph
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.offsets, self.grad, self.hyper))
+
+
+class _HostStaging:
+    """A few small rows of page-locked host memory, used in turn to copy values to one device
+    tensor without blocking the host: a row is written again only once its last copy is done
+    (on a GPU; elsewhere values are copied as they are)."""
+
+    def __init__(self, width: int, device: torch.device, rows: int = 8):
+        cuda = device.type == "cuda"
+        self._rows = torch.zeros(rows, width, dtype=torch.float64, pin_memory=cuda)
+        self._views = list(self._rows)
+        self._values = self._rows.numpy()
+        self._done: list[Optional[torch.cuda.Event]] = [None] * rows
+        self._next = 0
+        self._cuda = cuda
+
+    def copy_to(self, out: torch.Tensor, values: list[float]) -> None:
+        i = self._next
+        self._next = (i + 1) % len(self._views)
+        done = self._done[i]
+        if done is not None:
+            done.synchronize()
+        self._values[i] = values
+        out.copy_(self._views[i], non_blocking=self._cuda)
+        if self._cuda:
+            done = done or torch.cuda.Event()
+            done.record(torch.cuda.current_stream(out.device))
+            self._done[i] = done
+
+
+@dataclass(frozen=True)
+class Capture:
+    """When :func:`bag_update` replays captured updates (:class:`StaticBagUpdate`): on CUDA
+    tensors, compiled kernels, outside another capture, from the second step of one table,
+    shapes and stream (the first runs as it is); at most ``max_updates`` kept (the least
+    recently used dropped), and none captured after ``max_captures`` (a model whose steps never
+    recur runs as it is). ``enabled`` False: never. Tests and tools replace :data:`CAPTURE`."""
+
+    enabled: bool = True
+    max_updates: int = 64
+    max_captures: int = 1024
+
+
+CAPTURE = Capture()
+
+
+class _Captured:
+    """The captured updates of this process, by what they were captured for."""
+
+    def __init__(self) -> None:
+        self._updates: OrderedDict[tuple, StaticBagUpdate] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self.captures = 0
+
+    def lookup(self, launch, weight, states, rows, offsets, psw, grad_out, scores, row_keys, layout):
+        """The static update for this step, made on its shapes' second step; None: run it as it is."""
+        capture = CAPTURE
+        if not (capture.enabled and weight.is_cuda and not INTERPRETED) or torch.cuda.is_current_stream_capturing():
+            return None
+        if psw is not None and psw.dtype != torch.float32:
+            return None
+        n, num_bags = rows.numel(), offsets.numel() - 1
+        stream = torch.cuda.current_stream(weight.device)
+        key = (
+            launch, capacity_for(n), num_bags, grad_out.shape[1], stream.stream_id, weight.device,
+            *(_identity(t) for t in (weight, *states.values(), scores, row_keys, layout)),
         )  # fmt: skip
-    if blocks > 1:
-        _update_crossing_kernel[(blocks - 1,)](
-            weight, s1, s2, sorted_rows, part_first, part_last, n, *scalars, *keys_and_layout, **opt,
-            P=tuning.crossing_blocks, num_warps=_tile_warps(block_d),
-        )  # fmt: skip
+        static = self._updates.get(key)
+        if static is not None:
+            self._updates.move_to_end(key)
+            return static
+        if key not in self._seen or self.captures >= capture.max_captures:
+            self._seen[key] = None
+            while len(self._seen) > 4 * capture.max_updates:
+                self._seen.popitem(last=False)
+            return None
+        del self._seen[key]
+        self.captures += 1
+        static = StaticBagUpdate(
+            launch, weight, states, scores, row_keys, layout, key[1], num_bags, grad_out.shape[1], capture=True
+        )
+        self._updates[key] = static
+        while len(self._updates) > capture.max_updates:
+            self._updates.popitem(last=False)
+        return static
+
+    def clear(self) -> None:
+        self._updates.clear()
+        self._seen.clear()
+
+
+def _identity(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """Where a tensor is and how it lies: a captured update is bound to exactly that memory."""
+    return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+_CAPTURED = _Captured()

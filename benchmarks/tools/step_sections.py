@@ -1,0 +1,73 @@
+"""Host time of a fused step's sections (no device sync inside the timed loop): forward, loss,
+backward (of which the update's host work: ``bag_update``), prefetch (the next batch's input
+stage). A measuring tool: it wraps two of dynarec's kernel entry points in timers for its run.
+
+    python benchmarks/tools/step_sections.py --device cuda --rows 10000000 --dim 128
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from dynarec.bench.common import Workload, make_table
+from dynarec.embedding import EmbeddingCollection
+from dynarec.kernels.gpu import lookup, update
+from dynarec.optim import Adagrad
+
+TOTALS: dict[str, float] = defaultdict(float)
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - t
+
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--kind", choices=["fixed", "dynamic"], default="fixed")
+    p.add_argument("--rows", type=int, default=10_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--bags", type=int, default=65536)
+    p.add_argument("--pooling-factor", type=int, default=16)
+    p.add_argument("--steps", type=int, default=50)
+    a = p.parse_args()
+    w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
+    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
+    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    update.bag_update = timed("  bag_update (python + launches)", update.bag_update)
+    lookup.pooled_forward = timed("  pooled_forward (python + launch)", lookup.pooled_forward)
+    sections = ["forward", "loss", "backward", "prefetch"]
+    for _ in range(2):  # the first pass warms up
+        TOTALS.clear()
+        for i in range(a.steps):
+            b, nxt = batches[i % 4], batches[(i + coll.prefetch_depth) % 4]
+            t0 = time.perf_counter()
+            out = coll(b)
+            t1 = time.perf_counter()
+            loss = out["f"].sum()
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            coll.prefetch(nxt)
+            t4 = time.perf_counter()
+            for name, d in zip(sections, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                TOTALS[name] += d
+            if i % 10 == 9 and a.device.startswith("cuda"):
+                torch.cuda.synchronize()
+    total = sum(TOTALS[s] for s in sections)
+    print(f"{a.kind}: host {1e6 * total / a.steps:.0f} us a step")
+    for name, t in TOTALS.items():
+        print(f"  {name:<40} {1e6 * t / a.steps:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
