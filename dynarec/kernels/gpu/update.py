@@ -497,7 +497,8 @@ def bag_update(
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
-    the row, in place.
+    the row, in place. ``offsets``: CSR from 0, its last ``rows.numel()`` (the kernels read the
+    id count there).
 
     The occurrences are sorted by row once (stable; int32 keys where the table has under 2^31
     rows: half the radix passes), then cut into blocks (:data:`TUNING`). A block's program sums
@@ -715,8 +716,11 @@ class _Captured:
             launch, weight, states, scores, row_keys, layout, key[1], num_bags, grad_out.shape[1], capture=True
         )
         self._updates[key] = static
-        while len(self._updates) > capture.max_updates:
-            self._updates.popitem(last=False)
+        if len(self._updates) > capture.max_updates:
+            # the dropped graph may still be running, its buffers and memory pool in use
+            torch.cuda.synchronize(weight.device)
+            while len(self._updates) > capture.max_updates:
+                self._updates.popitem(last=False)
         return static
 
     def clear(self) -> None:
