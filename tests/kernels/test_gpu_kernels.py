@@ -127,36 +127,6 @@ def test_a_static_update_gives_the_update_of_each_step_bit_for_bit(spec, dtype, 
     gpu_checks.check_static_update(DEVICE, spec, dtype, keyed, capture=capture)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_bag_update_replays_a_captured_update_once_a_shape_recurs(kernel):
-    """The same steps with :data:`CAPTURE` on and off: the same rows bit for bit, and the steps
-    of one table, bags and stream captured once per capacity they fall in, on its second step,
-    whatever their id counts within it."""
-    spec = Adam(lr=0.01)
-    steps = [gpu_checks.random_bags(DEVICE, num_rows=200, bags=64, max_len=8, seed=step) for step in range(1, 9)]
-    capacities = [gpu_update.capacity_for(rows.numel()) for rows, _, _ in steps]
-    recurring = {c for c in capacities if capacities.count(c) > 1}
-    assert recurring and len({rows.numel() for rows, _, _ in steps}) > len(set(capacities))
-    results = []
-    for enabled in (True, False):
-        gpu_update._CAPTURED.clear()
-        before = gpu_update._CAPTURED.captures
-        with gpu_checks.tuned(gpu_update, "CAPTURE", enabled=enabled), gpu_checks.tuned(gpu_update, kernel=kernel):
-            weight = torch.randn(200, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-            states = {s.name: torch.zeros(200, s.width(64), device=DEVICE) for s in spec.state_specs()}
-            for step, (rows, offsets, psw) in enumerate(steps, 1):
-                grad_out = torch.randn(64, 64, generator=torch.Generator().manual_seed(step)).to(DEVICE)
-                gpu.bag_update(definition(spec).kernel(spec, step), lr=spec.lr, weight=weight, states=states,
-                               rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out)  # fmt: skip
-        results.append((weight, states, gpu_update._CAPTURED.captures - before))
-    (w_graph, s_graph, captured), (w_plain, s_plain, not_captured) = results
-    assert captured == len(recurring) and not_captured == 0
-    assert torch.equal(w_graph, w_plain)
-    for k in s_plain:
-        assert torch.equal(s_graph[k], s_plain[k])
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_pooled_forward_reads_half_precision_rows_in_float32(dtype):
     rows, offsets, psw = gpu_checks.random_bags(DEVICE, bags=12, dim=8)
@@ -203,6 +173,34 @@ def test_the_update_tuning_follows_the_row_width():
 
 
 if not INTERPRETED:
+
+    @pytest.mark.parametrize("kernel", KERNELS)
+    def test_bag_update_replays_a_captured_update_once_a_shape_recurs(kernel):
+        """The same steps with :data:`CAPTURE` on and off: the same rows bit for bit, and the steps
+        of one table, bags and stream captured once per capacity they fall in, on its second step,
+        whatever their id counts within it."""
+        spec = Adam(lr=0.01)
+        steps = [gpu_checks.random_bags(DEVICE, num_rows=200, bags=64, max_len=8, seed=step) for step in range(1, 9)]
+        capacities = [gpu_update.capacity_for(rows.numel()) for rows, _, _ in steps]
+        recurring = {c for c in capacities if capacities.count(c) > 1}
+        assert recurring and len({rows.numel() for rows, _, _ in steps}) > len(set(capacities))
+        results = []
+        for enabled in (True, False):
+            gpu_update._CAPTURED.clear()
+            before = gpu_update._CAPTURED.captures
+            with gpu_checks.tuned(gpu_update, "CAPTURE", enabled=enabled), gpu_checks.tuned(gpu_update, kernel=kernel):
+                weight = torch.randn(200, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+                states = {s.name: torch.zeros(200, s.width(64), device=DEVICE) for s in spec.state_specs()}
+                for step, (rows, offsets, psw) in enumerate(steps, 1):
+                    grad_out = torch.randn(64, 64, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+                    gpu.bag_update(definition(spec).kernel(spec, step), lr=spec.lr, weight=weight, states=states,
+                                   rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out)  # fmt: skip
+            results.append((weight, states, gpu_update._CAPTURED.captures - before))
+        (w_graph, s_graph, captured), (w_plain, s_plain, not_captured) = results
+        assert captured == len(recurring) and not_captured == 0
+        assert torch.equal(w_graph, w_plain)
+        for k in s_plain:
+            assert torch.equal(s_graph[k], s_plain[k])
 
     @pytest.mark.parametrize("kernel", KERNELS)
     @pytest.mark.parametrize("spec", gpu_checks.SPECS, ids=repr)
