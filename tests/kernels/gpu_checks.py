@@ -390,11 +390,13 @@ def check_half_update(device, spec, dtype, keyed, dim=8, steps=3, kernel=None, m
 
 
 def check_static_update(device, spec, dtype=torch.float32, keyed=False, capture=False, kernel=None, dim=8, steps=4):
-    """A :class:`~dynarec.kernels.gpu.update.StaticBagUpdate` (fixed buffers holding up to 6 ids
+    """A :class:`~dynarec.kernels.gpu.update.StaticBagUpdate` (fixed buffers holding up to 20 ids
     a bag, the ids past a step's never read; ``capture``: replayed from a CUDA graph) updates
-    rows, states and scores bit for bit as ``bag_update`` run as it is, over steps of several id
-    counts whose scalars all change: learning rate, Adam's bias corrections, the score (past
-    int32), the rounding draws (half-precision ``dtype``; ``keyed``: by a key array)."""
+    rows, states and scores bit for bit as ``bag_update`` launched (never captured), over steps
+    of several id counts, in blocks of 8 (``kernel``: the block kernel; runs cross blocks, and
+    the blocks past the step's ids hold only pads), whose scalars all change: learning rate,
+    Adam's bias corrections, the score (past int32), the rounding draws (half-precision
+    ``dtype``; ``keyed``: by a key array)."""
     g = torch.Generator().manual_seed(3)
     weight = (torch.randn(50, dim, generator=g) * 0.3).to(dtype).to(device)
     states = {s.name: torch.full((50, s.width(dim)), s.initial_value, device=device) for s in spec.state_specs()}
@@ -404,21 +406,21 @@ def check_static_update(device, spec, dtype=torch.float32, keyed=False, capture=
     static_rows = (weight.clone(), {k: v.clone() for k, v in states.items()}, scores.clone())
     bags, static, counts = 12, None, set()
     for step in range(1, steps + 1):
-        rows, offsets, psw = random_bags(device, bags=bags, dim=dim, seed=step, max_len=6)
+        rows, offsets, psw = random_bags(device, bags=bags, dim=dim, seed=step, max_len=20)
         counts.add(rows.numel())
         grad_out = torch.randn(bags, dim, generator=g).to(device)
         args = definition(spec).kernel(spec, step)
         scalars = dict(lr=spec.lr / step, score=(1 << 40) + step, key_offset=0 if keyed else 1000,
                        rounding_base=rounding_base(11, step))  # fmt: skip
-        with tuned(gpu_update, kernel=kernel):
+        with tuned(gpu_update, kernel=kernel, block=8), tuned(gpu_update, "CAPTURE", enabled=False):
             gpu.bag_update(args, weight=eager[0], states=eager[1], rows=rows, offsets=offsets, per_sample_weights=psw,
                            grad_out=grad_out, scores=eager[2], row_keys=keys, **scalars)  # fmt: skip
             if static is None:
                 w, st, sc = static_rows
                 launch = gpu_update.Launch.of(args, w, psw, grad_out, sc, keys, None)
-                static = gpu_update.StaticBagUpdate(launch, w, st, sc, keys, None, capacity=6 * bags, num_bags=bags,
+                static = gpu_update.StaticBagUpdate(launch, w, st, sc, keys, None, capacity=20 * bags, num_bags=bags,
                                                     grad_width=dim, capture=capture)  # fmt: skip
-            static(rows, offsets, psw, grad_out, gpu_update.hyper_values(args, **scalars))
+        static(rows, offsets, psw, grad_out, gpu_update.hyper_values(args, **scalars))  # its launch's tuning
         assert (static.graph is not None) == capture
     assert len(counts) > 1, "the steps' id counts should differ"
     assert torch.equal(eager[0], static_rows[0]) and torch.equal(eager[2], static_rows[2])

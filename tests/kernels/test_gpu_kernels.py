@@ -116,15 +116,16 @@ def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_th
     gpu_checks.check_half_update(DEVICE, spec, dtype, keyed, kernel=kernel)
 
 
+STATIC_DTYPES = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, True), "fp16": (torch.float16, False)}
+
+
 @pytest.mark.parametrize("capture", lane([True, False], [False]), ids=lambda c: "graph" if c else "launched")
-@pytest.mark.parametrize(
-    "dtype, keyed",
-    [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False)],
-    ids=["fp32", "bf16", "fp16"],
-)
+@pytest.mark.parametrize("dtype_name", lane(list(STATIC_DTYPES), ["fp32", "bf16"]))
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("spec", gpu_checks.kernel_specs(), ids=repr)
-def test_a_static_update_gives_the_update_of_each_step_bit_for_bit(spec, dtype, keyed, capture):
-    gpu_checks.check_static_update(DEVICE, spec, dtype, keyed, capture=capture)
+def test_a_static_update_gives_the_update_of_each_step_bit_for_bit(spec, kernel, dtype_name, capture):
+    dtype, keyed = STATIC_DTYPES[dtype_name]
+    gpu_checks.check_static_update(DEVICE, spec, dtype, keyed, capture=capture, kernel=kernel, steps=lane(4, 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -22,6 +22,7 @@ host work instead of a dozen launches.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -606,7 +607,16 @@ class StaticBagUpdate:
             return
         self._run()  # compiles the kernels: a capture must not
         if self.capture:
-            self.graph = self._captured()
+            self.capture = False
+            try:
+                self.graph = self._captured()
+            except RuntimeError as error:  # this step is done: later ones run as it ran
+                warnings.warn(f"bag_update: the update could not be captured in a CUDA graph ({error}); it runs "
+                              f"launched", stacklevel=2)  # fmt: skip
+                return
+            # the graph holds the rows by address (the key of this update); the tensors themselves
+            # are not kept alive by it: a table that grew frees its old rows
+            self.weight, self.states, self.scores, self.row_keys, self.layout = _RELEASED, {}, None, None, None
 
     def _run(self) -> None:
         _run(
@@ -617,7 +627,7 @@ class StaticBagUpdate:
     def _captured(self) -> torch.cuda.CUDAGraph:
         """The update captured on a side stream (its temporaries in the graph's own memory pool);
         the current stream waits for the capture, which runs nothing."""
-        device = self.weight.device
+        device = self.grad.device
         graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
@@ -693,13 +703,14 @@ class _Captured:
         capture = CAPTURE
         if not (capture.enabled and weight.is_cuda and not INTERPRETED) or torch.cuda.is_current_stream_capturing():
             return None
-        if psw is not None and psw.dtype != torch.float32:
-            return None
+        if (psw is not None and psw.dtype != torch.float32) or grad_out.dtype != torch.float32:
+            return None  # the buffers are float32: another dtype is updated as it is
         n, num_bags = rows.numel(), offsets.numel() - 1
         stream = torch.cuda.current_stream(weight.device)
         key = (
             launch, capacity_for(n), num_bags, grad_out.shape[1], stream.stream_id, weight.device,
-            *(_identity(t) for t in (weight, *states.values(), scores, row_keys, layout)),
+            *(_identity(t) for t in (weight, scores, row_keys, layout)),
+            *((name, _identity(t)) for name, t in sorted(states.items())),
         )  # fmt: skip
         static = self._updates.get(key)
         if static is not None:
@@ -716,16 +727,24 @@ class _Captured:
             launch, weight, states, scores, row_keys, layout, key[1], num_bags, grad_out.shape[1], capture=True
         )
         self._updates[key] = static
-        if len(self._updates) > capture.max_updates:
-            # the dropped graph may still be running, its buffers and memory pool in use
-            torch.cuda.synchronize(weight.device)
-            while len(self._updates) > capture.max_updates:
-                self._updates.popitem(last=False)
+        while len(self._updates) > capture.max_updates:
+            _drop(self._updates.popitem(last=False)[1])
         return static
 
     def clear(self) -> None:
-        self._updates.clear()
+        """Drops every captured update (and forgets the shapes seen)."""
+        while self._updates:
+            _drop(self._updates.popitem()[1])
         self._seen.clear()
+
+
+def _drop(static: StaticBagUpdate) -> None:
+    """Waits for the device before a captured update is freed: its graph may still be running,
+    its buffers and memory pool in use."""
+    torch.cuda.synchronize(static.grad.device)
+
+
+_RELEASED = torch.empty(0)  # a captured update's rows, once its graph holds them by address
 
 
 def _identity(t: Optional[torch.Tensor]) -> Optional[tuple]:
