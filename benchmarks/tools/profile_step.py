@@ -17,28 +17,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tool_config import add_table_step_arguments, table_step  # beside this script
 from torch.profiler import ProfilerActivity, profile
-
-from dynarec.bench.common import Workload, make_table
-from dynarec.embedding import EmbeddingCollection
-from dynarec.optim import Adagrad
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kind", choices=["fixed", "dynamic"], default="fixed")
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--bags", type=int, default=65536)
-    p.add_argument("--pooling-factor", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5)
+    add_table_step_arguments(p)
     p.add_argument("--rows-shown", type=int, default=25)
     p.add_argument("--host", action="store_true", help="cProfile the host side")
     a = p.parse_args()
-    w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
-    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
-    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    w, batches, coll = table_step(a)
 
     def step(i: int) -> None:  # as the trainer runs one: a coming batch's input stage once the backward is queued
         coll(batches[i % len(batches)])["f"].sum().backward()

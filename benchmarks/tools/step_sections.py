@@ -10,11 +10,9 @@ import time
 from collections import defaultdict
 
 import torch
+from tool_config import add_table_step_arguments, table_step  # beside this script
 
-from dynarec.bench.common import Workload, make_table
-from dynarec.embedding import EmbeddingCollection
 from dynarec.kernels.gpu import lookup, update
-from dynarec.optim import Adagrad
 
 TOTALS: dict[str, float] = defaultdict(float)
 
@@ -32,17 +30,9 @@ def timed(name, fn):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--kind", choices=["fixed", "dynamic"], default="fixed")
-    p.add_argument("--rows", type=int, default=10_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--bags", type=int, default=65536)
-    p.add_argument("--pooling-factor", type=int, default=16)
-    p.add_argument("--steps", type=int, default=50)
+    add_table_step_arguments(p, device="cuda", rows=10_000_000, dim=128, steps=50)
     a = p.parse_args()
-    w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
-    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
-    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    _, batches, coll = table_step(a)
     update.bag_update = timed("  bag_update (python + launches)", update.bag_update)
     lookup.pooled_forward = timed("  pooled_forward (python + launch)", lookup.pooled_forward)
     sections = ["forward", "loss", "backward", "prefetch"]

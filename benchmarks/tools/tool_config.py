@@ -1,11 +1,15 @@
-"""The config a profiling tool runs (``profile_train.py``, ``profile_data.py``)."""
+"""What a profiling tool runs: the config (``profile_train.py``, ``profile_data.py``), or one
+table's training step (``profile_step.py``, ``step_sections.py``)."""
 
+import argparse
 import json
 from typing import Optional
 
-from dynarec.bench.common import cached_click_log
+from dynarec.bench.common import Workload, cached_click_log, make_table
 from dynarec.bench.e2e import e2e_config, e2e_spec
 from dynarec.config import load_config
+from dynarec.embedding import EmbeddingCollection
+from dynarec.optim import Adagrad
 
 
 def profiled_config(config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None):
@@ -20,3 +24,24 @@ def profiled_config(config: Optional[str], batch: int, train_rows: int, workers:
         raw = e2e_config(spec, cached_click_log(spec), batch, 1, workers)
     raw["data"]["eval_input_path"] = None
     return raw, batch
+
+
+def add_table_step_arguments(p: argparse.ArgumentParser, **defaults) -> None:
+    """The options of one table's step (``--device --kind --rows --dim --bags --pooling-factor
+    --steps``), with these tools' ``defaults``."""
+    p.add_argument("--device", default=defaults.get("device", "cpu"))
+    p.add_argument("--kind", choices=["fixed", "dynamic"], default="fixed")
+    p.add_argument("--rows", type=int, default=defaults.get("rows", 1_000_000))
+    p.add_argument("--dim", type=int, default=defaults.get("dim", 64))
+    p.add_argument("--bags", type=int, default=65536)
+    p.add_argument("--pooling-factor", type=int, default=16)
+    p.add_argument("--steps", type=int, default=defaults.get("steps", 5))
+
+
+def table_step(a: argparse.Namespace):
+    """``(workload, its 4 batches, a collection of its one table "t" with feature "f", Adagrad)``
+    from :func:`add_table_step_arguments`' options."""
+    w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
+    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
+    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    return w, batches, coll

@@ -577,7 +577,7 @@ class StaticBagUpdate:
         self.grad = torch.zeros(num_bags, grad_width, dtype=torch.float32, device=device)
         self.hyper = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self._live = capacity  # rows[live:] hold ``beyond``
+        self._live = 0  # rows[live:] hold ``beyond`` (all of them, until a step's are copied in)
         self._staging = _HostStaging(len(HYPER), device)
 
     def __call__(
@@ -640,10 +640,6 @@ class StaticBagUpdate:
                 graph.capture_end()
         main.wait_stream(side)
         return graph
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.rows, self.offsets, self.grad, self.hyper))
 
 
 class _HostStaging:
