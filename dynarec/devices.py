@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["HostMemoryError", "check_device", "page_lock", "synchronize"]
+__all__ = ["HostMemoryError", "capturing", "check_device", "page_lock", "synchronize"]
 
 _INSTALL = "see README.md, 'On a GPU', to install torch's CUDA build (make setup DEVICE=cuda)"
 
@@ -48,6 +51,22 @@ def page_lock(t: torch.Tensor) -> torch.Tensor:
             )
         weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Around a CUDA graph capture: Python's cyclic garbage collector paused (as it was after).
+    A collection inside a capture could free a :func:`page_lock`-ed tensor held in a reference
+    cycle; its ``cudaHostUnregister`` is not allowed while this thread captures: it would spoil
+    the capture and, failing, leave the freed memory registered, so that locking the next
+    tensor given that memory fails (CUDA error 712)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 class HostMemoryError(RuntimeError):

@@ -39,6 +39,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dynarec.devices import capturing
+
 __all__ = ["DenseGraphs"]
 
 Inputs = tuple[dict[str, torch.Tensor], ...]
@@ -86,14 +88,14 @@ class _Captured:
         torch.cuda.synchronize()
 
         self.forward = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
+        with capturing(), torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
             outputs, self.spec = tree_flatten(dense(*sample))
         live = [o for o in outputs if o.requires_grad]
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         self.backward = torch.cuda.CUDAGraph()
         grads: Sequence[Optional[torch.Tensor]] = ()
         if live:
-            with torch.cuda.graph(self.backward, pool=pool, capture_error_mode="thread_local"):
+            with capturing(), torch.cuda.graph(self.backward, pool=pool, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(
                     live, wanted, [g for g in self.grad_outputs if g is not None], allow_unused=True
                 )

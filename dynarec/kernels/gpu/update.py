@@ -29,6 +29,7 @@ from typing import Literal, Optional
 
 import torch
 
+from dynarec.devices import capturing
 from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, row_block
 from dynarec.optim.kernel import KernelCode, WeightDecayCode
 from dynarec.optim.rounding import ROUNDING_CODES
@@ -632,7 +633,7 @@ class StaticBagUpdate:
         main = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), capturing():
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self._run()
