@@ -127,6 +127,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "--workers", type=int, default=None, help="data.num_workers (default: unset, the trainer's own choice)"
             )
+            p.add_argument(
+                "--config",
+                default=None,
+                help="this config (dynarec YAML, or a TorchEasyRec pipeline.config) on data `make-data --config` "
+                "writes for it, instead of the demo on a Taobao-like log",
+            )
+            p.add_argument(
+                "--peer",
+                choices=["tables", "one-table"],
+                default="tables",
+                help="the peer's tables: an nn.Embedding each, or all rows in one (tables of one dim)",
+            )
+            p.add_argument(
+                "--cache-batches",
+                action="store_true",
+                help="data.cache_batches: later epochs reuse the first's batches",
+            )
         if name == "suite":
             from dynarec.bench.suite import add_suite_arguments
 

@@ -18,7 +18,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from dynarec.data import synthetic
+from dynarec.data import generate, synthetic
+from dynarec.data.generate import GenerateSpec
 from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.config import Backend, ScoreStrategy
 from dynarec.embedding.hash_index import BucketedHashIndex
@@ -225,7 +226,24 @@ def cached_click_log(spec: synthetic.SyntheticSpec) -> Path:
     named by a hash of the spec and of the generator's source, so a changed generator or spec
     never reads another's data (and concurrent first uses each write whole, then rename)."""
     key = json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(synthetic)
-    path = Path(tempfile.gettempdir()) / f"dynarec-click-log-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    path = _cache_path("dynarec-click-log", key)
     if not (path / "meta.json").is_file():
         synthetic.make_click_log(path, spec)
     return path
+
+
+def cached_config_data(raw: dict[str, Any], spec: GenerateSpec) -> Path:
+    """``dynarec make-data --config`` of the config ``raw`` (its dict form) at ``spec``, in the
+    temp directory, generated on first use and named by a hash of both and of the generator's
+    source, as :func:`cached_click_log`."""
+    from dynarec.config import config_from_dict
+
+    key = json.dumps(raw, sort_keys=True) + json.dumps(asdict(spec), sort_keys=True) + inspect.getsource(generate)
+    path = _cache_path("dynarec-config-data", key)
+    if not (path / "meta.json").is_file():
+        generate.make_config_data(config_from_dict(raw), path, spec)
+    return path
+
+
+def _cache_path(prefix: str, key: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"

@@ -26,12 +26,22 @@ checks, final checkpoint and eval included). ``--runs N`` runs each side N times
 (dynarec, peer, dynarec, ...): the median run of each side is reported, with the median of the
 per-pair ratios. The data are generated outside the timed part and cached in the temp
 directory, keyed by their parameters.
+
+``--config PATH`` runs any config instead of the demo's (a dynarec YAML, or a TorchEasyRec
+``pipeline.config``, imported as ``dynarec import-config`` does): its data are what ``dynarec
+make-data --config`` writes for it (``--train-rows``, ``--eval-rows``), its batch, workers and
+epochs set as above, every table initialized N(0, 1) as the peer's. ``--peer one-table`` gives
+the peer every table's rows in one ``nn.Embedding`` at per-table row offsets, its features of
+one id a row looked up by one call: what a user writes who concatenates tables of one dim by
+hand (a DLRM's). ``--cache-batches`` sets ``data.cache_batches`` (the first epoch's batches
+kept for the later ones).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,11 +57,12 @@ import torch
 import yaml
 from torch import nn
 
-from dynarec.bench.common import cached_click_log, same_dynarec
+from dynarec.bench.common import cached_click_log, cached_config_data, same_dynarec
 from dynarec.bench.train import _PlainTorchModel, _tensorize
+from dynarec.data.generate import GenerateSpec
 from dynarec.data.synthetic import SyntheticSpec
 
-__all__ = ["bench_e2e", "e2e_config", "e2e_spec"]
+__all__ = ["bench_e2e", "e2e_config", "e2e_spec", "run_settings", "user_config"]
 
 
 def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
@@ -73,9 +84,7 @@ def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
 def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
     """The demo config over ``spec``'s string ids: the user table's capacity twice the users
     (a power of two), item and category ids hashed into twice as many rows as there are items and
-    categories, every table initialized N(0, 1) as the peer's; ``epochs`` epochs of ``batch``, no
-    eval or checkpoint before the end;
-    ``data.num_workers`` only where ``workers`` is given (otherwise the trainer's own choice)."""
+    categories; the run's settings as :func:`run_settings`."""
     raw = yaml.safe_load(resources.files("dynarec").joinpath("resources/demo.yaml").read_text())
     for entry in raw["feature_configs"]:
         feature = next(iter(entry.values()))
@@ -86,17 +95,51 @@ def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, wor
             ids = spec.num_items if feature["embedding_name"] == "item" else spec.num_cates
             del feature["num_buckets"]
             feature.update(value_type="string", hash_bucket_size=2 * ids)
+    return run_settings(raw, data_dir, batch, epochs, workers)
+
+
+def run_settings(
+    raw: dict[str, Any],
+    data_dir: Path,
+    batch: int,
+    epochs: int,
+    workers: Optional[int],
+    cache_batches: bool = False,
+) -> dict[str, Any]:
+    """``raw`` (a config's dict, changed in place and returned) set for a benchmark run: the data
+    of ``data_dir`` (``train/``, ``eval/``), ``epochs`` epochs of ``batch``, no eval or
+    checkpoint before the end, the whole eval data evaluated, every table initialized N(0, 1) as
+    the peer's; ``data.num_workers`` only where ``workers`` is given (otherwise the trainer's own
+    choice); ``data.cache_batches`` where ``cache_batches``."""
     raw["data"].update(
         train_input_path=str(data_dir / "train"), eval_input_path=str(data_dir / "eval"), batch_size=batch
     )
     if workers is not None:
         raw["data"]["num_workers"] = workers
+    if cache_batches:
+        raw["data"]["cache_batches"] = True
     for entry in raw["feature_configs"]:  # the peer's nn.Embedding initialization: the same model
         feature = next(iter(entry.values()))
         if "embedding_dim" in feature:
             feature["initializer"] = {"kind": "normal", "mean": 0.0, "std": 1.0}
-    raw["train"].update(num_epochs=epochs, save_checkpoints_steps=None, eval_every_steps=None)
+    raw["train"].update(num_epochs=epochs, num_steps=None, save_checkpoints_steps=None, eval_every_steps=None)
+    raw.setdefault("eval", {})["max_steps"] = None
     return raw
+
+
+def user_config(path: Path) -> dict[str, Any]:
+    """The config at ``path`` as a dict: a TorchEasyRec ``pipeline.config`` (``.config``) imported
+    as ``dynarec import-config`` does, else dynarec YAML. Its data paths are placeholders until
+    :func:`run_settings` sets them."""
+    text = path.read_text()
+    if path.suffix != ".config":
+        return yaml.safe_load(text)
+    from dynarec.config.tzrec.convert import convert_pipeline_config
+
+    placeholder = str(path.with_suffix(".data"))
+    return convert_pipeline_config(
+        text, train_input_path=placeholder, eval_input_path=placeholder, config_dir=path.parent
+    ).config
 
 
 def _run_dynarec(workdir: Path, device: str) -> tuple[list[str], float, dict[str, Any]]:
@@ -120,7 +163,7 @@ class _Peer:
     ``device`` once, when it is made; each :meth:`train` builds a fresh model from the config's
     seed and trains it."""
 
-    def __init__(self, config, device: torch.device):
+    def __init__(self, config, device: torch.device, one_table: bool = False):
         from dynarec.config.schema import SequenceFeatureCfg
         from dynarec.data.batch import BatchBuilder
         from dynarec.data.reader import ArrowBatchDataset, WorkerFailure, resolve_files
@@ -129,21 +172,24 @@ class _Peer:
 
         if not isinstance(config.train.sparse_optimizer, Adagrad):
             raise ValueError(f"the peer mirrors Adagrad; the config's is {config.train.sparse_optimizer!r}")
-        self.config, self.device = config, device
+        self.config, self.device, self.one_table = config, device, one_table
         dynamic = {
             f.name: t.dynamic.max_capacity
             for t in plan_from_config(config).table_configs()
             if t.dynamic is not None
             for f in t.feature_configs
         }
-        self.key_rows = next(iter(dynamic.values()))
+        self.key_rows = max(dynamic.values(), default=0)
         sequences = [f.feature_name for f in config.features() if isinstance(f, SequenceFeatureCfg)]
+        offsets = (
+            _PlainTorchModel(config, self.key_rows, torch.device("meta"), one_table).offsets if one_table else None
+        )
 
         def tensorized(path, batch_size: int) -> list[dict[str, Any]]:
             out = []
             for batch in ArrowBatchDataset(resolve_files(path), BatchBuilder(config), batch_size):
                 assert not isinstance(batch, WorkerFailure), batch
-                out.append(_tensorize(batch, sequences, dynamic, device))
+                out.append(_tensorize(batch, sequences, dynamic, device, offsets))
             return out
 
         data = config.data
@@ -157,7 +203,7 @@ class _Peer:
 
         config, spec = self.config, self.config.train.sparse_optimizer
         torch.manual_seed(config.train.seed)
-        model = _PlainTorchModel(config, key_rows=self.key_rows, device=self.device)
+        model = _PlainTorchModel(config, key_rows=self.key_rows, device=self.device, one_table=self.one_table)
         sparse = torch.optim.Adagrad(
             model.tables.parameters(),
             lr=spec.lr,
@@ -202,24 +248,38 @@ def bench_e2e(args) -> dict:
     ``--runs`` pairs of runs, interleaved (dynarec, peer, dynarec, ...), the peer's batches made
     once before the first; the median run of each side is reported, and the median of the
     per-pair ratios."""
-    from dynarec.config import load_config
+    from dynarec.config import config_from_dict
 
     eval_rows = args.eval_rows if args.eval_rows is not None else max(args.train_rows // 10, 1000)
-    spec = e2e_spec(args.train_rows, eval_rows)
-    data_dir = cached_click_log(spec)
+    if args.config is None:
+        spec = e2e_spec(args.train_rows, eval_rows)
+        data_dir = cached_click_log(spec)
+        raw = e2e_config(spec, data_dir, args.batch, args.epochs, args.workers)
+        if args.cache_batches:
+            raw["data"]["cache_batches"] = True
+        data: dict[str, Any] = {"spec": asdict(spec)}
+        rows_are = "Taobao-like rows (string ids, histories of 30)"
+    else:
+        raw = user_config(Path(args.config))
+        generated = GenerateSpec(train_rows=args.train_rows, eval_rows=eval_rows)
+        data_dir = cached_config_data(raw, generated)
+        raw = run_settings(raw, data_dir, args.batch, args.epochs, args.workers, args.cache_batches)
+        data = {"config": str(args.config), "generate": asdict(generated)}
+        rows_are = f"rows generated for {Path(args.config).name} (dynarec make-data --config)"
     meta = json.loads((data_dir / "meta.json").read_text())
+    data["bayes_optimal_eval_auc"] = meta["bayes_optimal_eval_auc"]
     samples = args.train_rows * args.epochs
     ours_runs: list[dict[str, Any]] = []
     peer_runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dynarec-bench-e2e-run-") as tmp:
-        config_text = yaml.safe_dump(e2e_config(spec, data_dir, args.batch, args.epochs, args.workers))
-        (Path(tmp) / "config.yaml").write_text(config_text)
-        peer = _Peer(load_config(Path(tmp) / "config.yaml"), torch.device(args.device))
+        config_text = yaml.safe_dump(raw)
+        peer = _Peer(config_from_dict(raw), torch.device(args.device), one_table=args.peer == "one-table")
         for run in range(args.runs):
             workdir = Path(tmp) / f"run-{run}"  # each run a user's fresh directory: config.yaml, model/
             workdir.mkdir()
             (workdir / "config.yaml").write_text(config_text)
             command, wall, report = _run_dynarec(workdir, args.device)
+            shutil.rmtree(workdir / "model")  # its checkpoint: a large config's tables, on the disk each run
             ours_runs.append(
                 {
                     "samples_per_s_report": report["steps_per_second"] * args.batch,
@@ -242,8 +302,10 @@ def bench_e2e(args) -> dict:
         "train_rows": args.train_rows,
         "eval_rows": eval_rows,
         "workers": "auto" if args.workers is None else args.workers,
+        "cache_batches": bool(raw["data"].get("cache_batches")),
         "runs": args.runs,
-        "data": {"spec": asdict(spec), "bayes_optimal_eval_auc": meta["bayes_optimal_eval_auc"]},
+        "data": data,
+        "peer_tables": args.peer,
         "command": " ".join(command),
         "dynarec": ours,
         "peer": theirs,
@@ -252,16 +314,22 @@ def bench_e2e(args) -> dict:
     }
     workers = "automatic" if args.workers is None else str(args.workers)
     each = lambda runs, key: ", ".join(f"{r[key]:,.0f}" for r in runs)
+    peer_tables = (
+        "one nn.Embedding(sparse=True) over every table"
+        if args.peer == "one-table"
+        else "nn.Embedding(sparse=True) a table"
+    )
     lines = [
         f"dynarec train on {args.device}, batch {args.batch}, {args.epochs} epoch(s) of "
-        f"{args.train_rows:,} Taobao-like rows (string ids, histories of 30), DataLoader workers {workers}; "
+        f"{args.train_rows:,} {rows_are}, DataLoader workers {workers}"
+        f"{', the first epoch cached' if result['cache_batches'] else ''}; "
         f"eval on {eval_rows:,} held-out rows; {args.runs} run(s) a side, interleaved (medians)",
         f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (steps_per_second x batch; "
         f"runs {each(ours_runs, 'samples_per_s_report')}), {ours['samples_per_s_wall']:,.0f} by the command's "
         f"wall time ({ours['wall_seconds']:.1f} s: start-up, data checks, final checkpoint and eval included); "
         f"eval AUC {ours['eval_auc']:.4f}",
         f"plain torch: {theirs['samples_per_s']:>9,.0f} samples/s (its training loop alone, runs "
-        f"{each(peer_runs, 'samples_per_s')}; nn.Embedding(sparse=True) + Adagrad, Adam, ids hashed and "
+        f"{each(peer_runs, 'samples_per_s')}; {peer_tables} + Adagrad, the dense model's optimizer, ids hashed and "
         f"tensorized up front on {args.device}); eval AUC {theirs['eval_auc']:.4f}",
         f"dynarec / plain torch: {result['dynarec_over_peer']:.2f}x by the report, "
         f"{result['dynarec_wall_over_peer']:.2f}x by wall time; Bayes-optimal eval AUC "

@@ -16,7 +16,7 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import yaml
@@ -50,42 +50,75 @@ def _config(data_dir: Path, batch: int, workers: int, world: int, users: int, it
 class _PlainTorchModel(nn.Module):
     """The plain-PyTorch peer of a config's model: one ``nn.Embedding(sparse=True)`` per table (a
     dynamic table as ``key_rows`` rows, its keys hashed into them by :func:`_tensorize`), the
-    config's dense tower."""
+    config's dense tower.
 
-    def __init__(self, config, key_rows: int, device: torch.device):
+    ``one_table``: every table's rows in one ``nn.Embedding`` instead, each table at its row
+    offset (:attr:`offsets`), what a user writes who concatenates tables of one dim by hand;
+    the features of one id a row are then looked up by one call (``inputs["stacked"]``)."""
+
+    def __init__(self, config, key_rows: int, device: torch.device, one_table: bool = False):
         super().__init__()
         from dynarec.models.registry import build_model
         from dynarec.planner import plan_from_config
 
         self.tables = nn.ModuleDict()
         self.table_of: dict[str, str] = {}
-        for t in plan_from_config(config).table_configs():
-            rows = t.num_embeddings if t.num_embeddings is not None else key_rows
-            self.tables[t.name] = nn.Embedding(rows, t.dim, sparse=True, device=device)
-            for f in t.feature_configs:
-                self.table_of[f.name] = t.name
+        self.offsets: dict[str, int] = {}  # one_table: each feature's first row
+        tables = plan_from_config(config).table_configs()
+        rows = {t.name: t.num_embeddings if t.num_embeddings is not None else key_rows for t in tables}
+        if one_table:
+            dims = {t.dim for t in tables}
+            if len(dims) != 1:
+                raise ValueError(f"one table holds rows of one dim; the config's tables have dims {sorted(dims)}")
+            start = 0
+            for t in tables:
+                for f in t.feature_configs:
+                    self.table_of[f.name], self.offsets[f.name] = "all", start
+                start += rows[t.name]
+            self.tables["all"] = nn.Embedding(start, dims.pop(), sparse=True, device=device)
+        else:
+            for t in tables:
+                self.tables[t.name] = nn.Embedding(rows[t.name], t.dim, sparse=True, device=device)
+                for f in t.feature_configs:
+                    self.table_of[f.name] = t.name
         self.dense = build_model(config).to(device)
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
-        emb = {}
+        emb: dict[str, torch.Tensor] = {}
+        if "stacked" in inputs:
+            names, ids = inputs["stacked"]
+            rows = self.tables["all"](ids)  # [B, F, D]
+            emb.update((name, rows[:, i]) for i, name in enumerate(names))
         for name, (ids, mask) in inputs["ids"].items():
             e = self.tables[self.table_of[name]](ids)
             emb[name] = e if mask is None else e * mask[..., None]
         return self.dense(emb, inputs["lengths"], inputs["dense"])
 
 
-def _tensorize(batch, sequences: list[str], key_rows: dict[str, int], device: torch.device) -> dict[str, Any]:
+def _tensorize(
+    batch,
+    sequences: list[str],
+    key_rows: dict[str, int],
+    device: torch.device,
+    offsets: Optional[dict[str, int]] = None,
+) -> dict[str, Any]:
     """A dynarec Batch as the peer's tensors on ``device``: ids per feature (sequences padded,
-    with a mask), the keys of each feature in ``key_rows`` hashed into that many rows."""
+    with a mask), the keys of each feature in ``key_rows`` hashed into that many rows. Every
+    other feature must hold one id a row (ValueError naming it otherwise). ``offsets`` (a
+    one-table peer's): each feature's ids shifted to its table's rows, and the features of one
+    id a row stacked into one ``[B, F]`` tensor (``"stacked"``: their names and ids)."""
     keys, values, lengths = batch.sparse.keys(), batch.sparse.values(), batch.sparse.lengths()
     b = batch.num_rows
     per_key = lengths.view(len(keys), b)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_key.sum(1), 0)])
     ids: dict[str, Any] = {}
+    stacked: list[tuple[str, torch.Tensor]] = []
     for k, name in enumerate(keys):
         v = values[starts[k] : starts[k + 1]]
         if name in key_rows:
             v = v % key_rows[name]
+        if offsets is not None:
+            v = v + offsets[name]
         if name in sequences:
             lens = per_key[k]
             width = max(int(lens.max()), 2)
@@ -93,14 +126,24 @@ def _tensorize(batch, sequences: list[str], key_rows: dict[str, int], device: to
             padded = torch.zeros(b, width, dtype=torch.int64)
             padded[mask] = v
             ids[name] = (padded.to(device), mask.to(device=device, dtype=torch.float32))
+            continue
+        if not bool((per_key[k] == 1).all()):
+            raise ValueError(
+                f"feature '{name}': the plain-torch peer looks up one id a row; some rows hold another count"
+            )
+        if offsets is not None:
+            stacked.append((name, v))
         else:
             ids[name] = (v.to(device), None)
-    return {
+    out: dict[str, Any] = {
         "ids": ids,
         "lengths": {n: per_key[keys.index(n)].to(device) for n in sequences},
         "dense": {k: x.to(device) for k, x in batch.dense.items()},
         "labels": batch.labels[:, 0].to(device),
     }
+    if stacked:
+        out["stacked"] = ([n for n, _ in stacked], torch.stack([v for _, v in stacked], dim=1).to(device))
+    return out
 
 
 def bench_train_step(args) -> dict:

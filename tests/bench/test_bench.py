@@ -7,8 +7,10 @@ import math
 import re
 import statistics
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from dynarec.bench.suite import CHECKOUT, figures_of
 from dynarec.cli import main
@@ -171,6 +173,59 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
     )
     # the data are generated once per parameters, outside the timed part
     assert r["data"]["spec"]["string_ids"] is True and r["data"]["spec"]["min_hist_len"] == 30
+
+
+DLRM_CRITEO = Path(__file__).parents[1] / "config" / "tzrec" / "examples" / "dlrm_criteo.config"
+
+
+def test_e2e_imports_a_torcheasyrec_config_and_races_it_against_a_one_table_peer(tmp_path):
+    # TorchEasyRec's dlrm_criteo, its tables shrunk to fit a test (up to 40M rows each otherwise)
+    config = tmp_path / "dlrm_criteo.config"
+    config.write_text(re.sub(r"num_buckets: \d+", "num_buckets: 997", DLRM_CRITEO.read_text()))
+    rows, batch, epochs = 3000, 512, 2
+    argv = ["--config", str(config), "--peer", "one-table", "--cache-batches", "--eval-rows", "1000"]
+    report = run(tmp_path, "e2e", "--train-rows", str(rows), "--batch", str(batch), "--epochs", str(epochs), *argv)
+    r = report["results"]
+    assert r["peer_tables"] == "one-table" and r["cache_batches"] is True
+    assert r["data"]["config"] == str(config) and r["data"]["generate"]["train_rows"] == rows
+    ours, peer = r["dynarec"], r["peer"]
+    assert ours["steps"] == epochs * math.ceil(rows / batch) and ours["eval"]["num_examples"] == 1000
+    assert peer["samples_per_s"] > 0 and 0.5 < peer["eval_auc"] <= 1 and 0.5 < ours["eval_auc"] <= 1
+    assert "the first epoch cached" in report["summary"][0] and "one nn.Embedding" in report["summary"][2]
+
+
+def test_the_one_table_peer_looks_up_every_table_at_its_row_offset():
+    from dynarec.bench.train import _PlainTorchModel, _tensorize
+    from dynarec.config import config_from_dict
+    from dynarec.config.tzrec import convert_pipeline_config
+    from dynarec.data.batch import Batch
+    from dynarec.embedding import JaggedBatch
+
+    text = re.sub(r"num_buckets: \d+", "num_buckets: 10", DLRM_CRITEO.read_text())
+    config = config_from_dict(convert_pipeline_config(text, train_input_path="x", eval_input_path="x").config)
+    torch.manual_seed(0)
+    tables = _PlainTorchModel(config, key_rows=0, device=torch.device("cpu"))
+    one = _PlainTorchModel(config, key_rows=0, device=torch.device("cpu"), one_table=True)
+    names = [f"cat_{i}" for i in range(26)]
+    assert one.offsets == {n: 10 * i for i, n in enumerate(names)} and one.tables["all"].num_embeddings == 260
+    for i, n in enumerate(names):  # the same rows in both: each table's at its offset
+        one.tables["all"].weight.data[10 * i : 10 * (i + 1)] = tables.tables[tables.table_of[n]].weight.data
+    one.dense.load_state_dict(tables.dense.state_dict())
+    ids = torch.randint(0, 10, (26, 3))
+    sparse = JaggedBatch(names, ids.flatten(), torch.ones(78, dtype=torch.int64))
+    dense = {f"int_{i}": torch.rand(3) for i in range(13)}
+    batch = Batch(sparse=sparse, dense=dense, labels=torch.zeros(3, 1), groups=None, num_rows=3)
+    stacked = _tensorize(batch, [], {}, torch.device("cpu"), one.offsets)
+    assert stacked["stacked"][0] == names and torch.equal(stacked["stacked"][1], ids.T + torch.arange(26) * 10)
+    torch.testing.assert_close(one(stacked), tables(_tensorize(batch, [], {}, torch.device("cpu"))))
+    two = JaggedBatch(names, torch.zeros(79, dtype=torch.int64), torch.tensor([2] + [1] * 77))
+    with pytest.raises(ValueError, match="feature 'cat_0': the plain-torch peer looks up one id a row"):
+        _tensorize(
+            Batch(sparse=two, dense=dense, labels=torch.zeros(3, 1), groups=None, num_rows=3),
+            [],
+            {},
+            torch.device("cpu"),
+        )
 
 
 def test_suite_writes_one_dated_results_file_with_the_revision_and_a_history_row(tmp_path):
