@@ -5,11 +5,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-__all__ = ["HostMemoryError", "capturing", "check_device", "page_lock", "synchronize"]
+__all__ = [
+    "HostMemoryError",
+    "StorageSpan",
+    "capturing",
+    "check_device",
+    "page_lock",
+    "storage_spans",
+    "synchronize",
+    "to_device",
+]
 
 _INSTALL = "see README.md, 'On a GPU', to install torch's CUDA build (make setup DEVICE=cuda)"
 
@@ -78,3 +89,91 @@ def synchronize(device: torch.device) -> None:
     reads or frees memory that the device's queued kernels may still read or write."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_ALIGN = 16  # bytes: a span starts at a multiple of every dtype's size
+
+
+@dataclass(frozen=True)
+class StorageSpan:
+    """Tensors of one storage, seen as the bytes ``[start, end)`` of it that they lie in:
+    ``members`` (their positions in the list they came from) at ``offsets`` (bytes from
+    ``start``), so that one copy of those bytes moves them all."""
+
+    members: tuple[int, ...]
+    start: int
+    end: int
+    offsets: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def source(self, storage: torch.UntypedStorage, start: Optional[int] = None) -> torch.Tensor:
+        """The span's bytes of ``storage`` (from ``start``, default its own) as a uint8 tensor."""
+        first = self.start if start is None else start
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, first, (self.nbytes,), (1,))
+
+    def views(self, buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The members as views of ``buffer`` (the span's bytes, a contiguous uint8 tensor): each
+        with the dtype, shape and strides of its tensor of ``like`` (indexed as ``members``)."""
+        storage, base = buffer.untyped_storage(), buffer.storage_offset()
+        out = []
+        for i, offset in zip(self.members, self.offsets):
+            t = like[i]
+            view = torch.empty(0, dtype=t.dtype, device=buffer.device)
+            out.append(view.set_(storage, (base + offset) // t.element_size(), t.shape, t.stride()))
+        return out
+
+
+def storage_spans(tensors: Sequence[torch.Tensor], with_grad: bool = False) -> list[StorageSpan]:
+    """Runs of ``tensors`` that lie near each other in one storage, two or more a run (empty
+    tensors left out, and tensors needing a gradient unless ``with_grad``): in storage order, a
+    run takes the next tensor while the gap before it is no larger than the bytes the run holds,
+    so a run's span is at most twice its tensors' bytes. What a batch packed into one buffer, or
+    the features' pooled outputs of one lookup, can move as one copy."""
+    by_storage: dict[tuple[int, torch.device], list[tuple[int, int, int]]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() and (with_grad or not t.requires_grad):
+            start = int(t.storage_offset()) * t.element_size()
+            key = (t.untyped_storage().data_ptr(), t.device)
+            by_storage.setdefault(key, []).append((start, start + _extent(t), i))
+    spans = []
+    for placed in by_storage.values():
+        placed.sort()
+        run: list[tuple[int, int, int]] = []
+        for start, end, i in [*placed, (-1, -1, -1)]:  # a sentinel ends the last run
+            if run and start >= 0 and start - max(e for _, e, _ in run) <= sum(e - s for s, e, _ in run):
+                run.append((start, end, i))
+                continue
+            if len(run) > 1:
+                first = run[0][0] // _ALIGN * _ALIGN
+                members = tuple(i for _, _, i in run)
+                spans.append(
+                    StorageSpan(members, first, max(e for _, e, _ in run), tuple(s - first for s, _, _ in run))
+                )
+            run = [(start, end, i)]
+    return spans
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from a non-empty tensor's first element to the end of its last."""
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device, non_blocking: bool = True) -> list[torch.Tensor]:
+    """``[t.to(device) for t in tensors]``, in one copy for tensors that share a storage
+    (:func:`storage_spans`: a batch a DataLoader worker packed into one page-locked buffer): the
+    bytes they span copied at once, each tensor then a view of the copy where it lay."""
+    out = list(tensors)
+    moving = [i for i, t in enumerate(tensors) if t.device != device]
+    for span in storage_spans([tensors[i] for i in moving]):
+        first = tensors[moving[span.members[0]]]
+        copy = span.source(first.untyped_storage()).to(device, non_blocking=non_blocking)
+        like = [tensors[i] for i in moving]
+        for member, view in zip(span.members, span.views(copy, like)):
+            out[moving[member]] = view
+    for i in moving:
+        if out[i] is tensors[i]:
+            out[i] = tensors[i].to(device, non_blocking=non_blocking)
+    return out

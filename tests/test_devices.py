@@ -97,3 +97,58 @@ def test_no_collection_runs_inside_a_captured_update():
     assert gpu_update._CAPTURED.captures == captures + 1
     assert during and not any(during)  # collections ran, none of them inside the capture
     page_lock(torch.zeros(1000, 16))  # host memory locks as before
+
+
+def _packed_batch() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A buffer holding tensors of several dtypes and layouts, as a DataLoader worker's batch
+    does, and the tensors: four near each other, one far off, one of its own storage."""
+    buffer = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    ids = buffer[0:64].view(torch.int64)
+    weights = buffer[64:96].view(torch.float32)
+    matrix = buffer[96:144].view(torch.float32).view(3, 4).t()  # strided
+    labels = buffer[160:176].view(torch.float32)  # a gap of 16 bytes before it
+    far = buffer[8000:8016].view(torch.int32)
+    return buffer, [matrix, ids, torch.ones(5), weights, far, labels]
+
+
+def test_tensors_lying_near_each_other_in_one_storage_form_one_span():
+    _, tensors = _packed_batch()
+    (span,) = devices.storage_spans(tensors)
+    assert span.members == (1, 3, 0, 5) and (span.start, span.end) == (0, 176)
+    assert span.offsets == (0, 64, 96, 160) and span.nbytes == 176
+    # a run takes a tensor only across a gap no larger than the bytes it holds
+    assert devices.storage_spans([tensors[1], tensors[4]]) == []
+    # a tensor needing a gradient keeps its history: left out, unless asked for
+    grad = torch.zeros(8, requires_grad=True)
+    assert devices.storage_spans([grad[:4], grad[4:]]) == []
+    assert devices.storage_spans([grad[:4], grad[4:]], with_grad=True)[0].members == (0, 1)
+
+
+def test_a_spans_bytes_copied_once_give_every_member_back_as_it_lay():
+    buffer, tensors = _packed_batch()
+    (span,) = devices.storage_spans(tensors)
+    copy = span.source(buffer.untyped_storage()).clone()  # what to_device moves in one piece
+    assert copy.dtype == torch.uint8 and copy.numel() == span.nbytes
+    views = span.views(copy, tensors)
+    for i, view in zip(span.members, views):
+        t = tensors[i]
+        assert view.dtype == t.dtype and view.shape == t.shape and view.stride() == t.stride()
+        assert torch.equal(view, t) and view.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr()
+    # on the device it already is on, a tensor stays itself
+    assert all(a is b for a, b in zip(devices.to_device(tensors, torch.device("cpu")), tensors))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a copy to a GPU")
+def test_a_packed_batch_moves_to_the_gpu_in_one_copy():
+    buffer, tensors = _packed_batch()
+    pinned = buffer.pin_memory()
+    moved_from = [pinned.untyped_storage()]  # the tensors as views of the pinned buffer
+    placed = [
+        torch.empty(0, dtype=t.dtype).set_(moved_from[0], t.storage_offset(), t.shape, t.stride()) for t in tensors
+    ]
+    placed[2] = tensors[2]  # of its own storage
+    moved = devices.to_device(placed, torch.device("cuda"))
+    for t, m in zip(tensors, moved):
+        assert m.is_cuda and m.dtype == t.dtype and m.shape == t.shape and torch.equal(m.cpu(), t)
+    one = {moved[i].untyped_storage().data_ptr() for i in (0, 1, 3, 5)}
+    assert len(one) == 1 and moved[4].untyped_storage().data_ptr() not in one

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dynarec.devices import to_device
+
 __all__ = ["align_sequences", "model_inputs", "pool_elements"]
 
 
@@ -62,10 +64,13 @@ def model_inputs(
     up in the ``embeddings`` collection; a sequence of several ids an element pooled per element
     by ``element_pooling[name]``. Training, export and serving all go through here, so exported
     predictions see exactly the inputs eval does."""
-    dense = {k: v.to(device, non_blocking=True) for k, v in batch.dense.items()}
+    # One copy for the batch's tensors that lie in one buffer (a DataLoader worker's batch)
+    host_lengths = batch.sequence_lengths(sequence_features)
+    moved = iter(to_device([*batch.dense.values(), *host_lengths.values()], torch.device(device)))
+    dense = {k: next(moved) for k in batch.dense}
+    lengths = {k: next(moved) for k in host_lengths}
     emb = embeddings(batch.sparse)
     for name, pooling in (element_pooling or {}).items():
         emb[name] = pool_elements(emb[name], batch.element_lengths[name].to(device, non_blocking=True), pooling)
     emb, dense = align_sequences(emb, dense, sequence_features)
-    lengths = {k: v.to(device, non_blocking=True) for k, v in batch.sequence_lengths(sequence_features).items()}
     return emb, lengths, dense

@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dynarec.devices import capturing
+from dynarec.devices import StorageSpan, capturing, storage_spans
 
 __all__ = ["DenseGraphs"]
 
@@ -63,7 +63,7 @@ class _Captured:
     where none is needed)."""
 
     def __init__(self, dense: nn.Module, params: Sequence[nn.Parameter], inputs: Inputs, pool: Any):
-        self.inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in _flat(inputs)]
+        self.inputs, self.spans = _static_inputs(_flat(inputs))
         values = iter(self.inputs)
         sample = tuple({k: next(values) for k in d} for d in inputs)
         surface = [*self.inputs, *params]
@@ -114,15 +114,68 @@ class _Captured:
         # stream) is released.
         self.outputs = [o.detach() for o in outputs]
 
+    def copy_inputs(self, given: Sequence[torch.Tensor]) -> None:
+        """The static inputs take the values of ``given`` (the inputs, then anything): the
+        members of a span in one copy where they lie in one storage as they did when captured
+        (the features' pooled outputs of one lookup, a batch's features copied in one piece),
+        the others one by one (none where ``given`` is the static tensor itself)."""
+        copied: set[int] = set()
+        for span, buffer in self.spans:
+            start = _span_start(span, given, self.inputs)
+            if start is not None:
+                storage = given[span.members[0]].untyped_storage()
+                if storage.data_ptr() + start != buffer.data_ptr():
+                    buffer.copy_(span.source(storage, start))
+                copied.update(span.members)
+        for i, (static, g) in enumerate(zip(self.inputs, given)):
+            if i not in copied and static.data_ptr() != g.data_ptr():
+                static.copy_(g)
+
+
+def _static_inputs(
+    inputs: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[tuple[StorageSpan, torch.Tensor]]]:
+    """A graph's static inputs, holding the values of ``inputs``: tensors that lie in one
+    storage (:func:`~dynarec.devices.storage_spans`) are views of one buffer laid out as they
+    are, so that a replay copies them in one piece; ``[(span, its buffer)]``."""
+    static: list[Optional[torch.Tensor]] = [None] * len(inputs)
+    spans = []
+    for span in storage_spans(inputs, with_grad=True):
+        first = inputs[span.members[0]]
+        buffer = span.source(first.untyped_storage()).clone()
+        for i, view in zip(span.members, span.views(buffer, inputs)):
+            static[i] = view.requires_grad_(inputs[i].requires_grad)
+        spans.append((span, buffer))
+    out = [s if s is not None else t.detach().clone().requires_grad_(t.requires_grad) for s, t in zip(static, inputs)]
+    return out, spans
+
+
+def _span_start(span: StorageSpan, given: Sequence[torch.Tensor], static: Sequence[torch.Tensor]) -> Optional[int]:
+    """Where ``span`` starts in the storage of the ``given`` tensors, where they all lie in it
+    as the span's members do in ``static`` (offsets and strides); else None."""
+    first = given[span.members[0]]
+    storage = first.untyped_storage()
+    start = int(first.storage_offset()) * first.element_size() - span.offsets[0]
+    if start < 0 or start + span.nbytes > storage.nbytes():
+        return None
+    ptr = storage.data_ptr()
+    for i, offset in zip(span.members, span.offsets):
+        g = given[i]
+        if (
+            g.untyped_storage().data_ptr() != ptr
+            or g.storage_offset() * g.element_size() != start + offset
+            or g.stride() != static[i].stride()
+        ):
+            return None
+    return start
+
 
 class _Replay(torch.autograd.Function):
     """A captured forward as one autograd node whose backward is the captured backward."""
 
     @staticmethod
     def forward(ctx, captured: _Captured, *surface: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for static, given in zip(captured.inputs, surface):
-            if static.data_ptr() != given.data_ptr():
-                static.copy_(given)
+        captured.copy_inputs(surface)
         captured.forward.replay()
         ctx.captured = captured
         return tuple(o.detach() for o in captured.outputs)

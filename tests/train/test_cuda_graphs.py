@@ -75,6 +75,54 @@ def test_replays_equal_eager_passes():
     assert graphs.replays == len(shapes)
 
 
+def _packed_inputs(batch: int, length: int, seed: int):
+    """``_inputs``' values laid out as a step gives them: the embeddings views of one pooled
+    output (its leaf returned too), the dense feature and the lengths views of one byte buffer."""
+    emb, lengths, dense = _inputs(batch, length, seed)
+    pooled = torch.cat([emb["user"].detach().flatten(), emb["hist"].detach().flatten()]).requires_grad_()
+    views = {"user": pooled[: batch * 4].view(batch, 4), "hist": pooled[batch * 4 :].view(batch, length, 4)}
+    buffer = torch.empty(batch * 12, dtype=torch.uint8, device="cuda")
+    price, lens = buffer[: batch * 4].view(torch.float32), buffer[batch * 4 :].view(torch.int64)
+    price.copy_(dense["price"])
+    lens.copy_(lengths["hist"])
+    return (views, {"hist": lens}, {"price": price}), pooled
+
+
+@needs_cuda
+def test_inputs_lying_in_one_storage_are_copied_in_one_piece_and_replay_as_eagerly():
+    """The features' outputs of one lookup, and a batch's tensors copied as one buffer, fill the
+    graph's static inputs in one copy each; steps alternating that layout with inputs of their
+    own give what eager passes give."""
+    torch.manual_seed(0)
+    eager = _Dense().cuda()
+    graphed_model = copy.deepcopy(eager)
+    graphs = DenseGraphs(graphed_model)
+    for i in range(6):
+        packed = i % 3 != 2
+        if packed:
+            inputs, pooled = _packed_inputs(64, 5, i)
+            eager_inputs, eager_pooled = _packed_inputs(64, 5, i)
+        else:
+            inputs, eager_inputs = _inputs(64, 5, i), _inputs(64, 5, i)
+        torch.manual_seed(100 + i)
+        want = eager(*eager_inputs)
+        (want.square().mean() + want.mean()).backward()
+        torch.manual_seed(100 + i)
+        got = graphs(*inputs)
+        (got.square().mean() + got.mean()).backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if packed:
+            torch.testing.assert_close(pooled.grad, eager_pooled.grad, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(eager.named_parameters(), graphed_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"step {i}: {name}")
+        eager.zero_grad(set_to_none=True)
+        graphed_model.zero_grad(set_to_none=True)
+    (captured,) = graphs._graphs.values()
+    # captured on packed inputs: two spans, the embeddings' and the buffer's, two members each
+    assert sorted(len(span.members) for span, _ in captured.spans) == [2, 2]
+    assert graphs.num_graphs == 1 and graphs.replays == 6
+
+
 @needs_cuda
 def test_signatures_beyond_the_limit_run_eagerly():
     torch.manual_seed(0)
