@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "HostMemoryError",
     "StorageSpan",
+    "byte_offset",
     "capturing",
     "check_device",
     "page_lock",
@@ -135,25 +136,30 @@ def storage_spans(tensors: Sequence[torch.Tensor], with_grad: bool = False) -> l
     by_storage: dict[tuple[int, torch.device], list[tuple[int, int, int]]] = {}
     for i, t in enumerate(tensors):
         if t.numel() and (with_grad or not t.requires_grad):
-            start = int(t.storage_offset()) * t.element_size()
+            start = byte_offset(t)
             key = (t.untyped_storage().data_ptr(), t.device)
             by_storage.setdefault(key, []).append((start, start + _extent(t), i))
     spans = []
     for placed in by_storage.values():
         placed.sort()
         run: list[tuple[int, int, int]] = []
+        run_end = run_bytes = 0
         for start, end, i in [*placed, (-1, -1, -1)]:  # a sentinel ends the last run
-            if run and start >= 0 and start - max(e for _, e, _ in run) <= sum(e - s for s, e, _ in run):
+            if run and start >= 0 and start - run_end <= run_bytes:
                 run.append((start, end, i))
+                run_end, run_bytes = max(run_end, end), run_bytes + end - start
                 continue
             if len(run) > 1:
                 first = run[0][0] // _ALIGN * _ALIGN
                 members = tuple(i for _, _, i in run)
-                spans.append(
-                    StorageSpan(members, first, max(e for _, e, _ in run), tuple(s - first for s, _, _ in run))
-                )
-            run = [(start, end, i)]
+                spans.append(StorageSpan(members, first, run_end, tuple(s - first for s, _, _ in run)))
+            run, run_end, run_bytes = [(start, end, i)], end, end - start
     return spans
+
+
+def byte_offset(t: torch.Tensor) -> int:
+    """Where ``t`` starts in its storage, in bytes."""
+    return int(t.storage_offset()) * t.element_size()
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -167,10 +173,9 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, non_blockin
     bytes they span copied at once, each tensor then a view of the copy where it lay."""
     out = list(tensors)
     moving = [i for i, t in enumerate(tensors) if t.device != device]
-    for span in storage_spans([tensors[i] for i in moving]):
-        first = tensors[moving[span.members[0]]]
-        copy = span.source(first.untyped_storage()).to(device, non_blocking=non_blocking)
-        like = [tensors[i] for i in moving]
+    like = [tensors[i] for i in moving]
+    for span in storage_spans(like):
+        copy = span.source(like[span.members[0]].untyped_storage()).to(device, non_blocking=non_blocking)
         for member, view in zip(span.members, span.views(copy, like)):
             out[moving[member]] = view
     for i in moving:

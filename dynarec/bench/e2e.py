@@ -58,7 +58,7 @@ import yaml
 from torch import nn
 
 from dynarec.bench.common import cached_click_log, cached_config_data, same_dynarec
-from dynarec.bench.train import _PlainTorchModel, _tensorize
+from dynarec.bench.train import _PlainTorchModel, _tensorize, one_table_rows
 from dynarec.data.generate import GenerateSpec
 from dynarec.data.synthetic import SyntheticSpec
 
@@ -81,7 +81,14 @@ def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
     )
 
 
-def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, workers: Optional[int]) -> dict[str, Any]:
+def e2e_config(
+    spec: SyntheticSpec,
+    data_dir: Path,
+    batch: int,
+    epochs: int,
+    workers: Optional[int],
+    cache_batches: bool = False,
+) -> dict[str, Any]:
     """The demo config over ``spec``'s string ids: the user table's capacity twice the users
     (a power of two), item and category ids hashed into twice as many rows as there are items and
     categories; the run's settings as :func:`run_settings`."""
@@ -95,7 +102,7 @@ def e2e_config(spec: SyntheticSpec, data_dir: Path, batch: int, epochs: int, wor
             ids = spec.num_items if feature["embedding_name"] == "item" else spec.num_cates
             del feature["num_buckets"]
             feature.update(value_type="string", hash_bucket_size=2 * ids)
-    return run_settings(raw, data_dir, batch, epochs, workers)
+    return run_settings(raw, data_dir, batch, epochs, workers, cache_batches)
 
 
 def run_settings(
@@ -181,9 +188,7 @@ class _Peer:
         }
         self.key_rows = max(dynamic.values(), default=0)
         sequences = [f.feature_name for f in config.features() if isinstance(f, SequenceFeatureCfg)]
-        offsets = (
-            _PlainTorchModel(config, self.key_rows, torch.device("meta"), one_table).offsets if one_table else None
-        )
+        offsets = one_table_rows(config, self.key_rows)[0] if one_table else None
 
         def tensorized(path, batch_size: int) -> list[dict[str, Any]]:
             out = []
@@ -254,9 +259,7 @@ def bench_e2e(args) -> dict:
     if args.config is None:
         spec = e2e_spec(args.train_rows, eval_rows)
         data_dir = cached_click_log(spec)
-        raw = e2e_config(spec, data_dir, args.batch, args.epochs, args.workers)
-        if args.cache_batches:
-            raw["data"]["cache_batches"] = True
+        raw = e2e_config(spec, data_dir, args.batch, args.epochs, args.workers, args.cache_batches)
         data: dict[str, Any] = {"spec": asdict(spec)}
         rows_are = "Taobao-like rows (string ids, histories of 30)"
     else:

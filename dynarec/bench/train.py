@@ -64,21 +64,14 @@ class _PlainTorchModel(nn.Module):
         self.tables = nn.ModuleDict()
         self.table_of: dict[str, str] = {}
         self.offsets: dict[str, int] = {}  # one_table: each feature's first row
-        tables = plan_from_config(config).table_configs()
-        rows = {t.name: t.num_embeddings if t.num_embeddings is not None else key_rows for t in tables}
         if one_table:
-            dims = {t.dim for t in tables}
-            if len(dims) != 1:
-                raise ValueError(f"one table holds rows of one dim; the config's tables have dims {sorted(dims)}")
-            start = 0
-            for t in tables:
-                for f in t.feature_configs:
-                    self.table_of[f.name], self.offsets[f.name] = "all", start
-                start += rows[t.name]
-            self.tables["all"] = nn.Embedding(start, dims.pop(), sparse=True, device=device)
+            self.offsets, num_rows, dim = one_table_rows(config, key_rows)
+            self.table_of = dict.fromkeys(self.offsets, "all")
+            self.tables["all"] = nn.Embedding(num_rows, dim, sparse=True, device=device)
         else:
-            for t in tables:
-                self.tables[t.name] = nn.Embedding(rows[t.name], t.dim, sparse=True, device=device)
+            for t in plan_from_config(config).table_configs():
+                rows = t.num_embeddings if t.num_embeddings is not None else key_rows
+                self.tables[t.name] = nn.Embedding(rows, t.dim, sparse=True, device=device)
                 for f in t.feature_configs:
                     self.table_of[f.name] = t.name
         self.dense = build_model(config).to(device)
@@ -93,6 +86,23 @@ class _PlainTorchModel(nn.Module):
             e = self.tables[self.table_of[name]](ids)
             emb[name] = e if mask is None else e * mask[..., None]
         return self.dense(emb, inputs["lengths"], inputs["dense"])
+
+
+def one_table_rows(config, key_rows: int) -> tuple[dict[str, int], int, int]:
+    """Every table of ``config`` in one table of rows (a dynamic table as ``key_rows`` rows):
+    ``(each feature's first row, the rows in all, their dim)``; ValueError where the tables'
+    dims differ."""
+    from dynarec.planner import plan_from_config
+
+    tables = plan_from_config(config).table_configs()
+    dims = {t.dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"one table holds rows of one dim; the config's tables have dims {sorted(dims)}")
+    offsets, start = {}, 0
+    for t in tables:
+        offsets.update(dict.fromkeys((f.name for f in t.feature_configs), start))
+        start += t.num_embeddings if t.num_embeddings is not None else key_rows
+    return offsets, start, dims.pop()
 
 
 def _tensorize(

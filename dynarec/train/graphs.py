@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dynarec.devices import StorageSpan, capturing, storage_spans
+from dynarec.devices import StorageSpan, byte_offset, capturing, storage_spans
 
 __all__ = ["DenseGraphs"]
 
@@ -121,9 +121,9 @@ class _Captured:
         the others one by one (none where ``given`` is the static tensor itself)."""
         copied: set[int] = set()
         for span, buffer in self.spans:
-            start = _span_start(span, given, self.inputs)
+            storage = given[span.members[0]].untyped_storage()
+            start = _span_start(span, storage, given, self.inputs)
             if start is not None:
-                storage = given[span.members[0]].untyped_storage()
                 if storage.data_ptr() + start != buffer.data_ptr():
                     buffer.copy_(span.source(storage, start))
                 copied.update(span.members)
@@ -150,12 +150,13 @@ def _static_inputs(
     return out, spans
 
 
-def _span_start(span: StorageSpan, given: Sequence[torch.Tensor], static: Sequence[torch.Tensor]) -> Optional[int]:
-    """Where ``span`` starts in the storage of the ``given`` tensors, where they all lie in it
-    as the span's members do in ``static`` (offsets and strides); else None."""
-    first = given[span.members[0]]
-    storage = first.untyped_storage()
-    start = int(first.storage_offset()) * first.element_size() - span.offsets[0]
+def _span_start(
+    span: StorageSpan, storage: torch.UntypedStorage, given: Sequence[torch.Tensor], static: Sequence[torch.Tensor]
+) -> Optional[int]:
+    """Where ``span`` starts in ``storage`` (its first member's in ``given``), where the
+    ``given`` tensors all lie in it as the span's members do in ``static`` (offsets and
+    strides); else None."""
+    start = byte_offset(given[span.members[0]]) - span.offsets[0]
     if start < 0 or start + span.nbytes > storage.nbytes():
         return None
     ptr = storage.data_ptr()
@@ -163,7 +164,7 @@ def _span_start(span: StorageSpan, given: Sequence[torch.Tensor], static: Sequen
         g = given[i]
         if (
             g.untyped_storage().data_ptr() != ptr
-            or g.storage_offset() * g.element_size() != start + offset
+            or byte_offset(g) != start + offset
             or g.stride() != static[i].stride()
         ):
             return None
