@@ -180,6 +180,8 @@ def test_a_worker_failing_lets_the_workers_waiting_for_its_rows_fail_with_its_er
     the training process, and no worker waits for the rows it never wrote."""
     import errno
 
+    if torch.cuda.is_initialized():  # workers then start from a fork server, which the patch below does not reach
+        pytest.skip("the failing write is patched into this process: it reaches forked workers only")
     monkeypatch.setattr(shared_decode, "WAIT_TIMEOUT_S", 20.0)  # a wait would surface as a TimeoutError
     real = shared_decode.write_atomic
 
