@@ -95,6 +95,7 @@ class TableGroup:
         self.store = PackedRowStore(shapes, spec, device, reducer(self.name, rows))
         self.tables: list[FixedTable] = []
         self.bases: list[int] = []
+        self._shifts: dict[tuple, torch.Tensor] = {}  # _shift's, by the features' id counts
         base = 0
         for i, (config, (n, _)) in enumerate(zip(configs, shapes)):
             store = RowStoreSlice(self.store, i, reducer(config.name, n))
@@ -135,13 +136,28 @@ class TableGroup:
                 num_ids += s.num_ids
             parts.append((num_bags, num_ids))
         bags, layout = pack(inputs, dims if self.store.layout is not None else None)
-        device = bags.ids.device
-        shift = torch.repeat_interleave(
-            torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True),
-            torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
-            output_size=bags.ids.numel(),
-        )
-        return GroupBags(bags.ids + shift, bags.offsets, bags.weights, tuple(parts)), layout
+        return GroupBags(
+            bags.ids + self._shift(bases, counts, bags.ids.device), bags.offsets, bags.weights, tuple(parts)
+        ), layout
+
+    def _shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+        """``[sum(counts)]`` int64: each feature's base, once for each of its ids (``counts``); kept
+        for the next batches of the same counts (a batch of one id a feature, say: every step's),
+        which then copy and launch nothing for it. Read-only: a step adds it to its ids."""
+        # One a stream: a tensor is used on the stream it was made on, so dropping it is safe.
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+        key = (tuple(counts), device, stream)
+        shift = self._shifts.get(key)
+        if shift is None:
+            shift = torch.repeat_interleave(
+                torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True),
+                torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
+                output_size=sum(counts),
+            )
+            if len(self._shifts) >= 8:  # counts that vary from batch to batch: keep the latest few
+                self._shifts.pop(next(iter(self._shifts)))
+            self._shifts[key] = shift
+        return shift
 
     def find(self, bags: Bags) -> Optional[FoundKeys]:
         return None  # fixed tables: ids are rows

@@ -213,13 +213,14 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
         raise ValueError(f"lengths add up to {total} ids but values holds {values.numel()}")
     if weights is not None and weights.numel() != values.numel():
         raise ValueError(f"weights has {weights.numel()} entries, values {values.numel()}")
-    values, lengths = values.long(), lengths.long()
-    per_key = lengths.view(len(keys), -1) if keys else lengths.view(0, 0)
-    out: dict[str, FeatureSlice] = {}
-    start = 0
-    for i, key in enumerate(keys):
-        n = stats.length_per_key[i]
-        w = None if weights is None else weights[start : start + n].float()
-        out[key] = FeatureSlice(key, values[start : start + n], per_key[i], w, n, stats.max_length_per_key[i])
-        start += n
-    return out
+    if not keys:
+        return {}
+    # one split a tensor (views), not a slice a feature: this runs on every step's path
+    sizes = list(stats.length_per_key)
+    per_key = lengths.long().view(len(keys), -1).unbind(0)
+    ids = values.long().split(sizes)
+    w = weights.float().split(sizes) if weights is not None else (None,) * len(keys)
+    return {
+        key: FeatureSlice(key, ids[i], per_key[i], w[i], sizes[i], stats.max_length_per_key[i])
+        for i, key in enumerate(keys)
+    }

@@ -31,8 +31,9 @@ gradient accumulator then belongs to the training stream, not to the capture's).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -57,20 +58,32 @@ def _flat(inputs: Inputs) -> list[torch.Tensor]:
 
 
 class _Captured:
-    """One signature's forward and backward graphs with their static tensors: ``inputs`` (copied
-    into before a replay), ``outputs`` (the forward's, flattened), ``grad_outputs`` (copied into
-    before the backward's replay) and ``grad_inputs`` (for ``inputs`` then the parameters; None
-    where none is needed)."""
+    """One signature's forward and backward graphs with their static tensors: ``inputs`` (the
+    flattened inputs' static copies, copied into before a replay; None for a group's members),
+    ``groups`` (inputs that are consecutive pieces of one tensor, as the features' pooled
+    outputs of one lookup are: each a static leaf that the captured forward cuts into its
+    members, so that a replay takes the one tensor and gives back its one gradient),
+    ``outputs`` (the forward's, flattened), ``grad_outputs`` (copied into before the backward's
+    replay) and ``grad_inputs`` (for the :meth:`surface`, then the parameters; None where none
+    is needed)."""
 
     def __init__(self, dense: nn.Module, params: Sequence[nn.Parameter], inputs: Inputs, pool: Any):
-        self.inputs, self.spans = _static_inputs(_flat(inputs))
-        values = iter(self.inputs)
-        sample = tuple({k: next(values) for k in d} for d in inputs)
-        surface = [*self.inputs, *params]
+        flat = _flat(inputs)
+        self.keys = [list(d) for d in inputs]
+        self.groups = [_Group(flat, members) for members in _split_groups(flat)]
+        grouped = {i for g in self.groups for i in g.members}
+        self.inputs, self.spans = _static_inputs(flat, grouped)
+        # the inputs needing a gradient outside the groups: autograd inputs of the replay
+        self.grad_members = [i for i, t in enumerate(flat) if t.requires_grad and i not in grouped]
+        surface = [
+            *(g.leaf for g in self.groups),
+            *(t for t in self.inputs if t is not None and t.requires_grad),
+            *params,
+        ]
         wanted = [t for t in surface if t.requires_grad]
 
         def passes() -> tuple[list[torch.Tensor], Any, tuple[Optional[torch.Tensor], ...]]:
-            outputs, spec = tree_flatten(dense(*sample))
+            outputs, spec = tree_flatten(dense(*self._sample()))
             live = [o for o in outputs if o.requires_grad]
             grad_outputs = [torch.ones_like(o) for o in live]
             grads = torch.autograd.grad(live, wanted, grad_outputs, allow_unused=True) if live else ()
@@ -89,7 +102,7 @@ class _Captured:
 
         self.forward = torch.cuda.CUDAGraph()
         with capturing(), torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
-            outputs, self.spec = tree_flatten(dense(*sample))
+            outputs, self.spec = tree_flatten(dense(*self._sample()))
         live = [o for o in outputs if o.requires_grad]
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         self.backward = torch.cuda.CUDAGraph()
@@ -114,44 +127,147 @@ class _Captured:
         # stream) is released.
         self.outputs = [o.detach() for o in outputs]
 
-    def copy_inputs(self, given: Sequence[torch.Tensor]) -> None:
-        """The static inputs take the values of ``given`` (the inputs, then anything): the
-        members of a span in one copy where they lie in one storage as they did when captured
-        (the features' pooled outputs of one lookup, a batch's features copied in one piece),
-        the others one by one (none where ``given`` is the static tensor itself)."""
+    def _sample(self) -> Inputs:
+        """The dense model's arguments made of the static inputs, each group's members cut from
+        its leaf (views: no kernel, and autograd takes the leaf's gradient through them)."""
+        flat = list(self.inputs)
+        for group in self.groups:
+            for i, piece in zip(group.members, group.pieces(group.leaf)):
+                flat[i] = piece
+        values = iter(cast(list[torch.Tensor], flat))  # every None was a group's member
+        return tuple({k: next(values) for k in keys} for keys in self.keys)
+
+    def surface(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The replay's autograd inputs from the given flattened inputs: each group's tensor
+        (their base where they are its pieces as captured, else their concatenation), then the
+        other inputs needing a gradient."""
+        return [*(g.given(flat) for g in self.groups), *(flat[i] for i in self.grad_members)]
+
+    def copy_inputs(self, flat: Sequence[torch.Tensor], groups: Sequence[torch.Tensor]) -> None:
+        """The static inputs take the values of ``flat`` (the given inputs) and the groups' leaves
+        those of ``groups`` (:meth:`surface`'s first): the members of a span in one copy where
+        they lie in one storage as they did when captured (a batch's features copied in one
+        piece), the others one by one (none where a given tensor is the static one itself)."""
+        for group, given in zip(self.groups, groups):
+            if given.data_ptr() != group.leaf.data_ptr():
+                group.leaf.copy_(given)
         copied: set[int] = set()
         for span, buffer in self.spans:
-            storage = given[span.members[0]].untyped_storage()
-            start = _span_start(span, storage, given, self.inputs)
+            storage = flat[span.members[0]].untyped_storage()
+            start = _span_start(span, storage, flat, self.inputs)
             if start is not None:
                 if storage.data_ptr() + start != buffer.data_ptr():
                     buffer.copy_(span.source(storage, start))
                 copied.update(span.members)
-        for i, (static, g) in enumerate(zip(self.inputs, given)):
-            if i not in copied and static.data_ptr() != g.data_ptr():
+        for i, (static, g) in enumerate(zip(self.inputs, flat)):
+            if static is not None and i not in copied and static.data_ptr() != g.data_ptr():
                 static.copy_(g)
 
 
+class _Group:
+    """Inputs needing a gradient that are consecutive pieces of one contiguous tensor, covering
+    it (``members``: their positions in the flattened inputs, in the tensor's order), as a
+    graph's one static leaf of that tensor's shape."""
+
+    def __init__(self, flat: Sequence[torch.Tensor], members: tuple[int, ...]):
+        base = flat[members[0]]._base
+        assert base is not None
+        self.members = members
+        self.sizes = [flat[i].numel() for i in members]
+        self.shapes = [flat[i].shape for i in members]
+        self.offsets = [flat[i].storage_offset() - base.storage_offset() for i in members]
+        self.leaf = base.detach().clone().requires_grad_()
+
+    def pieces(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        return [p.view(shape) for p, shape in zip(whole.view(-1).split(self.sizes), self.shapes)]
+
+    def given(self, flat: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The group's tensor in the given inputs: the members' base where they are its pieces as
+        captured (no copy; its gradient comes back whole), else their concatenation."""
+        base = flat[self.members[0]]._base
+        if (
+            base is not None
+            and base.shape == self.leaf.shape
+            and all(
+                flat[i]._base is base
+                and _piece_of(flat[i], base)
+                and flat[i].storage_offset() - base.storage_offset() == offset
+                for i, offset in zip(self.members, self.offsets)
+            )
+        ):
+            return base
+        return torch.cat([flat[i].reshape(-1) for i in self.members]).view(self.leaf.shape)
+
+
+def _piece_of(t: torch.Tensor, base: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` is a contiguous view of the contiguous ``base`` (its ``_base``) whose
+    gradient autograd takes to ``base``."""
+    return (
+        base is not None
+        and base.requires_grad
+        and t.grad_fn is not None
+        and t.dtype == base.dtype
+        and t.is_contiguous()
+        and base.is_contiguous()
+    )
+
+
+def _split_groups(flat: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """Runs of two or more inputs needing a gradient that are consecutive contiguous pieces of
+    one contiguous tensor and cover it exactly (what ``torch.split`` of a lookup's output
+    gives), each in the tensor's order."""
+    by_base: dict[int, list[int]] = {}
+    for i, t in enumerate(flat):
+        base = t._base
+        if _piece_of(t, base):
+            by_base.setdefault(id(base), []).append(i)
+    groups = []
+    for members in by_base.values():
+        if len(members) < 2:
+            continue
+        base = flat[members[0]]._base
+        assert base is not None
+        order = sorted(members, key=lambda i: flat[i].storage_offset())
+        at = base.storage_offset()
+        for i in order:
+            if flat[i].storage_offset() != at:
+                break
+            at += flat[i].numel()
+        else:
+            if at == base.storage_offset() + base.numel():
+                groups.append(tuple(order))
+    return groups
+
+
 def _static_inputs(
-    inputs: Sequence[torch.Tensor],
-) -> tuple[list[torch.Tensor], list[tuple[StorageSpan, torch.Tensor]]]:
-    """A graph's static inputs, holding the values of ``inputs``: tensors that lie in one
-    storage (:func:`~dynarec.devices.storage_spans`) are views of one buffer laid out as they
-    are, so that a replay copies them in one piece; ``[(span, its buffer)]``."""
+    inputs: Sequence[torch.Tensor], skip: set[int]
+) -> tuple[list[Optional[torch.Tensor]], list[tuple[StorageSpan, torch.Tensor]]]:
+    """A graph's static inputs, holding the values of ``inputs`` (None at the positions in
+    ``skip``): tensors that lie in one storage (:func:`~dynarec.devices.storage_spans`) are
+    views of one buffer laid out as they are, so that a replay copies them in one piece;
+    ``[(span, its buffer)]``, its members indexing ``inputs``."""
+    kept = [i for i in range(len(inputs)) if i not in skip]
     static: list[Optional[torch.Tensor]] = [None] * len(inputs)
     spans = []
-    for span in storage_spans(inputs, with_grad=True):
+    for span in storage_spans([inputs[i] for i in kept], with_grad=True):
+        span = dataclasses.replace(span, members=tuple(kept[m] for m in span.members))
         first = inputs[span.members[0]]
         buffer = span.source(first.untyped_storage()).clone()
         for i, view in zip(span.members, span.views(buffer, inputs)):
             static[i] = view.requires_grad_(inputs[i].requires_grad)
         spans.append((span, buffer))
-    out = [s if s is not None else t.detach().clone().requires_grad_(t.requires_grad) for s, t in zip(static, inputs)]
-    return out, spans
+    for i in kept:
+        if static[i] is None:
+            t = inputs[i]
+            static[i] = t.detach().clone().requires_grad_(t.requires_grad)
+    return static, spans
 
 
 def _span_start(
-    span: StorageSpan, storage: torch.UntypedStorage, given: Sequence[torch.Tensor], static: Sequence[torch.Tensor]
+    span: StorageSpan,
+    storage: torch.UntypedStorage,
+    given: Sequence[torch.Tensor],
+    static: Sequence[Optional[torch.Tensor]],
 ) -> Optional[int]:
     """Where ``span`` starts in ``storage`` (its first member's in ``given``), where the
     ``given`` tensors all lie in it as the span's members do in ``static`` (offsets and
@@ -161,22 +277,27 @@ def _span_start(
         return None
     ptr = storage.data_ptr()
     for i, offset in zip(span.members, span.offsets):
-        g = given[i]
+        g, s = given[i], static[i]
         if (
-            g.untyped_storage().data_ptr() != ptr
+            s is None
+            or g.untyped_storage().data_ptr() != ptr
             or byte_offset(g) != start + offset
-            or g.stride() != static[i].stride()
+            or g.stride() != s.stride()
         ):
             return None
     return start
 
 
 class _Replay(torch.autograd.Function):
-    """A captured forward as one autograd node whose backward is the captured backward."""
+    """A captured forward as one autograd node whose backward is the captured backward: its
+    autograd inputs are the captured :meth:`~_Captured.surface` and the parameters (the inputs
+    needing no gradient come as a plain list, ``flat``, untracked)."""
 
     @staticmethod
-    def forward(ctx, captured: _Captured, *surface: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        captured.copy_inputs(surface)
+    def forward(
+        ctx, captured: _Captured, flat: Sequence[torch.Tensor], *surface: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        captured.copy_inputs(flat, surface[: len(captured.groups)])
         captured.forward.replay()
         ctx.captured = captured
         return tuple(o.detach() for o in captured.outputs)
@@ -194,6 +315,7 @@ class _Replay(torch.autograd.Function):
         # tensor only it holds): correct while each step's gradients are consumed and dropped
         # before the next replay (the trainer's zero_grad(set_to_none=True), no accumulation).
         return (
+            None,
             None,
             *(
                 None if g is None else (g.clone() if copy else g.detach())
@@ -243,7 +365,8 @@ class DenseGraphs:
                 return self.dense(*inputs)
             self._graphs[key] = captured
         self.replays += 1
-        outputs = _Replay.apply(captured, *_flat(inputs), *self._params)
+        flat = _flat(inputs)
+        outputs = _Replay.apply(captured, flat, *captured.surface(flat), *self._params)
         return tree_unflatten(list(outputs), captured.spec)
 
     def _capture(self, inputs: Inputs) -> Optional[_Captured]:

@@ -88,7 +88,8 @@ class Trainer:
         self.evaluator = Evaluator(config, self.task, self.input, self.ctx)
         self.tasks = self.evaluator.tasks
         self._frozen_tables = {f.table_name for f in config.features() if f.embedded and not f.trainable}
-        self.dense_optimizer = config.train.dense_optimizer.build(self.task.dense.parameters())
+        self._dense_params = list(self.task.dense.parameters())  # (a walk of every module: once, not a step)
+        self.dense_optimizer = config.train.dense_optimizer.build(self._dense_params)
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
@@ -315,7 +316,7 @@ class Trainer:
         assert scaler is not None
         (loss * scaler.scale).backward()
         grads = [leaf.grad for _, leaf in held if leaf.grad is not None]
-        dense = [p.grad for p in self.task.dense.parameters() if p.grad is not None]
+        dense = [p.grad for p in self._dense_params if p.grad is not None]
         overflow = scaler.overflowed or not scaler.finite(grads + dense)
         if self.ctx.distributed:
             overflow = self.ctx.any(overflow, f"the gradients' overflow check of step {self.step + 1}")
@@ -330,7 +331,7 @@ class Trainer:
         """The dense optimizer's step on the gradients summed since the last one (unscaled first under
         loss scaling, and skipped where they overflowed; clipped when train.gradient_clipping says
         so), then zeroed."""
-        params = list(self.task.dense.parameters())
+        params = self._dense_params
         take = True
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_(params)

@@ -202,3 +202,28 @@ def test_tables_pack_with_tables_of_their_row_tile_only():
 
     assert key(4, True) == key(16, True) != key(17, True) == key(32, True) != key(64, True)
     assert key(4, False) != key(8, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
+    """Batches whose features hold the same number of ids (one a sample: a Criteo-style step)
+    take each table's row base from one kept tensor, and look up what tables apart do; batches of
+    other counts get their own."""
+
+    def same_counts(g, size):
+        lists = {
+            n: [[int(torch.randint(0, min(r, 1 << 31), (1,), generator=g))] for _ in range(size)]
+            for n, r in ROWS.items()
+        }
+        return JaggedBatch.from_lists(lists)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [same_counts(g, 16) for _ in range(3)] + [batch(g, 16, False)]
+    grouped = EmbeddingCollection(tables(), Adagrad(lr=0.1), device=device)
+    apart = EmbeddingCollection(tables(), Adagrad(lr=0.1), device=device, group_tables=False)
+    exact = device == "cpu" and not packs_rows(torch.device(device))
+    for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
+        assert_outputs(x, y, exact)
+    assert_same(grouped, apart, exact)
+    (group,) = [u for u in grouped._units if hasattr(u, "_shifts")]
+    assert len(group._shifts) == 2  # the three batches of one id a sample share one

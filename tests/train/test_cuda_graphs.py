@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dynarec.config import load_config
-from dynarec.train.graphs import DenseGraphs
+from dynarec.train.graphs import DenseGraphs, _split_groups
 from dynarec.train.trainer import Trainer
 from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import config_dict, make_data, write_config
@@ -75,6 +75,23 @@ def test_replays_equal_eager_passes():
     assert graphs.replays == len(shapes)
 
 
+def test_pieces_of_one_tensor_are_grouped_in_its_order():
+    """What the replay takes as one tensor: contiguous pieces (views needing its gradient) that
+    cover one contiguous tensor, in the tensor's order; nothing else."""
+    whole = (torch.arange(12.0) * 1).requires_grad_()
+    a, b, c = whole.split([4, 4, 4])
+    other = torch.ones(6, requires_grad=True) * 1
+    x, y = other.view(3, 2).unbind(1)  # strided pieces
+    left, _ = other.split([3, 3])
+    assert _split_groups([c.view(2, 2), a, torch.zeros(3), b.view(2, 2)]) == [(1, 3, 0)]
+    assert _split_groups([a, b]) == []  # c is missing: they do not cover it
+    assert _split_groups([x, y]) == []
+    assert _split_groups([left, a.detach().requires_grad_(), b.detach()]) == []
+    with torch.no_grad():
+        d, e = whole.split([6, 6])
+    assert _split_groups([d, e]) == []  # cut without autograd: no gradient reaches the tensor
+
+
 def _packed_inputs(batch: int, length: int, seed: int):
     """``_inputs``' values laid out as a step gives them: the embeddings views of one pooled
     output (its leaf returned too), the dense feature and the lengths views of one byte buffer."""
@@ -109,6 +126,10 @@ def test_inputs_lying_in_one_storage_are_copied_in_one_piece_and_replay_as_eager
         (want.square().mean() + want.mean()).backward()
         torch.manual_seed(100 + i)
         got = graphs(*inputs)
+        if packed:  # the replay's autograd inputs: the embeddings' one tensor, then the parameters
+            edges = got.grad_fn.next_functions
+            assert len(edges) == 1 + len(list(graphed_model.parameters()))
+            assert edges[0][0].variable is pooled
         (got.square().mean() + got.mean()).backward()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         if packed:
@@ -118,8 +139,10 @@ def test_inputs_lying_in_one_storage_are_copied_in_one_piece_and_replay_as_eager
         eager.zero_grad(set_to_none=True)
         graphed_model.zero_grad(set_to_none=True)
     (captured,) = graphs._graphs.values()
-    # captured on packed inputs: two spans, the embeddings' and the buffer's, two members each
-    assert sorted(len(span.members) for span, _ in captured.spans) == [2, 2]
+    # captured on packed inputs: the embeddings one group (pieces of one tensor), the dense
+    # feature and the lengths one span of the buffer (in storage order: the feature first)
+    assert [g.members for g in captured.groups] == [(0, 1)]
+    assert [span.members for span, _ in captured.spans] == [(3, 2)]
     assert graphs.num_graphs == 1 and graphs.replays == 6
 
 
