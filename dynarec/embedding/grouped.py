@@ -147,16 +147,16 @@ class TableGroup:
         # One a stream: a tensor is used on the stream it was made on, so dropping it is safe.
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (tuple(counts), device, stream)
-        shift = self._shifts.get(key)
+        shift = self._shifts.pop(key, None)  # put back last: the least recently used goes first
         if shift is None:
             shift = torch.repeat_interleave(
                 torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True),
                 torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
                 output_size=sum(counts),
             )
-            if len(self._shifts) >= 8:  # counts that vary from batch to batch: keep the latest few
+            if len(self._shifts) >= 4:  # counts that vary from batch to batch: keep the latest few
                 self._shifts.pop(next(iter(self._shifts)))
-            self._shifts[key] = shift
+        self._shifts[key] = shift
         return shift
 
     def find(self, bags: Bags) -> Optional[FoundKeys]:

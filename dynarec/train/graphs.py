@@ -185,12 +185,13 @@ class _Group:
         """The group's tensor in the given inputs: the members' base where they are its pieces as
         captured (no copy; its gradient comes back whole), else their concatenation."""
         base = flat[self.members[0]]._base
+        checked: set[int] = set()
         if (
             base is not None
             and base.shape == self.leaf.shape
             and all(
                 flat[i]._base is base
-                and _piece_of(flat[i], base)
+                and _piece_of(flat[i], base, checked)
                 and flat[i].storage_offset() - base.storage_offset() == offset
                 for i, offset in zip(self.members, self.offsets)
             )
@@ -199,17 +200,46 @@ class _Group:
         return torch.cat([flat[i].reshape(-1) for i in self.members]).view(self.leaf.shape)
 
 
-def _piece_of(t: torch.Tensor, base: Optional[torch.Tensor]) -> bool:
+# Autograd nodes of view ops that cut a tensor into pieces (their names less the trailing digit)
+_VIEW_NODES = frozenset(
+    {"SplitBackward", "SplitWithSizesBackward", "UnbindBackward", "ViewBackward", "SliceBackward", "SelectBackward"}
+)
+
+
+def _piece_of(t: torch.Tensor, base: Optional[torch.Tensor], checked: Optional[set[int]] = None) -> bool:
     """Whether ``t`` is a contiguous view of the contiguous ``base`` (its ``_base``) whose
-    gradient autograd takes to ``base``."""
-    return (
-        base is not None
-        and base.requires_grad
-        and t.grad_fn is not None
-        and t.dtype == base.dtype
-        and t.is_contiguous()
-        and base.is_contiguous()
-    )
+    gradient autograd takes to ``base`` through view ops alone, with no hook of its own: so that
+    handing ``base`` to the replay, and its gradient back to it, skips nothing. ``checked``:
+    autograd nodes already found to lead to ``base`` (pieces of one split share one)."""
+    if (
+        base is None
+        or not base.requires_grad
+        or t.grad_fn is None
+        or t.retains_grad
+        or t._backward_hooks
+        or t.dtype != base.dtype
+        or not t.is_contiguous()
+        or not base.is_contiguous()
+    ):
+        return False
+    fn: Any = t.grad_fn
+    seen = []
+    for _ in range(4):  # a split, then a view or two
+        if checked is not None and id(fn) in checked:
+            break
+        if type(fn).__name__.rstrip("0123456789") not in _VIEW_NODES:
+            return False
+        seen.append(id(fn))
+        (fn, _), *rest = fn.next_functions
+        if rest and any(n is not None for n, _ in rest):
+            return False
+        if fn is not None and (fn is base.grad_fn or getattr(fn, "variable", None) is base):
+            break
+    else:
+        return False
+    if checked is not None:
+        checked.update(seen)
+    return True
 
 
 def _split_groups(flat: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
@@ -300,6 +330,9 @@ class _Replay(torch.autograd.Function):
         captured.copy_inputs(flat, surface[: len(captured.groups)])
         captured.forward.replay()
         ctx.captured = captured
+        # A group given as a leaf (not a lookup's output) gets a gradient of its own memory, as
+        # eagerly: it may outlive the step, which the graph's buffer does not.
+        ctx.leaf_groups = [t.is_leaf for t in surface[: len(captured.groups)]]
         return tuple(o.detach() for o in captured.outputs)
 
     @staticmethod
@@ -314,12 +347,14 @@ class _Replay(torch.autograd.Function):
         # The parameters' .grad take these buffers as they are (autograd's accumulator steals a
         # tensor only it holds): correct while each step's gradients are consumed and dropped
         # before the next replay (the trainer's zero_grad(set_to_none=True), no accumulation).
+        copies = [leaf or copy for leaf, copy in zip(ctx.leaf_groups, captured.copy_grad)]
+        copies += captured.copy_grad[len(copies) :]
         return (
             None,
             None,
             *(
                 None if g is None else (g.clone() if copy else g.detach())
-                for g, copy in zip(captured.grad_inputs, captured.copy_grad)
+                for g, copy in zip(captured.grad_inputs, copies)
             ),
         )
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dynarec.config import load_config
-from dynarec.train.graphs import DenseGraphs, _split_groups
+from dynarec.train.graphs import DenseGraphs, _Group, _split_groups
 from dynarec.train.trainer import Trainer
 from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import config_dict, make_data, write_config
@@ -91,6 +91,33 @@ def test_pieces_of_one_tensor_are_grouped_in_its_order():
         d, e = whole.split([6, 6])
     assert _split_groups([d, e]) == []  # cut without autograd: no gradient reaches the tensor
 
+    class Scaled(torch.autograd.Function):  # a gradient-scaling view: its backward must run
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    f, h = whole.split([6, 6])
+    assert _split_groups([f, Scaled.apply(h)]) == []
+    f, h = whole.split([6, 6])
+    h.register_hook(lambda g: g * 2)
+    assert _split_groups([f, h]) == []
+    f, h = whole.split([6, 6])
+    h.retain_grad()
+    assert _split_groups([f, h]) == []
+    f, h = whole.split([6, 6])
+    assert _split_groups([f.view(2, 3), h]) == [(0, 1)]
+    out = whole * 2  # a lookup's output: not a leaf
+    pieces = list(out.split([5, 7]))
+    (members,) = _split_groups(pieces)
+    group = _Group(pieces, members)
+    assert group.given(pieces) is out
+    apart = [p.detach().clone().requires_grad_() for p in pieces]
+    torch.testing.assert_close(group.given(apart), out)  # others: their concatenation
+
 
 def _packed_inputs(batch: int, length: int, seed: int):
     """``_inputs``' values laid out as a step gives them: the embeddings views of one pooled
@@ -134,6 +161,9 @@ def test_inputs_lying_in_one_storage_are_copied_in_one_piece_and_replay_as_eager
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         if packed:
             torch.testing.assert_close(pooled.grad, eager_pooled.grad, rtol=1e-5, atol=1e-6)
+        else:  # each given their own gradient (the replay took them concatenated)
+            for name, t in inputs[0].items():
+                torch.testing.assert_close(t.grad, eager_inputs[0][name].grad, rtol=1e-5, atol=1e-6, msg=name)
         for (name, p), q in zip(eager.named_parameters(), graphed_model.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=f"step {i}: {name}")
         eager.zero_grad(set_to_none=True)
