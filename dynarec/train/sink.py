@@ -25,7 +25,7 @@ class TrainingLog:
         self.progress = progress and enabled
         self.enabled = enabled
         self.history: dict[str, list] = {"train_loss": [], "eval": []}
-        self._writer: Any = None  # a TensorBoard SummaryWriter, made at the first scalar
+        self._writer: Any = None  # a TensorBoard SummaryWriter, made when the run starts (or at a first scalar)
         self._bar: Any = None  # a tqdm bar, on a terminal
         self._start = time.perf_counter()
         self._start_step = 0
@@ -42,6 +42,9 @@ class TrainingLog:
     # -- a run -------------------------------------------------------------------------------
 
     def start(self, step: int, total_steps: Optional[int]) -> None:
+        """The run's steps start now: its steps/s count from here. TensorBoard's writer is made
+        first (its import, a few tenths of a second, is the run's start, not its first step's)."""
+        self._open_writer()
         self._start, self._start_step = time.perf_counter(), step
         if self.progress and sys.stderr.isatty():
             from tqdm import tqdm
@@ -84,13 +87,16 @@ class TrainingLog:
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.model_dir / "tb"))
+        self._open_writer()
         for k, v in values.items():
             if not (isinstance(v, float) and math.isnan(v)):
                 self._writer.add_scalar(k, v, step)
+
+    def _open_writer(self) -> None:
+        if self.enabled and self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.model_dir / "tb"))
 
     def finish(self, final: dict[str, Any]) -> None:
         """Closes the bar, flushes TensorBoard, writes metrics.json and curves.png."""
