@@ -9,7 +9,11 @@ them than the device takes to run them (about 190 launches and 1.5 ms of device 
 parameters and of the inputs that need them) the first time it meets an input signature (every
 tensor's name, shape, dtype and whether it needs a gradient) and replays them after that, as
 one autograd node: the parameters' gradients reach ``.grad`` as eager autograd's do, and the
-embeddings' gradients flow back into their lookups, whose fused update runs eagerly. The graphs
+embeddings' gradients flow back into their lookups, whose fused update runs eagerly. The
+features' outputs of one lookup (pieces of its one output tensor) enter that node as the one
+tensor, and its gradient leaves it whole: the graph cuts the pieces itself (26 inputs of a DLRM
+become one, and their 26 gradients are not concatenated eagerly); inputs needing no gradient
+enter outside autograd, copied into the graph's buffers in one piece where they lie in one. The graphs
 change no result: the same kernels run on the same inputs, and the capture's warm-up passes
 leave no trace (the model's buffers, batch-norm statistics say, and the random generators are
 restored), so the first replayed step starts from the state an eager step would.
