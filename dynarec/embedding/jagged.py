@@ -47,6 +47,8 @@ class _HostStats:
 
 def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
     if not keys:
+        if lengths.numel():
+            raise ValueError(f"lengths has {lengths.numel()} entries but the batch has no keys")
         return _HostStats((), (), ())
     if lengths.numel() % len(keys) != 0:
         raise ValueError(f"lengths has {lengths.numel()} entries, not a multiple of {len(keys)} keys")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, Initializer, JaggedBatch, TableConfig
+from dynarec.embedding.jagged import split_features
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from dynarec.optim.reference import initial_states
 from tests.matrix import needs_fbgemm
@@ -233,6 +234,14 @@ def test_negative_length_names_feature():
     kjt = JaggedBatch(["f"], torch.tensor([1, 2]), torch.tensor([3, -1]))
     with pytest.raises(ValueError, match="feature 'f' has a negative length"):
         coll(kjt)
+
+
+def test_lengths_that_fit_no_key_are_errors():
+    with pytest.raises(ValueError, match="lengths has 2 entries but the batch has no keys"):
+        split_features(JaggedBatch([], torch.empty(0, dtype=torch.int64), torch.tensor([0, 0])))
+    with pytest.raises(ValueError, match="lengths has 3 entries, not a multiple of 2 keys"):
+        split_features(JaggedBatch(["a", "b"], torch.tensor([5, 6]), torch.tensor([1, 0, 1])))
+    assert split_features(JaggedBatch([], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))) == {}
 
 
 def test_unknown_and_missing_features_are_errors():
