@@ -32,6 +32,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     add_table_step_arguments(p, device="cuda", rows=10_000_000, dim=128, steps=50)
     a = p.parse_args()
+    if a.new_keys:
+        p.error("--new-keys: this tool cycles 4 batches; profile_step.py runs a stream of new keys")
     _, batches, coll = table_step(a)
     update.bag_update = timed("  bag_update (python + launches)", update.bag_update)
     lookup.pooled_forward = timed("  pooled_forward (python + launch)", lookup.pooled_forward)

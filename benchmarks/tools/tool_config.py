@@ -36,12 +36,15 @@ def add_table_step_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     p.add_argument("--bags", type=int, default=65536)
     p.add_argument("--pooling-factor", type=int, default=16)
     p.add_argument("--steps", type=int, default=defaults.get("steps", 5))
+    p.add_argument("--new-keys", type=float, default=0.0, help="the share of a step's ids never seen before")
 
 
 def table_step(a: argparse.Namespace):
-    """``(workload, its 4 batches, a collection of its one table "t" with feature "f", Adagrad)``
-    from :func:`add_table_step_arguments`' options."""
+    """``(workload, its batches, a collection of its one table "t" with feature "f", Adagrad)``
+    from :func:`add_table_step_arguments`' options: 4 batches run cyclically, or with
+    ``--new-keys`` a stream of 4 warm-up batches then one a step (and the prefetch's 2)."""
     w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
-    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device)
+    count = w.num_batches + a.steps + 2 if a.new_keys else None
+    batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device, new_keys=a.new_keys, count=count)
     coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
     return w, batches, coll

@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name in ("fused-step", "dynamic-step", "row-dtype", "hash-find", "sweep", "host-tier"):
             _step_options(p)
             _timing_options(p)
+        if name == "dynamic-step":
+            p.add_argument(
+                "--new-keys",
+                type=float,
+                default=0.05,
+                help="the share of a timed step's ids that are keys the table never saw (0: none)",
+            )
         if name == "host-tier":
             p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")
             p.add_argument("--kind", default="dynamic", choices=["fixed", "dynamic"])

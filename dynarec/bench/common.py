@@ -57,22 +57,46 @@ class Workload:
         return self.bags * self.pooling_factor
 
     def batches(
-        self, keys_over_int64: bool = False, scatter_rows: bool = False, device: str = "cpu"
+        self,
+        keys_over_int64: bool = False,
+        scatter_rows: bool = False,
+        device: str = "cpu",
+        new_keys: float = 0.0,
+        count: Optional[int] = None,
     ) -> list[JaggedBatch]:
         """Batches on the host (pinned where ``device`` is CUDA: the collection validates them
         there, with no device sync, and copies them over asynchronously, as in training), with
         their ids' range computed, as the trainer's data stage computes it in its workers.
         ``keys_over_int64``: ids hashed over the int64 range (dynamic tables);
         ``scatter_rows``: ids hashed over ``[0, num_embeddings)`` (a fixed table whose hot rows
-        are spread like a dynamic table's slots, not packed at the low ids)."""
+        are spread like a dynamic table's slots, not packed at the low ids).
+
+        ``count`` batches (default ``num_batches``): batch ``k`` holds the ids of the
+        ``k % num_batches``-th Zipf draw, and where ``new_keys`` > 0 that share of its positions
+        (the same positions whatever the flags) holds ids seen in no other batch: with
+        ``keys_over_int64``, keys of ids ``num_embeddings`` and up, each used once (a dynamic
+        table's new keys); otherwise rows drawn uniformly (a fixed table's cold rows)."""
         rng = np.random.default_rng(self.seed)
+        draws = [
+            (rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings for _ in range(self.num_batches)
+        ]
+        fresh = round(new_keys * self.ids_per_step)
         out = []
-        for _ in range(self.num_batches):
-            ids = torch.from_numpy((rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings).long()
+        for k in range(self.num_batches if count is None else count):
+            ids = torch.from_numpy(draws[k % self.num_batches]).long()
             if keys_over_int64:
                 ids = mix64(ids)  # a bijection: same duplicate structure, keys spread over int64
             elif scatter_rows:
                 ids = (mix64(ids) & ((1 << 63) - 1)) % self.num_embeddings
+            if fresh:
+                step_rng = np.random.default_rng((self.seed, k))
+                at = torch.from_numpy(step_rng.choice(self.ids_per_step, fresh, replace=False))
+                if keys_over_int64:
+                    new = mix64(torch.arange(fresh, dtype=torch.int64) + self.num_embeddings + k * fresh)
+                else:
+                    new = torch.from_numpy(step_rng.integers(0, self.num_embeddings, fresh))
+                ids = ids.clone()
+                ids[at] = new
             lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
             # the ids' range as the data stage's workers give it (a fixed table's range check reads it)
             batch = JaggedBatch(["f"], ids, lengths).with_id_ranges([(int(ids.min()), int(ids.max()))])
@@ -123,20 +147,21 @@ def make_table(kind: str, backend: Backend, w: Workload, score_strategy: ScoreSt
 
 
 def _time_steps(
-    coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None]
+    coll: EmbeddingCollection, batches: list[JaggedBatch], steps: int, sync: Callable[[], None], first: int = 0
 ) -> tuple[float, float]:
     """Runs ``steps`` training steps as the trainer does (the input stage of the batch
-    ``prefetch_depth`` steps ahead once the backward is queued); returns ``(host, total)``
-    seconds: the host's loop alone, and until the device finished. ``host / total`` near 1: the
-    host bounds the step (or waits in it)."""
+    ``prefetch_depth`` steps ahead once the backward is queued), on ``batches`` from index
+    ``first`` on, cyclically; returns ``(host, total)`` seconds: the host's loop alone, and until
+    the device finished. ``host / total`` near 1: the host bounds the step (or waits in it)."""
     depth = coll.prefetch_depth
+    n = len(batches)
     for i in range(depth):  # ready as the step before would have left them
-        coll.prefetch(batches[i % len(batches)])
+        coll.prefetch(batches[(first + i) % n])
     sync()
     start = time.perf_counter()
-    for i in range(steps):
-        coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + depth) % len(batches)])
+    for i in range(first, first + steps):
+        coll(batches[i % n])["f"].sum().backward()
+        coll.prefetch(batches[(i + depth) % n])
     host = time.perf_counter() - start
     sync()
     return host, time.perf_counter() - start
@@ -149,23 +174,32 @@ def measure(
     runs: int,
     warmup: int,
     device: str,
+    stream: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Times several setups with their timed runs interleaved (a, b, a, b, ...), so that every
     setup sees the same machine state; reports each one's median and per-run rates (ids/s), and
     the median share of a run's time the host's loop took (``host_share``). Warm-up covers every
-    batch once, so a dynamic table's timed steps meet no new key."""
+    batch once, so a dynamic table's timed steps meet no new key — unless ``stream`` (at least
+    ``warmup_steps`` of them): then the batches are a sequence run through once, the warm-up its
+    first ``warmup_steps`` and each timed run the next ``steps`` (the stream needs
+    ``warmup_steps + runs * steps`` batches, and the collection's prefetch depth beyond)."""
     sync = synchronizer(device)
     gc.collect()  # the previous measurement's tables, before this one's are allocated
     colls = {}
+    warm = {name: stream or max(warmup, len(b)) for name, b in batches.items()}
     for name, make in makers.items():
         colls[name] = make()
-        _time_steps(colls[name], batches[name], max(warmup, len(batches[name])), sync)
+        _time_steps(colls[name], batches[name], warm[name], sync)
+        need = warm[name] + runs * steps + colls[name].prefetch_depth
+        if stream and len(batches[name]) < need:
+            raise ValueError(f"{name}: a stream of {len(batches[name])} batches; its runs read {need}")
     rates: dict[str, list[float]] = {name: [] for name in makers}
     shares: dict[str, list[float]] = {name: [] for name in makers}
-    for _ in range(runs):
+    for run in range(runs):
         for name, coll in colls.items():
             ids = batches[name][0].values().numel()
-            host, total = _time_steps(coll, batches[name], steps, sync)
+            first = warm[name] + run * steps if stream else 0
+            host, total = _time_steps(coll, batches[name], steps, sync, first)
             rates[name].append(ids * steps / total)
             shares[name].append(host / total)
     return {

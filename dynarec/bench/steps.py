@@ -159,19 +159,30 @@ def _dynamic_step(
     warmup: int,
     scattered: bool = True,
     score_strategy: ScoreStrategy = "step",
+    new_keys: float = 0.0,
 ) -> dict:
     """Dynamic vs fixed on each backend; ``scattered`` adds a fixed table fed ids scattered over
-    its rows (the dynamic table's access pattern) — a third table in memory."""
-    batches = {"fixed": w.batches(device=device), "dynamic": w.batches(keys_over_int64=True, device=device)}
+    its rows (the dynamic table's access pattern) — a third table in memory. ``new_keys`` > 0:
+    that share of every timed step's ids are keys the dynamic table never saw (inserted, and
+    evicting once it is full), the fixed tables' ids there rows drawn uniformly; the batches are
+    then a stream, each used once after a warm-up that has seen every Zipf draw."""
+    stream = max(warmup, w.num_batches) if new_keys else 0
+    count = stream + runs * steps + 2 if new_keys else None  # (2: the prefetch depth at most)
+
+    def batches_of(**kind):
+        return w.batches(device=device, new_keys=new_keys, count=count, **kind)
+
+    batches = {"fixed": batches_of(), "dynamic": batches_of(keys_over_int64=True)}
     if scattered:
-        batches["fixed_scattered"] = w.batches(scatter_rows=True, device=device)
+        batches["fixed_scattered"] = batches_of(scatter_rows=True)
     out = {}
     for backend in _backends(device, spec):
 
         def make(kind, backend=backend):
             return lambda: EmbeddingCollection([make_table(kind, backend, w, score_strategy)], spec, device=device)
 
-        r = measure({name: make(name.split("_")[0]) for name in batches}, batches, steps, runs, warmup, device)
+        makers = {name: make(name.split("_")[0]) for name in batches}
+        r = measure(makers, batches, steps, runs, warmup, device, stream=stream)
         table = r["dynamic"]["coll"].tables["t"]
         for v in r.values():
             v.pop("coll")
@@ -188,12 +199,22 @@ def _dynamic_step(
 
 
 def bench_dynamic_step(args) -> dict:
-    """Dynamic vs fixed table step on the same backend, keys spread over the int64 range (after a
-    warm-up that has seen every batch: the timed steps meet no new key)."""
+    """Dynamic vs fixed table step on the same backend, keys spread over the int64 range, after a
+    warm-up that has seen every Zipf draw: ``--new-keys`` of each timed step's ids are keys the
+    table never saw (issue 27's 5% by default; 0: the timed steps meet no new key)."""
     w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
     spec = OPTIMIZERS[args.optimizer]
+    if not 0 <= args.new_keys < 1:
+        raise ValueError(f"--new-keys is a share of a step's ids in [0, 1), got {args.new_keys}")
     results = _dynamic_step(
-        w, spec, args.device, args.steps, args.runs, args.warmup, score_strategy=args.score_strategy
+        w,
+        spec,
+        args.device,
+        args.steps,
+        args.runs,
+        args.warmup,
+        score_strategy=args.score_strategy,
+        new_keys=args.new_keys,
     )
     lines = []
     for backend, r in results.items():
@@ -203,9 +224,10 @@ def bench_dynamic_step(args) -> dict:
             f"{r['dynamic_over_fixed_scattered']:.2f}x; {r['bytes_per_slot']:.1f} bytes per slot; "
             f"{r['dynamic_report']['size']:,} keys at load {r['dynamic_report']['load_factor']:.2f} "
             f"({r['dynamic_report']['dropped_keys']} insert(s) dropped, warm-up included); "
-            f"score_strategy {args.score_strategy}"
+            f"score_strategy {args.score_strategy}; {args.new_keys:.0%} of a timed step's ids new keys"
         )
-    return {"benchmark": "dynamic-step", "workload": vars(w), "results": results, "summary": lines}
+    workload = {**vars(w), "new_keys": args.new_keys}
+    return {"benchmark": "dynamic-step", "workload": workload, "results": results, "summary": lines}
 
 
 def bench_row_dtype(args) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dynarec.bench.common import Workload
 from dynarec.bench.suite import CHECKOUT, figures_of
 from dynarec.cli import main
 from tests.matrix import BACKENDS
@@ -45,14 +46,40 @@ def test_hash_find_times_find_and_the_training_insert_from_the_same_load(tmp_pat
     assert [f.what for f in find] == ["find, load_0.5", "find, load_0.9"] and find[0].headline
 
 
+@pytest.mark.parametrize("new_keys", [0.05, 0.0])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp_path, backend):
-    report = run(tmp_path, "dynamic-step", *TINY, "--warmup", "1")
+def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp_path, backend, new_keys):
+    """The timed steps meet the share of new keys asked for: the table ends holding the keys of
+    every batch the steps ran (8 warm-up steps over the Zipf draws, then one a run), each new
+    key counted once; with none asked, the keys of the 8 draws alone."""
+    report = run(tmp_path, "dynamic-step", *TINY, "--warmup", "1", "--new-keys", str(new_keys))
+    assert report["workload"]["new_keys"] == new_keys
     result = report["results"][backend]
     for kind in ("dynamic", "fixed", "fixed_scattered"):
         assert len(result[kind]["ids_per_s_runs"]) == 2
     assert result["dynamic_over_fixed"] == pytest.approx(same_run_ratio(result["dynamic"], result["fixed"]))
-    assert result["dynamic_report"]["dropped_keys"] == 0 and result["dynamic_report"]["size"] > 0
+    w = Workload(**{k: v for k, v in report["workload"].items() if k != "new_keys"})
+    stepped = w.batches(keys_over_int64=True, new_keys=new_keys, count=8 + 2 if new_keys else None)
+    keys = torch.unique(torch.cat([b.values() for b in stepped]))
+    assert result["dynamic_report"]["dropped_keys"] == 0 and result["dynamic_report"]["size"] == keys.numel()
+    if new_keys:  # each timed step brought its own new keys (and Zipf keys the warm-up's replaced)
+        warm = torch.unique(torch.cat([b.values() for b in stepped[:8]])).numel()
+        assert keys.numel() >= warm + 2 * round(new_keys * w.ids_per_step)
+
+
+def test_a_workload_stream_holds_new_keys_where_a_fixed_table_holds_rows_in_range():
+    w = Workload(num_embeddings=500, bags=16, pooling_factor=5, num_batches=3)
+    fixed, dynamic = w.batches(new_keys=0.2, count=7), w.batches(keys_over_int64=True, new_keys=0.2, count=7)
+    zipf = w.batches(keys_over_int64=True)
+    assert len(fixed) == len(dynamic) == 7
+    seen: set[int] = set()
+    for k, (f, d) in enumerate(zip(fixed, dynamic)):
+        changed = d.values() != zipf[k % 3].values()
+        assert 0 < int(changed.sum()) <= 16  # 20% of 80 positions (a new key may not differ by chance: never)
+        new = set(d.values()[changed].tolist())
+        assert len(new) == int(changed.sum()) and not new & seen  # each new key once
+        seen |= new
+        assert 0 <= int(f.values().min()) and int(f.values().max()) < 500
 
 
 @pytest.mark.parametrize("kind", ["fixed", "dynamic"])
