@@ -8,7 +8,7 @@
 | ``plan_insert`` | an insert plan's three steps (free slot, one cuckoo move, eviction) | C++ | Triton |
 | ``place_keys`` | a commit of new keys into free slots | torch | Triton |
 | ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
-| ``uniform01`` | key-seeded uniform draws | C++ | torch |
+| ``uniform01`` | key-seeded uniform draws | C++ | Triton |
 | ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
 | ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
 | ``exchange_rows`` | rows written back from a device cache to host memory, and read into it | torch | Triton |
@@ -206,6 +206,12 @@ def _candidate_buckets_triton(keys, num_buckets):
     return hashing.candidate_buckets(keys, num_buckets)
 
 
+def _uniform01_triton(keys, dim, seed, stream):
+    from dynarec.kernels.gpu import hashing
+
+    return hashing.uniform01(keys.long(), dim, reference.uniform_salt(seed, stream))
+
+
 def _plan_insert_triton(
     tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
 ):  # fmt: skip
@@ -309,7 +315,7 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
     "plan_insert": (reference.plan_insert, _plan_insert_fake, _plan_insert_cpu, _plan_insert_triton),
     "place_keys": (reference.place_keys, _returns_none, None, _place_keys_triton),
     "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
-    "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, None),
+    "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, _uniform01_triton),
     "pooled": (reference.pooled, _pooled_fake, _pooled_cpu, _pooled_triton),
     "bag_update": (reference.bag_update, _returns_none, _bag_update_cpu, _bag_update_triton),
     "exchange_rows": (reference.exchange_rows, _returns_none, None, _exchange_rows_triton),

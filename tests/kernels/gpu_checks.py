@@ -102,6 +102,22 @@ def check_candidate_buckets(device, num_buckets):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def check_uniform01(device, dim):
+    """The initializers' key-seeded draws: the kernel's bits are the plain-torch ones, at every
+    column of every key (the int64 extremes included), for both streams and a negative seed."""
+    keys = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (1000,), generator=torch.Generator().manual_seed(dim)),
+            torch.tensor([-(2**63), -1, 0, 1, 2**63 - 1]),
+        ]
+    ).to(device)
+    for seed, stream in [(0, 0), (12345, 1), (-7, 0)]:
+        got = torch.ops.dynarec.uniform01(keys, dim, seed, stream)
+        assert got.dtype == torch.float64 and got.shape == (keys.numel(), dim)
+        assert torch.equal(got, reference.uniform01(keys, dim, seed, stream)), (seed, stream)
+    assert torch.ops.dynarec.uniform01(keys[:0], dim, 1, 0).shape == (0, dim)
+
+
 def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0, batches=3):
     """Step 1 of an insert plan: the kernels' rounds give every key the slot the plain-torch
     rounds give it, and leave the same keys (in rank order), at loads up to full buckets."""

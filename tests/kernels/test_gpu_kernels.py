@@ -49,6 +49,11 @@ def test_candidate_buckets(num_buckets):
     gpu_checks.check_candidate_buckets(DEVICE, num_buckets)
 
 
+@pytest.mark.parametrize("dim", [1, 16, 33, 128, 200])
+def test_uniform01(dim):
+    gpu_checks.check_uniform01(DEVICE, dim)
+
+
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
     lane(

@@ -1,8 +1,8 @@
 """The hash index's hashing and find on the device: ``mix64``, a key's tag and its two candidate
-buckets, and the two-choice find.
+buckets, and the two-choice find; and the key-seeded uniform draws of the initializers.
 
-The Triton twins of the plain-torch ``mix64``, ``key_tags``, ``candidate_buckets`` and ``find``
-(``dynarec.kernels.reference``): the same bits, tested against them. The insert planner's kernels
+The Triton twins of the plain-torch ``mix64``, ``key_tags``, ``candidate_buckets``, ``find`` and
+``uniform01`` (``dynarec.kernels.reference``): the same bits, tested against them. The insert planner's kernels
 (:mod:`.plan`) hash with the ``@triton.jit`` helpers here.
 
 A find reads a key's first bucket's 16 tag bytes and only then its second's, and a key only where
@@ -23,7 +23,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["EMPTY_TAG", "NO_SLOT", "TUNING", "Tuning", "candidate_buckets", "find_two_choice"]
+__all__ = ["EMPTY_TAG", "NO_SLOT", "TUNING", "Tuning", "candidate_buckets", "find_two_choice", "uniform01"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Tuning:
     find_block: int = 128
     find_warps: int = 4
     buckets_block: int = 512
+    uniform_elements: int = 4096  # a uniform01 program's draws (whole rows; a power of two)
 
 
 TUNING = Tuning()
@@ -115,6 +116,39 @@ if HAVE_TRITON:
         b1, b2 = two_buckets(mix64(tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.uint64)), num_buckets)
         tl.store(b1_ptr + offs, b1, mask=valid)
         tl.store(b2_ptr + offs, b2, mask=valid)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _uniform01_kernel(
+        keys_ptr, out_ptr, n, dim, salt_hi, salt_lo, ROWS: tl.constexpr, COLS: tl.constexpr
+    ):  # fmt: skip
+        """Rows ``ROWS`` a program, each row's ``dim`` columns in one tile of ``COLS`` (>= dim)."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, COLS)
+        valid = rows < n
+        salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
+        base = mix64(tl.load(keys_ptr + rows, mask=valid, other=0).to(tl.uint64) ^ salt)
+        h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
+        u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
+        mask = valid[:, None] & (cols < dim)[None, :]
+        tl.store(out_ptr + rows[:, None] * dim + cols[None, :], u, mask=mask)
+
+
+def uniform01(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:
+    """``[n, dim]`` float64 in (0, 1) for int64 ``keys`` in one kernel: ``reference.uniform01``'s
+    bits, given its ``salt`` (the hash of its seed and stream, a Python int, wrapped to 64 bits)."""
+    keys = keys.contiguous()
+    out = torch.empty((keys.numel(), dim), dtype=torch.float64, device=keys.device)
+    n = keys.numel()
+    if n and dim:
+        cols = triton.next_power_of_2(dim)
+        rows, salt = max(1, TUNING.uniform_elements // cols), salt & ((1 << 64) - 1)
+        _uniform01_kernel[(triton.cdiv(n, rows),)](
+            keys, out, n, dim, salt >> 32, salt & 0xFFFFFFFF, ROWS=rows, COLS=cols
+        )  # fmt: skip
+    return out
 
 
 def find_two_choice(

@@ -14,7 +14,7 @@ table, ``dynarec.optim.kernel``).
 """
 
 from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, pooled
-from dynarec.kernels.reference.hashing import candidate_buckets, find, key_tags, mix64, uniform01
+from dynarec.kernels.reference.hashing import candidate_buckets, find, key_tags, mix64, uniform01, uniform_salt
 from dynarec.kernels.reference.plan import claim_free_slots, fill_at, place_keys, plan_insert
 from dynarec.kernels.reference.rows import exchange_rows
 
@@ -33,4 +33,5 @@ __all__ = [
     "plan_insert",
     "pooled",
     "uniform01",
+    "uniform_salt",
 ]

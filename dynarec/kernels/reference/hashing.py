@@ -13,7 +13,7 @@ import torch
 
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 
-__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01"]
+__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01", "uniform_salt"]
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -69,11 +69,16 @@ def find(
     return slots, absent
 
 
+def uniform_salt(seed: int, stream: int) -> int:
+    """The salt of the draws of ``(seed, stream)``, an int64 hashed on the host (a scalar sent to
+    the GPU would wait for the stream)."""
+    return int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
+
+
 def uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
-    """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column)."""
-    # The stream's salt hashed on the host (a scalar sent to the GPU would wait for the stream).
-    salt = int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
-    base = mix64(keys ^ salt)
+    """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column): column
+    ``c`` of key ``k`` is ``(mix64(mix64(k ^ salt) + (c + 1) * golden) >> 11 + 0.5) / 2^53``."""
+    base = mix64(keys ^ uniform_salt(seed, stream))
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
     h = mix64(base[:, None] + cols[None, :])
     return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
