@@ -64,8 +64,10 @@ _OOM_CHILD = "DYNAREC_TEST_OOM_CHILD"  # set in the process the test runs itself
 
 
 def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_path):
-    """A step that cannot allocate (the process capped just above what it holds) ends in one
-    named error naming the step, the device and the latest checkpoint, which still loads.
+    """A step that cannot allocate (the process capped just above what it holds, the free room
+    of the segments it holds taken, and a batch of 10 times the rows of the steps before, whose
+    freed tensors would serve a step of their size) ends in one named error naming the step,
+    the device and the latest checkpoint, which still loads.
 
     Run in a fresh process: after other tests the allocator's cache holds free blocks (of
     released CUDA graphs' pools, in segments still partly used) that can serve the whole step,
@@ -80,6 +82,7 @@ def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_p
         assert done.returncode == 0 and "1 passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
         return
     from dynarec.train.checkpoint import load_checkpoint
+    from dynarec.train.input import TrainInput
     from dynarec.train.trainer import TrainingError
 
     make_data(tmp_path)
@@ -89,10 +92,23 @@ def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_p
     trainer = Trainer(load_config(write_config(tmp_path, c)), tmp_path / "m", device="cuda", progress=False)
     trainer.fit()
     latest = trainer.checkpoints.latest()
-    batches = trainer.input.batches(trainer.position)
+    c["data"].update(batch_size=1000, num_workers=0)  # the rest of the 1,200 rows
+    batches = TrainInput(load_config(write_config(tmp_path, c, "big.yaml")), trainer.ctx, "cuda").batches(
+        trainer.position
+    )
     batch, _, rows = next(batches)
+    assert rows == 1000
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    # The free blocks of the segments still held (the test's batches are small: a step's
+    # tensors fit in their room) taken by tensors of their size, on their stream.
+    held = [
+        _tensor_on(segment["stream"], block["size"])
+        for segment in torch.cuda.memory_snapshot()
+        if segment.get("segment_pool_id", (0, 0)) == (0, 0)  # not a CUDA graph's pool
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
     total = torch.cuda.get_device_properties(0).total_memory
     try:
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 16)) / total)
@@ -100,4 +116,10 @@ def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_p
             trainer.train_step(batch, rows)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        del held
     load_checkpoint(latest)
+
+
+def _tensor_on(stream: int, size: int) -> torch.Tensor:
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return torch.empty(size, dtype=torch.uint8, device="cuda")
