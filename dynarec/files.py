@@ -188,8 +188,8 @@ def replace_dir(tmp: Path, target: Path, is_ours: Callable[[Path], bool], what: 
         if any(target.iterdir()) and not is_ours(target):
             shutil.rmtree(tmp, ignore_errors=True)
             raise FileExistsError(
-                f"{target} is a non-empty directory that is not a dynarec {what}; dynarec replaces only its own "
-                f"{what}s: choose an empty or new directory"
+                f"{target} is a non-empty directory that is not a dynarec {what}; dynarec replaces only a {what} "
+                "it wrote itself: choose an empty or new directory"
             )
         old = target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}")
         os.replace(target, old)
