@@ -93,8 +93,11 @@ if HAVE_TRITON:
         return tl.where(found1, b1 * BS + lane1, tl.where(found2, b2 * BS + lane2, _NO_SLOT))
 
     # num_buckets not specialized: Triton makes an int argument equal to 1 a constant, which has
-    # no .to() (a one-bucket table would not compile)
-    @triton.jit(do_not_specialize=["num_buckets"])
+    # no .to() (a one-bucket table would not compile). Nor are sizes (``n``, and the plan's ``m``):
+    # Triton compiles a variant for a size of 1 and one for multiples of 16, so a size that varies
+    # from step to step (new keys, keys left in a plan's round) would compile new variants in the
+    # middle of training (about 0.3 s each on an H200: steps of 280-345 ms as a table filled).
+    @triton.jit(do_not_specialize=["n", "num_buckets"])
     def _find_kernel(
         keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
         FLAG: tl.constexpr, BLOCK: tl.constexpr,
@@ -109,7 +112,7 @@ if HAVE_TRITON:
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
             tl.store(absent_ptr, 1, mask=tl.max((valid & (slot == _NO_SLOT)).to(tl.int32), axis=0) > 0)
 
-    @triton.jit(do_not_specialize=["num_buckets"])
+    @triton.jit(do_not_specialize=["n", "num_buckets"])
     def _candidate_buckets_kernel(keys_ptr, b1_ptr, b2_ptr, n, num_buckets, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
@@ -120,7 +123,7 @@ if HAVE_TRITON:
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _uniform01_kernel(
         keys_ptr, out_ptr, n, dim, salt_hi, salt_lo, ROWS: tl.constexpr, COLS: tl.constexpr
     ):  # fmt: skip

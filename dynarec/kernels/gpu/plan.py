@@ -83,7 +83,7 @@ if HAVE_TRITON:
         empty = _empty_lanes(tags_ptr, bucket, valid, BS, BSP)
         return empty & (((claimed[:, None] >> lanes.to(tl.int64)[None, :]) & 1) == 0)
 
-    @triton.jit(do_not_specialize=["num_buckets"])
+    @triton.jit(do_not_specialize=["m", "num_buckets"])
     def _choose_kernel(
         tags_ptr, claimed_ptr, keys_ptr, order_ptr, out_ptr, choice_ptr, m, num_buckets,
         BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
@@ -101,7 +101,7 @@ if HAVE_TRITON:
         choice = tl.where(todo & ((f1 > 0) | (f2 > 0)), choice, num_buckets)
         tl.store(choice_ptr + p, choice.to(tl.int32), mask=valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "num_buckets"])
     def _claim_kernel(
         tags_ptr, claimed_ptr, sorted_ptr, perm_ptr, first_ptr, order_ptr, out_ptr, lane_ptr, placed_ptr, m,
         num_buckets, BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
@@ -126,7 +126,7 @@ if HAVE_TRITON:
         num_placed = tl.sum(placed.to(tl.int32), axis=0)
         tl.atomic_add(placed_ptr, num_placed, mask=num_placed > 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m"])
     def _mark_claimed_kernel(claimed_ptr, sorted_ptr, lane_ptr, m, BLOCK: tl.constexpr):
         # After the round's claims: their lanes join the buckets' claimed masks (an integer OR:
         # the result does not depend on the order the atomics land in).
@@ -137,7 +137,7 @@ if HAVE_TRITON:
         c = tl.load(sorted_ptr + i, mask=placed, other=0).to(tl.int64)
         tl.atomic_or(claimed_ptr + c, tl.full([BLOCK], 1, tl.int64) << tl.maximum(lane, 0), mask=placed)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m"])
     def _mark_slots_kernel(claimed_ptr, slots_ptr, m, BS: tl.constexpr, BLOCK: tl.constexpr):
         # Each slot's lane (NO_SLOT: none) OR-ed into its bucket's claimed mask (an integer OR:
         # the order the atomics land in does not matter).
@@ -178,7 +178,7 @@ if HAVE_TRITON:
         live = live & (tl.load(tags_ptr + slot, mask=live, other=_EMPTY_TAG) != _EMPTY_TAG)
         return _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
 
-    @triton.jit(do_not_specialize=["num_buckets", "num_pins"])
+    @triton.jit(do_not_specialize=["num_pins", "m", "num_buckets"])
     def _displace_kernel(
         keys_ptr, tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr,
         slot_ptr, dst_ptr, m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, EVICT: tl.constexpr,
@@ -221,7 +221,7 @@ if HAVE_TRITON:
         if not EVICT:
             tl.store(dst_ptr + p, dst.to(tl.int32), mask=valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _place_kernel(
         keys_ptr, scores_ptr, tags_ptr, slots_ptr, new_keys_ptr, new_scores_ptr, n, BLOCK: tl.constexpr
     ):  # fmt: skip

@@ -39,7 +39,7 @@ TUNING = Tuning()
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _exchange_kernel(
         cache_ptr, slots_ptr, host_ptr, out_ptr, in_ptr, n, W,
         WRITE_OUT: tl.constexpr, READ_IN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
