@@ -42,6 +42,10 @@ class IndexArrays(Protocol):
     def bucket_size(self) -> int: ...
     @property
     def device(self) -> torch.device: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def size(self) -> int: ...
 
 
 @dataclass
@@ -135,7 +139,7 @@ def _plan_insert(
     move_pins = _wrapped(_move_pins(pinned_by, movable_pins))
     slots, left, moved_from, moved_to, evicted = planner(
         index.tags, index.keys, index.scores, index.pins, index.num_buckets, index.bucket_size, keys, order,
-        move_pins, _wrapped(pinned_by), allow_evict,
+        move_pins, _wrapped(pinned_by), allow_evict, index.capacity - index.size,
     )  # fmt: skip
     # every key left after step 2 that got a slot took an evicted one
     return InsertPlan(keys, slots, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())

@@ -62,7 +62,7 @@ SCHEMAS = {
     " -> (Tensor, Tensor)",
     "candidate_buckets": "(Tensor keys, int num_buckets) -> (Tensor, Tensor)",
     "plan_insert": "(Tensor tags, Tensor keys, Tensor scores, Tensor pins, int num_buckets, int bucket_size,"
-    " Tensor new_keys, Tensor order, Tensor? move_pins, Tensor? evict_pins, bool allow_evict)"
+    " Tensor new_keys, Tensor order, Tensor? move_pins, Tensor? evict_pins, bool allow_evict, int free_slots=-1)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "place_keys": "(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) tags, Tensor slots, Tensor new_keys,"
     " Tensor new_scores) -> ()",
@@ -98,20 +98,22 @@ def _candidate_buckets_cpu(keys, num_buckets):
 
 
 def _plan_insert_cpu(
-    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
+    free_slots=-1,
 ):  # fmt: skip
     k = cpu.ops()
     if k is None or bucket_size > _MAX_KERNEL_BUCKET:
         return reference.plan_insert(
-            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
-        )
+            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
+            free_slots,
+        )  # fmt: skip
     b1, b2 = k.candidate_buckets(new_keys.contiguous(), num_buckets)
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64)
     empty = torch.empty(0, dtype=torch.int64)
     left, moved_from, moved_to, evicted = k.plan_insert(
         tags, keys, scores, pins, num_buckets, bucket_size, b1, b2, order, out,
         empty if move_pins is None else move_pins.to("cpu", torch.int64).contiguous(),
-        empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict,
+        empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict, free_slots,
     )  # fmt: skip
     return out, left, moved_from, moved_to, evicted
 
@@ -213,18 +215,20 @@ def _uniform01_triton(keys, dim, seed, stream):
 
 
 def _plan_insert_triton(
-    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
+    free_slots=-1,
 ):  # fmt: skip
     if bucket_size > _MAX_KERNEL_BUCKET:
         return reference.plan_insert(
-            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
-        )
+            tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
+            free_slots,
+        )  # fmt: skip
     from dynarec.kernels.gpu import plan
 
     state = plan.PlanState.fresh(keys, tags, scores, pins, num_buckets, bucket_size)
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64, device=tags.device)
     left, moved_from, moved_to, evicted = plan.plan_insert(
-        state, new_keys, order, out, move_pins, evict_pins, allow_evict
+        state, new_keys, order, out, move_pins, evict_pins, allow_evict, free_slots
     )
     return out, _fresh(left, order), moved_from, moved_to, evicted
 
@@ -279,7 +283,8 @@ def _candidate_buckets_fake(keys, num_buckets):
 
 
 def _plan_insert_fake(
-    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict
+    tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
+    free_slots=-1,
 ):  # fmt: skip
     slots = new_keys.new_empty(new_keys.shape, dtype=torch.int64)
     return slots, _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags)

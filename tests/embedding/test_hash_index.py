@@ -272,6 +272,11 @@ def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_bucket
 
 
 @needs_cpu_kernels
+def test_the_cpu_extension_plans_an_insert_into_a_full_index_told_full_as_untold():
+    gpu_checks.check_plan_of_a_full_index("cpu")
+
+
+@needs_cpu_kernels
 def test_a_few_keys_into_a_full_table_plan_as_the_reference():
     gpu_checks.check_plan_of_a_few_keys("cpu")
 

@@ -183,6 +183,32 @@ def check_plan(device, num_buckets, bucket_size, load, batches=4):
     assert evictions > 0 and (moves > 0 or load >= 0.75)  # below that, keys make room by moving
 
 
+def check_plan_of_a_full_index(device, num_buckets=8, bucket_size=16):
+    """An index with no empty slot (every insert of a table at capacity): told so
+    (``free_slots=0``), the planner skips steps 1 and 2 and gives the plan it gives untold (-1),
+    which is the plain-torch plan; with pins blocking evictions and keys left without a slot."""
+    gen = torch.Generator().manual_seed(num_buckets)
+    index = BucketedHashIndex(num_buckets, bucket_size, device)
+    while index.size < index.capacity:
+        keys = torch.unique(torch.randint(-(2**62), 2**62, (index.capacity,), generator=gen)).to(device)
+        keys = keys[index.find(keys) < 0]
+        index.commit(
+            index.plan_insert(keys, allow_evict=False), torch.randint(0, 4, keys.shape, generator=gen).to(device)
+        )
+    assert int((index.tags != 0).sum()) == index.capacity
+    slots = index.entries()[0]
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() * 3 // 4].to(device)], 5)
+    new = torch.unique(torch.randint(-(2**62), 2**62, (index.capacity,), generator=gen)).to(device)
+    args = (index.tags, index.keys, index.scores, index.pins, num_buckets, bucket_size, new,
+            torch.arange(new.numel(), device=device), None, torch.tensor([5], device=device), True)  # fmt: skip
+    told, untold = torch.ops.dynarec.plan_insert(*args, 0), torch.ops.dynarec.plan_insert(*args, -1)
+    want = reference.plan_insert(*args, -1)
+    for a, b, c in zip(told, untold, want):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    _, left, moved_from, _, evicted = told
+    assert moved_from.numel() == 0 and 0 < evicted.numel() < new.numel() and left.numel() == new.numel()
+
+
 def check_plan_of_a_few_keys(device, num_buckets=512):
     """A plan of 1-3 keys at load 0.97, each with many residents to try moving (the C++ planner's
     bucket table grows as moves bring buckets in), with pins of a step id past PIN_WRAP (pins

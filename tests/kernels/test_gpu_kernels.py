@@ -120,6 +120,10 @@ def test_plan_insert(num_buckets, bucket_size, load):
     gpu_checks.check_plan(DEVICE, num_buckets, bucket_size, load, batches=lane(4, 1))
 
 
+def test_plan_of_a_full_index():
+    gpu_checks.check_plan_of_a_full_index(DEVICE)
+
+
 def test_plan_of_a_few_keys():
     gpu_checks.check_plan_of_a_few_keys(DEVICE, num_buckets=lane(512, 8))
 

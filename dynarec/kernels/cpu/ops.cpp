@@ -704,13 +704,14 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
 // per resident, the best-ranked key; then per target bucket as many as it has free slots, lanes
 // ascending); 3. when `allow_evict`: the lowest (score, slot) held slot of the key's two buckets
 // not pinned by `evict_pins` (two keys wanting one slot: the better-ranked wins, the other tries
-// again). Pins are the steps' ids modulo PIN_WRAP. Writes `out`; returns (keys left after step 2,
-// in rank order; moved_from; moved_to; evicted slots).
+// again). Pins are the steps' ids modulo PIN_WRAP. `free_slots`: the index's empty slots when the
+// caller knows (-1: unknown); with none, steps 1 and 2 would place nothing and are skipped. Writes
+// `out`; returns (keys left after step 2, in rank order; moved_from; moved_to; evicted slots).
 std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::Tensor& table_keys,
                                        const torch::Tensor& scores, const torch::Tensor& pins, int64_t num_buckets,
                                        int64_t bucket_size, const torch::Tensor& b1, const torch::Tensor& b2,
                                        const torch::Tensor& order, torch::Tensor& out, const torch::Tensor& move_pins,
-                                       const torch::Tensor& evict_pins, bool allow_evict) {
+                                       const torch::Tensor& evict_pins, bool allow_evict, int64_t free_slots) {
   TORCH_CHECK(tags.device().is_cpu() && tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(),
               "tags must be contiguous uint8 on the CPU");
   TORCH_CHECK(pins.device().is_cpu() && pins.scalar_type() == torch::kInt32 && pins.is_contiguous(),
@@ -738,7 +739,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   const std::vector<int64_t> no_move = to_vector(move_pins), no_evict = to_vector(evict_pins);
   PlanBuckets work(tags.data_ptr<uint8_t>(), bs, num_buckets, order.numel());
   std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
-  claim_free(work, p1, p2, o, cur);
+  if (free_slots != 0) claim_free(work, p1, p2, o, cur);
 
   // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
   // claims are made after.
@@ -752,7 +753,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   };
   std::vector<int64_t> moved_from, moved_to, evicted, next;
   std::vector<Move> moves, winners;
-  while (!cur.empty()) {
+  while (free_slots != 0 && !cur.empty()) {
     const int32_t round = work.new_round();
     moves.clear();
     for (const int64_t k : cur) {

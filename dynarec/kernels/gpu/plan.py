@@ -275,18 +275,20 @@ def plan_insert(
     move_pins: Optional[torch.Tensor],
     evict_pins: Optional[torch.Tensor],
     allow_evict: bool,
+    free_slots: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three steps for ``new_keys`` (unique, absent; ``order``: their indices in rank order):
     writes each key's slot into ``out`` (int64, :data:`NO_SLOT` before); returns ``(keys left,
     moved from, moved to, evicted)``. ``move_pins`` / ``evict_pins``: step ids (modulo PIN_WRAP)
     whose pinned residents step 2 does not move / step 3 does not evict; step 3 runs only if
-    ``allow_evict``."""
+    ``allow_evict``. ``free_slots`` 0 (the index has no empty slot): steps 1 and 2, which would
+    place nothing, are skipped (-1: unknown)."""
     device = state.tags.device
     empty = torch.empty(0, dtype=torch.int64, device=device)
     new_keys = new_keys.contiguous()  # the kernels read it by index
-    todo = claim_free_slots(state, new_keys, order, out)
+    todo = claim_free_slots(state, new_keys, order, out) if free_slots != 0 else order
     moved_from, moved_to, evicted = empty, empty, empty
-    if todo.numel():
+    if todo.numel() and free_slots != 0:
         todo, moved_from, moved_to = claim_by_moving(state, new_keys, todo, out, move_pins)
     if todo.numel() and allow_evict:
         evicted = claim_by_evicting(state, new_keys, todo, out, evict_pins)

@@ -59,12 +59,15 @@ def plan_insert(
     move_pins: Optional[torch.Tensor],
     evict_pins: Optional[torch.Tensor],
     allow_evict: bool,
+    free_slots: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan of inserting ``new_keys`` (``[n]`` int64, unique, absent; ``order``: their
     indices in rank order) into the index of arrays ``tags`` (uint8), ``keys``, ``scores`` (int64)
     and ``pins`` (int32). ``move_pins`` / ``evict_pins``: step ids (as ``pins`` holds them, on any
     device) whose residents step 2 does not move / step 3 does not evict; step 3 runs only if
-    ``allow_evict``.
+    ``allow_evict``. ``free_slots``: how many slots of the index are empty, when the caller
+    knows (-1: unknown); with none, steps 1 and 2 would place no key and are skipped (the same
+    plan, without their rounds: a full table's every insert).
 
     Returns ``(slots, left, moved_from, moved_to, evicted)``, int64: each key's slot
     (:data:`NO_SLOT`: none); the keys (indices, rank order) still without a slot after step 2;
@@ -77,9 +80,9 @@ def plan_insert(
     evict_pins = None if evict_pins is None else evict_pins.to(device)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     work = _WorkingBuckets(index, torch.cat([b1, b2]))
-    todo = _claim_free_slots(work, order, b1, b2, out)
+    todo = _claim_free_slots(work, order, b1, b2, out) if free_slots != 0 else order
     moved_from, moved_to = empty, empty
-    if todo.numel():
+    if todo.numel() and free_slots != 0:
         todo, moved_from, moved_to = _claim_by_moving(work, todo, b1, b2, out, move_pins)
     evicted = empty
     if todo.numel() and allow_evict:
