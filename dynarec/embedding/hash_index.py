@@ -353,7 +353,8 @@ class BucketedHashIndex:
             self._pin(slots, step_id)
 
     def _pin(self, slots: torch.Tensor, step_id: int) -> None:
-        self._pins.scatter_(0, torch.where(slots < 0, self.capacity, slots), step_id % PIN_WRAP)
+        # index_fill_: a scalar fill (duplicates write one value), twice as fast as scatter_ on a CPU
+        self._pins.index_fill_(0, torch.where(slots < 0, self.capacity, slots), step_id % PIN_WRAP)
 
     def fill(
         self,
