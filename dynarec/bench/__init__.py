@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "--new-keys",
                 type=float,
                 default=0.05,
-                help="the share of a timed step's ids that are keys the table never saw (0: none)",
+                help="the share of a timed step's ids that are keys the table never saw (0: none; above 0 the "
+                "warm-up and timed batches are built up front, pinned on a GPU: (warmup + runs x steps) batches)",
             )
         if name == "host-tier":
             p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")

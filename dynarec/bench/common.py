@@ -73,9 +73,12 @@ class Workload:
 
         ``count`` batches (default ``num_batches``): batch ``k`` holds the ids of the
         ``k % num_batches``-th Zipf draw, and where ``new_keys`` > 0 that share of its positions
-        (the same positions whatever the flags) holds ids seen in no other batch: with
-        ``keys_over_int64``, keys of ids ``num_embeddings`` and up, each used once (a dynamic
-        table's new keys); otherwise rows drawn uniformly (a fixed table's cold rows)."""
+        holds ids seen in no other batch: with ``keys_over_int64``, keys of ids
+        ``num_embeddings`` and up, each used once (a dynamic table's new keys); otherwise rows
+        drawn uniformly (a fixed table's cold rows). A draw gives up the same positions in every
+        batch made of it (whatever the flags), so the Zipf ids it keeps are the same: a warm-up
+        over the first ``num_batches`` batches has seen every one of them, and each later batch
+        holds exactly that share of new keys."""
         rng = np.random.default_rng(self.seed)
         draws = [
             (rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings for _ in range(self.num_batches)
@@ -89,12 +92,14 @@ class Workload:
             elif scatter_rows:
                 ids = (mix64(ids) & ((1 << 63) - 1)) % self.num_embeddings
             if fresh:
-                step_rng = np.random.default_rng((self.seed, k))
-                at = torch.from_numpy(step_rng.choice(self.ids_per_step, fresh, replace=False))
+                draw_rng = np.random.default_rng((self.seed, k % self.num_batches))
+                at = torch.from_numpy(draw_rng.choice(self.ids_per_step, fresh, replace=False))
                 if keys_over_int64:
                     new = mix64(torch.arange(fresh, dtype=torch.int64) + self.num_embeddings + k * fresh)
                 else:
-                    new = torch.from_numpy(step_rng.integers(0, self.num_embeddings, fresh))
+                    new = torch.from_numpy(
+                        np.random.default_rng((self.seed, k)).integers(0, self.num_embeddings, fresh)
+                    )
                 ids = ids.clone()
                 ids[at] = new
             lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
@@ -189,10 +194,10 @@ def measure(
     warm = {name: stream or max(warmup, len(b)) for name, b in batches.items()}
     for name, make in makers.items():
         colls[name] = make()
-        _time_steps(colls[name], batches[name], warm[name], sync)
         need = warm[name] + runs * steps + colls[name].prefetch_depth
         if stream and len(batches[name]) < need:
             raise ValueError(f"{name}: a stream of {len(batches[name])} batches; its runs read {need}")
+        _time_steps(colls[name], batches[name], warm[name], sync)
     rates: dict[str, list[float]] = {name: [] for name in makers}
     shares: dict[str, list[float]] = {name: [] for name in makers}
     for run in range(runs):

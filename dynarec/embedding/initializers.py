@@ -3,8 +3,8 @@
 That makes a dynamic table independent of insertion order and sharding, and lets a fixed table
 (keys ``0..N-1``) start from exactly the weights a dynamic table gives the same keys. Every value
 comes from a counter-based integer hash (SplitMix64, ``mix64``) of the key (the
-``dynarec::uniform01`` op: C++ on CPUs, int64 tensor ops elsewhere), so CPU and CUDA produce the
-same bits for uniform and constant initializers.
+``dynarec::uniform01`` op: C++ on CPUs, a Triton kernel on GPUs, int64 tensor ops elsewhere), so
+CPU and CUDA produce the same bits for uniform and constant initializers.
 """
 
 from __future__ import annotations

@@ -116,6 +116,10 @@ def check_uniform01(device, dim):
         assert got.dtype == torch.float64 and got.shape == (keys.numel(), dim)
         assert torch.equal(got, reference.uniform01(keys, dim, seed, stream)), (seed, stream)
     assert torch.ops.dynarec.uniform01(keys[:0], dim, 1, 0).shape == (0, dim)
+    # salts whose 32-bit halves are 1 or 0 (Triton makes an argument of 1 a constant) or all ones
+    for salt in (1, 1 << 32, (1 << 32) | 1, (1 << 64) - 1, 1 << 63):
+        got = gpu_hashing.uniform01(keys, dim, salt)
+        assert torch.equal(got, reference.hashing.uniform01_of_salt(keys, dim, salt)), salt
 
 
 def check_claim_free_slots(device, num_buckets=64, bucket_size=16, load=0.6, seed=0, batches=3):

@@ -50,7 +50,7 @@ def test_candidate_buckets(num_buckets):
     gpu_checks.check_candidate_buckets(DEVICE, num_buckets)
 
 
-@pytest.mark.parametrize("dim", [1, 16, 33, 128, 200])
+@pytest.mark.parametrize("dim", [1, 16, 33, 128, 200, 1500])
 def test_uniform01(dim):
     gpu_checks.check_uniform01(DEVICE, dim)
 

@@ -100,12 +100,15 @@ def test_out_of_memory_in_a_step_is_a_named_error_and_the_checkpoint_stays(tmp_p
     assert rows == 1000
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    # The free blocks of the segments still held (the test's batches are small: a step's
-    # tensors fit in their room) taken by tensors of their size, on their stream.
+    # The free blocks of the segments still held taken by tensors of their size, on their stream
+    # (the caching allocator reuses a free block of the exact size; its snapshot's keys as torch
+    # 2.11-2.13 name them). Without this the small tensors of the step could fit in their room;
+    # the 10-times batch is what must fail to allocate.
     held = [
         _tensor_on(segment["stream"], block["size"])
         for segment in torch.cuda.memory_snapshot()
         if segment.get("segment_pool_id", (0, 0)) == (0, 0)  # not a CUDA graph's pool
+        and segment["device"] == torch.cuda.current_device()
         for block in segment["blocks"]
         if block["state"] == "inactive"
     ]

@@ -34,7 +34,8 @@ class Tuning:
     find_block: int = 128
     find_warps: int = 4
     buckets_block: int = 512
-    uniform_elements: int = 4096  # a uniform01 program's draws (whole rows; a power of two)
+    uniform_elements: int = 4096  # a uniform01 program's tile of draws (a power of two)
+    uniform_cols: int = 512  # its widest tile of a row (wider rows: several tiles, in a loop)
 
 
 TUNING = Tuning()
@@ -122,21 +123,22 @@ if HAVE_TRITON:
 
 
 if HAVE_TRITON:
-
-    @triton.jit(do_not_specialize=["n"])
+    # The salt's halves not specialized either: a half equal to 1 would be a constant (no .to()).
+    @triton.jit(do_not_specialize=["n", "salt_hi", "salt_lo"])
     def _uniform01_kernel(
-        keys_ptr, out_ptr, n, dim, salt_hi, salt_lo, ROWS: tl.constexpr, COLS: tl.constexpr
+        keys_ptr, out_ptr, n, dim, salt_hi, salt_lo, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCKS: tl.constexpr
     ):  # fmt: skip
-        """Rows ``ROWS`` a program, each row's ``dim`` columns in one tile of ``COLS`` (>= dim)."""
+        """Rows ``ROWS`` a program, each row's ``dim`` columns in ``BLOCKS`` tiles of ``COLS``."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, COLS)
         valid = rows < n
         salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
         base = mix64(tl.load(keys_ptr + rows, mask=valid, other=0).to(tl.uint64) ^ salt)
-        h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
-        u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
-        mask = valid[:, None] & (cols < dim)[None, :]
-        tl.store(out_ptr + rows[:, None] * dim + cols[None, :], u, mask=mask)
+        for b in range(BLOCKS):
+            cols = b * COLS + tl.arange(0, COLS)
+            h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
+            u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
+            mask = valid[:, None] & (cols < dim)[None, :]
+            tl.store(out_ptr + rows[:, None] * dim + cols[None, :], u, mask=mask)
 
 
 def uniform01(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:
@@ -146,10 +148,10 @@ def uniform01(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:
     out = torch.empty((keys.numel(), dim), dtype=torch.float64, device=keys.device)
     n = keys.numel()
     if n and dim:
-        cols = triton.next_power_of_2(dim)
+        cols = min(triton.next_power_of_2(dim), TUNING.uniform_cols)
         rows, salt = max(1, TUNING.uniform_elements // cols), salt & ((1 << 64) - 1)
         _uniform01_kernel[(triton.cdiv(n, rows),)](
-            keys, out, n, dim, salt >> 32, salt & 0xFFFFFFFF, ROWS=rows, COLS=cols
+            keys, out, n, dim, salt >> 32, salt & 0xFFFFFFFF, ROWS=rows, COLS=cols, BLOCKS=triton.cdiv(dim, cols)
         )  # fmt: skip
     return out
 

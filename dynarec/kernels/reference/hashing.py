@@ -13,7 +13,7 @@ import torch
 
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 
-__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01", "uniform_salt"]
+__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01", "uniform01_of_salt", "uniform_salt"]
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -78,7 +78,13 @@ def uniform_salt(seed: int, stream: int) -> int:
 def uniform01(keys: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Tensor:
     """``[n, dim]`` float64 in (0, 1), from 53 hash bits of (seed, stream, key, column): column
     ``c`` of key ``k`` is ``(mix64(mix64(k ^ salt) + (c + 1) * golden) >> 11 + 0.5) / 2^53``."""
-    base = mix64(keys ^ uniform_salt(seed, stream))
+    return uniform01_of_salt(keys, dim, uniform_salt(seed, stream))
+
+
+def uniform01_of_salt(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:
+    """:func:`uniform01` given its salt (any int, taken modulo 2^64)."""
+    salt &= (1 << 64) - 1
+    base = mix64(keys ^ (salt - (1 << 64) if salt >= 1 << 63 else salt))
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
     h = mix64(base[:, None] + cols[None, :])
     return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
