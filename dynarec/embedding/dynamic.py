@@ -39,8 +39,9 @@ collection runs on its input stream, beside the previous step's backward); when 
 many occurrences are absent and how many distinct keys they hold (data-dependent sizes), and one
 count per free-slot round of the insert plan (at load 0.5, one round). Pins skip -1 slots on the
 device, and whether every key got a row follows from the plan's count. A warm table with no new
-keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves and
-evictions (buckets full) read more.
+keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves read
+more: one count a round; evictions (a full table) one count every 4 rounds (about 3 a step at
+4.2M ids with 5% new keys).
 """
 
 from __future__ import annotations

@@ -282,19 +282,20 @@ class BucketedHashIndex:
             self._size += plan.placed  # the planner's count: no host read
             self._wrote(moved=False, removed=False)
             return plan.evicted_slots.clone()
-        ok = plan.slots >= 0
-        slots = plan.slots[ok]
+        # the slots written (a host read only when some key got none: rare)
+        slots = plan.slots if plan.placed == plan.slots.numel() else plan.slots[plan.slots >= 0]
         self._record(journal, torch.cat([slots, plan.moved_to]))
         evicted = self.keys[plan.evicted_slots]
         src, dst = plan.moved_from, plan.moved_to
         pins = self.pins
         self.keys[dst], self.scores[dst], pins[dst] = self.keys[src], self.scores[src], pins[src]
         self.tags[dst] = self.tags[src]
-        self.keys[slots] = plan.keys[ok]
-        self.scores[slots] = scores[ok]
-        self.tags[slots] = key_tags(plan.keys[ok])
-        self._size += slots.numel() - evicted.numel()
-        self._wrote(moved=bool(src.numel()), removed=bool(evicted.numel()))
+        # The slots a new key takes from a resident get score 0, as a free slot holds, so that
+        # place_keys writes every new key as into free slots (NO_SLOT skipped).
+        self.scores.index_fill_(0, plan.overwritten_slots, 0)
+        torch.ops.dynarec.place_keys(self.keys, self.scores, self.tags, plan.slots, plan.keys, scores)
+        self._size += plan.placed - plan.evicted_slots.numel()
+        self._wrote(moved=bool(src.numel()), removed=bool(plan.evicted_slots.numel()))
         return evicted
 
     def remove(self, slots: torch.Tensor, journal: Optional[Journal] = None) -> None:

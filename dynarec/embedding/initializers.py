@@ -60,12 +60,15 @@ class Initializer:
         return self.kind == "constant" and self.value == 0.0
 
     def values(
-        self, keys: torch.Tensor, dim: int, seed: int, default_bound: float, chunk_rows: int = 1 << 16
+        self, keys: torch.Tensor, dim: int, seed: int, default_bound: float, chunk_elements: int = 1 << 24
     ) -> torch.Tensor:
-        """Initial weights ``[len(keys), dim]`` float32 for int64 ``keys``, on their device."""
+        """Initial weights ``[len(keys), dim]`` float32 for int64 ``keys``, on their device. The
+        draws are float64, made ``chunk_elements`` at a time (bounding the float64 temporaries;
+        the values do not depend on it)."""
         keys = keys.long()
         if self.kind == "constant":
             return torch.full((keys.numel(), dim), self.value, dtype=torch.float32, device=keys.device)
+        chunk_rows = max(1, chunk_elements // max(dim, 1))
         chunks = [
             self._draw(keys[i : i + chunk_rows], dim, seed, default_bound) for i in range(0, keys.numel(), chunk_rows)
         ]
@@ -77,7 +80,7 @@ class Initializer:
         u = torch.ops.dynarec.uniform01(keys, dim, seed, 0)
         if self.kind == "uniform":
             b = default_bound if self.bound is None else self.bound
-            return ((2.0 * u - 1.0) * b).float()
+            return u.mul_(2.0).sub_(1.0).mul_(b).float()  # (2u - 1) b, in place: the same float64 ops
         std = default_bound if self.std is None else self.std
         if self.kind == "normal":
             u2 = torch.ops.dynarec.uniform01(keys, dim, seed, 1)

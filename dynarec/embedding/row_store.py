@@ -109,7 +109,7 @@ class RowStore(ABC):
         """Copies of ``weight`` and every state at ``rows``."""
         out = {"weight": self.weight.index_select(0, rows).float()}  # exact for half-precision rows
         for name, t in self.states.items():
-            out[name] = t.index_select(0, rows).clone()
+            out[name] = t.index_select(0, rows)  # a new tensor: index_select copies
         return out
 
     @torch.no_grad()

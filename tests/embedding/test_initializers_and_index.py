@@ -19,11 +19,14 @@ def test_values_depend_on_seed_and_key_only(kind):
     init = Initializer(kind, value=0.3)
     a = init.values(KEYS, 8, seed=5, default_bound=0.1)
     b = init.values(KEYS.flip(0), 8, seed=5, default_bound=0.1).flip(0)  # another order
-    c = init.values(KEYS[:1000], 8, seed=5, default_bound=0.1, chunk_rows=7)  # other chunking
+    c = init.values(KEYS[:1000], 8, seed=5, default_bound=0.1, chunk_elements=56)  # chunks of 7 rows
     assert a.dtype == torch.float32 and a.shape == (KEYS.numel(), 8)
     assert torch.equal(a, b) and torch.equal(a[:1000], c)
     if kind != "constant":
         assert not torch.equal(a, init.values(KEYS, 8, seed=6, default_bound=0.1))
+    if kind == "uniform":  # (2u - 1) * bound of the float64 draws, rounded once to float32
+        u = torch.ops.dynarec.uniform01(KEYS, 8, 5, 0)
+        assert torch.equal(a, ((2.0 * u - 1.0) * 0.1).float())
 
 
 def test_distributions():

@@ -13,9 +13,11 @@ at the round's start, so a round's outcome does not depend on the order its prog
    buckets.
 
 The plan's claims are one int64 bit mask a bucket (``bucket_size`` <= 64); no slot of the index is
-written while planning. A round is a few kernels, a sort and one host read (how many keys it
-placed: whether another round is needed). :func:`plan_insert` runs the three steps.
-:func:`place_keys` commits a plan that only fills free slots, in one kernel.
+written while planning. A round of steps 1-2 is a few kernels, a sort and one host read (how many
+keys it placed: whether another round is needed); step 3's rounds read the host once every
+:data:`EVICT_ROUNDS_PER_READ` (a slot goes to the best-ranked key by an atomic max of bids, no
+sort). :func:`plan_insert` runs the three steps. :func:`place_keys` commits a plan that only
+fills free slots, in one kernel.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+#: Step 3's rounds between two host reads of how many keys are still in play.
+EVICT_ROUNDS_PER_READ = 4
 
 
 if HAVE_TRITON:
@@ -178,18 +183,26 @@ if HAVE_TRITON:
         live = live & (tl.load(tags_ptr + slot, mask=live, other=_EMPTY_TAG) != _EMPTY_TAG)
         return _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
 
-    @triton.jit(do_not_specialize=["num_pins", "m", "num_buckets"])
+    @triton.jit(do_not_specialize=["num_pins", "m", "num_buckets", "bid_round"])
     def _displace_kernel(
         keys_ptr, tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr,
-        slot_ptr, dst_ptr, m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr, EVICT: tl.constexpr,
-        BLOCK: tl.constexpr,
+        slot_ptr, dst_ptr, live_ptr, bids_ptr, bid_round, m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
+        EVICT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per key left (rank order), from the plan's state at the round's start, among the
         # residents of its two buckets (the first bucket's lanes first) that may be displaced
         # (occupied, not claimed, not pinned): EVICT, the lowest (score, slot); else the first
         # that can move to a free lane of its own other bucket, and that bucket. NO_SLOT (and
         # num_buckets, which sorts last) where none.
+        # EVICT: only the keys still live (live[p] != 0) choose; each bids for its slot with
+        # bid_round << 32 | (2**32 - 1 - p): the slot's largest bid is this round's best-ranked
+        # key wanting it (an integer max: the order the atomics land in does not matter).
         p, valid, b1, b2 = _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK)
+        in_range = valid
+        lanes = BS
+        if EVICT:
+            valid = valid & (tl.load(live_ptr + p, mask=valid, other=0) != 0)
+            lanes = BS * tl.max(valid.to(tl.int32), axis=0)  # a program with no key in play skips the lanes
         best = tl.full([BLOCK], _NO_SLOT, tl.int64)
         best_score = tl.zeros([BLOCK], tl.int64)
         dst = tl.zeros([BLOCK], tl.int64) + num_buckets
@@ -197,7 +210,7 @@ if HAVE_TRITON:
             bucket = b1 if half == 0 else b2
             claimed = tl.load(claimed_ptr + bucket, mask=valid, other=0)
             lane = 0
-            while lane < BS:
+            while lane < lanes:
                 slot = bucket * BS + lane
                 live = valid if EVICT else valid & (best == _NO_SLOT)
                 live = _displaceable(tags_ptr, pins_ptr, pin_ids_ptr, num_pins, claimed, slot, lane, live)
@@ -217,9 +230,33 @@ if HAVE_TRITON:
                     dst = tl.where(better, alt, dst)
                 best = tl.where(better, slot, best)
                 lane += 1
-        tl.store(slot_ptr + p, best, mask=valid)
-        if not EVICT:
-            tl.store(dst_ptr + p, dst.to(tl.int32), mask=valid)
+        tl.store(slot_ptr + p, best, mask=in_range)
+        if EVICT:
+            bid = (bid_round.to(tl.int64) << 32) | (0xFFFFFFFF - p)
+            tl.atomic_max(bids_ptr + tl.maximum(best, 0), bid, mask=best != _NO_SLOT)
+        else:
+            tl.store(dst_ptr + p, dst.to(tl.int32), mask=in_range)
+
+    @triton.jit(do_not_specialize=["bid_round", "m"])
+    def _settle_kernel(
+        slot_ptr, bids_ptr, todo_ptr, out_ptr, won_ptr, live_ptr, claimed_ptr, bid_round, m, BS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # After a round's bids: a key whose bid is its slot's largest takes the slot (its key's
+        # slot in out, the round it won in, the lane claimed); a key that found no slot gives up.
+        # Either leaves play; the others bid again next round.
+        p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = p < m
+        s = tl.load(slot_ptr + p, mask=valid, other=_NO_SLOT)
+        has = valid & (s != _NO_SLOT)
+        s = tl.maximum(s, 0)
+        bid = (bid_round.to(tl.int64) << 32) | (0xFFFFFFFF - p)
+        win = has & (tl.load(bids_ptr + s, mask=has, other=0) == bid)
+        k = tl.load(todo_ptr + p, mask=win, other=0)
+        tl.store(out_ptr + k, s, mask=win)
+        tl.store(won_ptr + p, tl.zeros([BLOCK], tl.int32) + bid_round, mask=win)
+        tl.atomic_or(claimed_ptr + s // BS, tl.full([BLOCK], 1, tl.int64) << (s % BS), mask=win)
+        tl.store(live_ptr + p, tl.zeros([BLOCK], tl.int8), mask=valid & (win | ~has))
 
     @triton.jit(do_not_specialize=["n"])
     def _place_kernel(
@@ -354,8 +391,8 @@ def claim_by_moving(
         src = torch.empty(m, dtype=torch.int64, device=device)
         dst = torch.empty(m, dtype=torch.int32, device=device)
         _displace_kernel[grid](
-            state.keys, tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, src, dst, m,
-            num_buckets, BS=bucket_size, BSP=bsp, EVICT=False, BLOCK=block,
+            state.keys, tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, src, dst, dst, dst, 0,
+            m, num_buckets, BS=bucket_size, BSP=bsp, EVICT=False, BLOCK=block,
         )  # fmt: skip
         # one mover a resident (the best-ranked), then as many a target bucket as it has free lanes
         dst = torch.where(_first_in_groups(src) & (src != NO_SLOT), dst, num_buckets)
@@ -389,28 +426,39 @@ def claim_by_evicting(
     residents of its buckets that may be evicted; the best-ranked key of each slot takes it, the
     others try again, and a key with none gives up. Writes the keys' slots into ``out``, claims in
     ``state.claimed``; returns the evicted slots, in round and rank order. ``pin_ids``: a
-    resident whose pin is one of these is not evicted. One host read a round."""
+    resident whose pin is one of these is not evicted.
+
+    A round is two kernels over the keys in play (choose and bid, settle), the ones out of play
+    masked. The host reads how many are still in play once every :data:`EVICT_ROUNDS_PER_READ`
+    rounds (a round with none left launches kernels that do nothing) and keeps only those for
+    the next rounds, so a step's dozen rounds cost a read or three, not one each."""
     claimed, num_buckets, bucket_size = state.claimed, state.num_buckets, state.bucket_size
     device = claimed.device
     pin_ids, num_pins = _pin_ids(pin_ids, device)
     block = TUNING.displace_block
+    consts = dict(BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), BLOCK=block)
+    bids = torch.zeros(num_buckets * bucket_size, dtype=torch.int64, device=device)
+    todo = todo.contiguous()
     evicted = []
-    while (m := todo.numel()) > 0:
+    bid_round = 0  # rounds so far: a round's bids outbid every earlier round's
+    while m := todo.numel():
+        grid = (triton.cdiv(m, block),)
         slot = torch.empty(m, dtype=torch.int64, device=device)
-        _displace_kernel[(triton.cdiv(m, block),)](
-            state.keys, state.tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, slot, slot, m,
-            num_buckets, BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), EVICT=True, BLOCK=block,
-        )  # fmt: skip
-        has = slot != NO_SLOT
-        win = has & _first_in_groups(slot)
-        lost = has & ~win
-        _mark_slots(claimed, bucket_size, torch.where(win, slot, NO_SLOT))
-        out[todo] = torch.where(win, slot, out[todo])
-        wins, losses = torch.stack([win.sum(), lost.sum()]).tolist()  # the one host read
-        if wins == 0:  # no key has a resident to evict
-            break
-        evicted.append(slot[torch.nonzero_static(win, size=wins).squeeze(1)])
-        todo = todo[torch.nonzero_static(lost, size=losses).squeeze(1)]
+        live = torch.ones(m, dtype=torch.int8, device=device)
+        won = torch.zeros(m, dtype=torch.int32, device=device)  # the round a key won in (0: none yet)
+        for _ in range(EVICT_ROUNDS_PER_READ):
+            bid_round += 1
+            _displace_kernel[grid](
+                state.keys, state.tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, slot, slot,
+                live, bids, bid_round, m, num_buckets, EVICT=True, **consts,
+            )  # fmt: skip
+            _settle_kernel[grid](
+                slot, bids, todo, out, won, live, claimed, bid_round, m, BS=bucket_size, BLOCK=block
+            )  # fmt: skip
+        in_play, wins = torch.stack([live.sum(dtype=torch.int64), torch.count_nonzero(won)]).tolist()  # the read
+        winners = torch.nonzero_static(won, size=wins).squeeze(1)  # rank order
+        evicted.append(out[todo[winners[torch.sort(won[winners], stable=True).indices]]])  # round, rank order
+        todo = todo[torch.nonzero_static(live, size=in_play).squeeze(1)]
     return torch.cat(evicted) if evicted else torch.empty(0, dtype=torch.int64, device=device)
 
 
@@ -445,7 +493,11 @@ def _pin_ids(pin_ids: Optional[torch.Tensor], device: torch.device) -> tuple[tor
     """``(ids, count)``: the pins that block, int32 on ``device`` (one unread entry if none)."""
     if pin_ids is None or not pin_ids.numel():
         return torch.zeros(1, dtype=torch.int32, device=device), 0
-    return pin_ids.to(device=device, dtype=torch.int32), pin_ids.numel()
+    pin_ids = pin_ids.to(torch.int32)
+    if pin_ids.device.type == "cpu" and device.type == "cuda":
+        # from page-locked memory: a copy that does not wait for the stream (a pageable one would)
+        return pin_ids.pin_memory().to(device, non_blocking=True), pin_ids.numel()
+    return pin_ids.to(device), pin_ids.numel()
 
 
 def _rank_in_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
