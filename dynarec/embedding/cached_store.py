@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -50,6 +50,9 @@ from dynarec.embedding.step import StepPendingError
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import RowScores
 from dynarec.optim.rounding import RowKeys
+
+if TYPE_CHECKING:
+    from dynarec.embedding.initializers import Initializer
 
 __all__ = ["CacheFullError", "CachedRowStore"]
 
@@ -244,6 +247,12 @@ class CachedRowStore(RowStore):
             cache, host = fields[k]
             cache.index_copy_(0, slots, v[cached])
             torch.ops.dynarec.exchange_rows(v[~cached].contiguous(), at, host, elsewhere, None)
+
+    @torch.no_grad()
+    def init_rows(
+        self, rows: torch.Tensor, keys: torch.Tensor, initializer: Initializer, seed: int, default_bound: float
+    ) -> None:
+        self.reset_rows(rows, initializer.values(keys, self.cache.weight.shape[1], seed, default_bound))
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:

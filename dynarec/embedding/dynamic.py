@@ -362,7 +362,7 @@ class DynamicTable(EmbeddingTable):
         if plan.placed < keys.numel():
             ok = plan.slots >= 0
             new_slots, new_keys = plan.slots[ok], keys[ok]
-        self.store.reset_rows(new_slots, self.initial_weights(new_keys))
+        self.store.init_rows(new_slots, new_keys, self.initializer, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
         if step is not None:
             self.index.pin(new_slots, step.id)
         return plan.slots, plan.placed

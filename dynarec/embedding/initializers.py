@@ -16,7 +16,10 @@ from typing import ClassVar, Literal, Optional, get_args
 import torch
 
 import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
+from dynarec.kernels.gpu import hashing
+from dynarec.kernels.gpu._triton import HAVE_TRITON
 from dynarec.kernels.reference import mix64
+from dynarec.kernels.reference.hashing import uniform_salt
 
 __all__ = ["INITIALIZER_KINDS", "Initializer", "InitializerKind", "mix64"]
 
@@ -75,6 +78,20 @@ class Initializer:
         if not chunks:
             return torch.empty(0, dim, dtype=torch.float32, device=keys.device)
         return torch.cat(chunks)
+
+    @torch.no_grad()
+    def write_rows(
+        self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seed: int, default_bound: float
+    ) -> None:
+        """``out[rows[i]] = values(keys)[i]`` in ``out``'s dtype (rounded to nearest); ``out``:
+        ``[num_rows, dim]``, ``rows`` distinct. Uniform draws into a CUDA tensor are written by
+        one kernel (:func:`dynarec.kernels.gpu.hashing.uniform_rows`: the same bits, no float64
+        temporaries); the rest through :meth:`values`."""
+        if self.kind == "uniform" and out.is_cuda and out.dim() == 2 and out.stride(1) == 1 and HAVE_TRITON:
+            bound = default_bound if self.bound is None else self.bound
+            hashing.uniform_rows(out, rows, keys.long(), uniform_salt(seed, 0), float(bound))
+            return
+        out.index_copy_(0, rows, self.values(keys, out.shape[1], seed, default_bound).to(out.dtype))
 
     def _draw(self, keys: torch.Tensor, dim: int, seed: int, default_bound: float) -> torch.Tensor:
         u = torch.ops.dynarec.uniform01(keys, dim, seed, 0)

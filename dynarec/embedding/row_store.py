@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -22,6 +22,9 @@ from dynarec.kernels.packed import packed_layout, table_views
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 from dynarec.optim.rounding import RowKeys
+
+if TYPE_CHECKING:
+    from dynarec.embedding.initializers import Initializer
 
 __all__ = ["NativeRowStore", "PackedRowStore", "RowStore", "RowStoreSlice", "field_rows"]
 
@@ -125,6 +128,17 @@ class RowStore(ABC):
         """Gives ``rows`` fresh contents: ``weight`` (float32; half-precision rows store it
         rounded to nearest) and every state at its initial value."""
         self.weight.index_copy_(0, rows, weight.to(self.weight.dtype))
+        for spec in self.spec.state_specs():
+            self.states[spec.name].index_fill_(0, rows, spec.initial_value)
+
+    @torch.no_grad()
+    def init_rows(
+        self, rows: torch.Tensor, keys: torch.Tensor, initializer: Initializer, seed: int, default_bound: float
+    ) -> None:
+        """:meth:`reset_rows` with row ``rows[i]``'s weights the initializer's for ``keys[i]``
+        (``rows`` distinct), written in place where the initializer can
+        (:meth:`Initializer.write_rows`)."""
+        initializer.write_rows(self.weight, rows, keys, seed, default_bound)
         for spec in self.spec.state_specs():
             self.states[spec.name].index_fill_(0, rows, spec.initial_value)
 

@@ -19,6 +19,7 @@ from dynarec.kernels import gpu, reference
 from dynarec.kernels.gpu import hashing as gpu_hashing
 from dynarec.kernels.gpu import plan as gpu_plan
 from dynarec.kernels.gpu import update as gpu_update
+from dynarec.kernels.reference import hashing as reference_hashing
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad, definition, registered
 from dynarec.optim.fused import bag_gradients, fused_row_update
 from dynarec.optim.kernel import KernelCode
@@ -100,6 +101,24 @@ def check_candidate_buckets(device, num_buckets):
     ).to(device)
     got, want = gpu_hashing.candidate_buckets(keys, num_buckets), reference.candidate_buckets(keys, num_buckets)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def check_uniform_rows(device, dim, dtype):
+    """The uniform initializer's rows written in place by one kernel: each row the float32 of
+    ``(2u - 1) * bound`` from the plain-torch float64 draws, in the table's dtype rounded to
+    nearest; other rows and columns untouched (rows of a wider tensor's column slice too); salts
+    and bounds whose 32-bit halves are 0 or 1 (Triton would make such an argument a constant)."""
+    gen = torch.Generator().manual_seed(dim)
+    keys = torch.cat([torch.randint(-(2**63), 2**63 - 1, (300,), generator=gen), torch.tensor([-(2**63), 0, -1])])
+    rows = torch.randperm(500, generator=gen)[: keys.numel()]
+    for seed, bound, pad in [(0, 0.0123, 0), (-7, 1.0, 3), (12345, 2.0**-20, 0)]:
+        for salt in (reference.uniform_salt(seed, 0), 1, 1 << 32):
+            u = reference_hashing.uniform01_of_salt(keys, dim, salt)
+            want = torch.randn(500, dim + 2 * pad, generator=gen).to(dtype)
+            got = want.clone().to(device)
+            want[rows, pad : pad + dim] = ((2.0 * u - 1.0) * bound).float().to(dtype)
+            gpu_hashing.uniform_rows(got[:, pad : pad + dim], rows.to(device), keys.to(device), salt, bound)
+            assert torch.equal(got.cpu(), want), (seed, bound, pad, salt)
 
 
 def check_uniform01(device, dim):

@@ -54,6 +54,11 @@ def test_uniform01(dim):
     gpu_checks.check_uniform01(DEVICE, dim)
 
 
+@pytest.mark.parametrize("dim, dtype", [(1, "float32"), (33, "float32"), (128, "bfloat16"), (600, "float16")])
+def test_uniform_rows(dim, dtype):
+    gpu_checks.check_uniform_rows(DEVICE, dim, getattr(torch, dtype))
+
+
 @pytest.mark.parametrize(
     "num_buckets, bucket_size, load",
     lane(

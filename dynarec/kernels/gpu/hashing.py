@@ -23,7 +23,16 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["EMPTY_TAG", "NO_SLOT", "TUNING", "Tuning", "candidate_buckets", "find_two_choice", "uniform01"]
+__all__ = [
+    "EMPTY_TAG",
+    "NO_SLOT",
+    "TUNING",
+    "Tuning",
+    "candidate_buckets",
+    "find_two_choice",
+    "uniform01",
+    "uniform_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,57 @@ if HAVE_TRITON:
             u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
             mask = valid[:, None] & (cols < dim)[None, :]
             tl.store(out_ptr + rows[:, None] * dim + cols[None, :], u, mask=mask)
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["n", "dim", "row_stride", "salt_hi", "salt_lo", "bound_hi", "bound_lo"])
+    def _uniform_rows_kernel(
+        keys_ptr, rows_ptr, out_ptr, n, dim, row_stride, salt_hi, salt_lo, bound_hi, bound_lo, ROWS: tl.constexpr,
+        COLS: tl.constexpr, BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        # out[rows[i], :dim] = float32((2u - 1) * bound) in out's dtype (rounded to nearest), u the
+        # float64 draws of _uniform01_kernel; bound a float64 given as its two 32-bit halves (a
+        # float argument would be float32).
+        i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        valid = i < n
+        salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
+        bound = ((bound_hi.to(tl.uint64) << 32) | bound_lo.to(tl.uint64)).to(tl.float64, bitcast=True)
+        base = mix64(tl.load(keys_ptr + i, mask=valid, other=0).to(tl.uint64) ^ salt)
+        dst = tl.load(rows_ptr + i, mask=valid, other=0).to(tl.int64)
+        for b in range(BLOCKS):
+            cols = b * COLS + tl.arange(0, COLS)
+            h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
+            u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
+            v = ((u * 2.0 - 1.0) * bound).to(tl.float32)  # 2u is exact: a fused multiply-add rounds as sub does
+            if out_ptr.dtype.element_ty == tl.bfloat16:
+                # to nearest, ties to even, on the bits (finite values; Triton's interpreter truncates)
+                bits = v.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                out = v.to(out_ptr.dtype.element_ty)
+            mask = valid[:, None] & (cols < dim)[None, :]
+            tl.store(out_ptr + dst[:, None] * row_stride + cols[None, :], out, mask=mask)
+
+
+def uniform_rows(out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, salt: int, bound: float) -> None:
+    """``out[rows[i]] = ((2 * u - 1) * bound).float()`` in ``out``'s dtype (float32, or half
+    precision rounded to nearest), ``u = uniform01(keys, dim, salt)[i]`` (float64): the uniform
+    initializer's rows written in place, one kernel, no ``[n, dim]`` temporaries. ``out``:
+    ``[num_rows, dim]`` with unit column stride; ``rows``: distinct, in range."""
+    n, dim = keys.numel(), out.shape[1]
+    if not (n and dim):
+        return
+    assert out.stride(1) == 1, "uniform_rows writes rows of unit column stride"
+    bits = int(torch.tensor(float(bound), dtype=torch.float64).view(torch.int64)) & ((1 << 64) - 1)
+    salt &= (1 << 64) - 1
+    cols = min(triton.next_power_of_2(dim), TUNING.uniform_cols)
+    per = max(1, TUNING.uniform_elements // cols)
+    _uniform_rows_kernel[(triton.cdiv(n, per),)](
+        keys.contiguous(), rows.contiguous(), out, n, dim, out.stride(0), salt >> 32, salt & 0xFFFFFFFF, bits >> 32,
+        bits & 0xFFFFFFFF, ROWS=per, COLS=cols, BLOCKS=triton.cdiv(dim, cols),
+    )  # fmt: skip
 
 
 def uniform01(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ slot).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
@@ -69,9 +71,10 @@ def find(
     return slots, absent
 
 
+@functools.lru_cache(maxsize=1024)
 def uniform_salt(seed: int, stream: int) -> int:
     """The salt of the draws of ``(seed, stream)``, an int64 hashed on the host (a scalar sent to
-    the GPU would wait for the stream)."""
+    the GPU would wait for the stream); kept per (seed, stream): a step draws with the same few."""
     return int(mix64(torch.tensor(seed * 4 + stream, dtype=torch.int64)))
 
 
