@@ -43,7 +43,16 @@ def kernels():
     )  # fmt: skip
     displace = dict(
         keys_ptr=I64, tags_ptr=U8, scores_ptr=I64, claimed_ptr=I64, pins_ptr=I32, pin_ids_ptr=I32, num_pins="i32",
-        new_keys_ptr=I64, todo_ptr=I64, slot_ptr=I64, dst_ptr=I32, m="i32", num_buckets="i64",
+        new_keys_ptr=I64, todo_ptr=I64, slot_ptr=I64, dst_ptr=I32, live_ptr="*i8", bids_ptr=I64, bid_round="i32",
+        m="i32", num_buckets="i64",
+    )  # fmt: skip
+    settle = dict(
+        slot_ptr=I64, bids_ptr=I64, todo_ptr=I64, out_ptr=I64, won_ptr=I32, live_ptr="*i8", claimed_ptr=I64,
+        bid_round="i32", m="i32",
+    )  # fmt: skip
+    uniform_rows = dict(
+        keys_ptr=I64, rows_ptr=I64, out_ptr=F32, n="i32", dim="i32", row_stride="i64", salt_hi="i32", salt_lo="i32",
+        bound_hi="i32", bound_lo="i32",
     )  # fmt: skip
     choose = dict(
         tags_ptr=U8, claimed_ptr=I64, keys_ptr=I64, order_ptr=I64, out_ptr=I64, choice_ptr=I32, m="i32",
@@ -63,7 +72,10 @@ def kernels():
         (plan._mark_claimed_kernel, dict(claimed_ptr=I64, sorted_ptr=I32, lane_ptr=I64, m="i32"), dict(BLOCK=128)),
         (plan._mark_slots_kernel, dict(claimed_ptr=I64, slots_ptr=I64, m="i32"), dict(BS=16, BLOCK=256)),
         *[(plan._displace_kernel, displace, dict(BS=16, BSP=16, EVICT=evict, BLOCK=64)) for evict in (True, False)],
+        (plan._settle_kernel, settle, dict(BS=16, BLOCK=64)),
         (plan._place_kernel, place, dict(BLOCK=256)),
+        *[(hashing._uniform_rows_kernel, dict(uniform_rows, out_ptr=out), dict(ROWS=32, COLS=128, BLOCKS=1))
+          for out in (F32, "*bf16", "*fp16")],
         *[(lookup._pooled_kernel, pooled, dict(HAS_W=w, BLOCK_D=128)) for w in (True, False)],
         (lookup._pooled_kernel, dict(pooled, weight_ptr="*bf16"), dict(HAS_W=True, BLOCK_D=128)),
     ]  # fmt: skip
