@@ -88,12 +88,11 @@ def test_the_seeds_bug_is_caught_and_names_the_dynamic_table(monkeypatch, capsys
     """Fresh dynamic rows whose accumulator ignores initial_accumulator_value (fixed tables
     allocate their states elsewhere and stay right): verify fails naming the dynamic table."""
 
-    def reset_rows_without_iav(self, rows, weight):
-        self.weight.index_copy_(0, rows, weight)
+    def reset_states_without_iav(self, rows):
         for spec in self.spec.state_specs():
             self.states[spec.name].index_fill_(0, rows, 0.0)
 
-    monkeypatch.setattr(NativeRowStore, "reset_rows", reset_rows_without_iav)
+    monkeypatch.setattr(NativeRowStore, "reset_states", reset_states_without_iav)
     assert main(["verify", "--config", DEMO]) == 1
     out = capsys.readouterr().out
     user = out.splitlines()[0]

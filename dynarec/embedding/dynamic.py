@@ -58,6 +58,7 @@ from dynarec.embedding.admission import Admission
 from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.insert_plan import InsertPlan
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.scores import ScorePolicy
@@ -266,15 +267,18 @@ class DynamicTable(EmbeddingTable):
         all_present = new_keys.numel() == uniq.numel()
         if new_keys.numel():
             before = self.index.stamp
-            new_slots, placed = self._insert(new_keys, step, keys_ascending=True)
-            all_present = all_present and placed == new_keys.numel()
+            plan = self._insert(new_keys, step, keys_ascending=True)
+            new_slots = plan.slots
+            all_present = all_present and plan.placed == new_keys.numel()
             if admitted is not None:
                 new_slots = torch.full_like(uniq, -1).index_copy_(0, admitted, new_slots)
-            if self.index.stamp.keys_moved_since(before):  # a growth, or a cuckoo move
+            if self.index.stamp.serial != before.serial:  # a growth: every key may have moved
                 slots = self.index.find(keys)
                 all_present = bool((slots >= 0).all())  # a growth at max_capacity may have dropped a key
                 self.index.pin(slots, step.id)  # their new slots (the insert pinned its new rows)
             else:
+                if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
+                    slots = _follow_moves(slots, plan.moved_from, plan.moved_to)
                 slots.index_copy_(0, absent, new_slots[inverse])
         return slots, all_present
 
@@ -296,14 +300,15 @@ class DynamicTable(EmbeddingTable):
         step: Optional[Step],
         keys_ascending: bool = False,
         write_id: Optional[int] = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> InsertPlan:
         """Gives rows to absent ``keys`` (unique; ``keys_ascending``: in ascending order); returns
-        their slots (-1: no row) and how many got one. ``step``: the training step doing it (its
-        journal records the changes), or None (``write_rows``, which pinned its own rows with the id
-        ``write_id``: they may move to their other bucket, and are not evicted).
+        the plan it committed: their slots (-1: no row), how many got one, the residents moved.
+        ``step``: the training step doing it (its journal records the changes), or None
+        (``write_rows``, which pinned its own rows with the id ``write_id``: they may move to their
+        other bucket, and are not evicted).
 
         A row this step already looked up may move to its other bucket to make room (its slot
-        changes; the caller finds its keys again), unless the table served this step before:
+        changes; the caller follows the plan's moves), unless the table served this step before:
         that lookup's slots are final. Rows pinned by other pending steps never move."""
         journal = step.journal if step is not None else None
         options, space = self.options, self.space
@@ -365,7 +370,7 @@ class DynamicTable(EmbeddingTable):
         self.store.init_rows(new_slots, new_keys, self.initializer, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
         if step is not None:
             self.index.pin(new_slots, step.id)
-        return plan.slots, plan.placed
+        return plan
 
     def _movable_pins(self, step: Optional[Step], write_id: Optional[int] = None) -> Optional[torch.Tensor]:
         if write_id is not None:
@@ -444,3 +449,12 @@ class DynamicTable(EmbeddingTable):
             fresh = self.admission.fresh_counter()
             self.admission.counter = snapshot.restored_counter(fresh, None if weights_only else dump)
         return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
+
+
+def _follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:
+    """``slots`` (-1: none) with each slot ``moved_from[i]`` replaced by ``moved_to[i]`` (a plan's
+    cuckoo moves: distinct sources), without a host read."""
+    order = torch.argsort(moved_from)
+    src, dst = moved_from[order], moved_to[order]
+    at = torch.searchsorted(src, slots).clamp_(max=src.numel() - 1)
+    return torch.where(src[at] == slots, dst[at], slots)

@@ -128,8 +128,7 @@ class RowStore(ABC):
         """Gives ``rows`` fresh contents: ``weight`` (float32; half-precision rows store it
         rounded to nearest) and every state at its initial value."""
         self.weight.index_copy_(0, rows, weight.to(self.weight.dtype))
-        for spec in self.spec.state_specs():
-            self.states[spec.name].index_fill_(0, rows, spec.initial_value)
+        self.reset_states(rows)
 
     @torch.no_grad()
     def init_rows(
@@ -139,6 +138,12 @@ class RowStore(ABC):
         (``rows`` distinct), written in place where the initializer can
         (:meth:`Initializer.write_rows`)."""
         initializer.write_rows(self.weight, rows, keys, seed, default_bound)
+        self.reset_states(rows)
+
+    @torch.no_grad()
+    def reset_states(self, rows: torch.Tensor) -> None:
+        """Every optimizer state of ``rows`` at its spec's initial value (Adagrad's
+        ``initial_accumulator_value``): a fresh row's states, on every table kind."""
         for spec in self.spec.state_specs():
             self.states[spec.name].index_fill_(0, rows, spec.initial_value)
 
