@@ -6,7 +6,7 @@
 | ``find`` | two-choice bucketed find, optionally flagging an absent key | C++ | Triton |
 | ``candidate_buckets`` | a key's two buckets | C++ | Triton |
 | ``plan_insert`` | an insert plan's three steps (free slot, one cuckoo move, eviction) | C++ | Triton |
-| ``place_keys`` | a commit of new keys into free slots | torch | Triton |
+| ``place_keys`` | a commit of new keys into free slots | C++ | Triton |
 | ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
 | ``uniform01`` | key-seeded uniform draws | C++ | Triton |
 | ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
@@ -116,6 +116,15 @@ def _plan_insert_cpu(
         empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict, free_slots,
     )  # fmt: skip
     return out, left, moved_from, moved_to, evicted
+
+
+def _place_keys_cpu(keys, scores, tags, slots, new_keys, new_scores):
+    k = cpu.ops()
+    if k is None or not keys.is_contiguous() or not scores.is_contiguous():
+        return reference.place_keys(keys, scores, tags, slots, new_keys, new_scores)
+    bad = k.place_keys(keys, scores, tags, slots.contiguous(), new_keys.contiguous(), new_scores.contiguous())
+    if bad >= 0:
+        raise IndexError(f"place_keys: slot {int(slots[bad])} at position {bad} is outside [0, {keys.numel()})")
 
 
 def _fill_at_cpu(t, idx, value):
@@ -318,7 +327,7 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
         _candidate_buckets_triton,
     ),
     "plan_insert": (reference.plan_insert, _plan_insert_fake, _plan_insert_cpu, _plan_insert_triton),
-    "place_keys": (reference.place_keys, _returns_none, None, _place_keys_triton),
+    "place_keys": (reference.place_keys, _returns_none, _place_keys_cpu, _place_keys_triton),
     "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
     "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, _uniform01_triton),
     "pooled": (reference.pooled, _pooled_fake, _pooled_cpu, _pooled_triton),

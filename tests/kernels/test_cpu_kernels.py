@@ -197,6 +197,13 @@ def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
         index.touch(torch.tensor([3, 16]), 7)
 
 
+def test_place_keys_refuses_a_slot_out_of_range():
+    index = BucketedHashIndex(4, 4, "cpu")
+    new = torch.tensor([5, 9])
+    with pytest.raises(IndexError, match=r"place_keys: slot 16 at position 1 is outside \[0, 16\)"):
+        torch.ops.dynarec.place_keys(index.keys, index.scores, index.tags, torch.tensor([3, 16]), new, new)
+
+
 def test_the_extension_is_built_in_a_directory_of_this_environment_and_source_tree(monkeypatch):
     """Two virtual environments (or checkouts) never share a build directory: each would rebuild
     the other's files (their build files name different paths)."""

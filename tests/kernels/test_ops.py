@@ -48,7 +48,18 @@ def sample_args():
             (*arrays, new, torch.arange(new.numel()), None, None, True),
             (*arrays, new, torch.arange(new.numel()).flip(0), torch.tensor([2]), torch.tensor([2, 3]), False),
         ],
-        "place_keys": [(index.keys.clone(), index.scores.clone(), index.tags.clone(), free, new, torch.ones_like(new))],
+        "place_keys": [
+            (index.keys.clone(), index.scores.clone(), index.tags.clone(), free, new, torch.ones_like(new)),
+            # keys left without a slot (-1), zero scores (not written: a free slot holds 0)
+            (
+                index.keys.clone(),
+                index.scores.clone(),
+                index.tags.clone(),
+                torch.cat([free[:3], torch.tensor([-1, -1])]),
+                new,
+                torch.tensor([0, 5, 0, 2, 1]),
+            ),
+        ],
         "fill_at": [(index.scores.clone(), torch.tensor([0, 3, 3]), 1 << 41)],
         "uniform01": [(query, 5, 11, 1)],
         "pooled": [(weight, rows, offsets, psw), (weight, rows, offsets, None)],

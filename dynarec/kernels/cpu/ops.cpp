@@ -839,6 +839,37 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   return -1;
 }
 
+// The dynarec::place_keys op: new_keys[i] with new_scores[i] and its tag into slot slots[i] of an
+// index's arrays (distinct, free: key 0 and score 0; -1: not placed; a score of 0 is not written).
+// Returns -1, or the position of a slot outside the arrays (then nothing after it is written).
+int64_t place_keys(torch::Tensor keys, torch::Tensor scores, torch::Tensor tags, const torch::Tensor& slots,
+                   const torch::Tensor& new_keys, const torch::Tensor& new_scores) {
+  check_cpu_int64(keys, "keys");
+  check_cpu_int64(scores, "scores");
+  check_cpu_int64(slots, "slots");
+  check_cpu_int64(new_keys, "new_keys");
+  check_cpu_int64(new_scores, "new_scores");
+  TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
+  TORCH_CHECK(slots.numel() == new_keys.numel() && slots.numel() == new_scores.numel(),
+              "slots, new_keys and new_scores differ in size");
+  int64_t* tk = keys.data_ptr<int64_t>();
+  int64_t* ts = scores.data_ptr<int64_t>();
+  uint8_t* tg = tags.data_ptr<uint8_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* k = new_keys.data_ptr<int64_t>();
+  const int64_t* sc = new_scores.data_ptr<int64_t>();
+  const int64_t n = slots.numel(), size = keys.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] == -1) continue;
+    if (s[i] < 0 || s[i] >= size) return i;
+    const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
+    tk[s[i]] = k[i];
+    if (sc[i] != 0) ts[s[i]] = sc[i];
+    tg[s[i]] = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
+  }
+  return -1;
+}
+
 // stable_row_order as tensors: (rows sorted, the permutation), for the tests; empty where a row
 // is negative.
 std::vector<torch::Tensor> stable_sort_rows(const torch::Tensor& rows) {
@@ -859,6 +890,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_half", &pooled_half, "weighted-sum bags of bf16 / fp16 rows, in float32");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
+  m.def("place_keys", &place_keys, "new keys with their scores and tags into free slots; -1 or the first bad position");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
   m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");
   m.def("uniform01", &uniform01, "key-seeded uniform (0, 1) draws");
