@@ -122,7 +122,9 @@ def _place_keys_cpu(keys, scores, tags, slots, new_keys, new_scores):
     k = cpu.ops()
     if k is None or not keys.is_contiguous() or not scores.is_contiguous():
         return reference.place_keys(keys, scores, tags, slots, new_keys, new_scores)
-    bad = k.place_keys(keys, scores, tags, slots.contiguous(), new_keys.contiguous(), new_scores.contiguous())
+    bad = k.place_keys(
+        keys, scores, tags, slots.long().contiguous(), new_keys.long().contiguous(), new_scores.long().contiguous()
+    )  # (int64 as the index's arrays: the twin's indexed writes cast too)
     if bad >= 0:
         raise IndexError(f"place_keys: slot {int(slots[bad])} at position {bad} is outside [0, {keys.numel()})")
 

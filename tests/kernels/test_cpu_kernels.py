@@ -202,6 +202,10 @@ def test_place_keys_refuses_a_slot_out_of_range():
     new = torch.tensor([5, 9])
     with pytest.raises(IndexError, match=r"place_keys: slot 16 at position 1 is outside \[0, 16\)"):
         torch.ops.dynarec.place_keys(index.keys, index.scores, index.tags, torch.tensor([3, 16]), new, new)
+    assert not index.keys.any() and not index.tags.any()  # refused whole: nothing written
+    # scores of another integer dtype are taken as the twin takes them
+    torch.ops.dynarec.place_keys(index.keys, index.scores, index.tags, torch.tensor([3, 7]), new, new.int())
+    assert index.keys[[3, 7]].tolist() == [5, 9] and index.scores[[3, 7]].tolist() == [5, 9]
 
 
 def test_the_extension_is_built_in_a_directory_of_this_environment_and_source_tree(monkeypatch):

@@ -841,7 +841,7 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
 
 // The dynarec::place_keys op: new_keys[i] with new_scores[i] and its tag into slot slots[i] of an
 // index's arrays (distinct, free: key 0 and score 0; -1: not placed; a score of 0 is not written).
-// Returns -1, or the position of a slot outside the arrays (then nothing after it is written).
+// Returns -1, or the position of the first slot outside the arrays (then nothing is written).
 int64_t place_keys(torch::Tensor keys, torch::Tensor scores, torch::Tensor tags, const torch::Tensor& slots,
                    const torch::Tensor& new_keys, const torch::Tensor& new_scores) {
   check_cpu_int64(keys, "keys");
@@ -860,8 +860,10 @@ int64_t place_keys(torch::Tensor keys, torch::Tensor scores, torch::Tensor tags,
   const int64_t* sc = new_scores.data_ptr<int64_t>();
   const int64_t n = slots.numel(), size = keys.numel();
   for (int64_t i = 0; i < n; ++i) {
+    if (s[i] != -1 && (s[i] < 0 || s[i] >= size)) return i;
+  }
+  for (int64_t i = 0; i < n; ++i) {
     if (s[i] == -1) continue;
-    if (s[i] < 0 || s[i] >= size) return i;
     const uint64_t h = mix64(static_cast<uint64_t>(k[i]));
     tk[s[i]] = k[i];
     if (sc[i] != 0) ts[s[i]] = sc[i];

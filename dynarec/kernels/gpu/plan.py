@@ -431,7 +431,8 @@ def claim_by_evicting(
     A round is two kernels over the keys in play (choose and bid, settle), the ones out of play
     masked. The host reads how many are still in play once every :data:`EVICT_ROUNDS_PER_READ`
     rounds (a round with none left launches kernels that do nothing) and keeps only those for
-    the next rounds, so a step's dozen rounds cost a read or three, not one each."""
+    the next rounds, so a step's dozen rounds cost a read or three, not one each. The bids take
+    one int64 a slot of the index while planning (``docs/memory.md``)."""
     claimed, num_buckets, bucket_size = state.claimed, state.num_buckets, state.bucket_size
     device = claimed.device
     pin_ids, num_pins = _pin_ids(pin_ids, device)
