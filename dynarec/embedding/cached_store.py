@@ -252,7 +252,7 @@ class CachedRowStore(RowStore):
     def init_rows(
         self, rows: torch.Tensor, keys: torch.Tensor, initializer: Initializer, seed: int, default_bound: float
     ) -> None:
-        self.reset_rows(rows, initializer.values(keys, self.cache.weight.shape[1], seed, default_bound))
+        self.reset_rows(rows, initializer.values(keys, self.dim, seed, default_bound))
 
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ a tag matches: an absent key almost never reads a key.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -132,6 +133,20 @@ if HAVE_TRITON:
 
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _key_draw_bases(keys_ptr, i, valid, salt_hi, salt_lo):
+        """Each key's ``mix64(key ^ salt)`` (``reference.uniform01``'s per-key hash), the salt
+        given as its two 32-bit halves."""
+        salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
+        return mix64(tl.load(keys_ptr + i, mask=valid, other=0).to(tl.uint64) ^ salt)
+
+    @triton.jit
+    def _uniform_tile(base, cols):
+        """``[ROWS, COLS]`` float64 draws in (0, 1) of columns ``cols`` of the keys of ``base``."""
+        h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
+        return ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
+
     # The salt's halves not specialized either: a half equal to 1 would be a constant (no .to()).
     @triton.jit(do_not_specialize=["n", "salt_hi", "salt_lo"])
     def _uniform01_kernel(
@@ -140,17 +155,11 @@ if HAVE_TRITON:
         """Rows ``ROWS`` a program, each row's ``dim`` columns in ``BLOCKS`` tiles of ``COLS``."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         valid = rows < n
-        salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
-        base = mix64(tl.load(keys_ptr + rows, mask=valid, other=0).to(tl.uint64) ^ salt)
+        base = _key_draw_bases(keys_ptr, rows, valid, salt_hi, salt_lo)
         for b in range(BLOCKS):
             cols = b * COLS + tl.arange(0, COLS)
-            h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
-            u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
             mask = valid[:, None] & (cols < dim)[None, :]
-            tl.store(out_ptr + rows[:, None] * dim + cols[None, :], u, mask=mask)
-
-
-if HAVE_TRITON:
+            tl.store(out_ptr + rows[:, None] * dim + cols[None, :], _uniform_tile(base, cols), mask=mask)
 
     @triton.jit(do_not_specialize=["n", "dim", "row_stride", "salt_hi", "salt_lo", "bound_hi", "bound_lo"])
     def _uniform_rows_kernel(
@@ -162,14 +171,12 @@ if HAVE_TRITON:
         # float argument would be float32).
         i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         valid = i < n
-        salt = (salt_hi.to(tl.uint64) << 32) | salt_lo.to(tl.uint64)
         bound = ((bound_hi.to(tl.uint64) << 32) | bound_lo.to(tl.uint64)).to(tl.float64, bitcast=True)
-        base = mix64(tl.load(keys_ptr + i, mask=valid, other=0).to(tl.uint64) ^ salt)
+        base = _key_draw_bases(keys_ptr, i, valid, salt_hi, salt_lo)
         dst = tl.load(rows_ptr + i, mask=valid, other=0).to(tl.int64)
         for b in range(BLOCKS):
             cols = b * COLS + tl.arange(0, COLS)
-            h = mix64(base[:, None] + (cols + 1).to(tl.uint64)[None, :] * 0x9E3779B97F4A7C15)
-            u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^-53
+            u = _uniform_tile(base, cols)
             v = ((u * 2.0 - 1.0) * bound).to(tl.float32)  # 2u is exact: a fused multiply-add rounds as sub does
             if out_ptr.dtype.element_ty == tl.bfloat16:
                 # to nearest, ties to even, on the bits (finite values; Triton's interpreter truncates)
@@ -191,7 +198,7 @@ def uniform_rows(out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, salt
     if not (n and dim):
         return
     assert out.stride(1) == 1, "uniform_rows writes rows of unit column stride"
-    bits = int(torch.tensor(float(bound), dtype=torch.float64).view(torch.int64)) & ((1 << 64) - 1)
+    (bits,) = struct.unpack("<Q", struct.pack("<d", float(bound)))  # the float64's bits
     salt &= (1 << 64) - 1
     cols = min(triton.next_power_of_2(dim), TUNING.uniform_cols)
     per = max(1, TUNING.uniform_elements // cols)

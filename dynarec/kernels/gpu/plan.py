@@ -183,6 +183,13 @@ if HAVE_TRITON:
         live = live & (tl.load(tags_ptr + slot, mask=live, other=_EMPTY_TAG) != _EMPTY_TAG)
         return _unpinned(pins_ptr, pin_ids_ptr, num_pins, slot, live)
 
+    @triton.jit
+    def _bid(bid_round, p):
+        """A key's bid for a slot in an eviction round: ``bid_round << 32 | (2**32 - 1 - p)``, so
+        the slot's largest bid is the latest round's best-ranked key (``p``: its position among
+        the keys in play, in rank order)."""
+        return (bid_round.to(tl.int64) << 32) | (0xFFFFFFFF - p)
+
     @triton.jit(do_not_specialize=["num_pins", "m", "num_buckets", "bid_round"])
     def _displace_kernel(
         keys_ptr, tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr,
@@ -194,9 +201,9 @@ if HAVE_TRITON:
         # (occupied, not claimed, not pinned): EVICT, the lowest (score, slot); else the first
         # that can move to a free lane of its own other bucket, and that bucket. NO_SLOT (and
         # num_buckets, which sorts last) where none.
-        # EVICT: only the keys still live (live[p] != 0) choose; each bids for its slot with
-        # bid_round << 32 | (2**32 - 1 - p): the slot's largest bid is this round's best-ranked
-        # key wanting it (an integer max: the order the atomics land in does not matter).
+        # EVICT: only the keys still live (live[p] != 0) choose; each bids for its slot (_bid):
+        # the slot's largest bid is this round's best-ranked key wanting it (an integer max: the
+        # order the atomics land in does not matter).
         p, valid, b1, b2 = _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK)
         in_range = valid
         lanes = BS
@@ -232,8 +239,7 @@ if HAVE_TRITON:
                 lane += 1
         tl.store(slot_ptr + p, best, mask=in_range)
         if EVICT:
-            bid = (bid_round.to(tl.int64) << 32) | (0xFFFFFFFF - p)
-            tl.atomic_max(bids_ptr + tl.maximum(best, 0), bid, mask=best != _NO_SLOT)
+            tl.atomic_max(bids_ptr + tl.maximum(best, 0), _bid(bid_round, p), mask=best != _NO_SLOT)
         else:
             tl.store(dst_ptr + p, dst.to(tl.int32), mask=in_range)
 
@@ -250,8 +256,7 @@ if HAVE_TRITON:
         s = tl.load(slot_ptr + p, mask=valid, other=_NO_SLOT)
         has = valid & (s != _NO_SLOT)
         s = tl.maximum(s, 0)
-        bid = (bid_round.to(tl.int64) << 32) | (0xFFFFFFFF - p)
-        win = has & (tl.load(bids_ptr + s, mask=has, other=0) == bid)
+        win = has & (tl.load(bids_ptr + s, mask=has, other=0) == _bid(bid_round, p))
         k = tl.load(todo_ptr + p, mask=win, other=0)
         tl.store(out_ptr + k, s, mask=win)
         tl.store(won_ptr + p, tl.zeros([BLOCK], tl.int32) + bid_round, mask=win)
