@@ -69,10 +69,6 @@ class IndexStamp(NamedTuple):
         then may be present now, where some write came since)."""
         return (self.serial, self.moved, self.removed) == (then.serial, then.moved, then.removed)
 
-    def keys_moved_since(self, then: IndexStamp) -> bool:
-        """Whether a key present at ``then`` and now may be in another slot now."""
-        return (self.serial, self.moved) != (then.serial, then.moved)
-
 
 class BucketedHashIndex:
     def __init__(self, num_buckets: int, bucket_size: int, device: torch.device | str = "cpu"):
