@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")
             p.add_argument("--kind", default="dynamic", choices=["fixed", "dynamic"])
             p.add_argument("--zipf", type=float, default=1.05, help="the ids' Zipf exponent (higher: more skewed)")
+            p.add_argument(
+                "--ids",
+                default="bounded",
+                choices=["bounded", "wrapped"],
+                help="bounded: Zipf over the table's rows; wrapped: the other step benchmarks' draw, numpy's unbounded "
+                "Zipf modulo the rows (its tail past them lands nearly uniformly: 40%% of the ids at --zipf 1.05 and "
+                "40M rows)",
+            )
         if name == "sweep":
             p.add_argument(
                 "--grid-rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000], help="CPU: table rows"

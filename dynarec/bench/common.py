@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import inspect
@@ -44,6 +45,13 @@ HBM_ROOFLINE_GBPS = 4300.0  # H200 HBM3e as measured by a device-to-device copy 
 
 @dataclass
 class Workload:
+    """``bags`` bags of ``pooling_factor`` ids a step over a table of ``num_embeddings`` rows
+    (``dim`` wide), drawn from Zipf(``zipf_a``) in ``num_batches`` draws. ``zipf_bounded``:
+    rank ``k`` of ``0 .. num_embeddings - 1`` drawn with probability proportional to
+    ``(k + 1) ** -zipf_a`` (Zipf over the table's rows); else numpy's unbounded Zipf draw modulo
+    ``num_embeddings``, as the step benchmarks have drawn since they began: its tail past the
+    rows lands nearly uniformly over them (at ``zipf_a`` = 1.05 and 40M rows, 40% of the ids)."""
+
     num_embeddings: int = 1_000_000
     dim: int = 64
     bags: int = 4096
@@ -51,6 +59,7 @@ class Workload:
     zipf_a: float = 1.05
     num_batches: int = 8
     seed: int = 0
+    zipf_bounded: bool = False
 
     @property
     def ids_per_step(self) -> int:
@@ -80,9 +89,7 @@ class Workload:
         over the first ``num_batches`` batches has seen every one of them, and each later batch
         holds exactly that share of new keys."""
         rng = np.random.default_rng(self.seed)
-        draws = [
-            (rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings for _ in range(self.num_batches)
-        ]
+        draws = [self._zipf_draw(rng) for _ in range(self.num_batches)]
         fresh = round(new_keys * self.ids_per_step)
         out = []
         for k in range(self.num_batches if count is None else count):
@@ -108,8 +115,21 @@ class Workload:
             out.append(batch.pin_memory() if device.startswith("cuda") else batch)  # pinned: as the DataLoader's
         return out
 
+    def _zipf_draw(self, rng: np.random.Generator) -> np.ndarray:
+        """One step's ids, int64 in ``[0, num_embeddings)`` (see the class doc)."""
+        if not self.zipf_bounded:
+            return (rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings
+        cdf = _zipf_cdf(self.zipf_a, self.num_embeddings)
+        return np.searchsorted(cdf, rng.random(self.ids_per_step) * cdf[-1], side="right").astype(np.int64)
+
     def unique_fraction(self, batches: list[JaggedBatch]) -> float:
         return statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches)
+
+
+@functools.lru_cache(maxsize=1)
+def _zipf_cdf(a: float, n: int) -> np.ndarray:
+    """``cdf[k] = sum_{j <= k} (j + 1) ** -a``, float64 ``[n]`` (unnormalized)."""
+    return np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -a)
 
 
 def synchronizer(device: str) -> Callable[[], None]:

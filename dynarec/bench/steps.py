@@ -262,12 +262,23 @@ def bench_row_dtype(args) -> dict:
 def bench_host_tier(args) -> dict:
     """A table whose rows live in host memory, ``--cache-load-factor`` of them cached on the
     device (issue 31's host tier), against the same table kept whole on the device: the fused
-    step on the same Zipf ids, timed interleaved (``--steps`` at least the workload's 8 batches,
-    or the timed steps revisit the rows the cache already holds). Beside the ratio: the rows a
-    steady step loads into the cache and writes back (the host<->device traffic) and their
-    bytes."""
+    step on the same Zipf ids, timed interleaved, the trainer's way (each batch's input stage,
+    where the cached table makes its rows resident, ``prefetch_depth`` steps ahead). The batches
+    are a stream, each step's ids a fresh draw (a cycle of a few draws would find a cache either
+    holding them all or thrashing on them); ``--ids`` picks Zipf over the table's rows or the
+    other step benchmarks' wrapped draw. Beside the ratio: the rows a step of the stream loads
+    into the cache and writes back (the host<->device traffic) and their bytes."""
+    warm = max(args.warmup, 1)
+    depth = 2  # the collection's prefetch depth at most
+    count = warm + (args.runs + 1) * args.steps + depth  # (one run more: the traffic's count)
     w = Workload(
-        num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor, zipf_a=args.zipf
+        num_embeddings=args.rows,
+        dim=args.dim,
+        bags=args.bags,
+        pooling_factor=args.pooling_factor,
+        zipf_a=args.zipf,
+        num_batches=count,
+        zipf_bounded=args.ids == "bounded",
     )
     spec = OPTIMIZERS[args.optimizer]
     batches = w.batches(keys_over_int64=args.kind == "dynamic", device=args.device)
@@ -278,16 +289,17 @@ def bench_host_tier(args) -> dict:
         return lambda: EmbeddingCollection([table], spec, device=args.device)
 
     makers = {"whole": make(whole), "cached": make(cached)}
-    r = measure(makers, {k: batches for k in makers}, args.steps, args.runs, args.warmup, args.device)
+    r = measure(makers, {k: batches for k in makers}, args.steps, args.runs, warm, args.device, stream=warm)
     store = r["cached"]["coll"].tables["t"].store
-    for key in store.counters:  # a steady step's traffic: counted over every batch again
+    for key in store.counters:  # a steady step's traffic: counted over the stream's next steps
         store.counters[key] = 0
-    counted = max(args.steps, len(batches))
-    _time_steps(r["cached"]["coll"], batches, counted, synchronizer(args.device))
-    per_step = {k: v / counted for k, v in store.counters.items()}
+    first = warm + args.runs * args.steps
+    _time_steps(r["cached"]["coll"], batches, args.steps, synchronizer(args.device), first)
+    per_step = {k: v / args.steps for k, v in store.counters.items()}
     row_bytes = 4 * (w.dim + _state_floats(spec, w.dim))
     traffic = (per_step["loaded"] + per_step["written_back"]) * row_bytes
-    cache_rows, unique = store.cache_rows, w.unique_fraction(batches) * w.ids_per_step
+    cache_rows = store.cache_rows
+    unique = w.unique_fraction(batches[first : first + args.steps]) * w.ids_per_step
     for v in r.values():
         v.pop("coll")
     cached_over_whole = ratio(r, "cached", "whole")

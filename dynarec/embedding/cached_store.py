@@ -20,6 +20,16 @@ on the device (bit for bit on the CPU, whose update sums a row's gradients in oc
 whatever the rows' numbering; to float32 summation order on a GPU, whose update blocks depend
 on the numbering).
 
+A lookup's rows may be made resident ahead (:meth:`CachedRowStore.prefetch`, a collection's
+input stage of a coming batch, on its input stream: FBGEMM's and dynamicemb's prefetch
+pipelines): the rows move while the device runs the steps before, and the :class:`CacheHold`
+it gives keeps them in their slots until the batch's lookup, which then reads their slots from
+it with no host read. A prefetch spares the slots of every lookup whose update is still to come
+or still running on the device, and of every hold; where those leave too few, it loads nothing
+and the lookup loads the rows itself. Every other use of the store, on any stream, first waits
+for the work of the use before it (one event a use): a prefetch on the input stream and the
+lookups on the main stream see the store in the order the host called them.
+
 Rows move by ``dynarec::exchange_rows``, one launch a field (the weights, each state) and a
 lookup: the rows a lookup displaces are written back and its missing rows read into their slots
 by the device itself, over its link, from host memory locked in place for it
@@ -38,15 +48,17 @@ built).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Optional, TypeVar
 
 import torch
 
 from dynarec.devices import HostMemoryError, synchronize
 from dynarec.embedding.row_store import NativeRowStore, RowStore, field_rows
 from dynarec.embedding.step import StepPendingError
+from dynarec.embedding.streams import current_stream, rows_stream
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import RowScores
 from dynarec.optim.rounding import RowKeys
@@ -54,11 +66,48 @@ from dynarec.optim.rounding import RowKeys
 if TYPE_CHECKING:
     from dynarec.embedding.initializers import Initializer
 
-__all__ = ["CacheFullError", "CachedRowStore"]
+__all__ = ["CacheFullError", "CacheHold", "CachedRowStore"]
+
+_T = TypeVar("_T")
 
 
 class CacheFullError(RuntimeError):
     """A batch needs more rows on the device than a table's cache can give it."""
+
+
+def _in_order_of_uses(method: Callable[..., _T]) -> Callable[..., _T]:
+    """A use of a :class:`CachedRowStore` (see :meth:`CachedRowStore._in_order`)."""
+
+    @functools.wraps(method)
+    def use(self: CachedRowStore, *args, **kwargs) -> _T:
+        with self._in_order():
+            return method(self, *args, **kwargs)
+
+    return use
+
+
+class CacheHold:
+    """Rows :meth:`CachedRowStore.prefetch` made resident for a coming lookup: ``slots`` ``[n]``
+    int64, the cache slot of each row it was given, in order; its rows keep their slots until
+    :meth:`release` (or until the hold is dropped), unless the cache is emptied, resized or
+    reloaded meanwhile, or a lookup needed their slots (the lookup then finds them again)."""
+
+    def __init__(self, store: CachedRowStore, slots: torch.Tensor, tick: int):
+        self.slots = slots
+        self._store = store
+        self._generation = store._generation
+        self.release = weakref.finalize(self, store._reserved.discard, tick)
+        #: On a GPU, the event after its rows' moves (on the rows stream), where it moved any.
+        self.moved: Optional[torch.cuda.Event] = None
+
+    @property
+    def valid(self) -> bool:
+        """Whether every row is still in the slot :attr:`slots` gives it."""
+        return self.release.alive and self._generation == self._store._generation
+
+    def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores: Optional[RowScores] = None):
+        """The store's lookup of ``rows`` (the rows given to the prefetch), reading their slots here."""
+        return self._store.lookup(rows, offsets, per_sample_weights, train, step, row_scores, hold=self)
 
 
 class CachedRowStore(RowStore):
@@ -96,9 +145,15 @@ class CachedRowStore(RowStore):
             )
         self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device, dtype=dtype, rounding_seed=rounding_seed)
         self.cache.row_keys = RowKeys(keys=self._slot_keys)  # a slot's draws are its row's
-        self.counters = {"loaded": 0, "written_back": 0}
-        self._clock = 0  # one tick a lookup
+        self.counters = {"loaded": 0, "written_back": 0, "prefetched": 0, "prefetches_skipped": 0}
+        self._clock = 0  # one tick a lookup or prefetch
         self._in_flight: set[int] = set()  # ticks of training lookups whose update is still to come
+        self._reserved: set[int] = set()  # ticks of prefetches whose hold is kept
+        self._updating: list[tuple[int, torch.cuda.Event]] = []  # updates queued on a GPU, maybe not done
+        # The last use of the store on each stream: (its end, its bookkeeping's end) events;
+        # the rows stream's moves keep no bookkeeping (None).
+        self._uses: dict[torch.cuda.Stream, tuple[torch.cuda.Event, Optional[torch.cuda.Event]]] = {}
+        self._generation = 0  # bumped where rows held by a prefetch may lose their slots
         self._reset_cache(num_rows)
 
     @contextlib.contextmanager
@@ -114,46 +169,169 @@ class CachedRowStore(RowStore):
         return self.row_keys.of(self._row_of_slot.clamp(min=0))
 
     def _reset_cache(self, num_rows: int) -> None:
+        self._generation += 1  # every hold's rows lose their slots: the holds spare nothing
+        self._reserved.clear()
         device = self.device
         self._slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
         self._row_of_slot = torch.full((self.cache_rows,), -1, dtype=torch.int64, device=device)
         self._last_used = torch.full((self.cache_rows,), -1, dtype=torch.int64, device=device)
 
+    @contextlib.contextmanager
+    def _in_order(self, rows_moved: bool = True) -> Iterator[None]:
+        """Runs the block, on the current stream, after the store's last use on every other
+        stream (a GPU; events): a prefetch's bookkeeping on the input stream, its rows' moves on
+        the rows stream, and the main stream's lookups, reads and writes see the store as the
+        host ordered them. ``rows_moved=False`` (a prefetch's bookkeeping, a lookup of rows a
+        hold keeps: neither reads a slot whose rows may be moving): after the other streams'
+        bookkeeping only, not after rows still moving."""
+        if self.device.type != "cuda":
+            yield
+            return
+        stream = current_stream(self.device)
+        for other, (done, bookkept) in self._uses.items():
+            wait = done if rows_moved else bookkept
+            if other != stream and wait is not None:
+                stream.wait_event(wait)
+        yield
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._uses[stream] = (done, done)
+
     # -- the lookup ----------------------------------------------------------------------------
 
-    def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores: Optional[RowScores] = None):
-        self._clock += 1
-        tick = self._clock
-        slots = self._resident(rows, tick)
-        if not (train and torch.is_grad_enabled()):
-            return self.cache.lookup(slots, offsets, per_sample_weights, train, step)
-        self._in_flight.add(tick)
-        out = self.cache.lookup(slots, offsets, per_sample_weights, True, step, on_update=lambda: self._release(tick))
-        weakref.finalize(out, self._release, tick)  # dropped without a backward (an aborted step)
-        return out
+    def lookup(
+        self,
+        rows,
+        offsets,
+        per_sample_weights,
+        train,
+        step=0,
+        row_scores: Optional[RowScores] = None,
+        hold: Optional[CacheHold] = None,
+    ):
+        """``hold``: a :meth:`prefetch` of these very ``rows``; its slots are read where still
+        valid (no host read), else the rows are found again."""
+        with self._in_order(rows_moved=hold is None or not hold.valid):
+            self._clock += 1
+            tick = self._clock
+            slots = self._resident(rows, tick, hold)
+            if not (train and torch.is_grad_enabled()):
+                return self.cache.lookup(slots, offsets, per_sample_weights, train, step)
+            self._in_flight.add(tick)
+            out = self.cache.lookup(
+                slots, offsets, per_sample_weights, True, step, on_update=lambda: self._updated(tick)
+            )
+            weakref.finalize(out, self._in_flight.discard, tick)  # dropped without a backward (an aborted step)
+            return out
 
-    def _release(self, tick: int) -> None:
+    def _updated(self, tick: int) -> None:
+        """A training lookup's update is queued: on a GPU its slots stay spared by a prefetch on
+        another stream until the update has run (:meth:`_spared_from`)."""
         self._in_flight.discard(tick)
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(current_stream(self.device))
+            self._updating.append((tick, done))
 
-    def _resident(self, rows: torch.Tensor, tick: int) -> torch.Tensor:
-        """The cache slot (int64) of every row of ``rows``, loading the missing ones. Where every
-        row is cached: two gathers, one stamp and one sync (no sort of the batch's rows)."""
-        slots = self._slot_of_row[rows].long()
-        absent = slots < 0
-        if bool(absent.any()):
-            self._last_used[slots[~absent]] = tick  # this batch's cached rows are not evicted for it
-            self._load(torch.unique(rows[absent]), min(self._in_flight, default=tick))
+    def _spared_from(self, tick: int, holds: bool = True, updating: bool = False) -> int:
+        """The oldest tick whose slots must stay (its rows are used from ``tick`` on): every
+        lookup's whose update is still to come, ``holds``: every kept prefetch's, ``updating``:
+        every update's the device may still be running (a prefetch on another stream than the
+        updates', which does not wait for them)."""
+        ticks = [tick, *self._in_flight]
+        if holds:
+            ticks += self._reserved
+        if updating:
+            while self._updating and self._updating[0][1].query():  # done in order: one stream
+                self._updating.pop(0)
+            ticks += [t for t, _ in self._updating]
+        return min(ticks)
+
+    def _resident(self, rows: torch.Tensor, tick: int, hold: Optional[CacheHold] = None) -> torch.Tensor:
+        """The cache slot (int64) of every row of ``rows``, loading the missing ones. From a
+        valid ``hold``: one stamp. Else, where every row is cached: two gathers, one stamp and
+        one sync (no sort of the batch's rows)."""
+        if hold is not None and hold.valid:
+            slots = hold.slots
+            if hold.moved is not None:  # its rows' moves, on the rows stream
+                current_stream(self.device).wait_event(hold.moved)
+        else:
             slots = self._slot_of_row[rows].long()
+            absent = slots < 0
+            if bool(absent.any()):
+                self._last_used[slots[~absent]] = tick  # this batch's cached rows are not evicted for it
+                missing = torch.unique(rows[absent])
+                moves = self._claim(missing, self._spared_from(tick))  # the holds' rows spared, where they can be
+                if moves is None:
+                    self._generation += 1  # some may be taken: their lookups find their rows again
+                    moves = self._claim(missing, self._spared_from(tick, holds=False), refuse=True)
+                assert moves is not None  # (refused otherwise)
+                self._exchange(*moves)
+                slots = self._slot_of_row[rows].long()
         self._last_used[slots] = tick  # (a row met twice: the same stamp twice)
         return slots
 
     @torch.no_grad()
-    def _load(self, missing: torch.Tensor, keep_from: int) -> None:
+    def prefetch(self, rows: torch.Tensor) -> Optional[CacheHold]:
+        """Makes ``rows`` (``[n]`` int64, on the device; repeats allowed) resident for a coming
+        lookup of them, on the current stream (a collection's input stream), and keeps them in
+        their slots until the returned hold is released or dropped. None where the slots it may
+        take are too few (it then loads nothing; the lookup loads the rows itself)."""
+        with self._in_order(rows_moved=False):
+            self._clock += 1
+            tick = self._clock
+            slots = self._slot_of_row[rows].long()
+            absent = slots < 0
+            moves = None
+            if bool(absent.any()):
+                self._last_used[slots[~absent]] = tick
+                missing = torch.unique(rows[absent])
+                moves = self._claim(missing, self._spared_from(tick, updating=True))
+                if moves is None:
+                    self.counters["prefetches_skipped"] += 1
+                    return None
+                self.counters["prefetched"] += missing.numel()
+                slots = self._slot_of_row[rows].long()
+            self._last_used[slots] = tick
+            self._reserved.add(tick)
+            hold = CacheHold(self, slots, tick)
+            if moves is not None:
+                hold.moved = self._move_aside(*moves)
+            return hold
+
+    def _move_aside(self, slots: torch.Tensor, out_rows: torch.Tensor, in_rows: torch.Tensor):
+        """A prefetch's moves (:meth:`_exchange`), on a GPU on the rows stream after the
+        bookkeeping that chose them: the next prefetch's host reads do not wait for them, nor
+        does any lookup but the hold's (:meth:`_in_order`). Returns the event after them (None
+        elsewhere: made in place)."""
+        if self.device.type != "cuda":
+            self._exchange(slots, out_rows, in_rows)
+            return None
+        aside = rows_stream(self.device)
+        aside.wait_stream(current_stream(self.device))
+        with torch.cuda.stream(aside):
+            self._exchange(slots, out_rows, in_rows)
+        for t in (slots, out_rows, in_rows):  # made on the input stream, read on the rows stream
+            t.record_stream(aside)
+        moved = torch.cuda.Event()
+        moved.record(aside)
+        self._uses[aside] = (moved, None)
+        return moved
+
+    @torch.no_grad()
+    def _claim(
+        self, missing: torch.Tensor, keep_from: int, refuse: bool = False
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Gives the ``missing`` rows (unique) the least recently used slots used before tick
-        ``keep_from`` (the oldest lookup whose update is still to come, or this one)."""
+        ``keep_from``, in the bookkeeping; returns the moves to make (:meth:`_exchange`'s
+        arguments: the slots, the rows they held (-1: none) and the rows they take). None where
+        those slots are too few (nothing claimed), or with ``refuse`` the named error. Its
+        host reads come before any move is queued: none of them waits for rows moving."""
         order = torch.argsort(self._last_used, stable=True)  # empty slots (-1) first
         free = int((self._last_used < keep_from).sum())
         if free < missing.numel():
+            if not refuse:
+                return None
             raise CacheFullError(
                 f"table '{self.name}': a lookup needs {missing.numel()} rows more on the device, but its cache of "
                 f"{self.cache_rows} rows can give {free} (the others hold this batch's rows or rows whose update is "
@@ -164,13 +342,13 @@ class CachedRowStore(RowStore):
         victims = victims[by_row]
         # Both host row lists ascending (missing is, from unique): a GPU reaches host memory in
         # address order several times faster than at random (its link's address translation).
-        self._exchange(victims, old, missing)
         held = old[old >= 0]
         self._slot_of_row[held] = -1
         self._slot_of_row[missing] = victims.to(torch.int32)
         self._row_of_slot[victims] = missing
         self.counters["loaded"] += missing.numel()
         self.counters["written_back"] += held.numel()
+        return victims, old, missing
 
     def _fields(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{field: (cache rows, host rows)}`` of the weights and of each state."""
@@ -183,6 +361,7 @@ class CachedRowStore(RowStore):
         for cache, host in self._fields().values():
             torch.ops.dynarec.exchange_rows(cache, slots, host, out_rows, in_rows)
 
+    @_in_order_of_uses
     @torch.no_grad()
     def _write_back(self, empty: bool) -> None:
         """Writes every cached row back to host memory (``empty``: and empties the cache, refused
@@ -194,7 +373,7 @@ class CachedRowStore(RowStore):
             )
         held = torch.nonzero(self._row_of_slot >= 0).squeeze(1)
         if held.numel():
-            rows, by_row = torch.sort(self._row_of_slot[held])  # in address order, as in _load
+            rows, by_row = torch.sort(self._row_of_slot[held])  # in address order, as in _claim
             self._exchange(held[by_row], rows, None)
         if empty:
             self._reset_cache(self.num_rows)
@@ -221,6 +400,7 @@ class CachedRowStore(RowStore):
         cached = slots >= 0
         return cached, slots[cached], rows[~cached]
 
+    @_in_order_of_uses
     def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the rows' weights (float32) and states (on ``rows``' device), from wherever
         each lives."""
@@ -234,6 +414,7 @@ class CachedRowStore(RowStore):
             out[name] = (v.float() if name == "weight" else v).to(rows.device)
         return out
 
+    @_in_order_of_uses
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         fields = self._fields()
@@ -254,6 +435,7 @@ class CachedRowStore(RowStore):
     ) -> None:
         self.reset_rows(rows, initializer.values(keys, self.dim, seed, default_bound))
 
+    @_in_order_of_uses
     @torch.no_grad()
     def reset_rows(self, rows: torch.Tensor, weight: torch.Tensor) -> None:
         cached, slots, elsewhere = self._where(rows)
@@ -267,6 +449,7 @@ class CachedRowStore(RowStore):
                 fresh[spec.name] = torch.full((elsewhere.numel(), width), spec.initial_value, device=self.device)
             self.write(elsewhere, fresh)
 
+    @_in_order_of_uses
     @torch.no_grad()
     def resize(self, num_rows: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A growth: rows ``src`` become rows ``dst`` of ``num_rows``, in host memory (moved) and in
@@ -284,6 +467,7 @@ class CachedRowStore(RowStore):
         self._last_used[row_of_slot < 0] = -1  # the lost rows' slots are free
         self._slot_of_row, self._row_of_slot = slot_of_row, row_of_slot
         self.num_rows = num_rows
+        self._generation += 1
 
     def _allocate(self, num_rows: int) -> None:
         """A load: fresh rows in host memory, an empty cache (the cache's rows are replaced with

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
+from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key, packs_dims
@@ -74,7 +75,10 @@ class LookupUnit(Protocol):
 
     def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[Bags, BagLayout]: ...
     def find(self, bags: Bags) -> Optional[FoundKeys]: ...
-    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor: ...
+    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> Optional[CacheHold]: ...
+    def lookup(
+        self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
+    ) -> torch.Tensor: ...
     def begin_step(self) -> object: ...
     def abort_step(self) -> None: ...
     def commit_pending(self) -> None: ...
@@ -82,13 +86,15 @@ class LookupUnit(Protocol):
 
 @dataclass
 class _Prepared:
-    """A batch's input stage (:meth:`EmbeddingCollection.prefetch`): its packed bags and finds
-    per table, and what the main stream takes before using them."""
+    """A batch's input stage (:meth:`EmbeddingCollection.prefetch`): its packed bags, finds and
+    holds of rows made resident (tables in host memory) per table, and what the main stream
+    takes before using them."""
 
     kjt: KeyedJaggedLike
     packed: dict[str, tuple[Bags, BagLayout]]
     found: dict[str, Optional[FoundKeys]]
     staged: StagedInput
+    holds: dict[str, Optional[CacheHold]] = field(default_factory=dict)
 
 
 class EmbeddingCollection(nn.Module):
@@ -217,9 +223,11 @@ class EmbeddingCollection(nn.Module):
         A find made ahead holds while the table only gains keys in free slots; where it may
         not (the table grew, evicted, moved or removed keys, was loaded, an aborted step was
         undone, or an absent key may have been inserted since), the forward finds again. A
-        batch the checks refuse is left to its own forward, which raises the error."""
+        table whose rows live in host memory makes the batch's rows resident in its device
+        cache here too (:meth:`EmbeddingTable.stage_rows`): on a GPU they move beside this step.
+        A batch the checks refuse is left to its own forward, which raises the error."""
         try:
-            prepared = self._prepare(kjt, ready)
+            prepared = self._prepare(kjt, ready, ahead=True)
         except Exception:  # its own forward raises it, at its own step
             return
         self._prefetched.append(prepared)
@@ -236,12 +244,15 @@ class EmbeddingCollection(nn.Module):
                 return prepared
         return None
 
-    def _prepare(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> _Prepared:
+    def _prepare(
+        self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None, ahead: bool = False
+    ) -> _Prepared:
         """Stage 1, before any table writes: on the input stream (CUDA) the checks, the copy, the
         packing and the hash finds run beside the main stream's work (see :mod:`.streams`;
-        ``ready``: the event after a device batch was made). The checks run there too: a device
-        batch's id conversions and the host reads of its checks then follow its ``ready`` event,
-        not the main stream's backward."""
+        ``ready``: the event after a device batch was made); ``ahead`` (a batch of a coming
+        step), the rows of tables in host memory are made resident too. The checks run there
+        too: a device batch's id conversions and the host reads of its checks then follow its
+        ``ready`` event, not the main stream's backward."""
         values = kjt.values()
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
@@ -252,17 +263,26 @@ class EmbeddingCollection(nn.Module):
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
+            holds = {}
+            if ahead:
+                holds = {unit.name: unit.stage_rows(packed[unit.name][0], found[unit.name]) for unit in self._units}
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
             staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
             staged.hand_over(*(f.slots for f in found.values() if f is not None))
-        return _Prepared(kjt, packed, found, staged)
+            staged.hand_over(*(h.slots for h in holds.values() if h is not None))
+        return _Prepared(kjt, packed, found, staged, holds)
 
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
         prepared = self._take_prefetched(kjt)
         if prepared is None:
             prepared = self._prepare(kjt)
         prepared.staged.take()
-        return self._lookup(prepared.packed, prepared.found)
+        try:
+            return self._lookup(prepared.packed, prepared.found, prepared.holds)
+        finally:
+            for hold in prepared.holds.values():  # the lookup's own stamps keep its rows from here
+                if hold is not None:
+                    hold.release()
 
     def lookup_slices(self, slices: Mapping[str, FeatureSlice]) -> dict[str, torch.Tensor]:
         """The forward of features already split, checked and on the device (a sharded
@@ -272,7 +292,10 @@ class EmbeddingCollection(nn.Module):
         return self._lookup(packed, found)
 
     def _lookup(
-        self, packed: Mapping[str, tuple[Bags, BagLayout]], found: Mapping[str, Optional[FoundKeys]]
+        self,
+        packed: Mapping[str, tuple[Bags, BagLayout]],
+        found: Mapping[str, Optional[FoundKeys]],
+        holds: Mapping[str, Optional[CacheHold]] = {},
     ) -> dict[str, torch.Tensor]:
         """Stages 2 and 3 of every unit, as one training step of every table (or none)."""
         out: dict[str, torch.Tensor] = {}
@@ -283,7 +306,7 @@ class EmbeddingCollection(nn.Module):
                     unit.begin_step()
                     begun.append(unit)
                 bags, layout = packed[unit.name]
-                out.update(unpack(unit.lookup(bags, self.training, found[unit.name]), layout))
+                out.update(unpack(unit.lookup(bags, self.training, found[unit.name], holds.get(unit.name)), layout))
         except BaseException:
             for unit in reversed(begun):  # the step never happened, on any table
                 unit.abort_step()

@@ -55,6 +55,7 @@ import torch
 
 from dynarec.embedding import snapshot
 from dynarec.embedding.admission import Admission
+from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.hash_index import BucketedHashIndex
@@ -182,7 +183,14 @@ class DynamicTable(EmbeddingTable):
         slots, absent = self.index.find_flagged(bags.ids)
         return FoundKeys(slots, self.index.stamp, absent)
 
-    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+    def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
+        """The rows of the keys found (a find made ahead may be stale by the lookup: a hold's
+        rows are then only rows made resident; the lookup finds its own)."""
+        return None if found is None else found.slots[found.slots >= 0]
+
+    def lookup(
+        self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
+    ) -> torch.Tensor:
         """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
         initializer (in training with admission: the admission initializer), weighted like a row;
         mean pooling still divides by the bag's full length."""

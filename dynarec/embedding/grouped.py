@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import dynarec.kernels.ops
+from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
@@ -162,7 +163,12 @@ class TableGroup:
     def find(self, bags: Bags) -> Optional[FoundKeys]:
         return None  # fixed tables: ids are rows
 
-    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> None:
+        return None  # its tables' rows are on the device (no table of a host-memory tier is grouped)
+
+    def lookup(
+        self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
+    ) -> torch.Tensor:
         """All tables' bags (:meth:`pack`'s) -> pooled rows ``[num_bags, D]``; in training the
         output's backward applies the fused update once to every touched row of every table and
         commits each table's step."""

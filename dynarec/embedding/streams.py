@@ -38,9 +38,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HostReadback", "StagedInput", "current_stream", "input_stage"]
+__all__ = ["HostReadback", "StagedInput", "current_stream", "input_stage", "rows_stream"]
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
+_ROWS_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # current_stream's wrappers, by device and stream id
 
 
@@ -66,6 +67,16 @@ def _input_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _STREAMS:  # high priority: its small kernels go ahead of the backward's blocks
         _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return _STREAMS[device]
+
+
+def rows_stream(device: torch.device) -> torch.cuda.Stream:
+    """``device``'s stream for rows moving between host memory and a device cache ahead of their
+    lookup (one per device and process): the moves queue there one after another, while the
+    input stream's next finds and the main stream's steps go on beside them."""
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _ROWS_STREAMS:
+        _ROWS_STREAMS[device] = torch.cuda.Stream(device)
+    return _ROWS_STREAMS[device]
 
 
 class StagedInput:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from dynarec.embedding.cached_store import CachedRowStore
+from dynarec.embedding.cached_store import CachedRowStore, CacheHold
 from dynarec.embedding.config import FeatureConfig, TableConfig, cache_rows_of
 from dynarec.embedding.fbgemm_store import FbgemmRowStore
 from dynarec.embedding.hash_index import IndexStamp
@@ -194,10 +194,28 @@ class EmbeddingTable(ABC):
         (:mod:`.streams`) ahead of the lookup, possibly a step ahead (``prefetch``)."""
         return None
 
+    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> Optional[CacheHold]:
+        """Stage 1's last part, for a table whose rows live in host memory: makes the rows of
+        ``bags`` (``found``: :meth:`find`'s answer) resident in its device cache ahead of their
+        lookup, on the stream the stage runs on (:meth:`CachedRowStore.prefetch`). None for a
+        table kept whole on its device, or where its cache cannot take them now."""
+        store = self.store
+        if not isinstance(store, CachedRowStore):
+            return None
+        rows = self._rows_of(bags, found)
+        return None if rows is None else store.prefetch(rows)
+
+    def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
+        """The store rows of ``bags`` where known before the lookup (for :meth:`stage_rows`)."""
+        return None
+
     @abstractmethod
-    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+    def lookup(
+        self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
+    ) -> torch.Tensor:
         """Stage 2: bags -> pooled rows ``[num_bags, D]``. ``found``: :meth:`find`'s answer for
-        these bags, if already computed (found again if the table was written since).
+        these bags, if already computed (found again if the table was written since); ``hold``:
+        :meth:`stage_rows`'s (the caller releases it after the lookup).
 
         In training (after ``begin_step()``), creates rows as the table's kind does and makes the
         output's backward apply the fused optimizer to the touched rows and commit the step.
@@ -312,9 +330,15 @@ class FixedTable(EmbeddingTable):
     def validate(self, feature: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]] = None) -> None:
         check_id_range(self.name, feature, ids, self.num_embeddings, id_range)
 
-    def lookup(self, bags: Bags, train: bool, found: Optional[FoundKeys] = None) -> torch.Tensor:
+    def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
+        return bags.ids
+
+    def lookup(
+        self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
+    ) -> torch.Tensor:
         step = self.steps.current if train else None
-        out = self.store.lookup(bags.ids, bags.offsets, bags.weights, train, step=step.t if step else 0)
+        store_lookup = self.store.lookup if hold is None else hold.lookup  # the hold's slots: no host read
+        out = store_lookup(bags.ids, bags.offsets, bags.weights, train, step=step.t if step else 0)
         if step is not None:
             self._commit_on_backward(out, step)
         return out

@@ -84,12 +84,29 @@ def test_a_workload_stream_holds_new_keys_where_a_fixed_table_holds_rows_in_rang
         assert 0 <= int(f.values().min()) and int(f.values().max()) < 500
 
 
-@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
-def test_host_tier_times_a_cached_table_against_the_table_whole_and_counts_its_traffic(tmp_path, kind):
-    tiny = [*TINY[:-4], "--steps", "8", "--runs", "2"]  # every batch of the workload a run
-    report = run(tmp_path, "host-tier", *tiny, "--warmup", "1", "--kind", kind, "--cache-load-factor", "0.15")
+def test_a_bounded_zipf_workload_draws_ranks_of_the_tables_rows_by_their_zipf_weight():
+    """Zipf(1.05) over 50 rows: every id a row, rank k drawn (k + 1) ** -1.05 as often as rank 0
+    (to the sampling error of 400k draws); the wrapped draw's tail lands on every row instead."""
+    w = Workload(num_embeddings=50, bags=20_000, pooling_factor=20, num_batches=1, zipf_bounded=True)
+    ids = w.batches()[0].values()
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 50
+    counts = torch.bincount(ids, minlength=50).double()
+    expected = torch.arange(1, 51, dtype=torch.float64) ** -1.05
+    expected *= ids.numel() / expected.sum()
+    assert torch.all((counts - expected).abs() <= 5 * expected.sqrt() + 5)
+    wrapped = Workload(num_embeddings=50, bags=20_000, pooling_factor=20, num_batches=1).batches()[0].values()
+    assert abs(float(torch.bincount(wrapped, minlength=50)[49]) - expected[49]) > 10 * float(expected[49].sqrt())
+
+
+@pytest.mark.parametrize("kind, ids", [("fixed", "bounded"), ("dynamic", "bounded"), ("fixed", "wrapped")])
+def test_host_tier_times_a_cached_table_against_the_table_whole_and_counts_its_traffic(tmp_path, kind, ids):
+    tiny = [*TINY[:-4], "--steps", "8", "--runs", "2"]
+    args = ["--warmup", "1", "--kind", kind, "--cache-load-factor", "0.15", "--ids", ids]
+    report = run(tmp_path, "host-tier", *tiny, *args)
     results = report["results"]
     assert report["kind"] == kind and report["cache_rows"] >= 0.15 * 2000
+    assert report["workload"]["zipf_bounded"] == (ids == "bounded")
+    assert report["workload"]["num_batches"] == 1 + 3 * 8 + 2  # a stream: warm-up, the runs, the count, the prefetch
     assert results["cached_over_whole"] == pytest.approx(same_run_ratio(results["cached"], results["whole"]))
     step = report["steady_step"]
     # 256 Zipf ids a step over 2,000 rows: some rows miss the cache of 300+, and a row moved in is

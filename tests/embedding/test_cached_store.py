@@ -46,26 +46,38 @@ def same(a: torch.Tensor, b: torch.Tensor, device: str) -> bool:
     return torch.equal(a, b)
 
 
-def train(coll, data):
+def train(coll, data, prefetch=False):
+    """Trains on ``data``; ``prefetch``: as the trainer does, each batch's input stage run
+    ``prefetch_depth`` steps ahead once the backward before is queued (a cached table's rows made
+    resident there, on a GPU on the input stream beside the step)."""
     outs = []
-    for kjt in data:
+    depth = coll.prefetch_depth if prefetch else 0
+    for kjt in data[:depth]:
+        coll.prefetch(kjt)
+    for i, kjt in enumerate(data):
         out = coll(kjt)
         sum((v * torch.arange(v.numel(), device=v.device).view_as(v).cos()).sum() for v in out.values()).backward()
+        if i + depth < len(data) and depth:
+            coll.prefetch(data[i + depth])
         outs.append({k: v.detach().clone() for k, v in out.items()})
     return outs
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in_lookup", "prefetched"])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
-def test_a_cached_table_trains_as_the_table_kept_whole_on_the_device(spec, pooling, device):
+def test_a_cached_table_trains_as_the_table_kept_whole_on_the_device(spec, pooling, prefetch, device):
     data = [kjt.to(device) for kjt in batches(8, weighted=pooling == "sum")]
     cached = EmbeddingCollection([table(pooling, 0.25)], spec, device=device)
     whole = EmbeddingCollection([table(pooling, None)], spec, device=device)
     store = cached.tables["t"].store
     assert store.cache_rows == 50
-    for x, y in zip(train(cached, data), train(whole, data)):
+    for x, y in zip(train(cached, data, prefetch), train(whole, data)):
         assert x.keys() == y.keys() and all(same(x[k], y[k], device) for k in x)
     assert store.counters["written_back"] > 0 and store.counters["loaded"] > store.cache_rows  # rows came and went
+    if prefetch:  # rows loaded ahead of their lookup: all of them one batch ahead (the CPU's depth)
+        assert 0 < store.counters["prefetched"] <= store.counters["loaded"]
+        assert store.counters["prefetched"] == store.counters["loaded"] or cached.prefetch_depth > 1
     a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
     assert a.keys() == b.keys()
     for k in a:
@@ -123,18 +135,22 @@ def key_batches(n, size=8, seed=0):
     return out
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in_lookup", "prefetched"])
 @pytest.mark.parametrize("score", ["step", "lfu"])
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
-def test_a_cached_dynamic_table_trains_as_the_table_kept_whole_through_growth_and_eviction(spec, score, device):
+def test_a_cached_dynamic_table_trains_as_the_table_kept_whole_through_growth_and_eviction(
+    spec, score, prefetch, device
+):
     data = [kjt.to(device) for kjt in key_batches(12)]
     cached = EmbeddingCollection([dynamic_table(0.25, score)], spec, device=device)
     whole = EmbeddingCollection([dynamic_table(None, score)], spec, device=device)
     store = cached.tables["t"].store
     assert store.cache_rows == 64 and store.num_rows == 64  # a quarter of max_capacity; the rows start at 64
-    for x, y in zip(train(cached, data), train(whole, data)):
+    for x, y in zip(train(cached, data, prefetch), train(whole, data)):
         assert x.keys() == y.keys() and all(same(x[k], y[k], device) for k in x)
     table = cached.tables["t"]
     assert table.capacity == 256 and table.evicted_keys > 0 and store.counters["written_back"] > 0
+    assert (store.counters["prefetched"] > 0) == prefetch  # the keys found ahead: their rows
     a, b = table.dump(), whole.tables["t"].dump()
     assert a.keys() == b.keys()
     for k in a:
@@ -330,6 +346,86 @@ def test_a_late_backward_finds_its_rows_where_it_left_them():
     dropped(a)  # its output dropped at once, the step undone
     dropped.abort_step()
     sum(v.sum() for v in dropped(b).values()).backward()
+
+
+def test_a_prefetch_holds_its_rows_until_their_lookup_which_reads_no_more():
+    """Two batches made resident ahead (a prefetch depth of 2): the lookup between them takes no
+    slot the second holds, each prefetched lookup loads nothing and reads its slots from the hold
+    (no host read on a GPU), and the run equals the table kept whole."""
+    spec = Adagrad(lr=0.1)
+    data = batches(6, size=8, seed=5)
+    most = max(len(torch.unique(b.values())) for b in data)
+    cached = EmbeddingCollection([table("sum", 3 * most / ROWS)], spec, prefetch_depth=2)
+    store = cached.tables["t"].store
+    outs = train(cached, data, prefetch=True)
+    whole = EmbeddingCollection([table("sum", None)], spec)
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(outs, train(whole, data)) for k in x)
+    assert store.counters["loaded"] == store.counters["prefetched"]  # no lookup loaded a row
+    assert store.counters["written_back"] > 0  # (rows came and went)
+    assert not store._reserved  # every hold released by its lookup
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_hold_whose_rows_may_have_moved_is_not_read():
+    """A weight view (the cache written back and emptied) between a prefetch and its lookup: the
+    lookup loads its rows again instead of reading the hold's slots; the run equals the table
+    kept whole."""
+    spec = SGD(lr=0.5)
+    data = batches(3, size=8, seed=6)
+    cached, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (0.5, None))
+    store = cached.tables["t"].store
+    for coll in (cached, whole):
+        for kjt in data:
+            coll.prefetch(kjt)
+            loaded = store.counters["loaded"]
+            coll.tables["t"].store.weight  # noqa: B018 - a view: the cache written back and emptied
+            assert store.counters["loaded"] == loaded
+            sum(v.sum() for v in coll(kjt).values()).backward()
+            assert coll is whole or store.counters["loaded"] == loaded + len(torch.unique(kjt.values()))
+    assert store.counters["prefetched"] > 0 and not store._reserved
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_lookup_takes_a_holds_slots_only_without_other_room_and_the_holds_lookup_then_finds_its_rows():
+    """A cache of 8 rows: batch a (4 rows) made resident, b (4 other rows) trained, then c (4
+    rows more) needs 4 slots, and all that are not b's are a's hold's: c takes a's (the least
+    recently used), so a's lookup finds its rows again (not reading slots that now hold c's
+    rows). The run equals the table kept whole."""
+    spec = Adagrad(lr=0.5)
+    a, b, c = (
+        JaggedBatch.from_lists({"f": [rows], "s": [[]]}) for rows in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
+    )
+    cached, whole = (EmbeddingCollection([table("sum", cache)], spec) for cache in (8 / ROWS, None))
+    for coll in (cached, whole):
+        coll.prefetch(a)
+        for kjt in (b, c, a):
+            sum(v.sum() for v in coll(kjt).values()).backward()
+    counters = cached.tables["t"].store.counters
+    assert counters["prefetched"] == 4 and counters["loaded"] == 4 + 4 + 4 + 4  # a twice
+    x, y = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_prefetch_without_room_loads_nothing_and_its_lookup_loads_the_rows():
+    """A cache with room for one batch's rows, a prefetch of the next batch while the first's
+    update is still to come: the prefetch may not take those slots, so it loads nothing
+    (counted); the next lookup loads its rows. The run equals the table kept whole."""
+    spec = Adagrad(lr=0.3)
+    data = batches(2, size=8, seed=6)
+    need = max(len(torch.unique(b.values())) for b in data)
+    cached, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (need / ROWS, None))
+    for coll in (cached, whole):
+        first = coll(data[0])
+        coll.prefetch(data[1])
+        sum(v.sum() for v in first.values()).backward()
+        sum(v.sum() for v in coll(data[1]).values()).backward()
+    counters = cached.tables["t"].store.counters
+    assert counters["prefetches_skipped"] == 1 and counters["prefetched"] == 0
+    assert counters["loaded"] == len(torch.unique(torch.cat([b.values() for b in data])))  # each row once
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_what_cannot_be_cached_is_refused_by_name():
