@@ -120,7 +120,8 @@ class Workload:
         if not self.zipf_bounded:
             return (rng.zipf(self.zipf_a, size=self.ids_per_step) - 1) % self.num_embeddings
         cdf = _zipf_cdf(self.zipf_a, self.num_embeddings)
-        return np.searchsorted(cdf, rng.random(self.ids_per_step) * cdf[-1], side="right").astype(np.int64)
+        ranks = np.searchsorted(cdf, rng.random(self.ids_per_step) * cdf[-1], side="right")
+        return np.minimum(ranks, self.num_embeddings - 1).astype(np.int64)  # (a draw rounded up to cdf[-1])
 
     def unique_fraction(self, batches: list[JaggedBatch]) -> float:
         return statistics.mean(torch.unique(b.values()).numel() / b.values().numel() for b in batches)

@@ -27,8 +27,8 @@ it gives keeps them in their slots until the batch's lookup, which then reads th
 it with no host read. A prefetch spares the slots of every lookup whose update is still to come
 or still running on the device, and of every hold; where those leave too few, it loads nothing
 and the lookup loads the rows itself. Every other use of the store, on any stream, first waits
-for the work of the use before it (one event a use): a prefetch on the input stream and the
-lookups on the main stream see the store in the order the host called them.
+for the uses, updates and moves queued before it on the others (events): the streams see the
+store in the order the host called it.
 
 Rows move by ``dynarec::exchange_rows``, one launch a field (the weights, each state) and a
 lookup: the rows a lookup displaces are written back and its missing rows read into their slots
@@ -84,6 +84,9 @@ def _in_order_of_uses(method: Callable[..., _T]) -> Callable[..., _T]:
             return method(self, *args, **kwargs)
 
     return use
+
+
+_ALL_USES = frozenset({"use", "update", "moves"})
 
 
 class CacheHold:
@@ -150,9 +153,8 @@ class CachedRowStore(RowStore):
         self._in_flight: set[int] = set()  # ticks of training lookups whose update is still to come
         self._reserved: set[int] = set()  # ticks of prefetches whose hold is kept
         self._updating: list[tuple[int, torch.cuda.Event]] = []  # updates queued on a GPU, maybe not done
-        # The last use of the store on each stream: (its end, its bookkeeping's end) events;
-        # the rows stream's moves keep no bookkeeping (None).
-        self._uses: dict[torch.cuda.Stream, tuple[torch.cuda.Event, Optional[torch.cuda.Event]]] = {}
+        # The event after the store's last use of each kind on each stream (:meth:`_in_order`).
+        self._uses: dict[tuple[torch.cuda.Stream, str], torch.cuda.Event] = {}
         self._generation = 0  # bumped where rows held by a prefetch may lose their slots
         self._reset_cache(num_rows)
 
@@ -168,34 +170,48 @@ class CachedRowStore(RowStore):
         """The key (:attr:`row_keys`) of each cache slot's row (an empty slot's: any)."""
         return self.row_keys.of(self._row_of_slot.clamp(min=0))
 
-    def _reset_cache(self, num_rows: int) -> None:
-        self._generation += 1  # every hold's rows lose their slots: the holds spare nothing
+    def _drop_holds(self) -> None:
+        """Every hold's rows may lose their slots: the holds' lookups find their rows again, and
+        the holds spare nothing from here."""
+        self._generation += 1
         self._reserved.clear()
+
+    def _reset_cache(self, num_rows: int) -> None:
+        self._drop_holds()
         device = self.device
         self._slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
         self._row_of_slot = torch.full((self.cache_rows,), -1, dtype=torch.int64, device=device)
         self._last_used = torch.full((self.cache_rows,), -1, dtype=torch.int64, device=device)
 
     @contextlib.contextmanager
-    def _in_order(self, rows_moved: bool = True) -> Iterator[None]:
-        """Runs the block, on the current stream, after the store's last use on every other
-        stream (a GPU; events): a prefetch's bookkeeping on the input stream, its rows' moves on
-        the rows stream, and the main stream's lookups, reads and writes see the store as the
-        host ordered them. ``rows_moved=False`` (a prefetch's bookkeeping, a lookup of rows a
-        hold keeps: neither reads a slot whose rows may be moving): after the other streams'
-        bookkeeping only, not after rows still moving."""
+    def _in_order(self, waits: frozenset[str] = _ALL_USES) -> Iterator[None]:
+        """Runs the block, on the current stream, after the store's last uses of the kinds
+        ``waits`` on every other stream (a GPU; events), then counts it as a ``"use"`` of the
+        current stream. Kinds: ``"use"`` (lookups, reads, writes, a prefetch's bookkeeping: what
+        reads or writes the bookkeeping), ``"update"`` (a training lookup's fused update),
+        ``"moves"`` (a prefetch's rows moving, on the rows stream). A prefetch's bookkeeping
+        waits for uses only (the slots of updates still running are spared instead, the moves
+        queued before it touch no slot it may take); a lookup of rows a hold keeps waits for
+        uses and updates, and for its own hold's moves (:meth:`_resident`); everything else for
+        all three: the streams then see the store as the host ordered them."""
         if self.device.type != "cuda":
             yield
             return
         stream = current_stream(self.device)
-        for other, (done, bookkept) in self._uses.items():
-            wait = done if rows_moved else bookkept
-            if other != stream and wait is not None:
-                stream.wait_event(wait)
-        yield
+        for (other, kind), done in self._uses.items():
+            if other != stream and kind in waits:
+                stream.wait_event(done)
+        try:
+            yield
+        finally:  # (also after an error: what the block queued is waited for all the same)
+            self._record("use", stream)
+
+    def _record(self, kind: str, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """Counts the work queued so far on ``stream`` as its last use of ``kind``."""
         done = torch.cuda.Event()
         done.record(stream)
-        self._uses[stream] = (done, done)
+        self._uses[(stream, kind)] = done
+        return done
 
     # -- the lookup ----------------------------------------------------------------------------
 
@@ -211,7 +227,7 @@ class CachedRowStore(RowStore):
     ):
         """``hold``: a :meth:`prefetch` of these very ``rows``; its slots are read where still
         valid (no host read), else the rows are found again."""
-        with self._in_order(rows_moved=hold is None or not hold.valid):
+        with self._in_order(frozenset({"use", "update"}) if hold is not None and hold.valid else _ALL_USES):
             self._clock += 1
             tick = self._clock
             slots = self._resident(rows, tick, hold)
@@ -229,9 +245,8 @@ class CachedRowStore(RowStore):
         another stream until the update has run (:meth:`_spared_from`)."""
         self._in_flight.discard(tick)
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(current_stream(self.device))
-            self._updating.append((tick, done))
+            self._updates_done()  # (keeps the list to the updates still running)
+            self._updating.append((tick, self._record("update", current_stream(self.device))))
 
     def _spared_from(self, tick: int, holds: bool = True, updating: bool = False) -> int:
         """The oldest tick whose slots must stay (its rows are used from ``tick`` on): every
@@ -242,10 +257,15 @@ class CachedRowStore(RowStore):
         if holds:
             ticks += self._reserved
         if updating:
-            while self._updating and self._updating[0][1].query():  # done in order: one stream
-                self._updating.pop(0)
+            self._updates_done()
             ticks += [t for t, _ in self._updating]
         return min(ticks)
+
+    def _updates_done(self) -> None:
+        """Drops the updates the device has run from :attr:`_updating` (oldest first: an update
+        whose event is done, on the stream of those before it, follows them)."""
+        while self._updating and self._updating[0][1].query():
+            self._updating.pop(0)
 
     def _resident(self, rows: torch.Tensor, tick: int, hold: Optional[CacheHold] = None) -> torch.Tensor:
         """The cache slot (int64) of every row of ``rows``, loading the missing ones. From a
@@ -253,7 +273,7 @@ class CachedRowStore(RowStore):
         one sync (no sort of the batch's rows)."""
         if hold is not None and hold.valid:
             slots = hold.slots
-            if hold.moved is not None:  # its rows' moves, on the rows stream
+            if hold.moved is not None:  # the moves of its rows, on the rows stream
                 current_stream(self.device).wait_event(hold.moved)
         else:
             slots = self._slot_of_row[rows].long()
@@ -263,7 +283,7 @@ class CachedRowStore(RowStore):
                 missing = torch.unique(rows[absent])
                 moves = self._claim(missing, self._spared_from(tick))  # the holds' rows spared, where they can be
                 if moves is None:
-                    self._generation += 1  # some may be taken: their lookups find their rows again
+                    self._drop_holds()  # some of their rows may move: their lookups find them again
                     moves = self._claim(missing, self._spared_from(tick, holds=False), refuse=True)
                 assert moves is not None  # (refused otherwise)
                 self._exchange(*moves)
@@ -277,7 +297,7 @@ class CachedRowStore(RowStore):
         lookup of them, on the current stream (a collection's input stream), and keeps them in
         their slots until the returned hold is released or dropped. None where the slots it may
         take are too few (it then loads nothing; the lookup loads the rows itself)."""
-        with self._in_order(rows_moved=False):
+        with self._in_order(frozenset({"use"})):
             self._clock += 1
             tick = self._clock
             slots = self._slot_of_row[rows].long()
@@ -296,27 +316,25 @@ class CachedRowStore(RowStore):
             self._reserved.add(tick)
             hold = CacheHold(self, slots, tick)
             if moves is not None:
-                hold.moved = self._move_aside(*moves)
+                self._move_aside(*moves)
+            # The moves queued so far: its rows may be among those an earlier prefetch moves.
+            hold.moved = self._uses.get((rows_stream(self.device), "moves")) if self.device.type == "cuda" else None
             return hold
 
-    def _move_aside(self, slots: torch.Tensor, out_rows: torch.Tensor, in_rows: torch.Tensor):
+    def _move_aside(self, slots: torch.Tensor, out_rows: torch.Tensor, in_rows: torch.Tensor) -> None:
         """A prefetch's moves (:meth:`_exchange`), on a GPU on the rows stream after the
         bookkeeping that chose them: the next prefetch's host reads do not wait for them, nor
-        does any lookup but the hold's (:meth:`_in_order`). Returns the event after them (None
-        elsewhere: made in place)."""
+        does a held lookup but for its own rows' (:meth:`_in_order`); elsewhere in place."""
         if self.device.type != "cuda":
             self._exchange(slots, out_rows, in_rows)
-            return None
+            return
         aside = rows_stream(self.device)
         aside.wait_stream(current_stream(self.device))
         with torch.cuda.stream(aside):
             self._exchange(slots, out_rows, in_rows)
         for t in (slots, out_rows, in_rows):  # made on the input stream, read on the rows stream
             t.record_stream(aside)
-        moved = torch.cuda.Event()
-        moved.record(aside)
-        self._uses[aside] = (moved, None)
-        return moved
+        self._record("moves", aside)
 
     @torch.no_grad()
     def _claim(
@@ -467,7 +485,7 @@ class CachedRowStore(RowStore):
         self._last_used[row_of_slot < 0] = -1  # the lost rows' slots are free
         self._slot_of_row, self._row_of_slot = slot_of_row, row_of_slot
         self.num_rows = num_rows
-        self._generation += 1
+        self._drop_holds()
 
     def _allocate(self, num_rows: int) -> None:
         """A load: fresh rows in host memory, an empty cache (the cache's rows are replaced with

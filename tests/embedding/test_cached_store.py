@@ -13,6 +13,7 @@ from dynarec.embedding.cached_store import CacheFullError
 from dynarec.embedding.config import cache_rows_of
 from dynarec.optim import SGD, Adagrad, Adam
 from tests.kernels.gpu_checks import SPECS
+from tests.matrix import needs_cuda
 
 ROWS = 200
 
@@ -348,16 +349,26 @@ def test_a_late_backward_finds_its_rows_where_it_left_them():
     sum(v.sum() for v in dropped(b).values()).backward()
 
 
-def test_a_prefetch_holds_its_rows_until_their_lookup_which_reads_no_more():
-    """Two batches made resident ahead (a prefetch depth of 2): the lookup between them takes no
-    slot the second holds, each prefetched lookup loads nothing and reads its slots from the hold
-    (no host read on a GPU), and the run equals the table kept whole."""
+def test_a_prefetched_lookup_reads_its_slots_from_its_hold_and_loads_nothing(monkeypatch):
+    """Batches made resident two steps ahead: each lookup takes its slots from its hold (no host
+    read on a GPU), loads nothing, and releases the hold; the run equals the table kept whole."""
+    from dynarec.embedding.cached_store import CachedRowStore
+
     spec = Adagrad(lr=0.1)
     data = batches(6, size=8, seed=5)
     most = max(len(torch.unique(b.values())) for b in data)
     cached = EmbeddingCollection([table("sum", 3 * most / ROWS)], spec, prefetch_depth=2)
     store = cached.tables["t"].store
+    held = []
+    resident = CachedRowStore._resident
+
+    def spied(self, rows, tick, hold=None):
+        held.append(hold is not None and hold.valid)
+        return resident(self, rows, tick, hold)
+
+    monkeypatch.setattr(CachedRowStore, "_resident", spied)
     outs = train(cached, data, prefetch=True)
+    assert held == [True] * len(data)
     whole = EmbeddingCollection([table("sum", None)], spec)
     assert all(torch.equal(x[k], y[k]) for x, y in zip(outs, train(whole, data)) for k in x)
     assert store.counters["loaded"] == store.counters["prefetched"]  # no lookup loaded a row
@@ -406,6 +417,83 @@ def test_a_lookup_takes_a_holds_slots_only_without_other_room_and_the_holds_look
     assert counters["prefetched"] == 4 and counters["loaded"] == 4 + 4 + 4 + 4  # a twice
     x, y = cached.tables["t"].dump(), whole.tables["t"].dump()
     assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+SLEEP = 400_000_000  # GPU clock cycles, some 0.2 s: the delayed stream's work comes long after the others'
+
+
+def rows_of(*lists):
+    """Batches in pinned host memory, as the trainer's: their input stage waits for nothing on the
+    main stream (a batch already on the device would wait for all of it, the updates too)."""
+    return [JaggedBatch.from_lists({"f": [rows], "s": [[]]}).pin_memory() for rows in lists]
+
+
+@needs_cuda
+def test_on_a_gpu_a_held_lookup_waits_for_rows_an_earlier_prefetch_is_still_moving(monkeypatch):
+    """The rows stream held back: a prefetch of a loads its rows (moving late), a prefetch of b
+    (rows of a's) moves nothing, and b's forward drops a's stage: b's lookup still waits for
+    a's moves before reading its slots, so the run equals the table kept whole."""
+    from dynarec.embedding.cached_store import CachedRowStore
+    from dynarec.embedding.streams import rows_stream
+
+    moves = CachedRowStore._move_aside
+
+    def late(self, *args):
+        with torch.cuda.stream(rows_stream(self.device)):
+            torch.cuda._sleep(SLEEP)
+        moves(self, *args)
+
+    spec = Adagrad(lr=0.5)
+    warm, a, b = rows_of([9], [0, 1, 2, 3, 4, 5], [1, 3, 5])
+    cached, whole = (EmbeddingCollection([table("sum", c)], spec, device="cuda") for c in (8 / ROWS, None))
+    for coll in (cached, whole):  # the kernels compiled before any stream is held back
+        sum(v.sum() for v in coll(warm).values()).backward()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(CachedRowStore, "_move_aside", late)
+    outs = []
+    for coll in (cached, whole):
+        coll.prefetch(a)
+        coll.prefetch(b)
+        out = coll(b)
+        sum(v.sum() for v in out.values()).backward()
+        outs.append(out["f"].detach().cpu())
+    store = cached.tables["t"].store
+    assert store.counters["prefetched"] == 6 and store.counters["loaded"] == 7  # (the warm-up's row) b's: none
+    assert torch.equal(outs[0], outs[1])
+    x, y = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(same(x[k], y[k], "cuda") for k in x)
+
+
+@needs_cuda
+def test_on_a_gpu_a_prefetch_spares_the_slots_of_an_update_still_running(monkeypatch):
+    """The fused update held back on the main stream: a's update is queued but not run when a
+    prefetch of c needs more slots than b's; it may not take a's (it would write a's rows back
+    before their update), so it loads nothing and c's lookup loads them after the update. The
+    run equals the table kept whole."""
+    import dynarec.embedding.row_store as row_store
+
+    update = row_store.fused_bag_update
+
+    def late(*args, **kwargs):
+        torch.cuda._sleep(SLEEP)
+        update(*args, **kwargs)
+
+    spec = SGD(lr=1.0)
+    a, b, c = rows_of([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12, 13])
+    cached, whole = (EmbeddingCollection([table("sum", c)], spec, device="cuda") for c in (8 / ROWS, None))
+    for coll in (cached, whole):  # the kernels compiled before the updates are held back
+        sum(v.sum() for v in coll(b).values()).backward()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(row_store, "fused_bag_update", late)
+    for coll in (cached, whole):
+        for kjt in (b, a):
+            sum(v.sum() for v in coll(kjt).values()).backward()
+        coll.prefetch(c)
+        sum(v.sum() for v in coll(c).values()).backward()
+    counters = cached.tables["t"].store.counters
+    assert counters["prefetches_skipped"] == 1 and counters["prefetched"] == 0
+    x, y = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(same(x[k], y[k], "cuda") for k in x)
 
 
 def test_a_prefetch_without_room_loads_nothing_and_its_lookup_loads_the_rows():
