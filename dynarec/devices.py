@@ -47,7 +47,8 @@ def check_device(name: str) -> torch.device:
 def page_lock(t: torch.Tensor) -> torch.Tensor:
     """Locks the memory of ``t`` (a contiguous CPU tensor) in place for CUDA devices and returns
     it: a GPU then reads and writes it over its link at the address the host uses (unified
-    virtual addressing), as a kernel's argument; unlocked when ``t`` is freed. Unlike
+    virtual addressing), as a kernel's argument; unlocked when ``t`` is freed — this tensor
+    object, whatever views of it live on: hold it as long as the device may reach the memory. Unlike
     ``pin_memory()`` it neither copies nor rounds the allocation up to a power of two (torch's
     pinned allocator does: 32 GB locked for a 20.5 GB table's rows)."""
     if not t.is_contiguous() or t.device.type != "cpu":

@@ -145,6 +145,7 @@ class CachedRowStore(RowStore):
                 dtype=dtype,
                 rounding_seed=rounding_seed,
                 page_locked=self.device.type == "cuda",
+                records=True,  # a row's fields side by side: one place for the GPU to reach
             )
         self.cache = NativeRowStore(self.cache_rows, dim, spec, self.device, dtype=dtype, rounding_seed=rounding_seed)
         self.cache.row_keys = RowKeys(keys=self._slot_keys)  # a slot's draws are its row's
@@ -374,10 +375,10 @@ class CachedRowStore(RowStore):
         return {"weight": (self.cache.weight, self.host.weight), **states}
 
     def _exchange(self, slots: torch.Tensor, out_rows: Optional[torch.Tensor], in_rows: Optional[torch.Tensor]):
-        """Every field's ``dynarec::exchange_rows``: the rows of cache ``slots`` written back to
-        host rows ``out_rows`` (where >= 0), then host rows ``in_rows`` read into them."""
-        for cache, host in self._fields().values():
-            torch.ops.dynarec.exchange_rows(cache, slots, host, out_rows, in_rows)
+        """``dynarec::exchange_rows`` of every field at once: the rows of cache ``slots`` written
+        back to host rows ``out_rows`` (where >= 0), then host rows ``in_rows`` read into them."""
+        caches, hosts = zip(*self._fields().values())
+        torch.ops.dynarec.exchange_rows(list(caches), slots, list(hosts), out_rows, in_rows)
 
     @_in_order_of_uses
     @torch.no_grad()
@@ -424,13 +425,14 @@ class CachedRowStore(RowStore):
         each lives."""
         cached, slots, elsewhere = self._where(rows)
         at = torch.arange(rows.numel(), device=self.device)
-        out = {}
-        for name, (cache, host) in self._fields().items():
-            v = cache.new_empty((rows.numel(), *cache.shape[1:]))
-            v[cached] = cache[slots]
-            torch.ops.dynarec.exchange_rows(v, at[~cached], host, None, elsewhere)
-            out[name] = (v.float() if name == "weight" else v).to(rows.device)
-        return out
+        fields = self._fields()
+        values = {}
+        for name, (cache, _) in fields.items():
+            values[name] = cache.new_empty((rows.numel(), *cache.shape[1:]))
+            values[name][cached] = cache[slots]
+        hosts = [host for _, host in fields.values()]
+        torch.ops.dynarec.exchange_rows(list(values.values()), at[~cached], hosts, None, elsewhere)
+        return {k: (v.float() if k == "weight" else v).to(rows.device) for k, v in values.items()}
 
     @_in_order_of_uses
     @torch.no_grad()
@@ -443,9 +445,9 @@ class CachedRowStore(RowStore):
         cached, slots, elsewhere = self._where(rows)
         at = torch.arange(elsewhere.numel(), device=self.device)
         for k, v in values.items():
-            cache, host = fields[k]
-            cache.index_copy_(0, slots, v[cached])
-            torch.ops.dynarec.exchange_rows(v[~cached].contiguous(), at, host, elsewhere, None)
+            fields[k][0].index_copy_(0, slots, v[cached])
+        hosts = [fields[k][1] for k in values]
+        torch.ops.dynarec.exchange_rows([v[~cached].contiguous() for v in values.values()], at, hosts, elsewhere, None)
 
     @torch.no_grad()
     def init_rows(

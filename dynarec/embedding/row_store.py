@@ -11,7 +11,7 @@ and applies the table's optimizer in place, once per unique row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -244,23 +244,32 @@ class NativeRowStore(RowStore):
         dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
         page_locked: bool = False,
+        records: bool = False,
     ):
         """``page_locked`` (rows on the CPU): their memory locked for CUDA devices
         (:func:`~dynarec.devices.page_lock`: a GPU reads and writes them in place; a host-memory
-        tier's rows). ``dtype``: the weights' storage (float32, float16 or bfloat16); half-precision rows
-        are updated in float32 and stored by stochastic rounding seeded by ``rounding_seed``,
-        each row's draws keyed by ``row_keys`` (set by the owning table: a fixed table's global
-        row ids, a dynamic table's keys; default the row indices; :mod:`dynarec.optim.rounding`)."""
+        tier's rows). ``records``: each row's weights and states side by side, one record a row
+        in one allocation (``weight`` and ``states`` are strided views of it: a GPU reaching a
+        row in host memory reaches all its fields at one place). ``dtype``: the weights' storage
+        (float32, float16 or bfloat16); half-precision rows are updated in float32 and stored by
+        stochastic rounding seeded by ``rounding_seed``, each row's draws keyed by ``row_keys``
+        (set by the owning table: a fixed table's global row ids, a dynamic table's keys; default
+        the row indices; :mod:`dynarec.optim.rounding`)."""
         super().__init__(num_rows, dim, spec, torch.device(device))
         self.grad_reducer = grad_reducer
         self.dtype = dtype
         self.rounding_seed = rounding_seed
         self.row_keys = RowKeys()
         self.page_locked = page_locked
+        self.records = records
+        self._records: Optional[torch.Tensor] = None  # the allocation ``weight`` and ``states`` view
         self._allocate(num_rows)
 
     def _allocate(self, num_rows: int) -> None:
         lock = page_lock if self.page_locked else (lambda t: t)
+        if self.records:
+            self._allocate_records(num_rows, lock)
+            return
         self._weight = lock(torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device))
         self._states = {
             s.name: lock(
@@ -268,6 +277,20 @@ class NativeRowStore(RowStore):
             )
             for s in self.spec.state_specs()
         }
+
+    def _allocate_records(self, num_rows: int, lock: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """One float32 allocation ``[num_rows, record]``: a row's weights (in ``dtype``, padded to
+        whole float32 words), then each state's floats."""
+        weight_words = -(-self.dim * self.dtype.itemsize // 4)
+        widths = [s.width(self.dim) for s in self.spec.state_specs()]
+        records = lock(torch.empty(num_rows, weight_words + sum(widths), device=self.device))
+        self._records = records  # held: its memory stays locked while this tensor lives (not its views)
+        self._weight = records[:, :weight_words].view(self.dtype)[:, : self.dim]
+        self._weight.zero_()
+        self._states, at = {}, weight_words
+        for spec, width in zip(self.spec.state_specs(), widths):
+            self._states[spec.name] = records[:, at : at + width].fill_(spec.initial_value)
+            at += width
 
     @property
     def weight(self) -> torch.Tensor:
@@ -278,10 +301,10 @@ class NativeRowStore(RowStore):
         return self._states
 
     def storage(self):
-        return (self.num_rows, self._weight, self._states)
+        return (self.num_rows, self._weight, self._states, self._records)
 
     def restore_storage(self, handle) -> None:
-        self.num_rows, self._weight, self._states = handle
+        self.num_rows, self._weight, self._states, self._records = handle
 
     def lookup(self, rows, offsets, per_sample_weights, train, step=0, row_scores=None, on_update=None):
         """``on_update``: called once the training lookup's fused update has run."""

@@ -74,7 +74,7 @@ SCHEMAS = {
     " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
     " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2,"
     " Tensor? row_keys=None, int key_offset=0, int rounding_base=0, Tensor? layout=None) -> ()",
-    "exchange_rows": "(Tensor(a!) cache, Tensor slots, Tensor(b!) host, Tensor? out_rows, Tensor? in_rows) -> ()",
+    "exchange_rows": "(Tensor(a!)[] caches, Tensor slots, Tensor(b!)[] hosts, Tensor? out_rows, Tensor? in_rows) -> ()",
 }
 
 
@@ -269,12 +269,13 @@ def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, ps
     )  # fmt: skip
 
 
-def _exchange_rows_triton(cache, slots, host, out_rows, in_rows):
+def _exchange_rows_triton(caches, slots, hosts, out_rows, in_rows):
     from dynarec.kernels.gpu import rows
 
-    if host.device.type == "cpu" and not (_TRITON_ON_CPU or host.is_pinned()):  # the device cannot reach it
-        return reference.exchange_rows(cache, slots, host, out_rows, in_rows)
-    rows.exchange_rows(cache, slots, host, out_rows, in_rows)
+    reached = [_TRITON_ON_CPU or h.device.type != "cpu" or h.is_pinned() for h in hosts]
+    if not all(reached):  # the device cannot reach some host field
+        return reference.exchange_rows(caches, slots, hosts, out_rows, in_rows)
+    rows.exchange_rows(caches, slots, hosts, out_rows, in_rows)
 
 
 # -- fake: shapes and dtypes -----------------------------------------------------------------------

@@ -551,34 +551,67 @@ def check_packed(device, spec, dims=(3, 16, 70), steps=3, kernel=None, max_len=6
             torch.testing.assert_close(table_views(states[name], host_layout.to(device))[t], states_ref[t][name], **tol)
 
 
-def check_exchange_rows(device, dtype, width, host_where, halves=("out", "in"), n=40, seed=0):
-    """``exchange_rows`` (the reference and the kernel) against a row-by-row loop: bits moved
+def check_exchange_rows(device, fields, host_where, halves=("out", "in"), n=40, seed=0, records=False):
+    """``exchange_rows`` (the reference and the kernel) of every field of ``fields`` (``(dtype,
+    width)`` each; more than a launch takes, where given) against a row-by-row loop: bits moved
     (NaN payloads, negative zeros), rows written out where ``out_rows >= 0`` only.
     ``host_where``: ``device`` (the host rows on the device too) or ``locked`` (CPU memory locked
-    for the device, which reads and writes it in place; on the interpreter's lane: CPU)."""
+    for the device, which reads and writes it in place; on the interpreter's lane: CPU).
+    ``records``: the host fields side by side in one float32 record a row (strided views)."""
     from dynarec.devices import page_lock
     from dynarec.kernels.gpu import rows as gpu_rows
 
     g = torch.Generator().manual_seed(seed)
-    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
-    host = torch.randint(-(2**15), 2**15, (1000, width), generator=g, dtype=torch.int32).to(bits).view(dtype)
-    cache = torch.randint(-(2**15), 2**15, (64, width), generator=g, dtype=torch.int32).to(bits).view(dtype)
+
+    def bits_of(dtype):
+        return torch.int16 if dtype.itemsize == 2 else torch.int32
+
+    def random_rows(count, dtype, width):
+        draws = torch.randint(-(2**15), 2**15, (count, width), generator=g, dtype=torch.int32)
+        return draws.to(bits_of(dtype)).view(dtype)
+
+    hosts = [random_rows(1000, dtype, width) for dtype, width in fields]
+    caches = [random_rows(64, dtype, width) for dtype, width in fields]
     slots = torch.randperm(64, generator=g)[:n]
     picked = torch.randperm(1000, generator=g)[: 2 * n]
     out_rows = torch.where(torch.rand(n, generator=g) < 0.25, -1, picked[:n]) if "out" in halves else None
     in_rows = picked[n:] if "in" in halves else None
-    want_host, want_cache = host.clone(), cache.clone()
-    for i in range(n):
-        if out_rows is not None and out_rows[i] >= 0:
-            want_host[out_rows[i]] = want_cache[slots[i]]
-        if in_rows is not None:
-            want_cache[slots[i]] = want_host[in_rows[i]]
+    want_hosts, want_caches = [h.clone() for h in hosts], [c.clone() for c in caches]
+    for want_host, want_cache in zip(want_hosts, want_caches):
+        for i in range(n):
+            if out_rows is not None and out_rows[i] >= 0:
+                want_host[out_rows[i]] = want_cache[slots[i]]
+            if in_rows is not None:
+                want_cache[slots[i]] = want_host[in_rows[i]]
     on_device = [None if t is None else t.to(device) for t in (slots, out_rows, in_rows)]
-    for run in (reference.exchange_rows, gpu_rows.exchange_rows):
-        got_host = host.clone().to(device) if host_where == "device" else host.clone()
+    held = []
+
+    def host_fields():
+        """The host fields as the run gets them: tensors of their own, or views of one record a row."""
+        if not records:
+            got = [h.clone().to(device) if host_where == "device" else h.clone() for h in hosts]
+            if host_where == "locked" and torch.device(device).type == "cuda":
+                got = [page_lock(h) for h in got]
+            return got
+        words = [-(-width * dtype.itemsize // 4) for dtype, width in fields]
+        buffer = torch.full((1000, sum(words) + 1), float("nan"), device=device if host_where == "device" else "cpu")
         if host_where == "locked" and torch.device(device).type == "cuda":
-            got_host = page_lock(got_host)
-        got_cache = cache.clone().to(device)
-        run(got_cache, on_device[0], got_host, on_device[1], on_device[2])
-        assert torch.equal(got_cache.cpu().view(bits), want_cache.view(bits)), run
-        assert torch.equal(got_host.cpu().view(bits), want_host.view(bits)), run
+            buffer = page_lock(buffer)
+        held.append(buffer)  # locked while this tensor lives, not only its views
+        got, at = [], 1  # (a word before the first field: no field starts its record)
+        for h, (dtype, width), w in zip(hosts, fields, words):
+            view = buffer[:, at : at + w].view(dtype)[:, :width]
+            view.copy_(h)
+            got.append(view)
+            at += w
+        return got
+
+    for run in (reference.exchange_rows, gpu_rows.exchange_rows):
+        got_hosts, got_caches = host_fields(), [c.clone().to(device) for c in caches]
+        run(got_caches, on_device[0], got_hosts, on_device[1], on_device[2])
+        for (dtype, _), got_cache, got_host, want_cache, want_host in zip(
+            fields, got_caches, got_hosts, want_caches, want_hosts
+        ):
+            bits = bits_of(dtype)
+            assert torch.equal(got_cache.cpu().view(bits), want_cache.view(bits)), run
+            assert torch.equal(got_host.cpu().contiguous().view(bits), want_host.view(bits)), run

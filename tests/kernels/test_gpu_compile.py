@@ -34,7 +34,7 @@ OPTIMIZERS = [(int(code), int(WeightDecayCode.NONE)) for code in KernelCode] + [
 
 
 def kernels():
-    from dynarec.kernels.gpu import hashing, lookup, plan, update
+    from dynarec.kernels.gpu import hashing, lookup, plan, rows, update
 
     find = dict(keys_ptr=I64, tags_ptr=U8, query_ptr=I64, out_ptr=I64, absent_ptr=I32, n="i32", num_buckets="i64")
     claim = dict(
@@ -62,6 +62,14 @@ def kernels():
         keys_ptr=I64, scores_ptr=I64, tags_ptr=U8, slots_ptr=I64, new_keys_ptr=I64, new_scores_ptr=I64, n="i32"
     )
     pooled = dict(weight_ptr=F32, rows_ptr=I64, offsets_ptr=I64, psw_ptr=F32, out_ptr=F32, D="i32")
+    exchange = dict(slots_ptr=I64, out_ptr=I64, in_ptr=I64, n="i32")
+    for k, ptr in enumerate(("*bf16", F32, F32)):  # bf16 weights, Adam's two states: fields of one record
+        exchange.update({f"cache{k}": ptr, f"host{k}": ptr, f"W{k}": "i32", f"stride{k}": "i32"})
+    moves = [
+        dict(WRITE_OUT=True, READ_IN=True),
+        dict(WRITE_OUT=True, READ_IN=False),
+        dict(WRITE_OUT=False, READ_IN=True),
+    ]
     cases = [
         *[(hashing._find_kernel, find, dict(BS=16, BSP=16, FLAG=flag, BLOCK=128)) for flag in (True, False)],
         (hashing._find_kernel, find, dict(BS=12, BSP=16, FLAG=True, BLOCK=128)),
@@ -78,6 +86,8 @@ def kernels():
           for out in (F32, "*bf16", "*fp16")],
         *[(lookup._pooled_kernel, pooled, dict(HAS_W=w, BLOCK_D=128)) for w in (True, False)],
         (lookup._pooled_kernel, dict(pooled, weight_ptr="*bf16"), dict(HAS_W=True, BLOCK_D=128)),
+        *[(rows._exchange_kernel, exchange, dict(m, FIELDS=f, BLOCK_R=8, B0=128, B1=128, B2=128))
+          for m in moves for f in (1, 3)],
     ]  # fmt: skip
     for opt, wd in OPTIMIZERS:
         flags = dict(OPT=opt, WD_MODE=wd, ROUND=0, HAS_KEYS=False)

@@ -289,4 +289,23 @@ def test_packed_rows_of_several_dims_are_looked_up_and_updated_as_each_table_apa
     "dtype, width", [(torch.float32, 1), (torch.float32, 128), (torch.bfloat16, 70), (torch.float16, 8)]
 )
 def test_exchange_rows_moves_rows_bit_for_bit_between_a_cache_and_host_memory(dtype, width, halves, host_where):
-    gpu_checks.check_exchange_rows(DEVICE, dtype, width, host_where, halves)
+    gpu_checks.check_exchange_rows(DEVICE, [(dtype, width)], host_where, halves)
+
+
+# A table's fields: bf16 weights with Adam's two states; fp16 weights with RowWise Adagrad's one
+# float a row; four fields (more than a launch takes: two launches).
+FIELD_SETS = [
+    [(torch.bfloat16, 70), (torch.float32, 70), (torch.float32, 70)],
+    [(torch.float16, 9), (torch.float32, 1)],
+    [(torch.float32, 16), (torch.float32, 1), (torch.bfloat16, 33), (torch.float32, 2)],
+]
+
+
+@pytest.mark.parametrize("host_where", ["device", "locked"])
+@pytest.mark.parametrize("halves", [("out", "in"), ("out",), ("in",)], ids=["both", "out", "in"])
+@pytest.mark.parametrize("records", [False, True], ids=["apart", "records"])
+@pytest.mark.parametrize("fields", FIELD_SETS, ids=["adam-bf16", "rowwise-fp16", "four"])
+def test_exchange_rows_moves_every_field_of_a_row_in_one_launch(fields, records, halves, host_where):
+    """Several fields at once, their host rows apart or side by side in one record a row
+    (strided views, as a host-memory tier keeps them)."""
+    gpu_checks.check_exchange_rows(DEVICE, fields, host_where, halves, records=records)

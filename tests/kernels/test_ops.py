@@ -68,14 +68,28 @@ def sample_args():
             (weight.clone(), None, None, torch.randn(3, 3), rows, offsets, None, None, 0, *sgd),
         ],
         "exchange_rows": [
-            (torch.randn(4, 3), torch.tensor([2, 0]), weight.clone(), torch.tensor([-1, 5]), torch.tensor([7, 8])),
-            (torch.randn(4, 3), torch.tensor([1]), weight.clone(), None, torch.tensor([9])),
+            ([torch.randn(4, 3)], torch.tensor([2, 0]), [weight.clone()], torch.tensor([-1, 5]), torch.tensor([7, 8])),
+            (
+                [torch.randn(4, 3), torch.randn(4, 1)],
+                torch.tensor([1]),
+                [weight.clone(), torch.randn(10, 1)],
+                None,
+                torch.tensor([9]),
+            ),
         ],
     }
 
 
 def clone(args):
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    """Fresh copies of the tensors (and of lists of tensors) an op may write."""
+    return tuple(
+        a.clone() if isinstance(a, torch.Tensor) else [t.clone() for t in a] if isinstance(a, list) else a for a in args
+    )
+
+
+def tensors(args):
+    """The tensors among ``args``, those of lists too, in order."""
+    return [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -87,7 +101,7 @@ def test_each_op_on_a_cpu_equals_its_plain_torch_twin(name):
         got = outputs(getattr(torch.ops.dynarec, name)(*mine))
         want = outputs(getattr(reference, name)(*ref))
         assert len(got) == len(want)
-        written = [(a, b) for a, b in zip(mine, ref) if isinstance(a, torch.Tensor)]
+        written = list(zip(tensors(mine), tensors(ref)))
         for a, b in [*zip(got, want), *written]:
             if name in ("pooled", "bag_update"):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -4,12 +4,17 @@ A host-memory tier's rows live in pinned host memory, which a GPU reads and writ
 (PCIe or NVLink-C2C) at the address the host uses (unified virtual addressing): one kernel
 gathers the rows a step misses straight into their cache slots and scatters the rows they
 displace back, with no staging copy, no host-side gather and no host sync. Each program moves
-``block_rows`` whole rows; a row's write-back and its slot's fill are ordered within the
-program, so one launch both evicts and loads (the link carries both directions at once).
+``block_rows`` whole rows, every field of them (the weights and each optimizer state): a row's
+write-back and its slot's fill are ordered within the program, so one launch both evicts and
+loads (the link carries both directions at once), and where a row's fields lie side by side in
+host memory (a host-memory tier's one record a row) the device reaches them at one place — its
+translation of host addresses, not the link's bandwidth, bounds rows spread over a large table
+(``docs/memory.md``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,13 +26,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["TUNING", "Tuning", "exchange_rows"]
+__all__ = ["FIELDS_PER_LAUNCH", "TUNING", "Tuning", "exchange_rows"]
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """A program moves about ``tile`` elements: ``tile // row_block(W)`` rows (1 to
-    ``max_rows``), with ``num_warps`` warps."""
+    """A program moves about ``tile`` elements of each row's fields: ``tile`` over the sum of
+    their ``row_block(W)`` rows (1 to ``max_rows``), with ``num_warps`` warps."""
 
     tile: int = 4096
     max_rows: int = 128
@@ -37,56 +42,96 @@ class Tuning:
 TUNING = Tuning()
 
 
+#: Fields (weights, each state) one launch moves together.
+FIELDS_PER_LAUNCH = 3
+
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def _write_out(cache_ptr, host_ptr, W, host_stride, slot, out, keep, BLOCK_W: tl.constexpr):
+        """One field of the programs' rows: cache slots -> host rows ``out`` (where ``keep``)."""
+        w = tl.arange(0, BLOCK_W)
+        m = keep[:, None] & (w < W)[None, :]
+        v = tl.load(cache_ptr + slot[:, None] * W + w[None, :], mask=m)
+        tl.store(host_ptr + out[:, None] * host_stride + w[None, :], v, mask=m)
+
+    @triton.jit
+    def _read_in(cache_ptr, host_ptr, W, host_stride, slot, src, live, BLOCK_W: tl.constexpr):
+        """One field of the programs' rows: host rows ``src`` -> cache slots."""
+        w = tl.arange(0, BLOCK_W)
+        m = live[:, None] & (w < W)[None, :]
+        v = tl.load(host_ptr + src[:, None] * host_stride + w[None, :], mask=m)
+        tl.store(cache_ptr + slot[:, None] * W + w[None, :], v, mask=m)
 
     @triton.jit(do_not_specialize=["n"])
     def _exchange_kernel(
-        cache_ptr, slots_ptr, host_ptr, out_ptr, in_ptr, n, W,
-        WRITE_OUT: tl.constexpr, READ_IN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+        slots_ptr, out_ptr, in_ptr, n,
+        cache0, host0, W0, stride0, cache1, host1, W1, stride1, cache2, host2, W2, stride2,
+        FIELDS: tl.constexpr, WRITE_OUT: tl.constexpr, READ_IN: tl.constexpr, BLOCK_R: tl.constexpr,
+        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < n
-        w = tl.arange(0, BLOCK_W)
-        in_row = w < W
         slot = tl.load(slots_ptr + r, mask=live, other=0).to(tl.int64)
-        at_slot = slot[:, None] * W + w[None, :]
         if WRITE_OUT:
             out = tl.load(out_ptr + r, mask=live, other=-1).to(tl.int64)
-            m = (live & (out >= 0))[:, None] & in_row[None, :]
-            v = tl.load(cache_ptr + at_slot, mask=m)
-            tl.store(host_ptr + out[:, None] * W + w[None, :], v, mask=m)
+            keep = live & (out >= 0)
+            _write_out(cache0, host0, W0, stride0, slot, out, keep, B0)
+            if FIELDS > 1:
+                _write_out(cache1, host1, W1, stride1, slot, out, keep, B1)
+            if FIELDS > 2:
+                _write_out(cache2, host2, W2, stride2, slot, out, keep, B2)
             tl.debug_barrier()  # the slot's old row is read before its new row is written
         if READ_IN:
             src = tl.load(in_ptr + r, mask=live, other=0).to(tl.int64)
-            m = live[:, None] & in_row[None, :]
-            v = tl.load(host_ptr + src[:, None] * W + w[None, :], mask=m)
-            tl.store(cache_ptr + at_slot, v, mask=m)
+            _read_in(cache0, host0, W0, stride0, slot, src, live, B0)
+            if FIELDS > 1:
+                _read_in(cache1, host1, W1, stride1, slot, src, live, B1)
+            if FIELDS > 2:
+                _read_in(cache2, host2, W2, stride2, slot, src, live, B2)
 
 
 def exchange_rows(
-    cache: torch.Tensor,
+    caches: Sequence[torch.Tensor],
     slots: torch.Tensor,
-    host: torch.Tensor,
+    hosts: Sequence[torch.Tensor],
     out_rows: Optional[torch.Tensor],
     in_rows: Optional[torch.Tensor],
 ) -> None:
-    """``dynarec.kernels.reference.exchange_rows`` in one launch: ``cache`` on the device,
-    ``host`` on it too or in pinned host memory (read and written by the device in place); both
-    contiguous ``[*, W]`` of one dtype."""
+    """``dynarec.kernels.reference.exchange_rows``, every field of a row in the same launch (up
+    to :data:`FIELDS_PER_LAUNCH` a launch): ``caches`` on the device, contiguous ``[*, W]``;
+    ``hosts`` on it too or in pinned host memory (read and written by the device in place),
+    ``[*, W]`` rows of any stride whose elements are contiguous (fields of one record a row lie
+    side by side: a row's fields are then reached at one place)."""
     n = slots.numel()
     if n == 0 or (out_rows is None and in_rows is None):
         return
-    if cache.dtype != host.dtype or cache.shape[1:] != host.shape[1:]:
-        raise ValueError(f"exchange_rows: cache {cache.dtype}{tuple(cache.shape)} and host "
-                         f"{host.dtype}{tuple(host.shape)} differ in dtype or width")  # fmt: skip
-    if not (cache.is_contiguous() and host.is_contiguous()):
-        raise ValueError("exchange_rows: cache and host rows must be contiguous")
-    width = cache[0].numel() if cache.dim() > 1 else 1
-    block_w = row_block(width)
-    block_r = max(1, min(TUNING.max_rows, TUNING.tile // block_w))
-    _exchange_kernel[(triton.cdiv(n, block_r),)](
-        cache, slots.contiguous(), host,
-        slots if out_rows is None else out_rows.contiguous(), slots if in_rows is None else in_rows.contiguous(),
-        n, width, WRITE_OUT=out_rows is not None, READ_IN=in_rows is not None, BLOCK_R=block_r, BLOCK_W=block_w,
-        num_warps=TUNING.num_warps,
-    )  # fmt: skip
+    if len(caches) != len(hosts):
+        raise ValueError(f"exchange_rows: {len(caches)} cache fields and {len(hosts)} host fields")
+    widths = []
+    for cache, host in zip(caches, hosts):
+        if cache.dtype != host.dtype or cache.shape[1:] != host.shape[1:]:
+            raise ValueError(f"exchange_rows: cache {cache.dtype}{tuple(cache.shape)} and host "
+                             f"{host.dtype}{tuple(host.shape)} differ in dtype or width")  # fmt: skip
+        width = cache[0].numel() if cache.dim() > 1 else 1
+        if not cache.is_contiguous() or (host.dim() > 1 and host.stride(-1) != 1) or host.stride(0) < width:
+            raise ValueError("exchange_rows: cache rows must be contiguous, a host row's elements too")
+        widths.append(width)
+    slots = slots.contiguous()
+    out_arg = slots if out_rows is None else out_rows.contiguous()
+    in_arg = slots if in_rows is None else in_rows.contiguous()
+    for first in range(0, len(caches), FIELDS_PER_LAUNCH):
+        part = range(first, min(first + FIELDS_PER_LAUNCH, len(caches)))
+        blocks = [row_block(widths[i]) for i in part]
+        block_r = 1 << (max(1, min(TUNING.max_rows, TUNING.tile // sum(blocks))).bit_length() - 1)  # a power of 2
+        fields = []
+        for k in range(FIELDS_PER_LAUNCH):
+            i = part[min(k, len(part) - 1)]  # unused slots repeat the last field (never read)
+            fields += [caches[i], hosts[i], widths[i], hosts[i].stride(0)]
+        blocks += [blocks[-1]] * (FIELDS_PER_LAUNCH - len(blocks))
+        _exchange_kernel[(triton.cdiv(n, block_r),)](
+            slots, out_arg, in_arg, n, *fields,
+            FIELDS=len(part), WRITE_OUT=out_rows is not None, READ_IN=in_rows is not None, BLOCK_R=block_r,
+            B0=blocks[0], B1=blocks[1], B2=blocks[2], num_warps=TUNING.num_warps,
+        )  # fmt: skip

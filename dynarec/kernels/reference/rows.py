@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 
 def exchange_rows(
-    cache: torch.Tensor,
+    caches: Sequence[torch.Tensor],
     slots: torch.Tensor,
-    host: torch.Tensor,
+    hosts: Sequence[torch.Tensor],
     out_rows: Optional[torch.Tensor],
     in_rows: Optional[torch.Tensor],
 ) -> None:
-    """For every ``i``: row ``slots[i]`` of ``cache`` is written to row ``out_rows[i]`` of
-    ``host`` (skipped where ``out_rows[i] < 0``), then row ``in_rows[i]`` of ``host`` is read into
-    row ``slots[i]`` of ``cache``. Either list may be None (that half skipped).
+    """For every field ``f`` and every ``i``: row ``slots[i]`` of ``caches[f]`` is written to row
+    ``out_rows[i]`` of ``hosts[f]`` (skipped where ``out_rows[i] < 0``), then row ``in_rows[i]``
+    of ``hosts[f]`` is read into row ``slots[i]`` of ``caches[f]``. Either list may be None (that
+    half skipped).
 
-    ``cache`` and ``host``: ``[*, W]`` of one dtype (the same field of a table's rows: weights or
-    a state), on any devices; ``slots`` (distinct), ``out_rows``, ``in_rows``: ``[n]`` int64, on
-    ``cache``'s device. Bits are moved, never converted. The rows written out and the rows read
-    in are distinct (a row is in the cache or in host memory, not both)."""
-    if out_rows is not None:
-        kept = out_rows >= 0
-        values = cache.index_select(0, slots[kept])
-        host.index_copy_(0, out_rows[kept].to(host.device), values.to(host.device))
-    if in_rows is not None:
-        values = host.index_select(0, in_rows.to(host.device))
-        cache.index_copy_(0, slots, values.to(cache.device))
+    ``caches[f]`` and ``hosts[f]``: ``[*, W]`` of one dtype (one field of a table's rows: its
+    weights or a state), on any devices (a host field may be a strided view: fields of one
+    record a row); ``slots`` (distinct), ``out_rows``, ``in_rows``: ``[n]`` int64, on the caches'
+    device. Bits are moved, never converted. The rows written out and the rows read in are
+    distinct (a row is in the cache or in host memory, not both)."""
+    if len(caches) != len(hosts):
+        raise ValueError(f"exchange_rows: {len(caches)} cache fields and {len(hosts)} host fields")
+    for cache, host in zip(caches, hosts):
+        if out_rows is not None:
+            kept = out_rows >= 0
+            values = cache.index_select(0, slots[kept])
+            host.index_copy_(0, out_rows[kept].to(host.device), values.to(host.device))
+        if in_rows is not None:
+            values = host.index_select(0, in_rows.to(host.device))
+            cache.index_copy_(0, slots, values.to(cache.device))
