@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import time
 
 import torch
+from tune_exchange import timed  # beside this script
 
 from dynarec.devices import page_lock
 from dynarec.kernels.gpu import rows as gpu_rows
-
-
-def timed(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps
 
 
 def exchange_gbps(cache: torch.Tensor, host: torch.Tensor, rows: int, span: int) -> tuple[float, float]:
@@ -34,7 +24,7 @@ def exchange_gbps(cache: torch.Tensor, host: torch.Tensor, rows: int, span: int)
     picked = torch.randperm(span, device="cuda")[: 2 * rows]
     slots = torch.randperm(cache.shape[0], device="cuda")[:rows]
     out_rows, in_rows = torch.sort(picked[:rows])[0], torch.sort(picked[rows:])[0]
-    t = timed(lambda: gpu_rows.exchange_rows(cache, slots, host, out_rows, in_rows))
+    t = timed(lambda: gpu_rows.exchange_rows([cache], slots, [host], out_rows, in_rows))
     return 2 * rows * host.shape[1] * host.element_size() / t / 1e9, 1e3 * t
 
 

@@ -67,7 +67,7 @@ def main() -> None:
             host.fill_(0)
         page_lock(host)
         made = time.perf_counter() - start
-        both = timed(lambda host=host: gpu_rows.exchange_rows(cache, slots, host, out_rows, in_rows))
+        both = timed(lambda host=host: gpu_rows.exchange_rows([cache], slots, [host], out_rows, in_rows))
         print(f"host rows {how}: made and locked in {made:.1f} s; both {2 * nbytes / both / 1e9:5.1f} GB/s")
         del host
     host = page_lock(torch.full((args.table, args.dim), 0.5))
@@ -75,14 +75,14 @@ def main() -> None:
     for tile in (1024, 4096, 16384):
         for warps in (4, 16):
             gpu_rows.TUNING = dataclasses.replace(saved, tile=tile, num_warps=warps)
-            both = timed(lambda: gpu_rows.exchange_rows(cache, slots, host, out_rows, in_rows))
+            both = timed(lambda: gpu_rows.exchange_rows([cache], slots, [host], out_rows, in_rows))
             print(f"tile {tile:>5} warps {warps:>2}: both {2 * nbytes / both / 1e9:5.1f} GB/s ({1e3 * both:.2f} ms)")
     gpu_rows.TUNING = saved
     out_sorted, in_sorted = torch.sort(out_rows)[0], torch.sort(in_rows)[0]
-    both = timed(lambda: gpu_rows.exchange_rows(cache, slots, host, out_sorted, in_sorted))
+    both = timed(lambda: gpu_rows.exchange_rows([cache], slots, [host], out_sorted, in_sorted))
     print(f"host rows in ascending order: both {2 * nbytes / both / 1e9:5.1f} GB/s ({1e3 * both:.2f} ms)")
-    t_in = timed(lambda: gpu_rows.exchange_rows(cache, slots, host, None, in_rows))
-    t_out = timed(lambda: gpu_rows.exchange_rows(cache, slots, host, out_rows, None))
+    t_in = timed(lambda: gpu_rows.exchange_rows([cache], slots, [host], None, in_rows))
+    t_out = timed(lambda: gpu_rows.exchange_rows([cache], slots, [host], out_rows, None))
     print(f"default: in alone {nbytes / t_in / 1e9:.1f} GB/s, out alone {nbytes / t_out / 1e9:.1f} GB/s")
     staged = torch.empty(args.rows, args.dim, pin_memory=True)
     t_h2d = timed(lambda: cache[: args.rows].copy_(staged, non_blocking=True))
