@@ -49,20 +49,13 @@ FIELDS_PER_LAUNCH = 3
 if HAVE_TRITON:
 
     @triton.jit
-    def _write_out(cache_ptr, host_ptr, W, host_stride, slot, out, keep, BLOCK_W: tl.constexpr):
-        """One field of the programs' rows: cache slots -> host rows ``out`` (where ``keep``)."""
+    def _move_field(from_ptr, from_row, from_stride, to_ptr, to_row, to_stride, W, mask, BLOCK_W: tl.constexpr):
+        """One field of the programs' rows: row ``from_row`` of one side -> row ``to_row`` of the
+        other (where ``mask``); a cache's rows have stride ``W``, a host's their own."""
         w = tl.arange(0, BLOCK_W)
-        m = keep[:, None] & (w < W)[None, :]
-        v = tl.load(cache_ptr + slot[:, None] * W + w[None, :], mask=m)
-        tl.store(host_ptr + out[:, None] * host_stride + w[None, :], v, mask=m)
-
-    @triton.jit
-    def _read_in(cache_ptr, host_ptr, W, host_stride, slot, src, live, BLOCK_W: tl.constexpr):
-        """One field of the programs' rows: host rows ``src`` -> cache slots."""
-        w = tl.arange(0, BLOCK_W)
-        m = live[:, None] & (w < W)[None, :]
-        v = tl.load(host_ptr + src[:, None] * host_stride + w[None, :], mask=m)
-        tl.store(cache_ptr + slot[:, None] * W + w[None, :], v, mask=m)
+        m = mask[:, None] & (w < W)[None, :]
+        v = tl.load(from_ptr + from_row[:, None] * from_stride + w[None, :], mask=m)
+        tl.store(to_ptr + to_row[:, None] * to_stride + w[None, :], v, mask=m)
 
     @triton.jit(do_not_specialize=["n"])
     def _exchange_kernel(
@@ -77,19 +70,19 @@ if HAVE_TRITON:
         if WRITE_OUT:
             out = tl.load(out_ptr + r, mask=live, other=-1).to(tl.int64)
             keep = live & (out >= 0)
-            _write_out(cache0, host0, W0, stride0, slot, out, keep, B0)
+            _move_field(cache0, slot, W0, host0, out, stride0, W0, keep, B0)
             if FIELDS > 1:
-                _write_out(cache1, host1, W1, stride1, slot, out, keep, B1)
+                _move_field(cache1, slot, W1, host1, out, stride1, W1, keep, B1)
             if FIELDS > 2:
-                _write_out(cache2, host2, W2, stride2, slot, out, keep, B2)
+                _move_field(cache2, slot, W2, host2, out, stride2, W2, keep, B2)
             tl.debug_barrier()  # the slot's old row is read before its new row is written
         if READ_IN:
             src = tl.load(in_ptr + r, mask=live, other=0).to(tl.int64)
-            _read_in(cache0, host0, W0, stride0, slot, src, live, B0)
+            _move_field(host0, src, stride0, cache0, slot, W0, W0, live, B0)
             if FIELDS > 1:
-                _read_in(cache1, host1, W1, stride1, slot, src, live, B1)
+                _move_field(host1, src, stride1, cache1, slot, W1, W1, live, B1)
             if FIELDS > 2:
-                _read_in(cache2, host2, W2, stride2, slot, src, live, B2)
+                _move_field(host2, src, stride2, cache2, slot, W2, W2, live, B2)
 
 
 def exchange_rows(
