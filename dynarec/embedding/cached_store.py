@@ -287,7 +287,8 @@ class CachedRowStore(RowStore):
                     self._drop_holds()  # some of their rows may move: their lookups find them again
                     moves = self._claim(missing, self._spared_from(tick, holds=False), refuse=True)
                 assert moves is not None  # (refused otherwise)
-                self._exchange(*moves)
+                with self._unclaimed_on_error(moves):
+                    self._exchange(*moves)
                 slots = self._slot_of_row[rows].long()
         self._last_used[slots] = tick  # (a row met twice: the same stamp twice)
         return slots
@@ -311,13 +312,16 @@ class CachedRowStore(RowStore):
                 if moves is None:
                     self.counters["prefetches_skipped"] += 1
                     return None
-                self.counters["prefetched"] += missing.numel()
-                slots = self._slot_of_row[rows].long()
-            self._last_used[slots] = tick
-            self._reserved.add(tick)
-            hold = CacheHold(self, slots, tick)
+            with self._unclaimed_on_error(moves):
+                if moves is not None:
+                    slots = self._slot_of_row[rows].long()
+                self._last_used[slots] = tick
+                hold = CacheHold(self, slots, tick)
+                if moves is not None:
+                    self._move_aside(*moves)
             if moves is not None:
-                self._move_aside(*moves)
+                self.counters["prefetched"] += moves[2].numel()
+            self._reserved.add(tick)
             # The moves queued so far: its rows may be among those an earlier prefetch moves.
             hold.moved = self._uses.get((rows_stream(self.device), "moves")) if self.device.type == "cuda" else None
             return hold
@@ -368,6 +372,28 @@ class CachedRowStore(RowStore):
         self.counters["loaded"] += missing.numel()
         self.counters["written_back"] += held.numel()
         return victims, old, missing
+
+    @contextlib.contextmanager
+    def _unclaimed_on_error(self, moves: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+        """Runs the block that queues a claim's ``moves`` (:meth:`_claim`); where it raises, the
+        claim is undone in the bookkeeping: its slots keep the rows they held, the missing rows
+        stay in host memory. No cache row has changed then: the plain-torch exchange gathers
+        what it reads in before writing any cache row, and the Triton exchange moves every
+        field of a table in one launch (up to three fields: weights and two states at most),
+        which raises before anything runs or not at all (a fault inside a kernel ends the
+        process's use of the device)."""
+        try:
+            yield
+        except BaseException:
+            if moves is not None:
+                victims, old, missing = moves
+                held = old >= 0
+                self._slot_of_row[missing] = -1
+                self._slot_of_row[old[held]] = victims[held].to(torch.int32)
+                self._row_of_slot[victims] = old
+                self.counters["loaded"] -= missing.numel()
+                self.counters["written_back"] -= int(held.sum())
+            raise
 
     def _fields(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{field: (cache rows, host rows)}`` of the weights and of each state."""
@@ -489,6 +515,7 @@ class CachedRowStore(RowStore):
         self.num_rows = num_rows
         self._drop_holds()
 
+    @_in_order_of_uses
     def _allocate(self, num_rows: int) -> None:
         """A load: fresh rows in host memory, an empty cache (the cache's rows are replaced with
         the others; a table refuses a load while a step is pending, so no slot kept for an update
@@ -510,6 +537,7 @@ class CachedRowStore(RowStore):
         self._write_back(empty=False)
         return self.host.storage(), self.num_rows
 
+    @_in_order_of_uses
     def restore_storage(self, handle) -> None:
         """Undoes a growth (its step aborted: nothing of it is kept; a table grows only while no
         other lookup's update is to come, so the aborted step's are the only ones in flight):

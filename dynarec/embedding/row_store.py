@@ -283,7 +283,7 @@ class NativeRowStore(RowStore):
         whole float32 words), then each state's floats."""
         weight_words = -(-self.dim * self.dtype.itemsize // 4)
         widths = [s.width(self.dim) for s in self.spec.state_specs()]
-        records = lock(torch.empty(num_rows, weight_words + sum(widths), device=self.device))
+        records = lock(torch.empty(num_rows, weight_words + sum(widths), dtype=torch.float32, device=self.device))
         self._records = records  # held: its memory stays locked while this tensor lives (not its views)
         self._weight = records[:, :weight_words].view(self.dtype)[:, : self.dim]
         self._weight.zero_()

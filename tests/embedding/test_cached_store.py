@@ -592,3 +592,49 @@ def test_rows_the_host_cannot_hold_are_refused_before_anything_is_allocated():
     huge = TableConfig(name="huge", dim=128, num_embeddings=10**12, features=["f"], cache_load_factor=0.001)
     with pytest.raises(ValueError, match=r"of host memory but .* is available:\n  table 'huge': .* of rows in host"):
         check_fits([(huge, Adagrad(lr=0.1))], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("where", ["prefetch", "lookup"])
+def test_rows_whose_move_raised_stay_where_they_were(where, monkeypatch):
+    """A move that raises (out of memory, say) after its slots were claimed leaves the cache as
+    before the claim: the rows those slots held stay there, the missing rows in host memory. A
+    prefetch's error is dropped (its lookup loads the rows itself), a lookup's is raised; the
+    run then equals the table kept whole (before the mend: rows read the slots' old rows)."""
+    from dynarec.embedding.cached_store import CachedRowStore
+
+    spec = Adagrad(lr=0.2)
+    data = batches(8, size=8, seed=7)
+    need = max(len(torch.unique(b.values())) for b in data)
+    cached, whole = (EmbeddingCollection([table("sum", c)], spec) for c in (2 * need / ROWS, None))
+    store = cached.tables["t"].store
+    calls = []
+    real = CachedRowStore._move_aside if where == "prefetch" else CachedRowStore._exchange
+
+    def failing(self, *moves):
+        if self is store and moves[2] is not None:  # a claim's moves (not a write-back)
+            calls.append(1)
+            if len(calls) % 2:  # every other one raises
+                raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, *moves)
+
+    monkeypatch.setattr(CachedRowStore, "_move_aside" if where == "prefetch" else "_exchange", failing)
+    failed = 0
+    for coll in (cached, whole):
+        for i, kjt in enumerate(data):
+            if where == "prefetch":
+                out = coll(kjt)
+                if i + 1 < len(data):
+                    coll.prefetch(data[i + 1])
+            else:
+                while True:  # a lookup that raised is tried again, as a rerun would
+                    try:
+                        out = coll(kjt)
+                        break
+                    except RuntimeError as e:
+                        assert "simulated" in str(e)
+                        failed += coll is cached
+            sum(v.sum() for v in out.values()).backward()
+    assert len(calls) >= 4 and (where == "prefetch" or failed >= 2)
+    assert store.counters["loaded"] - store.counters["written_back"] == int((store._row_of_slot >= 0).sum())
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)

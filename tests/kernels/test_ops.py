@@ -185,3 +185,17 @@ def test_an_insert_plan_exports_with_data_dependent_sizes():
     program = torch.export.export(Plan(), args)
     for got, want in zip(program.module()(*args), Plan()(*args)):
         assert torch.equal(got, want)
+
+
+def test_the_plain_exchange_changes_no_cache_row_where_it_raises():
+    """Every field is written out before any is read in, and what is read in is gathered first:
+    a read that fails (here the second field's host rows are too few) leaves every cache field
+    as it was, with every field written out (what a cached store's undo relies on)."""
+    caches = [torch.arange(12.0).view(4, 3), torch.arange(100.0, 112.0).view(4, 3)]
+    hosts = [torch.zeros(10, 3), torch.zeros(5, 3)]
+    before = [c.clone() for c in caches]
+    slots, out_rows, in_rows = torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([4, 7])
+    with pytest.raises(IndexError):
+        reference.exchange_rows(caches, slots, hosts, out_rows, in_rows)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    assert all(torch.equal(h[out_rows], c[slots]) for h, c in zip(hosts, caches))

@@ -24,14 +24,17 @@ def exchange_rows(
     weights or a state), on any devices (a host field may be a strided view: fields of one
     record a row); ``slots`` (distinct), ``out_rows``, ``in_rows``: ``[n]`` int64, on the caches'
     device. Bits are moved, never converted. The rows written out and the rows read in are
-    distinct (a row is in the cache or in host memory, not both)."""
+    distinct (a row is in the cache or in host memory, not both).
+
+    Every field is written out before any is read in, and the rows read in are gathered before
+    any cache row is written: where it raises (out of memory), no cache row has changed."""
     if len(caches) != len(hosts):
         raise ValueError(f"exchange_rows: {len(caches)} cache fields and {len(hosts)} host fields")
-    for cache, host in zip(caches, hosts):
-        if out_rows is not None:
-            kept = out_rows >= 0
-            values = cache.index_select(0, slots[kept])
-            host.index_copy_(0, out_rows[kept].to(host.device), values.to(host.device))
-        if in_rows is not None:
-            values = host.index_select(0, in_rows.to(host.device))
-            cache.index_copy_(0, slots, values.to(cache.device))
+    if out_rows is not None:
+        kept = out_rows >= 0
+        for cache, host in zip(caches, hosts):
+            host.index_copy_(0, out_rows[kept].to(host.device), cache.index_select(0, slots[kept]).to(host.device))
+    if in_rows is not None:
+        values = [host.index_select(0, in_rows.to(host.device)).to(cache.device) for cache, host in zip(caches, hosts)]
+        for cache, v in zip(caches, values):
+            cache.index_copy_(0, slots, v)
