@@ -8,6 +8,8 @@
   never a user's directory.
 - :class:`DirectoryLock`: one writer per directory, held with an OS file lock that the kernel
   releases when the process dies (no stale lock after SIGKILL).
+- :func:`scratch_directory` / :func:`remove_scratch`: a process's own temporary directory, locked
+  while it lives, so that one left by a killed process is removed by the next.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -33,7 +36,9 @@ __all__ = [
     "file_manifest",
     "fsync_dir",
     "read_json",
+    "remove_scratch",
     "replace_dir",
+    "scratch_directory",
     "sha256",
     "verify_manifest",
     "write_bytes",
@@ -262,3 +267,35 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_SCRATCH_LOCK = ".lock"
+
+
+def scratch_directory(base: str, prefix: str) -> tuple[str, int]:
+    """A fresh directory ``base/prefix*`` of this process's, and the descriptor of the lock it
+    holds on it while it lives (:func:`remove_scratch` removes both). Directories of the same
+    prefix whose lock nobody holds (their process was killed before it could remove them) are
+    removed first; a live one, of any process or container sharing ``base``, is never touched."""
+    for stale in Path(base).glob(f"{prefix}*"):
+        try:
+            fd = os.open(stale / _SCRATCH_LOCK, os.O_RDWR)
+        except OSError:  # no lock file: being created, or not ours
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            os.close(fd)
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        os.close(fd)
+    root = tempfile.mkdtemp(prefix=prefix, dir=base)
+    fd = os.open(os.path.join(root, _SCRATCH_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return root, fd
+
+
+def remove_scratch(root: str, lock: int) -> None:
+    """Removes a :func:`scratch_directory` and everything in it, then lets go of its lock."""
+    shutil.rmtree(root, ignore_errors=True)
+    os.close(lock)

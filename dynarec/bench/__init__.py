@@ -157,8 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
             p.add_argument(
                 "--cache-batches",
-                action="store_true",
-                help="data.cache_batches: later epochs reuse the first's batches",
+                nargs="?",
+                const="memory",
+                choices=["memory", "disk"],
+                help="data.cache_batches (memory, the default, or disk): later epochs reuse the first's batches",
             )
         if name == "suite":
             from dynarec.bench.suite import add_suite_arguments

@@ -87,7 +87,7 @@ def e2e_config(
     batch: int,
     epochs: int,
     workers: Optional[int],
-    cache_batches: bool = False,
+    cache_batches: Optional[str] = None,
 ) -> dict[str, Any]:
     """The demo config over ``spec``'s string ids: the user table's capacity twice the users
     (a power of two), item and category ids hashed into twice as many rows as there are items and
@@ -111,20 +111,20 @@ def run_settings(
     batch: int,
     epochs: int,
     workers: Optional[int],
-    cache_batches: bool = False,
+    cache_batches: Optional[str] = None,
 ) -> dict[str, Any]:
     """``raw`` (a config's dict, changed in place and returned) set for a benchmark run: the data
     of ``data_dir`` (``train/``, ``eval/``), ``epochs`` epochs of ``batch``, no eval or
     checkpoint before the end, the whole eval data evaluated, every table initialized N(0, 1) as
     the peer's; ``data.num_workers`` only where ``workers`` is given (otherwise the trainer's own
-    choice); ``data.cache_batches`` where ``cache_batches``."""
+    choice); ``data.cache_batches`` set to ``cache_batches`` (memory, disk) where given."""
     raw["data"].update(
         train_input_path=str(data_dir / "train"), eval_input_path=str(data_dir / "eval"), batch_size=batch
     )
     if workers is not None:
         raw["data"]["num_workers"] = workers
     if cache_batches:
-        raw["data"]["cache_batches"] = True
+        raw["data"]["cache_batches"] = cache_batches
     for entry in raw["feature_configs"]:  # the peer's nn.Embedding initialization: the same model
         feature = next(iter(entry.values()))
         if "embedding_dim" in feature:
@@ -305,7 +305,7 @@ def bench_e2e(args) -> dict:
         "train_rows": args.train_rows,
         "eval_rows": eval_rows,
         "workers": "auto" if args.workers is None else args.workers,
-        "cache_batches": bool(raw["data"].get("cache_batches")),
+        "cache_batches": raw["data"].get("cache_batches") or False,
         "runs": args.runs,
         "data": data,
         "peer_tables": args.peer,
@@ -316,6 +316,7 @@ def bench_e2e(args) -> dict:
         "dynarec_wall_over_peer": statistics.median(a["samples_per_s_wall"] / b["samples_per_s"] for a, b in pairs),
     }
     workers = "automatic" if args.workers is None else str(args.workers)
+    cached = f", the first epoch cached ({result['cache_batches']})" if result["cache_batches"] else ""
     each = lambda runs, key: ", ".join(f"{r[key]:,.0f}" for r in runs)
     peer_tables = (
         "one nn.Embedding(sparse=True) over every table"
@@ -325,7 +326,7 @@ def bench_e2e(args) -> dict:
     lines = [
         f"dynarec train on {args.device}, batch {args.batch}, {args.epochs} epoch(s) of "
         f"{args.train_rows:,} {rows_are}, DataLoader workers {workers}"
-        f"{', the first epoch cached' if result['cache_batches'] else ''}; "
+        f"{cached}; "
         f"eval on {eval_rows:,} held-out rows; {args.runs} run(s) a side, interleaved (medians)",
         f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (steps_per_second x batch; "
         f"runs {each(ours_runs, 'samples_per_s_report')}), {ours['samples_per_s_wall']:,.0f} by the command's "

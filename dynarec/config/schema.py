@@ -943,12 +943,24 @@ class DataCfg(Strict):
     # DataLoader workers building batches; None: automatic (0 on a CPU device, where they would
     # compete with the step for the cores; on a GPU as many as the host spares, up to 8).
     num_workers: Optional[int] = Field(None, ge=0)
-    # Keep the first whole epoch's built batches in memory: later epochs train on them instead
-    # of reading and building the files again (the same batches; memory: every batch's tensors).
-    cache_batches: bool = False
+    # Keep the first whole epoch's built batches: later epochs train on them instead of reading
+    # and building the files again (the same batches). true or "memory": held in memory (every
+    # batch's tensors); "disk": a file a batch under batch_cache_dir, read back each epoch
+    # (dynarec/data/batch_cache.py).
+    cache_batches: Union[bool, Literal["memory", "disk"]] = False
+    # Where cache_batches "disk" writes (a directory of the run's own is made there and removed
+    # when the run ends); default: the system's temp directory.
+    batch_cache_dir: Optional[str] = None
     input_type: Optional[Literal["parquet", "csv"]] = None  # default: from the file extension
     negative_sampler: Optional[NegativeSamplerCfg] = None  # a retrieval model's sampled items
     tdm_sampler: Optional[TDMSamplerCfg] = None  # a TDM model's tree and its layer-wise samples
+
+    @property
+    def batch_cache(self) -> Optional[Literal["memory", "disk"]]:
+        """Where the first epoch's batches are kept (``cache_batches``), None: nowhere."""
+        if self.cache_batches is True:
+            return "memory"
+        return self.cache_batches or None
 
 
 class GradientClippingCfg(Strict):

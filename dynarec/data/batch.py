@@ -238,19 +238,21 @@ class BatchFile:
     slots: list[Slot]
     layout: _Layout
 
-    def load(self, pin: bool = False) -> Batch:
-        """The batch (in page-locked memory if ``pin``); the file is deleted. DataError naming
-        the file where it cannot be read."""
+    def load(self, pin: bool = False, keep: bool = False) -> Batch:
+        """The batch (in page-locked memory if ``pin``); the file is deleted unless ``keep`` (a
+        cached epoch's, read again each epoch). DataError naming the file where it cannot be
+        read."""
         try:
             with open(self.path, "rb", buffering=0) as f:
                 buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
                 read_into(f, buffer)
-            os.unlink(self.path)
+            if not keep:
+                os.unlink(self.path)
         except OSError as e:
             why = (e.strerror if isinstance(e, FileNotFoundError) else None) or str(e)
             if not os.path.isdir(os.path.dirname(self.path)):
                 why += "; its pass's directory is gone: the pass was abandoned, or another process removed it"
-            raise DataError(f"a DataLoader worker's batch file {self.path} could not be read ({why})") from None
+            raise DataError(f"batch file {self.path} could not be read ({why})") from None
         return _unpacked_batch(buffer, self.slots, self.layout)
 
     def pin_memory(self) -> Union[Batch, DataError]:

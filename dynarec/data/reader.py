@@ -8,12 +8,9 @@ DataLoader workers. A data position (epoch, rows consumed) seeks straight to its
 from __future__ import annotations
 
 import copy
-import fcntl
 import glob
 import multiprocessing
 import os
-import shutil
-import tempfile
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +29,6 @@ from dynarec.data.shared_decode import (
     PassAbandoned,
     RowGroupExchange,
     Unit,
-    clean,
     mark_failed,
     pass_directory,
     remove_chunks,
@@ -41,6 +37,7 @@ from dynarec.data.shared_decode import (
     travelling,
     write_batch,
 )
+from dynarec.files import remove_scratch, scratch_directory
 
 __all__ = [
     "ArrowBatchDataset",
@@ -564,9 +561,9 @@ class BatchLoader:
         if units and _shared_memory_holds(units, num_workers, dataset.batch_size):
             dataset = copy.copy(dataset)
             dataset.chunk_rows = shared_decode.CHUNK_ROWS
-            self.shared_root, lock = _new_shared_root()
+            self.shared_root, lock = scratch_directory(shared_memory_dir(), "dynarec-rows-")
             dataset.shared_root = self.shared_root
-            weakref.finalize(self, clean, self.shared_root, lock)
+            weakref.finalize(self, remove_scratch, self.shared_root, lock)
         self.dataset = dataset
         self.loader = DataLoader(
             dataset,
@@ -627,33 +624,6 @@ def _delivered(item: Union[Batch, BatchFile, DataError, WorkerFailure]) -> Batch
     if isinstance(item, BatchFile):
         return item.load()
     return item
-
-
-def _new_shared_root() -> tuple[str, int]:
-    """A fresh directory in shared memory for a loader's decoded row groups, and the descriptor
-    of the lock its loader holds on it while it lives. Directories whose lock nobody holds (their
-    process was killed before it could remove them) are removed first; a live one, of any
-    process or container sharing the memory, is never touched."""
-    base = shared_memory_dir()
-    for stale in Path(base).glob("dynarec-rows-*"):
-        try:
-            fd = os.open(stale / _LOCK, os.O_RDWR)
-        except OSError:  # no lock file: being created, or not ours
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its loader lives
-            os.close(fd)
-            continue
-        shutil.rmtree(stale, ignore_errors=True)
-        os.close(fd)
-    root = tempfile.mkdtemp(prefix="dynarec-rows-", dir=base)
-    fd = os.open(os.path.join(root, _LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return root, fd
-
-
-_LOCK = ".lock"
 
 
 def _shared_memory_holds(units: list[Unit], workers: int, batch_rows: int) -> bool:

@@ -62,7 +62,6 @@ __all__ = [
     "PassAbandoned",
     "RowGroupExchange",
     "Unit",
-    "clean",
     "column_parts",
     "mark_failed",
     "pass_directory",
@@ -390,9 +389,3 @@ def remove_chunks(directory: Path, chunks: list[tuple[int, int, int]]) -> None:
                 os.unlink(directory / chunk_name(u, i, p))
             except FileNotFoundError:
                 pass
-
-
-def clean(root: str, lock: int) -> None:
-    """Removes ``root`` and every pass directory in it, then lets go of its lock."""
-    shutil.rmtree(root, ignore_errors=True)
-    os.close(lock)

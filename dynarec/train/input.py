@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
+from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache
 from dynarec.data.reader import (
     ArrowBatchDataset,
     BatchLoader,
@@ -79,7 +80,7 @@ class TrainInput:
         # first files of the directory, so that a row position always means the same rows.
         self.followed_files: list[tuple[str, int]] = []
         # data.cache_batches: a whole epoch's batches, built once (and the input's rows then).
-        self._epoch_cache: Optional[list[Batch]] = None
+        self._epoch_cache: Optional[Union[MemoryBatchCache, DiskBatchCache]] = None
         self._cache_rows = -1
         # The loader of whole epochs (from row 0), its workers kept from one epoch to the next:
         # starting a DataLoader's workers again each epoch costs seconds on a GPU host (8 workers
@@ -152,29 +153,45 @@ class TrainInput:
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             cached = self._epoch_cache if position.row == 0 and self._cache_rows == dataset.num_rows else None
-            keep = cfg.data.cache_batches and position.row == 0 and cached is None
-            batches = iter(cached if cached is not None else self._epoch_batches(dataset, position))
-            built: list[Batch] = []
-            for _ in range(dataset.num_steps()):
-                rows = min(self.global_batch_size, dataset.num_rows - position.row)
-                batch = self._next_batch(batches)
-                if keep and isinstance(batch, Batch):
-                    built.append(batch)
-                end = position.row + rows
-                position = (
-                    DataPosition(position.epoch, end) if end < dataset.num_rows else DataPosition(position.epoch + 1, 0)
-                )
-                yield batch, position, rows
-                if isinstance(batch, DataError):
-                    return  # the step failed on every rank
-            if keep and len(built) == dataset.num_steps():  # a whole epoch from its first row
-                self._epoch_cache, self._cache_rows = built, dataset.num_rows
+            kind = cfg.data.batch_cache
+            built = None
+            if kind is not None and position.row == 0 and cached is None:
+                built = batch_cache(kind, cfg.data.batch_cache_dir, self.pin)
+            try:
+                batches = iter(cached if cached is not None else self._epoch_batches(dataset, position))
+                for _ in range(dataset.num_steps()):
+                    rows = min(self.global_batch_size, dataset.num_rows - position.row)
+                    batch = self._next_batch(batches)
+                    if built is not None and isinstance(batch, Batch):
+                        built.add(batch)
+                    end = position.row + rows
+                    position = (
+                        DataPosition(position.epoch, end)
+                        if end < dataset.num_rows
+                        else DataPosition(position.epoch + 1, 0)
+                    )
+                    yield batch, position, rows
+                    if isinstance(batch, DataError):
+                        return  # the step failed on every rank
+                if built is not None and not built.failed and len(built) == dataset.num_steps():  # a whole epoch
+                    self._drop_epoch_cache()
+                    self._epoch_cache, self._cache_rows, built = built, dataset.num_rows, None
+            finally:
+                if built is not None:  # not a whole epoch: nothing kept
+                    built.close()
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
 
     def close(self) -> None:
-        """Lets the workers kept for whole epochs go (the run is over)."""
+        """Lets the workers kept for whole epochs go and drops the cached epoch (the run is
+        over)."""
         self._epoch_loader = self._epoch_loader_key = None
+        self._drop_epoch_cache()
+
+    def _drop_epoch_cache(self) -> None:
+        if self._epoch_cache is not None:
+            self._epoch_cache.close()
+        self._epoch_cache, self._cache_rows = None, -1
 
     def _epoch_batches(self, dataset: ArrowBatchDataset, position: DataPosition) -> BatchLoader:
         """The loader of an epoch's batches: from row 0 with workers, the one whose workers

@@ -229,15 +229,15 @@ def test_e2e_imports_a_torcheasyrec_config_and_races_it_against_a_one_table_peer
     config = tmp_path / "dlrm_criteo.config"
     config.write_text(re.sub(r"num_buckets: \d+", "num_buckets: 997", DLRM_CRITEO.read_text()))
     rows, batch, epochs = 3000, 512, 2
-    argv = ["--config", str(config), "--peer", "one-table", "--cache-batches", "--eval-rows", "1000"]
+    argv = ["--config", str(config), "--peer", "one-table", "--cache-batches", "disk", "--eval-rows", "1000"]
     report = run(tmp_path, "e2e", "--train-rows", str(rows), "--batch", str(batch), "--epochs", str(epochs), *argv)
     r = report["results"]
-    assert r["peer_tables"] == "one-table" and r["cache_batches"] is True
+    assert r["peer_tables"] == "one-table" and r["cache_batches"] == "disk"
     assert r["data"]["config"] == str(config) and r["data"]["generate"]["train_rows"] == rows
     ours, peer = r["dynarec"], r["peer"]
     assert ours["steps"] == epochs * math.ceil(rows / batch) and ours["eval"]["num_examples"] == 1000
     assert peer["samples_per_s"] > 0 and 0.5 < peer["eval_auc"] <= 1 and 0.5 < ours["eval_auc"] <= 1
-    assert "the first epoch cached" in report["summary"][0] and "one nn.Embedding" in report["summary"][2]
+    assert "the first epoch cached (disk)" in report["summary"][0] and "one nn.Embedding" in report["summary"][2]
 
 
 def test_the_one_table_peer_looks_up_every_table_at_its_row_offset():

@@ -132,16 +132,21 @@ def test_cached_epochs_train_on_the_first_epochs_batches_with_the_same_result(tm
 
     monkeypatch.setattr(BatchBuilder, "build", counting_build)
     dumps = {}
-    for cache in (False, True):
+    cache_dir = tmp_path / "batch-cache"
+    for cache in (False, True, "disk"):
         config = small_config(tmp_path / "t.parquet", num_epochs=3)
-        config = config.model_copy(update={"data": config.data.model_copy(update={"cache_batches": cache})})
+        data = {"cache_batches": cache, "batch_cache_dir": str(cache_dir)}
+        config = config.model_copy(update={"data": config.data.model_copy(update=data)})
         built.clear()
         trainer = Trainer(config, tmp_path / f"m{cache}", progress=False)
         trainer.fit()
         assert trainer.step == 30 and len(built) == (10 if cache else 30)
         dumps[cache] = {name: t.dump() for name, t in trainer.task.embeddings.tables.items()}
-    for name, dump in dumps[False].items():
-        assert all(torch.equal(v, dumps[True][name][k]) for k, v in dump.items()), name
+        if cache == "disk":  # the run's own directory was made there, and removed when it ended
+            assert cache_dir.is_dir() and list(cache_dir.iterdir()) == []
+    for cache in (True, "disk"):
+        for name, dump in dumps[False].items():
+            assert all(torch.equal(v, dumps[cache][name][k]) for k, v in dump.items()), (cache, name)
 
 
 def _training_data(tmp_path, n=400):

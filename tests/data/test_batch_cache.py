@@ -1,0 +1,97 @@
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dynarec.config import ConfigError
+from dynarec.config.schema import DataCfg
+from dynarec.data import batch_cache as cache_module
+from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache
+from tests.data.test_transport import assert_same, every_field_batch
+
+
+def test_the_disk_cache_gives_its_batches_back_in_order_each_time_and_removes_its_files(tmp_path):
+    cache = DiskBatchCache(str(tmp_path))
+    batches = [every_field_batch() for _ in range(3)]
+    for b in batches:
+        cache.add(b)
+    assert len(cache) == 3 and not cache.failed
+    assert cache.directory.parent == tmp_path and len(list(cache.directory.glob("batch-*.bin"))) == 3
+    for _ in range(2):  # every epoch reads the same files again
+        back = list(cache)
+        assert len(back) == 3
+        for a, b in zip(batches, back):
+            assert_same(a, b)
+    cache.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_cache_dropped_without_close_removes_its_directory(tmp_path):
+    cache = DiskBatchCache(str(tmp_path))
+    cache.add(every_field_batch())
+    del cache
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_runs_cache_is_removed_by_the_next_and_a_live_ones_is_not(tmp_path):
+    """A process killed with its cache on disk leaves the directory; the next cache made there
+    removes it (its lock is free). A live process's cache stays."""
+    code = (
+        "import os, sys\n"
+        "from dynarec.data.batch_cache import DiskBatchCache\n"
+        "c = DiskBatchCache(sys.argv[1])\n"
+        "open(c.directory / 'batch-0.bin', 'wb').write(b'x' * 100)\n"
+        "print(c.directory, flush=True)\n"
+        "sys.stdin.readline()\n"  # lives until told
+        "os._exit(0)\n"  # as a kill: no finalizer runs
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdin is not None
+    left = child.stdout.readline().strip()
+    live = DiskBatchCache(str(tmp_path))  # the child's lock is held: its directory stays
+    assert os.path.isdir(left)
+    child.stdin.write("\n")
+    child.stdin.flush()
+    child.wait()
+    assert os.path.isdir(left)  # killed: nothing removed it
+    DiskBatchCache(str(tmp_path)).close()
+    assert not os.path.exists(left) and live.directory.is_dir()
+    live.close()
+
+
+def test_a_batch_that_cannot_be_written_ends_the_cache_with_a_warning(tmp_path, monkeypatch):
+    cache = DiskBatchCache(str(tmp_path))
+    cache.add(every_field_batch())
+
+    def disk_full(directory, step, batch):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / f"batch-{step}.bin"))
+
+    monkeypatch.setattr(cache_module, "write_batch", disk_full)
+    with pytest.warns(UserWarning, match=r"batch 1 could not be written .*the disk is full.*build their batches again"):
+        cache.add(every_field_batch())
+    assert cache.failed and list(tmp_path.iterdir()) == []
+    cache.add(every_field_batch())  # nothing more is written
+    assert cache.failed
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"data.batch_cache_dir: cannot make the batch cache in .*a-file/sub"):
+        DiskBatchCache(str(blocker / "sub"))
+
+
+def test_cache_batches_names_memory_or_disk():
+    data = {"train_input_path": "x"}
+    assert DataCfg(**data).batch_cache is None
+    assert DataCfg(**data, cache_batches=False).batch_cache is None
+    assert DataCfg(**data, cache_batches=True).batch_cache == "memory"
+    assert DataCfg(**data, cache_batches="memory").batch_cache == "memory"
+    assert DataCfg(**data, cache_batches="disk").batch_cache == "disk"
+    with pytest.raises(ValueError, match="cache_batches"):
+        DataCfg(**data, cache_batches="ssd")
+    assert isinstance(batch_cache("memory", None, False), MemoryBatchCache)
