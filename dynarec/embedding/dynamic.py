@@ -184,8 +184,9 @@ class DynamicTable(EmbeddingTable):
         return FoundKeys(slots, self.index.stamp, absent)
 
     def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
-        """The rows of the keys found (a find made ahead may be stale by the lookup: a hold's
-        rows are then only rows made resident; the lookup finds its own)."""
+        """The rows of the keys found. Every key found, they are the lookup's rows in order, and
+        the lookup reads its hold's slots where the find still holds by then; else they are only
+        rows made resident ahead, and the lookup finds its own."""
         return None if found is None else found.slots[found.slots >= 0]
 
     def lookup(
@@ -197,7 +198,9 @@ class DynamicTable(EmbeddingTable):
         keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
         if found is None or not self._still_holds(found):
-            found = self.find(bags)
+            found, hold = self.find(bags), None
+        if hold is not None and not found.all_present:
+            hold = None  # it holds the keys found then; this lookup's rows are others too
         if step is None:
             slots, all_present = found.slots, found.all_present
         else:
@@ -224,12 +227,15 @@ class DynamicTable(EmbeddingTable):
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
             slots = slots[present]
             weights = None if weights is None else weights[present]
+        # A hold's rows are the found keys' slots in order: every key found, they are this lookup's
+        # (its slots read there: no host read).
+        store_lookup = self.store.lookup if hold is None else hold.lookup
         if step is None:
-            out = self.store.lookup(slots, offsets, weights, train)
+            out = store_lookup(slots, offsets, weights, train)
         else:
             fused = self.store.writes_row_scores and torch.is_grad_enabled()
             row_scores = self.score_policy.schedule(slots, step, fused)
-            out = self.store.lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
+            out = store_lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
             self._commit_on_backward(out, step)
             self._await_update(out, step)
         return out if missing_out is None else out + missing_out

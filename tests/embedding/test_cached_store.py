@@ -638,3 +638,31 @@ def test_rows_whose_move_raised_stay_where_they_were(where, monkeypatch):
     assert store.counters["loaded"] - store.counters["written_back"] == int((store._row_of_slot >= 0).sum())
     a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dynamic_tables_prefetched_lookup_reads_its_hold_where_every_key_was_found(monkeypatch):
+    """Warm keys (every key of a batch found ahead, nothing inserted since): each lookup takes its
+    slots from its hold; a batch with a new key does not (its rows are the found keys' and the new
+    one's). The run equals the table kept whole."""
+    from dynarec.embedding.cached_store import CachedRowStore
+
+    spec = Adagrad(lr=0.1)
+    warm = key_batches(3, seed=11)
+    cold = key_batches(1, seed=12)
+    data = warm + warm + cold + warm  # the repeats' keys are all present when prefetched
+    cached = EmbeddingCollection([dynamic_table(1.0)], spec, prefetch_depth=1)
+    whole = EmbeddingCollection([dynamic_table(None)], spec, prefetch_depth=1)
+    held = []
+    resident = CachedRowStore._resident
+
+    def spied(self, rows, tick, hold=None):
+        held.append(hold is not None and hold.valid)
+        return resident(self, rows, tick, hold)
+
+    monkeypatch.setattr(CachedRowStore, "_resident", spied)
+    outs = train(cached, data, prefetch=True)
+    assert held[3:6] == [True] * 3 and held[6] is False and held[7:] == [True] * 3
+    for x, y in zip(outs, train(whole, data, prefetch=True)):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    a, b = cached.tables["t"].dump(), whole.tables["t"].dump()
+    assert all(torch.equal(a[k], b[k]) for k in a)
