@@ -289,9 +289,20 @@ def scratch_directory(base: str, prefix: str) -> tuple[str, int]:
             continue
         shutil.rmtree(stale, ignore_errors=True)
         os.close(fd)
-    root = tempfile.mkdtemp(prefix=prefix, dir=base)
-    fd = os.open(os.path.join(root, _SCRATCH_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    # Made and locked under a hidden name, then renamed into sight: another process's scan never
+    # sees it unlocked.
+    hidden = tempfile.mkdtemp(prefix=f".{prefix}", dir=base)
+    fd = -1
+    try:
+        fd = os.open(os.path.join(hidden, _SCRATCH_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        root = os.path.join(base, os.path.basename(hidden)[1:])
+        os.rename(hidden, root)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        shutil.rmtree(hidden, ignore_errors=True)
+        raise
     return root, fd
 
 

@@ -11,12 +11,16 @@ run read the same rows into the same batches, so the first whole epoch's batches
   decoding. The directory is removed when the run ends, and by the next run where a killed
   process left it (it is locked while its process lives).
 
-Either gives the later epochs the same batches, bit for bit. A batch that cannot be written
-(the disk full) ends the disk cache with a warning: later epochs build their batches again.
+Either gives the later epochs the same batches, bit for bit. A ``batch_cache_dir`` where no
+directory can be made is a config error when the run starts; a cache that cannot be made or
+written later (the disk full) ends with a warning, and the later epochs build their batches
+again; a cached file that cannot be read back (removed) has the rest of that epoch built again.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import tempfile
 import warnings
 import weakref
@@ -25,11 +29,11 @@ from pathlib import Path
 from typing import Optional, Union
 
 from dynarec.config.load import ConfigError
-from dynarec.data.batch import Batch, BatchFile
+from dynarec.data.batch import Batch, BatchFile, DataError
 from dynarec.data.shared_decode import PassAbandoned, write_batch
 from dynarec.files import describe_os_error, remove_scratch, scratch_directory
 
-__all__ = ["DiskBatchCache", "MemoryBatchCache", "batch_cache"]
+__all__ = ["BatchCacheLost", "DiskBatchCache", "MemoryBatchCache", "batch_cache", "check_cache_dir"]
 
 
 class MemoryBatchCache:
@@ -52,55 +56,80 @@ class MemoryBatchCache:
         self._batches = []
 
 
+class BatchCacheLost(Exception):
+    """A cached batch's file could not be read back (removed, truncated): the epoch's batches
+    from there on are to be built from the files again."""
+
+
 class DiskBatchCache:
     """An epoch's batches, a packed file each in a locked directory of its own under ``parent``
-    (None: the system's temp directory); read back page-locked where ``pin``."""
+    (None: the system's temp directory); read back page-locked where ``pin``. Where the directory
+    cannot be made, or a batch cannot be written, the cache ends with a warning (:attr:`failed`):
+    the run goes on without it."""
 
     PREFIX = "dynarec-batch-cache-"
 
     def __init__(self, parent: Optional[str], pin: bool = False) -> None:
-        base = parent if parent is not None else tempfile.gettempdir()
-        try:
-            Path(base).mkdir(parents=True, exist_ok=True)
-            root, lock = scratch_directory(base, self.PREFIX)
-        except OSError as e:
-            raise ConfigError(
-                f"data.batch_cache_dir: cannot make the batch cache in {base} ({describe_os_error(e)})"
-            ) from None
-        self.directory = Path(root)
         self.pin = pin
         self.failed = False
+        self.directory: Optional[Path] = None
         self._files: list[BatchFile] = []
+        base = parent if parent is not None else tempfile.gettempdir()
+        try:
+            root, lock = scratch_directory(base, self.PREFIX)
+        except OSError as e:
+            self._fail(f"no directory could be made in {base} ({describe_os_error(e)})")
+            return
+        self.directory = Path(root)
         self._remove = weakref.finalize(self, remove_scratch, root, lock)
+
+    def _fail(self, why: str) -> None:
+        warnings.warn(f"data.cache_batches: disk: {why}; the later epochs build their batches again", stacklevel=3)
+        self.failed = True
+        self.close()
 
     def add(self, batch: Batch) -> None:
         """Writes ``batch`` as the next file; a write that fails ends the cache (a warning, the
         files removed): it is never complete, and the run goes on."""
         if self.failed:
             return
+        assert self.directory is not None
         try:
             self._files.append(write_batch(self.directory, len(self._files), batch))
         except (OSError, PassAbandoned) as e:
             why = describe_os_error(e) if isinstance(e, OSError) else "its directory was removed"
-            warnings.warn(
-                f"data.cache_batches: disk: batch {len(self._files)} could not be written to {self.directory} "
-                f"({why}); the later epochs build their batches again",
-                stacklevel=2,
-            )
-            self.failed = True
-            self.close()
+            self._fail(f"batch {len(self._files)} could not be written to {self.directory} ({why})")
 
     def __len__(self) -> int:
         return len(self._files)
 
     def __iter__(self) -> Iterator[Batch]:
-        for f in self._files:
-            yield f.load(pin=self.pin, keep=True)
+        """The batches in order; BatchCacheLost where a file cannot be read back."""
+        for i, f in enumerate(self._files):
+            try:
+                yield f.load(pin=self.pin, keep=True)
+            except DataError as e:
+                raise BatchCacheLost(f"cached batch {i} could not be read back ({e})") from None
 
     def close(self) -> None:
         """Removes the directory and its files."""
         self._files = []
-        self._remove()
+        if self.directory is not None:
+            self._remove()
+
+
+def check_cache_dir(parent: Optional[str]) -> None:
+    """ConfigError naming ``data.batch_cache_dir`` where the disk cache's directory could not be
+    made under ``parent`` (checked when a run starts; a later failure is a warning)."""
+    base = parent if parent is not None else tempfile.gettempdir()
+    try:
+        Path(base).mkdir(parents=True, exist_ok=True)
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), base)
+    except OSError as e:
+        raise ConfigError(
+            f"data.batch_cache_dir: cannot make the batch cache in {base} ({describe_os_error(e)})"
+        ) from None
 
 
 def batch_cache(kind: str, directory: Optional[str], pin: bool) -> Union[MemoryBatchCache, DiskBatchCache]:

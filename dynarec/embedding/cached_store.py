@@ -315,10 +315,10 @@ class CachedRowStore(RowStore):
             with self._unclaimed_on_error(moves):
                 if moves is not None:
                     slots = self._slot_of_row[rows].long()
-                self._last_used[slots] = tick
                 hold = CacheHold(self, slots, tick)
                 if moves is not None:
                     self._move_aside(*moves)
+            self._last_used[slots] = tick  # (after the moves queued: a claim undone stamps nothing)
             if moves is not None:
                 self.counters["prefetched"] += moves[2].numel()
             self._reserved.add(tick)
@@ -365,9 +365,9 @@ class CachedRowStore(RowStore):
         victims = victims[by_row]
         # Both host row lists ascending (missing is, from unique): a GPU reaches host memory in
         # address order several times faster than at random (its link's address translation).
-        held = old[old >= 0]
+        held, victims32 = old[old >= 0], victims.to(torch.int32)  # (allocated before anything is written)
         self._slot_of_row[held] = -1
-        self._slot_of_row[missing] = victims.to(torch.int32)
+        self._slot_of_row[missing] = victims32
         self._row_of_slot[victims] = missing
         self.counters["loaded"] += missing.numel()
         self.counters["written_back"] += held.numel()

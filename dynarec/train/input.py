@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any, Optional, Union
 
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
-from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache
+from dynarec.data.batch_cache import BatchCacheLost, DiskBatchCache, MemoryBatchCache, batch_cache, check_cache_dir
 from dynarec.data.reader import (
     ArrowBatchDataset,
     BatchLoader,
@@ -79,9 +80,12 @@ class TrainInput:
         # --follow: the files consumed so far (names and row counts, in order); they must stay the
         # first files of the directory, so that a row position always means the same rows.
         self.followed_files: list[tuple[str, int]] = []
-        # data.cache_batches: a whole epoch's batches, built once (and the input's rows then).
+        # data.cache_batches: a whole epoch's batches, built once (and the files and row counts
+        # they were built from).
         self._epoch_cache: Optional[Union[MemoryBatchCache, DiskBatchCache]] = None
-        self._cache_rows = -1
+        self._cache_key: Optional[tuple[tuple[str, ...], tuple[int, ...]]] = None
+        if config.data.batch_cache == "disk":
+            check_cache_dir(config.data.batch_cache_dir)
         # The loader of whole epochs (from row 0), its workers kept from one epoch to the next:
         # starting a DataLoader's workers again each epoch costs seconds on a GPU host (8 workers
         # from the fork server, each importing torch). Keyed by the files and their row counts.
@@ -152,7 +156,8 @@ class TrainInput:
             )
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            cached = self._epoch_cache if position.row == 0 and self._cache_rows == dataset.num_rows else None
+            key = (tuple(dataset.files), tuple(dataset.row_counts()))
+            cached = self._epoch_cache if position.row == 0 and self._cache_key == key else None
             kind = cfg.data.batch_cache
             built = None
             if kind is not None and position.row == 0 and cached is None:
@@ -161,7 +166,16 @@ class TrainInput:
                 batches = iter(cached if cached is not None else self._epoch_batches(dataset, position))
                 for _ in range(dataset.num_steps()):
                     rows = min(self.global_batch_size, dataset.num_rows - position.row)
-                    batch = self._next_batch(batches)
+                    try:
+                        batch = self._next_batch(batches)
+                    except BatchCacheLost as e:  # the rest of the epoch from the files again
+                        warnings.warn(f"data.cache_batches: disk: {e}; the epoch goes on from the files", stacklevel=2)
+                        self._drop_epoch_cache()
+                        rest = self.dataset(
+                            cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row, training=True
+                        )
+                        batches = iter(self.loader(rest))
+                        batch = self._next_batch(batches)
                     if built is not None and isinstance(batch, Batch):
                         built.add(batch)
                     end = position.row + rows
@@ -175,7 +189,7 @@ class TrainInput:
                         return  # the step failed on every rank
                 if built is not None and not built.failed and len(built) == dataset.num_steps():  # a whole epoch
                     self._drop_epoch_cache()
-                    self._epoch_cache, self._cache_rows, built = built, dataset.num_rows, None
+                    self._epoch_cache, self._cache_key, built = built, key, None
             finally:
                 if built is not None:  # not a whole epoch: nothing kept
                     built.close()
@@ -191,7 +205,7 @@ class TrainInput:
     def _drop_epoch_cache(self) -> None:
         if self._epoch_cache is not None:
             self._epoch_cache.close()
-        self._epoch_cache, self._cache_rows = None, -1
+        self._epoch_cache, self._cache_key = None, None
 
     def _epoch_batches(self, dataset: ArrowBatchDataset, position: DataPosition) -> BatchLoader:
         """The loader of an epoch's batches: from row 0 with workers, the one whose workers

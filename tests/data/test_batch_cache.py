@@ -8,7 +8,7 @@ import pytest
 from dynarec.config import ConfigError
 from dynarec.config.schema import DataCfg
 from dynarec.data import batch_cache as cache_module
-from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache
+from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache, check_cache_dir
 from tests.data.test_transport import assert_same, every_field_batch
 
 
@@ -71,18 +71,46 @@ def test_a_batch_that_cannot_be_written_ends_the_cache_with_a_warning(tmp_path, 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / f"batch-{step}.bin"))
 
     monkeypatch.setattr(cache_module, "write_batch", disk_full)
-    with pytest.warns(UserWarning, match=r"batch 1 could not be written .*the disk is full.*build their batches again"):
+    with pytest.warns(UserWarning, match=r"batch 1 could not be written .*disk is full.*build their batches again"):
         cache.add(every_field_batch())
     assert cache.failed and list(tmp_path.iterdir()) == []
     cache.add(every_field_batch())  # nothing more is written
     assert cache.failed
 
 
-def test_a_cache_directory_that_cannot_be_made_is_a_config_error(tmp_path):
+def test_a_cache_directory_that_cannot_be_made_is_a_config_error_at_the_start_and_a_warning_later(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match=r"data.batch_cache_dir: cannot make the batch cache in .*a-file/sub"):
-        DiskBatchCache(str(blocker / "sub"))
+        check_cache_dir(str(blocker / "sub"))
+    check_cache_dir(str(tmp_path / "made" / "here"))  # made where it can be
+    assert (tmp_path / "made" / "here").is_dir()
+    with pytest.warns(UserWarning, match=r"no directory could be made in .*a-file.*build their batches again"):
+        cache = DiskBatchCache(str(blocker))
+    assert cache.failed
+    cache.add(every_field_batch())  # nothing written, nothing raised
+    assert len(cache) == 0
+    cache.close()
+
+
+def test_a_scratch_directory_is_locked_before_another_process_can_see_it(tmp_path, monkeypatch):
+    """Made under a hidden name and renamed into sight once locked: a scan for stale directories
+    (another process starting at once) never finds it unlocked."""
+    from dynarec import files
+
+    seen = []
+    real_flock = files.fcntl.flock
+
+    def flock(fd, op):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))  # what a scan would glob now
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(files.fcntl, "flock", flock)
+    root, lock = files.scratch_directory(str(tmp_path), "dynarec-x-")
+    assert seen and all(not name.startswith("dynarec-x-") for name in seen[-1])
+    assert os.path.basename(root).startswith("dynarec-x-") and os.path.isdir(root)
+    files.remove_scratch(root, lock)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cache_batches_names_memory_or_disk():

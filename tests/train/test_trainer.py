@@ -1,5 +1,6 @@
 """The trainer's parts: data position and seeking resume, num_steps, RNG, refusals."""
 
+import os
 import time
 
 import numpy as np
@@ -147,6 +148,40 @@ def test_cached_epochs_train_on_the_first_epochs_batches_with_the_same_result(tm
     for cache in (True, "disk"):
         for name, dump in dumps[False].items():
             assert all(torch.equal(v, dumps[cache][name][k]) for k, v in dump.items()), (cache, name)
+
+
+def test_a_cached_batch_file_lost_between_epochs_has_its_epoch_built_again(tmp_path, monkeypatch):
+    """cache_batches: disk, a cached file removed after the first epoch: a warning, the rest of the
+    second epoch is built from the files again (and the third too: the cache is dropped), and the
+    run trains as without a cache."""
+    from dynarec.data.batch_cache import DiskBatchCache
+
+    rng = np.random.default_rng(0)
+    n = 1000
+    table = pa.table({"item": rng.integers(0, 100, n), "user": rng.integers(0, 10**9, n), "clk": rng.integers(0, 2, n)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    real_iter = DiskBatchCache.__iter__
+
+    def losing_iter(self):
+        os.unlink(self._files[4].path)  # lost between the epochs
+        yield from real_iter(self)
+
+    dumps = {}
+    for cache in (False, "disk"):
+        config = small_config(tmp_path / "t.parquet", num_epochs=3)
+        data = {"cache_batches": cache, "batch_cache_dir": str(tmp_path / "cache")}
+        config = config.model_copy(update={"data": config.data.model_copy(update=data)})
+        trainer = Trainer(config, tmp_path / f"m{cache}", progress=False)
+        if cache:
+            monkeypatch.setattr(DiskBatchCache, "__iter__", losing_iter)
+            with pytest.warns(UserWarning, match=r"cached batch 4 could not be read back .*goes on from the files"):
+                trainer.fit()
+        else:
+            trainer.fit()
+        assert trainer.step == 30
+        dumps[cache] = {name: t.dump() for name, t in trainer.task.embeddings.tables.items()}
+    for name, dump in dumps[False].items():
+        assert all(torch.equal(v, dumps["disk"][name][k]) for k, v in dump.items()), name
 
 
 def _training_data(tmp_path, n=400):
