@@ -349,17 +349,11 @@ def test_a_late_backward_finds_its_rows_where_it_left_them():
     sum(v.sum() for v in dropped(b).values()).backward()
 
 
-def test_a_prefetched_lookup_reads_its_slots_from_its_hold_and_loads_nothing(monkeypatch):
-    """Batches made resident two steps ahead: each lookup takes its slots from its hold (no host
-    read on a GPU), loads nothing, and releases the hold; the run equals the table kept whole."""
+def spy_on_holds(monkeypatch) -> list[bool]:
+    """Whether each lookup of a cached store from now on was given a valid hold, in order."""
     from dynarec.embedding.cached_store import CachedRowStore
 
-    spec = Adagrad(lr=0.1)
-    data = batches(6, size=8, seed=5)
-    most = max(len(torch.unique(b.values())) for b in data)
-    cached = EmbeddingCollection([table("sum", 3 * most / ROWS)], spec, prefetch_depth=2)
-    store = cached.tables["t"].store
-    held = []
+    held: list[bool] = []
     resident = CachedRowStore._resident
 
     def spied(self, rows, tick, hold=None):
@@ -367,6 +361,19 @@ def test_a_prefetched_lookup_reads_its_slots_from_its_hold_and_loads_nothing(mon
         return resident(self, rows, tick, hold)
 
     monkeypatch.setattr(CachedRowStore, "_resident", spied)
+    return held
+
+
+def test_a_prefetched_lookup_reads_its_slots_from_its_hold_and_loads_nothing(monkeypatch):
+    """Batches made resident two steps ahead: each lookup takes its slots from its hold (no host
+    read on a GPU), loads nothing, and releases the hold; the run equals the table kept whole."""
+
+    spec = Adagrad(lr=0.1)
+    data = batches(6, size=8, seed=5)
+    most = max(len(torch.unique(b.values())) for b in data)
+    cached = EmbeddingCollection([table("sum", 3 * most / ROWS)], spec, prefetch_depth=2)
+    store = cached.tables["t"].store
+    held = spy_on_holds(monkeypatch)
     outs = train(cached, data, prefetch=True)
     assert held == [True] * len(data)
     whole = EmbeddingCollection([table("sum", None)], spec)
@@ -644,7 +651,6 @@ def test_a_dynamic_tables_prefetched_lookup_reads_its_hold_where_every_key_was_f
     """Warm keys (every key of a batch found ahead, nothing inserted since): each lookup takes its
     slots from its hold; a batch with a new key does not (its rows are the found keys' and the new
     one's). The run equals the table kept whole."""
-    from dynarec.embedding.cached_store import CachedRowStore
 
     spec = Adagrad(lr=0.1)
     warm = key_batches(3, seed=11)
@@ -652,14 +658,7 @@ def test_a_dynamic_tables_prefetched_lookup_reads_its_hold_where_every_key_was_f
     data = warm + warm + cold + warm  # the repeats' keys are all present when prefetched
     cached = EmbeddingCollection([dynamic_table(1.0)], spec, prefetch_depth=1)
     whole = EmbeddingCollection([dynamic_table(None)], spec, prefetch_depth=1)
-    held = []
-    resident = CachedRowStore._resident
-
-    def spied(self, rows, tick, hold=None):
-        held.append(hold is not None and hold.valid)
-        return resident(self, rows, tick, hold)
-
-    monkeypatch.setattr(CachedRowStore, "_resident", spied)
+    held = spy_on_holds(monkeypatch)
     outs = train(cached, data, prefetch=True)
     assert held[3:6] == [True] * 3 and held[6] is False and held[7:] == [True] * 3
     for x, y in zip(outs, train(whole, data, prefetch=True)):
