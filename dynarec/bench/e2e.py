@@ -305,8 +305,7 @@ def bench_e2e(args) -> dict:
         "train_rows": args.train_rows,
         "eval_rows": eval_rows,
         "workers": "auto" if args.workers is None else args.workers,
-        "cache_batches": {True: "memory"}.get(raw["data"].get("cache_batches"), raw["data"].get("cache_batches"))
-        or False,
+        "cache_batches": peer.config.data.batch_cache or False,
         "runs": args.runs,
         "data": data,
         "peer_tables": args.peer,

@@ -74,7 +74,7 @@ class DiskBatchCache:
         self.failed = False
         self.directory: Optional[Path] = None
         self._files: list[BatchFile] = []
-        base = parent if parent is not None else tempfile.gettempdir()
+        base = _base(parent)
         try:
             root, lock = scratch_directory(base, self.PREFIX)
         except OSError as e:
@@ -121,7 +121,7 @@ class DiskBatchCache:
 def check_cache_dir(parent: Optional[str]) -> None:
     """ConfigError naming ``data.batch_cache_dir`` where the disk cache's directory could not be
     made under ``parent`` (checked when a run starts; a later failure is a warning)."""
-    base = parent if parent is not None else tempfile.gettempdir()
+    base = _base(parent)
     try:
         Path(base).mkdir(parents=True, exist_ok=True)
         if not os.access(base, os.W_OK | os.X_OK):
@@ -130,6 +130,11 @@ def check_cache_dir(parent: Optional[str]) -> None:
         raise ConfigError(
             f"data.batch_cache_dir: cannot make the batch cache in {base} ({describe_os_error(e)})"
         ) from None
+
+
+def _base(parent: Optional[str]) -> str:
+    """``data.batch_cache_dir``, or the system's temp directory where it is unset."""
+    return parent if parent is not None else tempfile.gettempdir()
 
 
 def batch_cache(kind: str, directory: Optional[str], pin: bool) -> Union[MemoryBatchCache, DiskBatchCache]:

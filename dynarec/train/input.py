@@ -38,6 +38,13 @@ __all__ = ["FollowOptions", "Item", "ReadAhead", "TrainInput"]
 # position after it, and the global batch's rows.
 Item = tuple[Union[Batch, DataError], DataPosition, int]
 
+# What an epoch's batches are built from: the input files and their row counts.
+InputKey = tuple[tuple[str, ...], tuple[int, ...]]
+
+
+def _input_key(dataset: ArrowBatchDataset) -> InputKey:
+    return tuple(dataset.files), tuple(dataset.row_counts())
+
 
 @dataclass(frozen=True)
 class FollowOptions:
@@ -83,14 +90,14 @@ class TrainInput:
         # data.cache_batches: a whole epoch's batches, built once (and the files and row counts
         # they were built from).
         self._epoch_cache: Optional[Union[MemoryBatchCache, DiskBatchCache]] = None
-        self._cache_key: Optional[tuple[tuple[str, ...], tuple[int, ...]]] = None
+        self._cache_key: Optional[InputKey] = None
         if config.data.batch_cache == "disk":
             check_cache_dir(config.data.batch_cache_dir)
         # The loader of whole epochs (from row 0), its workers kept from one epoch to the next:
         # starting a DataLoader's workers again each epoch costs seconds on a GPU host (8 workers
         # from the fork server, each importing torch). Keyed by the files and their row counts.
         self._epoch_loader: Optional[BatchLoader] = None
-        self._epoch_loader_key: Optional[tuple[tuple[str, ...], tuple[int, ...]]] = None
+        self._epoch_loader_key: Optional[InputKey] = None
 
     @property
     def global_batch_size(self) -> int:
@@ -150,20 +157,22 @@ class TrainInput:
             yield from self._follow(position)
             return
         cfg = self.config
+
+        def training_rows(start_row: int) -> ArrowBatchDataset:
+            return self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=start_row, training=True)
+
         while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
-            dataset = self.dataset(
-                cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row, training=True
-            )
+            dataset = training_rows(position.row)
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
-            key = (tuple(dataset.files), tuple(dataset.row_counts()))
+            key = _input_key(dataset)
             cached = self._epoch_cache if position.row == 0 and self._cache_key == key else None
             kind = cfg.data.batch_cache
             built = None
             if kind is not None and position.row == 0 and cached is None:
                 built = batch_cache(kind, cfg.data.batch_cache_dir, self.pin)
             try:
-                batches = iter(cached if cached is not None else self._epoch_batches(dataset, position))
+                batches = iter(cached if cached is not None else self._epoch_batches(dataset, position, key))
                 for _ in range(dataset.num_steps()):
                     rows = min(self.global_batch_size, dataset.num_rows - position.row)
                     try:
@@ -171,10 +180,7 @@ class TrainInput:
                     except BatchCacheLost as e:  # the rest of the epoch from the files again
                         warnings.warn(f"data.cache_batches: disk: {e}; the epoch goes on from the files", stacklevel=2)
                         self._drop_epoch_cache()
-                        rest = self.dataset(
-                            cfg.data.train_input_path, cfg.data.batch_size, start_row=position.row, training=True
-                        )
-                        batches = iter(self.loader(rest))
+                        batches = iter(self.loader(training_rows(position.row)))
                         batch = self._next_batch(batches)
                     if built is not None and isinstance(batch, Batch):
                         built.add(batch)
@@ -207,12 +213,11 @@ class TrainInput:
             self._epoch_cache.close()
         self._epoch_cache, self._cache_key = None, None
 
-    def _epoch_batches(self, dataset: ArrowBatchDataset, position: DataPosition) -> BatchLoader:
-        """The loader of an epoch's batches: from row 0 with workers, the one whose workers
-        outlive the epoch (the same files, the same rows); else a loader of its own."""
+    def _epoch_batches(self, dataset: ArrowBatchDataset, position: DataPosition, key: InputKey) -> BatchLoader:
+        """The loader of an epoch's batches (``key``: its input's): from row 0 with workers, the one
+        whose workers outlive the epoch (the same files, the same rows); else a loader of its own."""
         if position.row != 0 or self.num_workers == 0:
             return self.loader(dataset)
-        key = (tuple(dataset.files), tuple(dataset.row_counts()))
         if self._epoch_loader is None or self._epoch_loader_key != key:
             self._epoch_loader = make_loader(dataset, self.num_workers, self.pin, persistent=True)
             self._epoch_loader_key = key

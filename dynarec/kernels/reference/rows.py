@@ -32,8 +32,9 @@ def exchange_rows(
         raise ValueError(f"exchange_rows: {len(caches)} cache fields and {len(hosts)} host fields")
     if out_rows is not None:
         kept = out_rows >= 0
+        src, dst = slots[kept], out_rows[kept]
         for cache, host in zip(caches, hosts):
-            host.index_copy_(0, out_rows[kept].to(host.device), cache.index_select(0, slots[kept]).to(host.device))
+            host.index_copy_(0, dst.to(host.device), cache.index_select(0, src).to(host.device))
     if in_rows is not None:
         values = [host.index_select(0, in_rows.to(host.device)).to(cache.device) for cache, host in zip(caches, hosts)]
         for cache, v in zip(caches, values):
