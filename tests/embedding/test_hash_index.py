@@ -272,6 +272,44 @@ def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_bucket
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize(
+    "num_buckets, load, num_keys",
+    [
+        (64, 0.97, 40),  # buckets in an array, those with a free lane marked (fewer free lanes than buckets)
+        (1024, 0.99, 120),  # in a hash table (the keys touch few of the buckets), marked
+        (1024, 0.99, 3),  # in a hash table, unmarked (a scan of every tag would cost more than the plan)
+        (64, 0.9, 200),  # in an array, unmarked (more free lanes than buckets)
+    ],
+)
+def test_the_cpu_extension_plans_as_the_reference_however_it_keeps_its_buckets(num_buckets, load, num_keys):
+    """The C++ planner keeps the buckets a plan touches in an array or a hash table, and marks
+    the buckets with a free lane when few lanes are free; each way gives the plain-torch plan,
+    with pins blocking moves and evictions, and one plan after another as the index fills."""
+    from dynarec.embedding.insert_plan import plan_insert_reference
+
+    gen = torch.Generator().manual_seed(num_buckets + num_keys)
+    index = BucketedHashIndex(num_buckets, 16)
+    for _ in range(4):  # keys whose buckets are full are left out: again, with more
+        resident = torch.randint(-(2**62), 2**62, (int(load * index.capacity) - index.size,), generator=gen).unique()
+        resident = resident[index.find(resident) < 0]
+        index.commit(plan_insert_reference(index, resident, allow_evict=False), torch.randint(0, 5, resident.shape))
+    slots = index.entries()[0]
+    index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 7)
+    moves = evictions = 0
+    for _ in range(3):
+        keys = torch.randint(-(2**62), 2**62, (num_keys,), generator=gen).unique()
+        keys = keys[index.find(keys) < 0]
+        for kw in (dict(allow_evict=True), dict(allow_evict=True, pinned_by=torch.tensor([7]))):
+            got, want = index.plan_insert(keys, **kw), plan_insert_reference(index, keys, **kw)  # type: ignore[arg-type]
+            for name in gpu_checks.PLAN_FIELDS:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
+            moves += got.moved_from.numel()
+            evictions += got.evicted_slots.numel()
+        index.commit(got, torch.randint(0, 5, keys.shape, generator=gen))
+    assert moves > 0 and evictions > 0
+
+
+@needs_cpu_kernels
 def test_the_cpu_extension_plans_an_insert_into_a_full_index_told_full_as_untold():
     gpu_checks.check_plan_of_a_full_index("cpu")
 

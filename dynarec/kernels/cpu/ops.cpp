@@ -50,6 +50,21 @@ inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, N nb) {
           static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb)};
 }
 
+// x % d for 32-bit x and d >= 1 by two multiplies instead of a divide, exact for every x and d
+// (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019); d = 1 gives m = 0.
+struct Mod32 {
+  explicit Mod32(uint32_t d) : d(d), m(~0ULL / d + 1) {}
+  uint32_t operator()(uint32_t x) const {
+    return static_cast<uint32_t>((static_cast<unsigned __int128>(m * x) * d) >> 64);
+  }
+  uint32_t d;
+  uint64_t m;
+};
+
+inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, const Mod32& nb) {
+  return {nb(static_cast<uint32_t>(h)), nb(static_cast<uint32_t>(h >> 32))};
+}
+
 // The lane of `key` in the bucket starting at slot `base` (`bs` slots), -1 if absent: tags first,
 // the key only where the tag matches. A 16-slot bucket compares its 16 tags in one SSE2 op.
 inline int64_t probe_bucket(const uint8_t* tg, const int64_t* tk, int64_t base, int64_t bs, uint8_t tag,
@@ -537,17 +552,45 @@ class PlanBuckets {
   };
 
   // Sized for the buckets `keys` keys can touch first (two each, at most `num_buckets`); it
-  // grows when moves bring in more.
+  // grows when moves bring in more. Where that table would have as many entries as the index
+  // has buckets, it is an array of an entry a bucket instead (`direct_`: no probing, no growth).
   PlanBuckets(const uint8_t* tags, int64_t bucket_size, int64_t num_buckets, int64_t keys)
       : tags_(tags), bs_(bucket_size), all_(bucket_size == 64 ? ~0ULL : ((1ULL << bucket_size) - 1)) {
     const size_t want = 2 * static_cast<size_t>(std::min(2 * keys, num_buckets));  // load at most 1/2
     size_t cap = 16;
     while (cap < want) cap <<= 1;
-    resize(cap);
+    direct_ = static_cast<size_t>(num_buckets) <= cap;
+    if (direct_) {
+      table_.assign(num_buckets, Entry{});
+    } else {
+      resize(cap);
+    }
+  }
+
+  // Marks the buckets with an empty lane (a zero tag) before any claim: free_in of any other
+  // bucket is then 0 without adding its entry (a plan's claims only ever take lanes, so a bucket
+  // full at the start stays full). Worth its scan of every tag when few lanes are free: a full
+  // table's plan otherwise adds an entry for each of its keys' buckets and their residents'
+  // other buckets, to find them full.
+  void mark_free_buckets(int64_t num_buckets) {
+    free_buckets_.assign((num_buckets + 63) / 64, 0);
+    const uint8_t* const end = tags_ + num_buckets * bs_;
+    for (const uint8_t* p = tags_; p < end;) {
+      const void* zero = std::memchr(p, 0, end - p);
+      if (zero == nullptr) break;
+      const int64_t bucket = (static_cast<const uint8_t*>(zero) - tags_) / bs_;
+      free_buckets_[bucket / 64] |= 1ULL << (bucket % 64);
+      p = tags_ + (bucket + 1) * bs_;
+    }
   }
 
   // The entry of `bucket` (added on first use). A reference holds only until the next call.
   Entry& at(int64_t bucket) {
+    if (direct_) {
+      Entry& e = table_[bucket];
+      if (e.bucket == -1) fill(e, bucket);
+      return e;
+    }
     size_t i = home(bucket);
     while (table_[i].bucket != bucket && table_[i].bucket != -1) i = (i + 1) & (table_.size() - 1);
     if (table_[i].bucket == -1) {
@@ -555,11 +598,7 @@ class PlanBuckets {
         grow();
         return at(bucket);
       }
-      Entry& e = table_[i];
-      e.bucket = bucket;
-      for (int64_t lane = 0; lane < bs_; ++lane) {
-        if (tags_[bucket * bs_ + lane]) e.occupied |= 1ULL << lane;
-      }
+      fill(table_[i], bucket);
       ++size_;
     }
     return table_[i];
@@ -567,12 +606,19 @@ class PlanBuckets {
 
   void prefetch(int64_t bucket) const {  // its tags and its entry, read a few keys later
     __builtin_prefetch(tags_ + bucket * bs_);
-    __builtin_prefetch(&table_[home(bucket)]);
+    __builtin_prefetch(&table_[direct_ ? bucket : home(bucket)]);
   }
 
   int64_t free_in(int64_t bucket) {
+    if (!free_buckets_.empty() && !(free_buckets_[bucket / 64] >> (bucket % 64) & 1)) return 0;
     const Entry& e = at(bucket);
     return bs_ - __builtin_popcountll(e.occupied | e.claimed);
+  }
+
+  // The lanes of `bucket` occupied and not given away by this plan.
+  uint64_t held_lanes(int64_t bucket) {
+    const Entry& e = at(bucket);
+    return e.occupied & ~e.claimed;
   }
 
   // Claims the lowest free lane of `bucket`; returns its slot.
@@ -603,6 +649,12 @@ class PlanBuckets {
   }
 
  private:
+  void fill(Entry& e, int64_t bucket) const {  // a new entry: its occupied lanes from the tags
+    e.bucket = bucket;
+    for (int64_t lane = 0; lane < bs_; ++lane) {
+      if (tags_[bucket * bs_ + lane]) e.occupied |= 1ULL << lane;
+    }
+  }
   size_t home(int64_t bucket) const {  // the top bits of a Fibonacci hash
     return (static_cast<uint64_t>(bucket) * 0x9E3779B97F4A7C15ULL) >> shift_;
   }
@@ -628,9 +680,11 @@ class PlanBuckets {
   const int64_t bs_;
   const uint64_t all_;
   std::vector<Entry> table_;
+  bool direct_ = false;
   int shift_ = 0;
   size_t size_ = 0;
   int32_t rounds_ = 0;
+  std::vector<uint64_t> free_buckets_;  // mark_free_buckets' bits (empty: not marked)
 };
 
 // Step 1 (dynarec.kernels.reference.plan's _claim_free_slots), the same rounds: each round, every
@@ -667,8 +721,24 @@ void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t
   }
 }
 
-bool pinned_by(int32_t pin, const std::vector<int64_t>& steps) {
-  return std::find(steps.begin(), steps.end(), static_cast<int64_t>(pin)) != steps.end();
+// Whether slot `slot`'s pin (`pins[slot]`, read only when there are steps) is one of `steps`.
+inline bool pinned_by(const int32_t* pins, int64_t slot, const std::vector<int64_t>& steps) {
+  if (steps.empty()) return false;
+  const int64_t pin = pins[slot];
+  for (const int64_t step : steps) {
+    if (pin == step) return true;
+  }
+  return false;
+}
+
+// Prefetches the cache lines of bucket `bucket`'s values in `values` (`bs` a bucket).
+template <typename T>
+void prefetch_lanes(const T* values, int64_t bucket, int64_t bs) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(values + bucket * bs);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(values + (bucket + 1) * bs);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
 }
 
 std::vector<int64_t> to_vector(const torch::Tensor& t) {
@@ -728,7 +798,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   check_cpu_int64(order, "order");
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
-  TORCH_CHECK(num_buckets >= 1, "num_buckets must be >= 1");
+  TORCH_CHECK(num_buckets >= 1 && num_buckets <= 0xFFFFFFFFLL, "num_buckets must be in [1, 2^32)");
   const int64_t capacity = num_buckets * bucket_size;
   TORCH_CHECK(tags.numel() == capacity && table_keys.numel() == capacity && scores.numel() == capacity &&
                   pins.numel() == capacity,
@@ -743,15 +813,21 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   int64_t* o = out.data_ptr<int64_t>();
   const std::vector<int64_t> no_move = to_vector(move_pins), no_evict = to_vector(evict_pins);
   PlanBuckets work(tags.data_ptr<uint8_t>(), bs, num_buckets, order.numel());
+  // Fewer empty lanes than buckets, and a scan of the tags cheaper than the lookups it spares:
+  // mark the buckets that have one.
+  if (free_slots >= 0 && free_slots < num_buckets && capacity <= 64 * order.numel() * (2 + 2 * bs)) {
+    work.mark_free_buckets(num_buckets);
+  }
   std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   if (free_slots != 0) claim_free(work, p1, p2, o, cur);
 
   // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
   // claims are made after.
-  const uint64_t nb = static_cast<uint64_t>(num_buckets);
-  const auto other_bucket = [&](int64_t resident, int64_t own) {
-    const auto [r1, r2] = two_buckets(mix64(static_cast<uint64_t>(resident)), nb);
-    return r1 == own ? r2 : r1;
+  const Mod32 nb(static_cast<uint32_t>(num_buckets));
+  const auto other_bucket = [&](int64_t resident, int64_t own) -> int64_t {  // its second only if needed
+    const uint64_t h = mix64(static_cast<uint64_t>(resident));
+    const int64_t r1 = nb(static_cast<uint32_t>(h));
+    return r1 == own ? nb(static_cast<uint32_t>(h >> 32)) : r1;
   };
   struct Move {
     int64_t key, src, dst_bucket;
@@ -761,15 +837,27 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   while (free_slots != 0 && !cur.empty()) {
     const int32_t round = work.new_round();
     moves.clear();
-    for (const int64_t k : cur) {
-      for (int64_t j = 0; j < 2 * bs; ++j) {
-        const int64_t own = j < bs ? p1[k] : p2[k];
-        const int64_t slot = own * bs + j % bs;
-        if (!work.held(slot) || pinned_by(pn[slot], no_move)) continue;
-        const int64_t alt = other_bucket(tk[slot], own);
-        if (alt == own || work.free_in(alt) <= 0) continue;
-        moves.push_back({k, slot, alt});
-        break;
+    for (size_t i = 0; i < cur.size(); ++i) {
+      if (i + 8 < cur.size()) {
+        for (const int64_t b : {p1[cur[i + 8]], p2[cur[i + 8]]}) {
+          work.prefetch(b);
+          prefetch_lanes(tk, b, bs);
+          if (!no_move.empty()) prefetch_lanes(pn, b, bs);
+        }
+      }
+      const int64_t k = cur[i];
+      bool found = false;
+      for (int half = 0; half < 2 && !found; ++half) {  // the first bucket's lanes first, ascending
+        const int64_t own = half == 0 ? p1[k] : p2[k];
+        for (uint64_t lanes = work.held_lanes(own); lanes != 0; lanes &= lanes - 1) {
+          const int64_t slot = own * bs + __builtin_ctzll(lanes);
+          if (pinned_by(pn, slot, no_move)) continue;
+          const int64_t alt = other_bucket(tk[slot], own);
+          if (alt == own || work.free_in(alt) <= 0) continue;
+          moves.push_back({k, slot, alt});
+          found = true;
+          break;
+        }
       }
     }
     if (moves.empty()) break;
@@ -803,12 +891,22 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   std::vector<std::pair<int64_t, int64_t>> picks;  // (key, slot)
   while (allow_evict && !cur.empty()) {
     picks.clear();
-    for (const int64_t k : cur) {
+    for (size_t i = 0; i < cur.size(); ++i) {
+      if (i + 8 < cur.size()) {
+        for (const int64_t b : {p1[cur[i + 8]], p2[cur[i + 8]]}) {
+          work.prefetch(b);
+          prefetch_lanes(sc, b, bs);
+          if (!no_evict.empty()) prefetch_lanes(pn, b, bs);
+        }
+      }
+      const int64_t k = cur[i];
       int64_t best = -1;
-      for (int64_t j = 0; j < 2 * bs; ++j) {
-        const int64_t slot = (j < bs ? p1[k] : p2[k]) * bs + j % bs;
-        if (!work.held(slot) || pinned_by(pn[slot], no_evict)) continue;
-        if (best < 0 || sc[slot] < sc[best] || (sc[slot] == sc[best] && slot < best)) best = slot;
+      for (const int64_t own : {p1[k], p2[k]}) {
+        for (uint64_t lanes = work.held_lanes(own); lanes != 0; lanes &= lanes - 1) {
+          const int64_t slot = own * bs + __builtin_ctzll(lanes);
+          if (pinned_by(pn, slot, no_evict)) continue;
+          if (best < 0 || sc[slot] < sc[best] || (sc[slot] == sc[best] && slot < best)) best = slot;
+        }
       }
       if (best >= 0) picks.emplace_back(k, best);  // a key with no candidate gives up
     }
