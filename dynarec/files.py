@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -270,13 +271,22 @@ class DirectoryLock:
 
 
 _SCRATCH_LOCK = ".lock"
+# A hidden scratch directory lives microseconds before its rename; one this old was left by a
+# process killed in between.
+_HIDDEN_SCRATCH_STALE_S = 600.0
 
 
 def scratch_directory(base: str, prefix: str) -> tuple[str, int]:
     """A fresh directory ``base/prefix*`` of this process's, and the descriptor of the lock it
     holds on it while it lives (:func:`remove_scratch` removes both). Directories of the same
     prefix whose lock nobody holds (their process was killed before it could remove them) are
-    removed first; a live one, of any process or container sharing ``base``, is never touched."""
+    removed first, and hidden ones (``.prefix*``: a process killed while making its own) once
+    they are 10 minutes old; a live one, of any process or container sharing ``base``, is never
+    touched."""
+    for hidden in Path(base).glob(f".{prefix}*"):
+        with contextlib.suppress(OSError):  # gone meanwhile: removed by another process's scan
+            if time.time() - hidden.stat().st_mtime > _HIDDEN_SCRATCH_STALE_S:
+                shutil.rmtree(hidden, ignore_errors=True)
     for stale in Path(base).glob(f"{prefix}*"):
         try:
             fd = os.open(stale / _SCRATCH_LOCK, os.O_RDWR)

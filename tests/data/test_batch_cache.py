@@ -2,6 +2,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,6 +112,23 @@ def test_a_scratch_directory_is_locked_before_another_process_can_see_it(tmp_pat
     assert os.path.basename(root).startswith("dynarec-x-") and os.path.isdir(root)
     files.remove_scratch(root, lock)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hidden_scratch_directory_left_by_a_kill_is_removed_once_it_is_old(tmp_path):
+    """A process killed between making its hidden directory and renaming it leaves it behind:
+    the next scratch directory made there removes it once it is 10 minutes old, never a young
+    one (another process making its own)."""
+    from dynarec import files
+
+    old, young = tmp_path / ".dynarec-x-old", tmp_path / ".dynarec-x-young"
+    for d in (old, young):
+        d.mkdir()
+        (d / ".lock").write_text("")
+    stamp = time.time() - 601
+    os.utime(old, (stamp, stamp))
+    root, lock = files.scratch_directory(str(tmp_path), "dynarec-x-")
+    assert not old.exists() and young.is_dir()
+    files.remove_scratch(root, lock)
 
 
 def test_cache_batches_names_memory_or_disk():
