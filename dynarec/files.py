@@ -283,10 +283,10 @@ def scratch_directory(base: str, prefix: str) -> tuple[str, int]:
     removed first, and hidden ones (``.prefix*``: a process killed while making its own) once
     they are 10 minutes old; a live one, of any process or container sharing ``base``, is never
     touched."""
-    for hidden in Path(base).glob(f".{prefix}*"):
+    for left in Path(base).glob(f".{prefix}*"):
         with contextlib.suppress(OSError):  # gone meanwhile: removed by another process's scan
-            if time.time() - hidden.stat().st_mtime > _HIDDEN_SCRATCH_STALE_S:
-                shutil.rmtree(hidden, ignore_errors=True)
+            if time.time() - left.stat().st_mtime > _HIDDEN_SCRATCH_STALE_S:
+                shutil.rmtree(left, ignore_errors=True)
     for stale in Path(base).glob(f"{prefix}*"):
         try:
             fd = os.open(stale / _SCRATCH_LOCK, os.O_RDWR)
