@@ -273,26 +273,33 @@ def test_the_cpu_extension_plans_an_insert_as_the_plain_torch_planner(num_bucket
 
 @needs_cpu_kernels
 @pytest.mark.parametrize(
-    "num_buckets, load, num_keys",
+    "num_buckets, bucket_size, load, num_keys, marked",
     [
-        (64, 0.97, 40),  # buckets in an array, those with a free lane marked (fewer free lanes than buckets)
-        (1024, 0.99, 120),  # in a hash table (the keys touch few of the buckets), marked
-        (1024, 0.99, 3),  # in a hash table, unmarked (a scan of every tag would cost more than the plan)
-        (64, 0.9, 200),  # in an array, unmarked (more free lanes than buckets)
+        (64, 16, 0.97, 40, True),  # buckets in an array, those with a free lane marked (fewer free lanes than buckets)
+        (1024, 16, 0.99, 120, True),  # in a hash table (the keys touch few of the buckets)
+        (1024, 16, 0.99, 3, False),  # in a hash table, unmarked: a scan of every tag would cost more than the plan
+        (64, 16, 0.9, 200, False),  # in an array, unmarked: more free lanes than buckets
+        (100, 64, 0.995, 40, True),  # 64 lanes a bucket, buckets not a multiple of the marks' 64-bit words
+        (300, 1, 0.9, 40, True),  # one lane a bucket, in a hash table
     ],
 )
-def test_the_cpu_extension_plans_as_the_reference_however_it_keeps_its_buckets(num_buckets, load, num_keys):
+def test_the_cpu_extension_plans_as_the_reference_however_it_keeps_its_buckets(
+    num_buckets, bucket_size, load, num_keys, marked
+):
     """The C++ planner keeps the buckets a plan touches in an array or a hash table, and marks
     the buckets with a free lane when few lanes are free; each way gives the plain-torch plan,
     with pins blocking moves and evictions, and one plan after another as the index fills."""
     from dynarec.embedding.insert_plan import plan_insert_reference
 
     gen = torch.Generator().manual_seed(num_buckets + num_keys)
-    index = BucketedHashIndex(num_buckets, 16)
+    index = BucketedHashIndex(num_buckets, bucket_size)
     for _ in range(4):  # keys whose buckets are full are left out: again, with more
         resident = torch.randint(-(2**62), 2**62, (int(load * index.capacity) - index.size,), generator=gen).unique()
         resident = resident[index.find(resident) < 0]
         index.commit(plan_insert_reference(index, resident, allow_evict=False), torch.randint(0, 5, resident.shape))
+    free = index.capacity - index.size
+    gate = 0 < free < num_buckets and index.capacity <= 64 * num_keys * (2 + 2 * bucket_size)  # the C++ planner's
+    assert gate == marked, free
     slots = index.entries()[0]
     index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 4]], 7)
     moves = evictions = 0
@@ -307,6 +314,24 @@ def test_the_cpu_extension_plans_as_the_reference_however_it_keeps_its_buckets(n
             evictions += got.evicted_slots.numel()
         index.commit(got, torch.randint(0, 5, keys.shape, generator=gen))
     assert moves > 0 and evictions > 0
+
+
+@needs_cpu_kernels
+def test_the_cpu_extension_refuses_a_bucket_outside_the_index():
+    from dynarec.kernels import cpu as cpu_kernels
+
+    kernels = cpu_kernels.ops()
+    assert kernels is not None
+    index = BucketedHashIndex(8, 4)
+    b1, b2 = torch.tensor([0, 3]), torch.tensor([8, 1])  # 8: past the last of 8 buckets
+    order, out = torch.arange(2), torch.full((2,), -1)
+    with pytest.raises(RuntimeError, match=r"b2\[0\] = 8 is not a bucket of 8"):
+        kernels.claim_free_slots(index.tags, 4, b1, b2, order, out)
+    none = torch.empty(0, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"b2\[0\] = 8 is not a bucket of 8"):
+        kernels.plan_insert(
+            index.tags, index.keys, index.scores, index.pins, 8, 4, b1, b2, order, out, none, none, True, -1
+        )
 
 
 @needs_cpu_kernels

@@ -50,21 +50,6 @@ inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, N nb) {
           static_cast<int64_t>(static_cast<uint32_t>(h >> 32) % nb)};
 }
 
-// x % d for 32-bit x and d >= 1 by two multiplies instead of a divide, exact for every x and d
-// (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019); d = 1 gives m = 0.
-struct Mod32 {
-  explicit Mod32(uint32_t d) : d(d), m(~0ULL / d + 1) {}
-  uint32_t operator()(uint32_t x) const {
-    return static_cast<uint32_t>((static_cast<unsigned __int128>(m * x) * d) >> 64);
-  }
-  uint32_t d;
-  uint64_t m;
-};
-
-inline std::pair<int64_t, int64_t> two_buckets(uint64_t h, const Mod32& nb) {
-  return {nb(static_cast<uint32_t>(h)), nb(static_cast<uint32_t>(h >> 32))};
-}
-
 // The lane of `key` in the bucket starting at slot `base` (`bs` slots), -1 if absent: tags first,
 // the key only where the tag matches. A 16-slot bucket compares its 16 tags in one SSE2 op.
 inline int64_t probe_bucket(const uint8_t* tg, const int64_t* tk, int64_t base, int64_t bs, uint8_t tag,
@@ -549,7 +534,9 @@ class PlanBuckets {
     uint64_t seen = 0;   // lanes already taken as a source this round (step 2)
     int32_t round = -1;  // the round `chosen` and `seen` are of
     int32_t chosen = 0;
+    int64_t lowest = kUnknown;  // step 3: the lowest (score, slot) held slot it may evict (-1: none)
   };
+  static constexpr int64_t kUnknown = -2;  // `lowest` not found since the bucket's last claim
 
   // Sized for the buckets `keys` keys can touch first (two each, at most `num_buckets`); it
   // grows when moves bring in more. Where that table would have as many entries as the index
@@ -629,7 +616,12 @@ class PlanBuckets {
     return bucket * bs_ + lane;
   }
 
-  void claim(int64_t slot) { at(slot / bs_).claimed |= 1ULL << (slot % bs_); }
+  // Claims a held lane (a moved or evicted resident's).
+  void claim(int64_t slot) {
+    Entry& e = at(slot / bs_);
+    e.claimed |= 1ULL << (slot % bs_);
+    e.lowest = kUnknown;
+  }
 
   // A round id no entry has seen (rounds of every step of a plan count on).
   int32_t new_round() { return rounds_++; }
@@ -721,6 +713,14 @@ void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t
   }
 }
 
+// Every bucket of `b` is one of `num_buckets` (the planner indexes its arrays by them).
+void check_buckets(const torch::Tensor& b, int64_t num_buckets, const char* name) {
+  const int64_t* p = b.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_buckets, name, "[", i, "] = ", p[i], " is not a bucket of ", num_buckets);
+  }
+}
+
 // Whether slot `slot`'s pin (`pins[slot]`, read only when there are steps) is one of `steps`.
 inline bool pinned_by(const int32_t* pins, int64_t slot, const std::vector<int64_t>& steps) {
   if (steps.empty()) return false;
@@ -766,6 +766,8 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
   TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
+  check_buckets(b1, tags.numel() / bucket_size, "b1");
+  check_buckets(b2, tags.numel() / bucket_size, "b2");
   PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, tags.numel() / bucket_size, todo.numel());
   std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel());
   claim_free(work, b1.data_ptr<int64_t>(), b2.data_ptr<int64_t>(), out.data_ptr<int64_t>(), cur);
@@ -804,6 +806,8 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
                   pins.numel() == capacity,
               "tags, table_keys, scores and pins must have num_buckets * bucket_size slots");
   TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
+  check_buckets(b1, num_buckets, "b1");
+  check_buckets(b2, num_buckets, "b2");
   const int64_t bs = bucket_size;
   const int64_t* p1 = b1.data_ptr<int64_t>();
   const int64_t* p2 = b2.data_ptr<int64_t>();
@@ -815,7 +819,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   PlanBuckets work(tags.data_ptr<uint8_t>(), bs, num_buckets, order.numel());
   // Fewer empty lanes than buckets, and a scan of the tags cheaper than the lookups it spares:
   // mark the buckets that have one.
-  if (free_slots >= 0 && free_slots < num_buckets && capacity <= 64 * order.numel() * (2 + 2 * bs)) {
+  if (free_slots > 0 && free_slots < num_buckets && capacity <= 64 * order.numel() * (2 + 2 * bs)) {
     work.mark_free_buckets(num_buckets);
   }
   std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
@@ -823,11 +827,11 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
 
   // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
   // claims are made after.
-  const Mod32 nb(static_cast<uint32_t>(num_buckets));
+  const uint32_t nb = static_cast<uint32_t>(num_buckets);
   const auto other_bucket = [&](int64_t resident, int64_t own) -> int64_t {  // its second only if needed
     const uint64_t h = mix64(static_cast<uint64_t>(resident));
-    const int64_t r1 = nb(static_cast<uint32_t>(h));
-    return r1 == own ? nb(static_cast<uint32_t>(h >> 32)) : r1;
+    const int64_t r1 = static_cast<uint32_t>(h) % nb;
+    return r1 == own ? static_cast<uint32_t>(h >> 32) % nb : r1;
   };
   struct Move {
     int64_t key, src, dst_bucket;
@@ -887,7 +891,22 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   }
   auto left = to_tensor(cur);
 
-  // Step 3: eviction of the lowest (score, slot).
+  // Step 3: eviction of the lowest (score, slot). A bucket's lowest held slot it may evict is
+  // found once and kept until a claim in it: a key losing its pick looks again at that bucket only.
+  const auto lowest_held = [&](int64_t bucket) {
+    PlanBuckets::Entry& e = work.at(bucket);
+    if (e.lowest == PlanBuckets::kUnknown) {
+      int64_t best = -1, best_score = 0;
+      for (uint64_t lanes = e.occupied & ~e.claimed; lanes != 0; lanes &= lanes - 1) {
+        const int64_t slot = bucket * bs + __builtin_ctzll(lanes);
+        if (pinned_by(pn, slot, no_evict)) continue;
+        const int64_t score = sc[slot];
+        if (best < 0 || score < best_score) best = slot, best_score = score;  // lanes ascend: ties keep the first
+      }
+      e.lowest = best;
+    }
+    return e.lowest;
+  };
   std::vector<std::pair<int64_t, int64_t>> picks;  // (key, slot)
   while (allow_evict && !cur.empty()) {
     picks.clear();
@@ -902,11 +921,8 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
       const int64_t k = cur[i];
       int64_t best = -1;
       for (const int64_t own : {p1[k], p2[k]}) {
-        for (uint64_t lanes = work.held_lanes(own); lanes != 0; lanes &= lanes - 1) {
-          const int64_t slot = own * bs + __builtin_ctzll(lanes);
-          if (pinned_by(pn, slot, no_evict)) continue;
-          if (best < 0 || sc[slot] < sc[best] || (sc[slot] == sc[best] && slot < best)) best = slot;
-        }
+        const int64_t slot = lowest_held(own);
+        if (slot >= 0 && (best < 0 || sc[slot] < sc[best] || (sc[slot] == sc[best] && slot < best))) best = slot;
       }
       if (best >= 0) picks.emplace_back(k, best);  // a key with no candidate gives up
     }
