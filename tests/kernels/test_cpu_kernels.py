@@ -126,6 +126,53 @@ def test_half_precision_rounding_of_special_values_matches_the_torch_rounding():
         assert torch.equal(weight[0], values.to(dtype))  # an untouched row
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_rounding_of_any_float32_matches_the_torch_rounding(dtype):
+    """Every float32 a row's update may leave, stored as ``stochastic_round`` stores it, bit for
+    bit: random bit patterns over every exponent (normal and subnormal in float32 and in the
+    storage type), both neighbours of the storage type's largest finite value and of its
+    smallest normal, values past its range (saturated), infinities and NaN. An SGD step of lr 1
+    from zero rows with gradient -x leaves exactly x to round."""
+    from dynarec.optim import SGD
+    from dynarec.optim.rounding import rounding_base, rounding_noise, stochastic_round
+
+    gen = torch.Generator().manual_seed(11)
+    info = torch.finfo(dtype)
+    edges = torch.tensor(
+        [info.max, info.tiny, info.tiny * 2**-5, 65504.0, 65519.0, 65520.0, 3.4e38], dtype=torch.float64
+    )
+    edges = torch.cat(
+        [
+            edges,
+            torch.nextafter(edges, torch.tensor(0.0, dtype=torch.float64)),
+            torch.nextafter(edges, torch.tensor(float("inf"), dtype=torch.float64)),
+        ]
+    ).float()
+    bits = torch.randint(-(2**31), 2**31, (60_000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    small = (torch.rand(20_000, generator=gen) - 0.5) * 2.0 ** torch.randint(-30, 17, (20_000,), generator=gen).float()
+    x = torch.cat(
+        [
+            edges,
+            -edges,
+            bits.view(torch.float32),
+            small,
+            torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")]),
+        ]
+    )
+    weight = torch.zeros(2, x.numel(), dtype=dtype)
+    spec = SGD(lr=1.0)
+    cpu.bag_update(definition(spec).kernel(spec, 1), lr=1.0, weight=weight, states={}, rows=torch.tensor([1]),
+                   offsets=torch.tensor([0, 1]), per_sample_weights=None, grad_out=-x[None, :], key_offset=5,
+                   rounding_base=rounding_base(3, 1))  # fmt: skip
+    noise = rounding_noise(3, 1, torch.tensor([6]), x.numel())
+    want = stochastic_round((0.0 - (-x))[None, :], dtype, noise)[0]  # (-0.0 leaves +0.0)
+    got = weight[1]
+    nan = torch.isnan(x)
+    assert torch.isnan(got[nan].float()).all()
+    mismatch = torch.nonzero(got[~nan].view(torch.int16) != want[~nan].view(torch.int16)).squeeze(1)
+    assert mismatch.numel() == 0, x[~nan][mismatch[:5]].tolist()
+
+
 def test_the_cpp_update_refuses_a_code_it_has_no_case_for_and_writes_nothing():
     weight, rows, offsets = torch.ones(4, 2), torch.tensor([0, 1]), torch.tensor([0, 2])
     for args in (KernelArgs(code=99), KernelArgs(code=0, weight_decay_mode=7)):  # type: ignore[arg-type]

@@ -19,6 +19,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 // The fused update's optimizer and weight-decay codes: dynarec.optim.kernel's KernelCode and
 // WeightDecayCode, passed as -D flags by dynarec/kernels/cpu/__init__.py (cpp_defines()).
@@ -40,6 +43,14 @@ inline uint64_t mix64(uint64_t x) {
 }
 
 constexpr int64_t kGrain = 2048;
+
+// Prefetches the cache lines of the `bytes` bytes at `p`.
+inline void prefetch_span(const void* p, size_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
+}
 
 // The two candidate buckets of a key from its mix64 hash `h`: its 32-bit halves modulo `nb`
 // (dynarec.kernels.reference.candidate_buckets). With N = uint32_t (nb < 2^32) the modulo is a
@@ -349,6 +360,75 @@ inline H round_stochastic(float x, float u) {
   return H(u < (x - lo) / (hi - lo) ? hi_bits : lo_bits, H::from_bits());
 }
 
+// round_stochastic on x's bits, for a row's values: x's neighbours toward and away from zero in H
+// and the fraction of the way between them read from its bits (bf16: float32's top half; fp16: x
+// in its normal range), compared with the draw's top 24 bits as integers: the bits of
+// round_stochastic(x, (draw >> 8) / 2^24) (the fraction and the draw are exact there). Sets
+// `general` where that does not hold (a neighbour not finite, x outside fp16's normal range):
+// those values take round_stochastic itself. No branch: a row's loop over it vectorizes.
+template <typename H>
+inline uint16_t rounded_bits(float x, uint32_t draw, uint32_t& general) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  const uint32_t r = draw >> 8;
+  uint32_t lo, below;  // the neighbour toward zero; x's bits below it, scaled to 24 bits
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {
+    lo = b >> 16;
+    below = (b & 0xFFFFu) << 8;
+    general = ((lo & 0x7F80u) == 0x7F80u) | (((lo + 1) & 0x7F80u) == 0x7F80u);
+  } else {
+    const uint32_t e = (b >> 23) & 0xFFu;  // biased: fp16's normal range is 113..142
+    lo = ((b >> 16) & 0x8000u) | (((e - 112) & 0x1Fu) << 10) | ((b >> 13) & 0x3FFu);
+    below = (b & 0x1FFFu) << 11;
+    general = (e < 113) | (e > 142) | (((lo + 1) & 0x7C00u) == 0x7C00u);
+  }
+  return static_cast<uint16_t>(lo + (r < below));
+}
+
+// A row's `D` values rounded into their storage type W's bits by rounded_bits, each with its draw
+// from the row's hash `h`; returns whether some value takes round_stochastic itself.
+template <typename W>
+__attribute__((always_inline)) inline uint32_t round_row(uint16_t* bits, const float* values, int64_t D, uint32_t h) {
+  uint32_t any_general = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t general;
+    bits[d] = rounded_bits<W>(values[d], fmix32(h * 0x165667B1u + static_cast<uint32_t>(d)), general);
+    any_general |= general;
+  }
+  return any_general;
+}
+
+#if defined(__x86_64__)
+// round_row compiled for AVX2 (8 values a vector), called only where the CPU has it.
+template <typename W>
+__attribute__((target("avx2"))) uint32_t round_row_avx2(uint16_t* bits, const float* values, int64_t D, uint32_t h) {
+  return round_row<W>(bits, values, D, h);
+}
+const bool kHasAVX2 = __builtin_cpu_supports("avx2");
+
+// n float16 values as float32 by F16C's conversion, 8 at a time (compiled for F16C alone: called
+// only where the CPU has it).
+__attribute__((target("avx,f16c"))) void half_to_float_f16c(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
+}
+const bool kHasF16C = __builtin_cpu_supports("f16c");
+#endif
+
+// n half-precision values as float32 (exactly: each is a float32).
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+#if defined(__x86_64__)
+  if (kHasF16C) return half_to_float_f16c(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // The rows of a fused update in their storage type W: float32 rows are updated in place; half
 // rows (c10::BFloat16 / c10::Half) are read into float32, updated there and stored back by
 // stochastic rounding, each row's draws keyed by its key (`keys[row]`, or `row + key_offset`).
@@ -365,8 +445,7 @@ struct RowAccess {
     if constexpr (std::is_same_v<W, float>) {
       return rows + row * D;
     } else {
-      const W* w = rows + row * D;
-      for (int64_t d = 0; d < D; ++d) scratch[d] = static_cast<float>(w[d]);
+      to_float(rows + row * D, scratch, D);
       return scratch;
     }
   }
@@ -375,9 +454,17 @@ struct RowAccess {
     if constexpr (!std::is_same_v<W, float>) {
       const uint32_t h = rounding_row_hash(keys ? keys[row] : row + key_offset, base);
       W* w = rows + row * D;
-      for (int64_t d = 0; d < D; ++d) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(w);
+#if defined(__x86_64__)
+      const uint32_t any_general = kHasAVX2 ? round_row_avx2<W>(bits, values, D, h) : round_row<W>(bits, values, D, h);
+#else
+      const uint32_t any_general = round_row<W>(bits, values, D, h);
+#endif
+      for (int64_t d = 0; any_general && d < D; ++d) {  // rare: NaN, infinities, the range's ends
         const uint32_t draw = fmix32(h * 0x165667B1u + static_cast<uint32_t>(d));
-        w[d] = round_stochastic<W>(values[d], static_cast<float>(draw >> 8) * (1.0f / 16777216.0f));
+        uint32_t general;
+        rounded_bits<W>(values[d], draw, general);
+        if (general) w[d] = round_stochastic<W>(values[d], static_cast<float>(draw >> 8) * (1.0f / 16777216.0f));
       }
     }
   }
@@ -449,9 +536,19 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
   auto run = [&](auto* w_all) {
     using W = std::remove_pointer_t<decltype(w_all)>;
     const RowAccess<W> access{w_all, D, keys, key_offset, static_cast<uint32_t>(rounding_base)};
+    // A row's weight and states, read by its update a few rows on: their misses overlap
+    // (a half-precision row is converted before its states are read).
+    const int64_t s1_width = opt == DYNAREC_KERNEL_ROWWISE_ADAGRAD ? 1 : D;
+    constexpr int64_t kAhead = 4;
     at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> g(D), gu(D), w_row(D);
       for (int64_t s = begin; s < end; ++s) {
+        if (s + kAhead < end) {
+          const int64_t ahead = srow[heads[s + kAhead]];
+          prefetch_span(w_all + ahead * D, D * sizeof(W));
+          if (s1) prefetch_span(s1 + ahead * s1_width, s1_width * sizeof(float));
+          if (s2) prefetch_span(s2 + ahead * D, D * sizeof(float));
+        }
         std::fill(g.begin(), g.end(), 0.0f);
         for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
           const int64_t i = order[q];
@@ -501,12 +598,15 @@ torch::Tensor pooled_half(const torch::Tensor& weight, const torch::Tensor& rows
   float* o = out.data_ptr<float>();
   auto run = [&](const auto* w_all) {
     at::parallel_for(0, num_bags, 256, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(D);
+      const int64_t last = off[end];  // the rows of ids a few on are prefetched: their misses overlap
       for (int64_t b = begin; b < end; ++b) {
         float* acc = o + b * D;
         for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-          const auto* w = w_all + r[i] * D;
+          if (i + 8 < last) prefetch_span(w_all + r[i + 8] * D, D * sizeof(*w_all));
+          to_float(w_all + r[i] * D, row.data(), D);
           const float scale = pw ? pw[i] : 1.0f;
-          for (int64_t d = 0; d < D; ++d) acc[d] += scale * static_cast<float>(w[d]);
+          for (int64_t d = 0; d < D; ++d) acc[d] += scale * row[d];
         }
       }
     });
@@ -734,11 +834,7 @@ inline bool pinned_by(const int32_t* pins, int64_t slot, const std::vector<int64
 // Prefetches the cache lines of bucket `bucket`'s values in `values` (`bs` a bucket).
 template <typename T>
 void prefetch_lanes(const T* values, int64_t bucket, int64_t bs) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(values + bucket * bs);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(values + (bucket + 1) * bs);
-  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(line));
-  }
+  prefetch_span(values + bucket * bs, bs * sizeof(T));
 }
 
 std::vector<int64_t> to_vector(const torch::Tensor& t) {
