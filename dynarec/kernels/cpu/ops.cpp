@@ -404,7 +404,11 @@ template <typename W>
 __attribute__((target("avx2"))) uint32_t round_row_avx2(uint16_t* bits, const float* values, int64_t D, uint32_t h) {
   return round_row<W>(bits, values, D, h);
 }
-const bool kHasAVX2 = __builtin_cpu_supports("avx2");
+// (__builtin_cpu_init first: a static initializer may run before libgcc's own.)
+const bool kHasAVX2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
 
 // n float16 values as float32 by F16C's conversion, 8 at a time (compiled for F16C alone: called
 // only where the CPU has it).
@@ -415,7 +419,10 @@ __attribute__((target("avx,f16c"))) void half_to_float_f16c(const c10::Half* src
   }
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
 }
-const bool kHasF16C = __builtin_cpu_supports("f16c");
+const bool kHasF16C = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") != 0;
+}();
 #endif
 
 // n half-precision values as float32 (exactly: each is a float32).
