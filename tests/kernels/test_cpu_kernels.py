@@ -138,16 +138,15 @@ def test_half_precision_rounding_of_any_float32_matches_the_torch_rounding(dtype
 
     gen = torch.Generator().manual_seed(11)
     info = torch.finfo(dtype)
-    edges = torch.tensor(
-        [info.max, info.tiny, info.tiny * 2**-5, 65504.0, 65519.0, 65520.0, 3.4e38], dtype=torch.float64
-    )
-    edges = torch.cat(
-        [
-            edges,
-            torch.nextafter(edges, torch.tensor(0.0, dtype=torch.float64)),
-            torch.nextafter(edges, torch.tensor(float("inf"), dtype=torch.float64)),
-        ]
-    ).float()
+    edges = torch.tensor([info.max, info.tiny, info.tiny * 2**-5, 65504.0, 65519.0, 65520.0, 3.4e38])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, torch.ones(()) * 4e38)])
+    # every float32 exponent around fp16's normal range (112-113, 142-143) and bf16's top (254),
+    # with mantissas empty, full, full in the bits a half keeps, and a few random ones
+    exponents = torch.tensor([1, 111, 112, 113, 114, 141, 142, 143, 144, 253, 254], dtype=torch.int32)
+    mantissas = torch.tensor([0, 0x7FFFFF, 0x7FE000, 0x7FFF0000 >> 8, 0x1FFF, 1], dtype=torch.int32)
+    mantissas = torch.cat([mantissas, torch.randint(0, 1 << 23, (8,), generator=gen, dtype=torch.int32)])
+    patterns = (exponents[:, None] << 23 | mantissas[None, :]).flatten()
+    edges = torch.cat([edges, patterns.view(torch.float32)])
     bits = torch.randint(-(2**31), 2**31, (60_000,), generator=gen, dtype=torch.int64).to(torch.int32)
     small = (torch.rand(20_000, generator=gen) - 0.5) * 2.0 ** torch.randint(-30, 17, (20_000,), generator=gen).float()
     x = torch.cat(

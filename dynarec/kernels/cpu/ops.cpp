@@ -378,9 +378,11 @@ inline uint16_t rounded_bits(float x, uint32_t draw, uint32_t& general) {
     general = ((lo & 0x7F80u) == 0x7F80u) | (((lo + 1) & 0x7F80u) == 0x7F80u);
   } else {
     const uint32_t e = (b >> 23) & 0xFFu;  // biased: fp16's normal range is 113..142
-    lo = ((b >> 16) & 0x8000u) | (((e - 112) & 0x1Fu) << 10) | ((b >> 13) & 0x3FFu);
-    below = (b & 0x1FFFu) << 11;
-    general = (e < 113) | (e > 142) | (((lo + 1) & 0x7C00u) == 0x7C00u);
+    const uint32_t zero = (b & 0x7FFFFFFFu) == 0;  // +-0 stays itself
+    const uint32_t sign = (b >> 16) & 0x8000u;
+    lo = zero ? sign : sign | (((e - 112) & 0x1Fu) << 10) | ((b >> 13) & 0x3FFu);
+    below = zero ? 0 : (b & 0x1FFFu) << 11;
+    general = !zero & ((e < 113) | (e > 142) | (((lo + 1) & 0x7C00u) == 0x7C00u));
   }
   return static_cast<uint16_t>(lo + (r < below));
 }
@@ -419,9 +421,9 @@ __attribute__((target("avx,f16c"))) void half_to_float_f16c(const c10::Half* src
   }
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
 }
-const bool kHasF16C = [] {
+const bool kHasF16C = [] {  // (AVX too: the conversion stores 256-bit vectors)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c") != 0;
+  return __builtin_cpu_supports("avx") != 0 && __builtin_cpu_supports("f16c") != 0;
 }();
 #endif
 
