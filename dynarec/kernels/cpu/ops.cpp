@@ -930,6 +930,16 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   std::vector<int64_t> cur(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   if (free_slots != 0) claim_free(work, p1, p2, o, cur);
 
+  // The buckets of key `k`, which a round reads a few keys on: their entries and tags, their
+  // residents' `values` (keys or scores) and, where a step pins, their pins.
+  const auto prefetch_buckets = [&](int64_t k, const int64_t* values, bool pins) __attribute__((always_inline)) {
+    for (const int64_t b : {p1[k], p2[k]}) {
+      work.prefetch(b);
+      prefetch_lanes(values, b, bs);
+      if (pins) prefetch_lanes(pn, b, bs);
+    }
+  };
+
   // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
   // claims are made after.
   const uint32_t nb = static_cast<uint32_t>(num_buckets);
@@ -947,13 +957,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
     const int32_t round = work.new_round();
     moves.clear();
     for (size_t i = 0; i < cur.size(); ++i) {
-      if (i + 8 < cur.size()) {
-        for (const int64_t b : {p1[cur[i + 8]], p2[cur[i + 8]]}) {
-          work.prefetch(b);
-          prefetch_lanes(tk, b, bs);
-          if (!no_move.empty()) prefetch_lanes(pn, b, bs);
-        }
-      }
+      if (i + 8 < cur.size()) prefetch_buckets(cur[i + 8], tk, !no_move.empty());
       const int64_t k = cur[i];
       bool found = false;
       for (int half = 0; half < 2 && !found; ++half) {  // the first bucket's lanes first, ascending
@@ -1016,13 +1020,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   while (allow_evict && !cur.empty()) {
     picks.clear();
     for (size_t i = 0; i < cur.size(); ++i) {
-      if (i + 8 < cur.size()) {
-        for (const int64_t b : {p1[cur[i + 8]], p2[cur[i + 8]]}) {
-          work.prefetch(b);
-          prefetch_lanes(sc, b, bs);
-          if (!no_evict.empty()) prefetch_lanes(pn, b, bs);
-        }
-      }
+      if (i + 8 < cur.size()) prefetch_buckets(cur[i + 8], sc, !no_evict.empty());
       const int64_t k = cur[i];
       int64_t best = -1;
       for (const int64_t own : {p1[k], p2[k]}) {
