@@ -85,22 +85,29 @@ def test_half_precision_rows_are_updated_and_rounded_as_the_torch_path_rounds_th
     gpu_checks.check_half_update("cpu", spec, dtype, keyed, update=cpu.bag_update, max_len=60)
 
 
+@pytest.mark.parametrize("dim", [8, 4, 72, 136])  # vectors of 8 (64 columns a pass), or the plain loop (4)
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_pooled_reads_half_precision_rows_in_float32(dtype, weighted):
-    """The C++ pooled lookup of bf16 / fp16 rows equals ``F.embedding_bag`` over their float32
-    values (empty bags and repeated rows included)."""
-    rows, offsets, psw = gpu_checks.random_bags("cpu", bags=40, dim=8, max_len=6)
+def test_pooled_reads_half_precision_rows_in_float32(dtype, weighted, dim):
+    """The C++ pooled lookup of bf16 / fp16 rows is the float32 sum of their values, each bag's
+    ids in order, a multiply then an add (bit for bit), and equals ``F.embedding_bag`` over them
+    (empty bags and repeated rows included)."""
+    rows, offsets, psw = gpu_checks.random_bags("cpu", bags=40, dim=dim, max_len=6)
     offsets[5] = offsets[4]  # an empty bag
     rows, offsets = rows.contiguous(), offsets.contiguous()
-    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weight = torch.randn(50, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     psw = psw if weighted else None
     got = torch.ops.dynarec.pooled(weight, rows, offsets, psw)
-    want = torch.nn.functional.embedding_bag(
+    assert got.dtype == torch.float32
+    for b in range(offsets.numel() - 1):
+        want = torch.zeros(dim)
+        for i in range(int(offsets[b]), int(offsets[b + 1])):
+            want = want + (1.0 if psw is None else psw[i]) * weight[rows[i]].float()
+        assert torch.equal(got[b], want), b
+    bags = torch.nn.functional.embedding_bag(
         rows, weight.float(), offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
     )
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, bags, rtol=1e-6, atol=1e-6)
 
 
 def test_half_precision_rounding_of_special_values_matches_the_torch_rounding():
