@@ -3,8 +3,9 @@
 That makes a dynamic table independent of insertion order and sharding, and lets a fixed table
 (keys ``0..N-1``) start from exactly the weights a dynamic table gives the same keys. Every value
 comes from a counter-based integer hash (SplitMix64, ``mix64``) of the key (the
-``dynarec::uniform01`` op: C++ on CPUs, a Triton kernel on GPUs, int64 tensor ops elsewhere), so
-CPU and CUDA produce the same bits for uniform and constant initializers.
+``dynarec::uniform01`` and ``dynarec::uniform_rows`` ops: C++ on CPUs, Triton kernels on GPUs,
+int64 tensor ops elsewhere), so CPU and CUDA produce the same bits for uniform and constant
+initializers.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from typing import ClassVar, Literal, Optional, get_args
 import torch
 
 import dynarec.kernels.ops  # noqa: F401  (registers torch.ops.dynarec)
-from dynarec.kernels.gpu import hashing
-from dynarec.kernels.gpu._triton import HAVE_TRITON
-from dynarec.kernels.reference import mix64
-from dynarec.kernels.reference.hashing import uniform_salt
+from dynarec.kernels.reference import mix64, uniform_values
 
 __all__ = ["INITIALIZER_KINDS", "Initializer", "InitializerKind", "mix64"]
 
@@ -84,20 +82,19 @@ class Initializer:
         self, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seed: int, default_bound: float
     ) -> None:
         """``out[rows[i]] = values(keys)[i]`` in ``out``'s dtype (rounded to nearest); ``out``:
-        ``[num_rows, dim]``, ``rows`` distinct. Uniform draws into a CUDA tensor are written by
-        one kernel (:func:`dynarec.kernels.gpu.hashing.uniform_rows`: the same bits, no float64
-        temporaries); the rest through :meth:`values`."""
-        if self.kind == "uniform" and out.is_cuda and out.dim() == 2 and out.stride(1) == 1 and HAVE_TRITON:
+        ``[num_rows, dim]``, ``rows`` distinct. Uniform draws are written in place by one op
+        (``dynarec::uniform_rows``: the same bits, no ``[n, dim]`` float64 temporaries); the rest
+        through :meth:`values`."""
+        if self.kind == "uniform":
             bound = default_bound if self.bound is None else self.bound
-            hashing.uniform_rows(out, rows, keys.long(), uniform_salt(seed, 0), float(bound))
+            torch.ops.dynarec.uniform_rows(out, rows, keys.long(), seed, 0, float(bound))
             return
         out.index_copy_(0, rows, self.values(keys, out.shape[1], seed, default_bound).to(out.dtype))
 
     def _draw(self, keys: torch.Tensor, dim: int, seed: int, default_bound: float) -> torch.Tensor:
         u = torch.ops.dynarec.uniform01(keys, dim, seed, 0)
         if self.kind == "uniform":
-            b = default_bound if self.bound is None else self.bound
-            return u.mul_(2.0).sub_(1.0).mul_(b).float()  # (2u - 1) b, in place: the same float64 ops
+            return uniform_values(u, default_bound if self.bound is None else self.bound)
         std = default_bound if self.std is None else self.std
         if self.kind == "normal":
             u2 = torch.ops.dynarec.uniform01(keys, dim, seed, 1)

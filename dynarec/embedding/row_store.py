@@ -145,7 +145,7 @@ class RowStore(ABC):
         """Every optimizer state of ``rows`` at its spec's initial value (Adagrad's
         ``initial_accumulator_value``): a fresh row's states, on every table kind."""
         for spec in self.spec.state_specs():
-            self.states[spec.name].index_fill_(0, rows, spec.initial_value)
+            torch.ops.dynarec.fill_rows(self.states[spec.name], rows, spec.initial_value)
 
     @torch.no_grad()
     def resize(self, num_rows: int, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -8,7 +8,9 @@
 | ``plan_insert`` | an insert plan's three steps (free slot, one cuckoo move, eviction) | C++ | Triton |
 | ``place_keys`` | a commit of new keys into free slots | C++ | Triton |
 | ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
+| ``fill_rows`` | ``t[rows, :] = value`` (fresh optimizer states) | C++ | torch |
 | ``uniform01`` | key-seeded uniform draws | C++ | Triton |
+| ``uniform_rows`` | the uniform initializer's rows, written in place | C++ | Triton |
 | ``pooled`` | weighted-sum bags | torch (fp32 rows), C++ (half rows) | Triton |
 | ``bag_update`` | the fused backward + optimizer update (mutates weight, states, scores) | C++ | Triton |
 | ``exchange_rows`` | rows written back from a device cache to host memory, and read into it | torch | Triton |
@@ -67,7 +69,9 @@ SCHEMAS = {
     "place_keys": "(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) tags, Tensor slots, Tensor new_keys,"
     " Tensor new_scores) -> ()",
     "fill_at": "(Tensor(a!) t, Tensor idx, int value) -> ()",
+    "fill_rows": "(Tensor(a!) t, Tensor rows, float value) -> ()",
     "uniform01": "(Tensor keys, int dim, int seed, int stream) -> Tensor",
+    "uniform_rows": "(Tensor(a!) out, Tensor rows, Tensor keys, int seed, int stream, float bound) -> ()",
     "pooled": "(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights, Tensor? layout=None,"
     " int width=0) -> Tensor",
     "bag_update": "(Tensor(a!) weight, Tensor(b!)? momentum1, Tensor(c!)? momentum2, Tensor grad_out, Tensor rows,"
@@ -136,6 +140,24 @@ def _fill_at_cpu(t, idx, value):
     bad = k.fill_at(t, idx.contiguous(), int(value))
     if bad >= 0:
         raise IndexError(f"fill_at: index {int(idx[bad])} at position {bad} is outside [0, {t.numel()})")
+
+
+def _fill_rows_cpu(t, rows, value):
+    k = cpu.ops()
+    if k is None or t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1:
+        return reference.fill_rows(t, rows, value)
+    bad = k.fill_rows(t, rows.long().contiguous(), float(value))
+    if bad >= 0:
+        raise IndexError(f"fill_rows: row {int(rows[bad])} at position {bad} is outside [0, {t.shape[0]})")
+
+
+def _uniform_rows_cpu(out, rows, keys, seed, stream, bound):
+    k = cpu.ops()
+    if k is None or out.dim() != 2 or out.stride(1) != 1:
+        return reference.uniform_rows(out, rows, keys, seed, stream, bound)
+    bad = k.uniform_rows(out, rows.long().contiguous(), keys.long().contiguous(), seed, stream, float(bound))
+    if bad >= 0:
+        raise IndexError(f"uniform_rows: row {int(rows[bad])} at position {bad} is outside [0, {out.shape[0]})")
 
 
 def _uniform01_cpu(keys, dim, seed, stream):
@@ -223,6 +245,14 @@ def _uniform01_triton(keys, dim, seed, stream):
     from dynarec.kernels.gpu import hashing
 
     return hashing.uniform01(keys.long(), dim, reference.uniform_salt(seed, stream))
+
+
+def _uniform_rows_triton(out, rows, keys, seed, stream, bound):
+    if out.dim() != 2 or out.stride(1) != 1:
+        return reference.uniform_rows(out, rows, keys, seed, stream, bound)
+    from dynarec.kernels.gpu import hashing
+
+    hashing.uniform_rows(out, rows, keys.long(), reference.uniform_salt(seed, stream), float(bound))
 
 
 def _plan_insert_triton(
@@ -332,7 +362,9 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
     "plan_insert": (reference.plan_insert, _plan_insert_fake, _plan_insert_cpu, _plan_insert_triton),
     "place_keys": (reference.place_keys, _returns_none, _place_keys_cpu, _place_keys_triton),
     "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
+    "fill_rows": (reference.fill_rows, _returns_none, _fill_rows_cpu, None),
     "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, _uniform01_triton),
+    "uniform_rows": (reference.uniform_rows, _returns_none, _uniform_rows_cpu, _uniform_rows_triton),
     "pooled": (reference.pooled, _pooled_fake, _pooled_cpu, _pooled_triton),
     "bag_update": (reference.bag_update, _returns_none, _bag_update_cpu, _bag_update_triton),
     "exchange_rows": (reference.exchange_rows, _returns_none, None, _exchange_rows_triton),

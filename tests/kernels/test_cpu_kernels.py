@@ -56,6 +56,42 @@ def test_uniform01_and_every_initializer(dim):
     assert cpu.available()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_uniform_rows_equal_the_initializers_values_rounded_to_the_row_dtype(dtype, dim):
+    """The uniform initializer written in place: the values of its plain-torch draw (float64 ops,
+    float32, then the rows' dtype to nearest), rows of a record layout too (a row stride past the
+    dim); rows not given stay as they were."""
+    keys = random_keys(2000, dim)
+    rows = torch.randperm(3 * keys.numel(), generator=torch.Generator().manual_seed(dim))[: keys.numel()]
+    records = torch.randn(3 * keys.numel(), dim + 3).to(dtype)
+    out, before = records[:, 1 : dim + 1], records.clone()
+    torch.ops.dynarec.uniform_rows(out, rows, keys, 99, 0, 0.05)
+    want = Initializer("uniform", bound=0.05).values(keys, dim, 99, 0.0).to(dtype)
+    assert torch.equal(out[rows], want)
+    untouched = torch.ones(records.shape[0], dtype=torch.bool).index_fill_(0, rows, False)
+    assert torch.equal(records[untouched], before[untouched])
+    assert torch.equal(records[:, 0], before[:, 0]) and torch.equal(records[:, dim + 1 :], before[:, dim + 1 :])
+
+
+def test_uniform_rows_and_fill_rows_refuse_a_row_out_of_range_and_write_nothing():
+    out = torch.zeros(4, 3)
+    with pytest.raises(IndexError, match=r"uniform_rows: row 4 at position 1 is outside \[0, 4\)"):
+        torch.ops.dynarec.uniform_rows(out, torch.tensor([0, 4]), torch.tensor([1, 2]), 0, 0, 1.0)
+    with pytest.raises(IndexError, match=r"fill_rows: row -1 at position 0 is outside \[0, 4\)"):
+        torch.ops.dynarec.fill_rows(out, torch.tensor([-1, 2]), 1.0)
+    assert not out.any()
+
+
+def test_fill_rows_equals_index_fill():
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(1000, 9, generator=g)
+    rows = torch.randint(0, 1000, (3000,), generator=g)  # duplicates
+    want = t.clone().index_fill_(0, rows, 0.1)
+    torch.ops.dynarec.fill_rows(t, rows, 0.1)
+    assert torch.equal(t, want)
+
+
 def test_initializers_equal_their_reference(monkeypatch):
     keys = random_keys(2000, 3)
     fast = {kind: Initializer(kind).values(keys, 16, 99, 0.05) for kind in ("uniform", "normal", "truncated_normal")}
@@ -248,6 +284,7 @@ def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
     index = BucketedHashIndex(4, 4, "cpu")
     with pytest.raises(IndexError, match=r"fill_at: index 16 at position 1 is outside \[0, 16\)"):
         index.touch(torch.tensor([3, 16]), 7)
+    assert not index.scores.any()  # refused whole: nothing written
 
 
 def test_place_keys_refuses_a_slot_out_of_range():

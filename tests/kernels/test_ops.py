@@ -61,7 +61,16 @@ def sample_args():
             ),
         ],
         "fill_at": [(index.scores.clone(), torch.tensor([0, 3, 3]), 1 << 41)],
+        "fill_rows": [
+            (torch.randn(10, 3), torch.tensor([4, 0, 4]), 0.1),
+            (torch.randn(10, 5)[:, 1:4], torch.tensor([9, 2]), -2.5),  # a field of one record a row
+        ],
         "uniform01": [(query, 5, 11, 1)],
+        "uniform_rows": [
+            (torch.zeros(10, 3), torch.tensor([7, 0, 2]), torch.tensor([3, -9, 1 << 40]), 11, 0, 0.05),
+            (torch.zeros(10, 4, dtype=torch.bfloat16)[:, :3], torch.tensor([1, 5]), torch.tensor([8, 2]), 3, 1, 2.0),
+            (torch.zeros(10, 3, dtype=torch.float16), torch.tensor([9]), torch.tensor([-(2**63)]), 0, 0, 1e-3),
+        ],
         "pooled": [(weight, rows, offsets, psw), (weight, rows, offsets, None)],
         "bag_update": [
             (weight.clone(), torch.zeros(10, 3), torch.zeros(10, 3), torch.randn(3, 3), *bags, scores, 7, *adam),

@@ -23,15 +23,17 @@ __all__ = ["available", "bag_update", "build", "build_directory", "ops"]
 
 # -fopenmp: ATen's parallel_for runs on OpenMP threads only in code compiled with it.
 # -fno-math-errno: the update's std::sqrt then vectorizes (sqrtps), where it would otherwise be a
-# call that may set errno (never read here); the results are the same IEEE square roots, and no
-# flag here contracts or reorders float arithmetic. The update's optimizer codes come from
+# call that may set errno (never read here); the results are the same IEEE square roots.
+# -ffp-contract=off: no multiply and add fused into one rounding (GCC's default contracts where
+# the target has FMA), so each float op rounds as torch's twin does; no flag here reorders float
+# arithmetic. The update's optimizer codes come from
 # dynarec.optim.kernel, as -D flags.
 _EXTENSION = CppExtension(
     name="dynarec_cpu_ops",
     sources=[os.path.join(os.path.dirname(__file__), "ops.cpp")],
     what="dynarec's CPU kernels",
     fallback="the dynarec ops run their plain-torch twins",
-    cflags=("-O3", "-fno-math-errno", "-fopenmp", *cpp_defines()),
+    cflags=("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", *cpp_defines()),
     ldflags=("-fopenmp",),
 )
 

@@ -181,6 +181,18 @@ std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t 
   return {b1, b2};
 }
 
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+
+// The salt of the draws of (seed, stream): dynarec.kernels.reference.uniform_salt.
+inline uint64_t uniform_salt(int64_t seed, int64_t stream) { return mix64(static_cast<uint64_t>(seed * 4 + stream)); }
+
+// Column `c`'s draw in (0, 1) of a key whose base is mix64(key ^ salt): 53 hash bits.
+inline double uniform_draw(uint64_t base, int64_t c) {
+  constexpr double kScale = 1.0 / static_cast<double>(1ULL << 53);
+  const uint64_t h = mix64(base + static_cast<uint64_t>(c + 1) * kGolden);
+  return (static_cast<double>(h >> 11) + 0.5) * kScale;
+}
+
 // [n, dim] float64 in (0, 1) from 53 hash bits of (seed, stream, key, column) (the
 // dynarec::uniform01 op).
 torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, int64_t stream) {
@@ -188,19 +200,71 @@ torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, in
   auto out = torch::empty({keys.numel(), dim}, keys.options().dtype(torch::kFloat64));
   const int64_t* k = keys.data_ptr<int64_t>();
   double* o = out.data_ptr<double>();
-  const uint64_t salt = mix64(static_cast<uint64_t>(seed * 4 + stream));
-  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-  constexpr double kScale = 1.0 / static_cast<double>(1ULL << 53);
+  const uint64_t salt = uniform_salt(seed, stream);
   at::parallel_for(0, keys.numel(), kGrain / 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint64_t base = mix64(static_cast<uint64_t>(k[i]) ^ salt);
-      for (int64_t c = 0; c < dim; ++c) {
-        const uint64_t h = mix64(base + static_cast<uint64_t>(c + 1) * kGolden);
-        o[i * dim + c] = (static_cast<double>(h >> 11) + 0.5) * kScale;
-      }
+      for (int64_t c = 0; c < dim; ++c) o[i * dim + c] = uniform_draw(base, c);
     }
   });
   return out;
+}
+
+// out[rows[i], c] = float32((2u - 1) * bound) in out's dtype (float32, or bf16 / fp16 rounded to
+// nearest, ties to even), u = uniform01(keys, dim, seed, stream)[i, c] (the dynarec::uniform_rows
+// op: the uniform initializer's rows written in place, no [n, dim] temporaries). `out`: [rows,
+// dim] with unit column stride; `rows` distinct. The float64 steps round one by one, as torch's
+// mul_, sub_, mul_ and float() do (-ffp-contract=off: no fused multiply-add). Returns -1, or the
+// position of the first row outside out (then nothing is written).
+int64_t uniform_rows(torch::Tensor out, const torch::Tensor& rows, const torch::Tensor& keys, int64_t seed,
+                     int64_t stream, double bound) {
+  check_cpu_int64(rows, "rows");
+  check_cpu_int64(keys, "keys");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1, "out must be [rows, dim] with unit column stride");
+  TORCH_CHECK(rows.numel() == keys.numel(), "rows and keys differ in size");
+  const int64_t n = rows.numel(), dim = out.size(1), num_rows = out.size(0), stride = out.stride(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0 || r[i] >= num_rows) return i;
+  }
+  const uint64_t salt = uniform_salt(seed, stream);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain / 32, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + 4 < end) prefetch_span(o + r[i + 4] * stride, dim * sizeof(scalar_t));
+        const uint64_t base = mix64(static_cast<uint64_t>(k[i]) ^ salt);
+        scalar_t* row = o + r[i] * stride;
+        for (int64_t c = 0; c < dim; ++c) {
+          row[c] = static_cast<scalar_t>(static_cast<float>((uniform_draw(base, c) * 2.0 - 1.0) * bound));
+        }
+      }
+    });
+  });
+  return -1;
+}
+
+// t[rows[i], :] = value for float32 `t` [rows, width] with unit column stride (the
+// dynarec::fill_rows op: fresh optimizer states), duplicates allowed. Returns -1, or the
+// position of the first row outside t (then nothing is written).
+int64_t fill_rows(torch::Tensor t, const torch::Tensor& rows, double value) {
+  check_cpu_int64(rows, "rows");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
+              "t must be float32 [rows, width] with unit column stride");
+  const int64_t n = rows.numel(), width = t.size(1), num_rows = t.size(0), stride = t.stride(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0 || r[i] >= num_rows) return i;
+  }
+  float* p = t.data_ptr<float>();
+  const float v = static_cast<float>(value);
+  constexpr int64_t kAhead = 8;  // rows scattered over a large table: each a miss, overlapped
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch_span(p + r[i + kAhead] * stride, width * sizeof(float));
+    std::fill_n(p + r[i] * stride, width, v);
+  }
+  return -1;
 }
 
 // The stable sort of `n` row indices (all >= 0): `order` such that rows[order] ascends with equal
@@ -545,8 +609,8 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
   auto run = [&](auto* w_all) {
     using W = std::remove_pointer_t<decltype(w_all)>;
     const RowAccess<W> access{w_all, D, keys, key_offset, static_cast<uint32_t>(rounding_base)};
-    // A row's weight and states, read by its update a few rows on: their misses overlap
-    // (a half-precision row is converted before its states are read).
+    // A row's weight, states and score, read (written) by its update a few rows on: their misses
+    // overlap (a half-precision row is converted before its states are read).
     const int64_t s1_width = opt == DYNAREC_KERNEL_ROWWISE_ADAGRAD ? 1 : D;
     constexpr int64_t kAhead = 4;
     at::parallel_for(0, segments, 64, [&](int64_t begin, int64_t end) {
@@ -557,6 +621,7 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
           prefetch_span(w_all + ahead * D, D * sizeof(W));
           if (s1) prefetch_span(s1 + ahead * s1_width, s1_width * sizeof(float));
           if (s2) prefetch_span(s2 + ahead * D, D * sizeof(float));
+          if (sc) __builtin_prefetch(sc + ahead, 1);
         }
         std::fill(g.begin(), g.end(), 0.0f);
         for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
@@ -1097,7 +1162,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
 
 // t[idx[i]] = value for every i, duplicates allowed (the dynarec::fill_at op: a step's scores);
 // one thread, in order (a plain loop, in place of torch's scatter_, which is slower here).
-// Returns -1, or the position of an index outside t (then nothing after it is written).
+// Returns -1, or the position of the first index outside t (then nothing is written).
 int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   check_cpu_int64(t, "t");
   check_cpu_int64(idx, "idx");
@@ -1106,8 +1171,8 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   const int64_t n = idx.numel(), size = t.numel();
   for (int64_t i = 0; i < n; ++i) {
     if (ix[i] < 0 || ix[i] >= size) return i;
-    p[ix[i]] = value;
   }
+  for (int64_t i = 0; i < n; ++i) p[ix[i]] = value;
   return -1;
 }
 
@@ -1164,6 +1229,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_half", &pooled_half, "weighted-sum bags of bf16 / fp16 rows, in float32");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
+  m.def("fill_rows", &fill_rows, "t[rows, :] = value (float32 rows); -1 or the first bad position");
+  m.def("uniform_rows", &uniform_rows, "the uniform initializer's rows written in place; -1 or the first bad position");
   m.def("place_keys", &place_keys, "new keys with their scores and tags into free slots; -1 or the first bad position");
   m.def("find_two_choice", &find_two_choice, "two-choice bucketed hash find");
   m.def("candidate_buckets", &candidate_buckets, "two candidate buckets per key");

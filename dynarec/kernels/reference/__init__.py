@@ -4,19 +4,28 @@ against, bit for bit where they compute in the same order (hashing, finds, plans
 the tolerance policy where they sum in another (pooling, the fused update).
 
 - :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, the two-choice find, the
-  key-seeded uniform draws;
-- :mod:`.plan`: an insert plan's three steps, and the index writes a commit and a touch make;
+  key-seeded uniform draws and the uniform initializer's rows;
+- :mod:`.plan`: an insert plan's three steps, and the index writes a commit, a touch and a pin make;
 - :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags;
-- :mod:`.rows`: rows moved between a device cache and host memory.
+- :mod:`.rows`: rows moved between a device cache and host memory, fresh optimizer states.
 
 Written with batched tensor ops, no Python loop per key; imports torch alone (and the optimizer
 table, ``dynarec.optim.kernel``).
 """
 
 from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, pooled
-from dynarec.kernels.reference.hashing import candidate_buckets, find, key_tags, mix64, uniform01, uniform_salt
+from dynarec.kernels.reference.hashing import (
+    candidate_buckets,
+    find,
+    key_tags,
+    mix64,
+    uniform01,
+    uniform_rows,
+    uniform_salt,
+    uniform_values,
+)
 from dynarec.kernels.reference.plan import claim_free_slots, fill_at, place_keys, plan_insert
-from dynarec.kernels.reference.rows import exchange_rows
+from dynarec.kernels.reference.rows import exchange_rows, fill_rows
 
 __all__ = [
     "aggregate",
@@ -26,6 +35,7 @@ __all__ = [
     "claim_free_slots",
     "exchange_rows",
     "fill_at",
+    "fill_rows",
     "find",
     "key_tags",
     "mix64",
@@ -33,5 +43,7 @@ __all__ = [
     "plan_insert",
     "pooled",
     "uniform01",
+    "uniform_rows",
     "uniform_salt",
+    "uniform_values",
 ]

@@ -15,7 +15,17 @@ import torch
 
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 
-__all__ = ["candidate_buckets", "find", "key_tags", "mix64", "uniform01", "uniform01_of_salt", "uniform_salt"]
+__all__ = [
+    "candidate_buckets",
+    "find",
+    "key_tags",
+    "mix64",
+    "uniform01",
+    "uniform01_of_salt",
+    "uniform_rows",
+    "uniform_salt",
+    "uniform_values",
+]
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64 multipliers as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -91,3 +101,19 @@ def uniform01_of_salt(keys: torch.Tensor, dim: int, salt: int) -> torch.Tensor:
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
     h = mix64(base[:, None] + cols[None, :])
     return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def uniform_values(u: torch.Tensor, bound: float) -> torch.Tensor:
+    """U(-bound, bound) float32 from float64 draws ``u`` in (0, 1): ``(2u - 1) * bound`` in
+    float64, each op rounded on its own, then rounded to float32. Writes into ``u``."""
+    return u.mul_(2.0).sub_(1.0).mul_(bound).float()
+
+
+def uniform_rows(
+    out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seed: int, stream: int, bound: float
+) -> None:
+    """``out[rows[i]] = uniform_values(uniform01(keys, dim, seed, stream), bound)[i]`` in
+    ``out``'s dtype (rounded to nearest): the uniform initializer's rows. ``out``: ``[num_rows,
+    dim]``; ``rows``: distinct."""
+    values = uniform_values(uniform01(keys, out.shape[1], seed, stream), bound)
+    out.index_copy_(0, rows, values.to(out.dtype))

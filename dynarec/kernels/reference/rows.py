@@ -1,4 +1,5 @@
-"""Rows moved between a device cache and the host memory under it, in plain torch."""
+"""Rows moved between a device cache and the host memory under it, and fresh optimizer states, in
+plain torch."""
 
 from __future__ import annotations
 
@@ -39,3 +40,9 @@ def exchange_rows(
         values = [host.index_select(0, in_rows.to(host.device)).to(cache.device) for cache, host in zip(caches, hosts)]
         for cache, v in zip(caches, values):
             cache.index_copy_(0, slots, v)
+
+
+def fill_rows(t: torch.Tensor, rows: torch.Tensor, value: float) -> None:
+    """``t[rows[i], :] = value`` for every ``i`` (duplicates allowed): ``rows``' optimizer states
+    at their initial value. ``t``: ``[num_rows, width]``; ``rows``: ``[n]`` int64."""
+    t.index_fill_(0, rows, value)
