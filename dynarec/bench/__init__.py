@@ -106,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help="the share of a timed step's ids that are keys the table never saw (0: none; above 0 the "
                 "warm-up and timed batches are built up front, pinned on a GPU: (warmup + runs x steps) batches)",
             )
+            p.add_argument(
+                "--tables",
+                type=int,
+                default=1,
+                help="tables of each kind, sharing --rows and --bags (a feature each; a collection groups them)",
+            )
         if name == "host-tier":
             p.add_argument("--cache-load-factor", type=float, default=0.05, help="the share of the rows cached")
             p.add_argument("--kind", default="dynamic", choices=["fixed", "dynamic"])

@@ -33,6 +33,7 @@ __all__ = [
     "filled_hash_index",
     "insert_keys",
     "make_table",
+    "make_tables",
     "measure",
     "ratio",
     "roofline_bytes_per_id",
@@ -60,6 +61,14 @@ class Workload:
     num_batches: int = 8
     seed: int = 0
     zipf_bounded: bool = False
+    #: Tables the bags are dealt to: feature ``f{i}`` of table ``t{i}`` takes bags
+    #: ``[i * bags / tables, (i + 1) * bags / tables)``, each table ``num_embeddings`` rows (1:
+    #: table ``t``, feature ``f``).
+    tables: int = 1
+
+    @property
+    def features(self) -> list[str]:
+        return ["f"] if self.tables == 1 else [f"f{i}" for i in range(self.tables)]
 
     @property
     def ids_per_step(self) -> int:
@@ -111,7 +120,9 @@ class Workload:
                 ids[at] = new
             lengths = torch.full((self.bags,), self.pooling_factor, dtype=torch.int64)
             # the ids' range as the data stage's workers give it (a fixed table's range check reads it)
-            batch = JaggedBatch(["f"], ids, lengths).with_id_ranges([(int(ids.min()), int(ids.max()))])
+            per_feature = ids.view(self.tables, -1)
+            ranges = [(int(x.min()), int(x.max())) for x in per_feature]
+            batch = JaggedBatch(self.features, ids, lengths).with_id_ranges(ranges)
             out.append(batch.pin_memory() if device.startswith("cuda") else batch)  # pinned: as the DataLoader's
         return out
 
@@ -155,21 +166,35 @@ def filled_hash_index(
     return index, keys
 
 
-def make_table(kind: str, backend: Backend, w: Workload, score_strategy: ScoreStrategy = "step") -> TableConfig:
+def make_table(
+    kind: str,
+    backend: Backend,
+    w: Workload,
+    score_strategy: ScoreStrategy = "step",
+    name: str = "t",
+    feature: str = "f",
+) -> TableConfig:
     if kind == "fixed":
-        return TableConfig(name="t", dim=w.dim, num_embeddings=w.num_embeddings, features=["f"], backend=backend)
+        return TableConfig(name=name, dim=w.dim, num_embeddings=w.num_embeddings, features=[feature], backend=backend)
     # The same ids must all get rows, or every timed step retries inserting the rest. A step that
     # touches most rows pins them all, and a pinned row cannot move to make room: at 90% load
     # (max_capacity's promise for keys spread over steps) such a step leaves a few hundred keys
     # of 100k without a slot. Sized for 80% load at most.
     cap = 16 * -(-w.num_embeddings * 5 // (4 * 16))
     return TableConfig(
-        name="t",
+        name=name,
         dim=w.dim,
         dynamic=DynamicTableOptions(cap, init_capacity=cap, score_strategy=score_strategy),
-        features=["f"],
+        features=[feature],
         backend=backend,
     )
+
+
+def make_tables(kind: str, backend: Backend, w: Workload, score_strategy: ScoreStrategy = "step") -> list[TableConfig]:
+    """:func:`make_table` for each of ``w``'s tables (``t``, or ``t0`` .. with features ``f0`` ..)."""
+    if w.tables == 1:
+        return [make_table(kind, backend, w, score_strategy)]
+    return [make_table(kind, backend, w, score_strategy, f"t{i}", f) for i, f in enumerate(w.features)]
 
 
 def _time_steps(
@@ -186,7 +211,7 @@ def _time_steps(
     sync()
     start = time.perf_counter()
     for i in range(first, first + steps):
-        coll(batches[i % n])["f"].sum().backward()
+        sum(out.sum() for out in coll(batches[i % n]).values()).backward()
         coll.prefetch(batches[(i + depth) % n])
     host = time.perf_counter() - start
     sync()

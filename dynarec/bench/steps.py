@@ -17,6 +17,7 @@ from dynarec.bench.common import (
     copy_bandwidth,
     filled_hash_index,
     make_table,
+    make_tables,
     measure,
     ratio,
     roofline_bytes_per_id,
@@ -179,17 +180,19 @@ def _dynamic_step(
     for backend in _backends(device, spec):
 
         def make(kind, backend=backend):
-            return lambda: EmbeddingCollection([make_table(kind, backend, w, score_strategy)], spec, device=device)
+            return lambda: EmbeddingCollection(make_tables(kind, backend, w, score_strategy), spec, device=device)
 
         makers = {name: make(name.split("_")[0]) for name in batches}
         r = measure(makers, batches, steps, runs, warmup, device, stream=stream)
-        table = r["dynamic"]["coll"].tables["t"]
+        table = next(iter(r["dynamic"]["coll"].tables.values()))  # (the first of several)
+        groups = [list(g) for g in r["dynamic"]["coll"].lookup_groups]
         for v in r.values():
             v.pop("coll")
         out[backend] = {
             **r,
             "dynamic_over_fixed": ratio(r, "dynamic", "fixed"),
             "dynamic_report": table.report(),
+            "dynamic_lookup_groups": groups,
             "bytes_per_slot": table.nbytes / table.capacity,
         }
         if scattered:
@@ -201,8 +204,18 @@ def _dynamic_step(
 def bench_dynamic_step(args) -> dict:
     """Dynamic vs fixed table step on the same backend, keys spread over the int64 range, after a
     warm-up that has seen every Zipf draw: ``--new-keys`` of each timed step's ids are keys the
-    table never saw (issue 27's 5% by default; 0: the timed steps meet no new key)."""
-    w = Workload(num_embeddings=args.rows, dim=args.dim, bags=args.bags, pooling_factor=args.pooling_factor)
+    table never saw (issue 27's 5% by default; 0: the timed steps meet no new key). ``--tables``:
+    that many tables of each kind share ``--rows`` and ``--bags`` (a feature each), as a
+    collection groups them (fixed tables always; dynamic ones that never grow, as here)."""
+    if args.tables < 1 or args.bags % args.tables:
+        raise ValueError(f"--tables must be at least 1 and divide --bags ({args.bags}), got {args.tables}")
+    w = Workload(
+        num_embeddings=args.rows // args.tables,
+        dim=args.dim,
+        bags=args.bags,
+        pooling_factor=args.pooling_factor,
+        tables=args.tables,
+    )
     spec = OPTIMIZERS[args.optimizer]
     if not 0 <= args.new_keys < 1:
         raise ValueError(f"--new-keys is a share of a step's ids in [0, 1), got {args.new_keys}")
@@ -225,6 +238,7 @@ def bench_dynamic_step(args) -> dict:
             f"{r['dynamic_report']['size']:,} keys at load {r['dynamic_report']['load_factor']:.2f} "
             f"({r['dynamic_report']['dropped_keys']} insert(s) dropped, warm-up included); "
             f"score_strategy {args.score_strategy}; {args.new_keys:.0%} of a timed step's ids new keys"
+            + (f"; {args.tables} tables of each kind, the first one's figures" if args.tables > 1 else "")
         )
     workload = {**vars(w), "new_keys": args.new_keys}
     return {"benchmark": "dynamic-step", "workload": workload, "results": results, "summary": lines}

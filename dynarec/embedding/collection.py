@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from torch import nn
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.embedding.grouped import ReducerFactory, TableGroup, group_key, packs_dims
+from dynarec.embedding.grouped import DynamicTableGroup, ReducerFactory, TableGroup, group_key, packs_dims
 from dynarec.embedding.jagged import FeatureSlice, JaggedBatch, KeyedJaggedLike, as_jagged, split_features
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
@@ -69,7 +69,8 @@ def _build_table(
 
 
 class LookupUnit(Protocol):
-    """What a collection looks up as one: a table, or a :class:`TableGroup` of fixed tables."""
+    """What a collection looks up as one: a table, a :class:`TableGroup` of fixed tables or a
+    :class:`DynamicTableGroup` of dynamic ones."""
 
     name: str
 
@@ -113,7 +114,9 @@ class EmbeddingCollection(nn.Module):
             row store, looked up and updated once a step for all of them
             (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either
             way, within float32 summation order): tables of one dim on any device, tables of
-            several dims packed end to end where the kernels take them (a GPU).
+            several dims packed end to end where the kernels take them (a GPU). So do dynamic
+            tables of one dim, spec and bucket size that never grow and admit every key
+            (:class:`~dynarec.embedding.grouped.DynamicTableGroup`: each keeps its own index).
         row_reducers: data-parallel tables (a sharded run's replicas): ``row_reducers(name,
             rows)`` gives each native fixed store the reducer that sums its row gradients over
             the ranks before the update (see :class:`~dynarec.embedding.row_store.NativeRowStore`).
@@ -156,14 +159,15 @@ class EmbeddingCollection(nn.Module):
         # Before allocating anything: the tables at their largest must fit the device's memory.
         check_fits([(c, specs[c.name]) for c in tables], self.device, memory_budget)
         # Fixed tables of one optimizer spec (and one dim, where rows of several dims cannot be
-        # packed) share a row store and a lookup (TableGroup); the others are looked up on their
-        # own. Units keep the tables' order.
+        # packed) share a row store and a lookup (TableGroup), as do dynamic tables that never
+        # grow (DynamicTableGroup; not data-parallel: _build_table refuses those); the others are
+        # looked up on their own. Units keep the tables' order.
         groups: dict[tuple, list[TableConfig]] = {}
         if group_tables:
             for config in tables:
                 spec = specs[config.name]
                 key = group_key(config, spec, packs_dims(spec, self.device, row_reducers is not None))
-                if key is not None:
+                if key is not None and not (config.dynamic is not None and row_reducers is not None):
                     groups.setdefault(key, []).append(config)
         grouped = {c.name: members for members in groups.values() if len(members) > 1 for c in members}
         self._units: list[LookupUnit] = []
@@ -174,7 +178,11 @@ class EmbeddingCollection(nn.Module):
                 self._units.append(table)
                 self._add(table)
             elif config is members[0]:  # the others are built with the group's first table
-                group = TableGroup(members, specs[config.name], self.device, row_reducers)
+                group: Union[TableGroup, DynamicTableGroup]
+                if config.dynamic is None:
+                    group = TableGroup(members, specs[config.name], self.device, row_reducers)
+                else:
+                    group = DynamicTableGroup(members, specs[config.name], self.device)
                 self._units.append(group)
                 for member in group.tables:
                     self._add(member)
@@ -194,8 +202,12 @@ class EmbeddingCollection(nn.Module):
     @property
     def lookup_groups(self) -> list[tuple[str, ...]]:
         """The tables of each lookup a step makes, in order: several names for a
-        :class:`TableGroup` (one shared row store), one for a table looked up on its own."""
-        return [tuple(t.name for t in u.tables) if isinstance(u, TableGroup) else (u.name,) for u in self._units]
+        :class:`TableGroup` or :class:`DynamicTableGroup` (one shared row store), one for a table
+        looked up on its own."""
+        return [
+            tuple(t.name for t in u.tables) if isinstance(u, (TableGroup, DynamicTableGroup)) else (u.name,)
+            for u in self._units
+        ]
 
     @property
     def feature_names(self) -> list[str]:
@@ -268,7 +280,7 @@ class EmbeddingCollection(nn.Module):
                 holds = {unit.name: unit.stage_rows(packed[unit.name][0], found[unit.name]) for unit in self._units}
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
             staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
-            staged.hand_over(*(f.slots for f in found.values() if f is not None))
+            staged.hand_over(*(t for f in found.values() if f is not None for t in f.tensors))
             staged.hand_over(*(h.slots for h in holds.values() if h is not None))
         return _Prepared(kjt, packed, found, staged, holds)
 

@@ -81,8 +81,16 @@ class DynamicTable(EmbeddingTable):
     whatever the sharding."""
 
     def __init__(
-        self, config: TableConfig, spec: OptimizerSpec, device: torch.device, capacity: Optional[tuple[int, int]] = None
+        self,
+        config: TableConfig,
+        spec: OptimizerSpec,
+        device: torch.device,
+        capacity: Optional[tuple[int, int]] = None,
+        store: Optional[RowStore] = None,
     ):
+        """``store``: rows of a store shared with other tables (a ``DynamicTableGroup``'s slice)
+        instead of a store of its own, for a table that never grows (``init_capacity`` at
+        ``max_capacity``), of exactly its slots."""
         super().__init__(config, spec, device)
         assert config.dynamic is not None
         self.options = options = config.dynamic
@@ -91,7 +99,13 @@ class DynamicTable(EmbeddingTable):
         max_buckets = num_buckets(max_capacity, bucket_size)
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         rows, max_rows = init_buckets * bucket_size, max_buckets * bucket_size
-        store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
+        if store is not None and not store.num_rows == rows == max_rows:
+            raise ValueError(
+                f"table '{self.name}': a shared store holds a table that never grows, of {max_rows} slots; "
+                f"given {store.num_rows} rows for {rows} slots growing to {max_rows}"
+            )
+        if store is None:
+            store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
         store.row_keys = RowKeys(keys=lambda: self.index.keys)  # half-precision rows' rounding draws: by key
         #: The index, the rows behind it and how both grow.
         self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
@@ -180,7 +194,11 @@ class DynamicTable(EmbeddingTable):
     # -- the lookup stage ----------------------------------------------------------------------
 
     def find(self, bags: Bags) -> FoundKeys:
-        slots, absent = self.index.find_flagged(bags.ids)
+        return self.find_keys(bags.ids)
+
+    def find_keys(self, keys: torch.Tensor) -> FoundKeys:
+        """:meth:`find` of ``keys`` ``[n]`` int64."""
+        slots, absent = self.index.find_flagged(keys)
         return FoundKeys(slots, self.index.stamp, absent)
 
     def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
@@ -195,17 +213,40 @@ class DynamicTable(EmbeddingTable):
         """Keys -> pooled rows. A key without a row (eval, not admitted, dropped) reads the eval
         initializer (in training with admission: the admission initializer), weighted like a row;
         mean pooling still divides by the bag's full length."""
-        keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         step = self.steps.current if train else None
         if found is None or not self._still_holds(found):
             found, hold = self.find(bags), None
         if hold is not None and not found.all_present:
             hold = None  # it holds the keys found then; this lookup's rows are others too
+        slots, all_present = self.slots_for(bags.ids, found, step)
+        return self.pooled_at(bags, slots, all_present, step, hold)
+
+    def found_again(self, keys: torch.Tensor, found: Optional[FoundKeys]) -> FoundKeys:
+        """``found`` (a find of ``keys`` made earlier) where it still holds, else a find now."""
+        return found if found is not None and self._still_holds(found) else self.find_keys(keys)
+
+    def slots_for(self, keys: torch.Tensor, found: FoundKeys, step: Optional[Step]) -> tuple[torch.Tensor, bool]:
+        """The slot of every key (-1: no row), and whether every key has one: in training
+        (``step``), absent keys inserted first (admission permitting); else ``found``'s (a find
+        of ``keys`` that still holds)."""
         if step is None:
-            slots, all_present = found.slots, found.all_present
-        else:
-            slots, all_present = self._slots_for_training(keys, found, step)
-            self._served_step = step.id
+            return found.slots, found.all_present
+        slots, all_present = self._slots_for_training(keys, found, step)
+        self._served_step = step.id
+        return slots, all_present
+
+    def pooled_at(
+        self,
+        bags: Bags,
+        slots: torch.Tensor,
+        all_present: bool,
+        step: Optional[Step],
+        hold: Optional[CacheHold] = None,
+    ) -> torch.Tensor:
+        """Stage 2's reads: ``bags`` pooled from the rows at ``slots`` (:meth:`slots_for`'s), the
+        eval (admission) initializer where a key has none; in training the output's backward
+        updates the rows and commits ``step``."""
+        keys, offsets, weights = bags.ids, bags.offsets, bags.weights
         missing_out = None
         if not all_present:
             present = slots >= 0
@@ -231,11 +272,11 @@ class DynamicTable(EmbeddingTable):
         # (its slots read there: no host read).
         store_lookup = self.store.lookup if hold is None else hold.lookup
         if step is None:
-            out = store_lookup(slots, offsets, weights, train)
+            out = store_lookup(slots, offsets, weights, False)
         else:
             fused = self.store.writes_row_scores and torch.is_grad_enabled()
             row_scores = self.score_policy.schedule(slots, step, fused)
-            out = store_lookup(slots, offsets, weights, train, step=step.t, row_scores=row_scores)
+            out = store_lookup(slots, offsets, weights, True, step=step.t, row_scores=row_scores)
             self._commit_on_backward(out, step)
             self._await_update(out, step)
         return out if missing_out is None else out + missing_out
@@ -447,11 +488,12 @@ class DynamicTable(EmbeddingTable):
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
         """Replaces the table's contents by ``dump`` (from :meth:`dump`, of any capacity).
 
-        When the dump's bucket layout fits this table (same bucket size, no more buckets than
-        ``max_capacity`` allows), every key goes back to its own slot at the dump's capacity, so
-        a resumed run evicts exactly as the original would have. Otherwise the capacity becomes
-        the smallest that holds every key at ``growth_load_factor``, capped at ``max_capacity``;
-        when the rows do not fit, the highest scores are kept (ties to the smaller key).
+        When the dump's bucket layout fits this table (same bucket size, a capacity from
+        ``init_capacity`` to ``max_capacity``), every key goes back to its own slot at the dump's
+        capacity, so a resumed run evicts exactly as the original would have. Otherwise the
+        capacity becomes the smallest from ``init_capacity`` on that holds every key at
+        ``growth_load_factor``, capped at ``max_capacity``; when the rows do not fit, the highest
+        scores are kept (ties to the smaller key).
         ``weights_only`` resets optimizer states to their initial values and the step counter to
         0. Returns ``{"loaded": n, "dropped": m}``.
         """

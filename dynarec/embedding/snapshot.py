@@ -7,10 +7,11 @@ LAYOUT_VERSION]``) and, with admission, ``admission_keys`` / ``admission_counts`
 ``admission_slots``.
 
 A load puts every key back in its own slot when the dump's layout fits the table (same bucket
-size, no more buckets than ``max_capacity`` allows): a resumed run then evicts exactly as the
-original would have. Otherwise the keys are placed anew (``BucketedHashIndex.fill``) in the
-fewest buckets that hold them at the growth load, capped at ``max_capacity``; where they do not
-fit, the highest scores are kept (ties to the smaller key).
+size, buckets from ``init_capacity``'s to ``max_capacity``'s: a table never has fewer slots than
+it starts with): a resumed run then evicts exactly as the original would have. Otherwise the keys
+are placed anew (``BucketedHashIndex.fill``) in the fewest buckets, from ``init_capacity``'s, that
+hold them at the growth load, capped at ``max_capacity``; where they do not fit, the highest
+scores are kept (ties to the smaller key).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, tor
     layout = saved.get("layout")
     if layout is not None and "slots" in saved and layout.numel() == 3:
         num_buckets, bucket_size, version = (int(x) for x in layout)
-        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and num_buckets <= space.max_buckets:
+        fits = space.init_buckets <= num_buckets <= space.max_buckets  # (a table never has fewer slots)
+        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and fits:
             index = BucketedHashIndex(num_buckets, bucket_size, device)
             slots = saved["slots"].to(device)
             index.install(slots, keys, scores)

@@ -52,6 +52,11 @@ class FoundKeys:
         self._all_present: Optional[bool] = None
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors of the answer (an input stage hands them over to the main stream)."""
+        return (self.slots,)
+
+    @property
     def all_present(self) -> bool:
         """Whether every key has a row (the one host read of a warm table's lookup)."""
         if self._all_present is None:

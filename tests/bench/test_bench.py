@@ -67,6 +67,23 @@ def test_dynamic_step_reports_the_fixed_baselines_beside_it_and_drops_no_key(tmp
         assert keys.numel() == warm + 2 * round(new_keys * w.ids_per_step)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_step_of_several_tables_deals_them_the_bags_and_groups_the_native_ones(tmp_path, backend, capsys):
+    """``--tables 4``: four tables of each kind, a quarter of the rows and bags each; the native
+    dynamic tables (they never grow) are one lookup, FBGEMM's each its own; the first table holds
+    the keys of its feature's bags."""
+    report = run(tmp_path, "dynamic-step", *TINY, "--warmup", "1", "--new-keys", "0", "--tables", "4")
+    assert report["workload"]["tables"] == 4 and report["workload"]["num_embeddings"] == 500
+    result = report["results"][backend]
+    names = [f"t{i}" for i in range(4)]
+    assert result["dynamic_lookup_groups"] == ([names] if backend == "native" else [[n] for n in names])
+    w = Workload(**{k: v for k, v in report["workload"].items() if k != "new_keys"})
+    first = torch.unique(torch.cat([b.values().view(4, -1)[0] for b in w.batches(keys_over_int64=True)]))
+    assert result["dynamic_report"]["dropped_keys"] == 0 and result["dynamic_report"]["size"] == first.numel()
+    assert main(["bench", "dynamic-step", *TINY, "--tables", "3"]) == 2
+    assert "--tables must be at least 1 and divide --bags (64), got 3" in capsys.readouterr().err
+
+
 def test_a_workload_stream_holds_new_keys_where_a_fixed_table_holds_rows_in_range():
     w = Workload(num_embeddings=500, bags=16, pooling_factor=5, num_batches=3)
     fixed, dynamic = w.batches(new_keys=0.2, count=7), w.batches(keys_over_int64=True, new_keys=0.2, count=7)

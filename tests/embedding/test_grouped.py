@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
+from dynarec.embedding.config import AdmissionConfig
 from dynarec.kernels.ops import packs_rows
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.matrix import DEVICES
@@ -227,3 +228,122 @@ def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
     assert_same(grouped, apart, exact)
     (group,) = [u for u in grouped._units if hasattr(u, "_shifts")]
     assert len(group._shifts) == 2  # the three batches of one id a sample share one
+
+
+# -- dynamic tables ------------------------------------------------------------------------------
+
+
+def dynamic_tables(score_strategy="step"):
+    """Dynamic tables of dim 8 and 64 slots that never grow: three in one group (one serves a pooled
+    feature and a sequence, one mean-pooled); one that grows and one with admission (each looked
+    up on its own); a fixed table. Keys from a few hundred: the tables fill, evict and move rows."""
+
+    def options(**kw):
+        return DynamicTableOptions(64, score_strategy=score_strategy, **kw)
+
+    return [
+        TableConfig(name="p", dim=8, dynamic=options(), features=["fp", FeatureConfig("sp", pooling="none")]),
+        TableConfig(name="q", dim=8, dynamic=options(), features=["fq"], pooling="mean"),
+        TableConfig(name="g", dim=8, dynamic=options(init_capacity=32), features=["fg"]),
+        TableConfig(name="m", dim=8, dynamic=options(admission=AdmissionConfig(threshold=2)), features=["fm"]),
+        TableConfig(name="x", dim=8, num_embeddings=40, features=["fx"]),
+        TableConfig(name="r", dim=8, dynamic=options(), features=["fr"]),
+    ]
+
+
+DYNAMIC_ROWS = {"fp": 300, "sp": 300, "fq": 90, "fg": 200, "fm": 100, "fx": 40, "fr": 400}
+
+
+def dynamic_batch(g, size, weighted, rows=DYNAMIC_ROWS):
+    lists, weights = {}, {}
+    for name, n_rows in rows.items():
+        lengths = torch.randint(0, 4, (size,), generator=g)
+        keys = [torch.randint(0, n_rows, (int(n),), generator=g) for n in lengths]
+        lists[name] = [(k if name == "fx" else k * 7919 - 1000).tolist() for k in keys]  # negative keys too
+        weights[name] = [torch.rand(int(n), generator=g).tolist() for n in lengths]
+    return JaggedBatch.from_lists(lists, weights if weighted else None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dynamic_tables_that_never_grow_share_one_lookup_and_train_as_apart(device, spec, weighted):
+    """Three dynamic tables that never grow: one lookup unit, each table its own keys; the same
+    outputs, keys, slots, scores, rows, states and counters as the tables looked up apart,
+    through inserts, evictions and cuckoo moves; evaluation with absent keys too."""
+    g = torch.Generator().manual_seed(5)
+    batches = [dynamic_batch(g, 9, weighted) for _ in range(8)]
+    grouped = EmbeddingCollection(dynamic_tables(), spec, device=device)
+    apart = EmbeddingCollection(dynamic_tables(), spec, device=device, group_tables=False)
+    assert grouped.lookup_groups == [("p", "q", "r"), ("g",), ("m",), ("x",)]
+    exact = device == "cpu"
+    for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
+        assert_outputs(x, y, exact)
+    assert_same(grouped, apart, exact)
+    for name in ("p", "q", "r"):
+        report = grouped.tables[name].report()
+        assert report == apart.tables[name].report()
+        assert report["evicted_keys"] > 0 and report["dropped_keys"] == 0, (name, report)  # the group's lookup
+    grouped.eval()
+    apart.eval()
+    with torch.no_grad():  # some keys evicted by now: they read the eval initializer
+        assert_outputs(grouped(batches[0].to(device)), apart(batches[0].to(device)), exact)
+        present = {n: grouped.tables[t].dump()["keys"][:3].tolist() for n, t in (("fp", "p"), ("sp", "p"))}
+        present.update({n: grouped.tables[n[1]].dump()["keys"][:2].tolist() for n in ("fq", "fr")})
+        kjt = JaggedBatch.from_lists(
+            {n: [present.get(n, [])] for n in DYNAMIC_ROWS} | {"fg": [[]], "fm": [[]], "fx": [[1]]}
+        )
+        assert_outputs(grouped(kjt.to(device)), apart(kjt.to(device)), exact)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_commit(device, monkeypatch):
+    from dynarec.optim import fused
+
+    calls = []
+    real = fused.fused_bag_update
+
+    def counted(spec, **kw):
+        calls.append((kw["weight"].shape[0], kw["row_scores"] is not None))
+        return real(spec, **kw)
+
+    monkeypatch.setattr("dynarec.embedding.row_store.fused_bag_update", counted)
+    coll = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1), device=device)
+    run(coll, [dynamic_batch(torch.Generator().manual_seed(6), 9, False)], device)
+    assert sorted(calls) == sorted([(3 * 64, False), (32, True), (64, True), (40, False)])
+    for name in ("p", "q", "r"):  # scores: the step, at every key the step touched
+        scores = coll.tables[name].dump()["scores"]
+        assert scores.numel() and bool((scores == 1).all())
+
+
+def test_a_dynamic_group_aborts_loads_and_looks_up_apart_where_its_tables_differ():
+    """An aborted step leaves every table of the group as before it; a table loaded from another
+    run (another step counter) or given its own learning rate is looked up apart for the steps
+    where it differs; a dump of another capacity loads at the table's own (it never grows) —
+    throughout, the same as tables never grouped."""
+    g = torch.Generator().manual_seed(7)
+    batches = [dynamic_batch(g, 9, True) for _ in range(4)]
+    spec = Adam(lr=0.05)
+    grouped = EmbeddingCollection(dynamic_tables(), spec)
+    apart = EmbeddingCollection(dynamic_tables(), spec, group_tables=False)
+    donor = EmbeddingCollection(
+        [TableConfig(name="q", dim=8, dynamic=DynamicTableOptions(32), features=["fq"], pooling="mean")], spec
+    )
+    run(donor, [dynamic_batch(g, 9, True, {"fq": 90}) for _ in range(2)], "cpu")
+    for coll in (grouped, apart):
+        run(coll, batches[:1], "cpu")
+        before = {n: coll.tables[n].dump() for n in ("p", "q", "r")}
+        coll(batches[1])  # a forward whose backward never runs
+        coll.abort_step()
+        for n in ("p", "q", "r"):
+            assert all(torch.equal(before[n][k], v) for k, v in coll.tables[n].dump().items()), n
+        coll.tables["q"].load(donor.tables["q"].dump())  # 32 slots' layout, step counter 2
+        assert coll.tables["q"].capacity == 64 and coll.tables["q"].step == 2
+        coll.set_learning_rate(0.01, table="r")
+        run(coll, batches[1:], "cpu")
+    assert grouped.tables["q"].step == 5 and grouped.tables["p"].step == 4
+    assert_same(grouped, apart)
+    fresh = EmbeddingCollection(dynamic_tables(), spec)
+    for n, t in grouped.tables.items():
+        fresh.tables[n].load(t.dump())
+    assert_same(fresh, grouped)
