@@ -22,12 +22,17 @@ from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.step import Journal
 
-__all__ = ["Capacity", "num_buckets", "rows_before_last_growth", "shard_init_capacity"]
+__all__ = ["Capacity", "num_buckets", "rows_before_last_growth", "shard_init_capacity", "whole_buckets"]
 
 
 def num_buckets(capacity: int, bucket_size: int) -> int:
     """Buckets of ``bucket_size`` slots in ``capacity`` slots (at least one)."""
     return max(1, capacity // bucket_size)
+
+
+def whole_buckets(capacity: int, bucket_size: int) -> int:
+    """The slots of :func:`num_buckets` buckets: ``capacity`` in whole buckets (at least one)."""
+    return num_buckets(capacity, bucket_size) * bucket_size
 
 
 def shard_init_capacity(init_capacity: int, world_size: int, bucket_size: int, capacity_per_rank: int) -> int:

@@ -20,8 +20,9 @@ Row lifecycle in a training lookup (the table's step is open, ``begin_step()``):
    ``step`` = the step, ``lfu`` += occurrences, ``timestamp`` = the forward's wall clock (us).
    A native row store's fused update writes ``step`` and ``timestamp`` scores itself, once per
    unique row, through the writer the index hands out (``BucketedHashIndex.scores_writer``); a
-   step committed without its backward (a later step's backward settles it), ``lfu`` and the
-   FBGEMM store write them through the index at commit.
+   step committed without its backward (a later step's backward settles it), ``lfu``, the
+   FBGEMM store and a grouped table (its rows updated with other tables', ``DynamicTableGroup``)
+   write them through the index at commit.
 
 Everything 1-3 change is journaled: ``abort_step()`` restores evicted keys with their rows,
 removes created rows, takes back admission counts and a growth.
@@ -99,7 +100,7 @@ class DynamicTable(EmbeddingTable):
         max_buckets = num_buckets(max_capacity, bucket_size)
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         rows, max_rows = init_buckets * bucket_size, max_buckets * bucket_size
-        if store is not None and not store.num_rows == rows == max_rows:
+        if store is not None and not store.num_rows == rows == max_rows:  # (it would grow)
             raise ValueError(
                 f"table '{self.name}': a shared store holds a table that never grows, of {max_rows} slots; "
                 f"given {store.num_rows} rows for {rows} slots growing to {max_rows}"
@@ -399,7 +400,7 @@ class DynamicTable(EmbeddingTable):
             if options.check_mode == "error":
                 raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
             if options.check_mode == "warn":
-                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=5)
+                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=6)
         evicted = plan.evicted_slots.numel()
         # Evictions while a slot was still free somewhere (below full capacity) are the ones
         # max_capacity promises to avoid; report() counts them apart.

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
-from dynarec.embedding.capacity import num_buckets
+from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice
@@ -69,18 +69,18 @@ def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False
     (another backend, half-precision rows: their rounding draws are keyed by the table's own
     rows, rows in host memory behind a cache, a dynamic table that grows or admits). Fixed
     tables: with ``packs_dims`` (:func:`packs_dims`) tables of several dims within one row tile
-    group too (the tile and the spec), else the dim and the spec; dynamic tables: the dim, the
-    spec and the bucket size."""
+    group too (the tile and the spec), else the dim and the spec; dynamic tables: the dim and
+    the spec (each keeps its own index, of any bucket size)."""
     if config.backend != "native" or config.data_type != "fp32":
         return None
     if config.cache_load_factor is not None:  # its rows live in host memory, behind its own cache
         return None
     if config.dynamic is not None:
         d = config.dynamic
-        grows = num_buckets(d.init_capacity, d.bucket_size) < num_buckets(d.max_capacity, d.bucket_size)  # type: ignore[arg-type]
+        grows = whole_buckets(d.init_capacity, d.bucket_size) < whole_buckets(d.max_capacity, d.bucket_size)  # type: ignore[arg-type]
         if grows or d.admission is not None:  # (admission: a key may stay absent step after step)
             return None
-        return ("dynamic", config.dim, spec, d.bucket_size)
+        return ("dynamic", config.dim, spec)
     return (_dim_class(config.dim), spec) if packs_dims else (config.dim, spec)
 
 
@@ -119,6 +119,9 @@ class _Group:
     def commit_pending(self) -> None:
         for t in self.tables:
             t.commit_pending()
+
+    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> None:
+        return None  # its tables' rows are on the device (no table of a host-memory tier is grouped)
 
     def _pack(
         self, slices: Mapping[str, FeatureSlice], dims_apart: bool = False
@@ -205,9 +208,6 @@ class TableGroup(_Group):
     def find(self, bags: Bags) -> Optional[FoundKeys]:
         return None  # fixed tables: ids are rows
 
-    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> None:
-        return None  # its tables' rows are on the device (no table of a host-memory tier is grouped)
-
     def lookup(
         self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
     ) -> torch.Tensor:
@@ -238,7 +238,7 @@ class TableGroup(_Group):
 
 
 class DynamicTableGroup(_Group):
-    """Dynamic tables sharing one :class:`NativeRowStore`: table ``i``'s slot ``s`` is the
+    """Dynamic tables sharing one :class:`PackedRowStore`: table ``i``'s slot ``s`` is the
     store's row ``bases[i] + s``. A collection uses it where it would use one table: ``pack`` →
     ``find`` → ``lookup`` → ``unpack``, the step lifecycle over all its tables."""
 
@@ -249,7 +249,7 @@ class DynamicTableGroup(_Group):
         slots = []  # each table's, for good: it never grows
         for c in configs:
             assert c.dynamic is not None
-            slots.append(num_buckets(c.dynamic.max_capacity, c.dynamic.bucket_size) * c.dynamic.bucket_size)
+            slots.append(whole_buckets(c.dynamic.max_capacity, c.dynamic.bucket_size))
         self.name = "+".join(c.name for c in configs)
         self.store = PackedRowStore([(n, configs[0].dim) for n in slots], spec, device)
         self.tables: list[DynamicTable] = []
@@ -271,9 +271,6 @@ class DynamicTableGroup(_Group):
     def find(self, bags: Bags) -> GroupFoundKeys:
         assert isinstance(bags, GroupBags)
         return GroupFoundKeys([t.find_keys(keys) for t, keys in zip(self.tables, bags.table_ids())])
-
-    def stage_rows(self, bags: Bags, found: Optional[FoundKeys] = None) -> None:
-        return None  # its tables' rows are on the device (no table of a host-memory tier is grouped)
 
     def lookup(
         self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
@@ -298,7 +295,7 @@ class DynamicTableGroup(_Group):
         rows = torch.cat(slots) + self._shift(self.bases, [num_ids for _, num_ids in bags.parts], bags.ids.device)
         if not train:
             return self.store.lookup(rows, bags.offsets, bags.weights, False)
-        begun = [(table, step) for table, step in zip(self.tables, steps) if step is not None]
+        begun = [(table, table.steps.current) for table in self.tables]
         for (table, step), s in zip(begun, slots):
             table.score_policy.schedule(s, step, fused=False)  # written at commit, by each index
         self.store.set_learning_rate(rates.pop())

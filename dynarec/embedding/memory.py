@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from dynarec.embedding.capacity import rows_before_last_growth
+from dynarec.embedding.capacity import rows_before_last_growth, whole_buckets
 from dynarec.embedding.config import TableConfig, cache_rows_of
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import ROW_DTYPES
@@ -77,7 +77,7 @@ def table_bytes(
         if d is None:
             rows = config.num_embeddings
         else:
-            rows = max(1, d.max_capacity // d.bucket_size) * d.bucket_size
+            rows = whole_buckets(d.max_capacity, d.bucket_size)
             init_rows = d.init_capacity if init_rows is None else init_rows
     assert rows is not None
     grown_from = rows_before_last_growth(init_rows, rows, d.bucket_size) if d is not None and init_rows else 0

@@ -326,8 +326,8 @@ class NativeRowStore(RowStore):
 
 
 class PackedRowStore(NativeRowStore):
-    """The rows of several fixed tables in one store (a
-    :class:`~dynarec.embedding.grouped.TableGroup`'s), table ``i`` of ``shapes[i] = (rows, dim)``
+    """The rows of several tables in one store (a :class:`~dynarec.embedding.grouped.TableGroup`'s
+    or a ``DynamicTableGroup``'s: a dynamic table's slots), table ``i`` of ``shapes[i] = (rows, dim)``
     holding the store's rows from the sum of the rows before it. Each table reads and writes
     its rows through a :class:`RowStoreSlice`; the group looks all of them up at once.
 
@@ -384,13 +384,14 @@ class PackedRowStore(NativeRowStore):
 
 
 class RowStoreSlice(NativeRowStore):
-    """Table ``index``'s rows of a :class:`PackedRowStore` shared by several fixed tables (a
-    :class:`~dynarec.embedding.grouped.TableGroup`): its weight and states are views of the
+    """Table ``index``'s rows of a :class:`PackedRowStore` shared by several tables (a
+    :class:`~dynarec.embedding.grouped.TableGroup` or ``DynamicTableGroup``): its weight and states are views of the
     parent's, so reads, writes, lookups and updates through the slice act on the shared rows,
     and the group's one lookup of every table's ids acts on the same memory. Its learning rate
     is its own (the group runs its fused lookup only while its slices' rates agree).
 
-    A fixed table never changes size: :meth:`reallocate` (a load) resets the rows in place."""
+    Its table never changes size (a fixed table; a dynamic one that never grows):
+    :meth:`reallocate` (a load) resets the rows in place."""
 
     def __init__(self, parent: PackedRowStore, index: int, grad_reducer: Optional[GradReducer] = None):
         rows, dim = parent.shapes[index]

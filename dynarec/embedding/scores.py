@@ -6,8 +6,9 @@ score grows by the row's occurrences; ``none``: no score, no eviction. The index
 writer of its scores: on a native row store the fused update sets ``step`` / ``timestamp``
 scores in its own pass, once per unique row, through the writer the index hands out
 (``BucketedHashIndex.scores_writer``); a step committed before its backward ran (a later step's
-backward settled it, or none will come), ``lfu`` and the FBGEMM store write through the index at
-commit, one write per occurrence.
+backward settled it, or none will come), ``lfu``, the FBGEMM store and a grouped table (whose
+rows share one update with other tables') write through the index at commit, one write per
+occurrence.
 """
 
 from __future__ import annotations

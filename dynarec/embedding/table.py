@@ -36,7 +36,8 @@ __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "commi
 
 
 class FoundKeys:
-    """A dynamic table's hash find for one lookup: ``slots`` ``[n]`` int64 (-1: no row), found
+    """A dynamic table's hash find for one lookup (a lookup unit's find: a group of dynamic tables
+    gives one a table, ``GroupFoundKeys``): ``slots`` ``[n]`` int64 (-1: no row), found
     in the index state ``stamp`` (the lookup finds again where the index changed in a way that
     can change the answer), and
     :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned

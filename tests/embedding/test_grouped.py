@@ -235,8 +235,9 @@ def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
 
 def dynamic_tables(score_strategy="step"):
     """Dynamic tables of dim 8 and 64 slots that never grow: three in one group (one serves a pooled
-    feature and a sequence, one mean-pooled); one that grows and one with admission (each looked
-    up on its own); a fixed table. Keys from a few hundred: the tables fill, evict and move rows."""
+    feature and a sequence, one mean-pooled, one of 8-slot buckets); one that grows and one with
+    admission (each looked up on its own); a fixed table. Keys from a few hundred: the tables
+    fill, evict and move rows."""
 
     def options(**kw):
         return DynamicTableOptions(64, score_strategy=score_strategy, **kw)
@@ -247,7 +248,7 @@ def dynamic_tables(score_strategy="step"):
         TableConfig(name="g", dim=8, dynamic=options(init_capacity=32), features=["fg"]),
         TableConfig(name="m", dim=8, dynamic=options(admission=AdmissionConfig(threshold=2)), features=["fm"]),
         TableConfig(name="x", dim=8, num_embeddings=40, features=["fx"]),
-        TableConfig(name="r", dim=8, dynamic=options(), features=["fr"]),
+        TableConfig(name="r", dim=8, dynamic=options(bucket_size=8), features=["fr"]),
     ]
 
 
