@@ -69,7 +69,7 @@ from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["DynamicTable", "TableFullError"]
+__all__ = ["DynamicTable", "TableFullError", "bag_of_ids", "present_bags"]
 
 
 class TableFullError(RuntimeError):
@@ -247,28 +247,14 @@ class DynamicTable(EmbeddingTable):
         """Stage 2's reads: ``bags`` pooled from the rows at ``slots`` (:meth:`slots_for`'s), the
         eval (admission) initializer where a key has none; in training the output's backward
         updates the rows and commits ``step``."""
-        keys, offsets, weights = bags.ids, bags.offsets, bags.weights
+        offsets, weights = bags.offsets, bags.weights
         missing_out = None
         if not all_present:
-            present = slots >= 0
-            num_bags = bags.num_bags
-            lengths = offsets[1:] - offsets[:-1]
-            bag_of_id = torch.repeat_interleave(
-                torch.arange(num_bags, device=keys.device), lengths, output_size=keys.numel()
-            )
-            absent = ~present
-            init = self.eval_initializer
-            if step is not None and self.admission is not None:
-                init = self.admission.initializer
-            if not init.is_zero:
-                values = init.values(keys[absent], self.dim, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
-                if weights is not None:
-                    values = values * weights[absent][:, None]
-                missing_out = values.new_zeros(num_bags, self.dim).index_add_(0, bag_of_id[absent], values)
-            lengths = torch.bincount(bag_of_id[present], minlength=num_bags)
-            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-            slots = slots[present]
-            weights = None if weights is None else weights[present]
+            absent, bag_of_id = slots < 0, bag_of_ids(bags)
+            values = self.absent_values(bags.ids, weights, absent, step)
+            if values is not None:
+                missing_out = values.new_zeros(bags.num_bags, self.dim).index_add_(0, bag_of_id[absent], values)
+            slots, offsets, weights = present_bags(bags, slots, bag_of_id)
         # A hold's rows are the found keys' slots in order: every key found, they are this lookup's
         # (its slots read there: no host read).
         store_lookup = self.store.lookup if hold is None else hold.lookup
@@ -281,6 +267,21 @@ class DynamicTable(EmbeddingTable):
             self._commit_on_backward(out, step)
             self._await_update(out, step)
         return out if missing_out is None else out + missing_out
+
+    def absent_values(
+        self, keys: torch.Tensor, weights: Optional[torch.Tensor], absent: torch.Tensor, step: Optional[Step]
+    ) -> Optional[torch.Tensor]:
+        """What the keys without a row (``absent``, ``[n]`` bool) add to their bags: the eval
+        initializer's values (in training with admission: the admission initializer's), times
+        their per-sample weights, ``[m, dim]`` in the order of the absent keys; None where that
+        initializer is zero."""
+        init = self.eval_initializer
+        if step is not None and self.admission is not None:
+            init = self.admission.initializer
+        if init.is_zero:
+            return None
+        values = init.values(keys[absent], self.dim, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
+        return values if weights is None else values * weights[absent][:, None]
 
     def _await_update(self, out: torch.Tensor, step: Step) -> None:
         """Counts ``out``'s fused update as still to come until its backward reaches it (the update
@@ -506,6 +507,26 @@ class DynamicTable(EmbeddingTable):
             fresh = self.admission.fresh_counter()
             self.admission.counter = snapshot.restored_counter(fresh, None if weights_only else dump)
         return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
+
+
+def bag_of_ids(bags: Bags) -> torch.Tensor:
+    """``[n]`` int64: the bag of each id of ``bags``."""
+    lengths = bags.offsets[1:] - bags.offsets[:-1]
+    num_bags = bags.num_bags
+    return torch.repeat_interleave(
+        torch.arange(num_bags, device=bags.ids.device), lengths, output_size=bags.ids.numel()
+    )
+
+
+def present_bags(
+    bags: Bags, rows: torch.Tensor, bag_of_id: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(rows, offsets, weights)`` of ``bags`` keeping only the ids with a row (``rows[i] >=
+    0``; ``bag_of_id``: :func:`bag_of_ids`): the same bags, each without its absent ids."""
+    present = rows >= 0
+    lengths = torch.bincount(bag_of_id[present], minlength=bags.num_bags)
+    offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    return rows[present], offsets, None if bags.weights is None else bags.weights[present]
 
 
 def _follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ A :class:`DynamicTableGroup` does it for dynamic tables of one dim and spec that
 (``init_capacity`` at ``max_capacity``: their slots are rows of the shared store for good),
 float32 rows on the native backend, without admission: each table keeps its own hash index,
 finds, inserts, evictions, pins and scores; the group pools all their slots at once and updates
-them in one pass. A step where some key has no row (a dropped key reads the eval initializer),
-or where the tables' learning rates or step counters differ, looks each table up on its own.
+them in one pass. A key without a row (evaluation, a dropped key) adds its table's eval
+initializer to its bag, as a table alone does; a training step where the tables' learning
+rates or step counters differ looks each table up on its own.
 
 The grouping changes no result beyond float32 summation order: a row's update depends only on
 its own aggregated gradient and the table's learning rate and step counter, and each bag pools
@@ -41,7 +42,7 @@ import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.dynamic import DynamicTable
+from dynarec.embedding.dynamic import DynamicTable, bag_of_ids, present_bags
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
@@ -289,19 +290,36 @@ class DynamicTableGroup(_Group):
             slots.append(s)
             present.append(p)
         rates = {t.store.lr for t in self.tables}
-        if not all(present) or (train and (len({s.t for s in steps if s is not None}) > 1 or len(rates) > 1)):
+        if train and (len({s.t for s in steps if s is not None}) > 1 or len(rates) > 1):
             parts = zip(self.tables, bags.split(), slots, present, steps)
             return torch.cat([t.pooled_at(part, s, p, step) for t, part, s, p, step in parts])
-        rows = torch.cat(slots) + self._shift(self.bases, [num_ids for _, num_ids in bags.parts], bags.ids.device)
+        found_slots = torch.cat(slots)
+        rows = found_slots + self._shift(self.bases, [num_ids for _, num_ids in bags.parts], bags.ids.device)
+        offsets, weights, missing_out = bags.offsets, bags.weights, None
+        if not all(present):  # keys without a row: their initializer's values, the others pooled
+            rows = torch.where(found_slots >= 0, rows, found_slots)
+            bag_of_id, at = bag_of_ids(bags), 0
+            for table, keys, s, p, step in zip(self.tables, table_ids, slots, present, steps):
+                absent, ids_at = s < 0, slice(at, at + s.numel())
+                at += s.numel()
+                w = None if weights is None else weights[ids_at]
+                values = None if p else table.absent_values(keys, w, absent, step)
+                if values is not None:
+                    if missing_out is None:
+                        missing_out = values.new_zeros(bags.num_bags, self.store.dim)
+                    missing_out.index_add_(0, bag_of_id[ids_at][absent], values)
+            rows, offsets, weights = present_bags(bags, rows, bag_of_id)
+            slots = [s if p else s[s >= 0] for s, p in zip(slots, present)]
         if not train:
-            return self.store.lookup(rows, bags.offsets, bags.weights, False)
-        begun = [(table, table.steps.current) for table in self.tables]
-        for (table, step), s in zip(begun, slots):
-            table.score_policy.schedule(s, step, fused=False)  # written at commit, by each index
-        self.store.set_learning_rate(rates.pop())
-        out = self.store.lookup(rows, bags.offsets, bags.weights, True, step=begun[0][1].t)
-        commit_on_backward(out, begun)
-        return out
+            out = self.store.lookup(rows, offsets, weights, False)
+        else:
+            begun = [(table, table.steps.current) for table in self.tables]
+            for (table, step), s in zip(begun, slots):
+                table.score_policy.schedule(s, step, fused=False)  # written at commit, by each index
+            self.store.set_learning_rate(rates.pop())
+            out = self.store.lookup(rows, offsets, weights, True, step=begun[0][1].t)
+            commit_on_backward(out, begun)
+        return out if missing_out is None else out + missing_out
 
 
 class GroupFoundKeys(FoundKeys):

@@ -9,6 +9,7 @@ import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
 from dynarec.embedding.config import AdmissionConfig
+from dynarec.embedding.initializers import Initializer
 from dynarec.kernels.ops import packs_rows
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.matrix import DEVICES
@@ -233,14 +234,14 @@ def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
 # -- dynamic tables ------------------------------------------------------------------------------
 
 
-def dynamic_tables(score_strategy="step"):
+def dynamic_tables(score_strategy="step", **extra):
     """Dynamic tables of dim 8 and 64 slots that never grow: three in one group (one serves a pooled
     feature and a sequence, one mean-pooled, one of 8-slot buckets); one that grows and one with
     admission (each looked up on its own); a fixed table. Keys from a few hundred: the tables
     fill, evict and move rows."""
 
     def options(**kw):
-        return DynamicTableOptions(64, score_strategy=score_strategy, **kw)
+        return DynamicTableOptions(64, score_strategy=score_strategy, **{**extra, **kw})
 
     return [
         TableConfig(name="p", dim=8, dynamic=options(), features=["fp", FeatureConfig("sp", pooling="none")]),
@@ -348,3 +349,46 @@ def test_a_dynamic_group_aborts_loads_and_looks_up_apart_where_its_tables_differ
     for n, t in grouped.tables.items():
         fresh.tables[n].load(t.dump())
     assert_same(fresh, grouped)
+
+
+def test_keys_without_a_row_read_their_tables_eval_initializer_within_the_groups_one_lookup(monkeypatch):
+    """Batches larger than the tables (keys dropped in training, check_mode ignore) and evaluation
+    of unseen keys: each absent key adds its own table's eval initializer (uniform on one, a
+    constant on another), weighted, in the group's one lookup a step; bit for bit the tables
+    apart."""
+    from dynarec.optim import fused
+
+    calls = []
+    real = fused.fused_bag_update
+    monkeypatch.setattr(
+        "dynarec.embedding.row_store.fused_bag_update",
+        lambda spec, **kw: calls.append(kw["weight"].shape[0]) or real(spec, **kw),
+    )
+
+    def configs():
+        out = dynamic_tables(check_mode="ignore", eval_initializer=Initializer("uniform", bound=0.3))
+        out[1] = TableConfig(
+            name="q",
+            dim=8,
+            dynamic=DynamicTableOptions(64, check_mode="ignore", eval_initializer=Initializer("constant", value=0.5)),
+            features=["fq"],
+            pooling="mean",
+        )
+        return out
+
+    g = torch.Generator().manual_seed(8)
+    batches = [dynamic_batch(g, 40, True) for _ in range(3)]
+    grouped = EmbeddingCollection(configs(), Adagrad(lr=0.1))
+    apart = EmbeddingCollection(configs(), Adagrad(lr=0.1), group_tables=False)
+    assert grouped.lookup_groups[0] == ("p", "q", "r")
+    calls.clear()
+    for x, y in zip(run(grouped, batches, "cpu"), run(apart, batches, "cpu")):
+        assert_outputs(x, y, exact=True)
+    assert calls.count(3 * 64) == 3  # the group's one update a step, keys dropped or not
+    assert all(grouped.tables[n].dropped_keys > 0 for n in ("p", "q", "r"))
+    assert_same(grouped, apart)
+    grouped.eval()
+    apart.eval()
+    with torch.no_grad():
+        unseen = dynamic_batch(torch.Generator().manual_seed(9), 7, True)
+        assert_outputs(grouped(unseen), apart(unseen), exact=True)
