@@ -66,10 +66,11 @@ from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
+from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["DynamicTable", "TableFullError", "bag_of_ids", "present_bags"]
+__all__ = ["DynamicTable", "TableFullError", "present_bags"]
 
 
 class TableFullError(RuntimeError):
@@ -250,7 +251,7 @@ class DynamicTable(EmbeddingTable):
         offsets, weights = bags.offsets, bags.weights
         missing_out = None
         if not all_present:
-            absent, bag_of_id = slots < 0, bag_of_ids(bags)
+            absent, bag_of_id = slots < 0, bags_of_ids(bags.offsets, bags.ids.numel())
             values = self.absent_values(bags.ids, weights, absent, step)
             if values is not None:
                 missing_out = values.new_zeros(bags.num_bags, self.dim).index_add_(0, bag_of_id[absent], values)
@@ -509,20 +510,11 @@ class DynamicTable(EmbeddingTable):
         return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
 
 
-def bag_of_ids(bags: Bags) -> torch.Tensor:
-    """``[n]`` int64: the bag of each id of ``bags``."""
-    lengths = bags.offsets[1:] - bags.offsets[:-1]
-    num_bags = bags.num_bags
-    return torch.repeat_interleave(
-        torch.arange(num_bags, device=bags.ids.device), lengths, output_size=bags.ids.numel()
-    )
-
-
 def present_bags(
     bags: Bags, rows: torch.Tensor, bag_of_id: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(rows, offsets, weights)`` of ``bags`` keeping only the ids with a row (``rows[i] >=
-    0``; ``bag_of_id``: :func:`bag_of_ids`): the same bags, each without its absent ids."""
+    0``; ``bag_of_id``: each id's bag, ``bags_of_ids``): the same bags, each without its absent ids."""
     present = rows >= 0
     lengths = torch.bincount(bag_of_id[present], minlength=bags.num_bags)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])

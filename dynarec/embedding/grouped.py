@@ -42,11 +42,12 @@ import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.dynamic import DynamicTable, bag_of_ids, present_bags
+from dynarec.embedding.dynamic import DynamicTable, present_bags
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
 from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys, commit_on_backward
+from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 from dynarec.optim.registry import definition
@@ -298,7 +299,7 @@ class DynamicTableGroup(_Group):
         offsets, weights, missing_out = bags.offsets, bags.weights, None
         if not all(present):  # keys without a row: their initializer's values, the others pooled
             rows = torch.where(found_slots >= 0, rows, found_slots)
-            bag_of_id, at = bag_of_ids(bags), 0
+            bag_of_id, at = bags_of_ids(bags.offsets, bags.ids.numel()), 0
             for table, keys, s, p, step in zip(self.tables, table_ids, slots, present, steps):
                 absent, ids_at = s < 0, slice(at, at + s.numel())
                 at += s.numel()

@@ -90,6 +90,15 @@ void check_cpu_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The position of the first of `n` indices outside [0, size), or -1 (the ops that write at indices
+// check them all first: a bad one writes nothing, and goes back as a value, not a C++ exception).
+int64_t first_outside(const int64_t* ix, int64_t n, int64_t size) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (ix[i] < 0 || ix[i] >= size) return i;
+  }
+  return -1;
+}
+
 }  // namespace
 
 // (slots, absent): the slot of each query key in a two-choice bucketed index, -1 where absent
@@ -226,9 +235,7 @@ int64_t uniform_rows(torch::Tensor out, const torch::Tensor& rows, const torch::
   const int64_t n = rows.numel(), dim = out.size(1), num_rows = out.size(0), stride = out.stride(0);
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* k = keys.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (r[i] < 0 || r[i] >= num_rows) return i;
-  }
+  if (const int64_t bad = first_outside(r, n, num_rows); bad >= 0) return bad;
   const uint64_t salt = uniform_salt(seed, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -255,9 +262,7 @@ int64_t fill_rows(torch::Tensor t, const torch::Tensor& rows, double value) {
               "t must be float32 [rows, width] with unit column stride");
   const int64_t n = rows.numel(), width = t.size(1), num_rows = t.size(0), stride = t.stride(0);
   const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (r[i] < 0 || r[i] >= num_rows) return i;
-  }
+  if (const int64_t bad = first_outside(r, n, num_rows); bad >= 0) return bad;
   float* p = t.data_ptr<float>();
   const float v = static_cast<float>(value);
   constexpr int64_t kAhead = 8;  // rows scattered over a large table: each a miss, overlapped
@@ -1170,9 +1175,7 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   int64_t* p = t.data_ptr<int64_t>();
   const int64_t* ix = idx.data_ptr<int64_t>();
   const int64_t n = idx.numel(), size = t.numel();
-  for (int64_t i = 0; i < n; ++i) {
-    if (ix[i] < 0 || ix[i] >= size) return i;
-  }
+  if (const int64_t bad = first_outside(ix, n, size); bad >= 0) return bad;
   for (int64_t i = 0; i < n; ++i) p[ix[i]] = value;
   return -1;
 }

@@ -5,7 +5,7 @@ the tolerance policy where they sum in another (pooling, the fused update).
 
 - :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, the two-choice find, the
   key-seeded uniform draws and the uniform initializer's rows;
-- :mod:`.plan`: an insert plan's three steps, and the index writes a commit, a touch and a pin make;
+- :mod:`.plan`: an insert plan's three steps, and the index writes a commit and a touch make;
 - :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags;
 - :mod:`.rows`: rows moved between a device cache and host memory, fresh optimizer states.
 
@@ -13,7 +13,7 @@ Written with batched tensor ops, no Python loop per key; imports torch alone (an
 table, ``dynarec.optim.kernel``).
 """
 
-from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, pooled
+from dynarec.kernels.reference.bags import aggregate, bag_gradients, bag_update, bags_of_ids, pooled
 from dynarec.kernels.reference.hashing import (
     candidate_buckets,
     find,
@@ -31,6 +31,7 @@ __all__ = [
     "aggregate",
     "bag_gradients",
     "bag_update",
+    "bags_of_ids",
     "candidate_buckets",
     "claim_free_slots",
     "exchange_rows",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from dynarec.kernels.packed import table_views
 from dynarec.optim.kernel import KernelArgs, KernelCode, WeightDecayCode, update_rows
 
-__all__ = ["aggregate", "bag_gradients", "bag_update", "pooled"]
+__all__ = ["aggregate", "bag_gradients", "bag_update", "bags_of_ids", "pooled"]
 
 
 def pooled(
@@ -34,7 +34,7 @@ def pooled(
             rows, weight, offsets, mode="sum", per_sample_weights=per_sample_weights, include_last_offset=True
         )
     out = torch.zeros(offsets.numel() - 1, width, dtype=torch.float32, device=weight.device)
-    bag_of_id = _bag_of_id(offsets, rows.numel())
+    bag_of_id = bags_of_ids(offsets, rows.numel())
     for (start, end), table in zip(_row_ranges(layout), table_views(weight, layout)):
         mine = (rows >= start) & (rows < end)
         v = table.index_select(0, rows[mine] - start)
@@ -44,7 +44,8 @@ def pooled(
     return out
 
 
-def _bag_of_id(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
+def bags_of_ids(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``[num_ids]`` int64: the bag of each id of CSR ``offsets``."""
     lengths = offsets[1:] - offsets[:-1]
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids)
 
@@ -59,7 +60,7 @@ def bag_gradients(
     grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], num_ids: int
 ) -> torch.Tensor:
     """Per-id gradient ``[n, D]`` of weighted-sum bags: ``psw[i] * grad_out[bag(i)]``."""
-    g = grad_out.index_select(0, _bag_of_id(offsets, num_ids))
+    g = grad_out.index_select(0, bags_of_ids(offsets, num_ids))
     if per_sample_weights is not None:
         g.mul_(per_sample_weights[:, None])
     return g
