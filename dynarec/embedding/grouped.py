@@ -15,10 +15,11 @@ a lookup launches nothing, they are looked up apart.
 
 A :class:`DynamicTableGroup` does it for dynamic tables of one dim and spec that never grow
 (``init_capacity`` at ``max_capacity``: their slots are rows of the shared store for good),
-float32 rows on the native backend, without admission: each table keeps its own hash index,
-finds, inserts, evictions, pins and scores; the group pools all their slots at once and updates
-them in one pass. A key without a row (evaluation, a dropped key) adds its table's eval
-initializer to its bag, as a table alone does; a training step where the tables' learning
+float32 rows on the native backend, with admission or without: each table keeps its own hash
+index, finds, inserts, evictions, pins, scores and admission counter; the group pools all their
+slots at once and updates them in one pass. A key without a row (evaluation, a dropped key, a
+key not yet admitted) adds its table's eval (or admission) initializer to its bag, as a table
+alone does; a training step where the tables' learning
 rates or step counters differ looks each table up on its own.
 
 The grouping changes no result beyond float32 summation order: a row's update depends only on
@@ -69,7 +70,7 @@ ReducerFactory = Callable[[str, int], Optional[GradReducer]]
 def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False) -> Optional[tuple]:
     """What tables must share to be grouped, or None for a table that is looked up on its own
     (another backend, half-precision rows: their rounding draws are keyed by the table's own
-    rows, rows in host memory behind a cache, a dynamic table that grows or admits). Fixed
+    rows, rows in host memory behind a cache, a dynamic table that grows). Fixed
     tables: with ``packs_dims`` (:func:`packs_dims`) tables of several dims within one row tile
     group too (the tile and the spec), else the dim and the spec; dynamic tables: the dim and
     the spec (each keeps its own index, of any bucket size)."""
@@ -80,7 +81,7 @@ def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False
     if config.dynamic is not None:
         d = config.dynamic
         grows = whole_buckets(d.init_capacity, d.bucket_size) < whole_buckets(d.max_capacity, d.bucket_size)  # type: ignore[arg-type]
-        if grows or d.admission is not None:  # (admission: a key may stay absent step after step)
+        if grows:
             return None
         return ("dynamic", config.dim, spec)
     return (_dim_class(config.dim), spec) if packs_dims else (config.dim, spec)

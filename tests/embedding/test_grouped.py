@@ -235,9 +235,9 @@ def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
 
 
 def dynamic_tables(score_strategy="step", **extra):
-    """Dynamic tables of dim 8 and 64 slots that never grow: three in one group (one serves a pooled
-    feature and a sequence, one mean-pooled, one of 8-slot buckets); one that grows and one with
-    admission (each looked up on its own); a fixed table. Keys from a few hundred: the tables
+    """Dynamic tables of dim 8 and 64 slots that never grow: four in one group (one serves a pooled
+    feature and a sequence, one mean-pooled, one with admission, one of 8-slot buckets); one that
+    grows (looked up on its own); a fixed table. Keys from a few hundred: the tables
     fill, evict and move rows."""
 
     def options(**kw):
@@ -277,7 +277,7 @@ def test_dynamic_tables_that_never_grow_share_one_lookup_and_train_as_apart(devi
     batches = [dynamic_batch(g, 9, weighted) for _ in range(8)]
     grouped = EmbeddingCollection(dynamic_tables(), spec, device=device)
     apart = EmbeddingCollection(dynamic_tables(), spec, device=device, group_tables=False)
-    assert grouped.lookup_groups == [("p", "q", "r"), ("g",), ("m",), ("x",)]
+    assert grouped.lookup_groups == [("p", "q", "m", "r"), ("g",), ("x",)]
     exact = device == "cpu"
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
         assert_outputs(x, y, exact)
@@ -312,8 +312,8 @@ def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_comm
     monkeypatch.setattr("dynarec.embedding.row_store.fused_bag_update", counted)
     coll = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1), device=device)
     run(coll, [dynamic_batch(torch.Generator().manual_seed(6), 9, False)], device)
-    assert sorted(calls) == sorted([(3 * 64, False), (32, True), (64, True), (40, False)])
-    for name in ("p", "q", "r"):  # scores: the step, at every key the step touched
+    assert sorted(calls) == sorted([(4 * 64, False), (32, True), (40, False)])
+    for name in ("p", "q", "m", "r"):  # scores: the step, at every key the step touched (m: admitted)
         scores = coll.tables[name].dump()["scores"]
         assert scores.numel() and bool((scores == 1).all())
 
@@ -352,8 +352,8 @@ def test_a_dynamic_group_aborts_loads_and_looks_up_apart_where_its_tables_differ
 
 
 def test_keys_without_a_row_read_their_tables_eval_initializer_within_the_groups_one_lookup(monkeypatch):
-    """Batches larger than the tables (keys dropped in training, check_mode ignore) and evaluation
-    of unseen keys: each absent key adds its own table's eval initializer (uniform on one, a
+    """Batches larger than the tables (keys dropped in training, check_mode ignore), keys not yet
+    admitted, and evaluation of unseen keys: each absent key adds its own table's eval initializer (uniform on one, a
     constant on another), weighted, in the group's one lookup a step; bit for bit the tables
     apart."""
     from dynarec.optim import fused
@@ -380,11 +380,11 @@ def test_keys_without_a_row_read_their_tables_eval_initializer_within_the_groups
     batches = [dynamic_batch(g, 40, True) for _ in range(3)]
     grouped = EmbeddingCollection(configs(), Adagrad(lr=0.1))
     apart = EmbeddingCollection(configs(), Adagrad(lr=0.1), group_tables=False)
-    assert grouped.lookup_groups[0] == ("p", "q", "r")
+    assert grouped.lookup_groups[0] == ("p", "q", "m", "r")  # m: keys not yet admitted read its initializer
     calls.clear()
     for x, y in zip(run(grouped, batches, "cpu"), run(apart, batches, "cpu")):
         assert_outputs(x, y, exact=True)
-    assert calls.count(3 * 64) == 3  # the group's one update a step, keys dropped or not
+    assert calls.count(4 * 64) == 3  # the group's one update a step, keys dropped or not
     assert all(grouped.tables[n].dropped_keys > 0 for n in ("p", "q", "r"))
     assert_same(grouped, apart)
     grouped.eval()

@@ -31,6 +31,7 @@ import torch
 
 from dynarec.devices import capturing
 from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, row_block
+from dynarec.kernels.reference.bags import bags_of_ids
 from dynarec.optim.kernel import KernelCode, WeightDecayCode
 from dynarec.optim.rounding import ROUNDING_CODES
 
@@ -444,8 +445,7 @@ def _run(
     last and are never read); ``offsets`` CSR of all ``m``; ``hyper`` the :data:`HYPER` values
     (float64, on the device)."""
     m = rows.numel()
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=m)
+    bag_of_id = bags_of_ids(offsets, m)
     sorted_rows, order = torch.sort(rows, stable=True)
     s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
     block_d, block = launch.block_d, launch.block
