@@ -111,11 +111,10 @@ def _plan_insert_cpu(
             tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
             free_slots,
         )  # fmt: skip
-    b1, b2 = k.candidate_buckets(new_keys.contiguous(), num_buckets)
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64)
     empty = torch.empty(0, dtype=torch.int64)
     left, moved_from, moved_to, evicted = k.plan_insert(
-        tags, keys, scores, pins, num_buckets, bucket_size, b1, b2, order, out,
+        tags, keys, scores, pins, num_buckets, bucket_size, new_keys.contiguous(), order, out,
         empty if move_pins is None else move_pins.to("cpu", torch.int64).contiguous(),
         empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict, free_slots,
     )  # fmt: skip

@@ -943,14 +943,6 @@ void claim_free(PlanBuckets& work, const int64_t* p1, const int64_t* p2, int64_t
   }
 }
 
-// Every bucket of `b` is one of `num_buckets` (the planner indexes its arrays by them).
-void check_buckets(const torch::Tensor& b, int64_t num_buckets, const char* name) {
-  const int64_t* p = b.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b.numel(); ++i) {
-    TORCH_CHECK(p[i] >= 0 && p[i] < num_buckets, name, "[", i, "] = ", p[i], " is not a bucket of ", num_buckets);
-  }
-}
-
 // Whether slot `slot`'s pin (`pins[slot]`, read only when there are steps) is one of `steps`.
 inline bool pinned_by(const int32_t* pins, int64_t slot, const std::vector<int64_t>& steps) {
   if (steps.empty()) return false;
@@ -981,22 +973,22 @@ torch::Tensor to_tensor(const std::vector<int64_t>& v) {
 }  // namespace
 
 // Step 1 of an insert plan alone (the tests compare it with the plain-torch rounds): writes the
-// slots into `out`; returns the keys (`todo`: indices into b1/b2/out, in rank order) whose two
-// buckets are both full, in order.
-torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& b1,
-                               const torch::Tensor& b2, const torch::Tensor& todo, torch::Tensor& out) {
+// slots of `keys` into `out`; returns the keys (`todo`: indices into keys/out, in rank order)
+// whose two buckets are both full, in order. Each key's two buckets are candidate_buckets', so
+// every bucket read is one of the index's.
+torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, const torch::Tensor& keys,
+                               const torch::Tensor& todo, torch::Tensor& out) {
   TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
-  check_cpu_int64(b1, "b1");
-  check_cpu_int64(b2, "b2");
+  check_cpu_int64(keys, "keys");
   check_cpu_int64(todo, "todo");
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
-  TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
-  check_buckets(b1, tags.numel() / bucket_size, "b1");
-  check_buckets(b2, tags.numel() / bucket_size, "b2");
-  PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, tags.numel() / bucket_size, todo.numel());
+  TORCH_CHECK(keys.numel() == out.numel(), "keys and out must have a value per key");
+  const int64_t num_buckets = tags.numel() / bucket_size;
+  const auto buckets = candidate_buckets(keys, num_buckets);  // each one of the index's, by construction
+  PlanBuckets work(tags.data_ptr<uint8_t>(), bucket_size, num_buckets, todo.numel());
   std::vector<int64_t> cur(todo.data_ptr<int64_t>(), todo.data_ptr<int64_t>() + todo.numel());
-  claim_free(work, b1.data_ptr<int64_t>(), b2.data_ptr<int64_t>(), out.data_ptr<int64_t>(), cur);
+  claim_free(work, buckets[0].data_ptr<int64_t>(), buckets[1].data_ptr<int64_t>(), out.data_ptr<int64_t>(), cur);
   return to_tensor(cur);
 }
 
@@ -1008,12 +1000,14 @@ torch::Tensor claim_free_slots(const torch::Tensor& tags, int64_t bucket_size, c
 // ascending); 3. when `allow_evict`: the lowest (score, slot) held slot of the key's two buckets
 // not pinned by `evict_pins` (two keys wanting one slot: the better-ranked wins, the other tries
 // again). Pins are the steps' ids modulo PIN_WRAP. `free_slots`: the index's empty slots when the
-// caller knows (-1: unknown); with none, steps 1 and 2 would place nothing and are skipped. Writes
-// `out`; returns (keys left after step 2, in rank order; moved_from; moved_to; evicted slots).
+// caller knows (-1: unknown); with none, steps 1 and 2 would place nothing and are skipped. Each of
+// `new_keys`' two buckets is candidate_buckets' (computed here: one of the index's by
+// construction). Writes `out` (a slot per new key); returns (keys left after step 2, in rank
+// order; moved_from; moved_to; evicted slots).
 std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::Tensor& table_keys,
                                        const torch::Tensor& scores, const torch::Tensor& pins, int64_t num_buckets,
-                                       int64_t bucket_size, const torch::Tensor& b1, const torch::Tensor& b2,
-                                       const torch::Tensor& order, torch::Tensor& out, const torch::Tensor& move_pins,
+                                       int64_t bucket_size, const torch::Tensor& new_keys, const torch::Tensor& order,
+                                       torch::Tensor& out, const torch::Tensor& move_pins,
                                        const torch::Tensor& evict_pins, bool allow_evict, int64_t free_slots) {
   TORCH_CHECK(tags.device().is_cpu() && tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(),
               "tags must be contiguous uint8 on the CPU");
@@ -1021,8 +1015,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
               "pins must be contiguous int32 on the CPU");
   check_cpu_int64(table_keys, "table_keys");
   check_cpu_int64(scores, "scores");
-  check_cpu_int64(b1, "b1");
-  check_cpu_int64(b2, "b2");
+  check_cpu_int64(new_keys, "new_keys");
   check_cpu_int64(order, "order");
   check_cpu_int64(out, "out");
   TORCH_CHECK(bucket_size >= 1 && bucket_size <= 64, "bucket_size must be in [1, 64]");
@@ -1031,12 +1024,11 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
   TORCH_CHECK(tags.numel() == capacity && table_keys.numel() == capacity && scores.numel() == capacity &&
                   pins.numel() == capacity,
               "tags, table_keys, scores and pins must have num_buckets * bucket_size slots");
-  TORCH_CHECK(b1.numel() == b2.numel() && b1.numel() == out.numel(), "b1, b2 and out must have a value per key");
-  check_buckets(b1, num_buckets, "b1");
-  check_buckets(b2, num_buckets, "b2");
+  TORCH_CHECK(new_keys.numel() == out.numel(), "new_keys and out must have a value per key");
+  const auto buckets = candidate_buckets(new_keys, num_buckets);  // each one of the index's, by construction
   const int64_t bs = bucket_size;
-  const int64_t* p1 = b1.data_ptr<int64_t>();
-  const int64_t* p2 = b2.data_ptr<int64_t>();
+  const int64_t* p1 = buckets[0].data_ptr<int64_t>();
+  const int64_t* p2 = buckets[1].data_ptr<int64_t>();
   const int64_t* tk = table_keys.data_ptr<int64_t>();
   const int64_t* sc = scores.data_ptr<int64_t>();
   const int32_t* pn = pins.data_ptr<int32_t>();
