@@ -42,7 +42,9 @@ count per free-slot round of the insert plan (at load 0.5, one round). Pins skip
 device, and whether every key got a row follows from the plan's count. A warm table with no new
 keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves read
 more: one count a round; evictions (a full table) one count every 4 rounds (about 3 a step at
-4.2M ids with 5% new keys).
+4.2M ids with 5% new keys). A group of tables (``DynamicTableGroup``) finds the absent keys of
+all its inserting tables in one pass (:meth:`AbsentKeys.of_tables`): two reads a step for the
+group, not two a table.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -70,7 +74,7 @@ from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["DynamicTable", "TableFullError", "present_bags"]
+__all__ = ["AbsentKeys", "DynamicTable", "TableFullError", "present_bags"]
 
 
 class TableFullError(RuntimeError):
@@ -227,13 +231,16 @@ class DynamicTable(EmbeddingTable):
         """``found`` (a find of ``keys`` made earlier) where it still holds, else a find now."""
         return found if found is not None and self._still_holds(found) else self.find_keys(keys)
 
-    def slots_for(self, keys: torch.Tensor, found: FoundKeys, step: Optional[Step]) -> tuple[torch.Tensor, bool]:
+    def slots_for(
+        self, keys: torch.Tensor, found: FoundKeys, step: Optional[Step], absent: Optional[AbsentKeys] = None
+    ) -> tuple[torch.Tensor, bool]:
         """The slot of every key (-1: no row), and whether every key has one: in training
         (``step``), absent keys inserted first (admission permitting); else ``found``'s (a find
-        of ``keys`` that still holds)."""
+        of ``keys`` that still holds). ``absent``: ``found``'s absent keys where the caller has
+        them (a group's, found for all its tables at once)."""
         if step is None:
             return found.slots, found.all_present
-        slots, all_present = self._slots_for_training(keys, found, step)
+        slots, all_present = self._slots_for_training(keys, found, step, absent)
         self._served_step = step.id
         return slots, all_present
 
@@ -306,7 +313,9 @@ class DynamicTable(EmbeddingTable):
         now = self.index.stamp
         return now.keys_kept_since(found.stamp) and (now.writes == found.stamp.writes or found.all_present)
 
-    def _slots_for_training(self, keys: torch.Tensor, found: FoundKeys, step: Step) -> tuple[torch.Tensor, bool]:
+    def _slots_for_training(
+        self, keys: torch.Tensor, found: FoundKeys, step: Step, absent: Optional[AbsentKeys] = None
+    ) -> tuple[torch.Tensor, bool]:
         """Slot of every key occurrence (``found``: the find's, every occurrence), creating rows
         (admission permitting); -1: no row. And whether every key has a row. A warm table (no new
         key) reads nothing more on the host than the find did."""
@@ -316,8 +325,9 @@ class DynamicTable(EmbeddingTable):
             self.index.pin_later(slots, step.id)
             return slots, True
         self.index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
-        absent = torch.nonzero(slots < 0).squeeze(1)  # one host read: how many occurrences are absent
-        uniq, inverse, counts = torch.unique(keys[absent], return_inverse=True, return_counts=True)
+        if absent is None:
+            absent = AbsentKeys.of(keys, slots)
+        uniq, inverse, counts = absent.unique, absent.inverse, absent.counts
         new_keys, admitted = uniq, None
         if self.admission is not None:
             admitted = torch.nonzero(self.admission.count(uniq, counts, step, self._pending_ids())).squeeze(1)
@@ -337,7 +347,7 @@ class DynamicTable(EmbeddingTable):
             else:
                 if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
                     slots = _follow_moves(slots, plan.moved_from, plan.moved_to)
-                slots.index_copy_(0, absent, new_slots[inverse])
+                slots.index_copy_(0, absent.positions, new_slots[inverse])
         return slots, all_present
 
     def _pending_ids(self, *extra: int) -> torch.Tensor:
@@ -508,6 +518,63 @@ class DynamicTable(EmbeddingTable):
             fresh = self.admission.fresh_counter()
             self.admission.counter = snapshot.restored_counter(fresh, None if weights_only else dump)
         return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
+
+
+@dataclass(frozen=True)
+class AbsentKeys:
+    """The keys of a find without a row: ``positions`` ``[m]`` int64 (ascending, into the find's
+    keys), and ``keys[positions]`` as ``torch.unique`` gives them: ``unique`` ``[u]`` (ascending),
+    ``inverse`` ``[m]`` (each position's index into ``unique``), ``counts`` ``[u]``."""
+
+    positions: torch.Tensor
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, slots: torch.Tensor) -> AbsentKeys:
+        """Those of ``keys`` ``[n]`` whose ``slots`` ``[n]`` are -1 (one host read on a GPU for
+        their number, one for the unique keys')."""
+        positions = torch.nonzero(slots < 0).squeeze(1)
+        unique, inverse, counts = torch.unique(keys[positions], return_inverse=True, return_counts=True)
+        return cls(positions, unique, inverse, counts)
+
+    @classmethod
+    def of_tables(
+        cls, keys: Sequence[torch.Tensor], slots: Sequence[torch.Tensor], table: torch.Tensor
+    ) -> list[AbsentKeys]:
+        """:meth:`of` for each table's ``(keys[i], slots[i])``, found for all of them in one pass:
+        the same tensors, with a fixed number of ops and two host reads (on a GPU) whatever the
+        number of tables. ``table``: ``[sum of keys]`` int64, the table of each key (``i`` for
+        each of ``keys[i]``; built on the device by the caller, who keeps it for the next
+        batches of the same sizes)."""
+        n = len(keys)
+        all_keys, all_slots = torch.cat(list(keys)), torch.cat(list(slots))
+        positions = torch.nonzero(all_slots < 0).squeeze(1)  # ascending: table by table
+        k, t = all_keys[positions], table[positions]
+        order = torch.argsort(k, stable=True)
+        order = order[torch.argsort(t[order], stable=True)]  # by table, then key
+        sk, st = k[order], t[order]
+        first = torch.ones_like(sk, dtype=torch.bool)  # the first of each (table, key)
+        first[1:] = (sk[1:] != sk[:-1]) | (st[1:] != st[:-1])
+        uid = torch.cumsum(first, 0) - 1
+        inverse = torch.empty_like(uid).index_copy_(0, order, uid)
+        counted = torch.zeros(3, n, dtype=torch.int64, device=table.device)
+        counted[0].index_add_(0, table, torch.ones_like(table))  # keys a table
+        counted[1].index_add_(0, t, torch.ones_like(t))  # absent keys a table
+        counted[2].index_add_(0, st, first.long())  # distinct absent keys a table
+        starts = torch.cumsum(counted, 1) - counted  # each table's first of each
+        positions = positions - starts[0][t]
+        inverse = inverse - starts[2][t]
+        absent_of, unique_of = counted[1:].tolist()  # the host read besides nonzero's
+        unique = sk[torch.nonzero_static(first, size=sum(unique_of)).squeeze(1)]
+        counts = torch.zeros_like(unique).index_add_(0, uid, torch.ones_like(uid))
+        return [
+            cls(*parts)
+            for parts in zip(
+                positions.split(absent_of), unique.split(unique_of), inverse.split(absent_of), counts.split(unique_of)
+            )
+        ]
 
 
 def present_bags(

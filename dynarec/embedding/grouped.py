@@ -43,7 +43,7 @@ import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.dynamic import DynamicTable, present_bags
+from dynarec.embedding.dynamic import AbsentKeys, DynamicTable, present_bags
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
@@ -152,7 +152,7 @@ class _Group:
         every step's), which then copy and launch nothing for it. Read-only: a step adds it."""
         # One a stream: a tensor is used on the stream it was made on, so dropping it is safe.
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
-        key = (tuple(counts), device, stream)
+        key = (tuple(bases), tuple(counts), device, stream)
         shift = self._shifts.pop(key, None)  # put back last: the least recently used goes first
         if shift is None:
             shift = torch.repeat_interleave(
@@ -286,9 +286,19 @@ class DynamicTableGroup(_Group):
         table_ids = bags.table_ids()
         founds = found.parts if isinstance(found, GroupFoundKeys) else [None] * len(table_ids)
         steps = [t.steps.current if train else None for t in self.tables]
+        founds = [t.found_again(keys, f) for t, keys, f in zip(self.tables, table_ids, founds)]
+        absents: list[Optional[AbsentKeys]] = [None] * len(founds)
+        inserting = [i for i, f in enumerate(founds) if train and not f.all_present]
+        if len(inserting) > 1:  # their absent keys in one pass (a fixed number of ops and host reads)
+            counts = [table_ids[i].numel() for i in inserting]
+            table_of_key = self._shift(list(range(len(inserting))), counts, bags.ids.device)
+            keys_of = [table_ids[i] for i in inserting]
+            shares = AbsentKeys.of_tables(keys_of, [founds[i].slots for i in inserting], table_of_key)
+            for i, share in zip(inserting, shares):
+                absents[i] = share
         slots, present = [], []
-        for table, keys, f, step in zip(self.tables, table_ids, founds, steps):
-            s, p = table.slots_for(keys, table.found_again(keys, f), step)
+        for table, keys, f, step, absent_keys in zip(self.tables, table_ids, founds, steps, absents):
+            s, p = table.slots_for(keys, f, step, absent_keys)
             slots.append(s)
             present.append(p)
         rates = {t.store.lr for t in self.tables}

@@ -1,12 +1,15 @@
 """The parts a DynamicTable is composed of, each on its own: its slots (Capacity: growth and its
-undo), admission (the counter and its threshold), the score policy (who writes which score) and
-the snapshot (dump and load of a layout)."""
+undo), admission (the counter and its threshold), the score policy (who writes which score),
+the snapshot (dump and load of a layout) and the absent keys of a find (one table's, or a
+group's tables' at once)."""
 
+import pytest
 import torch
 
 from dynarec.embedding.admission import Admission
 from dynarec.embedding.capacity import Capacity
 from dynarec.embedding.config import AdmissionConfig
+from dynarec.embedding.dynamic import AbsentKeys
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import Initializer
 from dynarec.embedding.row_store import NativeRowStore
@@ -14,6 +17,7 @@ from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.snapshot import dump, index_for_load, restored_counter
 from dynarec.embedding.step import StepLifecycle
 from dynarec.optim import Adagrad
+from tests.matrix import DEVICES
 
 CPU = torch.device("cpu")
 
@@ -105,3 +109,24 @@ def test_a_dump_loads_into_its_own_layout_or_anew_into_a_smaller_one():
     fresh = restored_counter(BucketedHashIndex(2, 4), saved)
     assert fresh.find(torch.tensor([99])).tolist() == counter.find(torch.tensor([99])).tolist()
     assert restored_counter(BucketedHashIndex(2, 4), None).size == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_absent_keys_of_several_tables_found_at_once_are_each_tables_own(device):
+    """AbsentKeys.of_tables (a group's one pass) gives each table exactly what AbsentKeys.of
+    (torch.unique of its absent keys) gives it alone: positions, unique keys, inverse, counts
+    and dtypes; tables without keys or without absent keys too, equal keys in two tables apart."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        keys, slots = [], []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+            n = int(torch.randint(0, 30, (1,), generator=g))
+            scale = 10**15 if trial % 2 else 1  # keys far apart, negative ones too
+            keys.append((torch.randint(-5, 5, (n,), generator=g) * scale).to(device))
+            slots.append(torch.where(torch.rand(n, generator=g) < 0.5, -1, 3).to(device))
+        table = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([k.numel() for k in keys])).to(device)
+        for k, s, got in zip(keys, slots, AbsentKeys.of_tables(keys, slots, table)):
+            want = AbsentKeys.of(k, s)
+            for field in ("positions", "unique", "inverse", "counts"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert a.dtype == b.dtype and torch.equal(a, b), (trial, field)

@@ -318,6 +318,35 @@ def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_comm
         assert scores.numel() and bool((scores == 1).all())
 
 
+def test_a_dynamic_group_finds_the_absent_keys_of_all_its_inserting_tables_in_one_pass(monkeypatch):
+    """A training step where several tables of a group insert: their absent keys (positions,
+    unique keys, counts) come from one AbsentKeys.of_tables pass, not one torch.unique a table
+    (on a GPU: two host reads a step for the group, not two a table); a table inserting alone
+    takes its own."""
+    from dynarec.embedding.dynamic import AbsentKeys
+
+    calls = {"of": 0, "of_tables": []}
+    of, of_tables = AbsentKeys.of.__func__, AbsentKeys.of_tables.__func__
+
+    def count_of(cls, *a):
+        calls["of"] += 1
+        return of(cls, *a)
+
+    def count_of_tables(cls, keys, *a):
+        calls["of_tables"].append(len(keys))
+        return of_tables(cls, keys, *a)
+
+    monkeypatch.setattr(AbsentKeys, "of", classmethod(count_of))
+    monkeypatch.setattr(AbsentKeys, "of_tables", classmethod(count_of_tables))
+    coll = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1))
+    run(coll, [dynamic_batch(torch.Generator().manual_seed(6), 9, False)], "cpu")
+    assert calls["of_tables"] == [4] and calls["of"] == 1  # the group's 4 tables at once; "g" alone
+    calls["of_tables"].clear()
+    only_p = JaggedBatch.from_lists({n: [[]] for n in DYNAMIC_ROWS} | {"fp": [[123456789]]})
+    run(coll, [only_p], "cpu")
+    assert calls["of_tables"] == [] and calls["of"] == 2  # one table of the group inserting: its own
+
+
 def test_a_dynamic_group_aborts_loads_and_looks_up_apart_where_its_tables_differ():
     """An aborted step leaves every table of the group as before it; a table loaded from another
     run (another step counter) or given its own learning rate is looked up apart for the steps
