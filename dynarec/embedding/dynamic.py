@@ -43,8 +43,9 @@ device, and whether every key got a row follows from the plan's count. A warm ta
 keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves read
 more: one count a round; evictions (a full table) one count every 4 rounds (about 3 a step at
 4.2M ids with 5% new keys). A group of tables (``DynamicTableGroup``) finds the absent keys of
-all its inserting tables in one pass (:meth:`AbsentKeys.of_tables`): two reads a step for the
-group, not two a table.
+all its inserting tables in one pass (:meth:`AbsentKeys.of_tables`): the two reads for the
+absent keys are made once a step for the group, not once a table (each table's flag and plan
+reads stay its own).
 """
 
 from __future__ import annotations
@@ -520,7 +521,7 @@ class DynamicTable(EmbeddingTable):
         return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AbsentKeys:
     """The keys of a find without a row: ``positions`` ``[m]`` int64 (ascending, into the find's
     keys), and ``keys[positions]`` as ``torch.unique`` gives them: ``unique`` ``[u]`` (ascending),

@@ -147,9 +147,10 @@ class _Group:
         return bags, layout, counts, tuple(parts)
 
     def _shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
-        """``[sum(counts)]`` int64: ``bases[i]`` once for each of ``counts[i]`` ids (each feature's or
-        table's); kept for the next batches of the same counts (a batch of one id a feature, say:
-        every step's), which then copy and launch nothing for it. Read-only: a step adds it."""
+        """``[sum(counts)]`` int64: ``bases[i]`` once for each of ``counts[i]`` ids (a feature's or
+        table's first row, or a table's index); kept for the next batches of the same bases and
+        counts (a batch of one id a feature, say: every step's), which then copy and launch
+        nothing for it. Read-only: a step adds it or indexes with it."""
         # One a stream: a tensor is used on the stream it was made on, so dropping it is safe.
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (tuple(bases), tuple(counts), device, stream)
@@ -290,12 +291,13 @@ class DynamicTableGroup(_Group):
         absents: list[Optional[AbsentKeys]] = [None] * len(founds)
         inserting = [i for i, f in enumerate(founds) if train and not f.all_present]
         if len(inserting) > 1:  # their absent keys in one pass (a fixed number of ops and host reads)
-            counts = [table_ids[i].numel() for i in inserting]
-            table_of_key = self._shift(list(range(len(inserting))), counts, bags.ids.device)
-            keys_of = [table_ids[i] for i in inserting]
-            shares = AbsentKeys.of_tables(keys_of, [founds[i].slots for i in inserting], table_of_key)
-            for i, share in zip(inserting, shares):
-                absents[i] = share
+            # Over every table (one with no absent key adds none): the table of each key is then
+            # kept for the batches of the same id counts, as the rows' shift is.
+            num_ids = [num_ids for _, num_ids in bags.parts]
+            table_of_key = self._shift(list(range(len(self.tables))), num_ids, bags.ids.device)
+            shares = AbsentKeys.of_tables(table_ids, [f.slots for f in founds], table_of_key)
+            for i in inserting:
+                absents[i] = shares[i]
         slots, present = [], []
         for table, keys, f, step, absent_keys in zip(self.tables, table_ids, founds, steps, absents):
             s, p = table.slots_for(keys, f, step, absent_keys)

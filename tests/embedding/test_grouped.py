@@ -321,8 +321,8 @@ def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_comm
 def test_a_dynamic_group_finds_the_absent_keys_of_all_its_inserting_tables_in_one_pass(monkeypatch):
     """A training step where several tables of a group insert: their absent keys (positions,
     unique keys, counts) come from one AbsentKeys.of_tables pass, not one torch.unique a table
-    (on a GPU: two host reads a step for the group, not two a table); a table inserting alone
-    takes its own."""
+    (on a GPU the absent keys' two host reads are made once a step for the group, not once a
+    table); a table inserting alone takes its own."""
     from dynarec.embedding.dynamic import AbsentKeys
 
     calls = {"of": 0, "of_tables": []}
