@@ -285,15 +285,15 @@ class DynamicTableGroup(_Group):
         and commits each table's step."""
         assert isinstance(bags, GroupBags)
         table_ids = bags.table_ids()
-        founds = found.parts if isinstance(found, GroupFoundKeys) else [None] * len(table_ids)
+        num_ids = [n for _, n in bags.parts]
+        earlier = found.parts if isinstance(found, GroupFoundKeys) else [None] * len(table_ids)
         steps = [t.steps.current if train else None for t in self.tables]
-        founds = [t.found_again(keys, f) for t, keys, f in zip(self.tables, table_ids, founds)]
+        founds = [t.found_again(keys, f) for t, keys, f in zip(self.tables, table_ids, earlier)]
         absents: list[Optional[AbsentKeys]] = [None] * len(founds)
         inserting = [i for i, f in enumerate(founds) if train and not f.all_present]
         if len(inserting) > 1:  # their absent keys in one pass (a fixed number of ops and host reads)
             # Over every table (one with no absent key adds none): the table of each key is then
             # kept for the batches of the same id counts, as the rows' shift is.
-            num_ids = [num_ids for _, num_ids in bags.parts]
             table_of_key = self._shift(list(range(len(self.tables))), num_ids, bags.ids.device)
             shares = AbsentKeys.of_tables(table_ids, [f.slots for f in founds], table_of_key)
             for i in inserting:
@@ -308,7 +308,7 @@ class DynamicTableGroup(_Group):
             parts = zip(self.tables, bags.split(), slots, present, steps)
             return torch.cat([t.pooled_at(part, s, p, step) for t, part, s, p, step in parts])
         found_slots = torch.cat(slots)
-        rows = found_slots + self._shift(self.bases, [num_ids for _, num_ids in bags.parts], bags.ids.device)
+        rows = found_slots + self._shift(self.bases, num_ids, bags.ids.device)
         offsets, weights, missing_out = bags.offsets, bags.weights, None
         if not all(present):  # keys without a row: their initializer's values, the others pooled
             rows = torch.where(found_slots >= 0, rows, found_slots)
@@ -327,7 +327,7 @@ class DynamicTableGroup(_Group):
         if not train:
             out = self.store.lookup(rows, offsets, weights, False)
         else:
-            begun = [(table, table.steps.current) for table in self.tables]
+            begun = [(table, step) for table, step in zip(self.tables, steps) if step is not None]
             for (table, step), s in zip(begun, slots):
                 table.score_policy.schedule(s, step, fused=False)  # written at commit, by each index
             self.store.set_learning_rate(rates.pop())
