@@ -31,6 +31,10 @@ Every op has four implementations:
 - fake: output shapes and dtypes without computing (data-dependent sizes through the fake
   context's dynamic sizes), so the ops trace under ``torch.compile`` and ``torch.export``.
 
+``find`` and ``plan_insert`` also serve a partitioned index (``part_starts`` and each key's
+partition: ``reference.candidate_buckets``), the hash index of a group of dynamic tables, each
+table a partition: one find and one plan a step for all of them.
+
 Where the table says ``torch``, that device runs the default. The C++ and Triton planners hold a
 bucket's claims in one 64-bit mask: a bucket of more than 64 slots is planned by the default.
 
@@ -60,12 +64,12 @@ __all__ = ["SCHEMAS", "packs_rows", "takes_half_rows"]
 _MAX_KERNEL_BUCKET = 64  # the C++ and Triton planners keep a bucket's claims in one 64-bit mask
 
 SCHEMAS = {
-    "find": "(Tensor table_keys, Tensor tags, int num_buckets, int bucket_size, Tensor query, bool flag)"
-    " -> (Tensor, Tensor)",
+    "find": "(Tensor table_keys, Tensor tags, int num_buckets, int bucket_size, Tensor query, bool flag,"
+    " Tensor? part_starts=None, Tensor? query_parts=None) -> (Tensor, Tensor)",
     "candidate_buckets": "(Tensor keys, int num_buckets) -> (Tensor, Tensor)",
     "plan_insert": "(Tensor tags, Tensor keys, Tensor scores, Tensor pins, int num_buckets, int bucket_size,"
-    " Tensor new_keys, Tensor order, Tensor? move_pins, Tensor? evict_pins, bool allow_evict, int free_slots=-1)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " Tensor new_keys, Tensor order, Tensor? move_pins, Tensor? evict_pins, bool allow_evict, int free_slots=-1,"
+    " Tensor? part_starts=None, Tensor? key_parts=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "place_keys": "(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) tags, Tensor slots, Tensor new_keys,"
     " Tensor new_scores) -> ()",
     "fill_at": "(Tensor(a!) t, Tensor idx, int value) -> ()",
@@ -85,12 +89,23 @@ SCHEMAS = {
 # -- CPU: the C++ extension where it is built ----------------------------------------------------
 
 
-def _find_cpu(table_keys, tags, num_buckets, bucket_size, query, flag):
+def _find_cpu(table_keys, tags, num_buckets, bucket_size, query, flag, part_starts=None, query_parts=None):
     k = cpu.ops()
     if k is None:
-        return reference.find(table_keys, tags, num_buckets, bucket_size, query, flag)
-    slots, absent = k.find_two_choice(table_keys, tags, num_buckets, bucket_size, query.contiguous(), flag)
+        return reference.find(table_keys, tags, num_buckets, bucket_size, query, flag, part_starts, query_parts)
+    slots, absent = k.find_two_choice(
+        table_keys, tags, num_buckets, bucket_size, query.contiguous(), flag, *_parts_args(part_starts, query_parts)
+    )
     return slots, absent
+
+
+def _parts_args(part_starts: Optional[torch.Tensor], key_parts: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A partitioned index's ``(part_starts, key_parts)`` as the C++ ops take them (empty: none)."""
+    if part_starts is None:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    assert key_parts is not None, "a partitioned index's keys need their partitions"
+    return part_starts.long().contiguous(), key_parts.long().contiguous()
 
 
 def _candidate_buckets_cpu(keys, num_buckets):
@@ -103,13 +118,13 @@ def _candidate_buckets_cpu(keys, num_buckets):
 
 def _plan_insert_cpu(
     tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
-    free_slots=-1,
+    free_slots=-1, part_starts=None, key_parts=None,
 ):  # fmt: skip
     k = cpu.ops()
     if k is None or bucket_size > _MAX_KERNEL_BUCKET:
         return reference.plan_insert(
             tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
-            free_slots,
+            free_slots, part_starts, key_parts,
         )  # fmt: skip
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64)
     empty = torch.empty(0, dtype=torch.int64)
@@ -117,6 +132,7 @@ def _plan_insert_cpu(
         tags, keys, scores, pins, num_buckets, bucket_size, new_keys.contiguous(), order, out,
         empty if move_pins is None else move_pins.to("cpu", torch.int64).contiguous(),
         empty if evict_pins is None else evict_pins.to("cpu", torch.int64).contiguous(), allow_evict, free_slots,
+        *_parts_args(part_starts, key_parts),
     )  # fmt: skip
     return out, left, moved_from, moved_to, evicted
 
@@ -226,11 +242,15 @@ def packs_rows(device: torch.device) -> bool:
 # -- CUDA (and CPU under Triton's interpreter): the Triton kernels ------------------------------
 
 
-def _find_triton(table_keys, tags, num_buckets, bucket_size, query, flag):
+def _find_triton(table_keys, tags, num_buckets, bucket_size, query, flag, part_starts=None, query_parts=None):
     from dynarec.kernels.gpu import hashing
 
-    absent = torch.zeros((), dtype=torch.int32, device=query.device) if flag else None
-    slots = hashing.find_two_choice(table_keys, tags, num_buckets, bucket_size, query, absent)
+    absent = None
+    if flag:
+        shape = () if part_starts is None else (part_starts.numel() - 1,)
+        absent = torch.zeros(shape, dtype=torch.int32, device=query.device)
+    parts = None if part_starts is None else hashing.Partitions(part_starts, query_parts)
+    slots = hashing.find_two_choice(table_keys, tags, num_buckets, bucket_size, query, absent, parts)
     return slots, (query.new_zeros(0, dtype=torch.int32) if absent is None else absent)
 
 
@@ -256,16 +276,17 @@ def _uniform_rows_triton(out, rows, keys, seed, stream, bound):
 
 def _plan_insert_triton(
     tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
-    free_slots=-1,
+    free_slots=-1, part_starts=None, key_parts=None,
 ):  # fmt: skip
     if bucket_size > _MAX_KERNEL_BUCKET:
         return reference.plan_insert(
             tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
-            free_slots,
+            free_slots, part_starts, key_parts,
         )  # fmt: skip
-    from dynarec.kernels.gpu import plan
+    from dynarec.kernels.gpu import hashing, plan
 
-    state = plan.PlanState.fresh(keys, tags, scores, pins, num_buckets, bucket_size)
+    parts = None if part_starts is None else hashing.Partitions(part_starts, key_parts)
+    state = plan.PlanState.fresh(keys, tags, scores, pins, num_buckets, bucket_size, parts)
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64, device=tags.device)
     left, moved_from, moved_to, evicted = plan.plan_insert(
         state, new_keys, order, out, move_pins, evict_pins, allow_evict, free_slots
@@ -315,8 +336,9 @@ def _dynamic_int64(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
 
 
-def _find_fake(table_keys, tags, num_buckets, bucket_size, query, flag):
-    return torch.empty_like(query), query.new_empty(() if flag else (0,), dtype=torch.int32)
+def _find_fake(table_keys, tags, num_buckets, bucket_size, query, flag, part_starts=None, query_parts=None):
+    shape = (0,) if not flag else () if part_starts is None else (part_starts.shape[0] - 1,)
+    return torch.empty_like(query), query.new_empty(shape, dtype=torch.int32)
 
 
 def _candidate_buckets_fake(keys, num_buckets):
@@ -325,7 +347,7 @@ def _candidate_buckets_fake(keys, num_buckets):
 
 def _plan_insert_fake(
     tags, keys, scores, pins, num_buckets, bucket_size, new_keys, order, move_pins, evict_pins, allow_evict,
-    free_slots=-1,
+    free_slots=-1, part_starts=None, key_parts=None,
 ):  # fmt: skip
     slots = new_keys.new_empty(new_keys.shape, dtype=torch.int64)
     return slots, _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags)

@@ -7,6 +7,7 @@ tests/embedding/test_hash_index.py."""
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -255,6 +256,82 @@ def check_plan_of_a_few_keys(device, num_buckets=512):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (kw, name)
             placed += got.num_placed
     assert placed > 0
+
+
+def check_partitioned(device, sizes=(3, 1, 8, 2), bucket_size=8, load=0.85, seed=0):
+    """A partitioned index (several indexes' arrays end to end, each a partition) gives, in one
+    ``find`` and one ``plan_insert`` (the op on ``device``, and the plain-torch twin), each
+    partition's own find and plan as an index alone: every slot, absent flag, move, eviction and
+    key left, with pins that block moves and evictions and a movable pin."""
+    gen = torch.Generator().manual_seed(seed)
+    indexes = [BucketedHashIndex(nb, bucket_size, device) for nb in sizes]
+    for index in indexes:
+        resident = torch.unique(torch.randint(-(2**62), 2**62, (int(load * index.capacity),), generator=gen))
+        resident = resident.to(device)
+        index.commit(
+            plan_insert_reference(index, resident, allow_evict=False),
+            torch.randint(0, 5, (resident.numel(),), generator=gen).to(device),
+        )
+        slots = index.entries()[0]
+        index.pin(slots[torch.randperm(slots.numel(), generator=gen)[: slots.numel() // 3].to(device)], 7)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], device=device)
+    total = int(starts[-1])
+    offsets = [int(s) * bucket_size for s in starts[:-1]]
+    arrays = [torch.cat([getattr(ix, name) for ix in indexes]) for name in ("keys", "tags", "scores", "pins")]
+    keys_all, tags_all, scores_all, pins_all = arrays
+
+    def joined(parts, offsets_of):
+        """Each partition's tensor of slots (-1: none) shifted by its offset, end to end."""
+        return torch.cat([torch.where(p >= 0, p + o, p) for p, o in zip(parts, offsets_of)])
+
+    # one find of every partition's keys, present and absent ones (partition 1 all present)
+    queries = []
+    for i, index in enumerate(indexes):
+        present = index.entries()[1]
+        absent = torch.randint(-(2**62), 2**62, (0 if i == 1 else 5,), generator=gen).to(device)
+        queries.append(torch.cat([present[: 2 * index.capacity // 3], absent, present[:2]]))
+    query = torch.cat(queries)
+    query_parts = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor([q.numel() for q in queries]))
+    query_parts = query_parts.to(device)
+    want = joined([ix.find(q) for ix, q in zip(indexes, queries)], offsets)
+    want_absent = torch.tensor([int((ix.find(q) < 0).any()) for ix, q in zip(indexes, queries)], dtype=torch.int32)
+    for find in (torch.ops.dynarec.find, reference.find):
+        slots, absent = find(keys_all, tags_all, total, bucket_size, query, True, starts, query_parts)
+        assert torch.equal(slots, want)
+        assert torch.equal(absent.cpu(), want_absent)
+    assert want_absent.tolist() == [1, 0, 1, 1]
+
+    # one plan of every partition's new keys, ranked by (partition, key): few (moves) and many
+    # (evictions)
+    pins = torch.tensor([7], device=device)
+    moves = evictions = 0
+    settings = ((None, None, True), (pins, pins, True), (None, pins, False))  # move pins, evict pins, evict
+    for share, (move_pins, evict_pins, allow_evict) in itertools.product((8, 2), settings):
+        news = [torch.randint(-(2**62), 2**62, (ix.capacity // share + 1,), generator=gen).unique() for ix in indexes]
+        news = [n.to(device)[ix.find(n.to(device)) < 0] for ix, n in zip(indexes, news)]
+        new = torch.cat(news)
+        counts = torch.tensor([n.numel() for n in news])
+        key_parts = torch.repeat_interleave(torch.arange(len(sizes)), counts).to(device)
+        key_offsets = [0, *counts.cumsum(0).tolist()[:-1]]
+        order = torch.arange(new.numel(), device=device)
+        args = (tags_all, keys_all, scores_all, pins_all, total, bucket_size, new, order, move_pins, evict_pins,
+                allow_evict, -1, starts, key_parts)  # fmt: skip
+        apart = [
+            torch.ops.dynarec.plan_insert(ix.tags, ix.keys, ix.scores, ix.pins, ix.num_buckets, bucket_size, n,
+                                          torch.arange(n.numel(), device=device), move_pins, evict_pins, allow_evict)
+            for ix, n in zip(indexes, news)
+        ]  # fmt: skip
+        for plan in (torch.ops.dynarec.plan_insert(*args), reference.plan_insert(*args)):
+            slots, left, moved_from, moved_to, evicted = plan
+            assert torch.equal(slots, joined([a[0] for a in apart], offsets))
+            for i, (a, o, ko) in enumerate(zip(apart, offsets, key_offsets)):
+                mine = (moved_from >= o) & (moved_from < o + indexes[i].capacity)
+                assert torch.equal(moved_from[mine], a[2] + o) and torch.equal(moved_to[mine], a[3] + o)
+                assert torch.equal(evicted[(evicted >= o) & (evicted < o + indexes[i].capacity)], a[4] + o)
+                assert torch.equal(left[key_parts[left] == i], a[1] + ko)
+            moves += moved_from.numel()
+            evictions += evicted.numel()
+    assert moves > 0 and evictions > 0, (moves, evictions)
 
 
 def check_place_keys(device, seed=0):

@@ -48,6 +48,11 @@ def test_find(num_buckets, bucket_size):
         assert absent.shape == () and absent.dtype == torch.int32 and bool(absent) == bool((slots < 0).any())
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_partitioned_index_finds_and_plans_each_partition_as_an_index_alone(seed):
+    gpu_checks.check_partitioned("cpu", seed=seed)
+
+
 @pytest.mark.parametrize("dim", [1, 7, 64])
 def test_uniform01_and_every_initializer(dim):
     keys = random_keys(3000, dim)

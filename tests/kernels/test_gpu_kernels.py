@@ -103,6 +103,11 @@ def test_plan_of_a_few_keys():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_partitioned_index_finds_and_plans_each_partition_as_an_index_alone(seed):
+    gpu_checks.check_partitioned(DEVICE, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_place_keys(seed):
     gpu_checks.check_place_keys(DEVICE, seed)
 

@@ -99,14 +99,45 @@ int64_t first_outside(const int64_t* ix, int64_t n, int64_t size) {
   return -1;
 }
 
+// Each key's partition of a partitioned index (the hash index of a group of tables, a table a
+// partition: dynarec.kernels.reference.candidate_buckets): key i hashes into the `count` buckets
+// from `base` of its partition. Not partitioned (`part_starts` empty): every key's is the whole
+// index, (0, num_buckets).
+class KeyPartitions {
+ public:
+  KeyPartitions(const torch::Tensor& part_starts, const torch::Tensor& key_parts, int64_t num_buckets, int64_t n)
+      : whole_(static_cast<uint32_t>(num_buckets)) {
+    if (part_starts.numel() == 0) return;
+    check_cpu_int64(part_starts, "part_starts");
+    check_cpu_int64(key_parts, "key_parts");
+    TORCH_CHECK(key_parts.numel() == n, "key_parts must have a value per key");
+    starts_ = part_starts.data_ptr<int64_t>();
+    parts_ = key_parts.data_ptr<int64_t>();
+  }
+  int64_t base(int64_t i) const { return parts_ == nullptr ? 0 : starts_[parts_[i]]; }
+  uint32_t count(int64_t i) const {
+    return parts_ == nullptr ? whole_ : static_cast<uint32_t>(starts_[parts_[i] + 1] - starts_[parts_[i]]);
+  }
+  int64_t part(int64_t i) const { return parts_ == nullptr ? 0 : parts_[i]; }
+  bool partitioned() const { return parts_ != nullptr; }
+
+ private:
+  const uint32_t whole_;
+  const int64_t* starts_ = nullptr;
+  const int64_t* parts_ = nullptr;
+};
+
 }  // namespace
 
 // (slots, absent): the slot of each query key in a two-choice bucketed index, -1 where absent
 // (the dynarec::find op); with `flag`, absent is a [] int32 set to 1 if a key is absent (else [0]).
-// A slot matches when its tag (0: empty, else key_tags of its key) and its key both do.
+// A slot matches when its tag (0: empty, else key_tags of its key) and its key both do. A
+// partitioned index (`part_starts` and `query_parts` not empty: KeyPartitions) finds each key in
+// its partition's buckets, and `absent` is a [P] int32, 1 for each partition with an absent key.
 std::vector<torch::Tensor> find_two_choice(const torch::Tensor& table_keys, const torch::Tensor& tags,
                                            int64_t num_buckets, int64_t bucket_size, const torch::Tensor& query,
-                                           bool flag) {
+                                           bool flag, const torch::Tensor& part_starts,
+                                           const torch::Tensor& query_parts) {
   check_cpu_int64(table_keys, "table_keys");
   check_cpu_int64(query, "query");
   TORCH_CHECK(tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(), "tags must be contiguous uint8");
@@ -118,7 +149,10 @@ std::vector<torch::Tensor> find_two_choice(const torch::Tensor& table_keys, cons
   const int64_t* q = query.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   TORCH_CHECK(num_buckets >= 1 && num_buckets <= 0xFFFFFFFFLL, "num_buckets must be in [1, 2^32)");
-  const uint32_t nb = static_cast<uint32_t>(num_buckets);
+  const KeyPartitions parts(part_starts, query_parts, num_buckets, query.numel());
+  const int64_t num_parts = parts.partitioned() ? part_starts.numel() - 1 : 0;
+  auto part_absent = torch::zeros({num_parts}, query.options().dtype(torch::kInt32));
+  int32_t* pa = part_absent.data_ptr<int32_t>();
   std::atomic<int32_t> any_absent{0};
   // Each key's hash and buckets are computed once, kAhead keys before its probe, when its tag
   // lines and its first bucket's key lines are prefetched (the probe reads a key where a tag
@@ -136,9 +170,10 @@ std::vector<torch::Tensor> find_two_choice(const torch::Tensor& table_keys, cons
     auto prepare = [&](int64_t i) {
       const uint64_t h = mix64(static_cast<uint64_t>(q[i]));
       Probe& p = ring[i % kAhead];
-      const auto [bucket1, bucket2] = two_buckets(h, nb);
-      p.base1 = bucket1 * bucket_size;
-      p.base2 = bucket2 * bucket_size;
+      const auto [bucket1, bucket2] = two_buckets(h, parts.count(i));
+      const int64_t first = parts.base(i);
+      p.base1 = (first + bucket1) * bucket_size;
+      p.base2 = (first + bucket2) * bucket_size;
       p.tag = (h >> 56) ? static_cast<uint8_t>(h >> 56) : 1;
       __builtin_prefetch(tg + p.base1);
       __builtin_prefetch(tg + p.base2);
@@ -158,10 +193,12 @@ std::vector<torch::Tensor> find_two_choice(const torch::Tensor& table_keys, cons
         if (lane >= 0) slot = p.base2 + lane;
       }
       missed = missed || slot < 0;
+      if (slot < 0 && num_parts) __atomic_store_n(pa + parts.part(i), 1, __ATOMIC_RELAXED);
       o[i] = slot;
     }
     if (missed) any_absent.store(1, std::memory_order_relaxed);
   });
+  if (flag && num_parts) return {out, part_absent};
   auto absent = torch::zeros(flag ? c10::IntArrayRef{} : c10::IntArrayRef{0}, query.options().dtype(torch::kInt32));
   if (flag) absent.fill_(any_absent.load());
   return {out, absent};
@@ -188,6 +225,21 @@ std::vector<torch::Tensor> candidate_buckets(const torch::Tensor& keys, int64_t 
       fill(nb);
     }
   });
+  return {b1, b2};
+}
+
+// The two candidate buckets of each key of a partitioned index, in its partition's buckets.
+std::vector<torch::Tensor> partitioned_buckets(const torch::Tensor& keys, const KeyPartitions& parts) {
+  auto b1 = torch::empty_like(keys);
+  auto b2 = torch::empty_like(keys);
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t* p1 = b1.data_ptr<int64_t>();
+  int64_t* p2 = b2.data_ptr<int64_t>();
+  for (int64_t i = 0; i < keys.numel(); ++i) {
+    const auto [c1, c2] = two_buckets(mix64(static_cast<uint64_t>(k[i])), parts.count(i));
+    p1[i] = parts.base(i) + c1;
+    p2[i] = parts.base(i) + c2;
+  }
   return {b1, b2};
 }
 
@@ -1008,7 +1060,8 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
                                        const torch::Tensor& scores, const torch::Tensor& pins, int64_t num_buckets,
                                        int64_t bucket_size, const torch::Tensor& new_keys, const torch::Tensor& order,
                                        torch::Tensor& out, const torch::Tensor& move_pins,
-                                       const torch::Tensor& evict_pins, bool allow_evict, int64_t free_slots) {
+                                       const torch::Tensor& evict_pins, bool allow_evict, int64_t free_slots,
+                                       const torch::Tensor& part_starts, const torch::Tensor& key_parts) {
   TORCH_CHECK(tags.device().is_cpu() && tags.scalar_type() == torch::kUInt8 && tags.is_contiguous(),
               "tags must be contiguous uint8 on the CPU");
   TORCH_CHECK(pins.device().is_cpu() && pins.scalar_type() == torch::kInt32 && pins.is_contiguous(),
@@ -1025,7 +1078,9 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
                   pins.numel() == capacity,
               "tags, table_keys, scores and pins must have num_buckets * bucket_size slots");
   TORCH_CHECK(new_keys.numel() == out.numel(), "new_keys and out must have a value per key");
-  const auto buckets = candidate_buckets(new_keys, num_buckets);  // each one of the index's, by construction
+  const KeyPartitions parts(part_starts, key_parts, num_buckets, new_keys.numel());
+  // each one of the index's (of the key's partition's), by construction
+  const auto buckets = parts.partitioned() ? partitioned_buckets(new_keys, parts) : candidate_buckets(new_keys, num_buckets);
   const int64_t bs = bucket_size;
   const int64_t* p1 = buckets[0].data_ptr<int64_t>();
   const int64_t* p2 = buckets[1].data_ptr<int64_t>();
@@ -1055,11 +1110,13 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
 
   // Step 2: one cuckoo step. Every decision of a round reads the state at its start; the round's
   // claims are made after.
-  const uint32_t nb = static_cast<uint32_t>(num_buckets);
-  const auto other_bucket = [&](int64_t resident, int64_t own) -> int64_t {  // its second only if needed
+  // A resident of key k's buckets is of k's partition: it hashes into the same buckets.
+  const auto other_bucket = [&](int64_t resident, int64_t own, int64_t k) -> int64_t {  // its second only if needed
     const uint64_t h = mix64(static_cast<uint64_t>(resident));
-    const int64_t r1 = static_cast<uint32_t>(h) % nb;
-    return r1 == own ? static_cast<uint32_t>(h >> 32) % nb : r1;
+    const uint32_t nb = parts.count(k);
+    const int64_t first = parts.base(k);
+    const int64_t r1 = first + static_cast<uint32_t>(h) % nb;
+    return r1 == own ? first + static_cast<uint32_t>(h >> 32) % nb : r1;
   };
   struct Move {
     int64_t key, src, dst_bucket;
@@ -1078,7 +1135,7 @@ std::vector<torch::Tensor> plan_insert(const torch::Tensor& tags, const torch::T
         for (uint64_t lanes = work.held_lanes(own); lanes != 0; lanes &= lanes - 1) {
           const int64_t slot = own * bs + __builtin_ctzll(lanes);
           if (pinned_by(pn, slot, no_move)) continue;
-          const int64_t alt = other_bucket(tk[slot], own);
+          const int64_t alt = other_bucket(tk[slot], own, k);
           if (alt == own || work.free_in(alt) <= 0) continue;
           moves.push_back({k, slot, alt});
           found = true;

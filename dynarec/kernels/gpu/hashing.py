@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "EMPTY_TAG",
     "NO_SLOT",
     "TUNING",
+    "Partitions",
     "Tuning",
     "candidate_buckets",
     "find_two_choice",
@@ -49,6 +50,23 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+
+class Partitions(NamedTuple):
+    """A partitioned index's partitions (``reference.candidate_buckets``): ``starts`` ``[P + 1]``
+    int64, partition ``p`` holding the buckets from ``starts[p]`` to ``starts[p + 1]``; ``keys``
+    ``[n]`` int64, the partition of each key of the call (query or new keys)."""
+
+    starts: torch.Tensor
+    keys: torch.Tensor
+
+
+def partition_args(parts: Optional[Partitions], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(starts, key partitions, PARTS)``: the kernels' arguments for ``parts`` (None: ``like``,
+    unread)."""
+    if parts is None:
+        return like, like, False
+    return parts.starts.contiguous(), parts.keys.contiguous(), True
 
 
 if HAVE_TRITON:
@@ -81,6 +99,32 @@ if HAVE_TRITON:
         return b1, b2
 
     @triton.jit
+    def buckets_of(h, k, valid, num_buckets, starts_ptr, parts_ptr, PARTS: tl.constexpr):
+        """``(b1, b2, base, count)``: the two candidate buckets of key ``k`` (an index into the
+        call's keys, its ``mix64`` hash ``h``), read where ``valid``, and its partition's first
+        bucket and bucket count (PARTS: a partitioned index, ``Partitions``; else ``(0,
+        num_buckets)``)."""
+        if PARTS:
+            p = tl.load(parts_ptr + k, mask=valid, other=0)
+            base = tl.load(starts_ptr + p, mask=valid, other=0)
+            count = tl.load(starts_ptr + p + 1, mask=valid, other=1) - base
+            b1, b2 = buckets_in(h, base, count)
+        else:
+            b1, b2 = two_buckets(h, num_buckets)
+            base = tl.zeros_like(b1)
+            count = base + num_buckets
+        return b1, b2, base, count
+
+    @triton.jit
+    def buckets_in(h, base, count):
+        """The two candidate buckets of hash ``h`` in the ``count`` buckets from ``base`` (vectors:
+        each key's partition's)."""
+        nb = count.to(tl.uint32)
+        b1 = base + ((h & 0xFFFFFFFF).to(tl.uint32) % nb).to(tl.int64)
+        b2 = base + ((h >> 32).to(tl.uint32) % nb).to(tl.int64)
+        return b1, b2
+
+    @triton.jit
     def _probe_bucket(keys_ptr, tags_ptr, bucket, q, qtag, need, BS: tl.constexpr, BSP: tl.constexpr):
         """``(found, lane)`` of each query ``q`` in its ``bucket`` (``BS`` slots; ``BSP`` the next
         power of two), read only where ``need``: the bucket's ``BS`` tag bytes, then the keys only
@@ -110,18 +154,22 @@ if HAVE_TRITON:
     # middle of training (about 0.3 s each on an H200: steps of 280-345 ms as a table filled).
     @triton.jit(do_not_specialize=["n", "num_buckets"])
     def _find_kernel(
-        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, n, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        FLAG: tl.constexpr, BLOCK: tl.constexpr,
+        keys_ptr, tags_ptr, query_ptr, out_ptr, absent_ptr, starts_ptr, parts_ptr, n, num_buckets, BS: tl.constexpr,
+        BSP: tl.constexpr, FLAG: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         q = tl.load(query_ptr + offs, mask=valid, other=0)
         h = mix64(q.to(tl.uint64))
-        b1, b2 = two_buckets(h, num_buckets)
+        b1, b2, _, _ = buckets_of(h, offs, valid, num_buckets, starts_ptr, parts_ptr, PARTS)
         slot = _find_slot(keys_ptr, tags_ptr, q, h, b1, b2, valid, BS, BSP)
         tl.store(out_ptr + offs, slot, mask=valid)
         if FLAG:  # a program with an absent key sets the flag (every such store writes 1)
-            tl.store(absent_ptr, 1, mask=tl.max((valid & (slot == _NO_SLOT)).to(tl.int32), axis=0) > 0)
+            if PARTS:  # its partition's
+                miss = valid & (slot == _NO_SLOT)
+                tl.store(absent_ptr + tl.load(parts_ptr + offs, mask=miss, other=0), 1, mask=miss)
+            else:
+                tl.store(absent_ptr, 1, mask=tl.max((valid & (slot == _NO_SLOT)).to(tl.int32), axis=0) > 0)
 
     @triton.jit(do_not_specialize=["n", "num_buckets"])
     def _candidate_buckets_kernel(keys_ptr, b1_ptr, b2_ptr, n, num_buckets, BLOCK: tl.constexpr):
@@ -230,18 +278,21 @@ def find_two_choice(
     bucket_size: int,
     query: torch.Tensor,
     absent: Optional[torch.Tensor] = None,
+    parts: Optional[Partitions] = None,
 ) -> torch.Tensor:
     """Slot of each query key, :data:`NO_SLOT` where absent (``tags``: the index's uint8 tag per
-    slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent."""
+    slot). ``absent``: a zeroed ``[]`` int32 the same pass sets to 1 if a key is absent (``[P]``
+    in a partitioned index, ``parts``: 1 for each partition with an absent key)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     n = query.numel()
     if n:
         t = TUNING
+        starts, key_parts, partitioned = partition_args(parts, query)
         _find_kernel[(triton.cdiv(n, t.find_block),)](
-            table_keys, tags, query, out, out if absent is None else absent, n, num_buckets, BS=bucket_size,
-            BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, BLOCK=t.find_block,
-            num_warps=t.find_warps,
+            table_keys, tags, query, out, out if absent is None else absent, starts, key_parts, n, num_buckets,
+            BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), FLAG=absent is not None, PARTS=partitioned,
+            BLOCK=t.find_block, num_warps=t.find_warps,
         )  # fmt: skip
     return out
 

@@ -28,13 +28,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from dynarec.kernels.gpu._triton import HAVE_TRITON
-from dynarec.kernels.gpu.hashing import NO_SLOT
+from dynarec.kernels.gpu.hashing import NO_SLOT, Partitions, partition_args
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from dynarec.kernels.gpu.hashing import EMPTY_TAG, key_tag, mix64, two_buckets
+    from dynarec.kernels.gpu.hashing import EMPTY_TAG, buckets_in, buckets_of, key_tag, mix64
 
 __all__ = [
     "TUNING",
@@ -90,8 +90,8 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["m", "num_buckets"])
     def _choose_kernel(
-        tags_ptr, claimed_ptr, keys_ptr, order_ptr, out_ptr, choice_ptr, m, num_buckets,
-        BS: tl.constexpr, BSP: tl.constexpr, BLOCK: tl.constexpr,
+        tags_ptr, claimed_ptr, keys_ptr, order_ptr, out_ptr, choice_ptr, starts_ptr, parts_ptr, m, num_buckets,
+        BS: tl.constexpr, BSP: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per key still without a slot (rank order): the emptier of its two buckets (hashed here)
         # at the round's start (ties: the first), or num_buckets (sorts last) when both are full.
@@ -99,7 +99,8 @@ if HAVE_TRITON:
         valid = p < m
         k = tl.load(order_ptr + p, mask=valid, other=0)
         todo = valid & (tl.load(out_ptr + k, mask=valid, other=0) == _NO_SLOT)
-        b1, b2 = two_buckets(mix64(tl.load(keys_ptr + k, mask=todo, other=0).to(tl.uint64)), num_buckets)
+        h = mix64(tl.load(keys_ptr + k, mask=todo, other=0).to(tl.uint64))
+        b1, b2, _, _ = buckets_of(h, k, todo, num_buckets, starts_ptr, parts_ptr, PARTS)
         f1 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b1, todo, BS, BSP).to(tl.int32), axis=1)
         f2 = tl.sum(_free_lanes(tags_ptr, claimed_ptr, b2, todo, BS, BSP).to(tl.int32), axis=1)
         choice = tl.where(f2 > f1, b2, b1)
@@ -165,14 +166,18 @@ if HAVE_TRITON:
         return ok
 
     @triton.jit
-    def _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK: tl.constexpr):
-        """``(p, valid, b1, b2)``: a program's positions among the ``m`` keys left (``todo``:
-        indices into ``new_keys``) and each key's two buckets."""
+    def _keys_left(
+        new_keys_ptr, todo_ptr, m, num_buckets, starts_ptr, parts_ptr, PARTS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """``(p, valid, b1, b2, base, count)``: a program's positions among the ``m`` keys left
+        (``todo``: indices into ``new_keys``), each key's two buckets and its partition's first
+        bucket and bucket count (``buckets_of``)."""
         p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = p < m
         k = tl.load(todo_ptr + p, mask=valid, other=0)
-        b1, b2 = two_buckets(mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64)), num_buckets)
-        return p, valid, b1, b2
+        h = mix64(tl.load(new_keys_ptr + k, mask=valid, other=0).to(tl.uint64))
+        b1, b2, base, count = buckets_of(h, k, valid, num_buckets, starts_ptr, parts_ptr, PARTS)
+        return p, valid, b1, b2, base, count
 
     @triton.jit
     def _displaceable(tags_ptr, pins_ptr, pin_ids_ptr, num_pins, claimed, slot, lane, live):
@@ -193,8 +198,8 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["num_pins", "m", "num_buckets", "bid_round"])
     def _displace_kernel(
         keys_ptr, tags_ptr, scores_ptr, claimed_ptr, pins_ptr, pin_ids_ptr, num_pins, new_keys_ptr, todo_ptr,
-        slot_ptr, dst_ptr, live_ptr, bids_ptr, bid_round, m, num_buckets, BS: tl.constexpr, BSP: tl.constexpr,
-        EVICT: tl.constexpr, BLOCK: tl.constexpr,
+        slot_ptr, dst_ptr, live_ptr, bids_ptr, starts_ptr, parts_ptr, bid_round, m, num_buckets, BS: tl.constexpr,
+        BSP: tl.constexpr, EVICT: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Per key left (rank order), from the plan's state at the round's start, among the
         # residents of its two buckets (the first bucket's lanes first) that may be displaced
@@ -204,7 +209,9 @@ if HAVE_TRITON:
         # EVICT: only the keys still live (live[p] != 0) choose; each bids for its slot (_bid):
         # the slot's largest bid is this round's best-ranked key wanting it (an integer max: the
         # order the atomics land in does not matter).
-        p, valid, b1, b2 = _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, BLOCK)
+        # A resident of a key's buckets is of the key's partition (base, count): it hashes there.
+        p, valid, b1, b2, base, count = _keys_left(new_keys_ptr, todo_ptr, m, num_buckets, starts_ptr, parts_ptr,
+                                                   PARTS, BLOCK)  # fmt: skip
         in_range = valid
         lanes = BS
         if EVICT:
@@ -229,7 +236,7 @@ if HAVE_TRITON:
                     best_score = tl.where(better, score, best_score)
                 else:
                     resident = tl.load(keys_ptr + slot, mask=live, other=0)
-                    r1, r2 = two_buckets(mix64(resident.to(tl.uint64)), num_buckets)
+                    r1, r2 = buckets_in(mix64(resident.to(tl.uint64)), base, count)
                     alt = tl.where(r1 == bucket, r2, r1)
                     live = live & (alt != bucket)
                     room = tl.sum(_free_lanes(tags_ptr, claimed_ptr, alt, live, BS, BSP).to(tl.int32), axis=1) > 0
@@ -293,6 +300,7 @@ class PlanState(NamedTuple):
     claimed: torch.Tensor
     num_buckets: int
     bucket_size: int
+    parts: Optional[Partitions] = None  # a partitioned index's, the new keys' partitions
 
     @classmethod
     def fresh(
@@ -303,10 +311,11 @@ class PlanState(NamedTuple):
         pins: torch.Tensor,
         num_buckets: int,
         bucket_size: int,
+        parts: Optional[Partitions] = None,
     ) -> PlanState:
         """The state of a plan that has claimed nothing yet."""
         claimed = torch.zeros(num_buckets, dtype=torch.int64, device=tags.device)
-        return cls(keys, tags, scores, pins, claimed, num_buckets, bucket_size)
+        return cls(keys, tags, scores, pins, claimed, num_buckets, bucket_size, parts)
 
 
 def plan_insert(
@@ -355,12 +364,15 @@ def claim_free_slots(state: PlanState, keys: torch.Tensor, order: torch.Tensor, 
     block = TUNING.claim_block
     consts = dict(BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), BLOCK=block)
     keys = keys.contiguous()
+    starts, key_parts, partitioned = partition_args(state.parts, keys)
     while (m := order.numel()) > 0:
         grid = (triton.cdiv(m, block),)
         choice = torch.empty(m, dtype=torch.int32, device=device)
         lane = torch.empty(m, dtype=torch.int64, device=device)
         placed = torch.zeros(1, dtype=torch.int32, device=device)
-        _choose_kernel[grid](tags, claimed, keys, order, out, choice, m, num_buckets, **consts)
+        _choose_kernel[grid](
+            tags, claimed, keys, order, out, choice, starts, key_parts, m, num_buckets, PARTS=partitioned, **consts
+        )  # fmt: skip
         sorted_choice, perm, first = _rank_in_groups(choice)
         _claim_kernel[grid](
             tags, claimed, sorted_choice, perm, first, order, out, lane, placed, m, num_buckets, **consts
@@ -390,14 +402,16 @@ def claim_by_moving(
     bsp = triton.next_power_of_2(bucket_size)
     pin_ids, num_pins = _pin_ids(pin_ids, device)
     block = TUNING.displace_block
+    starts, key_parts, partitioned = partition_args(state.parts, keys)
     froms, tos = [], []
     while (m := todo.numel()) > 0:
         grid = (triton.cdiv(m, block),)
         src = torch.empty(m, dtype=torch.int64, device=device)
         dst = torch.empty(m, dtype=torch.int32, device=device)
         _displace_kernel[grid](
-            state.keys, tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, src, dst, dst, dst, 0,
-            m, num_buckets, BS=bucket_size, BSP=bsp, EVICT=False, BLOCK=block,
+            state.keys, tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, src, dst, dst, dst,
+            starts, key_parts, 0, m, num_buckets, BS=bucket_size, BSP=bsp, EVICT=False, PARTS=partitioned,
+            BLOCK=block,
         )  # fmt: skip
         # one mover a resident (the best-ranked), then as many a target bucket as it has free lanes
         dst = torch.where(_first_in_groups(src) & (src != NO_SLOT), dst, num_buckets)
@@ -444,6 +458,7 @@ def claim_by_evicting(
     block = TUNING.displace_block
     consts = dict(BS=bucket_size, BSP=triton.next_power_of_2(bucket_size), BLOCK=block)
     bids = torch.zeros(num_buckets * bucket_size, dtype=torch.int64, device=device)
+    starts, key_parts, partitioned = partition_args(state.parts, keys)
     todo = todo.contiguous()
     evicted = []
     bid_round = 0  # rounds so far: a round's bids outbid every earlier round's
@@ -456,7 +471,7 @@ def claim_by_evicting(
             bid_round += 1
             _displace_kernel[grid](
                 state.keys, state.tags, state.scores, claimed, state.pins, pin_ids, num_pins, keys, todo, slot, slot,
-                live, bids, bid_round, m, num_buckets, EVICT=True, **consts,
+                live, bids, starts, key_parts, bid_round, m, num_buckets, EVICT=True, PARTS=partitioned, **consts,
             )  # fmt: skip
             _settle_kernel[grid](
                 slot, bids, todo, out, won, live, claimed, bid_round, m, BS=bucket_size, BLOCK=block

@@ -10,6 +10,7 @@ slot).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -47,10 +48,25 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two candidate buckets of each key: ``(b1, b2)``, ``[n]`` int64 each."""
+def candidate_buckets(
+    keys: torch.Tensor,
+    num_buckets: int,
+    part_starts: Optional[torch.Tensor] = None,
+    key_parts: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two candidate buckets of each key: ``(b1, b2)``, ``[n]`` int64 each. In a partitioned
+    index (``part_starts``: ``[P + 1]`` int64, partition ``p`` holding the buckets from
+    ``part_starts[p]`` to ``part_starts[p + 1]``; ``key_parts``: ``[n]`` int64, each key's
+    partition), a key's buckets are its partition's first bucket plus the hash halves modulo the
+    partition's bucket count: each partition hashes as an index of its own."""
     h = mix64(keys)
-    return (h & _LOW32) % num_buckets, ((h >> 32) & _LOW32) % num_buckets
+    lo, hi = h & _LOW32, (h >> 32) & _LOW32
+    if part_starts is None:
+        return lo % num_buckets, hi % num_buckets
+    assert key_parts is not None, "a partitioned index's keys need their partitions"
+    base = part_starts[key_parts]
+    count = part_starts[key_parts + 1] - base
+    return base + lo % count, base + hi % count
 
 
 def key_tags(keys: torch.Tensor) -> torch.Tensor:
@@ -60,14 +76,23 @@ def key_tags(keys: torch.Tensor) -> torch.Tensor:
 
 
 def find(
-    table_keys: torch.Tensor, tags: torch.Tensor, num_buckets: int, bucket_size: int, query: torch.Tensor, flag: bool
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    query: torch.Tensor,
+    flag: bool,
+    part_starts: Optional[torch.Tensor] = None,
+    query_parts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots, absent)``: the slot of each query key in a two-choice bucketed index (``[n]``
     int64, :data:`NO_SLOT` where absent; ``table_keys`` int64 and ``tags`` uint8, a value a slot);
     ``absent``: with ``flag`` a ``[]`` int32, 1 if a key is absent, else ``[0]``. Gathers both
-    buckets of every key and compares."""
+    buckets of every key and compares. A partitioned index (``part_starts``, ``query_parts``:
+    :func:`candidate_buckets`) finds each key in its partition's buckets, and ``absent`` (with
+    ``flag``) is ``[P]`` int32: 1 for each partition with an absent key."""
     n, bs = query.numel(), bucket_size
-    b1, b2 = candidate_buckets(query, num_buckets)
+    b1, b2 = candidate_buckets(query, num_buckets, part_starts, query_parts)
     buckets = torch.cat([b1, b2])
     # Both buckets of every key as contiguous rows (one index_select each array).
     bucket_keys = table_keys.view(-1, bs).index_select(0, buckets)
@@ -77,8 +102,13 @@ def find(
     slots = buckets * bs + lane
     none = torch.full_like(query, NO_SLOT)
     slots = torch.where(hit[:n].bool(), slots[:n], torch.where(hit[n:].bool(), slots[n:], none))
-    absent = (slots == NO_SLOT).any().to(torch.int32) if flag else query.new_zeros(0, dtype=torch.int32)
-    return slots, absent
+    if not flag:
+        return slots, query.new_zeros(0, dtype=torch.int32)
+    if part_starts is None:
+        return slots, (slots == NO_SLOT).any().to(torch.int32)
+    assert query_parts is not None
+    absent = torch.zeros(part_starts.numel() - 1, dtype=torch.int32, device=query.device)
+    return slots, absent.index_fill_(0, query_parts[slots == NO_SLOT], 1)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -14,6 +14,10 @@ alone:
    its two buckets that no earlier key claimed.
 
 Residents pinned by one of the given step ids are neither moved (step 2) nor evicted (step 3).
+In a partitioned index (``part_starts``, ``key_parts``: ``hashing.candidate_buckets``) each key
+plans within its partition's buckets, and a resident of them moves within them: the plan of keys
+of several partitions is the union of each partition's own plan of its keys (no step reads a
+bucket of another partition; rounds that place nothing in a partition change nothing there).
 Nothing is written while planning: a working copy of the keys' buckets' occupancy holds the
 plan's claims.
 """
@@ -41,6 +45,7 @@ class _Index:
     pins: torch.Tensor
     num_buckets: int
     bucket_size: int
+    part_starts: Optional[torch.Tensor] = None  # a partitioned index's (hashing.candidate_buckets)
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +65,8 @@ def plan_insert(
     evict_pins: Optional[torch.Tensor],
     allow_evict: bool,
     free_slots: int = -1,
+    part_starts: Optional[torch.Tensor] = None,
+    key_parts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan of inserting ``new_keys`` (``[n]`` int64, unique, absent; ``order``: their
     indices in rank order) into the index of arrays ``tags`` (uint8), ``keys``, ``scores`` (int64)
@@ -72,10 +79,10 @@ def plan_insert(
     Returns ``(slots, left, moved_from, moved_to, evicted)``, int64: each key's slot
     (:data:`NO_SLOT`: none); the keys (indices, rank order) still without a slot after step 2;
     the moves (round and rank order); the evicted slots (round and rank order)."""
-    index = _Index(keys, tags, scores, pins, num_buckets, bucket_size)
+    index = _Index(keys, tags, scores, pins, num_buckets, bucket_size, part_starts)
     device = tags.device
     out = torch.full((new_keys.numel(),), NO_SLOT, dtype=torch.int64, device=device)
-    b1, b2 = candidate_buckets(new_keys, num_buckets)
+    b1, b2 = candidate_buckets(new_keys, num_buckets, part_starts, key_parts)
     move_pins = None if move_pins is None else move_pins.to(device)
     evict_pins = None if evict_pins is None else evict_pins.to(device)
     empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -83,7 +90,7 @@ def plan_insert(
     todo = _claim_free_slots(work, order, b1, b2, out) if free_slots != 0 else order
     moved_from, moved_to = empty, empty
     if todo.numel() and free_slots != 0:
-        todo, moved_from, moved_to = _claim_by_moving(work, todo, b1, b2, out, move_pins)
+        todo, moved_from, moved_to = _claim_by_moving(work, todo, b1, b2, out, move_pins, key_parts)
     evicted = empty
     if todo.numel() and allow_evict:
         evicted = _claim_by_evicting(work, todo, b1, b2, out, evict_pins)
@@ -235,18 +242,21 @@ def _claim_by_moving(
     b2: torch.Tensor,
     out: torch.Tensor,
     pinned_by: Optional[torch.Tensor],
+    key_parts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 2: each round, every key left takes the slot of the first resident of its buckets
     (first bucket's lanes first) that may move to a free slot of its own other bucket (one
     cuckoo step); one mover per resident (the best-ranked key), then as many per target bucket
-    as it has free slots. Returns the keys left, and the moves ``(from, to)``."""
+    as it has free slots. Returns the keys left, and the moves ``(from, to)``. ``key_parts``: in a
+    partitioned index, each key's partition (its buckets' residents': theirs)."""
     index = work.index
     bs = index.bucket_size
     froms, tos = [], []
     while todo.numel():
         cand = work.candidates(todo, b1, b2)  # [m, 2bs]
         flat = cand.flatten()
-        r1, r2 = candidate_buckets(index.keys[flat], index.num_buckets)
+        parts = None if key_parts is None else key_parts[todo].repeat_interleave(cand.shape[1])
+        r1, r2 = candidate_buckets(index.keys[flat], index.num_buckets, index.part_starts, parts)
         own = flat // bs
         alt = torch.where(r1 == own, r2, r1)
         work.add(alt)
