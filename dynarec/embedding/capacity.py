@@ -66,14 +66,21 @@ class Capacity:
         max_buckets: int,
         growth_load_factor: float,
         device: torch.device,
+        index: Optional[BucketedHashIndex] = None,
     ):
+        """``index``: a partition of an index shared with other tables (``IndexStorage``; a
+        table that never grows: ``init_buckets`` at ``max_buckets``), instead of an index of
+        its own; a load copies its keys into it."""
         self.store = store
         self.bucket_size = bucket_size
         self.init_buckets = init_buckets
         self.max_buckets = max_buckets
         self.growth_load_factor = growth_load_factor
         self.device = device
-        self.index = self.new_index(init_buckets)
+        self.shared = index is not None
+        if index is not None and not index.num_buckets == init_buckets == max_buckets:
+            raise ValueError(f"a shared index is of a table that never grows, of {max_buckets} buckets")
+        self.index = self.new_index(init_buckets) if index is None else index
         self.counters = {"dropped": 0, "evicted": 0, "premature": 0, "moved": 0}
 
     @property
@@ -121,8 +128,9 @@ class Capacity:
         journal.record(lambda: self._restore(*old))
 
     def install(self, index: BucketedHashIndex) -> None:
-        """Replaces the index by ``index`` (a load's), with fresh rows for each of its slots."""
-        self.index = index
+        """Replaces the index by ``index`` (a load's), with fresh rows for each of its slots; a
+        shared index's partition takes ``index``'s keys in place."""
+        self.index = index if not self.shared else self.index.storage.adopt(self.index.part, index)
         self.store.reallocate(index.capacity)
 
     def count(self, journal: Optional[Journal], **counts: int) -> None:

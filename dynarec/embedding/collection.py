@@ -115,9 +115,10 @@ class EmbeddingCollection(nn.Module):
             (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either
             way, within float32 summation order): tables of one dim on any device, tables of
             several dims packed end to end where the kernels take them (a GPU). So do dynamic
-            tables of one dim and spec that never grow, with admission or without
-            (:class:`~dynarec.embedding.grouped.DynamicTableGroup`: each keeps its own index
-            and admission counter).
+            tables of one dim, spec, bucket size and score strategy that never grow, with
+            admission or without (:class:`~dynarec.embedding.grouped.DynamicTableGroup`: their
+            indexes are one index's partitions, found and inserted into once a step; each
+            keeps its own keys and admission counter).
         row_reducers: data-parallel tables (a sharded run's replicas): ``row_reducers(name,
             rows)`` gives each native fixed store the reducer that sums its row gradients over
             the ranks before the update (see :class:`~dynarec.embedding.row_store.NativeRowStore`).

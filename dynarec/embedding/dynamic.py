@@ -42,10 +42,10 @@ count per free-slot round of the insert plan (at load 0.5, one round). Pins skip
 device, and whether every key got a row follows from the plan's count. A warm table with no new
 keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's syncs). Moves read
 more: one count a round; evictions (a full table) one count every 4 rounds (about 3 a step at
-4.2M ids with 5% new keys). A group of tables (``DynamicTableGroup``) finds the absent keys of
-all its inserting tables in one pass (:meth:`AbsentKeys.of_tables`): the two reads for the
-absent keys are made once a step for the group, not once a table (each table's flag and plan
-reads stay its own).
+4.2M ids with 5% new keys). A group of tables (``DynamicTableGroup``, its tables' indexes one
+index's partitions) makes these reads once a step for all its tables: one find (its flag a
+table), one pass over the absent keys (:meth:`AbsentKeys.of_parts`), one plan, and one read of
+each table's counts where the plan moved, evicted or dropped keys.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,18 +63,18 @@ from dynarec.embedding.admission import Admission
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import Capacity, num_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.hash_index import BucketedHashIndex, IndexStamp
 from dynarec.embedding.insert_plan import InsertPlan
 from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.scores import ScorePolicy
-from dynarec.embedding.step import Step
+from dynarec.embedding.step import Journal, Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import RowKeys
 
-__all__ = ["AbsentKeys", "DynamicTable", "TableFullError", "present_bags"]
+__all__ = ["AbsentKeys", "DynamicTable", "TableFullError", "follow_moves", "move_rows", "present_bags"]
 
 
 class TableFullError(RuntimeError):
@@ -94,10 +93,11 @@ class DynamicTable(EmbeddingTable):
         device: torch.device,
         capacity: Optional[tuple[int, int]] = None,
         store: Optional[RowStore] = None,
+        index: Optional[BucketedHashIndex] = None,
     ):
-        """``store``: rows of a store shared with other tables (a ``DynamicTableGroup``'s slice)
-        instead of a store of its own, for a table that never grows (``init_capacity`` at
-        ``max_capacity``), of exactly its slots."""
+        """``store`` and ``index``: rows of a store and a partition of an index shared with other
+        tables (a ``DynamicTableGroup``'s) instead of its own, for a table that never grows
+        (``init_capacity`` at ``max_capacity``), of exactly its slots."""
         super().__init__(config, spec, device)
         assert config.dynamic is not None
         self.options = options = config.dynamic
@@ -115,7 +115,9 @@ class DynamicTable(EmbeddingTable):
             store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
         store.row_keys = RowKeys(keys=lambda: self.index.keys)  # half-precision rows' rounding draws: by key
         #: The index, the rows behind it and how both grow.
-        self.space = Capacity(store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device)
+        self.space = Capacity(
+            store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device, index
+        )
         self.admission: Optional[Admission] = None
         if options.admission is not None:
             self.admission = Admission(
@@ -123,7 +125,7 @@ class DynamicTable(EmbeddingTable):
                 self.eval_initializer,
             )  # fmt: skip
         self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
-        self._served_step: Optional[int] = None  # the last training step this table looked up
+        self.served_step: Optional[int] = None  # the last training step this table looked up
         # Training lookups whose fused update is still to come (a step committed by a later
         # step's backward may still have its own): a growth would move their rows under them.
         self._updates_to_come: set[int] = set()
@@ -186,10 +188,10 @@ class DynamicTable(EmbeddingTable):
     def describe(self) -> dict[str, object]:
         return {**super().describe(), **self.report()}
 
-    def begin_step(self) -> Step:
+    def begin_step(self, step_id: Optional[int] = None) -> Step:
         """Opens a training step; once it is no longer pending (committed or aborted), the pins it
         held back in the index are dropped."""
-        step = super().begin_step()
+        step = super().begin_step(step_id)
 
         def release() -> None:
             self.index.release(step.id)
@@ -242,7 +244,7 @@ class DynamicTable(EmbeddingTable):
         if step is None:
             return found.slots, found.all_present
         slots, all_present = self._slots_for_training(keys, found, step, absent)
-        self._served_step = step.id
+        self.served_step = step.id
         return slots, all_present
 
     def pooled_at(
@@ -308,11 +310,14 @@ class DynamicTable(EmbeddingTable):
         step.journal.record(done)
 
     def _still_holds(self, found: FoundKeys) -> bool:
-        """Whether a find made earlier gives this lookup's slots: every key present then is still
-        in its slot, and either nothing written since or every key found (keys added since
-        cannot be among them)."""
+        return self.still_holds(found.stamp, found.all_present)
+
+    def still_holds(self, stamp: IndexStamp, all_present: bool) -> bool:
+        """Whether a find made earlier (at index ``stamp``; ``all_present``: it found every key)
+        gives this lookup's slots: every key present then is still in its slot, and either
+        nothing written since or every key found (keys added since cannot be among them)."""
         now = self.index.stamp
-        return now.keys_kept_since(found.stamp) and (now.writes == found.stamp.writes or found.all_present)
+        return now.keys_kept_since(stamp) and (now.writes == stamp.writes or all_present)
 
     def _slots_for_training(
         self, keys: torch.Tensor, found: FoundKeys, step: Step, absent: Optional[AbsentKeys] = None
@@ -331,7 +336,7 @@ class DynamicTable(EmbeddingTable):
         uniq, inverse, counts = absent.unique, absent.inverse, absent.counts
         new_keys, admitted = uniq, None
         if self.admission is not None:
-            admitted = torch.nonzero(self.admission.count(uniq, counts, step, self._pending_ids())).squeeze(1)
+            admitted = torch.nonzero(self.admission.count(uniq, counts, step, self.pending_ids())).squeeze(1)
             new_keys = uniq[admitted]
         all_present = new_keys.numel() == uniq.numel()
         if new_keys.numel():
@@ -347,11 +352,11 @@ class DynamicTable(EmbeddingTable):
                 self.index.pin(slots, step.id)  # their new slots (the insert pinned its new rows)
             else:
                 if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
-                    slots = _follow_moves(slots, plan.moved_from, plan.moved_to)
+                    slots = follow_moves(slots, plan.moved_from, plan.moved_to)
                 slots.index_copy_(0, absent.positions, new_slots[inverse])
         return slots, all_present
 
-    def _pending_ids(self, *extra: int) -> torch.Tensor:
+    def pending_ids(self, *extra: int) -> torch.Tensor:
         """The pending steps' ids and ``extra`` ids, a CPU tensor (``plan_insert`` moves it to the
         device only when it needs it: a copy to the GPU waits for the stream)."""
         return torch.tensor([s.id for s in self.steps.pending] + list(extra), dtype=torch.int64)
@@ -380,16 +385,16 @@ class DynamicTable(EmbeddingTable):
         changes; the caller follows the plan's moves), unless the table served this step before:
         that lookup's slots are final. Rows pinned by other pending steps never move."""
         journal = step.journal if step is not None else None
-        options, space = self.options, self.space
+        space = self.space
         while self._can_grow() and space.crowded(keys.numel()):
             space.grow(journal)
         while True:
             allow_evict = self.score_policy.evicts and (space.at_max or not self._can_grow())
             plan = self.index.plan_insert(
                 keys,
-                pinned_by=self._pending_ids(*([] if write_id is None else [write_id])),
+                pinned_by=self.pending_ids(*([] if write_id is None else [write_id])),
                 allow_evict=allow_evict,
-                movable_pins=self._movable_pins(step, write_id),
+                movable_pins=self.movable_pins(step, write_id),
                 keys_ascending=keys_ascending,
             )
             if plan.dropped and self._can_grow():
@@ -403,34 +408,8 @@ class DynamicTable(EmbeddingTable):
                 f"{self.max_capacity}; their buckets hold this write's own rows); nothing was written: write "
                 f"fewer new keys at once or raise max_capacity"
             )
-        if overflow:
-            message = (
-                f"table '{self.name}': {overflow} new key(s) could not get a row (capacity "
-                f"{self.capacity}, max_capacity {self.max_capacity}, score_strategy "
-                f"'{options.score_strategy}'; their buckets are full of rows "
-                f"{'pinned in this step' if options.score_strategy != 'none' else 'that cannot be evicted'})"
-            )
-            if options.check_mode == "error":
-                raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
-            if options.check_mode == "warn":
-                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=6)
-        evicted = plan.evicted_slots.numel()
-        # Evictions while a slot was still free somewhere (below full capacity) are the ones
-        # max_capacity promises to avoid; report() counts them apart.
-        free_left = self.max_capacity - (self.size + plan.placed - evicted)
-        space.count(
-            journal,
-            dropped=overflow,
-            evicted=evicted,
-            premature=min(evicted, max(free_left, 0)),
-            moved=plan.moved_from.numel(),
-        )
-        overwritten = plan.overwritten_slots
-        if journal is not None and overwritten.numel():  # evicted and moved rows come back on abort
-            rows = self.store.read(overwritten)
-            journal.record(lambda: self.store.write(overwritten, rows))
-        if plan.moved_from.numel():  # residents moved to their other bucket take their rows along
-            self.store.write(plan.moved_to, self.store.read(plan.moved_from))
+        self.count_insert(journal, plan.placed, overflow, plan.evicted_slots.numel(), plan.moved_from.numel())
+        move_rows(self.store, plan, journal)
         self.index.commit(plan, torch.zeros_like(keys), journal)
         new_slots, new_keys = plan.slots, keys
         if plan.placed < keys.numel():
@@ -441,10 +420,33 @@ class DynamicTable(EmbeddingTable):
             self.index.pin(new_slots, step.id)
         return plan
 
-    def _movable_pins(self, step: Optional[Step], write_id: Optional[int] = None) -> Optional[torch.Tensor]:
+    def count_insert(self, journal: Optional[Journal], placed: int, dropped: int, evicted: int, moved: int) -> None:
+        """Counts an insert's keys (before its commit): ``dropped`` keys left without a row follow
+        ``check_mode`` (a ``TableFullError``, a warning, or nothing), and the counters of
+        :meth:`report` take the dropped, evicted and moved keys."""
+        options = self.options
+        if dropped:
+            message = (
+                f"table '{self.name}': {dropped} new key(s) could not get a row (capacity "
+                f"{self.capacity}, max_capacity {self.max_capacity}, score_strategy "
+                f"'{options.score_strategy}'; their buckets are full of rows "
+                f"{'pinned in this step' if options.score_strategy != 'none' else 'that cannot be evicted'})"
+            )
+            if options.check_mode == "error":
+                raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
+            if options.check_mode == "warn":
+                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=7)
+        # Evictions while a slot was still free somewhere (below full capacity) are the ones
+        # max_capacity promises to avoid; report() counts them apart.
+        free_left = self.max_capacity - (self.size + placed - evicted)
+        self.space.count(
+            journal, dropped=dropped, evicted=evicted, premature=min(evicted, max(free_left, 0)), moved=moved
+        )
+
+    def movable_pins(self, step: Optional[Step], write_id: Optional[int] = None) -> Optional[torch.Tensor]:
         if write_id is not None:
             return torch.tensor([write_id], dtype=torch.int64)
-        if step is None or self._served_step == step.id:
+        if step is None or self.served_step == step.id:
             return None
         return torch.tensor([step.id], dtype=torch.int64)
 
@@ -541,41 +543,41 @@ class AbsentKeys:
         return cls(positions, unique, inverse, counts)
 
     @classmethod
-    def of_tables(
-        cls, keys: Sequence[torch.Tensor], slots: Sequence[torch.Tensor], table: torch.Tensor
-    ) -> list[AbsentKeys]:
-        """:meth:`of` for each table's ``(keys[i], slots[i])``, found for all of them in one pass:
-        the same tensors, with a fixed number of ops and two host reads (on a GPU) whatever the
-        number of tables. ``table``: ``[sum of keys]`` int64, the table of each key (``i`` for
-        each of ``keys[i]``; built on the device by the caller, who keeps it for the next
-        batches of the same sizes)."""
-        n = len(keys)
-        all_keys, all_slots = torch.cat(list(keys)), torch.cat(list(slots))
-        positions = torch.nonzero(all_slots < 0).squeeze(1)  # ascending: table by table
-        k, t = all_keys[positions], table[positions]
+    def of_parts(
+        cls, keys: torch.Tensor, slots: torch.Tensor, parts: torch.Tensor, num_parts: int
+    ) -> tuple[AbsentKeys, torch.Tensor, list[int]]:
+        """:meth:`of` with keys distinct by ``(partition, key)`` (``parts`` ``[n]`` int64: each
+        key's partition, a table of a group's shared index): ``unique`` ordered by partition,
+        then key. Also each unique key's partition ``[u]``, and how many distinct keys each
+        partition has (a host list: with ``nonzero``'s, two host reads on a GPU whatever the
+        number of partitions)."""
+        positions = torch.nonzero(slots < 0).squeeze(1)  # ascending
+        k, t = keys[positions], parts[positions]
         order = torch.argsort(k, stable=True)
-        order = order[torch.argsort(t[order], stable=True)]  # by table, then key
+        order = order[torch.argsort(t[order], stable=True)]  # by partition, then key
         sk, st = k[order], t[order]
-        first = torch.ones_like(sk, dtype=torch.bool)  # the first of each (table, key)
+        first = torch.ones_like(sk, dtype=torch.bool)  # the first of each (partition, key)
         first[1:] = (sk[1:] != sk[:-1]) | (st[1:] != st[:-1])
         uid = torch.cumsum(first, 0) - 1
         inverse = torch.empty_like(uid).index_copy_(0, order, uid)
-        counted = torch.zeros(3, n, dtype=torch.int64, device=table.device)
-        counted[0].index_add_(0, table, torch.ones_like(table))  # keys a table
-        counted[1].index_add_(0, t, torch.ones_like(t))  # absent keys a table
-        counted[2].index_add_(0, st, first.long())  # distinct absent keys a table
-        starts = torch.cumsum(counted, 1) - counted  # each table's first of each
-        positions = positions - starts[0][t]
-        inverse = inverse - starts[2][t]
-        absent_of, unique_of = counted[1:].tolist()  # the host read besides nonzero's
-        unique = sk[torch.nonzero_static(first, size=sum(unique_of)).squeeze(1)]
+        distinct = torch.zeros(num_parts, dtype=torch.int64, device=keys.device).index_add_(0, st, first.long())
+        distinct_of = distinct.tolist()  # the host read besides nonzero's
+        firsts = torch.nonzero_static(first, size=sum(distinct_of)).squeeze(1)
+        unique = sk[firsts]
         counts = torch.zeros_like(unique).index_add_(0, uid, torch.ones_like(uid))
-        return [
-            cls(*parts)
-            for parts in zip(
-                positions.split(absent_of), unique.split(unique_of), inverse.split(absent_of), counts.split(unique_of)
-            )
-        ]
+        return cls(positions, unique, inverse, counts), st[firsts], distinct_of
+
+
+def move_rows(store: RowStore, plan: InsertPlan, journal: Optional[Journal]) -> None:
+    """The rows of ``plan``'s moved residents follow them to their new slots (a slot is a row
+    of ``store``), and ``journal`` records how to bring back every row the plan's commit
+    overwrites (evicted and moved residents')."""
+    overwritten = plan.overwritten_slots
+    if journal is not None and overwritten.numel():
+        rows = store.read(overwritten)
+        journal.record(lambda: store.write(overwritten, rows))
+    if plan.moved_from.numel():
+        store.write(plan.moved_to, store.read(plan.moved_from))
 
 
 def present_bags(
@@ -589,7 +591,7 @@ def present_bags(
     return rows[present], offsets, None if bags.weights is None else bags.weights[present]
 
 
-def _follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:
+def follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:
     """``slots`` (-1: none) with each slot ``moved_from[i]`` replaced by ``moved_to[i]`` (a plan's
     cuckoo moves: distinct sources), without a host read."""
     order = torch.argsort(moved_from)

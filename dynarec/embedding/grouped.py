@@ -13,21 +13,22 @@ ops' packed form has kernels (a GPU with Triton): their rows are packed end to e
 output is the group's widest dim, each feature given its own dim's columns back; on a CPU, where
 a lookup launches nothing, they are looked up apart.
 
-A :class:`DynamicTableGroup` does it for dynamic tables of one dim and spec that never grow
-(``init_capacity`` at ``max_capacity``: their slots are rows of the shared store for good),
-float32 rows on the native backend, with admission or without: each table keeps its own hash
-index, finds, inserts, evictions, pins, scores and admission counter; the group pools all their
-slots at once and updates them in one pass. A key without a row (evaluation, a dropped key, a
-key not yet admitted) adds its table's eval (or admission) initializer to its bag, as a table
-alone does; a training step where the tables' learning
-rates or step counters differ looks each table up on its own.
+A :class:`DynamicTableGroup` does it for dynamic tables of one dim, spec, bucket size and score
+strategy that never grow (``init_capacity`` at ``max_capacity``: their slots are rows of the
+shared store for good), float32 rows on the native backend, with admission or without. Their
+hash indexes are the partitions of one index (:class:`~dynarec.embedding.hash_index.IndexStorage`:
+each table's keys in its own buckets, a slot of it a row of the store), so a step makes one find,
+one insert plan and commit, one pooled lookup and one fused update (which writes the scores)
+for all its tables, whatever their number; each table keeps its own keys, evictions, moves,
+pins, counters, ``check_mode`` and admission counter. A key without a row (evaluation, a
+dropped key, a key not yet admitted) adds its table's eval (or admission) initializer to its
+bag, as a table alone does.
 
 The grouping changes no result beyond float32 summation order: a row's update depends only on
-its own aggregated gradient and the table's learning rate and step counter, and each bag pools
-in the same order. Where the tables' learning rates or step counters differ (one was set or
-loaded apart from the others), the group looks each table up on its own for that step. A dynamic
-group's fused update writes no scores: each table writes its touched rows' scores when its step
-commits (the path an FBGEMM store takes), the same values.
+its own aggregated gradient and the table's learning rate and step counter, each bag pools in
+the same order, and a partition's plan is the plan of its table alone (``dynarec.kernels.ops``).
+Where the tables' learning rates or step counters differ (one was set or loaded apart from the
+others), the group looks each table up on its own for that step.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.dynamic import AbsentKeys, DynamicTable, present_bags
+from dynarec.embedding.dynamic import AbsentKeys, DynamicTable, follow_moves, move_rows, present_bags
+from dynarec.embedding.hash_index import IndexStamp, IndexStorage
+from dynarec.embedding.insert_plan import InsertPlan
 from dynarec.embedding.jagged import FeatureSlice
 from dynarec.embedding.pack import BagLayout, Bags, pack
 from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
+from dynarec.embedding.scores import ScorePolicy
+from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys, commit_on_backward
 from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
@@ -72,8 +77,9 @@ def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False
     (another backend, half-precision rows: their rounding draws are keyed by the table's own
     rows, rows in host memory behind a cache, a dynamic table that grows). Fixed
     tables: with ``packs_dims`` (:func:`packs_dims`) tables of several dims within one row tile
-    group too (the tile and the spec), else the dim and the spec; dynamic tables: the dim and
-    the spec (each keeps its own index, of any bucket size)."""
+    group too (the tile and the spec), else the dim and the spec; dynamic tables: the dim, the
+    spec, the bucket size and the score strategy (their indexes are one index's partitions, and
+    one plan evicts, or not, for all)."""
     if config.backend != "native" or config.data_type != "fp32":
         return None
     if config.cache_load_factor is not None:  # its rows live in host memory, behind its own cache
@@ -83,7 +89,7 @@ def group_key(config: TableConfig, spec: OptimizerSpec, packs_dims: bool = False
         grows = whole_buckets(d.init_capacity, d.bucket_size) < whole_buckets(d.max_capacity, d.bucket_size)  # type: ignore[arg-type]
         if grows:
             return None
-        return ("dynamic", config.dim, spec)
+        return ("dynamic", config.dim, spec, d.bucket_size, d.score_strategy)
     return (_dim_class(config.dim), spec) if packs_dims else (config.dim, spec)
 
 
@@ -112,8 +118,10 @@ class _Group:
     _shifts: dict[tuple, torch.Tensor]  # _shift's, by the id counts
 
     def begin_step(self) -> None:
+        """Opens a step of every table, with one id (a group's plan pins its rows for all)."""
+        step_id = max(t.steps.last_id for t in self.tables) + 1
         for t in self.tables:
-            t.begin_step()
+            t.begin_step(step_id)
 
     def abort_step(self) -> None:
         for t in reversed(self.tables):
@@ -242,28 +250,42 @@ class TableGroup(_Group):
 
 
 class DynamicTableGroup(_Group):
-    """Dynamic tables sharing one :class:`PackedRowStore`: table ``i``'s slot ``s`` is the
-    store's row ``bases[i] + s``. A collection uses it where it would use one table: ``pack`` →
-    ``find`` → ``lookup`` → ``unpack``, the step lifecycle over all its tables."""
+    """Dynamic tables sharing one :class:`PackedRowStore` and one partitioned hash index
+    (:class:`IndexStorage`, a table a partition): table ``i``'s slot ``s`` is the storage's slot
+    and the store's row ``bases[i] + s``. A collection uses it where it would use one table:
+    ``pack`` → ``find`` → ``lookup`` → ``unpack``, the step lifecycle over all its tables.
+
+    A training step finds every table's keys in one find, inserts every table's new keys in one
+    plan and one commit (each table's keys in its own buckets: its own evictions, moves and
+    pins), pools every table's rows in one lookup and updates them, with their scores, in one
+    pass. Each table keeps its admission counter, its counters and its ``check_mode``; a step
+    whose tables differ in step or learning rate looks each table up on its own."""
 
     def __init__(self, configs: Sequence[TableConfig], spec: OptimizerSpec, device: torch.device):
         keys = {group_key(c, spec) for c in configs}
         if len(keys) != 1 or None in keys or configs[0].dynamic is None:
             raise ValueError(f"tables {[c.name for c in configs]} differ in dim, kind or options: no group")
+        options = configs[0].dynamic
         slots = []  # each table's, for good: it never grows
         for c in configs:
             assert c.dynamic is not None
             slots.append(whole_buckets(c.dynamic.max_capacity, c.dynamic.bucket_size))
         self.name = "+".join(c.name for c in configs)
         self.store = PackedRowStore([(n, configs[0].dim) for n in slots], spec, device)
+        indexes = IndexStorage.partitions([n // options.bucket_size for n in slots], options.bucket_size, device)
+        #: The tables' shared hash index: table ``i`` is its partition ``i``.
+        self.index = indexes[0].storage
         self.tables: list[DynamicTable] = []
         self.bases: list[int] = []
         self._shifts = {}
         base = 0
         for i, (config, n) in enumerate(zip(configs, slots)):
-            self.tables.append(DynamicTable(config, spec, device, store=RowStoreSlice(self.store, i)))
+            table = DynamicTable(config, spec, device, store=RowStoreSlice(self.store, i), index=indexes[i])
+            self.tables.append(table)
             self.bases.append(base)
+            assert self.index.first_slot(i) == base  # a slot is a row of the store
             base += n
+        self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
 
     # -- the three stages ----------------------------------------------------------------------
 
@@ -273,83 +295,214 @@ class DynamicTableGroup(_Group):
         return GroupBags(bags.ids, bags.offsets, bags.weights, parts), layout
 
     def find(self, bags: Bags) -> GroupFoundKeys:
+        """Every table's keys found in one pass over the shared index (on a GPU, on any stream:
+        ``IndexStorage.find_op``): their slots are rows of the store."""
         assert isinstance(bags, GroupBags)
-        return GroupFoundKeys([t.find_keys(keys) for t, keys in zip(self.tables, bags.table_ids())])
+        index = self.index
+        slots, absent = index.find_op(
+            index.keys, index.tags, index.num_buckets, index.bucket_size, bags.ids, True, index.part_starts,
+            self._table_of_key(bags),
+        )  # fmt: skip
+        return GroupFoundKeys(slots, [t.index.stamp for t in self.tables], absent)
+
+    def _table_of_key(self, bags: GroupBags) -> torch.Tensor:
+        """``[num_ids]`` int64: the table of each id (kept for batches of the same id counts)."""
+        return self._shift(list(range(len(self.tables))), [n for _, n in bags.parts], bags.ids.device)
+
+    def _still_holds(self, found: FoundKeys) -> bool:
+        """Whether an earlier find gives this lookup's slots: it holds for every table."""
+        if not isinstance(found, GroupFoundKeys):
+            return False
+        absent = found.absent_tables
+        return all(t.still_holds(stamp, not a) for t, stamp, a in zip(self.tables, found.stamps, absent))
 
     def lookup(
         self, bags: Bags, train: bool, found: Optional[FoundKeys] = None, hold: Optional[CacheHold] = None
     ) -> torch.Tensor:
-        """All tables' bags (:meth:`pack`'s) -> pooled rows ``[num_bags, D]``: each table finds
-        (and in training inserts) its keys, then one lookup pools every table's rows; in
-        training its backward applies the fused update once to every touched row of every table
-        and commits each table's step."""
+        """All tables' bags (:meth:`pack`'s) -> pooled rows ``[num_bags, D]``: every table's keys
+        found (in training, new keys inserted) at once, then one lookup pools every table's rows;
+        in training its backward applies the fused update once to every touched row of every
+        table, sets their scores and commits each table's step. A key without a row adds its
+        table's eval (in training with admission: admission) initializer to its bag."""
         assert isinstance(bags, GroupBags)
-        table_ids = bags.table_ids()
-        num_ids = [n for _, n in bags.parts]
-        earlier = found.parts if isinstance(found, GroupFoundKeys) else [None] * len(table_ids)
-        steps = [t.steps.current if train else None for t in self.tables]
-        founds = [t.found_again(keys, f) for t, keys, f in zip(self.tables, table_ids, earlier)]
-        absents: list[Optional[AbsentKeys]] = [None] * len(founds)
-        inserting = [i for i, f in enumerate(founds) if train and not f.all_present]
-        if len(inserting) > 1:  # their absent keys in one pass (a fixed number of ops and host reads)
-            # Over every table (one with no absent key adds none): the table of each key is then
-            # kept for the batches of the same id counts, as the rows' shift is.
-            table_of_key = self._shift(list(range(len(self.tables))), num_ids, bags.ids.device)
-            shares = AbsentKeys.of_tables(table_ids, [f.slots for f in founds], table_of_key)
-            for i in inserting:
-                absents[i] = shares[i]
-        slots, present = [], []
-        for table, keys, f, step, absent_keys in zip(self.tables, table_ids, founds, steps, absents):
-            s, p = table.slots_for(keys, f, step, absent_keys)
-            slots.append(s)
-            present.append(p)
-        rates = {t.store.lr for t in self.tables}
-        if train and (len({s.t for s in steps if s is not None}) > 1 or len(rates) > 1):
-            parts = zip(self.tables, bags.split(), slots, present, steps)
-            return torch.cat([t.pooled_at(part, s, p, step) for t, part, s, p, step in parts])
-        found_slots = torch.cat(slots)
-        rows = found_slots + self._shift(self.bases, num_ids, bags.ids.device)
+        steps = [t.steps.current for t in self.tables] if train else []
+        if train and not self._in_one_step(steps):
+            return self._lookup_apart(bags)
+        if found is None or not self._still_holds(found):
+            found = self.find(bags)
+        assert isinstance(found, GroupFoundKeys)
+        if train:
+            rows, present = self._rows_for_training(bags, found, steps[0])
+        else:
+            rows, present = found.slots, [not a for a in found.absent_tables]
         offsets, weights, missing_out = bags.offsets, bags.weights, None
         if not all(present):  # keys without a row: their initializer's values, the others pooled
-            rows = torch.where(found_slots >= 0, rows, found_slots)
-            bag_of_id, at = bags_of_ids(bags.offsets, bags.ids.numel()), 0
-            for table, keys, s, p, step in zip(self.tables, table_ids, slots, present, steps):
-                absent, ids_at = s < 0, slice(at, at + s.numel())
-                at += s.numel()
-                w = None if weights is None else weights[ids_at]
-                values = None if p else table.absent_values(keys, w, absent, step)
-                if values is not None:
-                    if missing_out is None:
-                        missing_out = values.new_zeros(bags.num_bags, self.store.dim)
-                    missing_out.index_add_(0, bag_of_id[ids_at][absent], values)
-            rows, offsets, weights = present_bags(bags, rows, bag_of_id)
-            slots = [s if p else s[s >= 0] for s, p in zip(slots, present)]
+            missing_out, rows, offsets, weights = self._without_rows(bags, rows, present, steps)
         if not train:
             out = self.store.lookup(rows, offsets, weights, False)
         else:
-            begun = [(table, step) for table, step in zip(self.tables, steps) if step is not None]
-            for (table, step), s in zip(begun, slots):
-                table.score_policy.schedule(s, step, fused=False)  # written at commit, by each index
-            self.store.set_learning_rate(rates.pop())
-            out = self.store.lookup(rows, offsets, weights, True, step=begun[0][1].t)
-            commit_on_backward(out, begun)
+            step = steps[0]  # every table's, in one: the scores written once for all
+            row_scores = self.score_policy.schedule(
+                rows, step, self.store.writes_row_scores and torch.is_grad_enabled()
+            )
+            self.store.set_learning_rate(self.tables[0].store.lr)
+            out = self.store.lookup(rows, offsets, weights, True, step=step.t, row_scores=row_scores)
+            commit_on_backward(out, list(zip(self.tables, steps)))
         return out if missing_out is None else out + missing_out
+
+    def _in_one_step(self, steps: list[Step]) -> bool:
+        """Whether the tables' steps act as one: one id and step counter, the same steps pending,
+        one learning rate, and each table serving this step for the first time or each again
+        (one plan's pins and moves then hold for every table)."""
+        first, lead = steps[0], self.tables[0]
+        pending = [s.id for s in lead.steps.pending]
+        served = lead.served_step == first.id
+        return all(
+            s.id == first.id
+            and s.t == first.t
+            and t.store.lr == lead.store.lr
+            and (t.served_step == first.id) == served
+            and [p.id for p in t.steps.pending] == pending
+            for t, s in zip(self.tables, steps)
+        )
+
+    def _lookup_apart(self, bags: GroupBags) -> torch.Tensor:
+        """Each table's own training lookup of its part of ``bags`` (its step or learning rate
+        differs from the others'), in the group's bag order."""
+        return torch.cat([t.lookup(part, True) for t, part in zip(self.tables, bags.split())])
+
+    def _rows_for_training(self, bags: GroupBags, found: GroupFoundKeys, step: Step) -> tuple[torch.Tensor, list[bool]]:
+        """The row of every id (-1: none), absent keys inserted first (admission permitting), and
+        whether each table's ids all have one: :meth:`DynamicTable.slots_for`'s, for every table
+        at once (one plan and one commit)."""
+        tables, index = self.tables, self.index
+        slots = found.slots
+        if found.all_present:
+            index.pin_later(slots, step.id)  # pins matter only to an insert while this step is pending
+            for t in tables:
+                t.served_step = step.id
+            return slots, [True] * len(tables)
+        index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
+        absent, key_tables, distinct = AbsentKeys.of_parts(bags.ids, slots, self._table_of_key(bags), len(tables))
+        new_keys, new_tables, new_of, admitted = absent.unique, key_tables, distinct, None
+        if any(t.admission is not None and n for t, n in zip(tables, distinct)):
+            admitted, new_of = self._admitted(absent, distinct, step)
+            new_keys, new_tables = new_keys[admitted], new_tables[admitted]
+        present = [n == m for n, m in zip(distinct, new_of)]
+        if new_keys.numel():
+            new_slots, placed_of, plan = self._insert(new_keys, new_tables, new_of, step)
+            present = [p and n == m for p, n, m in zip(present, placed_of, new_of)]
+            if admitted is not None:
+                new_slots = torch.full_like(absent.unique, -1).index_copy_(0, admitted, new_slots)
+            if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
+                slots = follow_moves(slots, plan.moved_from, plan.moved_to)
+            slots.index_copy_(0, absent.positions, new_slots[absent.inverse])
+        for t in tables:
+            t.served_step = step.id
+        return slots, present
+
+    def _admitted(self, absent: AbsentKeys, distinct: list[int], step: Step) -> tuple[torch.Tensor, list[int]]:
+        """Which of ``absent``'s unique keys their tables admit (indices, ascending), and how many
+        a table: each table with admission counts its own keys."""
+        keep, at = [], 0
+        for table, n in zip(self.tables, distinct):
+            uniq, counts = absent.unique[at : at + n], absent.counts[at : at + n]
+            if table.admission is None or not n:
+                keep.append(torch.ones(n, dtype=torch.bool, device=uniq.device))
+            else:
+                keep.append(table.admission.count(uniq, counts, step, table.pending_ids()))
+            at += n
+        admitted = torch.nonzero(torch.cat(keep)).squeeze(1)
+        return admitted, [int(k.sum()) for k in keep]
+
+    def _insert(
+        self, keys: torch.Tensor, key_tables: torch.Tensor, keys_of: list[int], step: Step
+    ) -> tuple[torch.Tensor, list[int], InsertPlan]:
+        """Gives rows to every table's new ``keys`` (unique, ordered by table, then key;
+        ``keys_of``: how many a table) in one plan and commit: each table's own insert
+        (``DynamicTable._insert``: pins, moves, evictions, ``check_mode``, counters, fresh rows),
+        its changes journaled in the first table's step (the group's steps are undone together).
+        Returns each key's slot (-1: none), how many a table placed, and the plan."""
+        tables, index, journal = self.tables, self.index, step.journal
+        plan = index.plan_insert(
+            keys,
+            key_tables,
+            pinned_by=tables[0].pending_ids(),
+            allow_evict=self.score_policy.evicts,  # (at max_capacity: a grouped table never grows)
+            movable_pins=tables[0].movable_pins(step),
+        )
+        if plan.only_adds and plan.placed == keys.numel():  # counted on the host already
+            placed_of, evicted_of, moved_of = keys_of, [0] * len(tables), [0] * len(tables)
+        else:  # one host read for every table's counts
+            first = torch.tensor(self.bases, device=keys.device)
+            counts = torch.zeros(3, len(tables), dtype=torch.int64, device=keys.device)
+            counts[0].index_add_(0, key_tables, (plan.slots >= 0).long())
+            for row, slots in ((1, plan.evicted_slots), (2, plan.moved_from)):
+                of_slot = torch.searchsorted(first, slots, right=True) - 1
+                counts[row].index_add_(0, of_slot, torch.ones_like(of_slot))
+            placed_of, evicted_of, moved_of = counts.tolist()
+        for t, n, placed, evicted, moved in zip(tables, keys_of, placed_of, evicted_of, moved_of):
+            t.count_insert(t.steps.current.journal, placed, n - placed, evicted, moved)
+        move_rows(self.store, plan, journal)
+        index.commit(plan, torch.zeros_like(keys), [p - e for p, e in zip(placed_of, evicted_of)], journal)
+        new_slots, new_keys = plan.slots, keys
+        if plan.placed < keys.numel():
+            ok = plan.slots >= 0
+            new_slots, new_keys = plan.slots[ok], keys[ok]
+        at = 0
+        for t, placed in zip(tables, placed_of):  # each table's initializer and seed
+            seed = t.config.seed
+            assert seed is not None  # (a table config's is set)
+            if placed:
+                rows = slice(at, at + placed)
+                self.store.init_rows(new_slots[rows], new_keys[rows], t.initializer, seed, t.config.default_bound)
+            at += placed
+        index.pin(new_slots, step.id)
+        return plan.slots, placed_of, plan
+
+    def _without_rows(
+        self, bags: GroupBags, rows: torch.Tensor, present: list[bool], steps: list[Step]
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """What the ids without a row (``rows`` -1) of the tables not all ``present`` add to
+        their bags (``[num_bags, D]``, None where their initializers are zero), and ``(rows,
+        offsets, weights)`` of the bags without them."""
+        bag_of_id, missing_out, at = bags_of_ids(bags.offsets, bags.ids.numel()), None, 0
+        for i, (table, keys) in enumerate(zip(self.tables, bags.table_ids())):
+            ids_at = slice(at, at + keys.numel())
+            at += keys.numel()
+            if present[i]:
+                continue
+            absent = rows[ids_at] < 0
+            w = None if bags.weights is None else bags.weights[ids_at]
+            values = table.absent_values(keys, w, absent, steps[i] if steps else None)
+            if values is not None:
+                if missing_out is None:
+                    missing_out = values.new_zeros(bags.num_bags, self.store.dim)
+                missing_out.index_add_(0, bag_of_id[ids_at][absent], values)
+        rows, offsets, weights = present_bags(bags, rows, bag_of_id)
+        return missing_out, rows, offsets, weights
 
 
 class GroupFoundKeys(FoundKeys):
-    """A :class:`DynamicTableGroup`'s find: each table's, in table order (the group reads them;
-    it has no slots or stamp of its own)."""
+    """A :class:`DynamicTableGroup`'s find: ``slots`` ``[n]`` of the group's shared index (rows of
+    its store; -1: no row), each table's index stamp then, and which tables have an absent key
+    (``[T]`` on the device, read on the host when first asked)."""
 
-    def __init__(self, parts: list[FoundKeys]):  # (not FoundKeys.__init__: each part has its own)
-        self.parts = parts
+    def __init__(self, slots: torch.Tensor, stamps: list[IndexStamp], absent: torch.Tensor):
+        super().__init__(slots, stamps[0], absent)
+        self.stamps = stamps
+        self._absent_tables: Optional[list[bool]] = None
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for p in self.parts for t in p.tensors)
+    def absent_tables(self) -> list[bool]:
+        """Whether each table has a key without a row (one host read, the first time)."""
+        if self._absent_tables is None:
+            self._absent_tables = [bool(a) for a in self._absent.read().tolist()]
+        return self._absent_tables
 
     @property
     def all_present(self) -> bool:
-        return all(p.all_present for p in self.parts)
+        return not any(self.absent_tables)
 
 
 @dataclass

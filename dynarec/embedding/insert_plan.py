@@ -97,11 +97,14 @@ def plan_insert(
     priority: Optional[torch.Tensor] = None,
     movable_pins: Optional[torch.Tensor] = None,
     keys_ascending: bool = False,
+    key_parts: Optional[torch.Tensor] = None,
 ) -> InsertPlan:
     """Plans inserting ``keys`` (unique, absent from ``index``), writing nothing
-    (``BucketedHashIndex.plan_insert`` says what a plan is): the ``dynarec::plan_insert`` op."""
+    (``BucketedHashIndex.plan_insert`` says what a plan is): the ``dynarec::plan_insert`` op.
+    ``key_parts``: each key's partition of a partitioned index (``index.part_starts``:
+    ``IndexStorage``)."""
     return _plan_insert(torch.ops.dynarec.plan_insert, index, keys, pinned_by, allow_evict, priority, movable_pins,
-                        keys_ascending)  # fmt: skip
+                        keys_ascending, key_parts)  # fmt: skip
 
 
 def plan_insert_reference(
@@ -128,6 +131,7 @@ def _plan_insert(
     priority: Optional[torch.Tensor],
     movable_pins: Optional[torch.Tensor],
     keys_ascending: bool,
+    key_parts: Optional[torch.Tensor] = None,
 ) -> InsertPlan:
     n = keys.numel()
     if n == 0:
@@ -140,6 +144,7 @@ def _plan_insert(
     slots, left, moved_from, moved_to, evicted = planner(
         index.tags, index.keys, index.scores, index.pins, index.num_buckets, index.bucket_size, keys, order,
         move_pins, _wrapped(pinned_by), allow_evict, index.capacity - index.size,
+        *(() if key_parts is None else (index.part_starts, key_parts)),  # type: ignore[attr-defined]
     )  # fmt: skip
     # every key left after step 2 that got a slot took an evicted one
     return InsertPlan(keys, slots, evicted, moved_from, moved_to, n - left.numel() + evicted.numel())

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from dynarec.embedding.config import ScoreStrategy
-from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.hash_index import IndexWrites
 from dynarec.embedding.step import Step
 from dynarec.optim.fused import RowScores
 
@@ -31,7 +31,7 @@ class ScorePolicy:
     """The score writes of ``strategy`` into the table's current index (``index()``: the index
     the table holds when the write happens; a growth replaces it)."""
 
-    def __init__(self, strategy: ScoreStrategy, index: Callable[[], BucketedHashIndex]):
+    def __init__(self, strategy: ScoreStrategy, index: Callable[[], IndexWrites]):
         self.strategy = strategy
         self._index = index
 

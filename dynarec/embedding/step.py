@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Optional
 
 __all__ = ["Journal", "Step", "StepLifecycle", "StepPendingError"]
 
@@ -71,9 +72,18 @@ class StepLifecycle:
             raise StepPendingError(f"{self.where}: no training step is open (begin_step() first)")
         return self.pending[-1]
 
-    def begin(self) -> Step:
+    @property
+    def last_id(self) -> int:
+        """The id of the latest step begun or write made (0: none)."""
+        return self._next_id
+
+    def begin(self, step_id: Optional[int] = None) -> Step:
+        """Opens a step, of id ``step_id`` where given (past :attr:`last_id`: tables looked up
+        together open their steps with one id), else the next id."""
+        if step_id is not None and step_id <= self._next_id:
+            raise ValueError(f"{self.where}: step id {step_id} is not past the last one, {self._next_id}")
         self.t += 1
-        self._next_id += 1
+        self._next_id = self._next_id + 1 if step_id is None else step_id
         step = Step(self._next_id, self.t)
         self.pending.append(step)
         return step

@@ -163,9 +163,10 @@ class EmbeddingTable(ABC):
         """The step counter ``t``: training steps begun and not aborted."""
         return self.steps.t
 
-    def begin_step(self) -> Step:
-        """Opens a training step; the next training lookup belongs to it."""
-        return self.steps.begin()
+    def begin_step(self, step_id: Optional[int] = None) -> Step:
+        """Opens a training step (of id ``step_id``: ``StepLifecycle.begin``); the next training
+        lookup belongs to it."""
+        return self.steps.begin(step_id)
 
     def abort_step(self) -> None:
         """Undoes the latest pending step (a forward whose backward will never run): rows it

@@ -113,9 +113,10 @@ def test_a_dump_loads_into_its_own_layout_or_anew_into_a_smaller_one():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_absent_keys_of_several_tables_found_at_once_are_each_tables_own(device):
-    """AbsentKeys.of_tables (a group's one pass) gives each table exactly what AbsentKeys.of
-    (torch.unique of its absent keys) gives it alone: positions, unique keys, inverse, counts
-    and dtypes; tables without keys or without absent keys too, equal keys in two tables apart."""
+    """AbsentKeys.of_parts (a group's one pass over its tables' keys, a table a partition) gives
+    each table, in its share, exactly what AbsentKeys.of (torch.unique of its absent keys) gives
+    it alone: positions, unique keys, inverse, counts and dtypes, shifted by the table's place;
+    tables without keys or without absent keys too, equal keys in two tables apart."""
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
         keys, slots = [], []
@@ -125,8 +126,21 @@ def test_the_absent_keys_of_several_tables_found_at_once_are_each_tables_own(dev
             keys.append((torch.randint(-5, 5, (n,), generator=g) * scale).to(device))
             slots.append(torch.where(torch.rand(n, generator=g) < 0.5, -1, 3).to(device))
         table = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([k.numel() for k in keys])).to(device)
-        for k, s, got in zip(keys, slots, AbsentKeys.of_tables(keys, slots, table)):
+        joint, key_tables, distinct = AbsentKeys.of_parts(torch.cat(keys), torch.cat(slots), table, len(keys))
+        ids_at = absent_at = unique_at = 0  # the table's first id, absent id and unique key in the joint
+        for i, (k, s) in enumerate(zip(keys, slots)):
             want = AbsentKeys.of(k, s)
-            for field in ("positions", "unique", "inverse", "counts"):
-                a, b = getattr(got, field), getattr(want, field)
+            m, u = want.positions.numel(), want.unique.numel()
+            assert distinct[i] == u
+            shares = {
+                "positions": joint.positions[absent_at : absent_at + m] - ids_at,
+                "unique": joint.unique[unique_at : unique_at + u],
+                "inverse": joint.inverse[absent_at : absent_at + m] - unique_at,
+                "counts": joint.counts[unique_at : unique_at + u],
+            }
+            for field, a in shares.items():
+                b = getattr(want, field)
                 assert a.dtype == b.dtype and torch.equal(a, b), (trial, field)
+            assert key_tables[unique_at : unique_at + u].tolist() == [i] * u
+            ids_at, absent_at, unique_at = ids_at + k.numel(), absent_at + m, unique_at + u
+        assert joint.positions.numel() == absent_at and joint.unique.numel() == unique_at

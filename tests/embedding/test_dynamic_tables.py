@@ -667,8 +667,8 @@ def test_write_rows_at_max_capacity_never_evicts_its_own_keys(own):
 
 
 def test_slots_follow_a_plans_cuckoo_moves():
-    from dynarec.embedding.dynamic import _follow_moves
+    from dynarec.embedding.dynamic import follow_moves
 
     slots = torch.tensor([5, -1, 7, 5, 2, 9, 0])
-    got = _follow_moves(slots, torch.tensor([9, 5]), torch.tensor([12, 3]))
+    got = follow_moves(slots, torch.tensor([9, 5]), torch.tensor([12, 3]))
     assert torch.equal(got, torch.tensor([3, -1, 7, 3, 2, 12, 0]))

@@ -235,10 +235,10 @@ def test_batches_of_the_same_id_counts_reuse_the_groups_row_shift(device):
 
 
 def dynamic_tables(score_strategy="step", **extra):
-    """Dynamic tables of dim 8 and 64 slots that never grow: four in one group (one serves a pooled
-    feature and a sequence, one mean-pooled, one with admission, one of 8-slot buckets); one that
-    grows (looked up on its own); a fixed table. Keys from a few hundred: the tables
-    fill, evict and move rows."""
+    """Dynamic tables of dim 8 and 64 slots that never grow: three in one group (one serves a pooled
+    feature and a sequence, one mean-pooled, one with admission); one of 8-slot buckets (on its
+    own: a group's tables share one index, of one bucket size); one that grows (on its own); a
+    fixed table. Keys from a few hundred: the tables fill, evict and move rows."""
 
     def options(**kw):
         return DynamicTableOptions(64, score_strategy=score_strategy, **{**extra, **kw})
@@ -277,7 +277,7 @@ def test_dynamic_tables_that_never_grow_share_one_lookup_and_train_as_apart(devi
     batches = [dynamic_batch(g, 9, weighted) for _ in range(8)]
     grouped = EmbeddingCollection(dynamic_tables(), spec, device=device)
     apart = EmbeddingCollection(dynamic_tables(), spec, device=device, group_tables=False)
-    assert grouped.lookup_groups == [("p", "q", "m", "r"), ("g",), ("x",)]
+    assert grouped.lookup_groups == [("p", "q", "m"), ("g",), ("x",), ("r",)]
     exact = device == "cpu"
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
         assert_outputs(x, y, exact)
@@ -299,7 +299,10 @@ def test_dynamic_tables_that_never_grow_share_one_lookup_and_train_as_apart(devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_commit(device, monkeypatch):
+def test_a_dynamic_group_step_is_one_fused_update_which_writes_the_scores(device, monkeypatch):
+    """A group's step is one fused update of its shared store, which writes the touched rows'
+    scores in its own pass (a slot of the shared index is a row of the store), as a table alone
+    does."""
     from dynarec.optim import fused
 
     calls = []
@@ -312,39 +315,50 @@ def test_a_dynamic_group_step_is_one_fused_update_and_scores_are_written_at_comm
     monkeypatch.setattr("dynarec.embedding.row_store.fused_bag_update", counted)
     coll = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1), device=device)
     run(coll, [dynamic_batch(torch.Generator().manual_seed(6), 9, False)], device)
-    assert sorted(calls) == sorted([(4 * 64, False), (32, True), (40, False)])
+    assert sorted(calls) == sorted([(3 * 64, True), (64, True), (32, True), (40, False)])
     for name in ("p", "q", "m", "r"):  # scores: the step, at every key the step touched (m: admitted)
         scores = coll.tables[name].dump()["scores"]
         assert scores.numel() and bool((scores == 1).all())
 
 
-def test_a_dynamic_group_finds_the_absent_keys_of_all_its_inserting_tables_in_one_pass(monkeypatch):
-    """A training step where several tables of a group insert: their absent keys (positions,
-    unique keys, counts) come from one AbsentKeys.of_tables pass, not one torch.unique a table
-    (on a GPU the absent keys' two host reads are made once a step for the group, not once a
-    table); a table inserting alone takes its own."""
+def test_a_dynamic_group_finds_and_inserts_every_tables_keys_at_once(monkeypatch):
+    """A training step of a group: one find of every table's keys, their absent keys (positions,
+    unique keys, counts) from one AbsentKeys.of_parts pass, and one insert plan, however many of
+    its tables insert (on a GPU the host reads of a find and a plan are made once a step for the
+    group, not once a table); a table alone takes its own."""
     from dynarec.embedding.dynamic import AbsentKeys
+    from dynarec.embedding.hash_index import IndexStorage
 
-    calls = {"of": 0, "of_tables": []}
-    of, of_tables = AbsentKeys.of.__func__, AbsentKeys.of_tables.__func__
+    calls = {"of": 0, "of_parts": [], "group_plans": 0}
+    of, of_parts = AbsentKeys.of.__func__, AbsentKeys.of_parts.__func__
+    plan = IndexStorage.plan_insert
 
     def count_of(cls, *a):
         calls["of"] += 1
         return of(cls, *a)
 
-    def count_of_tables(cls, keys, *a):
-        calls["of_tables"].append(len(keys))
-        return of_tables(cls, keys, *a)
+    def count_of_parts(cls, keys, slots, parts, num_parts):
+        calls["of_parts"].append(num_parts)
+        return of_parts(cls, keys, slots, parts, num_parts)
+
+    def count_plans(*a, **kw):
+        calls["group_plans"] += 1
+        return plan(*a, **kw)
 
     monkeypatch.setattr(AbsentKeys, "of", classmethod(count_of))
-    monkeypatch.setattr(AbsentKeys, "of_tables", classmethod(count_of_tables))
+    monkeypatch.setattr(AbsentKeys, "of_parts", classmethod(count_of_parts))
+    monkeypatch.setattr(IndexStorage, "plan_insert", count_plans)
     coll = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1))
     run(coll, [dynamic_batch(torch.Generator().manual_seed(6), 9, False)], "cpu")
-    assert calls["of_tables"] == [4] and calls["of"] == 1  # the group's 4 tables at once; "g" alone
-    calls["of_tables"].clear()
+    # the group's 3 tables at once; "g" and "r" alone
+    assert calls == {"of": 2, "of_parts": [3], "group_plans": 1}
     only_p = JaggedBatch.from_lists({n: [[]] for n in DYNAMIC_ROWS} | {"fp": [[123456789]]})
     run(coll, [only_p], "cpu")
-    assert calls["of_tables"] == [] and calls["of"] == 2  # one table of the group inserting: its own
+    assert calls == {"of": 2, "of_parts": [3, 3], "group_plans": 2}  # one table of the group inserting
+    coll.tables["q"].write_rows(torch.tensor([424242]), {"weight": torch.ones(1, 8)})  # takes q a step id
+    run(coll, [dynamic_batch(torch.Generator().manual_seed(7), 9, False)], "cpu")
+    assert calls["group_plans"] == 3  # the group's steps still share one id: still one plan
+    assert len({coll.tables[n].steps.last_id for n in ("p", "q", "m")}) == 1
 
 
 def test_a_dynamic_group_aborts_loads_and_looks_up_apart_where_its_tables_differ():
@@ -409,11 +423,11 @@ def test_keys_without_a_row_read_their_tables_eval_initializer_within_the_groups
     batches = [dynamic_batch(g, 40, True) for _ in range(3)]
     grouped = EmbeddingCollection(configs(), Adagrad(lr=0.1))
     apart = EmbeddingCollection(configs(), Adagrad(lr=0.1), group_tables=False)
-    assert grouped.lookup_groups[0] == ("p", "q", "m", "r")  # m: keys not yet admitted read its initializer
+    assert grouped.lookup_groups[0] == ("p", "q", "m")  # m: keys not yet admitted read its initializer
     calls.clear()
     for x, y in zip(run(grouped, batches, "cpu"), run(apart, batches, "cpu")):
         assert_outputs(x, y, exact=True)
-    assert calls.count(4 * 64) == 3  # the group's one update a step, keys dropped or not
+    assert calls.count(3 * 64) == 3  # the group's one update a step, keys dropped or not
     assert all(grouped.tables[n].dropped_keys > 0 for n in ("p", "q", "r"))
     assert_same(grouped, apart)
     grouped.eval()

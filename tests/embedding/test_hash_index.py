@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
-from dynarec.embedding.hash_index import BucketedHashIndex, candidate_buckets, key_tags
+from dynarec.embedding.hash_index import BucketedHashIndex, IndexStorage, candidate_buckets, key_tags
 from dynarec.embedding.initializers import mix64
+from dynarec.embedding.step import Journal
 from dynarec.kernels import reference
 from dynarec.optim import SGD, Adagrad
 from tests.kernels import gpu_checks
@@ -424,3 +425,61 @@ def test_the_stamp_tells_added_moved_and_removed_keys_apart():
     assert removed.moved == moved.moved and not removed.keys_kept_since(moved)
     grown, _, _ = index.rehashed(8)
     assert grown.stamp.serial != removed.serial  # another index
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partitions_of_one_storage_are_indexes_apart_and_insert_together_as_apart(device):
+    """Three indexes sharing one storage (a group's tables): each finds, plans, commits, pins and
+    removes as an index alone of its shape would; the storage's one plan and commit of every
+    partition's keys leave each partition as its own insert would (keys, slots, scores, sizes),
+    and an undo of it restores every partition; pins held back for several partitions stay
+    until each has released them."""
+    shapes = (4, 1, 2)
+    parts = IndexStorage.partitions(shapes, 4, device)
+    alone = [BucketedHashIndex(nb, 4, device) for nb in shapes]
+    storage = parts[0].storage
+    assert [p.first_slot for p in parts] == [0, 16, 20] and storage.capacity == 28
+    g = torch.Generator().manual_seed(3)
+    first = [torch.randint(-(2**62), 2**62, (n,), generator=g).unique().to(device) for n in (10, 3, 5)]
+    for part, index, keys in zip(parts, alone, first):  # each on its own
+        for ix in (part, index):
+            ix.commit(ix.plan_insert(keys), torch.arange(keys.numel(), device=device))
+        assert torch.equal(part.find(keys), index.find(keys)) and part.size == index.size
+    # the storage's one insert of every partition's keys (ranked by partition, then key)
+    second = [torch.randint(-(2**62), 2**62, (n,), generator=g).unique().sort().values.to(device) for n in (9, 4, 6)]
+    keys = torch.cat(second)
+    key_parts = torch.repeat_interleave(torch.arange(3), torch.tensor([k.numel() for k in second])).to(device)
+    plan = storage.plan_insert(keys, key_parts)
+    apart = [ix.plan_insert(k, keys_ascending=True) for ix, k in zip(alone, second)]
+    added = [a.placed - a.evicted_slots.numel() for a in apart]
+    journal = Journal()
+    before = [(p.keys.clone(), p.scores.clone(), p.size, p.stamp) for p in parts]
+    storage.commit(plan, torch.zeros_like(keys), added, journal)
+    for index, a in zip(alone, apart):
+        index.commit(a, torch.zeros_like(a.keys))
+    for part, index in zip(parts, alone):
+        assert torch.equal(part.keys, index.keys) and torch.equal(part.scores, index.scores)
+        assert part.size == index.size and part.stamp != before[0][3]
+    assert sum(a.evicted_slots.numel() for a in apart) > 0  # partition 1 (4 slots) was full
+    journal.undo()
+    for part, (keys_then, scores_then, size_then, _) in zip(parts, before):
+        assert torch.equal(part.keys, keys_then) and torch.equal(part.scores, scores_then)
+        assert part.size == size_then
+    # pins: a partition's pins are its own slots'; held back for two partitions until both release
+    parts[1].pin(torch.tensor([0, -1], device=device), 5)
+    storage.pin_later(torch.tensor([1, 17, 21], device=device), 6, parts={0, 2})
+    storage.release(0, 6)
+    assert parts[0].pins[1].item() == 6 and parts[2].pins[1].item() == 6 and parts[1].pins[0].item() == 5
+    storage.pin_later(torch.tensor([2], device=device), 7, parts={0, 2})
+    storage.release(0, 7)
+    storage.release(2, 7)  # released by both: dropped, never written
+    assert parts[0].pins[2].item() == -1 and int((storage.pins >= 0).sum()) == 4
+
+
+def test_a_step_id_given_to_a_step_must_be_past_the_last():
+    from dynarec.embedding.step import StepLifecycle
+
+    steps = StepLifecycle("table 't'")
+    assert steps.begin().id == 1 and steps.begin(5).id == 5 and steps.last_id == 5
+    with pytest.raises(ValueError, match="table 't': step id 5 is not past the last one, 5"):
+        steps.begin(5)
