@@ -424,6 +424,8 @@ class DynamicTable(EmbeddingTable):
         """Counts an insert's keys (before its commit): ``dropped`` keys left without a row follow
         ``check_mode`` (a ``TableFullError``, a warning, or nothing), and the counters of
         :meth:`report` take the dropped, evicted and moved keys."""
+        if not (dropped or evicted or moved):  # only keys placed in free slots: nothing to count
+            return
         options = self.options
         if dropped:
             message = (

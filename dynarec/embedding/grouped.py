@@ -53,7 +53,7 @@ from dynarec.embedding.row_store import PackedRowStore, RowStoreSlice
 from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Step
 from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys, commit_on_backward
-from dynarec.kernels.reference import bags_of_ids
+from dynarec.kernels.reference import bags_of_ids, uniform_salt
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 from dynarec.optim.registry import definition
@@ -286,6 +286,7 @@ class DynamicTableGroup(_Group):
             assert self.index.first_slot(i) == base  # a slot is a row of the store
             base += n
         self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
+        self._folds: dict[tuple[int, torch.device], torch.Tensor] = {}  # _seed_folds
 
     # -- the three stages ----------------------------------------------------------------------
 
@@ -449,16 +450,49 @@ class DynamicTableGroup(_Group):
         if plan.placed < keys.numel():
             ok = plan.slots >= 0
             new_slots, new_keys = plan.slots[ok], keys[ok]
-        at = 0
-        for t, placed in zip(tables, placed_of):  # each table's initializer and seed
-            seed = t.config.seed
-            assert seed is not None  # (a table config's is set)
-            if placed:
-                rows = slice(at, at + placed)
-                self.store.init_rows(new_slots[rows], new_keys[rows], t.initializer, seed, t.config.default_bound)
-            at += placed
+        new_tables = key_tables if plan.placed == keys.numel() else key_tables[plan.slots >= 0]
+        self._init_rows(new_slots, new_keys, new_tables, placed_of)
         index.pin(new_slots, step.id)
         return plan.slots, placed_of, plan
+
+    def _init_rows(self, rows: torch.Tensor, keys: torch.Tensor, row_tables: torch.Tensor, rows_of: list[int]) -> None:
+        """New rows (``rows``, of ``keys``, ``rows_of[i]`` of table ``i``'s, in table order; each
+        row's table ``row_tables``): each table's initializer's weights (``RowStore.init_rows``),
+        and every state at its initial value (one spec: in one op). The uniform initializers of
+        one bound write in one op whatever their tables' seeds: a uniform draw hashes ``key ^
+        salt(seed)``, so a table's seed folds into its keys (``key ^ salt(seed) ^ salt(seed_0)``
+        drawn with ``seed_0`` is ``key`` drawn with ``seed``); the others, an op a table."""
+        uniform: dict[float, list[int]] = {}  # bound -> tables
+        at = 0
+        for i, (t, n) in enumerate(zip(self.tables, rows_of)):
+            init, seed = t.initializer, t.config.seed
+            assert seed is not None  # (a table config's is set)
+            if n and init.kind == "uniform":
+                uniform.setdefault(t.config.default_bound if init.bound is None else init.bound, []).append(i)
+            elif n:
+                init.write_rows(self.store.weight, rows[at : at + n], keys[at : at + n], seed, t.config.default_bound)
+            at += n
+        for bound, members in uniform.items():
+            at_rows, at_keys, at_tables = rows, keys, row_tables
+            if sum(rows_of[i] for i in members) < rows.numel():  # not every new row: these tables' (no host read)
+                mine = torch.isin(row_tables, torch.tensor(members, device=rows.device))
+                pick = torch.nonzero_static(mine, size=sum(rows_of[i] for i in members)).squeeze(1)
+                at_rows, at_keys, at_tables = rows[pick], keys[pick], row_tables[pick]
+            seed = self.tables[members[0]].config.seed
+            assert seed is not None
+            folded = at_keys ^ self._seed_folds(seed, rows.device)[at_tables]
+            torch.ops.dynarec.uniform_rows(self.store.weight, at_rows, folded, seed, 0, float(bound))
+        self.store.reset_states(rows)
+
+    def _seed_folds(self, seed: int, device: torch.device) -> torch.Tensor:
+        """``[T]`` int64: ``salt(table's seed) ^ salt(seed)`` (uniform draws' salts, stream 0): a
+        key xor-ed with its table's is drawn with ``seed`` as with its table's (kept by seed)."""
+        folds = self._folds.get((seed, device))
+        if folds is None:
+            salt = uniform_salt(seed, 0)
+            values = [uniform_salt(t.config.seed, 0) ^ salt for t in self.tables]
+            folds = self._folds[(seed, device)] = torch.tensor(values, dtype=torch.int64, device=device)
+        return folds
 
     def _without_rows(
         self, bags: GroupBags, rows: torch.Tensor, present: list[bool], steps: list[Step]

@@ -435,3 +435,43 @@ def test_keys_without_a_row_read_their_tables_eval_initializer_within_the_groups
     with torch.no_grad():
         unseen = dynamic_batch(torch.Generator().manual_seed(9), 7, True)
         assert_outputs(grouped(unseen), apart(unseen), exact=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dynamic_groups_new_rows_get_each_tables_initializer_seed_and_bound(device):
+    """A group's new rows are written for all its tables at once (the uniform ones of one bound
+    in one op, each table's seed folded into its keys): the same weights and states, bit for bit,
+    as each table's own rows; tables of two default bounds (capacities), an explicit bound, a
+    seed given, a normal and a constant initializer."""
+
+    def configs():
+        def options(capacity=64, **kw):
+            return DynamicTableOptions(capacity, score_strategy="step", **kw)
+
+        return [
+            TableConfig(name="a", dim=8, dynamic=options(), features=["fa"]),
+            TableConfig(name="b", dim=8, dynamic=options(128), features=["fb"]),  # another default bound
+            TableConfig(name="c", dim=8, dynamic=options(), features=["fc"], seed=7),
+            TableConfig(
+                name="d", dim=8, dynamic=options(), features=["fd"], initializer=Initializer("uniform", bound=0.3)
+            ),
+            TableConfig(
+                name="e", dim=8, dynamic=options(), features=["fe"], initializer=Initializer("normal", std=0.2)
+            ),
+            TableConfig(name="f", dim=8, dynamic=options(128), features=["ff"], seed=7),
+            TableConfig(
+                name="h", dim=8, dynamic=options(), features=["fh"], initializer=Initializer("constant", value=0.5)
+            ),
+        ]
+
+    rows = {f: 50 for f in ("fa", "fb", "fc", "fd", "fe", "ff", "fh")}
+    g = torch.Generator().manual_seed(9)
+    batches = [dynamic_batch(g, 7, True, rows) for _ in range(3)]
+    grouped = EmbeddingCollection(configs(), Adagrad(lr=0.1, initial_accumulator_value=0.25), device=device)
+    apart = EmbeddingCollection(
+        configs(), Adagrad(lr=0.1, initial_accumulator_value=0.25), device=device, group_tables=False
+    )
+    assert grouped.lookup_groups == [("a", "b", "c", "d", "e", "f", "h")]
+    for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
+        assert_outputs(x, y, exact=device == "cpu")
+    assert_same(grouped, apart, exact=device == "cpu")
