@@ -15,7 +15,8 @@ fi
 # Every test file with CUDA cases (kept with tests/matrix.py's DEVICES and needs_cuda users).
 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/embedding/test_hash_index.py \
     tests/embedding/test_cuda.py tests/embedding/test_prefetch.py tests/embedding/test_cached_store.py \
-    tests/embedding/test_grouped.py tests/embedding/test_half_rows.py tests/test_devices.py \
+    tests/embedding/test_grouped.py tests/embedding/test_dynamic_parts.py tests/embedding/test_half_rows.py \
+    tests/test_devices.py tests/config/test_tzrec_smoke_train.py \
     tests/train/test_cuda_training.py tests/train/test_cuda_graphs.py tests/train/test_loss_scaling.py \
     tests/data/test_transport.py tests/data/test_shared_decode.py tests/models/test_sid.py \
     tests/distributed/test_nccl.py
