@@ -44,8 +44,9 @@ keys pays only the first (``torch.cuda.set_sync_debug_mode`` lists a step's sync
 more: one count a round; evictions (a full table) one count every 4 rounds (about 3 a step at
 4.2M ids with 5% new keys). A group of tables (``DynamicTableGroup``, its tables' indexes one
 index's partitions) makes these reads once a step for all its tables: one find (its flag a
-table), one pass over the absent keys (:meth:`AbsentKeys.of_parts`), one plan, and one read of
-each table's counts where the plan moved, evicted or dropped keys.
+table), one pass over the absent keys (:meth:`AbsentKeys.of_parts`), one plan, one read of the
+tables' admitted counts where tables admit, and one of each table's counts where the plan moved,
+evicted or dropped keys.
 """
 
 from __future__ import annotations
@@ -227,27 +228,20 @@ class DynamicTable(EmbeddingTable):
             found, hold = self.find(bags), None
         if hold is not None and not found.all_present:
             hold = None  # it holds the keys found then; this lookup's rows are others too
-        slots, all_present = self.slots_for(bags.ids, found, step)
-        return self.pooled_at(bags, slots, all_present, step, hold)
+        slots, all_present = self._slots_for(bags.ids, found, step)
+        return self._pooled_at(bags, slots, all_present, step, hold)
 
-    def found_again(self, keys: torch.Tensor, found: Optional[FoundKeys]) -> FoundKeys:
-        """``found`` (a find of ``keys`` made earlier) where it still holds, else a find now."""
-        return found if found is not None and self._still_holds(found) else self.find_keys(keys)
-
-    def slots_for(
-        self, keys: torch.Tensor, found: FoundKeys, step: Optional[Step], absent: Optional[AbsentKeys] = None
-    ) -> tuple[torch.Tensor, bool]:
+    def _slots_for(self, keys: torch.Tensor, found: FoundKeys, step: Optional[Step]) -> tuple[torch.Tensor, bool]:
         """The slot of every key (-1: no row), and whether every key has one: in training
         (``step``), absent keys inserted first (admission permitting); else ``found``'s (a find
-        of ``keys`` that still holds). ``absent``: ``found``'s absent keys where the caller has
-        them (a group's, found for all its tables at once)."""
+        of ``keys`` that still holds)."""
         if step is None:
             return found.slots, found.all_present
-        slots, all_present = self._slots_for_training(keys, found, step, absent)
+        slots, all_present = self._slots_for_training(keys, found, step)
         self.served_step = step.id
         return slots, all_present
 
-    def pooled_at(
+    def _pooled_at(
         self,
         bags: Bags,
         slots: torch.Tensor,
@@ -255,7 +249,7 @@ class DynamicTable(EmbeddingTable):
         step: Optional[Step],
         hold: Optional[CacheHold] = None,
     ) -> torch.Tensor:
-        """Stage 2's reads: ``bags`` pooled from the rows at ``slots`` (:meth:`slots_for`'s), the
+        """Stage 2's reads: ``bags`` pooled from the rows at ``slots`` (:meth:`_slots_for`'s), the
         eval (admission) initializer where a key has none; in training the output's backward
         updates the rows and commits ``step``."""
         offsets, weights = bags.offsets, bags.weights
@@ -319,9 +313,7 @@ class DynamicTable(EmbeddingTable):
         now = self.index.stamp
         return now.keys_kept_since(stamp) and (now.writes == stamp.writes or all_present)
 
-    def _slots_for_training(
-        self, keys: torch.Tensor, found: FoundKeys, step: Step, absent: Optional[AbsentKeys] = None
-    ) -> tuple[torch.Tensor, bool]:
+    def _slots_for_training(self, keys: torch.Tensor, found: FoundKeys, step: Step) -> tuple[torch.Tensor, bool]:
         """Slot of every key occurrence (``found``: the find's, every occurrence), creating rows
         (admission permitting); -1: no row. And whether every key has a row. A warm table (no new
         key) reads nothing more on the host than the find did."""
@@ -330,9 +322,8 @@ class DynamicTable(EmbeddingTable):
             # Pins matter only to an insert while this step is pending: they are written then.
             self.index.pin_later(slots, step.id)
             return slots, True
-        self.index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
-        if absent is None:
-            absent = AbsentKeys.of(keys, slots)
+        self.index.pin(slots, step.id, step.journal)  # the keys found (-1s skipped), before inserting
+        absent = AbsentKeys.of(keys, slots)
         uniq, inverse, counts = absent.unique, absent.inverse, absent.counts
         new_keys, admitted = uniq, None
         if self.admission is not None:
@@ -420,10 +411,13 @@ class DynamicTable(EmbeddingTable):
             self.index.pin(new_slots, step.id)
         return plan
 
-    def count_insert(self, journal: Optional[Journal], placed: int, dropped: int, evicted: int, moved: int) -> None:
+    def count_insert(
+        self, journal: Optional[Journal], placed: int, dropped: int, evicted: int, moved: int, depth: int = 0
+    ) -> None:
         """Counts an insert's keys (before its commit): ``dropped`` keys left without a row follow
         ``check_mode`` (a ``TableFullError``, a warning, or nothing), and the counters of
-        :meth:`report` take the dropped, evicted and moved keys."""
+        :meth:`report` take the dropped, evicted and moved keys. ``depth``: frames between the
+        collection's lookup and this call, past a table's own (the warning names that line)."""
         if not (dropped or evicted or moved):  # only keys placed in free slots: nothing to count
             return
         options = self.options
@@ -437,7 +431,7 @@ class DynamicTable(EmbeddingTable):
             if options.check_mode == "error":
                 raise TableFullError(message + "; raise max_capacity or set check_mode 'warn'/'ignore'")
             if options.check_mode == "warn":
-                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=7)
+                warnings.warn(message + "; they read the eval initializer and get no update", stacklevel=7 + depth)
         # Evictions while a slot was still free somewhere (below full capacity) are the ones
         # max_capacity promises to avoid; report() counts them apart.
         free_left = self.max_capacity - (self.size + placed - evicted)

@@ -259,7 +259,10 @@ class DynamicTableGroup(_Group):
     plan and one commit (each table's keys in its own buckets: its own evictions, moves and
     pins), pools every table's rows in one lookup and updates them, with their scores, in one
     pass. Each table keeps its admission counter, its counters and its ``check_mode``; a step
-    whose tables differ in step or learning rate looks each table up on its own."""
+    whose tables differ in step or learning rate looks each table up on its own. Its tables'
+    steps open, commit and abort together (the collection's ``abort_step`` aborts every table):
+    the changes of the group's one insert to the shared index and rows are journaled in its
+    first table's step, each table's counters and admission counts in its own."""
 
     def __init__(self, configs: Sequence[TableConfig], spec: OptimizerSpec, device: torch.device):
         keys = {group_key(c, spec) for c in configs}
@@ -286,6 +289,21 @@ class DynamicTableGroup(_Group):
             assert self.index.first_slot(i) == base  # a slot is a row of the store
             base += n
         self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
+        self._first_slots = torch.tensor(self.bases, dtype=torch.int64, device=device)  # a table's first slot
+        # The new rows' uniform initializers by bound (_init_rows): each table's class (-1: not
+        # uniform), on the host and the device, each class's bound, and seed folds by seed.
+        self._uniform_bounds: list[float] = []
+        self._uniform_class: list[int] = []
+        for t in self.tables:
+            init = t.initializer
+            if init.kind != "uniform":
+                self._uniform_class.append(-1)
+                continue
+            bound = float(t.config.default_bound if init.bound is None else init.bound)
+            if bound not in self._uniform_bounds:
+                self._uniform_bounds.append(bound)
+            self._uniform_class.append(self._uniform_bounds.index(bound))
+        self._uniform_class_on = torch.tensor(self._uniform_class, dtype=torch.int64, device=device)
         self._folds: dict[tuple[int, torch.device], torch.Tensor] = {}  # _seed_folds
 
     # -- the three stages ----------------------------------------------------------------------
@@ -374,7 +392,7 @@ class DynamicTableGroup(_Group):
 
     def _rows_for_training(self, bags: GroupBags, found: GroupFoundKeys, step: Step) -> tuple[torch.Tensor, list[bool]]:
         """The row of every id (-1: none), absent keys inserted first (admission permitting), and
-        whether each table's ids all have one: :meth:`DynamicTable.slots_for`'s, for every table
+        whether each table's ids all have one: a table's own lookup's (``DynamicTable._slots_for``), for every table
         at once (one plan and one commit)."""
         tables, index = self.tables, self.index
         slots = found.slots
@@ -383,11 +401,11 @@ class DynamicTableGroup(_Group):
             for t in tables:
                 t.served_step = step.id
             return slots, [True] * len(tables)
-        index.pin(slots, step.id)  # the keys found (-1s skipped), before inserting: this step's rows stay
+        index.pin(slots, step.id, journal=step.journal)  # the keys found (-1s skipped), before inserting
         absent, key_tables, distinct = AbsentKeys.of_parts(bags.ids, slots, self._table_of_key(bags), len(tables))
         new_keys, new_tables, new_of, admitted = absent.unique, key_tables, distinct, None
         if any(t.admission is not None and n for t, n in zip(tables, distinct)):
-            admitted, new_of = self._admitted(absent, distinct, step)
+            admitted, new_of = self._admitted(absent, distinct)
             new_keys, new_tables = new_keys[admitted], new_tables[admitted]
         present = [n == m for n, m in zip(distinct, new_of)]
         if new_keys.numel():
@@ -402,19 +420,24 @@ class DynamicTableGroup(_Group):
             t.served_step = step.id
         return slots, present
 
-    def _admitted(self, absent: AbsentKeys, distinct: list[int], step: Step) -> tuple[torch.Tensor, list[int]]:
+    def _admitted(self, absent: AbsentKeys, distinct: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Which of ``absent``'s unique keys their tables admit (indices, ascending), and how many
-        a table: each table with admission counts its own keys."""
-        keep, at = [], 0
-        for table, n in zip(self.tables, distinct):
+        a table: each table with admission counts its own keys (in its own step: its journal
+        takes the counts back), with one host read for all of them."""
+        keep, counting, at = [], [], 0
+        for i, (table, n) in enumerate(zip(self.tables, distinct)):
             uniq, counts = absent.unique[at : at + n], absent.counts[at : at + n]
             if table.admission is None or not n:
                 keep.append(torch.ones(n, dtype=torch.bool, device=uniq.device))
             else:
-                keep.append(table.admission.count(uniq, counts, step, table.pending_ids()))
+                keep.append(table.admission.count(uniq, counts, table.steps.current, table.pending_ids()))
+                counting.append(i)
             at += n
-        admitted = torch.nonzero(torch.cat(keep)).squeeze(1)
-        return admitted, [int(k.sum()) for k in keep]
+        admitted_of = list(distinct)
+        for i, n in zip(counting, torch.stack([keep[i].sum() for i in counting]).tolist()):
+            admitted_of[i] = n
+        admitted = torch.nonzero_static(torch.cat(keep), size=sum(admitted_of)).squeeze(1)
+        return admitted, admitted_of
 
     def _insert(
         self, keys: torch.Tensor, key_tables: torch.Tensor, keys_of: list[int], step: Step
@@ -435,15 +458,14 @@ class DynamicTableGroup(_Group):
         if plan.only_adds and plan.placed == keys.numel():  # counted on the host already
             placed_of, evicted_of, moved_of = keys_of, [0] * len(tables), [0] * len(tables)
         else:  # one host read for every table's counts
-            first = torch.tensor(self.bases, device=keys.device)
             counts = torch.zeros(3, len(tables), dtype=torch.int64, device=keys.device)
             counts[0].index_add_(0, key_tables, (plan.slots >= 0).long())
             for row, slots in ((1, plan.evicted_slots), (2, plan.moved_from)):
-                of_slot = torch.searchsorted(first, slots, right=True) - 1
+                of_slot = torch.searchsorted(self._first_slots, slots, right=True) - 1
                 counts[row].index_add_(0, of_slot, torch.ones_like(of_slot))
             placed_of, evicted_of, moved_of = counts.tolist()
         for t, n, placed, evicted, moved in zip(tables, keys_of, placed_of, evicted_of, moved_of):
-            t.count_insert(t.steps.current.journal, placed, n - placed, evicted, moved)
+            t.count_insert(t.steps.current.journal, placed, n - placed, evicted, moved, depth=-1)
         move_rows(self.store, plan, journal)
         index.commit(plan, torch.zeros_like(keys), [p - e for p, e in zip(placed_of, evicted_of)], journal)
         new_slots, new_keys = plan.slots, keys
@@ -461,27 +483,32 @@ class DynamicTableGroup(_Group):
         and every state at its initial value (one spec: in one op). The uniform initializers of
         one bound write in one op whatever their tables' seeds: a uniform draw hashes ``key ^
         salt(seed)``, so a table's seed folds into its keys (``key ^ salt(seed) ^ salt(seed_0)``
-        drawn with ``seed_0`` is ``key`` drawn with ``seed``); the others, an op a table."""
-        uniform: dict[float, list[int]] = {}  # bound -> tables
+        drawn with ``seed_0`` is ``key`` drawn with ``seed``); the others, an op a table. No host
+        read, no copy to the device."""
+        rows_of_class = [0] * len(self._uniform_bounds)
+        first_of_class: list[Optional[DynamicTable]] = [None] * len(self._uniform_bounds)
         at = 0
-        for i, (t, n) in enumerate(zip(self.tables, rows_of)):
-            init, seed = t.initializer, t.config.seed
-            assert seed is not None  # (a table config's is set)
-            if n and init.kind == "uniform":
-                uniform.setdefault(t.config.default_bound if init.bound is None else init.bound, []).append(i)
+        for t, n, c in zip(self.tables, rows_of, self._uniform_class):
+            if n and c >= 0:
+                rows_of_class[c] += n
+                first_of_class[c] = first_of_class[c] or t
             elif n:
+                seed = t.config.seed
+                assert seed is not None  # (a table config's is set)
+                init = t.initializer
                 init.write_rows(self.store.weight, rows[at : at + n], keys[at : at + n], seed, t.config.default_bound)
             at += n
-        for bound, members in uniform.items():
+        for c, (n, first) in enumerate(zip(rows_of_class, first_of_class)):
+            if not n or first is None:
+                continue
             at_rows, at_keys, at_tables = rows, keys, row_tables
-            if sum(rows_of[i] for i in members) < rows.numel():  # not every new row: these tables' (no host read)
-                mine = torch.isin(row_tables, torch.tensor(members, device=rows.device))
-                pick = torch.nonzero_static(mine, size=sum(rows_of[i] for i in members)).squeeze(1)
+            if n < rows.numel():  # not every new row: this class's (sizes known: no host read)
+                pick = torch.nonzero_static(self._uniform_class_on[row_tables] == c, size=n).squeeze(1)
                 at_rows, at_keys, at_tables = rows[pick], keys[pick], row_tables[pick]
-            seed = self.tables[members[0]].config.seed
+            seed = first.config.seed
             assert seed is not None
             folded = at_keys ^ self._seed_folds(seed, rows.device)[at_tables]
-            torch.ops.dynarec.uniform_rows(self.store.weight, at_rows, folded, seed, 0, float(bound))
+            torch.ops.dynarec.uniform_rows(self.store.weight, at_rows, folded, seed, 0, self._uniform_bounds[c])
         self.store.reset_states(rows)
 
     def _seed_folds(self, seed: int, device: torch.device) -> torch.Tensor:

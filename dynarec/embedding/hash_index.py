@@ -21,8 +21,8 @@ keys into free slots needs nothing read before it.
 
 The index owns its arrays (in its :class:`IndexStorage`); callers change them only through its
 methods (``commit``, ``remove``, ``touch``, ``add``, ``pin``, ``pin_later``, ``install``,
-``rehashed``) and the one writer it hands out: :meth:`~BucketedHashIndex.scores_writer`, the
-scores a fused update sets in its own pass. Each mutating method takes an optional
+``rehashed``), its storage's (``commit``, ``pin``, ``pin_later``, ``adopt``) and the one writer
+they hand out: ``scores_writer``, the scores a fused update sets in its own pass. Each mutating method takes an optional
 :class:`Journal` and records how to undo itself, so a failed training step can be rolled back.
 
 Several indexes of one bucket size can share one storage, each a *partition* of it
@@ -199,7 +199,7 @@ class IndexStorage(IndexWrites):
     what all of them share: the order of writes and finds across CUDA streams, and the pins
     held back (:meth:`BucketedHashIndex.pin_later`). Each partition is read and written through
     its :class:`BucketedHashIndex` (views of these arrays); a group finds and inserts into all
-    of them at once through this object (:meth:`find`, :meth:`plan_insert`, :meth:`commit`).
+    of them at once through this object (:meth:`find_op`, :meth:`plan_insert`, :meth:`commit`).
 
     ``num_buckets``: each partition's bucket count (one: an index alone)."""
 
@@ -220,7 +220,7 @@ class IndexStorage(IndexWrites):
         # The id of the last training step that pinned the slot (-1: never); a slot is pinned while
         # that step is pending (StepLifecycle). Step ids are never reused (int32: they wrap after
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
-        # of an aborted step pins nothing and needs no undo.
+        # of an aborted step pins nothing (the pins it replaced are restored: pin's journal).
         self.all_pins = torch.full((cap + 1,), -1, dtype=torch.int32, device=self.device)  # the last: -1 slots'
         # pin_later's, in order: (step id, slots, their first slot, the partitions still holding it)
         self._pending_pins: list[tuple[int, torch.Tensor, int, set[int]]] = []
@@ -354,10 +354,19 @@ class IndexStorage(IndexWrites):
 
     # -- pins ----------------------------------------------------------------------------------
 
-    def pin(self, slots: torch.Tensor, step_id: int, offset: int = 0) -> None:
-        """Pins ``slots`` (+ ``offset``: slots of a partition; -1: skipped) for ``step_id``."""
+    def pin(self, slots: torch.Tensor, step_id: int, offset: int = 0, journal: Optional[Journal] = None) -> None:
+        """Pins ``slots`` (+ ``offset``: slots of a partition; -1: skipped) for ``step_id``;
+        ``journal``: records how to give them back the pins they had (:meth:`BucketedHashIndex.pin`)."""
         self.write_pending_pins()
-        self._pin(slots, step_id, offset)
+        at = self._pinned_at(slots, offset)
+        if journal is not None:
+            saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
+
+            def undo() -> None:
+                self.all_pins.index_copy_(0, at, saved)
+
+            journal.record(undo)
+        self.all_pins.index_fill_(0, at, step_id % PIN_WRAP)
 
     def pin_later(self, slots: torch.Tensor, step_id: int, offset: int = 0, parts: Optional[set[int]] = None) -> None:
         """:meth:`pin`, written only when something reads pins; held for the partitions
@@ -378,8 +387,11 @@ class IndexStorage(IndexWrites):
 
     def _pin(self, slots: torch.Tensor, step_id: int, offset: int) -> None:
         # index_fill_: a scalar fill (duplicates write one value), twice as fast as scatter_ on a CPU
-        at = torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)
-        self.all_pins.index_fill_(0, at, step_id % PIN_WRAP)
+        self.all_pins.index_fill_(0, self._pinned_at(slots, offset), step_id % PIN_WRAP)
+
+    def _pinned_at(self, slots: torch.Tensor, offset: int) -> torch.Tensor:
+        """The entries of :attr:`all_pins` of ``slots`` (+ ``offset``): -1 slots the spare past the last."""
+        return torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)
 
 
 class BucketedHashIndex(IndexWrites):
@@ -414,7 +426,7 @@ class BucketedHashIndex(IndexWrites):
 
     def _wrote(self, moved: bool = True, removed: bool = True) -> None:
         """Marks the keys and tags as written by the work queued so far on the current stream
-        (:meth:`IndexStorage.wrote`), and changes :attr:`stamp`. ``moved`` / ``removed``: the
+        (:meth:`IndexStorage.mark_written`), and changes :attr:`stamp`. ``moved`` / ``removed``: the
         write may have moved keys to other slots / removed keys (neither: it only placed keys in
         free slots)."""
         self.restamp(moved, removed)
@@ -545,11 +557,14 @@ class BucketedHashIndex(IndexWrites):
     def _set_sizes(self, sizes: int) -> None:
         self._size = sizes
 
-    def pin(self, slots: torch.Tensor, step_id: int) -> None:
+    def pin(self, slots: torch.Tensor, step_id: int, journal: Optional[Journal] = None) -> None:
         """Pins ``slots`` for the step ``step_id`` (duplicates allowed; -1: skipped, with no host
         read: they pin a spare entry past the last slot). A slot is pinned while its step is
-        pending: a plan given that step in ``pinned_by`` neither moves nor evicts it."""
-        self.storage.pin(slots, step_id, self.first_slot)
+        pending: a plan given that step in ``pinned_by`` neither moves nor evicts it.
+        ``journal``: records how to give the slots back the pins they had. An aborted step's
+        pins pin nothing, but they may have replaced the pins of an earlier step still pending
+        (several steps pending: their shared keys' rows would lose that step's protection)."""
+        self.storage.pin(slots, step_id, self.first_slot, journal)
 
     def pin_later(self, slots: torch.Tensor, step_id: int) -> None:
         """:meth:`pin`, written only when something reads pins (a plan, a rehash, a move): a step

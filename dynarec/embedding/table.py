@@ -37,14 +37,15 @@ __all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "commi
 
 class FoundKeys:
     """A dynamic table's hash find for one lookup (a lookup unit's find: a group of dynamic tables
-    gives one a table, ``GroupFoundKeys``): ``slots`` ``[n]`` int64 (-1: no row), found
-    in the index state ``stamp`` (the lookup finds again where the index changed in a way that
-    can change the answer), and
+    gives one for all its tables, ``GroupFoundKeys``, its flag one a table): ``slots`` ``[n]``
+    int64 (-1: no row), found in the index state ``stamp`` (the lookup finds again where the
+    index changed in a way that can change the answer), and
     :attr:`all_present`, read on the host when first asked (on a GPU the flag is copied to pinned
     memory behind the find, so a find made ahead is read without waiting)."""
 
     def __init__(self, slots: torch.Tensor, stamp: IndexStamp, absent: Optional[torch.Tensor] = None):
-        """``absent``: a ``[]`` tensor, nonzero if a slot is -1, when the find computed it."""
+        """``absent``: a tensor nonzero if a slot is -1 (``[]``; a group's ``[T]``, a table's
+        each), when the find computed it."""
         self.slots = slots
         self.stamp = stamp
         absent = (slots < 0).any() if absent is None else absent

@@ -257,6 +257,29 @@ def test_an_aborted_step_puts_a_moved_row_back():
     check_invariants(t.index)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_an_aborted_step_gives_back_the_pins_of_an_earlier_step_still_pending(grouped):
+    """Two steps pending: the later one pins a key the earlier one looked up (over the earlier's
+    pin) and is aborted. The earlier step's row stays pinned: a third step's insert into the
+    full table evicts another row (without the pin's undo it evicted the row the earlier step's
+    backward will update). Alone and in a group of two tables (its one plan)."""
+    configs = [dynamic(init_capacity=4, max_capacity=4, score_strategy="step")]
+    if grouped:
+        configs.append(dynamic("e", features=("g",), init_capacity=4, max_capacity=4, score_strategy="step"))
+    coll = EmbeddingCollection(configs, SGD(lr=0.1))
+    assert coll.lookup_groups[0] == (("d", "e") if grouped else ("d",))
+    t = coll.tables["d"]
+    other = {"g": [[7]]} if grouped else {}
+    one(coll, {"f": [[1, 2, 3, 4]], **other})  # one bucket, full; key 1 in slot 0 (equal scores: evicted first)
+    earlier = coll(JaggedBatch.from_lists({"f": [[1]], **other}))  # pending, no backward yet
+    coll(JaggedBatch.from_lists({"f": [[1, 50]], **other}))  # pins key 1 again, inserts 50
+    coll.abort_step()
+    assert keys_present(t, [1, 2, 3, 4, 50]) == [1, 2, 3, 4]
+    later = coll(JaggedBatch.from_lists({"f": [[60]], **other}))  # full: evicts a row not pinned
+    assert keys_present(t, [1, 60]) == [1, 60]
+    (sum(v.sum() for v in earlier.values()) + sum(v.sum() for v in later.values())).backward()
+
+
 def test_a_table_that_served_the_step_moves_none_of_its_rows():
     coll, t, residents, x, y = _crowded_table()
     out = coll(JaggedBatch.from_lists({"f": [[k] for k in residents] + [[x]]}))  # r moves; x placed

@@ -111,8 +111,17 @@ class KeyPartitions {
     check_cpu_int64(part_starts, "part_starts");
     check_cpu_int64(key_parts, "key_parts");
     TORCH_CHECK(key_parts.numel() == n, "key_parts must have a value per key");
+    const int64_t num_parts = part_starts.numel() - 1;
     starts_ = part_starts.data_ptr<int64_t>();
     parts_ = key_parts.data_ptr<int64_t>();
+    TORCH_CHECK(num_parts >= 1 && starts_[0] == 0 && starts_[num_parts] == num_buckets,
+                "part_starts must run from 0 to num_buckets");
+    for (int64_t p = 0; p < num_parts; ++p) {
+      TORCH_CHECK(starts_[p + 1] > starts_[p], "every partition must have a bucket");
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(parts_[i] >= 0 && parts_[i] < num_parts, "key_parts must name partitions");
+    }
   }
   int64_t base(int64_t i) const { return parts_ == nullptr ? 0 : starts_[parts_[i]]; }
   uint32_t count(int64_t i) const {

@@ -66,6 +66,7 @@ def partition_args(parts: Optional[Partitions], like: torch.Tensor) -> tuple[tor
     unread)."""
     if parts is None:
         return like, like, False
+    assert parts.starts.device == parts.keys.device == like.device, "partitions on the keys' device"
     return parts.starts.contiguous(), parts.keys.contiguous(), True
 
 
