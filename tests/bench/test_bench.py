@@ -328,3 +328,19 @@ def test_suite_writes_one_dated_results_file_with_the_revision_and_a_history_row
     rows = [line for line in history if line.startswith(f"| {record['date']} | ")]
     assert len(rows) == 2 and rows[0].startswith(f"| {record['date']} | {sha[:7]}")
     assert rows[0].endswith(f"[{path.stem}.md]({path.stem}.md) |")
+
+
+def test_the_suites_group_case_is_named_apart_from_one_tables():
+    """The suite's two dynamic-step cases (one table; 26 tables in one group) give figures of
+    different names and headlines (the group's report says its tables)."""
+    path = CHECKOUT / "benchmarks/results/2026-12-05-4642569-cpu-dynamic-step-26-tables.json"
+    group = json.loads(path.read_text())
+    one = json.loads(json.dumps(group))
+    one["workload"]["tables"] = 1
+    single, grouped = figures_of("dynamic-step", one), figures_of("dynamic-step", group)
+    assert {f.baseline for f in grouped} == {"26 fixed tables in one group, same ids"}
+    assert [f.headline for f in grouped if f.headline] == ["26-table group / fixed"]
+    assert [f.headline for f in single if f.headline] == ["dynamic / fixed"]
+    assert {f.what for f in grouped}.isdisjoint(f.what for f in single)
+    native = next(f for f in grouped if f.headline)
+    assert native.ratio == group["results"]["native"]["dynamic_over_fixed"] and native.value > 0
