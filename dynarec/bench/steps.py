@@ -262,13 +262,22 @@ def bench_row_dtype(args) -> dict:
     for v in r.values():
         v.pop("coll")
     ratios = {f"{k}_over_fp32": ratio(r, k, "fp32") for k in kinds[1:]}
+    # A touched row's update reads and writes its weights (in the rows' type) and its states
+    # (float32 whatever the rows'): the most a half row can gain where bytes bound the step.
+    state_bytes = 4 * sum(s.width(args.dim) for s in spec.state_specs())
+    row_bytes = {"fp32": 4 * args.dim + state_bytes, "half": 2 * args.dim + state_bytes}
+    bound = row_bytes["fp32"] / row_bytes["half"]
     lines = [f"{k:>5} rows: {_rate(r[k], args.device)}" for k in kinds]
     lines.append(", ".join(f"{k} / fp32 = {v:.2f}x" for k, v in zip(kinds[1:], ratios.values())))
+    lines.append(
+        f"bytes a touched row's update reads and writes once: fp32 {row_bytes['fp32']}, half {row_bytes['half']} "
+        f"(states fp32): a half row's step is at most {bound:.2f}x the fp32 one where bytes bound it"
+    )
     return {
         "benchmark": "row-dtype",
         "workload": vars(w),
         "optimizer": repr(spec),
-        "results": {**r, **ratios},
+        "results": {**r, **ratios, "row_bytes": row_bytes, "half_over_fp32_byte_bound": bound},
         "summary": lines,
     }
 

@@ -344,3 +344,16 @@ def test_the_suites_group_case_is_named_apart_from_one_tables():
     assert {f.what for f in grouped}.isdisjoint(f.what for f in single)
     native = next(f for f in grouped if f.headline)
     assert native.ratio == group["results"]["native"]["dynamic_over_fixed"] and native.value > 0
+
+
+@pytest.mark.parametrize(
+    "optimizer, bound", [("adagrad", (32 + 32) / (16 + 32)), ("rowwise_adagrad", (32 + 4) / (16 + 4))]
+)
+def test_row_dtype_states_what_half_rows_can_gain_where_bytes_bound_the_step(tmp_path, optimizer, bound):
+    """bench row-dtype measures every row type on the same ids, and says the most a half row can
+    gain by bytes: its weights halve, its float32 states do not (Adagrad's are a row wide)."""
+    report = run(tmp_path, "row-dtype", *TINY, "--warmup", "1", "--optimizer", optimizer)  # dim 8
+    r = report["results"]
+    assert r["half_over_fp32_byte_bound"] == pytest.approx(bound)
+    assert r["bf16_over_fp32"] > 0 and r["fp16_over_fp32"] > 0
+    assert "at most" in report["summary"][-1]
