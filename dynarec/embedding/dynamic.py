@@ -322,7 +322,9 @@ class DynamicTable(EmbeddingTable):
             # Pins matter only to an insert while this step is pending: they are written then.
             self.index.pin_later(slots, step.id)
             return slots, True
-        self.index.pin(slots, step.id, step.journal)  # the keys found (-1s skipped), before inserting
+        # The keys found (-1s skipped), before inserting. Their pins may replace an earlier pending
+        # step's, which an abort of this step gives back (with no other step pending: none).
+        self.index.pin(slots, step.id, step.journal if len(self.steps.pending) > 1 else None)
         absent = AbsentKeys.of(keys, slots)
         uniq, inverse, counts = absent.unique, absent.inverse, absent.counts
         new_keys, admitted = uniq, None

@@ -401,7 +401,8 @@ class DynamicTableGroup(_Group):
             for t in tables:
                 t.served_step = step.id
             return slots, [True] * len(tables)
-        index.pin(slots, step.id, journal=step.journal)  # the keys found (-1s skipped), before inserting
+        # The keys found (-1s skipped), before inserting (as DynamicTable._slots_for_training pins)
+        index.pin(slots, step.id, journal=step.journal if len(tables[0].steps.pending) > 1 else None)
         absent, key_tables, distinct = AbsentKeys.of_parts(bags.ids, slots, self._table_of_key(bags), len(tables))
         new_keys, new_tables, new_of, admitted = absent.unique, key_tables, distinct, None
         if any(t.admission is not None and n for t, n in zip(tables, distinct)):
