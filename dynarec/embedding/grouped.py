@@ -315,13 +315,9 @@ class DynamicTableGroup(_Group):
 
     def find(self, bags: Bags) -> GroupFoundKeys:
         """Every table's keys found in one pass over the shared index (on a GPU, on any stream:
-        ``IndexStorage.find_op``): their slots are rows of the store."""
+        ``IndexStorage.find_flagged``): their slots are rows of the store."""
         assert isinstance(bags, GroupBags)
-        index = self.index
-        slots, absent = index.find_op(
-            index.keys, index.tags, index.num_buckets, index.bucket_size, bags.ids, True, index.part_starts,
-            self._table_of_key(bags),
-        )  # fmt: skip
+        slots, absent = self.index.find_flagged(bags.ids, self._table_of_key(bags))
         return GroupFoundKeys(slots, [t.index.stamp for t in self.tables], absent)
 
     def _table_of_key(self, bags: GroupBags) -> torch.Tensor:
@@ -392,8 +388,8 @@ class DynamicTableGroup(_Group):
 
     def _rows_for_training(self, bags: GroupBags, found: GroupFoundKeys, step: Step) -> tuple[torch.Tensor, list[bool]]:
         """The row of every id (-1: none), absent keys inserted first (admission permitting), and
-        whether each table's ids all have one: a table's own lookup's (``DynamicTable._slots_for``), for every table
-        at once (one plan and one commit)."""
+        whether each table's ids all have one: what each table's own lookup finds
+        (``DynamicTable._slots_for``), for every table at once (one plan and one commit)."""
         tables, index = self.tables, self.index
         slots = found.slots
         if found.all_present:

@@ -269,7 +269,14 @@ class IndexStorage(IndexWrites):
         self.mark_written()
         return fresh
 
-    # -- a group's insert: every partition at once -----------------------------------------
+    # -- a group's find and insert: every partition at once -----------------------------------
+
+    def find_flagged(self, keys: torch.Tensor, key_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot of each of ``keys`` (each in its partition ``key_parts[i]``; -1: absent), a
+        slot of the storage, and ``[P]`` int32 on the device: nonzero for each partition with an
+        absent key (set in the find's own pass)."""
+        return self.find_op(self.keys, self.tags, self.num_buckets, self.bucket_size, keys, True, self.part_starts,
+                            key_parts)  # fmt: skip
 
     def plan_insert(
         self,
