@@ -107,6 +107,7 @@ class TablePlan:
             "backend": t.backend,
             "rows": rows,
             "dim": t.dim,
+            "dtype": t.data_type,  # the rows' (optimizer states are float32 whatever it is)
             "optimizer": repr(self.optimizer),
             "features": feats,
         }
@@ -145,8 +146,8 @@ class Plan:
         return sum(t.peak_bytes_on(rank, host) for t in self.tables)
 
     def describe(self) -> list[dict[str, object]]:
-        """One dict per table: table, kind, backend, rows, dim, optimizer (every parameter),
-        features; bytes per rank on the device (and in host memory, where a table keeps its rows
+        """One dict per table: table, kind, backend, rows, dim, the rows' dtype, optimizer (every
+        parameter), features; bytes per rank on the device (and in host memory, where a table keeps its rows
         there); with several ranks its sharding, ranks and exchange per step."""
         host = any(t.table.cache_load_factor is not None for t in self.tables)
         return [t.row(self.batch_size, host) for t in self.tables]

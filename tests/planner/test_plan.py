@@ -106,6 +106,18 @@ DYNAMIC_VALUES = {
 }
 
 
+def test_the_plan_prints_each_tables_row_dtype():
+    c = config_dict()
+    for f in c["feature_configs"]:
+        body = next(iter(f.values()))
+        if body.get("embedding_name") == "item" or body["feature_name"] == "item_id":
+            body["data_type"] = "bf16"
+    plan = plan_from_config(config_from_dict(c))
+    rows = {r["table"]: r for r in plan.describe()}
+    assert rows["item"]["dtype"] == "bf16" and rows["cate"]["dtype"] == "fp32"
+    assert plan.format().splitlines()[0].split()[:6] == ["table", "kind", "backend", "rows", "dim", "dtype"]
+
+
 def test_every_dynamic_table_setting_reaches_plan_and_table():
     import dataclasses
 
