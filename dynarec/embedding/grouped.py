@@ -291,7 +291,7 @@ class DynamicTableGroup(_Group):
         self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
         self._first_slots = torch.tensor(self.bases, dtype=torch.int64, device=device)  # a table's first slot
         # The new rows' uniform initializers by bound (_init_rows): each table's class (-1: not
-        # uniform), on the host and the device, each class's bound, and seed folds by seed.
+        # uniform), on the host and the device, and each class's bound.
         self._uniform_bounds: list[float] = []
         self._uniform_class: list[int] = []
         for t in self.tables:
@@ -304,7 +304,13 @@ class DynamicTableGroup(_Group):
                 self._uniform_bounds.append(bound)
             self._uniform_class.append(self._uniform_bounds.index(bound))
         self._uniform_class_on = torch.tensor(self._uniform_class, dtype=torch.int64, device=device)
-        self._folds: dict[tuple[int, torch.device], torch.Tensor] = {}  # _seed_folds
+        # Each table's uniform-draw salt (stream 0) xor-ed with the first table's: a key xor-ed
+        # with its table's fold is drawn with the first table's seed as with its own.
+        self._fold_seed = configs[0].seed
+        assert self._fold_seed is not None and all(c.seed is not None for c in configs)  # (a config's is set)
+        fold_salt = uniform_salt(self._fold_seed, 0)
+        folds = [uniform_salt(c.seed, 0) ^ fold_salt for c in configs]
+        self._seed_folds = torch.tensor(folds, dtype=torch.int64, device=device)
 
     # -- the three stages ----------------------------------------------------------------------
 
@@ -465,11 +471,10 @@ class DynamicTableGroup(_Group):
             t.count_insert(t.steps.current.journal, placed, n - placed, evicted, moved, depth=-1)
         move_rows(self.store, plan, journal)
         index.commit(plan, torch.zeros_like(keys), [p - e for p, e in zip(placed_of, evicted_of)], journal)
-        new_slots, new_keys = plan.slots, keys
+        new_slots, new_keys, new_tables = plan.slots, keys, key_tables
         if plan.placed < keys.numel():
             ok = plan.slots >= 0
-            new_slots, new_keys = plan.slots[ok], keys[ok]
-        new_tables = key_tables if plan.placed == keys.numel() else key_tables[plan.slots >= 0]
+            new_slots, new_keys, new_tables = plan.slots[ok], keys[ok], key_tables[ok]
         self._init_rows(new_slots, new_keys, new_tables, placed_of)
         index.pin(new_slots, step.id)
         return plan.slots, placed_of, plan
@@ -483,40 +488,30 @@ class DynamicTableGroup(_Group):
         drawn with ``seed_0`` is ``key`` drawn with ``seed``); the others, an op a table. No host
         read, no copy to the device."""
         rows_of_class = [0] * len(self._uniform_bounds)
-        first_of_class: list[Optional[DynamicTable]] = [None] * len(self._uniform_bounds)
         at = 0
         for t, n, c in zip(self.tables, rows_of, self._uniform_class):
             if n and c >= 0:
                 rows_of_class[c] += n
-                first_of_class[c] = first_of_class[c] or t
             elif n:
                 seed = t.config.seed
                 assert seed is not None  # (a table config's is set)
                 init = t.initializer
                 init.write_rows(self.store.weight, rows[at : at + n], keys[at : at + n], seed, t.config.default_bound)
             at += n
-        for c, (n, first) in enumerate(zip(rows_of_class, first_of_class)):
-            if not n or first is None:
+        folded = None  # every new key with its table's seed folded in (drawn with _fold_seed)
+        for c, n in enumerate(rows_of_class):
+            if not n:
                 continue
-            at_rows, at_keys, at_tables = rows, keys, row_tables
+            if folded is None:
+                folded = keys ^ self._seed_folds[row_tables]
+            at_rows, at_keys = rows, folded
             if n < rows.numel():  # not every new row: this class's (sizes known: no host read)
                 pick = torch.nonzero_static(self._uniform_class_on[row_tables] == c, size=n).squeeze(1)
-                at_rows, at_keys, at_tables = rows[pick], keys[pick], row_tables[pick]
-            seed = first.config.seed
-            assert seed is not None
-            folded = at_keys ^ self._seed_folds(seed, rows.device)[at_tables]
-            torch.ops.dynarec.uniform_rows(self.store.weight, at_rows, folded, seed, 0, self._uniform_bounds[c])
+                at_rows, at_keys = rows[pick], folded[pick]
+            torch.ops.dynarec.uniform_rows(
+                self.store.weight, at_rows, at_keys, self._fold_seed, 0, self._uniform_bounds[c]
+            )
         self.store.reset_states(rows)
-
-    def _seed_folds(self, seed: int, device: torch.device) -> torch.Tensor:
-        """``[T]`` int64: ``salt(table's seed) ^ salt(seed)`` (uniform draws' salts, stream 0): a
-        key xor-ed with its table's is drawn with ``seed`` as with its table's (kept by seed)."""
-        folds = self._folds.get((seed, device))
-        if folds is None:
-            salt = uniform_salt(seed, 0)
-            values = [uniform_salt(t.config.seed, 0) ^ salt for t in self.tables]
-            folds = self._folds[(seed, device)] = torch.tensor(values, dtype=torch.int64, device=device)
-        return folds
 
     def _without_rows(
         self, bags: GroupBags, rows: torch.Tensor, present: list[bool], steps: list[Step]

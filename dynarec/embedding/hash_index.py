@@ -22,8 +22,9 @@ keys into free slots needs nothing read before it.
 The index owns its arrays (in its :class:`IndexStorage`); callers change them only through its
 methods (``commit``, ``remove``, ``touch``, ``add``, ``pin``, ``pin_later``, ``install``,
 ``rehashed``), its storage's (``commit``, ``pin``, ``pin_later``, ``adopt``) and the one writer
-they hand out: ``scores_writer``, the scores a fused update sets in its own pass. Each mutating method takes an optional
-:class:`Journal` and records how to undo itself, so a failed training step can be rolled back.
+they hand out: ``scores_writer``, the scores a fused update sets in its own pass. Each mutating
+method takes an optional :class:`Journal` and records how to undo itself, so a failed training
+step can be rolled back.
 
 Several indexes of one bucket size can share one storage, each a *partition* of it
 (:meth:`IndexStorage.partitions`: a group of dynamic tables' indexes): each is an index as any
@@ -199,7 +200,7 @@ class IndexStorage(IndexWrites):
     what all of them share: the order of writes and finds across CUDA streams, and the pins
     held back (:meth:`BucketedHashIndex.pin_later`). Each partition is read and written through
     its :class:`BucketedHashIndex` (views of these arrays); a group finds and inserts into all
-    of them at once through this object (:meth:`find_op`, :meth:`plan_insert`, :meth:`commit`).
+    of them at once through this object (:meth:`find_flagged`, :meth:`plan_insert`, :meth:`commit`).
 
     ``num_buckets``: each partition's bucket count (one: an index alone)."""
 
@@ -365,15 +366,7 @@ class IndexStorage(IndexWrites):
         """Pins ``slots`` (+ ``offset``: slots of a partition; -1: skipped) for ``step_id``;
         ``journal``: records how to give them back the pins they had (:meth:`BucketedHashIndex.pin`)."""
         self.write_pending_pins()
-        at = self._pinned_at(slots, offset)
-        if journal is not None:
-            saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
-
-            def undo() -> None:
-                self.all_pins.index_copy_(0, at, saved)
-
-            journal.record(undo)
-        self.all_pins.index_fill_(0, at, step_id % PIN_WRAP)
+        self._pin(slots, step_id, offset, journal)
 
     def pin_later(self, slots: torch.Tensor, step_id: int, offset: int = 0, parts: Optional[set[int]] = None) -> None:
         """:meth:`pin`, written only when something reads pins; held for the partitions
@@ -392,13 +385,17 @@ class IndexStorage(IndexWrites):
         for step_id, slots, offset, _ in pending:  # in order: a later pin of a slot is its last
             self._pin(slots, step_id, offset)
 
-    def _pin(self, slots: torch.Tensor, step_id: int, offset: int) -> None:
-        # index_fill_: a scalar fill (duplicates write one value), twice as fast as scatter_ on a CPU
-        self.all_pins.index_fill_(0, self._pinned_at(slots, offset), step_id % PIN_WRAP)
+    def _pin(self, slots: torch.Tensor, step_id: int, offset: int, journal: Optional[Journal] = None) -> None:
+        at = torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)  # -1s: the spare
+        if journal is not None:
+            saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
 
-    def _pinned_at(self, slots: torch.Tensor, offset: int) -> torch.Tensor:
-        """The entries of :attr:`all_pins` of ``slots`` (+ ``offset``): -1 slots the spare past the last."""
-        return torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)
+            def undo() -> None:
+                self.all_pins.index_copy_(0, at, saved)
+
+            journal.record(undo)
+        # index_fill_: a scalar fill (duplicates write one value), twice as fast as scatter_ on a CPU
+        self.all_pins.index_fill_(0, at, step_id % PIN_WRAP)
 
 
 class BucketedHashIndex(IndexWrites):
