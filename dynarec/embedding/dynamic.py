@@ -204,11 +204,7 @@ class DynamicTable(EmbeddingTable):
     # -- the lookup stage ----------------------------------------------------------------------
 
     def find(self, bags: Bags) -> FoundKeys:
-        return self.find_keys(bags.ids)
-
-    def find_keys(self, keys: torch.Tensor) -> FoundKeys:
-        """:meth:`find` of ``keys`` ``[n]`` int64."""
-        slots, absent = self.index.find_flagged(keys)
+        slots, absent = self.index.find_flagged(bags.ids)
         return FoundKeys(slots, self.index.stamp, absent)
 
     def _rows_of(self, bags: Bags, found: Optional[FoundKeys]) -> Optional[torch.Tensor]:
