@@ -108,6 +108,24 @@ class ShardedEmbeddingCollection(nn.Module):
 
     prefetch_depth = 1
 
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        self._refuse_partial_state("state_dict()")  # else every table is the local collection's
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix: str, *args, **kwargs) -> None:
+        self._refuse_partial_state("load_state_dict()")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _refuse_partial_state(self, what: str) -> None:
+        """A rank holds only its shards of the routed tables: their state is refused, not given in
+        part (replicated tables alone travel in the local collection's state)."""
+        if self.routed:
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: {what} of a sharded embedding collection would cover only this rank's shards "
+                f"of its routed table(s) {[tp.table.name for tp in self.routed]}; save and restore a sharded model "
+                "with dynarec's checkpoints (Trainer.save / Trainer.restore: written by N ranks, restored on any)"
+            )
+
     def prefetch(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> None:
         """Nothing: a sharded lookup's input stage is collective (every rank's ids go to their
         owners), so it runs inside its own step, in step order on every rank."""

@@ -353,6 +353,60 @@ class EmbeddingCollection(nn.Module):
         """One dict per table: name, kind, backend, dim, optimizer, step, bytes (and capacity)."""
         return [t.describe() for t in self.tables.values()]
 
+    # -- torch's module state: the tables travel in state_dict() ---------------------------------
+
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        """Every table's :meth:`~EmbeddingTable.dump` as ``{prefix}tables.{table}.{field}``: its
+        weights, optimizer states and step (a dynamic table's keys, scores and bucket layout too),
+        as CPU copies. So the ``state_dict()`` of any module holding this collection carries its
+        embeddings (torchrec's ``embedding_bags.{table}.weight``), and ``load_state_dict`` on a
+        collection of the same tables restores them exactly."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, table in self.tables.items():
+            for key, value in table.dump().items():
+                destination[f"{prefix}tables.{name}.{key}"] = value
+
+    def _load_from_state_dict(
+        self, state_dict, prefix: str, local_metadata, strict: bool, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Loads each table from its ``{prefix}tables.{table}.*`` entries (:meth:`_save_to_state_dict`).
+        A table without entries is a missing key (``tables.{table}.weight``); entries of a table
+        this collection lacks are unexpected keys; a dump that does not fit its table (another
+        dim, row count or optimizer) is an error naming the table, as is a dynamic table that
+        could not keep every key (its ``max_capacity`` is smaller)."""
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        for table in self.tables.values():  # before any table changes
+            table.steps.check_idle("load_state_dict")
+        head = f"{prefix}tables."
+        ours = [k for k in state_dict if k.startswith(head)]
+        dumps: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.tables}
+        by_length = sorted(self.tables, key=len, reverse=True)  # "a.b.weight": table "a.b" before "a"
+        for key in ours:
+            if key in unexpected_keys:  # the base class flags every key of no parameter or buffer
+                unexpected_keys.remove(key)
+            rest = key[len(head) :]
+            name = next((n for n in by_length if rest.startswith(f"{n}.")), None)
+            if name is None:
+                unexpected_keys.append(key)
+            else:
+                dumps[name][rest[len(name) + 1 :]] = state_dict[key]
+        for name, dump in dumps.items():
+            if not dump:
+                missing_keys.append(f"{head}{name}.weight")
+                continue
+            try:
+                report = self.tables[name].load(dump)
+            except ValueError as e:
+                error_msgs.append(f"{head}{name}: {e}")
+                continue
+            if report["dropped"]:
+                error_msgs.append(
+                    f"{head}{name}: {report['dropped']} of {report['loaded'] + report['dropped']} keys found no row "
+                    f"(max_capacity {self.tables[name].config.dynamic.max_capacity}); the table holds the others"  # type: ignore[union-attr]
+                )
+
     def _table(self, name: str) -> EmbeddingTable:
         if name not in self.tables:
             raise KeyError(f"no table named '{name}'; tables: {list(self.tables)}")

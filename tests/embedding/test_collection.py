@@ -160,3 +160,127 @@ def assert_same_dumps(a, b):
         assert a[name].keys() == b[name].keys(), name
         for k in a[name]:
             assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+class _Model(torch.nn.Module):
+    """A user's model: a collection beside a dense layer."""
+
+    def __init__(self, tables, fixed_rows: int = 20):
+        super().__init__()
+        self.emb = EmbeddingCollection(
+            [
+                TableConfig(name="a", dim=4, num_embeddings=fixed_rows, features=["fa"]),
+                TableConfig(name="b", dim=4, num_embeddings=12, features=["fb"]),  # grouped with "a"
+                TableConfig(name="u", dim=4, dynamic=DynamicTableOptions(64, bucket_size=4), features=["fu"]),
+                TableConfig(name="v", dim=4, dynamic=DynamicTableOptions(64, bucket_size=4), features=["fv"]),
+                TableConfig(
+                    name="g", dim=4, dynamic=DynamicTableOptions(256, init_capacity=8, bucket_size=4), features=["fg"]
+                ),
+            ][:tables],
+            Adagrad(lr=0.1, initial_accumulator_value=0.1),
+        )
+        self.head = torch.nn.Linear(4, 1)
+
+    def step(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        ids = {"fa": 20, "fb": 12, "fu": 1 << 40, "fv": 1 << 40, "fg": 1 << 40}
+        kjt = JaggedBatch.from_lists(
+            {f: [torch.randint(0, m, (3,), generator=g).tolist() for _ in range(4)] for f, m in ids.items()}
+        )
+        out = self.emb(kjt)
+        loss = sum(self.head(v).sum() for v in out.values())
+        loss.backward()
+        return loss.detach()
+
+
+def test_a_models_state_dict_carries_its_tables_and_restores_them_exactly():
+    """``model.state_dict()`` of a model holding a collection has every table's rows, optimizer
+    states and (dynamic) keys beside the dense parameters; a fresh model loading it (through
+    torch.save / torch.load with weights_only) holds the same tables and trains on identically."""
+    import io
+
+    torch.manual_seed(0)
+    trained, fresh = _Model(5), _Model(5)
+    assert trained.emb.lookup_groups == [("a", "b"), ("u", "v"), ("g",)]
+    for seed in range(6):  # 'g' grows (8 slots to more) on the way
+        trained.step(seed)
+    assert trained.emb.tables["g"].capacity > 8
+    state = trained.state_dict()
+    for name in "abuvg":
+        assert {f"emb.tables.{name}.weight", f"emb.tables.{name}.momentum1", f"emb.tables.{name}.step"} <= set(state)
+    assert state["emb.tables.a.weight"].shape == (20, 4) and "head.weight" in state
+    assert state["emb.tables.u.keys"].numel() == trained.emb.tables["u"].size > 0
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+
+    assert_same_dumps(
+        {n: t.dump() for n, t in trained.emb.tables.items()}, {n: t.dump() for n, t in fresh.emb.tables.items()}
+    )
+    assert torch.equal(trained.head.weight, fresh.head.weight)
+    for seed in (10, 11):  # the dense head is not stepped: the tables' fused updates alone
+        assert torch.equal(trained.step(seed), fresh.step(seed))
+    assert_same_dumps(
+        {n: t.dump() for n, t in trained.emb.tables.items()}, {n: t.dump() for n, t in fresh.emb.tables.items()}
+    )
+
+
+def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
+    trained = _Model(5)
+    trained.step(0)
+    state = trained.state_dict()
+
+    fewer = _Model(4)  # no table 'g'
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*emb\.tables\.g\.weight"):
+        fewer.load_state_dict(state)
+    more = _Model(5)
+    without_b = {k: v for k, v in state.items() if not k.startswith("emb.tables.b.")}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*emb\.tables\.b\.weight"):
+        more.load_state_dict(without_b)
+    result = more.load_state_dict(without_b, strict=False)  # the other tables load
+    assert result.missing_keys == ["emb.tables.b.weight"]
+    assert torch.equal(more.emb.tables["a"].dump()["weight"], state["emb.tables.a.weight"])
+
+    other_rows = _Model(5, fixed_rows=30)
+    with pytest.raises(RuntimeError, match=r"emb\.tables\.a: table 'a': dump holds weight \(20, 4\)"):
+        other_rows.load_state_dict(state)
+
+    tiny = EmbeddingCollection(
+        [TableConfig(name="u", dim=4, dynamic=DynamicTableOptions(4, bucket_size=4), features=["fu"])], Adagrad(lr=0.1)
+    )
+    many = {k[len("emb.") :]: v for k, v in state.items() if k.startswith("emb.tables.u.")}
+    assert many["tables.u.keys"].numel() > 4
+    with pytest.raises(RuntimeError, match=r"tables\.u: \d+ of \d+ keys found no row \(max_capacity 4\)"):
+        tiny.load_state_dict(many)
+
+
+def test_a_state_dict_is_not_loaded_into_a_pending_step():
+    model = _Model(2)
+    state = model.state_dict()
+    out = model.emb(JaggedBatch.from_lists({"fa": [[1]], "fb": [[2]]}))  # a training forward, no backward yet
+    from dynarec.embedding.step import StepPendingError
+
+    with pytest.raises(StepPendingError, match="load_state_dict while a training step is pending"):
+        model.load_state_dict(state)
+    sum(v.sum() for v in out.values()).backward()
+    model.load_state_dict(state)
+
+
+def test_a_sharded_collection_refuses_a_state_dict_of_its_shards_only():
+    from dynarec.distributed.collection import ShardedEmbeddingCollection
+    from dynarec.distributed.context import DistContext
+    from dynarec.planner import plan_tables
+
+    tables = [
+        TableConfig(name="user", dim=4, dynamic=DynamicTableOptions(64), features=["user"]),
+        TableConfig(name="r", dim=4, num_embeddings=10, features=["r"], sharding="data_parallel"),
+    ]
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), 60.0, group=None)  # its constructor makes no collective
+    sharded = ShardedEmbeddingCollection(plan_tables(tables, 1, optimizer=Adagrad(lr=0.1)), ctx)
+    with pytest.raises(RuntimeError, match=r"rank 0: state_dict\(\) .* routed table\(s\) \['user'\]; .*Trainer\.save"):
+        sharded.state_dict()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) .* Trainer\.restore"):
+        sharded.load_state_dict({})
+    replicated = ShardedEmbeddingCollection(plan_tables(tables[1:], 1, optimizer=Adagrad(lr=0.1)), ctx)
+    assert set(replicated.state_dict()) == {"local.tables.r.weight", "local.tables.r.momentum1", "local.tables.r.step"}
