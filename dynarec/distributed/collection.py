@@ -28,7 +28,7 @@ from torch import nn
 from dynarec.distributed.context import DistContext
 from dynarec.distributed.routing import return_pooled, route
 from dynarec.embedding.capacity import shard_init_capacity
-from dynarec.embedding.collection import EmbeddingCollection, checked_slices
+from dynarec.embedding.collection import EmbeddingCollection, check_stays, checked_slices
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike
 from dynarec.embedding.memory import check_fits
@@ -107,6 +107,10 @@ class ShardedEmbeddingCollection(nn.Module):
         return list(self._features)
 
     prefetch_depth = 1
+
+    def _apply(self, fn, recurse: bool = True):
+        check_stays(fn, self.device, [tp.table.name for tp in self.plan.tables])
+        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
         self._refuse_partial_state("state_dict()")  # else every table is the local collection's

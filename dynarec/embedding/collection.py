@@ -21,7 +21,7 @@ from dynarec.embedding.streams import StagedInput, input_stage
 from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys
 from dynarec.optim.base import OptimizerSpec
 
-__all__ = ["EmbeddingCollection", "checked_slices"]
+__all__ = ["EmbeddingCollection", "check_stays", "checked_slices"]
 
 
 def checked_slices(
@@ -66,6 +66,21 @@ def _build_table(
             "keys); shard it by key_hash"
         )
     return DynamicTable(config, spec, device)
+
+
+def check_stays(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device, tables: Sequence[str]) -> None:
+    """Refuses what ``nn.Module._apply`` would do with ``fn`` (``.to()``, ``.cuda()``,
+    ``.double()``, ...) where it moves tensors off ``device`` or changes a float32 tensor's
+    dtype: a collection's tables are built for their device and keep their rows' storage type,
+    and a silent no-op would leave a model's embeddings where its dense layers are not."""
+    probe = torch.empty(0, device=device)
+    moved = fn(probe)
+    if moved.device != probe.device or moved.dtype != probe.dtype:
+        raise RuntimeError(
+            f"the embedding tables {list(tables)} stay where they were built ({device}, float32 outputs; rows in "
+            f"each table's data_type): moving them to {moved.device} / {moved.dtype} is not supported; build the "
+            "collection with device=... (and data_type per table), or move only the dense layers"
+        )
 
 
 class LookupUnit(Protocol):
@@ -352,6 +367,10 @@ class EmbeddingCollection(nn.Module):
     def describe(self) -> list[dict[str, object]]:
         """One dict per table: name, kind, backend, dim, optimizer, step, bytes (and capacity)."""
         return [t.describe() for t in self.tables.values()]
+
+    def _apply(self, fn, recurse: bool = True):
+        check_stays(fn, self.device, list(self.tables))
+        return super()._apply(fn, recurse)
 
     # -- torch's module state: the tables travel in state_dict() ---------------------------------
 

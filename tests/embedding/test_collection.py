@@ -185,7 +185,11 @@ class _Model(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         ids = {"fa": 20, "fb": 12, "fu": 1 << 40, "fv": 1 << 40, "fg": 1 << 40}
         kjt = JaggedBatch.from_lists(
-            {f: [torch.randint(0, m, (3,), generator=g).tolist() for _ in range(4)] for f, m in ids.items()}
+            {
+                f: [torch.randint(0, m, (3,), generator=g).tolist() for _ in range(4)]
+                for f, m in ids.items()
+                if f in self.emb.feature_names
+            }
         )
         out = self.emb(kjt)
         loss = sum(self.head(v).sum() for v in out.values())
@@ -284,3 +288,39 @@ def test_a_sharded_collection_refuses_a_state_dict_of_its_shards_only():
         sharded.load_state_dict({})
     replicated = ShardedEmbeddingCollection(plan_tables(tables[1:], 1, optimizer=Adagrad(lr=0.1)), ctx)
     assert set(replicated.state_dict()) == {"local.tables.r.weight", "local.tables.r.momentum1", "local.tables.r.step"}
+
+
+@pytest.mark.parametrize(
+    "move, where",
+    [
+        (lambda m: m.to("meta"), "meta / torch.float32"),
+        (lambda m: m.double(), "cpu / torch.float64"),
+        (lambda m: m.to(torch.bfloat16), "cpu / torch.bfloat16"),
+    ],
+)
+def test_moving_a_model_does_not_silently_leave_its_tables_behind(move, where):
+    """``.to()`` / ``.double()`` of a model holding a collection is refused, naming the tables,
+    before anything moves (a silent no-op left the embeddings where the dense layers were not);
+    what changes nothing (the same device, ``share_memory``) still works."""
+    model = _Model(2)
+    before = model.emb.tables["a"].dump()
+    with pytest.raises(
+        RuntimeError, match=rf"the embedding tables \['a', 'b'\] stay where they were built \(cpu.*to {where}"
+    ):
+        move(model)
+    assert model.head.weight.dtype == torch.float32 and model.head.weight.device.type == "cpu"
+    model.to("cpu").float().share_memory()
+    assert_same_dumps({"a": before}, {"a": model.emb.tables["a"].dump()})
+    model.step(0)
+
+
+def test_a_sharded_collection_is_not_moved_either():
+    from dynarec.distributed.collection import ShardedEmbeddingCollection
+    from dynarec.distributed.context import DistContext
+    from dynarec.planner import plan_tables
+
+    tables = [TableConfig(name="user", dim=4, dynamic=DynamicTableOptions(64), features=["user"])]
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), 60.0, group=None)
+    sharded = ShardedEmbeddingCollection(plan_tables(tables, 1, optimizer=Adagrad(lr=0.1)), ctx)
+    with pytest.raises(RuntimeError, match=r"the embedding tables \['user'\] stay where they were built"):
+        sharded.double()
