@@ -78,6 +78,30 @@ def test_cuda_matches_cpu(kind, spec, batch_on):
         assert report["capacity"] == 256 and report["evicted_keys"] > 100, report
 
 
+@pytest.mark.parametrize("kind", list(TABLE))
+def test_a_state_dict_saved_on_the_gpu_loads_on_the_cpu_and_back(kind):
+    """A collection's ``state_dict()`` holds CPU copies: the tables a GPU trained load into a CPU
+    collection of the same config bit for bit, and back into a fresh GPU one."""
+    spec = Adagrad(lr=0.2, initial_accumulator_value=0.1)
+    gpu = build(kind, spec, "cuda")
+    rng = np.random.default_rng(1)
+    for _ in range(6 if kind != "dynamic_evicting" else 12):
+        feats = {f: zipf_batch(rng, 8, 4, VOCAB[kind], a=1.1) for f in ("item_id", "hist", "m")}
+        out = gpu(JaggedBatch.from_lists(feats).to("cuda"))
+        sum(v.sum() for v in out.values()).backward()
+    state = gpu.state_dict()
+    assert all(v.device.type == "cpu" for v in state.values())
+    cpu, again = build(kind, spec, "cpu"), build(kind, spec, "cuda")
+    cpu.load_state_dict(state)
+    again.load_state_dict(cpu.state_dict())
+    want = gpu.tables["t"].dump()
+    for other in (cpu, again):
+        got = other.tables["t"].dump()
+        assert want.keys() == got.keys()
+        for field in want:
+            assert torch.equal(want[field], got[field]), field
+
+
 def _dynamic_collection(spec=SGD(lr=0.1)):
     table = TableConfig(
         name="t",
