@@ -368,6 +368,17 @@ class EmbeddingCollection(nn.Module):
         """One dict per table: name, kind, backend, dim, optimizer, step, bytes (and capacity)."""
         return [t.describe() for t in self.tables.values()]
 
+    def extra_repr(self) -> str:
+        """A line a table, as ``print(model)`` shows it: rows (a dynamic table's keys held of its
+        capacity), dim, row dtype, features, optimizer, and the device."""
+        lines = [f"device={self.device}"]
+        for name, t in self.tables.items():
+            c = t.config
+            rows = f"dynamic {t.size}/{t.capacity} keys" if isinstance(t, DynamicTable) else f"{c.num_embeddings} rows"
+            features = ", ".join(f.name for f in c.feature_configs)
+            lines.append(f"({name}): {rows} x {c.dim} {c.data_type} [{features}] {t.spec!r}")
+        return "\n".join(lines)
+
     def _apply(self, fn, recurse: bool = True):
         check_stays(fn, self.device, list(self.tables))
         return super()._apply(fn, recurse)

@@ -324,3 +324,12 @@ def test_a_sharded_collection_is_not_moved_either():
     sharded = ShardedEmbeddingCollection(plan_tables(tables, 1, optimizer=Adagrad(lr=0.1)), ctx)
     with pytest.raises(RuntimeError, match=r"the embedding tables \['user'\] stay where they were built"):
         sharded.double()
+
+
+def test_printing_a_model_shows_its_tables():
+    model = _Model(3)
+    model.step(0)
+    text = str(model)
+    assert "(a): 20 rows x 4 fp32 [fa] Adagrad(lr=0.1" in text
+    size = model.emb.tables["u"].size
+    assert size > 0 and f"(u): dynamic {size}/64 keys x 4 fp32 [fu]" in text
