@@ -114,7 +114,9 @@ class DynamicTable(EmbeddingTable):
             )
         if store is None:
             store = make_row_store(config, spec, rows, self.device, max_rows=max_rows)
-        store.row_keys = RowKeys(keys=lambda: self.index.keys)  # half-precision rows' rounding draws: by key
+        # Bound methods, not lambdas, wherever a part reads back its table: a deepcopy rebinds a
+        # method to the copy, while a lambda would go on reading (and writing) the original.
+        store.row_keys = RowKeys(keys=self._index_keys)  # half-precision rows' rounding draws: by key
         #: The index, the rows behind it and how both grow.
         self.space = Capacity(
             store, bucket_size, init_buckets, max_buckets, options.growth_load_factor, self.device, index
@@ -125,7 +127,7 @@ class DynamicTable(EmbeddingTable):
                 options.admission, options.max_capacity, self.max_capacity, bucket_size, self.device,
                 self.eval_initializer,
             )  # fmt: skip
-        self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
+        self.score_policy = ScorePolicy(options.score_strategy, self._current_index)
         self.served_step: Optional[int] = None  # the last training step this table looked up
         # Training lookups whose fused update is still to come (a step committed by a later
         # step's backward may still have its own): a growth would move their rows under them.
@@ -136,6 +138,12 @@ class DynamicTable(EmbeddingTable):
     def index(self) -> BucketedHashIndex:
         """The hash index: key -> slot (= row of :attr:`store`), with a score and a pin a slot."""
         return self.space.index
+
+    def _current_index(self) -> BucketedHashIndex:
+        return self.space.index
+
+    def _index_keys(self) -> torch.Tensor:
+        return self.space.index.keys
 
     @property
     def store(self) -> RowStore:

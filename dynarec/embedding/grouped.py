@@ -288,7 +288,7 @@ class DynamicTableGroup(_Group):
             self.bases.append(base)
             assert self.index.first_slot(i) == base  # a slot is a row of the store
             base += n
-        self.score_policy = ScorePolicy(options.score_strategy, lambda: self.index)
+        self.score_policy = ScorePolicy(options.score_strategy, self._current_index)  # (a method: see DynamicTable)
         self._first_slots = torch.tensor(self.bases, dtype=torch.int64, device=device)  # a table's first slot
         # The new rows' uniform initializers by bound (_init_rows): each table's class (-1: not
         # uniform), on the host and the device, and each class's bound.
@@ -313,6 +313,9 @@ class DynamicTableGroup(_Group):
         self._seed_folds = torch.tensor(folds, dtype=torch.int64, device=device)
 
     # -- the three stages ----------------------------------------------------------------------
+
+    def _current_index(self) -> IndexStorage:
+        return self.index
 
     def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[GroupBags, BagLayout]:
         """Every feature of every table as one list of bags over keys (each table's own)."""

@@ -333,3 +333,56 @@ def test_printing_a_model_shows_its_tables():
     assert "(a): 20 rows x 4 fp32 [fa] Adagrad(lr=0.1" in text
     size = model.emb.tables["u"].size
     assert size > 0 and f"(u): dynamic {size}/64 keys x 4 fp32 [fu]" in text
+
+
+def test_a_deepcopy_trains_apart_from_its_original():
+    """``copy.deepcopy`` of a trained collection (grouped fixed and dynamic tables, one growing,
+    one admitting, one of bf16 rows), or the collection pickled whole by ``torch.save``, is a
+    model of its own: training it leaves the original as it was, and it trains as the original
+    then does on the same batches (its parts read its own index, not the original's)."""
+    import copy
+    import io
+
+    from dynarec.embedding.config import AdmissionConfig
+
+    def options(**kw):
+        return DynamicTableOptions(64, bucket_size=4, **kw)
+
+    coll = EmbeddingCollection(
+        [
+            TableConfig(name="a", dim=4, num_embeddings=20, features=["fa"]),
+            TableConfig(name="b", dim=4, num_embeddings=12, features=["fb"]),
+            TableConfig(name="u", dim=4, dynamic=options(), features=["fu"]),
+            TableConfig(name="v", dim=4, dynamic=options(), features=["fv"]),
+            TableConfig(name="g", dim=4, dynamic=options(init_capacity=8), features=["fg"]),
+            TableConfig(name="m", dim=4, dynamic=options(admission=AdmissionConfig(threshold=2)), features=["fm"]),
+            TableConfig(name="h", dim=4, dynamic=options(), features=["fh"], data_type="bf16"),
+        ],
+        Adagrad(lr=0.1),
+    )
+    assert ("u", "v", "m") in coll.lookup_groups
+
+    def train(c, seeds):
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            ranges = {"fa": 20, "fb": 12, "fu": 200, "fv": 200, "fg": 200, "fm": 20, "fh": 200}
+            kjt = JaggedBatch.from_lists(
+                {f: [torch.randint(0, m, (3,), generator=g).tolist() for _ in range(4)] for f, m in ranges.items()}
+            )
+            out = c(kjt)
+            sum((v * (1 + i)).sum() for i, v in enumerate(out.values())).backward()
+
+    train(coll, range(4))
+    before = {n: t.dump() for n, t in coll.tables.items()}
+    twin = copy.deepcopy(coll)
+    buffer = io.BytesIO()
+    torch.save(coll, buffer)  # the whole module pickled, as torch.save(model) does
+    buffer.seek(0)
+    unpickled = torch.load(buffer, weights_only=False)
+    for other in (twin, unpickled):
+        train(other, range(10, 16))  # it evicts ('u', 'v', 'h': 64 slots) and grows ('g')
+        assert_same_dumps(before, {n: t.dump() for n, t in coll.tables.items()})
+    train(coll, range(10, 16))
+    for other in (twin, unpickled):
+        assert_same_dumps({n: t.dump() for n, t in other.tables.items()}, {n: t.dump() for n, t in coll.tables.items()})
+    assert twin.tables["g"].capacity > 8 and twin.tables["u"].report()["evicted_keys"] > 0
