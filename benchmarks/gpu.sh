@@ -9,7 +9,8 @@
 #
 # The test files run in six shards side by side (the machines have 16 cores and one GPU; a shard
 # is a few CUDA contexts' worth of memory), each logging to $LOGS/<shard>.log (default
-# /tmp/dynarec-gpu-tests), so the tests take about 5 minutes rather than 15.
+# /tmp/dynarec-gpu-tests): one after another they took two to three 10-minute calls (not yet timed
+# in shards).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
