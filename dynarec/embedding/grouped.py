@@ -312,10 +312,10 @@ class DynamicTableGroup(_Group):
         folds = [uniform_salt(c.seed, 0) ^ fold_salt for c in configs]
         self._seed_folds = torch.tensor(folds, dtype=torch.int64, device=device)
 
-    # -- the three stages ----------------------------------------------------------------------
-
     def _current_index(self) -> IndexStorage:
         return self.index
+
+    # -- the three stages ----------------------------------------------------------------------
 
     def pack(self, slices: Mapping[str, FeatureSlice]) -> tuple[GroupBags, BagLayout]:
         """Every feature of every table as one list of bags over keys (each table's own)."""
