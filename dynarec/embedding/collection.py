@@ -364,10 +364,6 @@ class EmbeddingCollection(nn.Module):
         for t in [self._table(table)] if table is not None else self.tables.values():
             t.set_learning_rate(lr)
 
-    def describe(self) -> list[dict[str, object]]:
-        """One dict per table: name, kind, backend, dim, optimizer, step, bytes (and capacity)."""
-        return [t.describe() for t in self.tables.values()]
-
     def extra_repr(self) -> str:
         """A line a table, as ``print(model)`` shows it: rows (a dynamic table's keys held of its
         capacity), dim, row dtype, features, optimizer, and the device."""
