@@ -299,6 +299,33 @@ def test_dynamic_tables_that_never_grow_share_one_lookup_and_train_as_apart(devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [0, 3])
+def test_a_batch_without_ids_passes_every_group_in_training_and_evaluation(device, size):
+    """A batch of no ids (no samples, or samples whose every feature is empty) through fixed and
+    dynamic groups: zeros of each feature's shape, no table changed, and training goes on as the
+    tables apart do (a group's find of no keys once returned no flag per table)."""
+    empty = JaggedBatch.from_lists({name: [[] for _ in range(size)] for name in DYNAMIC_ROWS})
+    g = torch.Generator().manual_seed(8)
+    batches = [dynamic_batch(g, 9, False), empty, dynamic_batch(g, 9, False)]
+    grouped = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1), device=device)
+    apart = EmbeddingCollection(dynamic_tables(), Adagrad(lr=0.1), device=device, group_tables=False)
+    assert ("p", "q", "m") in grouped.lookup_groups
+    exact = device == "cpu"
+    outs = run(grouped, batches, device)
+    for x, y in zip(outs, run(apart, batches, device)):
+        assert_outputs(x, y, exact)
+    assert_same(grouped, apart, exact)
+    assert outs[1]["fp"].shape == (size, 8) and outs[1]["sp"].shape == (size, 0, 8)
+    assert not any(v.any() for v in outs[1].values())
+    before = {n: t.dump() for n, t in grouped.tables.items()}
+    grouped.eval()
+    with torch.no_grad():
+        assert not any(v.any() for v in grouped(empty.to(device)).values())
+    for name, dump in before.items():
+        assert all(torch.equal(v, grouped.tables[name].dump()[k]) for k, v in dump.items()), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_dynamic_group_step_is_one_fused_update_which_writes_the_scores(device, monkeypatch):
     """A group's step is one fused update of its shared store, which writes the touched rows'
     scores in its own pass (a slot of the shared index is a row of the store), as a table alone

@@ -123,12 +123,13 @@ class KeyPartitions {
       TORCH_CHECK(parts_[i] >= 0 && parts_[i] < num_parts, "key_parts must name partitions");
     }
   }
-  int64_t base(int64_t i) const { return parts_ == nullptr ? 0 : starts_[parts_[i]]; }
+  // (Whether the index is partitioned goes by `part_starts`: with no keys, key_parts has no data.)
+  int64_t base(int64_t i) const { return starts_ == nullptr ? 0 : starts_[parts_[i]]; }
   uint32_t count(int64_t i) const {
-    return parts_ == nullptr ? whole_ : static_cast<uint32_t>(starts_[parts_[i] + 1] - starts_[parts_[i]]);
+    return starts_ == nullptr ? whole_ : static_cast<uint32_t>(starts_[parts_[i] + 1] - starts_[parts_[i]]);
   }
-  int64_t part(int64_t i) const { return parts_ == nullptr ? 0 : parts_[i]; }
-  bool partitioned() const { return parts_ != nullptr; }
+  int64_t part(int64_t i) const { return starts_ == nullptr ? 0 : parts_[i]; }
+  bool partitioned() const { return starts_ != nullptr; }
 
  private:
   const uint32_t whole_;
