@@ -87,6 +87,8 @@ class DynamicTable(EmbeddingTable):
     table's); initializers still use the whole table's bound, so a key's row is the same
     whatever the sharding."""
 
+    index_fields = snapshot.INDEX_FIELDS
+
     def __init__(
         self,
         config: TableConfig,

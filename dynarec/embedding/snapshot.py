@@ -24,9 +24,12 @@ from dynarec.embedding.capacity import Capacity
 from dynarec.embedding.hash_index import LAYOUT_VERSION, BucketedHashIndex
 from dynarec.embedding.row_store import RowStore
 
-__all__ = ["dump", "index_for_load", "restored_counter"]
+__all__ = ["INDEX_FIELDS", "dump", "index_for_load", "restored_counter"]
 
 Dump = dict[str, torch.Tensor]
+
+INDEX_FIELDS = ("keys", "scores", "slots", "layout", "admission_keys", "admission_counts", "admission_slots")
+"""A dump's fields besides its rows (``weight``, the optimizer's states) and ``step``."""
 
 
 def dump(index: BucketedHashIndex, store: RowStore, step: int, counter: Optional[BucketedHashIndex]) -> Dump:

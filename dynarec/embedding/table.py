@@ -255,15 +255,27 @@ class EmbeddingTable(ABC):
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
         """Restores from :meth:`dump`; ``weights_only`` resets optimizer states and the step."""
 
+    index_fields: tuple[str, ...] = ()
+    """A dump's fields besides its rows and ``step`` (a dynamic table's keys, scores, ...)."""
+
     def _dump_fields(self, dump: dict[str, torch.Tensor], weights_only: bool) -> list[str]:
-        """The row fields a load takes from ``dump``; ValueError naming the missing ones. Called
-        before anything is replaced, and refused while a training step is pending."""
+        """The row fields a load takes from ``dump``; ValueError naming the missing ones, or (but
+        for ``weights_only``) the fields of another optimizer's states: Adam's ``momentum1`` has
+        Adagrad's name and shape, and would train on as an accumulator. Called before anything
+        is replaced, and refused while a training step is pending."""
         self.steps.check_idle("load")
         # The states' names from the spec: the store's views of them could write a cache back.
         fields = ["weight"] if weights_only else ["weight", *(s.name for s in self.spec.state_specs())]
+        optimizer = type(self.spec).__name__
         missing = [f for f in fields + ([] if weights_only else ["step"]) if f not in dump]
         if missing:
-            raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {type(self.spec).__name__})")
+            raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {optimizer})")
+        foreign = sorted(set(dump) - {*fields, "step", *self.index_fields})
+        if foreign and not weights_only:
+            raise ValueError(
+                f"table '{self.name}': dump holds {foreign}, states optimizer {optimizer} does not keep (saved by "
+                "another optimizer?); load its weights only to start this optimizer's states afresh"
+            )
         return fields
 
     def _load_rows(

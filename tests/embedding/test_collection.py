@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
-from dynarec.optim import SGD, Adagrad
+from dynarec.optim import SGD, Adagrad, Adam
 from tests.matrix import needs_fbgemm
 
 
@@ -165,7 +165,7 @@ def assert_same_dumps(a, b):
 class _Model(torch.nn.Module):
     """A user's model: a collection beside a dense layer."""
 
-    def __init__(self, tables, fixed_rows: int = 20):
+    def __init__(self, tables, fixed_rows: int = 20, optimizer=None):
         super().__init__()
         self.emb = EmbeddingCollection(
             [
@@ -177,7 +177,7 @@ class _Model(torch.nn.Module):
                     name="g", dim=4, dynamic=DynamicTableOptions(256, init_capacity=8, bucket_size=4), features=["fg"]
                 ),
             ][:tables],
-            Adagrad(lr=0.1, initial_accumulator_value=0.1),
+            optimizer or Adagrad(lr=0.1, initial_accumulator_value=0.1),
         )
         self.head = torch.nn.Linear(4, 1)
 
@@ -257,6 +257,34 @@ def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
     assert many["tables.u.keys"].numel() > 4
     with pytest.raises(RuntimeError, match=r"tables\.u: \d+ of \d+ keys found no row \(max_capacity 4\)"):
         tiny.load_state_dict(many)
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [(Adam(lr=0.1), Adagrad(lr=0.1)), (Adam(lr=0.1), SGD(lr=0.1)), (Adagrad(lr=0.1), SGD(lr=0.1))],
+    ids=["adam-into-adagrad", "adam-into-sgd", "adagrad-into-sgd"],
+)
+def test_a_state_dict_of_another_optimizer_is_an_error_naming_the_tables_states(saved, loaded):
+    """Adam's momentum1 has Adagrad's name and shape: loaded as an accumulator it went negative
+    and the next step wrote NaN weights. Another optimizer's states are refused, each table named,
+    before any table changes; a table's weights alone still load (``weights_only``)."""
+    trained = _Model(5, optimizer=saved)
+    trained.step(0)
+    state = trained.state_dict()
+    other = _Model(5, optimizer=loaded)
+    before = {n: t.dump() for n, t in other.emb.tables.items()}
+    with pytest.raises(RuntimeError) as raised:
+        other.load_state_dict(state)
+    for name in "abuvg":
+        assert f"emb.tables.{name}: table '{name}': dump holds ['momentum" in str(raised.value)
+    assert f"optimizer {type(loaded).__name__} does not keep" in str(raised.value)
+    assert_same_dumps(before, {n: t.dump() for n, t in other.emb.tables.items()})
+
+    dump = trained.emb.tables["u"].dump()
+    other.emb.tables["u"].load(dump, weights_only=True)
+    assert torch.equal(other.emb.tables["u"].dump()["weight"], dump["weight"])
+    other.step(1)
+    assert all(bool(t.dump()["weight"].isfinite().all()) for t in other.emb.tables.values())
 
 
 def test_a_state_dict_is_not_loaded_into_a_pending_step():
