@@ -128,7 +128,8 @@ class EmbeddingCollection(nn.Module):
         group_tables: fixed float32 tables of one optimizer spec on the native backend share one
             row store, looked up and updated once a step for all of them
             (:class:`~dynarec.embedding.grouped.TableGroup`; the results are the same either
-            way, within float32 summation order): tables of one dim on any device, tables of
+            way, within float32 summation order, but for a step whose loss leaves out a
+            table's features: see :mod:`~dynarec.embedding.grouped`): tables of one dim on any device, tables of
             several dims packed end to end where the kernels take them (a GPU). So do dynamic
             tables of one dim, spec, bucket size and score strategy that never grow, with
             admission or without (:class:`~dynarec.embedding.grouped.DynamicTableGroup`: their

@@ -28,7 +28,11 @@ The grouping changes no result beyond float32 summation order: a row's update de
 its own aggregated gradient and the table's learning rate and step counter, each bag pools in
 the same order, and a partition's plan is the plan of its table alone (``dynarec.kernels.ops``).
 Where the tables' learning rates or step counters differ (one was set or loaded apart from the
-others), the group looks each table up on its own for that step.
+others), the group looks each table up on its own for that step. One difference stays: the
+group's update reaches every row its step looked up, with a zero gradient where the loss left out
+every feature of a table (as FBGEMM TBE and torchrec, whose outputs are one tensor, do), where a
+table alone then gets no backward. A zero gradient moves a row under Adam (its moments) and
+weight decay only; SGD and Adagrad train as apart.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
 from dynarec.embedding.config import AdmissionConfig
 from dynarec.embedding.initializers import Initializer
+from dynarec.embedding.jagged import split_features
 from dynarec.kernels.ops import packs_rows
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.matrix import DEVICES
@@ -147,6 +148,30 @@ def test_tables_of_a_group_keep_their_own_rows_learning_rates_and_step_counters(
         assert all(torch.equal(before[n][k], v) for k, v in coll.tables[n].dump().items())
     with pytest.raises(ValueError, match=r"table 'b', feature 'read_rows': id 7 is out of range \[0, 7\)"):
         coll.read_rows("b", torch.tensor([7]))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_a_group_updates_every_row_its_step_looked_up_even_of_a_table_outside_the_loss(spec):
+    """A step whose loss leaves out a table's features: a table alone gets no backward (its rows
+    stay), a group's one update reaches every row the step looked up with a zero gradient (as
+    FBGEMM TBE and torchrec, whose outputs are one tensor, do). That moves a row only where a zero
+    gradient does: Adam's moments, weight decay; SGD and Adagrad train as apart, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    batches = [batch(g, 9, False) for _ in range(2)]
+    grouped, apart = EmbeddingCollection(tables(), spec), EmbeddingCollection(tables(), spec, group_tables=False)
+    assert ("a", "b", "c") in grouped.lookup_groups
+    for coll in (grouped, apart):
+        run(coll, batches[:1], "cpu")
+        out = coll(batches[1])
+        sum(v.sum() for k, v in out.items() if k != "fb").backward()  # table b's feature left out
+    rows = split_features(batches[1])["fb"].values.unique()
+    moved = grouped.tables["b"].dump()["weight"][rows] != apart.tables["b"].dump()["weight"][rows]
+    if isinstance(spec, (SGD, Adagrad)):
+        assert_same(grouped, apart)
+    else:
+        assert moved.any(dim=1).all()
+        for name in ("a", "c", "d", "u"):
+            assert all(torch.equal(v, apart.tables[name].dump()[k]) for k, v in grouped.tables[name].dump().items())
 
 
 PACKED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
