@@ -185,8 +185,15 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     """Splits a KJT-shaped batch into per-feature slices, validating its layout.
 
     Raises ValueError naming the feature for a negative length or a feature given twice, and
-    for lengths that do not add up to the number of values.
+    for lengths that do not add up to the number of values; and for a variable-batch torchrec
+    KJT (a batch size per feature), whose lengths do not split into one per sample and feature.
     """
+    variable_stride = getattr(kjt, "variable_stride_per_key", None)
+    if variable_stride is not None and variable_stride():
+        raise ValueError(
+            f"a variable-batch KeyedJaggedTensor (samples per feature {dict(zip(kjt.keys(), kjt.stride_per_key()))}) "
+            "is not supported: give every feature of a batch the same samples (empty where it has no id)"
+        )
     keys = list(kjt.keys())
     values = kjt.values()
     lengths = kjt.lengths()

@@ -295,3 +295,21 @@ def test_torchrec_keyed_jagged_tensor_is_accepted():
     out = coll(kjt)
     w = coll.read_rows("t", torch.tensor([1, 2, 3]))["weight"]
     torch.testing.assert_close(out["f"].detach(), torch.stack([w[0] + w[1], w[2]]))
+
+
+def test_a_variable_batch_keyed_jagged_tensor_is_refused_by_name():
+    """torchrec's variable-batch KJT (a batch size per feature) was split as if every feature had
+    the same samples: its features' outputs got the wrong ids, without an error."""
+    kjt_mod = pytest.importorskip("torchrec.sparse.jagged_tensor")
+    coll = make_collection("native", SGD(lr=0.1), {"f": "sum", "g": "sum"})
+    kjt = kjt_mod.KeyedJaggedTensor(
+        keys=["f", "g"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 1]),
+        stride_per_key_per_rank=[[1], [2]],
+    )
+    with pytest.raises(
+        ValueError, match=r"a variable-batch KeyedJaggedTensor \(samples per feature \{'f': 1, 'g': 2\}\)"
+    ):
+        coll(kjt)
+    assert coll.tables["t"].step == 0
