@@ -143,7 +143,8 @@ class EmbeddingCollection(nn.Module):
     and ``[B, L, D]`` for sequence features (pooling ``none``), zero-padded to the batch's longest
     sequence; a sample's length is in ``kjt.lengths()``. In training mode, backward applies each
     table's fused optimizer to the touched rows (no dense optimizer is involved: the collection
-    has no parameters).
+    has no parameters); per-sample weights that require grad get their gradient (the rows as the
+    forward read them), as a position-weighted feature's learned weights need.
     """
 
     def __init__(

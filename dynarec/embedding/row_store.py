@@ -19,6 +19,7 @@ import torch
 import dynarec.kernels.ops  # registers torch.ops.dynarec
 from dynarec.devices import page_lock
 from dynarec.kernels.packed import packed_layout, table_views
+from dynarec.kernels.reference.bags import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer, RowScores, fused_bag_update
 from dynarec.optim.rounding import RowKeys
@@ -201,6 +202,8 @@ class _NativeFusedLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, offsets, psw = ctx.saved_tensors
         store: NativeRowStore = ctx.store
+        # Before the update writes the rows: d out[bag(i)] / d psw[i] is row(i) as the forward read it.
+        psw_grad = per_sample_weights_grad(store, rows, offsets, grad_out) if ctx.needs_input_grad[4] else None
         fused_bag_update(
             store.spec,
             lr=store.lr,
@@ -219,7 +222,20 @@ class _NativeFusedLookup(torch.autograd.Function):
         )
         if ctx.on_update is not None:
             ctx.on_update()
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, psw_grad, None, None, None
+
+
+def per_sample_weights_grad(
+    store: NativeRowStore, rows: torch.Tensor, offsets: torch.Tensor, grad_out: torch.Tensor
+) -> torch.Tensor:
+    """``[n]`` float32: ``<grad_out[bag(i)], row(i)>`` for each id ``i`` of the bags (``rows``
+    ``[n]``, CSR ``offsets``; ``grad_out`` ``[num_bags, D]``): the gradient of the per-sample
+    weights of a weighted-sum lookup. Each row is read as the lookup reads it, by the store's
+    own pooled op over bags of one id (float32 from half-precision rows, zeros past a packed
+    table's dim)."""
+    n = rows.numel()
+    each = store.pooled(rows, torch.arange(n + 1, device=rows.device), None)
+    return (each * grad_out.index_select(0, bags_of_ids(offsets, n))).sum(1)
 
 
 class NativeRowStore(RowStore):

@@ -174,6 +174,46 @@ def test_a_group_updates_every_row_its_step_looked_up_even_of_a_table_outside_th
             assert all(torch.equal(v, apart.tables[name].dump()[k]) for k, v in grouped.tables[name].dump().items())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group_tables", [True, False])
+def test_per_sample_weights_that_require_grad_get_their_gradient(device, group_tables):
+    """d loss / d w_i = <d loss / d out[bag(i)], row(i)> (over L under mean pooling), the rows as
+    the forward read them, for pooled and sequence features, fixed and dynamic tables, grouped
+    (rows of several dims packed where the device packs them) or not: torchrec's position-weighted
+    features learn their weights by it. The native lookup's backward returned none."""
+    g = torch.Generator().manual_seed(9)
+    plain = batch(g, 6, True)
+    coll = EmbeddingCollection(tables(), SGD(lr=0.1), device=device, group_tables=group_tables)
+    run(coll, [plain], device)  # the dynamic table's keys have rows from here on
+    kjt = plain.to(device)
+    weights = kjt.weights_or_none().clone().requires_grad_()
+    out = coll(JaggedBatch(kjt.keys(), kjt.values(), kjt.lengths(), weights))
+    reference_weights = weights.detach().clone().requires_grad_()
+    reference, start = {}, 0
+    for name, s in split_features(kjt).items():
+        table = coll.table_of(name)
+        pooling = table.config.pooling_of(next(f for f in table.features if f.name == name))
+        rows = table.read_rows(s.values)["weight"].float()
+        w = reference_weights[start : start + s.num_ids]
+        start += s.num_ids
+        each = rows * w[:, None]
+        bag = torch.repeat_interleave(torch.arange(s.lengths.numel(), device=device), s.lengths)
+        if pooling == "none":
+            padded = torch.zeros(s.lengths.numel(), max(s.max_length, 0), table.dim, device=device)
+            position = torch.arange(s.num_ids, device=device) - (s.lengths.cumsum(0) - s.lengths)[bag]
+            reference[name] = padded.index_put((bag, position), each)
+        else:
+            if pooling == "mean":
+                each = each / s.lengths[bag][:, None]
+            reference[name] = torch.zeros(s.lengths.numel(), table.dim, device=device).index_add(0, bag, each)
+    for name, v in reference.items():
+        torch.testing.assert_close(out[name].detach(), v.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    for values in (out, reference):
+        sum((v * torch.arange(v.numel(), device=device).view_as(v).sin()).sum() for v in values.values()).backward()
+    assert weights.grad is not None
+    torch.testing.assert_close(weights.grad, reference_weights.grad, rtol=1e-5, atol=1e-5)
+
+
 PACKED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
