@@ -191,7 +191,7 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     variable_stride = getattr(kjt, "variable_stride_per_key", None)
     if variable_stride is not None and variable_stride():
         raise ValueError(
-            f"a variable-batch KeyedJaggedTensor (samples per feature {dict(zip(kjt.keys(), kjt.stride_per_key()))}) "
+            f"a variable-batch KeyedJaggedTensor (samples per feature {dict(zip(kjt.keys(), kjt.stride_per_key()))}) "  # type: ignore[attr-defined]
             "is not supported: give every feature of a batch the same samples (empty where it has no id)"
         )
     keys = list(kjt.keys())
