@@ -126,6 +126,24 @@ class FbgemmRowStore(RowStore):
             view.fill_(spec.initial_value)
             self._state_views[spec.name] = view
 
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: the rows and states as tensors, not the TBE (a
+        deep-copied TBE clones its weights apart from this store's views of them, and it holds
+        closures pickle refuses); :meth:`__setstate__` builds a TBE of them."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("tbe", "_weight_view", "_state_views")}
+        state["_rows"] = {"weight": self._weight_view.detach().clone()}
+        state["_rows"].update({k: v.detach().clone() for k, v in self._state_views.items()})
+        return state
+
+    @torch.no_grad()
+    def __setstate__(self, state: dict) -> None:
+        rows = state.pop("_rows")
+        self.__dict__.update(state)
+        self._allocate(self.num_rows)
+        self._weight_view.copy_(rows.pop("weight"))
+        for name, values in rows.items():
+            self._state_views[name].copy_(values)
+
     @property
     def weight(self) -> torch.Tensor:
         return self._weight_view

@@ -5,7 +5,7 @@ import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
 from dynarec.optim import SGD, Adagrad, Adam
-from tests.matrix import needs_fbgemm
+from tests.matrix import BACKENDS, needs_fbgemm
 
 
 def mixed(spec, backends):
@@ -363,11 +363,14 @@ def test_printing_a_model_shows_its_tables():
     assert size > 0 and f"(u): dynamic {size}/64 keys x 4 fp32 [fu]" in text
 
 
-def test_a_deepcopy_trains_apart_from_its_original():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_deepcopy_trains_apart_from_its_original(backend):
     """``copy.deepcopy`` of a trained collection (grouped fixed and dynamic tables, one growing,
-    one admitting, one of bf16 rows), or the collection pickled whole by ``torch.save``, is a
-    model of its own: training it leaves the original as it was, and it trains as the original
-    then does on the same batches (its parts read its own index, not the original's)."""
+    one admitting, one of bf16 rows; with fbgemm, two tables of FBGEMM's TBE beside them), or the
+    collection pickled whole by ``torch.save``, is a model of its own: training it leaves the
+    original as it was, and it trains as the original then does on the same batches (its parts
+    read its own index, not the original's; a TBE copy's rows are the ones its reads, writes and
+    dumps see: they were the original's, and its TBE did not pickle)."""
     import copy
     import io
 
@@ -385,15 +388,17 @@ def test_a_deepcopy_trains_apart_from_its_original():
             TableConfig(name="g", dim=4, dynamic=options(init_capacity=8), features=["fg"]),
             TableConfig(name="m", dim=4, dynamic=options(admission=AdmissionConfig(threshold=2)), features=["fm"]),
             TableConfig(name="h", dim=4, dynamic=options(), features=["fh"], data_type="bf16"),
+            TableConfig(name="t", dim=4, num_embeddings=16, features=["ft"], backend=backend),
+            TableConfig(name="d", dim=4, dynamic=options(), features=["fd"], backend=backend),
         ],
         Adagrad(lr=0.1),
     )
-    assert ("u", "v", "m") in coll.lookup_groups
+    assert ("u", "v", "m", "d") in coll.lookup_groups if backend == "native" else ("u", "v", "m") in coll.lookup_groups
 
     def train(c, seeds):
         for seed in seeds:
             g = torch.Generator().manual_seed(seed)
-            ranges = {"fa": 20, "fb": 12, "fu": 200, "fv": 200, "fg": 200, "fm": 20, "fh": 200}
+            ranges = {"fa": 20, "fb": 12, "fu": 200, "fv": 200, "fg": 200, "fm": 20, "fh": 200, "ft": 16, "fd": 200}
             kjt = JaggedBatch.from_lists(
                 {f: [torch.randint(0, m, (3,), generator=g).tolist() for _ in range(4)] for f, m in ranges.items()}
             )
@@ -414,3 +419,10 @@ def test_a_deepcopy_trains_apart_from_its_original():
     for other in (twin, unpickled):
         assert_same_dumps({n: t.dump() for n, t in other.tables.items()}, {n: t.dump() for n, t in coll.tables.items()})
     assert twin.tables["g"].capacity > 8 and twin.tables["u"].report()["evicted_keys"] > 0
+    twin.eval()  # a row written through the copy is the row its lookup reads
+    twin.write_rows("t", torch.tensor([1]), {"weight": torch.full((1, 4), 5.0)})
+    with torch.no_grad():
+        assert torch.equal(
+            twin(JaggedBatch.from_lists({f: [[1]] for f in twin.feature_names}))["ft"], torch.full((1, 4), 5.0)
+        )
+    assert not torch.equal(coll.read_rows("t", torch.tensor([1]))["weight"], torch.full((1, 4), 5.0))
