@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,22 @@ def check_stays(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device
             f"the embedding tables {list(tables)} stay where they were built ({device}, float32 outputs; rows in "
             f"each table's data_type): moving them to {moved.device} / {moved.dtype} is not supported; build the "
             "collection with device=... (and data_type per table), or move only the dense layers"
+        )
+
+
+def warn_if_replicated(tables: Sequence[str]) -> None:
+    """Warns where this process is one of several of a ``torch.distributed`` job: a collection's
+    tables are this process's own, and DistributedDataParallel does not synchronize them (they
+    are not parameters), so each rank's rows would drift apart."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"an EmbeddingCollection trains in a job of {dist.get_world_size()} processes: its tables {list(tables)} "
+            "are this process's own, and DistributedDataParallel does not synchronize them (they are not "
+            "parameters), so each rank's rows drift apart. Shard them with "
+            "dynarec.distributed.ShardedEmbeddingCollection (as `dynarec train` under torchrun does), unless each "
+            "process trains a model of its own.",
+            stacklevel=4,
         )
 
 
@@ -206,6 +223,9 @@ class EmbeddingCollection(nn.Module):
                 for member in group.tables:
                     self._add(member)
         self.tables = {c.name: self.tables[c.name] for c in tables}  # in the configured order
+        # A trainer of several processes must share the tables' updates; checked at the first
+        # training lookup (serving and evaluation in such a job are fine).
+        self._replicas_checked = row_reducers is not None
 
     def _add(self, table: EmbeddingTable) -> None:
         self.tables[table.name] = table
@@ -331,6 +351,9 @@ class EmbeddingCollection(nn.Module):
         """Stages 2 and 3 of every unit, as one training step of every table (or none)."""
         out: dict[str, torch.Tensor] = {}
         begun: list[LookupUnit] = []
+        if self.training and not self._replicas_checked:
+            self._replicas_checked = True
+            warn_if_replicated(list(self.tables))
         try:
             for unit in self._units:
                 if self.training:

@@ -426,3 +426,37 @@ def test_a_deepcopy_trains_apart_from_its_original(backend):
             twin(JaggedBatch.from_lists({f: [[1]] for f in twin.feature_names}))["ft"], torch.full((1, 4), 5.0)
         )
     assert not torch.equal(coll.read_rows("t", torch.tensor([1]))["weight"], torch.full((1, 4), 5.0))
+
+
+def test_training_in_a_job_of_several_processes_warns_that_each_rank_holds_its_own_tables():
+    """DistributedDataParallel around a model holding a collection synchronizes its dense
+    parameters only: each rank's tables trained apart, silently. The first training lookup in a
+    job of several processes warns, naming the tables and the sharded collection; evaluation does
+    not, nor does a collection whose rows are data-parallel (a sharded collection's replicas)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def coll(**kw):
+        return EmbeddingCollection(
+            [TableConfig(name="a", dim=4, num_embeddings=10, features=["fa"])], Adagrad(lr=0.1), **kw
+        )
+
+    kjt = JaggedBatch.from_lists({"fa": [[1], [2]]})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        quiet = coll(row_reducers=lambda name, rows: None)
+        evaluated = coll().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sum(v.sum() for v in quiet(kjt).values()).backward()
+            evaluated(kjt)
+        trained = coll()
+        with pytest.warns(UserWarning, match=r"job of 2 processes: its tables \['a'\] .*\.ShardedEmbeddingCollection"):
+            sum(v.sum() for v in trained(kjt).values()).backward()
+        with warnings.catch_warnings():  # once
+            warnings.simplefilter("error")
+            sum(v.sum() for v in trained(kjt).values()).backward()
+    finally:
+        dist.destroy_process_group()
