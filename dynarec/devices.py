@@ -26,15 +26,24 @@ __all__ = [
 _INSTALL = "see README.md, 'On a GPU', to install torch's CUDA build (make setup DEVICE=cuda)"
 
 
-def check_device(name: str) -> torch.device:
+def check_device(name: str, where: Optional[str] = None) -> torch.device:
     """``torch.device(name)``; ValueError saying how to get it where this torch cannot use it
-    (a CPU-only build, no visible GPU, a GPU index past the last one)."""
+    (a CPU-only build, no visible GPU, a GPU index past the last one), led by ``where`` (default
+    the CLI's ``--device {name}``)."""
+    where = where or f"--device {name}"
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"--device {name}: not a device ({e}); use cpu, cuda or cuda:N") from None
+        raise ValueError(f"{where}: not a device ({e}); use cpu, cuda or cuda:N") from None
     if device.type != "cuda":
         return device
+    if not torch.backends.cuda.is_built():
+        raise ValueError(f"{where}: this torch build ({torch.__version__}) has no CUDA support; {_INSTALL}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{where}: torch {torch.__version__} sees no CUDA device on this machine")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{where}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
     if not torch.backends.cuda.is_built():
         raise ValueError(f"--device {name}: this torch build ({torch.__version__}) has no CUDA support; {_INSTALL}")
     if not torch.cuda.is_available():

@@ -11,6 +11,7 @@ from typing import Optional, Protocol, Union
 import torch
 from torch import nn
 
+from dynarec.devices import check_device
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
@@ -176,6 +177,8 @@ class EmbeddingCollection(nn.Module):
     ):
         super().__init__()
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            check_device(str(self.device), f"EmbeddingCollection(device='{self.device}')")  # not torch's assertion
         if prefetch_depth is not None and prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be at least 1, got {prefetch_depth}")
         self.prefetch_depth = prefetch_depth or (2 if self.device.type == "cuda" else 1)
@@ -187,6 +190,11 @@ class EmbeddingCollection(nn.Module):
             if config.name in specs:
                 raise ValueError(f"table '{config.name}' is configured twice")
             spec = config.optimizer or optimizer
+            if spec is not None and not isinstance(spec, OptimizerSpec):
+                raise ValueError(
+                    f"table '{config.name}': the optimizer must be an OptimizerSpec (e.g. dynarec.optim.SGD(lr=0.1)), "
+                    f"got {spec!r}"
+                )
             if spec is None:
                 raise ValueError(
                     f"table '{config.name}' has no optimizer: give the collection one or the table its own"

@@ -222,6 +222,8 @@ class TableConfig:
             raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
             raise ValueError(f"{where}: optimizer must be an OptimizerSpec, got {self.optimizer!r}")
+        if isinstance(self.features, str):  # a string is a sequence of one-letter features
+            raise ValueError(f"{where}: features must be a list of feature names, got the string {self.features!r}")
         features = tuple(f if isinstance(f, FeatureConfig) else FeatureConfig(f) for f in self.features)
         object.__setattr__(self, "features", features)
         if not features:

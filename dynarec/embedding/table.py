@@ -12,6 +12,7 @@ first, then ``lookup``; the lookup output's backward commits the step, ``abort_s
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Optional
@@ -187,7 +188,14 @@ class EmbeddingTable(ABC):
         return self.store.lr
 
     def set_learning_rate(self, lr: float) -> None:
-        self.store.set_learning_rate(lr)
+        """ValueError naming the table for a rate that is negative or not a finite number."""
+        try:
+            value = float(lr)
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+        if isinstance(lr, (bool, str)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"table '{self.name}': the learning rate must be a finite number >= 0, got {lr!r}")
+        self.store.set_learning_rate(value)
 
     # -- the three stages ------------------------------------------------------------------------
 

@@ -460,3 +460,23 @@ def test_training_in_a_job_of_several_processes_warns_that_each_rank_holds_its_o
             sum(v.sum() for v in trained(kjt).values()).backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_collections_arguments_are_checked_by_name():
+    """Mistakes that reached a raw AttributeError or torch's assertion, or passed silently."""
+    one = [TableConfig(name="a", dim=4, num_embeddings=10, features=["u"])]
+    with pytest.raises(ValueError, match=r"table 'a': features must be a list of feature names, got the string 'user'"):
+        TableConfig(name="a", dim=4, num_embeddings=10, features="user")  # was features u, s, e, r
+    with pytest.raises(ValueError, match=r"table 'a': the optimizer must be an OptimizerSpec .* got 'sgd'"):
+        EmbeddingCollection(one, optimizer="sgd")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            ValueError, match=r"EmbeddingCollection\(device='cuda'\): (this torch build|torch .* sees no)"
+        ):
+            EmbeddingCollection(one, SGD(lr=0.1), device="cuda")
+    coll = EmbeddingCollection(one, SGD(lr=0.1))
+    for lr in (-1.0, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match=r"table 'a': the learning rate must be a finite number >= 0"):
+            coll.set_learning_rate(lr)  # type: ignore[arg-type]
+    coll.set_learning_rate(torch.tensor(0.25))  # a scheduler's tensor or numpy rate is a number
+    assert coll.tables["a"].store.lr == 0.25
