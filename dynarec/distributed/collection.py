@@ -28,7 +28,7 @@ from torch import nn
 from dynarec.distributed.context import DistContext
 from dynarec.distributed.routing import return_pooled, route
 from dynarec.embedding.capacity import shard_init_capacity
-from dynarec.embedding.collection import EmbeddingCollection, check_stays, checked_slices
+from dynarec.embedding.collection import EmbeddingCollection, TableFreezing, check_stays, checked_slices
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.jagged import FeatureSlice, KeyedJaggedLike
 from dynarec.embedding.memory import check_fits
@@ -55,7 +55,7 @@ class _AllReduceRowGradients:
         return touched, dense[touched, :-1]
 
 
-class ShardedEmbeddingCollection(nn.Module):
+class ShardedEmbeddingCollection(TableFreezing, nn.Module):
     """The tables of a plan spread over the ranks of ``ctx``.
 
     Replicated (``data_parallel``) tables form a local :class:`EmbeddingCollection` — the
@@ -153,13 +153,13 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is not None:
             try:
                 out.update(self.local.lookup_slices(slices))  # aborts its own step if it fails
-                local_begun = self.training
+                local_begun = self.trains_tables
             except Exception as e:
                 error = error or e
         begun: list[EmbeddingTable] = []
         for table in self.shards.values():
             try:
-                if self.training:
+                if self.trains_tables:
                     table.begin_step()
                     begun.append(table)
             except Exception as e:
@@ -176,11 +176,11 @@ class ShardedEmbeddingCollection(nn.Module):
             result: Optional[torch.Tensor] = None
             if shard is not None:
                 try:
-                    result = shard.lookup(bags, self.training)
+                    result = shard.lookup(bags, self.trains_tables)
                 except Exception as e:
                     error = error or e
             if result is None:  # nothing held here (or the lookup failed): zeros that still carry the backward
-                grad = self.training and torch.is_grad_enabled()
+                grad = self.trains_tables and torch.is_grad_enabled()
                 result = torch.zeros(bags.num_bags, tp.table.dim, device=self.device, requires_grad=grad)
             pooled.append(result)
         results = return_pooled(pooled, [tp.table.dim for tp in self.routed], routed, self.ctx)
@@ -194,7 +194,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if local_begun and self.local is not None:
                 self.local.abort_step()
             raise
-        if self.training and not torch.is_grad_enabled():
+        if self.trains_tables and not torch.is_grad_enabled():
             for table in begun:
                 table.commit_pending()
         return out

@@ -101,6 +101,28 @@ def warn_if_replicated(tables: Sequence[str]) -> None:
         )
 
 
+class TableFreezing:
+    """``requires_grad_(False)`` freezes a collection's tables (an ``nn.Module`` mixin): in
+    training mode it then looks up as in evaluation (no step, no new key, no update) until
+    ``requires_grad_(True)``, whatever ``train()``/``eval()`` do meanwhile. torch keeps the flag on
+    parameters, and a collection has none: ``model.requires_grad_(False)`` of a model holding a
+    collection does not reach it; call it on the collection."""
+
+    frozen = False
+
+    def requires_grad_(self, requires_grad: bool = True):
+        super().requires_grad_(requires_grad)  # type: ignore[misc]
+        for module in self.modules():  # type: ignore[attr-defined]
+            if isinstance(module, TableFreezing):
+                module.frozen = not requires_grad
+        return self
+
+    @property
+    def trains_tables(self) -> bool:
+        """Whether a forward is a training step of the tables: training mode, not frozen."""
+        return self.training and not self.frozen  # type: ignore[attr-defined]
+
+
 class LookupUnit(Protocol):
     """What a collection looks up as one: a table, a :class:`TableGroup` of fixed tables or a
     :class:`DynamicTableGroup` of dynamic ones."""
@@ -131,7 +153,7 @@ class _Prepared:
     holds: dict[str, Optional[CacheHold]] = field(default_factory=dict)
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(TableFreezing, nn.Module):
     """Looks up every configured feature of a KeyedJaggedTensor-shaped batch.
 
     Args:
@@ -359,21 +381,23 @@ class EmbeddingCollection(nn.Module):
         """Stages 2 and 3 of every unit, as one training step of every table (or none)."""
         out: dict[str, torch.Tensor] = {}
         begun: list[LookupUnit] = []
-        if self.training and not self._replicas_checked:
+        if self.trains_tables and not self._replicas_checked:
             self._replicas_checked = True
             warn_if_replicated(list(self.tables))
         try:
             for unit in self._units:
-                if self.training:
+                if self.trains_tables:
                     unit.begin_step()
                     begun.append(unit)
                 bags, layout = packed[unit.name]
-                out.update(unpack(unit.lookup(bags, self.training, found[unit.name], holds.get(unit.name)), layout))
+                out.update(
+                    unpack(unit.lookup(bags, self.trains_tables, found[unit.name], holds.get(unit.name)), layout)
+                )
         except BaseException:
             for unit in reversed(begun):  # the step never happened, on any table
                 unit.abort_step()
             raise
-        if self.training and not torch.is_grad_enabled():  # no backward will come to commit it
+        if self.trains_tables and not torch.is_grad_enabled():  # no backward will come to commit it
             for unit in begun:
                 unit.commit_pending()
         return out

@@ -480,3 +480,23 @@ def test_a_collections_arguments_are_checked_by_name():
             coll.set_learning_rate(lr)  # type: ignore[arg-type]
     coll.set_learning_rate(torch.tensor(0.25))  # a scheduler's tensor or numpy rate is a number
     assert coll.tables["a"].store.lr == 0.25
+
+
+def test_requires_grad_false_freezes_the_tables_until_it_is_undone():
+    """A frozen collection in training mode looks up as in evaluation: no step, no new key, no
+    update, through ``train()``; ``requires_grad_(True)`` trains it again. (It has no
+    parameters: ``requires_grad_(False)`` was a no-op and the rows kept training.)"""
+    model = _Model(5)
+    model.step(0)
+    before = {n: t.dump() for n, t in model.emb.tables.items()}
+    assert model.emb.requires_grad_(False) is model.emb
+    model.train()
+    kjt = JaggedBatch.from_lists(
+        {"fa": [[1, 2]], "fb": [[3]], "fu": [[1 << 33]], "fv": [[5, 7]], "fg": [[9]]}
+    )  # new keys
+    out = model.emb(kjt)
+    assert not any(v.requires_grad for v in out.values())
+    assert_same_dumps(before, {n: t.dump() for n, t in model.emb.tables.items()})
+    model.emb.requires_grad_(True)
+    model.step(1)
+    assert model.emb.tables["a"].step == 2 and model.emb.tables["u"].step == 2
