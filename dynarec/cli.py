@@ -166,6 +166,7 @@ def cmd_predict(args) -> None:
     files = resolve_files(args.input)
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; predict writes one Parquet file")
+    _check_prediction_target(Path(args.output), files, args)
     if args.export_dir:
         from dynarec.serving import ExportedModel
 
@@ -183,6 +184,20 @@ def cmd_predict(args) -> None:
     with atomic_path(Path(args.output)) as tmp:
         pq.write_table(pa.table(columns), str(tmp))
     print(f"wrote {len(next(iter(outputs.values())))} predictions to {args.output}")
+
+
+def _check_prediction_target(output: Path, files: list, args) -> None:
+    """FileExistsError where predict's ``--output`` would write over what it reads or what dynarec
+    keeps: an input file, a file in an input directory (the next run would read it as data), in
+    the export or the model directory (their files are checked against manifests)."""
+    out = output.resolve()
+    if any(Path(f).resolve() == out for f in files):
+        raise FileExistsError(f"--output {output} is one of the --input files; write the predictions elsewhere")
+    places = [("--input", p) for p in args.input if Path(p).is_dir()]
+    places += [(flag, d) for flag, d in (("--export-dir", args.export_dir), ("--model-dir", args.model_dir)) if d]
+    for flag, place in places:
+        if out.is_relative_to(Path(place).resolve()):
+            raise FileExistsError(f"--output {output} lies in {flag} {place}; write the predictions outside it")
 
 
 def _prediction_column(x):

@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -180,23 +181,31 @@ def read_json(path: Path, error: Callable[[str], Exception]) -> Any:
         raise error(f"{path} is unreadable or not valid JSON ({e})") from None
 
 
-def replace_dir(tmp: Path, target: Path, is_ours: Callable[[Path], bool], what: str) -> None:
+def replace_dir(
+    tmp: Path, target: Path, marker: str, what: str, listed: Optional[Callable[[Path], Optional[set[str]]]] = None
+) -> None:
     """Moves the finished directory ``tmp`` to ``target``.
 
-    An existing ``target`` is replaced only when it is empty or ``is_ours(target)``; anything
-    else raises FileExistsError naming it (and ``tmp`` is removed). The old directory is renamed
-    aside before the new one takes its name, then deleted.
+    An existing ``target`` is replaced only when it is empty or a ``what`` dynarec wrote: it holds
+    ``marker`` and no file dynarec would not write there. Those are the files ``listed(target)``
+    names (an export's manifest), else files of the kinds ``tmp`` holds (the same folder, the
+    name with its numbers as any: ``train/part-7.parquet`` as ``train/part-0.parquet``). So a
+    model directory (its checkpoints) or a user's file put in a data directory is never deleted.
+    Anything else raises FileExistsError naming it (and ``tmp`` is removed). The old directory
+    is renamed aside before the new one takes its name, then deleted.
     """
     if target.exists():
         if not target.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
             raise FileExistsError(f"{target} exists and is not a directory; choose another {what} path")
-        if any(target.iterdir()) and not is_ours(target):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(
-                f"{target} is a non-empty directory that is not a dynarec {what}; dynarec replaces only a {what} "
-                "it wrote itself: choose an empty or new directory"
-            )
+        if any(target.iterdir()):
+            foreign = _foreign_files(tmp, target, marker, listed)
+            if foreign:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise FileExistsError(
+                    f"{target} is a non-empty directory that is not a dynarec {what} (it holds {foreign}); dynarec "
+                    f"replaces only a {what} it wrote itself: choose an empty or new directory"
+                )
         old = target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}")
         os.replace(target, old)
         os.replace(tmp, target)
@@ -205,6 +214,27 @@ def replace_dir(tmp: Path, target: Path, is_ours: Callable[[Path], bool], what: 
     else:
         os.replace(tmp, target)
         fsync_dir(target.parent)
+
+
+def _foreign_files(
+    tmp: Path, target: Path, marker: str, listed: Optional[Callable[[Path], Optional[set[str]]]]
+) -> list[str]:
+    """Up to 3 paths under ``target`` (relative) that :func:`replace_dir` must not delete; the
+    marker's name where it is missing."""
+    if not (target / marker).is_file():
+        return [f"no {marker}"]
+
+    def kind(relative: str) -> str:
+        return re.sub(r"\d+", "#", relative)
+
+    found = [p.relative_to(target).as_posix() for p in sorted(target.rglob("*")) if not p.is_dir()]
+    names = listed(target) if listed is not None else None
+    if names is not None:
+        foreign = [f for f in found if f not in names | {marker}]
+    else:
+        ours = {kind(p.relative_to(tmp).as_posix()) for p in tmp.rglob("*") if p.is_file()}
+        foreign = [f for f in found if kind(f) not in ours]
+    return foreign[:3]
 
 
 class DirectoryBusyError(RuntimeError):

@@ -652,7 +652,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
-        replace_dir(tmp, target, is_ours=lambda d: (d / "meta.json").is_file(), what="synthetic data directory")
+        replace_dir(tmp, target, "meta.json", "synthetic data directory")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

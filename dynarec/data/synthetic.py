@@ -169,7 +169,7 @@ def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -
     try:
         meta = _write_click_log(out, spec)
         fsync_tree(out)
-        replace_dir(out, target, is_ours=lambda d: (d / "meta.json").is_file(), what="synthetic data directory")
+        replace_dir(out, target, "meta.json", "synthetic data directory")
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -77,11 +77,20 @@ def export_model(
     try:
         _write_export(task, example, tmp, export_dir, step, since, base)
         fsync_tree(tmp)
-        replace_dir(tmp, export_dir, is_ours=lambda d: (d / META).is_file(), what="export")
+        replace_dir(tmp, export_dir, META, "export", listed=_listed_files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk, a Ctrl-C: nothing half-written stays
         raise
     return export_dir
+
+
+def _listed_files(export_dir: Path) -> Optional[set[str]]:
+    """The files an export's manifest lists (None where it lists none: not an export's)."""
+    try:
+        files = json.loads((export_dir / META).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, dict) else None
 
 
 # An export is written as ``.<name>.tmp-<host>-<pid>`` beside its target, then renamed; the export

@@ -17,10 +17,26 @@ from dynarec.config.load import ConfigError, load_config
 from dynarec.config.schema import Config
 from dynarec.files import atomic_write_text
 
-__all__ = ["CONFIG", "HEADER", "config_record", "write_config_record"]
+__all__ = ["CONFIG", "HEADER", "check_not_another_kind", "config_record", "write_config_record"]
 
 CONFIG = "config.yaml"
 HEADER = "# Written by dynarec train: the config this model directory is trained with.\n"
+
+
+# Directories dynarec writes whole and replaces whole (export, make-data): a model directory
+# inside one would be deleted by the next export or make-data to it.
+_OTHER_KINDS = {"export.json": "an export (dynarec export)", "meta.json": "a data directory (dynarec make-data)"}
+
+
+def check_not_another_kind(model_dir: Path) -> None:
+    """FileExistsError where ``model_dir`` is a directory dynarec writes and replaces whole (an
+    export, a generated data directory): checkpoints there would go with its next rewrite."""
+    for marker, kind in _OTHER_KINDS.items():
+        if (Path(model_dir) / marker).is_file():
+            raise FileExistsError(
+                f"{model_dir} is {kind} ({marker}): its next rewrite would delete a model's checkpoints; "
+                "choose another model_dir"
+            )
 
 
 def config_record(model_dir: Path, config: Config) -> Optional[str]:

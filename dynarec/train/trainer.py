@@ -44,7 +44,7 @@ from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
 from dynarec.train.loss_scaling import LossScaler
-from dynarec.train.model_dir import config_record, write_config_record
+from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
 from dynarec.train.task import RankingTask
@@ -351,6 +351,7 @@ class Trainer:
             self.input.dataset(cfg.data.train_input_path, cfg.data.batch_size, training=True)  # check every file first
         if cfg.data.eval_input_path:
             self.input.dataset(cfg.data.eval_input_path, self.input.eval_batch_size)
+        check_not_another_kind(self.model_dir)  # before its lock file is written there
         with contextlib.ExitStack() as stack:  # one writer per model directory: rank 0 holds the lock
             error = None
             if self.ctx.is_main:

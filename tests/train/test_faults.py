@@ -293,3 +293,52 @@ def test_evaluate_and_predict_never_report_over_scores_that_are_not_numbers(data
     export_model(trainer.task, trainer.example_batch(), tmp_path / "e", step=trainer.step)
     with pytest.raises(ValueError, match=rf"{eval_file}, row 0: the model's prediction 'probability' is nan"):
         ExportedModel(tmp_path / "e").predict_files(str(eval_file))
+
+
+def test_no_command_writes_over_what_another_reads_or_keeps(data_root, tmp_path, capsys):
+    """predict's --output over its input, into an input, export or model directory; train into
+    an export or data directory (their next rewrite deleted its checkpoints); make-data and export
+    over a directory holding a file they did not write: each refused by name, nothing changed."""
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "w.yaml")
+    model = tmp_path / "m"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model), "--no-progress"]) == 0
+    export = tmp_path / "e"
+    assert main(["export", "--model-dir", str(model), "--export-dir", str(export)]) == 0
+    capsys.readouterr()
+    eval_dir = data_root / "data" / "eval"
+    eval_file = next(eval_dir.glob("*.parquet"))
+    before = eval_file.read_bytes()
+    refused = {
+        str(eval_file): "is one of the --input files",
+        str(eval_dir / "p.parquet"): f"lies in --input {eval_dir}",
+        str(export / "export.json"): f"lies in --export-dir {export}",
+    }
+    for output, message in refused.items():
+        assert main(["predict", "--export-dir", str(export), "--input", str(eval_dir), "--output", output]) == 2
+        assert message in capsys.readouterr().err
+    ckpt = next((model / "checkpoints").glob("ckpt-*"))
+    args = ["predict", "--model-dir", str(model), "--input", str(eval_file), "--output", str(ckpt / "tables.pt")]
+    assert main(args) == 2 and f"lies in --model-dir {model}" in capsys.readouterr().err
+    assert eval_file.read_bytes() == before and not (eval_dir / "p.parquet").exists()
+    assert (
+        main(
+            ["predict", "--export-dir", str(export), "--input", str(eval_file), "--output", str(tmp_path / "p.parquet")]
+        )
+        == 0
+    )
+
+    data = tmp_path / "d"
+    assert main(["make-data", "--output-dir", str(data), "--train-rows", "40", "--eval-rows", "20"]) == 0
+    for kind, place in (("an export (dynarec export)", export), ("a data directory (dynarec make-data)", data)):
+        assert main(["train", "--config", str(cfg), "--model-dir", str(place), "--no-progress"]) == 2
+        assert f"{place} is {kind}" in capsys.readouterr().err
+        assert not (place / "checkpoints").exists() and not (place / ".lock").exists()
+    (data / "train" / "mine.parquet").write_bytes(b"mine")
+    assert main(["make-data", "--output-dir", str(data), "--train-rows", "40", "--eval-rows", "20"]) == 2
+    assert "(it holds ['train/mine.parquet'])" in capsys.readouterr().err
+    assert (data / "train" / "mine.parquet").read_bytes() == b"mine"
+    assert main(["export", "--model-dir", str(model), "--export-dir", str(model)]) == 2
+    assert main(["export", "--model-dir", str(model), "--export-dir", str(export)]) == 0  # its own export: replaced
+    (export / "notes.txt").write_text("mine")
+    assert main(["export", "--model-dir", str(model), "--export-dir", str(export)]) == 2
+    assert "(it holds ['notes.txt'])" in capsys.readouterr().err and (export / "notes.txt").read_text() == "mine"
