@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -422,6 +422,21 @@ def cmd_tdm_retrieve(args) -> None:
     print(line)
 
 
+def at_least(smallest: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``smallest`` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < smallest:
+            raise argparse.ArgumentTypeError(f"{value} is below {smallest}")
+        return value
+
+    return parse
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from dynarec import bench, demo, verify
 
@@ -439,14 +454,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-data", help="write a synthetic click log (train/eval Parquet + meta.json)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--config", help="write the columns this config reads (any config) instead of the demo's click log")
-    p.add_argument("--train-rows", type=int, default=200_000)
-    p.add_argument("--eval-rows", type=int, default=40_000)
-    p.add_argument("--num-users", type=int, default=20_000)
-    p.add_argument("--num-items", type=int, default=5_000)
+    p.add_argument("--train-rows", type=at_least(1), default=200_000)
+    p.add_argument("--eval-rows", type=at_least(1), default=40_000)
+    p.add_argument("--num-users", type=at_least(1), default=20_000)
+    p.add_argument("--num-items", type=at_least(1), default=5_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-sequence-length",
-        type=int,
+        type=at_least(1),
         default=50,
         help="with --config: a generated sequence holds 1 to this many elements a row, whatever its sequence_length",
     )
@@ -459,7 +474,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print the per-table plan of a config (sharding, bytes per rank, exchange)")
     common(p, model_dir_required=False)
-    p.add_argument("--world-size", type=int, default=1, help="plan for this many processes")
+    p.add_argument("--world-size", type=at_least(1), default=1, help="plan for this many processes")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("import-config", help="convert a TorchEasyRec pipeline.config into a dynarec YAML config")
@@ -485,7 +500,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=8, help="training steps per table")
+    p.add_argument("--steps", type=at_least(1), default=8, help="training steps per table")
     p.set_defaults(run=verify.main)
 
     p = sub.add_parser("train", help="train with periodic eval and checkpoints")
@@ -502,7 +517,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=None, help="--follow: stop after this many seconds without a new file"
     )
     p.add_argument(
-        "--nproc", type=int, default=1, help="processes on this host (a torchrun job); data.batch_size is per process"
+        "--nproc",
+        type=at_least(1),
+        default=1,
+        help="processes on this host (a torchrun job); data.batch_size is per process",
     )
     p.set_defaults(run=cmd_train)
 
@@ -540,13 +558,13 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--attr-fields", help="item columns the nodes carry, comma-separated (voted up the tree)")
     q.add_argument("--raw-attr-fields", help="numeric item columns the nodes carry after them (averaged up the tree)")
     q.add_argument("--attr-delimiter", default=",")
-    q.add_argument("--n-cluster", type=int, default=2, help="the tree's branching factor")
+    q.add_argument("--n-cluster", type=at_least(2), default=2, help="the tree's branching factor")
     q.add_argument("--output-dir", required=True)
     q.set_defaults(run=cmd_tdm_init_tree)
     q = tdm.add_parser("cluster-tree", help="a learnt tree: the items clustered by a trained model's embeddings")
     common(q)
     q.add_argument("--output-dir", required=True)
-    q.add_argument("--n-cluster", type=int, default=2)
+    q.add_argument("--n-cluster", type=at_least(2), default=2)
     q.add_argument("--raw-attr-fields", help="which of data.tdm_sampler.attr_fields are numbers (averaged)")
     q.add_argument("--seed", type=int, default=0, help="k-means's seed")
     q.set_defaults(run=cmd_tdm_cluster_tree)
@@ -554,8 +572,8 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--export-dir", required=True)
     q.add_argument("--input", nargs="+", required=True, help="the user rows (the model's columns)")
     q.add_argument("--output", required=True, help="a Parquet file: recall_ids and recall_scores, k a row")
-    q.add_argument("--recall-num", type=int, required=True, help="items a row")
-    q.add_argument("--batch-size", type=int, default=256, help="user rows searched together")
+    q.add_argument("--recall-num", type=at_least(1), required=True, help="items a row")
+    q.add_argument("--batch-size", type=at_least(1), default=256, help="user rows searched together")
     q.add_argument("--device", default="cpu")
     q.set_defaults(run=cmd_tdm_retrieve)
 
@@ -575,6 +593,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("dynarec predict: error: give exactly one of --export-dir or --model-dir", file=sys.stderr)
         return 2
     from dynarec.distributed.context import DistributedError, StepFailedError
+    from dynarec.embedding.cached_store import CacheFullError
+    from dynarec.embedding.dynamic import TableFullError
     from dynarec.files import DirectoryBusyError
     from dynarec.train.checkpoint import CheckpointError
 
@@ -595,6 +615,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         StepFailedError,
     ) as e:
         print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (TableFullError, CacheFullError) as e:  # mid-run: the step was undone
+        note = _latest_note(args) if args.command == "train" else ""
+        print(f"dynarec {args.command}: error: {e}{note}", file=sys.stderr)
         return 2
     except OSError as e:  # the environment refused a read or write: a full disk, a read-only target, ...
         from dynarec.files import describe_os_error

@@ -35,8 +35,10 @@ def check_device(name: str, where: Optional[str] = None) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"{where}: not a device ({e}); use cpu, cuda or cuda:N") from None
-    if device.type != "cuda":
+    if device.type == "cpu":
         return device
+    if device.type != "cuda":
+        raise ValueError(f"{where}: dynarec runs on cpu, cuda or cuda:N, not {device.type}")
     if not torch.backends.cuda.is_built():
         raise ValueError(f"{where}: this torch build ({torch.__version__}) has no CUDA support; {_INSTALL}")
     if not torch.cuda.is_available():

@@ -43,6 +43,9 @@ def test_a_cached_table_whose_host_rows_cannot_be_locked_is_named(monkeypatch):
 def test_the_device_check_names_a_device_this_build_cannot_use():
     with pytest.raises(ValueError, match="not a device"):
         devices.check_device("gpu0")
+    for name in ("meta", "mps", "xpu"):  # devices torch knows and dynarec does not run on (raw tracebacks)
+        with pytest.raises(ValueError, match=f"--device {name}: dynarec runs on cpu, cuda or cuda:N, not {name}"):
+            devices.check_device(name)
     assert devices.check_device("cpu") == torch.device("cpu")
 
 

@@ -342,3 +342,34 @@ def test_no_command_writes_over_what_another_reads_or_keeps(data_root, tmp_path,
     (export / "notes.txt").write_text("mine")
     assert main(["export", "--model-dir", str(model), "--export-dir", str(export)]) == 2
     assert "(it holds ['notes.txt'])" in capsys.readouterr().err and (export / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_table_mid_run_is_one_named_line_and_the_cli_checks_its_numbers(data_root, tmp_path, capsys):
+    """A dynamic table that cannot take a step's new keys (check_mode error) stopped `dynarec train`
+    with a raw traceback; it is one line naming the table and the latest checkpoint. Whole-number
+    options below their least value are argparse's errors naming the option (plan --world-size 0
+    raised ZeroDivisionError, verify --steps 0 checked nothing and said ok, make-data
+    --num-items 0 raised IndexError)."""
+    c = config_dict(data__eval_input_path=None)
+    for entry in c["feature_configs"]:
+        feature = next(iter(entry.values()))
+        if "dynamicemb" in feature:
+            feature["dynamicemb"].update(max_capacity=16, init_capacity=16, score_strategy="none")
+    cfg = write_config(data_root, c, "full.yaml")
+    assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dynarec train: error: table 'user_id':" in err[0]
+    assert "holds no complete checkpoint" in err[0]
+    for argv, option in (
+        (["plan", "--config", str(cfg), "--world-size", "0"], "--world-size: 0 is below 1"),
+        (["verify", "--config", str(cfg), "--steps", "0"], "--steps: 0 is below 1"),
+        (["make-data", "--output-dir", str(tmp_path / "d"), "--num-items", "0"], "--num-items: 0 is below 1"),
+        (
+            ["make-data", "--output-dir", str(tmp_path / "d"), "--eval-rows", "x"],
+            "--eval-rows: 'x' is not a whole number",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and option in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
