@@ -135,9 +135,16 @@ def save_checkpoint(
         error = e
     _agree(ctx, error, f"committing checkpoint {final}", tmp)
     if main:
+        # A rotated checkpoint leaves its name before it is deleted: a kill mid-delete leaves a
+        # hidden `.old` directory the next save removes, never a `ckpt-*` without its manifest
+        # that no listing would find again (such debris of earlier versions goes too).
         for stale in list_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
-        for leftover in ckpt_dir.glob(".ckpt-*.tmp*"):  # debris of crashed saves
+            old = ckpt_dir / f".{stale.name}.old-{os.getpid()}"
+            os.replace(stale, old)
+            shutil.rmtree(old, ignore_errors=True)
+        debris = [*ckpt_dir.glob(".ckpt-*.tmp*"), *ckpt_dir.glob(".ckpt-*.old*")]  # of crashed saves and deletes
+        debris += [p for p in ckpt_dir.glob("ckpt-*") if p.is_dir() and not (p / MANIFEST).is_file()]
+        for leftover in debris:
             shutil.rmtree(leftover, ignore_errors=True)
     return final
 

@@ -373,3 +373,28 @@ def test_a_full_table_mid_run_is_one_named_line_and_the_cli_checks_its_numbers(d
             main(argv)
         assert exited.value.code == 2 and option in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_kill_while_a_rotated_checkpoint_is_deleted_leaves_nothing_the_next_save_misses(tmp_path, monkeypatch):
+    """Rotation deleted a checkpoint in place: a kill mid-delete left a `ckpt-*` without its
+    manifest, which no listing found again (stranded files, as large as the tables). It leaves
+    its name first; the next save removes what a killed delete left, and older debris."""
+    ckpt_dir = tmp_path / "checkpoints"
+    tables = {"t": {"weight": torch.zeros(4, 2)}}
+    for step in (1, 2):
+        checkpoint_module.save_checkpoint(ckpt_dir, step, {"step": step}, tables, keep=2)
+    real_rmtree = checkpoint_module.shutil.rmtree
+
+    def killed(path, *a, **k):  # the process dies once the manifest is gone
+        (path / checkpoint_module.MANIFEST).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_module.save_checkpoint(ckpt_dir, 3, {"step": 3}, tables, keep=2)
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", real_rmtree)
+    assert sorted(p.name for p in ckpt_dir.glob("ckpt-*")) == ["ckpt-0000000002", "ckpt-0000000003"]
+    (ckpt_dir / "ckpt-0000000000").mkdir()  # an earlier version's half-deleted checkpoint
+    (ckpt_dir / "ckpt-0000000000" / "tables.pt").write_bytes(b"stranded")
+    checkpoint_module.save_checkpoint(ckpt_dir, 4, {"step": 4}, tables, keep=2)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-0000000003", "ckpt-0000000004", "latest"]
