@@ -241,6 +241,22 @@ class DirectoryBusyError(RuntimeError):
     """Another process holds a directory's lock; the message names its PID and host."""
 
 
+# The descriptors of the directory locks this process holds. A forked child (a DataLoader worker)
+# closes its copies at once: a flock belongs to the open file, so a child keeping a copy kept a
+# killed run's model directory locked until the child noticed and exited (seconds).
+_HELD_LOCKS: set[int] = set()
+
+
+def _close_held_locks_in_child() -> None:
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks_in_child)
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``directory/.lock``, naming its holder (PID, host) in the file.
 
@@ -277,6 +293,7 @@ class DirectoryLock:
         os.write(fd, f"process {os.getpid()} on host {socket.gethostname()}\n".encode())
         os.fsync(fd)
         self._fd = fd
+        _HELD_LOCKS.add(fd)
         return self
 
     def release(self) -> None:
@@ -289,6 +306,7 @@ class DirectoryLock:
                 (self.directory / self.NAME).unlink()
                 self.directory.rmdir()
         finally:
+            _HELD_LOCKS.discard(self._fd)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -185,3 +185,30 @@ def test_one_writer_per_model_dir_and_no_stale_lock_after_sigkill(trained, tmp_p
         holder.wait()
     time.sleep(0.1)
     assert main(["train", "--config", str(cfg), "--model-dir", str(target), "--no-progress"]) == 0
+
+
+HOLD_AND_FORK = """
+import os, sys, time
+from dynarec.files import DirectoryLock
+DirectoryLock(sys.argv[1]).acquire()
+if os.fork() == 0:  # a DataLoader worker's fork: it outlives its parent for a while
+    time.sleep(10)
+    os._exit(0)
+print("LOCKED", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_runs_forked_workers_do_not_keep_its_model_dir_locked(tmp_path):
+    """A flock belongs to the open file: forked children (DataLoader workers) kept their copy of
+    the lock's descriptor, so after a SIGKILL the model directory stayed locked, naming the dead
+    process, until they noticed and exited. Children close it at the fork."""
+    from dynarec.files import DirectoryLock
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    DirectoryLock(tmp_path).acquire().release()  # the child still sleeps: its copy is closed
