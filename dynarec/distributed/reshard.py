@@ -38,6 +38,7 @@ def plan_state(plan: Plan) -> dict[str, Any]:
                 "ranks": list(t.sharding.ranks),
                 "row_bounds": list(t.sharding.row_bounds) if t.sharding.row_bounds else None,
                 "capacity_per_rank": t.sharding.capacity_per_rank,
+                "optimizer": type(t.optimizer).__name__,
             }
             for t in plan.tables
         },

@@ -26,14 +26,15 @@ def check_resumable(
     where: Path,
     fingerprint: dict[str, str],
     global_batch_size: int,
-    tables: set[str],
-    saved_tables: set[str],
+    tables: dict[str, str],
+    saved_tables: dict[str, dict[str, Any]],
     dense_optimizer: torch.optim.Optimizer,
     training: bool,
 ) -> None:
     """CheckpointError naming what differs between the checkpoint at ``where`` and this run:
     the config's features or model (``fingerprint``), the global batch (when ``training``: the
-    data position counts its rows), the tables, the dense optimizer."""
+    data position counts its rows), the tables (``tables``: each one's sparse optimizer;
+    ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
     theirs = state.get("fingerprint", {})
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
     if differ:
@@ -46,8 +47,15 @@ def check_resumable(
             f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
             f"{global_batch_size} (data.batch_size); resume with the same batch size"
         )
-    if saved_tables != tables:
+    if set(saved_tables) != set(tables):
         raise CheckpointError(f"{where}: holds tables {sorted(saved_tables)}, the config has {sorted(tables)}")
+    for name, optimizer in tables.items():
+        theirs = saved_tables[name].get("optimizer", optimizer)  # (not recorded before 2026-12-05)
+        if theirs != optimizer:
+            raise CheckpointError(
+                f"{where}: table '{name}' was trained with {theirs}, this config gives it {optimizer}; its optimizer "
+                f"states cannot carry over: resume with {theirs}, or train into another model_dir"
+            )
     if not dense_optimizer_matches(state, dense_optimizer):
         theirs_name = state.get("dense_optimizer_class") or "its settings differ"
         raise CheckpointError(

@@ -180,8 +180,8 @@ class Trainer:
             path,
             self.fingerprint,
             self.global_batch_size,
-            {t.table.name for t in self.task.plan.tables},
-            set(saved_plan["tables"]),
+            {t.table.name: type(t.optimizer).__name__ for t in self.task.plan.tables},
+            saved_plan["tables"],
             self.dense_optimizer,
             training,
         )

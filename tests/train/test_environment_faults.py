@@ -298,6 +298,29 @@ def test_export_retries_when_training_rotates_away_the_checkpoint_it_reads(root,
 # -- resume, the dense model --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [{"rowwise_adagrad_optimizer": {"lr": 0.05}}, {"adam_optimizer": {"lr": 0.05}}],
+    ids=["rowwise", "adam"],
+)
+def test_resume_after_changing_the_sparse_optimizer_is_refused_naming_the_table(root, tmp_path, capsys, optimizer):
+    """Adagrad -> RowWiseAdagrad said "'momentum1' must have shape (1072, 1), got (1072, 16)",
+    naming no table, checkpoint or setting; it names them now, before anything is written."""
+    m = tmp_path / "m"
+    assert train(steps_config(root, steps=1), m) == 0
+    before = snapshot(m)
+    cfg = steps_config(root, "sparse.yaml", steps=3, train__sparse_optimizer=optimizer)
+    capsys.readouterr()
+    assert train(cfg, m, "--resume") == 2
+    line = error_line(capsys, "train")
+    name = "RowWiseAdagrad" if "rowwise_adagrad_optimizer" in optimizer else "Adam"
+    assert f"table 'user_id' was trained with Adagrad, this config gives it {name}" in line, line
+    after = snapshot(m)
+    after.pop(next(p for p in after if p.name == ".lock"), None)
+    before.pop(next(p for p in before if p.name == ".lock"), None)
+    assert after == before
+
+
 def test_resume_after_changing_the_dense_optimizer_is_refused_before_anything_is_written(root, tmp_path, capsys):
     m = tmp_path / "m"
     assert train(steps_config(root, steps=1), m) == 0
