@@ -9,8 +9,9 @@
 #
 # The test files run in six shards side by side (the machines have 16 cores and one GPU; a shard
 # is a few CUDA contexts' worth of memory), each logging to $LOGS/<shard>.log (default
-# /tmp/dynarec-gpu-tests): one after another they took two to three 10-minute calls (not yet timed
-# in shards).
+# /tmp/dynarec-gpu-tests): one after another they took two to three 10-minute calls. Side by side
+# they are slow too: at f51adf2 five of the six were cut off by a 200 s limit (one shard's two
+# files took 35 s alone), so give the whole run more than one 10-minute call, or run a shard alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
