@@ -46,13 +46,6 @@ def check_device(name: str, where: Optional[str] = None) -> torch.device:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"{where}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
-    if not torch.backends.cuda.is_built():
-        raise ValueError(f"--device {name}: this torch build ({torch.__version__}) has no CUDA support; {_INSTALL}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: torch {torch.__version__} sees no CUDA device on this machine")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def page_lock(t: torch.Tensor) -> torch.Tensor:
