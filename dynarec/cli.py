@@ -189,15 +189,21 @@ def cmd_predict(args) -> None:
 def _check_prediction_target(output: Path, files: list, args) -> None:
     """FileExistsError where predict's ``--output`` would write over what it reads or what dynarec
     keeps: an input file, a file in an input directory (the next run would read it as data), in
-    the export or the model directory (their files are checked against manifests)."""
+    the export (its manifest lists its files), the model directory's checkpoints or any file the
+    model directory holds (a new file beside them is fine)."""
     out = output.resolve()
     if any(Path(f).resolve() == out for f in files):
         raise FileExistsError(f"--output {output} is one of the --input files; write the predictions elsewhere")
-    places = [("--input", p) for p in args.input if Path(p).is_dir()]
-    places += [(flag, d) for flag, d in (("--export-dir", args.export_dir), ("--model-dir", args.model_dir)) if d]
+    places = [("--input", Path(p)) for p in args.input if Path(p).is_dir()]
+    if args.export_dir:
+        places.append(("--export-dir", Path(args.export_dir)))
+    if args.model_dir:
+        places.append(("--model-dir", Path(args.model_dir) / "checkpoints"))
     for flag, place in places:
-        if out.is_relative_to(Path(place).resolve()):
+        if out.is_relative_to(place.resolve()):
             raise FileExistsError(f"--output {output} lies in {flag} {place}; write the predictions outside it")
+    if args.model_dir and out.is_file() and out.is_relative_to(Path(args.model_dir).resolve()):
+        raise FileExistsError(f"--output {output} is a file of --model-dir {args.model_dir}; write it elsewhere")
 
 
 def _prediction_column(x):

@@ -181,6 +181,25 @@ def read_json(path: Path, error: Callable[[str], Exception]) -> Any:
         raise error(f"{path} is unreadable or not valid JSON ({e})") from None
 
 
+def relative_files(directory: Path) -> list[str]:
+    """Every file under ``directory``, as sorted POSIX paths relative to it."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
+def listed_files(marker: str) -> Callable[[Path], Optional[set[str]]]:
+    """For :func:`replace_dir`: the files a directory's JSON ``marker`` lists under ``files`` (a
+    list, or a dict keyed by path), or None where it lists none (written before it did)."""
+
+    def listed(directory: Path) -> Optional[set[str]]:
+        try:
+            files = json.loads((directory / marker).read_text()).get("files")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return set(files) if isinstance(files, (list, dict)) else None
+
+    return listed
+
+
 def replace_dir(
     tmp: Path, target: Path, marker: str, what: str, listed: Optional[Callable[[Path], Optional[set[str]]]] = None
 ) -> None:
@@ -227,7 +246,7 @@ def _foreign_files(
     def kind(relative: str) -> str:
         return re.sub(r"\d+", "#", relative)
 
-    found = [p.relative_to(target).as_posix() for p in sorted(target.rglob("*")) if not p.is_dir()]
+    found = relative_files(target)
     names = listed(target) if listed is not None else None
     if names is not None:
         foreign = [f for f in found if f not in names | {marker}]

@@ -71,7 +71,7 @@ from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
 from dynarec.data.tree import init_tree, node_attribute, write_tree_tables
-from dynarec.files import fsync_tree, replace_dir
+from dynarec.files import fsync_tree, listed_files, relative_files, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["GenerateSpec", "make_config_data"]
@@ -583,8 +583,8 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
     """Writes ``train/part-*.parquet``, ``eval/part-0.parquet`` and ``meta.json`` under
     ``out_dir`` with every column ``config`` reads; returns the metadata (rows, click rate,
     Bayes-optimal eval AUC, the vocabulary files it wrote). Written under a temporary name and
-    renamed into place; an existing ``out_dir`` is replaced only when empty or generated data (it
-    holds ``meta.json``)."""
+    renamed into place; an existing ``out_dir`` is replaced only when empty or generated data (its
+    ``meta.json`` lists its files, and it holds no other)."""
     target = Path(out_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} is a file; make-data writes a directory")
@@ -650,9 +650,10 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
                 "edge_table_written": edges_written,
             }
         )
+        meta["files"] = relative_files(tmp)  # what a later make-data may replace
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
-        replace_dir(tmp, target, "meta.json", "synthetic data directory")
+        replace_dir(tmp, target, "meta.json", "synthetic data directory", listed=listed_files("meta.json"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dynarec.files import fsync_tree, replace_dir
+from dynarec.files import fsync_tree, listed_files, relative_files, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["SyntheticSpec", "make_click_log"]
@@ -159,7 +159,8 @@ def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -
 
     The directory is written under a temporary sibling name and renamed into place (a full
     disk or a kill leaves nothing half-written); an existing ``out_dir`` is replaced only when
-    it is empty or a previous click log (it holds ``meta.json``), never a user's directory."""
+    it is empty or a previous data directory of dynarec's (its ``meta.json`` lists its files, and
+    it holds no other), never a user's directory or file."""
     target = Path(out_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} is a file; make-data writes a directory")
@@ -169,7 +170,7 @@ def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -
     try:
         meta = _write_click_log(out, spec)
         fsync_tree(out)
-        replace_dir(out, target, "meta.json", "synthetic data directory")
+        replace_dir(out, target, "meta.json", "synthetic data directory", listed=listed_files("meta.json"))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -200,5 +201,6 @@ def _write_click_log(out: Path, spec: SyntheticSpec) -> dict:
         "eval_buy_rate": float(np.mean(buys)),
         "bayes_optimal_eval_buy_auc": auc(p_eval[:, 1], buys),
     }
+    meta["files"] = relative_files(out)  # what a later make-data may replace
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta

@@ -213,6 +213,8 @@ class ShardedEmbeddingCollection(TableFreezing, nn.Module):
     def abort_step(self) -> None:
         """Undoes the last training forward on every table this rank holds (all ranks call it
         together, e.g. after agreeing that the loss was NaN)."""
+        if self.frozen:  # its forwards began no step
+            return
         for table in reversed(list(self.tables.values())):
             table.abort_step()
 

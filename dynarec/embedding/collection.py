@@ -183,9 +183,12 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     and ``[B, L, D]`` for sequence features (pooling ``none``), zero-padded to the batch's longest
     sequence; a sample's length is in ``kjt.lengths()``. In training mode, backward applies each
     table's fused optimizer to the touched rows (no dense optimizer is involved: the collection
-    has no parameters); per-sample weights that require grad get their gradient (the rows as the
+    has no parameters; ``requires_grad_(False)`` freezes the tables: :class:`TableFreezing`);
+    per-sample weights that require grad get their gradient (the rows as the
     forward read them), as a position-weighted feature's learned weights need.
     """
+
+    _replicas_checked = False  # (a collection pickled before this flag existed)
 
     def __init__(
         self,
@@ -405,6 +408,8 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     def abort_step(self) -> None:
         """Undoes the last training forward on every table (its backward will not run, e.g. its
         loss was NaN): rows it created, keys it evicted, admission counts, growth, step counts."""
+        if self.frozen:  # its forwards began no step
+            return
         for table in reversed(list(self.tables.values())):
             table.abort_step()
 
@@ -456,7 +461,11 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         A table without entries is a missing key (``tables.{table}.weight``); entries of a table
         this collection lacks are unexpected keys; a dump that does not fit its table (another
         dim, row count or optimizer) is an error naming the table, as is a dynamic table that
-        could not keep every key (its ``max_capacity`` is smaller)."""
+        could not keep every key (its ``max_capacity`` is smaller). A dump of another optimizer's
+        table (states this table does not keep: Adam's ``momentum1`` would train on as Adagrad's
+        accumulator) loads its weights alone, this optimizer's states afresh and the step at 0,
+        its states reported as unexpected keys: ``strict=False`` is a warm start, a strict load
+        raises torch's error naming them (having loaded, as torch does for any unexpected key)."""
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -479,8 +488,15 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             if not dump:
                 missing_keys.append(f"{head}{name}.weight")
                 continue
+            table = self.tables[name]
+            # Another optimizer's table: its weights alone (this optimizer's states afresh), its
+            # states unexpected keys (strict: torch's error naming them, as for any such key).
+            foreign = table.foreign_fields(dump)
+            if foreign:
+                states = [s.name for s in table.spec.state_specs() if s.name in dump]
+                unexpected_keys.extend(f"{head}{name}.{f}" for f in sorted([*foreign, *states]))
             try:
-                report = self.tables[name].load(dump)
+                report = table.load(dump, weights_only=bool(foreign))
             except ValueError as e:
                 error_msgs.append(f"{head}{name}: {e}")
                 continue

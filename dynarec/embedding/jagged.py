@@ -189,7 +189,7 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
     KJT (a batch size per feature), whose lengths do not split into one per sample and feature.
     """
     variable_stride = getattr(kjt, "variable_stride_per_key", None)
-    if variable_stride is not None and variable_stride():
+    if variable_stride is not None and variable_stride() and len(set(kjt.stride_per_key())) > 1:  # type: ignore[attr-defined]
         raise ValueError(
             f"a variable-batch KeyedJaggedTensor (samples per feature {dict(zip(kjt.keys(), kjt.stride_per_key()))}) "  # type: ignore[attr-defined]
             "is not supported: give every feature of a batch the same samples (empty where it has no id)"

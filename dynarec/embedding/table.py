@@ -266,6 +266,11 @@ class EmbeddingTable(ABC):
     index_fields: tuple[str, ...] = ()
     """A dump's fields besides its rows and ``step`` (a dynamic table's keys, scores, ...)."""
 
+    def foreign_fields(self, dump: Mapping[str, torch.Tensor]) -> list[str]:
+        """The fields of ``dump`` this table does not keep (another optimizer's states), sorted."""
+        own = {"weight", "step", *(s.name for s in self.spec.state_specs()), *self.index_fields}
+        return sorted(set(dump) - own)
+
     def _dump_fields(self, dump: dict[str, torch.Tensor], weights_only: bool) -> list[str]:
         """The row fields a load takes from ``dump``; ValueError naming the missing ones, or (but
         for ``weights_only``) the fields of another optimizer's states: Adam's ``momentum1`` has
@@ -278,7 +283,7 @@ class EmbeddingTable(ABC):
         missing = [f for f in fields + ([] if weights_only else ["step"]) if f not in dump]
         if missing:
             raise ValueError(f"table '{self.name}': dump lacks {missing} (optimizer {optimizer})")
-        foreign = sorted(set(dump) - {*fields, "step", *self.index_fields})
+        foreign = self.foreign_fields(dump)
         if foreign and not weights_only:
             raise ValueError(
                 f"table '{self.name}': dump holds {foreign}, states optimizer {optimizer} does not keep (saved by "

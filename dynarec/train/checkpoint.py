@@ -138,14 +138,17 @@ def save_checkpoint(
         # A rotated checkpoint leaves its name before it is deleted: a kill mid-delete leaves a
         # hidden `.old` directory the next save removes, never a `ckpt-*` without its manifest
         # that no listing would find again (such debris of earlier versions goes too).
-        for stale in list_checkpoints(ckpt_dir)[:-keep]:
-            old = ckpt_dir / f".{stale.name}.old-{os.getpid()}"
-            os.replace(stale, old)
-            shutil.rmtree(old, ignore_errors=True)
         debris = [*ckpt_dir.glob(".ckpt-*.tmp*"), *ckpt_dir.glob(".ckpt-*.old*")]  # of crashed saves and deletes
         debris += [p for p in ckpt_dir.glob("ckpt-*") if p.is_dir() and not (p / MANIFEST).is_file()]
         for leftover in debris:
             shutil.rmtree(leftover, ignore_errors=True)
+        for stale in list_checkpoints(ckpt_dir)[:-keep]:
+            old = ckpt_dir / f".{stale.name}.old-{os.getpid()}"
+            try:  # committed already: a rotation that fails leaves debris for the next save, no error
+                os.replace(stale, old)
+            except OSError:
+                old = stale
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

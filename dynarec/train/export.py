@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
-from dynarec.files import file_manifest, fsync_tree, replace_dir, write_bytes, write_error
+from dynarec.files import file_manifest, fsync_tree, listed_files, relative_files, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask, check_servable
 
@@ -49,7 +49,8 @@ def export_model(
     ``since``: a previous export (full or delta) of this model; write a delta on top of it.
 
     Raises FileExistsError, before writing anything, when ``export_dir`` is a non-empty
-    directory that is not an export (a model directory, a user's own directory) or a file."""
+    directory that is not an export (a model directory, a user's own directory) or holds files
+    its export's manifest does not list, or a file."""
     if task.config.candidate_feature() is not None and task.config.model.hstu_match is None:
         raise ValueError(
             f"export: model.{task.config.model.name} scores each row's candidates; exporting it (a list of "
@@ -77,20 +78,11 @@ def export_model(
     try:
         _write_export(task, example, tmp, export_dir, step, since, base)
         fsync_tree(tmp)
-        replace_dir(tmp, export_dir, META, "export", listed=_listed_files)
+        replace_dir(tmp, export_dir, META, "export", listed=listed_files(META))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk, a Ctrl-C: nothing half-written stays
         raise
     return export_dir
-
-
-def _listed_files(export_dir: Path) -> Optional[set[str]]:
-    """The files an export's manifest lists (None where it lists none: not an export's)."""
-    try:
-        files = json.loads((export_dir / META).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return set(files) if isinstance(files, dict) else None
 
 
 # An export is written as ``.<name>.tmp-<host>-<pid>`` beside its target, then renamed; the export
@@ -254,11 +246,19 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_target(export_dir: Path) -> None:
-    """Refuses, before any work, a target that replace_dir would refuse."""
+    """Refuses, before any work, a target that replace_dir would refuse (an export whose manifest
+    lists no files is checked by replace_dir only)."""
     if export_dir.exists() and not export_dir.is_dir():
         raise FileExistsError(f"{export_dir} exists and is not a directory; choose another export path")
     if export_dir.is_dir() and any(export_dir.iterdir()) and not (export_dir / META).is_file():
         raise FileExistsError(
             f"{export_dir} is a non-empty directory that is not a dynarec export (no {META}); dynarec replaces only "
             "its own exports: choose an empty or new directory"
+        )
+    listed = listed_files(META)(export_dir) if export_dir.is_dir() else None
+    foreign = [] if listed is None else [f for f in relative_files(export_dir) if f not in listed | {META}]
+    if foreign:
+        raise FileExistsError(
+            f"{export_dir} is a non-empty directory that is not a dynarec export (it holds {foreign[:3]}); dynarec "
+            "replaces only its own exports: choose an empty or new directory"
         )

@@ -25,14 +25,18 @@ HEADER = "# Written by dynarec train: the config this model directory is trained
 
 # Directories dynarec writes whole and replaces whole (export, make-data): a model directory
 # inside one would be deleted by the next export or make-data to it.
-_OTHER_KINDS = {"export.json": "an export (dynarec export)", "meta.json": "a data directory (dynarec make-data)"}
+_OTHER_KINDS = {
+    ("export.json", "dense.pt2"): "an export (dynarec export)",
+    ("meta.json", "train"): "a data directory (dynarec make-data)",
+}
 
 
 def check_not_another_kind(model_dir: Path) -> None:
     """FileExistsError where ``model_dir`` is a directory dynarec writes and replaces whole (an
-    export, a generated data directory): checkpoints there would go with its next rewrite."""
-    for marker, kind in _OTHER_KINDS.items():
-        if (Path(model_dir) / marker).is_file():
+    export: ``export.json`` and ``dense.pt2``; a generated data directory: ``meta.json`` and
+    ``train/``): checkpoints there would go with its next rewrite."""
+    for (marker, beside), kind in _OTHER_KINDS.items():
+        if (Path(model_dir) / marker).is_file() and (Path(model_dir) / beside).exists():
             raise FileExistsError(
                 f"{model_dir} is {kind} ({marker}): its next rewrite would delete a model's checkpoints; "
                 "choose another model_dir"

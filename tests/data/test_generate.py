@@ -273,3 +273,23 @@ def test_overlap_kv_dot_product_and_bool_mask_get_columns_that_meet(tmp_path):
     assert all(len(v.split("\x1d")) == len(m.split("\x1d")) for v, m in zip(values, mask))
     kept = ids_of(batch, "bm")
     assert sum(map(len, kept)) < sum(len(v.split("\x1d")) for v in values[: len(kept)])
+
+
+def test_a_data_directory_is_replaced_by_any_generator_when_it_holds_only_what_its_meta_lists(tmp_path):
+    """make-data replaces a data directory whose meta.json lists every file it holds, whatever
+    wrote it (a config's generator with an item table, then the click log), and refuses one
+    holding a file it does not list, naming it."""
+    from dynarec.data.synthetic import SyntheticSpec, make_click_log
+    from tests.data.test_sampler import dssm_config
+
+    out = tmp_path / "data"
+    c = dssm_config(str(out / "items.tsv"))
+    c["data"]["train_input_path"], c["data"]["eval_input_path"] = str(out / "train"), str(out / "eval")
+    meta = make_config_data(config_from_dict(c), out, GenerateSpec(train_rows=200, eval_rows=50, seed=1))
+    assert "items.tsv" in meta["files"] and "train/part-0.parquet" in meta["files"]
+    make_click_log(out, SyntheticSpec(train_rows=200, eval_rows=50))
+    assert not (out / "items.tsv").exists()
+    (out / "eval" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\(it holds \['eval/notes.txt'\]\)"):
+        make_click_log(out, SyntheticSpec(train_rows=200, eval_rows=50))
+    assert (out / "eval" / "notes.txt").read_text() == "mine"

@@ -264,25 +264,27 @@ def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
     [(Adam(lr=0.1), Adagrad(lr=0.1)), (Adam(lr=0.1), SGD(lr=0.1)), (Adagrad(lr=0.1), SGD(lr=0.1))],
     ids=["adam-into-adagrad", "adam-into-sgd", "adagrad-into-sgd"],
 )
-def test_a_state_dict_of_another_optimizer_is_an_error_naming_the_tables_states(saved, loaded):
+def test_a_state_dict_of_another_optimizer_loads_its_weights_alone(saved, loaded):
     """Adam's momentum1 has Adagrad's name and shape: loaded as an accumulator it went negative
-    and the next step wrote NaN weights. Another optimizer's states are refused, each table named,
-    before any table changes; a table's weights alone still load (``weights_only``)."""
+    and the next step wrote NaN weights (Adam into SGD dropped the moments silently). A table of
+    another optimizer loads its weights alone, this optimizer's states afresh and the step at 0;
+    its states are unexpected keys: a strict load raises torch's error naming them, strict=False
+    is a warm start."""
     trained = _Model(5, optimizer=saved)
     trained.step(0)
     state = trained.state_dict()
     other = _Model(5, optimizer=loaded)
-    before = {n: t.dump() for n, t in other.emb.tables.items()}
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*emb\.tables\.a\.momentum"):
         other.load_state_dict(state)
-    for name in "abuvg":
-        assert f"emb.tables.{name}: table '{name}': dump holds ['momentum" in str(raised.value)
-    assert f"optimizer {type(loaded).__name__} does not keep" in str(raised.value)
-    assert_same_dumps(before, {n: t.dump() for n, t in other.emb.tables.items()})
-
-    dump = trained.emb.tables["u"].dump()
-    other.emb.tables["u"].load(dump, weights_only=True)
-    assert torch.equal(other.emb.tables["u"].dump()["weight"], dump["weight"])
+    result = _Model(5, optimizer=loaded).load_state_dict(state, strict=False)
+    assert {f"emb.tables.{n}.momentum1" for n in "abuvg"} <= set(result.unexpected_keys)
+    for name, table in other.emb.tables.items():
+        dump, theirs = table.dump(), trained.emb.tables[name].dump()
+        if "keys" in dump:
+            assert torch.equal(dump["keys"], theirs["keys"]), name
+        assert torch.equal(dump["weight"], theirs["weight"]) and int(dump["step"]) == 0, name
+        for spec in table.spec.state_specs():
+            assert bool((dump[spec.name] == spec.initial_value).all()), (name, spec.name)
     other.step(1)
     assert all(bool(t.dump()["weight"].isfinite().all()) for t in other.emb.tables.values())
 
@@ -496,6 +498,7 @@ def test_requires_grad_false_freezes_the_tables_until_it_is_undone():
     )  # new keys
     out = model.emb(kjt)
     assert not any(v.requires_grad for v in out.values())
+    model.emb.abort_step()  # (a NaN loss's undo, as the trainer does): nothing to undo
     assert_same_dumps(before, {n: t.dump() for n, t in model.emb.tables.items()})
     model.emb.requires_grad_(True)
     model.step(1)

@@ -313,3 +313,15 @@ def test_a_variable_batch_keyed_jagged_tensor_is_refused_by_name():
     ):
         coll(kjt)
     assert coll.tables["t"].step == 0
+    uniform = kjt_mod.KeyedJaggedTensor(  # flagged variable, every feature the same samples: as any KJT
+        keys=["f", "g"],
+        values=torch.tensor([1, 2, 3, 4]),
+        lengths=torch.tensor([1, 1, 1, 1]),
+        stride_per_key_per_rank=[[2], [2]],
+    )
+    plain = kjt_mod.KeyedJaggedTensor.from_lengths_sync(
+        ["f", "g"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1])
+    )
+    coll.eval()
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(coll(uniform).values(), coll(plain).values()))

@@ -318,7 +318,11 @@ def test_no_command_writes_over_what_another_reads_or_keeps(data_root, tmp_path,
         assert message in capsys.readouterr().err
     ckpt = next((model / "checkpoints").glob("ckpt-*"))
     args = ["predict", "--model-dir", str(model), "--input", str(eval_file), "--output", str(ckpt / "tables.pt")]
-    assert main(args) == 2 and f"lies in --model-dir {model}" in capsys.readouterr().err
+    assert main(args) == 2 and f"lies in --model-dir {model / 'checkpoints'}" in capsys.readouterr().err
+    args[-1] = str(model / "config.yaml")
+    assert main(args) == 2 and "is a file of --model-dir" in capsys.readouterr().err
+    args[-1] = str(model / "predictions.parquet")  # a new file beside the model's is fine
+    assert main(args) == 0
     assert eval_file.read_bytes() == before and not (eval_dir / "p.parquet").exists()
     assert (
         main(
@@ -327,6 +331,11 @@ def test_no_command_writes_over_what_another_reads_or_keeps(data_root, tmp_path,
         == 0
     )
 
+    notes = tmp_path / "notes"  # a user's own meta.json does not make a data directory
+    notes.mkdir()
+    (notes / "meta.json").write_text("{}")
+    args = ["train", "--config", str(cfg), "--model-dir", str(notes), "--no-progress"]
+    assert main([*args, "--resume"]) == 0 and (notes / "checkpoints").is_dir()
     data = tmp_path / "d"
     assert main(["make-data", "--output-dir", str(data), "--train-rows", "40", "--eval-rows", "20"]) == 0
     for kind, place in (("an export (dynarec export)", export), ("a data directory (dynarec make-data)", data)):
