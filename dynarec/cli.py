@@ -167,6 +167,11 @@ def cmd_predict(args) -> None:
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; predict writes one Parquet file")
     _check_prediction_target(Path(args.output), files, args)
+    reserved = [c for c in (args.reserved_columns or "").split(",") if c]
+    for f in files:  # before any scoring
+        missing = [c for c in reserved if c not in file_schema(f).names]
+        if missing:
+            raise ValueError(f"--reserved-columns: {f} has no column(s) {missing}")
     if args.export_dir:
         from dynarec.serving import ExportedModel
 
@@ -177,6 +182,14 @@ def cmd_predict(args) -> None:
         outputs, _, _ = trainer.predict(files, with_labels=False, per_row=True)  # (a list a row, of candidates)
         config = trainer.config
     columns = {name: _prediction_column(x) for name, x in outputs.items()}
+    clash = [c for c in reserved if c in columns]
+    if clash:
+        raise ValueError(f"--reserved-columns {clash}: the predictions have column(s) of that name")
+    rows = len(next(iter(columns.values())))
+    for name in reserved:  # the input's rows in the predictions' order (files sorted, rows in order)
+        columns[name] = pa.chunked_array([read_table(f, [name]).column(name) for f in files]).combine_chunks()
+        if len(columns[name]) != rows:
+            raise ValueError(f"--reserved-columns: {name} has {len(columns[name])} rows, the predictions {rows}")
     for label in config.label_fields():  # pass the labels through
         if label not in columns and all(label in file_schema(f).names for f in files):
             columns[label] = pa.array(np.concatenate([read_table(f, [label]).column(label).to_numpy() for f in files]))
@@ -552,6 +565,11 @@ def _build_parser() -> argparse.ArgumentParser:
         required=True,
         help="a Parquet file: column 'probability' (a multi-task model: probs_<task> / y_<task>), "
         "and the label columns the input holds",
+    )
+    p.add_argument(
+        "--reserved-columns",
+        help="input columns copied into the output beside each row's prediction, comma-separated (e.g. "
+        "user_id,item_id: to join the predictions back; TorchEasyRec's predict --reserved_columns)",
     )
     p.set_defaults(run=cmd_predict)
 

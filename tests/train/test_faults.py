@@ -407,3 +407,31 @@ def test_a_kill_while_a_rotated_checkpoint_is_deleted_leaves_nothing_the_next_sa
     (ckpt_dir / "ckpt-0000000000" / "tables.pt").write_bytes(b"stranded")
     checkpoint_module.save_checkpoint(ckpt_dir, 4, {"step": 4}, tables, keep=2)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-0000000003", "ckpt-0000000004", "latest"]
+
+
+def test_predict_copies_reserved_columns_beside_each_rows_prediction(data_root, tmp_path, capsys):
+    """`predict --reserved-columns` (TorchEasyRec's --reserved_columns) puts input columns beside
+    each row's prediction, so predictions join back to their rows; a column the input lacks, or
+    one named as a prediction, is refused by name before anything is written."""
+    import pyarrow.parquet as pq
+
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "r.yaml")
+    model = tmp_path / "m"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model), "--no-progress"]) == 0
+    train_dir = data_root / "data" / "train"
+    out = tmp_path / "p.parquet"
+    base = ["predict", "--model-dir", str(model), "--input", str(train_dir), "--output", str(out)]
+    assert main([*base, "--reserved-columns", "user_id,clk"]) == 0
+    got = pq.read_table(out)
+    whole = [pq.read_table(str(f)) for f in sorted(train_dir.glob("*.parquet"))]  # predict's order
+    assert len(whole) > 1 and got.num_rows == sum(t.num_rows for t in whole) and "probability" in got.column_names
+    for name in ("user_id", "clk"):
+        assert got.column(name).to_pylist() == [v for t in whole for v in t.column(name).to_pylist()], name
+    capsys.readouterr()
+    assert main([*base[:-1], str(tmp_path / "q.parquet"), "--reserved-columns", "user_id,nope"]) == 2
+    assert "--reserved-columns: " in capsys.readouterr().err and not (tmp_path / "q.parquet").exists()
+    scored = tmp_path / "scored.parquet"  # an input carrying an earlier run's column
+    pq.write_table(whole[0].append_column("probability", whole[0].column("clk").cast("float32")), str(scored))
+    args = ["predict", "--model-dir", str(model), "--input", str(scored), "--output", str(tmp_path / "q.parquet")]
+    assert main([*args, "--reserved-columns", "probability"]) == 2
+    assert "the predictions have column(s) of that name" in capsys.readouterr().err
