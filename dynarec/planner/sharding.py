@@ -15,6 +15,7 @@ are re-split by it when the world size changes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,7 +56,11 @@ class TableSharding:
         return self.kind != "data_parallel"
 
     def holds(self, rank: int) -> bool:
-        return rank in self.ranks
+        return rank in self._rank_set
+
+    @functools.cached_property
+    def _rank_set(self) -> frozenset[int]:  # (a plan asks of every rank: a tuple's scan made it quadratic)
+        return frozenset(self.ranks)
 
     def owner(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rank, id on that rank)`` of each id or key."""
