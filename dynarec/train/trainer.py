@@ -372,7 +372,12 @@ class Trainer:
         existing = self.checkpoints.list()
         if resume:
             if existing:
-                self.restore()
+                path = self.restore()
+                if cfg.train.num_steps is not None and self.step > cfg.train.num_steps:
+                    raise CheckpointError(  # before the config record is rewritten to the smaller count
+                        f"{path} is at step {self.step}, past this config's train.num_steps {cfg.train.num_steps}: "
+                        "nothing to train; raise num_steps, or evaluate / export the checkpoint as it is"
+                    )
         elif existing:
             raise CheckpointError(
                 f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "

@@ -298,6 +298,24 @@ def test_export_retries_when_training_rotates_away_the_checkpoint_it_reads(root,
 # -- resume, the dense model --------------------------------------------------------------------
 
 
+def test_resume_past_the_configs_num_steps_is_refused_before_anything_is_written(root, tmp_path, capsys):
+    """A checkpoint at step 3 resumed with num_steps 2 trained nothing and rewrote the model
+    directory's config record to num_steps 2; now a named error, nothing written. Resuming a
+    finished run at its own num_steps still works (nothing to train, the final evaluation)."""
+    m = tmp_path / "m"
+    assert train(steps_config(root, steps=3), m) == 0
+    assert train(steps_config(root, steps=3), m, "--resume") == 0
+    before = snapshot(m)
+    capsys.readouterr()
+    assert train(steps_config(root, "fewer.yaml", steps=2), m, "--resume") == 2
+    line = error_line(capsys, "train")
+    assert "is at step 3, past this config's train.num_steps 2: nothing to train" in line, line
+    after = snapshot(m)
+    after.pop(next(p for p in after if p.name == ".lock"), None)
+    before.pop(next(p for p in before if p.name == ".lock"), None)
+    assert after == before
+
+
 @pytest.mark.parametrize(
     "optimizer",
     [{"rowwise_adagrad_optimizer": {"lr": 0.05}}, {"adam_optimizer": {"lr": 0.05}}],
