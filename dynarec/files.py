@@ -186,29 +186,13 @@ def relative_files(directory: Path) -> list[str]:
     return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
 
 
-def listed_files(marker: str) -> Callable[[Path], Optional[set[str]]]:
-    """For :func:`replace_dir`: the files a directory's JSON ``marker`` lists under ``files`` (a
-    list, or a dict keyed by path), or None where it lists none (written before it did)."""
-
-    def listed(directory: Path) -> Optional[set[str]]:
-        try:
-            files = json.loads((directory / marker).read_text()).get("files")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return set(files) if isinstance(files, (list, dict)) else None
-
-    return listed
-
-
-def replace_dir(
-    tmp: Path, target: Path, marker: str, what: str, listed: Optional[Callable[[Path], Optional[set[str]]]] = None
-) -> None:
+def replace_dir(tmp: Path, target: Path, marker: str, what: str) -> None:
     """Moves the finished directory ``tmp`` to ``target``.
 
     An existing ``target`` is replaced only when it is empty or a ``what`` dynarec wrote: it holds
-    ``marker`` and no file dynarec would not write there. Those are the files ``listed(target)``
-    names (an export's manifest), else files of the kinds ``tmp`` holds (the same folder, the
-    name with its numbers as any: ``train/part-7.parquet`` as ``train/part-0.parquet``). So a
+    ``marker`` and no file dynarec would not write there (:func:`foreign_files`: the files its
+    marker lists, an export's manifest or a data directory's ``meta.json``, else files of the
+    kinds ``tmp`` holds: ``train/part-7.parquet`` as ``train/part-0.parquet``). So a
     model directory (its checkpoints) or a user's file put in a data directory is never deleted.
     Anything else raises FileExistsError naming it (and ``tmp`` is removed). The old directory
     is renamed aside before the new one takes its name, then deleted.
@@ -218,7 +202,7 @@ def replace_dir(
             shutil.rmtree(tmp, ignore_errors=True)
             raise FileExistsError(f"{target} exists and is not a directory; choose another {what} path")
         if any(target.iterdir()):
-            foreign = _foreign_files(tmp, target, marker, listed)
+            foreign = foreign_files(target, marker, like=tmp)
             if foreign:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise FileExistsError(
@@ -235,24 +219,29 @@ def replace_dir(
         fsync_dir(target.parent)
 
 
-def _foreign_files(
-    tmp: Path, target: Path, marker: str, listed: Optional[Callable[[Path], Optional[set[str]]]]
-) -> list[str]:
-    """Up to 3 paths under ``target`` (relative) that :func:`replace_dir` must not delete; the
-    marker's name where it is missing."""
+def foreign_files(target: Path, marker: str, like: Optional[Path] = None) -> list[str]:
+    """Up to 3 files under ``target`` (relative paths) that a rewrite of it must not delete (the
+    marker's name where it is missing): those its JSON ``marker`` does not list under ``files``
+    (a list, or a dict keyed by path); where it lists none (written before it did), those of no
+    kind ``like`` holds (the same folder, the name with its numbers as any), or none without
+    ``like``."""
     if not (target / marker).is_file():
         return [f"no {marker}"]
+    try:
+        names = json.loads((target / marker).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        names = None
+    if isinstance(names, (list, dict)):
+        foreign = [f for f in relative_files(target) if f not in {*names, marker}]
+    elif like is not None:
 
-    def kind(relative: str) -> str:
-        return re.sub(r"\d+", "#", relative)
+        def kind(relative: str) -> str:
+            return re.sub(r"\d+", "#", relative)
 
-    found = relative_files(target)
-    names = listed(target) if listed is not None else None
-    if names is not None:
-        foreign = [f for f in found if f not in names | {marker}]
+        ours = {kind(f) for f in relative_files(like)}
+        foreign = [f for f in relative_files(target) if kind(f) not in ours]
     else:
-        ours = {kind(p.relative_to(tmp).as_posix()) for p in tmp.rglob("*") if p.is_file()}
-        foreign = [f for f in found if kind(f) not in ours]
+        foreign = []
     return foreign[:3]
 
 

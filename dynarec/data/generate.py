@@ -71,7 +71,7 @@ from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
 from dynarec.data.tree import init_tree, node_attribute, write_tree_tables
-from dynarec.files import fsync_tree, listed_files, relative_files, replace_dir
+from dynarec.files import fsync_tree, relative_files, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["GenerateSpec", "make_config_data"]
@@ -653,7 +653,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         meta["files"] = relative_files(tmp)  # what a later make-data may replace
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         fsync_tree(tmp)
-        replace_dir(tmp, target, "meta.json", "synthetic data directory", listed=listed_files("meta.json"))
+        replace_dir(tmp, target, "meta.json", "synthetic data directory")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

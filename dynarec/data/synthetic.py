@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dynarec.files import fsync_tree, listed_files, relative_files, replace_dir
+from dynarec.files import fsync_tree, relative_files, replace_dir
 from dynarec.metrics import auc
 
 __all__ = ["SyntheticSpec", "make_click_log"]
@@ -170,7 +170,7 @@ def make_click_log(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -
     try:
         meta = _write_click_log(out, spec)
         fsync_tree(out)
-        replace_dir(out, target, "meta.json", "synthetic data directory", listed=listed_files("meta.json"))
+        replace_dir(out, target, "meta.json", "synthetic data directory")
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

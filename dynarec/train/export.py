@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
-from dynarec.files import file_manifest, fsync_tree, listed_files, relative_files, replace_dir, write_bytes, write_error
+from dynarec.files import file_manifest, foreign_files, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask, check_servable
 
@@ -78,7 +78,7 @@ def export_model(
     try:
         _write_export(task, example, tmp, export_dir, step, since, base)
         fsync_tree(tmp)
-        replace_dir(tmp, export_dir, META, "export", listed=listed_files(META))
+        replace_dir(tmp, export_dir, META, "export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk, a Ctrl-C: nothing half-written stays
         raise
@@ -255,10 +255,9 @@ def _check_target(export_dir: Path) -> None:
             f"{export_dir} is a non-empty directory that is not a dynarec export (no {META}); dynarec replaces only "
             "its own exports: choose an empty or new directory"
         )
-    listed = listed_files(META)(export_dir) if export_dir.is_dir() else None
-    foreign = [] if listed is None else [f for f in relative_files(export_dir) if f not in listed | {META}]
+    foreign = foreign_files(export_dir, META) if export_dir.is_dir() and any(export_dir.iterdir()) else []
     if foreign:
         raise FileExistsError(
-            f"{export_dir} is a non-empty directory that is not a dynarec export (it holds {foreign[:3]}); dynarec "
+            f"{export_dir} is a non-empty directory that is not a dynarec export (it holds {foreign}); dynarec "
             "replaces only its own exports: choose an empty or new directory"
         )
