@@ -29,6 +29,7 @@ from dynarec.data.reader import (
     default_num_workers,
     make_loader,
     resolve_files,
+    start_worker_server,
 )
 from dynarec.distributed.context import DistContext
 
@@ -84,6 +85,8 @@ class TrainInput:
         self.pin = device_type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
         workers = config.data.num_workers
         self.num_workers = default_num_workers(device_type) if workers is None else workers
+        if device_type == "cuda" and self.num_workers > 0:
+            start_worker_server()  # its workers' imports overlap the model's set-up
         # --follow: the files consumed so far (names and row counts, in order); they must stay the
         # first files of the directory, so that a row position always means the same rows.
         self.followed_files: list[tuple[str, int]] = []

@@ -42,3 +42,30 @@ def test_an_epoch_resumed_mid_way_reads_from_its_row_then_whole_epochs_share_wor
     assert [p for _, p, _ in items] == [p for _, p, _ in plain]
     assert all(torch.equal(a.labels, b.labels) for (a, _, _), (b, _, _) in zip(items, plain))
     assert items[0][1] == DataPosition(0, 600) and source._epoch_loader is not None
+
+
+def test_a_cuda_run_with_workers_starts_their_fork_server_at_once(tmp_path, monkeypatch):
+    """On a CUDA device workers come from a fork server (a fork after CUDA's initialization cannot
+    use it); the input starts that server when it is made, so the server's imports overlap the
+    model's set-up instead of delaying the first batch. Not for no workers, nor on the CPU."""
+    import dynarec.train.input as train_input
+
+    make_data(tmp_path)
+    started: list[int] = []
+    monkeypatch.setattr(train_input, "start_worker_server", lambda: started.append(1))
+    for device_type, workers, expected in (("cuda", 2, 1), ("cuda", 0, 0), ("cpu", 2, 0)):
+        started.clear()
+        TrainInput(config_from_dict(config_dict(data__num_workers=workers)), single_process("cpu"), device_type)
+        assert len(started) == expected, (device_type, workers)
+
+
+def test_the_started_fork_server_serves_the_loaders_workers(tmp_path, monkeypatch):
+    """Started ahead of the first loader, the server is the one its workers come from: the batches
+    are those of a run without workers."""
+    from dynarec.data import reader
+
+    reader.start_worker_server()
+    monkeypatch.setattr(reader, "worker_context", lambda n: "forkserver" if n else None)
+    served = [b.labels for b, _, _ in epochs_of(tmp_path, 2, epochs=1).batches(DataPosition())]
+    plain = [b.labels for b, _, _ in epochs_of(tmp_path, 0, epochs=1).batches(DataPosition())]
+    assert len(served) == len(plain) and all(torch.equal(a, b) for a, b in zip(served, plain))
