@@ -36,8 +36,10 @@ from dynarec.config.load import ConfigError, config_fingerprint
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
-from dynarec.distributed.context import DistContext, single_process
+from dynarec.distributed.context import DistContext, StepFailedError, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
+from dynarec.embedding.cached_store import CacheFullError
+from dynarec.embedding.dynamic import TableFullError
 from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
@@ -408,26 +410,31 @@ class Trainer:
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None
-        while item is not None:
-            batch, self.position, rows = item
-            loss = self.train_step(batch, rows)
-            if loss is None:  # skipped (nan_policy 'skip_batch')
+        try:
+            while item is not None:
+                batch, self.position, rows = item
+                loss = self.train_step(batch, rows)
+                if loss is None:  # skipped (nan_policy 'skip_batch')
+                    item = ahead.next() if self._more_steps() else None
+                    continue
+                if read_ahead and self._more_steps():  # while the step's backward runs on the device
+                    ahead.read(self._steps_left())
+                record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
+                self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
+                evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
+                if evaluate and cfg.data.eval_input_path:
+                    self.log.eval(self.step, self.evaluate())
+                    evaluated_at = self.step
+                epochs = cfg.train.save_checkpoints_epochs
+                epoch_done = epochs is not None and self.position.row == 0 and self.position.epoch % epochs == 0
+                every = cfg.train.save_checkpoints_steps
+                if (every and self.step % every == 0) or epoch_done:
+                    self.save()
+                    saved_at = self.step
+                    self.log.line(self.step, "checkpoint saved")
                 item = ahead.next() if self._more_steps() else None
-                continue
-            if read_ahead and self._more_steps():  # while the step's backward runs on the device
-                ahead.read(self._steps_left())
-            record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
-            self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
-            if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and cfg.data.eval_input_path:
-                self.log.eval(self.step, self.evaluate())
-                evaluated_at = self.step
-            epochs = cfg.train.save_checkpoints_epochs
-            epoch_done = epochs is not None and self.position.row == 0 and self.position.epoch % epochs == 0
-            if (cfg.train.save_checkpoints_steps and self.step % cfg.train.save_checkpoints_steps == 0) or epoch_done:
-                self.save()
-                saved_at = self.step
-                self.log.line(self.step, "checkpoint saved")
-            item = ahead.next() if self._more_steps() else None
+        except (DataError, StepFailedError, TableFullError, CacheFullError) as e:  # the failed step was undone
+            raise self._progress_kept(e, saved_at, start_step) from None
         seconds = self.log.seconds
         finish = getattr(self.task.dense, "finish_training", None)  # a model fitted once training ends
         if finish is not None:
@@ -440,7 +447,13 @@ class Trainer:
             if evaluated_at == self.step:
                 final = self.log.history["eval"][-1][1]
             else:
-                final = self.evaluate()
+                try:
+                    final = self.evaluate()
+                except (DataError, StepFailedError) as e:  # the model trained is saved (above)
+                    raise type(e)(
+                        f"{e}; the trained model is saved in {self.checkpoints.latest()}: `dynarec evaluate` "
+                        "evaluates it once the data is fixed"
+                    ) from None
                 self.log.eval(self.step, final)
         report = {
             "step": self.step,
@@ -453,6 +466,30 @@ class Trainer:
         }
         self.log.finish(report)
         return report
+
+    def _progress_kept(self, error: Exception, saved_at: Optional[int], start_step: int) -> Exception:
+        """``error`` once the steps trained since the last checkpoint are saved: a batch that
+        could not be read, evaluation data, a full table or cache (the tables and the dense model
+        are those of the last whole step: the failed one was undone). A data error's message
+        then says where they are (for the others the CLI names the latest checkpoint). One rank's
+        own DataError in a multi-process run is returned as it is: a save is collective, and the
+        other ranks are not failing with it."""
+        if isinstance(error, DataError) and self.ctx.distributed:
+            return error
+        latest = self.checkpoints.latest()
+        if self.step == start_step or saved_at == self.step:
+            kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was written"
+        else:
+            try:
+                latest = self.save()
+                kept = f"the {self.step - start_step} steps trained are saved in {latest}"
+            except Exception as failed:
+                kept = f"saving the steps trained failed too ({type(failed).__name__}: {failed})"
+                latest = None
+        if not isinstance(error, (DataError, StepFailedError)):
+            return error
+        then = "; --resume continues from it once the data is fixed" if latest else ""
+        return type(error)(f"{error}; {kept}{then}")
 
     def _more_steps(self) -> bool:
         """Whether another step is to run (``num_steps`` permitting)."""

@@ -286,6 +286,9 @@ def test_a_bad_row_in_one_ranks_share_stops_both_ranks_with_its_message(runs, tm
     message = "part-0.parquet, row 305: feature 'cate_id' (column 'cate_id'): id 10000 is out of range"
     assert out.count(message) >= 2, out  # both ranks report rank 1's message
     assert "rank 1: DataError" in out
+    # the two steps before it are saved by both ranks (the failed step was undone on both)
+    assert f"the 2 steps trained are saved in {tmp_path / 'm' / 'checkpoints' / 'ckpt-0000000002'}" in out, out
+    assert (tmp_path / "m" / "checkpoints" / "ckpt-0000000002").is_dir()
 
 
 KILL = r"""

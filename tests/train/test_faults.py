@@ -435,3 +435,83 @@ def test_predict_copies_reserved_columns_beside_each_rows_prediction(data_root, 
     args = ["predict", "--model-dir", str(model), "--input", str(scored), "--output", str(tmp_path / "q.parquet")]
     assert main([*args, "--reserved-columns", "probability"]) == 2
     assert "the predictions have column(s) of that name" in capsys.readouterr().err
+
+
+def _with_nan_price(source, target, row: int) -> None:
+    """``source``'s Parquet files copied to ``target``, the overall ``row``'s price NaN."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(source, target)
+    for path in sorted(target.glob("*.parquet")):
+        table = pq.read_table(path)
+        if row < table.num_rows:
+            prices = table.column("price").to_pylist()
+            prices[row] = float("nan")
+            i = table.column_names.index("price")
+            pq.write_table(table.set_column(i, "price", pa.array(prices, table.schema.field("price").type)), path)
+            return
+        row -= table.num_rows
+    raise AssertionError("row beyond the data")
+
+
+@pytest.mark.parametrize("bad", ["train", "eval"])
+def test_data_that_fails_mid_run_keeps_every_step_trained(data_root, tmp_path, capsys, bad):
+    """A row that cannot be read mid-run (a NaN in the training files, or in the eval files at a
+    mid-run evaluation) stopped `dynarec train` with the steps since the last checkpoint lost.
+    They are saved (the failed step was never applied), the one-line error names the row and the
+    checkpoint, and --resume carries on from it once the data is fixed."""
+    data = data_root / "data"
+    _with_nan_price(data / bad, tmp_path / bad, 550 if bad == "train" else 3)  # train: step 6's batch
+    c = config_dict(train__save_checkpoints_steps=3, train__eval_every_steps=4 if bad == "eval" else None)
+    c["data"]["train_input_path"] = str(tmp_path / "train" if bad == "train" else data / "train")
+    c["data"]["eval_input_path"] = str(tmp_path / "eval" if bad == "eval" else data / "eval")
+    model = tmp_path / "m"
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model), "--no-progress"]
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    steps, row = (5, 550) if bad == "train" else (4, 3)
+    assert f"part-0.parquet, row {row}: feature 'price' (column 'price'): value nan is not a finite number" in err
+    assert err.endswith(
+        f"; the {steps} steps trained are saved in {model}/checkpoints/ckpt-{steps:010d}; "
+        "--resume continues from it once the data is fixed"
+    ), err
+    c["data"]["train_input_path" if bad == "train" else "eval_input_path"] = str(data / bad)  # the data fixed
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model), "--no-progress"]
+    assert main([*argv, "--resume"]) == 0
+    capsys.readouterr()
+    resumed = Trainer(config_from_dict(c), model, progress=False)
+    assert resumed.restore().name == "ckpt-0000000012" and resumed.step == 12
+
+
+def test_eval_data_failing_after_training_names_the_saved_model(data_root, tmp_path, capsys):
+    data = data_root / "data"
+    _with_nan_price(data / "eval", tmp_path / "eval", 3)
+    c = config_dict()
+    c["data"]["train_input_path"] = str(data / "train")
+    c["data"]["eval_input_path"] = str(tmp_path / "eval")
+    model = tmp_path / "m"
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model), "--no-progress"]
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "row 3: feature 'price'" in err and "value nan is not a finite number" in err, err
+    assert err.endswith("ckpt-0000000012: `dynarec evaluate` evaluates it once the data is fixed"), err
+    assert (model / "checkpoints" / "ckpt-0000000012").is_dir()
+
+
+def test_a_table_filling_mid_run_keeps_the_steps_before_it(data_root, tmp_path, capsys):
+    """The steps trained before a table filled (with no checkpoint written yet) were lost."""
+    c = config_dict(data__eval_input_path=None)
+    c["data"]["train_input_path"] = str(data_root / "data" / "train")
+    for entry in c["feature_configs"]:
+        feature = next(iter(entry.values()))
+        if "dynamicemb" in feature:
+            feature["dynamicemb"].update(max_capacity=128, init_capacity=128, score_strategy="none")
+    model = tmp_path / "m"
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model), "--no-progress"]
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("dynarec train: error: table 'user_id':") and "could not get a row" in err, err
+    assert err.endswith(f"the latest checkpoint is {model}/checkpoints/ckpt-0000000004 (continue with --resume)"), err
