@@ -47,6 +47,12 @@ def _input_key(dataset: ArrowBatchDataset) -> InputKey:
     return tuple(dataset.files), tuple(dataset.row_counts())
 
 
+def _file_rows(key: InputKey) -> list[tuple[str, int]]:
+    """``(file name, rows)`` of each file of an input, in order (names without their directory:
+    a data directory moved keeps its position's meaning)."""
+    return [(Path(f).name, int(rows)) for f, rows in zip(*key)]
+
+
 @dataclass(frozen=True)
 class FollowOptions:
     """Streaming input (``dynarec train --follow``): ``data.train_input_path`` is a directory
@@ -101,6 +107,9 @@ class TrainInput:
         # from the fork server, each importing torch). Keyed by the files and their row counts.
         self._epoch_loader: Optional[BatchLoader] = None
         self._epoch_loader_key: Optional[InputKey] = None
+        # The training files (names) and their row counts the data position counts in: the
+        # latest epoch's, recorded in checkpoints (not for --follow, which has followed_files).
+        self.train_files: list[tuple[str, int]] = []
 
     @property
     def global_batch_size(self) -> int:
@@ -169,6 +178,7 @@ class TrainInput:
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             key = _input_key(dataset)
+            self.train_files = _file_rows(key)
             cached = self._epoch_cache if position.row == 0 and self._cache_key == key else None
             kind = cfg.data.batch_cache
             built = None
@@ -204,6 +214,29 @@ class TrainInput:
                     built.close()
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
+
+    def check_position(self, position: DataPosition, recorded: list[tuple[str, int]], where: str) -> None:
+        """Warns when a mid-epoch ``position`` (``where``'s, counted in the files ``recorded``)
+        no longer means the same rows: the training files it counts through were renamed,
+        removed, reordered or changed their row counts (files added after them change nothing).
+        Training goes on from that row of the files as they are; the warning says what changed."""
+        if self.follow is not None or position.row == 0 or not recorded:
+            return
+        cfg = self.config
+        dataset = self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=0, training=True)
+        now = _file_rows(_input_key(dataset))
+        for i, (name, rows) in enumerate(recorded):
+            current = now[i] if i < len(now) else None
+            if current != (name, rows):
+                found = f"'{current[0]}' with {current[1]} rows" if current else "no file"
+                warnings.warn(
+                    f"{where}: its data position (epoch {position.epoch}, row {position.row}) counts through the "
+                    f"training files as they were; file {i + 1} was '{name}' with {rows} rows, and is {found} now: "
+                    f"training goes on from row {position.row} of the files as they are (rows may be skipped or "
+                    "read twice in this epoch)",
+                    stacklevel=2,
+                )
+                return
 
     def close(self) -> None:
         """Lets the workers kept for whole epochs go and drops the cached epoch (the run is

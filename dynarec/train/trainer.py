@@ -146,6 +146,7 @@ class Trainer:
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
+            "train_files": [list(f) for f in self.input.train_files],
             "step_rng": self.rng.state(),
             **({"loss_scaler": self.loss_scaler.state()} if self.loss_scaler is not None else {}),
         }
@@ -207,6 +208,8 @@ class Trainer:
         self.input.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
         self.log.load_state(state["history"])
         if training:
+            recorded = [(str(n), int(r)) for n, r in state.get("train_files", [])]
+            self.input.check_position(self.position, recorded, str(path))
             self.rng.load_state(state.get("step_rng") or {})
             if self.loss_scaler is not None and "loss_scaler" in state:
                 self.loss_scaler.load_state(state["loss_scaler"])

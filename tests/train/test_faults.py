@@ -515,3 +515,38 @@ def test_a_table_filling_mid_run_keeps_the_steps_before_it(data_root, tmp_path, 
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert err.startswith("dynarec train: error: table 'user_id':") and "could not get a row" in err, err
     assert err.endswith(f"the latest checkpoint is {model}/checkpoints/ckpt-0000000004 (continue with --resume)"), err
+
+
+def test_resuming_mid_epoch_on_changed_training_files_warns_what_changed(data_root, tmp_path):
+    """A checkpoint's data position is a row offset into the training files; resumed on files
+    that changed before it (a file rewritten with other rows, renamed, removed), training went on
+    from that offset silently, skipping or repeating rows. It warns, naming the file; files added
+    after the recorded ones, or a position at an epoch's start, change nothing."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "train"
+    shutil.copytree(data_root / "data" / "train", data)
+    c = config_dict(data__eval_input_path=None, train__num_steps=3)
+    del c["train"]["num_epochs"]
+    c["data"]["train_input_path"] = str(data)
+    Trainer(config_from_dict(c), tmp_path / "m", progress=False).fit()  # position: epoch 0, row 300
+    c["train"]["num_steps"] = 4
+
+    def resumed() -> list[str]:
+        shutil.rmtree(tmp_path / "r", ignore_errors=True)
+        shutil.copytree(tmp_path / "m", tmp_path / "r")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(config_from_dict(c), tmp_path / "r", progress=False).fit(resume=True)
+        return [str(w.message) for w in caught if "data position" in str(w.message)]
+
+    assert resumed() == []
+    shutil.copy(data / "part-1.parquet", data / "part-2.parquet")  # a file added after them
+    assert resumed() == []
+    table = pq.read_table(data / "part-0.parquet")
+    pq.write_table(table.slice(0, 500), data / "part-0.parquet")  # rows removed before the position
+    (message,) = resumed()
+    assert "ckpt-0000000003: its data position (epoch 0, row 300) counts through the training files" in message
+    assert "file 1 was 'part-0.parquet' with 600 rows, and is 'part-0.parquet' with 500 rows now" in message
