@@ -15,6 +15,8 @@ the rule every gradient here follows.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar, Union
@@ -295,6 +297,8 @@ class Tasks:
                 value = _metric(m, t, pred, y, groups)
                 if value is not None:
                     out[m if not self.multi else f"{m}_{t.tower_name}"] = value
+                    if m in ("auc", "grouped_auc") and math.isnan(value):
+                        warnings.warn(_undefined_auc(m, t, y), stacklevel=2)
         return out
 
     def _own_domain(self, t: TaskTowerCfg, predictions: dict[str, np.ndarray], labels: np.ndarray) -> np.ndarray:
@@ -304,6 +308,18 @@ class Tasks:
             return predictions[names[0]]
         stacked = np.stack([predictions[n] for n in names], axis=1)  # [N, domains(, C)]
         return stacked[np.arange(len(stacked)), labels[:, self._domain].astype(np.int64)]
+
+
+def _undefined_auc(name: str, t: TaskTowerCfg, y: np.ndarray) -> str:
+    """Why ``name`` of task ``t`` over the labels ``y`` is NaN: the rows (for grouped AUC: every
+    group's) hold one class only."""
+    labels = np.asarray(y).astype(bool)
+    positives = int(labels.sum())
+    if name == "auc":
+        why = f"its {len(labels):,} labels are all {1 if positives else 0}"
+    else:
+        why = f"no group holds both labels ({positives:,} positive of {len(labels):,} rows)"
+    return f"eval: {name} of task '{t.tower_name}' (label '{t.label_name}') is undefined (NaN): {why}"
 
 
 def _metric(

@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -29,3 +31,26 @@ def test_grouped_auc_weights_groups_by_size_and_skips_single_class():
 
 def test_log_loss():
     assert log_loss([0.5, 0.5], [0, 1]) == pytest.approx(np.log(2))
+
+
+def test_an_undefined_auc_is_reported_with_its_reason():
+    """Eval labels of one class gave NaN AUC and grouped AUC in the run's report with no word
+    why; each now warns, naming the task, its label and what the labels hold."""
+    from dynarec.config import config_from_dict
+    from dynarec.models.tasks import tasks_of
+    from tests.pipeline_fixtures import config_dict
+
+    tasks = tasks_of(config_from_dict(config_dict()))
+    names = tasks.output_names()
+    predictions = {names[0]: np.array([0.2, 0.7, 0.4, 0.9], dtype=np.float32)}
+    with pytest.warns(UserWarning) as caught:
+        out = tasks.metrics(predictions, np.zeros((4, 1), np.float32), np.array([1, 1, 2, 2]))
+    messages = [str(w.message) for w in caught]
+    assert np.isnan(out["auc"]) and np.isnan(out["grouped_auc"]) and np.isfinite(out["log_loss"])
+    assert "eval: auc of task 'main' (label 'clk') is undefined (NaN): its 4 labels are all 0" in messages
+    assert any("grouped_auc of task 'main' (label 'clk') is undefined (NaN): no group holds both labels" in m
+               for m in messages)  # fmt: skip
+    labels = np.array([[0], [1], [0], [1]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # defined: no warning
+        tasks.metrics(predictions, labels, np.array([1, 1, 2, 2]))
