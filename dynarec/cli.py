@@ -114,15 +114,21 @@ def cmd_train(args) -> None:
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> None:
     """Runs this very command (``argv``) as a torchrun job of ``nproc`` processes on this host."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from dynarec.train.stop import TrainingStopped
     from dynarec.train.trainer import TrainingError
 
     i = next(k for k, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
     argv = argv[:i] + argv[i + (1 if "=" in argv[i] else 2) :]
     try:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "dynarec", *argv])
+    except SignalException as e:  # torchrun passed it on to the ranks: they stop after a step, saved
+        raise TrainingStopped(
+            f"the {nproc}-process job stopped by {e.sigval.name}; the ranks' messages are above", int(e.sigval)
+        ) from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         raise TrainingError(
@@ -621,6 +627,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dynarec.embedding.dynamic import TableFullError
     from dynarec.files import DirectoryBusyError
     from dynarec.train.checkpoint import CheckpointError
+    from dynarec.train.stop import TrainingStopped
 
     try:
         if getattr(args, "device", None):
@@ -650,6 +657,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         note = _latest_note(args) if args.command == "train" else ""
         print(f"dynarec {args.command}: error: {describe_os_error(e)}{note}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:  # SIGTERM: the step finished and saved
+        print(f"dynarec {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"dynarec {args.command}: interrupted{_latest_note(args)}", file=sys.stderr)
         return 130

@@ -99,6 +99,15 @@ class DistContext:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(int(t))
 
+    def any_each(self, flags: list[bool], what: str) -> list[bool]:
+        """Each of ``flags``: whether it holds on any rank (one collective for all of them)."""
+        if not self.distributed:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], device=self.device)
+        with self.collective(f"the other ranks to finish {what}"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in t.tolist()]
+
     def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
         if not self.distributed:
             return [obj]

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -110,6 +110,10 @@ class TrainInput:
         # The training files (names) and their row counts the data position counts in: the
         # latest epoch's, recorded in checkpoints (not for --follow, which has followed_files).
         self.train_files: list[tuple[str, int]] = []
+        # --follow: asked between polls whether the run is to stop (the trainer's SIGTERM); the
+        # input then ends there (``stopped``), rather than waiting for files.
+        self.stop_requested: Callable[[], bool] = lambda: False
+        self.stopped = False
 
     @property
     def global_batch_size(self) -> int:
@@ -266,7 +270,10 @@ class TrainInput:
         idle_since = time.monotonic()
         seen: list[tuple[str, int]] = []  # the listing last read, with file sizes
         while True:
-            listing, timed_out = self._poll(directory, idle_since)
+            listing, timed_out, stop = self._poll(directory, idle_since)
+            if stop:
+                self.stopped = True
+                return
             names = [n for n, _ in listing]
             dataset, steps = None, 0
             if listing and listing != seen:  # schemas and row counts are read only when files change
@@ -319,13 +326,14 @@ class TrainInput:
                 raise
             return e
 
-    def _poll(self, directory: Path, idle_since: float) -> tuple[list[tuple[str, int]], bool]:
-        """The directory's data files (name and size in bytes), and whether no new file came for
-        the idle timeout — rank 0's view, on every rank, so that all ranks stop at the same poll."""
+    def _poll(self, directory: Path, idle_since: float) -> tuple[list[tuple[str, int]], bool, bool]:
+        """The directory's data files (name and size in bytes), whether no new file came for the
+        idle timeout, and whether the run is to stop — rank 0's view, on every rank, so that all
+        ranks stop at the same poll."""
         assert self.follow is not None
         timeout = self.follow.idle_timeout_seconds
         files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]
-        view = (files, timeout is not None and time.monotonic() - idle_since >= timeout)
+        view = (files, timeout is not None and time.monotonic() - idle_since >= timeout, self.stop_requested())
         if self.ctx.distributed:
             view = self.ctx.all_gather_objects(view, "polling the followed directory")[0]
         return view

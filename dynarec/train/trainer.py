@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -49,6 +50,7 @@ from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
+from dynarec.train.stop import StopSignal, TrainingStopped
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
@@ -105,6 +107,9 @@ class Trainer:
         # TDM: a batch's rows and its sampled tree nodes' rows, all of them labelled
         self.tree_samples = config.data.tdm_sampler is not None
         self.position = DataPosition()
+        self.stop_signal = StopSignal()  # SIGTERM during fit: stop after the step, saved
+        self._stopping = False
+        self.input.stop_requested = lambda: self.stop_signal.requested is not None  # (--follow's waits)
 
     def _graphs_refused(self, reason: str) -> None:
         print(
@@ -286,8 +291,11 @@ class Trainer:
         if penalty is not None:
             loss = loss + penalty
         bad = not bool(torch.isfinite(loss))
+        # A stop asked of any rank (SIGTERM) is agreed here too, so that every rank stops after
+        # the same step: the step's one collective check carries both flags.
+        self._stopping = self.stop_signal.requested is not None
         if self.ctx.distributed:
-            bad = self.ctx.any(bad, f"the loss of step {self.step + 1}")
+            bad, self._stopping = self.ctx.any_each([bad, self._stopping], f"the loss of step {self.step + 1}")
         if bad:
             self.task.embeddings.abort_step()
             if self.config.train.nan_policy == "skip_batch":
@@ -350,7 +358,11 @@ class Trainer:
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
         """Trains to ``num_steps`` (or ``num_epochs``), evaluating and checkpointing on the way;
-        returns the final report (eval metrics empty without eval data)."""
+        returns the final report (eval metrics empty without eval data).
+
+        Called in the main thread, it handles SIGTERM while it runs (the handler before it is put
+        back after): the step in progress finishes, the steps trained are saved, and it raises
+        :class:`~dynarec.train.stop.TrainingStopped` naming the checkpoint."""
         cfg = self.config
         if self.input.follow is None or data_files(str(cfg.data.train_input_path)):
             self.input.dataset(cfg.data.train_input_path, cfg.data.batch_size, training=True)  # check every file first
@@ -370,6 +382,7 @@ class Trainer:
             # and again kept one of each per run.
             stack.callback(self.log.close)
             stack.callback(self.input.close)
+            stack.enter_context(self.stop_signal.installed())
             return self._fit_locked(resume)
 
     def _fit_locked(self, resume: bool) -> dict[str, Any]:
@@ -435,6 +448,8 @@ class Trainer:
                     self.save()
                     saved_at = self.step
                     self.log.line(self.step, "checkpoint saved")
+                if self._stopping:
+                    break
                 item = ahead.next() if self._more_steps() else None
         except (DataError, StepFailedError, TableFullError, CacheFullError) as e:  # the failed step was undone
             raise self._progress_kept(e, saved_at, start_step) from None
@@ -443,8 +458,16 @@ class Trainer:
         if finish is not None:
             self.log.line(self.step, finish())
             saved_at = None
+        self._stopping = self._stopping or self.input.stopped  # (--follow, stopped while waiting for files)
         if saved_at != self.step:
             self.save()
+        if self._stopping:
+            signum = self.stop_signal.requested or signal.SIGTERM  # (another rank's, in a multi-process run)
+            raise TrainingStopped(
+                f"stopped by {signal.Signals(signum).name} after step {self.step}; the steps trained are saved in "
+                f"{self.checkpoints.latest()} (continue with --resume)",
+                signum,
+            )
         final: dict[str, Any] = {}
         if cfg.data.eval_input_path:
             if evaluated_at == self.step:

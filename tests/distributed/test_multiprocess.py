@@ -443,3 +443,25 @@ def test_tdm_with_a_dynamic_item_table_trains_on_two_processes(tmp_path):
     assert all(final["eval"]["num_examples"] == 200 * (1 + 7 + 36) for final in finals.values())
     auc = {nproc: final["eval"]["auc"] for nproc, final in finals.items()}
     assert auc[1] > 0.9 and auc[2] > 0.9, auc
+
+
+def test_sigterm_to_a_two_process_job_stops_both_ranks_after_one_step_saved(runs, tmp_path):
+    """torchrun passes a SIGTERM on to the ranks, each at its own point of a step; they agree
+    (in the step's loss check) to stop after the same step, save it together, and the job ends
+    with 143 naming the checkpoint."""
+    from tests.train.test_faults import _train_until_terminated
+
+    c = mixed_config(runs, 60, num_steps=1_000_000, save_checkpoints_steps=None)
+    c["data"]["eval_input_path"] = None
+    model_dir = tmp_path / "m"
+    config = write_config(runs, c, "sigterm.yaml")  # (beside the data its paths name)
+    argv = ["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress", "--nproc", "2"]
+    rc, err = _train_until_terminated(argv, model_dir, settle=8.0)
+    assert rc == 143, err[-4000:]
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stopped) == 2 and stopped[0] == stopped[1], err[-4000:]  # both ranks, the same step
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert (model_dir / "checkpoints" / f"ckpt-{step:010d}").is_dir()
+    assert err.strip().splitlines()[-1] == (
+        "dynarec train: the 2-process job stopped by SIGTERM; the ranks' messages are above"
+    )

@@ -550,3 +550,79 @@ def test_resuming_mid_epoch_on_changed_training_files_warns_what_changed(data_ro
     (message,) = resumed()
     assert "ckpt-0000000003: its data position (epoch 0, row 300) counts through the training files" in message
     assert "file 1 was 'part-0.parquet' with 600 rows, and is 'part-0.parquet' with 500 rows now" in message
+
+
+def _train_until_terminated(argv: list[str], model_dir, settle: float = 3.0) -> tuple[int, str]:
+    """Runs ``dynarec <argv>``, sends it SIGTERM once it has trained a while; its exit code and
+    stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-m", "dynarec", *argv],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (model_dir / "config.yaml").exists():
+        time.sleep(0.2)
+    time.sleep(settle)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"dynarec did not stop within 120 s of SIGTERM; its stacks:\n{err[-8000:]}")
+    return proc.returncode, err
+
+
+def test_sigterm_finishes_the_step_saves_it_and_resume_goes_on(data_root, tmp_path):
+    """A scheduler's SIGTERM (preemption) killed the run, losing every step since the last
+    checkpoint (here: all of them). The step in progress finishes, the steps are saved, the run
+    exits with 143 naming the checkpoint, and --resume continues from it."""
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
+    c["train"].update(num_steps=1_000_000)  # no checkpoint on the way
+    c["data"]["train_input_path"] = str(data_root / "data" / "train")
+    model_dir = tmp_path / "m"
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model_dir), "--no-progress"]
+    rc, err = _train_until_terminated(argv, model_dir)
+    assert rc == 143, err
+    assert "SIGTERM: stopping after this step, its checkpoint first" in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("dynarec train: stopped by SIGTERM after step ") and line.endswith(
+        "(continue with --resume)"
+    )
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert step >= 1 and f"the steps trained are saved in {model_dir}/checkpoints/ckpt-{step:010d}" in line
+    c["train"]["num_steps"] = step + 2
+    assert main([*argv[:2], str(write_config(tmp_path, c)), *argv[3:], "--resume"]) == 0
+    resumed = Trainer(config_from_dict(c), model_dir, progress=False)
+    assert resumed.restore().name == f"ckpt-{step + 2:010d}"
+
+
+def test_a_second_sigterm_stops_at_once():
+    """The first SIGTERM asks for a stop after the step; a second one is SIGTERM's default: the
+    process ends by it (a step that never finishes can still be stopped)."""
+    code = (
+        "import os, signal, time\n"
+        "from dynarec.train.stop import StopSignal\n"
+        "stop = StopSignal()\n"
+        "with stop.installed():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    assert stop.requested == signal.SIGTERM, stop.requested\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "print('still running')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert "still running" not in proc.stdout
+
+
+def test_the_stop_signal_handler_is_only_there_while_installed():
+    stop = __import__("dynarec.train.stop", fromlist=["StopSignal"]).StopSignal()
+    before = signal.getsignal(signal.SIGTERM)
+    with stop.installed():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before and stop.requested is None

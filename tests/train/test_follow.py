@@ -2,6 +2,7 @@
 run over the finished directory gives; a restart resumes at the right file; files arriving out
 of name order or changing after use are refused by name."""
 
+import signal
 import subprocess
 import sys
 import time
@@ -163,3 +164,25 @@ def tables_of_any_world(model_dir):
     state, shards = load_checkpoint(latest_checkpoint(model_dir / "checkpoints"))
     plan = plan_from_config(load_config(model_dir / "config.yaml"))
     return tables_for_rank(plan, 0, state["plan"], shards)
+
+
+def test_sigterm_while_waiting_for_files_stops_with_the_steps_saved(parts, tmp_path):
+    """A follower waiting for the next file (no idle timeout) ignored SIGTERM's request until a
+    file came; it stops at its next poll, the steps trained saved (exit 143)."""
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    add(stream, "part-0.parquet", tables[0])  # 3 steps, then nothing more arrives
+    args = [sys.executable, "-m", "dynarec", "train", "--config", str(config(root, stream, "wait.yaml"))]
+    args += ["--model-dir", str(tmp_path / "m"), "--no-progress", "--follow", "--poll-seconds", "0.1"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and latest_checkpoint(tmp_path / "m" / "checkpoints") is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    assert "dynarec train: stopped by SIGTERM after step 3; the steps trained are saved in" in out
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
+    assert state["step"] == 3 and state["row"] == 300
