@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,7 +89,7 @@ def cmd_train(args) -> None:
     """One process, or one rank of a torchrun job (``--nproc N`` starts that job: torchrun
     --standalone --nproc-per-node N -m dynarec train ...)."""
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        _launch_torchrun(args.nproc, args.argv)
+        _launch_torchrun(args.nproc, args.argv, lambda: _latest_note(args))
         return
     from dynarec.distributed.context import init_distributed
     from dynarec.train.trainer import FollowOptions, Trainer
@@ -112,8 +113,9 @@ def cmd_train(args) -> None:
             dist.destroy_process_group()
 
 
-def _launch_torchrun(nproc: int, argv: list[str]) -> None:
-    """Runs this very command (``argv``) as a torchrun job of ``nproc`` processes on this host."""
+def _launch_torchrun(nproc: int, argv: list[str], latest_note: Callable[[], str]) -> None:
+    """Runs this very command (``argv``) as a torchrun job of ``nproc`` processes on this host;
+    ``latest_note()`` names the model directory's latest checkpoint once it has stopped."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -127,10 +129,14 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> None:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "dynarec", *argv])
     except SignalException as e:  # torchrun passed it on to the ranks: they stop after a step, saved
         raise TrainingStopped(
-            f"the {nproc}-process job stopped by {e.sigval.name}; the ranks' messages are above", int(e.sigval)
+            f"the {nproc}-process job stopped by {e.sigval.name}{latest_note()}", int(e.sigval)
         ) from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
+        if codes == [128 + signal.SIGTERM]:  # the ranks were sent SIGTERM, not torchrun: they stopped, saved
+            raise TrainingStopped(
+                f"the {nproc}-process job stopped by SIGTERM{latest_note()}", signal.SIGTERM
+            ) from None
         raise TrainingError(
             f"the {nproc}-process job failed (exit codes {codes}); the ranks' messages are above"
         ) from None

@@ -11,6 +11,7 @@ import copy
 import glob
 import multiprocessing
 import os
+import signal
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -532,9 +533,14 @@ def start_worker_server() -> None:
 def _init_worker(_: int) -> None:
     """Set up a DataLoader worker: one Arrow thread (Parquet decoding, compute kernels), as torch
     gives it one thread of its own. The workers are the parallelism; eight of them each with an
-    Arrow pool of every core oversubscribe the host."""
+    Arrow pool of every core oversubscribe the host.
+
+    SIGTERM is ignored: a scheduler stopping a job signals every process of it, and the training
+    process handles it (it finishes its step and saves, ``dynarec.train.stop``); a worker killed
+    by it would fail that step first. A worker still ends with its parent (torch's watchdog)."""
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def default_num_workers(device_type: str) -> int:

@@ -107,9 +107,10 @@ class TrainInput:
         # from the fork server, each importing torch). Keyed by the files and their row counts.
         self._epoch_loader: Optional[BatchLoader] = None
         self._epoch_loader_key: Optional[InputKey] = None
-        # The training files (names) and their row counts the data position counts in: the
-        # latest epoch's, recorded in checkpoints (not for --follow, which has followed_files).
-        self.train_files: list[tuple[str, int]] = []
+        # The training files (names) and their row counts a data position counts in, by epoch
+        # (read-ahead may have begun the next epoch when a checkpoint records the position's);
+        # not for --follow, which has followed_files.
+        self._epoch_files: dict[int, list[tuple[str, int]]] = {}
         # --follow: asked between polls whether the run is to stop (the trainer's SIGTERM); the
         # input then ends there (``stopped``), rather than waiting for files.
         self.stop_requested: Callable[[], bool] = lambda: False
@@ -182,7 +183,8 @@ class TrainInput:
             if dataset.num_rows == 0:
                 raise DataError(f"data.train_input_path: the input holds no rows ({', '.join(dataset.files)})")
             key = _input_key(dataset)
-            self.train_files = _file_rows(key)
+            self._epoch_files = {e: f for e, f in self._epoch_files.items() if e >= position.epoch - 1}
+            self._epoch_files[position.epoch] = _file_rows(key)
             cached = self._epoch_cache if position.row == 0 and self._cache_key == key else None
             kind = cfg.data.batch_cache
             built = None
@@ -219,19 +221,29 @@ class TrainInput:
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
 
+    def files_of(self, epoch: int) -> list[tuple[str, int]]:
+        """``(file name, rows)`` of the training files of ``epoch`` (empty: not read yet)."""
+        return list(self._epoch_files.get(epoch, []))
+
     def check_position(self, position: DataPosition, recorded: list[tuple[str, int]], where: str) -> None:
         """Warns when a mid-epoch ``position`` (``where``'s, counted in the files ``recorded``)
-        no longer means the same rows: the training files it counts through were renamed,
-        removed, reordered or changed their row counts (files added after them change nothing).
-        Training goes on from that row of the files as they are; the warning says what changed."""
+        no longer means the same rows: a training file it counts through (one starting before
+        its row) was renamed, removed, reordered or changed its row count (files after it change
+        nothing). Training goes on from that row of the files as they are; the warning says what
+        changed. The recorded files stay the position's, for the next checkpoint."""
         if self.follow is not None or position.row == 0 or not recorded:
             return
+        self._epoch_files[position.epoch] = list(recorded)
         cfg = self.config
         dataset = self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=0, training=True)
         now = _file_rows(_input_key(dataset))
+        start = 0
         for i, (name, rows) in enumerate(recorded):
+            if start >= position.row:
+                return
+            start += rows
             current = now[i] if i < len(now) else None
-            if current != (name, rows):
+            if current != (name, rows) and self.ctx.is_main:
                 found = f"'{current[0]}' with {current[1]} rows" if current else "no file"
                 warnings.warn(
                     f"{where}: its data position (epoch {position.epoch}, row {position.row}) counts through the "
@@ -334,8 +346,9 @@ class TrainInput:
         timeout = self.follow.idle_timeout_seconds
         files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]
         view = (files, timeout is not None and time.monotonic() - idle_since >= timeout, self.stop_requested())
-        if self.ctx.distributed:
-            view = self.ctx.all_gather_objects(view, "polling the followed directory")[0]
+        if self.ctx.distributed:  # rank 0's listing; a stop asked of any rank
+            views = self.ctx.all_gather_objects(view, "polling the followed directory")
+            view = (views[0][0], views[0][1], any(v[2] for v in views))
         return view
 
     def _check_prefix(self, directory: Path, names: list[str], counts: list[int]) -> None:

@@ -1,6 +1,8 @@
 """A stop asked of a training run from outside: SIGTERM (a scheduler's preemption, ``kill``)
 lets the step in progress finish, then the trainer saves the steps trained and stops. A second
-SIGTERM stops the process at once, as SIGTERM does by default."""
+SIGTERM, :data:`REPEAT_SECONDS` or more after the first, stops the process at once, as SIGTERM
+does by default; one sooner is the same request arriving twice (a scheduler signals every
+process of a job, and torchrun passes its own on to the ranks)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
-__all__ = ["StopSignal", "TrainingStopped"]
+__all__ = ["REPEAT_SECONDS", "StopSignal", "TrainingStopped"]
+
+#: A second SIGTERM this soon after the first is taken for the same request.
+REPEAT_SECONDS = 5.0
 
 
 class TrainingStopped(RuntimeError):
@@ -32,25 +38,34 @@ class StopSignal:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Handles SIGTERM inside the block (Python handles signals in the main thread only: in
-        another thread nothing is installed and SIGTERM keeps its handler)."""
+        another thread nothing is installed and SIGTERM keeps its handler; an ignored SIGTERM
+        stays ignored)."""
         self.requested = None
-        if threading.current_thread() is not threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
             yield
             return
-        previous = signal.getsignal(signal.SIGTERM)
+        first_at = 0.0
 
         def handle(signum: int, _frame: Any) -> None:
-            if self.requested is not None:  # a second one: stop now
+            nonlocal first_at
+            if self.requested is not None:
+                if time.monotonic() - first_at < REPEAT_SECONDS:
+                    return  # the same request, delivered twice
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+                os.kill(os.getpid(), signum)  # a second one: stop now
                 return
-            self.requested = signum
-            print(
+            self.requested, first_at = signum, time.monotonic()
+            # os.write, not print: a handler that runs inside an interrupted write to stderr
+            # must not write through the same buffered stream
+            message = (
                 f"{signal.Signals(signum).name}: stopping after this step, its checkpoint first "
-                "(send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
+                f"(send it again, {REPEAT_SECONDS:.0f} s or more from now, to stop at once)\n"
             )
+            try:
+                os.write(sys.stderr.fileno(), message.encode())
+            except (OSError, ValueError):
+                pass
 
         signal.signal(signal.SIGTERM, handle)
         try:

@@ -151,7 +151,7 @@ class Trainer:
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
-            "train_files": [list(f) for f in self.input.train_files],
+            "train_files": [list(f) for f in self.input.files_of(self.position.epoch)],
             "step_rng": self.rng.state(),
             **({"loss_scaler": self.loss_scaler.state()} if self.loss_scaler is not None else {}),
         }
@@ -433,12 +433,12 @@ class Trainer:
                 if loss is None:  # skipped (nan_policy 'skip_batch')
                     item = ahead.next() if self._more_steps() else None
                     continue
-                if read_ahead and self._more_steps():  # while the step's backward runs on the device
+                if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
                     ahead.read(self._steps_left())
                 record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
                 self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
                 evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
-                if evaluate and cfg.data.eval_input_path:
+                if evaluate and cfg.data.eval_input_path and not self._stopping:
                     self.log.eval(self.step, self.evaluate())
                     evaluated_at = self.step
                 epochs = cfg.train.save_checkpoints_epochs
@@ -448,6 +448,8 @@ class Trainer:
                     self.save()
                     saved_at = self.step
                     self.log.line(self.step, "checkpoint saved")
+                if not self.ctx.distributed and self.stop_signal.requested is not None:
+                    self._stopping = True  # (asked during this step's evaluation or save: no step more)
                 if self._stopping:
                     break
                 item = ahead.next() if self._more_steps() else None
@@ -463,9 +465,10 @@ class Trainer:
             self.save()
         if self._stopping:
             signum = self.stop_signal.requested or signal.SIGTERM  # (another rank's, in a multi-process run)
+            then = "continue with --resume" if finish is None else "this model cannot resume: train it from the start"
             raise TrainingStopped(
-                f"stopped by {signal.Signals(signum).name} after step {self.step}; the steps trained are saved in "
-                f"{self.checkpoints.latest()} (continue with --resume)",
+                f"stopped by {signal.Signals(signum).name} after step {self.step}; the model is saved in "
+                f"{self.checkpoints.latest()} ({then})",
                 signum,
             )
         final: dict[str, Any] = {}
@@ -497,10 +500,11 @@ class Trainer:
         """``error`` once the steps trained since the last checkpoint are saved: a batch that
         could not be read, evaluation data, a full table or cache (the tables and the dense model
         are those of the last whole step: the failed one was undone). A data error's message
-        then says where they are (for the others the CLI names the latest checkpoint). One rank's
-        own DataError in a multi-process run is returned as it is: a save is collective, and the
-        other ranks are not failing with it."""
-        if isinstance(error, DataError) and self.ctx.distributed:
+        then says where they are (for the others the CLI names the latest checkpoint). Returned
+        as it is: one rank's own DataError in a multi-process run (a save is collective, and the
+        other ranks are not failing with it), and the error of a model fitted when training ends
+        (``finish_training``: it cannot resume)."""
+        if (isinstance(error, DataError) and self.ctx.distributed) or hasattr(self.task.dense, "finish_training"):
             return error
         latest = self.checkpoints.latest()
         if self.step == start_step or saved_at == self.step:
@@ -514,7 +518,9 @@ class Trainer:
                 latest = None
         if not isinstance(error, (DataError, StepFailedError)):
             return error
-        then = "; --resume continues from it once the data is fixed" if latest else ""
+        then = ""
+        if latest:
+            then = "; --resume continues from it" + (" once the data is fixed" if isinstance(error, DataError) else "")
         return type(error)(f"{error}; {kept}{then}")
 
     def _more_steps(self) -> bool:

@@ -463,5 +463,6 @@ def test_sigterm_to_a_two_process_job_stops_both_ranks_after_one_step_saved(runs
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert (model_dir / "checkpoints" / f"ckpt-{step:010d}").is_dir()
     assert err.strip().splitlines()[-1] == (
-        "dynarec train: the 2-process job stopped by SIGTERM; the ranks' messages are above"
+        f"dynarec train: the 2-process job stopped by SIGTERM; the latest checkpoint is "
+        f"{model_dir / 'checkpoints' / f'ckpt-{step:010d}'} (continue with --resume)"
     )

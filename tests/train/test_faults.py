@@ -2,6 +2,7 @@
 
 import glob
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -545,6 +546,9 @@ def test_resuming_mid_epoch_on_changed_training_files_warns_what_changed(data_ro
     assert resumed() == []
     shutil.copy(data / "part-1.parquet", data / "part-2.parquet")  # a file added after them
     assert resumed() == []
+    later = pq.read_table(data / "part-1.parquet")
+    pq.write_table(later.slice(0, 400), data / "part-1.parquet")  # rows removed after the position
+    assert resumed() == []
     table = pq.read_table(data / "part-0.parquet")
     pq.write_table(table.slice(0, 500), data / "part-0.parquet")  # rows removed before the position
     (message,) = resumed()
@@ -552,20 +556,24 @@ def test_resuming_mid_epoch_on_changed_training_files_warns_what_changed(data_ro
     assert "file 1 was 'part-0.parquet' with 600 rows, and is 'part-0.parquet' with 500 rows now" in message
 
 
-def _train_until_terminated(argv: list[str], model_dir, settle: float = 3.0) -> tuple[int, str]:
-    """Runs ``dynarec <argv>``, sends it SIGTERM once it has trained a while; its exit code and
-    stderr."""
+def _train_until_terminated(argv: list[str], model_dir, settle: float = 3.0, group: bool = False) -> tuple[int, str]:
+    """Runs ``dynarec <argv>``, sends it SIGTERM once it has trained a while (``group``: to its
+    whole process group, as a scheduler does); its exit code and stderr."""
     proc = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", "-m", "dynarec", *argv],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
+        start_new_session=group,
     )
     deadline = time.time() + 120
     while time.time() < deadline and not (model_dir / "config.yaml").exists():
         time.sleep(0.2)
     time.sleep(settle)
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -593,31 +601,54 @@ def test_sigterm_finishes_the_step_saves_it_and_resume_goes_on(data_root, tmp_pa
         "(continue with --resume)"
     )
     step = int(line.split("after step ")[1].split(";")[0])
-    assert step >= 1 and f"the steps trained are saved in {model_dir}/checkpoints/ckpt-{step:010d}" in line
+    assert step >= 1 and f"the model is saved in {model_dir}/checkpoints/ckpt-{step:010d}" in line
     c["train"]["num_steps"] = step + 2
     assert main([*argv[:2], str(write_config(tmp_path, c)), *argv[3:], "--resume"]) == 0
     resumed = Trainer(config_from_dict(c), model_dir, progress=False)
     assert resumed.restore().name == f"ckpt-{step + 2:010d}"
 
 
-def test_a_second_sigterm_stops_at_once():
-    """The first SIGTERM asks for a stop after the step; a second one is SIGTERM's default: the
-    process ends by it (a step that never finishes can still be stopped)."""
+def test_a_second_sigterm_stops_at_once_and_a_repeat_at_once_is_the_same_request():
+    """The first SIGTERM asks for a stop after the step; one right after it is the same request
+    delivered twice (a scheduler signals every process, torchrun passes its own on); a second
+    one later is SIGTERM's default: the process ends by it (a step that never finishes can still
+    be stopped)."""
     code = (
         "import os, signal, time\n"
-        "from dynarec.train.stop import StopSignal\n"
-        "stop = StopSignal()\n"
+        "from dynarec.train import stop as s\n"
+        "s.REPEAT_SECONDS = 1.0\n"
+        "stop = s.StopSignal()\n"
         "with stop.installed():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.2)\n"
         "    assert stop.requested == signal.SIGTERM, stop.requested\n"
+        "    print('after the repeat', flush=True)\n"
+        "    time.sleep(1.0)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(5)\n"
         "print('still running')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
-    assert "still running" not in proc.stdout
+    assert "after the repeat" in proc.stdout and "still running" not in proc.stdout
+    assert proc.stderr.count("SIGTERM: stopping after this step, its checkpoint first") == 1, proc.stderr
+
+
+def test_sigterm_to_the_whole_process_group_spares_the_dataloader_workers(data_root, tmp_path):
+    """A scheduler signals every process of the job: DataLoader workers killed by it failed the
+    step in progress ("DataLoader worker ... killed by signal: Terminated"), nothing saved. The
+    workers ignore it; the training process stops after its step, saved."""
+    c = config_dict(data__eval_input_path=None, data__num_workers=2)
+    del c["train"]["num_epochs"]
+    c["train"].update(num_steps=1_000_000)
+    c["data"]["train_input_path"] = str(data_root / "data" / "train")
+    model_dir = tmp_path / "m"
+    argv = ["train", "--config", str(write_config(tmp_path, c)), "--model-dir", str(model_dir), "--no-progress"]
+    rc, err = _train_until_terminated(argv, model_dir, group=True)
+    assert rc == 143, err[-4000:]
+    assert err.strip().splitlines()[-1].startswith("dynarec train: stopped by SIGTERM after step "), err[-4000:]
+    assert "killed by signal" not in err
 
 
 def test_the_stop_signal_handler_is_only_there_while_installed():

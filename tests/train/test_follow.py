@@ -183,6 +183,6 @@ def test_sigterm_while_waiting_for_files_stops_with_the_steps_saved(parts, tmp_p
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
-    assert "dynarec train: stopped by SIGTERM after step 3; the steps trained are saved in" in out
+    assert "dynarec train: stopped by SIGTERM after step 3; the model is saved in" in out
     state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
     assert state["step"] == 3 and state["row"] == 300
