@@ -387,6 +387,7 @@ class Trainer:
 
     def _fit_locked(self, resume: bool) -> dict[str, Any]:
         cfg = self.config
+        self._stopping = self.input.stopped = False
         existing = self.checkpoints.list()
         if resume:
             if existing:
