@@ -34,6 +34,7 @@ __all__ = [
     "DirectoryLock",
     "atomic_path",
     "atomic_write_text",
+    "check_replaceable",
     "describe_os_error",
     "file_manifest",
     "fsync_dir",
@@ -189,26 +190,16 @@ def relative_files(directory: Path) -> list[str]:
 def replace_dir(tmp: Path, target: Path, marker: str, what: str) -> None:
     """Moves the finished directory ``tmp`` to ``target``.
 
-    An existing ``target`` is replaced only when it is empty or a ``what`` dynarec wrote: it holds
-    ``marker`` and no file dynarec would not write there (:func:`foreign_files`: the files its
-    marker lists, an export's manifest or a data directory's ``meta.json``, else files of the
-    kinds ``tmp`` holds: ``train/part-7.parquet`` as ``train/part-0.parquet``). So a
-    model directory (its checkpoints) or a user's file put in a data directory is never deleted.
-    Anything else raises FileExistsError naming it (and ``tmp`` is removed). The old directory
-    is renamed aside before the new one takes its name, then deleted.
+    An existing ``target`` is replaced only when :func:`check_replaceable` allows it (with the
+    kinds of files ``tmp`` holds); else its FileExistsError is raised and ``tmp`` removed. The
+    old directory is renamed aside before the new one takes its name, then deleted.
     """
+    try:
+        check_replaceable(target, marker, what, like=tmp)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if target.exists():
-        if not target.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(f"{target} exists and is not a directory; choose another {what} path")
-        if any(target.iterdir()):
-            foreign = foreign_files(target, marker, like=tmp)
-            if foreign:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise FileExistsError(
-                    f"{target} is a non-empty directory that is not a dynarec {what} (it holds {foreign}); dynarec "
-                    f"replaces only a {what} it wrote itself: choose an empty or new directory"
-                )
         old = target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}")
         os.replace(target, old)
         os.replace(tmp, target)
@@ -217,6 +208,28 @@ def replace_dir(tmp: Path, target: Path, marker: str, what: str) -> None:
     else:
         os.replace(tmp, target)
         fsync_dir(target.parent)
+
+
+def check_replaceable(target: Path, marker: str, what: str, like: Optional[Path] = None) -> None:
+    """FileExistsError naming ``target`` unless it is absent, empty or a ``what`` dynarec wrote:
+    a directory holding ``marker`` and no file dynarec would not write there
+    (:func:`foreign_files`: the files its marker lists, an export's manifest or a data
+    directory's ``meta.json``, else files of the kinds ``like`` holds: ``train/part-7.parquet``
+    as ``train/part-0.parquet``). So a model directory (its checkpoints) or a user's file put in
+    a data directory is never deleted by a rewrite."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory; choose another {what} path")
+    if not any(target.iterdir()):
+        return
+    foreign = foreign_files(target, marker, like)
+    if foreign:
+        held = f"no {marker}" if not (target / marker).is_file() else f"it holds {foreign}"
+        raise FileExistsError(
+            f"{target} is a non-empty directory that is not a dynarec {what} ({held}); dynarec replaces only "
+            f"a {what} it wrote itself: choose an empty or new directory"
+        )
 
 
 def foreign_files(target: Path, marker: str, like: Optional[Path] = None) -> list[str]:

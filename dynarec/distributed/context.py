@@ -92,12 +92,7 @@ class DistContext:
 
     def any(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` holds on any rank."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        with self.collective(f"the other ranks to finish {what}"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(int(t))
+        return self.any_each([flag], what)[0]
 
     def any_each(self, flags: list[bool], what: str) -> list[bool]:
         """Each of ``flags``: whether it holds on any rank (one collective for all of them)."""

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from dynarec.data.batch import Batch
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
-from dynarec.files import file_manifest, foreign_files, fsync_tree, replace_dir, write_bytes, write_error
+from dynarec.files import check_replaceable, file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask, check_servable
 
@@ -248,16 +248,4 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def _check_target(export_dir: Path) -> None:
     """Refuses, before any work, a target that replace_dir would refuse (an export whose manifest
     lists no files is checked by replace_dir only)."""
-    if export_dir.exists() and not export_dir.is_dir():
-        raise FileExistsError(f"{export_dir} exists and is not a directory; choose another export path")
-    if export_dir.is_dir() and any(export_dir.iterdir()) and not (export_dir / META).is_file():
-        raise FileExistsError(
-            f"{export_dir} is a non-empty directory that is not a dynarec export (no {META}); dynarec replaces only "
-            "its own exports: choose an empty or new directory"
-        )
-    foreign = foreign_files(export_dir, META) if export_dir.is_dir() and any(export_dir.iterdir()) else []
-    if foreign:
-        raise FileExistsError(
-            f"{export_dir} is a non-empty directory that is not a dynarec export (it holds {foreign}); dynarec "
-            "replaces only its own exports: choose an empty or new directory"
-        )
+    check_replaceable(export_dir, META, "export")

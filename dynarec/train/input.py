@@ -340,8 +340,8 @@ class TrainInput:
 
     def _poll(self, directory: Path, idle_since: float) -> tuple[list[tuple[str, int]], bool, bool]:
         """The directory's data files (name and size in bytes), whether no new file came for the
-        idle timeout, and whether the run is to stop — rank 0's view, on every rank, so that all
-        ranks stop at the same poll."""
+        idle timeout (rank 0's view of both), and whether the run is to stop (asked of any rank):
+        the same on every rank, so that all ranks stop at the same poll."""
         assert self.follow is not None
         timeout = self.follow.idle_timeout_seconds
         files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]

@@ -45,6 +45,7 @@ class StopSignal:
         if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
             yield
             return
+        restore = previous if previous is not None else signal.SIG_DFL  # (None: a handler not set from Python)
         first_at = 0.0
 
         def handle(signum: int, _frame: Any) -> None:
@@ -52,7 +53,7 @@ class StopSignal:
             if self.requested is not None:
                 if time.monotonic() - first_at < REPEAT_SECONDS:
                     return  # the same request, delivered twice
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+                signal.signal(signum, restore)
                 os.kill(os.getpid(), signum)  # a second one: stop now
                 return
             self.requested, first_at = signum, time.monotonic()
@@ -71,4 +72,4 @@ class StopSignal:
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, restore)
