@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -32,6 +32,7 @@ from dynarec.data.reader import (
     start_worker_server,
 )
 from dynarec.distributed.context import DistContext
+from dynarec.train.stop import StopSignal
 
 __all__ = ["FollowOptions", "Item", "ReadAhead", "TrainInput"]
 
@@ -111,9 +112,11 @@ class TrainInput:
         # (read-ahead may have begun the next epoch when a checkpoint records the position's);
         # not for --follow, which has followed_files.
         self._epoch_files: dict[int, list[tuple[str, int]]] = {}
-        # --follow: asked between polls whether the run is to stop (the trainer's SIGTERM); the
-        # input then ends there (``stopped``), rather than waiting for files.
-        self.stop_requested: Callable[[], bool] = lambda: False
+        # --follow: read between polls (the trainer's SIGTERM); a stop requested ends the input
+        # there (``stopped``), rather than waiting for files. The signal object, not a callback
+        # into the trainer: the trainer holds this input, and a cycle would keep both (and their
+        # process group's work) alive until the interpreter's exit.
+        self.stop_signal = StopSignal()
         self.stopped = False
 
     @property
@@ -345,7 +348,11 @@ class TrainInput:
         assert self.follow is not None
         timeout = self.follow.idle_timeout_seconds
         files = [(Path(f).name, Path(f).stat().st_size) for f in data_files(directory)]
-        view = (files, timeout is not None and time.monotonic() - idle_since >= timeout, self.stop_requested())
+        view = (
+            files,
+            timeout is not None and time.monotonic() - idle_since >= timeout,
+            self.stop_signal.requested is not None,
+        )
         if self.ctx.distributed:  # rank 0's listing; a stop asked of any rank
             views = self.ctx.all_gather_objects(view, "polling the followed directory")
             view = (views[0][0], views[0][1], any(v[2] for v in views))

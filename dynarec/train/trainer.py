@@ -50,7 +50,7 @@ from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
-from dynarec.train.stop import StopSignal, TrainingStopped
+from dynarec.train.stop import TrainingStopped
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
@@ -107,9 +107,8 @@ class Trainer:
         # TDM: a batch's rows and its sampled tree nodes' rows, all of them labelled
         self.tree_samples = config.data.tdm_sampler is not None
         self.position = DataPosition()
-        self.stop_signal = StopSignal()  # SIGTERM during fit: stop after the step, saved
+        self.stop_signal = self.input.stop_signal  # SIGTERM during fit: stop after the step, saved
         self._stopping = False
-        self.input.stop_requested = lambda: self.stop_signal.requested is not None  # (--follow's waits)
 
     def _graphs_refused(self, reason: str) -> None:
         print(

@@ -657,3 +657,16 @@ def test_the_stop_signal_handler_is_only_there_while_installed():
     with stop.installed():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before and stop.requested is None
+
+
+def test_a_trainer_is_freed_when_its_last_reference_goes(data_root, tmp_path):
+    """No reference cycle keeps a trainer alive: a cycle (the input held a callback into the
+    trainer) left it, and its process group's pending work, to the interpreter's exit, where a
+    two-process run's rank aborted tearing Gloo down ("terminate called without an active
+    exception")."""
+    import weakref
+
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=1)
+    ref = weakref.ref(trainer)
+    del trainer
+    assert ref() is None
