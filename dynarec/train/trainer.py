@@ -26,6 +26,8 @@ import contextlib
 import math
 import signal
 import sys
+import weakref
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -54,6 +56,13 @@ from dynarec.train.stop import TrainingStopped
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
+
+
+def _call_if_alive(method: Callable[[], Optional[Callable[[str], None]]], reason: str) -> None:
+    """Calls the method a ``weakref.WeakMethod`` refers to, if its object still lives."""
+    bound = method()
+    if bound is not None:
+        bound(reason)
 
 
 class TrainingError(RuntimeError):
@@ -97,8 +106,9 @@ class Trainer:
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
-        if self.task.graphs is not None:
-            self.task.graphs.on_refusal = self._graphs_refused
+        if self.task.graphs is not None:  # weakly: the task must not hold its trainer alive (a cycle)
+            refused = weakref.WeakMethod(self._graphs_refused)
+            self.task.graphs.on_refusal = lambda reason: _call_if_alive(refused, reason)
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         scaling = config.train.grad_scaler

@@ -18,6 +18,20 @@ from tests.pipeline_fixtures import config_dict, make_data, write_config
 pytestmark = [needs_cuda, pytest.mark.slow]
 
 
+def test_a_cuda_trainer_is_freed_when_its_last_reference_goes(tmp_path):
+    """No reference cycle keeps a CUDA trainer alive: the dense model's graphs held a bound
+    method of the trainer (the report of a refused capture), which left it and its process
+    group's pending work to a GC pass or the interpreter's exit."""
+    import weakref
+
+    make_data(tmp_path)
+    trainer = Trainer(load_config(write_config(tmp_path, config_dict())), tmp_path / "m", device="cuda", progress=False)
+    assert trainer.task.graphs is not None and trainer.task.graphs.on_refusal is not None
+    ref = weakref.ref(trainer)
+    del trainer
+    assert ref() is None
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cuda_training_matches_the_cpu_run(tmp_path, workers):
     make_data(tmp_path)
