@@ -165,7 +165,10 @@ class ShardedEmbeddingCollection(TableFreezing, nn.Module):
             except Exception as e:
                 error = error or e
         packed = [
-            pack([(f.name, tp.table.pooling_of(f), slices[f.name]) for f in tp.table.feature_configs])
+            pack(
+                [(f.name, tp.table.pooling_of(f), slices[f.name]) for f in tp.table.feature_configs],
+                pad_sequences=False,
+            )
             for tp in self.routed
         ]
         where = [tp.sharding.owner(bags.ids) for tp, (bags, _) in zip(self.routed, packed)]

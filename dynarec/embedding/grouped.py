@@ -143,19 +143,19 @@ class _Group:
     ) -> tuple[Bags, BagLayout, list[int], tuple[tuple[int, int], ...]]:
         """Every feature of every table as one list of bags: ``(bags, layout, ids a feature, each
         table's (bags, ids))``; ``dims_apart``: each feature's dim in the layout (packed rows)."""
-        inputs, counts, parts, dims = [], [], [], []
+        inputs, counts, dims = [], [], []
         for table in self.tables:
-            num_bags = num_ids = 0
             for f in table.features:
                 s = slices[f.name]
-                pooling = table.config.pooling_of(f)
-                inputs.append((f.name, pooling, s))
+                inputs.append((f.name, table.config.pooling_of(f), s))
                 counts.append(s.num_ids)
                 dims.append(table.config.dim)
-                num_bags += s.num_ids if pooling == "none" else s.lengths.numel()
-                num_ids += s.num_ids
-            parts.append((num_bags, num_ids))
         bags, layout = pack(inputs, dims if dims_apart else None)
+        parts, at = [], 0
+        for table in self.tables:
+            shares = layout.features[at : at + len(table.features)]
+            parts.append((sum(f.num_bags for f in shares), sum(counts[at : at + len(table.features)])))
+            at += len(table.features)
         return bags, layout, counts, tuple(parts)
 
     def _shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:

@@ -4,13 +4,15 @@
 A table's forward is ``unpack(lookup(pack(features)))``:
 
 1. :func:`pack` turns every feature a table serves into one list of weighted bags over ids: a
-   pooled feature's sample is a bag; a sequence feature's every id is a bag of its own; mean
-   pooling puts ``1/L`` (``L`` the sample's full length) into the per-sample weights. It is pure
-   and runs where the batch is — sharding sends its output to the rows' owners.
+   pooled feature's sample is a bag; a sequence feature's every position of the padded
+   ``[B, L]`` is a bag (one id, or none past the sample's length: a zero row), so the lookup
+   writes the padded output itself; mean pooling puts ``1/L`` (``L`` the sample's full length)
+   into the per-sample weights. It is pure and runs where the batch is — sharding sends its
+   output to the rows' owners (a sequence's ids there a bag each: no empty bags to send).
 2. ``lookup`` (the table's) turns ids into rows and pools each bag: ``[num_bags, D]``; it is the
    autograd boundary where the fused optimizer runs in backward. GPU kernels replace it.
 3. :func:`unpack` splits the pooled bags back into features: ``[B, D]`` for pooled features,
-   zero-padded ``[B, L, D]`` for sequences.
+   zero-padded ``[B, L, D]`` for sequences (a view of the lookup's output where it padded).
 
 Neither pack nor unpack reads a tensor's value on the host (no device sync): every size they need
 is carried on the host by the batch (``FeatureSlice.num_ids`` / ``max_length``).
@@ -53,7 +55,8 @@ class FeatureBags:
     """One feature's share of the bags: ``num_bags`` consecutive bags, unpacked as ``pooling``.
     ``lengths`` ``[B]`` are the samples' lengths; ``max_length`` their max (host int). ``dim``:
     the feature's columns of bags wider than its table (packed rows of several dims), or None
-    (all of them)."""
+    (all of them). ``padded``: a sequence's bags are its ``B x max_length`` positions (else its
+    ids, one bag each)."""
 
     name: str
     pooling: Pooling
@@ -61,6 +64,7 @@ class FeatureBags:
     lengths: torch.Tensor
     max_length: int
     dim: Optional[int] = None
+    padded: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,19 +75,36 @@ class BagLayout:
 
 
 def pack(
-    inputs: Sequence[tuple[str, Pooling, FeatureSlice]], dims: Optional[Sequence[int]] = None
+    inputs: Sequence[tuple[str, Pooling, FeatureSlice]],
+    dims: Optional[Sequence[int]] = None,
+    pad_sequences: bool = True,
 ) -> tuple[Bags, BagLayout]:
     """Packs the features ``(name, pooling, slice)`` of one table into one list of bags
     (``dims``: each feature's dim, where the bags are wider: packed rows of several tables).
 
     Mean pooling divides by each sample's full length ``L`` through the per-sample weights
     (FBGEMM's GPU meaning, with or without per-sample weights); an empty bag pools to zeros.
+
+    A sequence feature (pooling ``none``) of ``B`` samples, the longest ``L`` long, is ``B * L``
+    bags with ``pad_sequences``: position ``p`` of sample ``b`` is a bag holding its ``p``-th id,
+    empty past its length. Its pooled rows are then the padded ``[B, L, D]`` output itself, and
+    its gradient reaches the update as it is (no id reads an empty bag's): no padding pass
+    forward, no gather backward, and a bag count that does not change with the samples' lengths
+    (a captured update recurs). Without it (bags sent to other ranks: no empty bags to send),
+    each id is a bag and :func:`unpack` pads. The ids and weights are the same either way.
     """
     ids, lengths, weights, layout = [], [], [], []
     need_weights = any(p == "mean" or s.weights is not None for _, p, s in inputs)
     for i, (name, pooling, s) in enumerate(inputs):
         ids.append(s.values)
-        if pooling == "none":
+        # every sample full: the padded bags are the ids' own
+        full = pooling == "none" and s.num_ids == s.lengths.numel() * s.max_length
+        padded = pooling == "none" and pad_sequences and not full
+        if padded:
+            positions = torch.arange(s.max_length, device=s.lengths.device, dtype=s.lengths.dtype)
+            lengths.append((positions < s.lengths.unsqueeze(1)).flatten().to(s.lengths.dtype))
+            num_bags = s.lengths.numel() * s.max_length
+        elif pooling == "none":
             lengths.append(torch.ones_like(s.values))
             num_bags = s.num_ids
         else:
@@ -96,7 +117,8 @@ def pack(
             w = scale if w is None else w * scale
         if need_weights:
             weights.append(w if w is not None else torch.ones(s.num_ids, device=s.values.device))
-        layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length, None if dims is None else dims[i]))
+        dim = None if dims is None else dims[i]
+        layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length, dim, padded or full))
     all_lengths = _cat(lengths)
     offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
     bags = Bags(_cat(ids), offsets, _cat(weights) if need_weights else None)
@@ -119,9 +141,17 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
     for f, chunk in zip(layout.features, chunks):
         if f.dim is not None and f.dim < chunk.shape[1]:  # packed rows: the feature's own columns
             chunk = chunk[:, : f.dim]
-            if f.pooling != "none":  # a model may view it ([B, D] as any table's output is)
+            if f.pooling != "none" or f.padded:  # a model may view it, as any table's output
                 chunk = chunk.contiguous()
-        out[f.name] = pad_sequence_rows(chunk, f.lengths, f.max_length) if f.pooling == "none" else chunk
+        if f.pooling == "none":
+            batch = f.lengths.numel()
+            padded = f.padded
+            chunk = (
+                chunk.view(batch, f.max_length, chunk.shape[1])
+                if padded
+                else pad_sequence_rows(chunk, f.lengths, f.max_length)
+            )
+        out[f.name] = chunk
     return out
 
 

@@ -257,3 +257,35 @@ def test_a_device_batch_made_on_another_stream_is_read_after_its_ready_event():
     got, expected = coll.tables["t"].dump(), ref.tables["t"].dump()
     assert got["keys"].tolist() == expected["keys"].tolist() == [5, 9, 11, 105, 109, 111]
     assert torch.equal(got["weight"], expected["weight"])
+
+
+def test_a_sequence_tables_captured_update_recurs_whatever_the_samples_lengths():
+    """A sequence's bags are the padded ``[B, L]`` positions (``dynarec.embedding.pack``), so a
+    table's bag count stays while its samples' lengths change from step to step and its update
+    is captured once and replayed (when every id was a bag, the count changed with the lengths
+    and no update recurred); the steps equal the CPU's."""
+    from dynarec.kernels.gpu import update as gpu_update
+
+    def make(device):
+        features = ["item_id", FeatureConfig("hist", pooling="none")]
+        table = TableConfig(name="t", dim=8, num_embeddings=50, features=features, seed=3)
+        return EmbeddingCollection([table], Adagrad(lr=0.2), device=device)
+
+    cpu, gpu = make("cpu"), make("cuda")
+    gpu_update._CAPTURED.clear()
+    before = gpu_update._CAPTURED.captures
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        lengths = [6, *((step + j) % 6 for j in range(7))]  # 8 samples, the longest 6; 21 + step ids
+        hist = [rng.integers(0, 50, size=n).tolist() for n in lengths]
+        kjt = JaggedBatch.from_lists({"item_id": [[i] for i in range(8)], "hist": hist})
+        outs = [coll(batch) for coll, batch in ((cpu, kjt), (gpu, kjt.pin_memory()))]
+        for out in outs:
+            assert out["hist"].shape == (8, 6, 8)
+            grad = torch.linspace(-1, 1, out["hist"].numel()).view(8, 6, 8).to(out["hist"].device)
+            ((out["hist"] * grad).sum() + out["item_id"].sum()).backward()
+    assert gpu_update._CAPTURED.captures == before + 1  # captured on its second step, replayed after
+    keys = torch.arange(50)
+    rc, rg = cpu.read_rows("t", keys), gpu.read_rows("t", keys.cuda())
+    for k in rc:
+        torch.testing.assert_close(rg[k].cpu(), rc[k], rtol=1e-5, atol=1e-6)

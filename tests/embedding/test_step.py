@@ -5,7 +5,7 @@ import torch
 
 from dynarec import AdmissionConfig, DynamicTableOptions, EmbeddingCollection, JaggedBatch, TableConfig
 from dynarec.embedding.jagged import split_features
-from dynarec.embedding.pack import unpack
+from dynarec.embedding.pack import pack, unpack
 from dynarec.embedding.step import StepPendingError
 from dynarec.optim import Adagrad, Adam
 
@@ -149,14 +149,25 @@ def test_forward_is_pack_lookup_unpack():
     )
     table = coll.tables["t"]
     bags, layout = table.pack(split_features(kjt))
-    # item: 2 bags; hist: one bag per id (3); m: 2 bags with 1/L in the weights.
-    assert bags.offsets.tolist() == [0, 1, 3, 4, 5, 6, 8, 9]
+    # item: 2 bags; hist: a bag per position of the padded [2, 3] (3 of one id, 3 empty); m: 2
+    # bags with 1/L in the weights.
+    assert bags.offsets.tolist() == [0, 1, 3, 4, 5, 6, 6, 6, 6, 8, 9]
     assert bags.weights.tolist() == [1.0, 0.5, 2.0, 1.0, 1.0, 3.0, 0.5, 0.5, 4.0]
     pooled = table.lookup(bags, train=False)
-    assert pooled.shape == (7, D)
+    assert pooled.shape == (10, D)
     out = unpack(pooled, layout)
+    assert out["hist"].data_ptr() == pooled[2].data_ptr()  # a view of the lookup's rows: no padding pass
     expected = coll(kjt)
     assert out.keys() == expected.keys()
     for k in out:
         assert torch.equal(out[k], expected[k]), k
     assert out["hist"].shape == (2, 3, D) and torch.equal(out["hist"][1], torch.zeros(3, D))
+    # Unpadded (bags sent to other ranks): one bag per id, padded by unpack; the same outputs.
+    slices = split_features(kjt)
+    bags, layout = pack(
+        [(f.name, table.config.pooling_of(f), slices[f.name]) for f in table.features], pad_sequences=False
+    )
+    assert bags.offsets.tolist() == [0, 1, 3, 4, 5, 6, 8, 9]
+    out = unpack(table.lookup(bags, train=False), layout)
+    for k in out:
+        assert torch.equal(out[k], expected[k]), k
