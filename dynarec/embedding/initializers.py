@@ -75,7 +75,7 @@ class Initializer:
         ]
         if not chunks:
             return torch.empty(0, dim, dtype=torch.float32, device=keys.device)
-        return torch.cat(chunks)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     @torch.no_grad()
     def write_rows(

@@ -86,26 +86,26 @@ def task_loss(
 
     ``logits``: ``[B]`` (binary / regression) or ``[B, num_class]``; ``label``: ``[B]`` float32
     (a class index for softmax cross-entropy); ``sessions``: ``[B]`` int64 session ids (JRC)."""
-    total = torch.zeros_like(label)
+    total: Optional[torch.Tensor] = None
     for loss in tower.losses:
         s: Any = loss.settings
         if loss.kind == "jrc_loss":
             if sessions is None:
                 raise ValueError(f"task '{tower.tower_name}': jrc_loss needs the batch's session ids")
-            total = total + jrc_rows(logits, label, sessions, s.alpha)
+            rows = jrc_rows(logits, label, sessions, s.alpha)
         elif loss.kind == "binary_cross_entropy":
             target = label * (1.0 - s.label_smoothing) + 0.5 * s.label_smoothing if s.label_smoothing else label
-            total = total + F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+            rows = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
         elif loss.kind == "binary_focal_loss":
             p = torch.sigmoid(logits)
             weight = s.alpha * label * (1 - p) ** s.gamma + (1 - s.alpha) * (1 - label) * p**s.gamma
-            total = total + F.binary_cross_entropy_with_logits(logits, label, weight=weight.detach(), reduction="none")
+            rows = F.binary_cross_entropy_with_logits(logits, label, weight=weight.detach(), reduction="none")
         elif loss.kind == "softmax_cross_entropy":
-            ce = F.cross_entropy(logits, label.long(), label_smoothing=s.label_smoothing, reduction="none")
-            total = total + ce
+            rows = F.cross_entropy(logits, label.long(), label_smoothing=s.label_smoothing, reduction="none")
         else:  # l2_loss
-            total = total + (logits - label) ** 2
-    return total
+            rows = (logits - label) ** 2
+        total = rows if total is None else total + rows  # (no zeros to add to: two ops fewer a step)
+    return torch.zeros_like(label) if total is None else total
 
 
 class Tasks:
@@ -218,16 +218,20 @@ class Tasks:
         if any(w is not None for w in weights):
             local = torch.stack([w.sum() if w is not None else logits.new_tensor(0.0) for w in weights])
             totals = global_sum(local) if global_sum is not None else local
-        loss = logits.new_zeros(())
+        loss: Optional[torch.Tensor] = None
         for k, (t, z, w) in enumerate(zip(self.towers, self.split(logits), weights)):
             rows = task_loss(t, z.float(), self.label(k, labels), sessions)
+            # (a task weight of 1 multiplies nothing: an op fewer a step, forward and back)
             if w is None:
-                loss = loss + t.weight * rows.sum() / global_rows
+                part = rows.sum()
+                part = (part if t.weight == 1.0 else t.weight * part) / global_rows
             else:  # weights divided by their (global) mean, TorchEasyRec's div_no_nan
                 total = totals[k]
                 part = (w * rows).sum() / total.clamp_min(torch.finfo(total.dtype).tiny)
-                loss = loss + t.weight * torch.where(total > 0, part, torch.zeros_like(part))
-        return loss
+                part = torch.where(total > 0, part, torch.zeros_like(part))
+                part = part if t.weight == 1.0 else t.weight * part
+            loss = part if loss is None else loss + part
+        return logits.new_zeros(()) if loss is None else loss
 
     # -- predictions ---------------------------------------------------------------------------
 

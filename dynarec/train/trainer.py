@@ -320,10 +320,11 @@ class Trainer:
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
         accumulate = train.gradient_accumulation_steps
+        share = loss / accumulate if accumulate > 1 else loss  # (no op a step without accumulation)
         if self.loss_scaler is None:
-            (loss / accumulate).backward()  # the fused sparse optimizer updates the touched rows here
+            share.backward()  # the fused sparse optimizer updates the touched rows here
         else:
-            self._scaled_backward(loss / accumulate, held)
+            self._scaled_backward(share, held)
         self.step += 1
         if self.step % accumulate == 0:
             self._dense_step()

@@ -41,6 +41,36 @@ def test_softmax_cross_entropy_and_l2():
     torch.testing.assert_close(r, torch.tensor([0.25, 9.0]))
 
 
+def test_one_tasks_loss_is_its_rows_sum_over_the_global_rows_with_no_op_beyond():
+    """A single binary task of weight 1 (the demo's): ``bce(rows).sum() / global_rows``, to the
+    bit, in three dispatched ops (no zeros to add to, no multiply by the weight 1), and a weight
+    other than 1 multiplies the sum before the division, as the formula was written."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tasks = Tasks(model_config("multi_tower_din"))
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(16, 1, generator=g), (torch.rand(16, 1, generator=g) > 0.5).float()
+    rows = torch.nn.functional.binary_cross_entropy_with_logits(logits[:, 0], labels[:, 0], reduction="none")
+    assert torch.equal(tasks.loss(logits, labels, 40), rows.sum() / 40)
+
+    ops: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        tasks.loss(logits, labels, 40)
+    computed = [op for op in ops if not op.startswith(("view", "select", "slice", "split", "squeeze", "reshape"))]
+    assert computed == ["binary_cross_entropy_with_logits.default", "sum.default", "div.Tensor"], ops
+
+    weighted = tower(weight=2.5)
+    assert weighted.weight == 2.5
+    tasks.towers[0] = weighted.model_copy(update={"label_name": tasks.towers[0].label_name})
+    assert torch.equal(tasks.loss(logits, labels, 40), (2.5 * rows.sum()) / 40)
+
+
 def _two_tasks():
     return Tasks(model_config("mmoe"))  # ctr on 'label'; cvr on 'label2' weighted by the click space
 
