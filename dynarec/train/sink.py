@@ -29,6 +29,8 @@ class TrainingLog:
         self._bar: Any = None  # a tqdm bar, on a terminal
         self._start = time.perf_counter()
         self._start_step = 0
+        self._epoch_start: tuple[float, int] = (self._start, 0)  # (when, step) the current epoch's steps began
+        self.epochs: list[dict[str, Any]] = []  # each epoch ended in this run: its steps and their pace
         self.running_loss: Optional[float] = None
 
     # -- state carried in checkpoints --------------------------------------------------------
@@ -46,6 +48,7 @@ class TrainingLog:
         first (its import, a few tenths of a second, is the run's start, not its first step's)."""
         self._open_writer()
         self._start, self._start_step = time.perf_counter(), step
+        self._epoch_start, self.epochs = (self._start, step), []
         if self.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -70,6 +73,26 @@ class TrainingLog:
             self._bar.update(1)
             if self.running_loss is not None:
                 self._bar.set_postfix(loss=f"{self.running_loss:.4f}", epoch=epoch)
+
+    def epoch_end(self, step: int, epoch: int) -> None:
+        """Epoch ``epoch`` ended with step ``step`` (its last batch trained, or skipped): its
+        steps of this run (all of them, but for a run resumed within it) and their pace enter
+        :attr:`epochs`. Its time runs from the end of the epoch before (or the run's start) to
+        its last step's, the evaluations and saves between its steps included. The first
+        epoch's pace against the later ones' shows what building batches costs, and what a
+        batch cache saves."""
+        now = time.perf_counter()
+        began, first = self._epoch_start
+        seconds = now - began
+        self.epochs.append(
+            {
+                "epoch": epoch,
+                "steps": step - first,
+                "seconds": seconds,
+                "steps_per_second": (step - first) / seconds if seconds > 0 else math.nan,
+            }
+        )
+        self._epoch_start = (now, step)
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         self.history["eval"].append([step, metrics])

@@ -441,6 +441,8 @@ class Trainer:
             while item is not None:
                 batch, self.position, rows = item
                 loss = self.train_step(batch, rows)
+                if self.position.row == 0 and self.input.follow is None:  # this batch ended an epoch
+                    self.log.epoch_end(self.step, self.position.epoch - 1)
                 if loss is None:  # skipped (nan_policy 'skip_batch')
                     item = ahead.next() if self._more_steps() else None
                     continue
@@ -502,6 +504,7 @@ class Trainer:
             **({"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}),
             **({"overflow_skipped_steps": self.loss_scaler.skipped_steps} if self.loss_scaler is not None else {}),
             "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
+            "epochs": self.log.epochs,
             "eval": final,
         }
         self.log.finish(report)

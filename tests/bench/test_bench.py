@@ -254,7 +254,11 @@ def test_e2e_imports_a_torcheasyrec_config_and_races_it_against_a_one_table_peer
     ours, peer = r["dynarec"], r["peer"]
     assert ours["steps"] == epochs * math.ceil(rows / batch) and ours["eval"]["num_examples"] == 1000
     assert peer["samples_per_s"] > 0 and 0.5 < peer["eval_auc"] <= 1 and 0.5 < ours["eval_auc"] <= 1
-    assert "the first epoch cached (disk)" in report["summary"][0] and "one nn.Embedding" in report["summary"][2]
+    assert "the first epoch cached (disk)" in report["summary"][0] and "one nn.Embedding" in report["summary"][3]
+    # each epoch's pace, from the train report: the first builds its batches and fills the cache
+    assert len(ours["epoch_samples_per_s"]) == epochs and all(v > 0 for v in ours["epoch_samples_per_s"])
+    assert report["summary"][2].startswith("dynarec by epoch (its report): ")
+    assert "the first epoch builds its batches and fills the cache" in report["summary"][2]
 
 
 def test_the_one_table_peer_looks_up_every_table_at_its_row_offset():

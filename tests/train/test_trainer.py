@@ -79,8 +79,34 @@ def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
         tmp_path / "t.csv",
     )
     trainer = Trainer(small_config(tmp_path / "t.csv", num_steps=7), tmp_path / "m", progress=False)
-    assert trainer.fit()["step"] == 7  # 3 batches per epoch (100, 100, 50): epochs 0, 1 and step 1 of 2
+    report = trainer.fit()
+    assert report["step"] == 7  # 3 batches per epoch (100, 100, 50): epochs 0, 1 and step 1 of 2
     assert trainer.position == DataPosition(2, 100)
+    # each epoch ended in the run, with its steps and their pace (the third did not end)
+    assert [(e["epoch"], e["steps"]) for e in report["epochs"]] == [(0, 3), (1, 3)]
+    assert all(e["seconds"] > 0 and e["steps_per_second"] == e["steps"] / e["seconds"] for e in report["epochs"])
+    # a run resumed within an epoch counts that epoch's steps of its own
+    resumed = Trainer(small_config(tmp_path / "t.csv", num_steps=10), tmp_path / "m", progress=False)
+    assert [(e["epoch"], e["steps"]) for e in resumed.fit(resume=True)["epochs"]] == [(2, 2)]  # steps 8, 9; 10 begins 3
+
+
+def test_an_epoch_whose_last_batch_is_skipped_still_ends_there(tmp_path):
+    """nan_policy skip_batch: a skipped batch that ends an epoch ends it in the report's paces."""
+    rng = np.random.default_rng(1)
+    pacsv.write_csv(
+        pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
+        tmp_path / "t.csv",
+    )
+    trainer = Trainer(small_config(tmp_path / "t.csv", num_epochs=2), tmp_path / "m", progress=False)
+    step, calls = trainer.train_step, [0]
+
+    def skipping_the_third(batch, rows=None):  # as a non-finite loss under skip_batch: nothing trained
+        calls[0] += 1
+        return None if calls[0] == 3 else step(batch, rows)
+
+    trainer.train_step = skipping_the_third
+    report = trainer.fit()
+    assert report["step"] == 5 and [(e["epoch"], e["steps"]) for e in report["epochs"]] == [(0, 2), (1, 3)]
 
 
 def test_num_steps_and_num_epochs_together_are_refused(tmp_path):
