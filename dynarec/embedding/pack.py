@@ -143,6 +143,8 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
             chunk = chunk[:, : f.dim]
             if f.pooling != "none" or f.padded:  # a model may view it, as any table's output
                 chunk = chunk.contiguous()
+        elif f.padded and not chunk.is_contiguous():  # (a store's output sliced to the table's dim)
+            chunk = chunk.contiguous()
         if f.pooling == "none":
             batch = f.lengths.numel()
             padded = f.padded

@@ -325,3 +325,21 @@ def test_a_variable_batch_keyed_jagged_tensor_is_refused_by_name():
     coll.eval()
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(coll(uniform).values(), coll(plain).values()))
+
+
+@needs_fbgemm
+def test_a_padded_sequence_of_an_fbgemm_store_sliced_to_its_dim_is_contiguous():
+    """RowWise Adagrad with weight decay runs FBGEMM's generic path, whose output is wider than
+    the table and sliced to its dim: a sequence's padded [B, L, D] is then made contiguous (a
+    model may view it, as it could the padded copy before), with the native backend's values."""
+    spec = RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="l2")
+    kjt = JaggedBatch.from_lists({"s": [[1, 2, 3], [4]]})
+    outs = []
+    for backend in ("fbgemm", "native"):
+        features = [FeatureConfig("s", pooling="none")]
+        table = TableConfig(name="t", dim=4, num_embeddings=8, features=features, backend=backend, seed=1)
+        out = EmbeddingCollection([table], optimizer=spec)(kjt)["s"]
+        assert out.shape == (2, 3, 4) and out.is_contiguous(), backend
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[0], outs[1])
+    assert torch.equal(outs[0][1, 1:], torch.zeros(2, 4))
