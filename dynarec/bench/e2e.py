@@ -129,7 +129,13 @@ def run_settings(
         feature = next(iter(entry.values()))
         if "embedding_dim" in feature:
             feature["initializer"] = {"kind": "normal", "mean": 0.0, "std": 1.0}
-    raw["train"].update(num_epochs=epochs, num_steps=None, save_checkpoints_steps=None, eval_every_steps=None)
+    raw["train"].update(
+        num_epochs=epochs,
+        num_steps=None,
+        save_checkpoints_steps=None,
+        save_checkpoints_epochs=None,
+        eval_every_steps=None,
+    )
     raw.setdefault("eval", {})["max_steps"] = None
     return raw
 

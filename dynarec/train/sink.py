@@ -77,10 +77,12 @@ class TrainingLog:
     def epoch_end(self, step: int, epoch: int) -> None:
         """Epoch ``epoch`` ended with step ``step`` (its last batch trained, or skipped): its
         steps of this run (all of them, but for a run resumed within it) and their pace enter
-        :attr:`epochs`. Its time runs from the end of the epoch before (or the run's start) to
-        its last step's, the evaluations and saves between its steps included. The first
-        epoch's pace against the later ones' shows what building batches costs, and what a
-        batch cache saves."""
+        :attr:`epochs`. Its time runs from the end of the epoch before, or from :meth:`start`
+        (the run's first batch read, as ``steps_per_second``'s), to the end of its last step
+        with the evaluation and checkpoint made there, so the epochs' seconds add up to the
+        run's. An epoch whose input ended early (its files changed since a checkpoint's
+        position) counts into the next. The first epoch's pace against the later ones' shows
+        what building batches costs, and what a batch cache saves."""
         now = time.perf_counter()
         began, first = self._epoch_start
         seconds = now - began

@@ -441,9 +441,10 @@ class Trainer:
             while item is not None:
                 batch, self.position, rows = item
                 loss = self.train_step(batch, rows)
-                if self.position.row == 0 and self.input.follow is None:  # this batch ended an epoch
-                    self.log.epoch_end(self.step, self.position.epoch - 1)
+                ended = self.position.row == 0 and self.input.follow is None  # this batch ended an epoch
                 if loss is None:  # skipped (nan_policy 'skip_batch')
+                    if ended:
+                        self.log.epoch_end(self.step, self.position.epoch - 1)
                     item = ahead.next() if self._more_steps() else None
                     continue
                 if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
@@ -461,6 +462,8 @@ class Trainer:
                     self.save()
                     saved_at = self.step
                     self.log.line(self.step, "checkpoint saved")
+                if ended:  # (its evaluation and checkpoint at its end included)
+                    self.log.epoch_end(self.step, self.position.epoch - 1)
                 if not self.ctx.distributed and self.stop_signal.requested is not None:
                     self._stopping = True  # (asked during this step's evaluation or save: no step more)
                 if self._stopping:

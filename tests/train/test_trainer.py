@@ -90,6 +90,31 @@ def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
     assert [(e["epoch"], e["steps"]) for e in resumed.fit(resume=True)["epochs"]] == [(2, 2)]  # steps 8, 9; 10 begins 3
 
 
+def test_an_epochs_checkpoint_at_its_end_counts_in_its_own_pace(tmp_path):
+    """save_checkpoints_epochs: the save made at an epoch's last step is that epoch's time, not
+    the next one's; the epochs' seconds add up to the run's."""
+    rng = np.random.default_rng(1)
+    pacsv.write_csv(
+        pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
+        tmp_path / "t.csv",
+    )
+    config = small_config(tmp_path / "t.csv", num_epochs=2, save_checkpoints_epochs=1)
+    trainer = Trainer(config, tmp_path / "m", progress=False)
+    save = trainer.save
+
+    def slow_first_save():
+        if trainer.step == 3:  # epoch 0's checkpoint, at its last step
+            time.sleep(1.0)
+        return save()
+
+    trainer.save = slow_first_save
+    report = trainer.fit()
+    first, second = report["epochs"]
+    assert (first["epoch"], first["steps"], second["epoch"], second["steps"]) == (0, 3, 1, 3)
+    assert first["seconds"] >= 1.0 > second["seconds"]
+    assert sum(e["seconds"] for e in report["epochs"]) <= report["train_seconds"]
+
+
 def test_an_epoch_whose_last_batch_is_skipped_still_ends_there(tmp_path):
     """nan_policy skip_batch: a skipped batch that ends an epoch ends it in the report's paces."""
     rng = np.random.default_rng(1)
