@@ -72,12 +72,17 @@ def test_resume_deep_into_a_large_file_seeks_instead_of_replaying(million, tmp_p
     print(f"resume at row 999,000 of 1,000,000: {seconds:.2f}s for 2 steps (incl. checkpoint)")
 
 
-def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
+def _small_csv(path):
+    """250 rows of the small config's columns: 3 batches an epoch (100, 100, 50)."""
     rng = np.random.default_rng(1)
     pacsv.write_csv(
         pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
-        tmp_path / "t.csv",
+        path,
     )
+
+
+def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
+    _small_csv(tmp_path / "t.csv")
     trainer = Trainer(small_config(tmp_path / "t.csv", num_steps=7), tmp_path / "m", progress=False)
     report = trainer.fit()
     assert report["step"] == 7  # 3 batches per epoch (100, 100, 50): epochs 0, 1 and step 1 of 2
@@ -93,11 +98,7 @@ def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
 def test_an_epochs_checkpoint_at_its_end_counts_in_its_own_pace(tmp_path):
     """save_checkpoints_epochs: the save made at an epoch's last step is that epoch's time, not
     the next one's; the epochs' seconds add up to the run's."""
-    rng = np.random.default_rng(1)
-    pacsv.write_csv(
-        pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
-        tmp_path / "t.csv",
-    )
+    _small_csv(tmp_path / "t.csv")
     config = small_config(tmp_path / "t.csv", num_epochs=2, save_checkpoints_epochs=1)
     trainer = Trainer(config, tmp_path / "m", progress=False)
     save = trainer.save
@@ -117,11 +118,7 @@ def test_an_epochs_checkpoint_at_its_end_counts_in_its_own_pace(tmp_path):
 
 def test_an_epoch_whose_last_batch_is_skipped_still_ends_there(tmp_path):
     """nan_policy skip_batch: a skipped batch that ends an epoch ends it in the report's paces."""
-    rng = np.random.default_rng(1)
-    pacsv.write_csv(
-        pa.table({"item": rng.integers(0, 100, 250), "user": rng.integers(0, 50, 250), "clk": rng.integers(0, 2, 250)}),
-        tmp_path / "t.csv",
-    )
+    _small_csv(tmp_path / "t.csv")
     trainer = Trainer(small_config(tmp_path / "t.csv", num_epochs=2), tmp_path / "m", progress=False)
     step, calls = trainer.train_step, [0]
 
