@@ -155,15 +155,36 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
+# Rows of the files counted in this process, by (path, type, size, modification time in ns): a
+# CSV file's count is a pass over the whole file, which every epoch's dataset and every
+# evaluation's would repeat; a file rewritten since has another size or time, and is counted anew.
+_ROW_COUNTS: dict[tuple[str, str, int, int], int] = {}
+
+
 def num_rows(path: str, input_type: Optional[str] = None) -> int:
-    """Rows of a file: a Parquet footer's count, or a CSV file's rows (read once)."""
-    if _file_type(path, input_type) == "parquet":
-        return _parquet_metadata(path).num_rows
+    """Rows of a file: a Parquet footer's count, or a CSV file's rows (read once while the file
+    stays as it is)."""
+    kind = _file_type(path, input_type)
     try:
-        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
-            return sum(b.num_rows for b in reader)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
+        stat = os.stat(path)
+    except OSError:
+        stat = None  # (the read below names the file)
+    key = None if stat is None else (os.path.abspath(path), kind, stat.st_size, stat.st_mtime_ns)
+    if key is not None and key in _ROW_COUNTS:
+        return _ROW_COUNTS[key]
+    if kind == "parquet":
+        rows = _parquet_metadata(path).num_rows
+    else:
+        try:
+            with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
+                rows = sum(b.num_rows for b in reader)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
+    if key is not None:
+        if len(_ROW_COUNTS) >= 1 << 16:  # (a --follow run's files, arriving for ever: the oldest go)
+            del _ROW_COUNTS[next(iter(_ROW_COUNTS))]
+        _ROW_COUNTS[key] = rows
+    return rows
 
 
 def _record_batches_from(

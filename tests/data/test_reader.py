@@ -109,6 +109,24 @@ def test_num_rows_of_parquet_and_csv(files):
     assert [reader_module.num_rows(f) for f in files] == [10, 15, 12]
 
 
+def test_a_csv_files_rows_are_counted_once_while_it_stays_as_it_is(tmp_path, monkeypatch):
+    """Counting a CSV file's rows reads it whole; every epoch's dataset and every evaluation's
+    asked again. The count is kept while the file keeps its size and modification time; a file
+    rewritten is counted anew."""
+    import os
+
+    path = tmp_path / "t.csv"
+    pacsv.write_csv(pa.table({"x": list(range(7))}), path)
+    opened = []
+    open_csv = pacsv.open_csv
+    monkeypatch.setattr(reader_module.pacsv, "open_csv", lambda *a, **k: opened.append(a[0]) or open_csv(*a, **k))
+    assert [reader_module.num_rows(str(path)) for _ in range(3)] == [7, 7, 7] and len(opened) == 1
+    stat = path.stat()
+    pacsv.write_csv(pa.table({"x": list(range(9))}), path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # (a later write, whatever the clock's grain)
+    assert reader_module.num_rows(str(path)) == 9 and len(opened) == 2
+
+
 def test_a_column_typed_differently_in_two_files_names_both(tmp_path):
     pq.write_table(rows_table(4), tmp_path / "a.parquet")
     t = rows_table(4, 4)
