@@ -326,7 +326,6 @@ def bench_e2e(args) -> dict:
     workers = "automatic" if args.workers is None else str(args.workers)
     cached = f", the first epoch cached ({result['cache_batches']})" if result["cache_batches"] else ""
     each = lambda runs, key: ", ".join(f"{r[key]:,.0f}" for r in runs)
-    each_epoch = lambda runs: "; ".join(" / ".join(f"{v:,.0f}" for v in r["epoch_samples_per_s"]) for r in runs)
     peer_tables = (
         "one nn.Embedding(sparse=True) over every table"
         if args.peer == "one-table"
@@ -350,7 +349,7 @@ def bench_e2e(args) -> dict:
     ]
     if args.epochs > 1:
         filled = " and fills the cache" if cached else ""
-        paces = each_epoch(ours_runs)
+        paces = "; ".join(" / ".join(f"{v:,.0f}" for v in r["epoch_samples_per_s"]) for r in ours_runs)
         lines.insert(
             2, f"dynarec by epoch (its report): {paces} samples/s (the first epoch builds its batches{filled})"
         )

@@ -141,18 +141,12 @@ def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
     for f, chunk in zip(layout.features, chunks):
         if f.dim is not None and f.dim < chunk.shape[1]:  # packed rows: the feature's own columns
             chunk = chunk[:, : f.dim]
-            if f.pooling != "none" or f.padded:  # a model may view it, as any table's output
+            if f.pooling != "none":  # a model may view it ([B, D] as any table's output is)
                 chunk = chunk.contiguous()
-        elif f.padded and not chunk.is_contiguous():  # (a store's output sliced to the table's dim)
-            chunk = chunk.contiguous()
-        if f.pooling == "none":
-            batch = f.lengths.numel()
-            padded = f.padded
-            chunk = (
-                chunk.view(batch, f.max_length, chunk.shape[1])
-                if padded
-                else pad_sequence_rows(chunk, f.lengths, f.max_length)
-            )
+        if f.padded:  # contiguous (a copy only of columns sliced here or by the store): a model may view it
+            chunk = chunk.contiguous().view(f.lengths.numel(), f.max_length, chunk.shape[1])
+        elif f.pooling == "none":
+            chunk = pad_sequence_rows(chunk, f.lengths, f.max_length)
         out[f.name] = chunk
     return out
 
