@@ -13,6 +13,7 @@ from dynarec.data.batch import DataError
 from dynarec.distributed.context import DistContext
 from dynarec.models.tasks import check_predictions, tasks_of
 from dynarec.train.input import TrainInput
+from dynarec.train.stop import EvaluationStopped
 from dynarec.train.task import RankingTask, check_servable
 
 __all__ = ["Evaluator"]
@@ -38,25 +39,28 @@ class Evaluator:
         the candidates, ``N`` theirs, row after row; with ``per_row`` each output is then an
         object array of one entry a row, its candidates' predictions (what ``predict`` writes)."""
         check_servable(self.task)
-        self.task.eval()
         dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels)
         outputs, labels, groups, counts, sources = [], [], [], [], []
         candidate = self.config.candidate_feature()
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
         batches = iter(self.input.loader(dataset))
-        for _ in range(steps):
-            batch = next(batches)
-            # (the rows scored: a retrieval model's users, or the queries of hstu_match's positives)
-            predicted = self.tasks.predictions(self.task(batch), batch.labels.shape[0], batch.hard_negative_rows)
-            outputs.append({k: v.cpu().numpy() for k, v in predicted.items()})
-            labels.append(batch.labels.numpy())
-            if batch.groups is not None:
-                groups.append(batch.groups.numpy())
-            if candidate is not None:
-                counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].numpy())
-            if batch.source_rows is not None:  # a TDM batch: its rows and its sampled nodes' rows
-                sources.append(batch.source_rows.numpy())
-        self.task.train()
+        self.task.eval()
+        try:
+            for step in range(steps):
+                self._check_stop(step, steps)
+                batch = next(batches)
+                # (the rows scored: a retrieval model's users, or the queries of hstu_match's positives)
+                predicted = self.tasks.predictions(self.task(batch), batch.labels.shape[0], batch.hard_negative_rows)
+                outputs.append({k: v.cpu().numpy() for k, v in predicted.items()})
+                labels.append(batch.labels.numpy())
+                if batch.groups is not None:
+                    groups.append(batch.groups.numpy())
+                if candidate is not None:
+                    counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].numpy())
+                if batch.source_rows is not None:  # a TDM batch: its rows and its sampled nodes' rows
+                    sources.append(batch.source_rows.numpy())
+        finally:
+            self.task.train()
         if self.ctx.distributed:  # global batch s is rank 0's share, then rank 1's, ...
             gathered = (outputs, labels, groups, counts, sources)
             parts = self.ctx.all_gather_objects(gathered, "the eval predictions")
@@ -94,6 +98,15 @@ class Evaluator:
             (np.concatenate(labels) if labels else np.zeros((0, width), np.float32)) if with_labels else None,
             np.concatenate(groups) if groups else None,
         )
+
+    def _check_stop(self, step: int, steps: int) -> None:
+        """EvaluationStopped where a stop was asked of the run (of any rank: every rank then
+        stops at the same batch) before batch ``step`` of ``steps``."""
+        asked = self.input.stop_signal.requested is not None
+        if self.ctx.distributed:
+            asked = self.ctx.any(asked, f"eval batch {step + 1}")
+        if asked:
+            raise EvaluationStopped(f"the evaluation stopped after {step} of its {steps} batches")
 
     def evaluate(self, paths=None) -> dict[str, float]:
         """Every task's metrics over ``paths`` (default: ``data.eval_input_path``), at most

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
-__all__ = ["REPEAT_SECONDS", "StopSignal", "TrainingStopped"]
+__all__ = ["REPEAT_SECONDS", "EvaluationStopped", "StopSignal", "TrainingStopped"]
 
 #: A second SIGTERM this soon after the first is taken for the same request.
 REPEAT_SECONDS = 5.0
@@ -27,6 +27,12 @@ class TrainingStopped(RuntimeError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum
+
+
+class EvaluationStopped(Exception):
+    """An evaluation given up at a batch because a stop was asked (SIGTERM) while it ran: a
+    scheduler's grace period is seconds, an evaluation can take minutes, and the steps trained
+    since the last checkpoint are saved only once it ends."""
 
 
 class StopSignal:

@@ -52,7 +52,7 @@ from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
-from dynarec.train.stop import TrainingStopped
+from dynarec.train.stop import EvaluationStopped, TrainingStopped
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
@@ -441,29 +441,27 @@ class Trainer:
             while item is not None:
                 batch, self.position, rows = item
                 loss = self.train_step(batch, rows)
-                ended = self.position.row == 0 and self.input.follow is None  # this batch ended an epoch
-                if loss is None:  # skipped (nan_policy 'skip_batch')
-                    if ended:
-                        self.log.epoch_end(self.step, self.position.epoch - 1)
-                    item = ahead.next() if self._more_steps() else None
-                    continue
-                if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
-                    ahead.read(self._steps_left())
-                record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
-                self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
-                evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
-                if evaluate and cfg.data.eval_input_path and not self._stopping:
-                    self.log.eval(self.step, self.evaluate())
-                    evaluated_at = self.step
-                epochs = cfg.train.save_checkpoints_epochs
-                epoch_done = epochs is not None and self.position.row == 0 and self.position.epoch % epochs == 0
-                every = cfg.train.save_checkpoints_steps
-                if (every and self.step % every == 0) or epoch_done:
-                    self.save()
-                    saved_at = self.step
-                    self.log.line(self.step, "checkpoint saved")
-                if ended:  # (its evaluation and checkpoint at its end included)
-                    self.log.epoch_end(self.step, self.position.epoch - 1)
+                if loss is not None:  # (None: skipped, nan_policy 'skip_batch')
+                    if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
+                        ahead.read(self._steps_left())
+                    record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
+                    self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
+                    evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
+                    if evaluate and cfg.data.eval_input_path and not self._stopping:
+                        try:
+                            self.log.eval(self.step, self.evaluate())
+                            evaluated_at = self.step
+                        except EvaluationStopped:  # SIGTERM: the steps are saved now, not after it
+                            self._stopping = True
+                    epochs = cfg.train.save_checkpoints_epochs
+                    epoch_done = epochs is not None and self.position.row == 0 and self.position.epoch % epochs == 0
+                    every = cfg.train.save_checkpoints_steps
+                    if (every and self.step % every == 0) or epoch_done:
+                        self.save()
+                        saved_at = self.step
+                        self.log.line(self.step, "checkpoint saved")
+                if self.position.row == 0 and self.input.follow is None:  # this batch ended an epoch
+                    self.log.epoch_end(self.step, self.position.epoch - 1)  # (its evaluation and checkpoint included)
                 if not self.ctx.distributed and self.stop_signal.requested is not None:
                     self._stopping = True  # (asked during this step's evaluation or save: no step more)
                 if self._stopping:
@@ -498,6 +496,14 @@ class Trainer:
                     raise type(e)(
                         f"{e}; the trained model is saved in {self.checkpoints.latest()}: `dynarec evaluate` "
                         "evaluates it once the data is fixed"
+                    ) from None
+                except EvaluationStopped as e:
+                    signum = self.stop_signal.requested or signal.SIGTERM
+                    raise TrainingStopped(
+                        f"stopped by {signal.Signals(signum).name} during the final evaluation ({e}); the model "
+                        f"trained to step {self.step} is saved in {self.checkpoints.latest()}: `dynarec evaluate` "
+                        "evaluates it",
+                        signum,
                     ) from None
                 self.log.eval(self.step, final)
         report = {

@@ -340,6 +340,49 @@ def test_a_rank_killed_mid_checkpoint_leaves_the_previous_one_latest(runs, tmp_p
     assert state["step"] == STEPS and len(shards) == 2
 
 
+SIGTERM_IN_EVAL = r"""
+import sys
+from dynarec.config import load_config
+from dynarec.distributed.context import init_distributed
+from dynarec.train.stop import TrainingStopped
+from dynarec.train.trainer import Trainer
+from tests.train.test_faults import _SigtermAfterFirstEvalBatch
+
+ctx = init_distributed("cpu", timeout_s=60)
+trainer = Trainer(load_config(sys.argv[1]), sys.argv[2], progress=False, ctx=ctx)
+if ctx.rank == 1:  # the signal reaches one rank only
+    trainer.evaluator.input = probe = _SigtermAfterFirstEvalBatch(trainer.input)
+try:
+    trainer.fit()
+except TrainingStopped as e:
+    print(f"rank {ctx.rank} stopped: {e}", flush=True)
+"""
+
+
+def test_a_sigterm_to_one_rank_during_an_evaluation_stops_both_at_the_same_batch_saved(runs, tmp_path):
+    """A stop asked of one rank while the ranks evaluate is agreed at every eval batch: both
+    leave the evaluation at the same batch (a rank left alone in its collectives would wait for
+    the timeout), save the steps together and stop."""
+    c = mixed_config(runs, 60, eval_every_steps=3, save_checkpoints_steps=None)
+    c["data"]["eval_batch_size"] = 50  # 8 eval batches a rank
+    config = write_config(runs, c, "sigterm-eval.yaml")
+    script = tmp_path / "sigterm_eval.py"
+    script.write_text(SIGTERM_IN_EVAL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(config),
+         str(tmp_path / "m")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checkpoint = tmp_path / "m" / "checkpoints" / "ckpt-0000000003"
+    for rank in (0, 1):
+        assert (
+            f"rank {rank} stopped: stopped by SIGTERM after step 3; the model is saved in {checkpoint}" in proc.stdout
+        )
+    state, shards = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
+    assert state["step"] == 3 and len(shards) == 2 and json.loads(state["history"])["eval"] == []
+
+
 def test_a_retrieval_model_with_its_negative_sampler_trains_on_two_processes(tmp_path):
     """DSSM with TorchEasyRec's negative sampler on two processes: each rank samples the items of
     its share of the batch and scores its users against them (per-rank negatives, as

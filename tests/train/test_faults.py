@@ -18,6 +18,7 @@ from dynarec.config import config_from_dict
 from dynarec.data.batch import DataError
 from dynarec.train import checkpoint as checkpoint_module
 from dynarec.train.checkpoint import CheckpointError
+from dynarec.train.stop import TrainingStopped
 from dynarec.train.trainer import Trainer, TrainingError
 from tests.pipeline_fixtures import config_dict, make_data, write_config
 
@@ -633,6 +634,72 @@ def test_a_second_sigterm_stops_at_once_and_a_repeat_at_once_is_the_same_request
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
     assert "after the repeat" in proc.stdout and "still running" not in proc.stdout
     assert proc.stderr.count("SIGTERM: stopping after this step, its checkpoint first") == 1, proc.stderr
+
+
+class _SigtermAfterFirstEvalBatch:
+    """A trainer's input whose eval loader delivers SIGTERM to this process as it hands out its
+    first batch (the run's own handler records it); otherwise the input itself."""
+
+    def __init__(self, input):
+        self._input = input
+        self.batches = 0  # handed out
+
+    def __getattr__(self, name):
+        return getattr(self._input, name)
+
+    def loader(self, dataset):
+        for batch in self._input.loader(dataset):
+            self.batches += 1
+            if self.batches == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+
+def _sigterm_in_evaluation(data_root, tmp_path, **train):
+    """A trainer whose evaluations (4 batches of the eval data) see a SIGTERM after their first
+    batch, and the probe that sends it."""
+    c = config_dict(data__eval_batch_size=100)
+    del c["train"]["num_epochs"]
+    c["train"].update(train)
+    c["data"]["train_input_path"] = str(data_root / "data" / "train")
+    c["data"]["eval_input_path"] = str(data_root / "data" / "eval")
+    trainer = Trainer(config_from_dict(c), tmp_path / "m", progress=False)
+    probe = _SigtermAfterFirstEvalBatch(trainer.input)
+    trainer.evaluator.input = probe
+    return trainer, probe
+
+
+def test_sigterm_during_an_evaluation_stops_it_and_saves_the_steps(data_root, tmp_path):
+    """A SIGTERM during a periodic evaluation was acted on once the whole evaluation ended: a
+    scheduler's grace period is seconds, an evaluation can take minutes, and the kill that
+    follows lost every step since the last checkpoint. The evaluation stops at its next batch,
+    the steps trained are saved, and the run stops as after a step."""
+    trainer, probe = _sigterm_in_evaluation(data_root, tmp_path, num_steps=8, eval_every_steps=3)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.fit()
+    assert stopped.value.signum == signal.SIGTERM
+    assert probe.batches == 1  # of the evaluation's 4
+    message = str(stopped.value)
+    assert message.startswith("stopped by SIGTERM after step 3;") and "ckpt-0000000003" in message, message
+    assert trainer.log.history["eval"] == []  # no metrics of a partial evaluation
+    assert trainer.task.training
+    resumed = Trainer(trainer.config, tmp_path / "m", progress=False)
+    assert resumed.restore().name == "ckpt-0000000003" and resumed.step == 3
+
+
+def test_sigterm_during_the_final_evaluation_stops_it_with_the_model_saved(data_root, tmp_path):
+    """The final evaluation runs after the last checkpoint: stopped at its next batch, the run
+    says where the model is and how to evaluate it."""
+    trainer, probe = _sigterm_in_evaluation(data_root, tmp_path, num_steps=2)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.fit()
+    assert stopped.value.signum == signal.SIGTERM and probe.batches == 1
+    message = str(stopped.value)
+    assert message.startswith(
+        "stopped by SIGTERM during the final evaluation (the evaluation stopped after 1 of its 4 batches); the model "
+        f"trained to step 2 is saved in {tmp_path / 'm' / 'checkpoints' / 'ckpt-0000000002'}"
+    ), message
+    assert Trainer(trainer.config, tmp_path / "m", progress=False).restore().name == "ckpt-0000000002"
 
 
 def test_sigterm_to_the_whole_process_group_spares_the_dataloader_workers(data_root, tmp_path):
