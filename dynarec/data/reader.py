@@ -13,11 +13,11 @@ import multiprocessing
 import os
 import signal
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -97,14 +97,56 @@ def _file_type(path: str, input_type: Optional[str]) -> str:
 ColumnTypes = Optional[dict[str, pa.DataType]]
 
 
-def file_schema(path: str, input_type: Optional[str] = None, csv_types: ColumnTypes = None) -> pa.Schema:
-    """A file's schema; a CSV file's columns named in ``csv_types`` take those types (the
-    others are inferred)."""
-    if _file_type(path, input_type) == "parquet":
+class _FileFacts:
+    """What was read of files in this process (a schema, a row count), each kept while its file
+    keeps its size and modification time (in ns): every epoch's dataset and every evaluation's
+    checks and counts the same files, a CSV file's count is a pass over the whole file, and a
+    Parquet footer is a read a file (a network file system's round trip). A file rewritten
+    since has another size or time, and is read anew. At most ``limit`` facts are kept (a
+    --follow run's files arrive for ever: the oldest go)."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._facts: dict[tuple, Any] = {}
+        self._limit = limit
+
+    def get(self, path: str, key: tuple, read: Callable[[], Any]) -> Any:
+        """The fact of ``path`` (``key``: what else it depends on), ``read()`` where not kept."""
         try:
-            return pq.read_schema(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+            stat = os.stat(path)
+        except OSError:
+            return read()  # (the read names the file)
+        version = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns, *key)
+        if version in self._facts:
+            return self._facts[version]
+        fact = read()
+        if len(self._facts) >= self._limit:
+            del self._facts[next(iter(self._facts))]
+        self._facts[version] = fact
+        return fact
+
+
+_SCHEMAS = _FileFacts()
+_ROW_COUNTS = _FileFacts()
+
+
+def file_schema(path: str, input_type: Optional[str] = None, csv_types: ColumnTypes = None) -> pa.Schema:
+    """A file's schema (read once while the file stays as it is); a CSV file's columns named in
+    ``csv_types`` take those types (the others are inferred)."""
+    kind = _file_type(path, input_type)
+    if kind == "parquet":
+        return _SCHEMAS.get(path, (kind,), lambda: _parquet_schema(path))
+    types = tuple(sorted((csv_types or {}).items()))
+    return _SCHEMAS.get(path, (kind, types), lambda: _csv_schema(path, input_type, csv_types))
+
+
+def _parquet_schema(path: str) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _csv_schema(path: str, input_type: Optional[str], csv_types: ColumnTypes) -> pa.Schema:
     try:
         with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(column_types=csv_types or {})) as reader:
             return reader.schema
@@ -155,36 +197,21 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-# Rows of the files counted in this process, by (path, type, size, modification time in ns): a
-# CSV file's count is a pass over the whole file, which every epoch's dataset and every
-# evaluation's would repeat; a file rewritten since has another size or time, and is counted anew.
-_ROW_COUNTS: dict[tuple[str, str, int, int], int] = {}
-
-
 def num_rows(path: str, input_type: Optional[str] = None) -> int:
     """Rows of a file: a Parquet footer's count, or a CSV file's rows (read once while the file
     stays as it is)."""
     kind = _file_type(path, input_type)
-    try:
-        stat = os.stat(path)
-    except OSError:
-        stat = None  # (the read below names the file)
-    key = None if stat is None else (os.path.abspath(path), kind, stat.st_size, stat.st_mtime_ns)
-    if key is not None and key in _ROW_COUNTS:
-        return _ROW_COUNTS[key]
     if kind == "parquet":
-        rows = _parquet_metadata(path).num_rows
-    else:
-        try:
-            with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
-                rows = sum(b.num_rows for b in reader)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
-    if key is not None:
-        if len(_ROW_COUNTS) >= 1 << 16:  # (a --follow run's files, arriving for ever: the oldest go)
-            del _ROW_COUNTS[next(iter(_ROW_COUNTS))]
-        _ROW_COUNTS[key] = rows
-    return rows
+        return _ROW_COUNTS.get(path, (kind,), lambda: _parquet_metadata(path).num_rows)
+    return _ROW_COUNTS.get(path, (kind,), lambda: _csv_rows(path, input_type))
+
+
+def _csv_rows(path: str, input_type: Optional[str]) -> int:
+    try:
+        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
+            return sum(b.num_rows for b in reader)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
 
 
 def _record_batches_from(

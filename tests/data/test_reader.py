@@ -127,6 +127,34 @@ def test_a_csv_files_rows_are_counted_once_while_it_stays_as_it_is(tmp_path, mon
     assert reader_module.num_rows(str(path)) == 9 and len(opened) == 2
 
 
+def test_a_files_schema_is_read_once_while_it_stays_as_it_is(tmp_path, monkeypatch):
+    """Every epoch's training dataset and every evaluation's checked every file's schema again: a
+    Parquet footer read a file (a round trip on a network file system) or a CSV file's first
+    block parsed. The schema is kept while the file keeps its size and modification time; a
+    file rewritten is read anew, and a CSV file's schema is kept by the column types asked."""
+    import os
+
+    parquet, csv = tmp_path / "t.parquet", tmp_path / "t.csv"
+    pq.write_table(pa.table({"x": [1, 2]}), parquet)
+    pacsv.write_csv(pa.table({"x": [1, 2]}), csv)
+    reads = []
+    read_schema, open_csv = pq.read_schema, pacsv.open_csv
+    monkeypatch.setattr(reader_module.pq, "read_schema", lambda *a, **k: reads.append(a[0]) or read_schema(*a, **k))
+    monkeypatch.setattr(reader_module.pacsv, "open_csv", lambda *a, **k: reads.append(a[0]) or open_csv(*a, **k))
+    for _ in range(3):
+        assert reader_module.file_schema(str(parquet)).field("x").type == pa.int64()
+        assert reader_module.file_schema(str(csv)).field("x").type == pa.int64()
+    assert reads == [str(parquet), str(csv)]
+    assert reader_module.file_schema(str(csv), csv_types={"x": pa.string()}).field("x").type == pa.string()
+    assert len(reads) == 3
+    stat = parquet.stat()
+    pq.write_table(pa.table({"x": [1.5, 2.5]}), parquet)
+    os.utime(
+        parquet, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000)
+    )  # (a later write, whatever the clock's grain)
+    assert reader_module.file_schema(str(parquet)).field("x").type == pa.float64() and len(reads) == 4
+
+
 def test_a_column_typed_differently_in_two_files_names_both(tmp_path):
     pq.write_table(rows_table(4), tmp_path / "a.parquet")
     t = rows_table(4, 4)
