@@ -36,7 +36,8 @@ class EvaluationStopped(Exception):
 
 
 class StopSignal:
-    """Records the first SIGTERM while :meth:`installed` is active (``requested``: its number)."""
+    """Records the first SIGTERM while :meth:`installed` is active (``requested``: its number;
+    None again once the block ends: the request was that block's)."""
 
     def __init__(self) -> None:
         self.requested: Optional[int] = None
@@ -79,3 +80,4 @@ class StopSignal:
             yield
         finally:
             signal.signal(signal.SIGTERM, restore)
+            self.requested = None  # (answered: an evaluation after the run is not stopped by it)

@@ -685,6 +685,8 @@ def test_sigterm_during_an_evaluation_stops_it_and_saves_the_steps(data_root, tm
     assert trainer.task.training
     resumed = Trainer(trainer.config, tmp_path / "m", progress=False)
     assert resumed.restore().name == "ckpt-0000000003" and resumed.step == 3
+    trainer.evaluator.input = trainer.input
+    assert trainer.evaluate()["num_examples"] == 400  # the request was the run's: an evaluation after it runs
 
 
 def test_sigterm_during_the_final_evaluation_stops_it_with_the_model_saved(data_root, tmp_path):
