@@ -489,7 +489,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rows", type=at_least(1), default=40_000)
     p.add_argument("--num-users", type=at_least(1), default=20_000)
     p.add_argument("--num-items", type=at_least(1), default=5_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument(
         "--max-sequence-length",
         type=at_least(1),
@@ -602,7 +602,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output-dir", required=True)
     q.add_argument("--n-cluster", type=int, default=2)
     q.add_argument("--raw-attr-fields", help="which of data.tdm_sampler.attr_fields are numbers (averaged)")
-    q.add_argument("--seed", type=int, default=0, help="k-means's seed")
+    q.add_argument("--seed", type=at_least(0), default=0, help="k-means's seed")
     q.set_defaults(run=cmd_tdm_cluster_tree)
     q = tdm.add_parser("retrieve", help="beam search of each row's items down the tree, by an exported model")
     q.add_argument("--export-dir", required=True)

@@ -188,7 +188,7 @@ class DINEncoderCfg(Strict):
     width): ``[B, sequence width]``."""
 
     input: Optional[str] = None  # the sequence group; default: the deep group's only one
-    attn_hidden_units: list[Count] = [64, 32]
+    attn_hidden_units: list[Count] = Field([64, 32], min_length=1)
     activation: Activation = "relu"
 
 
@@ -282,7 +282,7 @@ class TowerCfg(Strict):
 
 class DinTowerCfg(Strict):
     input: str
-    attn_hidden_units: list[Count] = [64, 32]
+    attn_hidden_units: list[Count] = Field([64, 32], min_length=1)
     pooling: Literal["attention", "mean"] = "attention"  # "mean": the no-attention baseline
     activation: Activation = "relu"  # of the attention MLP
 

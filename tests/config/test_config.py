@@ -253,3 +253,29 @@ def test_features_sharing_a_table_agree_on_its_settings():
     c["feature_configs"][-1]["id_feature"]["dynamicemb"] = {"max_capacity": 512, "init_capacity": 64, "bucket_size": 8}
     msg = error_of(c)
     assert "its key_space differs (user_id: 'farmhash', u2: 'int')" in msg and "value_type / hash_function" in msg
+
+
+def test_an_attention_mlp_without_layers_is_refused_by_path():
+    """``attn_hidden_units: []`` (a DIN tower, a DIN model, a deep group's DIN encoder) ended in
+    an IndexError traceback when the model was built; it is refused by path like any MLP's."""
+    c = config_dict()
+    c["model"]["multi_tower_din"]["din_towers"][0]["attn_hidden_units"] = []
+    assert "model.multi_tower_din.din_towers[0].attn_hidden_units" in error_of(c)
+    c = config_dict()
+    c["model"] = {
+        "feature_groups": c["model"]["feature_groups"],
+        "din": {"din_tower": {"input": "seq", "attn_hidden_units": []}},
+    }
+    assert "model.din.din_tower.attn_hidden_units" in error_of(c)
+    c = config_dict()
+    groups = c["model"]["feature_groups"]
+    deep = {"group_name": "deep", "feature_names": ["user_id", "age"], "sequence_groups": [
+        {"group_name": "s", "feature_names": ["item_id", "hist_item_id"]}
+    ], "sequence_encoders": [{"din_encoder": {"input": "s", "attn_hidden_units": []}}]}  # fmt: skip
+    c["model"] = {
+        "feature_groups": [deep, *groups[:2]],
+        "dbmtl": {"task_towers": [{"tower_name": "ctr", "label_name": "clk"}]},
+    }
+    message = error_of(c)
+    assert "sequence_encoders[0].din_encoder.attn_hidden_units" in message, message
+

@@ -376,6 +376,10 @@ def test_a_full_table_mid_run_is_one_named_line_and_the_cli_checks_its_numbers(d
         (["verify", "--config", str(cfg), "--steps", "0"], "--steps: 0 is below 1"),
         (["make-data", "--output-dir", str(tmp_path / "d"), "--num-items", "0"], "--num-items: 0 is below 1"),
         (
+            ["make-data", "--output-dir", str(tmp_path / "d"), "--seed", "-1"],
+            "--seed: -1 is below 0",
+        ),  # (numpy's words)
+        (
             ["make-data", "--output-dir", str(tmp_path / "d"), "--eval-rows", "x"],
             "--eval-rows: 'x' is not a whole number",
         ),
