@@ -104,6 +104,33 @@ def test_a_field_dynarec_cannot_carry_is_an_error_naming_its_path_or_dropped_wit
     assert len(result.dropped) == 2 and config_from_dict(result.config)
 
 
+def test_the_refusal_says_which_fields_lenient_can_drop():
+    """The error without --lenient said "--lenient drops them" of fields --lenient then refused
+    (a model's own MLP: the model would not be the same): it says which it would drop."""
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    droppable = text.replace("hidden_units: [256, 64]\n", "hidden_units: [256, 64]\n                use_bn: true\n")
+    both = droppable.replace(
+        "attn_mlp {\n                hidden_units: [256, 64]", "attn_mlp {\n                hidden_units: []"
+    )
+    needed = text.replace(
+        "attn_mlp {\n                hidden_units: [256, 64]", "attn_mlp {\n                hidden_units: []"
+    )
+    messages = {}
+    for name, edited in (("droppable", droppable), ("both", both), ("needed", needed)):
+        with pytest.raises(ConversionError) as e:
+            convert_pipeline_config(edited, train_input_path="a", eval_input_path="b")
+        messages[name] = str(e.value)
+    assert "cannot be carried (--lenient drops them):" in messages["droppable"]
+    assert (
+        "cannot be carried (--lenient cannot drop them: the model would not be the same model):" in messages["needed"]
+    )
+    assert "cannot be carried (--lenient drops all but those the model needs):" in messages["both"]
+    lines = sorted(messages["both"].splitlines()[1:])
+    assert len(lines) == 2 and "hidden_units: at least one layer is needed" in lines[0], lines
+    assert lines[0].endswith("(the model needs it: --lenient cannot drop it)")
+    assert "use_bn: not supported" in lines[1] and "needs it" not in lines[1]
+
+
 @pytest.mark.parametrize(
     "edit, path",
     [

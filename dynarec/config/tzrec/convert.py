@@ -142,10 +142,7 @@ def convert_pipeline_config(
     features = _leave_out_unused(features, model, ctx)
     _check_features(features, ctx)
     if ctx.refused and not lenient:
-        raise ConversionError(
-            f"{len(ctx.refused)} field(s) of the pipeline.config cannot be carried (--lenient drops them):\n  "
-            + "\n  ".join(ctx.refused)
-        )
+        raise ConversionError(_refusal(ctx.refused, ctx.fatal))
     dropped: list[str] = []
     if lenient and ctx.refused:
         features, dropped = _drop(features, model, ctx)
@@ -233,6 +230,19 @@ def _sub_separator(message: Message, ctx: Context) -> str:
         )
         return "_"
     return "__"
+
+
+def _refusal(refused: list[str], fatal: list[str]) -> str:
+    """The error of fields that cannot be carried, saying which of them ``--lenient`` would drop
+    (not those whose loss would change the model: ``fatal``)."""
+    if not fatal:
+        how, lines = "--lenient drops them", refused
+    elif len(fatal) == len(refused):
+        how, lines = "--lenient cannot drop them: the model would not be the same model", refused
+    else:
+        how = "--lenient drops all but those the model needs"
+        lines = [f"{r} (the model needs it: --lenient cannot drop it)" if r in fatal else r for r in refused]
+    return f"{len(refused)} field(s) of the pipeline.config cannot be carried ({how}):\n  " + "\n  ".join(lines)
 
 
 def _leave_out_unused(features: list[Converted], model: ModelResult, ctx: Context) -> list[Converted]:
