@@ -151,11 +151,55 @@ def load_config(path: Union[str, Path]) -> Config:
     return config_from_dict(data, source=str(path), base_dir=Path(os.path.abspath(path.parent)))
 
 
+def config_sections(config: Config) -> dict[str, Any]:
+    """The sections that decide a checkpoint's layout (features and model), as JSON values (a
+    checkpoint keeps them, so that a config that cannot resume it is told what differs)."""
+    dumped = config.model_dump(mode="json")
+    return {section: dumped[section] for section in ("feature_configs", "model")}
+
+
 def config_fingerprint(config: Config) -> dict[str, str]:
-    """Hashes of the sections that decide a checkpoint's layout (features and model): a model
-    directory's checkpoint can only be resumed by a config with the same fingerprint."""
-    out = {}
-    for section in ("feature_configs", "model"):
-        blob = json.dumps(config.model_dump(mode="json")[section], sort_keys=True)
-        out[section] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    return out
+    """Hashes of :func:`config_sections`: a model directory's checkpoint can only be resumed by
+    a config with the same fingerprint."""
+    return {
+        section: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+        for section, value in config_sections(config).items()
+    }
+
+
+def config_differences(saved: Any, current: Any, limit: int = 5) -> list[str]:
+    """Where two JSON values (:func:`config_sections`) differ, by config path, the first
+    ``limit``: ``"path: <saved> in the checkpoint's, <current> in this one"``."""
+    out: list[str] = []
+
+    def shown(value: Any) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if len(out) >= limit:
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in [*a, *(k for k in b if k not in a)]:
+                at = f"{path}.{key}" if path else str(key)
+                if key not in a or key not in b:
+                    there = "absent" if key not in a else shown(a[key])
+                    here = "absent" if key not in b else shown(b[key])
+                    out.append(f"{at}: {there} in the checkpoint's, {here} in this one")
+                else:
+                    walk(a[key], b[key], at)
+                if len(out) >= limit:
+                    return
+        elif isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b) and not any(isinstance(v, (dict, list)) for v in (*a, *b)):  # numbers, names
+                out.append(f"{path}: {shown(a)} in the checkpoint's, {shown(b)} in this one")
+                return
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}[{i}]")
+            if len(a) != len(b) and len(out) < limit:
+                out.append(f"{path}: {len(a)} in the checkpoint's, {len(b)} in this one")
+        elif a != b:
+            out.append(f"{path}: {shown(a)} in the checkpoint's, {shown(b)} in this one")
+
+    walk(saved, current, "")
+    return out[:limit]

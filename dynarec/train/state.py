@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from dynarec.config.load import config_differences
 from dynarec.train.checkpoint import CheckpointError
 
 __all__ = ["StepRng", "check_resumable", "dense_optimizer_matches"]
@@ -25,6 +26,7 @@ def check_resumable(
     state: dict[str, Any],
     where: Path,
     fingerprint: dict[str, str],
+    sections: dict[str, Any],
     global_batch_size: int,
     tables: dict[str, str],
     saved_tables: dict[str, dict[str, Any]],
@@ -32,15 +34,22 @@ def check_resumable(
     training: bool,
 ) -> None:
     """CheckpointError naming what differs between the checkpoint at ``where`` and this run:
-    the config's features or model (``fingerprint``), the global batch (when ``training``: the
+    the config's features or model (``fingerprint``; by config path where the checkpoint keeps
+    its config's ``sections``), the global batch (when ``training``: the
     data position counts its rows), the tables (``tables``: each one's sparse optimizer;
     ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
     theirs = state.get("fingerprint", {})
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
     if differ:
+        saved = state.get("config_sections")  # (not kept before 2026-12-05)
+        if isinstance(saved, dict):
+            found = config_differences({k: saved.get(k) for k in differ}, {k: sections[k] for k in differ})
+            what = "; ".join(found) or f"its {' and '.join(differ)}"
+        else:
+            what = f"its {' and '.join(differ)} section{'s differ' if len(differ) > 1 else ' differs'}"
         raise CheckpointError(
-            f"{where} was written with a different config: its {' and '.join(differ)} differ from this "
-            f"config's; use the config it was trained with, or another model_dir"
+            f"{where} was written with a different config ({what}); use the config it was trained with, or "
+            "another model_dir"
         )
     if training and state.get("global_batch_size", global_batch_size) != global_batch_size:
         raise CheckpointError(

@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from dynarec.config.load import ConfigError, config_fingerprint
+from dynarec.config.load import ConfigError, config_fingerprint, config_sections
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
@@ -86,6 +86,7 @@ class Trainer:
         # Once: a checkpoint written every few steps serializes nothing (a Ctrl-C inside pydantic's
         # serializer would come out as a serialization error, not as KeyboardInterrupt).
         self.fingerprint = config_fingerprint(config)
+        self.config_sections = config_sections(config)  # (kept in checkpoints: what differs is named)
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
@@ -157,6 +158,7 @@ class Trainer:
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "dense_optimizer_class": type(self.dense_optimizer).__name__,
             "fingerprint": self.fingerprint,
+            "config_sections": self.config_sections,
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
@@ -196,6 +198,7 @@ class Trainer:
             state,
             path,
             self.fingerprint,
+            self.config_sections,
             self.global_batch_size,
             {t.table.name: type(t.optimizer).__name__ for t in self.task.plan.tables},
             saved_plan["tables"],

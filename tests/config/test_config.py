@@ -279,3 +279,24 @@ def test_an_attention_mlp_without_layers_is_refused_by_path():
     message = error_of(c)
     assert "sequence_encoders[0].din_encoder.attn_hidden_units" in message, message
 
+
+def test_config_differences_name_paths_and_values_both_ways():
+    from dynarec.config.load import config_differences, config_sections
+
+    a = config_sections(config_from_dict(config_dict()))
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"]["max_capacity"] = 1024
+    c["model"]["multi_tower_din"]["final_hidden_units"] = [8, 4]
+    b = config_sections(config_from_dict(c))
+    assert config_differences(a, b) == [
+        "feature_configs[0].id_feature.dynamicemb.max_capacity: 512 in the checkpoint's, 1024 in this one",
+        "model.multi_tower_din.final_hidden_units: [8] in the checkpoint's, [8, 4] in this one",
+    ]
+    assert config_differences({"f": [{"a": 1}]}, {"f": [{"a": 1}, {"b": 2}]}) == [
+        "f: 1 in the checkpoint's, 2 in this one"
+    ]
+    assert config_differences(a, a) == [] and len(config_differences({"x": list(range(9))}, {"x": [9] * 9}, 3)) == 3
+    assert config_differences({"k": 1}, {"j": 1}) == [
+        "k: 1 in the checkpoint's, absent in this one",
+        "j: absent in the checkpoint's, 1 in this one",
+    ]
