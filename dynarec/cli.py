@@ -365,7 +365,7 @@ def _print_tree(tree, out: Path, attr_fields: list[str]) -> None:
 def cmd_tdm_cluster_tree(args) -> None:
     from dynarec.data.batch import BatchBuilder
     from dynarec.data.reader import file_schema, resolve_files
-    from dynarec.data.tree import cluster_tree, write_tree
+    from dynarec.data.tree import EDGE_TABLE, NODE_TABLE, PREDICT_EDGE_TABLE, cluster_tree, write_tree
     from dynarec.tdm import config_tree, item_embeddings
 
     trainer = _restored(args)
@@ -373,6 +373,13 @@ def cmd_tdm_cluster_tree(args) -> None:
     tree = config_tree(config)
     cfg = config.data.tdm_sampler
     assert cfg is not None
+    written = {(Path(args.output_dir) / n).resolve() for n in (NODE_TABLE, EDGE_TABLE, PREDICT_EDGE_TABLE)}
+    if written & {Path(cfg.item_input_path).resolve(), Path(cfg.edge_input_path).resolve()}:
+        raise ValueError(
+            f"--output-dir {args.output_dir} holds the tree {args.model_dir} was trained on (data.tdm_sampler); the "
+            "learnt tree would replace it under the model (whose node ids are that tree's): write it to another "
+            "directory"
+        )
     raw = _fields(args.raw_attr_fields)
     unknown = [c for c in raw if c not in cfg.attr_fields]
     if unknown:

@@ -8,9 +8,13 @@ and read by serving (:mod:`dynarec.serving`)::
                                    0..N-1); a dynamic table adds scores, slots and its bucket
                                    layout, so serving puts every key back in its own slot; a
                                    delta adds tombstones (keys gone since its base)
+      tree/<table>.txt             a TDM model's tree (node_table, edge_table), copied: its node ids
+                                   mean that tree's nodes, whatever is written later where the
+                                   config's data.tdm_sampler points
       export.json                  format version, id, kind (full | delta), the config, the training
                                    step, each table's key count, and every file's size and SHA-256;
-                                   a delta names its base (id, step, path relative to the delta)
+                                   a delta names its base (id, step, path relative to the delta);
+                                   a TDM model's tree files
 
 A chain is a full export and the deltas on it: :func:`export_chain` finds each delta's base (its
 recorded relative path, else the sibling holding its id), :func:`materialize` applies the chain.
@@ -31,9 +35,11 @@ __all__ = [
     "EXPORT_FORMAT",
     "META",
     "TABLE_FIELDS",
+    "TREE_FILES",
     "ExportError",
     "export_chain",
     "export_tensors",
+    "exported_config",
     "find_base",
     "load_export_file",
     "materialize",
@@ -47,6 +53,23 @@ EXPORT_FORMAT = 3
 META = "export.json"
 # The tensors of a table in an export (a fixed table's keys are 0..N-1); a delta adds tombstones.
 TABLE_FIELDS = ("keys", "weight", "scores", "slots", "layout")
+
+
+# A TDM model's tree files in its export, by role.
+TREE_FILES = {"node_table": "tree/node_table.txt", "edge_table": "tree/edge_table.txt"}
+
+
+def exported_config(export_dir: Path, meta: dict[str, Any]) -> Any:
+    """The config an export was written with (``meta["config"]``), a TDM model's tree paths
+    those of the export's own copy (where it holds one: exports before 2026-12-05 do not)."""
+    config = meta.get("config")
+    tree = meta.get("tree")
+    if not isinstance(config, dict) or not isinstance(tree, dict):
+        return config
+    sampler = dict(config.get("data", {}).get("tdm_sampler") or {})
+    sampler["item_input_path"] = str(export_dir / str(tree.get("node_table")))
+    sampler["edge_input_path"] = str(export_dir / str(tree.get("edge_table")))
+    return {**config, "data": {**config["data"], "tdm_sampler": sampler}}
 
 
 class ExportError(ValueError):

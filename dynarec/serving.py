@@ -24,6 +24,7 @@ from dynarec.export_format import (
     ExportError,
     export_chain,
     export_tensors,
+    exported_config,
     load_export_file,
     materialize,
     merge_tables,
@@ -50,7 +51,7 @@ class ExportedModel:
         chain = export_chain(export_dir)
         export_dir, meta = chain[-1]
         try:
-            self.config = Config.model_validate(meta["config"])
+            self.config = Config.model_validate(exported_config(export_dir, meta))
         except ValidationError as e:
             raise ExportError(
                 f"{export_dir / META}: its config is invalid ({e.error_count()} error(s): {e.errors()[0]['msg']})"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,7 @@ import pyarrow as pa
 from dynarec.config.tdm import TDMSamplerCfg
 from dynarec.data.sampler import attribute_columns
 from dynarec.data.tree import Tree, TreeError, read_tree
+from dynarec.files import sha256
 
 __all__ = ["TDMSampler", "TreeSamples", "config_tree", "node_columns", "tdm_sampler", "with_node_columns"]
 
@@ -48,6 +50,20 @@ def config_tree(cfg: TDMSamplerCfg) -> Tree:
     return read_tree(
         cfg.item_input_path, cfg.edge_input_path, len(cfg.attr_fields), cfg.attr_delimiter, cfg.field_delimiter
     )
+
+
+def tree_files(cfg: TDMSamplerCfg) -> dict[str, str]:
+    """The files of ``cfg``'s tree, by role (``node_table``, ``edge_table``)."""
+    return {"node_table": cfg.item_input_path, "edge_table": cfg.edge_input_path}
+
+
+def tree_digest(cfg: TDMSamplerCfg) -> str:
+    """SHA-256 of ``cfg``'s tree files, in order: a TDM model's node ids mean the nodes of the
+    tree it was trained on, so its checkpoints record this and its exports copy the files."""
+    h = hashlib.sha256()
+    for path in tree_files(cfg).values():
+        h.update(sha256(Path(path)).encode())
+    return h.hexdigest()
 
 
 def node_columns(

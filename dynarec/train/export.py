@@ -29,8 +29,9 @@ import torch
 from safetensors.torch import save_file
 
 from dynarec.data.batch import Batch
+from dynarec.data.tdm_sampler import tree_files
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.export_format import EXPORT_FORMAT, META, export_chain, export_tensors, materialize
+from dynarec.export_format import EXPORT_FORMAT, META, TREE_FILES, export_chain, export_tensors, materialize
 from dynarec.files import check_replaceable, file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask, check_servable
@@ -165,6 +166,13 @@ def _write_export(
             rows[name], tombstones[name] = int(tensors["keys"].numel()), int(tensors["tombstones"].numel())
         _save_tensors(tensors, tmp / "tables" / f"{name}.safetensors")
     files = ["dense.pt2", *(f"tables/{name}.safetensors" for name in task.embeddings.tables)]
+    tdm = task.config.data.tdm_sampler
+    if tdm is not None:  # the tree the model's node ids mean, copied (tdm retrieve reads the copy)
+        for role, path in tree_files(tdm).items():
+            target = tmp / TREE_FILES[role]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        files += list(TREE_FILES.values())
     meta: dict[str, Any] = {
         "format": EXPORT_FORMAT,
         "id": uuid.uuid4().hex,
@@ -179,6 +187,8 @@ def _write_export(
         relative = os.path.relpath(Path(since).resolve(), export_dir.resolve())
         meta["base"] = {"id": base_meta["id"], "step": base_meta["step"], "path": relative}
         meta["rows"], meta["tombstones"] = rows, tombstones
+    if tdm is not None:
+        meta["tree"] = dict(TREE_FILES)
     meta["files"] = file_manifest(tmp, files)
     meta["config"] = task.config.model_dump(mode="json")
     (tmp / META).write_text(json.dumps(meta, indent=1))

@@ -27,6 +27,7 @@ def check_resumable(
     where: Path,
     fingerprint: dict[str, str],
     sections: dict[str, Any],
+    tree: Optional[dict[str, str]],
     global_batch_size: int,
     tables: dict[str, str],
     saved_tables: dict[str, dict[str, Any]],
@@ -35,7 +36,8 @@ def check_resumable(
 ) -> None:
     """CheckpointError naming what differs between the checkpoint at ``where`` and this run:
     the config's features or model (``fingerprint``; by config path where the checkpoint keeps
-    its config's ``sections``), the global batch (when ``training``: the
+    its config's ``sections``), a TDM model's tree (``tree``: its files and their SHA-256; node
+    ids mean that tree's nodes), the global batch (when ``training``: the
     data position counts its rows), the tables (``tables``: each one's sparse optimizer;
     ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
     theirs = state.get("fingerprint", {})
@@ -50,6 +52,14 @@ def check_resumable(
         raise CheckpointError(
             f"{where} was written with a different config ({what}); use the config it was trained with, or "
             "another model_dir"
+        )
+    saved_tree = state.get("tdm_tree")  # (not kept before 2026-12-05)
+    if tree is not None and isinstance(saved_tree, dict) and saved_tree.get("sha256") != tree["sha256"]:
+        raise CheckpointError(
+            f"{where} was trained on the TDM tree {saved_tree.get('node_table')} + {saved_tree.get('edge_table')} "
+            f"(SHA-256 {str(saved_tree.get('sha256'))[:16]}...), and {tree['node_table']} + {tree['edge_table']} hold "
+            f"another tree now ({tree['sha256'][:16]}...): its node ids mean its own tree's nodes; give it that tree "
+            "again, or train a new model on this one"
         )
     if training and state.get("global_batch_size", global_batch_size) != global_batch_size:
         raise CheckpointError(

@@ -39,6 +39,7 @@ from dynarec.config.load import ConfigError, config_fingerprint, config_sections
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
+from dynarec.data.tdm_sampler import tree_digest, tree_files
 from dynarec.distributed.context import DistContext, StepFailedError, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.embedding.cached_store import CacheFullError
@@ -87,6 +88,8 @@ class Trainer:
         # serializer would come out as a serialization error, not as KeyboardInterrupt).
         self.fingerprint = config_fingerprint(config)
         self.config_sections = config_sections(config)  # (kept in checkpoints: what differs is named)
+        tdm = config.data.tdm_sampler  # a TDM model's node ids are its tree's: checkpoints pin the tree
+        self.tree = None if tdm is None else {**tree_files(tdm), "sha256": tree_digest(tdm)}
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
@@ -159,6 +162,7 @@ class Trainer:
             "dense_optimizer_class": type(self.dense_optimizer).__name__,
             "fingerprint": self.fingerprint,
             "config_sections": self.config_sections,
+            **({"tdm_tree": self.tree} if self.tree is not None else {}),
             "history": self.log.state(),
             "plan": plan_state(self.task.plan),
             "followed_files": [list(f) for f in self.input.followed_files],
@@ -199,6 +203,7 @@ class Trainer:
             path,
             self.fingerprint,
             self.config_sections,
+            self.tree,
             self.global_batch_size,
             {t.table.name: type(t.optimizer).__name__ for t in self.task.plan.tables},
             saved_plan["tables"],

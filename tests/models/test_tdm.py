@@ -367,3 +367,43 @@ def test_a_score_that_is_not_a_number_on_a_sampled_row_names_the_row_it_was_samp
     trainer.task.forward = nan_on_a_sampled_row_of_row_13
     with pytest.raises(ValueError, match=r"eval\.parquet, row 13: the model's .* is nan \(1 of 20 rows"):
         trainer.evaluate(str(tmp_path / "eval.parquet"))
+
+
+def test_a_tdm_model_keeps_its_tree_when_another_is_written_where_it_was(trained, tmp_path, capsys):
+    """A TDM model's node ids mean the nodes of the tree it was trained on. Its export read the
+    tree where the config points, so another tree written there (a learnt one, `init-tree` again)
+    silently changed what `tdm retrieve` returned (never-trained node rows), and checkpoints
+    evaluated or resumed on it. The export keeps a copy of the tree; a checkpoint records the
+    tree's SHA-256 and refuses another; cluster-tree will not write over the model's tree."""
+
+    def retrieve(out):
+        argv = ["tdm", "retrieve", "--export-dir", str(trained / "export"), "--input", str(trained / "eval.parquet")]
+        assert main([*argv, "--output", str(out), "--recall-num", "10"]) == 0
+        return pq.read_table(out)
+
+    tree_dir = trained / "tree"
+    kept = {name: (tree_dir / name).read_bytes() for name in ("node_table.txt", "edge_table.txt")}
+    before = retrieve(tmp_path / "before.parquet")
+    capsys.readouterr()
+    cluster = ["tdm", "cluster-tree", "--model-dir", str(trained / "m"), "--config", str(trained / "cfg.yaml")]
+    assert main([*cluster, "--output-dir", str(tree_dir)]) == 2
+    assert (
+        "holds the tree" in capsys.readouterr().err
+        and (tree_dir / "node_table.txt").read_bytes() == kept["node_table.txt"]
+    )
+    try:
+        rc = main([
+            "tdm", "init-tree", "--items", str(trained / "items.parquet"), "--item-id-field", "item_id",
+            "--cate-id-field", "cate", "--attr-fields", "cate", "--n-cluster", "4", "--output-dir", str(tree_dir),
+        ])  # fmt: skip
+        assert rc == 0 and (tree_dir / "node_table.txt").read_bytes() != kept["node_table.txt"]
+        after = retrieve(tmp_path / "after.parquet")
+        assert after.column("recall_ids").to_pylist() == before.column("recall_ids").to_pylist()
+        assert after.column("recall_scores").to_pylist() == before.column("recall_scores").to_pylist()
+        capsys.readouterr()
+        assert main(["evaluate", "--model-dir", str(trained / "m"), "--config", str(trained / "cfg.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert "was trained on the TDM tree" in err and "give it that tree again, or train a new model" in err, err
+    finally:
+        for name, data in kept.items():
+            (tree_dir / name).write_bytes(data)
