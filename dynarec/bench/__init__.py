@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dynarec.cli import at_least
 from dynarec.embedding.config import SCORE_STRATEGIES
 
 __all__ = ["BENCHMARKS", "add_arguments", "main"]
@@ -67,12 +68,12 @@ BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
 
 
 def _step_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--bags", type=int, default=4096)
-    p.add_argument("--pooling-factor", type=int, default=20)
+    p.add_argument("--rows", type=at_least(1), default=1_000_000)
+    p.add_argument("--dim", type=at_least(1), default=64)
+    p.add_argument("--bags", type=at_least(1), default=4096)
+    p.add_argument("--pooling-factor", type=at_least(1), default=20)
     p.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "rowwise_adagrad", "adam"])
-    p.add_argument("--slots", type=int, default=1 << 22, help="hash-find: slots in the table")
+    p.add_argument("--slots", type=at_least(1), default=1 << 22, help="hash-find: slots in the table")
     p.add_argument(
         "--score-strategy",
         default="step",
@@ -82,9 +83,9 @@ def _step_options(p: argparse.ArgumentParser) -> None:
 
 
 def _timing_options(p: argparse.ArgumentParser, steps_help: str = "steps per timed run") -> None:
-    p.add_argument("--steps", type=int, default=10, help=steps_help)
-    p.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=at_least(1), default=10, help=steps_help)
+    p.add_argument("--runs", type=at_least(1), default=5, help="timed runs; the median is reported")
+    p.add_argument("--warmup", type=at_least(0), default=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
             p.add_argument(
                 "--tables",
-                type=int,
+                type=at_least(1),
                 default=1,
                 help="tables of each kind, sharing --rows and --bags (a feature each; a collection groups them)",
             )
@@ -126,28 +127,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         if name == "sweep":
             p.add_argument(
-                "--grid-rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000], help="CPU: table rows"
+                "--grid-rows",
+                type=at_least(1),
+                nargs="+",
+                default=[100_000, 1_000_000, 10_000_000],
+                help="CPU: table rows",
             )
-            p.add_argument("--grid-bags", type=int, nargs="+", default=[1024, 4096, 16384], help="CPU: bags a step")
+            p.add_argument(
+                "--grid-bags", type=at_least(1), nargs="+", default=[1024, 4096, 16384], help="CPU: bags a step"
+            )
         if name == "train-step":
             _timing_options(p)
-            p.add_argument("--batch", type=int, default=512, help="batch per rank")
-            p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
-            p.add_argument("--users", type=int, default=20_000, help="users per rank")
-            p.add_argument("--items", type=int, default=5_000, help="items per rank")
+            p.add_argument("--batch", type=at_least(1), default=512, help="batch per rank")
+            p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader workers per rank")
+            p.add_argument("--users", type=at_least(1), default=20_000, help="users per rank")
+            p.add_argument("--items", type=at_least(1), default=5_000, help="items per rank")
         if name == "data-stage":
             _timing_options(p, "batches per timed run")
-            p.add_argument("--data-batch", type=int, default=4096, help="rows per batch")
+            p.add_argument("--data-batch", type=at_least(1), default=4096, help="rows per batch")
         if name == "e2e":
-            p.add_argument("--batch", type=int, default=4096, help="data.batch_size")
-            p.add_argument("--train-rows", type=int, default=1_000_000)
+            p.add_argument("--batch", type=at_least(1), default=4096, help="data.batch_size")
+            p.add_argument("--train-rows", type=at_least(1), default=1_000_000)
             p.add_argument(
-                "--eval-rows", type=int, default=None, help="default: a tenth of --train-rows, 1,000 at least"
+                "--eval-rows", type=at_least(1), default=None, help="default: a tenth of --train-rows, 1,000 at least"
             )
-            p.add_argument("--epochs", type=int, default=1)
-            p.add_argument("--runs", type=int, default=1, help="runs of each side, interleaved; medians reported")
+            p.add_argument("--epochs", type=at_least(1), default=1)
             p.add_argument(
-                "--workers", type=int, default=None, help="data.num_workers (default: unset, the trainer's own choice)"
+                "--runs", type=at_least(1), default=1, help="runs of each side, interleaved; medians reported"
+            )
+            p.add_argument(
+                "--workers",
+                type=at_least(0),
+                default=None,
+                help="data.num_workers (default: unset, the trainer's own choice)",
             )
             p.add_argument(
                 "--config",

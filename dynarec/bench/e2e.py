@@ -20,12 +20,12 @@ U(+-sqrt(1/rows)), learns this model more slowly: after one epoch of 50,000 rows
 0.624 against 0.738 with N(0, 1), docs/benchmarks.md.) Both are evaluated on the same held-out
 rows.
 
-dynarec's samples/s are given two ways: by the train command's own report (``steps_per_second``
-x batch: the steps alone) and by the command's wall time (process start to exit: imports, data
-checks, final checkpoint and eval included). ``--runs N`` runs each side N times, interleaved
-(dynarec, peer, dynarec, ...): the median run of each side is reported, with the median of the
-per-pair ratios. The data are generated outside the timed part and cached in the temp
-directory, keyed by their parameters.
+dynarec's samples/s are given two ways: by the train command's own report (the rows trained over
+its ``train_seconds``: the steps alone; a last batch short of ``--batch`` counts its own rows) and
+by the command's wall time (process start to exit: imports, data checks, final checkpoint and eval
+included). ``--runs N`` runs each side N times, interleaved (dynarec, peer, dynarec, ...): the
+median run of each side is reported, with the median of the per-pair ratios. The data are
+generated outside the timed part and cached in the temp directory, keyed by their parameters.
 
 ``--config PATH`` runs any config instead of the demo's (a dynarec YAML, or a TorchEasyRec
 ``pipeline.config``, imported as ``dynarec import-config`` does): its data are what ``dynarec
@@ -291,7 +291,7 @@ def bench_e2e(args) -> dict:
             shutil.rmtree(workdir / "model")  # its checkpoint: a large config's tables, on the disk each run
             ours_runs.append(
                 {
-                    "samples_per_s_report": report["steps_per_second"] * args.batch,
+                    "samples_per_s_report": samples / report["train_seconds"],
                     "samples_per_s_wall": samples / wall,
                     "wall_seconds": wall,
                     "train_seconds": report["train_seconds"],
@@ -299,7 +299,7 @@ def bench_e2e(args) -> dict:
                     "eval_auc": report["eval"]["auc"],
                     "eval": report["eval"],
                     # each epoch's pace: the first builds its batches (and fills a batch cache)
-                    "epoch_samples_per_s": [e["steps_per_second"] * args.batch for e in report["epochs"]],
+                    "epoch_samples_per_s": [args.train_rows / e["seconds"] for e in report["epochs"]],
                 }
             )
             peer_runs.append(peer.train(args.epochs))
@@ -336,7 +336,7 @@ def bench_e2e(args) -> dict:
         f"{args.train_rows:,} {rows_are}, DataLoader workers {workers}"
         f"{cached}; "
         f"eval on {eval_rows:,} held-out rows; {args.runs} run(s) a side, interleaved (medians)",
-        f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (steps_per_second x batch; "
+        f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (rows trained / train_seconds; "
         f"runs {each(ours_runs, 'samples_per_s_report')}), {ours['samples_per_s_wall']:,.0f} by the command's "
         f"wall time ({ours['wall_seconds']:.1f} s: start-up, data checks, final checkpoint and eval included); "
         f"eval AUC {ours['eval_auc']:.4f}",

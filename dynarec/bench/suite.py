@@ -193,7 +193,7 @@ def _e2e(r: dict[str, Any]) -> Iterator[Figure]:
     ours, theirs = r["dynarec"], r["peer"]
     yield Figure(
         "e2e",
-        "samples/s by the train report (steps_per_second x batch)",
+        "samples/s by the train report (rows trained / train_seconds)",
         ours["samples_per_s_report"],
         "samples/s",
         peer,

@@ -227,6 +227,8 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
     assert ours["wall_seconds"] > ours["train_seconds"] > 0 and ours["samples_per_s_wall"] > 0
     assert peer["samples_per_s"] > 0
     assert r["dynarec_over_peer"] == pytest.approx(ours["samples_per_s_report"] / peer["samples_per_s"])
+    # the rows trained, as the peer counts its own: the last batch of 184 rows is not one of 256
+    assert ours["samples_per_s_report"] == pytest.approx(rows * epochs / ours["train_seconds"])
     assert ours["runs"] == [{k: v for k, v in ours.items() if k != "runs"}] and len(peer["runs"]) == 1
     # both learned something of the generator's signal in the same epochs, on the same rows
     assert 0.5 < ours["eval_auc"] <= 1 and 0.5 < peer["eval_auc"] <= 1
@@ -361,3 +363,23 @@ def test_row_dtype_states_what_half_rows_can_gain_where_bytes_bound_the_step(tmp
     assert r["half_over_fp32_byte_bound"] == pytest.approx(bound)
     assert r["bf16_over_fp32"] > 0 and r["fp16_over_fp32"] > 0
     assert "at most" in report["summary"][-1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["e2e", "--runs", "0"], "--runs: 0 is below 1"),
+        (["e2e", "--train-rows", "0"], "--train-rows: 0 is below 1"),
+        (["data-stage", "--data-batch", "0"], "--data-batch: 0 is below 1"),
+        (["data-stage", "--steps", "-1"], "--steps: -1 is below 1"),
+        (["fused-step", "--bags", "0"], "--bags: 0 is below 1"),
+        (["fused-step", "--warmup", "-1"], "--warmup: -1 is below 0"),
+        (["sweep", "--grid-rows", "100", "0"], "--grid-rows: 0 is below 1"),
+    ],
+)
+def test_a_bench_number_out_of_range_is_argparses_error_naming_the_option(argv, message, capsys):
+    """Zero runs, steps, bags or rows ended in IndexError, ZeroDivisionError or a kernel's
+    RuntimeError traceback (a QA pass); they are argparse's error naming the option."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
