@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
+
+from dynarec.files import json_text
 
 __all__ = ["main"]
 
@@ -105,7 +106,7 @@ def cmd_train(args) -> None:
             print(trainer.task.plan.format())
         report = trainer.fit(resume=args.resume)
         if ctx.is_main:
-            print(json.dumps(report, indent=1))
+            print(json_text(report))
     finally:
         if ctx.distributed:
             import torch.distributed as dist
@@ -153,7 +154,7 @@ def _restored(args):
 
 def cmd_evaluate(args) -> None:
     trainer = _restored(args)
-    print(json.dumps(trainer.evaluate(args.input or None), indent=1))
+    print(json_text(trainer.evaluate(args.input or None)))
 
 
 def cmd_export(args) -> None:
@@ -329,12 +330,10 @@ def cmd_tdm_init_tree(args) -> None:
         if missing:
             raise ValueError(f"{f}: missing column(s) {missing} (of --item-id-field, --cate-id-field, the attr fields)")
         table = read_table(f, columns, None, strings)
+        _check_item_ids(table.column(args.item_id_field), f, args.item_id_field)
         tables.append(table.select(columns))
     items = pa.concat_tables(tables, promote_options="permissive")
-    try:
-        ids = items.column(args.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        raise ValueError(f"--item-id-field '{args.item_id_field}': the item ids must be integers") from None
+    ids = items.column(args.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         raise ValueError(
@@ -349,6 +348,40 @@ def cmd_tdm_init_tree(args) -> None:
     )
     out = write_tree(tree, args.output_dir, args.attr_delimiter)
     _print_tree(tree, out, [*attrs, *raw])
+
+
+def _check_item_ids(column, path: str, field: str) -> None:
+    """ValueError naming the file and row of the first item id of ``column`` (``field`` of
+    ``path``) that is not a whole number of 0 or more: the tree's nodes are int64 ids, and -1 is
+    graph-learn's handle of the root (skipped where the tree is read)."""
+    import numpy as np
+    import pyarrow as pa
+
+    column = column.combine_chunks()
+    nulls = np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))
+    if len(nulls):
+        raise ValueError(f"{path}, row {nulls[0]}: column '{field}' (--item-id-field): the item id is empty")
+    try:
+        ids = column.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        bad = next((i for i, v in enumerate(column.to_pylist()) if not _is_int64(v)), None)
+        where = f"{path}, row {bad}" if bad is not None else path
+        what = f"{column[bad].as_py()!r} is not a whole number" if bad is not None else "the item ids must be integers"
+        raise ValueError(f"{where}: column '{field}' (--item-id-field): {what}") from None
+    negative = np.flatnonzero(ids < 0)
+    if len(negative):
+        row = negative[0]
+        raise ValueError(
+            f"{path}, row {row}: column '{field}' (--item-id-field): item id {ids[row]} is negative; item ids are 0 or "
+            "more (-1 is graph-learn's handle of the tree's root)"
+        )
+
+
+def _is_int64(value) -> bool:
+    try:
+        return -(2**63) <= int(str(value)) < 2**63
+    except ValueError:
+        return False
 
 
 def _print_tree(tree, out: Path, attr_fields: list[str]) -> None:

@@ -20,14 +20,17 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from dynarec.cli import at_least
+from dynarec.files import json_text
+
 __all__ = ["main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default="demo_out", help="where data, model dirs and the export go")
-    p.add_argument("--train-rows", type=int, default=400_000)
-    p.add_argument("--eval-rows", type=int, default=40_000)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--train-rows", type=at_least(1), default=400_000)
+    p.add_argument("--eval-rows", type=at_least(1), default=40_000)
+    p.add_argument("--epochs", type=at_least(1), default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-attention baseline")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda to train on a GPU")
@@ -121,7 +124,7 @@ def main(args) -> None:
         "wall_seconds": time.perf_counter() - start,
         "peak_rss_mb": peak_mb,
     }
-    (work / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    (work / "demo_summary.json").write_text(json_text(summary))
 
 
 def torch_arange_or_keys(table):

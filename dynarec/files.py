@@ -19,6 +19,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -170,6 +171,23 @@ def verify_manifest(root: Path, manifest: Any, where: Path, error: Callable[[str
             raise error(f"{f} has {size} bytes, {where} says {entry.get('bytes')} (truncated or overwritten?)")
         if sha256(f) != entry.get("sha256"):
             raise error(f"{f} does not match its SHA-256 in {where} (corrupt)")
+
+
+def json_text(value: Any, indent: Optional[int] = 1) -> str:
+    """``value`` as strict JSON: a number that is not finite (a metric undefined on the data: a
+    grouped AUC whose every group holds one class) written as null, as JSON has no NaN (Python
+    writes one, which other readers refuse)."""
+
+    def strict(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        return v
+
+    return json.dumps(strict(value), indent=indent, allow_nan=False)
 
 
 def read_json(path: Path, error: Callable[[str], Exception]) -> Any:

@@ -146,6 +146,8 @@ class ExportedModel:
         """:meth:`predict_batch` over every row of ``paths``, in row order. A retrieval model's
         files may hold one tower's columns alone (an item catalog, a table of users): then that
         tower's output is served (the other tower's features are empty, its output not given)."""
+        if batch_size < 1:
+            raise ValueError(f"predict_files: batch_size is at least 1 row, got {batch_size}")
         files = resolve_files(paths)
         builder = BatchBuilder(self.config, with_labels=False)
         names, empty = self._servable(files, builder)

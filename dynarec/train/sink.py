@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from dynarec.files import atomic_path, atomic_write_text
+from dynarec.files import atomic_path, atomic_write_text, json_text
 
 __all__ = ["TrainingLog", "plot_curves"]
 
@@ -132,9 +132,7 @@ class TrainingLog:
             return
         if self._writer is not None:
             self._writer.flush()
-        atomic_write_text(
-            self.model_dir / "metrics.json", json.dumps({"final": final, "history": self.history}, indent=1)
-        )
+        atomic_write_text(self.model_dir / "metrics.json", json_text({"final": final, "history": self.history}))
         with atomic_path(self.model_dir / "curves.png") as tmp:
             plot_curves(self.history, tmp)
 

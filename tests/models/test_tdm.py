@@ -336,6 +336,29 @@ def test_tdm_commands_name_bad_arguments(trained, tmp_path, capsys):
     assert rc == 2 and "branching factor is at least 2, got 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([3, -1, 4], "row 1: column 'item_id' (--item-id-field): item id -1 is negative; item ids are 0 or more"),
+        ([3, 4, -5], "row 2: column 'item_id' (--item-id-field): item id -5 is negative"),
+        ([3, None, 4], "row 1: column 'item_id' (--item-id-field): the item id is empty"),
+        (["3", "x", "4"], "row 1: column 'item_id' (--item-id-field): 'x' is not a whole number"),
+    ],
+)
+def test_init_tree_names_the_row_of_an_item_id_it_cannot_take(tmp_path, capsys, ids, message):
+    """An id of -1 (graph-learn's handle of the root) made a tree no training could read; a
+    null id was numpy's 'cannot convert float NaN to integer'. Each is named by file and row."""
+    items = tmp_path / "items.parquet"
+    pq.write_table(pa.table({"item_id": ids, "cate": ["a", "b", "c"]}), items)
+    rc = main([
+        "tdm", "init-tree", "--items", str(items), "--item-id-field", "item_id", "--cate-id-field", "cate",
+        "--output-dir", str(tmp_path / "t"),
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{items}, {message}" in err, err
+    assert not (tmp_path / "t").exists()
+
+
 def test_make_data_will_not_write_half_of_a_users_tree(tmp_path):
     from dynarec.data.generate import GenerateSpec, make_config_data
 

@@ -97,6 +97,9 @@ def test_serving_loads_every_exported_key(trained):
     from_ckpt, _, _ = trainer.predict(str(eval_file))
     served = model.predict_files(str(eval_file))
     np.testing.assert_allclose(served["probability"], from_ckpt["probability"], rtol=0, atol=1e-6)
+    for size in (0, -1):  # (was torch's "cannot reshape tensor of 0 elements")
+        with pytest.raises(ValueError, match=f"predict_files: batch_size is at least 1 row, got {size}"):
+            model.predict_files(str(eval_file), batch_size=size)
     users = model.embeddings.tables["user_id"].read_rows(tables["user_id"]["keys"])
     assert bool(users["present"].all())
     assert torch.equal(users["weight"], tables["user_id"]["weight"])

@@ -379,6 +379,7 @@ def test_a_full_table_mid_run_is_one_named_line_and_the_cli_checks_its_numbers(d
             ["make-data", "--output-dir", str(tmp_path / "d"), "--seed", "-1"],
             "--seed: -1 is below 0",
         ),  # (numpy's words)
+        (["demo", "--work-dir", str(tmp_path / "d"), "--epochs", "0"], "--epochs: 0 is below 1"),  # (after 400k rows)
         (
             ["make-data", "--output-dir", str(tmp_path / "d"), "--eval-rows", "x"],
             "--eval-rows: 'x' is not a whole number",
