@@ -522,6 +522,7 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
             raise ValueError(f"default_value of a weighted feature is an 'id:weight' pair, got {self.default_value!r}")
         if self.separator == "":
             raise ValueError("separator must not be empty")
+        _check_default_ids(self, [self.separator] if self.separator else [], self.weighted)
 
 
 class SequenceFeatureCfg(_SingleInput, _Embeddable):
@@ -568,6 +569,29 @@ class SequenceFeatureCfg(_SingleInput, _Embeddable):
                 f"value_separator {self.value_separator!r} (between an element's ids) must differ from separator "
                 "(between elements)"
             )
+        _check_default_ids(self, [self.separator, *([self.value_separator] if self.value_dim == 0 else [])], False)
+
+
+def _check_default_ids(f: Any, separators: list[str], weighted: bool) -> None:
+    """A ``num_buckets`` feature of integer ids: each id of its ``default_value`` (split by
+    ``separators``; ``id:weight`` pairs where ``weighted``) is a whole number below
+    ``num_buckets``, checked when the config loads (a bad one was reported as the data's, at the
+    first row missing a value)."""
+    default = f.default_value
+    if not default or f.bucketizer != "num_buckets" or f.value_type != "int":
+        return
+    tokens = re.split("|".join(re.escape(s) for s in separators), default) if separators else [default]
+    for token in filter(None, tokens):
+        text = token.split(":", 1)[0] if weighted else token
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(
+                f"default_value {default!r}: {text!r} is not an integer id (num_buckets: ids as they are; "
+                "value_type: string with hash_bucket_size hashes words)"
+            ) from None
+        if not 0 <= value < f.num_buckets:
+            raise ValueError(f"default_value {default!r}: id {value} is out of range [0, {f.num_buckets})")
 
 
 class RawFeatureCfg(_Numbers, _SingleInput):

@@ -300,3 +300,28 @@ def test_config_differences_name_paths_and_values_both_ways():
         "k: 1 in the checkpoint's, absent in this one",
         "j: absent in the checkpoint's, 1 in this one",
     ]
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"num_buckets": 10, "default_value": "x"}, "default_value 'x': 'x' is not an integer id"),
+        ({"num_buckets": 10, "default_value": "50"}, "default_value '50': id 50 is out of range [0, 10)"),
+        ({"num_buckets": 10, "default_value": "3|12", "separator": "|"}, "id 12 is out of range [0, 10)"),
+        ({"num_buckets": 10, "default_value": "3:1.0,11:2.0", "separator": ",", "weighted": True}, "id 11 is out"),
+    ],
+)
+def test_a_default_value_a_table_cannot_take_is_refused_when_the_config_loads(block, message):
+    """A num_buckets feature's default_value of a non-integer or out-of-range id was reported as
+    the data's, at the first row missing a value ("row 1: malformed value 'x'", a QA pass)."""
+    c = config_dict()
+    c["feature_configs"][1]["id_feature"].update(block)
+    text = error_of(c)
+    assert "feature_configs[1].id_feature" in text and message in text, text
+
+
+def test_a_default_value_the_table_takes_loads():
+    c = config_dict()
+    c["feature_configs"][1]["id_feature"].update(default_value="7")
+    c["feature_configs"][4]["sequence_feature"].update(default_value="1|199")
+    assert config_from_dict(c).feature("age").default_value == "7"
