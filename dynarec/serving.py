@@ -41,6 +41,14 @@ from dynarec.planner.plan import plan_from_config
 __all__ = ["ExportError", "ExportedModel"]
 
 
+def _location(loc: tuple) -> str:
+    """A config path as the config's own errors write it (``model.foo``, ``feature_configs[2].x``)."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(the config)"
+
+
 class ExportedModel:
     """A model loaded from an export directory — a full export, or a delta, with the chain of
     exports it is based on applied in order: every file checked against its export's manifest,
@@ -54,7 +62,8 @@ class ExportedModel:
             self.config = Config.model_validate(exported_config(export_dir, meta))
         except ValidationError as e:
             raise ExportError(
-                f"{export_dir / META}: its config is invalid ({e.error_count()} error(s): {e.errors()[0]['msg']})"
+                f"{export_dir / META}: its config is invalid ({e.error_count()} error(s), the first at "
+                f"{_location(e.errors()[0]['loc'])}: {e.errors()[0]['msg']})"
             ) from None
         self.device = torch.device(device)
         # Serving tables: native backend, no optimizer state (SGD has none).

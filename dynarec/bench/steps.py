@@ -148,6 +148,9 @@ def bench_fused_step(args) -> dict:
         )
     if "native_over_fbgemm" in r:
         lines.append(f"native / fbgemm = {r['native_over_fbgemm']:.2f}x")
+    elif args.device == "cpu":  # say why there is no ratio
+        why = "FBGEMM's CPU TBE has no Adam" if isinstance(spec, Adam) else "FBGEMM's CPU build is not installed"
+        lines.append(f"no baseline in this run: {why}")
     return {"benchmark": "fused-step", "copy_GBps": copy, "results": r, "summary": lines}
 
 

@@ -139,6 +139,12 @@ def test_fused_step_reports_native_over_fbgemm_or_native_alone(tmp_path):
     if "fbgemm" in results:
         assert results["native_over_fbgemm"] == pytest.approx(same_run_ratio(results["native"], results["fbgemm"]))
     assert 0 < results["unique_fraction"] <= 1
+    # Adam: no FBGEMM baseline, and the report says why (it printed the native rate alone)
+    adam = run(tmp_path, "fused-step", *TINY, "--warmup", "1", "--optimizer", "adam")
+    assert (
+        "fbgemm" not in adam["results"]
+        and adam["summary"][-1] == "no baseline in this run: FBGEMM's CPU TBE has no Adam"
+    )
 
 
 def test_sweep_reports_every_grid_point_with_the_rates_behind_its_ratios(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def test_an_export_whose_keys_do_not_fit_fails_loudly(trained, tmp_path):
         ExportedModel(copy)
 
 
-@pytest.mark.parametrize("damage", ["tables", "dense", "manifest", "json"])
+@pytest.mark.parametrize("damage", ["tables", "dense", "manifest", "json", "config"])
 def test_a_damaged_export_names_the_file(trained, tmp_path, damage, capsys):
     root, _, _, export_dir = trained
     copy = tmp_path / "copy"
@@ -136,10 +137,15 @@ def test_a_damaged_export_names_the_file(trained, tmp_path, damage, capsys):
         meta["files"] = ["dense.pt2"]
         (copy / "export.json").write_text(json.dumps(meta))
         expected = "its file list is malformed"
+    elif damage == "config":  # (the field named: it said "Extra inputs are not permitted" alone)
+        meta = json.loads((copy / "export.json").read_text())
+        meta["config"]["model"]["foo"] = 1
+        (copy / "export.json").write_text(json.dumps(meta))
+        expected = "its config is invalid (1 error(s), the first at model.foo: Extra inputs are not permitted)"
     else:
         (copy / "export.json").write_text("{not json")
         expected = "export.json is unreadable or not valid JSON"
-    with pytest.raises(ExportError, match=expected.replace(".", r"\.")):
+    with pytest.raises(ExportError, match=re.escape(expected)):
         ExportedModel(copy)
     eval_file = root / "data" / "eval" / "part-0.parquet"
     rc = main(
