@@ -104,8 +104,8 @@ def _split(merged: Dump, new: TableSharding, rank: int, dynamic: bool) -> Dump:
     n = merged["keys"].numel()
     part: Dump = {}
     for k, v in merged.items():
-        if k in ("admission_keys", "admission_counts"):
-            continue
+        if k in ("layout", "slots", *_ADMISSION):  # (a table merged from one shard keeps its own slots)
+            continue  # slots and layouts are the merged table's: the shard re-inserts its keys
         part[k] = v[mine] if (v.dim() and v.shape[0] == n and k != "step") else v
     if "admission_keys" in merged:
         theirs = key_owner(merged["admission_keys"], new.world_size) == rank

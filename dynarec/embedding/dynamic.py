@@ -515,16 +515,19 @@ class DynamicTable(EmbeddingTable):
         ``growth_load_factor``, capped at ``max_capacity``; when the rows do not fit, the highest
         scores are kept (ties to the smaller key).
         ``weights_only`` resets optimizer states to their initial values and the step counter to
-        0. Returns ``{"loaded": n, "dropped": m}``.
+        0. Returns ``{"loaded": n, "dropped": m, "admission_dropped": c}`` (``c``: admission
+        counts that found no room in a counter of another layout).
         """
         fields = self._dump_fields(dump, weights_only)
         index, slots, src = snapshot.index_for_load(dump, self.space)
         self.space.install(index)
         self._load_rows(slots, src, dump, fields, weights_only)
+        counts_dropped = 0
         if self.admission is not None:
             fresh = self.admission.fresh_counter()
-            self.admission.counter = snapshot.restored_counter(fresh, None if weights_only else dump)
-        return {"loaded": slots.numel(), "dropped": dump["keys"].numel() - slots.numel()}
+            self.admission.counter, counts_dropped = snapshot.restored_counter(fresh, None if weights_only else dump)
+        loaded = slots.numel()
+        return {"loaded": loaded, "dropped": dump["keys"].numel() - loaded, "admission_dropped": counts_dropped}
 
 
 @dataclass(frozen=True, eq=False)

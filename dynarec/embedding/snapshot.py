@@ -77,12 +77,13 @@ def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, tor
         num_buckets = min(space.max_buckets, num_buckets * 2)
 
 
-def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> BucketedHashIndex:
-    """The admission counter ``fresh`` (empty) holding ``saved``'s counts: in their own slots
-    where the dump's counter layout fits, else placed anew; empty without ``saved`` (a
-    weights-only load) or counts in it."""
+def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> tuple[BucketedHashIndex, int]:
+    """``(counter, dropped)``: the admission counter ``fresh`` (empty) holding ``saved``'s counts,
+    in their own slots where the dump's counter layout fits, else placed anew (a counter of
+    another layout, nearly full, may find no room for some: ``dropped`` of them, the lowest
+    counts first); empty without ``saved`` (a weights-only load) or counts in it."""
     if saved is None or "admission_keys" not in saved:
-        return fresh
+        return fresh, 0
     device = fresh.device
     ckeys = saved["admission_keys"].to(device)
     ccounts = saved["admission_counts"].to(device)
@@ -90,6 +91,6 @@ def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> Buckete
     same_layout = "layout" in saved and saved["layout"].numel() == 3 and int(saved["layout"][2]) == LAYOUT_VERSION
     if cslots is not None and same_layout and (cslots.numel() == 0 or int(cslots.max()) < fresh.capacity):
         fresh.install(cslots.to(device), ckeys, ccounts)  # the counter's own layout
-    else:
-        fresh.fill(ckeys, ccounts, priority=ccounts)
-    return fresh
+        return fresh, 0
+    placed = fresh.fill(ckeys, ccounts, priority=ccounts)
+    return fresh, int((placed < 0).sum())

@@ -404,7 +404,7 @@ class FixedTable(EmbeddingTable):
         self.store.reallocate(self.num_embeddings)
         rows = torch.arange(self.num_embeddings, device=self.device)
         self._load_rows(rows, rows, dump, fields, weights_only)
-        return {"loaded": self.num_embeddings, "dropped": 0}
+        return {"loaded": self.num_embeddings, "dropped": 0, "admission_dropped": 0}
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "num_embeddings": self.num_embeddings}

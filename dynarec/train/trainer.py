@@ -26,6 +26,7 @@ import contextlib
 import math
 import signal
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -224,6 +225,13 @@ class Trainer:
                     f"{report['loaded'] + report['dropped']} keys find no row in this run's shard (its "
                     "max_capacity share); raise dynamicemb.max_capacity, or resume with the world size it was "
                     "written at"
+                )
+            if report.get("admission_dropped"):  # (a counter is bounded: nearly full, another layout drops some)
+                warnings.warn(
+                    f"{path}: table '{name}' on rank {self.ctx.rank}: {report['admission_dropped']} of "
+                    f"{int(dump['admission_keys'].numel())} admission counts (the lowest) found no room in this run's "
+                    "counter (another world size lays it out anew); those keys count their sightings from 0 again",
+                    stacklevel=2,
                 )
         self.step = state["step"]
         self.position = DataPosition(state["epoch"], state["row"])

@@ -106,9 +106,9 @@ def test_a_dump_loads_into_its_own_layout_or_anew_into_a_smaller_one():
     small = Capacity(NativeRowStore(8, 3, Adagrad()), 4, 2, 2, 0.75, CPU)  # 8 slots: the top scores stay
     index, slots, src = index_for_load(saved, small)
     assert index.capacity == 8 and sorted(saved["scores"][src].tolist()) == list(range(2, 10))
-    fresh = restored_counter(BucketedHashIndex(2, 4), saved)
+    fresh, dropped = restored_counter(BucketedHashIndex(2, 4), saved)
     assert fresh.find(torch.tensor([99])).tolist() == counter.find(torch.tensor([99])).tolist()
-    assert restored_counter(BucketedHashIndex(2, 4), None).size == 0
+    assert dropped == 0 and restored_counter(BucketedHashIndex(2, 4), None)[0].size == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

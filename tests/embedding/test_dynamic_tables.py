@@ -477,7 +477,7 @@ def test_dump_load_round_trip_bit_exact_any_larger_capacity(backend):
             [dynamic(backend=backend, max_capacity=cap, init_capacity=32, admission=AdmissionConfig(threshold=2))], spec
         )
         dst = coll.tables["d"]
-        assert dst.load(dump) == {"loaded": dump["keys"].numel(), "dropped": 0}
+        assert dst.load(dump) == {"loaded": dump["keys"].numel(), "dropped": 0, "admission_dropped": 0}
         again = dst.dump()
         for k in dump:
             assert torch.equal(dump[k], again[k]), k
@@ -490,7 +490,7 @@ def test_load_into_smaller_capacity_keeps_highest_scores():
     assert n > 16
     coll = EmbeddingCollection([dynamic(max_capacity=16, bucket_size=16)], Adam(lr=0.1))
     report = coll.tables["d"].load(dump)
-    assert report == {"loaded": 16, "dropped": n - 16}
+    assert report == {"loaded": 16, "dropped": n - 16, "admission_dropped": 0}
     kept = coll.tables["d"].dump()
     order = torch.argsort(-dump["scores"], stable=True)[:16]  # keys ascend in a dump: ties -> smaller key
     assert sorted(kept["keys"].tolist()) == sorted(dump["keys"][order].tolist())

@@ -206,7 +206,7 @@ def test_a_dump_of_the_one_choice_layout_loads_by_reinserting():
     dump = t.dump()
     dump["layout"] = dump["layout"][:2]  # what a dump of the old layout carries
     dump["slots"] = torch.arange(keys.numel())  # slots meaningless under the new hashing
-    assert t.load(dump) == {"loaded": 100, "dropped": 0}
+    assert t.load(dump) == {"loaded": 100, "dropped": 0, "admission_dropped": 0}
     assert torch.equal(t.read_rows(keys)["weight"][:, 0], keys.float())
     check_invariants(t.index)
 
