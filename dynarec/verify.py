@@ -236,7 +236,9 @@ def _run(
         out = coll(batch.to(device) if device != "cpu" else batch)
         upstream = {name: torch.randn(v.shape, generator=gen) for name, v in out.items()}
         sum((out[n] * upstream[n].to(out[n].device)).sum() for n in out).backward()
-        grads = _row_gradients(features, samples, poolings, upstream)
+        table_spec = coll.tables[table.name].spec
+        clip = table_spec.max_gradient if table_spec.gradient_clipping else None
+        grads = _row_gradients(features, samples, poolings, upstream, clip)
         ref.step(_held_keys(coll, table), grads)
         _compare(coll, table, ref, verdict, step)
     if record:
@@ -249,15 +251,17 @@ def _run(
             )
 
 
-def _row_gradients(features, samples, poolings, upstream) -> dict[int, torch.Tensor]:
-    """d loss / d row of every looked-up id, for ``loss = sum_f (out_f * upstream_f).sum()``."""
+def _row_gradients(features, samples, poolings, upstream, clip: float | None = None) -> dict[int, torch.Tensor]:
+    """d loss / d row of every looked-up id, for ``loss = sum_f (out_f * upstream_f).sum()``;
+    with ``clip`` (gradient_clipping's max_gradient) each bag's output gradient clamped to
+    ``[-clip, clip]`` first, as FBGEMM's TBE and every dynarec backend do (docs/optimizers.md)."""
     grads: dict[int, torch.Tensor] = {}
     for f, feature in zip(features, samples):
-        g = upstream[f.name]
+        g = upstream[f.name] if clip is None else upstream[f.name].clamp(-clip, clip)
         for b, ids in enumerate(feature):
             for j, key in enumerate(ids):
                 if poolings[f.name] == "none":
-                    contrib = g[b, j]
+                    contrib = g[b, j]  # (each position of a sequence its own bag)
                 elif poolings[f.name] == "mean":
                     contrib = g[b] / len(ids)
                 else:

@@ -52,6 +52,23 @@ def test_every_optimizer_and_pooling_verifies(tmp_path):
         assert verdicts and all(v.ok for v in verdicts), [v.line() for v in verdicts]
 
 
+@pytest.mark.parametrize("optimizer", ["sgd_optimizer", "adagrad_optimizer", "adam_optimizer"])
+def test_gradient_clipping_that_bites_verifies(optimizer, monkeypatch):
+    """The reference summed the upstream gradients unclamped: a valid config with clipping that
+    bites (here every bag's gradient, max_gradient 0.05 against N(0, 1)) was reported as a
+    contract violation on every table (a QA pass). It clamps each bag's output gradient as the
+    tables do; without that clamp the same run is caught."""
+    from dynarec import verify
+
+    c = config_dict()
+    c["train"]["sparse_optimizer"] = {optimizer: {"lr": 0.05, "gradient_clipping": True, "max_gradient": 0.05}}
+    verdicts = verify_config(config_from_dict(c), steps=4)
+    assert verdicts and all(v.ok for v in verdicts), [v.line() for v in verdicts]
+    unclamped = verify._row_gradients
+    monkeypatch.setattr(verify, "_row_gradients", lambda f, s, p, u, clip=None: unclamped(f, s, p, u))
+    assert not any(v.ok for v in verify_config(config_from_dict(c), steps=4))
+
+
 def half_precision_demo(data_type: str) -> dict:
     import yaml
 
