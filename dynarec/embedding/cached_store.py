@@ -551,8 +551,11 @@ class CachedRowStore(RowStore):
 
     @property
     def nbytes(self) -> int:
-        """The host copy's bytes and the device cache's (see :attr:`host_nbytes`)."""
-        return self.host.nbytes + self.cache.nbytes
+        """The host copy's bytes and the device cache's (see :attr:`host_nbytes`): its rows and
+        states, and its maps (each row's slot, each slot's row and last use), as the planner
+        counts them."""
+        maps = sum(t.numel() * t.element_size() for t in (self._slot_of_row, self._row_of_slot, self._last_used))
+        return self.host.nbytes + self.cache.nbytes + maps
 
     @property
     def host_nbytes(self) -> int:  # type: ignore[override]
