@@ -106,7 +106,9 @@ class DynamicTableOptions:
 
     Args:
         max_capacity: the most rows the table ever holds (a promise: below 90% of it, keys are
-            not evicted; see docs/dynamic_tables.md).
+            not evicted; see docs/dynamic_tables.md). Sharded over ``N`` ranks, each shard holds
+            ``max_capacity / N`` rounded up to whole buckets, so together up to ``N - 1``
+            buckets more.
         init_capacity: rows allocated at the start (default ``max_capacity``); the table grows by
             doubling up to ``max_capacity``.
         bucket_size: slots per hash bucket.
