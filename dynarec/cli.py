@@ -323,17 +323,17 @@ def cmd_tdm_init_tree(args) -> None:
     files = resolve_files(args.items, "--items")
     # a CSV file's ids and attributes as strings, as training reads them ("001" is not 1)
     strings = {c: pa.string() for c in [args.item_id_field, args.cate_id_field, *attrs]}
-    tables = []
+    tables, ids_of = [], []
     for f in files:
         names = file_schema(f, None, strings).names
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"{f}: missing column(s) {missing} (of --item-id-field, --cate-id-field, the attr fields)")
         table = read_table(f, columns, None, strings)
-        _check_item_ids(table.column(args.item_id_field), f, args.item_id_field)
+        ids_of.append(_item_ids(table.column(args.item_id_field), f, args.item_id_field))
         tables.append(table.select(columns))
     items = pa.concat_tables(tables, promote_options="permissive")
-    ids = items.column(args.item_id_field).combine_chunks().cast(pa.int64()).to_numpy(zero_copy_only=False)
+    ids = np.concatenate(ids_of)
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         raise ValueError(
@@ -350,10 +350,10 @@ def cmd_tdm_init_tree(args) -> None:
     _print_tree(tree, out, [*attrs, *raw])
 
 
-def _check_item_ids(column, path: str, field: str) -> None:
-    """ValueError naming the file and row of the first item id of ``column`` (``field`` of
-    ``path``) that is not a whole number of 0 or more: the tree's nodes are int64 ids, and -1 is
-    graph-learn's handle of the root (skipped where the tree is read)."""
+def _item_ids(column, path: str, field: str):
+    """The item ids of ``column`` (``field`` of ``path``) as int64; ValueError naming the file and
+    row of the first that is not a whole number of 0 or more: the tree's nodes are int64 ids, and
+    -1 is graph-learn's handle of the root (skipped where the tree is read)."""
     import numpy as np
     import pyarrow as pa
 
@@ -375,6 +375,7 @@ def _check_item_ids(column, path: str, field: str) -> None:
             f"{path}, row {row}: column '{field}' (--item-id-field): item id {ids[row]} is negative; item ids are 0 or "
             "more (-1 is graph-learn's handle of the tree's root)"
         )
+    return ids
 
 
 def _is_int64(value) -> bool:

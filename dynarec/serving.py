@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
+from dynarec.config.load import error_path
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
 from dynarec.data.reader import ArrowBatchDataset, file_schema, make_loader, resolve_files
@@ -41,14 +42,6 @@ from dynarec.planner.plan import plan_from_config
 __all__ = ["ExportError", "ExportedModel"]
 
 
-def _location(loc: tuple) -> str:
-    """A config path as the config's own errors write it (``model.foo``, ``feature_configs[2].x``)."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(the config)"
-
-
 class ExportedModel:
     """A model loaded from an export directory — a full export, or a delta, with the chain of
     exports it is based on applied in order: every file checked against its export's manifest,
@@ -63,7 +56,7 @@ class ExportedModel:
         except ValidationError as e:
             raise ExportError(
                 f"{export_dir / META}: its config is invalid ({e.error_count()} error(s), the first at "
-                f"{_location(e.errors()[0]['loc'])}: {e.errors()[0]['msg']})"
+                f"{error_path(e.errors()[0])}: {e.errors()[0]['msg']})"
             ) from None
         self.device = torch.device(device)
         # Serving tables: native backend, no optimizer state (SGD has none).

@@ -31,11 +31,20 @@ def _path(loc: tuple) -> str:
     return out or "<root>"
 
 
+def _location(err: Any) -> tuple:
+    """A pydantic error's location without pydantic's internal union and function tags."""
+    return tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+
+
+def error_path(err: Any) -> str:
+    """The config path of one pydantic error (``model.foo``, ``feature_configs[2].id_feature.x``)."""
+    return _path(_location(err))
+
+
 def _format(e: ValidationError, source: str) -> str:
     lines = []
     for err in e.errors():
-        # Drop pydantic's internal union/function tags from the location.
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        loc = _location(err)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = f"unknown key '{loc[-1]}'"
