@@ -705,6 +705,51 @@ def test_sparse_gradient_clipping_reaches_every_table():
     assert (config.train.gradient_clipping.max_norm, config.train.gradient_clipping.norm_type) == (1.0, 2.0)
 
 
+def _with_optimizers(sparse: str, dense: str = "adam_optimizer { lr: 0.01 }") -> str:
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    start = text.index("train_config {")
+    end = text.index("num_epochs", start)
+    optimizers = f"sparse_optimizer {{ {sparse} constant_learning_rate {{}} }}\n"
+    optimizers += f"dense_optimizer {{ {dense} constant_learning_rate {{}} }}\n"
+    return text[:start] + "train_config {\n" + optimizers + text[end:]
+
+
+def test_rowwise_adagrads_weight_decay_under_mode_none_is_carried_as_no_decay_with_a_note():
+    """TorchEasyRec's weight_decay_mode defaults to NONE, under which FBGEMM applies no decay: a
+    config setting weight_decay alone was refused by the converted YAML's schema (even with
+    --lenient). It now trains as in TorchEasyRec, without decay, and says so."""
+    text = _with_optimizers("rowwise_adagrad_optimizer { lr: 0.01 weight_decay: 0.00001 }")
+    result = convert_pipeline_config(text, train_input_path="a", eval_input_path="b")
+    spec = config_from_dict(result.config).train.sparse_optimizer
+    assert (spec.weight_decay, spec.weight_decay_mode) == (0.0, "none")
+    assert any("weight_decay: 1e-05 decays nothing under weight_decay_mode NONE" in n for n in result.notes)
+    text = _with_optimizers("rowwise_adagrad_optimizer { lr: 0.01 weight_decay: 0.00001 weight_decay_mode: L2 }")
+    result = convert_pipeline_config(text, train_input_path="a", eval_input_path="b")
+    spec = config_from_dict(result.config).train.sparse_optimizer
+    assert (spec.weight_decay, spec.weight_decay_mode) == (1e-05, "l2")
+
+
+@pytest.mark.parametrize(
+    "sparse, dense, path",
+    [
+        ("lamb_optimizer { lr: 0.01 }", "adam_optimizer { lr: 0.01 }", "train_config.sparse_optimizer.lamb_optimizer"),
+        (
+            "sgd_optimizer { lr: 0.01 }",
+            "rmsprop_optimizer { lr: 0.01 }",
+            "train_config.dense_optimizer.rmsprop_optimizer",
+        ),
+    ],
+)
+def test_an_optimizer_dynarec_lacks_is_refused_by_path_even_with_lenient(sparse, dense, path):
+    """--lenient dropped the optimizer's fields and kept its name, which the converted config's
+    schema then refused (after the refusal had said --lenient would drop it)."""
+    text = _with_optimizers(sparse, dense)
+    for lenient in (False, True):
+        with pytest.raises(ConversionError, match=rf"{path}: not supported \(dynarec's: .*\)") as e:
+            convert_pipeline_config(text, train_input_path="a", eval_input_path="b", lenient=lenient)
+        assert "--lenient drops" not in str(e.value)
+
+
 # -- --lenient ------------------------------------------------------------------------------------
 
 

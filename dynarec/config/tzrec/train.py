@@ -116,13 +116,18 @@ def _sparse_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
             weight_decay=o.number("weight_decay", 0.0),
         )
     elif name == "rowwise_adagrad_optimizer":
-        fields["weight_decay"] = o.number("weight_decay", 0.0)
+        weight_decay = o.number("weight_decay", 0.0)
         mode = str(o.scalar("weight_decay_mode", "NONE"))
         fields["weight_decay_mode"] = _WEIGHT_DECAY_MODES.get(mode, "none")
         if mode not in _WEIGHT_DECAY_MODES:
             r.ctx.refuse(o.at("weight_decay_mode"), f"unknown mode {mode!r}")
+        elif fields["weight_decay_mode"] == "none" and weight_decay:
+            # FBGEMM (and so TorchEasyRec) applies no decay under WeightDecayMode.NONE.
+            r.ctx.note(o.at("weight_decay"), f"{weight_decay} decays nothing under weight_decay_mode NONE: not carried")
+            weight_decay = 0.0
+        fields["weight_decay"] = weight_decay
     elif name != "sgd_optimizer":
-        r.ctx.refuse(r.at(name))
+        r.ctx.refuse(r.at(name), "not supported (dynarec's: sgd, adagrad, rowwise_adagrad, adam)", fatal=True)
         o.taken.update(o.msg.names())
     o.done()
     return {name: fields}, schedule
@@ -151,7 +156,7 @@ def _dense_optimizer(r: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
         fields.update(beta1=o.number("beta1", 0.9), beta2=o.number("beta2", 0.999), eps=o.number("eps", 1e-8))
         o.default_only("amsgrad", False)
     else:
-        r.ctx.refuse(r.at(name))
+        r.ctx.refuse(r.at(name), "not supported (dynarec's: sgd, adagrad, adam, adamw)", fatal=True)
         o.taken.update(o.msg.names())
     o.done()
     return {name: fields}, schedule
