@@ -302,6 +302,8 @@ class TrainInput:
                 steps = (dataset.num_rows - position.row) // self.global_batch_size
                 seen = listing
             if steps == 0:
+                if timed_out and position.row == 0:  # nothing arrived: no model to write
+                    raise DataError(_nothing_followed(directory, self.follow.idle_timeout_seconds, listing))
                 if timed_out:
                     if self.ctx.is_main:
                         print(
@@ -370,6 +372,14 @@ class TrainInput:
                 )
             if counts[i] != rows:
                 raise DataError(f"{directory / name}: held {rows} rows when it was consumed, {counts[i]} now")
+
+
+def _nothing_followed(directory: Path, timeout: Optional[float], listing: list[tuple[str, int]]) -> str:
+    """The error of a followed directory that gave no full batch before the idle timeout."""
+    held = f"its {len(listing)} file(s) hold less than one batch" if listing else "no data file arrived"
+    nested = sum(1 for p in directory.rglob("*") if p.suffix in (".parquet", ".csv") and p.parent != directory)
+    note = f"; {nested} data file(s) lie in its subdirectories, which --follow does not read" if nested else ""
+    return f"follow: {directory}: {held} in {timeout}s (--idle-timeout); nothing trained, nothing written{note}"
 
 
 class ReadAhead:

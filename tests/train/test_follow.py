@@ -129,6 +129,27 @@ def test_follow_needs_a_directory_and_no_epochs(parts, tmp_path, capsys):
     assert "train.num_epochs: --follow reads a growing input" in capsys.readouterr().err
 
 
+def test_a_followed_directory_that_gives_no_batch_is_an_error_and_writes_nothing(parts, tmp_path, capsys):
+    """--follow that timed out before any batch arrived exited 0 with an untrained model's
+    checkpoint and evaluation; it is an error now, naming the data files in subdirectories
+    (a partitioned layout), which --follow does not read."""
+    root, tables = parts
+    stream = tmp_path / "stream"
+    (stream / "dt=2024-01-01").mkdir(parents=True)
+    add(stream / "dt=2024-01-01", "part-0.parquet", tables[0])
+    cfg = config(root, stream, "nested.yaml")
+    args = ["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--no-progress", "--follow"]
+    assert main([*args, "--poll-seconds", "0.05", "--idle-timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert f"follow: {stream}: no data file arrived in 0.2s (--idle-timeout); nothing trained, nothing written" in err
+    assert "1 data file(s) lie in its subdirectories, which --follow does not read" in err
+    assert not (tmp_path / "m").exists()
+    add(stream, "few.parquet", tables[0].slice(0, 50))  # half a batch
+    assert main([*args, "--poll-seconds", "0.05", "--idle-timeout", "0.2"]) == 2
+    assert "its 1 file(s) hold less than one batch in 0.2s" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
 def test_two_ranks_follow_the_directory_as_one_process_does(parts, reference, tmp_path):
     """torchrun ranks see rank 0's listing of the directory: 2 x 50 rows a step = 1 x 100."""
     root, tables = parts
