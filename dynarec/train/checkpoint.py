@@ -142,6 +142,8 @@ def save_checkpoint(
         debris += [p for p in ckpt_dir.glob("ckpt-*") if p.is_dir() and not (p / MANIFEST).is_file()]
         for leftover in debris:
             shutil.rmtree(leftover, ignore_errors=True)
+        for pointer in ckpt_dir.glob(f".{LATEST}.tmp-*"):  # a kill between writing `latest` and its rename
+            pointer.unlink(missing_ok=True)
         for stale in list_checkpoints(ckpt_dir)[:-keep]:
             old = ckpt_dir / f".{stale.name}.old-{os.getpid()}"
             try:  # committed already: a rotation that fails leaves debris for the next save, no error
@@ -206,8 +208,13 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], list[dict[str, dict[str
     files = manifest.get("files") if isinstance(manifest, dict) else None
     world = manifest.get("world_size", 1) if isinstance(manifest, dict) else 1
     expected = {STATE, TABLES} if world == 1 else {STATE, *(f"tables-rank{r}.pt" for r in range(world))}
-    if not isinstance(files, dict) or set(files) != expected:
+    if not isinstance(files, dict):
         raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not list {', '.join(sorted(expected))}")
+    if set(files) != expected:
+        missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
+        wrong = [f"does not list {', '.join(missing)}"] if missing else []
+        wrong += [f"lists {', '.join(extra)}, which a checkpoint of {world} rank(s) does not hold"] if extra else []
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} {' and '.join(wrong)}")
     verify_manifest(path, files, manifest_path, lambda m: CheckpointError(f"corrupt checkpoint: {m}"))
     names = [STATE, TABLES] if world == 1 else [STATE, *(f"tables-rank{r}.pt" for r in range(world))]
     loaded = []
@@ -218,6 +225,18 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], list[dict[str, dict[str
         except Exception as e:
             raise CheckpointError(f"corrupt checkpoint: {f} cannot be loaded ({e})") from None
     return loaded[0], loaded[1:]
+
+
+def _earlier(ckpt_dir: Path, latest: Path) -> str:
+    """What to say of the complete checkpoints before a corrupt ``latest``: the newest of them,
+    and how to use it (its files are not verified here: that reads them whole)."""
+    earlier = [p for p in list_checkpoints(ckpt_dir) if p.name < latest.name]
+    if not earlier:
+        return ""
+    return (
+        f"; the earlier checkpoint {earlier[-1].name} is listed as complete: to go on from it, write its name "
+        f"into {ckpt_dir / LATEST}"
+    )
 
 
 class CheckpointManager:
@@ -258,10 +277,10 @@ class CheckpointManager:
                 raise CheckpointError(f"no complete checkpoint in {self.dir}")
             try:
                 return (latest, *load_checkpoint(latest))
-            except (CheckpointError, OSError):  # files vanishing mid-read raise either
+            except (CheckpointError, OSError) as e:  # files vanishing mid-read raise either
                 now = self.latest()
                 if now == latest:
-                    raise
+                    raise CheckpointError(f"{e}{_earlier(self.dir, latest)}") from None
                 warnings.warn(
                     f"{latest} was removed while being read (a training run rotated its checkpoints); "
                     f"reading the newer {now}",

@@ -144,6 +144,26 @@ def test_a_malformed_checkpoint_manifest_is_named(data_root, tmp_path):
     manifest.write_text(json.dumps({"step": 2}))
     with pytest.raises(CheckpointError, match=r"manifest.json does not list state.pt, tables.pt"):
         trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
+    manifest.write_text(json.dumps({"files": {"state.pt": {}, "extra.pt": {}}}))  # the one missing is named
+    with pytest.raises(CheckpointError, match=r"manifest.json does not list tables.pt and lists extra.pt, which a"):
+        trainer_for(data_root, tmp_path / "m", num_steps=4).fit(resume=True)
+
+
+def test_a_corrupt_latest_checkpoint_names_the_earlier_one_and_how_to_use_it(data_root, tmp_path):
+    trainer = trainer_for(data_root, tmp_path / "m", num_steps=4, save_checkpoints_steps=2)
+    trainer.fit()
+    tables = trainer.checkpoints.latest() / "tables.pt"
+    tables.write_bytes(tables.read_bytes()[:100])
+    pointer = tmp_path / "m" / "checkpoints" / "latest"
+    with pytest.raises(CheckpointError) as e:
+        trainer_for(data_root, tmp_path / "m", num_steps=6).fit(resume=True)
+    assert f"corrupt checkpoint: {tables}" in str(e.value)
+    assert (
+        f"the earlier checkpoint ckpt-0000000002 is listed as complete: to go on from it, write its name into {pointer}"
+        in str(e.value)
+    )
+    pointer.write_text("ckpt-0000000002\n")
+    assert trainer_for(data_root, tmp_path / "m", num_steps=6).fit(resume=True)["step"] == 6
 
 
 def test_ctrl_c_stops_cleanly_with_exit_130_naming_the_latest_checkpoint(data_root, tmp_path):
@@ -412,6 +432,7 @@ def test_a_kill_while_a_rotated_checkpoint_is_deleted_leaves_nothing_the_next_sa
     assert sorted(p.name for p in ckpt_dir.glob("ckpt-*")) == ["ckpt-0000000002", "ckpt-0000000003"]
     (ckpt_dir / "ckpt-0000000000").mkdir()  # an earlier version's half-deleted checkpoint
     (ckpt_dir / "ckpt-0000000000" / "tables.pt").write_bytes(b"stranded")
+    (ckpt_dir / ".latest.tmp-99999").write_text("ckpt-0000000003\n")  # a kill before `latest`'s rename
     checkpoint_module.save_checkpoint(ckpt_dir, 4, {"step": 4}, tables, keep=2)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-0000000003", "ckpt-0000000004", "latest"]
 
