@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -681,7 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from dynarec.devices import check_device
 
             check_device(args.device)
-        rc = args.run(args)  # a command that finds a problem without an error returns its status
+        with _warnings_of(args.command):
+            rc = args.run(args)  # a command that finds a problem without an error returns its status
     except (
         ValueError,
         FileNotFoundError,
@@ -711,6 +713,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"dynarec {args.command}: interrupted{_latest_note(args)}", file=sys.stderr)
         return 130
     return rc if isinstance(rc, int) else 0
+
+
+@contextlib.contextmanager
+def _warnings_of(command: str) -> Iterator[None]:
+    """dynarec's own warnings printed as ``dynarec <command>: warning: <message>``, as its errors
+    are (Python's format adds the warning's source file and line, which tell a user nothing);
+    other libraries' keep Python's format. (``warnings.formatwarning`` is the warnings module's
+    hook for this; recording them, as a test's ``pytest.warns`` does, is unaffected.)"""
+    import warnings
+
+    package = str(Path(__file__).resolve().parent) + os.sep
+    default = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None) -> str:
+        if str(filename).startswith(package):
+            return f"dynarec {command}: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = default
 
 
 def _latest_note(args) -> str:

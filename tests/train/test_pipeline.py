@@ -250,6 +250,17 @@ def test_corrupt_checkpoint_on_resume_names_the_file(trained, tmp_path, damage):
     assert _listing(model_dir) == before
 
 
+def test_the_cli_prints_its_own_warnings_as_its_errors_without_pythons_source_lines(trained, tmp_path):
+    cfg, src = trained
+    model_dir = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(src), str(model_dir)], check=True)
+    (model_dir / "checkpoints" / "latest").write_text("garbage\n")  # the newest complete one is used
+    rc, out = run_cli("evaluate", "--config", cfg, "--model-dir", model_dir, "--input", cfg.parent / "data/eval")
+    assert rc == 0, out
+    assert "dynarec evaluate: warning: " in out and "using the newest complete checkpoint" in out, out
+    assert "UserWarning" not in out and ".py:" not in out, out
+
+
 def test_model_dir_of_a_different_config_is_refused(trained, data_root):
     cfg, model_dir = trained
     other = config_dict(data__eval_input_path=None)
