@@ -843,6 +843,27 @@ def test_a_vocab_file_is_relative_to_the_pipeline_config_and_written_relative_to
     assert "feature_configs[0].id_feature.vocab_file: " in err and "words.txt does not exist" in err
 
 
+def test_the_configs_own_relative_data_paths_are_relative_to_the_current_directory(tmp_path, monkeypatch, capsys):
+    """TorchEasyRec reads a relative train_input_path from where it runs; dynarec resolves the
+    YAML's against the YAML's directory: import-config writes it so (as it did for the same path
+    given as --train-input-path), with a note."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    write_data(tmp_path / "data" / "train")
+    text = COMMON_TRAIN.format(data="data/train", sparse=ADAGRAD, fg_mode="FG_NONE") + MULTI_TOWER
+    (tmp_path / "pipeline.config").write_text(text)
+    out = tmp_path / "out" / "cfg.yaml"
+    out.parent.mkdir()
+    assert main(["import-config", "pipeline.config", "-o", str(out)]) == 0
+    assert (
+        "train_input_path: 'data/train' is relative to the current directory (TorchEasyRec's): written '../data/train'"
+        in capsys.readouterr().out
+    )
+    assert yaml.safe_load(out.read_text())["data"]["train_input_path"] == "../data/train"
+    assert load_config(out).data.train_input_path == str(tmp_path / "data" / "train")
+
+
 # -- docs/import_config.md -------------------------------------------------------------------------
 
 

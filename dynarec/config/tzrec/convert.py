@@ -57,7 +57,7 @@ def convert_pipeline_config(
     to it; default the current directory); ``output_dir``: the YAML's directory (paths are
     written relative to it; default absolute). ConversionError lists every refused field unless
     ``lenient``; with ``lenient`` it lists what cannot be dropped consistently."""
-    ctx = Context(lenient)
+    ctx = Context(lenient, Path(output_dir) if output_dir is not None else None)
     message = parse(text)
     top = Reader(message, "", ctx)
     replaced = train_input_path is not None

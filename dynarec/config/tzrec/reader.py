@@ -4,6 +4,7 @@ it is refused by path (so a field nobody handles can never pass silently)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Optional
 
 from dynarec.config.textproto import Message, Scalar
@@ -16,8 +17,11 @@ class Context:
     A *fatal* refusal is one ``--lenient`` cannot drop (the model itself, a feature group the
     model needs): the conversion fails on it either way."""
 
-    def __init__(self, lenient: bool):
+    def __init__(self, lenient: bool, output_dir: Optional[Path] = None):
         self.lenient = lenient
+        # The YAML's directory, which dynarec resolves relative paths against; the config's
+        # own data paths are relative to the current directory (TorchEasyRec's). None: as given.
+        self.output_dir = output_dir
         self.notes: list[str] = []
         self.refused: list[str] = []
         self.fatal: list[str] = []

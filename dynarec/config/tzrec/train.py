@@ -183,7 +183,13 @@ def data_source(
             field_name, f"{path!r} is a table service; dynarec reads Parquet/CSV files: give {flag}", fatal=fatal
         )
         return None
-    return str(path)
+    path = str(path)
+    if ctx.output_dir is not None and "://" not in path and not os.path.isabs(path):
+        written = os.path.relpath(os.path.abspath(path), os.path.abspath(ctx.output_dir))
+        if written != path:
+            ctx.note(field_name, f"{path!r} is relative to the current directory (TorchEasyRec's): written {written!r}")
+        path = written
+    return path
 
 
 def _negative_sampler(
