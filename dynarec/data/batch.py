@@ -19,6 +19,7 @@ outside {0, 1}.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -52,6 +53,7 @@ from dynarec.config.tasks import label_rules, session_field
 from dynarec.data.sampler import negative_sampler
 from dynarec.data.tdm_sampler import TreeSamples, node_columns, tdm_sampler, with_node_columns
 from dynarec.data.transport import Slot, pack, read_into, unpack
+from dynarec.devices import to_device
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
 from dynarec.features.expression import Expression
@@ -122,10 +124,19 @@ class Batch:
     # worker, which pins it before anything else sees it): the buffer and how to rebuild the
     # batch from it, so that pin_memory copies it once.
     _packed: Optional[tuple[torch.Tensor, list[Slot], _Layout]] = field(default=None, repr=False, compare=False)
+    # A batch copied to a GPU on a stream of its own (a cached epoch's, MemoryBatchCache): the
+    # event after its copy, which a stream reading the batch waits for. None: nothing to wait for.
+    ready: Optional[torch.cuda.Event] = field(default=None, repr=False, compare=False)
 
     def packed(self) -> tuple[torch.Tensor, list[Slot], _Layout]:
         """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
         dynarec.data.transport), and what rebuilds the batch from it besides."""
+        tensors, layout = self._parts()
+        buffer, slots = pack(tensors)
+        return buffer, slots, layout
+
+    def _parts(self) -> tuple[list[torch.Tensor], _Layout]:
+        """Every tensor of the batch, in the order :func:`_assembled` takes them, and the rest."""
         s = self.sparse
         optional = [s.weights_or_none(), self.groups, self.sessions, self.hard_negative_rows, self.source_rows]
         dicts = (self.dense, self.dense_lengths, self.element_lengths)
@@ -140,8 +151,23 @@ class Batch:
             self.num_rows,
             self.sampled_rows,
         )
-        buffer, slots = pack(tensors)
-        return buffer, slots, layout
+        return tensors, layout
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the batch's tensors."""
+        if self._packed is not None:
+            return self._packed[0].numel()
+        return sum(t.numel() * t.element_size() for t in self._parts()[0])
+
+    def to(self, device: torch.device) -> Batch:
+        """A copy of the batch on ``device``, queued on the current stream (``non_blocking``: a
+        page-locked batch's copy runs beside the host); a packed batch is copied in one piece."""
+        if self._packed is not None:
+            buffer, slots, layout = self._packed
+            return _unpacked_batch(buffer.to(device, non_blocking=True), slots, layout)
+        tensors, layout = self._parts()
+        return _assembled(iter(to_device(tensors, device)), layout)
 
     def __reduce__(self):
         """Pickled (by a DataLoader worker, for the training process) as one buffer: one shared
@@ -201,7 +227,13 @@ class _Layout:
 def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
     """The batch of ``Batch.packed`` (pickled, or sent as a ``BatchFile``), its tensors views
     of ``buffer``."""
-    tensors = iter(unpack(buffer, slots))
+    batch = _assembled(iter(unpack(buffer, slots)), layout)
+    batch._packed = (buffer, slots, layout)
+    return batch
+
+
+def _assembled(tensors: Iterator[torch.Tensor], layout: _Layout) -> Batch:
+    """The batch of ``tensors`` in the order of ``Batch._parts``, and ``layout``."""
     values, lengths, labels = next(tensors), next(tensors), next(tensors)
     weights, groups, sessions, hard_negative_rows, source_rows = (next(tensors) if p else None for p in layout.present)
     dense, dense_lengths, element_lengths = ({k: next(tensors) for k in keys} for keys in layout.dict_keys)
@@ -218,7 +250,6 @@ def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) ->
         layout.sampled_rows,
         hard_negative_rows,
         source_rows,
-        _packed=(buffer, slots, layout),
     )
 
 

@@ -4,7 +4,8 @@ Building a batch (Parquet decoding, hashing, splitting) costs more than a traini
 CPU at small batches, and bounds a GPU's step without enough loader workers. Later epochs of a
 run read the same rows into the same batches, so the first whole epoch's batches are kept:
 
-- ``memory``: the batches themselves (every batch's tensors held for the run);
+- ``memory``: the batches themselves (every batch's tensors held for the run; for a GPU, a copy
+  in its memory, which the steps of every epoch train on: see :class:`MemoryBatchCache`);
 - ``disk``: each batch packed into one file (``Batch.packed``, as a DataLoader worker sends it)
   of a directory of the run's own under ``data.batch_cache_dir`` (default: the system's temp
   directory), read back in order — one read a batch (into page-locked memory for a GPU), no
@@ -28,23 +29,49 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
+import torch
+
 from dynarec.config.load import ConfigError
 from dynarec.data.batch import Batch, BatchFile, DataError
 from dynarec.data.shared_decode import PassAbandoned, write_batch
+from dynarec.embedding.streams import batch_stream
 from dynarec.files import describe_os_error, remove_scratch, scratch_directory
 
 __all__ = ["BatchCacheLost", "DiskBatchCache", "MemoryBatchCache", "batch_cache", "check_cache_dir"]
 
 
 class MemoryBatchCache:
-    """An epoch's batches, held."""
+    """An epoch's batches, held. For a CUDA ``device``, a copy of each batch is kept in the
+    device's memory (while the copies take at most ``device_bytes``, default an eighth of the
+    device's memory; the batches past that stay in host memory), and the step trains on that
+    copy: each batch crosses to the device once for the whole run. Keeping the page-locked host
+    batches instead would hold every page-locked block of the first epoch: torch's host
+    allocator could reuse none, and each batch would be a fresh ``cudaHostAlloc`` beside the
+    step (on an H100 that made the first epoch's steps of TorchEasyRec's dlrm_criteo at batch
+    8,192 about 50% slower: benchmarks/results/2026-12-05-h100-dlrm-batch-cache.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Optional[torch.device] = None, device_bytes: Optional[int] = None) -> None:
         self._batches: list[Batch] = []
         self.failed = False
+        self.device = device if device is not None and device.type == "cuda" else None
+        if self.device is not None and device_bytes is None:
+            device_bytes = torch.cuda.get_device_properties(self.device).total_memory // 8
+        self.device_bytes = device_bytes or 0
+        self.bytes_on_device = 0
 
-    def add(self, batch: Batch) -> None:
+    def add(self, batch: Batch) -> Batch:
+        """Keeps ``batch`` and returns the batch the step is to train on: the device's copy
+        where one was made (copied on the device's batch stream; its ``ready`` event follows the
+        copy), else ``batch`` itself."""
+        if self.device is not None and self.bytes_on_device + batch.nbytes <= self.device_bytes:
+            stream = batch_stream(self.device)
+            with torch.cuda.stream(stream):
+                batch = batch.to(self.device)
+                batch.ready = torch.cuda.Event()
+                batch.ready.record(stream)
+            self.bytes_on_device += batch.nbytes
         self._batches.append(batch)
+        return batch
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -53,7 +80,12 @@ class MemoryBatchCache:
         return iter(self._batches)
 
     def close(self) -> None:
+        """Drops the batches. Device copies are freed once the device has done all its work
+        (their memory returns to the batch stream's pool, and the steps read them on others)."""
+        if self.bytes_on_device:
+            torch.cuda.synchronize(self.device)
         self._batches = []
+        self.bytes_on_device = 0
 
 
 class BatchCacheLost(Exception):
@@ -88,17 +120,18 @@ class DiskBatchCache:
         self.failed = True
         self.close()
 
-    def add(self, batch: Batch) -> None:
-        """Writes ``batch`` as the next file; a write that fails ends the cache (a warning, the
-        files removed): it is never complete, and the run goes on."""
+    def add(self, batch: Batch) -> Batch:
+        """Writes ``batch`` as the next file, and returns it; a write that fails ends the cache
+        (a warning, the files removed): it is never complete, and the run goes on."""
         if self.failed:
-            return
+            return batch
         assert self.directory is not None
         try:
             self._files.append(write_batch(self.directory, len(self._files), batch))
         except (OSError, PassAbandoned) as e:
             why = describe_os_error(e) if isinstance(e, OSError) else "its directory was removed"
             self._fail(f"batch {len(self._files)} could not be written to {self.directory} ({why})")
+        return batch
 
     def __len__(self) -> int:
         return len(self._files)
@@ -137,6 +170,7 @@ def _base(parent: Optional[str]) -> str:
     return parent if parent is not None else tempfile.gettempdir()
 
 
-def batch_cache(kind: str, directory: Optional[str], pin: bool) -> Union[MemoryBatchCache, DiskBatchCache]:
-    """The cache ``data.cache_batches`` names (``memory`` or ``disk``)."""
-    return MemoryBatchCache() if kind == "memory" else DiskBatchCache(directory, pin)
+def batch_cache(kind: str, directory: Optional[str], device: torch.device) -> Union[MemoryBatchCache, DiskBatchCache]:
+    """The cache ``data.cache_batches`` names (``memory`` or ``disk``) of batches bound for
+    ``device`` (a CUDA device's: kept in its memory, or read back page-locked)."""
+    return MemoryBatchCache(device) if kind == "memory" else DiskBatchCache(directory, pin=device.type == "cuda")

@@ -38,10 +38,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HostReadback", "StagedInput", "current_stream", "input_stage", "rows_stream"]
+__all__ = ["HostReadback", "StagedInput", "batch_stream", "current_stream", "input_stage", "rows_stream"]
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device and process
 _ROWS_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_BATCH_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # current_stream's wrappers, by device and stream id
 
 
@@ -62,21 +63,32 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _input_stream(device: torch.device) -> torch.cuda.Stream:
+def _stream(
+    streams: dict[torch.device, torch.cuda.Stream], device: torch.device, priority: int = 0
+) -> torch.cuda.Stream:
+    """``streams``' stream of ``device`` (a CUDA device; no index: the current one), made once."""
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _STREAMS:  # high priority: its small kernels go ahead of the backward's blocks
-        _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _STREAMS[device]
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device, priority=priority)
+    return streams[device]
+
+
+def _input_stream(device: torch.device) -> torch.cuda.Stream:
+    return _stream(_STREAMS, device, priority=-1)  # high priority: its small kernels go ahead of the backward's blocks
 
 
 def rows_stream(device: torch.device) -> torch.cuda.Stream:
     """``device``'s stream for rows moving between host memory and a device cache ahead of their
     lookup (one per device and process): the moves queue there one after another, while the
     input stream's next finds and the main stream's steps go on beside them."""
-    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _ROWS_STREAMS:
-        _ROWS_STREAMS[device] = torch.cuda.Stream(device)
-    return _ROWS_STREAMS[device]
+    return _stream(_ROWS_STREAMS, device)
+
+
+def batch_stream(device: torch.device) -> torch.cuda.Stream:
+    """``device``'s stream for whole batches copied to it to be kept there (a cached epoch's:
+    ``dynarec.data.batch_cache``), one per device and process: their copies run on the copy
+    engine beside the steps, and each batch carries the event its readers wait for."""
+    return _stream(_BATCH_STREAMS, device)
 
 
 class StagedInput:

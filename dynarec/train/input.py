@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
+
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, BatchBuilder, DataError
 from dynarec.data.batch_cache import BatchCacheLost, DiskBatchCache, MemoryBatchCache, batch_cache, check_cache_dir
@@ -82,17 +84,22 @@ class TrainInput:
     batches for a CUDA ``device_type``."""
 
     def __init__(
-        self, config: Config, ctx: DistContext, device_type: str, follow: Optional[FollowOptions] = None
+        self,
+        config: Config,
+        ctx: DistContext,
+        device: Union[str, torch.device],
+        follow: Optional[FollowOptions] = None,
     ) -> None:
         self.config = config
         self.ctx = ctx
         self.follow = follow
         if follow is not None:
             _check_followable(config)
-        self.pin = device_type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
         workers = config.data.num_workers
-        self.num_workers = default_num_workers(device_type) if workers is None else workers
-        if device_type == "cuda" and self.num_workers > 0:
+        self.num_workers = default_num_workers(self.device.type) if workers is None else workers
+        if self.pin and self.num_workers > 0:
             start_worker_server()  # its workers' imports overlap the model's set-up
         # --follow: the files consumed so far (names and row counts, in order); they must stay the
         # first files of the directory, so that a row position always means the same rows.
@@ -192,7 +199,7 @@ class TrainInput:
             kind = cfg.data.batch_cache
             built = None
             if kind is not None and position.row == 0 and cached is None:
-                built = batch_cache(kind, cfg.data.batch_cache_dir, self.pin)
+                built = batch_cache(kind, cfg.data.batch_cache_dir, self.device)
             try:
                 batches = iter(cached if cached is not None else self._epoch_batches(dataset, position, key))
                 for _ in range(dataset.num_steps()):
@@ -205,7 +212,7 @@ class TrainInput:
                         batches = iter(self.loader(training_rows(position.row)))
                         batch = self._next_batch(batches)
                     if built is not None and isinstance(batch, Batch):
-                        built.add(batch)
+                        batch = built.add(batch)  # (a GPU's memory cache: its copy on the device)
                     end = position.row + rows
                     position = (
                         DataPosition(position.epoch, end)
@@ -411,7 +418,7 @@ class ReadAhead:
                 return
             self._read.append(("item", item))
             if item is not None and isinstance(item[0], Batch):
-                self._embeddings.prefetch(item[0].sparse)
+                self._embeddings.prefetch(item[0].sparse, item[0].ready)
 
     def next(self) -> Optional[Item]:
         """The oldest batch read ahead, else the next one."""

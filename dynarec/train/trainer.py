@@ -45,6 +45,7 @@ from dynarec.distributed.context import DistContext, StepFailedError, single_pro
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.embedding.cached_store import CacheFullError
 from dynarec.embedding.dynamic import TableFullError
+from dynarec.embedding.streams import current_stream
 from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
@@ -94,7 +95,7 @@ class Trainer:
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
-        self.input = TrainInput(config, self.ctx, self.device.type, follow)
+        self.input = TrainInput(config, self.ctx, self.device, follow)
         # The dense model's initial weights come from the config's seed, and a step's random
         # draws (dropout) from a stream of their own: neither touches the process's global RNG.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -293,6 +294,8 @@ class Trainer:
     def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
         train = self.config.train
         held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if batch.ready is not None:  # a batch kept on the device, copied there on another stream
+            current_stream(self.device).wait_event(batch.ready)
         with self.rng.active():
             if self.loss_scaler is None:
                 logits = self.task(batch, precision=train.mixed_precision)

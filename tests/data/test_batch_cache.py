@@ -1,16 +1,19 @@
 import errno
 import os
+import pickle
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from dynarec.config import ConfigError
 from dynarec.config.schema import DataCfg
 from dynarec.data import batch_cache as cache_module
 from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache, check_cache_dir
 from tests.data.test_transport import assert_same, every_field_batch
+from tests.matrix import needs_cuda
 
 
 def test_the_disk_cache_gives_its_batches_back_in_order_each_time_and_removes_its_files(tmp_path):
@@ -140,4 +143,57 @@ def test_cache_batches_names_memory_or_disk():
     assert DataCfg(**data, cache_batches="disk").batch_cache == "disk"
     with pytest.raises(ValueError, match="cache_batches"):
         DataCfg(**data, cache_batches="ssd")
-    assert isinstance(batch_cache("memory", None, False), MemoryBatchCache)
+    assert isinstance(batch_cache("memory", None, torch.device("cpu")), MemoryBatchCache)
+
+
+def test_a_memory_cache_for_the_cpu_keeps_the_batches_themselves():
+    cache = MemoryBatchCache(torch.device("cpu"))
+    batches = [every_field_batch() for _ in range(3)]
+    assert all(cache.add(b) is b for b in batches)
+    assert all(a is b for a, b in zip(cache, batches)) and len(cache) == 3 and cache.bytes_on_device == 0
+    cache.close()
+    assert len(cache) == 0
+
+
+def test_a_batch_counts_its_bytes_packed_or_not():
+    batch = every_field_batch()
+    tensors = [batch.sparse.values(), batch.sparse.lengths(), batch.sparse.weights_or_none(), batch.labels]
+    tensors += [batch.groups, batch.sessions, *batch.dense.values(), *batch.dense_lengths.values()]
+    tensors += batch.element_lengths.values()
+    assert batch.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    packed = pickle.loads(pickle.dumps(batch))  # one buffer, its tensors aligned in it
+    assert packed.nbytes == packed._packed[0].numel() >= batch.nbytes
+
+
+@needs_cuda
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_memory_cache_for_a_gpu_keeps_a_device_copy_for_the_steps(packed):
+    """On a GPU the cache keeps a copy of each batch in device memory (a packed batch in one
+    piece), made on the batch stream; the step trains on it once its event is waited for."""
+    cache = MemoryBatchCache(torch.device("cuda"))
+    hosts = [every_field_batch() for _ in range(3)]
+    if packed:  # as a DataLoader worker's batch arrives: one page-locked buffer
+        hosts = [pickle.loads(pickle.dumps(b)).pin_memory() for b in hosts]
+    kept = [cache.add(b) for b in hosts]
+    assert all(a is b for a, b in zip(cache, kept))
+    assert cache.bytes_on_device == sum(k.nbytes for k in kept) > 0
+    for host, k in zip(hosts, kept):
+        assert k.ready is not None and k.labels.is_cuda and k.sparse.values().is_cuda and k.dense["seq"].is_cuda
+        assert (k._packed is not None) == packed
+        torch.cuda.current_stream().wait_event(k.ready)
+        back = k.to(torch.device("cpu"))
+        torch.cuda.synchronize()
+        assert_same(host, back)
+    cache.close()
+    assert len(cache) == 0 and cache.bytes_on_device == 0
+
+
+@needs_cuda
+def test_a_memory_cache_keeps_the_batches_past_its_device_budget_on_the_host():
+    size = every_field_batch().nbytes
+    cache = MemoryBatchCache(torch.device("cuda"), device_bytes=2 * size)
+    kept = [cache.add(every_field_batch()) for _ in range(3)]
+    assert [k.labels.is_cuda for k in kept] == [True, True, False]
+    assert kept[2].ready is None and cache.bytes_on_device == 2 * size
+    default = MemoryBatchCache(torch.device("cuda"))
+    assert default.device_bytes == torch.cuda.get_device_properties(0).total_memory // 8

@@ -74,6 +74,37 @@ def test_training_with_workers_on_cuda_equals_training_without(tmp_path):
             assert torch.equal(value, dumps[3][name][field]), (name, field)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cached_epochs_on_cuda_train_on_device_copies_and_equal_an_uncached_run(tmp_path, workers, monkeypatch):
+    """data.cache_batches: memory on a GPU keeps the first epoch's batches in device memory and
+    trains every epoch on those copies (read ahead with their event); the run equals the one
+    without a cache bit for bit."""
+    from dynarec.data.batch_cache import MemoryBatchCache
+
+    make_data(tmp_path)
+    kept: list[str] = []
+    real_add = MemoryBatchCache.add
+
+    def recording_add(self, batch):
+        out = real_add(self, batch)
+        kept.append(out.labels.device.type)
+        return out
+
+    monkeypatch.setattr(MemoryBatchCache, "add", recording_add)
+    dumps = {}
+    for cache in (False, "memory"):
+        c = config_dict(data__num_workers=workers, data__cache_batches=cache, data__eval_input_path=None)
+        c["train"]["num_epochs"] = 3
+        trainer = Trainer(load_config(write_config(tmp_path, c, f"c{cache}.yaml")), tmp_path / f"m{cache}",
+                          device="cuda", progress=False)  # fmt: skip
+        assert trainer.fit()["step"] == 36
+        dumps[cache] = {n: t.dump() for n, t in trainer.task.embeddings.tables.items()}
+    assert kept == ["cuda"] * 12  # the first epoch's batches, each copied to the device once
+    for name, dump in dumps[False].items():
+        for field, value in dump.items():
+            assert torch.equal(value, dumps["memory"][name][field]), (name, field)
+
+
 _OOM_CHILD = "DYNAREC_TEST_OOM_CHILD"  # set in the process the test runs itself in
 
 
