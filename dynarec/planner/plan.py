@@ -230,12 +230,18 @@ def _ids_per_sample(f) -> int:
     return max(int(getattr(f, "value_dim", 1) or 1), 1)
 
 
-def plan_from_config(config: Config, world_size: int = 1, memory_budget: Optional[int] = None) -> Plan:
+def plan_from_config(
+    config: Config, world_size: int = 1, memory_budget: Optional[int] = None, check_budgets: bool = True
+) -> Plan:
     """The plan of a config's tables (features sharing an ``embedding_name`` share a table):
     :func:`plan_tables` with the config's optimizers, batch size and memory budgets (default
-    ``train.memory_budget_per_rank``; in host memory ``train.host_memory_budget_per_rank``)."""
+    ``train.memory_budget_per_rank``; in host memory ``train.host_memory_budget_per_rank``);
+    ``check_budgets`` False: neither budget is checked (``dynarec verify``, whose tables are
+    small twins of these)."""
     budget = memory_budget if memory_budget is not None else config.train.memory_budget_per_rank
     host = config.train.host_memory_budget_per_rank
+    if not check_budgets:
+        budget = host = None
     tables = _tables_of(config)
     return plan_tables(
         [t for t, _, _ in tables],
