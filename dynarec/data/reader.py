@@ -339,6 +339,8 @@ class ArrowBatchDataset(IterableDataset):
             self.builder.check_schema(schema, f)
             for column in self.builder.columns():
                 t = schema.field(column).type
+                if pa.types.is_null(t):  # no value in this file (a header-only CSV): any type fits
+                    continue
                 seen = first.setdefault(column, (f, t))
                 csv = column in csv_types and "csv" in (
                     _file_type(f, self.input_type),

@@ -155,6 +155,29 @@ def test_a_files_schema_is_read_once_while_it_stays_as_it_is(tmp_path, monkeypat
     assert reader_module.file_schema(str(parquet)).field("x").type == pa.float64() and len(reads) == 4
 
 
+def test_a_header_only_csv_among_csv_files_reads_as_no_rows(tmp_path):
+    """Spark and Hive write empty part files: a header-only CSV's columns infer as Arrow's null
+    type, which was refused as 'typed differently' against every other file (an advice a CSV
+    cannot follow). Its columns hold no value: any type fits, and the batches are those of the
+    other files."""
+    from tests.data.test_transport import assert_same
+
+    both = tmp_path / "both"
+    both.mkdir()
+    pacsv.write_csv(rows_table(6), both / "part-1.csv")
+    (both / "part-0.csv").write_text((both / "part-1.csv").read_text().splitlines()[0] + "\n")
+    (both / "part-2.csv").write_text((both / "part-1.csv").read_text().splitlines()[0] + "\n")
+    files = [str(both / f"part-{i}.csv") for i in range(3)]
+    ds = ArrowBatchDataset(files, builder(), 4)
+    ds.check_files()
+    assert ds.row_counts() == [0, 6, 0]
+    alone = list(make_loader(ArrowBatchDataset([files[1]], builder(), 4), 0))
+    got = list(make_loader(ds, 0))
+    assert [b.num_rows for b in got] == [4, 2]
+    for a, b in zip(alone, got):
+        assert_same(a, b)
+
+
 def test_a_column_typed_differently_in_two_files_names_both(tmp_path):
     pq.write_table(rows_table(4), tmp_path / "a.parquet")
     t = rows_table(4, 4)
