@@ -37,6 +37,7 @@ __all__ = [
     "TableConfig",
     "cache_rows_of",
     "check_count",
+    "check_fbgemm_dim",
 ]
 
 Pooling = Literal["sum", "mean", "none"]  # "none": a sequence feature, one embedding per id
@@ -55,6 +56,15 @@ CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
 SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
 
 _FORBID = {"extra": "forbid"}  # pydantic's config for these dataclasses: unknown keys are errors
+
+
+def check_fbgemm_dim(where: str, dim: int) -> None:
+    """ValueError naming ``where`` for a dim FBGEMM's TBE cannot hold (not a multiple of 4)."""
+    if dim % 4:
+        raise ValueError(
+            f"{where}: backend 'fbgemm' needs an embedding dim that is a multiple of 4 (FBGEMM's TBE), got {dim}; "
+            "use backend='native' or another dim"
+        )
 
 
 def check_count(where: str, name: str, value: object, minimum: int = 1, maximum: Optional[int] = None) -> None:
@@ -218,6 +228,8 @@ class TableConfig:
         if self.sharding is not None and self.sharding not in SHARDING_TYPES:
             raise ValueError(f"{where}: sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
         check_count(where, "dim", self.dim)
+        if self.backend == "fbgemm":
+            check_fbgemm_dim(where, self.dim)
         if self.pooling not in POOLINGS:
             raise ValueError(f"{where}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.backend not in BACKENDS:

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from dynarec.embedding.config import check_fbgemm_dim
 from dynarec.embedding.row_store import RowStore
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import FbgemmMapping, definition
@@ -53,11 +54,8 @@ def check_fbgemm_supports(spec: OptimizerSpec, device: torch.device, where: str,
             f"installed); got device {device}; use backend='native'"
         )
     fbgemm_mapping(spec, where)
-    if dim is not None and dim % 4:
-        raise ValueError(
-            f"{where}: backend 'fbgemm' needs an embedding dim that is a multiple of 4 (FBGEMM's TBE), got {dim}; "
-            "use backend='native' or another dim"
-        )
+    if dim is not None:
+        check_fbgemm_dim(where, dim)
 
 
 def fbgemm_mapping(spec: OptimizerSpec, where: str) -> FbgemmMapping:

@@ -89,6 +89,23 @@ def test_fbgemm_backend_without_fbgemm_names_native(monkeypatch):
         check_fbgemm_supports(Adagrad(), torch.device("cpu"), "table 't'")
 
 
+def test_a_table_of_backend_fbgemm_and_a_dim_it_cannot_hold_is_refused_when_planned(tmp_path, capsys):
+    """The table's own config refuses it, so `dynarec plan` does too (it printed a plan of a
+    config that verify and train then refused)."""
+    from dynarec.cli import main
+    from tests.pipeline_fixtures import config_dict, write_config
+
+    with pytest.raises(
+        ValueError, match=r"table 't': backend 'fbgemm' needs an embedding dim that is a multiple of 4.*got 6"
+    ):
+        TableConfig(name="t", dim=6, num_embeddings=10, features=["f"], backend="fbgemm")
+    c = config_dict()
+    feature = next(f["id_feature"] for f in c["feature_configs"] if f["id_feature"]["feature_name"] == "age")
+    feature.update(embedding_dim=6, backend="fbgemm")
+    assert main(["plan", "--config", str(write_config(tmp_path, c))]) == 2
+    assert "table 'age': backend 'fbgemm' needs an embedding dim that is a multiple of 4" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not fbgemm_available(), reason="FBGEMM is not installed")
 def test_fbgemm_refuses_a_dim_that_is_not_a_multiple_of_4_by_name():
     with pytest.raises(
