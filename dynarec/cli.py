@@ -181,7 +181,7 @@ def cmd_predict(args) -> None:
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; predict writes one Parquet file")
     _check_prediction_target(Path(args.output), files, args)
-    reserved = [c for c in (args.reserved_columns or "").split(",") if c]
+    reserved = [c.strip() for c in (args.reserved_columns or "").split(",") if c.strip()]
     for f in files:  # before any scoring
         missing = [c for c in reserved if c not in file_schema(f).names]
         if missing:

@@ -571,7 +571,8 @@ class BatchBuilder:
         if not self.config.model.task_towers:
             return "data.label_field"
         task = next(t for t in self.config.tasks() if label in (t.label_name, t.task_space_indicator_label))
-        return f"task '{task.tower_name}'"
+        role = "label_name" if label == task.label_name else "task_space_indicator_label"
+        return f"task '{task.tower_name}''s {role}"
 
     def _group_field(self) -> Optional[str]:
         if not any("grouped_auc" in t.eval_metrics for t in self.config.tasks()):

@@ -449,7 +449,7 @@ def test_predict_copies_reserved_columns_beside_each_rows_prediction(data_root, 
     train_dir = data_root / "data" / "train"
     out = tmp_path / "p.parquet"
     base = ["predict", "--model-dir", str(model), "--input", str(train_dir), "--output", str(out)]
-    assert main([*base, "--reserved-columns", "user_id,clk"]) == 0
+    assert main([*base, "--reserved-columns", "user_id, clk"]) == 0  # (a space after the comma is no part of a name)
     got = pq.read_table(out)
     whole = [pq.read_table(str(f)) for f in sorted(train_dir.glob("*.parquet"))]  # predict's order
     assert len(whole) > 1 and got.num_rows == sum(t.num_rows for t in whole) and "probability" in got.column_names

@@ -56,7 +56,11 @@ def test_a_missing_label_column_names_its_task(tmp_path):
     cfg["model"]["mmoe"]["task_towers"][1]["label_name"] = "order"
     cfg["data"]["train_input_path"] = str(tmp_path / "data" / "train")
     trainer = Trainer(config_from_dict(cfg, base_dir=tmp_path), tmp_path / "m", progress=False)
-    with pytest.raises(Exception, match=r"missing column 'order' \(task 'cvr'\)"):
+    with pytest.raises(Exception, match=r"missing column 'order' \(task 'cvr''s label_name\)"):
+        trainer.fit()
+    cfg["model"]["mmoe"]["task_towers"][1].update(label_name="buy", task_space_indicator_label="in_space")
+    trainer = Trainer(config_from_dict(cfg, base_dir=tmp_path), tmp_path / "m2", progress=False)
+    with pytest.raises(Exception, match=r"missing column 'in_space' \(task 'cvr''s task_space_indicator_label\)"):
         trainer.fit()
 
 
