@@ -111,7 +111,7 @@ def test_a_registered_optimizer_without_fbgemm_mapping_is_refused_by_fbgemm(sign
         r"\(FBGEMM has no sign SGD\); use backend='native'",
     ):
         EmbeddingCollection(
-            [TableConfig(name="t", dim=3, num_embeddings=6, features=["a"], backend="fbgemm")], SignSGD()
+            [TableConfig(name="t", dim=4, num_embeddings=6, features=["a"], backend="fbgemm")], SignSGD()
         )
 
 
