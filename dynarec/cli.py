@@ -250,15 +250,6 @@ def _prediction_column(x):
     return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
 
 
-def _relative_to(path: Optional[str], directory: Path) -> Optional[str]:
-    """A local ``path`` given on the command line (relative to the current directory) as the
-    written config must say it: relative to the config file's ``directory``, where dynarec
-    resolves it. Absolute paths and URLs (``odps://``) stay as they are."""
-    if path is None or "://" in path or os.path.isabs(path):
-        return path
-    return os.path.relpath(os.path.abspath(path), os.path.abspath(directory))
-
-
 def cmd_import_config(args) -> None:
     import yaml
 
@@ -281,14 +272,14 @@ def cmd_import_config(args) -> None:
     try:
         result = convert_pipeline_config(
             text,
-            train_input_path=_relative_to(args.train_input_path, output.parent),
-            eval_input_path=_relative_to(args.eval_input_path, output.parent),
-            sampler_input_path=_relative_to(args.sampler_input_path, output.parent),
-            hard_negative_edge_path=_relative_to(args.hard_negative_edge_path, output.parent),
-            tree_dir=_relative_to(args.tree_dir, output.parent),
+            train_input_path=args.train_input_path,
+            eval_input_path=args.eval_input_path,
+            sampler_input_path=args.sampler_input_path,
+            hard_negative_edge_path=args.hard_negative_edge_path,
+            tree_dir=args.tree_dir,
             lenient=args.lenient,
             config_dir=source.parent,  # a relative vocab_file is relative to the pipeline config ...
-            output_dir=output.parent,  # ... and written relative to the YAML
+            output_dir=output.parent,  # ... and every path written relative to the YAML
         )
     except TextFormatError as e:
         raise ConversionError(f"{source}: {e}") from None

@@ -170,11 +170,12 @@ def data_source(
 ) -> Optional[str]:
     """``path`` as dynarec reads it: ``override`` where given (noted), None where empty; a table
     service refused (``fatal``: --lenient cannot drop it), naming ``flag`` (default the field's
-    own: ``--train-input-path``) to give a file instead."""
+    own: ``--train-input-path``) to give a file instead. Either, where relative, is relative to
+    the current directory (TorchEasyRec's) and written relative to the YAML (:func:`_as_written`)."""
     if override is not None:
         if path:
             ctx.note(field_name, f"{path!r} replaced by {override!r}")
-        return override
+        return _as_written(override, ctx)
     if not path:
         return None
     if str(path).startswith(("odps://", "kafka://")):
@@ -184,12 +185,19 @@ def data_source(
         )
         return None
     path = str(path)
-    if ctx.output_dir is not None and "://" not in path and not os.path.isabs(path):
-        written = os.path.relpath(os.path.abspath(path), os.path.abspath(ctx.output_dir))
-        if written != path:
-            ctx.note(field_name, f"{path!r} is relative to the current directory (TorchEasyRec's): written {written!r}")
-        path = written
-    return path
+    written = _as_written(path, ctx)
+    if written != path:
+        ctx.note(field_name, f"{path!r} is relative to the current directory (TorchEasyRec's): written {written!r}")
+    return written
+
+
+def _as_written(path: str, ctx: Context) -> str:
+    """A local ``path`` relative to the current directory as the YAML in ``ctx.output_dir`` must
+    say it: relative to that directory, where dynarec resolves it. Absolute paths, URLs
+    (``odps://``) and any path without an output directory stay as they are."""
+    if ctx.output_dir is None or "://" in path or os.path.isabs(path):
+        return path
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(ctx.output_dir))
 
 
 def _negative_sampler(
