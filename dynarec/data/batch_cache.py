@@ -63,13 +63,14 @@ class MemoryBatchCache:
         """Keeps ``batch`` and returns the batch the step is to train on: the device's copy
         where one was made (copied on the device's batch stream; its ``ready`` event follows the
         copy), else ``batch`` itself."""
-        if self.device is not None and self.bytes_on_device + batch.nbytes <= self.device_bytes:
+        size = batch.nbytes
+        if self.device is not None and self.bytes_on_device + size <= self.device_bytes:
             stream = batch_stream(self.device)
             with torch.cuda.stream(stream):
                 batch = batch.to(self.device)
                 batch.ready = torch.cuda.Event()
                 batch.ready.record(stream)
-            self.bytes_on_device += batch.nbytes
+            self.bytes_on_device += size
         self._batches.append(batch)
         return batch
 
