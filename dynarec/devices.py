@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -15,9 +16,11 @@ __all__ = [
     "HostMemoryError",
     "StorageSpan",
     "byte_offset",
+    "capture_graph",
     "capturing",
     "check_device",
     "page_lock",
+    "start_cublas",
     "storage_spans",
     "synchronize",
     "to_device",
@@ -84,6 +87,62 @@ def capturing() -> Iterator[None]:
     finally:
         if paused:
             gc.enable()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """Captures into ``graph`` what the block launches on the current device, with
+    :func:`capturing`'s pause of the garbage collector; ``pool``: a
+    ``torch.cuda.graph_pool_handle()`` whose memory the graph's temporaries share (default:
+    its own). The capture runs on one side stream per device, as ``torch.cuda.graph``'s: a
+    backward captured after its forward runs on the forward's stream. The side stream waits
+    for the current one, which waits for the capture after the block (it runs nothing). A
+    failed block leaves the stream it found current.
+
+    Unlike ``torch.cuda.graph`` it neither synchronizes the device nor empties torch's cache of
+    device memory: a training step's first captures gave back the blocks that the steps after
+    them allocate again."""
+    index = torch.cuda.current_device()
+    side = _CAPTURE_STREAMS.get(index)
+    if side is None:
+        side = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    main = torch.cuda.current_stream(index)
+    side.wait_stream(main)
+    with torch.cuda.stream(side), capturing():
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    main.wait_stream(side)
+
+
+def start_cublas(device: torch.device) -> Optional[threading.Thread]:
+    """Starts cuBLAS on ``device`` (a CUDA device; None elsewhere) in a thread of its own, which
+    it returns, started: a small matrix product and its backward, which load the library and make
+    the handles torch keeps for the threads that run a step's products (the autograd engine's
+    among them). On an H100 that took 0.1 s of a training run's first step; started before the
+    first batch is awaited, it overlaps the wait. Join the thread before a CUDA graph is
+    captured: its work must not run inside a capture. A failure here is left for the step to
+    meet and name."""
+    if device.type != "cuda":
+        return None
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                a = torch.ones(16, 16, device=device, requires_grad=True)
+                torch.nn.functional.linear(a, a).sum().backward()
+                torch.cuda.synchronize(device)
+        except Exception:  # the step that needs cuBLAS meets it and names it
+            pass
+
+    thread = threading.Thread(target=run, name="dynarec-start-cublas", daemon=True)
+    thread.start()
+    return thread
 
 
 class HostMemoryError(RuntimeError):

@@ -114,6 +114,49 @@ def _packed_batch() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return buffer, [matrix, ids, torch.ones(5), weights, far, labels]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph capture")
+def test_a_capture_keeps_torchs_cached_memory_and_replays_what_it_captured():
+    x = torch.randn(1 << 20, device="cuda")
+    del x  # its block stays in torch's cache
+    reserved = torch.cuda.memory_reserved()
+    a = torch.randn(64, 64, device="cuda")
+    out = a @ a  # eager first: cuBLAS's start stays out of the capture
+    graph = torch.cuda.CUDAGraph()
+    main = torch.cuda.current_stream()
+    with devices.capture_graph(graph):
+        assert torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream() != main
+        out = a @ a + 1
+    assert torch.cuda.current_stream() == main
+    assert torch.cuda.memory_reserved() >= reserved  # torch.cuda.graph empties the cache: this does not
+    a.copy_(torch.eye(64, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, torch.eye(64, device="cuda") + 1, rtol=0, atol=0)
+    # a block that fails ends the capture and leaves the stream it found
+    with pytest.raises(RuntimeError):
+        with devices.capture_graph(torch.cuda.CUDAGraph()):
+            torch.cuda.synchronize()  # not allowed while capturing
+    assert torch.cuda.current_stream() == main and not torch.cuda.is_current_stream_capturing()
+    assert torch.equal(a @ a, torch.eye(64, device="cuda"))  # the device works on
+
+
+def test_cublas_is_started_only_for_a_cuda_device():
+    assert devices.start_cublas(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS")
+def test_cublas_started_in_its_thread_leaves_the_device_ready_for_a_capture():
+    thread = devices.start_cublas(torch.device("cuda"))
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    a = torch.eye(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with devices.capture_graph(graph):  # no library start inside: nothing of it is left to run
+        out = a @ a
+    graph.replay()
+    assert torch.equal(out, a)
+
+
 def test_tensors_lying_near_each_other_in_one_storage_form_one_span():
     _, tensors = _packed_batch()
     (span,) = devices.storage_spans(tensors)

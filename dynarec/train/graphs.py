@@ -44,7 +44,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dynarec.devices import StorageSpan, byte_offset, capturing, storage_spans
+from dynarec.devices import StorageSpan, byte_offset, capture_graph, storage_spans
 
 __all__ = ["DenseGraphs"]
 
@@ -105,14 +105,14 @@ class _Captured:
         torch.cuda.synchronize()
 
         self.forward = torch.cuda.CUDAGraph()
-        with capturing(), torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
+        with capture_graph(self.forward, pool):
             outputs, self.spec = tree_flatten(dense(*self._sample()))
         live = [o for o in outputs if o.requires_grad]
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         self.backward = torch.cuda.CUDAGraph()
         grads: Sequence[Optional[torch.Tensor]] = ()
         if live:
-            with capturing(), torch.cuda.graph(self.backward, pool=pool, capture_error_mode="thread_local"):
+            with capture_graph(self.backward, pool):
                 grads = torch.autograd.grad(
                     live, wanted, [g for g in self.grad_outputs if g is not None], allow_unused=True
                 )
@@ -423,9 +423,9 @@ class DenseGraphs:
         except torch.OutOfMemoryError:
             raise  # the step's own error (the trainer names it), not the model's
         except Exception as e:  # the model cannot be captured: it stays eager
-            # A capture that fails inside torch.cuda.graph leaves its side stream current and the
-            # generator marked as capturing: both are put back (the generator's state replaced,
-            # which graphs captured before would no longer follow: they are dropped too).
+            # A failed capture leaves the generator marked as capturing: its state is put back
+            # (replaced, which graphs captured before would no longer follow: they are dropped
+            # too), and the stream the step runs on, which a warm-up pass may have changed.
             torch.cuda.set_stream(stream)
             generator.graphsafe_set_state(rng)
             self._graphs.clear()

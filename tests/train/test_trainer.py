@@ -303,3 +303,32 @@ def test_save_checkpoints_epochs_writes_one_at_every_epochs_end(tmp_path):
     trainer = Trainer(config, tmp_path / "m", progress=False)
     trainer.fit()
     assert [p.name for p in trainer.checkpoints.list()] == [f"ckpt-{s:010d}" for s in (4, 8, 12)]
+
+
+def test_the_heap_built_before_training_is_frozen_for_the_steps_and_thawed_after(tmp_path, monkeypatch):
+    import gc
+
+    _small_csv(tmp_path / "t.csv")
+    trainer = Trainer(small_config(tmp_path / "t.csv", num_steps=3), tmp_path / "m", progress=False)
+    frozen = []
+    real_step = Trainer.train_step
+    monkeypatch.setattr(
+        Trainer, "train_step", lambda self, b, r: frozen.append(gc.get_freeze_count()) or real_step(self, b, r)
+    )
+    assert gc.get_freeze_count() == 0
+    trainer.fit()
+    # the model, its tables and the data stage are among the frozen: not scanned by the steps' collections
+    assert len(frozen) == 3 and min(frozen) > 10_000, frozen
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+    # a process that froze objects itself keeps them frozen, and only those
+    keep = [object() for _ in range(3)]
+    gc.freeze()
+    try:
+        before, frozen[:] = gc.get_freeze_count(), []
+        Trainer(small_config(tmp_path / "t.csv", num_steps=3), tmp_path / "m2", progress=False).fit()
+        # (a frozen object freed by its last reference leaves the count: it can only fall)
+        assert len(frozen) == 3 and max(frozen) <= before and gc.get_freeze_count() <= before
+    finally:
+        gc.unfreeze()
+    del keep

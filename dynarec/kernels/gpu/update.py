@@ -29,7 +29,7 @@ from typing import Literal, Optional
 
 import torch
 
-from dynarec.devices import capturing
+from dynarec.devices import capture_graph
 from dynarec.kernels.gpu._triton import HAVE_TRITON, INTERPRETED, row_block
 from dynarec.kernels.reference.bags import bags_of_ids
 from dynarec.optim.kernel import KernelCode, WeightDecayCode
@@ -628,18 +628,9 @@ class StaticBagUpdate:
     def _captured(self) -> torch.cuda.CUDAGraph:
         """The update captured on a side stream (its temporaries in the graph's own memory pool);
         the current stream waits for the capture, which runs nothing."""
-        device = self.grad.device
         graph = torch.cuda.CUDAGraph()
-        main = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side), capturing():
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._run()
-            finally:
-                graph.capture_end()
-        main.wait_stream(side)
+        with torch.cuda.device(self.grad.device), capture_graph(graph):
+            self._run()
         return graph
 
 
