@@ -464,8 +464,9 @@ class Trainer:
         try:
             with _heap_frozen():  # the objects built so far are not scanned again
                 while item is not None:
-                    batch, self.position, rows = item
+                    batch, position, rows = item
                     loss = self.train_step(batch, rows)
+                    self.position = position  # (not before: a failed step's checkpoint resumes with its batch)
                     if loss is not None:  # (None: skipped, nan_policy 'skip_batch')
                         if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
                             ahead.read(self._steps_left())

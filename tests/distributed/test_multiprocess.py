@@ -288,7 +288,9 @@ def test_a_bad_row_in_one_ranks_share_stops_both_ranks_with_its_message(runs, tm
     assert "rank 1: DataError" in out
     # the two steps before it are saved by both ranks (the failed step was undone on both)
     assert f"the 2 steps trained are saved in {tmp_path / 'm' / 'checkpoints' / 'ckpt-0000000002'}" in out, out
-    assert (tmp_path / "m" / "checkpoints" / "ckpt-0000000002").is_dir()
+    # at the failed step's batch: a resume trains it once the data is fixed (it recorded the row after it)
+    state = torch.load(tmp_path / "m" / "checkpoints" / "ckpt-0000000002" / "state.pt", weights_only=False)
+    assert (state["step"], state["epoch"], state["row"]) == (2, 0, 240)
 
 
 KILL = r"""

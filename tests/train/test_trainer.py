@@ -13,6 +13,7 @@ import torch
 from dynarec.config import config_from_dict
 from dynarec.data.batch import BatchBuilder, DataError
 from dynarec.data.reader import DataPosition
+from dynarec.embedding.dynamic import TableFullError
 from dynarec.train.checkpoint import CheckpointError
 from dynarec.train.trainer import Trainer
 from tests.pipeline_fixtures import config_dict
@@ -20,13 +21,20 @@ from tests.pipeline_fixtures import config_dict
 pytestmark = pytest.mark.slow
 
 
-def small_config(path, **train):
-    """One fixed and one dynamic id feature, integer ids: cheap to read at a million rows."""
+def small_config(path, dynamicemb=None, **train):
+    """One fixed and one dynamic id feature (``dynamicemb``: the latter's settings), integer ids:
+    cheap to read at a million rows."""
     return config_from_dict(
         {
             "feature_configs": [
                 {"id_feature": {"feature_name": "item", "embedding_dim": 4, "num_buckets": 100}},
-                {"id_feature": {"feature_name": "user", "embedding_dim": 4, "dynamicemb": {"max_capacity": 4096}}},
+                {
+                    "id_feature": {
+                        "feature_name": "user",
+                        "embedding_dim": 4,
+                        "dynamicemb": dynamicemb or {"max_capacity": 4096},
+                    }
+                },
             ],
             "model": {
                 "feature_groups": [{"group_name": "all", "feature_names": ["item", "user"]}],
@@ -332,3 +340,26 @@ def test_the_heap_built_before_training_is_frozen_for_the_steps_and_thawed_after
     finally:
         gc.unfreeze()
     del keep
+
+
+def test_a_step_that_fails_saves_the_position_of_its_batch_and_resume_trains_it(tmp_path):
+    """A full table stops step 3 (undone); the two steps before it are saved at row 200, where
+    the failed batch begins (the checkpoint said 300, and a resume skipped the batch): a resume
+    once the data is fixed trains rows 200-299 as step 3."""
+    path = tmp_path / "t.csv"
+
+    def write(users):
+        pacsv.write_csv(pa.table({"item": np.arange(300) % 100, "user": users, "clk": np.arange(300) % 2}), path)
+
+    write(list(range(10)) * 20 + list(range(100, 200)))  # rows 200-299: 100 users more than fit
+    full = {"max_capacity": 32, "init_capacity": 32, "score_strategy": "none"}
+    trainer = Trainer(small_config(path, full, num_epochs=1), tmp_path / "m", progress=False)
+    with pytest.raises(TableFullError, match="table 'user'"):
+        trainer.fit()
+    assert trainer.step == 2 and trainer.position == DataPosition(0, 200)
+    state = torch.load(tmp_path / "m" / "checkpoints" / "ckpt-0000000002" / "state.pt", weights_only=False)
+    assert (state["step"], state["epoch"], state["row"]) == (2, 0, 200)
+    write(list(range(10)) * 30)  # fixed
+    resumed = Trainer(small_config(path, full, num_epochs=1), tmp_path / "m", progress=False)
+    report = resumed.fit(resume=True)
+    assert report["step"] == 3 and resumed.position == DataPosition(1, 0)
