@@ -1510,7 +1510,8 @@ class BatchBuilder:
                     f"'{self.candidate_feature}')"
                 )
             rows = np.repeat(np.arange(len(lengths)), lengths)
-            x = _float64(col.flatten(), lambda j: locate(int(rows[j])), origin.label)
+            col = col.flatten()
+            x = _float64(col, lambda j: locate(int(rows[j])), origin.label)
         else:
             rows = None
             x = _float64(col, locate, origin.label)
@@ -1522,7 +1523,8 @@ class BatchBuilder:
             bad |= (x < 0) | (x >= classes) | (x != np.round(x))
         i = int(np.argmax(bad)) if bad.any() else -1
         if i >= 0:
-            raise DataError(f"{locate(i if rows is None else int(rows[i]))} holds {x[i]}; {rule}")
+            value = "no value (null)" if col.null_count and not col[i].is_valid else x[i]
+            raise DataError(f"{locate(i if rows is None else int(rows[i]))} holds {value}; {rule}")
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:
