@@ -77,7 +77,7 @@ class ExportedModel:
             if name not in tables:
                 raise ExportError(f"{export_dir / META}: no file for table '{name}'")
             tensors = tables[name]
-            report = table.load(tensors, weights_only=True)
+            report = table.load(tensors, weights_only=True, to_read=True)
             exported = meta["keys"].get(name)
             if report["dropped"] or report["loaded"] != exported:
                 raise ExportError(

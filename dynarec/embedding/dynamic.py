@@ -505,7 +505,7 @@ class DynamicTable(EmbeddingTable):
         return snapshot.dump(self.index, self.store, self.step, counter)
 
     @torch.no_grad()
-    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         """Replaces the table's contents by ``dump`` (from :meth:`dump`, of any capacity).
 
         When the dump's bucket layout fits this table (same bucket size, a capacity from
@@ -517,9 +517,18 @@ class DynamicTable(EmbeddingTable):
         ``weights_only`` resets optimizer states to their initial values and the step counter to
         0. Returns ``{"loaded": n, "dropped": m, "admission_dropped": c}`` (``c``: admission
         counts that found no room in a counter of another layout).
+
+        ``to_read``: the table is loaded to be read (evaluated, exported, served: no key is
+        inserted), with every key of the dump: past ``max_capacity`` where the keys need it, which
+        then becomes the table's. A checkpoint of N ranks whose shards are full holds as many keys
+        as their slots together, more than the buckets of one ``max_capacity`` place (a bucket
+        overflows before the table is full, and each shard's capacity is rounded up to whole
+        buckets). A table of a group's shared index has exactly its slots: ``to_read`` changes
+        nothing there.
         """
         fields = self._dump_fields(dump, weights_only)
-        index, slots, src = snapshot.index_for_load(dump, self.space)
+        index, slots, src = snapshot.index_for_load(dump, self.space, past_max=to_read and not self.space.shared)
+        self.space.max_buckets = max(self.space.max_buckets, index.num_buckets)
         self.space.install(index)
         self._load_rows(slots, src, dump, fields, weights_only)
         counts_dropped = 0

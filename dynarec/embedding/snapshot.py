@@ -46,9 +46,13 @@ def dump(index: BucketedHashIndex, store: RowStore, step: int, counter: Optional
     return {k: v.cpu() for k, v in out.items()}
 
 
-def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
+def index_for_load(
+    saved: Dump, space: Capacity, past_max: bool = False
+) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:
     """The index a table of ``space`` loads ``saved`` into, and ``(slots, src)``: dump row
-    ``src[i]`` goes to slot ``slots[i]`` (the keys left out have none)."""
+    ``src[i]`` goes to slot ``slots[i]`` (the keys left out have none). ``past_max``: the index
+    may have more buckets than ``space.max_buckets``, as many as place every key (none is left
+    out)."""
     device = space.device
     keys = saved["keys"].to(device)
     scores = saved["scores"].to(device)
@@ -63,6 +67,8 @@ def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, tor
             index.install(slots, keys, scores)
             return index, slots, torch.arange(n, device=device)
     num_buckets = space.buckets_for(n)
+    while past_max and n > space.growth_load_factor * num_buckets * space.bucket_size:
+        num_buckets *= 2
     while True:
         keep = torch.arange(n, device=device)
         capacity = num_buckets * space.bucket_size
@@ -72,9 +78,9 @@ def index_for_load(saved: Dump, space: Capacity) -> tuple[BucketedHashIndex, tor
         slots = index.fill(keys[keep], scores[keep], priority=scores[keep])
         # A bucket pair can overflow below full capacity; then more buckets, while allowed.
         ok = slots >= 0
-        if bool(ok.all()) or num_buckets == space.max_buckets:
+        if bool(ok.all()) or (num_buckets >= space.max_buckets and not past_max):
             return index, slots[ok], keep[ok]
-        num_buckets = min(space.max_buckets, num_buckets * 2)
+        num_buckets = num_buckets * 2 if past_max else min(space.max_buckets, num_buckets * 2)
 
 
 def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> tuple[BucketedHashIndex, int]:

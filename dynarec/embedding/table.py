@@ -260,8 +260,9 @@ class EmbeddingTable(ABC):
         """Everything needed to restore the table exactly (CPU tensors)."""
 
     @abstractmethod
-    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
-        """Restores from :meth:`dump`; ``weights_only`` resets optimizer states and the step."""
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
+        """Restores from :meth:`dump`; ``weights_only`` resets optimizer states and the step;
+        ``to_read``: the table will be read, not trained (a dynamic table then takes every key)."""
 
     index_fields: tuple[str, ...] = ()
     """A dump's fields besides its rows and ``step`` (a dynamic table's keys, scores, ...)."""
@@ -393,7 +394,7 @@ class FixedTable(EmbeddingTable):
         return out
 
     @torch.no_grad()
-    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False) -> dict[str, int]:
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         fields = self._dump_fields(dump, weights_only)
         weight = dump["weight"]
         if tuple(weight.shape) != (self.num_embeddings, self.dim):

@@ -221,13 +221,16 @@ class Trainer:
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
         for name, dump in dumps.items():
-            report = self.task.embeddings.tables[name].load(dump)
-            if report["dropped"]:
+            table = self.task.embeddings.tables[name]
+            report = table.load(dump, to_read=not training)
+            if report["dropped"]:  # (training: a table to be read takes every key)
+                world = saved_plan["world_size"]
                 raise CheckpointError(
                     f"{path}: table '{name}' on rank {self.ctx.rank}: {report['dropped']} of "
-                    f"{report['loaded'] + report['dropped']} keys find no row in this run's shard (its "
-                    "max_capacity share); raise dynamicemb.max_capacity, or resume with the world size it was "
-                    "written at"
+                    f"{report['loaded'] + report['dropped']} keys find no row in this run's shard (its share of "
+                    f"max_capacity; the checkpoint's {world} rank(s) filled theirs); resume it with "
+                    f"--nproc {world}, the world size it was written at (evaluate, export and predict read it in "
+                    "one process as it is)"
                 )
             if report.get("admission_dropped"):  # (a counter is bounded: nearly full, another layout drops some)
                 warnings.warn(

@@ -124,6 +124,29 @@ def test_the_export_of_a_two_process_run_equals_the_one_process_export(runs, tmp
     )
 
 
+def test_a_two_process_model_whose_dynamic_shards_are_full_is_evaluated_and_exported_in_one(runs, tmp_path):
+    """A table that fills and evicts (the steady state of a real run), trained on 2 ranks: each
+    shard full, one process's max_capacity cannot place all their keys in its buckets, and
+    evaluate, export and predict refused the model for good. They read it with every key."""
+    c = mixed_config(runs, 60)
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = {
+        "max_capacity": 128, "init_capacity": 128, "bucket_size": 8, "score_strategy": "step",
+    }  # fmt: skip
+    cfg = write_config(runs, c, "full2.yaml")
+    rc, out = run("train", "--config", cfg, "--model-dir", tmp_path / "m", "--no-progress", "--nproc", 2)
+    assert rc == 0, out
+    _, tables = merged_tables(tmp_path / "m")
+    keys = tables["user_id"]["keys"]
+    assert keys.numel() == 128  # both shards full
+    assert main(["export", "--model-dir", str(tmp_path / "m"), "--export-dir", str(tmp_path / "e")]) == 0
+    served = ExportedModel(tmp_path / "e").embeddings.tables["user_id"]
+    assert bool(served.read_rows(keys)["present"].all())
+    order = torch.argsort(keys)
+    torch.testing.assert_close(served.read_rows(keys[order])["weight"], tables["user_id"]["weight"][order], **TOL)
+    rc, out = run("evaluate", "--model-dir", tmp_path / "m")
+    assert rc == 0 and '"auc"' in out, out
+
+
 def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
     """MMoE with a task-space weight (its normalizer summed over both ranks' rows): the tables
     and the dense model of 2 x 60 rows a step equal those of 1 x 120."""

@@ -65,3 +65,39 @@ def test_a_one_process_table_with_admission_counts_splits_into_shards(max_capaci
         assert report["admission_dropped"] == shard["admission_keys"].numel() - back["admission_keys"].numel()
     assert got_rows == rows
     assert {k: v for k, v in counts.items() if k in got_counts} == got_counts
+
+
+def test_full_shards_load_into_one_process_to_be_read_with_every_key_and_are_refused_for_training():
+    """Two ranks' shards, each full (as a table that evicts runs), merged into one process: one
+    index of max_capacity's buckets cannot place them all (a bucket overflows before the table
+    is full), so evaluate, export and predict of a 2-rank model failed. A table loaded to be
+    read takes the buckets its keys need; one to be trained still says what it cannot hold."""
+    from dynarec.planner.sharding import key_owner
+
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = {"max_capacity": 256, "score_strategy": "step"}
+    config = config_from_dict(c)
+    one, two = plan_from_config(config), plan_from_config(config, world_size=2)
+    keys = torch.arange(1, 5001) * 7919
+    shards = []
+    for rank in range(2):
+        t = _shard_table(two, "user_id")
+        for mine in keys[key_owner(keys, 2) == rank].split(16):  # the table evicts to take them
+            t.write_rows(mine, {"weight": mine.float().unsqueeze(1).expand(-1, t.dim).contiguous()})
+        assert t.size == t.max_capacity  # full
+        shards.append({"user_id": t.dump()})
+    only = dataclasses.replace(one, tables=tuple(t for t in one.tables if t.table.name == "user_id"))
+    merged = tables_for_rank(only, 0, plan_state(two), shards)["user_id"]
+    n = merged["keys"].numel()
+    planned = next(t for t in one.tables if t.table.name == "user_id")
+
+    trained = DynamicTable(planned.table, planned.optimizer, torch.device("cpu"))
+    report = trained.load(merged)
+    assert report["dropped"] > 0 and report["loaded"] + report["dropped"] == n
+
+    read = DynamicTable(planned.table, planned.optimizer, torch.device("cpu"))
+    assert read.load(merged, to_read=True) == {"loaded": n, "dropped": 0, "admission_dropped": 0}
+    assert read.size == n == 256 and read.max_capacity > 256  # (more buckets than max_capacity: its keys need them)
+    rows = read.read_rows(merged["keys"])
+    assert bool(rows["present"].all())
+    torch.testing.assert_close(rows["weight"][:, 0], merged["keys"].float(), rtol=0, atol=0)
