@@ -474,7 +474,11 @@ class Trainer:
                         if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
                             ahead.read(self._steps_left())
                         record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
-                        self.log.train_step(self.step, float(loss) if record else None, self.position.epoch, record)
+                        # (each rank's loss is its share of the global batch's mean: the ranks' sum is it)
+                        value = (
+                            float(self.ctx.all_reduce_sum(loss.detach().clone(), "the step's loss")) if record else None
+                        )
+                        self.log.train_step(self.step, value, self.position.epoch, record)
                         evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
                         if evaluate and cfg.data.eval_input_path and not self._stopping:
                             try:

@@ -103,6 +103,10 @@ def test_two_processes_equal_one_on_the_same_global_batches(runs):
     assert_tables_close(t1, t2)
     for k in s1["dense"]:
         torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+    # the loss logged is the global batch's (a rank's share of it was logged: about half)
+    h1, h2 = (json.loads((runs / m / "metrics.json").read_text())["history"]["train_loss"] for m in ("m1", "m2"))
+    assert [s for s, _ in h1] == [s for s, _ in h2] and len(h1) >= 2
+    np.testing.assert_allclose([v for _, v in h2], [v for _, v in h1], rtol=1e-5)
 
 
 def test_the_export_of_a_two_process_run_equals_the_one_process_export(runs, tmp_path):
