@@ -19,9 +19,15 @@ __all__ = ["main"]
 def _config_for(args):
     from dynarec.config import load_config
 
-    path = args.config or (Path(args.model_dir) / "config.yaml" if getattr(args, "model_dir", None) else None)
+    model_dir = getattr(args, "model_dir", None)
+    path = args.config or (Path(model_dir) / "config.yaml" if model_dir else None)
     if path is None:
         raise ValueError("give --config (or --model-dir holding config.yaml)")
+    if not args.config and (Path(model_dir) / "export.json").is_file():
+        raise ValueError(
+            f"--model-dir {model_dir} is an export (dynarec export), not a model directory: score it with "
+            f"`dynarec predict --export-dir {model_dir} --input ...`"
+        )
     return load_config(path)
 
 
@@ -590,13 +596,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="evaluate the latest checkpoint")
     common(p)
-    p.add_argument("--input", nargs="*", help="data to evaluate (default: data.eval_input_path)")
+    p.add_argument("--input", nargs="+", help="data to evaluate (default: data.eval_input_path)")
     p.set_defaults(run=cmd_evaluate)
 
     p = sub.add_parser("export", help="export the latest checkpoint for serving")
     common(p)
     p.add_argument("--export-dir", required=True)
-    p.add_argument("--since", help="a previous export of this model: write only what changed since (a delta)")
+    p.add_argument(
+        "--since",
+        help="a previous export (full or delta) of this model, or of any with the same tables: write only "
+        "the rows that differ from it (a delta)",
+    )
     p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("predict", help="score data from an export directory or a checkpoint")

@@ -152,3 +152,18 @@ def test_a_delta_after_one_step_is_a_fraction_of_a_full_export(chain, capsys):
     meta = json.loads((d2 / "export.json").read_text())
     print(f"delta after 1 step: {delta:,} bytes of tables vs {full:,} in a full export; rows {meta['rows']}")
     assert delta < 0.5 * full  # 60 rows touch a fraction of each table (measured in the docs at scale)
+
+
+def test_an_export_given_as_a_model_dir_is_named_and_evaluate_needs_its_inputs(chain, capsys):
+    """`evaluate --model-dir <an export>` said that config.yaml did not exist; `evaluate --input`
+    with no path evaluated data.eval_input_path (a QA pass)."""
+    root, m, e1, *_ = chain
+    for command in ("evaluate", "export"):
+        argv = [command, "--model-dir", str(e1)] + (["--export-dir", str(root / "x")] if command == "export" else [])
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--model-dir {e1} is an export (dynarec export), not a model directory" in err, err
+        assert f"dynarec predict --export-dir {e1}" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["evaluate", "--model-dir", str(m), "--input"])
+    assert exited.value.code == 2 and "--input: expected at least one argument" in capsys.readouterr().err
