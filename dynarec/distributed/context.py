@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,12 +56,20 @@ class DistContext:
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
-        """Runs a collective, turning its failure into an error that names ``what``."""
+        """Runs a collective, turning its failure into an error that names ``what``: a wait past
+        the collective timeout, or (sooner) the connection to another rank lost."""
+        began = time.monotonic()
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, (DistributedError, StepFailedError)):
                 raise
+            waited = time.monotonic() - began
+            if waited < 0.9 * self.timeout_s:
+                raise DistributedError(
+                    f"rank {self.rank} of {self.world_size}: lost another rank during {what} after {waited:.1f}s: "
+                    f"it stopped ({e})"
+                ) from None
             raise DistributedError(
                 f"rank {self.rank} of {self.world_size}: gave up waiting for {what} (collective timeout "
                 f"{self.timeout_s:g}s, train.collective_timeout_seconds): another rank stopped or is stuck ({e})"
