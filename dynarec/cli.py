@@ -23,7 +23,7 @@ def _config_for(args):
     path = args.config or (Path(model_dir) / "config.yaml" if model_dir else None)
     if path is None:
         raise ValueError("give --config (or --model-dir holding config.yaml)")
-    if not args.config and (Path(model_dir) / "export.json").is_file():
+    if not args.config and model_dir and (Path(model_dir) / "export.json").is_file():
         raise ValueError(
             f"--model-dir {model_dir} is an export (dynarec export), not a model directory: score it with "
             f"`dynarec predict --export-dir {model_dir} --input ...`"
