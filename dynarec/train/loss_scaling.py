@@ -69,10 +69,15 @@ class LossScaler:
         return take
 
     def state(self) -> dict[str, float]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "skipped_steps": self.skipped_steps,
+            "overflowed": float(self.overflowed),  # (a checkpoint inside an accumulation window)
+        }
 
     def load_state(self, state: dict[str, float]) -> None:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.overflowed = False
+        self.overflowed = bool(state.get("overflowed", 0.0))

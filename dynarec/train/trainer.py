@@ -173,15 +173,15 @@ class Trainer:
             "train_files": [list(f) for f in self.input.files_of(self.position.epoch)],
             "step_rng": self.rng.state(),
             **({"loss_scaler": self.loss_scaler.state()} if self.loss_scaler is not None else {}),
+            # inside an accumulation window: the dense gradients summed so far (each rank's the same)
+            "dense_grads": [None if p.grad is None else p.grad.detach().cpu() for p in self._dense_params],
         }
 
     def save(self) -> Path:
         """A checkpoint of this step (every rank calls it: each writes the tables it holds, a
-        data-parallel table only once). Dense gradients accumulated since the last dense step
-        (train.gradient_accumulation_steps) are applied first: a checkpoint holds no pending
-        gradient, so a run resumed from it continues exactly."""
-        if self.step % self.config.train.gradient_accumulation_steps:
-            self._dense_step()
+        data-parallel table only once). Saving changes nothing of the training: dense gradients
+        accumulated since the last dense step (train.gradient_accumulation_steps) are saved as
+        they are, and a run resumed from it takes its dense step where a straight run would."""
         tables = {
             name: t.dump()
             for name, t in self.task.embeddings.tables.items()
@@ -216,6 +216,9 @@ class Trainer:
         )
         self.task.dense.load_state_dict(state["dense"])
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        if training:  # an accumulation window's gradients so far (none: its first step is next)
+            for p, g in zip(self._dense_params, state.get("dense_grads") or [None] * len(self._dense_params)):
+                p.grad = None if g is None else g.to(p.device)
         try:
             dumps = tables_for_rank(self.task.plan, self.ctx.rank, saved_plan, shards)
         except ValueError as e:

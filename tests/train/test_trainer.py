@@ -283,8 +283,38 @@ def test_gradient_accumulation_steps_the_dense_model_every_n_steps_and_the_table
         history.append((dense_moved, not torch.equal(item.dump()["weight"], rows_before)))
     assert history == [(False, True), (True, True), (False, True)]
     before = _dense_params(trainer)
-    trainer.save()  # a checkpoint holds no pending gradient: the third step's is applied first
-    assert any(not torch.equal(a, b) for a, b in zip(_dense_params(trainer), before))
+    trainer.save()  # saving changes nothing: the third step's gradient stays pending, saved
+    assert all(torch.equal(a, b) for a, b in zip(_dense_params(trainer), before))
+
+
+def test_checkpoints_inside_an_accumulation_window_change_nothing_and_resume_inside_it_exactly(tmp_path):
+    """A save inside a window applied the window's gradients so far (a dense step more): the
+    model depended on save_checkpoints_steps (a QA pass: 8 dense steps in 8 training steps with
+    N = 4, saving every step). The checkpoint holds the pending gradients instead."""
+    path = _training_data(tmp_path, n=800)
+
+    def config(steps, every):
+        return small_config(
+            path, num_steps=steps, gradient_accumulation_steps=4, save_checkpoints_steps=every,
+            keep_checkpoints=100, dense_optimizer={"adam_optimizer": {"lr": 0.01}},
+        )  # fmt: skip
+
+    def final(trainer):
+        return _dense_params(trainer), trainer.task.embeddings.tables["item"].dump()["weight"].clone()
+
+    straight = Trainer(config(8, 8), tmp_path / "a", progress=False)
+    straight.fit()
+    every_step = Trainer(config(8, 1), tmp_path / "b", progress=False)
+    every_step.fit()
+    resumed = Trainer(config(6, 3), tmp_path / "c", progress=False)  # saves at 3 and 6: inside windows
+    resumed.fit()
+    resumed = Trainer(config(8, 3), tmp_path / "c", progress=False)
+    resumed.fit(resume=True)
+    (dense, rows) = final(straight)
+    for other in (every_step, resumed):
+        other_dense, other_rows = final(other)
+        assert all(torch.equal(a, b) for a, b in zip(dense, other_dense))
+        assert torch.equal(rows, other_rows)
 
 
 def test_bf16_mixed_precision_runs_the_dense_model_in_bfloat16_and_keeps_the_tables_float32(tmp_path):
