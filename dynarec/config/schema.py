@@ -1037,7 +1037,9 @@ class TrainCfg(Strict):
 
 
 class EvalCfg(Strict):
-    metrics: list[Literal["auc", "grouped_auc", "log_loss"]] = ["auc", "grouped_auc", "log_loss"]
+    # A single-task model's (a multi-task model's are its task towers'); accuracy: of the
+    # probability's class at 0.5 (a tie is class 0).
+    metrics: list[Literal["auc", "grouped_auc", "log_loss", "accuracy"]] = ["auc", "grouped_auc", "log_loss"]
     grouped_auc_field: Optional[str] = None  # the column to group by; default the first id feature's
     max_steps: Optional[Count] = None
 

@@ -143,7 +143,10 @@ def test_the_refusal_says_which_fields_lenient_can_drop():
             ("binary_cross_entropy {}", "softmax_cross_entropy {}"),
             "model_config.losses: softmax_cross_entropy is not supported for a single-task model",
         ),
-        (("auc {}", "accuracy {}"), "model_config.metrics: accuracy is not supported for a single-task model"),
+        (
+            ("auc {}", "mean_absolute_error {}"),
+            "model_config.metrics: mean_absolute_error is not supported for a single-task model",
+        ),
         (
             ("hash_bucket_size: 20", 'hash_bucket_size: 20\n        vocab_list: ["a"]'),
             "feature_configs[15].id_feature.vocab_list",
@@ -157,6 +160,15 @@ def test_each_refusal_names_the_field(edit, path):
     with pytest.raises(ConversionError, match=None) as e:
         convert_pipeline_config(text.replace(edit[0], edit[1], 1), train_input_path="a", eval_input_path="b")
     assert path in str(e.value)
+
+
+def test_a_single_task_models_accuracy_is_mapped_to_eval_metrics():
+    text = (EXAMPLES / "multi_tower_din_taobao.config").read_text()
+    assert "auc {}" in text
+    result = convert_pipeline_config(text.replace("auc {}", "auc {}\n    }\n    metrics {\n        accuracy {}", 1),
+                                     train_input_path="a", eval_input_path="b")  # fmt: skip
+    assert result.config["eval"]["metrics"] == ["auc", "accuracy"]
+    config_from_dict(result.config)
 
 
 # -- the text format -------------------------------------------------------------------------------

@@ -54,3 +54,18 @@ def test_an_undefined_auc_is_reported_with_its_reason():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # defined: no warning
         tasks.metrics(predictions, labels, np.array([1, 1, 2, 2]))
+
+
+def test_a_single_task_model_reports_accuracy_of_the_probabilitys_class():
+    """docs/models.md lists accuracy for binary tasks and import-config maps it, but a single-task
+    model's eval.metrics refused it (a QA pass)."""
+    from dynarec.config import config_from_dict
+    from dynarec.models.tasks import tasks_of
+    from tests.pipeline_fixtures import config_dict
+
+    tasks = tasks_of(config_from_dict(config_dict(eval={"metrics": ["auc", "accuracy"]})))
+    (name,) = tasks.output_names()
+    predictions = {name: np.array([0.2, 0.7, 0.5, 0.9, 0.6], dtype=np.float32)}
+    labels = np.array([[0], [1], [1], [0], [1]], np.float32)  # right, right, wrong (a tie is 0), wrong, right
+    out = tasks.metrics(predictions, labels, None)
+    assert set(out) == {"auc", "accuracy"} and out["accuracy"] == pytest.approx(3 / 5)

@@ -426,10 +426,10 @@ def convert_model(r: Reader, features: list[Converted], ctx: Context, labels: li
     metrics = []
     for metric in r.messages("metrics"):
         kind = convert_metric(metric, lambda key: column_of(features, key), result.eval)
-        if kind in ("auc", "grouped_auc"):
+        if kind in ("auc", "grouped_auc", "accuracy"):
             metrics.append(kind)
         elif kind is not None:
-            ctx.refuse(metric.path, f"{kind} is not supported for a single-task model (auc, grouped_auc are)")
+            ctx.refuse(metric.path, f"{kind} is not supported for a single-task model (auc, grouped_auc, accuracy are)")
     if metrics:
         result.eval["metrics"] = list(dict.fromkeys(metrics))
     if name in GENERATIVE:
