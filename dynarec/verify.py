@@ -128,8 +128,11 @@ def _small_copy(table: TableConfig) -> TableConfig:
     admission = d.admission
     if admission is not None and admission.capacity is not None:
         admission = dataclasses.replace(admission, capacity=min(admission.capacity, 64 * bs))
-    # 8 buckets per feature: a step's ids (at most BATCH x MAX_LEN a feature) always fit, as in its cache.
-    capacity = 8 * bs * len(table.features)
+    # 8 buckets per feature: a step's ids (at most BATCH x MAX_LEN a feature) always fit, as in its
+    # cache. Under admission a step admits at most BATCH x MAX_LEN / threshold keys a feature: 4
+    # buckets, which the flood of admitted keys fills (at 8 it evicted nothing).
+    buckets = 4 if admission is not None and admission.threshold > 1 else 8
+    capacity = buckets * bs * len(table.features)
     cache = table.cache_load_factor
     if cache is not None:
         cache = min(1.0, max(cache, BATCH * MAX_LEN * len(table.features) / capacity))
@@ -145,16 +148,28 @@ def _step_ids(table: TableConfig, step: int, rng: np.random.Generator) -> list[l
     """Per feature, ``BATCH`` samples of up to ``MAX_LEN`` ids (duplicates included).
 
     Fixed: Zipf-distributed rows. Dynamic: a warm set ``A`` of keys, then (steps 2-4) a flood of
-    new keys that fills the table and evicts ``A`` (where the table evicts), then ``A`` again."""
+    new keys that fills the table and evicts ``A`` (where the table evicts), then ``A`` again.
+    Under admission (threshold ``T`` > 1) the flood's every sample holds ``MAX_LEN`` ids, each
+    new key ``T`` times in the step: admitted at once, they fill the table as a flood does."""
+    admission = table.dynamic.admission if table.dynamic is not None else None
+    repeat = admission.threshold if admission is not None else 1
     samples = []
     for _ in table.features:
+        flood = table.dynamic is not None and 2 <= step <= 4 and table.dynamic.score_strategy != "none"
+        if flood and repeat > 1:
+            keys = rng.choice(
+                np.arange(1000 + 1000 * step, 2000 + 1000 * step), BATCH * MAX_LEN // repeat, replace=False
+            )
+            flat = rng.permutation(np.resize(np.repeat(keys, repeat), BATCH * MAX_LEN)).tolist()
+            samples.append([flat[i : i + MAX_LEN] for i in range(0, BATCH * MAX_LEN, MAX_LEN)])
+            continue
         feature = []
         for _ in range(BATCH):
             n = int(rng.integers(1, MAX_LEN + 1))
             if table.dynamic is None:
                 assert table.num_embeddings is not None
                 ids = [int(x - 1) % table.num_embeddings for x in rng.zipf(1.3, size=n)]
-            elif 2 <= step <= 4 and table.dynamic.score_strategy != "none":
+            elif flood:
                 ids = [int(x) for x in rng.integers(1000 + 1000 * step, 2000 + 1000 * step, size=n)]
             else:
                 ids = [int(x) for x in rng.integers(0, 24, size=n)]

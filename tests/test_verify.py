@@ -45,6 +45,19 @@ def test_a_dynamic_table_sees_fresh_rows_and_evicted_keys_return():
     assert user.max_dw < 1e-6
 
 
+@pytest.mark.parametrize("score_strategy", ["step", "lfu"])
+@pytest.mark.parametrize("threshold", [2, 3])
+def test_a_table_with_admission_sees_its_evicted_keys_return(score_strategy, threshold):
+    """Under admission the flood's new keys, seen once, were never admitted: nothing was evicted
+    and the returning keys' fresh start went unchecked (0 evicted-and-returned keys)."""
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = {
+        "max_capacity": 4096, "score_strategy": score_strategy, "admission": {"threshold": threshold},
+    }  # fmt: skip
+    (user,) = [v for v in verify_config(config_from_dict(c)) if v.kind == "dynamic"]
+    assert user.ok and user.returned_keys > 0, user.line()
+
+
 @needs_fbgemm
 def test_the_fbgemm_twin_runs_beside_the_native_table():
     verdicts = verify_config(load_config(DEMO))
