@@ -191,17 +191,28 @@ def write_item_table(
     attrs: list[list[str]],
     path: Union[str, Path, None] = None,
 ) -> None:
-    """Writes the item table at ``path`` (default ``cfg.input_path``) in graph-learn's text
-    layout (the one :class:`NegativeSampler` reads): a header, then each item's id, weight and
-    attributes (one list of strings an item, in ``attr_fields`` order, joined by
-    ``attr_delimiter``)."""
-    delimiter = cfg.field_delimiter or "\t"
-    lines = [delimiter.join(("id:int64", "weight:float", "attrs:string"))]
-    lines += [
-        delimiter.join((str(int(i)), f"{w:g}", cfg.attr_delimiter.join(a))) for i, w, a in zip(ids, weights, attrs)
-    ]
+    """Writes the item table at ``path`` (default ``cfg.input_path``) as :class:`NegativeSampler`
+    reads it: each item's id, weight and attributes (one list of strings an item, in
+    ``attr_fields`` order, joined by ``attr_delimiter``), in graph-learn's text layout (a header
+    first), or as a Parquet table of those three columns where the path ends in ``.parquet``."""
     path = Path(cfg.input_path if path is None else path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    joined = [cfg.attr_delimiter.join(a) for a in attrs]
+    if path.suffix == ".parquet":
+        pq.write_table(
+            pa.table(
+                {
+                    "id": pa.array(np.asarray(ids, dtype=np.int64)),
+                    "weight": pa.array(np.asarray(weights, dtype=np.float64)),
+                    "attrs": pa.array(joined, pa.string()),
+                }
+            ),
+            path,
+        )
+        return
+    delimiter = cfg.field_delimiter or "\t"
+    lines = [delimiter.join(("id:int64", "weight:float", "attrs:string"))]
+    lines += [delimiter.join((str(int(i)), f"{w:g}", a)) for i, w, a in zip(ids, weights, joined)]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -57,6 +57,21 @@ def test_a_parquet_item_table_reads_as_the_text_one(tmp_path):
     assert cols["item_id"].to_pylist() == [6, 5, 6] and cols["cate_id"].to_pylist() == ["8", "7", "8"]
 
 
+def test_an_item_table_written_to_a_parquet_path_is_parquet_and_reads_back(tmp_path):
+    """make-data wrote graph-learn's text to `items.parquet`, which training then read as
+    Parquet: 'magic bytes not found' (a QA pass)."""
+    from dynarec.data.sampler import write_item_table
+
+    for name in ("items.parquet", "items.txt"):
+        cfg = sampler_cfg(str(tmp_path / name))
+        write_item_table(cfg, np.array([5, 6]), np.array([1.0, 2.0]), [["5", "7"], ["6", "8"]])
+        s = NegativeSampler(cfg)
+        assert s.ids.tolist() == [5, 6], name
+        cols = s.columns(np.array([1, 0]), {"item_id": pa.int64()})
+        assert cols["item_id"].to_pylist() == [6, 5] and cols["cate_id"].to_pylist() == ["8", "7"], name
+    assert pq.read_table(tmp_path / "items.parquet").column_names == ["id", "weight", "attrs"]
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [
