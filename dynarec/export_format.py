@@ -22,6 +22,7 @@ recorded relative path, else the sibling holding its id), :func:`materialize` ap
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Union
@@ -37,6 +38,7 @@ __all__ = [
     "TABLE_FIELDS",
     "TREE_FILES",
     "ExportError",
+    "asset_files",
     "export_chain",
     "export_tensors",
     "exported_config",
@@ -59,10 +61,45 @@ TABLE_FIELDS = ("keys", "weight", "scores", "slots", "layout")
 TREE_FILES = {"node_table": "tree/node_table.txt", "edge_table": "tree/edge_table.txt"}
 
 
+# The settings of a feature (at any depth of its config) that name a file its values are read with.
+ASSET_SETTINGS = ("vocab_file", "stop_char_file")
+
+
+def asset_files(config: dict[str, Any]) -> list[tuple[list[Union[str, int]], str]]:
+    """``(where, path)`` of every file the features of ``config`` (a config's JSON dump) read:
+    ``where`` the keys and indices to the setting (:data:`ASSET_SETTINGS`), ``path`` its value."""
+    found: list[tuple[list[Union[str, int]], str]] = []
+
+    def walk(node: Any, where: list[Union[str, int]]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ASSET_SETTINGS and isinstance(value, str):
+                    found.append(([*where, key], value))
+                else:
+                    walk(value, [*where, key])
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, [*where, i])
+
+    walk(config.get("feature_configs"), ["feature_configs"])
+    return found
+
+
 def exported_config(export_dir: Path, meta: dict[str, Any]) -> Any:
-    """The config an export was written with (``meta["config"]``), a TDM model's tree paths
-    those of the export's own copy (where it holds one: exports before 2026-12-05 do not)."""
+    """The config an export was written with (``meta["config"]``), the files its features read
+    (vocabularies, tokenizers, stop characters) and a TDM model's tree those of the export's own
+    copies (where it holds them: exports before 2026-12-06 hold no features' files, before
+    2026-12-05 no tree)."""
     config = meta.get("config")
+    assets = meta.get("assets")
+    if isinstance(config, dict) and isinstance(assets, list):
+        config = copy.deepcopy(config)
+        for entry in assets:
+            *parents, last = entry["where"]
+            node = config
+            for key in parents:
+                node = node[key]
+            node[last] = str(export_dir / str(entry["file"]))
     tree = meta.get("tree")
     if not isinstance(config, dict) or not isinstance(tree, dict):
         return config

@@ -31,7 +31,15 @@ from safetensors.torch import save_file
 from dynarec.data.batch import Batch
 from dynarec.data.tdm_sampler import tree_files
 from dynarec.embedding.dynamic import DynamicTable
-from dynarec.export_format import EXPORT_FORMAT, META, TREE_FILES, export_chain, export_tensors, materialize
+from dynarec.export_format import (
+    EXPORT_FORMAT,
+    META,
+    TREE_FILES,
+    asset_files,
+    export_chain,
+    export_tensors,
+    materialize,
+)
 from dynarec.files import check_replaceable, file_manifest, fsync_tree, replace_dir, write_bytes, write_error
 from dynarec.models.inputs import model_inputs
 from dynarec.train.task import RankingTask, check_servable
@@ -173,6 +181,16 @@ def _write_export(
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
         files += list(TREE_FILES.values())
+    config = task.config.model_dump(mode="json")
+    # The files the features read (vocabularies, tokenizers), copied: serving reads the copies,
+    # whatever is written later where the config points (a vocabulary regenerated in place).
+    assets: list[dict[str, Any]] = []
+    for i, (where, path) in enumerate(asset_files(config)):
+        name = f"assets/{i:02d}-{Path(path).name}"
+        (tmp / "assets").mkdir(exist_ok=True)
+        shutil.copyfile(path, tmp / name)
+        assets.append({"where": where, "file": name})
+        files.append(name)
     meta: dict[str, Any] = {
         "format": EXPORT_FORMAT,
         "id": uuid.uuid4().hex,
@@ -189,8 +207,10 @@ def _write_export(
         meta["rows"], meta["tombstones"] = rows, tombstones
     if tdm is not None:
         meta["tree"] = dict(TREE_FILES)
+    if assets:
+        meta["assets"] = assets
     meta["files"] = file_manifest(tmp, files)
-    meta["config"] = task.config.model_dump(mode="json")
+    meta["config"] = config
     (tmp / META).write_text(json.dumps(meta, indent=1))
 
 

@@ -226,3 +226,39 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_model_dir_locked(tmp_path)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
     DirectoryLock(tmp_path).acquire().release()  # the child still sleeps: its copy is closed
+
+
+def test_an_export_carries_its_vocabulary_files_and_serves_from_its_copies(tmp_path):
+    """An export read a feature's vocab_file where the config pointed: gone, serving failed;
+    rewritten in place, the served scores changed silently (a QA pass). The export copies it (in
+    its checked manifest), and serving reads the copy."""
+    make_data(tmp_path)
+    vocab = tmp_path / "vocab" / "age.txt"
+    vocab.parent.mkdir()
+    vocab.write_text("".join(f"{a}\n" for a in reversed(range(8))))  # age a -> row 7 - a
+    c = config_dict()
+    c["feature_configs"][1] = {
+        "id_feature": {
+            "feature_name": "age",
+            "embedding_dim": 4,
+            "vocab_file": "vocab/age.txt",
+            "default_bucketize_value": 7,
+        }
+    }
+    cfg = write_config(tmp_path, c, "cfg.yaml")
+    assert main(["train", "--config", str(cfg), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert main(["export", "--model-dir", str(tmp_path / "m"), "--export-dir", str(tmp_path / "e")]) == 0
+    meta = json.loads((tmp_path / "e" / "export.json").read_text())
+    assert meta["assets"] == [
+        {"where": ["feature_configs", 1, "id_feature", "vocab_file"], "file": "assets/00-age.txt"}
+    ]
+    assert "assets/00-age.txt" in meta["files"]
+    eval_file = str(tmp_path / "data" / "eval" / "part-0.parquet")
+    before = ExportedModel(tmp_path / "e").predict_files(eval_file)["probability"]
+    vocab.write_text("".join(f"{a}\n" for a in range(8)))  # regenerated in place: another mapping
+    np.testing.assert_array_equal(ExportedModel(tmp_path / "e").predict_files(eval_file)["probability"], before)
+    vocab.unlink()
+    np.testing.assert_array_equal(ExportedModel(tmp_path / "e").predict_files(eval_file)["probability"], before)
+    (tmp_path / "e" / "assets" / "00-age.txt").write_text("0\n")  # the copy damaged: named
+    with pytest.raises(ExportError, match=r"00-age\.txt"):
+        ExportedModel(tmp_path / "e")
