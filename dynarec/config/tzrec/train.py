@@ -467,7 +467,11 @@ def _precision(t: Reader, train: dict[str, Any]) -> None:
             )
         else:
             train["mixed_precision"] = mapped
-            ctx.note(t.at("mixed_precision"), f"the dense model's forward in {value} (autocast); the tables stay FP32")
+            ctx.note(
+                t.at("mixed_precision"),
+                f"the dense model's forward in {value} (autocast); the tables' rows keep their own data_type (FP32 "
+                "unless a feature sets FP16 or BF16)",
+            )
     if t.has("grad_scaler"):
         gs = t.message("grad_scaler")
         assert gs is not None
