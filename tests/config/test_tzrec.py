@@ -874,6 +874,12 @@ def test_the_configs_own_relative_data_paths_are_relative_to_the_current_directo
     )
     assert yaml.safe_load(out.read_text())["data"]["train_input_path"] == "../data/train"
     assert load_config(out).data.train_input_path == str(tmp_path / "data" / "train")
+    # a flag's relative path replaces it: the note says how the YAML has it (it said the flag's alone)
+    assert main(["import-config", "pipeline.config", "-o", str(out), "--train-input-path", "data/train"]) == 0
+    assert (
+        "train_input_path: 'data/train' replaced by 'data/train' (written '../data/train': relative to the YAML)"
+        in capsys.readouterr().out
+    )
 
 
 # -- docs/import_config.md -------------------------------------------------------------------------

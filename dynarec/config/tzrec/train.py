@@ -173,9 +173,10 @@ def data_source(
     own: ``--train-input-path``) to give a file instead. Either, where relative, is relative to
     the current directory (TorchEasyRec's) and written relative to the YAML (:func:`_as_written`)."""
     if override is not None:
-        if path:
-            ctx.note(field_name, f"{path!r} replaced by {override!r}")
-        return _as_written(override, ctx)
+        written = _as_written(override, ctx)
+        as_written = f" (written {written!r}: relative to the YAML)" if written != override else ""
+        ctx.note(field_name, f"{path!r} replaced by {override!r}{as_written}" if path else f"{override!r}{as_written}")
+        return written
     if not path:
         return None
     if str(path).startswith(("odps://", "kafka://")):
