@@ -129,18 +129,6 @@ _SCHEMAS = _FileFacts()
 _ROW_COUNTS = _FileFacts()
 
 
-#: pyarrow's default null spellings less NaN's ("NaN", "nan", "-NaN", "-nan"): a CSV field
-#: spelled so is a NaN, named as a value that is not a finite number, as in a Parquet file. As a
-#: null it was a "missing value", or silently the feature's default_value where one is set.
-CSV_NULL_VALUES = [v for v in pacsv.ConvertOptions().null_values if v.lstrip("-").lower() != "nan"]
-
-
-def csv_convert_options(**options) -> pacsv.ConvertOptions:
-    """``pacsv.ConvertOptions(**options)`` with :data:`CSV_NULL_VALUES`: every CSV file of a
-    run reads through it."""
-    return pacsv.ConvertOptions(null_values=CSV_NULL_VALUES, **options)
-
-
 def file_schema(path: str, input_type: Optional[str] = None, csv_types: ColumnTypes = None) -> pa.Schema:
     """A file's schema (read once while the file stays as it is); a CSV file's columns named in
     ``csv_types`` take those types (the others are inferred)."""
@@ -160,7 +148,7 @@ def _parquet_schema(path: str) -> pa.Schema:
 
 def _csv_schema(path: str, input_type: Optional[str], csv_types: ColumnTypes) -> pa.Schema:
     try:
-        with pacsv.open_csv(path, convert_options=csv_convert_options(column_types=csv_types or {})) as reader:
+        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(column_types=csv_types or {})) as reader:
             return reader.schema
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
@@ -172,7 +160,7 @@ def _record_batches(
     if _file_type(path, input_type) == "parquet":
         yield from pq.ParquetFile(path).iter_batches(batch_size=65536, columns=columns)
     else:
-        opts = csv_convert_options(include_columns=columns, strings_can_be_null=False, column_types=csv_types or {})
+        opts = pacsv.ConvertOptions(include_columns=columns, strings_can_be_null=False, column_types=csv_types or {})
         with pacsv.open_csv(path, convert_options=opts) as reader:
             yield from reader
 
@@ -220,7 +208,7 @@ def num_rows(path: str, input_type: Optional[str] = None) -> int:
 
 def _csv_rows(path: str, input_type: Optional[str]) -> int:
     try:
-        with pacsv.open_csv(path, convert_options=csv_convert_options(include_columns=[])) as reader:
+        with pacsv.open_csv(path, convert_options=pacsv.ConvertOptions(include_columns=[])) as reader:
             return sum(b.num_rows for b in reader)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None

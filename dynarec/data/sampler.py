@@ -228,12 +228,10 @@ def read_graph_table(path_text: str, delimiter: str, types: tuple[pa.DataType, .
             return pq.read_table(path)
         with open(path, encoding="utf-8") as f:
             header = f.readline().rstrip("\r\n").split(delimiter)
-        from dynarec.data.reader import csv_convert_options  # (the reader imports the batch, which imports this)
-
         table = pacsv.read_csv(
             path,
             parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
-            convert_options=csv_convert_options(column_types=dict(zip(header, types)), strings_can_be_null=False),
+            convert_options=pacsv.ConvertOptions(column_types=dict(zip(header, types)), strings_can_be_null=False),
         )
         return table.rename_columns([c.split(":")[0] for c in table.column_names])
     except (pa.ArrowInvalid, OSError) as e:

@@ -57,7 +57,8 @@ class DistContext:
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
         """Runs a collective, turning its failure into an error that names ``what``: a wait past
-        the collective timeout, or (sooner) the connection to another rank lost."""
+        the collective timeout, or (sooner) a failure it reports, another rank's connection lost
+        among them."""
         began = time.monotonic()
         try:
             yield
@@ -65,10 +66,10 @@ class DistContext:
             if isinstance(e, (DistributedError, StepFailedError)):
                 raise
             waited = time.monotonic() - began
-            if waited < 0.9 * self.timeout_s:
+            if waited < 0.9 * self.timeout_s:  # (not a wait: a peer gone, or this rank's own failure)
                 raise DistributedError(
-                    f"rank {self.rank} of {self.world_size}: lost another rank during {what} after {waited:.1f}s: "
-                    f"it stopped ({e})"
+                    f"rank {self.rank} of {self.world_size}: {what} failed after {waited:.1f}s, before the collective "
+                    f"timeout ({e})"
                 ) from None
             raise DistributedError(
                 f"rank {self.rank} of {self.world_size}: gave up waiting for {what} (collective timeout "

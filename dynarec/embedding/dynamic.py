@@ -106,7 +106,7 @@ class DynamicTable(EmbeddingTable):
         self.options = options = config.dynamic
         init_capacity, max_capacity = capacity or (options.init_capacity, options.max_capacity)
         bucket_size = options.bucket_size
-        max_buckets = num_buckets(max_capacity, bucket_size)
+        max_buckets = self._max_buckets = num_buckets(max_capacity, bucket_size)
         init_buckets = min(max_buckets, num_buckets(init_capacity, bucket_size))  # type: ignore[arg-type]
         rows, max_rows = init_buckets * bucket_size, max_buckets * bucket_size
         if store is not None and not store.num_rows == rows == max_rows:  # (it would grow)
@@ -527,8 +527,9 @@ class DynamicTable(EmbeddingTable):
         nothing there.
         """
         fields = self._dump_fields(dump, weights_only)
+        self.space.max_buckets = self._max_buckets  # (a load to train is held to max_capacity, whatever came before)
         index, slots, src = snapshot.index_for_load(dump, self.space, past_max=to_read and not self.space.shared)
-        self.space.max_buckets = max(self.space.max_buckets, index.num_buckets)
+        self.space.max_buckets = max(self._max_buckets, index.num_buckets)
         self.space.install(index)
         self._load_rows(slots, src, dump, fields, weights_only)
         counts_dropped = 0

@@ -173,8 +173,11 @@ class Trainer:
             "train_files": [list(f) for f in self.input.files_of(self.position.epoch)],
             "step_rng": self.rng.state(),
             **({"loss_scaler": self.loss_scaler.state()} if self.loss_scaler is not None else {}),
-            # inside an accumulation window: the dense gradients summed so far (each rank's the same)
+            # inside an accumulation window: the dense gradients summed so far (each rank's the same),
+            # each step's at this weight (its share of the window, times the loss scale)
             "dense_grads": [None if p.grad is None else p.grad.detach().cpu() for p in self._dense_params],
+            "dense_grads_weight": (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+            / self.config.train.gradient_accumulation_steps,
         }
 
     def save(self) -> Path:
@@ -216,9 +219,6 @@ class Trainer:
         )
         self.task.dense.load_state_dict(state["dense"])
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        if training:  # an accumulation window's gradients so far (none: its first step is next)
-            for p, g in zip(self._dense_params, state.get("dense_grads") or [None] * len(self._dense_params)):
-                p.grad = None if g is None else g.to(p.device)
         try:
             dumps = tables_for_rank(self.task.plan, self.ctx.rank, saved_plan, shards)
         except ValueError as e:
@@ -252,7 +252,21 @@ class Trainer:
             self.rng.load_state(state.get("step_rng") or {})
             if self.loss_scaler is not None and "loss_scaler" in state:
                 self.loss_scaler.load_state(state["loss_scaler"])
+            self._restore_window(state)
         return path
+
+    def _restore_window(self, state: dict[str, Any]) -> None:
+        """The dense gradients of the accumulation window a checkpoint was saved in (none: its
+        next step begins one), made as this run's would be: each step's share is 1 /
+        gradient_accumulation_steps, scaled by the loss scale under fp16 loss scaling, so a
+        resume that changes either takes the saved steps at this run's weight."""
+        grads = state.get("dense_grads") or [None] * len(self._dense_params)
+        saved = state.get("dense_grads_weight", 1.0)
+        now = (
+            self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        ) / self.config.train.gradient_accumulation_steps
+        for p, g in zip(self._dense_params, grads):
+            p.grad = None if g is None else (g * (now / saved) if now != saved else g).to(p.device)
 
     # -- training --------------------------------------------------------------------------
 

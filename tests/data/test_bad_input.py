@@ -160,29 +160,6 @@ def test_an_error_in_a_dataloader_worker_is_the_same_one_line_error(tmp_path, wo
     assert str(e.value) == f"{where}: id -4 is out of range [0, 8) (num_buckets)"
 
 
-@pytest.mark.parametrize("spelling", ["NaN", "nan", "-nan"])
-@pytest.mark.parametrize("default_value", [None, "0"])
-def test_a_nan_in_a_csv_dense_column_is_named_as_not_finite_even_with_a_default(tmp_path, spelling, default_value):
-    import pyarrow.csv as pacsv
-
-    c = config_dict()
-    if default_value is not None:  # a missing value would take it: a NaN must not
-        (price,) = [f["raw_feature"] for f in c["feature_configs"] if "raw_feature" in f]
-        price["default_value"] = default_value
-    path = tmp_path / "t.csv"
-    pacsv.write_csv(pa.table({**ROWS, "price": ["1.5", spelling, "2"]}), path)
-    with pytest.raises(DataError, match=r"t.csv, row 1: feature 'price' \(column 'price'\): value nan is not a finite"):
-        list(make_loader(ArrowBatchDataset([str(path)], BatchBuilder(config_from_dict(c)), 100), 0))
-    # an empty field is still a missing value
-    pacsv.write_csv(pa.table({**ROWS, "price": pa.array([1.5, None, 2.0])}), path)
-    if default_value is None:
-        with pytest.raises(DataError, match=r"t.csv, row 1: feature 'price' \(column 'price'\): missing value"):
-            read(path)
-    else:
-        (batch,) = list(make_loader(ArrowBatchDataset([str(path)], BatchBuilder(config_from_dict(c)), 100), 0))
-        assert batch.labels.shape[0] == 3
-
-
 def test_a_null_label_is_named_as_no_value_and_a_nan_label_as_nan():
     for value, said in ((None, "no value \\(null\\)"), (float("nan"), "nan")):
         rows = {**ROWS, "clk": pa.array([1.0, value, 0.0], pa.float64())}

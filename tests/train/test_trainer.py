@@ -393,3 +393,23 @@ def test_a_step_that_fails_saves_the_position_of_its_batch_and_resume_trains_it(
     resumed = Trainer(small_config(path, full, num_epochs=1), tmp_path / "m", progress=False)
     report = resumed.fit(resume=True)
     assert report["step"] == 3 and resumed.position == DataPosition(1, 0)
+
+
+def test_a_window_resumed_with_another_accumulation_count_weighs_its_saved_steps_as_this_runs(tmp_path):
+    """The saved window's gradients hold each step at 1/N of the saving run; a resume with
+    another N (or loss scale) takes them at its own weight, not the saved one."""
+    path = _training_data(tmp_path, n=800)
+
+    def config(n):
+        return small_config(path, num_steps=6, gradient_accumulation_steps=n, save_checkpoints_steps=6)
+
+    Trainer(config(4), tmp_path / "m", progress=False).fit()  # saved at step 6: steps 5 and 6 pending, at 1/4
+    state = torch.load(tmp_path / "m" / "checkpoints" / "ckpt-0000000006" / "state.pt", weights_only=False)
+    saved = [g for g in state["dense_grads"] if g is not None]
+    assert saved and state["dense_grads_weight"] == 0.25
+    resumed = Trainer(config(2), tmp_path / "m", progress=False)
+    resumed.restore()
+    restored = [p.grad for p in resumed.task.dense.parameters() if p.grad is not None]
+    assert len(restored) == len(saved)
+    for a, b in zip(restored, saved):
+        torch.testing.assert_close(a, b * 2, rtol=0, atol=0)
