@@ -8,6 +8,7 @@ global-batch loss — the same rule every sharded table follows.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch
@@ -122,6 +123,15 @@ class RankingTask(nn.Module):
             self.graphs = DenseGraphs(self.dense)
         self.sequence_features = sequence_names(config)
         self.element_pooling = element_poolings(config)
+
+    def dense_gradients_kept_local(self) -> contextlib.AbstractContextManager:
+        """Around a step whose dense gradients stay on this rank (a gradient-accumulation window's
+        steps before its last, forward and backward): DDP's ``no_sync``; nothing in one process.
+        Its sum hook reduces a parameter's whole ``.grad``, so a window's earlier steps, reduced at
+        each step, were summed over the ranks again at every later one (world size times)."""
+        if isinstance(self._dense_forward, nn.parallel.DistributedDataParallel):
+            return self._dense_forward.no_sync()
+        return contextlib.nullcontext()
 
     def forward(self, batch: Batch, precision: Optional[str] = None) -> torch.Tensor:
         """Float32 logits (``[B]`` or ``[B, K]``); ``precision`` (``"bf16"`` / ``"fp16"``): the dense model

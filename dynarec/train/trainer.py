@@ -302,8 +302,10 @@ class Trainer:
         if isinstance(batch, DataError):  # this rank could not read its share: the step fails everywhere
             self.task.embeddings(None, error=batch)
             raise AssertionError("unreachable: the failed step raises on every rank")
+        window_goes_on = (self.step + 1) % self.config.train.gradient_accumulation_steps != 0
         try:
-            return self._step(batch, global_rows)
+            with self.task.dense_gradients_kept_local() if window_goes_on else contextlib.nullcontext():
+                return self._step(batch, global_rows)
         except torch.OutOfMemoryError as e:
             latest = self.checkpoints.latest()
             kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was written"

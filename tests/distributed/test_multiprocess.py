@@ -151,6 +151,22 @@ def test_a_two_process_model_whose_dynamic_shards_are_full_is_evaluated_and_expo
     assert rc == 0 and '"auc"' in out, out
 
 
+def test_gradient_accumulation_on_two_processes_equals_one(runs, tmp_path):
+    """The dense model's gradients are summed over the ranks (a comm hook) and accumulated over a
+    window's steps: each rank's earlier steps must be summed over the ranks once."""
+    models = {}
+    for name, batch, nproc in (("one", 120, 1), ("two", 60, 2)):
+        c = mixed_config(runs, batch, gradient_accumulation_steps=2, save_checkpoints_steps=STEPS)
+        cfg = write_config(runs, c, f"acc-{name}.yaml")
+        rc, out = run("train", "--config", cfg, "--model-dir", tmp_path / name, "--no-progress", "--nproc", nproc)
+        assert rc == 0, out
+        models[name] = merged_tables(tmp_path / name)
+    (s1, t1), (s2, t2) = models["one"], models["two"]
+    assert_tables_close(t1, t2)
+    for k in s1["dense"]:
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+
+
 def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
     """MMoE with a task-space weight (its normalizer summed over both ranks' rows): the tables
     and the dense model of 2 x 60 rows a step equal those of 1 x 120."""
