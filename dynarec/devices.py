@@ -124,8 +124,8 @@ def start_cublas(device: torch.device) -> Optional[threading.Thread]:
     """Starts cuBLAS on ``device`` (a CUDA device; None elsewhere) in a thread of its own, which
     it returns, started: a small matrix product and its backward, which load the library and make
     the handles torch keeps for the threads that run a step's products (the autograd engine's
-    among them). On an H100 that took 0.1 s of a training run's first step; started before the
-    first batch is awaited, it overlaps the wait. Join the thread before a CUDA graph is
+    among them). Started before the first batch is awaited, it overlaps the wait: on an H100,
+    dlrm_criteo's first step went from 259.8 to 200.5 ms. Join the thread before a CUDA graph is
     captured: its work must not run inside a capture. A failure here is left for the step to
     meet and name."""
     if device.type != "cuda":
