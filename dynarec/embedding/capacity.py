@@ -109,12 +109,13 @@ class Capacity:
         """Whether ``new_keys`` more keys would pass the growth load."""
         return self.index.size + new_keys > self.growth_load_factor * self.index.capacity
 
-    def buckets_for(self, keys: int) -> int:
+    def buckets_for(self, keys: int, limit: Optional[float] = None) -> int:
         """The fewest buckets, from ``init_buckets`` doubling, that hold ``keys`` keys at the
-        growth load (at most ``max_buckets``)."""
+        growth load (at most ``limit``, default ``max_buckets``)."""
+        limit = self.max_buckets if limit is None else limit
         buckets = self.init_buckets
-        while buckets < self.max_buckets and keys > self.growth_load_factor * buckets * self.bucket_size:
-            buckets = min(self.max_buckets, buckets * 2)
+        while buckets < limit and keys > self.growth_load_factor * buckets * self.bucket_size:
+            buckets = int(min(limit, buckets * 2))
         return buckets
 
     def grow(self, journal: Optional[Journal]) -> None:

@@ -16,6 +16,7 @@ scores are kept (ties to the smaller key).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -66,9 +67,8 @@ def index_for_load(
             slots = saved["slots"].to(device)
             index.install(slots, keys, scores)
             return index, slots, torch.arange(n, device=device)
-    num_buckets = space.buckets_for(n)
-    while past_max and n > space.growth_load_factor * num_buckets * space.bucket_size:
-        num_buckets *= 2
+    limit = math.inf if past_max else space.max_buckets
+    num_buckets = space.buckets_for(n, limit)
     while True:
         keep = torch.arange(n, device=device)
         capacity = num_buckets * space.bucket_size
@@ -78,9 +78,9 @@ def index_for_load(
         slots = index.fill(keys[keep], scores[keep], priority=scores[keep])
         # A bucket pair can overflow below full capacity; then more buckets, while allowed.
         ok = slots >= 0
-        if bool(ok.all()) or (num_buckets >= space.max_buckets and not past_max):
+        if bool(ok.all()) or num_buckets >= limit:
             return index, slots[ok], keep[ok]
-        num_buckets = num_buckets * 2 if past_max else min(space.max_buckets, num_buckets * 2)
+        num_buckets = int(min(limit, num_buckets * 2))
 
 
 def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> tuple[BucketedHashIndex, int]:
