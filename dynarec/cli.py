@@ -18,14 +18,16 @@ __all__ = ["main"]
 
 def _config_for(args):
     from dynarec.config import load_config
+    from dynarec.train.model_dir import EXPORT_KIND, other_kind
 
     model_dir = getattr(args, "model_dir", None)
     path = args.config or (Path(model_dir) / "config.yaml" if model_dir else None)
     if path is None:
         raise ValueError("give --config (or --model-dir holding config.yaml)")
-    if not args.config and model_dir and (Path(model_dir) / "export.json").is_file():
+    other = other_kind(Path(model_dir)) if model_dir and not args.config else None
+    if other is not None and other[0] == EXPORT_KIND:
         raise ValueError(
-            f"--model-dir {model_dir} is an export (dynarec export), not a model directory: score it with "
+            f"--model-dir {model_dir} is {EXPORT_KIND}, not a model directory: score it with "
             f"`dynarec predict --export-dir {model_dir} --input ...`"
         )
     return load_config(path)

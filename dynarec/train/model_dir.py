@@ -25,22 +25,33 @@ HEADER = "# Written by dynarec train: the config this model directory is trained
 
 # Directories dynarec writes whole and replaces whole (export, make-data): a model directory
 # inside one would be deleted by the next export or make-data to it.
+EXPORT_KIND = "an export (dynarec export)"
 _OTHER_KINDS = {
-    ("export.json", "dense.pt2"): "an export (dynarec export)",
+    ("export.json", "dense.pt2"): EXPORT_KIND,
     ("meta.json", "train"): "a data directory (dynarec make-data)",
 }
 
 
-def check_not_another_kind(model_dir: Path) -> None:
-    """FileExistsError where ``model_dir`` is a directory dynarec writes and replaces whole (an
-    export: ``export.json`` and ``dense.pt2``; a generated data directory: ``meta.json`` and
-    ``train/``): checkpoints there would go with its next rewrite."""
+def other_kind(directory: Path) -> Optional[tuple[str, str]]:
+    """``(kind, marker)`` where ``directory`` is a directory dynarec writes and replaces whole, not
+    a model directory (an export: ``export.json`` and ``dense.pt2``; a generated data directory:
+    ``meta.json`` and ``train/``); None otherwise."""
     for (marker, beside), kind in _OTHER_KINDS.items():
-        if (Path(model_dir) / marker).is_file() and (Path(model_dir) / beside).exists():
-            raise FileExistsError(
-                f"{model_dir} is {kind} ({marker}): its next rewrite would delete a model's checkpoints; "
-                "choose another model_dir"
-            )
+        if (Path(directory) / marker).is_file() and (Path(directory) / beside).exists():
+            return kind, marker
+    return None
+
+
+def check_not_another_kind(model_dir: Path) -> None:
+    """FileExistsError where ``model_dir`` is :func:`other_kind`: checkpoints there would go with
+    its next rewrite."""
+    other = other_kind(model_dir)
+    if other is not None:
+        kind, marker = other
+        raise FileExistsError(
+            f"{model_dir} is {kind} ({marker}): its next rewrite would delete a model's checkpoints; "
+            "choose another model_dir"
+        )
 
 
 def config_record(model_dir: Path, config: Config) -> Optional[str]:
