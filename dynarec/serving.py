@@ -51,28 +51,32 @@ class ExportedModel:
     def __init__(self, export_dir: Union[str, Path], device: str = "cpu"):
         chain = export_chain(export_dir)
         export_dir, meta = chain[-1]
-        try:
-            self.config = Config.model_validate(exported_config(export_dir, meta))
-        except ValidationError as e:
-            raise ExportError(
-                f"{export_dir / META}: its config is invalid ({e.error_count()} error(s), the first at "
-                f"{error_path(e.errors()[0])}: {e.errors()[0]['msg']})"
-            ) from None
+        config = _config_of(export_dir, meta)
         self.device = torch.device(device)
         # Serving tables: native backend, no optimizer state (SGD has none).
         tables = [
             dataclasses.replace(t, backend="native", optimizer=SGD(lr=0.0))
-            for t in plan_from_config(self.config).table_configs()
+            for t in plan_from_config(config).table_configs()
         ]
         self.embeddings = EmbeddingCollection(tables, device=self.device)
         self.embeddings.eval()
         self.key_counts: dict[str, int] = {}
-        self._install(export_dir, meta, materialize(chain))
-        self.sequence_features = sequence_names(self.config)
-        self.element_pooling = element_poolings(self.config)
-        self.tasks = tasks_of(self.config)
+        self._install(export_dir, meta, materialize(chain), config)
 
-    def _install(self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _configure(self, config: Config) -> None:
+        """Serves ``config``'s features and outputs: how rows become batches (normalizers,
+        hashing, vocabularies), sequences, poolings and the outputs' names."""
+        self.config = config
+        self.sequence_features = sequence_names(config)
+        self.element_pooling = element_poolings(config)
+        self.tasks = tasks_of(config)
+
+    def _install(
+        self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]], config: Config
+    ) -> None:
+        """Serves export ``export_dir`` (``meta``): its ``tables`` (export tensors), its dense
+        program and its ``config`` — a delta's own, which may process features differently from
+        its base's (``export --since`` takes any export with the same tables)."""
         for name, table in self.embeddings.tables.items():
             if name not in tables:
                 raise ExportError(f"{export_dir / META}: no file for table '{name}'")
@@ -87,6 +91,7 @@ class ExportedModel:
                 )
             self.key_counts[name] = report["loaded"]
         self.dense = load_export_file(export_dir / "dense.pt2", lambda p: torch.export.load(p).module())
+        self._configure(config)
         self.step = meta.get("step")
         self.export_id = meta.get("id")
 
@@ -105,9 +110,16 @@ class ExportedModel:
                 f"{delta_dir}: a delta on export {base.get('id')} (step {base.get('step')}), but this model serves "
                 f"export {self.export_id} (step {self.step}); apply the deltas of its chain in order"
             )
+        config = _config_of(delta_dir, meta)
+        names = sorted(t.name for t in plan_from_config(config).table_configs())
+        if names != sorted(self.embeddings.tables):
+            raise ExportError(
+                f"{delta_dir}: its model has tables {names}, this model serves {sorted(self.embeddings.tables)}; "
+                "a delta applies to a model of the same tables"
+            )
         delta = read_export_tables(delta_dir, meta)
         current = {name: export_tensors(t.dump()) for name, t in self.embeddings.tables.items()}
-        self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current})
+        self._install(delta_dir, meta, {name: merge_tables(current[name], delta[name]) for name in current}, config)
 
     def _servable(self, files: list[str], builder: BatchBuilder) -> tuple[list[str], frozenset[str]]:
         """``(the outputs served, the features left empty)`` for ``files`` (``builder``: every
@@ -163,3 +175,14 @@ class ExportedModel:
         }
         check_predictions(out, dataset.check_scores)
         return out
+
+
+def _config_of(export_dir: Path, meta: dict[str, Any]) -> Config:
+    """The config export ``export_dir`` (``meta``) was written with; ExportError where invalid."""
+    try:
+        return Config.model_validate(exported_config(export_dir, meta))
+    except ValidationError as e:
+        raise ExportError(
+            f"{export_dir / META}: its config is invalid ({e.error_count()} error(s), the first at "
+            f"{error_path(e.errors()[0])}: {e.errors()[0]['msg']})"
+        ) from None

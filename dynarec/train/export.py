@@ -244,6 +244,11 @@ def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
             f"{where}: a {kinds[0]} table of dim {tuple(base['weight'].shape[1:])} in the base export, a {kinds[1]} "
             f"table of dim {tuple(current['weight'].shape[1:])} now; write a full export"
         )
+    if base["weight"].dtype != current["weight"].dtype:
+        raise ValueError(
+            f"{where}: rows of {base['weight'].dtype} in the base export, {current['weight'].dtype} now; "
+            "write a full export"
+        )
     if "slots" not in current:
         if base["weight"].shape != current["weight"].shape:
             raise ValueError(
@@ -271,8 +276,13 @@ def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
     return out
 
 
+_SAME_WIDTH_INT = {4: torch.int32, 2: torch.int16, 8: torch.int64}
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32)
+    """``x``'s values as integers of the same width (fp16/bf16 rows of any dim: int16), compared
+    bit for bit (a NaN equals itself, -0.0 differs from 0.0)."""
+    return x.contiguous().view(_SAME_WIDTH_INT[x.element_size()])
 
 
 def _check_target(export_dir: Path) -> None:

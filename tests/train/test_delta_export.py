@@ -115,6 +115,24 @@ def test_a_delta_on_the_wrong_base_is_refused(chain, tmp_path):
         moved.rename(d1)
 
 
+def test_a_delta_applied_online_serves_with_its_own_config(chain):
+    """A delta from a model that normalizes a feature differently (same tables): applied to a
+    served model, it scores as the delta loaded whole — with its own normalizer, not its base's."""
+    root, _, e1, *_ = chain
+    changes = {"data__batch_size": 60}
+    c = config_dict()
+    c["feature_configs"][0]["id_feature"]["dynamicemb"] = SMALL_USER_TABLE
+    c["feature_configs"][-1]["raw_feature"]["normalizer"] = {"log1p": True, "mean": 0.0, "std": 0.1}
+    changes["feature_configs"] = c["feature_configs"]
+    other = root / "other"
+    train_to(root, other, 2, False, **changes)
+    delta = export(other, root / "other-delta", since=e1)
+    online = ExportedModel(e1)
+    online.apply_delta(delta)
+    assert online.config.feature("price").normalizer.mean == 0.0
+    assert_same_model(online, ExportedModel(delta), root / "data" / "eval" / "part-0.parquet")
+
+
 def test_a_chain_copied_to_another_place_still_serves(chain, tmp_path):
     """Bases were recorded by absolute path: a chain copied to another host could not be served.
     Now by a path relative to the delta, and by id among the delta's siblings."""

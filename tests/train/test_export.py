@@ -16,6 +16,7 @@ from dynarec.cli import main
 from dynarec.config import load_config
 from dynarec.serving import ExportedModel, ExportError
 from dynarec.train.checkpoint import latest_checkpoint, load_checkpoint
+from dynarec.train.export import diff_tables
 from dynarec.train.trainer import Trainer
 from tests.pipeline_fixtures import config_dict, make_data, write_config
 
@@ -262,3 +263,14 @@ def test_an_export_carries_its_vocabulary_files_and_serves_from_its_copies(tmp_p
     (tmp_path / "e" / "assets" / "00-age.txt").write_text("0\n")  # the copy damaged: named
     with pytest.raises(ExportError, match=r"00-age\.txt"):
         ExportedModel(tmp_path / "e")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_delta_of_half_precision_rows_of_an_odd_dim_holds_the_rows_changed(dtype):
+    base = {"weight": torch.arange(15, dtype=torch.float32).reshape(5, 3).to(dtype)}
+    current = {"weight": base["weight"].clone()}
+    current["weight"][3, 2] = 0.5
+    delta = diff_tables(base, current, "table 't'")
+    assert delta["keys"].tolist() == [3] and torch.equal(delta["weight"], current["weight"][3:4])
+    with pytest.raises(ValueError, match=r"table 't': rows of torch.float16 in the base export, torch.float32 now"):
+        diff_tables({"weight": base["weight"].half()}, {"weight": base["weight"].float()}, "table 't'")
