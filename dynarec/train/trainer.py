@@ -245,6 +245,12 @@ class Trainer:
         self.input.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
         self.log.load_state(state["history"])
         if training:
+            if self.input.followed_files and self.input.follow is None:
+                raise CheckpointError(
+                    f"{path} was written by `train --follow`: its data position (row {self.position.row}) counts "
+                    f"through the {len(self.input.followed_files)} file(s) consumed in the followed directory, not "
+                    "through data.train_input_path's files as an epoch reads them; continue it with --follow --resume"
+                )
             recorded = [(str(n), int(r)) for n, r in state.get("train_files", [])]
             self.input.check_position(self.position, recorded, str(path))
             self.rng.load_state(state.get("step_rng") or {})

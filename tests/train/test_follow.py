@@ -94,7 +94,7 @@ def test_files_trained_as_they_arrive_equal_one_run_over_all_of_them(parts, refe
     assert_same_tables(tables_of(tmp_path / "m"), reference)
 
 
-def test_a_restart_resumes_at_the_right_file_and_out_of_order_files_are_refused(parts, reference, tmp_path):
+def test_a_restart_resumes_at_the_right_file_and_out_of_order_files_are_refused(parts, reference, tmp_path, capsys):
     root, tables = parts
     stream = tmp_path / "stream"
     stream.mkdir()
@@ -110,6 +110,11 @@ def test_a_restart_resumes_at_the_right_file_and_out_of_order_files_are_refused(
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 2 and "'part-0a.parquet' sorts where the consumed file 'part-1.parquet' was" in out
     (stream / "part-0a.parquet").unlink()
+    # Resumed without --follow, its position would count through the files as an epoch reads them.
+    plain = config(root, stream, "plain.yaml", num_steps=STEPS)
+    assert main(["train", "--config", str(plain), "--model-dir", str(tmp_path / "m"), "--resume", "--no-progress"]) == 2
+    assert "was written by `train --follow`" in capsys.readouterr().err
+    assert load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))[0]["step"] == 6
     for i in (2, 3):
         add(stream, f"part-{i}.parquet", tables[i])
     proc = follow(cfg, tmp_path / "m", "--resume", idle=1.0)
