@@ -371,6 +371,7 @@ _TABLE_ONLY = {
     "hash_function": "farmhash",
     "default_bucketize_value": None,
     "cache_load_factor": None,
+    "data_type": "fp32",
 }
 
 
@@ -396,7 +397,7 @@ class _Embeddable(_Feature):
     trainable: bool = True  # false: the table keeps its initial (or loaded) rows
     data_type: RowDtype = "fp32"  # fp16 / bf16: half-precision rows, stochastically rounded
     # A fixed table's rows in host memory, this share of them cached on the device (None: all there)
-    cache_load_factor: Optional[float] = Field(None, gt=0, le=1)
+    cache_load_factor: Optional[float] = Field(None, gt=0, le=1, strict=True)  # (strict: true is no share)
 
     def _check_table(self) -> None:
         super()._check_table()

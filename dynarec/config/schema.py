@@ -16,6 +16,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ByteSize,
     Field,
     PlainSerializer,
@@ -83,6 +84,15 @@ __all__ = [
 
 # The feature kinds live in dynarec.config.features; their names are importable from here too.
 _exactly_one = exactly_one
+
+
+def _not_a_boolean(v: object) -> object:
+    if isinstance(v, bool):  # (pydantic reads true as 1 byte)
+        raise ValueError("a size in bytes (e.g. 40GiB), not a boolean")
+    return v
+
+
+Bytes = Annotated[ByteSize, BeforeValidator(_not_a_boolean)]
 
 
 class Strict(_Strict, BaseModel):
@@ -1012,10 +1022,10 @@ class TrainCfg(Strict):
     nan_policy: Literal["error", "skip_batch"] = "error"
     # Bytes a rank's tables may take at their largest ("80GiB", or an integer); default: the memory
     # available on the rank's device. A plan that does not fit is an error naming the table.
-    memory_budget_per_rank: Optional[ByteSize] = None
+    memory_budget_per_rank: Optional[Bytes] = None
     # Bytes of rows a rank may keep in host memory (tables with cache_load_factor: "1TB"); default:
     # the host's available memory when the tables are built. A plan over it is an error naming the table.
-    host_memory_budget_per_rank: Optional[ByteSize] = None
+    host_memory_budget_per_rank: Optional[Bytes] = None
     # Seconds a rank waits in a collective of a multi-process run before it gives up, naming what
     # it waited for.
     collective_timeout_seconds: float = Field(300.0, gt=0)

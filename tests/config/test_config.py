@@ -325,3 +325,23 @@ def test_a_default_value_the_table_takes_loads():
     c["feature_configs"][1]["id_feature"].update(default_value="7")
     c["feature_configs"][4]["sequence_feature"].update(default_value="1|199")
     assert config_from_dict(c).feature("age").default_value == "7"
+
+
+@pytest.mark.parametrize(
+    "where, key, value, message",
+    [
+        ("table", "cache_load_factor", True, r"cache_load_factor: Input should be a valid number"),
+        ("train", "memory_budget_per_rank", True, r"train.memory_budget_per_rank: .*not a boolean"),
+        ("train", "host_memory_budget_per_rank", True, r"train.host_memory_budget_per_rank: .*not a boolean"),
+        ("raw", "data_type", "bf16", r"data_type: belong\(s\) to a feature with a table"),
+    ],
+)
+def test_memory_settings_take_no_boolean_and_belong_to_tables(where, key, value, message):
+    c = config_dict()
+    if where == "train":
+        c["train"][key] = value
+    else:
+        index = 1 if where == "table" else -1  # age (a fixed table), price (a raw feature)
+        next(iter(c["feature_configs"][index].values()))[key] = value
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(c)
