@@ -38,8 +38,22 @@ class TrainingLog:
     def state(self) -> str:
         return json.dumps(self.history)
 
-    def load_state(self, state: str) -> None:
+    def load_state(self, state: str, step: Optional[int] = None) -> None:
+        """The history a checkpoint holds; with ``step`` (the checkpoint's, resumed to train on),
+        also the evaluations this model dir's metrics.json reports at or before it that the
+        checkpoint lacks: a run's final evaluation follows its last save, and a resumed run's
+        metrics.json would otherwise drop each earlier run's."""
         self.history = json.loads(state)
+        if step is None or not self.enabled:
+            return
+        try:
+            reported = json.loads((self.model_dir / "metrics.json").read_text())["history"]["eval"]
+            known = {int(s) for s, _ in self.history["eval"]}
+            kept = [[int(s), m] for s, m in reported if int(s) <= step and int(s) not in known and isinstance(m, dict)]
+        except (OSError, ValueError, KeyError, TypeError):  # none, or not one of ours: the checkpoint's alone
+            return
+        if kept:
+            self.history["eval"] = sorted(self.history["eval"] + kept, key=lambda e: e[0])
 
     # -- a run -------------------------------------------------------------------------------
 

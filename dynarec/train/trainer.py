@@ -243,7 +243,7 @@ class Trainer:
         self.step = state["step"]
         self.position = DataPosition(state["epoch"], state["row"])
         self.input.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
-        self.log.load_state(state["history"])
+        self.log.load_state(state["history"], self.step if training else None)
         if training:
             if self.input.followed_files and self.input.follow is None:
                 raise CheckpointError(

@@ -274,3 +274,18 @@ def test_model_dir_of_a_different_config_is_refused(trained, data_root):
     rc, out = run_cli("train", "--config", cfg, "--model-dir", model_dir, "--no-progress")
     assert rc == 2 and "already holds checkpoints" in out and "--resume" in out, out
     assert _listing(model_dir) == before
+
+
+def test_a_resumed_runs_metrics_keep_the_final_evaluation_of_the_run_before(data_root, tmp_path):
+    # A run's final evaluation comes after its last checkpoint: metrics.json keeps it across a resume.
+    c = config_dict()
+    one = write_config(data_root, {**c, "train": {**c["train"], "num_epochs": 1}}, "one-epoch.yaml")
+    two = write_config(data_root, {**c, "train": {**c["train"], "num_epochs": 2}}, "two-epochs.yaml")
+    rc, out = run_cli("train", "--config", one, "--model-dir", tmp_path / "m", "--no-progress")
+    assert rc == 0, out
+    first = json.loads((tmp_path / "m" / "metrics.json").read_text())["history"]["eval"]
+    rc, out = run_cli("train", "--config", two, "--model-dir", tmp_path / "m", "--no-progress", "--resume")
+    assert rc == 0, out
+    evals = json.loads((tmp_path / "m" / "metrics.json").read_text())["history"]["eval"]
+    assert [s for s, _ in first] == [12] and [s for s, _ in evals] == [12, 24]
+    assert evals[0] == first[0]
