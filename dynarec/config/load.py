@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from dynarec.config.schema import Config
 
-__all__ = ["ConfigError", "config_fingerprint", "config_from_dict", "load_config", "parse_yaml"]
+__all__ = ["ConfigError", "config_fingerprint", "config_from_dict", "load_config", "parse_yaml", "without_placement"]
 
 
 class ConfigError(ValueError):
@@ -165,6 +165,26 @@ def config_sections(config: Config) -> dict[str, Any]:
     checkpoint keeps them, so that a config that cannot resume it is told what differs)."""
     dumped = config.model_dump(mode="json")
     return {section: dumped[section] for section in ("feature_configs", "model")}
+
+
+# Feature fields that only say where a table's rows live: a checkpoint holds the same rows
+# either way, so a run may resume with them changed (a cache made larger or turned off).
+PLACEMENT_ONLY = ("cache_load_factor",)
+
+
+def without_placement(section: str, value: Any) -> Any:
+    """Section ``section`` of :func:`config_sections` without the :data:`PLACEMENT_ONLY` fields."""
+    if section != "feature_configs" or not isinstance(value, list):
+        return value
+    return [
+        {
+            kind: {k: v for k, v in body.items() if k not in PLACEMENT_ONLY} if isinstance(body, dict) else body
+            for kind, body in f.items()
+        }
+        if isinstance(f, dict)
+        else f
+        for f in value
+    ]
 
 
 def config_fingerprint(config: Config) -> dict[str, str]:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from dynarec.config.load import config_differences
+from dynarec.config.load import config_differences, without_placement
 from dynarec.train.checkpoint import CheckpointError
 
 __all__ = ["StepRng", "check_resumable", "dense_optimizer_matches"]
@@ -42,8 +42,10 @@ def check_resumable(
     ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
     theirs = state.get("fingerprint", {})
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
+    saved = state.get("config_sections")  # (not kept before 2026-12-05)
+    if differ and isinstance(saved, dict):  # where only a table's placement changed, the rows are the same
+        differ = [k for k in differ if without_placement(k, saved.get(k)) != without_placement(k, sections[k])]
     if differ:
-        saved = state.get("config_sections")  # (not kept before 2026-12-05)
         if isinstance(saved, dict):
             found = config_differences({k: saved.get(k) for k in differ}, {k: sections[k] for k in differ})
             what = "; ".join(found) or f"its {' and '.join(differ)}"

@@ -1,6 +1,7 @@
 """End to end on tiny data: train -> evaluate -> export -> predict, exact resume, atomic
 checkpoints, and bad input that names the culprit and writes nothing."""
 
+import copy
 import json
 import os
 import signal
@@ -289,3 +290,29 @@ def test_a_resumed_runs_metrics_keep_the_final_evaluation_of_the_run_before(data
     evals = json.loads((tmp_path / "m" / "metrics.json").read_text())["history"]["eval"]
     assert [s for s, _ in first] == [12] and [s for s, _ in evals] == [12, 24]
     assert evals[0] == first[0]
+
+
+def test_a_run_resumes_with_its_tables_cache_changed_as_if_it_never_had_one(data_root, tmp_path):
+    # cache_load_factor says where rows live, not what they are: a resume may change it.
+    c = config_dict(data__eval_input_path=None)
+    del c["train"]["num_epochs"]
+    cached = copy.deepcopy(c)
+    cached["feature_configs"][0]["id_feature"]["cache_load_factor"] = 0.5  # user_id: 256 of 512 rows on the device
+    straight = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 12}}, "uncached-12.yaml")
+    half = write_config(data_root, {**cached, "train": {**cached["train"], "num_steps": 6}}, "cached-6.yaml")
+    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "a", "--no-progress")
+    assert rc == 0, out
+    rc, out = run_cli("train", "--config", half, "--model-dir", tmp_path / "b", "--no-progress")
+    assert rc == 0, out
+    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "b", "--no-progress", "--resume")
+    assert rc == 0, out
+    (sa, ta), (sb, tb) = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    assert sa["step"] == sb["step"] == 12
+    assert_same(ta, tb, "tables")
+    assert_same(sa["dense"], sb["dense"], "dense")
+    # Anything else about a table still differs by name.
+    other = copy.deepcopy(c)
+    other["feature_configs"][0]["id_feature"]["embedding_dim"] = 4
+    path = write_config(data_root, {**other, "train": {**other["train"], "num_steps": 14}}, "other-14.yaml")
+    rc, out = run_cli("train", "--config", path, "--model-dir", tmp_path / "b", "--no-progress", "--resume")
+    assert rc == 2 and "feature_configs[0].id_feature.embedding_dim: 8 in the checkpoint's, 4 in this one" in out
