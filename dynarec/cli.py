@@ -167,12 +167,23 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from dynarec.embedding.cached_store import CacheFullError
     from dynarec.train.export import export_model
 
     trainer = _restored(args)
-    export_dir = export_model(
-        trainer.task, trainer.example_batch(), args.export_dir, step=trainer.step, since=args.since
-    )
+    # The dense program is traced on the data's first rows; a table in host memory makes their
+    # rows resident in its cache, so where they overflow it the trace takes fewer (it needs shapes).
+    rows = 256
+    while True:
+        try:
+            export_dir = export_model(
+                trainer.task, trainer.example_batch(rows), args.export_dir, step=trainer.step, since=args.since
+            )
+            break
+        except CacheFullError:
+            if rows == 2:
+                raise
+            rows = max(rows // 4, 2)
     kind = f"a delta on {args.since}" if args.since else "a full export"
     print(f"exported step {trainer.step} to {export_dir} ({kind})")
 

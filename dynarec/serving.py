@@ -53,9 +53,14 @@ class ExportedModel:
         export_dir, meta = chain[-1]
         config = _config_of(export_dir, meta)
         self.device = torch.device(device)
-        # Serving tables: native backend, no optimizer state (SGD has none).
+        # Serving tables: native backend, no optimizer state (SGD has none). On the CPU a table
+        # trained in host memory behind a cache is served whole: its cache would be host memory
+        # in front of host memory, and would bound the rows a batch may read.
+        whole = self.device.type == "cpu"
         tables = [
-            dataclasses.replace(t, backend="native", optimizer=SGD(lr=0.0))
+            dataclasses.replace(
+                t, backend="native", optimizer=SGD(lr=0.0), cache_load_factor=None if whole else t.cache_load_factor
+            )
             for t in plan_from_config(config).table_configs()
         ]
         self.embeddings = EmbeddingCollection(tables, device=self.device)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -274,3 +275,24 @@ def test_a_delta_of_half_precision_rows_of_an_odd_dim_holds_the_rows_changed(dty
     assert delta["keys"].tolist() == [3] and torch.equal(delta["weight"], current["weight"][3:4])
     with pytest.raises(ValueError, match=r"table 't': rows of torch.float16 in the base export, torch.float32 now"):
         diff_tables({"weight": base["weight"].half()}, {"weight": base["weight"].float()}, "table 't'")
+
+
+def test_a_model_whose_cache_cannot_hold_the_traced_rows_exports_and_serves_as_it_predicts(trained, tmp_path):
+    # item's 200 rows behind a cache of 60: a step's 8 rows fit, the 256 rows export traces on do not.
+    root, _, _, _ = trained
+    c = config_dict(data__batch_size=8)
+    del c["train"]["num_epochs"]
+    c["train"]["num_steps"] = 4
+    c["feature_configs"][2]["id_feature"]["cache_load_factor"] = 0.3
+    c["feature_configs"][4]["sequence_feature"]["cache_load_factor"] = 0.3
+    cfg = write_config(root, c, "cached-item.yaml")
+    model_dir, export_dir = tmp_path / "m", tmp_path / "e"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    eval_file = str(root / "data" / "eval" / "part-0.parquet")
+    out = tmp_path / "p.parquet"
+    assert main(["predict", "--model-dir", str(model_dir), "--input", eval_file, "--output", str(out)]) == 0
+    expected = pq.read_table(out).column("probability").to_numpy()
+    served = ExportedModel(export_dir)  # (on the CPU served whole: any batch)
+    np.testing.assert_array_equal(served.predict_files(eval_file, batch_size=8)["probability"], expected)
+    np.testing.assert_allclose(served.predict_files(eval_file)["probability"], expected, rtol=0, atol=1e-6)
