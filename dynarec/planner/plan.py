@@ -10,8 +10,9 @@ into tables and passes the config's objects through: a table's ``DynamicTableOpt
 Sharding decisions (``world_size > 1``), unless a table forces its own (``sharding:``):
 dynamic tables are ``key_hash``; fixed tables whose whole gradient is small enough to all-reduce
 every step (``DATA_PARALLEL_MAX_BYTES``) are ``data_parallel`` (native backend); fixed tables that
-fit a quarter of a rank's budget are ``table_wise``, placed on the least loaded rank; larger ones
-are ``row_wise``. A plan whose rank exceeds the budget is an error naming the table and numbers.
+fit a quarter of a rank's budgets (on the device, and in host memory for a table kept there) are
+``table_wise``, placed on the least loaded rank; larger ones are ``row_wise``. A plan whose rank
+exceeds a budget is an error naming the table and numbers.
 """
 
 from __future__ import annotations
@@ -172,6 +173,12 @@ class Plan:
                 + (f" and {format_bytes(in_host)} in its host memory (rank {host})" if in_host else "")
                 + f"; about {format_bytes(exchange)} exchanged per step per rank at batch {self.batch_size} per rank"
             )
+        else:
+            in_host = self.host_bytes_on(0)
+            lines.append(
+                f"1 rank: {format_bytes(self.bytes_on(0))} of tables on its device"
+                + (f" and {format_bytes(in_host)} in its host memory" if in_host else "")
+            )
         ranks = range(self.world_size)
         device_peak = max(self.peak_bytes_on(r) for r in ranks)
         host_peak = max(self.peak_bytes_on(r, host=True) for r in ranks)
@@ -276,7 +283,7 @@ def plan_tables(
         if spec is None:
             raise PlanError(f"table '{table.name}' has no optimizer: give the planner one or the table its own")
         ids = ids_per_sample[i] if ids_per_sample is not None else (1,) * len(table.feature_configs)
-        sharding = _decide(table, spec, world_size, memory_budget, load)
+        sharding = _decide(table, spec, world_size, memory_budget, load, host_memory_budget)
         plan = TablePlan(table, spec, sharding, ids)
         for r in range(world_size):
             load[r] += plan.bytes_on(r)
@@ -289,8 +296,16 @@ def plan_tables(
     return result
 
 
-def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optional[int], load: list[int]):
-    """The sharding of one table (see the module docstring)."""
+def _decide(
+    table: TableConfig,
+    spec: OptimizerSpec,
+    world: int,
+    budget: Optional[int],
+    load: list[int],
+    host_budget: Optional[int] = None,
+):
+    """The sharding of one table (see the module docstring); a table of more than a quarter of
+    either budget (``budget`` on the device, ``host_budget`` in host memory) is split by rows."""
     kind: ShardingType
     full = table_bytes(table, spec)
     if table.sharding is not None:
@@ -316,10 +331,12 @@ def _decide(table: TableConfig, spec: OptimizerSpec, world: int, budget: Optiona
         kind = "key_hash"
     elif full.weights <= DATA_PARALLEL_MAX_BYTES and table.backend == "native" and table.cache_load_factor is None:
         kind = "data_parallel"
-    elif budget is None or full.total <= budget // 4:
-        kind = "table_wise"
-    else:
+    elif (budget is not None and full.total > budget // 4) or (
+        host_budget is not None and full.host > host_budget // 4
+    ):
         kind = "row_wise"
+    else:
+        kind = "table_wise"
     if kind == "data_parallel":
         return TableSharding(kind, world, tuple(range(world)))
     if kind == "table_wise":
@@ -343,7 +360,7 @@ def _check_budget(plan: Plan, budget: int, where: str) -> None:
             parts = sorted(((t.peak_bytes_on(rank, host), t) for t in plan.tables), key=lambda x: -x[0])
             detail = "; ".join(f"table '{t.table.name}' ({t.sharding.kind}) {format_bytes(b)}" for b, t in parts if b)
             field, place, knob = (
-                ("host_memory_budget_per_rank", "in the host memory of", "cache_load_factor's tables")
+                ("host_memory_budget_per_rank", "in the host memory of", "max_capacity / num_buckets / embedding_dim")
                 if host
                 else ("memory_budget_per_rank", "on", "max_capacity / num_buckets / embedding_dim, cache_load_factor")
             )

@@ -243,3 +243,23 @@ def test_a_10b_key_dynamic_table_fits_64_h200s_with_its_rows_in_host_memory():
         r"over train.host_memory_budget_per_rank 200.0 GiB: table 'user_id' \(key_hash\) 277.0 GiB",
     ):
         plan_from_config(config_from_dict(raw), world_size=64)
+
+
+def test_a_fixed_table_kept_in_host_memory_is_split_by_rows_where_it_would_overflow_a_ranks_host_budget():
+    """A billion rows at dim 8 (Adagrad) behind a tiny cache: little on each device, but 59.6 GiB
+    of rows in host memory — more than a quarter of a 40 GiB host budget, so split by rows (it
+    fits 4 ranks), where the device bytes alone put it on one rank and refused the plan."""
+    from dynarec.planner.plan import PlanError
+
+    c = config_dict()
+    c["feature_configs"][2]["id_feature"].update(num_buckets=1_000_000_000, cache_load_factor=0.0001)
+    c["feature_configs"][4]["sequence_feature"].update(num_buckets=1_000_000_000, cache_load_factor=0.0001)
+    c["train"].update(memory_budget_per_rank="40GiB", host_memory_budget_per_rank="40GiB")
+    plan = plan_from_config(config_from_dict(c), world_size=4)
+    item = next(t for t in plan.tables if t.table.name == "item")
+    assert item.sharding.kind == "row_wise"
+    assert max(plan.host_bytes_on(r) for r in range(4)) < 40 << 30
+    with pytest.raises(
+        PlanError, match=r"over train.host_memory_budget_per_rank 40.0 GiB: table 'item' \(table_wise\)"
+    ):
+        plan_from_config(config_from_dict(c), world_size=1)
