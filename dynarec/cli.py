@@ -229,7 +229,8 @@ def cmd_predict(args) -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(args.output)) as tmp:
         pq.write_table(pa.table(columns), str(tmp))
-    print(f"wrote {len(next(iter(outputs.values())))} predictions to {args.output}")
+    n = len(next(iter(outputs.values())))
+    print(f"wrote {n} prediction{'' if n == 1 else 's'} to {args.output}")
 
 
 def _check_prediction_target(output: Path, files: list, args) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Union
 
@@ -151,8 +152,11 @@ def find_base(delta_dir: Path, base: dict[str, Any]) -> Path:
         for sibling in sorted(delta_dir.parent.iterdir()):
             if sibling.is_dir() and _export_id(sibling) == base.get("id"):
                 return sibling
+    shown = os.path.normpath(recorded)
     where = (
-        f"{recorded} holds export {_export_id(recorded)}" if (recorded / META).is_file() else f"nothing at {recorded}"
+        f"{shown} holds export {_export_id(recorded)}: another export was written there since"
+        if (recorded / META).is_file()
+        else f"nothing at {shown}"
     )
     raise ExportError(
         f"{delta_dir}: a delta on export {base.get('id')} (step {base.get('step')}), which is neither where it was "

@@ -9,9 +9,9 @@ the optimizer registry, ``docs/optimizers.md``'s formulas): fresh rows start fro
 initializer and the spec's initial state values (``initial_accumulator_value``), evicted rows
 are forgotten, and a returning key starts fresh again. Where the other row-store backend can run
 the spec (FBGEMM's TBE where installed), its twin runs the same steps against the same reference.
-A table whose rows live in host memory (``cache_load_factor``) runs as such, its cache the
-share of the copy's rows the config gives (at least a step's ids), rows evicted and loaded back
-between the steps.
+A table whose rows live in host memory (``cache_load_factor``) runs as such, its cache just
+large enough for a step's ids (whatever share the config gives: the rows do not depend on it),
+so that rows are evicted, written back and loaded again between the steps.
 
 This is the check of the bug class dynarec exists to prevent — a setting that reaches one kind of
 table and not another — runnable by any user, on any config, in seconds.
@@ -115,13 +115,18 @@ def verify_table(table: TableConfig, device: str = "cpu", steps: int = 8, seed: 
     return verdict
 
 
+def _step_cache(table: TableConfig, rows: int) -> float:
+    """The cache of a copy of ``rows`` rows of a table kept in host memory: room for a step's ids
+    (at most BATCH x MAX_LEN a feature) and no more, whatever share the config gives (the rows do
+    not depend on it), so that rows are evicted, written back and loaded again between steps."""
+    return min(1.0, BATCH * MAX_LEN * len(table.features) / rows)
+
+
 def _small_copy(table: TableConfig) -> TableConfig:
     if table.dynamic is None:
         assert table.num_embeddings is not None
         rows = min(table.num_embeddings, MAX_ROWS)
-        cache = table.cache_load_factor
-        if cache is not None:  # a step's ids (at most BATCH x MAX_LEN a feature) always fit its cache
-            cache = min(1.0, max(cache, BATCH * MAX_LEN * len(table.features) / rows))
+        cache = None if table.cache_load_factor is None else _step_cache(table, rows)
         return dataclasses.replace(table, num_embeddings=rows, sharding=None, cache_load_factor=cache)
     d = table.dynamic
     bs = d.bucket_size
@@ -133,9 +138,7 @@ def _small_copy(table: TableConfig) -> TableConfig:
     # buckets, which the flood of admitted keys fills (at 8 it evicted nothing).
     buckets = 4 if admission is not None and admission.threshold > 1 else 8
     capacity = buckets * bs * len(table.features)
-    cache = table.cache_load_factor
-    if cache is not None:
-        cache = min(1.0, max(cache, BATCH * MAX_LEN * len(table.features) / capacity))
+    cache = None if table.cache_load_factor is None else _step_cache(table, capacity)
     return dataclasses.replace(
         table,
         dynamic=dataclasses.replace(d, max_capacity=capacity, init_capacity=2 * bs, admission=admission),

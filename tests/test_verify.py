@@ -157,9 +157,9 @@ def test_verify_runs_on_every_device(device):
     assert all(v.ok for v in verdicts), [v.line() for v in verdicts]
 
 
-@pytest.mark.parametrize("data_type", ["fp32", "bf16"])
+@pytest.mark.parametrize("data_type, share", [("fp32", 0.01), ("bf16", 0.01), ("fp32", 0.6)])
 @pytest.mark.parametrize("table", ["item", "user_id"])
-def test_a_table_in_host_memory_verifies_through_its_cache(device, table, data_type):
+def test_a_table_in_host_memory_verifies_through_its_cache(device, table, data_type, share):
     """The demo's item table (fixed) or user table (dynamic: grown and evicting in its copy) with
     its rows in host memory behind a small cache: verified as such, rows evicted and loaded back
     between the steps, every row equal to the reference."""
@@ -169,7 +169,7 @@ def test_a_table_in_host_memory_verifies_through_its_cache(device, table, data_t
     for entry in raw["feature_configs"]:
         body = next(iter(entry.values()))
         if body.get("embedding_name", body["feature_name"]) == table:
-            body.update(cache_load_factor=0.01, data_type=data_type)
+            body.update(cache_load_factor=share, data_type=data_type)
     verdicts = verify_config(config_from_dict(raw, base_dir="dynarec/resources"), device=device)
     verdict = next(v for v in verdicts if v.table == table)
     rows = "" if data_type == "fp32" else f" {data_type} rows"

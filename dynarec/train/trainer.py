@@ -452,6 +452,12 @@ class Trainer:
         if resume:
             if existing:
                 path = self.restore()
+                if self.ctx.is_main:
+                    print(
+                        f"resumed from {path} (step {self.step}, epoch {self.position.epoch}, row {self.position.row})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if cfg.train.num_steps is not None and self.step > cfg.train.num_steps:
                     raise CheckpointError(  # before the config record is rewritten to the smaller count
                         f"{path} is at step {self.step}, past this config's train.num_steps {cfg.train.num_steps}: "

@@ -113,6 +113,15 @@ def test_a_delta_on_the_wrong_base_is_refused(chain, tmp_path):
             ExportedModel(d2)
     finally:
         moved.rename(d1)
+    # Its base's directory overwritten by another export: named, the path as it is.
+    import shutil
+
+    shutil.copytree(d1, tmp_path / "x" / "d1")
+    shutil.copytree(f3, tmp_path / "x" / "e1")
+    with pytest.raises(
+        ExportError, match=r"/x/e1 holds export \w+: another export was written there since\) nor beside"
+    ):
+        ExportedModel(tmp_path / "x" / "d1")
 
 
 def test_a_delta_applied_online_serves_with_its_own_config(chain):
