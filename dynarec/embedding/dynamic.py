@@ -73,7 +73,7 @@ from dynarec.embedding.step import Journal, Step
 from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
 from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
-from dynarec.optim.rounding import RowKeys
+from dynarec.optim.rounding import ROW_DTYPES, RowKeys
 
 __all__ = ["AbsentKeys", "DynamicTable", "TableFullError", "follow_moves", "move_rows", "present_bags"]
 
@@ -498,11 +498,13 @@ class DynamicTable(EmbeddingTable):
     # -- dump and load -------------------------------------------------------------------------
 
     def dump(self) -> dict[str, torch.Tensor]:
-        """Every key (ascending) with its weight, optimizer states, score and slot; the bucket
-        layout; the step counter; the admission counter's keys, counts and slots. CPU tensors
-        (:mod:`.snapshot`)."""
+        """Every key (ascending) with its weight (in the rows' storage dtype, as a fixed table's
+        dump), optimizer states, score and slot; the bucket layout; the step counter; the
+        admission counter's keys, counts and slots. CPU tensors (:mod:`.snapshot`)."""
         counter = None if self.admission is None else self.admission.counter
-        return snapshot.dump(self.index, self.store, self.step, counter)
+        out = snapshot.dump(self.index, self.store, self.step, counter)
+        out["weight"] = out["weight"].to(ROW_DTYPES[self.config.data_type])  # (exact: read widened it)
+        return out
 
     @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:

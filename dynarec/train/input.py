@@ -291,6 +291,7 @@ class TrainInput:
         directory = Path(str(self.config.data.train_input_path))
         idle_since = time.monotonic()
         seen: list[tuple[str, int]] = []  # the listing last read, with file sizes
+        listed_rows = 0  # the rows of its files
         while True:
             listing, timed_out, stop = self._poll(directory, idle_since)
             if stop:
@@ -307,15 +308,22 @@ class TrainInput:
                 )
                 self._check_prefix(directory, names, dataset.row_counts())
                 steps = (dataset.num_rows - position.row) // self.global_batch_size
-                seen = listing
+                seen, listed_rows = listing, dataset.num_rows
             if steps == 0:
                 if timed_out and position.row == 0:  # nothing arrived: no model to write
                     raise DataError(_nothing_followed(directory, self.follow.idle_timeout_seconds, listing))
                 if timed_out:
                     if self.ctx.is_main:
+                        left = listed_rows - position.row
+                        waiting = (
+                            f"; {left} rows after them wait for a full global batch of {self.global_batch_size}: "
+                            "--follow --resume trains them once more rows arrive"
+                            if left > 0
+                            else ""
+                        )
                         print(
                             f"follow: no new file in {self.follow.idle_timeout_seconds}s; stopping "
-                            f"({position.row} rows of {len(self.followed_files)} file(s) consumed)",
+                            f"({position.row} rows of {len(self.followed_files)} file(s) consumed{waiting})",
                             file=sys.stderr,
                             flush=True,
                         )

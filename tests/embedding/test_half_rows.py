@@ -130,6 +130,7 @@ def test_half_rows_dump_and_load_exactly(kind):
         out = coll(JaggedBatch.from_lists(feats, weights))
         sum(v.sum() for v in out.values()).backward()
     dump = coll.tables["t"].dump()
+    assert dump["weight"].dtype == torch.bfloat16  # the rows' own bytes, a fixed or dynamic table's
     other = make()
     other.tables["t"].load(dump)
     keys = torch.arange(N)

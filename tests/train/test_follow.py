@@ -212,3 +212,15 @@ def test_sigterm_while_waiting_for_files_stops_with_the_steps_saved(parts, tmp_p
     assert "dynarec train: stopped by SIGTERM after step 3; the model is saved in" in out
     state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
     assert state["step"] == 3 and state["row"] == 300
+
+
+def test_rows_short_of_a_global_batch_at_the_idle_timeout_are_named(parts, tmp_path):
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    add(stream, "part-0.parquet", tables[0].slice(0, 250))
+    out, _ = follow(config(root, stream, "stream.yaml"), tmp_path / "m", idle=1.0).communicate(timeout=240)
+    assert (
+        "stopping (200 rows of 1 file(s) consumed; 50 rows after them wait for a full global batch of 100: "
+        "--follow --resume trains them once more rows arrive)" in out
+    ), out
