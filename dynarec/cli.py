@@ -628,7 +628,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir")
     p.add_argument("--config")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, directories or globs; scored once each, in path order (the output's rows follow it)",
+    )
     p.add_argument(
         "--output",
         required=True,

@@ -285,7 +285,7 @@ class CachedRowStore(RowStore):
                 moves = self._claim(missing, self._spared_from(tick))  # the holds' rows spared, where they can be
                 if moves is None:
                     self._drop_holds()  # some of their rows may move: their lookups find them again
-                    moves = self._claim(missing, self._spared_from(tick, holds=False), refuse=True)
+                    moves = self._claim(missing, self._spared_from(tick, holds=False), refuse=rows)
                 assert moves is not None  # (refused otherwise)
                 with self._unclaimed_on_error(moves):
                     self._exchange(*moves)
@@ -343,22 +343,26 @@ class CachedRowStore(RowStore):
 
     @torch.no_grad()
     def _claim(
-        self, missing: torch.Tensor, keep_from: int, refuse: bool = False
+        self, missing: torch.Tensor, keep_from: int, refuse: Optional[torch.Tensor] = None
     ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Gives the ``missing`` rows (unique) the least recently used slots used before tick
         ``keep_from``, in the bookkeeping; returns the moves to make (:meth:`_exchange`'s
         arguments: the slots, the rows they held (-1: none) and the rows they take). None where
-        those slots are too few (nothing claimed), or with ``refuse`` the named error. Its
-        host reads come before any move is queued: none of them waits for rows moving."""
+        those slots are too few (nothing claimed), or with ``refuse`` (the lookup's rows) the
+        named error. Its host reads come before any move is queued: none of them waits for rows
+        moving."""
         order = torch.argsort(self._last_used, stable=True)  # empty slots (-1) first
         free = int((self._last_used < keep_from).sum())
         if free < missing.numel():
-            if not refuse:
+            if refuse is None:
                 return None
+            distinct = int(torch.unique(refuse).numel())
             raise CacheFullError(
                 f"table '{self.name}': a lookup needs {missing.numel()} rows more on the device, but its cache of "
                 f"{self.cache_rows} rows can give {free} (the others hold this batch's rows or rows whose update is "
-                f"still to come); raise cache_load_factor"
+                f"still to come); the batch reads {distinct} distinct rows of the table's {self.num_rows}: raise "
+                f"cache_load_factor to at least {distinct / self.num_rows:.3g} (more where updates wait: gradient "
+                "accumulation), or lower the batch size (data.eval_batch_size for an evaluation)"
             )
         victims = order[: missing.numel()]
         old, by_row = torch.sort(self._row_of_slot[victims])

@@ -303,7 +303,11 @@ def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():
         loss.backward()
     a, b = roomy.tables["t"].dump(), whole.tables["t"].dump()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(CacheFullError, match="raise cache_load_factor"):
+    with pytest.raises(
+        CacheFullError,
+        match=rf"the batch reads {need[0]} distinct rows of the table's {ROWS}: raise cache_load_factor to at least "
+        rf"{need[0] / ROWS:.3g} ",
+    ):
         EmbeddingCollection([table("sum", 2 / ROWS)], spec)(data[0])
     del first
 
