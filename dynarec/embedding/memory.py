@@ -146,11 +146,20 @@ def check_fits(
         in_ram = host + (sum(b.peak for _, b in breakdown) if device.type == "cpu" else 0)
         free = available_memory(torch.device("cpu"))
         if in_ram > free:
-            held = [(c, b) for c, b in breakdown if b.host]
+            on_cpu = device.type == "cpu"  # the "device" bytes (caches, slot maps, whole tables) are in RAM too
             lines = [
-                f"  table '{c.name}': {format_bytes(b.host)} of rows in host memory"
-                + (f" ({format_bytes(b.host_growth)} more while it grows)" if b.host_growth else "")
-                for c, b in held
+                f"  table '{c.name}': "
+                + ", ".join(
+                    part
+                    for part in (
+                        f"{format_bytes(b.host)} of rows in host memory" if b.host else "",
+                        f"{format_bytes(b.host_growth)} more while it grows" if b.host_growth else "",
+                        f"{format_bytes(b.peak)} on the device, which is host memory on a CPU" if on_cpu else "",
+                    )
+                    if part
+                )
+                for c, b in breakdown
+                if b.host or on_cpu
             ]
             raise ValueError(
                 f"the tables need {format_bytes(in_ram)} of host memory but {format_bytes(free)} is available:\n"
