@@ -51,38 +51,20 @@ class ExportedModel:
     def __init__(self, export_dir: Union[str, Path], device: str = "cpu"):
         chain = export_chain(export_dir)
         export_dir, meta = chain[-1]
-        config = _config_of(export_dir, meta)
         self.device = torch.device(device)
-        # Serving tables: native backend, no optimizer state (SGD has none). On the CPU a table
-        # trained in host memory behind a cache is served whole: its cache would be host memory
-        # in front of host memory, and would bound the rows a batch may read.
-        whole = self.device.type == "cpu"
-        tables = [
-            dataclasses.replace(
-                t, backend="native", optimizer=SGD(lr=0.0), cache_load_factor=None if whole else t.cache_load_factor
-            )
-            for t in plan_from_config(config).table_configs()
-        ]
-        self.embeddings = EmbeddingCollection(tables, device=self.device)
-        self.embeddings.eval()
-        self.key_counts: dict[str, int] = {}
-        self._install(export_dir, meta, materialize(chain), config)
-
-    def _configure(self, config: Config) -> None:
-        """Serves ``config``'s features and outputs: how rows become batches (normalizers,
-        hashing, vocabularies), sequences, poolings and the outputs' names."""
-        self.config = config
-        self.sequence_features = sequence_names(config)
-        self.element_pooling = element_poolings(config)
-        self.tasks = tasks_of(config)
+        self._install(export_dir, meta, materialize(chain), _config_of(export_dir, meta))
 
     def _install(
         self, export_dir: Path, meta: dict[str, Any], tables: dict[str, dict[str, torch.Tensor]], config: Config
     ) -> None:
-        """Serves export ``export_dir`` (``meta``): its ``tables`` (export tensors), its dense
-        program and its ``config`` — a delta's own, which may process features differently from
-        its base's (``export --since`` takes any export with the same tables)."""
-        for name, table in self.embeddings.tables.items():
+        """Serves export ``export_dir`` (``meta``) as its ``config`` says — a delta's own, which
+        may process features, pool or initialize differently from its base's (``export --since``
+        takes any export with the same tables): a collection of its tables loaded with ``tables``
+        (export tensors), and its dense program. Everything is loaded and checked before any of it
+        is served: on an error the model serves what it served."""
+        embeddings = _serving_tables(config, self.device)
+        key_counts: dict[str, int] = {}
+        for name, table in embeddings.tables.items():
             if name not in tables:
                 raise ExportError(f"{export_dir / META}: no file for table '{name}'")
             tensors = tables[name]
@@ -94,15 +76,21 @@ class ExportedModel:
                     f"{tensors['keys'].numel()} keys ({META} says {exported}) but the serving table took "
                     f"{report['loaded']}; serving loads every exported key or none"
                 )
-            self.key_counts[name] = report["loaded"]
-        self.dense = load_export_file(export_dir / "dense.pt2", lambda p: torch.export.load(p).module())
-        self._configure(config)
+            key_counts[name] = report["loaded"]
+        dense = load_export_file(export_dir / "dense.pt2", lambda p: torch.export.load(p).module())
+        self.embeddings, self.key_counts, self.dense = embeddings, key_counts, dense
+        self.config = config
+        self.sequence_features = sequence_names(config)
+        self.element_pooling = element_poolings(config)
+        self.tasks = tasks_of(config)
         self.step = meta.get("step")
         self.export_id = meta.get("id")
 
     def apply_delta(self, delta_dir: Union[str, Path]) -> None:
         """Applies one delta export on top of what this model serves (it must be based on this
-        model's export): changed rows replaced, evicted keys removed, the dense program swapped."""
+        model's export): changed rows replaced, evicted keys removed, the dense program and the
+        config (feature processing, poolings, initializers) the delta's. On an error the model
+        serves what it served."""
         delta_dir = Path(delta_dir)
         meta = read_export_meta(delta_dir)
         base = meta.get("base") or {}
@@ -116,7 +104,7 @@ class ExportedModel:
                 f"export {self.export_id} (step {self.step}); apply the deltas of its chain in order"
             )
         config = _config_of(delta_dir, meta)
-        names = sorted(t.name for t in plan_from_config(config).table_configs())
+        names = sorted(t.name for t in plan_from_config(config, check_budgets=False).table_configs())
         if names != sorted(self.embeddings.tables):
             raise ExportError(
                 f"{delta_dir}: its model has tables {names}, this model serves {sorted(self.embeddings.tables)}; "
@@ -191,3 +179,20 @@ def _config_of(export_dir: Path, meta: dict[str, Any]) -> Config:
             f"{export_dir / META}: its config is invalid ({e.error_count()} error(s), the first at "
             f"{error_path(e.errors()[0])}: {e.errors()[0]['msg']})"
         ) from None
+
+
+def _serving_tables(config: Config, device: torch.device) -> EmbeddingCollection:
+    """``config``'s tables for serving, in eval mode: native backend, no optimizer state (SGD has
+    none), no memory budget (a model trained on several ranks is served whole). On the CPU a
+    table trained in host memory behind a cache is served whole: its cache would be host memory
+    in front of host memory, and would bound the rows a batch may read."""
+    whole = device.type == "cpu"
+    tables = [
+        dataclasses.replace(
+            t, backend="native", optimizer=SGD(lr=0.0), cache_load_factor=None if whole else t.cache_load_factor
+        )
+        for t in plan_from_config(config, check_budgets=False).table_configs()
+    ]
+    embeddings = EmbeddingCollection(tables, device=device)
+    embeddings.eval()
+    return embeddings

@@ -48,12 +48,16 @@ class TrainingLog:
             return
         try:
             reported = json.loads((self.model_dir / "metrics.json").read_text())["history"]["eval"]
-            known = {int(s) for s, _ in self.history["eval"]}
-            kept = [[int(s), m] for s, m in reported if int(s) <= step and int(s) not in known and isinstance(m, dict)]
+            kept: dict[int, dict[str, Any]] = {}
+            for s, m in reported:
+                if int(s) <= step and isinstance(m, dict):  # (metrics.json writes NaN as null)
+                    kept[int(s)] = {k: math.nan if v is None else v for k, v in m.items()}
         except (OSError, ValueError, KeyError, TypeError):  # none, or not one of ours: the checkpoint's alone
             return
+        for s, _ in self.history["eval"]:  # the checkpoint's own evaluations stand
+            kept.pop(int(s), None)
         if kept:
-            self.history["eval"] = sorted(self.history["eval"] + kept, key=lambda e: e[0])
+            self.history["eval"] = sorted(self.history["eval"] + [[s, m] for s, m in kept.items()], key=lambda e: e[0])
 
     # -- a run -------------------------------------------------------------------------------
 
@@ -111,7 +115,9 @@ class TrainingLog:
         self._epoch_start = (now, step)
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.history["eval"].append([step, metrics])
+        """Records an evaluation at ``step`` (one a step: a later one at the same step replaces it,
+        as a run resumed at its end evaluates that step again)."""
+        self.history["eval"] = [e for e in self.history["eval"] if e[0] != step] + [[step, metrics]]
         self.scalars(step, {f"eval/{k}": v for k, v in metrics.items() if k != "num_examples"})
         shown = [(k, v) for k, v in metrics.items() if k != "num_examples"]
         more = f" (+{len(shown) - 4} more)" if len(shown) > 4 else ""  # a multi-task model's: each task's
@@ -175,7 +181,7 @@ def plot_curves(history: dict[str, list], path: Path) -> None:
     ax1.set_xlabel("step")
     ax1.set_title("training loss (BCE)")
     for key in ("auc", "grouped_auc"):
-        pts = [(s, m[key]) for s, m in history["eval"] if key in m and not math.isnan(m[key])]
+        pts = [(s, m[key]) for s, m in history["eval"] if m.get(key) is not None and not math.isnan(m[key])]
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=f"eval {key}")
     ax2.set_xlabel("step")

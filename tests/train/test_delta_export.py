@@ -4,6 +4,7 @@ including keys evicted and re-admitted in between; a delta applied to the wrong 
 a delta after a few steps is a small fraction of a full export."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -114,8 +115,6 @@ def test_a_delta_on_the_wrong_base_is_refused(chain, tmp_path):
     finally:
         moved.rename(d1)
     # Its base's directory overwritten by another export: named, the path as it is.
-    import shutil
-
     shutil.copytree(d1, tmp_path / "x" / "d1")
     shutil.copytree(f3, tmp_path / "x" / "e1")
     with pytest.raises(
@@ -124,9 +123,10 @@ def test_a_delta_on_the_wrong_base_is_refused(chain, tmp_path):
         ExportedModel(tmp_path / "x" / "d1")
 
 
-def test_a_delta_applied_online_serves_with_its_own_config(chain):
+def test_a_delta_applied_online_serves_with_its_own_config(chain, monkeypatch):
     """A delta from a model that normalizes a feature differently (same tables): applied to a
-    served model, it scores as the delta loaded whole — with its own normalizer, not its base's."""
+    served model, it scores as the delta loaded whole — with its own normalizer, not its base's.
+    A delta that fails to load leaves the model serving what it served."""
     root, _, e1, *_ = chain
     changes = {"data__batch_size": 60}
     c = config_dict()
@@ -136,18 +136,24 @@ def test_a_delta_applied_online_serves_with_its_own_config(chain):
     other = root / "other"
     train_to(root, other, 2, False, **changes)
     delta = export(other, root / "other-delta", since=e1)
+    eval_file = root / "data" / "eval" / "part-0.parquet"
     online = ExportedModel(e1)
+    before = online.predict_files(str(eval_file))["probability"]
+    with monkeypatch.context() as m:  # its program fails to load after its tables did (a torch upgrade, say)
+        m.setattr("dynarec.serving.load_export_file", lambda path, load: (_ for _ in ()).throw(ExportError(path)))
+        with pytest.raises(ExportError, match=r"dense\.pt2"):
+            online.apply_delta(delta)
+    assert online.export_id == ExportedModel(e1).export_id and online.config.feature("price").normalizer.mean == 3.0
+    np.testing.assert_array_equal(online.predict_files(str(eval_file))["probability"], before)
     online.apply_delta(delta)
     assert online.config.feature("price").normalizer.mean == 0.0
-    assert_same_model(online, ExportedModel(delta), root / "data" / "eval" / "part-0.parquet")
+    assert_same_model(online, ExportedModel(delta), eval_file)
 
 
 def test_a_chain_copied_to_another_place_still_serves(chain, tmp_path):
     """Bases were recorded by absolute path: a chain copied to another host could not be served.
     Now by a path relative to the delta, and by id among the delta's siblings."""
     root, _, e1, d1, _, d2, f3 = chain
-    import shutil
-
     for d in (e1, d1, d2):
         shutil.copytree(d, tmp_path / "copy" / d.name)
     eval_file = root / "data" / "eval" / "part-0.parquet"
