@@ -167,23 +167,8 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from dynarec.embedding.cached_store import CacheFullError
-    from dynarec.train.export import export_model
-
     trainer = _restored(args)
-    # The dense program is traced on the data's first rows; a table in host memory makes their
-    # rows resident in its cache, so where they overflow it the trace takes fewer (it needs shapes).
-    rows = 256
-    while True:
-        try:
-            export_dir = export_model(
-                trainer.task, trainer.example_batch(rows), args.export_dir, step=trainer.step, since=args.since
-            )
-            break
-        except CacheFullError:
-            if rows == 2:
-                raise
-            rows = max(rows // 4, 2)
+    export_dir = trainer.export(args.export_dir, since=args.since)
     kind = f"a delta on {args.since}" if args.since else "a full export"
     print(f"exported step {trainer.step} to {export_dir} ({kind})")
 
@@ -632,7 +617,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--input",
         nargs="+",
         required=True,
-        help="files, directories or globs; scored once each, in path order (the output's rows follow it)",
+        help="files, directories or globs, read in path order (the output's rows follow it)",
     )
     p.add_argument(
         "--output",

@@ -47,7 +47,6 @@ def main(args) -> None:
     from dynarec.config import config_from_dict
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
     from dynarec.serving import ExportedModel
-    from dynarec.train.export import export_model
     from dynarec.train.trainer import Trainer
 
     start = time.perf_counter()
@@ -82,7 +81,7 @@ def main(args) -> None:
 
     outputs, labels, _ = trainer.predict(config.data.eval_input_path)
     probs_eval = outputs["probability"]
-    export_dir = export_model(trainer.task, trainer.example_batch(), work / "export", step=trainer.step)
+    export_dir = trainer.export(work / "export")
     served = ExportedModel(export_dir, device=args.device).predict_files(config.data.eval_input_path)["probability"]
     max_diff = float(np.max(np.abs(served - probs_eval))) if served.size else 0.0
     print(f"[export] {export_dir}: predictions of the export vs the training model's eval: max |diff| {max_diff:.2e}")

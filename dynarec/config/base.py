@@ -89,6 +89,16 @@ def _refuse_bool_numbers(cls: type, data: Any) -> Any:
     return data
 
 
+def _not_a_boolean(v: Any) -> Any:
+    if isinstance(v, bool):  # (lax mode reads true as 1)
+        raise ValueError("a number, not a boolean")
+    return v
+
+
+#: A number field's validator that refuses a boolean (``Annotated[float, NotBoolean]``).
+NotBoolean = BeforeValidator(_not_a_boolean)
+
+
 def core_type(cls: type) -> Any:
     """A core dataclass (dynarec.embedding) as a YAML field: validated straight into ``cls``."""
     return Annotated[cls, BeforeValidator(lambda data: _refuse_bool_numbers(cls, data))]

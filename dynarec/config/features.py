@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BeforeValidator, Field, StrictInt, model_validator
 
-from dynarec.config.base import Count, DynamicEmbField, InitializerField, Strict, exactly_one
+from dynarec.config.base import Count, DynamicEmbField, InitializerField, NotBoolean, Strict, exactly_one
 from dynarec.embedding.config import Backend, DynamicTableOptions, RowDtype, ShardingType
 from dynarec.features.expression import Expression
 from dynarec.features.hashing import HashFunction
@@ -396,8 +396,8 @@ class _Embeddable(_Feature):
     sharding: Optional[ShardingType] = None  # default: the planner decides (multi-process runs)
     trainable: bool = True  # false: the table keeps its initial (or loaded) rows
     data_type: RowDtype = "fp32"  # fp16 / bf16: half-precision rows, stochastically rounded
-    # A fixed table's rows in host memory, this share of them cached on the device (None: all there)
-    cache_load_factor: Optional[float] = Field(None, gt=0, le=1, strict=True)  # (strict: true is no share)
+    # A table's rows in host memory, this share of them cached on the device (None: all there)
+    cache_load_factor: Annotated[Optional[float], NotBoolean] = Field(None, gt=0, le=1)
 
     def _check_table(self) -> None:
         super()._check_table()

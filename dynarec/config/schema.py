@@ -16,7 +16,6 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ByteSize,
     Field,
     PlainSerializer,
@@ -24,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from dynarec.config.base import Activation, Count, DropoutRatios, exactly_one
+from dynarec.config.base import Activation, Count, DropoutRatios, NotBoolean, exactly_one
 from dynarec.config.base import MLPDropouts as _MLPDropouts
 from dynarec.config.base import Strict as _Strict
 from dynarec.config.features import (
@@ -86,13 +85,7 @@ __all__ = [
 _exactly_one = exactly_one
 
 
-def _not_a_boolean(v: object) -> object:
-    if isinstance(v, bool):  # (pydantic reads true as 1 byte)
-        raise ValueError("a size in bytes (e.g. 40GiB), not a boolean")
-    return v
-
-
-Bytes = Annotated[ByteSize, BeforeValidator(_not_a_boolean)]
+Bytes = Annotated[ByteSize, NotBoolean]  # ("80GiB", or a number of bytes)
 
 
 class Strict(_Strict, BaseModel):

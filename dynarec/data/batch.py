@@ -19,6 +19,7 @@ outside {0, 1}.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1652,12 +1653,12 @@ def _float64(col, where, label: str) -> np.ndarray:
         raise DataError(f"{label}: a column of type {col.type} is not numeric") from None
 
 
+# An integer as Arrow's cast reads one (Python's int() also takes "+2", "1_0" and non-ASCII digits).
+_INTEGER = re.compile(r"\s*-?[0-9]+\s*")
+
+
 def _is_int(s: str) -> bool:
-    try:
-        int(s.strip())
-        return True
-    except (ValueError, AttributeError):
-        return False
+    return isinstance(s, str) and _INTEGER.fullmatch(s) is not None
 
 
 def _is_int64(s: str) -> bool:

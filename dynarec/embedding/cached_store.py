@@ -360,9 +360,9 @@ class CachedRowStore(RowStore):
             raise CacheFullError(
                 f"table '{self.name}': a lookup needs {missing.numel()} rows more on the device, but its cache of "
                 f"{self.cache_rows} rows can give {free} (the others hold this batch's rows or rows whose update is "
-                f"still to come); the batch reads {distinct} distinct rows of the table's {self.num_rows}: raise "
-                f"cache_load_factor to at least {distinct / self.num_rows:.3g} (more where updates wait: gradient "
-                "accumulation), or lower the batch size (data.eval_batch_size for an evaluation)"
+                f"still to come); the batch reads {distinct} distinct rows: raise cache_load_factor until its share "
+                f"of the table's rows (a dynamic table's max_capacity) is at least {distinct} (more where updates "
+                "wait: gradient accumulation), or lower the batch size (data.eval_batch_size for an evaluation)"
             )
         victims = order[: missing.numel()]
         old, by_row = torch.sort(self._row_of_slot[victims])

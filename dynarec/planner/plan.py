@@ -304,8 +304,8 @@ def _decide(
     load: list[int],
     host_budget: Optional[int] = None,
 ):
-    """The sharding of one table (see the module docstring); a table of more than a quarter of
-    either budget (``budget`` on the device, ``host_budget`` in host memory) is split by rows."""
+    """The sharding of one table (see the module docstring); a fixed table of more than a quarter
+    of either budget (``budget`` on the device, ``host_budget`` in host memory) is split by rows."""
     kind: ShardingType
     full = table_bytes(table, spec)
     if table.sharding is not None:

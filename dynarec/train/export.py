@@ -143,27 +143,29 @@ def _write_export(
 ) -> None:
     """Writes the files of the export bound for ``export_dir`` into the directory ``tmp``."""
     task.eval()
-    with torch.no_grad():
-        emb, lengths, dense = model_inputs(
-            task.embeddings, example, task.sequence_features, task.device, task.element_pooling
+    try:  # (the task trains again whatever happens: a lookup that fails, a cache too small for the example)
+        with torch.no_grad():
+            emb, lengths, dense = model_inputs(
+                task.embeddings, example, task.sequence_features, task.device, task.element_pooling
+            )
+        batch_dim = torch.export.Dim("batch", min=1)
+        seq_dim = torch.export.Dim("seq", min=2)
+        shapes = (
+            {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in emb},
+            {k: {0: batch_dim} for k in lengths},
+            {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in dense},
         )
-    batch_dim = torch.export.Dim("batch", min=1)
-    seq_dim = torch.export.Dim("seq", min=2)
-    shapes = (
-        {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in emb},
-        {k: {0: batch_dim} for k in lengths},
-        {k: ({0: batch_dim, 1: seq_dim} if k in task.sequence_features else {0: batch_dim}) for k in dense},
-    )
-    # What a row is served (a model may serve another function of its weights: HSTUMatch its towers).
-    serving = getattr(task.dense, "serving", None)
-    served: torch.nn.Module = serving() if callable(serving) else task.dense
-    program = torch.export.export(served.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
+        # What a row is served (a model may serve another function of its weights: HSTUMatch its towers).
+        serving = getattr(task.dense, "serving", None)
+        served: torch.nn.Module = serving() if callable(serving) else task.dense
+        program = torch.export.export(served.eval(), (emb, lengths, dense), dynamic_shapes=shapes)
+    finally:
+        task.train()
     # Serialized in memory first: torch's file writer aborts the process on a failed write (a
     # full disk), where Python's raises an OSError that names the file.
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     write_bytes(tmp / "dense.pt2", buffer.getvalue())
-    task.train()
 
     key_counts, rows, tombstones = {}, {}, {}
     for name, table in task.embeddings.tables.items():
@@ -245,10 +247,15 @@ def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
             f"table of dim {tuple(current['weight'].shape[1:])} now; write a full export"
         )
     if base["weight"].dtype != current["weight"].dtype:
-        raise ValueError(
-            f"{where}: rows of {base['weight'].dtype} in the base export, {current['weight'].dtype} now; "
-            "write a full export"
-        )
+        # A base written before dynamic tables dumped their storage dtype holds its half-precision
+        # rows widened to float32: exactly the rows, compared as such.
+        narrowed = base["weight"].to(current["weight"].dtype)
+        if not torch.equal(_bits(narrowed.to(base["weight"].dtype)), _bits(base["weight"])):
+            raise ValueError(
+                f"{where}: rows of {base['weight'].dtype} in the base export, {current['weight'].dtype} now; "
+                "write a full export"
+            )
+        base = {**base, "weight": narrowed}
     if "slots" not in current:
         if base["weight"].shape != current["weight"].shape:
             raise ValueError(

@@ -47,7 +47,10 @@ def check_resumable(
         differ = [k for k in differ if without_placement(k, saved.get(k)) != without_placement(k, sections[k])]
     if differ:
         if isinstance(saved, dict):
-            found = config_differences({k: saved.get(k) for k in differ}, {k: sections[k] for k in differ})
+            found = config_differences(  # (a placement differing too is not in the way)
+                {k: without_placement(k, saved.get(k)) for k in differ},
+                {k: without_placement(k, sections[k]) for k in differ},
+            )
             what = "; ".join(found) or f"its {' and '.join(differ)}"
         else:
             what = f"its {' and '.join(differ)} section{'s differ' if len(differ) > 1 else ' differs'}"

@@ -145,6 +145,22 @@ class Trainer:
         """The first ``rows`` rows of the eval (else train) data, without labels."""
         return self.input.example_batch(rows)
 
+    def export(self, export_dir: str | Path, since: Optional[str | Path] = None) -> Path:
+        """:func:`~dynarec.train.export.export_model` of this model at its step, its dense program
+        traced on the data's first 256 rows — fewer where their rows overflow the cache of a table
+        kept in host memory (the trace needs their shapes, not their number)."""
+        from dynarec.embedding.cached_store import CacheFullError
+        from dynarec.train.export import export_model
+
+        rows = 256
+        while True:
+            try:
+                return export_model(self.task, self.example_batch(rows), export_dir, step=self.step, since=since)
+            except CacheFullError:
+                if rows == 2:
+                    raise
+                rows = max(rows // 4, 2)
+
     def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None, per_row: bool = False):
         """:meth:`Evaluator.predict` of this model."""
         return self.evaluator.predict(paths, with_labels, max_steps, per_row)
@@ -196,6 +212,8 @@ class Trainer:
         number of ranks: every rank takes its own part of every table (see distributed.reshard).
         ``training``: to continue training (the global batch must match the checkpoint's)."""
         path, state, shards = self.checkpoints.load(path)
+        if training:
+            self._check_data_position_kind(path, state)
         if training and hasattr(self.task.dense, "finish_training"):
             raise CheckpointError(
                 f"{path}: model '{self.config.model.name}' samples its training rows in memory, which checkpoints do "
@@ -245,12 +263,6 @@ class Trainer:
         self.input.followed_files = [(str(n), int(r)) for n, r in state.get("followed_files", [])]
         self.log.load_state(state["history"], self.step if training else None)
         if training:
-            if self.input.followed_files and self.input.follow is None:
-                raise CheckpointError(
-                    f"{path} was written by `train --follow`: its data position (row {self.position.row}) counts "
-                    f"through the {len(self.input.followed_files)} file(s) consumed in the followed directory, not "
-                    "through data.train_input_path's files as an epoch reads them; continue it with --follow --resume"
-                )
             recorded = [(str(n), int(r)) for n, r in state.get("train_files", [])]
             self.input.check_position(self.position, recorded, str(path))
             self.rng.load_state(state.get("step_rng") or {})
@@ -258,6 +270,25 @@ class Trainer:
                 self.loss_scaler.load_state(state["loss_scaler"])
             self._restore_window(state)
         return path
+
+    def _check_data_position_kind(self, path: Path, state: dict[str, Any]) -> None:
+        """CheckpointError where a checkpoint's data position counts through other files than
+        this run reads: written by ``train --follow`` (the followed directory's files consumed)
+        and resumed without it, or written mid-epoch by a run over data.train_input_path's files
+        and resumed with --follow (before any table is loaded)."""
+        followed, row = state.get("followed_files") or [], int(state.get("row", 0))
+        if followed and self.input.follow is None:
+            raise CheckpointError(
+                f"{path} was written by `train --follow`: its data position (row {row}) counts through the "
+                f"{len(followed)} file(s) consumed in the followed directory, not through data.train_input_path's "
+                "files as an epoch reads them; continue it with --follow --resume"
+            )
+        if not followed and row and self.input.follow is not None:
+            raise CheckpointError(
+                f"{path} was written mid-epoch (epoch {state.get('epoch')}, row {row}) by a run over "
+                "data.train_input_path's files as epochs: its position counts through them, not through a followed "
+                "directory's files; resume it without --follow (or let it end its epoch first)"
+            )
 
     def _restore_window(self, state: dict[str, Any]) -> None:
         """The dense gradients of the accumulation window a checkpoint was saved in (none: its

@@ -330,8 +330,8 @@ def test_a_default_value_the_table_takes_loads():
 @pytest.mark.parametrize(
     "where, key, value, message",
     [
-        ("table", "cache_load_factor", True, r"cache_load_factor: Input should be a valid number"),
-        ("train", "memory_budget_per_rank", True, r"train.memory_budget_per_rank: .*not a boolean"),
+        ("table", "cache_load_factor", True, r"cache_load_factor: .*a number, not a boolean"),
+        ("train", "memory_budget_per_rank", True, r"train.memory_budget_per_rank: .*a number, not a boolean"),
         ("train", "host_memory_budget_per_rank", True, r"train.host_memory_budget_per_rank: .*not a boolean"),
         ("raw", "data_type", "bf16", r"data_type: belong\(s\) to a feature with a table"),
     ],

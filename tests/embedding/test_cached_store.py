@@ -305,8 +305,8 @@ def test_pending_steps_keep_their_rows_and_a_batch_too_large_is_a_named_error():
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(
         CacheFullError,
-        match=rf"the batch reads {need[0]} distinct rows of the table's {ROWS}: raise cache_load_factor to at least "
-        rf"{need[0] / ROWS:.3g} ",
+        match=rf"the batch reads {need[0]} distinct rows: raise cache_load_factor until its share of the table's "
+        rf"rows \(a dynamic table's max_capacity\) is at least {need[0]} ",
     ):
         EmbeddingCollection([table("sum", 2 / ROWS)], spec)(data[0])
     del first

@@ -224,3 +224,16 @@ def test_rows_short_of_a_global_batch_at_the_idle_timeout_are_named(parts, tmp_p
         "stopping (200 rows of 1 file(s) consumed; 50 rows after them wait for a full global batch of 100: "
         "--follow --resume trains them once more rows arrive)" in out
     ), out
+
+
+def test_a_mid_epoch_checkpoint_of_an_epoch_run_is_not_followed(parts, tmp_path):
+    # Its row counts through the epoch's files; a followed directory's files are another list.
+    root, tables = parts
+    d = tmp_path / "files"
+    d.mkdir()
+    for i, t in enumerate(tables):
+        add(d, f"part-{i}.parquet", t)
+    five = config(root, d, "five.yaml", num_steps=5)
+    assert main(["train", "--config", str(five), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
+    out, _ = follow(config(root, d, "follow.yaml"), tmp_path / "m", "--resume", idle=1.0).communicate(timeout=240)
+    assert "was written mid-epoch (epoch 0, row 500) by a run over data.train_input_path's files" in out, out
