@@ -65,6 +65,7 @@ from dynarec.features.values import (
     as_strings,
     combine,
     edit_distance,
+    empty_tokens,
     fill_missing,
     jagged,
     join_keys,
@@ -915,6 +916,13 @@ class BatchBuilder:
         plan = self.plans[f.feature_name]
         if dv is None and plan.kind not in _VOCABS and not _is_list(t):
             if separator is None:  # one value a row, none missing
+                if _is_string(t) and len(col):
+                    empty = pc.equal(pc.utf8_length(col), 0)
+                    if empty.true_count:  # as a null: the value is missing
+                        raise DataError(
+                            f"{self._where(f, origin, int(pc.index(empty, True).as_py()))}: missing value (an empty "
+                            'string; a default_value fills a missing value, "" for no id)'
+                        )
                 lengths = np.ones(len(col), dtype=np.int64)
                 return _Ids(self._token_ids(f, col, lengths, origin), lengths)
         if plan.kind not in _VOCABS and separator is not None and _is_string(t):
@@ -922,6 +930,14 @@ class BatchBuilder:
             if ids_ is not None:
                 return ids_
         j = jagged(col, separator, empty_token=dv)
+        if _is_list(t) and _is_string(j.values.type):  # an empty element as an empty token
+            try:
+                values, lengths = empty_tokens(
+                    j.values, j.lengths, dv, 'an empty string in the list (a default_value fills it, "" drops it)'
+                )
+            except RowError as e:
+                raise DataError(f"{self._where(f, origin, e.row)}: {e.message}") from None
+            j = Jagged(values, lengths, j.missing)
         if dv is not None:
             empty = None
             if separator is None and _is_string(t) and len(j.values):  # one value a row: "" is missing
@@ -1529,13 +1545,26 @@ class BatchBuilder:
         return torch.from_numpy(x.astype(np.float32))
 
     def _group_ids(self, col) -> torch.Tensor:
-        """A grouping column's ids (grouped AUC, JRC sessions), int64 ``[B]``: integers as they are, strings hashed as a
-        dynamic table's keys (in C++ where the extension is built), other values as ``str(x)``."""
+        """A grouping column's ids (grouped AUC, JRC sessions), int64 ``[B]``: integers as they
+        are, strings hashed as a dynamic table's keys (in C++ where the extension is built), other
+        values as ``str(x)``; the rows without a value (null) form one group, :data:`NULL_GROUP`."""
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        null = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
         if pa.types.is_integer(col.type):
-            return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.int64))
-        strings = col if _is_string(col.type) else [str(s) for s in col.to_pylist()]
-        return torch.from_numpy(to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS))
+            if null is not None:
+                col = pc.fill_null(col, 0)
+            ids = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        else:
+            strings = pc.fill_null(col, "") if _is_string(col.type) else [str(s) for s in col.to_pylist()]
+            ids = to_hash_bucket_fast(strings, DYNAMIC_KEY_BUCKETS)
+        if null is not None:
+            ids[null] = NULL_GROUP
+        return torch.from_numpy(ids)
+
+
+#: The group of the rows whose grouping value (grouped AUC's, JRC's sessions) is null: an int64
+#: no hashed string takes (they are in [0, 2**62)), nor, in practice, an integer id.
+NULL_GROUP = -(1 << 63)
 
 
 def _pairs(a: Jagged, b: Jagged) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -123,6 +123,25 @@ def split(col: pa.Array, separator: str) -> tuple[pa.Array, np.ndarray, np.ndarr
     return tokens, lengths, empty
 
 
+def empty_tokens(
+    tokens: pa.Array, lengths: np.ndarray, empty_token: Optional[str], error: str
+) -> tuple[pa.Array, np.ndarray]:
+    """``(tokens, lengths)`` of rows of ``lengths`` string tokens with each empty one dropped
+    (``empty_token`` ``""``) or replaced by ``empty_token``; None: RowError ``error`` at the
+    first one's row."""
+    bad = pc.equal(pc.utf8_length(tokens), 0)
+    if not bad.true_count:
+        return tokens, lengths
+    if empty_token is None:
+        raise RowError(row_of(lengths, int(pc.index(bad, True).as_py())), error)
+    if empty_token != "":
+        return pc.if_else(bad, pa.scalar(empty_token, tokens.type), tokens), lengths
+    dropped = np.bincount(
+        np.repeat(np.arange(len(lengths)), lengths)[bad.to_numpy(zero_copy_only=False)], minlength=len(lengths)
+    )
+    return tokens.filter(pc.invert(bad)), lengths - dropped
+
+
 def jagged(
     col: pa.Array,
     separator: Optional[str],
@@ -143,23 +162,9 @@ def jagged(
         return Jagged(values, lengths.astype(np.int64), null.copy())
     if separator is not None and is_string(col.type):
         tokens, lengths, empty = split(col, separator)
-        bad = pc.equal(pc.utf8_length(tokens), 0)
-        if bad.true_count:
-            if empty_token is None:
-                i = int(pc.index(bad, True).as_py())
-                raise RowError(
-                    row_of(lengths, i),
-                    f"malformed {what} (empty token between '{separator}' separators)",
-                )
-            if empty_token == "":
-                keep = pc.invert(bad)
-                lengths = lengths - np.bincount(
-                    np.repeat(np.arange(len(lengths)), lengths)[bad.to_numpy(zero_copy_only=False)],
-                    minlength=len(lengths),
-                )
-                tokens = tokens.filter(keep)
-            else:
-                tokens = pc.if_else(bad, pa.scalar(empty_token, tokens.type), tokens)
+        tokens, lengths = empty_tokens(
+            tokens, lengths, empty_token, f"malformed {what} (empty token between '{separator}' separators)"
+        )
         return Jagged(tokens, lengths, null | empty)
     valid = ~null
     return Jagged(col.filter(pa.array(valid)) if null.any() else col, valid.astype(np.int64), null)

@@ -1,6 +1,7 @@
 """Batch building and readers: values, layouts, and an error naming the culprit per bad input."""
 
 import pickle
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -257,7 +258,9 @@ def hashed_table(rows: int, large: bool = False) -> pa.Table:
             "clk": [i % 2 for i in range(rows)],
             "tags": pa.array(joined("|", 4), kind),
             "pair": pa.array(joined("::", 3), kind),
-            "words": pa.array([list(rng.choice(words, size=rng.integers(0, 3))) for _ in range(rows)]),
+            "words": pa.array(
+                [list(rng.choice(words[:-1], size=rng.integers(0, 3))) for _ in range(rows)]
+            ),  # ("" is missing)
             "hist_s": pa.array(joined("|", 40), kind),
             "hist_d": pa.array(joined("|", 9), kind),
         }
@@ -344,3 +347,39 @@ def test_a_defaulted_id_list_takes_the_native_pass_with_the_pyarrow_paths_batch(
         d * 2 if default else d,
         [i["3"]],
     ]
+
+
+def test_rows_without_a_grouping_value_form_one_group_of_their_own():
+    from dynarec.data.batch import NULL_GROUP
+
+    b = builder()
+    users = to_hash_bucket_fast(["u1", "u2"], DYNAMIC_KEY_BUCKETS).tolist()
+    assert b._group_ids(pa.array(["u1", None, "u2", None])).tolist() == [users[0], NULL_GROUP, users[1], NULL_GROUP]
+    assert b._group_ids(pa.array([7, None, -1], pa.int64())).tolist() == [7, NULL_GROUP, -1]
+    assert b._group_ids(pa.array([1.5, None])).tolist()[1] == NULL_GROUP
+
+
+@pytest.mark.parametrize("bad", ["+2", "1_0", "٣"])
+def test_an_integer_id_arrow_cannot_read_is_named_though_python_would_take_it(bad):
+    with pytest.raises(
+        DataError, match=rf"row 1: feature 'age' \(column 'age'\): malformed value '{re.escape(bad)}' \(value_type"
+    ):
+        builder().build(table(age=["1", bad, "3"]), "t.parquet")
+
+
+def test_an_empty_string_id_is_a_missing_value_as_a_null_is():
+    # One value a row, no default_value: an error naming the row, as for a null.
+    with pytest.raises(DataError, match=r"row 1: feature 'user_id' \(column 'user_id'\): missing value \(an empty"):
+        builder().build(table(user_id=["u1", "", "u2"]), "t.parquet")
+    # A list column's empty element: an error without a default, dropped with default_value "".
+    lists = pa.array([["1", "2"], ["", "3"], ["4"]], pa.list_(pa.string()))
+    with pytest.raises(DataError, match=r"row 1: feature 'hist_item_id' .*an empty string in the list"):
+        builder().build(table(hist_item_id=lists), "t.parquet")
+    c = config_dict(eval={"metrics": ["auc", "grouped_auc"]})
+    for i in (4, 5):
+        c["feature_configs"][i]["sequence_feature"]["default_value"] = ""
+    b = BatchBuilder(config_from_dict(c)).build(table(hist_item_id=lists, hist_cate_id=lists), "t.parquet")
+    lengths = b.sparse.lengths().view(6, 3)
+    assert lengths[4].tolist() == [2, 1, 1]  # row 1's empty element dropped
+    start = int(lengths[:4].sum())
+    assert b.sparse.values()[start : start + 4].tolist() == [1, 2, 3, 4]
