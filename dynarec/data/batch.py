@@ -1174,7 +1174,10 @@ class BatchBuilder:
         if k == 1 and not _is_list(col.type) and (f.default_value is None or not col.null_count):
             if f.default_value is None and col.null_count:
                 i = int(pc.index(col.is_null(), True).as_py())
-                raise DataError(f"{self._where(f, origin, i)}: missing value (a dense feature needs a number)")
+                raise DataError(
+                    f"{self._where(f, origin, i)}: missing value (a dense feature needs a number; a null, or in CSV "
+                    "an empty field or a null marker: NaN, null, N/A, NA...; a default_value fills it)"
+                )
             x = self._finite_float64(f, col, origin)[:, None]
             present = np.ones(len(col), dtype=bool)
         else:
@@ -1670,16 +1673,24 @@ def _cast_int64(tokens: pa.Array) -> pa.Array:
 def _float64(col, where, label: str) -> np.ndarray:
     """A numeric (or numeric-string) column as float64 (nulls become NaN); DataError naming the
     row (``where(i)``) and the value that is not a number."""
+    if pa.types.is_integer(col.type):  # (to the nearest float64 past 2**53: a timestamp in microseconds)
+        return pc.cast(col, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
     try:
         return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values = col.to_pylist()
-        for i, v in enumerate(values):
-            try:
-                float(v) if v is not None else None
-            except (TypeError, ValueError):
-                raise DataError(f"{where(i)}: {v!r} is not a number") from None
-        raise DataError(f"{label}: a column of type {col.type} is not numeric") from None
+        pass
+    if _is_string(col.type):
+        try:  # numbers with surrounding whitespace (as a CSV reader would take them)
+            return pc.cast(pc.utf8_trim_whitespace(col), pa.float64()).to_numpy(zero_copy_only=False)
+        except pa.ArrowInvalid:
+            for i, v in enumerate(col.to_pylist()):
+                try:
+                    if v is not None:
+                        pc.cast(pa.array([v.strip()]), pa.float64())
+                except pa.ArrowInvalid:
+                    raise DataError(f"{where(i)}: {v!r} is not a number") from None
+    feature = f": {where(0).rsplit(': ', 1)[-1]}" if len(col) else ""  # ("feature 'x' (column 'c')")
+    raise DataError(f"{label}{feature}: a column of type {col.type} is not numeric") from None
 
 
 # An integer as Arrow's cast reads one (Python's int() also takes "+2", "1_0" and non-ASCII digits).

@@ -184,16 +184,33 @@ def _kind(t: pa.DataType) -> str:
     return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else str(t)
 
 
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    """The rows of ``tables`` as one table: numbers widened; a column that is integer in one
-    table and string in another (ids from Parquet and CSV) becomes strings, as ids parse and
-    hash the same either way."""
+def _concat(tables: list[pa.Table], paths: list[str]) -> pa.Table:
+    """The rows of ``tables`` (of files ``paths``) as one table: numbers widened; a column that
+    is integer in one table and string in another (ids from Parquet and CSV) becomes strings, as
+    ids parse and hash the same either way; integers beside floats become floats where exact
+    (DataError naming the column and files otherwise: ids would change)."""
     for name in tables[0].column_names:
-        kinds = {_kind(t.schema.field(name).type) for t in tables}
+        types = [t.schema.field(name).type for t in tables]
+        kinds = {_kind(t) for t in types}
         if kinds == {"integer", "string"}:
             tables = [
                 t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.string())) for t in tables
             ]
+        elif "integer" in kinds and any(pa.types.is_floating(t) for t in types):
+            try:
+                tables = [
+                    t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.float64()))
+                    if pa.types.is_integer(t.schema.field(name).type)
+                    else t
+                    for t in tables
+                ]
+            except pa.ArrowInvalid:
+                files = sorted({p for p, t in zip(paths, types) if pa.types.is_integer(t)})
+                others = sorted({p for p, t in zip(paths, types) if pa.types.is_floating(t)})
+                raise DataError(
+                    f"column '{name}' holds integers in {files[0]} and floats in {others[0]}, and an integer there "
+                    "has no exact float (past 2**53): give the column one type in every file"
+                ) from None
     return pa.concat_tables(tables, promote_options="permissive")
 
 
@@ -536,7 +553,7 @@ class ArrowBatchDataset(IterableDataset):
             else:
                 runs.append((path, first, t.num_rows))
         tables = [t for _, _, t in pieces]
-        table = _concat(tables) if len(tables) > 1 else tables[0]
+        table = _concat(tables, [path for path, _, _ in pieces]) if len(tables) > 1 else tables[0]
         return self.builder.build(table, RowOrigin(tuple(runs)))
 
 

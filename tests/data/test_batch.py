@@ -383,3 +383,15 @@ def test_an_empty_string_id_is_a_missing_value_as_a_null_is():
     assert lengths[4].tolist() == [2, 1, 1]  # row 1's empty element dropped
     start = int(lengths[:4].sum())
     assert b.sparse.values()[start : start + 4].tolist() == [1, 2, 3, 4]
+
+
+def test_a_dense_column_of_large_integers_or_padded_numbers_reads_as_numbers():
+    big = 2**53 + 1  # (a timestamp in microseconds: no exact float64)
+    b = builder().build(table(price=pa.array([1, 2, big], pa.int64())), "t.parquet")
+    assert b.dense["price"][2].item() == pytest.approx((np.log1p(float(big)) - 3.0) / 0.8)
+    b = builder().build(table(price=[" 10", "20 ", "30"]), "t.parquet")
+    torch.testing.assert_close(
+        b.dense["price"], torch.tensor((np.log1p([10.0, 20.0, 30.0]) - 3.0) / 0.8, dtype=torch.float32)
+    )
+    with pytest.raises(DataError, match=r"t.parquet, row 1: feature 'price' \(column 'price'\): ' x' is not a number"):
+        builder().build(table(price=["1", " x", "3"]), "t.parquet")

@@ -188,3 +188,22 @@ def test_a_column_typed_differently_in_two_files_names_both(tmp_path):
 
     with pytest.raises(DataError, match=r"column 'item_id' has type int64 in .*a.parquet but string in .*b.parquet"):
         ds.check_files()
+
+
+def test_integers_in_one_file_and_floats_in_another_read_as_floats_where_exact(tmp_path):
+    from dynarec.data import DataError
+
+    def write(name, prices):
+        t = rows_table(4)
+        pq.write_table(t.set_column(t.schema.get_field_index("price"), "price", prices), tmp_path / name)
+
+    write("a.parquet", pa.array([1, 2, 3, 4], pa.int64()))
+    write("b.parquet", pa.array([1.5, 2.5, 3.5, 4.5]))
+    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    ds = ArrowBatchDataset(paths, builder(), 6)  # a batch across both files
+    ds.check_files()
+    assert [b.num_rows for b in make_loader(ds, 0)] == [6, 2]
+    write("a.parquet", pa.array([2**62 + 1, 2, 3, 4], pa.int64()))
+    ds = ArrowBatchDataset(paths, builder(), 6)
+    with pytest.raises(DataError, match=r"column 'price' holds integers in .*a.parquet and floats in .*b.parquet"):
+        list(make_loader(ds, 0))
