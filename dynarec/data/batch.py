@@ -868,7 +868,9 @@ class BatchBuilder:
 
     def _input(self, inp: Input, table: pa.Table, outputs: dict[str, pa.Array]) -> pa.Array:
         col = outputs[inp.name] if inp.feature else table.column(inp.name)
-        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        # (a dictionary-encoded column, as pandas' categoricals are written: its values, as any column's)
+        return col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
 
     def _feature(self, f: Feature, table: pa.Table, outputs: dict[str, pa.Array], origin: RowOrigin, n: int):
         col = lambda i=0: self._input(f.inputs[i], table, outputs)

@@ -395,3 +395,12 @@ def test_a_dense_column_of_large_integers_or_padded_numbers_reads_as_numbers():
     )
     with pytest.raises(DataError, match=r"t.parquet, row 1: feature 'price' \(column 'price'\): ' x' is not a number"):
         builder().build(table(price=["1", " x", "3"]), "t.parquet")
+
+
+def test_a_dictionary_encoded_column_reads_as_its_values():
+    plain = builder().build(table(), "t.parquet")
+    encoded = builder().build(
+        table(age=pa.array([1, 2, 3]).dictionary_encode(), user_id=pa.array(["u1", "u2", "u1"]).dictionary_encode()),
+        "t.parquet",
+    )
+    assert torch.equal(plain.sparse.values(), encoded.sparse.values())
