@@ -105,6 +105,19 @@ def assert_same(a, b, path="") -> None:
         assert a == b, path
 
 
+def straight_and_resumed(straight, half, tmp_path):
+    """``(snapshot of a, snapshot of b)``: model dir a trained by the ``straight`` config; b by
+    ``half``, then resumed in a fresh process by ``straight``."""
+    for args in (
+        (straight, tmp_path / "a"),
+        (half, tmp_path / "b"),
+        (straight, tmp_path / "b", "--resume"),
+    ):
+        rc, out = run_cli("train", "--config", args[0], "--model-dir", args[1], "--no-progress", *args[2:])
+        assert rc == 0, out
+    return snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+
+
 def test_resume_is_exact_across_processes(data_root, tmp_path):
     # Two epochs of 12 steps; stop at 15 (mid-epoch 2), resume in a fresh process to 24.
     c = config_dict(data__eval_input_path=None)
@@ -112,13 +125,7 @@ def test_resume_is_exact_across_processes(data_root, tmp_path):
     c["train"]["sparse_optimizer"] = {"adagrad_optimizer": {"lr": 0.05, "initial_accumulator_value": 0.1}}
     straight = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 24}}, "straight.yaml")
     half = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 15}}, "half.yaml")
-    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "a", "--no-progress")
-    assert rc == 0, out
-    rc, out = run_cli("train", "--config", half, "--model-dir", tmp_path / "b", "--no-progress")
-    assert rc == 0, out
-    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "b", "--no-progress", "--resume")
-    assert rc == 0, out
-    (sa, ta), (sb, tb) = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    (sa, ta), (sb, tb) = straight_and_resumed(straight, half, tmp_path)
     assert sa["step"] == sb["step"] == 24
     assert ta["user_id"]["keys"].numel() > 64  # the dynamic table grew past init_capacity
     assert_same(ta, tb, "tables")
@@ -300,13 +307,7 @@ def test_a_run_resumes_with_its_tables_cache_changed_as_if_it_never_had_one(data
     cached["feature_configs"][0]["id_feature"]["cache_load_factor"] = 0.5  # user_id: 256 of 512 rows on the device
     straight = write_config(data_root, {**c, "train": {**c["train"], "num_steps": 12}}, "uncached-12.yaml")
     half = write_config(data_root, {**cached, "train": {**cached["train"], "num_steps": 6}}, "cached-6.yaml")
-    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "a", "--no-progress")
-    assert rc == 0, out
-    rc, out = run_cli("train", "--config", half, "--model-dir", tmp_path / "b", "--no-progress")
-    assert rc == 0, out
-    rc, out = run_cli("train", "--config", straight, "--model-dir", tmp_path / "b", "--no-progress", "--resume")
-    assert rc == 0, out
-    (sa, ta), (sb, tb) = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    (sa, ta), (sb, tb) = straight_and_resumed(straight, half, tmp_path)
     assert sa["step"] == sb["step"] == 12
     assert_same(ta, tb, "tables")
     assert_same(sa["dense"], sb["dense"], "dense")
