@@ -905,6 +905,8 @@ class BatchBuilder:
 
     def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, origin: RowOrigin) -> _Ids:
         dv = f.default_value
+        if pa.types.is_floating(col.type) and len(col) and pc.any(pc.is_nan(col)).as_py():
+            col = pc.if_else(pc.is_nan(col), pa.scalar(None, col.type), col)  # a NaN id is missing, as a null
         if dv is None and col.null_count:
             raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
         if isinstance(f, IdFeatureCfg) and f.weighted:
@@ -932,7 +934,8 @@ class BatchBuilder:
             if ids_ is not None:
                 return ids_
         j = jagged(col, separator, empty_token=dv)
-        if _is_list(t) and _is_string(j.values.type):  # an empty element as an empty token
+        if _is_list(t) and _is_string(j.values.type) and plan.kind not in _VOCABS:  # "" as an empty token
+            # (a vocabulary looks "" up as any word, in a list as one a row)
             try:
                 values, lengths = empty_tokens(
                     j.values, j.lengths, dv, 'an empty string in the list (a default_value fills it, "" drops it)'

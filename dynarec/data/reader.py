@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -169,48 +170,56 @@ def _numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
-def _compatible(a: pa.DataType, b: pa.DataType, csv_ids: bool) -> bool:
+def _compatible(a: pa.DataType, b: pa.DataType, ids: bool, csv_ids: bool) -> bool:
     """Whether one column may have types ``a`` and ``b`` in two files: numbers of any width and
-    sign (widened); integers and strings where ``csv_ids`` (an id column of a CSV file, read as
-    strings, beside a Parquet file's integers: they parse and hash the same)."""
+    sign (widened), but integers and floats only where the column holds no ids (``ids``: 5 and
+    5.0 hash alike, 12345678901 and 1.2345678901e+10 do not); integers and strings where
+    ``csv_ids`` (an id column of a CSV file, read as strings, beside a Parquet file's integers:
+    they parse and hash the same)."""
     if _numeric(a) and _numeric(b):
+        return not ids or pa.types.is_floating(a) == pa.types.is_floating(b)
+    if _kind(a) == _kind(b) == "string":  # (one dictionary-encoded, or large)
         return True
     return csv_ids and {_kind(a), _kind(b)} == {"integer", "string"}
 
 
 def _kind(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):  # (read as its values)
+        return _kind(t.value_type)
     if pa.types.is_integer(t):
         return "integer"
     return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else str(t)
 
 
-def _concat(tables: list[pa.Table], paths: list[str]) -> pa.Table:
-    """The rows of ``tables`` (of files ``paths``) as one table: numbers widened; a column that
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """The rows of ``tables`` as one table: numbers widened (integers beside floats to the nearest
+    float64: a dense column's, as ``check_files`` refuses the mix in an id column); a column that
     is integer in one table and string in another (ids from Parquet and CSV) becomes strings, as
-    ids parse and hash the same either way; integers beside floats become floats where exact
-    (DataError naming the column and files otherwise: ids would change)."""
+    ids parse and hash the same either way."""
     for name in tables[0].column_names:
         types = [t.schema.field(name).type for t in tables]
+        if len(set(types)) > 1 and any(pa.types.is_dictionary(t) for t in types):  # its values, as _input reads it
+            tables = [
+                t.set_column(
+                    t.schema.get_field_index(name), name, pc.cast(t.column(name), t.schema.field(name).type.value_type)
+                )
+                if pa.types.is_dictionary(t.schema.field(name).type)
+                else t
+                for t in tables
+            ]
+            types = [t.schema.field(name).type for t in tables]
         kinds = {_kind(t) for t in types}
         if kinds == {"integer", "string"}:
             tables = [
                 t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.string())) for t in tables
             ]
         elif "integer" in kinds and any(pa.types.is_floating(t) for t in types):
-            try:
-                tables = [
-                    t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.float64()))
-                    if pa.types.is_integer(t.schema.field(name).type)
-                    else t
-                    for t in tables
-                ]
-            except pa.ArrowInvalid:
-                files = sorted({p for p, t in zip(paths, types) if pa.types.is_integer(t)})
-                others = sorted({p for p, t in zip(paths, types) if pa.types.is_floating(t)})
-                raise DataError(
-                    f"column '{name}' holds integers in {files[0]} and floats in {others[0]}, and an integer there "
-                    "has no exact float (past 2**53): give the column one type in every file"
-                ) from None
+            tables = [
+                t.set_column(t.schema.get_field_index(name), name, pc.cast(t.column(name), pa.float64(), safe=False))
+                if pa.types.is_integer(t.schema.field(name).type)
+                else t
+                for t in tables
+            ]
     return pa.concat_tables(tables, promote_options="permissive")
 
 
@@ -348,7 +357,7 @@ class ArrowBatchDataset(IterableDataset):
     def check_files(self) -> None:
         """Validates every file's schema before anything is read or written: each has every
         column a batch needs, and a column has one type in every file (numbers of any width
-        and sign mix: they are widened)."""
+        and sign mix: they are widened; integers and floats only in a column of no ids)."""
         first: dict[str, tuple[str, pa.DataType]] = {}
         csv_types = self.builder.csv_column_types()
         for f in self.files:
@@ -363,7 +372,7 @@ class ArrowBatchDataset(IterableDataset):
                     _file_type(f, self.input_type),
                     _file_type(seen[0], self.input_type),
                 )
-                if seen[1] != t and not _compatible(seen[1], t, csv):
+                if seen[1] != t and not _compatible(seen[1], t, column in csv_types, csv):
                     raise DataError(
                         f"column '{column}' has type {seen[1]} in {seen[0]} but {t} in {f}; "
                         "give every file the same type"
@@ -553,7 +562,7 @@ class ArrowBatchDataset(IterableDataset):
             else:
                 runs.append((path, first, t.num_rows))
         tables = [t for _, _, t in pieces]
-        table = _concat(tables, [path for path, _, _ in pieces]) if len(tables) > 1 else tables[0]
+        table = _concat(tables) if len(tables) > 1 else tables[0]
         return self.builder.build(table, RowOrigin(tuple(runs)))
 
 

@@ -247,10 +247,11 @@ def diff_tables(base: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
             f"table of dim {tuple(current['weight'].shape[1:])} now; write a full export"
         )
     if base["weight"].dtype != current["weight"].dtype:
-        # A base written before dynamic tables dumped their storage dtype holds its half-precision
-        # rows widened to float32: exactly the rows, compared as such.
+        # A dynamic table's base written before dumps kept the storage dtype holds its half-precision
+        # rows widened to float32: exactly the rows, compared as such. Any other pair is refused.
         narrowed = base["weight"].to(current["weight"].dtype)
-        if not torch.equal(_bits(narrowed.to(base["weight"].dtype)), _bits(base["weight"])):
+        legacy = "slots" in current and base["weight"].dtype == torch.float32 and current["weight"].element_size() == 2
+        if not legacy or not torch.equal(_bits(narrowed.to(base["weight"].dtype)), _bits(base["weight"])):
             raise ValueError(
                 f"{where}: rows of {base['weight'].dtype} in the base export, {current['weight'].dtype} now; "
                 "write a full export"

@@ -404,3 +404,14 @@ def test_a_dictionary_encoded_column_reads_as_its_values():
         "t.parquet",
     )
     assert torch.equal(plain.sparse.values(), encoded.sparse.values())
+
+
+def test_a_nan_in_a_float_id_column_is_a_missing_value():
+    c = config_dict(eval={"metrics": ["auc", "grouped_auc"]})
+    c["feature_configs"][0]["id_feature"]["default_value"] = "u0"
+    b = BatchBuilder(config_from_dict(c))
+    with pytest.raises(DataError, match=r"row 1: feature 'user_id' \(column 'user_id'\): missing value$"):
+        builder().build(table(user_id=[1.0, float("nan"), 2.0]), "t.parquet")  # (was: the id "nan")
+    filled = b.build(table(user_id=[1.0, float("nan"), 2.0]), "t.parquet")
+    expected = b.build(table(user_id=["1", "u0", "2"]), "t.parquet")
+    assert filled.sparse.values()[:3].tolist() == expected.sparse.values()[:3].tolist()

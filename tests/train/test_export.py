@@ -273,12 +273,25 @@ def test_a_delta_of_half_precision_rows_of_an_odd_dim_holds_the_rows_changed(dty
     current["weight"][3, 2] = 0.5
     delta = diff_tables(base, current, "table 't'")
     assert delta["keys"].tolist() == [3] and torch.equal(delta["weight"], current["weight"][3:4])
-    # A base of half rows widened to float32 (as dynamic tables dumped them before): compared as half rows.
-    widened = diff_tables({"weight": base["weight"].float()}, current, "table 't'")
+    if dtype == torch.float32:
+        return
+    # A dynamic table's base of half rows widened to float32 (as its dumps were before): compared as half rows.
+    index = {
+        "keys": torch.arange(5),
+        "slots": torch.arange(5),
+        "scores": torch.zeros(5),
+        "layout": torch.tensor([1, 8, 1]),
+    }
+    widened = diff_tables({**index, "weight": base["weight"].float()}, {**index, **current}, "table 't'")
     assert widened["keys"].tolist() == [3] and widened["weight"].dtype == dtype
-    if dtype != torch.float32:  # float32 rows that half precision cannot hold: refused by name
-        with pytest.raises(ValueError, match=r"table 't': rows of torch.float32 in the base export, torch\.\w+ now"):
-            diff_tables({"weight": base["weight"].float() + 1e-6}, current, "table 't'")
+    refused = r"table 't': rows of torch\.\w+ in the base export, torch\.\w+ now; write a full export"
+    for old, now in (
+        ({**index, "weight": base["weight"].float() + 1e-6}, {**index, **current}),  # not half rows widened
+        ({"weight": base["weight"].float()}, current),  # a fixed table's dumps always kept their dtype
+        ({"weight": base["weight"]}, {"weight": current["weight"].float()}),  # half rows, then float32 ones
+    ):
+        with pytest.raises(ValueError, match=refused):
+            diff_tables(old, now, "table 't'")
 
 
 def test_a_model_whose_cache_cannot_hold_the_traced_rows_exports_and_serves_as_it_predicts(trained, tmp_path):
