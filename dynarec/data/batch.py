@@ -905,7 +905,8 @@ class BatchBuilder:
 
     def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, origin: RowOrigin) -> _Ids:
         dv = f.default_value
-        if pa.types.is_floating(col.type) and len(col) and pc.any(pc.is_nan(col)).as_py():
+        numbers = isinstance(f, IdFeatureCfg) and f.boundaries is not None  # (bucketized: a NaN is no number)
+        if not numbers and pa.types.is_floating(col.type) and len(col) and pc.any(pc.is_nan(col)).as_py():
             col = pc.if_else(pc.is_nan(col), pa.scalar(None, col.type), col)  # a NaN id is missing, as a null
         if dv is None and col.null_count:
             raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
