@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["accuracy", "auc", "grouped_auc", "log_loss", "mean_absolute_error", "mean_squared_error"]
+__all__ = ["NULL_GROUP", "accuracy", "auc", "grouped_auc", "log_loss", "mean_absolute_error", "mean_squared_error"]
+
+#: The group of the rows whose grouping value (grouped AUC's user, JRC's session) is null: an
+#: int64 no hashed string takes (they are in [0, 2**62)), nor, in practice, an integer id.
+#: Grouped AUC leaves it out: rows without a user have no user's AUC.
+NULL_GROUP = -(1 << 63)
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -34,7 +39,8 @@ def auc(scores, labels) -> float:
 
 
 def grouped_auc(scores, labels, groups) -> float:
-    """Impression-weighted mean of per-group AUC over groups that hold both classes (GAUC)."""
+    """Impression-weighted mean of per-group AUC over groups that hold both classes (GAUC), but
+    :data:`NULL_GROUP`'s."""
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels).astype(bool)
     groups = np.asarray(groups)
@@ -45,7 +51,7 @@ def grouped_auc(scores, labels, groups) -> float:
     total, weight = 0.0, 0
     for a, b in zip(starts, ends):
         yy = y[a:b]
-        if yy.all() or not yy.any():
+        if yy.all() or not yy.any() or g[a] == NULL_GROUP:
             continue
         total += auc(s[a:b], yy) * (b - a)
         weight += b - a

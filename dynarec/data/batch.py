@@ -79,6 +79,7 @@ from dynarec.features.values import (
     product,
     vectors,
 )
+from dynarec.metrics import NULL_GROUP
 
 __all__ = ["Batch", "BatchBuilder", "BatchFile", "DataError", "RowOrigin"]
 
@@ -1569,11 +1570,6 @@ class BatchBuilder:
         if null is not None:
             ids[null] = NULL_GROUP
         return torch.from_numpy(ids)
-
-
-#: The group of the rows whose grouping value (grouped AUC's, JRC's sessions) is null: an int64
-#: no hashed string takes (they are in [0, 2**62)), nor, in practice, an integer id.
-NULL_GROUP = -(1 << 63)
 
 
 def _pairs(a: Jagged, b: Jagged) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

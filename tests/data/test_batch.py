@@ -350,7 +350,7 @@ def test_a_defaulted_id_list_takes_the_native_pass_with_the_pyarrow_paths_batch(
 
 
 def test_rows_without_a_grouping_value_form_one_group_of_their_own():
-    from dynarec.data.batch import NULL_GROUP
+    from dynarec.metrics import NULL_GROUP
 
     b = builder()
     users = to_hash_bucket_fast(["u1", "u2"], DYNAMIC_KEY_BUCKETS).tolist()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynarec.metrics import auc, grouped_auc, log_loss
+from dynarec.metrics import NULL_GROUP, auc, grouped_auc, log_loss
 
 
 def test_auc_matches_torchmetrics_with_ties():
@@ -27,6 +27,9 @@ def test_grouped_auc_weights_groups_by_size_and_skips_single_class():
     labels = [0, 1, 0, 1, 1, 0, 1]
     groups = [1, 1, 2, 2, 2, 3, 4]  # group 1: AUC 1 (2 rows); group 2: AUC 0.5 (3 rows); 3, 4 single class
     assert grouped_auc(scores, labels, groups) == pytest.approx((1.0 * 2 + 0.5 * 3) / 5)
+    # Rows without a user (a null grouping value) have no user's AUC: left out, both classes or not.
+    without_user = [*groups[:5], NULL_GROUP, NULL_GROUP]
+    assert grouped_auc(scores, labels, without_user) == pytest.approx((1.0 * 2 + 0.5 * 3) / 5)
 
 
 def test_log_loss():
