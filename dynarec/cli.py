@@ -523,11 +523,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-data", help="write a synthetic click log (train/eval Parquet + meta.json)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--config", help="write the columns this config reads (any config) instead of the demo's click log")
-    p.add_argument("--train-rows", type=at_least(1), default=200_000)
-    p.add_argument("--eval-rows", type=at_least(1), default=40_000)
-    p.add_argument("--num-users", type=at_least(1), default=20_000)
-    p.add_argument("--num-items", type=at_least(1), default=5_000)
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--train-rows", type=at_least(1), default=200_000, help="rows of the training files")
+    p.add_argument("--eval-rows", type=at_least(1), default=40_000, help="rows of the evaluation file")
+    p.add_argument("--num-users", type=at_least(1), default=20_000, help="distinct users (the demo's log)")
+    p.add_argument("--num-items", type=at_least(1), default=5_000, help="distinct items (the demo's log)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="the generator's seed (the same seed, the same rows)")
     p.add_argument(
         "--max-sequence-length",
         type=at_least(1),
@@ -538,8 +538,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def common(p, model_dir_required=True):
         p.add_argument("--config", help="the YAML config (default: <model-dir>/config.yaml)")
-        p.add_argument("--model-dir", required=model_dir_required)
-        p.add_argument("--device", default="cpu")
+        p.add_argument(
+            "--model-dir", required=model_dir_required, help="the model directory (config.yaml, checkpoints, metrics)"
+        )
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
 
     p = sub.add_parser("plan", help="print the per-table plan of a config (sharding, bytes per rank, exchange)")
     common(p, model_dir_required=False)
@@ -568,14 +570,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "verify", help="check every table's optimizer (weights and states, step by step) against the reference"
     )
     p.add_argument("--config", required=True)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--steps", type=at_least(1), default=8, help="training steps per table")
     p.set_defaults(run=verify.main)
 
     p = sub.add_parser("train", help="train with periodic eval and checkpoints")
     common(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines (errors still print)")
     p.add_argument(
         "--follow",
         action="store_true",
@@ -647,7 +649,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q = tdm.add_parser("cluster-tree", help="a learnt tree: the items clustered by a trained model's embeddings")
     common(q)
     q.add_argument("--output-dir", required=True)
-    q.add_argument("--n-cluster", type=int, default=2)
+    q.add_argument("--n-cluster", type=int, default=2, help="the tree's branching factor")
     q.add_argument("--raw-attr-fields", help="which of data.tdm_sampler.attr_fields are numbers (averaged)")
     q.add_argument("--seed", type=at_least(0), default=0, help="k-means's seed")
     q.set_defaults(run=cmd_tdm_cluster_tree)

@@ -28,11 +28,11 @@ __all__ = ["main"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default="demo_out", help="where data, model dirs and the export go")
-    p.add_argument("--train-rows", type=at_least(1), default=400_000)
-    p.add_argument("--eval-rows", type=at_least(1), default=40_000)
-    p.add_argument("--epochs", type=at_least(1), default=3)
+    p.add_argument("--train-rows", type=at_least(1), default=400_000, help="rows of the generated training log")
+    p.add_argument("--eval-rows", type=at_least(1), default=40_000, help="rows of the generated evaluation log")
+    p.add_argument("--epochs", type=at_least(1), default=3, help="epochs of each model")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-attention baseline")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
     p.add_argument("--device", default="cpu", help="cpu, or cuda to train on a GPU")
 
 
@@ -64,7 +64,7 @@ def main(args) -> None:
     # building a batch of these rows takes about a tenth of a step.
     raw["data"]["cache_batches"] = "memory"
     (work / "demo.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    config = config_from_dict(raw, source=str(work / "demo.yaml"), base_dir=work)
+    config = config_from_dict(raw, source=str(work / "demo.yaml"), base_dir=work.resolve())  # (absolute in config.yaml)
 
     trainer = Trainer(config, work / "model", device=args.device, progress=not args.no_progress)
     print("[plan]\n" + trainer.task.plan.format())
@@ -95,7 +95,7 @@ def main(args) -> None:
 
     baseline_auc = float("nan")
     if not args.no_baseline:
-        base_cfg = config_from_dict(_baseline(raw), source="baseline", base_dir=work)
+        base_cfg = config_from_dict(_baseline(raw), source="baseline", base_dir=work.resolve())
         base = Trainer(base_cfg, work / "baseline_model", device=args.device, progress=not args.no_progress)
         baseline_auc = base.fit()["eval"]["auc"]
 
