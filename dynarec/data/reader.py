@@ -199,28 +199,27 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     for name in tables[0].column_names:
         types = [t.schema.field(name).type for t in tables]
         if len(set(types)) > 1 and any(pa.types.is_dictionary(t) for t in types):  # its values, as _input reads it
-            tables = [
-                t.set_column(
-                    t.schema.get_field_index(name), name, pc.cast(t.column(name), t.schema.field(name).type.value_type)
-                )
-                if pa.types.is_dictionary(t.schema.field(name).type)
-                else t
-                for t in tables
-            ]
+            tables = _recast(tables, name, lambda t: t.value_type if pa.types.is_dictionary(t) else None)
             types = [t.schema.field(name).type for t in tables]
         kinds = {_kind(t) for t in types}
         if kinds == {"integer", "string"}:
-            tables = [
-                t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(pa.string())) for t in tables
-            ]
+            tables = _recast(tables, name, lambda t: pa.string())
         elif "integer" in kinds and any(pa.types.is_floating(t) for t in types):
-            tables = [
-                t.set_column(t.schema.get_field_index(name), name, pc.cast(t.column(name), pa.float64(), safe=False))
-                if pa.types.is_integer(t.schema.field(name).type)
-                else t
-                for t in tables
-            ]
+            tables = _recast(tables, name, lambda t: pa.float64() if pa.types.is_integer(t) else None, safe=False)
     return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _recast(
+    tables: list[pa.Table], name: str, target: Callable[[pa.DataType], Optional[pa.DataType]], safe: bool = True
+) -> list[pa.Table]:
+    """``tables`` with column ``name`` cast to ``target(its type)`` in each where that is not None."""
+    out = []
+    for t in tables:
+        to = target(t.schema.field(name).type)
+        if to is not None:
+            t = t.set_column(t.schema.get_field_index(name), name, pc.cast(t.column(name), to, safe=safe))
+        out.append(t)
+    return out
 
 
 def num_rows(path: str, input_type: Optional[str] = None) -> int:
