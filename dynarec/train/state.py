@@ -44,13 +44,13 @@ def check_resumable(
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
     saved = state.get("config_sections")  # (not kept before 2026-12-05)
     if differ and isinstance(saved, dict):  # where only a table's placement changed, the rows are the same
-        differ = [k for k in differ if without_placement(k, saved.get(k)) != without_placement(k, sections[k])]
+        # (and a placement differing beside another change is not named: it is not in the way)
+        was = {k: without_placement(k, saved.get(k)) for k in differ}
+        now = {k: without_placement(k, sections[k]) for k in differ}
+        differ = [k for k in differ if was[k] != now[k]]
     if differ:
         if isinstance(saved, dict):
-            found = config_differences(  # (a placement differing too is not in the way)
-                {k: without_placement(k, saved.get(k)) for k in differ},
-                {k: without_placement(k, sections[k]) for k in differ},
-            )
+            found = config_differences({k: was[k] for k in differ}, {k: now[k] for k in differ})
             what = "; ".join(found) or f"its {' and '.join(differ)}"
         else:
             what = f"its {' and '.join(differ)} section{'s differ' if len(differ) > 1 else ' differs'}"
