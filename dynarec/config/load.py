@@ -169,7 +169,7 @@ def config_sections(config: Config) -> dict[str, Any]:
 
 # Feature fields that only say where a table's rows live: a checkpoint holds the same rows
 # either way, so a run may resume with them changed (a cache made larger or turned off).
-PLACEMENT_ONLY = ("cache_load_factor",)
+PLACEMENT_ONLY = ("cache_load_factor", "sharding")
 
 
 def without_placement(section: str, value: Any) -> Any:

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Optional
 
 import numpy as np
 import torch
 
 from dynarec.config.schema import Config
-from dynarec.data.batch import DataError
+from dynarec.data.batch import Batch, DataError
 from dynarec.distributed.context import DistContext
 from dynarec.models.tasks import check_predictions, tasks_of
-from dynarec.train.input import TrainInput
+from dynarec.train.input import EVAL_PATH, TrainInput
 from dynarec.train.stop import EvaluationStopped
 from dynarec.train.task import RankingTask, check_servable
 
@@ -27,7 +28,14 @@ class Evaluator:
         self.tasks = tasks_of(config, ctx.world_size)
 
     @torch.no_grad()
-    def predict(self, paths, with_labels: bool = True, max_steps: Optional[int] = None, per_row: bool = False):
+    def predict(
+        self,
+        paths,
+        with_labels: bool = True,
+        max_steps: Optional[int] = None,
+        per_row: bool = False,
+        what: str = "input",
+    ):
         """Eval-mode predictions over ``paths``, in row order: ``(outputs, labels, groups)``:
         ``{output name: [N] or [N, C]}`` (``Tasks.predictions``: ``probability`` for a
         single-task model), labels ``[N, L]`` (``Config.label_fields()``) and grouped-AUC ids
@@ -39,7 +47,7 @@ class Evaluator:
         the candidates, ``N`` theirs, row after row; with ``per_row`` each output is then an
         object array of one entry a row, its candidates' predictions (what ``predict`` writes)."""
         check_servable(self.task)
-        dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels)
+        dataset = self.input.dataset(paths, self.input.eval_batch_size, with_labels, what=what)
         outputs, labels, groups, counts, sources = [], [], [], [], []
         candidate = self.config.candidate_feature()
         steps = dataset.num_steps() if max_steps is None else min(max_steps, dataset.num_steps())
@@ -47,8 +55,7 @@ class Evaluator:
         self.task.eval()
         try:
             for step in range(steps):
-                self._check_stop(step, steps)
-                batch = next(batches)
+                batch = self._next_batch(batches, step, steps)
                 # (the rows scored: a retrieval model's users, or the queries of hstu_match's positives)
                 predicted = self.tasks.predictions(self.task(batch), batch.labels.shape[0], batch.hard_negative_rows)
                 outputs.append({k: v.cpu().numpy() for k, v in predicted.items()})
@@ -99,14 +106,30 @@ class Evaluator:
             np.concatenate(groups) if groups else None,
         )
 
-    def _check_stop(self, step: int, steps: int) -> None:
-        """EvaluationStopped where a stop was asked of the run (of any rank: every rank then
-        stops at the same batch) before batch ``step`` of ``steps``."""
+    def _next_batch(self, batches: Iterator[Batch], step: int, steps: int) -> Batch:
+        """Batch ``step`` of ``steps``, once every rank has read its own. EvaluationStopped where a
+        stop was asked of the run (of any rank: every rank then stops at the same batch; a rank
+        that was asked reads no more); else, where a rank could not read its batch (a bad row),
+        every rank raises StepFailedError naming it, before any collective of the forward. One
+        collective a batch for both."""
         asked = self.input.stop_signal.requested is not None
+        batch: Optional[Batch] = None
+        error: Optional[DataError] = None
+        if not asked:
+            try:
+                batch = next(batches)
+            except DataError as e:
+                if not self.ctx.distributed:
+                    raise
+                error = e
         if self.ctx.distributed:
-            asked = self.ctx.any(asked, f"eval batch {step + 1}")
+            asked, failed = self.ctx.any_each([asked, error is not None], f"eval batch {step + 1}")
+            if failed and not asked:
+                self.ctx.agree(error, f"reading eval batch {step + 1}")
         if asked:
             raise EvaluationStopped(f"the evaluation stopped after {step} of its {steps} batches")
+        assert batch is not None
+        return batch
 
     def evaluate(self, paths=None) -> dict[str, float]:
         """Every task's metrics over ``paths`` (default: ``data.eval_input_path``), at most
@@ -114,7 +137,8 @@ class Evaluator:
         paths = paths or self.config.data.eval_input_path
         if not paths:
             raise ValueError("no eval data: set data.eval_input_path")
-        predictions, labels, groups = self.predict(paths, max_steps=self.config.eval.max_steps)
+        what = "input" if paths != self.config.data.eval_input_path else EVAL_PATH
+        predictions, labels, groups = self.predict(paths, max_steps=self.config.eval.max_steps, what=what)
         rows = len(labels)
         if rows == 0:
             raise DataError(f"nothing to evaluate: {paths} holds no rows")

@@ -33,10 +33,14 @@ from dynarec.data.reader import (
     resolve_files,
     start_worker_server,
 )
-from dynarec.distributed.context import DistContext
+from dynarec.distributed.context import DistContext, StepFailedError
 from dynarec.train.stop import StopSignal
 
-__all__ = ["FollowOptions", "Item", "ReadAhead", "TrainInput"]
+__all__ = ["EVAL_PATH", "TRAIN_PATH", "FollowOptions", "Item", "ReadAhead", "TrainInput"]
+
+# The config fields an input path comes from, as errors name them.
+TRAIN_PATH = "data.train_input_path"
+EVAL_PATH = "data.eval_input_path"
 
 # A training batch (or, in a multi-process run, the DataError of this rank's share), the data
 # position after it, and the global batch's rows.
@@ -144,17 +148,19 @@ class TrainInput:
         sharded: bool = True,
         training: bool = False,
         sampled: bool = True,
+        what: str = "input",
     ) -> ArrowBatchDataset:
         """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked;
         ``training``: batches of the training data (their sampled items: ``num_sample``, else
         ``num_eval_sample``, or ``num_sample`` where that is 0); ``sampled``: False for batches
-        of the data's rows alone (an export's example)."""
+        of the data's rows alone (an export's example); ``what``: the config field or option that
+        gave ``paths``, named by the error where they hold no file."""
         sampler = self.config.data.negative_sampler
         negatives = 0
         if sampler is not None and sampled:
             negatives = sampler.num_sample if training else (sampler.num_eval_sample or sampler.num_sample)
         ds = ArrowBatchDataset(
-            resolve_files(paths),
+            resolve_files(paths, what),
             BatchBuilder(self.config, with_labels, negatives, tree_samples=sampled),
             batch_size,
             self.config.data.input_type,
@@ -186,7 +192,9 @@ class TrainInput:
         cfg = self.config
 
         def training_rows(start_row: int) -> ArrowBatchDataset:
-            return self.dataset(cfg.data.train_input_path, cfg.data.batch_size, start_row=start_row, training=True)
+            return self.dataset(
+                cfg.data.train_input_path, cfg.data.batch_size, start_row=start_row, training=True, what=TRAIN_PATH
+            )
 
         while cfg.train.num_steps is not None or position.epoch < cfg.train.epochs:
             dataset = training_rows(position.row)
@@ -195,6 +203,8 @@ class TrainInput:
             key = _input_key(dataset)
             self._epoch_files = {e: f for e, f in self._epoch_files.items() if e >= position.epoch - 1}
             self._epoch_files[position.epoch] = _file_rows(key)
+            if self.ctx.distributed:
+                self._check_same_files(position.epoch)
             cached = self._epoch_cache if position.row == 0 and self._cache_key == key else None
             kind = cfg.data.batch_cache
             built = None
@@ -230,6 +240,27 @@ class TrainInput:
                     built.close()
             if position.row:  # the input ended early (files changed since the position was saved)
                 position = DataPosition(position.epoch + 1, 0)
+
+    def _check_same_files(self, epoch: int) -> None:
+        """StepFailedError on every rank where the ranks do not see the same training files for
+        ``epoch`` (names and row counts, in order: each rank reads its share of every global
+        batch from them, so node-local copies that differ would train on inconsistent batches,
+        or leave a rank waiting in a collective); names the first file that differs. One
+        collective an epoch."""
+        files = self._epoch_files[epoch]
+        seen = self.ctx.all_gather_objects(files, f"the training files of epoch {epoch + 1}")
+        for rank, theirs in enumerate(seen):
+            if theirs == seen[0]:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(seen[0], theirs)) if a != b), min(len(seen[0]), len(theirs)))
+            first, other = (
+                f"'{f[i][0]}' with {f[i][1]:,} rows" if i < len(f) else "no file" for f in (seen[0], theirs)
+            )
+            raise StepFailedError(
+                f"{TRAIN_PATH}: the ranks do not read the same training files: file {i + 1} of epoch {epoch + 1} is "
+                f"{first} on rank 0 and {other} on rank {rank} ({len(seen[0])} and {len(theirs)} files); give every "
+                "rank the same files (node-local copies must match)"
+            )
 
     def files_of(self, epoch: int) -> list[tuple[str, int]]:
         """``(file name, rows)`` of the training files of ``epoch`` (empty: not read yet)."""

@@ -33,12 +33,13 @@ def check_resumable(
     saved_tables: dict[str, dict[str, Any]],
     dense_optimizer: torch.optim.Optimizer,
     training: bool,
+    world_size: int = 1,
 ) -> None:
     """CheckpointError naming what differs between the checkpoint at ``where`` and this run:
     the config's features or model (``fingerprint``; by config path where the checkpoint keeps
     its config's ``sections``), a TDM model's tree (``tree``: its files and their SHA-256; node
-    ids mean that tree's nodes), the global batch (when ``training``: the
-    data position counts its rows), the tables (``tables``: each one's sparse optimizer;
+    ids mean that tree's nodes), the global batch (when ``training``: the data position counts
+    its rows; ``world_size`` ranks share it), the tables (``tables``: each one's sparse optimizer;
     ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
     theirs = state.get("fingerprint", {})
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
@@ -67,10 +68,7 @@ def check_resumable(
             "again, or train a new model on this one"
         )
     if training and state.get("global_batch_size", global_batch_size) != global_batch_size:
-        raise CheckpointError(
-            f"{where} was trained with a global batch of {state['global_batch_size']} rows, this run's is "
-            f"{global_batch_size} (data.batch_size); resume with the same batch size"
-        )
+        raise CheckpointError(f"{where} {_batch_mismatch(state, global_batch_size, world_size)}")
     if set(saved_tables) != set(tables):
         raise CheckpointError(f"{where}: holds tables {sorted(saved_tables)}, the config has {sorted(tables)}")
     for name, optimizer in tables.items():
@@ -87,6 +85,28 @@ def check_resumable(
             f"train.dense_optimizer ({type(dense_optimizer).__name__}); its state cannot carry over: resume with "
             "the dense optimizer it was trained with, or train into another model_dir"
         )
+
+
+def _batch_mismatch(state: dict[str, Any], global_batch_size: int, world_size: int) -> str:
+    """Why a checkpoint's global batch is not this run's, and the ``data.batch_size`` (a rank's)
+    that would resume it at this world size."""
+    theirs = int(state["global_batch_size"])
+    saved_world = int(state.get("plan", {}).get("world_size", 1))
+
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n > 1 else ''}"
+
+    def split(rows: int, n: int) -> str:
+        return f"{ranks(n)} x data.batch_size {rows // n}"
+
+    if theirs % world_size == 0:
+        advice = f"resume with data.batch_size {theirs // world_size} at {ranks(world_size)}"
+    else:
+        advice = f"{world_size} ranks cannot share it: resume at a world size that divides {theirs}"
+    return (
+        f"was trained with a global batch of {theirs} rows ({split(theirs, saved_world)}), this run's is "
+        f"{global_batch_size} ({split(global_batch_size, world_size)}); {advice}"
+    )
 
 
 def dense_optimizer_matches(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> bool:

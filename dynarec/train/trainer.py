@@ -52,7 +52,7 @@ from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
-from dynarec.train.input import FollowOptions, ReadAhead, TrainInput
+from dynarec.train.input import EVAL_PATH, TRAIN_PATH, FollowOptions, ReadAhead, TrainInput
 from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.sink import TrainingLog
@@ -119,6 +119,7 @@ class Trainer:
             self.task.graphs.on_refusal = lambda reason: _call_if_alive(refused, reason)
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
+        self._restored_world_size: Optional[int] = None  # the ranks that wrote the checkpoint restored
         scaling = config.train.grad_scaler
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
         self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
@@ -222,6 +223,7 @@ class Trainer:
         saved_plan = state.get("plan")
         if not isinstance(saved_plan, dict):
             raise CheckpointError(f"{path} holds no plan (written by an older dynarec); train into another model_dir")
+        self._restored_world_size = saved_plan["world_size"]
         check_resumable(
             state,
             path,
@@ -233,9 +235,10 @@ class Trainer:
             saved_plan["tables"],
             self.dense_optimizer,
             training,
+            self.ctx.world_size,
         )
         self.task.dense.load_state_dict(state["dense"])
-        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        self._load_dense_optimizer(state["dense_optimizer"])
         try:
             dumps = tables_for_rank(self.task.plan, self.ctx.rank, saved_plan, shards)
         except ValueError as e:
@@ -270,6 +273,16 @@ class Trainer:
                 self.loss_scaler.load_state(state["loss_scaler"])
             self._restore_window(state)
         return path
+
+    def _load_dense_optimizer(self, saved: dict[str, Any]) -> None:
+        """The checkpoint's dense optimizer states (moments, step counts) under this config's
+        settings (betas, eps, weight decay, momentum; the learning rate is set every step), as a
+        table's optimizer states load under its config's spec: torch's ``load_state_dict`` would
+        also put back the checkpoint's settings, and a changed setting would silently not apply."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.dense_optimizer.param_groups]
+        self.dense_optimizer.load_state_dict(saved)
+        for group, mine in zip(self.dense_optimizer.param_groups, settings):
+            group.update(mine)
 
     def _check_data_position_kind(self, path: Path, state: dict[str, Any]) -> None:
         """CheckpointError where a checkpoint's data position counts through other files than
@@ -456,9 +469,11 @@ class Trainer:
         :class:`~dynarec.train.stop.TrainingStopped` naming the checkpoint."""
         cfg = self.config
         if self.input.follow is None or data_files(str(cfg.data.train_input_path)):
-            self.input.dataset(cfg.data.train_input_path, cfg.data.batch_size, training=True)  # check every file first
+            self.input.dataset(
+                cfg.data.train_input_path, cfg.data.batch_size, training=True, what=TRAIN_PATH
+            )  # check every file first
         if cfg.data.eval_input_path:
-            self.input.dataset(cfg.data.eval_input_path, self.input.eval_batch_size)
+            self.input.dataset(cfg.data.eval_input_path, self.input.eval_batch_size, what=EVAL_PATH)
         check_not_another_kind(self.model_dir)  # before its lock file is written there
         with contextlib.ExitStack() as stack:  # one writer per model directory: rank 0 holds the lock
             error = None
@@ -489,11 +504,7 @@ class Trainer:
                         file=sys.stderr,
                         flush=True,
                     )
-                if cfg.train.num_steps is not None and self.step > cfg.train.num_steps:
-                    raise CheckpointError(  # before the config record is rewritten to the smaller count
-                        f"{path} is at step {self.step}, past this config's train.num_steps {cfg.train.num_steps}: "
-                        "nothing to train; raise num_steps, or evaluate / export the checkpoint as it is"
-                    )
+                self._check_not_past_the_end(path)
         elif existing:
             raise CheckpointError(
                 f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "
@@ -521,7 +532,10 @@ class Trainer:
                 write_config_record(self.model_dir, config_text)
         self.log.start(self.step, cfg.train.num_steps)
         start_step = self.step
-        evaluated_at = saved_at = None
+        evaluated_at = None
+        # A resume that trains nothing writes nothing, unless the checkpoint is to be laid out anew
+        # for this run's ranks (a resume at another world size that trains no step reshards it).
+        saved_at = self.step if resume and existing and self._restored_world_size == self.ctx.world_size else None
         item = first
         ahead = ReadAhead(batches, self.task.embeddings)
         # Not in a multi-process run (its input stage is collective), nor when following a
@@ -615,6 +629,23 @@ class Trainer:
         }
         self.log.finish(report)
         return report
+
+    def _check_not_past_the_end(self, path: Path) -> None:
+        """CheckpointError where the checkpoint just restored (``path``) trained past this config's
+        ``train.num_steps``, or into an epoch past its ``num_epochs``: nothing would train, and the
+        model directory's config record would be rewritten to the smaller count."""
+        train, at = self.config.train, self.position
+        if train.num_steps is not None and self.step > train.num_steps:
+            raise CheckpointError(
+                f"{path} is at step {self.step}, past this config's train.num_steps {train.num_steps}: "
+                "nothing to train; raise num_steps, or evaluate / export the checkpoint as it is"
+            )
+        if train.num_steps is None and self.input.follow is None and (at.epoch, at.row) > (train.epochs, 0):
+            where = f"epoch {at.epoch + 1}, row {at.row}" if at.row else f"the end of epoch {at.epoch}"
+            raise CheckpointError(
+                f"{path} is at {where}, past this config's train.num_epochs {train.epochs}: nothing to train; "
+                "raise num_epochs, or evaluate / export the checkpoint as it is"
+            )
 
     def _progress_kept(self, error: Exception, saved_at: Optional[int], start_step: int) -> Exception:
         """``error`` once the steps trained since the last checkpoint are saved: a batch that

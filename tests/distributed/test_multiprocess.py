@@ -71,7 +71,7 @@ def merged_tables(model_dir):
     return state, tables_for_rank(plan, 0, state["plan"], shards)
 
 
-def assert_tables_close(a, b, exact=False):
+def assert_tables_close(a, b, exact=False, steps=STEPS):
     assert a.keys() == b.keys()
     for name in a:
         ka, kb = a[name].get("keys"), b[name].get("keys")
@@ -86,7 +86,7 @@ def assert_tables_close(a, b, exact=False):
                 assert torch.equal(x, y), (name, field)
             else:
                 torch.testing.assert_close(x, y, **TOL, msg=f"{name}.{field}")
-        assert int(a[name]["step"]) == int(b[name]["step"]) == STEPS
+        assert int(a[name]["step"]) == int(b[name]["step"]) == steps
 
 
 def test_two_processes_equal_one_on_the_same_global_batches(runs):
@@ -269,12 +269,35 @@ def test_tables_cached_from_host_memory_on_two_processes_equal_one(runs, tmp_pat
     assert_tables_close(t1, t2)
 
 
+def test_a_run_resumes_with_its_tables_sharding_changed_as_if_it_had_not(runs, tmp_path):
+    """sharding says where rows live, as cache_load_factor does: a resume with the item table
+    table_wise and the category table row_wise (they were row_wise and table_wise) trains on to
+    the tables of a resume that changed nothing (was: refused as a different config)."""
+    swapped = mixed_config(runs, 60, num_steps=STEPS + 2)
+    for i, kind in ((2, "table_wise"), (4, "table_wise"), (3, "row_wise"), (5, "row_wise")):
+        next(iter(swapped["feature_configs"][i].values()))["sharding"] = kind
+    configs = {"same": mixed_config(runs, 60, num_steps=STEPS + 2), "swapped": swapped}
+    tables = {}
+    for name, c in configs.items():
+        subprocess.run(["cp", "-r", str(runs / "m2"), str(tmp_path / name)], check=True)
+        cfg = write_config(runs, c, f"sharding-{name}.yaml")
+        model_dir = tmp_path / name
+        rc, out = run("train", "--config", cfg, "--model-dir", model_dir, "--resume", "--no-progress", "--nproc", 2)
+        assert rc == 0, out
+        state, tables[name] = merged_tables(tmp_path / name)
+        assert state["step"] == STEPS + 2
+    assert state["plan"]["tables"]["item"]["kind"] == "table_wise", state["plan"]["tables"]["item"]
+    assert_tables_close(tables["same"], tables["swapped"], exact=True, steps=STEPS + 2)
+
+
 def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):
     # A resume needs the same global batch: 2 x 60 -> 3 x 50 is refused naming both.
     subprocess.run(["cp", "-r", str(runs / "m2"), str(tmp_path / "m3")], check=True)
     wrong = write_config(runs, mixed_config(runs, 50), "wrong.yaml")
     rc, out = run("train", "--config", wrong, "--model-dir", tmp_path / "m3", "--resume", "--no-progress", "--nproc", 3)
-    assert rc != 0 and "global batch of 120 rows, this run's is 150" in out, out
+    assert rc != 0, out
+    assert "global batch of 120 rows (2 ranks x data.batch_size 60), this run's is 150 (3 ranks x" in out, out
+    assert "resume with data.batch_size 40 at 3 ranks" in out, out
     # 2 -> 3 (3 x 40): no step left, so the checkpoint is rewritten by 3 ranks, every row and
     # state as it was; then 3 -> 1 (merged_tables loads it whole).
     three = write_config(runs, mixed_config(runs, 40), "three.yaml")
@@ -336,6 +359,35 @@ def test_a_bad_row_in_one_ranks_share_stops_both_ranks_with_its_message(runs, tm
     assert (state["step"], state["epoch"], state["row"]) == (2, 0, 240)
 
 
+def test_a_bad_eval_row_in_one_ranks_share_stops_both_ranks_saving_the_steps(runs, tmp_path):
+    """The evaluation twin of the above: rank 1 raised its DataError alone, rank 0 waited in the
+    forward's collectives and died of the closed connection, and nothing was saved; now every
+    rank agrees at the batch, both save the steps trained and stop with rank 1's message."""
+    src = pq.read_table(runs / "data" / "eval" / "part-0.parquet")
+    labels = src.column("clk").to_pylist()
+    labels[70] = 2  # eval batch 1 (rows 0-119): rank 1's share is rows 60-119
+    bad = src.set_column(src.schema.get_field_index("clk"), "clk", pa.array(labels, src.schema.field("clk").type))
+    (tmp_path / "eval").mkdir()
+    pq.write_table(bad, tmp_path / "eval" / "part-0.parquet")
+    c = mixed_config(runs, 60, num_steps=4, eval_every_steps=2)
+    c["data"]["eval_input_path"] = str(tmp_path / "eval")
+    rc, out = run(
+        "train",
+        "--config",
+        write_config(runs, c, "bad-eval.yaml"),
+        "--model-dir",
+        tmp_path / "m",
+        "--no-progress",
+        "--nproc",
+        2,
+        timeout=240,
+    )
+    assert rc != 0
+    assert "reading eval batch 1 failed on rank 1: DataError" in out and "row 70: label column 'clk'" in out, out
+    assert f"the 2 steps trained are saved in {tmp_path / 'm' / 'checkpoints' / 'ckpt-0000000002'}" in out, out
+    assert "Connection closed" not in out and "Traceback" not in out, out
+
+
 KILL = r"""
 import os, signal, sys
 from dynarec.config import load_config
@@ -355,6 +407,49 @@ if ctx.rank == 1:
 trainer.step += 1
 trainer.save()
 """
+
+
+NODE_LOCAL = r"""
+import sys
+from dynarec.config import load_config
+from dynarec.distributed.context import init_distributed
+from dynarec.train.trainer import Trainer
+
+ctx = init_distributed("cpu", timeout_s=60)
+config = load_config(sys.argv[1])
+data = config.data.model_copy(update={"train_input_path": sys.argv[3 + ctx.rank]})  # each "node" its own copy
+Trainer(config.model_copy(update={"data": data}), sys.argv[2], progress=False, ctx=ctx).fit()
+"""
+
+
+def test_ranks_reading_different_training_files_are_refused_naming_the_file(runs, tmp_path):
+    """Node-local copies of the data where one node lacks a file: the job hung until the
+    collective timeout (num_epochs) or trained on inconsistent global batches and exited 0
+    (num_steps); now every rank stops at once naming the file, before anything is written."""
+    import shutil
+
+    for node in ("a", "b"):
+        shutil.copytree(runs / "data" / "train", tmp_path / node)
+    (tmp_path / "b" / "part-1.parquet").unlink()
+    script = tmp_path / "node_local.py"
+    script.write_text(NODE_LOCAL)
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)),
+            *(str(runs / "two.yaml"), str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "the ranks do not read the same training files: file 2 of epoch 1 is 'part-1.parquet'" in out, out[-3000:]
+    assert "and no file on rank 1 (2 and 1 files)" in out, out[-3000:]
+    assert "gave up waiting" not in out, out[-3000:]
+    assert not (tmp_path / "m" / "checkpoints").exists()
 
 
 def test_a_rank_killed_mid_checkpoint_leaves_the_previous_one_latest(runs, tmp_path):

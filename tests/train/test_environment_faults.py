@@ -316,6 +316,35 @@ def test_resume_past_the_configs_num_steps_is_refused_before_anything_is_written
     assert after == before
 
 
+def test_resume_past_the_configs_num_epochs_is_refused_and_a_finished_run_rewrites_no_checkpoint(
+    root, tmp_path, capsys
+):
+    """The num_epochs twin of the above: a run of 2 epochs resumed with num_epochs 1 trained
+    nothing, exited 0, rewrote its last checkpoint and its config record; now a named error,
+    nothing written. A finished run resumed with its own config trains nothing and writes no
+    checkpoint."""
+    m = tmp_path / "m"
+    two = write_config(
+        root, config_dict(data__eval_input_path=None, data__batch_size=400, train__num_epochs=2), "e2.yaml"
+    )
+    one = write_config(
+        root, config_dict(data__eval_input_path=None, data__batch_size=400, train__num_epochs=1), "e1.yaml"
+    )
+    assert train(two, m) == 0
+    checkpoints = snapshot(m / "checkpoints")
+    assert train(two, m, "--resume") == 0
+    assert snapshot(m / "checkpoints") == checkpoints
+    before = snapshot(m)
+    capsys.readouterr()
+    assert train(one, m, "--resume") == 2
+    line = error_line(capsys, "train")
+    assert "is at the end of epoch 2, past this config's train.num_epochs 1: nothing to train" in line, line
+    after = snapshot(m)
+    after.pop(next(p for p in after if p.name == ".lock"), None)
+    before.pop(next(p for p in before if p.name == ".lock"), None)
+    assert after == before
+
+
 @pytest.mark.parametrize(
     "optimizer",
     [{"rowwise_adagrad_optimizer": {"lr": 0.05}}, {"adam_optimizer": {"lr": 0.05}}],
@@ -352,6 +381,32 @@ def test_resume_after_changing_the_dense_optimizer_is_refused_before_anything_is
     after.pop(next(p for p in after if p.name == ".lock"), None)
     before.pop(next(p for p in before if p.name == ".lock"), None)
     assert after == before
+
+
+def test_resume_trains_with_the_configs_dense_optimizer_settings_and_the_checkpoints_states(root, tmp_path):
+    """A resume whose config changes Adam's betas, eps or weight decay trained on with the
+    checkpoint's settings (torch's load_state_dict puts them back) while config.yaml recorded the
+    new ones; now the config's settings apply, as they do to the tables, and the states carry on."""
+    import torch
+
+    m = tmp_path / "m"
+    assert train(steps_config(root, steps=2), m) == 0
+    changed = {"adam_optimizer": {"lr": 0.002, "beta1": 0.5, "beta2": 0.9, "eps": 0.1, "weight_decay": 0.5}}
+    assert train(steps_config(root, "adam2.yaml", steps=3, train__dense_optimizer=changed), m, "--resume") == 0
+    state = torch.load(m / "checkpoints" / "ckpt-0000000003" / "state.pt", weights_only=True)["dense_optimizer"]
+    group = state["param_groups"][0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.5, 0.9), 0.1, 0.5), group
+    assert all(float(s["step"]) == 3 for s in state["state"].values())  # the moments carried on
+
+
+@pytest.mark.parametrize("field", ["train_input_path", "eval_input_path"])
+def test_a_missing_input_path_is_named_by_its_config_field(root, tmp_path, capsys, field):
+    c = config_dict(**{f"data__{field}": str(tmp_path / "nope")})
+    cfg = write_config(root, c, f"missing-{field}.yaml")
+    assert train(cfg, tmp_path / "m") == 2
+    line = error_line(capsys, "train")
+    assert f"data.{field}: input path {tmp_path / 'nope'} does not exist" in line, line
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_dense_model_too_large_for_memory_is_refused_before_allocating(root, tmp_path, capsys):

@@ -159,7 +159,11 @@ def test_resume_with_another_batch_size_is_refused_naming_both(million, tmp_path
     first.fit()
     cfg = small_config(million, num_steps=4)
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"batch_size": 64})})
-    with pytest.raises(CheckpointError, match="global batch of 100 rows, this run's is 64"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"global batch of 100 rows \(1 rank x data.batch_size 100\), this run's is 64 \(1 rank x data.batch_size "
+        r"64\); resume with data.batch_size 100 at 1 rank",
+    ):
         Trainer(cfg, tmp_path / "m", progress=False).fit(resume=True)
 
 
