@@ -99,6 +99,7 @@ def cmd_train(args) -> None:
     """One process, or one rank of a torchrun job (``--nproc N`` starts that job: torchrun
     --standalone --nproc-per-node N -m dynarec train ...)."""
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _config_for(args)  # a config error is reported here, once, not by every rank
         _launch_torchrun(args.nproc, args.argv, lambda: _latest_note(args))
         return
     from dynarec.distributed.context import init_distributed

@@ -409,6 +409,20 @@ trainer.save()
 """
 
 
+def test_a_bad_config_with_nproc_is_one_error_and_starts_no_rank(runs, tmp_path):
+    """Every rank printed the same config error, then torchrun its failure lines (or the ranks'
+    lines ran together); the launcher now checks the config first."""
+    c = mixed_config(runs, 60)
+    c["train"]["no_such_key"] = 1
+    cfg = write_config(runs, c, "bad-key.yaml")
+    rc, out = run("train", "--config", cfg, "--model-dir", tmp_path / "m", "--nproc", 2)
+    assert rc == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("dynarec train: error:")]
+    assert len(errors) == 1 and "train.no_such_key: unknown key" in out, out
+    assert "torchrun" not in out and "exitcode" not in out and "Traceback" not in out, out
+    assert not (tmp_path / "m").exists()
+
+
 NODE_LOCAL = r"""
 import sys
 from dynarec.config import load_config
