@@ -326,28 +326,27 @@ def test_checkpoints_reshard_two_to_three_to_one_and_one_to_two(runs, tmp_path):
     assert_tables_close(t1, t12, exact=True)
 
 
+def with_bad_value(path, column, row, value, directory):
+    """``directory`` holding a copy of the Parquet file ``path`` whose ``column`` is ``value`` at ``row``."""
+    src = pq.read_table(path)
+    values = src.column(column).to_pylist()
+    values[row] = value
+    i = src.schema.get_field_index(column)
+    directory.mkdir()
+    pq.write_table(src.set_column(i, column, pa.array(values, src.schema.field(column).type)), directory / path.name)
+    return directory
+
+
+def train_two_ranks(config, model_dir):
+    return run("train", "--config", config, "--model-dir", model_dir, "--no-progress", "--nproc", 2, timeout=240)
+
+
 def test_a_bad_row_in_one_ranks_share_stops_both_ranks_with_its_message(runs, tmp_path):
-    src = pq.read_table(runs / "data" / "train" / "part-0.parquet")
-    values = src.column("cate_id").to_pylist()
-    values[305] = 10_000  # step 3 (rows 240-359): rank 1's share is rows 300-359
-    bad = src.set_column(
-        src.schema.get_field_index("cate_id"), "cate_id", pa.array(values, src.schema.field("cate_id").type)
-    )
-    (tmp_path / "data").mkdir()
-    pq.write_table(bad, tmp_path / "data" / "part-0.parquet")
+    # step 3 (rows 240-359): rank 1's share is rows 300-359
+    data = with_bad_value(runs / "data" / "train" / "part-0.parquet", "cate_id", 305, 10_000, tmp_path / "data")
     c = mixed_config(runs, 60)
-    c["data"].update(train_input_path=str(tmp_path / "data"), eval_input_path=None)
-    rc, out = run(
-        "train",
-        "--config",
-        write_config(runs, c, "bad.yaml"),
-        "--model-dir",
-        tmp_path / "m",
-        "--no-progress",
-        "--nproc",
-        2,
-        timeout=240,
-    )
+    c["data"].update(train_input_path=str(data), eval_input_path=None)
+    rc, out = train_two_ranks(write_config(runs, c, "bad.yaml"), tmp_path / "m")
     assert rc != 0
     message = "part-0.parquet, row 305: feature 'cate_id' (column 'cate_id'): id 10000 is out of range"
     assert out.count(message) >= 2, out  # both ranks report rank 1's message
@@ -363,25 +362,11 @@ def test_a_bad_eval_row_in_one_ranks_share_stops_both_ranks_saving_the_steps(run
     """The evaluation twin of the above: rank 1 raised its DataError alone, rank 0 waited in the
     forward's collectives and died of the closed connection, and nothing was saved; now every
     rank agrees at the batch, both save the steps trained and stop with rank 1's message."""
-    src = pq.read_table(runs / "data" / "eval" / "part-0.parquet")
-    labels = src.column("clk").to_pylist()
-    labels[70] = 2  # eval batch 1 (rows 0-119): rank 1's share is rows 60-119
-    bad = src.set_column(src.schema.get_field_index("clk"), "clk", pa.array(labels, src.schema.field("clk").type))
-    (tmp_path / "eval").mkdir()
-    pq.write_table(bad, tmp_path / "eval" / "part-0.parquet")
+    # eval batch 1 (rows 0-119): rank 1's share is rows 60-119
+    data = with_bad_value(runs / "data" / "eval" / "part-0.parquet", "clk", 70, 2, tmp_path / "eval")
     c = mixed_config(runs, 60, num_steps=4, eval_every_steps=2)
-    c["data"]["eval_input_path"] = str(tmp_path / "eval")
-    rc, out = run(
-        "train",
-        "--config",
-        write_config(runs, c, "bad-eval.yaml"),
-        "--model-dir",
-        tmp_path / "m",
-        "--no-progress",
-        "--nproc",
-        2,
-        timeout=240,
-    )
+    c["data"]["eval_input_path"] = str(data)
+    rc, out = train_two_ranks(write_config(runs, c, "bad-eval.yaml"), tmp_path / "m")
     assert rc != 0
     assert "reading eval batch 1 failed on rank 1: DataError" in out and "row 70: label column 'clk'" in out, out
     assert f"the 2 steps trained are saved in {tmp_path / 'm' / 'checkpoints' / 'ckpt-0000000002'}" in out, out

@@ -62,6 +62,11 @@ def snapshot(directory):
     return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def snapshot_unlocked(directory):
+    """:func:`snapshot` without the model directory's lock file (each run takes it anew)."""
+    return {p: data for p, data in snapshot(directory).items() if p.name != ".lock"}
+
+
 # -- a full disk --------------------------------------------------------------------------------
 
 
@@ -305,15 +310,12 @@ def test_resume_past_the_configs_num_steps_is_refused_before_anything_is_written
     m = tmp_path / "m"
     assert train(steps_config(root, steps=3), m) == 0
     assert train(steps_config(root, steps=3), m, "--resume") == 0
-    before = snapshot(m)
+    before = snapshot_unlocked(m)
     capsys.readouterr()
     assert train(steps_config(root, "fewer.yaml", steps=2), m, "--resume") == 2
     line = error_line(capsys, "train")
     assert "is at step 3, past this config's train.num_steps 2: nothing to train" in line, line
-    after = snapshot(m)
-    after.pop(next(p for p in after if p.name == ".lock"), None)
-    before.pop(next(p for p in before if p.name == ".lock"), None)
-    assert after == before
+    assert snapshot_unlocked(m) == before
 
 
 def test_resume_past_the_configs_num_epochs_is_refused_and_a_finished_run_rewrites_no_checkpoint(
@@ -334,15 +336,12 @@ def test_resume_past_the_configs_num_epochs_is_refused_and_a_finished_run_rewrit
     checkpoints = snapshot(m / "checkpoints")
     assert train(two, m, "--resume") == 0
     assert snapshot(m / "checkpoints") == checkpoints
-    before = snapshot(m)
+    before = snapshot_unlocked(m)
     capsys.readouterr()
     assert train(one, m, "--resume") == 2
     line = error_line(capsys, "train")
     assert "is at the end of epoch 2, past this config's train.num_epochs 1: nothing to train" in line, line
-    after = snapshot(m)
-    after.pop(next(p for p in after if p.name == ".lock"), None)
-    before.pop(next(p for p in before if p.name == ".lock"), None)
-    assert after == before
+    assert snapshot_unlocked(m) == before
 
 
 @pytest.mark.parametrize(
@@ -355,32 +354,26 @@ def test_resume_after_changing_the_sparse_optimizer_is_refused_naming_the_table(
     naming no table, checkpoint or setting; it names them now, before anything is written."""
     m = tmp_path / "m"
     assert train(steps_config(root, steps=1), m) == 0
-    before = snapshot(m)
+    before = snapshot_unlocked(m)
     cfg = steps_config(root, "sparse.yaml", steps=3, train__sparse_optimizer=optimizer)
     capsys.readouterr()
     assert train(cfg, m, "--resume") == 2
     line = error_line(capsys, "train")
     name = "RowWiseAdagrad" if "rowwise_adagrad_optimizer" in optimizer else "Adam"
     assert f"table 'user_id' was trained with Adagrad, this config gives it {name}" in line, line
-    after = snapshot(m)
-    after.pop(next(p for p in after if p.name == ".lock"), None)
-    before.pop(next(p for p in before if p.name == ".lock"), None)
-    assert after == before
+    assert snapshot_unlocked(m) == before
 
 
 def test_resume_after_changing_the_dense_optimizer_is_refused_before_anything_is_written(root, tmp_path, capsys):
     m = tmp_path / "m"
     assert train(steps_config(root, steps=1), m) == 0
-    before = snapshot(m)
+    before = snapshot_unlocked(m)
     cfg = steps_config(root, "sgd.yaml", steps=3, train__dense_optimizer={"adagrad_optimizer": {"lr": 0.1}})
     capsys.readouterr()
     assert train(cfg, m, "--resume") == 2
     line = error_line(capsys, "train")
     assert "was trained with another dense optimizer (Adam)" in line and "(Adagrad)" in line, line
-    after = snapshot(m)
-    after.pop(next(p for p in after if p.name == ".lock"), None)
-    before.pop(next(p for p in before if p.name == ".lock"), None)
-    assert after == before
+    assert snapshot_unlocked(m) == before
 
 
 def test_resume_trains_with_the_configs_dense_optimizer_settings_and_the_checkpoints_states(root, tmp_path):
