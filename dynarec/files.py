@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -44,6 +45,7 @@ __all__ = [
     "replace_dir",
     "scratch_directory",
     "sha256",
+    "swap_in",
     "verify_manifest",
     "write_bytes",
     "write_error",
@@ -218,14 +220,45 @@ def replace_dir(tmp: Path, target: Path, marker: str, what: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        shutil.rmtree(old)
+        swap_in(tmp, target, target.with_name(f".{target.name}.old-{socket.gethostname()}-{os.getpid()}"))
     else:
         os.replace(tmp, target)
         fsync_dir(target.parent)
+
+
+# renameat2(2): its "current directory" file descriptor, and its flag that swaps two paths.
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps the paths ``a`` and ``b`` in one atomic step (Linux's ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the C library or the file system has no such rename."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_in(tmp: Path, target: Path, aside: Path) -> None:
+    """Puts the finished directory ``tmp`` in the place of the existing directory ``target``
+    and deletes the old one. Where the file system can, the two are swapped in one atomic step:
+    ``target`` names a complete directory at every instant, and a kill before the deletion ends
+    leaves the old one under ``tmp``'s name. Elsewhere the old one is renamed to ``aside`` first
+    (a kill between the two renames leaves no ``target``, the old one at ``aside``)."""
+    if _exchange(tmp, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(tmp)
+        return
+    os.replace(target, aside)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(aside)
 
 
 def check_replaceable(target: Path, marker: str, what: str, like: Optional[Path] = None) -> None:

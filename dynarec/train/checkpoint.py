@@ -31,6 +31,7 @@ from dynarec.files import (
     file_manifest,
     fsync_dir,
     read_json,
+    swap_in,
     verify_manifest,
     write_error,
 )
@@ -122,11 +123,8 @@ def save_checkpoint(
             manifest: dict[str, Any] = {"files": file_manifest(tmp, files), "step": step, "world_size": world}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             fsync_dir(tmp)
-            if final.exists():  # a checkpoint of this step exists (e.g. re-saved at the end): replace it
-                old = ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
+            if final.exists():  # a checkpoint of this step exists (re-saved at another world size): replace it
+                swap_in(tmp, final, ckpt_dir / f".ckpt-{step:010d}.old-{os.getpid()}")
             else:
                 os.replace(tmp, final)
             fsync_dir(ckpt_dir)
