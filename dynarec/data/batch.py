@@ -1091,6 +1091,7 @@ class BatchBuilder:
 
     def _bucketized_numbers(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """An id_feature with boundaries: a number a row -> its bucket."""
+        col = _empty_as_null(col)
         if f.default_value is None:
             x = self._finite_float64(f, col, origin, " (boundaries)")
             return _Ids(_buckets(_boundaries(f), x), np.ones(len(col), dtype=np.int64))
@@ -1178,6 +1179,8 @@ class BatchBuilder:
 
     def _raw(self, f: RawFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Output:
         k = f.value_dim
+        if k == 1:
+            col = _empty_as_null(col)
         if k == 1 and not _is_list(col.type) and (f.default_value is None or not col.null_count):
             if f.default_value is None and col.null_count:
                 i = int(pc.index(col.is_null(), True).as_py())
@@ -1662,6 +1665,16 @@ def _is_list(t: pa.DataType) -> bool:
 def _row(lengths: np.ndarray, i: int) -> int:
     """The batch row of token ``i`` of rows of ``lengths`` tokens."""
     return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+
+
+def _empty_as_null(col: pa.Array) -> pa.Array:
+    """A string column of one number a row with its empty strings as nulls: a missing value, as
+    TorchEasyRec's feature generation reads ``""`` (its default_value, else a named error)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not _is_string(col.type):
+        return col
+    empty = pc.equal(col, pa.scalar("", col.type))
+    return pc.if_else(empty, pa.scalar(None, col.type), col) if pc.any(empty).as_py() else col
 
 
 def _cast_int64(tokens: pa.Array) -> pa.Array:

@@ -402,8 +402,12 @@ _TRUE = {"true": True, "1": True, "false": False, "0": False}
 
 def mask_values(values: Jagged, mask: Jagged) -> tuple[pa.Array, np.ndarray]:
     """TorchEasyRec's bool_mask_feature: ``(kept values, kept a row)``, the values whose mask is
-    true (``true`` / ``1``, ``false`` / ``0``, or booleans / integers); RowError naming a row whose
-    counts differ or a mask that is not a boolean."""
+    true (``true`` / ``1``, ``false`` / ``0``, or booleans / integers); a row missing its values or
+    its mask keeps none (as TorchEasyRec's); RowError naming a row whose counts differ or a mask
+    that is not a boolean."""
+    gone = values.missing | mask.missing
+    if gone.any():
+        values, mask = fill_missing(values, None, also=gone), fill_missing(mask, None, also=gone)
     bad = np.nonzero(values.lengths != mask.lengths)[0]
     if bad.size:
         i = int(bad[0])

@@ -414,6 +414,28 @@ def test_sequence_sub_features_read_torcheasyrecs_columns():
     config_from_dict(none.config)
 
 
+def test_an_fg_none_sequence_of_ids_reads_a_null_row_as_an_empty_sequence():
+    """id_feature_test.py:534-555: FG_NONE sequences "1;2", "", "3", null -> lengths 2, 0, 1, 0
+    (was: the null row an error)."""
+    import pyarrow as pa
+
+    from dynarec.data.batch import BatchBuilder
+
+    text = config_text(
+        """feature_configs { sequence_feature { sequence_name: "s" sequence_length: 5 sequence_delim: ";"
+             features { id_feature { feature_name: "item" expression: "item:iid" num_buckets: 9 embedding_dim: 4 } } } }
+           feature_configs {
+             id_feature { feature_name: "item" expression: "item:iid" num_buckets: 9 embedding_dim: 4 } }""",
+        'feature_groups { group_name: "seq" feature_names: ["item", "s__item"] group_type: SEQUENCE }',
+        fg_mode="FG_NONE",
+        model='multi_tower_din { din_towers { input: "seq" attn_mlp { hidden_units: [4] } } }',
+    )
+    config = config_from_dict(convert(text).config)
+    table = pa.table({"item": ["1", "2", "3", "4"], "s__item": ["1;2", "", "3", None], "clk": [0, 1, 0, 1]})
+    batch = BatchBuilder(config).build(table, "t.parquet")
+    assert batch.sequence_lengths(["s__item"])["s__item"].tolist() == [2, 0, 1, 0]
+
+
 def test_a_config_written_for_use_rtp_names_sub_features_with_one_underscore():
     result = convert_pipeline_config(
         (ROOT / "tests" / "multi_tower_din_fg_rtp_mock.config").read_text(), train_input_path="d"

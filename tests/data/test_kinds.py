@@ -201,6 +201,19 @@ def test_raw_boundaries_one_id_per_number_and_defaults_not_normalized():
     assert b.dense["r"].tolist() == pytest.approx([2.0, 0.01, -8.0])
 
 
+def test_an_empty_string_is_a_raw_features_missing_number():
+    """raw_feature_test.py:95: "0.2", "", "0.3", null with default_value 0.1 -> 0.2, 0.1, 0.3,
+    0.1; :194: with boundaries and default_value "" the empty row has no id (was: "'' is not a
+    number"); without a default it is the missing-value error naming the row."""
+    f = {"raw_feature": {"feature_name": "r", "default_value": "0.1"}}
+    assert build(f, r=["0.2", "", "0.3", None]).dense["r"].tolist() == pytest.approx([0.2, 0.1, 0.3, 0.1])
+    f = {"raw_feature": {"feature_name": "r", "boundaries": [0.05, 0.15, 0.25], "embedding_dim": 4,
+                         "default_value": ""}}  # fmt: skip
+    assert ids(build(f, r=["0.2", "", "0.3"]), "r") == [[2], [], [3]]
+    with pytest.raises(DataError, match=r"row 1: feature .r. \(column .r.\): missing value"):
+        build({"raw_feature": {"feature_name": "r"}}, r=["0.2", ""])
+
+
 def test_raw_autodis_and_mlp_reach_the_batch_as_numbers():
     f = {"raw_feature": {"feature_name": "r", "embedding_dim": 8, "autodis": {"num_channels": 3}}}
     feat = config(f).feature("r")
@@ -626,6 +639,15 @@ def test_bool_mask_feature():
         build(f, v=["1,2"], k=["1,0,1"])
     with pytest.raises(DataError, match=r"mask value 'yes' is not true/false"):
         build(f, v=["1,2"], k=["1,yes"])
+
+
+def test_a_bool_mask_row_missing_its_values_or_its_mask_keeps_none():
+    """bool_mask_feature_test.py:33: values "1", "2", null under masks true, false, true ->
+    [1], [], [] (was: "0 value(s) but 1 mask value(s)")."""
+    f = {"bool_mask_feature": {"feature_name": "m", "expression": ["user:v", "user:k"], "separator": ",",
+                               "num_buckets": 10, "embedding_dim": 4}}  # fmt: skip
+    assert ids(build(f, v=["1", "2", None], k=["true", "false", "true"]), "m") == [[1], [], []]
+    assert ids(build(f, v=["1", "2"], k=["true", None]), "m") == [[1], []]
 
 
 def test_regex_replace_replaces_every_match_then_bucketizes():

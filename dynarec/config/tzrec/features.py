@@ -575,13 +575,14 @@ class _Build:
         """``default_value``: the value of a missing input, before bucketizing (spec §1.3),
         written out even at TorchEasyRec's default (dynarec's own default is an error naming the
         row). A sequence's empty default is ``"0"``: an empty sequence becomes one element
-        holding it. FG_NONE reads FG output: missing ids are no ids there."""
+        holding it. FG_NONE reads FG output: missing ids are no ids there (a null sequence of
+        ids an empty one, as TorchEasyRec's id_feature_test reads FG_NONE sequences)."""
         r = self.r
         value = r.string("default_value", default)
         if self.mode.encoded:
             if r.has("default_value") and value != default:
                 self.ctx.note(r.at("default_value"), "ignored (FG_NONE: the input is already FG output)")
-            if self.seq is None and self.bucketizer is not None:
+            if self.bucketizer is not None:
                 self.body["default_value"] = ""
             return
         if self.seq is not None and value == "":
