@@ -528,9 +528,11 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
 
 class SequenceFeatureCfg(_SingleInput, _Embeddable):
     """A behaviour history of ids: elements joined by ``separator`` (or a list column), the
-    last ``sequence_length`` kept, one embedding each. ``value_dim: 0`` (TorchEasyRec's): several
-    ids an element, joined by ``value_separator``, their embeddings pooled per element by
-    ``pooling`` (``sum`` or ``mean``; an element without ids reads zeros)."""
+    last ``sequence_length`` kept, one embedding each. ``value_dim: 1``: one id an element (an
+    element of a string column holding several, joined by ``value_separator``, keeps its first,
+    as TorchEasyRec's value_dim 1 truncates). ``value_dim: 0`` (TorchEasyRec's): several ids an
+    element, joined by ``value_separator``, their embeddings pooled per element by ``pooling``
+    (``sum`` or ``mean``; an element without ids reads zeros)."""
 
     KIND: ClassVar[str] = "sequence_feature"
     TABLE_KINDS: ClassVar[tuple[str, ...]] = (

@@ -917,6 +917,8 @@ class BatchBuilder:
             return self._bucketized_numbers(f, col, origin)
         if isinstance(f, SequenceFeatureCfg) and f.several_ids_an_element:
             return self._element_ids(f, col, origin)
+        if isinstance(f, SequenceFeatureCfg) and _is_string(col.type):
+            col = _first_values(col, f.separator, f.value_separator)
         separator = f.separator if isinstance(f, SequenceFeatureCfg) or f.separator else None
         t = col.type
         plan = self.plans[f.feature_name]
@@ -1665,6 +1667,21 @@ def _is_list(t: pa.DataType) -> bool:
 def _row(lengths: np.ndarray, i: int) -> int:
     """The batch row of token ``i`` of rows of ``lengths`` tokens."""
     return int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+
+
+def _first_values(col: pa.Array, separator: str, value_separator: str) -> pa.Array:
+    """A string column of ``separator``-joined elements, each element holding several values
+    joined by ``value_separator`` cut to its first: one id an element (TorchEasyRec's
+    ``value_dim: 1``, a sequence element's default, truncates an element's values so)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    data = col.buffers()[2] if len(col) else None
+    # (a search of the bytes: 20x faster than pyarrow's match over histories that hold none)
+    if data is None or data.to_pybytes().find(value_separator.encode()) < 0:
+        return col
+    elements = pc.split_pattern(col, separator)
+    first = pc.list_element(pc.split_pattern(pc.list_flatten(elements), value_separator, max_splits=1), 0)
+    cut = pa.ListArray.from_arrays(elements.offsets, first, mask=elements.is_null())
+    return pc.binary_join(cut, separator)
 
 
 def _empty_as_null(col: pa.Array) -> pa.Array:

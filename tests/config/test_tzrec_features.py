@@ -436,6 +436,33 @@ def test_an_fg_none_sequence_of_ids_reads_a_null_row_as_an_empty_sequence():
     assert batch.sequence_lengths(["s__item"])["s__item"].tolist() == [2, 0, 1, 0]
 
 
+def test_a_sequence_elements_several_values_keep_the_first_as_torcheasyrecs_value_dim_1():
+    """id_feature_test.py:643 and :698: a sequence sub-feature's value_dim 1 (its default)
+    truncates an element's \\x1d-joined values to the first: "abc\\x1defg;hij", "", "hij" ->
+    [33, 66], [26] (the default "0"), [66] (was: 7, the hash of the whole element)."""
+    import pyarrow as pa
+
+    from dynarec.data.batch import BatchBuilder
+
+    text = config_text(
+        """feature_configs { sequence_feature { sequence_name: "click_50_seq" sequence_length: 50 sequence_delim: ";"
+             features { id_feature { feature_name: "id_feat" expression: "user:id_str" hash_bucket_size: 100
+                                     embedding_dim: 4 embedding_name: "t" } } } }
+           feature_configs { id_feature { feature_name: "q" expression: "user:q" hash_bucket_size: 100
+                                          embedding_dim: 4 embedding_name: "t" } }""",
+        'feature_groups { group_name: "seq" feature_names: ["q", "click_50_seq__id_feat"] group_type: SEQUENCE }',
+        model='multi_tower_din { din_towers { input: "seq" attn_mlp { hidden_units: [4] } } }',
+    )
+    config = config_from_dict(convert(text).config)
+    table = pa.table({"q": ["a", "b", "c"], "click_50_seq__id_str": ["abc\x1defg;hij", "", "hij"], "clk": [0, 1, 0]})
+    kjt = BatchBuilder(config).build(table, "t.parquet").sparse
+    n = kjt.lengths().view(len(kjt.keys()), -1)
+    i = kjt.keys().index("click_50_seq__id_feat")
+    start = int(n[:i].sum())
+    ids = kjt.values()[start : start + int(n[i].sum())].tolist()
+    assert n[i].tolist() == [2, 1, 1] and ids == [33, 66, 26, 66]
+
+
 def test_a_config_written_for_use_rtp_names_sub_features_with_one_underscore():
     result = convert_pipeline_config(
         (ROOT / "tests" / "multi_tower_din_fg_rtp_mock.config").read_text(), train_input_path="d"
