@@ -460,12 +460,15 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         """Loads each table from its ``{prefix}tables.{table}.*`` entries (:meth:`_save_to_state_dict`).
         A table without entries is a missing key (``tables.{table}.weight``); entries of a table
         this collection lacks are unexpected keys; a dump that does not fit its table (another
-        dim, row count or optimizer) is an error naming the table, as is a dynamic table that
-        could not keep every key (its ``max_capacity`` is smaller). A dump of another optimizer's
-        table (states this table does not keep: Adam's ``momentum1`` would train on as Adagrad's
-        accumulator) loads its weights alone, this optimizer's states afresh and the step at 0,
-        its states reported as unexpected keys: ``strict=False`` is a warm start, a strict load
-        raises torch's error naming them (having loaded, as torch does for any unexpected key)."""
+        dim or row count, a malformed dynamic table's keys) is an error naming the table, checked
+        before any of its rows is written, as is a dynamic table that could not keep every key
+        (its ``max_capacity`` is smaller). A dump of another optimizer's table (states this table
+        does not keep or keeps at another width: Adam's ``momentum1`` would train on as Adagrad's
+        accumulator, Adagrad's as RowWiseAdagrad's; or none of this optimizer's: an SGD table's)
+        loads its weights alone, this optimizer's states afresh and the step at 0, its states
+        reported as unexpected keys and the states it lacks as missing ones: ``strict=False`` is
+        a warm start, a strict load raises torch's error naming them (having loaded, as torch
+        does for any unexpected key)."""
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -490,13 +493,15 @@ class EmbeddingCollection(TableFreezing, nn.Module):
                 continue
             table = self.tables[name]
             # Another optimizer's table: its weights alone (this optimizer's states afresh), its
-            # states unexpected keys (strict: torch's error naming them, as for any such key).
-            foreign = table.foreign_fields(dump)
-            if foreign:
+            # states unexpected keys and ours it lacks missing ones (strict: torch's error naming
+            # them, as for any such key).
+            foreign, lacking = table.foreign_fields(dump), table.lacking_states(dump)
+            if foreign or lacking:
                 states = [s.name for s in table.spec.state_specs() if s.name in dump]
-                unexpected_keys.extend(f"{head}{name}.{f}" for f in sorted([*foreign, *states]))
+                unexpected_keys.extend(f"{head}{name}.{f}" for f in sorted({*foreign, *states}))
+                missing_keys.extend(f"{head}{name}.{f}" for f in lacking)
             try:
-                report = table.load(dump, weights_only=bool(foreign))
+                report = table.load(dump, weights_only=bool(foreign or lacking))
             except ValueError as e:
                 error_msgs.append(f"{head}{name}: {e}")
                 continue

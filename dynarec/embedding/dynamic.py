@@ -459,7 +459,7 @@ class DynamicTable(EmbeddingTable):
     def read_rows(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """``weight`` and states of each key, plus ``present`` ``[n]`` bool: rows of absent keys
         are zeros (they have no row; a lookup would read the eval initializer)."""
-        keys = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        keys = self.row_ids(ids, "read_rows")
         slots = self.index.find(keys)
         present = slots >= 0
         out = self.store.read(slots.clamp(min=0))
@@ -473,7 +473,7 @@ class DynamicTable(EmbeddingTable):
         Refused while a training step is pending: a growth would move the rows its backward
         updates."""
         self.steps.check_idle("write_rows")
-        keys = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        keys = self.row_ids(ids, "write_rows")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")
         slots = self.index.find(keys)
@@ -529,6 +529,7 @@ class DynamicTable(EmbeddingTable):
         nothing there.
         """
         fields = self._dump_fields(dump, weights_only)
+        self._check_rows(dump, fields, snapshot.check_dump(dump, self.name))
         self.space.max_buckets = self._max_buckets  # (a load to train is held to max_capacity, whatever came before)
         index, slots, src = snapshot.index_for_load(dump, self.space, past_max=to_read and not self.space.shared)
         self.space.max_buckets = max(self._max_buckets, index.num_buckets)

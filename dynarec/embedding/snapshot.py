@@ -47,6 +47,30 @@ def dump(index: BucketedHashIndex, store: RowStore, step: int, counter: Optional
     return {k: v.cpu() for k, v in out.items()}
 
 
+def check_dump(saved: Dump, table: str) -> int:
+    """The number of keys of a dynamic table's dump; ValueError naming ``table`` and the field
+    where it is not one: ``keys`` ``[n]`` int64 without a key twice, ``scores`` and ``slots`` a
+    value a key (``slots`` without a slot twice). Checked before anything is written: a key
+    twice would be held twice, a slot twice would drop a key."""
+    lacking = [f for f in ("keys", "scores") if f not in saved]
+    if lacking:
+        raise ValueError(f"table '{table}': dump lacks {lacking}")
+    keys = saved["keys"]
+    if keys.dim() != 1 or keys.dtype != torch.int64:
+        raise ValueError(f"table '{table}': dump's keys are {keys.dtype} {tuple(keys.shape)}, not int64 [n]")
+    n = keys.numel()
+    for name in ("scores", "slots"):
+        if name in saved and tuple(saved[name].shape) != (n,):
+            raise ValueError(f"table '{table}': dump holds {name} {tuple(saved[name].shape)} for its {n} keys")
+    for name in ("keys", "slots"):
+        if name in saved and n:
+            values, counts = torch.unique(saved[name], return_counts=True)
+            if bool((counts > 1).any()):
+                twice = int(values[counts > 1][0])
+                raise ValueError(f"table '{table}': dump holds {name[:-1]} {twice} more than once")
+    return n
+
+
 def index_for_load(
     saved: Dump, space: Capacity, past_max: bool = False
 ) -> tuple[BucketedHashIndex, torch.Tensor, torch.Tensor]:

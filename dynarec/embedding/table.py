@@ -267,10 +267,30 @@ class EmbeddingTable(ABC):
     index_fields: tuple[str, ...] = ()
     """A dump's fields besides its rows and ``step`` (a dynamic table's keys, scores, ...)."""
 
+    def row_ids(self, ids, what: str) -> torch.Tensor:
+        """``ids`` (a tensor or a sequence of integers) as int64 on the table's device; ValueError
+        naming ``what`` for floating-point ids, which a cast would truncate to another row."""
+        if (isinstance(ids, torch.Tensor) and ids.is_floating_point()) or any(
+            isinstance(i, float) for i in (ids if isinstance(ids, (list, tuple)) else ())
+        ):
+            raise ValueError(f"table '{self.name}': {what} takes integer ids, got floating-point ones")
+        return torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+
     def foreign_fields(self, dump: Mapping[str, torch.Tensor]) -> list[str]:
-        """The fields of ``dump`` this table does not keep (another optimizer's states), sorted."""
+        """The fields of ``dump`` that are another optimizer's states, sorted: states this table
+        does not keep, and its own states' names at another width (Adagrad's ``momentum1`` is
+        ``[n, dim]``, RowWiseAdagrad's ``[n, 1]``)."""
         own = {"weight", "step", *(s.name for s in self.spec.state_specs()), *self.index_fields}
-        return sorted(set(dump) - own)
+        other_width = [
+            s.name
+            for s in self.spec.state_specs()
+            if s.name in dump and (dump[s.name].dim() != 2 or dump[s.name].shape[1] != s.width(self.dim))
+        ]
+        return sorted((set(dump) - own) | set(other_width))
+
+    def lacking_states(self, dump: Mapping[str, torch.Tensor]) -> list[str]:
+        """This optimizer's states ``dump`` does not hold (an SGD table's dump has none)."""
+        return [s.name for s in self.spec.state_specs() if s.name not in dump]
 
     def _dump_fields(self, dump: dict[str, torch.Tensor], weights_only: bool) -> list[str]:
         """The row fields a load takes from ``dump``; ValueError naming the missing ones, or (but
@@ -280,6 +300,10 @@ class EmbeddingTable(ABC):
         self.steps.check_idle("load")
         # The states' names from the spec: the store's views of them could write a cache back.
         fields = ["weight"] if weights_only else ["weight", *(s.name for s in self.spec.state_specs())]
+        if "weight" in dump and dump["weight"].dim() == 2 and dump["weight"].shape[1] != self.dim:
+            raise ValueError(
+                f"table '{self.name}': dump holds weight of dim {dump['weight'].shape[1]}, the table's is {self.dim}"
+            )
         optimizer = type(self.spec).__name__
         missing = [f for f in fields + ([] if weights_only else ["step"]) if f not in dump]
         if missing:
@@ -290,7 +314,21 @@ class EmbeddingTable(ABC):
                 f"table '{self.name}': dump holds {foreign}, states optimizer {optimizer} does not keep (saved by "
                 "another optimizer?); load its weights only to start this optimizer's states afresh"
             )
+        if not weights_only:
+            step = dump["step"]
+            if step.numel() != 1 or step.is_floating_point() or int(step) < 0:
+                raise ValueError(f"table '{self.name}': dump's step {step.tolist()} is not a count of steps")
         return fields
+
+    def _check_rows(self, dump: Mapping[str, torch.Tensor], fields: list[str], rows: int) -> None:
+        """ValueError naming the first of ``fields`` that is not ``[rows, width]`` (the table's dim
+        for the weight, the state's width for a state), before anything is written."""
+        widths = {"weight": self.dim, **{s.name: s.width(self.dim) for s in self.spec.state_specs()}}
+        for f in fields:
+            if tuple(dump[f].shape) != (rows, widths[f]):
+                raise ValueError(
+                    f"table '{self.name}': dump holds {f} {tuple(dump[f].shape)}, the table needs {(rows, widths[f])}"
+                )
 
     def _load_rows(
         self,
@@ -378,13 +416,15 @@ class FixedTable(EmbeddingTable):
         return out
 
     def read_rows(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        ids = self.row_ids(ids, "read_rows")
         self.validate("read_rows", ids)
         return self.store.read(ids)
 
     def write_rows(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        ids = self.row_ids(ids, "write_rows")
         self.validate("write_rows", ids)
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"table '{self.name}': write_rows got duplicate ids")
         self.store.write(ids, values)
 
     def dump(self) -> dict[str, torch.Tensor]:
@@ -396,12 +436,7 @@ class FixedTable(EmbeddingTable):
     @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         fields = self._dump_fields(dump, weights_only)
-        weight = dump["weight"]
-        if tuple(weight.shape) != (self.num_embeddings, self.dim):
-            raise ValueError(
-                f"table '{self.name}': dump holds weight {tuple(weight.shape)}, "
-                f"the table is {(self.num_embeddings, self.dim)}"
-            )
+        self._check_rows(dump, fields, self.num_embeddings)
         self.store.reallocate(self.num_embeddings)
         rows = torch.arange(self.num_embeddings, device=self.device)
         self._load_rows(rows, rows, dump, fields, weights_only)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, JaggedBatch, TableConfig
-from dynarec.optim import SGD, Adagrad, Adam
+from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.matrix import BACKENDS, needs_fbgemm
 
 
@@ -287,6 +287,88 @@ def test_a_state_dict_of_another_optimizer_loads_its_weights_alone(saved, loaded
             assert bool((dump[spec.name] == spec.initial_value).all()), (name, spec.name)
     other.step(1)
     assert all(bool(t.dump()["weight"].isfinite().all()) for t in other.emb.tables.values())
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        (SGD(lr=0.1), Adagrad(lr=0.1)),
+        (Adagrad(lr=0.1), Adam(lr=0.1)),
+        (RowWiseAdagrad(lr=0.1), Adam(lr=0.1)),
+        (Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1)),
+        (RowWiseAdagrad(lr=0.1), Adagrad(lr=0.1)),
+    ],
+    ids=["sgd-into-adagrad", "adagrad-into-adam", "rowwise-into-adam", "adagrad-into-rowwise", "rowwise-into-adagrad"],
+)
+def test_a_state_dict_lacking_this_optimizers_states_or_of_another_width_loads_its_weights_alone(saved, loaded):
+    """The twin of the above where the dump lacks this optimizer's states (SGD's has none) or
+    holds them at another width (Adagrad's accumulator is [n, dim], RowWiseAdagrad's [n, 1]):
+    refused even with strict=False (was; the width mismatch after writing the weights). Now the
+    weights alone, the states afresh, the differing states named as unexpected or missing keys."""
+    trained = _Model(5, optimizer=saved)
+    trained.step(0)
+    state = trained.state_dict()
+    other = _Model(5, optimizer=loaded)
+    with pytest.raises(RuntimeError, match=r"key\(s\) in state_dict.*emb\.tables\.a\.momentum"):
+        other.load_state_dict(state)
+    result = _Model(5, optimizer=loaded).load_state_dict(state, strict=False)
+    assert {f"emb.tables.{n}.momentum1" for n in "abuvg"} <= {*result.unexpected_keys, *result.missing_keys}
+    for name, table in other.emb.tables.items():
+        dump, theirs = table.dump(), trained.emb.tables[name].dump()
+        assert torch.equal(dump["weight"], theirs["weight"]) and int(dump["step"]) == 0, name
+        for spec in table.spec.state_specs():
+            assert bool((dump[spec.name] == spec.initial_value).all()), (name, spec.name)
+    other.step(1)
+    assert all(bool(t.dump()["weight"].isfinite().all()) for t in other.emb.tables.values())
+
+
+@pytest.mark.parametrize(
+    "table, change, error",
+    [
+        (
+            "a",
+            lambda d: d.update(momentum1=d["momentum1"][:-1]),
+            r"dump holds momentum1 \(19, 4\), the table needs \(20, 4\)",
+        ),
+        ("u", lambda d: d.update(weight=d["weight"][:-1]), r"dump holds weight \(\d+, 4\), the table needs"),
+        ("u", lambda d: d["keys"].__setitem__(1, int(d["keys"][0])), r"dump holds key -?\d+ more than once"),
+        ("u", lambda d: d["slots"].__setitem__(1, int(d["slots"][0])), r"dump holds slot \d+ more than once"),
+        ("u", lambda d: d.update(keys=d["keys"][:-1]), r"dump holds scores \(\d+,\) for its \d+ keys"),
+        ("u", lambda d: d.update(step=torch.tensor(-1)), r"dump's step -1 is not a count of steps"),
+    ],
+    ids=["short-state", "short-weight", "key-twice", "slot-twice", "short-keys", "negative-step"],
+)
+def test_a_refused_dump_leaves_its_table_as_it_was(table, change, error):
+    """A dump that does not fit its table is refused naming the table and field before any row
+    is written (was: the weights written before a state's shape was checked; a dynamic table's
+    keys installed before its rows; a key twice held twice, a slot twice a key dropped)."""
+    source = _Model(5)
+    source.step(0)
+    dump = {k: v.clone() for k, v in source.emb.tables[table].dump().items()}
+    change(dump)
+    target = _Model(5)
+    target.step(1)
+    before = {k: v.clone() for k, v in target.emb.tables[table].dump().items()}
+    with pytest.raises(ValueError, match=error):
+        target.emb.tables[table].load(dump)
+    after = target.emb.tables[table].dump()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    target.step(2)
+
+
+def test_rows_by_id_refuse_floating_point_ids_and_a_fixed_tables_duplicate_ids():
+    """read_rows([1.7]) read row 1 (a cast truncated it), and write_rows with an id twice kept
+    the last on a fixed table (a dynamic table refused it)."""
+    model = _Model(5)
+    for table in ("a", "u"):
+        with pytest.raises(ValueError, match=f"table '{table}': read_rows takes integer ids"):
+            model.emb.read_rows(table, torch.tensor([1.7]))
+        with pytest.raises(ValueError, match=f"table '{table}': write_rows takes integer ids"):
+            model.emb.write_rows(table, [1.0], {"weight": torch.ones(1, 4)})
+    before = model.emb.read_rows("a", torch.tensor([1]))["weight"].clone()
+    with pytest.raises(ValueError, match="table 'a': write_rows got duplicate ids"):
+        model.emb.write_rows("a", torch.tensor([1, 1]), {"weight": torch.stack([torch.ones(4), 2 * torch.ones(4)])})
+    assert torch.equal(model.emb.read_rows("a", torch.tensor([1]))["weight"], before)
 
 
 def test_a_state_dict_is_not_loaded_into_a_pending_step():
