@@ -951,6 +951,8 @@ class BatchBuilder:
             empty = None
             if separator is None and _is_string(t) and len(j.values):  # one value a row: "" is missing
                 empty = np.asarray(pc.fill_null(pc.equal(pc.utf8_length(col), 0), False))
+            elif _is_list(t):  # an empty list is missing, as TorchEasyRec's feature generation reads it
+                empty = j.lengths == 0
             j = fill_missing(j, dv, empty)
         ids = self._bucketize(f, j.values, j.lengths, origin)
         return _Ids(*_keep_last(f, ids, j.lengths))
@@ -994,8 +996,8 @@ class BatchBuilder:
         element's ids on ``value_separator``. The KJT gets every id of a row; the batch, the ids
         of each element."""
         outer = jagged(col, f.separator, empty_token=None, what="sequence")
-        if f.default_value is not None:
-            outer = fill_missing(outer, f.default_value)
+        if f.default_value is not None:  # (an empty list too, as TorchEasyRec's feature generation reads it)
+            outer = fill_missing(outer, f.default_value, outer.lengths == 0 if _is_list(col.type) else None)
         index, elements = keep_last(np.arange(len(outer.values)), outer.lengths, f.sequence_length)
         kept = outer.values if len(index) == len(outer.values) else outer.values.take(pa.array(index))
         row_of_element = np.repeat(np.arange(len(elements)), elements)
@@ -1196,6 +1198,8 @@ class BatchBuilder:
             j = jagged(col, f.separator if k > 1 else None)
             x = numbers(j.values, j.lengths)
             present = ~j.missing
+            if f.default_value is not None and _is_list(col.type):  # an empty list is missing too
+                present &= j.lengths > 0
             x = self._finite(f, x, j.lengths, origin)
             full = np.zeros((len(col), k))
             full[present] = vectors(x, j.lengths[present], k, np.nonzero(present)[0])

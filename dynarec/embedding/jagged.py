@@ -206,13 +206,16 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
             )
     if values.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ids must be int64 (or int32), got {values.dtype}")
+    if lengths.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"lengths must be int64 (or int32), got {lengths.dtype}")
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"feature(s) {twice} appear more than once in the batch's keys {keys}")
-    if lengths.device != values.device:
-        raise ValueError(
-            f"lengths are on {lengths.device} but values on {values.device}; move the whole batch to one device"
-        )
+    for name, t in (("lengths", lengths), ("weights", weights)):
+        if t is not None and t.device != values.device:
+            raise ValueError(
+                f"{name} are on {t.device} but values on {values.device}; move the whole batch to one device"
+            )
     stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else _host_stats(keys, lengths)
     for key, low in zip(keys, stats.min_length_per_key):
         if low < 0:

@@ -416,7 +416,8 @@ def test_sequence_sub_features_read_torcheasyrecs_columns():
 
 def test_an_fg_none_sequence_of_ids_reads_a_null_row_as_an_empty_sequence():
     """id_feature_test.py:534-555: FG_NONE sequences "1;2", "", "3", null -> lengths 2, 0, 1, 0
-    (was: the null row an error)."""
+    (was: the null row an error). TorchEasyRec does not truncate FG_NONE sequences: the note says
+    dynarec keeps the last sequence_length elements."""
     import pyarrow as pa
 
     from dynarec.data.batch import BatchBuilder
@@ -430,7 +431,9 @@ def test_an_fg_none_sequence_of_ids_reads_a_null_row_as_an_empty_sequence():
         fg_mode="FG_NONE",
         model='multi_tower_din { din_towers { input: "seq" attn_mlp { hidden_units: [4] } } }',
     )
-    config = config_from_dict(convert(text).config)
+    result = convert(text)
+    assert any("TorchEasyRec reads the whole sequence" in n and "keeps its last 5 elements" in n for n in result.notes)
+    config = config_from_dict(result.config)
     table = pa.table({"item": ["1", "2", "3", "4"], "s__item": ["1;2", "", "3", None], "clk": [0, 1, 0, 1]})
     batch = BatchBuilder(config).build(table, "t.parquet")
     assert batch.sequence_lengths(["s__item"])["s__item"].tolist() == [2, 0, 1, 0]

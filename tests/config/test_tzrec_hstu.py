@@ -426,11 +426,15 @@ def test_the_benchmark_config_maps_a_missing_sequence_length_to_max_seq_len():
             f"feature_configs[{i}].{kind}.sequence_length: not given: 8000. TorchEasyRec does not truncate FG_NONE "
             "sequences; dynarec keeps each row's last 8000 elements, the model's max_seq_len" in notes
         )
-    # a given sequence_length is kept
+    # a given sequence_length is kept, with a note that TorchEasyRec would read the whole sequence
     text = BENCHMARK.read_text().replace(
         'feature_name: "watch_time"', 'feature_name: "watch_time" sequence_length: 8000'
     )
-    assert "feature_configs[5]" not in "\n".join(convert(text).notes)
+    notes = [n for n in convert(text).notes if n.startswith("feature_configs[5]")]
+    assert notes == [
+        "feature_configs[5].sequence_raw_feature: FG_NONE: TorchEasyRec reads the whole sequence (only pyfg "
+        "truncates by sequence_length); dynarec keeps its last 8000 elements"
+    ], notes
 
 
 def test_a_missing_sequence_length_is_refused_elsewhere():

@@ -201,6 +201,25 @@ def test_raw_boundaries_one_id_per_number_and_defaults_not_normalized():
     assert b.dense["r"].tolist() == pytest.approx([2.0, 0.01, -8.0])
 
 
+def test_an_empty_list_is_a_missing_value_where_a_default_is_given():
+    """id_feature_test.py:769-770: a list column's [] takes default_value as a null does (was: no
+    id, no element, "row holds 0 numbers"): value_dim 0 [[1, 2], [], [3], [4, 6]] with default 0
+    -> ids 1, 2, 0, 3, 4, 6 in sequences of 2, 1, 1, 2; without a default, [] is still no id."""
+    f = {"sequence_feature": {"feature_name": "s", "num_buckets": 10, "embedding_dim": 4, "sequence_length": 5,
+                              "value_dim": 0, "default_value": "0"}}  # fmt: skip
+    b = build(f, s=pa.array([[1, 2], [], [3], [4, 6]]))
+    assert ids(b, "s") == [[1, 2], [0], [3], [4, 6]] and b.sequence_lengths(["s"])["s"].tolist() == [2, 1, 1, 2]
+    f = {"sequence_feature": {"feature_name": "s", "num_buckets": 10, "embedding_dim": 4, "sequence_length": 5,
+                              "default_value": "0"}}  # fmt: skip
+    assert ids(build(f, s=pa.array([[1, 2], [], None])), "s") == [[1, 2], [0], [0]]
+    f = {"id_feature": {"feature_name": "i", "num_buckets": 10, "embedding_dim": 4, "default_value": "7"}}
+    assert ids(build(f, i=pa.array([[1], [], None])), "i") == [[1], [7], [7]]
+    f = {"id_feature": {"feature_name": "i", "num_buckets": 10, "embedding_dim": 4}}
+    assert ids(build(f, i=pa.array([[1], []])), "i") == [[1], []]
+    f = {"raw_feature": {"feature_name": "r", "value_dim": 2, "default_value": "0.1\x1d0.4"}}
+    assert build(f, r=pa.array([[0.2, 0.5], []])).dense["r"].flatten().tolist() == pytest.approx([0.2, 0.5, 0.1, 0.4])
+
+
 def test_an_empty_string_is_a_raw_features_missing_number():
     """raw_feature_test.py:95: "0.2", "", "0.3", null with default_value 0.1 -> 0.2, 0.1, 0.3,
     0.1; :194: with boundaries and default_value "" the empty row has no id (was: "'' is not a

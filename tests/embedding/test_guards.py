@@ -48,6 +48,18 @@ def test_lengths_and_values_on_different_devices_are_refused():
         collection()(kjt)
 
 
+def test_weights_on_another_device_and_lengths_that_are_not_integers_are_refused():
+    """Weights on another device than the ids met torch's raw error at a host read; float or
+    bool lengths were taken as counts (0.5 and 1.5: "lengths add up to 1 ids but values holds 2")."""
+    kjt = JaggedBatch(["a", "b"], torch.tensor([1, 5]), torch.tensor([1, 1]), torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match=r"weights are on meta but values on cpu; move the whole batch to one device"):
+        collection()(kjt)
+    for lengths in (torch.tensor([0.5, 1.5]), torch.tensor([True, True])):
+        kjt = JaggedBatch(["a", "b"], torch.tensor([1, 5]), lengths)
+        with pytest.raises(ValueError, match=r"lengths must be int64 \(or int32\), got torch\.(float32|bool)"):
+            collection()(kjt)
+
+
 def test_a_second_backward_through_a_step_is_refused_and_updates_once():
     coll = EmbeddingCollection([TableConfig(name="f", dim=4, num_embeddings=10, features=["a"])], Adagrad(lr=0.5))
     out = coll(JaggedBatch.from_lists({"a": [[3]]}))["a"].sum()

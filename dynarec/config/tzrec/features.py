@@ -568,6 +568,12 @@ class _Build:
         out: dict[str, Any] = {}
         if seq.length:
             out["sequence_length"] = seq.length
+            if self.mode.encoded:
+                self.ctx.note(
+                    self.r.path,
+                    f"FG_NONE: TorchEasyRec reads the whole sequence (only pyfg truncates by sequence_length); "
+                    f"dynarec keeps its last {seq.length} elements",
+                )
         out["separator"] = seq.delim
         return out
 
