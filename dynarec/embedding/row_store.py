@@ -118,10 +118,13 @@ class RowStore(ABC):
 
     @torch.no_grad()
     def write(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Writes the given tensors (``weight`` and/or state names) at ``rows``."""
+        """Writes the given tensors (``weight`` and/or state names) at ``rows``, every field
+        checked before any is written (a bad field writes nothing)."""
         targets = {"weight": self.weight, **self.states}
-        for name, v in values.items():
-            v = field_rows(name, v, targets.get(name), rows.numel(), sorted(targets))
+        checked = {
+            name: field_rows(name, v, targets.get(name), rows.numel(), sorted(targets)) for name, v in values.items()
+        }
+        for name, v in checked.items():
             targets[name].index_copy_(0, rows, v)
 
     @torch.no_grad()
