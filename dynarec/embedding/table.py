@@ -92,9 +92,10 @@ def commit_on_backward(out: torch.Tensor, steps: Sequence[tuple[EmbeddingTable, 
 def check_id_range(
     table: str, feature: str, ids: torch.Tensor, num_rows: int, id_range: Optional[tuple[int, int]] = None
 ) -> None:
-    """ValueError naming the table, the feature and the id, for an id outside ``[0, num_rows)``.
-    ``id_range``: ``(smallest, largest)`` of ``ids`` where already known (the batch's host
-    statistics; ``(0, -1)``: no ids), read instead of ``ids``."""
+    """ValueError naming the table, the feature (or the call: ``read_rows``, ``write_rows``) and
+    the id, for an id outside ``[0, num_rows)``. ``id_range``: ``(smallest, largest)`` of ``ids``
+    where already known (the batch's host statistics; ``(0, -1)``: no ids), read instead of
+    ``ids``."""
     if id_range is None:
         if ids.numel() == 0:
             return
@@ -105,7 +106,12 @@ def check_id_range(
         return
     if lo < 0 or hi >= num_rows:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"table '{table}', feature '{feature}': id {bad} is out of range [0, {num_rows})")
+        who = feature if feature in _ROW_CALLS else f"feature '{feature}'"
+        raise ValueError(f"table '{table}', {who}: id {bad} is out of range [0, {num_rows})")
+
+
+# The calls that read or write rows by id (named as such, where a batch's error names its feature).
+_ROW_CALLS = ("read_rows", "write_rows")
 
 
 _ZERO = Initializer(kind="constant", value=0.0)

@@ -146,7 +146,7 @@ def test_tables_of_a_group_keep_their_own_rows_learning_rates_and_step_counters(
     assert torch.equal(coll.read_rows("b", torch.tensor([6]))["weight"], torch.full((1, 8), 7.0))
     for n in ("a", "c"):
         assert all(torch.equal(before[n][k], v) for k, v in coll.tables[n].dump().items())
-    with pytest.raises(ValueError, match=r"table 'b', feature 'read_rows': id 7 is out of range \[0, 7\)"):
+    with pytest.raises(ValueError, match=r"table 'b', read_rows: id 7 is out of range \[0, 7\)"):
         coll.read_rows("b", torch.tensor([7]))
 
 
