@@ -168,10 +168,24 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_export(args) -> None:
+    import json
+
+    from dynarec.export_format import META
+
     trainer = _restored(args)
+    try:  # an export there before: deltas written on it apply to it alone
+        replaced = json.loads((Path(args.export_dir) / META).read_text())
+    except (OSError, ValueError):
+        replaced = None
     export_dir = trainer.export(args.export_dir, since=args.since)
     kind = f"a delta on {args.since}" if args.since else "a full export"
     print(f"exported step {trainer.step} to {export_dir} ({kind})")
+    if isinstance(replaced, dict) and "step" in replaced:
+        print(
+            f"note: it replaced the export of step {replaced['step']} that {export_dir} held; a delta written on "
+            "that one does not apply to this one (export the deltas again, --since this export)",
+            file=sys.stderr,
+        )
 
 
 def cmd_predict(args) -> None:
@@ -182,10 +196,12 @@ def cmd_predict(args) -> None:
     from dynarec.data.reader import file_schema, read_table, resolve_files
     from dynarec.files import atomic_path
 
-    files = resolve_files(args.input)
+    files = resolve_files(args.input, "--input")
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; predict writes one Parquet file")
     _check_prediction_target(Path(args.output), files, args)
+    if Path(args.output).suffix.lower() in (".csv", ".json", ".jsonl", ".txt", ".tsv"):
+        raise ValueError(f"--output {args.output}: predict writes one Parquet file; name it .parquet")
     reserved = [c.strip() for c in (args.reserved_columns or "").split(",") if c.strip()]
     for f in files:  # before any scoring
         missing = [c for c in reserved if c not in file_schema(f).names]
@@ -460,7 +476,7 @@ def cmd_tdm_retrieve(args) -> None:
     search = BeamSearch(config, tree, score, args.recall_num)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: at least 1 user row, got {args.batch_size}")
-    files = resolve_files(args.input)
+    files = resolve_files(args.input, "--input")
     if Path(args.output).is_dir():
         raise FileExistsError(f"--output {args.output} is a directory; retrieve writes one Parquet file")
     items, scores, truth = [], [], []
@@ -702,7 +718,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         DistributedError,
         StepFailedError,
     ) as e:
-        print(f"dynarec {args.command}: error: {e}", file=sys.stderr)
+        from dynarec.files import describe_os_error
+
+        # (an OSError with an errno is the system's, not one of dynarec's messages: in words)
+        message = describe_os_error(e) if isinstance(e, OSError) and e.errno is not None else str(e)
+        print(f"dynarec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except (TableFullError, CacheFullError) as e:  # mid-run: the step was undone
         note = _latest_note(args) if args.command == "train" else ""

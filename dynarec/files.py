@@ -134,7 +134,8 @@ def fsync_tree(root: Path) -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary sibling of ``path`` to write; once the block ends without an error it is
     fsynced and renamed to ``path`` (replaced whole or not at all). On an error the temporary
-    file is removed and ``path`` is untouched."""
+    file is removed and ``path`` is untouched. An OSError names ``path`` (not the temporary
+    file the user never gave)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -142,6 +143,12 @@ def atomic_path(path: Path) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename in (str(tmp), tmp) or e.filename2 in (str(path), path):
+            reason = "it is a directory" if path.is_dir() else (_REASONS.get(e.errno or -1) or e.strerror or str(e))
+            raise OSError(e.errno, reason, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -279,7 +286,7 @@ def check_replaceable(target: Path, marker: str, what: str, like: Optional[Path]
         held = f"no {marker}" if not (target / marker).is_file() else f"it holds {foreign}"
         raise FileExistsError(
             f"{target} is a non-empty directory that is not a dynarec {what} ({held}); dynarec replaces only "
-            f"a {what} it wrote itself: choose an empty or new directory"
+            f"{'an' if what[0] in 'aeiou' else 'a'} {what} it wrote itself: choose an empty or new directory"
         )
 
 

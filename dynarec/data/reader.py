@@ -66,7 +66,7 @@ def data_files(directory: Union[str, Path]) -> list[str]:
     ]
 
 
-def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list[str]:
+def resolve_files(paths: Union[str, Sequence[str]], what: str = "input path") -> list[str]:
     """Expands files, directories and glob patterns into a sorted file list; FileNotFoundError
     naming ``what`` (the config field or option that gave them) where one does not exist or none
     holds a file."""
@@ -81,9 +81,9 @@ def resolve_files(paths: Union[str, Sequence[str]], what: str = "input") -> list
         elif os.path.isfile(p):
             files.append(p)
         else:
-            raise FileNotFoundError(f"{what}: input path {p} does not exist")
+            raise FileNotFoundError(f"{what}: {p} does not exist")
     if not files:
-        raise FileNotFoundError(f"{what}: input paths {list(paths)} match no .parquet or .csv file")
+        raise FileNotFoundError(f"{what}: {list(paths)} match no .parquet or .csv file")
     return sorted(dict.fromkeys(files))
 
 

@@ -476,7 +476,6 @@ class DynamicTable(EmbeddingTable):
         keys = self.row_ids(ids, "write_rows")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")
-        self.check_finite(values)
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):

@@ -282,13 +282,6 @@ class EmbeddingTable(ABC):
             raise ValueError(f"table '{self.name}': {what} takes integer ids, got floating-point ones")
         return torch.as_tensor(ids, dtype=torch.int64, device=self.device)
 
-    def check_finite(self, values: Mapping[str, torch.Tensor]) -> None:
-        """ValueError naming the field of ``values`` (rows given to ``write_rows``) holding a NaN
-        or an infinite number: it would train on as one (a NaN weight, a NaN accumulator)."""
-        for name, v in values.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                raise ValueError(f"table '{self.name}': write_rows got a {name} that is not a finite number")
-
     def foreign_fields(self, dump: Mapping[str, torch.Tensor]) -> list[str]:
         """The fields of ``dump`` that are another optimizer's states, sorted: states this table
         does not keep, and its own states' names at another width (Adagrad's ``momentum1`` is
@@ -438,7 +431,6 @@ class FixedTable(EmbeddingTable):
         self.validate("write_rows", ids)
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate ids")
-        self.check_finite(values)
         self.store.write(ids, values)
 
     def dump(self) -> dict[str, torch.Tensor]:

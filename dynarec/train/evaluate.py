@@ -34,7 +34,7 @@ class Evaluator:
         with_labels: bool = True,
         max_steps: Optional[int] = None,
         per_row: bool = False,
-        what: str = "input",
+        what: str = "input path",
     ):
         """Eval-mode predictions over ``paths``, in row order: ``(outputs, labels, groups)``:
         ``{output name: [N] or [N, C]}`` (``Tasks.predictions``: ``probability`` for a
@@ -137,7 +137,7 @@ class Evaluator:
         paths = paths or self.config.data.eval_input_path
         if not paths:
             raise ValueError("no eval data: set data.eval_input_path")
-        what = "input" if paths != self.config.data.eval_input_path else EVAL_PATH
+        what = "input path" if paths != self.config.data.eval_input_path else EVAL_PATH
         predictions, labels, groups = self.predict(paths, max_steps=self.config.eval.max_steps, what=what)
         rows = len(labels)
         if rows == 0:

@@ -130,6 +130,11 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     except Exception as e:  # safetensors reports a failed write (a full disk) as its own error
         raise write_error(path, str(e)) from None
+    # safetensors creates its files readable by their owner alone: a serving host's other account
+    # could read the export's manifest and dense model, not its tables. The process's umask rules.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_export(

@@ -148,7 +148,7 @@ class TrainInput:
         sharded: bool = True,
         training: bool = False,
         sampled: bool = True,
-        what: str = "input",
+        what: str = "input path",
     ) -> ArrowBatchDataset:
         """This rank's share of ``paths`` (``sharded``) or all of it, every file's schema checked;
         ``training``: batches of the training data (their sampled items: ``num_sample``, else

@@ -610,7 +610,7 @@ def test_an_empty_train_input_path_converts_with_a_note():
     assert "train_input_path: empty (TorchEasyRec takes it on its command line): written as []; pass " in notes
     assert "--train-input-path to import-config" in notes
     config = config_from_dict(result.config)
-    with pytest.raises(FileNotFoundError, match=r"paths \[\] match no \.parquet or \.csv file"):
+    with pytest.raises(FileNotFoundError, match=r"input path: \[\] match no \.parquet or \.csv file"):
         from dynarec.data.reader import resolve_files
 
         resolve_files(config.data.train_input_path)

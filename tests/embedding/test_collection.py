@@ -360,14 +360,11 @@ def test_rows_by_id_refuse_floating_point_ids_and_a_fixed_tables_duplicate_ids()
 
 
 @pytest.mark.parametrize("table", ["a", "u"])
-def test_write_rows_refuses_numbers_that_are_not_finite_and_a_bad_field_writes_nothing(table):
-    """NaN weights were written and trained on; a weight written before a state of the wrong
-    shape was refused stayed written."""
+def test_write_rows_with_a_bad_field_writes_nothing(table):
+    """A weight written before a state of the wrong shape was refused stayed written."""
     model = _Model(5)
     model.emb.write_rows(table, torch.tensor([1]), {"weight": torch.ones(1, 4)})
     before = model.emb.read_rows(table, torch.tensor([1]))
-    with pytest.raises(ValueError, match=f"table '{table}': write_rows got a weight that is not a finite number"):
-        model.emb.write_rows(table, torch.tensor([1]), {"weight": torch.full((1, 4), float("nan"))})
     with pytest.raises(ValueError, match=r"'momentum1' must have shape \(1, 4\), got \(1, 3\)"):
         model.emb.write_rows(table, torch.tensor([1]), {"weight": 2 * torch.ones(1, 4), "momentum1": torch.ones(1, 3)})
     after = model.emb.read_rows(table, torch.tensor([1]))

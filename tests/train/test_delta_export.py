@@ -175,6 +175,26 @@ def test_a_delta_written_over_its_own_chains_base_is_refused_and_the_chain_stays
     assert_same_model(ExportedModel(d2), ExportedModel(f3), root / "data" / "eval" / "part-0.parquet")
 
 
+def test_a_full_export_over_an_export_says_its_deltas_no_longer_apply_and_files_are_readable(chain, tmp_path, capsys):
+    """A full export written where an export was replaced it silently, and every delta written
+    on the old one stopped serving; the tables' files were the owner's alone (safetensors makes
+    them 0600) while the manifest and dense model followed the umask."""
+    import os
+    import stat
+
+    _, m, e1, *_ = chain
+    target = tmp_path / "e"
+    shutil.copytree(e1, target)
+    capsys.readouterr()
+    export(m, target)
+    err = capsys.readouterr().err
+    assert f"it replaced the export of step 10 that {target} held; a delta written on that one does not apply" in err
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (target / "export.json", *sorted((target / "tables").iterdir())):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
 def test_a_delta_after_one_step_is_a_fraction_of_a_full_export(chain, capsys):
     _, _, _, _, _, d2, f3 = chain
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,6 +22,7 @@ from tests.faults import file_size_limit, fill, read_only, small_disk
 from tests.pipeline_fixtures import config_dict, make_data, write_config
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -398,8 +400,27 @@ def test_a_missing_input_path_is_named_by_its_config_field(root, tmp_path, capsy
     cfg = write_config(root, c, f"missing-{field}.yaml")
     assert train(cfg, tmp_path / "m") == 2
     line = error_line(capsys, "train")
-    assert f"data.{field}: input path {tmp_path / 'nope'} does not exist" in line, line
+    assert f"data.{field}: {tmp_path / 'nope'} does not exist" in line, line
     assert not (tmp_path / "m").exists()
+
+
+def test_predict_refuses_an_output_named_for_another_format_and_a_bad_o_names_the_path(root, trained, tmp_path, capsys):
+    """predict --output x.csv wrote Parquet bytes under that name; import-config -o into a
+    directory named its hidden temporary file, a missing input printed "[Errno 2] ..."."""
+    _, e = trained
+    assert main(["predict", "--export-dir", str(e), "--input", "nope", "--output", str(tmp_path / "p.parquet")]) == 2
+    assert error_line(capsys, "predict").endswith("error: --input: nope does not exist")
+    data = str(root / "data" / "eval" / "part-0.parquet")
+    assert main(["predict", "--export-dir", str(e), "--input", data, "--output", str(tmp_path / "p.csv")]) == 2
+    assert "p.csv: predict writes one Parquet file; name it .parquet" in error_line(capsys, "predict")
+    assert not (tmp_path / "p.csv").exists()
+    (tmp_path / "out").mkdir()
+    config = str(ROOT / "tests" / "config" / "tzrec" / "examples" / "deepfm_criteo.config")
+    paths = ["--train-input-path", "d", "--eval-input-path", "e"]
+    assert main(["import-config", config, "-o", str(tmp_path / "out"), *paths]) == 2
+    assert error_line(capsys, "import-config").endswith(f"error: {tmp_path / 'out'}: it is a directory")
+    assert main(["import-config", str(tmp_path / "nope.config"), "-o", str(tmp_path / "x.yaml"), *paths]) == 2
+    assert error_line(capsys, "import-config").endswith(f"error: {tmp_path / 'nope.config'}: No such file or directory")
 
 
 def test_a_dense_model_too_large_for_memory_is_refused_before_allocating(root, tmp_path, capsys):
