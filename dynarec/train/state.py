@@ -40,7 +40,8 @@ def check_resumable(
     its config's ``sections``), a TDM model's tree (``tree``: its files and their SHA-256; node
     ids mean that tree's nodes), the global batch (when ``training``: the data position counts
     its rows; ``world_size`` ranks share it), the tables (``tables``: each one's sparse optimizer;
-    ``saved_tables``: the checkpoint's plan of each), the sparse and dense optimizers."""
+    ``saved_tables``: the checkpoint's plan of each), and, when ``training``, the sparse and dense
+    optimizers (a run that only reads the weights takes them from any optimizer)."""
     theirs = state.get("fingerprint", {})
     differ = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
     saved = state.get("config_sections")  # (not kept before 2026-12-05)
@@ -71,6 +72,8 @@ def check_resumable(
         raise CheckpointError(f"{where} {_batch_mismatch(state, global_batch_size, world_size)}")
     if set(saved_tables) != set(tables):
         raise CheckpointError(f"{where}: holds tables {sorted(saved_tables)}, the config has {sorted(tables)}")
+    if not training:  # (evaluate, export and predict read the weights: any optimizer's will do)
+        return
     for name, optimizer in tables.items():
         theirs = saved_tables[name].get("optimizer", optimizer)  # (not recorded before 2026-12-05)
         if theirs != optimizer:

@@ -238,13 +238,17 @@ class Trainer:
             self.ctx.world_size,
         )
         self.task.dense.load_state_dict(state["dense"])
-        self._load_dense_optimizer(state["dense_optimizer"])
+        if training:
+            self._load_dense_optimizer(state["dense_optimizer"])
         try:
             dumps = tables_for_rank(self.task.plan, self.ctx.rank, saved_plan, shards)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
         for name, dump in dumps.items():
-            report = self.task.embeddings.tables[name].load(dump, to_read=not training)
+            table = self.task.embeddings.tables[name]
+            # Read, not trained: another optimizer's states (a config changed since) are not needed.
+            weights_only = not training and bool(table.foreign_fields(dump) or table.lacking_states(dump))
+            report = table.load(dump, weights_only=weights_only, to_read=not training)
             if report["dropped"]:  # (training: a table to be read takes every key)
                 world = saved_plan["world_size"]
                 raise CheckpointError(

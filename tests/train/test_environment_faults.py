@@ -378,6 +378,38 @@ def test_resume_after_changing_the_dense_optimizer_is_refused_before_anything_is
     assert snapshot_unlocked(m) == before
 
 
+def test_evaluate_and_export_read_the_weights_under_a_config_with_other_optimizers(root, tmp_path, capsys):
+    """evaluate and export need a checkpoint's weights, not its optimizer states: under a config
+    whose sparse and dense optimizers had changed since (a config edited for the next run) they
+    refused with "resume with Adagrad"; now they read the same weights and score the same."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    m = tmp_path / "m"
+    assert train(steps_config(root, steps=2), m) == 0
+    other = steps_config(
+        root,
+        "other-optimizers.yaml",
+        steps=2,
+        train__sparse_optimizer={"adam_optimizer": {"lr": 0.01}},
+        train__dense_optimizer={"sgd_optimizer": {"lr": 0.1}},
+    )
+    metrics = []
+    for cfg in (steps_config(root, steps=2), other):
+        capsys.readouterr()
+        evaluate = ["evaluate", "--config", str(cfg), "--model-dir", str(m), "--input", str(root / "data" / "eval")]
+        assert main(evaluate) == 0
+        metrics.append(json.loads(capsys.readouterr().out))
+        export = tmp_path / f"e-{cfg.stem}"
+        assert main(["export", "--config", str(cfg), "--model-dir", str(m), "--export-dir", str(export)]) == 0
+        out = tmp_path / f"p-{cfg.stem}.parquet"
+        args = ["--export-dir", str(export), "--input", str(root / "data" / "eval"), "--output", str(out)]
+        assert main(["predict", *args]) == 0
+        metrics.append(pq.read_table(out).column("probability").to_pylist())
+    assert metrics[0] == metrics[2] and metrics[1] == metrics[3]
+
+
 def test_resume_trains_with_the_configs_dense_optimizer_settings_and_the_checkpoints_states(root, tmp_path):
     """A resume whose config changes Adam's betas, eps or weight decay trained on with the
     checkpoint's settings (torch's load_state_dict puts them back) while config.yaml recorded the
