@@ -36,14 +36,18 @@ class TrainingLog:
     # -- state carried in checkpoints --------------------------------------------------------
 
     def state(self) -> str:
-        return json.dumps(self.history)
+        """The history and the running loss (an average over the run's steps, which a resumed
+        run continues rather than restarting from its first loss)."""
+        return json.dumps({**self.history, "running_loss": self.running_loss})
 
     def load_state(self, state: str, step: Optional[int] = None) -> None:
         """The history a checkpoint holds; with ``step`` (the checkpoint's, resumed to train on),
         also the evaluations this model dir's metrics.json reports at or before it that the
         checkpoint lacks: a run's final evaluation follows its last save, and a resumed run's
         metrics.json would otherwise drop each earlier run's."""
-        self.history = json.loads(state)
+        history = json.loads(state)
+        self.running_loss = history.pop("running_loss", None)  # (not kept before 2026-12-06)
+        self.history = history
         if step is None or not self.enabled:
             return
         try:

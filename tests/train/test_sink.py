@@ -1,6 +1,6 @@
 """The training log's history across resumes: evaluations metrics.json reports at or before the
 checkpoint's step are kept (a run's final evaluation follows its last save), NaN metrics (written
-as null) stay NaN, one evaluation a step."""
+as null) stay NaN, one evaluation a step, the running loss carries on."""
 
 import json
 import math
@@ -33,3 +33,21 @@ def test_an_unreadable_metrics_file_leaves_the_checkpoints_history(tmp_path):
     log = TrainingLog(tmp_path, progress=False)
     log.load_state(json.dumps({"train_loss": [], "eval": [[3, {"auc": 0.5}]]}), 12)
     assert log.history["eval"] == [[3, {"auc": 0.5}]]
+
+
+def test_a_resumed_run_continues_the_running_loss(tmp_path):
+    """The running loss (TensorBoard's train/running_loss, the progress line's) restarted from the
+    first loss after every resume, a jump in its curve; the checkpoint carries it now."""
+    losses = [0.9, 0.7, 0.6, 0.5]
+    whole = TrainingLog(tmp_path / "whole", progress=False, enabled=False)
+    for step, loss in enumerate(losses, 1):
+        whole.train_step(step, loss, 0, record=True)
+    first = TrainingLog(tmp_path / "resumed", progress=False, enabled=False)
+    for step, loss in enumerate(losses[:2], 1):
+        first.train_step(step, loss, 0, record=True)
+    resumed = TrainingLog(tmp_path / "resumed", progress=False, enabled=False)
+    resumed.load_state(first.state(), 2)
+    for step, loss in enumerate(losses[2:], 3):
+        resumed.train_step(step, loss, 0, record=True)
+    assert resumed.running_loss == whole.running_loss != losses[-1]
+    assert resumed.history == whole.history and "running_loss" not in resumed.history
