@@ -98,6 +98,11 @@ def cmd_plan(args) -> None:
 def cmd_train(args) -> None:
     """One process, or one rank of a torchrun job (``--nproc N`` starts that job: torchrun
     --standalone --nproc-per-node N -m dynarec train ...)."""
+    given = [
+        o for o, v in (("--poll-seconds", args.poll_seconds), ("--idle-timeout", args.idle_timeout)) if v is not None
+    ]
+    if given and not args.follow:  # (they would be ignored)
+        raise ValueError(f"{' and '.join(given)} go{'es' if len(given) == 1 else ''} with --follow")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _config_for(args)  # a config error is reported here, once, not by every rank
         _launch_torchrun(args.nproc, args.argv, lambda: _latest_note(args))
@@ -106,7 +111,8 @@ def cmd_train(args) -> None:
     from dynarec.train.trainer import FollowOptions, Trainer
 
     config = _config_for(args)
-    follow = FollowOptions(args.poll_seconds, args.idle_timeout) if args.follow else None
+    poll = 5.0 if args.poll_seconds is None else args.poll_seconds
+    follow = FollowOptions(poll, args.idle_timeout) if args.follow else None
     ctx = init_distributed(args.device, config.train.collective_timeout_seconds)
     try:
         trainer = Trainer(
@@ -600,7 +606,9 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="data.train_input_path is a directory receiving new files: train on them as they arrive",
     )
-    p.add_argument("--poll-seconds", type=float, default=5.0, help="--follow: how often to look for new files")
+    p.add_argument(
+        "--poll-seconds", type=float, default=None, help="--follow: how often to look for new files (default: 5)"
+    )
     p.add_argument(
         "--idle-timeout", type=float, default=None, help="--follow: stop after this many seconds without a new file"
     )
@@ -693,6 +701,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.command == "predict" and bool(args.export_dir) == bool(args.model_dir):
         print("dynarec predict: error: give exactly one of --export-dir or --model-dir", file=sys.stderr)
+        return 2
+    if args.command == "predict" and args.export_dir and args.config:  # (it would be ignored)
+        print(
+            "dynarec predict: error: --config goes with --model-dir; an export directory carries the config it was "
+            "exported with",
+            file=sys.stderr,
+        )
         return 2
     from dynarec.distributed.context import DistributedError, StepFailedError
     from dynarec.embedding.cached_store import CacheFullError

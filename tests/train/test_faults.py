@@ -281,6 +281,19 @@ def test_predict_needs_exactly_one_source(tmp_path, capsys):
     assert main(args) == 2
     assert main([*args, "--export-dir", "e", "--model-dir", "m"]) == 2
     assert capsys.readouterr().err.count("give exactly one of --export-dir or --model-dir") == 2
+    assert main([*args, "--export-dir", "e", "--config", "c.yaml"]) == 2  # (the export's own config would be used)
+    assert "--config goes with --model-dir; an export directory carries the config" in capsys.readouterr().err
+
+
+def test_follow_options_without_follow_are_refused(tmp_path, capsys):
+    """--poll-seconds and --idle-timeout tune --follow; without it they were silently ignored (a
+    run meant to follow a directory trained once over what was there and stopped)."""
+    args = ["train", "--model-dir", str(tmp_path / "m"), "--no-progress"]
+    assert main([*args, "--idle-timeout", "60"]) == 2
+    assert "dynarec train: error: --idle-timeout goes with --follow" in capsys.readouterr().err
+    assert main([*args, "--poll-seconds", "1", "--idle-timeout", "60"]) == 2
+    assert "--poll-seconds and --idle-timeout go with --follow" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_write_rows_with_duplicate_keys_is_refused():
