@@ -470,10 +470,14 @@ class DynamicTable(EmbeddingTable):
 
     def write_rows(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Writes rows by key, creating rows for absent keys (fresh state where not given).
+        ``values`` may hold :meth:`read_rows`' ``present`` ``[n]`` bool: only the rows it marks
+        are written (``write_rows(ids, read_rows(ids))`` changes nothing and creates no key).
         Refused while a training step is pending: a growth would move the rows its backward
         updates."""
         self.steps.check_idle("write_rows")
         keys = self.row_ids(ids, "write_rows")
+        if "present" in values:
+            keys, values = self._present_rows(keys, values)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")
         slots = self.index.find(keys)
@@ -494,6 +498,25 @@ class DynamicTable(EmbeddingTable):
                     f"(max_capacity {self.max_capacity}); raise max_capacity"
                 )
         self.store.write(slots, values)
+
+    def _present_rows(
+        self, keys: torch.Tensor, values: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The keys and rows of ``values`` whose ``present`` is true (``present`` dropped);
+        ValueError for a ``present`` that is not ``[n]`` bool or a field that is not ``n`` rows."""
+        values = {name: torch.as_tensor(v) for name, v in values.items()}
+        present = values.pop("present")
+        if present.dtype != torch.bool or tuple(present.shape) != tuple(keys.shape):
+            raise ValueError(
+                f"table '{self.name}': write_rows' present must be {list(keys.shape)} bool (read_rows' mask), got "
+                f"{list(present.shape)} {present.dtype}"
+            )
+        for name, v in values.items():
+            if v.shape[:1] != keys.shape:
+                raise ValueError(
+                    f"table '{self.name}': write_rows' {name} has {list(v.shape)}, not {keys.numel()} rows"
+                )
+        return keys[present.to(keys.device)], {n: v[present.to(v.device)] for n, v in values.items()}
 
     # -- dump and load -------------------------------------------------------------------------
 

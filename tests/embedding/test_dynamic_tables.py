@@ -594,6 +594,28 @@ def test_write_rows_is_refused_while_a_training_step_is_pending():
     assert coll.tables["d"].capacity > 8 and bool(coll.read_rows("d", keys)["present"].all())
 
 
+def test_write_rows_of_what_read_rows_returned_writes_the_present_rows_alone():
+    """read_rows adds ``present``; writing its result back was refused ("unknown row field
+    'present'"), and writing it without ``present`` created the absent keys with zero rows. Now
+    the mask says which rows to write: a read-modify-write round trip creates no key."""
+    coll = EmbeddingCollection([dynamic(max_capacity=64, spec=Adagrad(lr=0.1))], SGD(lr=0.1))
+    t = coll.tables["d"]
+    coll.write_rows("d", torch.tensor([5]), {"weight": torch.ones(1, D), "momentum1": torch.full((1, D), 0.5)})
+    ids = torch.tensor([7, 5, 9])
+    rows = coll.read_rows("d", ids)
+    assert rows["present"].tolist() == [False, True, False]
+    coll.write_rows("d", ids, rows)
+    assert t.size == 1 and all(torch.equal(coll.read_rows("d", ids)[k], v) for k, v in rows.items())
+    rows["weight"] = rows["weight"] * 2
+    coll.write_rows("d", ids, rows)
+    assert t.size == 1 and coll.read_rows("d", torch.tensor([5]))["weight"].tolist() == [[2.0] * D]
+    assert coll.read_rows("d", torch.tensor([5]))["momentum1"].tolist() == [[0.5] * D]
+    with pytest.raises(ValueError, match=r"table 'd': write_rows' present must be \[3\] bool"):
+        coll.write_rows("d", ids, {**rows, "present": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"table 'd': write_rows' weight has \[2, 4\], not 3 rows"):
+        coll.write_rows("d", ids, {**rows, "weight": rows["weight"][:2]})
+
+
 @pytest.mark.parametrize("grow", [True, False], ids=["growth", "cuckoo-move"])
 def test_write_rows_of_present_and_new_keys_lands_every_value_in_its_key_row(grow):
     """Inserting the new keys of a write may move present keys' rows (a growth rehashes them all; a
