@@ -2,6 +2,7 @@
 (initial_accumulator_value reaching fixed tables only) caught, naming the table."""
 
 import dataclasses
+import warnings
 
 import pytest
 
@@ -56,6 +57,28 @@ def test_a_table_with_admission_sees_its_evicted_keys_return(score_strategy, thr
     }  # fmt: skip
     (user,) = [v for v in verify_config(config_from_dict(c)) if v.kind == "dynamic"]
     assert user.ok and user.returned_keys > 0, user.line()
+
+
+@pytest.mark.parametrize("check_mode", ["error", "warn"])
+def test_a_shared_table_with_admission_verifies_whatever_its_check_mode(check_mode):
+    """A dynamic table two features share, under admission: the small copy's flood leaves some new
+    keys without a row (its own sizing, not the config's max_capacity). Under check_mode 'error'
+    verify failed with TableFullError ("raise max_capacity", of the copy's 64 rows); under 'warn'
+    it printed the table's warnings. Now they are counted in the verdict."""
+    c = config_dict()
+    for f in c["feature_configs"]:
+        body = next(iter(f.values()))
+        if body.get("embedding_name") == "item":
+            del body["num_buckets"]
+            body["dynamicemb"] = {
+                "max_capacity": 4096, "bucket_size": 8, "admission": {"threshold": 2}, "check_mode": check_mode,
+            }  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        verdicts = verify_config(config_from_dict(c))
+    (item,) = [v for v in verdicts if v.table == "item"]
+    assert item.ok and item.returned_keys > 0, item.line()
+    assert any("found no row in the small copy's full buckets" in n for n in item.notes), item.line()
 
 
 @needs_fbgemm
