@@ -278,6 +278,27 @@ def _prediction_column(x):
     return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
 
 
+CONVERTED_BY = "# Converted by `dynarec import-config`"  # the first line of what import-config writes
+
+
+def _check_import_target(output: Path, overwrite: bool) -> None:
+    """FileExistsError where ``output`` is a file import-config did not write (a config of the
+    user's own, say), unless ``overwrite``: a conversion written again over its own output
+    replaces it, as a build step does."""
+    if overwrite or not output.exists() or output.is_dir():  # (a directory fails the write, named)
+        return
+    try:
+        with output.open("rb") as f:
+            ours = f.read(len(CONVERTED_BY)) == CONVERTED_BY.encode()
+    except OSError:
+        ours = False
+    if not ours:
+        raise FileExistsError(
+            f"-o {output} exists and was not written by import-config; choose another name, or pass --overwrite "
+            "to replace it"
+        )
+
+
 def cmd_import_config(args) -> None:
     import yaml
 
@@ -297,6 +318,7 @@ def cmd_import_config(args) -> None:
     except UnicodeDecodeError as e:
         raise ConversionError(f"{source} is not UTF-8 text (byte {e.start}: a binary file?)") from None
     output = Path(args.output)
+    _check_import_target(output, args.overwrite)
     try:
         result = convert_pipeline_config(
             text,
@@ -312,7 +334,7 @@ def cmd_import_config(args) -> None:
     except TextFormatError as e:
         raise ConversionError(f"{source}: {e}") from None
     config_from_dict(result.config, base_dir=output.parent)  # what is written must load
-    header = [f"# Converted by `dynarec import-config` from {source}.", "# Mapped and ignored fields:"]
+    header = [f"{CONVERTED_BY} from {source}.", "# Mapped and ignored fields:"]
     header += [f"#   {n}" for n in result.notes] or ["#   (none)"]
     if result.dropped:
         header += ["# Dropped (--lenient):"] + [f"#   {d}" for d in result.dropped]
@@ -587,6 +609,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "node_table.txt and edge_table.txt (dynarec tdm init-tree writes them)",
     )
     p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace -o's file even where import-config did not write it"
+    )
     p.set_defaults(run=cmd_import_config)
 
     p = sub.add_parser(

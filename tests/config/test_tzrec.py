@@ -596,6 +596,26 @@ def test_import_config_refuses_what_it_cannot_read_by_name(tmp_path, capsys):
     assert not (tmp_path / "out.yaml").exists()
 
 
+def test_import_config_replaces_its_own_output_but_not_a_file_it_did_not_write(tmp_path, capsys):
+    """-o over an existing file replaced it silently: a config of the user's own, say, lost. Now
+    a file import-config did not write is refused unless --overwrite; its own output is replaced,
+    as a build step rewrites its output."""
+    source = str(EXAMPLES / "multi_tower_din_taobao.config")
+    paths = ["--train-input-path", "train", "--eval-input-path", "eval"]
+    out = tmp_path / "mine.yaml"
+    out.write_text("# my own config\nmodel: {}\n")
+    assert main(["import-config", source, "-o", str(out), *paths]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {out} exists and was not written by import-config" in err and "--overwrite" in err, err
+    assert out.read_text() == "# my own config\nmodel: {}\n"
+    assert main(["import-config", source, "-o", str(out), *paths, "--overwrite"]) == 0
+    converted = out.read_text()
+    assert converted.startswith("# Converted by `dynarec import-config`")
+    out.write_text(converted + "# an edit of the converted config\n")  # (its header stays)
+    assert main(["import-config", source, "-o", str(out), *paths]) == 0
+    assert out.read_text() == converted
+
+
 # -- non-feature fields of the vendored configs ----------------------------------------------------
 
 VENDORED = EXAMPLES / "tests"
