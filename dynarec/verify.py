@@ -29,6 +29,7 @@ from dynarec.config.schema import Config
 from dynarec.embedding import EmbeddingCollection, JaggedBatch
 from dynarec.embedding.cached_store import CachedRowStore
 from dynarec.embedding.config import Backend, FeatureConfig, TableConfig
+from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.fbgemm_store import fbgemm_available
 from dynarec.embedding.initializers import mix64
 from dynarec.optim.base import OptimizerSpec
@@ -268,7 +269,8 @@ def _run(
         _compare(coll, table, ref, verdict, step)
     if record:
         verdict.fresh_rows, verdict.returned_keys = ref.fresh, ref.returned
-        dropped = coll.tables[table.name].report().get("dropped_keys", 0) if table.dynamic is not None else 0
+        held = coll.tables[table.name]
+        dropped = held.report()["dropped_keys"] if isinstance(held, DynamicTable) else 0
         if dropped:
             verdict.notes.append(f"({dropped} new key(s) found no row in the small copy's full buckets)")
         store = coll.tables[table.name].store
