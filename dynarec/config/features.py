@@ -503,6 +503,9 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
     # Unset: a missing value is an error naming the row.
     default_value: Optional[str] = None
     weighted: bool = False  # values are "id:weight" pairs (or a map column id -> weight)
+    # Keep a row's first max_values values (of a separator-joined string or a list column), as
+    # TorchEasyRec's value_dim k truncates what its feature generation outputs.
+    max_values: Optional[Count] = None
 
     def _table_help(self) -> str:
         return (
@@ -517,6 +520,8 @@ class IdFeatureCfg(_SingleInput, _Embeddable):
     def _check_kind(self) -> None:
         if self.boundaries is not None and self.separator is not None:
             raise ValueError("boundaries bucketize one number per sample; remove separator")
+        if self.boundaries is not None and self.max_values is not None:
+            raise ValueError("boundaries bucketize one number per sample; remove max_values")
         if self.weighted and self.boundaries is not None:
             raise ValueError("weighted takes 'id:weight' pairs; boundaries bucketize numbers (give one of them)")
         if self.weighted and self.default_value and ":" not in self.default_value:

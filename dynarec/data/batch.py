@@ -911,6 +911,8 @@ class BatchBuilder:
             col = pc.if_else(pc.is_nan(col), pa.scalar(None, col.type), col)  # a NaN id is missing, as a null
         if dv is None and col.null_count:
             raise DataError(f"{self._where(f, origin, int(pc.index(col.is_null(), True).as_py()))}: missing value")
+        if isinstance(f, IdFeatureCfg) and f.max_values is not None:
+            col = self._first_of_rows(f, col, origin)
         if isinstance(f, IdFeatureCfg) and f.weighted:
             return self._weighted(f, col, origin)
         if isinstance(f, IdFeatureCfg) and f.boundaries is not None:
@@ -1059,6 +1061,26 @@ class BatchBuilder:
 
         dots, empty = kv_dot(weighted(query, "query"), weighted(document, "document"))
         return self._finish(f, dots[:, None], ~empty, origin)
+
+    def _first_of_rows(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> pa.Array:
+        """``col`` with each row cut to its first ``f.max_values`` values: a list column's
+        elements, a string column's ``separator``-joined values (TorchEasyRec's ``value_dim``)."""
+        k = f.max_values
+        assert k is not None
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if _is_list(col.type):
+            return pc.list_slice(col, 0, k)
+        if pa.types.is_map(col.type):
+            raise DataError(
+                f"{self._where(f, origin, 0)}: max_values cuts a list or a string of values; a map column's entries "
+                "have no order to keep the first of"
+            )
+        if not _is_string(col.type) or f.separator is None:  # one value a row
+            return col
+        data = col.buffers()[2] if len(col) else None
+        if data is None or data.to_pybytes().find(f.separator.encode()) < 0:  # (no row holds several)
+            return col
+        return pc.binary_join(pc.list_slice(pc.split_pattern(col, f.separator, max_splits=k), 0, k), f.separator)
 
     def _weighted(self, f: IdFeatureCfg, col: pa.Array, origin: RowOrigin) -> _Ids:
         """``id:weight`` pairs (joined by ``separator``, default ``\\x1d``; or a list of them), or

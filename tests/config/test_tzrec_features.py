@@ -439,6 +439,29 @@ def test_an_fg_none_sequence_of_ids_reads_a_null_row_as_an_empty_sequence():
     assert batch.sequence_lengths(["s__item"])["s__item"].tolist() == [2, 0, 1, 0]
 
 
+@pytest.mark.parametrize("fg_mode", ["FG_DAG", "FG_NONE"])
+def test_an_id_features_explicit_value_dim_keeps_a_rows_first_values(fg_mode):
+    """pyfg's value_dimension truncates an id feature's values: value_dim 1 keeps the first, k
+    the first k. value_dim 1 converted with no separator (a row's "a\\x1db" looked up whole) and
+    value_dim 2 was refused. FG_NONE splits on its separator whatever value_dim says."""
+    features = "".join(
+        f'feature_configs {{ id_feature {{ feature_name: "{n}" expression: "item:{n}" embedding_dim: 4 '
+        f"num_buckets: 10 {dim} }} }}"
+        for n, dim in (("one", "value_dim: 1"), ("two", "value_dim: 2"), ("all", "value_dim: 0"), ("unset", ""))
+    )
+    groups = 'feature_groups { group_name: "deep" feature_names: ["one", "two", "all", "unset"] }'
+    result = convert(config_text(features, groups, fg_mode))
+    config_from_dict(result.config)
+    sep = "\x03" if fg_mode == "FG_NONE" else "\x1d"
+    got = {
+        n: (body(result, n).get("separator"), body(result, n).get("max_values")) for n in ("one", "two", "all", "unset")
+    }
+    if fg_mode == "FG_NONE":
+        assert got == {n: (sep, None) for n in got}
+    else:
+        assert got == {"one": (sep, 1), "two": (sep, 2), "all": (sep, None), "unset": (sep, None)}
+
+
 def test_a_sequence_elements_several_values_keep_the_first_as_torcheasyrecs_value_dim_1():
     """id_feature_test.py:643 and :698: a sequence sub-feature's value_dim 1 (its default)
     truncates an element's \\x1d-joined values to the first: "abc\\x1defg;hij", "", "hij" ->

@@ -157,6 +157,25 @@ def test_weighted_pairs_and_map_columns_carry_weights_in_the_kjt():
     assert ids(b, "f") == [[3], [0]] and weights(b, "f") == [2.0, 0.5]
 
 
+def test_max_values_keeps_a_rows_first_values():
+    """TorchEasyRec's value_dim k on an id feature keeps a row's first k values (pyfg's
+    value_dimension truncates); an explicit value_dim 1 converted without a separator hashed
+    "a\\x1db" whole. max_values cuts strings, list columns and weighted pairs alike."""
+    f = id_feature(num_buckets=10, separator="|", max_values=2, default_value="")
+    assert ids(build(f, f=pa.array(["1|2|3", "4", None, "", "5|6"])), "f") == [[1, 2], [4], [], [], [5, 6]]
+    assert ids(build(f, f=pa.array([[1, 2, 3], [4], None, []], pa.list_(pa.int64()))), "f") == [[1, 2], [4], [], []]
+    one = id_feature(vocab_list=["a", "b"], separator=H, max_values=1)
+    assert ids(build(one, f=pa.array([f"a{H}b", f"b{H}a", "a"])), "f") == [[2], [3], [2]]
+    weighted = id_feature(num_buckets=1000, weighted=True, separator=H, max_values=1)
+    b = build(weighted, f=pa.array([f"12:0.9{H}123:0.21", "5:2"]))
+    assert ids(b, "f") == [[12], [5]] and weights(b, "f") == pytest.approx([0.9, 2.0])
+    m = pa.array([[(3, 0.5)]], pa.map_(pa.int64(), pa.float32()))
+    with pytest.raises(DataError, match="max_values cuts a list or a string of values; a map column"):
+        build(id_feature(num_buckets=10, weighted=True, max_values=1), f=m)
+    with pytest.raises(ConfigError, match="remove max_values"):
+        config(id_feature(boundaries=[1.0, 2.0], max_values=1))
+
+
 def test_zch_is_a_dynamic_table_of_zch_size():
     f = id_feature(zch={"zch_size": 1000, "lru": {}}, value_type="string")
     feat = config(f).feature("f")

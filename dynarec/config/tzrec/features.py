@@ -555,9 +555,14 @@ class _Build:
                 self.ctx.refuse(r.at("value_dim"), "a sequence element takes one value (1) or several (0)")
         else:
             self.body["pooling"] = pooling
-            if several or (several_default and not explicit):
+            # FG_NONE splits a string on its multi-value separator whatever value_dim says; pyfg
+            # (the other modes) keeps a row's first value_dim values of an id feature.
+            truncates = explicit and value_dim >= 1 and self.kind == "id_feature" and not mode.encoded
+            if several or (several_default and not explicit) or truncates or (mode.encoded and explicit):
                 self.body["separator"] = mode.multival_sep if mode.encoded else separator
-            if explicit and value_dim > 1 and self.kind in ("id_feature", "combo_feature"):
+            if truncates:
+                self.body["max_values"] = value_dim
+            elif explicit and value_dim > 1 and self.kind == "combo_feature":
                 self.body["value_dim"] = value_dim
         self._default_value("")
         return value_dim
