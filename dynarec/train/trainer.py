@@ -509,6 +509,8 @@ class Trainer:
                         flush=True,
                     )
                 self._check_not_past_the_end(path)
+            elif self.ctx.is_main:  # (a job restarted with --resume from its first launch on, say)
+                print(f"--resume: {self.model_dir} holds no checkpoint yet; training from the start", file=sys.stderr)
         elif existing:
             raise CheckpointError(
                 f"{self.model_dir} already holds checkpoints ({existing[-1].name}); "

@@ -305,6 +305,15 @@ def test_export_retries_when_training_rotates_away_the_checkpoint_it_reads(root,
 # -- resume, the dense model --------------------------------------------------------------------
 
 
+def test_resume_into_a_model_dir_without_checkpoints_says_it_starts_from_the_beginning(root, tmp_path, capsys):
+    """--resume on a model directory with no checkpoint (a job that always passes it, or a mistyped
+    --model-dir) trained from step 0 without a word; it still does, and says so."""
+    m = tmp_path / "typo"
+    capsys.readouterr()
+    assert train(steps_config(root, steps=1), m, "--resume") == 0
+    assert f"--resume: {m} holds no checkpoint yet; training from the start" in capsys.readouterr().err
+
+
 def test_resume_past_the_configs_num_steps_is_refused_before_anything_is_written(root, tmp_path, capsys):
     """A checkpoint at step 3 resumed with num_steps 2 trained nothing and rewrote the model
     directory's config record to num_steps 2; now a named error, nothing written. Resuming a
