@@ -167,6 +167,19 @@ def config_sections(config: Config) -> dict[str, Any]:
     return {section: dumped[section] for section in ("feature_configs", "model")}
 
 
+def sections_as_today(config: Config, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's :func:`config_sections` (``saved``, written by any dynarec) as this
+    dynarec writes them: validated again beside ``config``'s other sections, so that a field
+    added to the schema since (absent in the checkpoint's, at its default now) is no difference.
+    ``saved`` as it is where it no longer validates (a field removed since differs)."""
+    sections = {k: v for k, v in saved.items() if k in ("feature_configs", "model")}
+    try:
+        again = Config.model_validate({**config.model_dump(mode="json"), **sections})
+    except (ValidationError, ValueError, TypeError):
+        return dict(saved)
+    return {**saved, **config_sections(again)}
+
+
 # Feature fields that only say where a table's rows live: a checkpoint holds the same rows
 # either way, so a run may resume with them changed (a cache made larger or turned off).
 PLACEMENT_ONLY = ("cache_load_factor", "sharding")

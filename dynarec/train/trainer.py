@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from dynarec.config.load import ConfigError, config_fingerprint, config_sections
+from dynarec.config.load import ConfigError, config_fingerprint, config_sections, sections_as_today
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
@@ -224,6 +224,9 @@ class Trainer:
         if not isinstance(saved_plan, dict):
             raise CheckpointError(f"{path} holds no plan (written by an older dynarec); train into another model_dir")
         self._restored_world_size = saved_plan["world_size"]
+        saved_sections = state.get("config_sections")
+        if isinstance(saved_sections, dict):  # (a field the schema gained since is not a change)
+            state = {**state, "config_sections": sections_as_today(self.config, saved_sections)}
         check_resumable(
             state,
             path,

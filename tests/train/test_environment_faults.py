@@ -305,6 +305,44 @@ def test_export_retries_when_training_rotates_away_the_checkpoint_it_reads(root,
 # -- resume, the dense model --------------------------------------------------------------------
 
 
+def test_a_checkpoint_from_before_a_schema_field_was_added_still_loads(root, tmp_path, capsys, monkeypatch):
+    """A checkpoint keeps its config's sections with every default written out; when the schema
+    gained an optional field (id_feature.max_values), every earlier checkpoint was refused as
+    "written with a different config (max_values: absent in the checkpoint's, null in this one)"
+    by evaluate, export, predict and --resume alike. A field at its default is no change."""
+    import hashlib
+    import json
+
+    from dynarec.config import load
+    from dynarec.train import trainer as trainer_module
+
+    def older(config):  # the sections as the dynarec before the field wrote them
+        sections = load.config_sections(config)
+        for f in sections["feature_configs"]:
+            for body in f.values():
+                if isinstance(body, dict):
+                    body.pop("max_values", None)
+        return sections
+
+    def older_fingerprint(config):
+        return {
+            k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in older(config).items()
+        }
+
+    m = tmp_path / "m"
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "config_sections", older)
+        patch.setattr(trainer_module, "config_fingerprint", older_fingerprint)
+        assert train(steps_config(root, steps=1), m) == 0
+    assert train(steps_config(root, steps=2), m, "--resume") == 0
+    changed = steps_config(root, "dim.yaml", steps=3)
+    text = changed.read_text().replace("embedding_dim: 8", "embedding_dim: 6", 1)
+    changed.write_text(text)
+    capsys.readouterr()
+    assert train(changed, m, "--resume") == 2  # a real change is still refused, named
+    assert "embedding_dim: 8 in the checkpoint's, 6 in this one" in error_line(capsys, "train")
+
+
 def test_resume_into_a_model_dir_without_checkpoints_says_it_starts_from_the_beginning(root, tmp_path, capsys):
     """--resume on a model directory with no checkpoint (a job that always passes it, or a mistyped
     --model-dir) trained from step 0 without a word; it still does, and says so."""
