@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 from dynarec.cli import at_least
-from dynarec.files import json_text
+from dynarec.files import foreign_files, json_text, relative_files
 
 __all__ = ["main"]
 
@@ -51,9 +51,8 @@ def main(args) -> None:
 
     start = time.perf_counter()
     work = Path(args.work_dir)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    _clear_work_dir(work)
+    (work / DEMO_MARKER).write_text(json_text({"written_by": "dynarec demo"}))  # (a run cut short: still ours)
     meta = make_click_log(work / "data", SyntheticSpec(train_rows=args.train_rows, eval_rows=args.eval_rows))
     bayes = meta["bayes_optimal_eval_auc"]
     print(f"[make-data] {meta['train_rows']} train / {meta['eval_rows']} eval rows; Bayes-optimal eval AUC {bayes:.4f}")
@@ -124,6 +123,38 @@ def main(args) -> None:
         "peak_rss_mb": peak_mb,
     }
     (work / "demo_summary.json").write_text(json_text(summary))
+    (work / DEMO_MARKER).write_text(json_text({"written_by": "dynarec demo", "files": relative_files(work)}))
+
+
+# What a demo directory holds at its top: a later demo replaces a directory holding nothing else.
+DEMO_MARKER = "demo.json"
+DEMO_ENTRIES = {
+    DEMO_MARKER, "data", "demo.yaml", "model", "export", "predictions.parquet", "baseline_model", "demo_summary.json",
+}  # fmt: skip
+
+
+def _clear_work_dir(work: Path) -> None:
+    """Makes ``work`` an empty directory: created, or emptied where it holds a demo's outputs
+    alone (:data:`DEMO_ENTRIES`; below them, where the marker lists its files, those alone).
+    FileExistsError naming what else it holds, before anything is deleted: ``--work-dir .`` or
+    a directory of the user's own is never emptied."""
+    if work.exists() and not work.is_dir():
+        raise FileExistsError(f"--work-dir {work} exists and is not a directory")
+    if work.is_dir():
+        foreign = sorted(p.name for p in work.iterdir() if p.name not in DEMO_ENTRIES)
+        if not foreign and (work / DEMO_MARKER).is_file():
+            foreign = [f for f in foreign_files(work, DEMO_MARKER) if f != f"no {DEMO_MARKER}"]
+        if foreign:
+            raise FileExistsError(
+                f"--work-dir {work} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which the "
+                "demo did not write; the demo replaces only a directory of its own outputs: choose a new or empty one"
+            )
+        for child in work.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    work.mkdir(parents=True, exist_ok=True)
 
 
 def torch_arange_or_keys(table):
