@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -281,21 +283,35 @@ def _prediction_column(x):
 CONVERTED_BY = "# Converted by `dynarec import-config`"  # the first line of what import-config writes
 
 
+def _body_digest(text: str) -> str:
+    """SHA-256 (16 hex digits) of a converted config's YAML: ``text`` after its leading comment
+    lines (import-config's header)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    return hashlib.sha256("".join(lines[start:]).encode()).hexdigest()[:16]
+
+
 def _check_import_target(output: Path, overwrite: bool) -> None:
     """FileExistsError where ``output`` is a file import-config did not write (a config of the
-    user's own, say), unless ``overwrite``: a conversion written again over its own output
-    replaces it, as a build step does."""
+    user's own, say), or one it wrote and that was edited since (its header's digest of the YAML
+    no longer matches), unless ``overwrite``: a conversion written again over its own untouched
+    output replaces it, as a build step does."""
     if overwrite or not output.exists() or output.is_dir():  # (a directory fails the write, named)
         return
     try:
-        with output.open("rb") as f:
-            ours = f.read(len(CONVERTED_BY)) == CONVERTED_BY.encode()
-    except OSError:
-        ours = False
-    if not ours:
+        text = output.read_text()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not text.startswith(CONVERTED_BY):
         raise FileExistsError(
             f"-o {output} exists and was not written by import-config; choose another name, or pass --overwrite "
             "to replace it"
+        )
+    recorded = re.search(r"\(YAML sha256 ([0-9a-f]{16})\)\.$", text.splitlines()[0])
+    if recorded is not None and recorded.group(1) != _body_digest(text):
+        raise FileExistsError(
+            f"-o {output} was edited since import-config wrote it; choose another name, or pass --overwrite to "
+            "replace it"
         )
 
 
@@ -334,11 +350,11 @@ def cmd_import_config(args) -> None:
     except TextFormatError as e:
         raise ConversionError(f"{source}: {e}") from None
     config_from_dict(result.config, base_dir=output.parent)  # what is written must load
-    header = [f"{CONVERTED_BY} from {source}.", "# Mapped and ignored fields:"]
+    body = yaml.safe_dump(result.config, sort_keys=False, allow_unicode=True)
+    header = [f"{CONVERTED_BY} from {source} (YAML sha256 {_body_digest(body)}).", "# Mapped and ignored fields:"]
     header += [f"#   {n}" for n in result.notes] or ["#   (none)"]
     if result.dropped:
         header += ["# Dropped (--lenient):"] + [f"#   {d}" for d in result.dropped]
-    body = yaml.safe_dump(result.config, sort_keys=False, allow_unicode=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, "\n".join(header) + "\n" + body)
     for n in result.notes:

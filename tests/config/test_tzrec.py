@@ -597,9 +597,9 @@ def test_import_config_refuses_what_it_cannot_read_by_name(tmp_path, capsys):
 
 
 def test_import_config_replaces_its_own_output_but_not_a_file_it_did_not_write(tmp_path, capsys):
-    """-o over an existing file replaced it silently: a config of the user's own, say, lost. Now
-    a file import-config did not write is refused unless --overwrite; its own output is replaced,
-    as a build step rewrites its output."""
+    """-o over an existing file replaced it silently: a config of the user's own, or a converted
+    one edited by hand since, lost. Now both are refused unless --overwrite (the header records a
+    digest of the YAML it wrote); its own untouched output is replaced, as a build step's is."""
     source = str(EXAMPLES / "multi_tower_din_taobao.config")
     paths = ["--train-input-path", "train", "--eval-input-path", "eval"]
     out = tmp_path / "mine.yaml"
@@ -611,8 +611,13 @@ def test_import_config_replaces_its_own_output_but_not_a_file_it_did_not_write(t
     assert main(["import-config", source, "-o", str(out), *paths, "--overwrite"]) == 0
     converted = out.read_text()
     assert converted.startswith("# Converted by `dynarec import-config`")
-    out.write_text(converted + "# an edit of the converted config\n")  # (its header stays)
-    assert main(["import-config", source, "-o", str(out), *paths]) == 0
+    assert main(["import-config", source, "-o", str(out), *paths]) == 0  # its own output, untouched
+    assert out.read_text() == converted
+    out.write_text(converted.replace("batch_size: ", "batch_size: 1", 1))  # an edit keeps the header
+    assert main(["import-config", source, "-o", str(out), *paths]) == 2
+    assert f"-o {out} was edited since import-config wrote it" in capsys.readouterr().err
+    assert out.read_text() != converted
+    assert main(["import-config", source, "-o", str(out), *paths, "--overwrite"]) == 0
     assert out.read_text() == converted
 
 
