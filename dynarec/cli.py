@@ -36,18 +36,26 @@ def _config_for(args):
 
 
 def cmd_make_data(args) -> None:
+    # (the other generator's options would be ignored)
+    demo_only = [o for o, v in (("--num-users", args.num_users), ("--num-items", args.num_items)) if v is not None]
+    if args.config and demo_only:
+        verb = "shapes" if len(demo_only) == 1 else "shape"
+        raise ValueError(f"{' and '.join(demo_only)} {verb} the demo's click log, not --config's data")
+    if not args.config and args.max_sequence_length is not None:
+        raise ValueError("--max-sequence-length goes with --config (the demo's click log has its own histories)")
+    output = Path(args.output_dir).resolve()  # ('.': the directory's own name, checked like any other)
     if args.config:
         from dynarec.config import load_config
         from dynarec.data.generate import EDGES_PER_USER, GenerateSpec, make_config_data
 
         meta = make_config_data(
             load_config(args.config),
-            args.output_dir,
+            output,
             GenerateSpec(
                 train_rows=args.train_rows,
                 eval_rows=args.eval_rows,
                 seed=args.seed,
-                max_sequence_length=args.max_sequence_length,
+                max_sequence_length=50 if args.max_sequence_length is None else args.max_sequence_length,
             ),
         )
         labels = (
@@ -80,11 +88,11 @@ def cmd_make_data(args) -> None:
     spec = SyntheticSpec(
         train_rows=args.train_rows,
         eval_rows=args.eval_rows,
-        num_users=args.num_users,
-        num_items=args.num_items,
+        num_users=20_000 if args.num_users is None else args.num_users,
+        num_items=5_000 if args.num_items is None else args.num_items,
         seed=args.seed,
     )
-    meta = make_click_log(args.output_dir, spec)
+    meta = make_click_log(output, spec)
     print(
         f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows under {args.output_dir}; "
         f"click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
@@ -586,14 +594,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="write the columns this config reads (any config) instead of the demo's click log")
     p.add_argument("--train-rows", type=at_least(1), default=200_000, help="rows of the training files")
     p.add_argument("--eval-rows", type=at_least(1), default=40_000, help="rows of the evaluation file")
-    p.add_argument("--num-users", type=at_least(1), default=20_000, help="distinct users (the demo's log)")
-    p.add_argument("--num-items", type=at_least(1), default=5_000, help="distinct items (the demo's log)")
+    p.add_argument("--num-users", type=at_least(1), help="distinct users (the demo's log; default 20,000)")
+    p.add_argument("--num-items", type=at_least(1), help="distinct items (the demo's log; default 5,000)")
     p.add_argument("--seed", type=at_least(0), default=0, help="the generator's seed (the same seed, the same rows)")
     p.add_argument(
         "--max-sequence-length",
         type=at_least(1),
-        default=50,
-        help="with --config: a generated sequence holds 1 to this many elements a row, whatever its sequence_length",
+        help="with --config: a generated sequence holds 1 to this many elements a row, whatever its sequence_length "
+        "(default 50)",
     )
     p.set_defaults(run=cmd_make_data)
 

@@ -59,6 +59,26 @@ def test_make_data_with_a_config_on_the_command_line(tmp_path, capsys):
     assert max(lengths) == 3  # sequence_length 6, --max-sequence-length 3
 
 
+def test_make_data_refuses_the_other_generators_options_and_takes_dot(tmp_path, capsys, monkeypatch):
+    """--max-sequence-length without --config, and --num-users / --num-items with it, were
+    silently ignored (histories up to 29 long; 54 distinct users for --num-users 3); --output-dir
+    . failed with "PosixPath('.') has an empty name"."""
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config_dict()))
+    rows = ["--train-rows", "100", "--eval-rows", "50"]
+    assert main(["make-data", "--output-dir", str(tmp_path / "a"), *rows, "--max-sequence-length", "3"]) == 2
+    assert "--max-sequence-length goes with --config" in capsys.readouterr().err
+    args = ["make-data", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "b"), *rows]
+    assert main([*args, "--num-users", "3"]) == 2
+    assert "--num-users shapes the demo's click log, not --config's data" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["make-data", "--output-dir", ".", *rows, "--num-users", "30"]) == 0
+    assert (tmp_path / "here" / "meta.json").is_file()
+
+
 def test_make_data_of_a_config_using_every_kind_builds_batches(tmp_path):
     """Columns of the right types for every kind (map columns for lookup, nested maps for match,
     vector columns for value_dim, dense sequences, vocabulary words, id:weight pairs); a vocab_file
