@@ -67,25 +67,24 @@ BENCHMARKS: dict[str, tuple[Callable[[Any], dict], str]] = {
 }
 
 
-def _step_options(p: argparse.ArgumentParser) -> None:
+# The benchmarks of one table's step, each taking the workload's shape (rows, dim, bags, ids a
+# bag, optimizer); each benchmark takes the options it reads, and no other.
+_WORKLOAD_BENCHMARKS = ("fused-step", "dynamic-step", "row-dtype", "host-tier")
+
+
+def _workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=at_least(1), default=1_000_000)
     p.add_argument("--dim", type=at_least(1), default=64)
     p.add_argument("--bags", type=at_least(1), default=4096)
     p.add_argument("--pooling-factor", type=at_least(1), default=20)
     p.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "rowwise_adagrad", "adam"])
-    p.add_argument("--slots", type=at_least(1), default=1 << 22, help="hash-find: slots in the table")
-    p.add_argument(
-        "--score-strategy",
-        default="step",
-        choices=list(SCORE_STRATEGIES),
-        help="dynamic-step: the dynamic table's eviction score",
-    )
 
 
-def _timing_options(p: argparse.ArgumentParser, steps_help: str = "steps per timed run") -> None:
+def _timing_options(p: argparse.ArgumentParser, steps_help: str = "steps per timed run", warmup: bool = True) -> None:
     p.add_argument("--steps", type=at_least(1), default=10, help=steps_help)
     p.add_argument("--runs", type=at_least(1), default=5, help="timed runs; the median is reported")
-    p.add_argument("--warmup", type=at_least(0), default=3)
+    if warmup:
+        p.add_argument("--warmup", type=at_least(0), default=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,10 +95,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--device", default="cpu")
         p.add_argument("--json", help="also write the report to this JSON file")
-        if name in ("fused-step", "dynamic-step", "row-dtype", "hash-find", "sweep", "host-tier"):
-            _step_options(p)
+        if name in _WORKLOAD_BENCHMARKS:
+            _workload_options(p)
+        if name in (*_WORKLOAD_BENCHMARKS, "sweep"):
             _timing_options(p)
+        if name == "hash-find":
+            p.add_argument(
+                "--slots",
+                type=at_least(64),
+                default=1 << 22,
+                help="slots in the table, in buckets of 16 (at least 64: an insert run takes a 64th of them)",
+            )
+            _timing_options(p, warmup=False)  # (one untimed insert loads the kernels)
         if name == "dynamic-step":
+            p.add_argument(
+                "--score-strategy", default="step", choices=list(SCORE_STRATEGIES), help="the table's eviction score"
+            )
             p.add_argument(
                 "--new-keys",
                 type=float,

@@ -294,6 +294,9 @@ def bench_host_tier(args) -> dict:
     holding them all or thrashing on them); ``--ids`` picks Zipf over the table's rows or the
     other step benchmarks' wrapped draw. Beside the ratio: the rows a step of the stream loads
     into the cache and writes back (the host<->device traffic) and their bytes."""
+    floor = 1.0 if args.ids == "wrapped" else 0.0  # (numpy's unbounded draw needs an exponent above 1)
+    if not args.zipf > floor:
+        raise ValueError(f"--zipf must be above {floor:g} with --ids {args.ids}, got {args.zipf}")
     warm = max(args.warmup, 1)
     depth = 2  # the collection's prefetch depth at most
     count = warm + (args.runs + 1) * args.steps + depth  # (one run more: the traffic's count)

@@ -32,7 +32,7 @@ def run(tmp_path, *argv: str) -> dict:
 
 
 def test_hash_find_times_find_and_the_training_insert_from_the_same_load(tmp_path):
-    report = run(tmp_path, "hash-find", "--slots", str(1 << 16), "--runs", "2", "--steps", "1", "--warmup", "1")
+    report = run(tmp_path, "hash-find", "--slots", str(1 << 16), "--runs", "2", "--steps", "1")
     assert report["benchmark"] == "hash-find" and report["slots"] == 1 << 16
     for load, result in report["results"].items():
         for runs in ("find_runs", "insert_runs"):
@@ -381,6 +381,7 @@ def test_row_dtype_states_what_half_rows_can_gain_where_bytes_bound_the_step(tmp
         (["fused-step", "--bags", "0"], "--bags: 0 is below 1"),
         (["fused-step", "--warmup", "-1"], "--warmup: -1 is below 0"),
         (["sweep", "--grid-rows", "100", "0"], "--grid-rows: 0 is below 1"),
+        (["hash-find", "--slots", "10"], "--slots: 10 is below 64"),
     ],
 )
 def test_a_bench_number_out_of_range_is_argparses_error_naming_the_option(argv, message, capsys):
@@ -389,3 +390,29 @@ def test_a_bench_number_out_of_range_is_argparses_error_naming_the_option(argv, 
     with pytest.raises(SystemExit) as exited:
         main(["bench", *argv])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--optimizer", "sgd"],
+        ["sweep", "--dim", "8"],
+        ["hash-find", "--rows", "1000"],
+        ["hash-find", "--warmup", "1"],
+        ["fused-step", "--slots", "1024"],
+        ["row-dtype", "--score-strategy", "lfu"],
+        ["host-tier", "--slots", "1024"],
+    ],
+)
+def test_a_bench_refuses_an_option_it_does_not_read(argv, capsys):
+    """Every step benchmark took every step option: `sweep --optimizer sgd --dim 8` ran Adagrad at
+    dim 64 and said nothing, `fused-step --slots` changed nothing. Each takes its own now."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2 and f"unrecognized arguments: {' '.join(argv[1:])}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids, zipf, floor", [("bounded", "0", "0"), ("bounded", "-1", "0"), ("wrapped", "1", "1")])
+def test_host_tier_refuses_a_zipf_exponent_its_draw_cannot_take(ids, zipf, floor, capsys):
+    assert main(["bench", "host-tier", "--ids", ids, "--zipf", zipf, *TINY]) == 2
+    assert f"--zipf must be above {floor} with --ids {ids}, got {float(zipf)}" in capsys.readouterr().err
