@@ -634,7 +634,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lenient", action="store_true", help="drop the fields dynarec cannot carry, and list them")
     p.add_argument(
-        "--overwrite", action="store_true", help="replace -o's file even where import-config did not write it"
+        "--overwrite",
+        action="store_true",
+        help="replace -o's file even where import-config did not write it, or it was edited since",
     )
     p.set_defaults(run=cmd_import_config)
 
