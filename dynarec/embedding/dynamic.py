@@ -480,6 +480,7 @@ class DynamicTable(EmbeddingTable):
             keys, values = self._present_rows(keys, values)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")
+        self.check_row_values(values, keys.numel())  # (before a new key takes a row, or evicts one)
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -282,6 +282,22 @@ class EmbeddingTable(ABC):
             raise ValueError(f"table '{self.name}': {what} takes integer ids, got floating-point ones")
         return torch.as_tensor(ids, dtype=torch.int64, device=self.device)
 
+    def check_row_values(self, values: Mapping[str, Any], n: int, what: str = "write_rows") -> None:
+        """ValueError naming the table and the field where ``values`` (``weight`` and states, as
+        :meth:`write_rows` takes them) are not ``n`` rows of this table's fields: called before
+        anything is written or any key inserted."""
+        widths = {"weight": self.dim, **{s.name: s.width(self.dim) for s in self.spec.state_specs()}}
+        for name, v in values.items():
+            if name not in widths:
+                raise ValueError(
+                    f"table '{self.name}': {what}: unknown row field '{name}'; this table has {sorted(widths)}"
+                )
+            shape = tuple(torch.as_tensor(v).shape)
+            if shape != (n, widths[name]) and not (widths[name] == 1 and shape == (n,)):
+                raise ValueError(
+                    f"table '{self.name}': {what}: '{name}' must have shape {(n, widths[name])}, got {shape}"
+                )
+
     def foreign_fields(self, dump: Mapping[str, torch.Tensor]) -> list[str]:
         """The fields of ``dump`` that are another optimizer's states, sorted: states this table
         does not keep, and its own states' names at another width (Adagrad's ``momentum1`` is
@@ -431,6 +447,7 @@ class FixedTable(EmbeddingTable):
         self.validate("write_rows", ids)
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate ids")
+        self.check_row_values(values, ids.numel())
         self.store.write(ids, values)
 
     def dump(self) -> dict[str, torch.Tensor]:

@@ -594,6 +594,29 @@ def test_write_rows_is_refused_while_a_training_step_is_pending():
     assert coll.tables["d"].capacity > 8 and bool(coll.read_rows("d", keys)["present"].all())
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"weight": torch.ones(8, D - 1)}, r"'weight' must have shape \(8, 4\), got \(8, 3\)"),
+        ({"wieght": torch.ones(8, D)}, r"unknown row field 'wieght'"),
+        ({"weight": torch.ones(7, D)}, r"'weight' must have shape \(8, 4\), got \(7, 4\)"),
+    ],
+)
+def test_a_refused_write_rows_inserts_no_key_and_evicts_no_row(bad, message):
+    """The new keys of a write were inserted before its values were checked: a refused write left
+    them in the table with fresh rows, and at max_capacity evicted the trained rows for them (8
+    trained keys gone, 8 keys never written in their place)."""
+    coll = EmbeddingCollection([dynamic(max_capacity=8, bucket_size=4, spec=Adagrad(lr=0.1))], SGD(lr=0.1))
+    t = coll.tables["d"]
+    for k in range(8):
+        coll(JaggedBatch.from_lists({"f": [[k]]}))["f"].sum().backward()
+    before = t.dump()
+    with pytest.raises(ValueError, match="table 'd': write_rows: " + message):
+        coll.write_rows("d", torch.arange(100, 108), bad)
+    after = t.dump()
+    assert all(torch.equal(before[k], after[k]) for k in before) and t.report()["evicted_keys"] == 0
+
+
 def test_write_rows_of_what_read_rows_returned_writes_the_present_rows_alone():
     """read_rows adds ``present``; writing its result back was refused ("unknown row field
     'present'"), and writing it without ``present`` created the absent keys with zero rows. Now
