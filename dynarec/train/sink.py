@@ -36,8 +36,8 @@ class TrainingLog:
     # -- state carried in checkpoints --------------------------------------------------------
 
     def state(self) -> str:
-        """The history and the running loss (an average over the run's steps, which a resumed
-        run continues rather than restarting from its first loss)."""
+        """The history and the running loss (a resumed run shows it until its first record,
+        rather than nothing or its first step's loss)."""
         return json.dumps({**self.history, "running_loss": self.running_loss})
 
     def load_state(self, state: str, step: Optional[int] = None) -> None:
@@ -84,10 +84,15 @@ class TrainingLog:
     def seconds(self) -> float:
         return time.perf_counter() - self._start
 
-    def train_step(self, step: int, loss: Optional[float], epoch: int, record: bool) -> None:
-        """After a training step; ``loss`` is given (read from the device) only when ``record``."""
+    def train_step(
+        self, step: int, loss: Optional[float], epoch: int, record: bool, mean_loss: Optional[float] = None
+    ) -> None:
+        """After a training step; ``loss`` (this step's) and ``mean_loss`` (the mean over the
+        steps since the last one recorded, this one included) are given, read from the device,
+        only when ``record``. The running loss shown and logged is ``mean_loss`` (``loss``
+        where it is not given)."""
         if loss is not None:
-            self.running_loss = loss if self.running_loss is None else 0.98 * self.running_loss + 0.02 * loss
+            self.running_loss = loss if mean_loss is None else mean_loss
         if record and loss is not None and self.running_loss is not None:
             self.history["train_loss"].append([step, loss])
             self.scalars(step, {"train/loss": loss, "train/running_loss": self.running_loss})

@@ -550,6 +550,8 @@ class Trainer:
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None
+        window: Optional[torch.Tensor] = None  # the losses' sum since the last record, and its steps
+        window_steps = 0
         try:
             with _heap_frozen():  # the objects built so far are not scanned again
                 while item is not None:
@@ -560,11 +562,15 @@ class Trainer:
                         if read_ahead and self._more_steps() and not self._stopping:  # while the backward runs
                             ahead.read(self._steps_left())
                         record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
-                        # (each rank's loss is its share of the global batch's mean: the ranks' sum is it)
-                        value = (
-                            float(self.ctx.all_reduce_sum(loss.detach().clone(), "the step's loss")) if record else None
-                        )
-                        self.log.train_step(self.step, value, self.position.epoch, record)
+                        # The losses since the last record, summed on the device (no read a step).
+                        window = loss.detach() if window is None else window + loss.detach()
+                        window_steps += 1
+                        value = mean = None
+                        if record:  # (each rank's loss is its share of the global batch's mean: the ranks' sum is it)
+                            both = self.ctx.all_reduce_sum(torch.stack([loss.detach(), window]), "the step's loss")
+                            value, mean = float(both[0]), float(both[1]) / window_steps
+                            window, window_steps = None, 0
+                        self.log.train_step(self.step, value, self.position.epoch, record, mean)
                         evaluate = cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0
                         if evaluate and cfg.data.eval_input_path and not self._stopping:
                             try:

@@ -35,19 +35,17 @@ def test_an_unreadable_metrics_file_leaves_the_checkpoints_history(tmp_path):
     assert log.history["eval"] == [[3, {"auc": 0.5}]]
 
 
-def test_a_resumed_run_continues_the_running_loss(tmp_path):
-    """The running loss (TensorBoard's train/running_loss, the progress line's) restarted from the
-    first loss after every resume, a jump in its curve; the checkpoint carries it now."""
-    losses = [0.9, 0.7, 0.6, 0.5]
-    whole = TrainingLog(tmp_path / "whole", progress=False, enabled=False)
-    for step, loss in enumerate(losses, 1):
-        whole.train_step(step, loss, 0, record=True)
-    first = TrainingLog(tmp_path / "resumed", progress=False, enabled=False)
-    for step, loss in enumerate(losses[:2], 1):
-        first.train_step(step, loss, 0, record=True)
-    resumed = TrainingLog(tmp_path / "resumed", progress=False, enabled=False)
-    resumed.load_state(first.state(), 2)
-    for step, loss in enumerate(losses[2:], 3):
-        resumed.train_step(step, loss, 0, record=True)
-    assert resumed.running_loss == whole.running_loss != losses[-1]
-    assert resumed.history == whole.history and "running_loss" not in resumed.history
+def test_the_running_loss_is_the_mean_since_the_last_record_and_a_resume_keeps_it(tmp_path):
+    """The running loss was an average (weight 0.02) updated at the recorded steps alone (every
+    log_step_count_steps): step 1's loss kept most of the weight for hundreds of steps, and a run
+    shorter than 50 steps showed step 1's loss throughout. It is the trainer's mean over the steps
+    since the last record now; and after a resume it is shown until the next record, where it
+    restarted from nothing."""
+    log = TrainingLog(tmp_path / "run", progress=False, enabled=False)
+    log.train_step(1, 0.9, 0, record=True, mean_loss=0.9)
+    log.train_step(2, None, 0, record=False)  # (not recorded: nothing read from the device)
+    log.train_step(3, 0.5, 0, record=True, mean_loss=0.6)  # steps 2 and 3: 0.7 and 0.5
+    assert log.running_loss == 0.6 and log.history["train_loss"] == [[1, 0.9], [3, 0.5]]
+    resumed = TrainingLog(tmp_path / "run", progress=False, enabled=False)
+    resumed.load_state(log.state(), 3)
+    assert resumed.running_loss == 0.6 and resumed.history == log.history and "running_loss" not in resumed.history

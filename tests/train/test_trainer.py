@@ -103,6 +103,32 @@ def test_num_steps_trains_exactly_that_many_cycling_the_data(tmp_path):
     assert [(e["epoch"], e["steps"]) for e in resumed.fit(resume=True)["epochs"]] == [(2, 2)]  # steps 8, 9; 10 begins 3
 
 
+def test_the_logged_running_loss_is_the_mean_of_the_steps_since_the_last_record(tmp_path, monkeypatch):
+    """The trainer sums each step's loss on the device and hands the log the mean of the window
+    at each record (step 1, then every log_step_count_steps): it was an average updated at the
+    recorded steps alone, mostly step 1's loss."""
+    _small_csv(tmp_path / "t.csv")
+    trainer = Trainer(
+        small_config(tmp_path / "t.csv", num_steps=7, log_step_count_steps=3), tmp_path / "m", progress=False
+    )
+    losses, logged = [], []
+    step = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda *a: (lambda loss: losses.append(float(loss)) or loss)(step(*a)))
+    log_step = trainer.log.train_step
+    monkeypatch.setattr(
+        trainer.log,
+        "train_step",
+        lambda s, v, e, r, mean=None: (logged.append((s, v, mean)), log_step(s, v, e, r, mean)),
+    )
+    trainer.fit()
+    recorded = [(s, v, m) for s, v, m in logged if v is not None]
+    assert [s for s, _, _ in recorded] == [1, 3, 6]
+    windows = {1: losses[0:1], 3: losses[1:3], 6: losses[3:6]}
+    for s, value, mean in recorded:
+        assert value == pytest.approx(losses[s - 1]) and mean == pytest.approx(sum(windows[s]) / len(windows[s]))
+    assert trainer.log.running_loss == pytest.approx(sum(losses[3:6]) / 3)
+
+
 def test_an_epochs_checkpoint_at_its_end_counts_in_its_own_pace(tmp_path):
     """save_checkpoints_epochs: the save made at an epoch's last step is that epoch's time, not
     the next one's; the epochs' seconds add up to the run's."""
