@@ -461,14 +461,14 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         A table without entries is a missing key (``tables.{table}.weight``); entries of a table
         this collection lacks are unexpected keys; a dump that does not fit its table (another
         dim or row count, a malformed dynamic table's keys) is an error naming the table, checked
-        before any of its rows is written, as is a dynamic table that could not keep every key
-        (its ``max_capacity`` is smaller). A dump of another optimizer's table (states this table
-        does not keep or keeps at another width: Adam's ``momentum1`` would train on as Adagrad's
-        accumulator, Adagrad's as RowWiseAdagrad's; or none of this optimizer's: an SGD table's)
-        loads its weights alone, this optimizer's states afresh and the step at 0, its states
-        reported as unexpected keys and the states it lacks as missing ones: ``strict=False`` is
-        a warm start, a strict load raises torch's error naming them (having loaded, as torch
-        does for any unexpected key)."""
+        for every table before any table is loaded (none is then), as is a dynamic table that
+        could not keep every key (its ``max_capacity`` is smaller). A dump of another
+        optimizer's table (states this table does not keep or keeps at another width: Adam's
+        ``momentum1`` would train on as Adagrad's accumulator, Adagrad's as RowWiseAdagrad's; or
+        none of this optimizer's: an SGD table's) loads its weights alone, this optimizer's
+        states afresh and the step at 0, its states reported as unexpected keys and the states it
+        lacks as missing ones: ``strict=False`` is a warm start, a strict load raises torch's
+        error naming them (having loaded, as torch does for any unexpected key)."""
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -487,21 +487,33 @@ class EmbeddingCollection(TableFreezing, nn.Module):
                 unexpected_keys.append(key)
             else:
                 dumps[name][rest[len(name) + 1 :]] = state_dict[key]
+        missing_keys.extend(f"{head}{name}.weight" for name, dump in dumps.items() if not dump)
+        dumps = {name: dump for name, dump in dumps.items() if dump}
+        # Every table's dump is checked before any table is loaded: one that does not fit (another
+        # dim, say) leaves every table as it was, and is the one error named.
+        weights_only: dict[str, bool] = {}
+        errors = len(error_msgs)  # (other modules' come first)
         for name, dump in dumps.items():
-            if not dump:
-                missing_keys.append(f"{head}{name}.weight")
-                continue
             table = self.tables[name]
+            foreign, lacking = table.foreign_fields(dump), table.lacking_states(dump)
+            try:
+                table.check_dump(dump, weights_only=bool(foreign or lacking))
+            except ValueError as e:
+                error_msgs.append(f"{head}{name}: {e}")
+                continue
             # Another optimizer's table: its weights alone (this optimizer's states afresh), its
             # states unexpected keys and ours it lacks missing ones (strict: torch's error naming
             # them, as for any such key).
-            foreign, lacking = table.foreign_fields(dump), table.lacking_states(dump)
+            weights_only[name] = bool(foreign or lacking)
             if foreign or lacking:
                 states = [s.name for s in table.spec.state_specs() if s.name in dump]
                 unexpected_keys.extend(f"{head}{name}.{f}" for f in sorted({*foreign, *states}))
                 missing_keys.extend(f"{head}{name}.{f}" for f in lacking)
+        if len(error_msgs) > errors:
+            return
+        for name, dump in dumps.items():
             try:
-                report = table.load(dump, weights_only=bool(foreign or lacking))
+                report = self.tables[name].load(dump, weights_only=weights_only[name])
             except ValueError as e:
                 error_msgs.append(f"{head}{name}: {e}")
                 continue

@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -531,6 +532,11 @@ class DynamicTable(EmbeddingTable):
         return out
 
     @torch.no_grad()
+    def check_dump(self, dump: Mapping[str, torch.Tensor], weights_only: bool = False) -> list[str]:
+        fields = self._dump_fields(dump, weights_only)
+        self._check_rows(dump, fields, snapshot.check_dump(dump, self.name))
+        return fields
+
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         """Replaces the table's contents by ``dump`` (from :meth:`dump`, of any capacity).
 
@@ -552,8 +558,7 @@ class DynamicTable(EmbeddingTable):
         buckets). A table of a group's shared index has exactly its slots: ``to_read`` changes
         nothing there.
         """
-        fields = self._dump_fields(dump, weights_only)
-        self._check_rows(dump, fields, snapshot.check_dump(dump, self.name))
+        fields = self.check_dump(dump, weights_only)
         self.space.max_buckets = self._max_buckets  # (a load to train is held to max_capacity, whatever came before)
         index, slots, src = snapshot.index_for_load(dump, self.space, past_max=to_read and not self.space.shared)
         self.space.max_buckets = max(self._max_buckets, index.num_buckets)

@@ -17,6 +17,7 @@ scores are kept (ties to the smaller key).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -47,7 +48,7 @@ def dump(index: BucketedHashIndex, store: RowStore, step: int, counter: Optional
     return {k: v.cpu() for k, v in out.items()}
 
 
-def check_dump(saved: Dump, table: str) -> int:
+def check_dump(saved: Mapping[str, torch.Tensor], table: str) -> int:
     """The number of keys of a dynamic table's dump; ValueError naming ``table`` and the field
     where it is not one: ``keys`` ``[n]`` int64 without a key twice, ``scores`` and ``slots`` a
     value a key (``slots`` without a slot twice). Checked before anything is written: a key

@@ -266,6 +266,12 @@ class EmbeddingTable(ABC):
         """Everything needed to restore the table exactly (CPU tensors)."""
 
     @abstractmethod
+    def check_dump(self, dump: Mapping[str, torch.Tensor], weights_only: bool = False) -> list[str]:
+        """The row fields :meth:`load` would take from ``dump``; ValueError naming the table and
+        what does not fit (a missing field, another dim or row count, another optimizer's
+        states unless ``weights_only``), writing nothing."""
+
+    @abstractmethod
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         """Restores from :meth:`dump`; ``weights_only`` resets optimizer states and the step;
         ``to_read``: the table will be read, not trained (a dynamic table then takes every key)."""
@@ -314,7 +320,7 @@ class EmbeddingTable(ABC):
         """This optimizer's states ``dump`` does not hold (an SGD table's dump has none)."""
         return [s.name for s in self.spec.state_specs() if s.name not in dump]
 
-    def _dump_fields(self, dump: dict[str, torch.Tensor], weights_only: bool) -> list[str]:
+    def _dump_fields(self, dump: Mapping[str, torch.Tensor], weights_only: bool) -> list[str]:
         """The row fields a load takes from ``dump``; ValueError naming the missing ones, or (but
         for ``weights_only``) the fields of another optimizer's states: Adam's ``momentum1`` has
         Adagrad's name and shape, and would train on as an accumulator. Called before anything
@@ -456,10 +462,14 @@ class FixedTable(EmbeddingTable):
         out["step"] = torch.tensor(self.step, dtype=torch.int64)
         return out
 
-    @torch.no_grad()
-    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
+    def check_dump(self, dump: Mapping[str, torch.Tensor], weights_only: bool = False) -> list[str]:
         fields = self._dump_fields(dump, weights_only)
         self._check_rows(dump, fields, self.num_embeddings)
+        return fields
+
+    @torch.no_grad()
+    def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
+        fields = self.check_dump(dump, weights_only)
         self.store.reallocate(self.num_embeddings)
         rows = torch.arange(self.num_embeddings, device=self.device)
         self._load_rows(rows, rows, dump, fields, weights_only)

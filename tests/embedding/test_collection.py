@@ -247,8 +247,14 @@ def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
     assert torch.equal(more.emb.tables["a"].dump()["weight"], state["emb.tables.a.weight"])
 
     other_rows = _Model(5, fixed_rows=30)
-    with pytest.raises(RuntimeError, match=r"emb\.tables\.a: table 'a': dump holds weight \(20, 4\)"):
+    before = {name: t.dump() for name, t in other_rows.emb.tables.items()}
+    with pytest.raises(RuntimeError, match=r"emb\.tables\.a: table 'a': dump holds weight \(20, 4\)") as refused:
         other_rows.load_state_dict(state)
+    # Every table's dump is checked before any loads: the tables that fit were loaded all the same
+    # (a half-loaded collection), and a state of the table that did not fit was named "unexpected".
+    for name, t in other_rows.emb.tables.items():
+        assert all(torch.equal(v, t.dump()[k]) for k, v in before[name].items()), name
+    assert "Unexpected" not in str(refused.value)
 
     tiny = EmbeddingCollection(
         [TableConfig(name="u", dim=4, dynamic=DynamicTableOptions(4, bucket_size=4), features=["fu"])], Adagrad(lr=0.1)
@@ -257,6 +263,30 @@ def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
     assert many["tables.u.keys"].numel() > 4
     with pytest.raises(RuntimeError, match=r"tables\.u: \d+ of \d+ keys found no row \(max_capacity 4\)"):
         tiny.load_state_dict(many)
+
+
+def test_a_state_dict_of_another_dim_is_named_as_that_alone_and_loads_no_table():
+    """A table saved at dim 4 loaded into one of dim 8: its Adagrad state was listed as an
+    "Unexpected key" (it looked like another optimizer's, at another width) beside the dim error,
+    and the collection's other table had been loaded when the error came."""
+
+    def collection(dim_b: int) -> EmbeddingCollection:
+        tables = [
+            TableConfig(name="a", dim=4, num_embeddings=10, features=["f"]),
+            TableConfig(name="b", dim=dim_b, num_embeddings=10, features=["g"]),
+        ]
+        return EmbeddingCollection(tables, Adagrad(lr=0.1))
+
+    src = collection(4)
+    out = src(JaggedBatch.from_lists({"f": [[1]], "g": [[2]]}))
+    sum(v.sum() for v in out.values()).backward()
+    dst = collection(8)
+    before = dst.tables["a"].dump()
+    with pytest.raises(RuntimeError) as refused:
+        dst.load_state_dict(src.state_dict())
+    assert "tables.b: table 'b': dump holds weight of dim 4, the table's is 8" in str(refused.value)
+    assert "Unexpected" not in str(refused.value)
+    assert all(torch.equal(v, dst.tables["a"].dump()[k]) for k, v in before.items())
 
 
 @pytest.mark.parametrize(
