@@ -134,7 +134,10 @@ class JaggedBatch:
         weights: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
     ) -> JaggedBatch:
         """Builds a batch from ``{feature: [ids of sample 0, ids of sample 1, ...]}``; every
-        feature must have the same number of samples. ``weights`` (optional) mirrors it."""
+        feature must have the same number of samples. ``weights`` (optional) mirrors it, a
+        weight an id; a feature it leaves out weighs its ids 1.0 (as a batch of a config's
+        weighted and unweighted features does). ValueError naming the feature whose weights do
+        not match its ids, or a weighted feature the batch lacks."""
         keys = list(features)
         sizes = {len(v) for v in features.values()}
         if len(sizes) > 1:
@@ -143,7 +146,17 @@ class JaggedBatch:
         lengths = [len(sample) for k in keys for sample in features[k]]
         w = None
         if weights is not None:
-            w = torch.tensor([x for k in keys for sample in weights[k] for x in sample], dtype=torch.float32)
+            unknown = sorted(set(weights) - set(keys))
+            if unknown:
+                raise ValueError(f"weights of feature(s) {unknown} the batch does not have; its features: {keys}")
+            for k, ws in weights.items():
+                counts = [len(sample) for sample in features[k]]
+                if [len(sample) for sample in ws] != counts:
+                    raise ValueError(f"weights of feature '{k}' do not match its ids: {counts} ids a sample")
+            w = torch.tensor(
+                [x for k in keys for sample in weights.get(k, [[1.0] * len(s) for s in features[k]]) for x in sample],
+                dtype=torch.float32,
+            )
         return cls(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64), w)
 
 

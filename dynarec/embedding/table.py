@@ -286,7 +286,10 @@ class EmbeddingTable(ABC):
             isinstance(i, float) for i in (ids if isinstance(ids, (list, tuple)) else ())
         ):
             raise ValueError(f"table '{self.name}': {what} takes integer ids, got floating-point ones")
-        return torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        out = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        if out.dim() != 1:
+            raise ValueError(f"table '{self.name}': {what} takes ids [n], got a tensor of shape {list(out.shape)}")
+        return out
 
     def check_row_values(self, values: Mapping[str, Any], n: int, what: str = "write_rows") -> None:
         """ValueError naming the table and the field where ``values`` (``weight`` and states, as

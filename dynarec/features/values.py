@@ -200,8 +200,9 @@ def numbers(values: pa.Array, lengths: np.ndarray, what: str = "value") -> np.nd
     number."""
     if len(values) == 0:
         return np.empty(0, dtype=np.float64)
-    try:
-        return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    try:  # (an integer beyond 2**53, a nanosecond timestamp, rounds to the nearest float64, as raw_feature's)
+        safe = not pa.types.is_integer(values.type)
+        return pc.cast(values, pa.float64(), safe=safe).to_numpy(zero_copy_only=False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
     if is_string(values.type):

@@ -384,6 +384,11 @@ def test_expr_feature():
     b = build(ragged, a=pa.array([[1.0, 2.0], [1.0, 1.0, 1.0]]), b=pa.array([2.0, 10.0]))
     assert b.dense["e"].tolist() == [6.0, 30.0]
     assert build(expr("log(x) ^ 2", ["x"]), x=pa.array([np.e])).dense["e"].tolist() == pytest.approx([1.0])
+    # An int64 beyond 2**53 (a nanosecond timestamp) was "values of type int64 are not numbers"; it
+    # rounds to the nearest float64, as a raw_feature's does.
+    big = 1_733_481_600_123_456_789
+    b = build(expr("t / 1e9", ["t"]), t=pa.array([big, 1]))
+    assert b.dense["e"].tolist() == pytest.approx([float(big) / 1e9, 1e-9])
 
 
 # -- custom --------------------------------------------------------------------------------

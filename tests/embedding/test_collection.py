@@ -387,6 +387,23 @@ def test_rows_by_id_refuse_floating_point_ids_and_a_fixed_tables_duplicate_ids()
     with pytest.raises(ValueError, match="table 'a': write_rows got duplicate ids"):
         model.emb.write_rows("a", torch.tensor([1, 1]), {"weight": torch.stack([torch.ones(4), 2 * torch.ones(4)])})
     assert torch.equal(model.emb.read_rows("a", torch.tensor([1]))["weight"], before)
+    for table in ("a", "u"):  # (a raw IndexError from index_select, naming nothing)
+        with pytest.raises(
+            ValueError, match=rf"table '{table}': read_rows takes ids \[n\], got a tensor of shape \[1, 2\]"
+        ):
+            model.emb.read_rows(table, torch.tensor([[1, 2]]))
+
+
+def test_a_batchs_weights_name_the_feature_that_does_not_match_and_default_to_one():
+    """from_lists with weights for some features raised a bare KeyError for the others; they
+    weigh their ids 1.0 now (as a config's unweighted features do), and weights that do not
+    match a feature's ids, or of a feature the batch lacks, are named."""
+    b = JaggedBatch.from_lists({"g": [[1], [2, 3]], "h": [[4], []]}, weights={"g": [[0.5], [2.0, 3.0]]})
+    assert b.weights_or_none().tolist() == [0.5, 2.0, 3.0, 1.0]
+    with pytest.raises(ValueError, match=r"weights of feature 'g' do not match its ids: \[1, 2\] ids a sample"):
+        JaggedBatch.from_lists({"g": [[1], [2, 3]], "h": [[4], []]}, weights={"g": [[0.5], [2.0]]})
+    with pytest.raises(ValueError, match=r"weights of feature\(s\) \['z'\] the batch does not have"):
+        JaggedBatch.from_lists({"g": [[1]]}, weights={"z": [[0.5]]})
 
 
 @pytest.mark.parametrize("table", ["a", "u"])
