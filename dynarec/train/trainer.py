@@ -563,11 +563,12 @@ class Trainer:
                             ahead.read(self._steps_left())
                         record = self.step % cfg.train.log_step_count_steps == 0 or self.step == 1
                         # The losses since the last record, summed on the device (no read a step).
-                        window = loss.detach() if window is None else window + loss.detach()
+                        step_loss = loss.detach().float()  # (in float32 whatever the loss's dtype)
+                        window = step_loss if window is None else window + step_loss
                         window_steps += 1
                         value = mean = None
                         if record:  # (each rank's loss is its share of the global batch's mean: the ranks' sum is it)
-                            both = self.ctx.all_reduce_sum(torch.stack([loss.detach(), window]), "the step's loss")
+                            both = self.ctx.all_reduce_sum(torch.stack([step_loss, window]), "the step's loss")
                             value, mean = float(both[0]), float(both[1]) / window_steps
                             window, window_steps = None, 0
                         self.log.train_step(self.step, value, self.position.epoch, record, mean)
