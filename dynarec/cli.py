@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import math
 import os
 import re
 import signal
@@ -575,6 +576,17 @@ def at_least(smallest: int) -> Callable[[str], int]:
     return parse
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (argparse names the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from dynarec import bench, demo, verify
 
@@ -658,10 +670,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="data.train_input_path is a directory receiving new files: train on them as they arrive",
     )
     p.add_argument(
-        "--poll-seconds", type=float, default=None, help="--follow: how often to look for new files (default: 5)"
+        "--poll-seconds", type=seconds, default=None, help="--follow: how often to look for new files (default: 5)"
     )
     p.add_argument(
-        "--idle-timeout", type=float, default=None, help="--follow: stop after this many seconds without a new file"
+        "--idle-timeout", type=seconds, default=None, help="--follow: stop after this many seconds without a new file"
     )
     p.add_argument(
         "--nproc",

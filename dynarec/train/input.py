@@ -331,6 +331,9 @@ class TrainInput:
             names = [n for n, _ in listing]
             dataset, steps = None, 0
             if listing and listing != seen:  # schemas and row counts are read only when files change
+                # A file arrived: the idle time counts from here, whether or not it completes a batch
+                # (every rank sees rank 0's listing, so every rank decides alike).
+                idle_since, timed_out = time.monotonic(), False
                 dataset = self.dataset(
                     [str(directory / n) for n in names],
                     self.config.data.batch_size,

@@ -287,12 +287,19 @@ def test_predict_needs_exactly_one_source(tmp_path, capsys):
 
 def test_follow_options_without_follow_are_refused(tmp_path, capsys):
     """--poll-seconds and --idle-timeout tune --follow; without it they were silently ignored (a
-    run meant to follow a directory trained once over what was there and stopped)."""
+    run meant to follow a directory trained once over what was there and stopped). A negative
+    poll trained, then crashed at its first wait ("sleep length must be non-negative", its last
+    steps unsaved); an idle timeout of nan never stopped."""
     args = ["train", "--model-dir", str(tmp_path / "m"), "--no-progress"]
     assert main([*args, "--idle-timeout", "60"]) == 2
     assert "dynarec train: error: --idle-timeout goes with --follow" in capsys.readouterr().err
     assert main([*args, "--poll-seconds", "1", "--idle-timeout", "60"]) == 2
     assert "--poll-seconds and --idle-timeout go with --follow" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+    for option, value in (("--poll-seconds", "-1"), ("--idle-timeout", "nan"), ("--idle-timeout", "-5")):
+        with pytest.raises(SystemExit):  # (argparse's error, naming the option; a negative poll crashed mid-run)
+            main([*args, "--follow", option, value])
+        assert f"argument {option}: {value} is not a number of seconds above 0" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 
 

@@ -226,6 +226,28 @@ def test_rows_short_of_a_global_batch_at_the_idle_timeout_are_named(parts, tmp_p
     ), out
 
 
+def test_the_idle_timeout_counts_from_the_last_file_that_arrived(parts, tmp_path):
+    """Files smaller than a global batch, arriving faster than the idle timeout: the timeout
+    counted from the last step trained, not from the last file, and the run stopped part-way
+    through the stream with "no new file in 3.0s" one second after a file came."""
+    root, tables = parts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    add(stream, "part-0.parquet", tables[0].slice(0, 250))  # 2 steps, 50 rows waiting
+    proc = follow(config(root, stream, "stream.yaml"), tmp_path / "m", idle=3.0)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "m" / "config.yaml").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # (the run has started following)
+    for i in range(5):  # 10 rows a second: the 5th completes step 3
+        time.sleep(1.0)
+        add(stream, f"part-1-{i}.parquet", tables[1].slice(10 * i, 10))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "stopping (300 rows of 6 file(s) consumed)" in out, out
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
+    assert state["step"] == 3 and state["row"] == 300
+
+
 def test_a_mid_epoch_checkpoint_of_an_epoch_run_is_not_followed(parts, tmp_path):
     # Its row counts through the epoch's files; a followed directory's files are another list.
     root, tables = parts
