@@ -206,11 +206,11 @@ def cmd_export(args) -> None:
 
 
 def cmd_predict(args) -> None:
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dynarec.data.reader import file_schema, read_table, resolve_files
+    from dynarec.data.batch import BatchBuilder
+    from dynarec.data.reader import file_schema, resolve_files
     from dynarec.files import atomic_path
 
     files = resolve_files(args.input, "--input")
@@ -220,36 +220,71 @@ def cmd_predict(args) -> None:
     if Path(args.output).suffix.lower() in (".csv", ".json", ".jsonl", ".txt", ".tsv"):
         raise ValueError(f"--output {args.output}: predict writes one Parquet file; name it .parquet")
     reserved = [c.strip() for c in (args.reserved_columns or "").split(",") if c.strip()]
-    for f in files:  # before any scoring
-        missing = [c for c in reserved if c not in file_schema(f).names]
-        if missing:
-            raise ValueError(f"--reserved-columns: {f} has no column(s) {missing}")
     if args.export_dir:
         from dynarec.serving import ExportedModel
 
         model = ExportedModel(args.export_dir, device=args.device)
-        outputs, config = model.predict_files(files), model.config
+        config = model.config
     else:
         trainer = _restored(args)
-        outputs, _, _ = trainer.predict(files, with_labels=False, per_row=True)  # (a list a row, of candidates)
         config = trainer.config
+    # The columns passed through are read as scoring reads them (a CSV id column as strings:
+    # "00270" stays "00270"), and before any scoring.
+    read = (config.data.input_type, BatchBuilder(config, with_labels=False).csv_column_types())
+    schemas = [file_schema(f, *read) for f in files]
+    for f, schema in zip(files, schemas):
+        missing = [c for c in reserved if c not in schema.names]
+        if missing:
+            raise ValueError(f"--reserved-columns: {f} has no column(s) {missing}")
+    labels = [c for c in config.label_fields() if c not in reserved and all(c in s.names for s in schemas)]
+    passed = _input_columns(files, [*reserved, *labels], *read)
+    if args.export_dir:
+        outputs = model.predict_files(files)
+    else:
+        outputs, _, _ = trainer.predict(files, with_labels=False, per_row=True)  # (a list a row, of candidates)
     columns = {name: _prediction_column(x) for name, x in outputs.items()}
     clash = [c for c in reserved if c in columns]
     if clash:
         raise ValueError(f"--reserved-columns {clash}: the predictions have column(s) of that name")
     rows = len(next(iter(columns.values())))
-    for name in reserved:  # the input's rows in the predictions' order (files sorted, rows in order)
-        columns[name] = pa.chunked_array([read_table(f, [name]).column(name) for f in files]).combine_chunks()
-        if len(columns[name]) != rows:
-            raise ValueError(f"--reserved-columns: {name} has {len(columns[name])} rows, the predictions {rows}")
-    for label in config.label_fields():  # pass the labels through
-        if label not in columns and all(label in file_schema(f).names for f in files):
-            columns[label] = pa.array(np.concatenate([read_table(f, [label]).column(label).to_numpy() for f in files]))
+    for name, values in passed.items():  # the input's rows in the predictions' order (files sorted, rows in order)
+        if name in columns:  # (a label the model also outputs under that name)
+            continue
+        if len(values) != rows:
+            raise ValueError(f"--reserved-columns: {name} has {len(values)} rows, the predictions {rows}")
+        columns[name] = values
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(args.output)) as tmp:
         pq.write_table(pa.table(columns), str(tmp))
     n = len(next(iter(outputs.values())))
     print(f"wrote {n} prediction{'' if n == 1 else 's'} to {args.output}")
+
+
+def _input_columns(files: list, names: list[str], input_type, csv_types) -> dict:
+    """Columns ``names`` of ``files``, the files' rows in order, each one Arrow array of one type,
+    as the files store it (nulls kept): a column stored as ``string`` in one file and
+    ``large_string`` in another, or ``int64`` and ``uint32``, comes out in the type holding both;
+    ValueError naming the column and two files whose types do not combine."""
+    import pyarrow as pa
+
+    from dynarec.data.reader import read_table
+
+    if not names:
+        return {}
+    tables = [read_table(f, names, input_type, csv_types) for f in files]
+    try:
+        whole = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        for name in names:
+            first = tables[0].schema.field(name).type
+            for f, t in zip(files[1:], tables[1:]):
+                if t.schema.field(name).type != first:
+                    raise ValueError(
+                        f"--input: column '{name}' is {first} in {files[0]} and {t.schema.field(name).type} in {f}, "
+                        "which do not combine into one output column"
+                    ) from None
+        raise
+    return {name: whole.column(name).combine_chunks() for name in names}
 
 
 def _check_prediction_target(output: Path, files: list, args) -> None:

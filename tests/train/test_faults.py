@@ -485,6 +485,50 @@ def test_predict_copies_reserved_columns_beside_each_rows_prediction(data_root, 
     assert "the predictions have column(s) of that name" in capsys.readouterr().err
 
 
+def test_predict_passes_columns_through_as_the_input_holds_them(data_root, tmp_path, capsys):
+    """Reserved and label columns were read apart from scoring: a CSV id "00270" came out as 270
+    (scoring read it as the string it is), files storing a column as string and large_string
+    failed after all the scoring with pyarrow's "Cannot append scalar", a 0-row input wrote a
+    null-typed column, and a label with nulls came out as float64 NaN. They are read as scoring
+    reads them now, in the type that holds every file's, before any scoring."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    cfg = write_config(data_root, config_dict(data__eval_input_path=None), "pass.yaml")
+    model = tmp_path / "m"
+    assert main(["train", "--config", str(cfg), "--model-dir", str(model), "--no-progress"]) == 0
+    t = pq.read_table(str(sorted((data_root / "data" / "train").glob("*.parquet"))[0])).slice(0, 60)
+    t = t.set_column(0, "user_id", pa.array([f"00{i:03d}" for i in range(60)]))
+    clk = pa.array([None if i % 3 == 0 else v for i, v in enumerate(t.column("clk").to_pylist())], pa.int64())
+    t = t.set_column(t.schema.get_field_index("clk"), "clk", clk)
+    pcsv.write_csv(t, tmp_path / "in.csv")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    pq.write_table(t.slice(0, 30), mixed / "a.parquet")
+    pq.write_table(
+        t.slice(30).set_column(0, "user_id", pc.cast(t.slice(30).column(0), pa.large_string())), mixed / "b.parquet"
+    )
+    pq.write_table(t.slice(0, 0), tmp_path / "empty.parquet")
+    out = tmp_path / "p.parquet"
+    for source, rows in ((tmp_path / "in.csv", 60), (mixed, 60), (tmp_path / "empty.parquet", 0)):
+        args = ["predict", "--model-dir", str(model), "--input", str(source), "--output", str(out)]
+        assert main([*args, "--reserved-columns", "user_id"]) == 0, capsys.readouterr().err
+        got = pq.read_table(out)
+        assert got.num_rows == rows and got.schema.field("user_id").type in (pa.string(), pa.large_string())
+        assert got.column("user_id").to_pylist() == t.column("user_id").to_pylist()[:rows]
+        assert got.schema.field("clk").type == pa.int64() and got.column("clk").to_pylist() == clk.to_pylist()[:rows]
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(t.slice(0, 30), other / "a.parquet")
+    pq.write_table(t.slice(30).set_column(0, "user_id", pa.array(range(30), pa.int64())), other / "b.parquet")
+    capsys.readouterr()
+    args = ["predict", "--model-dir", str(model), "--input", str(other), "--output", str(tmp_path / "q.parquet")]
+    assert main([*args, "--reserved-columns", "user_id"]) == 2
+    assert "column 'user_id' is string in" in capsys.readouterr().err and not (tmp_path / "q.parquet").exists()
+
+
 def _with_nan_price(source, target, row: int) -> None:
     """``source``'s Parquet files copied to ``target``, the overall ``row``'s price NaN."""
     import shutil
