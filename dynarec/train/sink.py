@@ -188,9 +188,9 @@ def plot_curves(history: dict[str, list], path: Path) -> None:
         steps, losses = zip(*history["train_loss"])
         ax1.plot(steps, losses, label="train loss")
     ax1.set_xlabel("step")
-    ax1.set_title("training loss (BCE)")
-    for key in ("auc", "grouped_auc"):
-        pts = [(s, m[key]) for s, m in history["eval"] if m.get(key) is not None and not math.isnan(m[key])]
+    ax1.set_title("training loss")
+    for key in _plotted_metrics(history["eval"]):
+        pts = [(s, m[key]) for s, m in history["eval"] if _finite(m.get(key))]
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=f"eval {key}")
     ax2.set_xlabel("step")
@@ -199,3 +199,16 @@ def plot_curves(history: dict[str, list], path: Path) -> None:
         ax2.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=90, format="png")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _plotted_metrics(evals: list) -> list[str]:
+    """The evaluations' metrics the curves show, in order: the ones on [0, 1] a ranking or a
+    retrieval reads as "higher is better" (AUCs, a multi-task model's ``auc_<task>``, recall,
+    accuracy); where there are none (a regression), every metric but the example count."""
+    names = list(dict.fromkeys(k for _, m in evals for k in m if k != "num_examples"))
+    bounded = [k for k in names if "auc" in k or k.startswith(("recall", "accuracy"))]
+    return bounded or names

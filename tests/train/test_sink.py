@@ -49,3 +49,16 @@ def test_the_running_loss_is_the_mean_since_the_last_record_and_a_resume_keeps_i
     resumed = TrainingLog(tmp_path / "run", progress=False, enabled=False)
     resumed.load_state(log.state(), 3)
     assert resumed.running_loss == 0.6 and resumed.history == log.history and "running_loss" not in resumed.history
+
+
+def test_the_curves_show_a_multi_task_models_metrics(tmp_path):
+    """curves.png looked up "auc" and "grouped_auc" alone: a multi-task model's eval panel
+    (auc_ctr, grouped_auc_cvr, ...) was blank, and a regression's too; its loss panel said BCE
+    whatever the loss."""
+    from dynarec.train.sink import _plotted_metrics, plot_curves
+
+    multi = [[10, {"num_examples": 400.0, "auc_ctr": 0.6, "log_loss_ctr": 0.5, "grouped_auc_cvr": math.nan}]]
+    assert _plotted_metrics(multi) == ["auc_ctr", "grouped_auc_cvr"]
+    assert _plotted_metrics([[10, {"num_examples": 4.0, "mse": 0.3, "mae": 0.4}]]) == ["mse", "mae"]
+    plot_curves({"train_loss": [[1, 0.7], [10, 0.5]], "eval": multi}, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
