@@ -477,11 +477,13 @@ class DynamicTable(EmbeddingTable):
         updates."""
         self.steps.check_idle("write_rows")
         keys = self.row_ids(ids, "write_rows")
-        if "present" in values:
-            keys, values = self._present_rows(keys, values)
+        present = values.get("present")
+        values = {name: v for name, v in values.items() if name != "present"}
+        self.check_row_values(values, keys.numel())  # (before a new key takes a row, or evicts one)
+        if present is not None:
+            keys, values = self._present_rows(keys, values, present)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table '{self.name}': write_rows got duplicate keys")
-        self.check_row_values(values, keys.numel())  # (before a new key takes a row, or evicts one)
         slots = self.index.find(keys)
         absent = slots < 0
         if bool(absent.any()):
@@ -502,23 +504,18 @@ class DynamicTable(EmbeddingTable):
         self.store.write(slots, values)
 
     def _present_rows(
-        self, keys: torch.Tensor, values: dict[str, torch.Tensor]
+        self, keys: torch.Tensor, values: dict[str, torch.Tensor], present
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The keys and rows of ``values`` whose ``present`` is true (``present`` dropped);
-        ValueError for a ``present`` that is not ``[n]`` bool or a field that is not ``n`` rows."""
-        values = {name: torch.as_tensor(v) for name, v in values.items()}
-        present = values.pop("present")
+        """The keys and rows of ``values`` (checked: a row a key) where ``present`` is true;
+        ValueError for a ``present`` that is not ``[n]`` bool."""
+        present = torch.as_tensor(present)
         if present.dtype != torch.bool or tuple(present.shape) != tuple(keys.shape):
             raise ValueError(
                 f"table '{self.name}': write_rows' present must be {list(keys.shape)} bool (read_rows' mask), got "
                 f"{list(present.shape)} {present.dtype}"
             )
-        for name, v in values.items():
-            if v.shape[:1] != keys.shape:
-                raise ValueError(
-                    f"table '{self.name}': write_rows' {name} has {list(v.shape)}, not {keys.numel()} rows"
-                )
-        return keys[present.to(keys.device)], {n: v[present.to(v.device)] for n, v in values.items()}
+        rows = {n: torch.as_tensor(v) for n, v in values.items()}
+        return keys[present.to(keys.device)], {n: v[present.to(v.device)] for n, v in rows.items()}
 
     # -- dump and load -------------------------------------------------------------------------
 
@@ -531,12 +528,12 @@ class DynamicTable(EmbeddingTable):
         out["weight"] = out["weight"].to(ROW_DTYPES[self.config.data_type])  # (exact: read widened it)
         return out
 
-    @torch.no_grad()
     def check_dump(self, dump: Mapping[str, torch.Tensor], weights_only: bool = False) -> list[str]:
         fields = self._dump_fields(dump, weights_only)
         self._check_rows(dump, fields, snapshot.check_dump(dump, self.name))
         return fields
 
+    @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:
         """Replaces the table's contents by ``dump`` (from :meth:`dump`, of any capacity).
 

@@ -291,11 +291,15 @@ class EmbeddingTable(ABC):
             raise ValueError(f"table '{self.name}': {what} takes ids [n], got a tensor of shape {list(out.shape)}")
         return out
 
+    def _field_widths(self) -> dict[str, int]:
+        """Each row field's width: the table's dim for ``weight``, each optimizer state's own."""
+        return {"weight": self.dim, **{s.name: s.width(self.dim) for s in self.spec.state_specs()}}
+
     def check_row_values(self, values: Mapping[str, Any], n: int, what: str = "write_rows") -> None:
         """ValueError naming the table and the field where ``values`` (``weight`` and states, as
         :meth:`write_rows` takes them) are not ``n`` rows of this table's fields: called before
         anything is written or any key inserted."""
-        widths = {"weight": self.dim, **{s.name: s.width(self.dim) for s in self.spec.state_specs()}}
+        widths = self._field_widths()
         for name, v in values.items():
             if name not in widths:
                 raise ValueError(
@@ -354,7 +358,7 @@ class EmbeddingTable(ABC):
     def _check_rows(self, dump: Mapping[str, torch.Tensor], fields: list[str], rows: int) -> None:
         """ValueError naming the first of ``fields`` that is not ``[rows, width]`` (the table's dim
         for the weight, the state's width for a state), before anything is written."""
-        widths = {"weight": self.dim, **{s.name: s.width(self.dim) for s in self.spec.state_specs()}}
+        widths = self._field_widths()
         for f in fields:
             if tuple(dump[f].shape) != (rows, widths[f]):
                 raise ValueError(

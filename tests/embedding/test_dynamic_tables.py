@@ -635,7 +635,7 @@ def test_write_rows_of_what_read_rows_returned_writes_the_present_rows_alone():
     assert coll.read_rows("d", torch.tensor([5]))["momentum1"].tolist() == [[0.5] * D]
     with pytest.raises(ValueError, match=r"table 'd': write_rows' present must be \[3\] bool"):
         coll.write_rows("d", ids, {**rows, "present": torch.ones(3)})
-    with pytest.raises(ValueError, match=r"table 'd': write_rows' weight has \[2, 4\], not 3 rows"):
+    with pytest.raises(ValueError, match=r"table 'd': write_rows: 'weight' must have shape \(3, 4\), got \(2, 4\)"):
         coll.write_rows("d", ids, {**rows, "weight": rows["weight"][:2]})
 
 
