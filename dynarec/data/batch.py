@@ -1075,10 +1075,7 @@ class BatchBuilder:
                 f"{self._where(f, origin, 0)}: max_values cuts a list or a string of values; a map column's entries "
                 "have no order to keep the first of"
             )
-        if not _is_string(col.type) or f.separator is None:  # one value a row
-            return col
-        data = col.buffers()[2] if len(col) else None
-        if data is None or data.to_pybytes().find(f.separator.encode()) < 0:  # (no row holds several)
+        if not _is_string(col.type) or f.separator is None or not _holds(col, f.separator):  # one value a row
             return col
         return pc.binary_join(pc.list_slice(pc.split_pattern(col, f.separator, max_splits=k), 0, k), f.separator)
 
@@ -1700,14 +1697,19 @@ def _first_values(col: pa.Array, separator: str, value_separator: str) -> pa.Arr
     joined by ``value_separator`` cut to its first: one id an element (TorchEasyRec's
     ``value_dim: 1``, a sequence element's default, truncates an element's values so)."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    data = col.buffers()[2] if len(col) else None
-    # (a search of the bytes: 20x faster than pyarrow's match over histories that hold none)
-    if data is None or data.to_pybytes().find(value_separator.encode()) < 0:
+    if not _holds(col, value_separator):
         return col
     elements = pc.split_pattern(col, separator)
     first = pc.list_element(pc.split_pattern(pc.list_flatten(elements), value_separator, max_splits=1), 0)
     cut = pa.ListArray.from_arrays(elements.offsets, first, mask=elements.is_null())
     return pc.binary_join(cut, separator)
+
+
+def _holds(col: pa.Array, text: str) -> bool:
+    """Whether any value of the string array ``col`` (one chunk) holds ``text``: a search of its
+    bytes, 20x faster than pyarrow's match over histories that hold none."""
+    data = col.buffers()[2] if len(col) else None
+    return data is not None and data.to_pybytes().find(text.encode()) >= 0
 
 
 def _empty_as_null(col: pa.Array) -> pa.Array:
