@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from dynarec.files import json_text
 
@@ -36,13 +36,24 @@ def _config_for(args):
     return load_config(path)
 
 
+def _given(args, *names: str) -> dict[str, Any]:
+    """The options ``names`` (``args``' attribute names, defaulting to None) given on the command
+    line, with their values: a default stays the dataclass's they are passed to."""
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _flags(options: dict[str, Any]) -> str:
+    """``{"poll_seconds": ..., ...}`` as the command line spells them: ``--poll-seconds and ...``."""
+    return " and ".join(f"--{n.replace('_', '-')}" for n in options)
+
+
 def cmd_make_data(args) -> None:
     # (the other generator's options would be ignored)
-    demo_only = [o for o, v in (("--num-users", args.num_users), ("--num-items", args.num_items)) if v is not None]
+    demo_only, config_only = _given(args, "num_users", "num_items"), _given(args, "max_sequence_length")
     if args.config and demo_only:
         verb = "shapes" if len(demo_only) == 1 else "shape"
-        raise ValueError(f"{' and '.join(demo_only)} {verb} the demo's click log, not --config's data")
-    if not args.config and args.max_sequence_length is not None:
+        raise ValueError(f"{_flags(demo_only)} {verb} the demo's click log, not --config's data")
+    if not args.config and config_only:
         raise ValueError("--max-sequence-length goes with --config (the demo's click log has its own histories)")
     output = Path(args.output_dir).resolve()  # ('.': the directory's own name, checked like any other)
     if args.config:
@@ -52,12 +63,7 @@ def cmd_make_data(args) -> None:
         meta = make_config_data(
             load_config(args.config),
             output,
-            GenerateSpec(
-                train_rows=args.train_rows,
-                eval_rows=args.eval_rows,
-                seed=args.seed,
-                max_sequence_length=50 if args.max_sequence_length is None else args.max_sequence_length,
-            ),
+            GenerateSpec(train_rows=args.train_rows, eval_rows=args.eval_rows, seed=args.seed, **config_only),
         )
         labels = (
             f"; click rate {meta['eval_click_rate']:.3f}; Bayes-optimal eval AUC {meta['bayes_optimal_eval_auc']:.4f}"
@@ -86,13 +92,7 @@ def cmd_make_data(args) -> None:
         return
     from dynarec.data.synthetic import SyntheticSpec, make_click_log
 
-    spec = SyntheticSpec(
-        train_rows=args.train_rows,
-        eval_rows=args.eval_rows,
-        num_users=20_000 if args.num_users is None else args.num_users,
-        num_items=5_000 if args.num_items is None else args.num_items,
-        seed=args.seed,
-    )
+    spec = SyntheticSpec(train_rows=args.train_rows, eval_rows=args.eval_rows, seed=args.seed, **demo_only)
     meta = make_click_log(output, spec)
     print(
         f"wrote {meta['train_rows']} train and {meta['eval_rows']} eval rows under {args.output_dir}; "
@@ -109,11 +109,9 @@ def cmd_plan(args) -> None:
 def cmd_train(args) -> None:
     """One process, or one rank of a torchrun job (``--nproc N`` starts that job: torchrun
     --standalone --nproc-per-node N -m dynarec train ...)."""
-    given = [
-        o for o, v in (("--poll-seconds", args.poll_seconds), ("--idle-timeout", args.idle_timeout)) if v is not None
-    ]
+    given = _given(args, "poll_seconds", "idle_timeout")
     if given and not args.follow:  # (they would be ignored)
-        raise ValueError(f"{' and '.join(given)} go{'es' if len(given) == 1 else ''} with --follow")
+        raise ValueError(f"{_flags(given)} go{'es' if len(given) == 1 else ''} with --follow")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _config_for(args)  # a config error is reported here, once, not by every rank
         _launch_torchrun(args.nproc, args.argv, lambda: _latest_note(args))
@@ -122,8 +120,9 @@ def cmd_train(args) -> None:
     from dynarec.train.trainer import FollowOptions, Trainer
 
     config = _config_for(args)
-    poll = 5.0 if args.poll_seconds is None else args.poll_seconds
-    follow = FollowOptions(poll, args.idle_timeout) if args.follow else None
+    follow = (
+        FollowOptions(idle_timeout_seconds=args.idle_timeout, **_given(args, "poll_seconds")) if args.follow else None
+    )
     ctx = init_distributed(args.device, config.train.collective_timeout_seconds)
     try:
         trainer = Trainer(
@@ -704,9 +703,7 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="data.train_input_path is a directory receiving new files: train on them as they arrive",
     )
-    p.add_argument(
-        "--poll-seconds", type=seconds, default=None, help="--follow: how often to look for new files (default: 5)"
-    )
+    p.add_argument("--poll-seconds", type=seconds, help="--follow: how often to look for new files (default: 5)")
     p.add_argument(
         "--idle-timeout", type=seconds, default=None, help="--follow: stop after this many seconds without a new file"
     )
