@@ -334,6 +334,52 @@ class _Ids:
     elements: Optional[np.ndarray] = None
 
 
+@dataclass(frozen=True)
+class _ValueIds:
+    """The ids of each of a column's distinct values (a row each; a missing value's last, where
+    a default fills it) and where each value's start in ``ids.values``; where no value has more
+    than one, ``single`` holds each value's id (0 for none) and ``single_weights`` its weight."""
+
+    ids: _Ids
+    starts: np.ndarray
+    single: Optional[np.ndarray]
+    single_weights: Optional[np.ndarray]
+    ones: Optional[int]  # the values (all but a missing one), where each has one id; else None
+
+    @classmethod
+    def of(cls, ids: _Ids, values: int) -> _ValueIds:
+        """``ids`` of ``values`` values (and of a missing one after them, where they hold one)."""
+        starts = np.cumsum(ids.lengths) - ids.lengths
+        single = single_weights = None
+        if (ids.lengths <= 1).all():
+            has = ids.lengths == 1
+            single = np.zeros(len(ids.lengths), dtype=ids.values.dtype)
+            single[has] = ids.values
+            if ids.weights is not None:
+                single_weights = np.zeros(len(ids.lengths), dtype=ids.weights.dtype)
+                single_weights[has] = ids.weights
+        ones = values if (ids.lengths[:values] == 1).all() else None
+        return cls(ids, starts, single, single_weights, ones)
+
+    def take(self, codes: np.ndarray) -> _Ids:
+        """The ids of rows holding values ``codes`` (positions in the values)."""
+        ids = self.ids
+        codes = codes.astype(np.intp, copy=False)  # (numpy gathers faster by native-width positions)
+        if self.single is not None and self.ones is not None and codes.size and codes.max() < self.ones:
+            weights = None if self.single_weights is None else self.single_weights[codes]
+            return _Ids(self.single[codes], np.ones(len(codes), dtype=ids.lengths.dtype), weights)
+        lengths = ids.lengths[codes]
+        if self.single is not None:
+            values, weights = self.single[codes], None if self.single_weights is None else self.single_weights[codes]
+            if len(values) and not lengths.all():  # (rows without an id)
+                has = lengths.astype(bool)
+                values, weights = values[has], None if weights is None else weights[has]
+            return _Ids(values, lengths, weights)
+        ends = np.cumsum(lengths)
+        positions = np.arange(ends[-1] if len(ends) else 0) + np.repeat(self.starts[codes] - (ends - lengths), lengths)
+        return _Ids(ids.values[positions], lengths, None if ids.weights is None else ids.weights[positions])
+
+
 @dataclass
 class _Dense:
     """A feature's numbers ``[B]`` or ``[B, k]``: float32 for the model, float64 as computed (a
@@ -553,6 +599,33 @@ class BatchBuilder:
         self._sequence_separators = {
             c: f.separator for f in features if isinstance(f, SequenceFeatureCfg) for c in f.columns
         }
+        # Each feature's ids of the distinct values of the dictionary-encoded column it last read
+        # (see _ids_by_value): (the dictionary's buffers, the dictionary, its values' ids or None).
+        self._by_value: dict[str, tuple[tuple[int, ...], pa.Array, Optional[_ValueIds]]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_by_value": {}}  # (a DataLoader worker starts without the parent's)
+
+    def dictionary_columns(self) -> frozenset[str]:
+        """The string columns a reader may give dictionary-encoded to gain from it: those read
+        by id and sequence features alone (their ids are then worked out once a distinct value,
+        :meth:`_ids_by_value`). Every other use of a column reads its values, so a dictionary would
+        only be decoded there."""
+        if self.sampler is not None or self.tdm is not None:  # (sampled rows are built from other tables)
+            return frozenset()
+        ids = {
+            c
+            for f in self.sparse_features + self.dense_features
+            if isinstance(f, (IdFeatureCfg, SequenceFeatureCfg))
+            for c in f.columns
+        }
+        others = {
+            c
+            for name, c in self._feature_columns
+            if not isinstance(self.features[name], (IdFeatureCfg, SequenceFeatureCfg))
+        }
+        others |= set(self.columns()) - {c for _, c in self._feature_columns}  # labels, group and session fields
+        return frozenset(ids - others)
 
     def _check_node_ids(self, config: Config) -> None:
         """A fixed table of the item ids (``num_buckets``) must hold the tree's inner nodes'
@@ -867,16 +940,22 @@ class BatchBuilder:
 
     # -- the kinds -----------------------------------------------------------------------
 
-    def _input(self, inp: Input, table: pa.Table, outputs: dict[str, pa.Array]) -> pa.Array:
+    def _input(self, inp: Input, table: pa.Table, outputs: dict[str, pa.Array], encoded: bool = False) -> pa.Array:
+        """Input ``inp`` as one array; a dictionary-encoded column as its values, unless ``encoded``."""
         col = outputs[inp.name] if inp.feature else table.column(inp.name)
-        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if isinstance(col, pa.ChunkedArray):
+            # (one chunk of dictionary codes as it is, a slice of the codes decoded with it: copied by
+            # combine_chunks, they would seem all there is; other columns are copied, as the C++
+            # extension reads only writable memory and a loader's chunks are mapped read-only)
+            one = col.num_chunks == 1 and pa.types.is_dictionary(col.type)
+            col = col.chunk(0) if one else col.combine_chunks()
         # (a dictionary-encoded column, as pandas' categoricals are written: its values, as any column's)
-        return col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
+        return col.dictionary_decode() if pa.types.is_dictionary(col.type) and not encoded else col
 
     def _feature(self, f: Feature, table: pa.Table, outputs: dict[str, pa.Array], origin: RowOrigin, n: int):
         col = lambda i=0: self._input(f.inputs[i], table, outputs)
         if isinstance(f, (IdFeatureCfg, SequenceFeatureCfg)):
-            return self._ids(f, col(), origin)
+            return self._ids(f, self._input(f.inputs[0], table, outputs, encoded=True), origin)
         if isinstance(f, TokenizeFeatureCfg):
             return self._tokenize(f, col())
         if isinstance(f, OverlapFeatureCfg):
@@ -905,6 +984,11 @@ class BatchBuilder:
         return self._custom(f, [col(i) for i in range(len(f.inputs))], origin, n)
 
     def _ids(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, origin: RowOrigin) -> _Ids:
+        if pa.types.is_dictionary(col.type):
+            by_value = self._ids_by_value(f, col)
+            if by_value is not None:
+                return by_value
+            col = col.dictionary_decode()
         dv = f.default_value
         numbers = isinstance(f, IdFeatureCfg) and f.boundaries is not None  # (bucketized: a NaN is no number)
         if not numbers and pa.types.is_floating(col.type) and len(col) and pc.any(pc.is_nan(col)).as_py():
@@ -958,6 +1042,42 @@ class BatchBuilder:
             j = fill_missing(j, dv, empty)
         ids = self._bucketize(f, j.values, j.lengths, origin)
         return _Ids(*_keep_last(f, ids, j.lengths))
+
+    def _ids_by_value(self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.DictionaryArray) -> Optional[_Ids]:
+        """A dictionary-encoded string column's ids, worked out once for each distinct value and
+        taken for each row: what the row-by-row path gives, as a row's ids depend on its value
+        alone. The values' ids are kept while the next slices' dictionary is the same (the same
+        buffers, or equal values: a Parquet row group's batches each hold a copy of its
+        dictionary). None where the row path must run: a dictionary of more values than the
+        decoded rows it came with (nothing saved), a row missing without a default, ids of
+        several elements, and an error in any value (some row may not hold it; the row path
+        names the row that does)."""
+        if f.default_value is None and col.null_count:
+            return None
+        values = col.dictionary
+        key = (values.offset, len(values), *(0 if b is None else b.address for b in values.buffers()))
+        held = self._by_value.get(f.feature_name)
+        if held is not None and held[0] != key and held[1].equals(values):
+            held = self._by_value[f.feature_name] = (key, values, held[2])
+        if held is None or held[0] != key:
+            indices = col.indices  # (a slice's buffer holds the decoded array's codes: its rows share the values)
+            decoded_rows = indices.buffers()[1].size // indices.type.byte_width
+            if len(values) > decoded_rows or not _is_string(values.type) or values.null_count:
+                return None
+            # every value, and where a default fills missing rows, a missing one (null) last
+            read = values if f.default_value is None else pa.concat_arrays([values, pa.nulls(1, values.type)])
+            by_value: Optional[_ValueIds] = None
+            try:
+                ids = self._ids(f, read, RowOrigin.of("", len(read)))
+                if ids.elements is None and ids.element_lengths is None:  # (not ids of several elements)
+                    by_value = _ValueIds.of(ids, len(values))
+            except (DataError, RowError):
+                pass
+            held = self._by_value[f.feature_name] = (key, values, by_value)
+        if held[2] is None:
+            return None
+        codes = col.indices.fill_null(len(values)) if col.null_count else col.indices
+        return held[2].take(codes.to_numpy(zero_copy_only=False))
 
     def _split_natively(
         self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, separator: str, origin: RowOrigin

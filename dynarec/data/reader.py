@@ -241,22 +241,56 @@ def _csv_rows(path: str, input_type: Optional[str]) -> int:
         raise DataError(f"{path}{_csv_row_of(path, input_type)}: cannot be read ({e})") from None
 
 
+# A dictionary-encoded column chunk's data pages hold a code a row, bit-packed: at most 4 bytes
+# a row (codes of up to 32 bits) before compression. More, and the writer fell back to plain
+# pages (its dictionary outgrew its size limit, about 1 MB by default): the values are stored.
+_CODE_BYTES = 4
+
+
+def dictionary_encoded(meta: pq.FileMetaData, groups: Sequence[int], candidates: frozenset[str]) -> list[str]:
+    """The columns of ``candidates`` stored dictionary-encoded in every row group of ``groups``:
+    read as dictionaries, they decode without their values materialized row by row (a Parquet
+    reader's dictionary page is the column's distinct values), and a batch builder works a
+    value's ids out once (``BatchBuilder.dictionary_columns``)."""
+    if not candidates:
+        return []
+    found: Optional[set[str]] = None
+    for g in groups:
+        group = meta.row_group(g)
+        encoded = set()
+        for j in range(group.num_columns):
+            chunk = group.column(j)
+            if chunk.path_in_schema not in candidates or not chunk.has_dictionary_page:
+                continue
+            dictionary = chunk.data_page_offset - chunk.dictionary_page_offset
+            if chunk.total_compressed_size - dictionary <= _CODE_BYTES * group.num_rows:
+                encoded.add(chunk.path_in_schema)
+        found = encoded if found is None else found & encoded
+    return sorted(found or ())
+
+
 def _record_batches_from(
-    path: str, columns: list[str], input_type: Optional[str], skip: int, csv_types: ColumnTypes = None
+    path: str,
+    columns: list[str],
+    input_type: Optional[str],
+    skip: int,
+    csv_types: ColumnTypes = None,
+    dictionaries: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[int, pa.Table]]:
     """``(first row in file, table)`` of ``path`` from row ``skip`` on; Parquet row groups before
-    it are not read."""
+    it are not read. Columns of ``dictionaries`` stored dictionary-encoded are read so."""
     row = 0
     source: Iterator[pa.RecordBatch]
     if _file_type(path, input_type) == "parquet":
-        f = pq.ParquetFile(path)
+        meta = _parquet_metadata(path)
         groups: list[int] = []
-        for g in range(f.metadata.num_row_groups):
-            n = f.metadata.row_group(g).num_rows
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
             if not groups and row + n <= skip:  # every group before the one holding row `skip`
                 row += n
             else:
                 groups.append(g)
+        f = pq.ParquetFile(path, read_dictionary=dictionary_encoded(meta, groups, dictionaries) or None)
         source = f.iter_batches(batch_size=65536, columns=columns, row_groups=groups) if groups else iter(())
     else:
         source = _record_batches(path, columns, input_type, csv_types)
@@ -446,7 +480,11 @@ class ArrowBatchDataset(IterableDataset):
         """Row group ``unit``'s record batches of a published chunk's rows (``columns``, of the
         builder's; none: all of them), from its first row: one chunk decoded at a time."""
         try:
-            reader = pq.ParquetFile(unit.path).iter_batches(
+            f = pq.ParquetFile(unit.path)
+            dictionaries = dictionary_encoded(f.metadata, [unit.row_group], self.builder.dictionary_columns())
+            if dictionaries:
+                f = pq.ParquetFile(unit.path, read_dictionary=dictionaries)
+            reader = f.iter_batches(
                 batch_size=self.chunk_rows,
                 row_groups=[unit.row_group],
                 columns=list(columns or self.builder.columns()),
@@ -465,7 +503,10 @@ class ArrowBatchDataset(IterableDataset):
                 skip -= count
                 continue
             csv_types = self.builder.csv_column_types()
-            for first, table in _record_batches_from(path, columns, self.input_type, skip, csv_types):
+            pieces = _record_batches_from(
+                path, columns, self.input_type, skip, csv_types, self.builder.dictionary_columns()
+            )
+            for first, table in pieces:
                 yield path, first, table
             skip = 0
 
