@@ -297,18 +297,32 @@ class EmbeddingTable(ABC):
 
     def check_row_values(self, values: Mapping[str, Any], n: int, what: str = "write_rows") -> None:
         """ValueError naming the table and the field where ``values`` (``weight`` and states, as
-        :meth:`write_rows` takes them) are not ``n`` rows of this table's fields: called before
-        anything is written or any key inserted."""
+        :meth:`write_rows` takes them) are not ``n`` rows of this table's fields, or not finite
+        numbers, or negative in a state that is a sum of squares (its square root would be NaN):
+        called before anything is written or any key inserted."""
         widths = self._field_widths()
+        nonnegative = {s.name for s in self.spec.state_specs() if s.nonnegative}
         for name, v in values.items():
             if name not in widths:
                 raise ValueError(
                     f"table '{self.name}': {what}: unknown row field '{name}'; this table has {sorted(widths)}"
                 )
-            shape = tuple(torch.as_tensor(v).shape)
+            t = torch.as_tensor(v)
+            shape = tuple(t.shape)
             if shape != (n, widths[name]) and not (widths[name] == 1 and shape == (n,)):
                 raise ValueError(
                     f"table '{self.name}': {what}: '{name}' must have shape {(n, widths[name])}, got {shape}"
+                )
+            bad = ~torch.isfinite(t) if t.is_floating_point() else torch.zeros(shape, dtype=torch.bool)
+            if name in nonnegative:
+                bad |= t < 0
+            if bool(bad.any()):
+                row = int(bad.reshape(n, -1).any(dim=1).nonzero()[0])
+                value = float(t.reshape(n, -1)[row][bad.reshape(n, -1)[row]][0])
+                why = "a finite number, at least 0 (a sum of squares)" if name in nonnegative else "a finite number"
+                raise ValueError(
+                    f"table '{self.name}': {what}: '{name}' holds {value} in row {row} (of the rows given, in "
+                    f"order); each value must be {why}"
                 )
 
     def foreign_fields(self, dump: Mapping[str, torch.Tensor]) -> list[str]:

@@ -37,7 +37,11 @@ class Adagrad(OptimizerSpec):
         check_non_negative(type(self).__name__, "initial_accumulator_value", self.initial_accumulator_value)
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("momentum1", rowwise=False, initial_value=float(self.initial_accumulator_value)),)
+        return (
+            StateSpec(
+                "momentum1", rowwise=False, initial_value=float(self.initial_accumulator_value), nonnegative=True
+            ),
+        )
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ class Adam(OptimizerSpec):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (
             StateSpec("momentum1", rowwise=False, initial_value=0.0),
-            StateSpec("momentum2", rowwise=False, initial_value=0.0),
+            StateSpec("momentum2", rowwise=False, initial_value=0.0, nonnegative=True),
         )
 
 

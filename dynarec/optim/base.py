@@ -31,12 +31,15 @@ NOT_OFFERED = {
 class StateSpec:
     """One optimizer state tensor of a table: ``[num_rows, width]`` float32.
 
-    ``rowwise`` states have width 1; the others have the table's embedding dim.
+    ``rowwise`` states have width 1; the others have the table's embedding dim. A
+    ``nonnegative`` state is a sum of squares (Adagrad's accumulator, Adam's second moment): the
+    update takes its square root.
     """
 
     name: str
     rowwise: bool
     initial_value: float
+    nonnegative: bool = False
 
     def width(self, dim: int) -> int:
         return 1 if self.rowwise else dim

@@ -46,7 +46,9 @@ class RowWiseAdagrad(OptimizerSpec):
             )
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("momentum1", rowwise=True, initial_value=float(self.initial_accumulator_value)),)
+        return (
+            StateSpec("momentum1", rowwise=True, initial_value=float(self.initial_accumulator_value), nonnegative=True),
+        )
 
 
 @torch.no_grad()

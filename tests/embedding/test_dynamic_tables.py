@@ -740,3 +740,34 @@ def test_slots_follow_a_plans_cuckoo_moves():
     slots = torch.tensor([5, -1, 7, 5, 2, 9, 0])
     got = follow_moves(slots, torch.tensor([9, 5]), torch.tensor([12, 3]))
     assert torch.equal(got, torch.tensor([3, -1, 7, 3, 2, 12, 0]))
+
+
+@pytest.mark.parametrize(
+    "spec, field, value, message",
+    [
+        (Adagrad(lr=0.1), "momentum1", -1.0, r"'momentum1' holds -1.0 in row 2 .* at least 0 \(a sum of squares\)"),
+        (Adagrad(lr=0.1), "weight", float("nan"), r"'weight' holds nan in row 2 .* must be a finite number$"),
+        (Adam(lr=0.1), "momentum2", -0.5, r"'momentum2' holds -0.5 in row 2"),
+        (Adam(lr=0.1), "momentum1", float("inf"), r"'momentum1' holds inf in row 2"),
+        (RowWiseAdagrad(lr=0.1), "momentum1", float("-inf"), r"'momentum1' holds -inf in row 2"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
+def test_write_rows_refuses_values_a_step_would_turn_into_nan(spec, field, value, message, kind):
+    """A negative accumulator (its square root is NaN) or a non-finite weight or state was
+    written as given, and the next step trained the row into NaN."""
+    if kind == "dynamic":
+        table = dynamic(max_capacity=64, spec=spec)
+    else:
+        table = TableConfig(name="x", dim=D, num_embeddings=64, features=["f"], optimizer=spec, initializer=INIT)
+    coll = EmbeddingCollection([table], SGD(lr=0.1))
+    name = next(iter(coll.tables))
+    rows = {k: v.clone() for k, v in coll.read_rows(name, torch.arange(4)).items() if k != "present"}
+    rows[field][2, 0] = value
+    before = coll.tables[name].dump()
+    with pytest.raises(ValueError, match=f"table '{name}': write_rows: " + message):
+        coll.write_rows(name, torch.arange(4), rows)
+    after = coll.tables[name].dump()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    rows[field][2, 0] = 0.0
+    coll.write_rows(name, torch.arange(4), rows)  # (the same rows, good)
