@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -381,6 +381,31 @@ class _ValueIds:
 
 
 @dataclass
+class _SeenValues:
+    """A feature's last dictionary (its buffers ``key``, held so that they stay those), the rows
+    read with it or an equal one, and its values' ids once worked out (None before, and where
+    they cannot be)."""
+
+    key: tuple[int, ...]
+    values: pa.Array
+    rows: int = 0
+    worked_out: bool = False
+    ids: Optional[_ValueIds] = None
+
+    def work_out(self, ids_of: Callable[[pa.Array], _Ids], missing: bool) -> None:
+        """The values' ids by ``ids_of`` (the row path, over the values as rows), with a missing
+        value's (a null) after them where ``missing``."""
+        self.worked_out = True
+        read = pa.concat_arrays([self.values, pa.nulls(1, self.values.type)]) if missing else self.values
+        try:
+            ids = ids_of(read)
+        except (DataError, RowError):
+            return
+        if ids.elements is None and ids.element_lengths is None:  # (not ids of several elements)
+            self.ids = _ValueIds.of(ids, len(self.values))
+
+
+@dataclass
 class _Dense:
     """A feature's numbers ``[B]`` or ``[B, k]``: float32 for the model, float64 as computed (a
     ``feature:`` input reads these)."""
@@ -599,9 +624,8 @@ class BatchBuilder:
         self._sequence_separators = {
             c: f.separator for f in features if isinstance(f, SequenceFeatureCfg) for c in f.columns
         }
-        # Each feature's ids of the distinct values of the dictionary-encoded column it last read
-        # (see _ids_by_value): (the dictionary's buffers, the dictionary, its values' ids or None).
-        self._by_value: dict[str, tuple[tuple[int, ...], pa.Array, Optional[_ValueIds]]] = {}
+        # The dictionary of each feature's last dictionary-encoded column (_ids_by_value)
+        self._by_value: dict[str, _SeenValues] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_by_value": {}}  # (a DataLoader worker starts without the parent's)
@@ -1048,36 +1072,35 @@ class BatchBuilder:
         taken for each row: what the row-by-row path gives, as a row's ids depend on its value
         alone. The values' ids are kept while the next slices' dictionary is the same (the same
         buffers, or equal values: a Parquet row group's batches each hold a copy of its
-        dictionary). None where the row path must run: a dictionary of more values than the
-        decoded rows it came with (nothing saved), a row missing without a default, ids of
-        several elements, and an error in any value (some row may not hold it; the row path
-        names the row that does)."""
+        dictionary, and so do a loader's chunks of it).
+
+        None where the row path runs: until the rows read with these values (or the rows decoded
+        with them, of which ``col`` is a slice) are as many as the values, so that working them
+        out never costs more than the rows did; for a row missing without a default; for ids of
+        several elements; and after an error in any value (some row may not hold it; the row
+        path names the row that does)."""
         if f.default_value is None and col.null_count:
             return None
         values = col.dictionary
         key = (values.offset, len(values), *(0 if b is None else b.address for b in values.buffers()))
-        held = self._by_value.get(f.feature_name)
-        if held is not None and held[0] != key and held[1].equals(values):
-            held = self._by_value[f.feature_name] = (key, values, held[2])
-        if held is None or held[0] != key:
-            indices = col.indices  # (a slice's buffer holds the decoded array's codes: its rows share the values)
-            decoded_rows = indices.buffers()[1].size // indices.type.byte_width
-            if len(values) > decoded_rows or not _is_string(values.type) or values.null_count:
+        seen = self._by_value.get(f.feature_name)
+        if seen is None or seen.key != key:
+            if seen is not None and len(seen.values) == len(values) and seen.values.equals(values):
+                seen.key, seen.values = key, values  # (a copy: the same values)
+            elif _is_string(values.type) and not values.null_count:
+                seen = self._by_value[f.feature_name] = _SeenValues(key, values)
+            else:
                 return None
-            # every value, and where a default fills missing rows, a missing one (null) last
-            read = values if f.default_value is None else pa.concat_arrays([values, pa.nulls(1, values.type)])
-            by_value: Optional[_ValueIds] = None
-            try:
-                ids = self._ids(f, read, RowOrigin.of("", len(read)))
-                if ids.elements is None and ids.element_lengths is None:  # (not ids of several elements)
-                    by_value = _ValueIds.of(ids, len(values))
-            except (DataError, RowError):
-                pass
-            held = self._by_value[f.feature_name] = (key, values, by_value)
-        if held[2] is None:
+        seen.rows += len(col)
+        if not seen.worked_out:
+            decoded = col.indices.buffers()[1].size // col.indices.type.byte_width  # (a slice's buffer is all of them)
+            if max(seen.rows, decoded) < len(values):
+                return None
+            seen.work_out(lambda read: self._ids(f, read, RowOrigin.of("", len(read))), f.default_value is not None)
+        if seen.ids is None:
             return None
         codes = col.indices.fill_null(len(values)) if col.null_count else col.indices
-        return held[2].take(codes.to_numpy(zero_copy_only=False))
+        return seen.ids.take(codes.to_numpy(zero_copy_only=False))
 
     def _split_natively(
         self, f: Union[IdFeatureCfg, SequenceFeatureCfg], col: pa.Array, separator: str, origin: RowOrigin

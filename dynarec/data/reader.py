@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -269,6 +269,11 @@ def dictionary_encoded(meta: pq.FileMetaData, groups: Sequence[int], candidates:
     return sorted(found or ())
 
 
+def _one_chunk(col: pa.ChunkedArray) -> pa.Array:
+    """``col`` as one array (its chunks' dictionaries unified, where it has several)."""
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
 def _record_batches_from(
     path: str,
     columns: list[str],
@@ -478,19 +483,40 @@ class ArrowBatchDataset(IterableDataset):
 
     def _read_unit(self, unit: Unit, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
         """Row group ``unit``'s record batches of a published chunk's rows (``columns``, of the
-        builder's; none: all of them), from its first row: one chunk decoded at a time."""
+        builder's; none: all of them), from its first row: one chunk decoded at a time, but for
+        the columns stored dictionary-encoded that the builder takes so, read whole at once (a
+        column's codes, 4 bytes a row): Parquet's reader copies the dictionary into every batch
+        it returns, a cost of the dictionary's size each chunk."""
+        columns = list(columns or self.builder.columns())
+        group = [unit.row_group]
         try:
             f = pq.ParquetFile(unit.path)
-            dictionaries = dictionary_encoded(f.metadata, [unit.row_group], self.builder.dictionary_columns())
-            if dictionaries:
-                f = pq.ParquetFile(unit.path, read_dictionary=dictionaries)
-            reader = f.iter_batches(
-                batch_size=self.chunk_rows,
-                row_groups=[unit.row_group],
-                columns=list(columns or self.builder.columns()),
-                use_threads=False,
+            encoded = set(dictionary_encoded(f.metadata, group, self.builder.dictionary_columns()))
+            plain = [c for c in columns if c not in encoded]
+            if not encoded.intersection(columns):
+                yield from f.iter_batches(
+                    batch_size=self.chunk_rows, row_groups=group, columns=plain, use_threads=False
+                )
+                return
+            coded = [c for c in columns if c in encoded]
+            whole = pq.ParquetFile(unit.path, read_dictionary=coded).read_row_group(
+                unit.row_group, columns=coded, use_threads=False
             )
-            yield from reader
+            codes = {c: _one_chunk(whole.column(c)) for c in coded}
+            others = (
+                f.iter_batches(batch_size=self.chunk_rows, row_groups=group, columns=plain, use_threads=False)
+                if plain
+                else None
+            )
+            start = 0
+            while start < whole.num_rows:  # (the other columns' batches, in step)
+                rb = next(others) if others is not None else None
+                n = rb.num_rows if rb is not None else min(self.chunk_rows, whole.num_rows - start)
+                yield pa.RecordBatch.from_arrays(
+                    [codes[c].slice(start, n) if c in codes else cast(pa.RecordBatch, rb).column(c) for c in columns],
+                    names=columns,
+                )
+                start += n
         except (pa.ArrowInvalid, OSError) as e:  # a corrupt page
             raise DataError(f"{unit.path}: cannot be read ({e})") from None
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader
+from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader, shared_decode
 from dynarec.data.reader import dictionary_encoded, read_table
 from tests.data.test_kinds import H, config, id_feature
 
@@ -65,7 +65,7 @@ def test_a_dictionary_encoded_column_gives_the_batches_of_its_values(name):
         expect = b.build(table.slice(start, n), "t.parquet")
         got = b.build(whole.slice(start, n), "t.parquet")
         assert sparse(got) == sparse(expect), (start, n)
-    assert b._by_value["f"][2] is not None  # (the values' ids were worked out, not the rows')
+    assert b._by_value["f"].ids is not None  # (the values' ids were worked out, not the rows')
 
 
 def test_the_values_ids_are_kept_for_an_equal_dictionary_and_worked_out_again_for_another():
@@ -86,6 +86,24 @@ def test_the_values_ids_are_kept_for_an_equal_dictionary_and_worked_out_again_fo
     got = [sparse(b.build(pa.table({"f": col, "clk": [0] * 4}), "t.parquet"))[0] for col in (first, copy, other)]
     assert got == [[10, 11, 12, 11], [12, 12, 10, 11], [22, 22, 20, 21]]
     assert calls == [4, 3, 4, 4, 3]  # each build's call, and the values' of `first` and of `other`
+
+
+def test_the_values_ids_are_worked_out_once_as_many_rows_came_with_them():
+    """A loader's chunk holds a copy of its row group's dictionary, of more values than the
+    chunk's rows: the rows' own path runs until as many rows came with equal dictionaries as
+    they hold values, then the values' ids are worked out, once."""
+    b = BatchBuilder(config(id_feature(hash_bucket_size=1000)))
+    values = [f"v{i}" for i in range(100)]
+    rng = np.random.default_rng(2)
+    worked_out = []
+    for _ in range(14):  # 10 rows a chunk, each with its own copy of the 100 values
+        codes = pa.array(rng.integers(0, 100, 10).astype(np.int32))
+        col = pa.DictionaryArray.from_arrays(codes, pa.array(list(values)))
+        got = b.build(pa.table({"f": col, "clk": [0] * 10}), "t.parquet")
+        expect = b.build(pa.table({"f": col.dictionary_decode(), "clk": [0] * 10}), "t.parquet")
+        assert sparse(got) == sparse(expect)
+        worked_out.append(b._by_value["f"].worked_out)
+    assert worked_out == [False] * 9 + [True] * 5
 
 
 def test_a_bad_value_is_named_by_its_row_and_one_no_row_holds_is_no_error():
@@ -135,25 +153,34 @@ def test_the_reader_takes_dictionaries_only_of_columns_stored_dictionary_encoded
     assert dictionary_encoded(meta, [0], frozenset({"plain"})) == []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_batches_read_with_dictionaries_equal_the_files_values(tmp_path, workers):
+@pytest.mark.parametrize("workers, chunk_rows", [(0, None), (2, None), (2, 700), (3, 1_000)])
+def test_batches_read_with_dictionaries_equal_the_files_values(tmp_path, monkeypatch, workers, chunk_rows):
     """Row groups of 3,000 rows stored dictionary-encoded, read by one process and by workers
-    decoding for each other: the batches are those of the decoded values."""
+    decoding for each other (in chunks of the row group's rows or fewer, each holding the
+    dictionary): the batches are those of the decoded values."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(shared_decode, "CHUNK_ROWS", chunk_rows)
     n = 9_000
     rng = np.random.default_rng(1)
     table = pa.table(
         {
             "f": pa.array([None if i % 97 == 0 else f"{i % 40}{H}{i % 7}" for i in rng.integers(0, 10_000, n)]),
+            "price": rng.random(n),
             "clk": rng.integers(0, 2, n),
         }
     )
     path = tmp_path / "t.parquet"
     pq.write_table(table, path, row_group_size=3_000)
-    b = BatchBuilder(config(id_feature(num_buckets=50, separator=H, default_value="")))
+    price = {"raw_feature": {"feature_name": "price"}}  # (a column read whole beside the codes)
+    b = BatchBuilder(config(id_feature(num_buckets=50, separator=H, default_value=""), price))
     assert dictionary_encoded(pq.ParquetFile(path).metadata, [0, 1, 2], b.dictionary_columns()) == ["f"]
-    plain = read_table(str(path), ["f", "clk"])
+    plain = read_table(str(path), ["f", "price", "clk"])
     assert not pa.types.is_dictionary(plain.schema.field("f").type)
-    expect = [sparse(b.build(plain.slice(i, 1_000), "t.parquet")) for i in range(0, n, 1_000)]
-    got = [sparse(batch) for batch in make_loader(ArrowBatchDataset([str(path)], b, 1_000), workers)]
+
+    def contents(batch):
+        return sparse(batch), batch.dense["price"].tolist(), batch.labels.tolist()
+
+    expect = [contents(b.build(plain.slice(i, 1_000), "t.parquet")) for i in range(0, n, 1_000)]
+    got = [contents(batch) for batch in make_loader(ArrowBatchDataset([str(path)], b, 1_000), workers)]
     assert got == expect
-    assert torch.tensor(got[0][1]).sum() > 0
+    assert torch.tensor(got[0][0][1]).sum() > 0
