@@ -399,7 +399,7 @@ class _SeenValues:
         read = pa.concat_arrays([self.values, pa.nulls(1, self.values.type)]) if missing else self.values
         try:
             ids = ids_of(read)
-        except (DataError, RowError):
+        except Exception:  # (the row path raises it where a row holds the value)
             return
         if ids.elements is None and ids.element_lengths is None:  # (not ids of several elements)
             self.ids = _ValueIds.of(ids, len(self.values))
@@ -648,7 +648,7 @@ class BatchBuilder:
             for name, c in self._feature_columns
             if not isinstance(self.features[name], (IdFeatureCfg, SequenceFeatureCfg))
         }
-        others |= set(self.columns()) - {c for _, c in self._feature_columns}  # labels, group and session fields
+        others |= set(self.label_fields) | {c for c in (self.group_field, self.session_field) if c}
         return frozenset(ids - others)
 
     def _check_node_ids(self, config: Config) -> None:
@@ -1099,7 +1099,7 @@ class BatchBuilder:
             seen.work_out(lambda read: self._ids(f, read, RowOrigin.of("", len(read))), f.default_value is not None)
         if seen.ids is None:
             return None
-        codes = col.indices.fill_null(len(values)) if col.null_count else col.indices
+        codes = col.indices.cast(pa.int64()).fill_null(len(values)) if col.null_count else col.indices
         return seen.ids.take(codes.to_numpy(zero_copy_only=False))
 
     def _split_natively(
@@ -1876,6 +1876,8 @@ def _cast_int64(tokens: pa.Array) -> pa.Array:
 def _float64(col, where, label: str) -> np.ndarray:
     """A numeric (or numeric-string) column as float64 (nulls become NaN); DataError naming the
     row (``where(i)``) and the value that is not a number."""
+    if pa.types.is_dictionary(col.type):  # (a categorical column: its values)
+        col = col.cast(col.type.value_type)
     if pa.types.is_integer(col.type):  # (to the nearest float64 past 2**53: a timestamp in microseconds)
         return pc.cast(col, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
     try:

@@ -255,16 +255,18 @@ def dictionary_encoded(meta: pq.FileMetaData, groups: Sequence[int], candidates:
     if not candidates:
         return []
     found: Optional[set[str]] = None
+    fields = leaf_fields(meta)
+    strings = {f.name for f in meta.schema.to_arrow_schema() if _kind(f.type) == "string"}  # (not nested)
     for g in groups:
         group = meta.row_group(g)
         encoded = set()
         for j in range(group.num_columns):
             chunk = group.column(j)
-            if chunk.path_in_schema not in candidates or not chunk.has_dictionary_page:
+            if fields[j] not in candidates or fields[j] not in strings or not chunk.has_dictionary_page:
                 continue
             dictionary = chunk.data_page_offset - chunk.dictionary_page_offset
             if chunk.total_compressed_size - dictionary <= _CODE_BYTES * group.num_rows:
-                encoded.add(chunk.path_in_schema)
+                encoded.add(fields[j])
         found = encoded if found is None else found & encoded
     return sorted(found or ())
 
@@ -802,6 +804,22 @@ def _shared_memory_holds(units: list[Unit], workers: int, batch_rows: int) -> bo
     return stat.f_bavail * stat.f_frsize >= need
 
 
+def leaf_fields(meta: pq.FileMetaData) -> list[str]:
+    """The top-level column of each of a Parquet file's leaf columns, in order (a nested
+    column's leaves are its own; a column's name may hold dots, as its leaves' paths do)."""
+
+    def leaves(t: pa.DataType) -> int:
+        if pa.types.is_struct(t):
+            return sum(leaves(t.field(i).type) for i in range(t.num_fields))
+        if pa.types.is_map(t):
+            return leaves(t.key_type) + leaves(t.item_type)
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            return leaves(t.value_type)
+        return 1
+
+    return [f.name for f in meta.schema.to_arrow_schema() for _ in range(leaves(f.type))]
+
+
 def _parquet_metadata(path: str) -> pq.FileMetaData:
     """A Parquet file's footer; DataError naming the file where it is not one."""
     try:
@@ -815,14 +833,14 @@ def _row_groups(path: str, columns: Sequence[str]) -> list[tuple[int, int, tuple
     of a Parquet file, the columns those of ``columns`` the file holds, in that order (a nested
     column's bytes are its leaves')."""
     meta = _parquet_metadata(path)
+    fields = leaf_fields(meta)
     out = []
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         sizes: dict[str, int] = {}
         for j in range(group.num_columns):
-            chunk = group.column(j)
-            name = chunk.path_in_schema.split(".", 1)[0]
-            sizes[name] = sizes.get(name, 0) + chunk.total_uncompressed_size
+            name = fields[j]
+            sizes[name] = sizes.get(name, 0) + group.column(j).total_uncompressed_size
         out.append((group.num_rows, group.total_byte_size, tuple((c, sizes[c]) for c in columns if c in sizes)))
     return out
 

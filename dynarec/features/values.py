@@ -191,7 +191,8 @@ def fill_missing(j: Jagged, default: Optional[str], also: Optional[np.ndarray] =
     out_row = np.repeat(np.arange(n), lengths)
     pos = np.arange(int(lengths.sum())) - offsets_of(lengths)[:-1][out_row]
     index = np.where(rows[out_row], len(values), starts[out_row] + pos)
-    extended = pa.concat_arrays([as_strings(values), pa.array([default], pa.string())])
+    strings = as_strings(values)
+    extended = pa.concat_arrays([strings, pa.array([default], strings.type)])  # (string or large_string)
     return Jagged(extended.take(pa.array(index)), lengths, rows)
 
 

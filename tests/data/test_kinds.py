@@ -708,3 +708,11 @@ def test_regex_replace_replaces_every_match_then_bucketizes():
         config({"custom_feature": {**f["custom_feature"], "operator_params": {"regex_patten": "("}}})
     with pytest.raises(ConfigError, match="RegexReplace takes one input"):
         config({"custom_feature": {**f["custom_feature"], "expression": ["user:q", "item:t"]}})
+
+
+def test_a_large_string_column_takes_a_default_as_a_string_column_does():
+    """A large_string column with a separator and a default raised pyarrow's "arrays to be
+    concatenated must be identically typed"."""
+    f = id_feature(hash_bucket_size=100, separator="|", default_value="0")
+    rows = ["a|b", None, ""]
+    assert ids(build(f, f=pa.array(rows, pa.large_string())), "f") == ids(build(f, f=pa.array(rows)), "f")

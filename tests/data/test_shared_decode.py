@@ -9,11 +9,13 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dynarec.data import ArrowBatchDataset, DataError, make_loader, shared_decode
+from dynarec.data import ArrowBatchDataset, BatchBuilder, DataError, make_loader, shared_decode
+from dynarec.data.reader import leaf_fields
 from dynarec.data.shared_decode import pass_directory
 from tests.data.test_reader import builder, prices, rows_table
 
@@ -254,3 +256,26 @@ def test_workers_send_their_batches_as_files_read_and_deleted_as_they_arrive(par
     assert batches_of(make_loader(ArrowBatchDataset(parquet_files, builder(), 3), 2)) == one
     assert len(arrived) == len(one) and all(isinstance(b, BatchFile) for b in arrived)
     assert not any(os.path.exists(b.path) for b in arrived)
+
+
+def test_a_column_name_with_a_dot_is_read_by_workers(tmp_path):
+    """Workers sized a row group's columns by their leaves' paths cut at the first dot: column
+    'user.id' became 'user', and with 2 workers every batch failed with "missing column
+    'user.id'". A nested column's leaves still count for it."""
+    from tests.data.test_kinds import config
+
+    f = {"id_feature": {"feature_name": "f", "expression": "user:user.id", "embedding_dim": 4, "hash_bucket_size": 10}}
+    n = 2_000
+    table = pa.table(
+        {
+            "user.id": [f"u{i % 10}" for i in range(n)],
+            "s": [{"a": i, "b": "x"} for i in range(n)],
+            "clk": [i % 2 for i in range(n)],
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=1_000)
+    b = BatchBuilder(config(f))
+    one = [batch.sparse.values().tolist() for batch in make_loader(ArrowBatchDataset([str(path)], b, 500), 0)]
+    assert [batch.sparse.values().tolist() for batch in make_loader(ArrowBatchDataset([str(path)], b, 500), 2)] == one
+    assert leaf_fields(pq.ParquetFile(path).metadata) == ["user.id", "s", "s", "clk"]

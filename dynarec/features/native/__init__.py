@@ -95,7 +95,11 @@ def _is_string(t: pa.DataType) -> bool:
 
 def _buffers(col: pa.Array) -> tuple[torch.Tensor, torch.Tensor]:
     """A string or large_string array's bytes (uint8) and its ``len(col) + 1`` offsets into them
-    (int32 or int64: a slice's offsets start where the slice does), both read in place."""
+    (int32 or int64: a slice's offsets start where the slice does), both read in place where
+    its memory is writable (torch takes no read-only buffer), else copied (a file mapped
+    read-only, as a loader's decoded chunks are)."""
+    if not all(b is None or b.is_mutable for b in col.buffers()):
+        col = pa.concat_arrays([col])  # (a copy, in fresh buffers)
     _, offsets_buffer, data_buffer = col.buffers()
     width = torch.int64 if pa.types.is_large_string(col.type) else torch.int32
     offsets = torch.frombuffer(offsets_buffer, dtype=width, count=len(col) + 1, offset=col.offset * width.itemsize)
