@@ -323,11 +323,10 @@ def test_evaluate_and_predict_never_report_over_scores_that_are_not_numbers(data
     trainer = trainer_for(data_root, tmp_path / "m", num_steps=2)
     trainer.fit()
     eval_file = data_root / "data" / "eval" / "part-0.parquet"
-    item = trainer.task.embeddings.tables["item"]
-    rows = item.read_rows(torch.arange(item.num_embeddings))
-    poisoned = rows["weight"].clone()
-    poisoned[:] = float("nan")
-    trainer.task.embeddings.write_rows("item", torch.arange(item.num_embeddings), {"weight": poisoned})
+    state = trainer.task.embeddings.state_dict()  # (write_rows refuses a NaN weight; a loaded state is as saved)
+    key = "tables.item.weight"
+    state[key] = torch.full_like(state[key], float("nan"))
+    trainer.task.embeddings.load_state_dict(state)
     with pytest.raises(
         ValueError, match=rf"{eval_file}, row 0: the model's prediction 'probability' is nan \(400 of 400"
     ):
