@@ -487,8 +487,9 @@ class ArrowBatchDataset(IterableDataset):
         """Row group ``unit``'s record batches of a published chunk's rows (``columns``, of the
         builder's; none: all of them), from its first row: one chunk decoded at a time, but for
         the columns stored dictionary-encoded that the builder takes so, read whole at once (a
-        column's codes, 4 bytes a row): Parquet's reader copies the dictionary into every batch
-        it returns, a cost of the dictionary's size each chunk."""
+        column's codes, 4 bytes a row), as Parquet's reader copies the dictionary into every
+        batch it returns. A chunk's file holds its columns' dictionaries whole: one of more
+        values than a chunk's rows is decoded to its values instead."""
         columns = list(columns or self.builder.columns())
         group = [unit.row_group]
         try:
@@ -505,6 +506,9 @@ class ArrowBatchDataset(IterableDataset):
                 unit.row_group, columns=coded, use_threads=False
             )
             codes = {c: _one_chunk(whole.column(c)) for c in coded}
+            for c, col in codes.items():
+                if len(col.dictionary) > self.chunk_rows:
+                    codes[c] = col.dictionary_decode()
             others = (
                 f.iter_batches(batch_size=self.chunk_rows, row_groups=group, columns=plain, use_threads=False)
                 if plain

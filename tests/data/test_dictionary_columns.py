@@ -153,7 +153,7 @@ def test_the_reader_takes_dictionaries_only_of_columns_stored_dictionary_encoded
     assert dictionary_encoded(meta, [0], frozenset({"plain"})) == []
 
 
-@pytest.mark.parametrize("workers, chunk_rows", [(0, None), (2, None), (2, 700), (3, 1_000)])
+@pytest.mark.parametrize("workers, chunk_rows", [(0, None), (2, None), (2, 700), (3, 1_000), (2, 100)])
 def test_batches_read_with_dictionaries_equal_the_files_values(tmp_path, monkeypatch, workers, chunk_rows):
     """Row groups of 3,000 rows stored dictionary-encoded, read by one process and by workers
     decoding for each other (in chunks of the row group's rows or fewer, each holding the
