@@ -1035,3 +1035,15 @@ def test_pepnet_converts_with_its_groups_gates_and_domains():
     assert (p.domain_label, p.task_domain_num, p.domains) == ("occupation", 3, 3)
     assert [t.tower_name for t in p.task_towers] == ["ctr", "cvr"]
     assert config.label_fields() == ["clk", "buy", "occupation"]
+
+
+def test_dssm_v2_without_its_sampler_path_is_refused_for_that_alone():
+    """force_base_data_group (dssm_v2's towers sharing tables over the sampled items' rows) was
+    refused as "not supported" beside the missing sampler input path, as if the config needed
+    more than the path; given the path it converts."""
+    text = (EXAMPLES / "examples" / "dssm_v2_taobao.config").read_text()
+    with pytest.raises(ConversionError) as e:
+        convert_pipeline_config(text, train_input_path="d", eval_input_path="e")
+    assert "--sampler-input-path" in str(e.value) and "force_base_data_group" not in str(e.value)
+    result = convert_pipeline_config(text, train_input_path="d", eval_input_path="e", sampler_input_path="i.tsv")
+    assert any("force_base_data_group" in n for n in result.notes)

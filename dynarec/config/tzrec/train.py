@@ -295,8 +295,10 @@ def convert_data_config(
     tree_dir: Optional[str] = None,
 ) -> Mode:
     ctx = d.ctx
+    samples = False  # (negatives: whether or not their config converts)
     for key in ("negative_sampler", "hard_negative_sampler"):
         if (n := d.message(key)) is not None:
+            samples = True
             hard = key == "hard_negative_sampler"
             sampler = _negative_sampler(n, sampler_input_path, hard_negative_edge_path, hard)
             if sampler is not None:
@@ -343,7 +345,7 @@ def convert_data_config(
     d.default_only("in_order", True)
     for key in ("sample_mask_prob", "negative_sample_mask_prob"):
         d.default_only(key, 0.0)
-    if "negative_sampler" in data and d.scalar("force_base_data_group", False):
+    if samples and d.scalar("force_base_data_group", False):
         ctx.note(
             d.at("force_base_data_group"),
             "dynarec's batches hold every feature over all rows, the sampled items' too (their user features empty)",
