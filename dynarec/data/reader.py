@@ -733,17 +733,32 @@ class BatchLoader:
             dataset.shared_root = self.shared_root
             weakref.finalize(self, remove_scratch, self.shared_root, lock)
         self.dataset = dataset
-        self.loader = DataLoader(
-            dataset,
+        self._pin_memory, self._persistent = pin_memory, persistent and num_workers > 0
+        self.loader = self._data_loader()
+
+    def _data_loader(self) -> DataLoader:
+        """A DataLoader of the dataset (its workers start with its first pass)."""
+        return DataLoader(
+            self.dataset,
             batch_size=None,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=persistent and num_workers > 0,
-            multiprocessing_context=worker_context(num_workers),
-            worker_init_fn=_init_worker if num_workers else None,
+            num_workers=self.num_workers,
+            multiprocessing_context=worker_context(self.num_workers),
+            worker_init_fn=_init_worker if self.num_workers else None,
+            pin_memory=self._pin_memory,
+            persistent_workers=self._persistent,
         )
 
     def __iter__(self) -> Iterator[Batch]:
+        try:
+            yield from self._pass()
+        except Exception:
+            # The workers end with the pass: a persistent DataLoader would keep them until the
+            # interpreter's exit, where multiprocessing's terminate() cannot end them (they ignore
+            # SIGTERM: _init_worker) and its join waits for them forever.
+            self.loader = self._data_loader()
+            raise
+
+    def _pass(self) -> Iterator[Batch]:
         if self.shared_root is None:
             for item in self.loader:
                 yield _delivered(item)

@@ -165,3 +165,22 @@ def test_a_null_label_is_named_as_no_value_and_a_nan_label_as_nan():
         rows = {**ROWS, "clk": pa.array([1.0, value, 0.0], pa.float64())}
         with pytest.raises(DataError, match=rf"t.parquet, row 1: label column 'clk' holds {said}; "):
             builder().build(pa.table(rows), "t.parquet")
+
+
+def test_train_with_workers_ends_at_a_bad_row(tmp_path):
+    """An error in a batch ended `dynarec train` with workers kept by their persistent
+    DataLoader: at the interpreter's exit multiprocessing's terminate() could not end them (they
+    ignore SIGTERM) and its join waited forever, after the error line was printed."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    pq.write_table(pa.table({**ROWS, "age": [1, -4, 2]}), tmp_path / "data" / "train" / "part-0.parquet")
+    cfg = config_dict(data__num_workers=1, data__eval_input_path=None)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "dynarec", "train", "--config", "c.yaml", "--model-dir", "m", "--no-progress"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr
+    assert "row 1: feature 'age' (column 'age'): id -4 is out of range [0, 8) (num_buckets)" in done.stderr
