@@ -322,7 +322,7 @@ def _csv_row_of(path: str, input_type: Optional[str]) -> str:
         return ""
     import csv
 
-    with open(path, newline="") as f:
+    with open(path, newline="", errors="replace") as f:  # (a file not in UTF-8: the rows still count)
         rows = csv.reader(f)
         width = len(next(rows, []))
         for i, fields in enumerate(rows):

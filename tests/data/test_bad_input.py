@@ -184,3 +184,15 @@ def test_train_with_workers_ends_at_a_bad_row(tmp_path):
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 2, done.stderr
     assert "row 1: feature 'age' (column 'age'): id -4 is out of range [0, 8) (num_buckets)" in done.stderr
+
+
+def test_a_csv_file_not_in_utf8_is_named(tmp_path):
+    """A GBK-encoded value: the error's own search for the bad row read the file as UTF-8 and
+    failed, so the user saw Python's "'utf-8' codec can't decode byte ..." naming no file."""
+    import pyarrow.csv as pacsv
+
+    pacsv.write_csv(pa.table(ROWS), tmp_path / "x.csv")
+    text = (tmp_path / "x.csv").read_bytes().replace(b"u2", "中".encode("gbk"))
+    (tmp_path / "gbk.csv").write_bytes(text)
+    with pytest.raises(DataError, match=r"gbk.csv: cannot be read \(.*invalid UTF8"):
+        list(make_loader(ArrowBatchDataset([str(tmp_path / "gbk.csv")], builder(), 100), 0))
