@@ -69,7 +69,7 @@ from dynarec.config.features import (
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
-from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_item_table
+from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_edge_table, write_item_table
 from dynarec.data.tree import init_tree, node_attribute, write_tree_tables
 from dynarec.files import fsync_tree, relative_files, replace_dir
 from dynarec.metrics import auc
@@ -746,8 +746,9 @@ def _write_edge_table(
 ) -> Optional[str]:
     """A hard-negative sampler's edge table (``data.negative_sampler.hard_negatives``), where it
     does not exist or lies inside ``target``: every user of the training data gets
-    ``EDGES_PER_USER`` items of the catalog (drawn uniformly, weight 1) in graph-learn's text
-    layout. Returns its path, or None when nothing was written."""
+    ``EDGES_PER_USER`` items of the catalog (drawn uniformly, weight 1), as ``write_edge_table``
+    writes it (Parquet where the path ends in ``.parquet``). Returns its path, or None when
+    nothing was written."""
     sampler = config.data.negative_sampler
     if sampler is None or sampler.hard_negatives is None:
         return None
@@ -759,10 +760,6 @@ def _write_edge_table(
     item_ids = np.unique(np.concatenate([t.column(0).cast(pa.int64()).to_numpy() for t in tables]))
     src = np.repeat(user_ids, EDGES_PER_USER)
     dst = item_ids[rng.integers(0, len(item_ids), len(src))]
-    delimiter = sampler.field_delimiter or "\t"
-    lines = [delimiter.join(("src_id:int64", "dst_id:int64", "weight:float"))]
-    lines += [f"{u}{delimiter}{i}{delimiter}1" for u, i in zip(src.tolist(), dst.tolist())]
     destination = tmp / path.relative_to(target.absolute()) if inside else path
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    destination.write_text("\n".join(lines) + "\n")
+    write_edge_table(sampler, src, dst, destination)
     return sampler.hard_negatives.edge_input_path

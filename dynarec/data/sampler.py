@@ -216,6 +216,22 @@ def write_item_table(
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_edge_table(cfg: NegativeSamplerCfg, users: np.ndarray, items: np.ndarray, path: Union[str, Path]) -> None:
+    """Writes a hard-negative edge table at ``path`` as :func:`_read_edges` reads it: user ``i``
+    to item ``i``, weight 1, in graph-learn's text layout (a header first), or as a Parquet table
+    of those three columns where the path ends in ``.parquet``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        users, items = np.asarray(users, dtype=np.int64), np.asarray(items, dtype=np.int64)
+        pq.write_table(pa.table({"src_id": users, "dst_id": items, "weight": np.ones(len(users))}), path)
+        return
+    delimiter = cfg.field_delimiter or "\t"
+    lines = [delimiter.join(("src_id:int64", "dst_id:int64", "weight:float"))]
+    lines += [f"{u}{delimiter}{i}{delimiter}1" for u, i in zip(np.asarray(users).tolist(), np.asarray(items).tolist())]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def read_graph_table(path_text: str, delimiter: str, types: tuple[pa.DataType, ...], field: str, noun: str) -> pa.Table:
     """A Parquet table, or a CSV / text table split on ``delimiter`` whose header may be
     graph-learn's (``name:type``; the names kept), its columns read as ``types``; SamplerError

@@ -68,15 +68,19 @@ def test_the_dbmtl_configs_sequence_groups_are_nested_in_its_deep_group(tmp_path
     assert [e.din_encoder is not None for e in deep.sequence_encoders] == [True, True]
 
 
-@pytest.mark.parametrize("name", ["dssm_v2_fg_mock", "dssm_fg_hard_negative_mock"])
-def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(name, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "name, suffix",
+    [("dssm_v2_fg_mock", "tsv"), ("dssm_fg_hard_negative_mock", "tsv"), ("dssm_fg_hard_negative_mock", "parquet")],
+)
+def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(name, suffix, tmp_path, capsys):
     """TorchEasyRec's dssm_v2_fg_mock: an item title tokenized by TorchEasyRec's own BPE file
     (vendored), pooled into the item tower, its sampled items' titles too; dssm_fg_hard_negative_mock
-    the same with each user's hard negatives from an edge table (make-data writes one)."""
+    the same with each user's hard negatives from an edge table (make-data writes one: Parquet
+    where its name says so; it wrote text there, which train then could not read)."""
     config = tmp_path / "config.yaml"
     d = tmp_path / "d"
     paths = ["--train-input-path", str(d / "train"), "--eval-input-path", str(d / "eval")]
-    paths += ["--sampler-input-path", str(d / "i.tsv"), "--hard-negative-edge-path", str(d / "e.tsv")]
+    paths += ["--sampler-input-path", str(d / f"i.{suffix}"), "--hard-negative-edge-path", str(d / f"e.{suffix}")]
     assert main(["import-config", str(EXAMPLES / "tests" / f"{name}.config"), "-o", str(config), *paths]) == 0
     loaded = load_config(config)
     title = next(f for f in loaded.features() if f.feature_name == "item_title")
@@ -87,6 +91,6 @@ def test_a_dssm_config_with_a_tokenize_feature_imports_trains_and_evaluates(name
     assert (hard is not None) == (name == "dssm_fg_hard_negative_mock")
     rows = ["--train-rows", "300", "--eval-rows", "100"]
     assert main(["make-data", "--config", str(config), "--output-dir", str(d), *rows]) == 0
-    assert (d / "e.tsv").exists() == (hard is not None)
+    assert (d / f"e.{suffix}").exists() == (hard is not None)
     assert main(["train", "--config", str(config), "--model-dir", str(tmp_path / "m"), "--no-progress"]) == 0
     assert '"recall@5"' in capsys.readouterr().out
