@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -156,8 +157,17 @@ def load_config(path: Union[str, Path]) -> Config:
         text = path.read_text()
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: a binary file?)") from None
+    if _PIPELINE_CONFIG.search(text):
+        raise ConfigError(
+            f"{path} is a TorchEasyRec pipeline.config, not a dynarec config: convert it first, "
+            f"`dynarec import-config {path} -o config.yaml`"
+        )
     data = parse_yaml(text, str(path))
     return config_from_dict(data, source=str(path), base_dir=Path(os.path.abspath(path.parent)))
+
+
+# A protobuf text message's top-level section of a TorchEasyRec pipeline.config ("data_config {")
+_PIPELINE_CONFIG = re.compile(r"^(train_config|eval_config|data_config|feature_configs|model_config)\s*\{", re.M)
 
 
 def config_sections(config: Config) -> dict[str, Any]:

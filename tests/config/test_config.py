@@ -345,3 +345,15 @@ def test_memory_settings_take_no_boolean_and_belong_to_tables(where, key, value,
         next(iter(c["feature_configs"][index].values()))[key] = value
     with pytest.raises(ConfigError, match=message):
         config_from_dict(c)
+
+
+def test_a_torcheasyrec_pipeline_config_given_as_a_config_says_to_import_it(tmp_path):
+    """`dynarec train --config pipeline.config` printed PyYAML's seven-line "while scanning a
+    simple key ... could not find expected ':'"."""
+    from pathlib import Path
+
+    from dynarec.config import ConfigError, load_config
+
+    config = Path(__file__).parent / "tzrec" / "examples" / "deepfm_criteo.config"
+    with pytest.raises(ConfigError, match=r"deepfm_criteo.config is a TorchEasyRec pipeline.config, not a dynarec"):
+        load_config(config)
