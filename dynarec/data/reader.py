@@ -89,6 +89,12 @@ def resolve_files(paths: Union[str, Sequence[str]], what: str = "input path") ->
 
 def _file_type(path: str, input_type: Optional[str]) -> str:
     if input_type:
+        named = next((t for t in ("parquet", "csv") if path.endswith(f".{t}") and t != input_type), None)
+        if named is not None:  # (read as the other kind, it would be nonsense)
+            raise DataError(
+                f"{path}: a .{named} file, but data.input_type is '{input_type}'; set data.input_type: {named}, or "
+                "leave it unset to go by the files' names (make-data writes Parquet)"
+            )
         return input_type
     if path.endswith(".parquet"):
         return "parquet"

@@ -196,3 +196,12 @@ def test_a_csv_file_not_in_utf8_is_named(tmp_path):
     (tmp_path / "gbk.csv").write_bytes(text)
     with pytest.raises(DataError, match=r"gbk.csv: cannot be read \(.*invalid UTF8"):
         list(make_loader(ArrowBatchDataset([str(tmp_path / "gbk.csv")], builder(), 100), 0))
+
+
+def test_a_parquet_file_under_input_type_csv_is_named(tmp_path):
+    """make-data writes Parquet; a config saying input_type: csv read it as CSV and failed with
+    "'utf-8' codec can't decode byte 0xf4", naming nothing."""
+    pq.write_table(pa.table(ROWS), tmp_path / "part-0.parquet")
+    b = BatchBuilder(config_from_dict(config_dict(data__input_type="csv")))
+    with pytest.raises(DataError, match=r"part-0.parquet: a .parquet file, but data.input_type is 'csv'"):
+        list(make_loader(ArrowBatchDataset([str(tmp_path / "part-0.parquet")], b, 100, "csv"), 0))
