@@ -968,11 +968,10 @@ class BatchBuilder:
         """Input ``inp`` as one array; a dictionary-encoded column as its values, unless ``encoded``."""
         col = outputs[inp.name] if inp.feature else table.column(inp.name)
         if isinstance(col, pa.ChunkedArray):
-            # (one chunk of dictionary codes as it is, a slice of the codes decoded with it: copied by
+            # (dictionary codes as they are, a slice of the codes decoded with them: copied by
             # combine_chunks, they would seem all there is; other columns are copied, as the C++
             # extension reads only writable memory and a loader's chunks are mapped read-only)
-            one = col.num_chunks == 1 and pa.types.is_dictionary(col.type)
-            col = col.chunk(0) if one else col.combine_chunks()
+            col = one_chunk(col) if pa.types.is_dictionary(col.type) else col.combine_chunks()
         # (a dictionary-encoded column, as pandas' categoricals are written: its values, as any column's)
         return col.dictionary_decode() if pa.types.is_dictionary(col.type) and not encoded else col
 
@@ -1846,6 +1845,12 @@ def _first_values(col: pa.Array, separator: str, value_separator: str) -> pa.Arr
     first = pc.list_element(pc.split_pattern(pc.list_flatten(elements), value_separator, max_splits=1), 0)
     cut = pa.ListArray.from_arrays(elements.offsets, first, mask=elements.is_null())
     return pc.binary_join(cut, separator)
+
+
+def one_chunk(col: pa.ChunkedArray) -> pa.Array:
+    """``col`` as one array: its one chunk as it is, or its chunks combined (dictionaries
+    unified)."""
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 def _holds(col: pa.Array, text: str) -> bool:

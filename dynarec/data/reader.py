@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dynarec.data import shared_decode
-from dynarec.data.batch import Batch, BatchBuilder, BatchFile, DataError, RowOrigin
+from dynarec.data.batch import Batch, BatchBuilder, BatchFile, DataError, RowOrigin, one_chunk
 from dynarec.data.shared_decode import (
     PassAbandoned,
     RowGroupExchange,
@@ -277,11 +277,6 @@ def dictionary_encoded(meta: pq.FileMetaData, groups: Sequence[int], candidates:
     return sorted(found or ())
 
 
-def _one_chunk(col: pa.ChunkedArray) -> pa.Array:
-    """``col`` as one array (its chunks' dictionaries unified, where it has several)."""
-    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-
-
 def _record_batches_from(
     path: str,
     columns: list[str],
@@ -303,7 +298,7 @@ def _record_batches_from(
                 row += n
             else:
                 groups.append(g)
-        f = pq.ParquetFile(path, read_dictionary=dictionary_encoded(meta, groups, dictionaries) or None)
+        f = pq.ParquetFile(path, metadata=meta, read_dictionary=dictionary_encoded(meta, groups, dictionaries) or None)
         source = f.iter_batches(batch_size=65536, columns=columns, row_groups=groups) if groups else iter(())
     else:
         source = _record_batches(path, columns, input_type, csv_types)
@@ -501,25 +496,22 @@ class ArrowBatchDataset(IterableDataset):
         try:
             f = pq.ParquetFile(unit.path)
             encoded = set(dictionary_encoded(f.metadata, group, self.builder.dictionary_columns()))
-            plain = [c for c in columns if c not in encoded]
-            if not encoded.intersection(columns):
-                yield from f.iter_batches(
-                    batch_size=self.chunk_rows, row_groups=group, columns=plain, use_threads=False
-                )
-                return
-            coded = [c for c in columns if c in encoded]
-            whole = pq.ParquetFile(unit.path, read_dictionary=coded).read_row_group(
-                unit.row_group, columns=coded, use_threads=False
-            )
-            codes = {c: _one_chunk(whole.column(c)) for c in coded}
-            for c, col in codes.items():
-                if len(col.dictionary) > self.chunk_rows:
-                    codes[c] = col.dictionary_decode()
+            coded, plain = [c for c in columns if c in encoded], [c for c in columns if c not in encoded]
             others = (
                 f.iter_batches(batch_size=self.chunk_rows, row_groups=group, columns=plain, use_threads=False)
                 if plain
                 else None
             )
+            if not coded:
+                yield from cast(Iterator[pa.RecordBatch], others)
+                return
+            whole = pq.ParquetFile(unit.path, metadata=f.metadata, read_dictionary=coded).read_row_group(
+                unit.row_group, columns=coded, use_threads=False
+            )
+            codes = {c: one_chunk(whole.column(c)) for c in coded}
+            for c, col in codes.items():
+                if len(col.dictionary) > self.chunk_rows:
+                    codes[c] = col.dictionary_decode()
             start = 0
             while start < whole.num_rows:  # (the other columns' batches, in step)
                 rb = next(others) if others is not None else None

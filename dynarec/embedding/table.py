@@ -316,9 +316,10 @@ class EmbeddingTable(ABC):
             bad = ~torch.isfinite(t) if t.is_floating_point() else torch.zeros(shape, dtype=torch.bool)
             if name in nonnegative:
                 bad |= t < 0
+            bad = bad.reshape(n, -1)
             if bool(bad.any()):
-                row = int(bad.reshape(n, -1).any(dim=1).nonzero()[0])
-                value = float(t.reshape(n, -1)[row][bad.reshape(n, -1)[row]][0])
+                row = int(bad.any(dim=1).nonzero()[0])
+                value = float(t.reshape(n, -1)[row][bad[row]][0])
                 why = "a finite number, at least 0 (a sum of squares)" if name in nonnegative else "a finite number"
                 raise ValueError(
                     f"table '{self.name}': {what}: '{name}' holds {value} in row {row} (of the rows given, in "
