@@ -53,7 +53,7 @@ from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules, session_field
 from dynarec.data.sampler import negative_sampler
 from dynarec.data.tdm_sampler import TreeSamples, node_columns, tdm_sampler, with_node_columns
-from dynarec.data.transport import Slot, pack, read_into, unpack
+from dynarec.data.transport import Slot, narrowest_integer, pack, read_into, unpack
 from dynarec.devices import to_device
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.features import native
@@ -93,7 +93,9 @@ class Batch:
     """One batch of rows.
 
     ``sparse``: every feature with a table, KJT layout (key-major lengths ``[F * B]``; per-id
-    weights when a feature is weighted, 1.0 for the others). ``dense``: ``{feature: [B]}``
+    weights when a feature is weighted, 1.0 for the others); in a page-locked batch from a
+    DataLoader worker, its ids and lengths are in the narrowest integer type holding them, as
+    they travelled, and widen to int64 on their copy to the device. ``dense``: ``{feature: [B]}``
     float32 (normalized) for one number a row, ``[B, k]`` for ``value_dim`` k, ``[B, L, k]`` for a
     dense sequence (zero-padded to the batch's longest; its lengths in ``dense_lengths``, ``[B]``
     int64). ``labels``: ``[B, L]`` float32, one column per ``Config.label_fields()`` entry
@@ -135,8 +137,20 @@ class Batch:
         """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
         dynarec.data.transport), and what rebuilds the batch from it besides."""
         tensors, layout = self._parts()
-        buffer, slots = pack(tensors)
+        buffer, slots = pack(tensors, self._narrowest_ids())
         return buffer, slots, layout
+
+    def _narrowest_ids(self) -> list[Optional[torch.dtype]]:
+        """The integer types the sparse ids and lengths travel as (see dynarec.data.transport):
+        the narrowest holding them, from the host statistics their maker worked out (ids are
+        left as they are where it did not)."""
+        stats = self.sparse.host_stats()
+        lengths = narrowest_integer(min(stats.min_length_per_key, default=0), max(stats.max_length_per_key, default=-1))
+        ranges = [r for r in stats.id_range_per_key or () if r[0] <= r[1]]
+        ids = None
+        if stats.id_range_per_key is not None:
+            ids = narrowest_integer(min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1))
+        return [ids, lengths]
 
     def _parts(self) -> tuple[list[torch.Tensor], _Layout]:
         """Every tensor of the batch, in the order :func:`_assembled` takes them, and the rest."""
@@ -158,10 +172,15 @@ class Batch:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the batch's tensors."""
-        if self._packed is not None:
-            return self._packed[0].numel()
-        return sum(t.numel() * t.element_size() for t in self._parts()[0])
+        """The bytes of the batch's tensors (a packed batch's buffer, and the ids and lengths
+        widened out of it)."""
+        tensors = self._parts()[0]
+        if self._packed is None:
+            return sum(t.numel() * t.element_size() for t in tensors)
+        buffer = self._packed[0]
+        within = buffer.untyped_storage().data_ptr()
+        apart = [t for t in tensors if t.untyped_storage().data_ptr() != within]
+        return buffer.numel() + sum(t.numel() * t.element_size() for t in apart)
 
     def to(self, device: torch.device) -> Batch:
         """A copy of the batch on ``device``, queued on the current stream (``non_blocking``: a
@@ -181,7 +200,7 @@ class Batch:
         """A copy in page-locked host memory (the DataLoader calls it for a CUDA trainer)."""
         if self._packed is not None:
             buffer, slots, layout = self._packed
-            return _unpacked_batch(buffer.pin_memory(), slots, layout)
+            return _unpacked_batch(buffer.pin_memory(), slots, layout, widen=False)
         return Batch(
             self.sparse.pin_memory(),
             {k: v.pin_memory() for k, v in self.dense.items()},
@@ -197,7 +216,8 @@ class Batch:
         )
 
     def sequence_lengths(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers)."""
+        """``{name: [B] int64}``: the elements of each sequence feature (ids or numbers); a
+        page-locked batch's may be of a narrower integer type (see ``Batch.sparse``)."""
         b = self.num_rows + self.sampled_rows
         keys = self.sparse.keys()
         lengths = self.sparse.lengths().view(len(keys), b) if keys else None
@@ -227,10 +247,11 @@ class _Layout:
     sampled_rows: int
 
 
-def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
+def _unpacked_batch(buffer: torch.Tensor, slots: list[Slot], layout: _Layout, widen: bool = True) -> Batch:
     """The batch of ``Batch.packed`` (pickled, or sent as a ``BatchFile``), its tensors views
-    of ``buffer``."""
-    batch = _assembled(iter(unpack(buffer, slots)), layout)
+    of ``buffer``; its sparse ids and lengths widened to int64 where ``widen`` (else as they
+    travelled: a page-locked batch bound for a device, which its copy there widens)."""
+    batch = _assembled(iter(unpack(buffer, slots, widen)), layout)
     batch._packed = (buffer, slots, layout)
     return batch
 
@@ -287,7 +308,7 @@ class BatchFile:
             if not os.path.isdir(os.path.dirname(self.path)):
                 why += "; its pass's directory is gone: the pass was abandoned, or another process removed it"
             raise DataError(f"batch file {self.path} could not be read ({why})") from None
-        return _unpacked_batch(buffer, self.slots, self.layout)
+        return _unpacked_batch(buffer, self.slots, self.layout, widen=not pin)
 
     def pin_memory(self) -> Union[Batch, DataError]:
         """The batch in page-locked memory; an error as a value, raised where the training loop

@@ -210,8 +210,8 @@ class ShardedEmbeddingCollection(TableFreezing, nn.Module):
             if table.num_embeddings is not None:
                 check_id_range(table.name, name, ids, table.num_embeddings, id_range)
 
-        slices = checked_slices(kjt, self._features, validate)
-        return {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}
+        slices = checked_slices(kjt, self._features, validate, widen=False)
+        return {name: s.to(self.device, non_blocking=True) for name, s in slices.items()}  # (int64 there)
 
     def abort_step(self) -> None:
         """Undoes the last training forward on every table this rank holds (all ranks call it

@@ -30,13 +30,15 @@ def checked_slices(
     kjt: KeyedJaggedLike,
     features: Sequence[str],
     validate: Callable[[str, torch.Tensor, Optional[tuple[int, int]]], None],
+    widen: bool = True,
 ) -> dict[str, FeatureSlice]:
     """The batch split by feature, checked where it is (a CPU batch: no device sync) before any
     table creates, evicts or updates a row: exactly the ``features`` served, ``validate(name,
     ids, id_range)`` (a table's id check; ``id_range``: the ids' ``(smallest, largest)`` where
     the batch's maker worked it out, else None), finite per-sample weights (read where the maker
-    did not check them). Errors name the features."""
-    slices = split_features(kjt)
+    did not check them). Errors name the features. ``widen``: as :func:`split_features` (False:
+    a batch checked on the host, bound for a device)."""
+    slices = split_features(kjt, widen)
     stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else None
     ranges = stats.id_range_per_key if stats is not None else None
     weights_checked = stats is not None and stats.weights_finite is True
@@ -340,10 +342,14 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         values = kjt.values()
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
+            moving = values.device != self.device
             slices = checked_slices(
-                kjt, list(self._features), lambda name, ids, r: self._features[name][0].validate(name, ids, r)
+                kjt,
+                list(self._features),
+                lambda name, ids, r: self._features[name][0].validate(name, ids, r),
+                widen=not moving,
             )
-            if values.device != self.device:  # one copy of each of the batch's tensors, sliced there
+            if moving:  # one copy of each of the batch's tensors, sliced there
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}

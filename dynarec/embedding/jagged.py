@@ -20,7 +20,7 @@ from typing import Optional, Protocol
 
 import torch
 
-__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "as_jagged", "split_features"]
+__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "as_jagged", "moved_ids", "split_features"]
 
 
 class KeyedJaggedLike(Protocol):
@@ -45,6 +45,11 @@ class _HostStats:
     weights_finite: Optional[bool] = None
 
 
+# The integer types a batch's ids and lengths may have: a user's (torchrec's KJT: int64 or int32),
+# and the narrower ones a batch travels as from a DataLoader worker (dynarec.data.transport).
+_ID_TYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
 def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
     if not keys:
         if lengths.numel():
@@ -64,7 +69,10 @@ def _host_stats(keys: Sequence[str], lengths: torch.Tensor) -> _HostStats:
 @dataclass
 class JaggedBatch:
     """A minimal KeyedJaggedTensor: ``values`` int64 ``[sum(lengths)]``, ``lengths`` int64
-    ``[len(keys) * B]``, optional float32 ``weights`` aligned with ``values``."""
+    ``[len(keys) * B]``, optional float32 ``weights`` aligned with ``values``. On the host,
+    ``values`` and ``lengths`` may be of a narrower integer type (a page-locked batch from a
+    DataLoader worker, as it travelled: dynarec.data.transport); :meth:`to` a device widens them
+    there, after the copy."""
 
     _keys: list[str]
     _values: torch.Tensor
@@ -113,11 +121,12 @@ class JaggedBatch:
         return JaggedBatch(self._keys, self._values, self._lengths, self._weights, stats)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:
+        """A copy on ``device``, its ids and lengths int64 (widened there where they are narrower)."""
         w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
         return JaggedBatch(
             list(self._keys),
-            self._values.to(device, non_blocking=non_blocking),
-            self._lengths.to(device, non_blocking=non_blocking),
+            moved_ids(self._values, device, non_blocking),
+            moved_ids(self._lengths, device, non_blocking),
             w,
             self._stats,
         )
@@ -173,17 +182,24 @@ class FeatureSlice:
     max_length: int
 
     def to(self, device: torch.device, non_blocking: bool = False) -> FeatureSlice:
-        if self.values.device == device:
+        """A copy on ``device``, its ids and lengths int64 (widened there where they are narrower)."""
+        if self.values.device == device and self.values.dtype == self.lengths.dtype == torch.int64:
             return self
         w = None if self.weights is None else self.weights.to(device, non_blocking=non_blocking)
         return FeatureSlice(
             self.name,
-            self.values.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
+            moved_ids(self.values, device, non_blocking),
+            moved_ids(self.lengths, device, non_blocking),
             w,
             self.num_ids,
             self.max_length,
         )
+
+
+def moved_ids(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+    """Integer tensor ``t`` on ``device`` as int64: copied as it is, then widened on the device
+    (torch would widen a host tensor bound for a GPU on the host, before its copy)."""
+    return t.to(device, non_blocking=non_blocking).long()
 
 
 def as_jagged(kjt: KeyedJaggedLike) -> JaggedBatch:
@@ -194,8 +210,10 @@ def as_jagged(kjt: KeyedJaggedLike) -> JaggedBatch:
     return JaggedBatch(list(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
 
 
-def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
-    """Splits a KJT-shaped batch into per-feature slices, validating its layout.
+def split_features(kjt: KeyedJaggedLike, widen: bool = True) -> dict[str, FeatureSlice]:
+    """Splits a KJT-shaped batch into per-feature slices, validating its layout; their ids and
+    lengths int64 where ``widen``, else in the batch's own integer types (a batch split on the
+    host only to be checked, before its copy to a device).
 
     Raises ValueError naming the feature for a negative length or a feature given twice, and
     for lengths that do not add up to the number of values; and for a variable-batch torchrec
@@ -217,9 +235,9 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
                 f"the batch's {name} must be 1-D (a jagged batch: every feature's ids one after another), got "
                 f"shape {tuple(t.shape)} (features {keys})"
             )
-    if values.dtype not in (torch.int64, torch.int32):
+    if values.dtype not in _ID_TYPES:
         raise ValueError(f"ids must be int64 (or int32), got {values.dtype}")
-    if lengths.dtype not in (torch.int64, torch.int32):
+    if lengths.dtype not in _ID_TYPES:
         raise ValueError(f"lengths must be int64 (or int32), got {lengths.dtype}")
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
@@ -242,8 +260,10 @@ def split_features(kjt: KeyedJaggedLike) -> dict[str, FeatureSlice]:
         return {}
     # one split a tensor (views), not a slice a feature: this runs on every step's path
     sizes = list(stats.length_per_key)
-    per_key = lengths.long().view(len(keys), -1).unbind(0)
-    ids = values.long().split(sizes)
+    if widen:
+        values, lengths = values.long(), lengths.long()
+    per_key = lengths.view(len(keys), -1).unbind(0)
+    ids = values.split(sizes)
     w = weights.float().split(sizes) if weights is not None else (None,) * len(keys)
     return {
         key: FeatureSlice(key, ids[i], per_key[i], w[i], sizes[i], stats.max_length_per_key[i])

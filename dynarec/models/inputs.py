@@ -68,7 +68,7 @@ def model_inputs(
     host_lengths = batch.sequence_lengths(sequence_features)
     moved = iter(to_device([*batch.dense.values(), *host_lengths.values()], torch.device(device)))
     dense = {k: next(moved) for k in batch.dense}
-    lengths = {k: next(moved) for k in host_lengths}
+    lengths = {k: next(moved).long() for k in host_lengths}  # (narrower where they travelled so)
     emb = embeddings(batch.sparse)
     for name, pooling in (element_pooling or {}).items():
         emb[name] = pool_elements(emb[name], batch.element_lengths[name].to(device, non_blocking=True), pooling)

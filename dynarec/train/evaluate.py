@@ -63,7 +63,7 @@ class Evaluator:
                 if batch.groups is not None:
                     groups.append(batch.groups.numpy())
                 if candidate is not None:
-                    counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].numpy())
+                    counts.append(batch.sequence_lengths([candidate])[candidate][: batch.num_rows].long().numpy())
                 if batch.source_rows is not None:  # a TDM batch: its rows and its sampled nodes' rows
                     sources.append(batch.source_rows.numpy())
         finally:

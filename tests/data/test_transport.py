@@ -6,7 +6,7 @@ import torch
 
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.shared_decode import PassAbandoned, write_batch
-from dynarec.data.transport import pack, unpack
+from dynarec.data.transport import narrowest_integer, pack, unpack
 from dynarec.embedding.jagged import JaggedBatch
 
 
@@ -127,3 +127,117 @@ def test_a_batch_file_whose_pass_is_gone_says_so(tmp_path):
     (tmp_path / "pass").rename(tmp_path / "retired")
     with pytest.raises(DataError, match=r"batch-0.bin could not be read \(No such file or directory; its pass's dir"):
         sent.load()
+
+
+@pytest.mark.parametrize(
+    "low,high,dtype",
+    [
+        (0, -1, torch.uint8),  # no values
+        (0, 255, torch.uint8),
+        (0, 256, torch.int16),
+        (-1, 0, torch.int16),
+        (-(2**15), 2**15 - 1, torch.int16),
+        (0, 2**15, torch.int32),
+        (-(2**31), 2**31 - 1, torch.int32),
+        (0, 2**31, torch.int64),
+        (-(2**63), 0, torch.int64),
+    ],
+)
+def test_the_narrowest_integer_type_holds_the_range(low, high, dtype):
+    assert narrowest_integer(low, high) == dtype
+
+
+def test_integers_travel_narrow_and_come_back_widened_or_as_they_travelled():
+    ids = torch.tensor([0, 7, 2**31 - 1, 5])
+    lengths = torch.tensor([1, 0, 2, 1])
+    dense = torch.rand(3)
+    buffer, slots = pack([ids, lengths, dense], [torch.int32, torch.uint8])
+    assert buffer.numel() == 3 * 64  # 16 + 4 + 12 bytes, each slot aligned
+    wide = unpack(buffer, slots)
+    assert [t.dtype for t in wide] == [torch.int64, torch.int64, torch.float32]
+    assert torch.equal(wide[0], ids) and torch.equal(wide[1], lengths) and torch.equal(wide[2], dense)
+    narrow = unpack(buffer, slots, widen=False)
+    assert [t.dtype for t in narrow] == [torch.int32, torch.uint8, torch.float32]
+    assert torch.equal(narrow[0].long(), ids) and torch.equal(narrow[1].long(), lengths)
+    assert all(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for t in narrow)
+    with pytest.raises(ValueError, match=r"tensor 2 \(torch.float32\) cannot be stored as torch.int32"):
+        pack([ids, lengths, dense], [None, None, torch.int32])
+
+
+def criteo_shaped_batch(rows: int = 64, features: int = 26, hashed: bool = False) -> Batch:
+    """One id a row and feature (some rows without), ids below 2^31 unless ``hashed``."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(features * rows, generator=g) > 0.1).long()
+    high = 2**62 if hashed else 2**31 - 1
+    ids = torch.randint(-high if hashed else 0, high, (int(lengths.sum()),), generator=g)
+    keys = [f"c{i}" for i in range(features)]
+    sparse = JaggedBatch(keys, ids, lengths)
+    per_key = ids.split(lengths.view(features, rows).sum(1).tolist())
+    sparse = sparse.with_id_ranges([(int(v.min()), int(v.max())) if len(v) else (0, -1) for v in per_key])
+    return Batch(sparse, {"d": torch.rand(rows, 13)}, torch.rand(rows, 1), None, rows)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_batch_travels_in_its_narrowest_integer_types(tmp_path, hashed):
+    """A Criteo-shaped batch's lengths (0 or 1) travel as uint8, its ids below 2^31 as int32
+    (hashed ids, over the whole int64 range, as they are); read back, they are int64 again."""
+    batch = criteo_shaped_batch(hashed=hashed)
+    slots = batch.packed()[1]
+    assert [s[1] for s in slots[:2]] == [torch.int64 if hashed else torch.int32, torch.uint8]
+    ids_bytes = batch.sparse.values().numel() * (8 if hashed else 4)
+    assert slots[2][0] <= -(-ids_bytes // 64) * 64 + -(-batch.sparse.lengths().numel() // 64) * 64
+    back = write_batch(tmp_path, 0, batch).load()
+    assert_same(batch, back)
+    assert back.sparse.values().dtype == back.sparse.lengths().dtype == torch.int64
+
+
+def test_ids_whose_ranges_are_unknown_travel_as_they_are():
+    batch = every_field_batch()  # its maker worked out no id ranges
+    slots = batch.packed()[1]
+    assert [s[1] for s in slots[:2]] == [torch.int64, torch.uint8]
+    assert_same(batch, pickle.loads(pickle.dumps(batch)))
+
+
+def test_a_batch_kept_narrow_trains_the_tables_as_the_int64_batch_does(device):
+    """A page-locked batch keeps its ids and lengths as they travelled (uint8, int32); the
+    collection widens them on its device, and every output and table row is the int64 batch's."""
+    from dynarec import DynamicTableOptions, EmbeddingCollection, FeatureConfig, TableConfig
+    from dynarec.data.batch import _unpacked_batch
+    from dynarec.optim import Adagrad
+
+    def tables():
+        specs = [
+            TableConfig(name="dyn", dim=4, features=["a", "b"], dynamic=DynamicTableOptions(256)),
+            TableConfig(name="seq", dim=4, num_embeddings=50, features=[FeatureConfig("s", pooling="none")]),
+        ]
+        return EmbeddingCollection(specs, Adagrad(lr=0.1), device=device)
+
+    g = torch.Generator().manual_seed(0)
+
+    def batch(rows=8):
+        big = lambda: [[int(i)] for i in torch.randint(2**31 - 40, 2**31, (rows,), generator=g)]
+        seq = [torch.randint(0, 50, (int(n),), generator=g).tolist() for n in torch.randint(0, 4, (rows,), generator=g)]
+        sparse = JaggedBatch.from_lists({"a": big(), "b": big(), "s": seq})
+        per_key = sparse.values().split(sparse.length_per_key())
+        sparse = sparse.with_id_ranges([(int(v.min()), int(v.max())) if len(v) else (0, -1) for v in per_key])
+        return Batch(sparse, {}, torch.rand(rows, 1), None, rows)
+
+    wide, narrow = tables(), tables()
+    for step in range(4):
+        sent = batch()
+        buffer, slots, layout = sent.packed()
+        if device == "cuda":
+            buffer = buffer.pin_memory()
+        travelled = _unpacked_batch(buffer, slots, layout, widen=False)
+        assert travelled.sparse.values().dtype == torch.int32 and travelled.sparse.lengths().dtype == torch.uint8
+        if step % 2:
+            narrow.prefetch(travelled.sparse)  # its input stage run ahead, as the training loop does
+        outs = [wide(sent.sparse), narrow(travelled.sparse)]
+        assert outs[0].keys() == outs[1].keys()
+        for k in outs[0]:
+            assert torch.equal(outs[0][k], outs[1][k]), k
+        for out in outs:
+            sum((v * v).sum() for v in out.values()).backward()
+    for name in wide.tables:
+        a, b = wide.tables[name].dump(), narrow.tables[name].dump()
+        assert all(torch.equal(a[f], b[f]) for f in a), name
