@@ -35,7 +35,7 @@ from dynarec.export_format import (
 from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
 from dynarec.models.retrieval import Retrieval
-from dynarec.models.tasks import check_predictions, tasks_of
+from dynarec.models.tasks import check_predictions, no_logits, tasks_of
 from dynarec.optim.sgd import SGD
 from dynarec.planner.plan import plan_from_config
 
@@ -163,9 +163,9 @@ class ExportedModel:
         dataset = ArrowBatchDataset(files, builder, batch_size, self.config.data.input_type)
         dataset.check_files()
         parts = [{k: v.cpu().numpy() for k, v in self.predict_batch(b).items()} for b in make_loader(dataset, 0)]
-        out = {
-            name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=np.float32) for name in names
-        }
+        if not parts:  # no rows: each output's no rows, of its own shape and type
+            parts = [{k: v.numpy() for k, v in self.tasks.served(no_logits(self.tasks)).items()}]
+        out = {name: np.concatenate([p[name] for p in parts]) for name in names}
         check_predictions(out, dataset.check_scores)
         return out
 

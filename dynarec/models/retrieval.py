@@ -104,6 +104,12 @@ class Retrieval:
     def output_names(self) -> list[str]:
         return ["positive_rank"]
 
+    @property
+    def logits_width(self) -> int:
+        """The numbers a row of the model's output holds: the user's and the item's embeddings, then
+        DAT's two augmented vectors or MIND's interests."""
+        return (2 + (2 if self.amm is not None else self.interests)) * self.dim
+
     def served_names(self) -> list[str]:
         return ["user_interests" if self.interests else "user_embedding", "item_embedding"]
 

@@ -238,6 +238,11 @@ class SemanticIds:
         names += ["reconstruction_mse", "reconstruction_rel_l1"]
         return names + (["pair_flag"] if self.pairs else [])
 
+    @property
+    def logits_width(self) -> int:
+        """The numbers a row of the model's output holds (:class:`SidLayout`)."""
+        return self.layout.width
+
     def served_names(self) -> list[str]:
         """What an export serves: the codes (and the candidates)."""
         return ["codes", *(["candidate_codes", "candidate_scores"] if self.layout.top_k else [])]

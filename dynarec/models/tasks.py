@@ -33,7 +33,7 @@ from dynarec.models.features import feature_input
 from dynarec.models.retrieval import Retrieval
 from dynarec.models.semantic_ids import SemanticIds
 
-__all__ = ["Tasks", "Teaching", "check_predictions", "task_loss", "tasks_of"]
+__all__ = ["Tasks", "Teaching", "check_predictions", "no_logits", "task_loss", "tasks_of"]
 
 Labels = TypeVar("Labels", torch.Tensor, np.ndarray)
 
@@ -108,6 +108,11 @@ def task_loss(
     return torch.zeros_like(label) if total is None else total
 
 
+def _columns(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as ``[B, outputs]`` (``[B]``: one output a row; no rows is no error)."""
+    return logits[:, None] if logits.dim() == 1 else logits.flatten(1)
+
+
 class Tasks:
     """The tasks of ``config`` (``Config.tasks()``); names outputs and metrics (a single-task
     model's carry no suffix: ``probability``, ``auc``; a multi-task model's end in ``_<tower>``:
@@ -154,7 +159,7 @@ class Tasks:
 
     def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Each task's logits: ``[B]`` for one output, ``[B, num_class]`` otherwise."""
-        cols = logits.reshape(logits.shape[0], -1)
+        cols = _columns(logits)
         if cols.shape[1] != self.width:
             raise ValueError(f"the model gave {cols.shape[1]} outputs a row, its tasks need {self.width}")
         parts = torch.split(cols, self.widths, dim=1)
@@ -244,6 +249,11 @@ class Tasks:
         name = self._output_name(t)
         return [name] if self._domain is None else [f"{name}_{d}" for d in range(self.domains)]
 
+    @property
+    def logits_width(self) -> int:
+        """The numbers a row of the model's output holds: every task's classes, for each domain."""
+        return self.width * self.domains
+
     def served_names(self) -> list[str]:
         """What an export serves: :meth:`output_names`."""
         return self.output_names()
@@ -279,7 +289,7 @@ class Tasks:
 
     def _by_domain(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """The model's ``[B, width * domains]`` as one ``[B, width]`` per domain."""
-        cols = logits.reshape(logits.shape[0], -1)
+        cols = _columns(logits)
         blocks = torch.split(cols, [w * self.domains for w in self.widths], dim=1)
         return [
             torch.cat([b.reshape(b.shape[0], self.domains, w)[:, d] for b, w in zip(blocks, self.widths)], dim=1)
@@ -366,3 +376,9 @@ def tasks_of(config: Config, world_size: int = 1) -> Union[Tasks, Retrieval, Sem
         group = config.model.group(config.model.sid_input)
         return SemanticIds(config, sum(feature_input(config, n).width for n in group.feature_names))
     return Tasks(config)
+
+
+def no_logits(tasks: Union[Tasks, Retrieval, SemanticIds]) -> torch.Tensor:
+    """A model output of no rows for ``tasks`` (``[0, logits_width]`` float32, on the CPU): its
+    predictions are each output's no rows, in the output's own shape and type."""
+    return torch.zeros(0, tasks.logits_width)

@@ -12,7 +12,7 @@ import torch
 from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.distributed.context import DistContext
-from dynarec.models.tasks import check_predictions, tasks_of
+from dynarec.models.tasks import check_predictions, no_logits, tasks_of
 from dynarec.train.input import EVAL_PATH, TrainInput
 from dynarec.train.stop import EvaluationStopped
 from dynarec.train.task import RankingTask, check_servable
@@ -76,10 +76,9 @@ class Evaluator:
             groups = [x for s in range(steps) for part in parts for x in part[2][s : s + 1]]
             counts = [x for s in range(steps) for part in parts for x in part[3][s : s + 1]]
             sources = [x for s in range(steps) for part in parts for x in part[4][s : s + 1]]
-        predictions = {
-            name: np.concatenate([o[name] for o in outputs]) if outputs else np.zeros(0, np.float32)
-            for name in self.tasks.output_names()
-        }
+        if not outputs:  # no rows: each output's no rows, of its own shape and type
+            outputs = [{k: v.numpy() for k, v in self.tasks.predictions(no_logits(self.tasks), 0).items()}]
+        predictions = {name: np.concatenate([o[name] for o in outputs]) for name in self.tasks.output_names()}
         rows = np.concatenate(counts) if counts else np.zeros(0, np.int64)  # a candidate model's a row
         row_of, data_rows = np.repeat(np.arange(len(rows)), rows), len(rows)
         if sources:  # a TDM model's rows: each one's data row, over the whole evaluation

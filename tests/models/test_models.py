@@ -8,6 +8,7 @@ from dynarec.config.schema import CANDIDATE_KEYS
 from dynarec.config.sid import SID_KEYS
 from dynarec.models import MODELS, build_model
 from dynarec.models.blocks import DINAttention
+from dynarec.models.tasks import Tasks, no_logits, tasks_of
 from tests.pipeline_fixtures import config_dict
 
 SAME_DIM = [  # DeepFM and DLRM want one embedding dim
@@ -246,6 +247,26 @@ def test_model_forward_backward(name):
     teaching = getattr(model, "teaching", None)  # RocketLaunching: the booster trains the embeddings
     (out.sum() + (teaching.booster_logits.sum() if teaching is not None else 0)).backward()
     assert emb["a"].grad is not None and any(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ROW_MODELS)
+def test_outputs_of_no_rows_have_each_outputs_shape_and_type(name):
+    """predict over input of no rows writes each output column in the type rows would have (a
+    row of classes, an embedding, codes): the head's outputs of ``no_logits`` are those of a
+    real output's rows, none of them."""
+    config = model_config(name)
+    model, tasks = build_model(config), tasks_of(config)
+    with torch.no_grad():
+        out = model(*inputs())
+    assert (out.shape[1] if out.dim() > 1 else 1) == tasks.logits_width
+    heads = [tasks.served]
+    if isinstance(tasks, Tasks):
+        heads.append(tasks.predictions)
+    for head in heads:
+        rows, none = head(out), head(no_logits(tasks))
+        assert rows.keys() == none.keys()
+        for k in rows:
+            assert none[k].shape == (0, *rows[k].shape[1:]) and none[k].dtype == rows[k].dtype, k
 
 
 @pytest.mark.parametrize("pooling", ["attention", "mean"])

@@ -50,6 +50,31 @@ def test_train_evaluate_export_predict_a_multi_task_model(tmp_path, capsys):
     np.testing.assert_allclose(one["probs_cvr"], outputs["probs_cvr"], rtol=0, atol=1e-5)
 
 
+def test_predict_over_no_rows_writes_each_column_in_its_type(tmp_path, capsys):
+    """An input of no rows gives a file of no rows whose columns are typed as a file of rows
+    (a row of class probabilities: a fixed-size list), from a model directory and an export."""
+    make_data(tmp_path)
+    cfg = multi_task_config_dict()
+    for t in cfg["model"]["mmoe"]["task_towers"]:
+        t.update(num_class=2, losses=[{"jrc_loss": {"session_name": "user_id"}}], metrics=["auc"])
+    config = write_config(tmp_path, cfg)
+    model_dir, export_dir = tmp_path / "model", tmp_path / "export"
+    assert main(["train", "--config", str(config), "--model-dir", str(model_dir), "--no-progress"]) == 0
+    assert main(["export", "--model-dir", str(model_dir), "--export-dir", str(export_dir)]) == 0
+    rows = pq.read_table(tmp_path / "data" / "eval" / "part-0.parquet")
+    pq.write_table(rows.slice(0, 0), tmp_path / "none.parquet")
+    pq.write_table(rows.slice(0, 3), tmp_path / "three.parquet")
+    for source in (["--model-dir", str(model_dir)], ["--export-dir", str(export_dir)]):
+        schemas = {}
+        for name in ("none", "three"):
+            out = tmp_path / f"{name}-{source[0][2:]}.parquet"
+            assert main(["predict", *source, "--input", str(tmp_path / f"{name}.parquet"), "--output", str(out)]) == 0
+            schemas[name] = pq.read_schema(out)
+        assert schemas["none"] == schemas["three"]
+        assert str(schemas["none"].field("probs_ctr").type) == "fixed_size_list<element: float>[2]"
+    assert "wrote 0 predictions" in capsys.readouterr().out
+
+
 def test_a_missing_label_column_names_its_task(tmp_path):
     make_data(tmp_path)
     cfg = multi_task_config_dict()
