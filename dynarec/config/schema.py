@@ -958,6 +958,20 @@ class DataCfg(Strict):
     negative_sampler: Optional[NegativeSamplerCfg] = None  # a retrieval model's sampled items
     tdm_sampler: Optional[TDMSamplerCfg] = None  # a TDM model's tree and its layer-wise samples
 
+    def side_tables(self) -> list[tuple[str, str]]:
+        """``(field, path)`` of every table the samplers read beside the data (the item table,
+        the hard negatives' edges, the TDM tree's node and edge tables)."""
+        out = []
+        if self.negative_sampler is not None:
+            out.append(("data.negative_sampler.input_path", self.negative_sampler.input_path))
+            if self.negative_sampler.hard_negatives is not None:
+                hard = self.negative_sampler.hard_negatives.edge_input_path
+                out.append(("data.negative_sampler.hard_negatives.edge_input_path", hard))
+        if self.tdm_sampler is not None:
+            out.append(("data.tdm_sampler.item_input_path", self.tdm_sampler.item_input_path))
+            out.append(("data.tdm_sampler.edge_input_path", self.tdm_sampler.edge_input_path))
+        return out
+
     @property
     def batch_cache(self) -> Optional[Literal["memory", "disk"]]:
         """Where the first epoch's batches are kept (``cache_batches``), None: nowhere."""

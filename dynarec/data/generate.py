@@ -69,6 +69,7 @@ from dynarec.config.features import (
 from dynarec.config.schema import Config
 from dynarec.config.tasks import label_rules
 from dynarec.data.batch import sequence_elements
+from dynarec.data.reader import lists_as_data
 from dynarec.data.sampler import MULTI_VALUE_SEPARATOR, write_edge_table, write_item_table
 from dynarec.data.tree import init_tree, node_attribute, write_tree_tables
 from dynarec.files import fsync_tree, relative_files, replace_dir
@@ -588,6 +589,7 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
     target = Path(out_dir)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} is a file; make-data writes a directory")
+    _check_side_tables_apart(config)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -658,6 +660,21 @@ def make_config_data(config: Config, out_dir: Union[str, Path], spec: GenerateSp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _check_side_tables_apart(config: Config) -> None:
+    """ValueError, before anything is written, where a sampler's table lies where the config's
+    training or eval data is read: training would read it as a data file."""
+    data = config.data
+    inputs = [("data.train_input_path", data.train_input_path), ("data.eval_input_path", data.eval_input_path)]
+    for side, path in data.side_tables():
+        for name, given in inputs:
+            for p in [given] if isinstance(given, str) else given or []:
+                if lists_as_data(p, path):
+                    raise ValueError(
+                        f"{side} {path} lies where {name} ({p}) reads data: training would read the sampler's table "
+                        "as a data file; give it a path outside the data directories"
+                    )
 
 
 def _clicks(column: pa.ChunkedArray, bitmask: bool) -> np.ndarray:

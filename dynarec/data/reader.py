@@ -8,6 +8,7 @@ DataLoader workers. A data position (epoch, rows consumed) seeks straight to its
 from __future__ import annotations
 
 import copy
+import fnmatch
 import glob
 import multiprocessing
 import os
@@ -85,6 +86,30 @@ def resolve_files(paths: Union[str, Sequence[str]], what: str = "input path") ->
     if not files:
         raise FileNotFoundError(f"{what}: {list(paths)} match no .parquet or .csv file")
     return sorted(dict.fromkeys(files))
+
+
+def lists_as_data(path: str, file: Union[str, Path]) -> bool:
+    """Whether :func:`resolve_files` of ``path`` (a file, directory or glob pattern) lists
+    ``file`` where it exists: judged by the names alone, so before either is written."""
+    f = Path(file).absolute()
+    if any(c in path for c in "*?["):
+        return fnmatch.fnmatchcase(str(f), str(Path(path).absolute()))
+    p = Path(path).absolute()
+    return f == p or (f.parent == p and f.suffix in (".parquet", ".csv") and not f.name.startswith((".", "_")))
+
+
+def check_no_side_tables(files: Sequence[str], side_tables: Sequence[tuple[str, str]], what: str) -> None:
+    """DataError where one of ``files`` (the data of ``what``) is one of ``side_tables``
+    (``(field, path)``: a sampler's item, edge or tree table): read as rows, it would fail on its
+    columns or train on nonsense."""
+    sides = {os.path.realpath(path): field for field, path in side_tables}
+    for f in files:
+        field = sides.get(os.path.realpath(f))
+        if field is not None:
+            raise DataError(
+                f"{what}: {f} is {field}, a sampler's table, not data; move it out of the data's directory and "
+                f"set {field} to where it now lies"
+            )
 
 
 def _file_type(path: str, input_type: Optional[str]) -> str:

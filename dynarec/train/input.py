@@ -27,6 +27,7 @@ from dynarec.data.reader import (
     ArrowBatchDataset,
     BatchLoader,
     DataPosition,
+    check_no_side_tables,
     data_files,
     default_num_workers,
     make_loader,
@@ -159,8 +160,10 @@ class TrainInput:
         negatives = 0
         if sampler is not None and sampled:
             negatives = sampler.num_sample if training else (sampler.num_eval_sample or sampler.num_sample)
+        files = resolve_files(paths, what)
+        check_no_side_tables(files, self.config.data.side_tables(), what)
         ds = ArrowBatchDataset(
-            resolve_files(paths, what),
+            files,
             BatchBuilder(self.config, with_labels, negatives, tree_samples=sampled),
             batch_size,
             self.config.data.input_type,

@@ -239,6 +239,37 @@ def test_make_data_writes_an_item_table_inside_its_directory_and_again_on_regene
     assert (out / "items.tsv").exists() and (out / "items.tsv").read_text() != first
 
 
+@pytest.mark.parametrize("where", ["train/items.parquet", "eval/items.csv", "train/*.parquet"])
+def test_a_sampler_table_where_the_data_is_read_is_refused_by_make_data_and_by_training(tmp_path, where):
+    """An item table inside the training (or eval) directory, or matched by its pattern, would be
+    read as a data file ("missing column 'user_id'"): make-data refuses it before writing
+    anything, and training refuses such a file by name."""
+    from dynarec.data.generate import GenerateSpec, make_config_data
+    from dynarec.train.trainer import Trainer
+
+    out = tmp_path / "data"
+    items = out / where.replace("*", "items")
+    c = dssm_config(str(items))
+    pattern = str(out / where) if "*" in where else None
+    c["data"]["train_input_path"] = pattern or str(out / "train")
+    c["data"]["eval_input_path"] = str(out / "eval")
+    field = "eval" if where.startswith("eval") else "train"
+    with pytest.raises(
+        ValueError, match=rf"data.negative_sampler.input_path {items} lies where data.{field}_input_path"
+    ):
+        make_config_data(config_from_dict(c), out, GenerateSpec(train_rows=200, eval_rows=50))
+    assert not out.exists()
+    # a table put there by hand: training names it
+    c["data"]["negative_sampler"]["input_path"] = str(tmp_path / items.name)
+    make_config_data(config_from_dict(c), out, GenerateSpec(train_rows=200, eval_rows=50))
+    items.parent.mkdir(exist_ok=True)
+    (tmp_path / items.name).rename(items)
+    c["data"]["negative_sampler"]["input_path"] = str(items)
+    trainer = Trainer(config_from_dict(c), tmp_path / "m", progress=False)
+    with pytest.raises(Exception, match=rf"{items} is data.negative_sampler.input_path, a sampler's table, not data"):
+        trainer.fit()
+
+
 def edge_table(path, rows, header="src_id:int64\tdst_id:int64\tweight:float"):
     path.write_text(header + "\n" + "".join(f"{u}\t{i}\t{w}\n" for u, i, w in rows))
     return str(path)
