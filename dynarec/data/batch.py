@@ -18,6 +18,7 @@ outside {0, 1}.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -181,6 +182,15 @@ class Batch:
         within = buffer.untyped_storage().data_ptr()
         apart = [t for t in tensors if t.untyped_storage().data_ptr() != within]
         return buffer.numel() + sum(t.numel() * t.element_size() for t in apart)
+
+    def device_nbytes(self) -> int:
+        """The bytes of the batch's copy on a device (:meth:`to`): a packed batch's buffer, and
+        its ids and lengths widened there where they travelled narrower."""
+        if self._packed is None:
+            return self.nbytes
+        buffer, slots, _ = self._packed
+        widened = [math.prod(shape) * dtype.itemsize for _, kept, shape, dtype in slots if kept != dtype]
+        return buffer.numel() + sum(widened)
 
     def to(self, device: torch.device) -> Batch:
         """A copy of the batch on ``device``, queued on the current stream (``non_blocking``: a

@@ -11,6 +11,7 @@ import torch
 from dynarec.config import ConfigError
 from dynarec.config.schema import DataCfg
 from dynarec.data import batch_cache as cache_module
+from dynarec.data.batch import _unpacked_batch
 from dynarec.data.batch_cache import DiskBatchCache, MemoryBatchCache, batch_cache, check_cache_dir
 from tests.data.test_transport import assert_same, every_field_batch
 from tests.matrix import needs_cuda
@@ -164,7 +165,9 @@ def test_a_batch_counts_its_bytes_packed_or_not():
     packed = pickle.loads(pickle.dumps(batch))  # one buffer, its tensors aligned in it
     # its lengths (all below 256) travelled as uint8 and were widened out of the buffer
     assert packed._packed[0].numel() == 704 and packed.sparse.lengths().dtype == torch.int64
-    assert packed.nbytes == 704 + 4 * 8
+    assert packed.nbytes == packed.device_nbytes() == 704 + 4 * 8
+    pinned_like = _unpacked_batch(*packed._packed, widen=False)  # as a page-locked batch keeps them: narrow
+    assert pinned_like.nbytes == 704 and pinned_like.device_nbytes() == 704 + 4 * 8
 
 
 @needs_cuda
