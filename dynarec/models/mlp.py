@@ -3,11 +3,65 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed.nn.functional as collective
 from torch import nn
 
-__all__ = ["MLP", "Dice"]
+__all__ = ["MLP", "BatchNorm", "Dice", "normalize_over_ranks"]
+
+
+class BatchNorm(nn.BatchNorm1d):
+    """Batch normalization per unit of the last dim over every other position: ``[..., units]``
+    (TorchEasyRec's MLP over ``[B, L, units]`` normalizes over ``B`` and ``L`` alike).
+
+    In training in a multi-process run (``process_group`` set, by :func:`normalize_over_ranks`)
+    the statistics are the global batch's, every rank's rows together, and so are the running
+    statistics: N ranks at batch B normalize as one process at batch N * B does (torch's
+    ``SyncBatchNorm`` does this on GPUs only; this runs over gloo too)."""
+
+    process_group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.training and self.process_group is not None:
+            return self._over_ranks(flat).reshape(x.shape)
+        return super().forward(flat).reshape(x.shape)
+
+    def _over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, units]`` normalized by the mean and (biased) variance of every rank's rows,
+        two passes as one process's batch norm takes them; the sums are autograd's all-reduces,
+        so the gradient flows through the global statistics as through one process's."""
+        group = self.process_group
+        count = torch.full((1,), float(x.shape[0]), dtype=x.dtype, device=x.device)
+        sums = collective.all_reduce(torch.cat([x.sum(0), count]), group=group)
+        rows = sums[-1]
+        mean = sums[:-1] / rows
+        centred = x - mean
+        var = collective.all_reduce(centred.square().sum(0), group=group) / rows
+        y = centred * torch.rsqrt(var + self.eps)
+        if self.affine:
+            y = y * self.weight + self.bias
+        tracked = self.num_batches_tracked
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            assert tracked is not None
+            with torch.no_grad():
+                tracked.add_(1)
+                momentum = 1.0 / float(tracked) if self.momentum is None else self.momentum
+                n = float(rows)
+                unbiased = var * (n / (n - 1)) if n > 1 else var
+                self.running_mean.lerp_(mean.detach(), momentum)
+                self.running_var.lerp_(unbiased.detach(), momentum)
+        return y
+
+
+def normalize_over_ranks(module: nn.Module, process_group: Any) -> None:
+    """Every :class:`BatchNorm` in ``module`` takes its training statistics over the rows of all
+    ranks of ``process_group`` (one collective more a layer, forward and backward)."""
+    for m in module.modules():
+        if isinstance(m, BatchNorm):
+            m.process_group = process_group
 
 
 class Dice(nn.Module):
@@ -18,21 +72,13 @@ class Dice(nn.Module):
 
     def __init__(self, units: int):
         super().__init__()
-        self.bn = nn.BatchNorm1d(units, affine=False)
+        self.bn = BatchNorm(units, affine=False)
         self.alpha = nn.Parameter(torch.zeros(units))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         p = torch.sigmoid(self.bn(flat)).reshape(x.shape)
         return p * x + (1 - p) * self.alpha * x
-
-
-class BatchNorm(nn.BatchNorm1d):
-    """Batch normalization per unit of the last dim over every other position: ``[..., units]``
-    (TorchEasyRec's MLP over ``[B, L, units]`` normalizes over ``B`` and ``L`` alike)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {

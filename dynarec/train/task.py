@@ -23,6 +23,7 @@ from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.embedding.memory import available_memory, format_bytes
 from dynarec.models.features import element_poolings, sequence_names
 from dynarec.models.inputs import model_inputs
+from dynarec.models.mlp import normalize_over_ranks
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
 from dynarec.train.graphs import DenseGraphs
@@ -99,6 +100,7 @@ class RankingTask(nn.Module):
         self.dense = build_model(config).to(self.device)
         self._dense_forward: nn.Module = self.dense
         if self.ctx.distributed:
+            normalize_over_ranks(self.dense, self.ctx.group)  # a batch norm's statistics: the global batch's
             ddp = nn.parallel.DistributedDataParallel(
                 self.dense,
                 device_ids=[self.device] if self.device.type == "cuda" else None,

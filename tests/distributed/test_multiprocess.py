@@ -191,6 +191,31 @@ def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
         torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
 
 
+def test_batch_norms_on_two_processes_equal_one(runs, tmp_path):
+    """Dice activations (a batch norm each) in every MLP: their statistics are the global
+    batch's, so the dense model, running statistics included, and the tables of 2 x 60 rows a
+    step equal those of 1 x 120."""
+    configs = []
+    for batch in (120, 60):
+        c = mixed_config(runs, batch)
+        din = c["model"]["multi_tower_din"]
+        for tower in din["towers"] + din["din_towers"]:
+            tower["activation"] = "dice"
+        din["final_activation"] = "dice"
+        configs.append(write_config(runs, c, f"dice{batch}.yaml"))
+    for config, model_dir, nproc in ((configs[0], "d1", 1), (configs[1], "d2", 2)):
+        rc, out = run(
+            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
+        )
+        assert rc == 0, out
+    s1, t1 = merged_tables(tmp_path / "d1")
+    s2, t2 = merged_tables(tmp_path / "d2")
+    assert any(k.endswith("bn.running_var") for k in s1["dense"])
+    assert_tables_close(t1, t2)
+    for k in s1["dense"]:
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+
+
 def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
     """bf16 rows on every sharding type: the rounding draws are keyed by (seed, step, key), not
     by where a row lives, so 2 x 60 rows a step store what 1 x 120 store (a draw could flip only
