@@ -890,7 +890,8 @@ def _latest_note(args) -> str:
         latest = latest_checkpoint(Path(model_dir) / "checkpoints")
     if latest is None:
         return f"; {model_dir} holds no complete checkpoint"
-    return f"; the latest checkpoint is {latest} (continue with --resume)"
+    resume = "--follow --resume" if getattr(args, "follow", False) else "--resume"
+    return f"; the latest checkpoint is {latest} (continue with {resume})"
 
 
 if __name__ == "__main__":

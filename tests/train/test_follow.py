@@ -210,6 +210,7 @@ def test_sigterm_while_waiting_for_files_stops_with_the_steps_saved(parts, tmp_p
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
     assert "dynarec train: stopped by SIGTERM after step 3; the model is saved in" in out
+    assert "(continue with --follow --resume)" in out  # (a plain --resume of a followed run is refused)
     state, _ = load_checkpoint(latest_checkpoint(tmp_path / "m" / "checkpoints"))
     assert state["step"] == 3 and state["row"] == 300
 
