@@ -606,8 +606,8 @@ class Trainer:
             self.save()
         if self._stopping:
             signum = self.stop_signal.requested or signal.SIGTERM  # (another rank's, in a multi-process run)
-            resume = "--follow --resume" if self.input.follow is not None else "--resume"
-            then = f"continue with {resume}" if finish is None else "this model cannot resume: train it from the start"
+            flags = "--follow --resume" if self.input.follow is not None else "--resume"
+            then = f"continue with {flags}" if finish is None else "this model cannot resume: train it from the start"
             raise TrainingStopped(
                 f"stopped by {signal.Signals(signum).name} after step {self.step}; the model is saved in "
                 f"{self.checkpoints.latest()} ({then})",
