@@ -4,6 +4,7 @@ benchmark is read, not tested (docs/benchmarks.md)."""
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -236,6 +237,7 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
     # the rows trained, as the peer counts its own: the last batch of 184 rows is not one of 256
     assert ours["samples_per_s_report"] == pytest.approx(rows * epochs / ours["train_seconds"])
     assert ours["runs"] == [{k: v for k, v in ours.items() if k != "runs"}] and len(peer["runs"]) == 1
+    assert peer["pid"] != os.getpid()  # a fresh process, as each dynarec train is
     # both learned something of the generator's signal in the same epochs, on the same rows
     assert 0.5 < ours["eval_auc"] <= 1 and 0.5 < peer["eval_auc"] <= 1
     assert (
