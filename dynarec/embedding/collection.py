@@ -57,6 +57,20 @@ def checked_slices(
     return slices
 
 
+def _keys_without_room(
+    where: str, left_out: int, dump: Mapping[str, torch.Tensor], table: EmbeddingTable, loaded: bool = False
+) -> str:
+    """The error of a dynamic table's dump with more keys than its ``max_capacity`` places
+    (``loaded``: found as it loaded, the others kept)."""
+    dynamic = table.config.dynamic
+    assert dynamic is not None
+    then = "the table holds the others" if loaded else "no table was loaded"
+    return (
+        f"{where}: {left_out} of its {dump['keys'].numel()} keys {'found' if loaded else 'would find'} no row "
+        f"(max_capacity {dynamic.max_capacity}); {then}: give the table a max_capacity that holds them"
+    )
+
+
 def _build_table(
     config: TableConfig, spec: OptimizerSpec, device: torch.device, row_reducers: Optional[ReducerFactory]
 ) -> EmbeddingTable:
@@ -507,6 +521,9 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             except ValueError as e:
                 error_msgs.append(f"{head}{name}: {e}")
                 continue
+            if isinstance(table, DynamicTable) and (left_out := table.keys_without_room(dump)):
+                error_msgs.append(_keys_without_room(f"{head}{name}", left_out, dump, table))
+                continue
             # Another optimizer's table: its weights alone (this optimizer's states afresh), its
             # states unexpected keys and ours it lacks missing ones (strict: torch's error naming
             # them, as for any such key).
@@ -523,10 +540,9 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             except ValueError as e:
                 error_msgs.append(f"{head}{name}: {e}")
                 continue
-            if report["dropped"]:
+            if report["dropped"]:  # (a group's shared index places its keys as it loads them)
                 error_msgs.append(
-                    f"{head}{name}: {report['dropped']} of {report['loaded'] + report['dropped']} keys found no row "
-                    f"(max_capacity {self.tables[name].config.dynamic.max_capacity}); the table holds the others"  # type: ignore[union-attr]
+                    _keys_without_room(f"{head}{name}", report["dropped"], dump, self.tables[name], loaded=True)
                 )
 
     def _table(self, name: str) -> EmbeddingTable:

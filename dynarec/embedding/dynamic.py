@@ -71,7 +71,7 @@ from dynarec.embedding.pack import Bags
 from dynarec.embedding.row_store import RowStore
 from dynarec.embedding.scores import ScorePolicy
 from dynarec.embedding.step import Journal, Step
-from dynarec.embedding.table import EmbeddingTable, FoundKeys, make_row_store
+from dynarec.embedding.table import EmbeddingTable, FoundKeys, late_backward, make_row_store
 from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import ROW_DTYPES, RowKeys
@@ -276,8 +276,8 @@ class DynamicTable(EmbeddingTable):
             fused = self.store.writes_row_scores and torch.is_grad_enabled()
             row_scores = self.score_policy.schedule(slots, step, fused)
             out = store_lookup(slots, offsets, weights, True, step=step.t, row_scores=row_scores)
+            self._await_update(out, step, slots)
             self._commit_on_backward(out, step)
-            self._await_update(out, step)
         return out if missing_out is None else out + missing_out
 
     def absent_values(
@@ -295,20 +295,45 @@ class DynamicTable(EmbeddingTable):
         values = init.values(keys[absent], self.dim, self.config.seed, self.config.default_bound)  # type: ignore[arg-type]
         return values if weights is None else values * weights[absent][:, None]
 
-    def _await_update(self, out: torch.Tensor, step: Step) -> None:
-        """Counts ``out``'s fused update as still to come until its backward reaches it (the update
-        runs then), its output is dropped, or its step is aborted."""
+    def _await_update(self, out: torch.Tensor, step: Step, slots: torch.Tensor) -> None:
+        """Counts ``out``'s fused update (of the rows at ``slots``) as still to come until its
+        backward reaches it (the update runs then), its output is dropped, or its step is aborted.
+        Call it before the output's commit hook is registered.
+
+        A later step's backward may commit this step first (a model's two lookups in one
+        backward, or a backward left for later): its rows are no longer pinned then, so their keys
+        are kept aside, and this lookup's own backward updates them only where they still hold
+        those keys (a forward since may have given a row to another key: refused, nothing
+        updated)."""
         if not out.requires_grad:
             return
         token = next(self._lookups)
         self._updates_to_come.add(token)
+        kept: list[torch.Tensor] = []
+
+        def keep_keys() -> None:  # (the step committed; by a later step's backward where its own has not run)
+            if not step.backward_ran:
+                kept.append(self.index.keys[slots])
+
+        def check(_grad: torch.Tensor) -> None:
+            if kept and not self._rows_hold(slots, kept[0]):
+                raise late_backward(self.name, step, "a later step's backward committed it, and its rows changed keys")
 
         def done(*_) -> None:
             self._updates_to_come.discard(token)
 
+        step.on_commit.append(keep_keys)
+        out.register_hook(check)
         out.register_hook(done)
         weakref.finalize(out, done)
         step.journal.record(done)
+
+    def _rows_hold(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether the rows at ``slots`` hold ``keys`` now (one host read)."""
+        index_keys = self.index.keys
+        if slots.numel() and int(slots.max()) >= index_keys.numel():  # (a smaller index loaded since)
+            return False
+        return bool(torch.equal(index_keys[slots], keys))
 
     def _still_holds(self, found: FoundKeys) -> bool:
         return self.still_holds(found.stamp, found.all_present)
@@ -532,6 +557,20 @@ class DynamicTable(EmbeddingTable):
         fields = self._dump_fields(dump, weights_only)
         self._check_rows(dump, fields, snapshot.check_dump(dump, self.name))
         return fields
+
+    @torch.no_grad()
+    def keys_without_room(self, dump: Mapping[str, torch.Tensor]) -> int:
+        """How many of ``dump``'s keys (a dump :meth:`check_dump` accepts) a :meth:`load` to
+        train would leave out: more keys than ``max_capacity`` places (or than their buckets
+        hold). 0 for a table of a group's shared index, which places keys as it loads them."""
+        if self.space.shared:
+            return 0
+        held = self.space.max_buckets
+        self.space.max_buckets = self._max_buckets  # (as load() holds it)
+        try:
+            return snapshot.keys_left_out(dict(dump), self.space)
+        finally:
+            self.space.max_buckets = held
 
     @torch.no_grad()
     def load(self, dump: dict[str, torch.Tensor], weights_only: bool = False, to_read: bool = False) -> dict[str, int]:

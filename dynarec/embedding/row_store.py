@@ -195,6 +195,7 @@ class _NativeFusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, store, rows, offsets, per_sample_weights, step, row_scores, on_update):
         ctx.store = store
+        ctx.lr = store.lr  # the step's rate is the one at its forward (as FBGEMM's TBE and a group take it)
         ctx.step = step
         ctx.row_scores = row_scores
         ctx.on_update = on_update
@@ -209,7 +210,7 @@ class _NativeFusedLookup(torch.autograd.Function):
         psw_grad = per_sample_weights_grad(store, rows, offsets, grad_out) if ctx.needs_input_grad[4] else None
         fused_bag_update(
             store.spec,
-            lr=store.lr,
+            lr=ctx.lr,
             step=ctx.step,
             weight=store.weight,
             states=store.states,

@@ -108,6 +108,21 @@ def index_for_load(
         num_buckets = int(min(limit, num_buckets * 2))
 
 
+def keys_left_out(saved: Dump, space: Capacity) -> int:
+    """How many of ``saved``'s keys a load into a table of ``space`` (held to its
+    ``max_buckets``) would leave out for want of room: :func:`index_for_load`'s answer, without
+    building the index where the dump's own layout places every key."""
+    layout = saved.get("layout")
+    if layout is not None and "slots" in saved and layout.numel() == 3:
+        num_buckets, bucket_size, version = (int(x) for x in layout)
+        fits = space.init_buckets <= num_buckets <= space.max_buckets
+        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and fits:
+            return 0
+    if saved["keys"].numel() == 0:
+        return 0
+    return saved["keys"].numel() - index_for_load(saved, space)[1].numel()
+
+
 def restored_counter(fresh: BucketedHashIndex, saved: Optional[Dump]) -> tuple[BucketedHashIndex, int]:
     """``(counter, dropped)``: the admission counter ``fresh`` (empty) holding ``saved``'s counts,
     in their own slots where the dump's counter layout fits, else placed anew (a counter of

@@ -54,6 +54,8 @@ class Step:
     journal: Journal = field(default_factory=Journal)
     on_commit: list[Callable[[], None]] = field(default_factory=list)
     backward_ran: bool = False
+    # "pending", then "committed" (its backward, or a later step's, ran) or "aborted"
+    state: str = "pending"
 
 
 class StepLifecycle:
@@ -98,6 +100,7 @@ class StepLifecycle:
         """Commits every pending step up to ``through`` (no-op if it was committed already)."""
         while self.pending and self.pending[0].id <= through.id:
             step = self.pending.pop(0)
+            step.state = "committed"
             for effect in step.on_commit:
                 effect()
 
@@ -106,6 +109,7 @@ class StepLifecycle:
         step = self.current
         step.journal.undo()
         self.pending.pop()
+        step.state = "aborted"
         self.t -= 1
 
     def reset(self, t: int) -> None:

@@ -33,7 +33,15 @@ from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.fused import GradReducer
 from dynarec.optim.rounding import ROW_DTYPES, RowKeys
 
-__all__ = ["EmbeddingTable", "FixedTable", "FoundKeys", "check_id_range", "commit_on_backward", "make_row_store"]
+__all__ = [
+    "EmbeddingTable",
+    "FixedTable",
+    "FoundKeys",
+    "check_id_range",
+    "commit_on_backward",
+    "late_backward",
+    "make_row_store",
+]
 
 
 class FoundKeys:
@@ -70,12 +78,16 @@ class FoundKeys:
 def commit_on_backward(out: torch.Tensor, steps: Sequence[tuple[EmbeddingTable, Step]]) -> None:
     """The backward of ``out`` (one lookup of these tables' rows) commits each table's ``step``
     (and its earlier pending steps), through one hook whatever the number of tables; a second
-    backward through it (``retain_graph=True``) would update the rows twice and is refused."""
+    backward through it (``retain_graph=True``) would update the rows twice and is refused, and
+    so is the backward of a step that ``abort_step`` undid (its rows may hold other keys now),
+    before any row is updated."""
     if not out.requires_grad:
         return
 
     def on_backward(grad: torch.Tensor) -> None:
         for table, step in steps:
+            if step.state == "aborted":
+                raise late_backward(table.name, step, "abort_step() undid that step")
             if step.backward_ran:
                 raise RuntimeError(
                     f"table '{table.name}': a second backward through the lookup of training step {step.t} "
@@ -87,6 +99,15 @@ def commit_on_backward(out: torch.Tensor, steps: Sequence[tuple[EmbeddingTable, 
             table.steps.commit(step)
 
     out.register_hook(on_backward)
+
+
+def late_backward(table: str, step: Step, why: str) -> RuntimeError:
+    """The error of a backward that came too late to update its step's rows."""
+    return RuntimeError(
+        f"table '{table}': the backward of training step {step.t} came after {why}; its rows may hold other keys "
+        "now, so its update is not applied (run each training forward's backward before the next forward, or "
+        "abort it)"
+    )
 
 
 def check_id_range(
@@ -313,6 +334,8 @@ class EmbeddingTable(ABC):
                 raise ValueError(
                     f"table '{self.name}': {what}: '{name}' must have shape {(n, widths[name])}, got {shape}"
                 )
+            if n == 0:  # (no rows: nothing to check; reshape(0, -1) is ambiguous)
+                continue
             bad = ~torch.isfinite(t) if t.is_floating_point() else torch.zeros(shape, dtype=torch.bool)
             if name in nonnegative:
                 bad |= t < 0

@@ -261,8 +261,32 @@ def test_a_state_dict_that_does_not_fit_the_tables_is_an_error_naming_them():
     )
     many = {k[len("emb.") :]: v for k, v in state.items() if k.startswith("emb.tables.u.")}
     assert many["tables.u.keys"].numel() > 4
-    with pytest.raises(RuntimeError, match=r"tables\.u: \d+ of \d+ keys found no row \(max_capacity 4\)"):
+    with pytest.raises(RuntimeError, match=r"tables\.u: \d+ of its \d+ keys would find no row \(max_capacity 4\)"):
         tiny.load_state_dict(many)
+
+
+def test_a_dynamic_tables_dump_with_more_keys_than_its_max_capacity_loads_no_table():
+    """Checked with every table before any loads: the fixed table and the dynamic one are as
+    they were (was: the fixed table loaded, and the dynamic one held 32 of the 80 keys)."""
+
+    def collection(capacity: int) -> EmbeddingCollection:
+        tables = [
+            TableConfig(name="x", dim=2, num_embeddings=4, features=["g"]),
+            TableConfig(name="d", dim=2, dynamic=DynamicTableOptions(max_capacity=capacity), features=["f"]),
+        ]
+        return EmbeddingCollection(tables, Adagrad(lr=0.1))
+
+    big, small = collection(256), collection(32)
+    out = big(JaggedBatch.from_lists({"f": [list(range(80))], "g": [[1]]}))
+    (out["f"].sum() + out["g"].sum()).backward()
+    before = {name: t.dump() for name, t in small.tables.items()}
+    with pytest.raises(
+        RuntimeError, match=r"tables\.d: 48 of its 80 keys would find no row \(max_capacity 32\); no table"
+    ):
+        small.load_state_dict(big.state_dict())
+    for name, t in small.tables.items():
+        after = t.dump()
+        assert before[name].keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before[name].items())
 
 
 def test_a_state_dict_of_another_dim_is_named_as_that_alone_and_loads_no_table():
@@ -415,6 +439,19 @@ def test_write_rows_with_a_bad_field_writes_nothing(table):
     with pytest.raises(ValueError, match=r"'momentum1' must have shape \(1, 4\), got \(1, 3\)"):
         model.emb.write_rows(table, torch.tensor([1]), {"weight": 2 * torch.ones(1, 4), "momentum1": torch.ones(1, 3)})
     after = model.emb.read_rows(table, torch.tensor([1]))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("table", ["a", "u"])
+def test_read_rows_and_write_rows_of_no_ids_change_nothing(table):
+    """write_rows(read_rows(no ids)) raised torch's "cannot reshape tensor of 0 elements"."""
+    model = _Model(5)
+    before = model.emb.tables[table].dump()
+    none = torch.empty(0, dtype=torch.int64)
+    rows = model.emb.read_rows(table, none)
+    assert rows["weight"].shape == (0, 4)
+    model.emb.write_rows(table, none, {k: v for k, v in rows.items() if k != "present"})
+    after = model.emb.tables[table].dump()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 

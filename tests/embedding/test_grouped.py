@@ -13,7 +13,7 @@ from dynarec.embedding.initializers import Initializer
 from dynarec.embedding.jagged import split_features
 from dynarec.kernels.ops import packs_rows
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from tests.matrix import DEVICES
+from tests.matrix import DEVICES, needs_fbgemm
 
 SPECS = [
     SGD(lr=0.3),
@@ -567,3 +567,30 @@ def test_a_dynamic_groups_new_rows_get_each_tables_initializer_seed_and_bound(de
     for x, y in zip(run(grouped, batches, device), run(apart, batches, device)):
         assert_outputs(x, y, exact=device == "cpu")
     assert_same(grouped, apart, exact=device == "cpu")
+
+
+@pytest.mark.parametrize(
+    "setup",
+    ["fixed alone", "fixed grouped", "dynamic alone", "dynamic grouped", pytest.param("fbgemm", marks=needs_fbgemm)],
+)
+def test_a_learning_rate_set_between_forward_and_backward_applies_from_the_next_step(setup):
+    """A step's rate is the one at its forward, on every table kind, grouped or not, and on
+    FBGEMM's TBE (was: the backward's rate for a table alone, the forward's in a group and on
+    FBGEMM)."""
+    dynamic = DynamicTableOptions(64) if setup.startswith("dynamic") else None
+    rows = None if dynamic else 10
+    backend = "fbgemm" if setup == "fbgemm" else "native"
+    tables = [TableConfig(name="t", dim=4, num_embeddings=rows, dynamic=dynamic, features=["f"], backend=backend)]
+    if setup.endswith("grouped"):  # a twin of one dim and optimizer: one store, one lookup
+        tables.append(TableConfig(name="u", dim=4, num_embeddings=rows, dynamic=dynamic, features=["g"]))
+    coll = EmbeddingCollection(tables, SGD(lr=1.0))
+    batch = JaggedBatch.from_lists({"f": [[3]], **({"g": [[3]]} if len(tables) > 1 else {})})
+    before = coll.read_rows("t", torch.tensor([3]))["weight"] if rows else None
+    out = coll(batch)
+    if before is None:
+        before = coll.read_rows("t", torch.tensor([3]))["weight"]
+    coll.set_learning_rate(0.1)
+    out["f"].sum().backward()
+    torch.testing.assert_close(coll.read_rows("t", torch.tensor([3]))["weight"], before - 1.0)  # lr 1.0
+    coll(batch)["f"].sum().backward()
+    torch.testing.assert_close(coll.read_rows("t", torch.tensor([3]))["weight"], before - 1.1)  # then 0.1

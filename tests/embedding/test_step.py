@@ -127,6 +127,67 @@ def test_step_counter_moves_only_through_the_lifecycle():
         t.step = 5  # no setter: the counter is the lifecycle's
 
 
+def late_backward_tables():
+    """A dynamic table of one bucket of 2 slots at max capacity (a new key evicts), a fixed
+    table, and a group of two fixed tables of one dim (one lookup, one step for both)."""
+    return EmbeddingCollection(
+        [
+            TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(2, bucket_size=2)),
+            TableConfig(name="x", dim=D, num_embeddings=10, features=["a"]),
+            TableConfig(name="y", dim=D + 1, num_embeddings=10, features=["b"]),
+            TableConfig(name="z", dim=D + 1, num_embeddings=10, features=["c"]),
+        ],
+        Adagrad(lr=0.5),
+    )
+
+
+def batch(key: int):
+    return JaggedBatch.from_lists({"f": [[key]], "a": [[key % 10]], "b": [[key % 10]], "c": [[key % 10]]})
+
+
+@pytest.mark.parametrize("table", ["d", "x", "y"])
+@pytest.mark.parametrize("late", ["after its abort", "after a later step's commit and a forward"])
+def test_a_stale_steps_backward_is_refused_before_any_row_changes(table, late):
+    """The backward of a step aborted updates nothing, on any table kind; that of a step a later
+    step's backward committed, with a forward since that gave its dynamic rows to other keys,
+    updates nothing either (it updated another key's row: the late gradient landed on the key
+    that took the slot). A fixed table's rows stay its ids': there the late update applies."""
+    coll = late_backward_tables()
+    for key in (1, 2):
+        train(coll, {"f": [[key]], "a": [[key]], "b": [[key]], "c": [[key]]})
+    out_a = coll(batch(3))
+    if late == "after its abort":
+        coll.abort_step()
+        out_b = coll(batch(4))
+    else:
+        out_b = coll(batch(4))
+        sum(v.sum() for v in out_b.values()).backward()  # commits step A too (abandoned)
+        out_b = coll(batch(5))  # a forward since: slots move
+    before = dumps(coll)
+    feature = {"d": "f", "x": "a", "y": "b"}[table]
+    if late != "after its abort" and table != "d":
+        (100 * out_a[feature]).sum().backward()  # a fixed row is its id's: the late update applies
+        assert not torch.equal(before[table]["weight"], coll.tables[table].dump()["weight"])
+    else:
+        with pytest.raises(RuntimeError, match=rf"table '{table}': the backward of training step \d+ came after"):
+            (100 * out_a[feature]).sum().backward()
+        assert_same(before, dumps(coll))
+    sum(v.sum() for v in out_b.values()).backward()  # the live step still trains
+
+
+def test_two_lookups_before_one_backward_both_apply():
+    """A model that looks a table up twice before one backward: the later step's hook commits
+    the earlier one, whose own backward, in the same pass, still applies (nothing changed)."""
+    coll, twice = late_backward_tables(), late_backward_tables()
+    for c in (coll, twice):
+        train(c, {"f": [[1]], "a": [[1]], "b": [[1]], "c": [[1]]})
+    first, second = twice(batch(1)), twice(batch(1))
+    (sum(v.sum() for v in first.values()) + sum(v.sum() for v in second.values())).backward()
+    for _ in range(2):  # the same two updates, one after the other
+        train(coll, {"f": [[1]], "a": [[1]], "b": [[1]], "c": [[1]]})
+    assert_same(dumps(coll), dumps(twice))
+
+
 def test_a_no_grad_training_forward_commits_at_once():
     coll = EmbeddingCollection(
         [TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(64))], Adagrad(lr=0.1)
