@@ -468,7 +468,11 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         weights, optimizer states and step (a dynamic table's keys, scores and bucket layout too),
         as CPU copies. So the ``state_dict()`` of any module holding this collection carries its
         embeddings (torchrec's ``embedding_bags.{table}.weight``), and ``load_state_dict`` on a
-        collection of the same tables restores them exactly."""
+        collection of the same tables restores them exactly. Refused while a training step is
+        pending (StepPendingError): its new keys and step count are in the tables, its update is
+        not, and a snapshot between the two would restore neither state."""
+        for table in self.tables.values():
+            table.steps.check_idle("state_dict")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name, table in self.tables.items():
             for key, value in table.dump().items():

@@ -463,8 +463,12 @@ def test_a_state_dict_is_not_loaded_into_a_pending_step():
 
     with pytest.raises(StepPendingError, match="load_state_dict while a training step is pending"):
         model.load_state_dict(state)
+    # nor taken from one: its new keys and step count would be in it, its update not
+    with pytest.raises(StepPendingError, match="state_dict while a training step is pending"):
+        model.state_dict()
     sum(v.sum() for v in out.values()).backward()
     model.load_state_dict(state)
+    assert model.state_dict().keys() == state.keys()
 
 
 def test_a_sharded_collection_refuses_a_state_dict_of_its_shards_only():
