@@ -167,6 +167,23 @@ def test_gradient_accumulation_on_two_processes_equals_one(runs, tmp_path):
         torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
 
 
+def assert_one_process_equals_two(configs, tmp_path) -> dict:
+    """Trains ``configs[0]`` in one process and ``configs[1]`` on two; their tables and dense
+    models must agree. Returns the dense model's state."""
+    for config, model_dir, nproc in ((configs[0], "m1", 1), (configs[1], "m2", 2)):
+        rc, out = run(
+            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
+        )
+        assert rc == 0, out
+    s1, t1 = merged_tables(tmp_path / "m1")
+    s2, t2 = merged_tables(tmp_path / "m2")
+    assert s2["plan"]["world_size"] == 2
+    assert_tables_close(t1, t2)
+    for k in s1["dense"]:
+        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+    return s1["dense"]
+
+
 def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
     """MMoE with a task-space weight (its normalizer summed over both ranks' rows): the tables
     and the dense model of 2 x 60 rows a step equal those of 1 x 120."""
@@ -178,17 +195,7 @@ def test_a_multi_task_model_on_two_processes_equals_one(runs, tmp_path):
         c["data"]["batch_size"] = batch
         c["model"]["mmoe"]["task_towers"][1].update(task_space_indicator_label="clk", out_task_space_weight=0.25)
         configs.append(write_config(runs, c, f"mt{batch}.yaml"))
-    for config, model_dir, nproc in ((configs[0], "mt1", 1), (configs[1], "mt2", 2)):
-        rc, out = run(
-            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
-        )
-        assert rc == 0, out
-    s1, t1 = merged_tables(tmp_path / "mt1")
-    s2, t2 = merged_tables(tmp_path / "mt2")
-    assert s2["plan"]["world_size"] == 2
-    assert_tables_close(t1, t2)
-    for k in s1["dense"]:
-        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+    assert_one_process_equals_two(configs, tmp_path)
 
 
 def test_batch_norms_on_two_processes_equal_one(runs, tmp_path):
@@ -203,17 +210,8 @@ def test_batch_norms_on_two_processes_equal_one(runs, tmp_path):
             tower["activation"] = "dice"
         din["final_activation"] = "dice"
         configs.append(write_config(runs, c, f"dice{batch}.yaml"))
-    for config, model_dir, nproc in ((configs[0], "d1", 1), (configs[1], "d2", 2)):
-        rc, out = run(
-            "train", "--config", config, "--model-dir", tmp_path / model_dir, "--no-progress", "--nproc", nproc
-        )
-        assert rc == 0, out
-    s1, t1 = merged_tables(tmp_path / "d1")
-    s2, t2 = merged_tables(tmp_path / "d2")
-    assert any(k.endswith("bn.running_var") for k in s1["dense"])
-    assert_tables_close(t1, t2)
-    for k in s1["dense"]:
-        torch.testing.assert_close(s1["dense"][k], s2["dense"][k], **TOL, msg=k)
+    dense = assert_one_process_equals_two(configs, tmp_path)
+    assert any(k.endswith("bn.running_var") for k in dense)
 
 
 def test_half_precision_rows_on_two_processes_equal_one(runs, tmp_path):
