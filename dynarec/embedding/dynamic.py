@@ -428,10 +428,17 @@ class DynamicTable(EmbeddingTable):
             break
         overflow = plan.dropped
         if overflow and write_id is not None:  # a write is refused whole, before it changes a row
+            if self.score_policy.evicts:
+                why, then = (
+                    "their buckets hold this write's own rows",
+                    "write fewer new keys at once or raise max_capacity",
+                )
+            else:  # (nothing is evicted: a full bucket stays full)
+                why = "their buckets are full, and score_strategy 'none' evicts no row"
+                then = "raise max_capacity, or give the table a score_strategy that evicts"
             raise TableFullError(
                 f"table '{self.name}': write_rows could not place {overflow} of its new key(s) (max_capacity "
-                f"{self.max_capacity}; their buckets hold this write's own rows); nothing was written: write "
-                f"fewer new keys at once or raise max_capacity"
+                f"{self.max_capacity}; {why}); nothing was written: {then}"
             )
         self.count_insert(journal, plan.placed, overflow, plan.evicted_slots.numel(), plan.moved_from.numel())
         move_rows(self.store, plan, journal)

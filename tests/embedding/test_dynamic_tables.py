@@ -708,6 +708,20 @@ def test_a_key_a_growth_at_max_capacity_drops_reads_the_initializer_and_gets_no_
     assert bool(rows["present"].all()) and not torch.equal(rows["weight"][0], before[0])  # k1 was updated
 
 
+def test_write_rows_into_a_full_table_that_evicts_nothing_says_so():
+    """score_strategy 'none': the write's bucket is full of other keys' rows, which nothing
+    evicts (the message said the write's own rows filled it, and to write fewer keys at once)."""
+    coll = EmbeddingCollection([dynamic(max_capacity=4, bucket_size=4, score_strategy="none")], SGD(lr=0.1))
+    coll.write_rows("d", torch.arange(4), {"weight": torch.ones(4, D)})
+    with pytest.raises(
+        TableFullError,
+        match=r"place 1 of its new key\(s\) \(max_capacity 4; their buckets are full, "
+        r"and score_strategy 'none' evicts no row\); nothing was written: raise max_capacity",
+    ):
+        coll.write_rows("d", torch.tensor([99]), {"weight": torch.ones(1, D)})
+    assert coll.tables["d"].size == 4
+
+
 @pytest.mark.parametrize("own", [True, False], ids=["full-of-its-own-rows", "room-by-evicting"])
 def test_write_rows_at_max_capacity_never_evicts_its_own_keys(own):
     """At max_capacity a write's new key evicts a row of another key, never one of the same write's
