@@ -173,21 +173,10 @@ class Batch:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the batch's tensors (a packed batch's buffer, and the ids and lengths
-        widened out of it)."""
-        tensors = self._parts()[0]
+        """The bytes of the batch's tensors as :meth:`to` puts them on a device: a packed batch's
+        buffer, and its ids and lengths widened out of it where they travelled narrower."""
         if self._packed is None:
-            return sum(t.numel() * t.element_size() for t in tensors)
-        buffer = self._packed[0]
-        within = buffer.untyped_storage().data_ptr()
-        apart = [t for t in tensors if t.untyped_storage().data_ptr() != within]
-        return buffer.numel() + sum(t.numel() * t.element_size() for t in apart)
-
-    def device_nbytes(self) -> int:
-        """The bytes of the batch's copy on a device (:meth:`to`): a packed batch's buffer, and
-        its ids and lengths widened there where they travelled narrower."""
-        if self._packed is None:
-            return self.nbytes
+            return sum(t.numel() * t.element_size() for t in self._parts()[0])
         buffer, slots, _ = self._packed
         widened = [math.prod(shape) * dtype.itemsize for _, kept, shape, dtype in slots if kept != dtype]
         return buffer.numel() + sum(widened)

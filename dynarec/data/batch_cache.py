@@ -63,7 +63,7 @@ class MemoryBatchCache:
         """Keeps ``batch`` and returns the batch the step is to train on: the device's copy
         where one was made (copied on the device's batch stream; its ``ready`` event follows the
         copy), else ``batch`` itself."""
-        size = batch.device_nbytes()
+        size = batch.nbytes
         if self.device is not None and self.bytes_on_device + size <= self.device_bytes:
             stream = batch_stream(self.device)
             with torch.cuda.stream(stream):

@@ -60,11 +60,12 @@ __all__ = [
 def data_files(directory: Union[str, Path]) -> list[str]:
     """The ``.parquet`` / ``.csv`` files of a directory, by name; hidden and ``_``-prefixed names
     are writers' temporaries (Spark's, a streaming writer's before its rename) and are skipped."""
-    return [
-        str(x)
-        for x in sorted(Path(directory).iterdir())
-        if x.suffix in (".parquet", ".csv") and not x.name.startswith((".", "_")) and x.is_file()
-    ]
+    return [str(x) for x in sorted(Path(directory).iterdir()) if _named_as_data(x) and x.is_file()]
+
+
+def _named_as_data(path: Path) -> bool:
+    """Whether a directory's listing takes ``path`` as a data file by its name (:func:`data_files`)."""
+    return path.suffix in (".parquet", ".csv") and not path.name.startswith((".", "_"))
 
 
 def resolve_files(paths: Union[str, Sequence[str]], what: str = "input path") -> list[str]:
@@ -95,7 +96,7 @@ def lists_as_data(path: str, file: Union[str, Path]) -> bool:
     if any(c in path for c in "*?["):
         return fnmatch.fnmatchcase(str(f), str(Path(path).absolute()))
     p = Path(path).absolute()
-    return f == p or (f.parent == p and f.suffix in (".parquet", ".csv") and not f.name.startswith((".", "_")))
+    return f == p or (f.parent == p and _named_as_data(f))
 
 
 def check_no_side_tables(files: Sequence[str], side_tables: Sequence[tuple[str, str]], what: str) -> None:

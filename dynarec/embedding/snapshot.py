@@ -83,15 +83,12 @@ def index_for_load(
     keys = saved["keys"].to(device)
     scores = saved["scores"].to(device)
     n = keys.numel()
-    layout = saved.get("layout")
-    if layout is not None and "slots" in saved and layout.numel() == 3:
-        num_buckets, bucket_size, version = (int(x) for x in layout)
-        fits = space.init_buckets <= num_buckets <= space.max_buckets  # (a table never has fewer slots)
-        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and fits:
-            index = BucketedHashIndex(num_buckets, bucket_size, device)
-            slots = saved["slots"].to(device)
-            index.install(slots, keys, scores)
-            return index, slots, torch.arange(n, device=device)
+    num_buckets = _own_layout(saved, space)
+    if num_buckets is not None:
+        index = BucketedHashIndex(num_buckets, space.bucket_size, device)
+        slots = saved["slots"].to(device)
+        index.install(slots, keys, scores)
+        return index, slots, torch.arange(n, device=device)
     limit = math.inf if past_max else space.max_buckets
     num_buckets = space.buckets_for(n, limit)
     while True:
@@ -108,17 +105,22 @@ def index_for_load(
         num_buckets = int(min(limit, num_buckets * 2))
 
 
+def _own_layout(saved: Dump, space: Capacity) -> Optional[int]:
+    """The dump's bucket count where a table of ``space`` takes its own layout (every key back in
+    its slot: same layout version and bucket size, a bucket count the table may have), else None."""
+    layout = saved.get("layout")
+    if layout is None or "slots" not in saved or layout.numel() != 3:
+        return None
+    num_buckets, bucket_size, version = (int(x) for x in layout)
+    fits = space.init_buckets <= num_buckets <= space.max_buckets  # (a table never has fewer slots)
+    return num_buckets if version == LAYOUT_VERSION and bucket_size == space.bucket_size and fits else None
+
+
 def keys_left_out(saved: Dump, space: Capacity) -> int:
     """How many of ``saved``'s keys a load into a table of ``space`` (held to its
     ``max_buckets``) would leave out for want of room: :func:`index_for_load`'s answer, without
     building the index where the dump's own layout places every key."""
-    layout = saved.get("layout")
-    if layout is not None and "slots" in saved and layout.numel() == 3:
-        num_buckets, bucket_size, version = (int(x) for x in layout)
-        fits = space.init_buckets <= num_buckets <= space.max_buckets
-        if version == LAYOUT_VERSION and bucket_size == space.bucket_size and fits:
-            return 0
-    if saved["keys"].numel() == 0:
+    if _own_layout(saved, space) is not None or saved["keys"].numel() == 0:
         return 0
     return saved["keys"].numel() - index_for_load(saved, space)[1].numel()
 

@@ -49,8 +49,8 @@ class BatchNorm(nn.BatchNorm1d):
             with torch.no_grad():
                 tracked.add_(1)
                 momentum = 1.0 / float(tracked) if self.momentum is None else self.momentum
-                n = float(rows)
-                unbiased = var * (n / (n - 1)) if n > 1 else var
+                # (on the device, no host read: a step's layers wait for nothing)
+                unbiased = torch.where(rows > 1, var * rows / (rows - 1).clamp_min(1), var)
                 self.running_mean.lerp_(mean.detach(), momentum)
                 self.running_var.lerp_(unbiased.detach(), momentum)
         return y
