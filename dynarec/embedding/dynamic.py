@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,7 +76,15 @@ from dynarec.kernels.reference import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.rounding import ROW_DTYPES, RowKeys
 
-__all__ = ["AbsentKeys", "DynamicTable", "TableFullError", "follow_moves", "move_rows", "present_bags"]
+__all__ = [
+    "AbsentKeys",
+    "DynamicTable",
+    "TableFullError",
+    "follow_moves",
+    "move_rows",
+    "present_bags",
+    "refuse_moved_rows",
+]
 
 
 class TableFullError(RuntimeError):
@@ -297,43 +305,21 @@ class DynamicTable(EmbeddingTable):
 
     def _await_update(self, out: torch.Tensor, step: Step, slots: torch.Tensor) -> None:
         """Counts ``out``'s fused update (of the rows at ``slots``) as still to come until its
-        backward reaches it (the update runs then), its output is dropped, or its step is aborted.
-        Call it before the output's commit hook is registered.
-
-        A later step's backward may commit this step first (a model's two lookups in one
-        backward, or a backward left for later): its rows are no longer pinned then, so their keys
-        are kept aside, and this lookup's own backward updates them only where they still hold
-        those keys (a forward since may have given a row to another key: refused, nothing
-        updated)."""
+        backward reaches it (the update runs then), its output is dropped, or its step is aborted;
+        and refuses a late backward whose rows changed keys (:func:`refuse_moved_rows`). Call it
+        before the output's commit hook is registered."""
         if not out.requires_grad:
             return
         token = next(self._lookups)
         self._updates_to_come.add(token)
-        kept: list[torch.Tensor] = []
-
-        def keep_keys() -> None:  # (the step committed; by a later step's backward where its own has not run)
-            if not step.backward_ran:
-                kept.append(self.index.keys[slots])
-
-        def check(_grad: torch.Tensor) -> None:
-            if kept and not self._rows_hold(slots, kept[0]):
-                raise late_backward(self.name, step, "a later step's backward committed it, and its rows changed keys")
+        refuse_moved_rows(out, step, slots, lambda: self.index.keys, self.name)
 
         def done(*_) -> None:
             self._updates_to_come.discard(token)
 
-        step.on_commit.append(keep_keys)
-        out.register_hook(check)
         out.register_hook(done)
         weakref.finalize(out, done)
         step.journal.record(done)
-
-    def _rows_hold(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
-        """Whether the rows at ``slots`` hold ``keys`` now (one host read)."""
-        index_keys = self.index.keys
-        if slots.numel() and int(slots.max()) >= index_keys.numel():  # (a smaller index loaded since)
-            return False
-        return bool(torch.equal(index_keys[slots], keys))
 
     def _still_holds(self, found: FoundKeys) -> bool:
         return self.still_holds(found.stamp, found.all_present)
@@ -690,3 +676,34 @@ def follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.
     src, dst = moved_from[order], moved_to[order]
     at = torch.searchsorted(src, slots).clamp_(max=src.numel() - 1)
     return torch.where(src[at] == slots, dst[at], slots)
+
+
+def refuse_moved_rows(
+    out: torch.Tensor, step: Step, slots: torch.Tensor, index_keys: Callable[[], torch.Tensor], name: str
+) -> None:
+    """Refuses the backward of ``out`` (a training lookup of the rows at ``slots`` of an index
+    whose keys ``index_keys()`` gives now) where its rows changed keys since: a later step's
+    backward may commit ``step`` first (a model's two lookups in one backward, or a backward left
+    for later), its rows are no longer pinned then, so their keys are kept aside, and this
+    lookup's own backward updates them only where they still hold those keys (a forward since may
+    have given a row to another key: refused, nothing updated). Register it before the output's
+    commit hook."""
+    kept: list[torch.Tensor] = []
+
+    def keep_keys() -> None:  # (the step committed; by a later step's backward where its own has not run)
+        if not step.backward_ran:
+            kept.append(index_keys()[slots])
+
+    def check(_grad: torch.Tensor) -> None:
+        if kept and not _rows_hold(index_keys(), slots, kept[0]):
+            raise late_backward(name, step, "a later step's backward committed it, and its rows changed keys")
+
+    step.on_commit.append(keep_keys)
+    out.register_hook(check)
+
+
+def _rows_hold(index_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the rows at ``slots`` hold ``keys`` now (one host read)."""
+    if slots.numel() and int(slots.max()) >= index_keys.numel():  # (a smaller index loaded since)
+        return False
+    return bool(torch.equal(index_keys[slots], keys))

@@ -48,7 +48,14 @@ import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
 from dynarec.embedding.config import TableConfig
-from dynarec.embedding.dynamic import AbsentKeys, DynamicTable, follow_moves, move_rows, present_bags
+from dynarec.embedding.dynamic import (
+    AbsentKeys,
+    DynamicTable,
+    follow_moves,
+    move_rows,
+    present_bags,
+    refuse_moved_rows,
+)
 from dynarec.embedding.hash_index import IndexStamp, IndexStorage
 from dynarec.embedding.insert_plan import InsertPlan
 from dynarec.embedding.jagged import FeatureSlice
@@ -375,6 +382,8 @@ class DynamicTableGroup(_Group):
             )
             self.store.set_learning_rate(self.tables[0].store.lr)
             out = self.store.lookup(rows, offsets, weights, True, step=step.t, row_scores=row_scores)
+            if out.requires_grad:  # (the group never grows: no update to count as still to come)
+                refuse_moved_rows(out, step, rows, lambda: self.index.keys, self.tables[0].name)
             commit_on_backward(out, list(zip(self.tables, steps)))
         return out if missing_out is None else out + missing_out
 

@@ -129,23 +129,32 @@ def test_step_counter_moves_only_through_the_lifecycle():
 
 def late_backward_tables():
     """A dynamic table of one bucket of 2 slots at max capacity (a new key evicts), a fixed
-    table, and a group of two fixed tables of one dim (one lookup, one step for both)."""
-    return EmbeddingCollection(
+    table, a group of two fixed tables of one dim (one lookup, one step for both), and a group
+    of two dynamic tables like the first (one index of two partitions)."""
+    coll = EmbeddingCollection(
         [
             TableConfig(name="d", dim=D, features=["f"], dynamic=DynamicTableOptions(2, bucket_size=2)),
             TableConfig(name="x", dim=D, num_embeddings=10, features=["a"]),
             TableConfig(name="y", dim=D + 1, num_embeddings=10, features=["b"]),
             TableConfig(name="z", dim=D + 1, num_embeddings=10, features=["c"]),
+            TableConfig(name="g", dim=D + 2, features=["g"], dynamic=DynamicTableOptions(2, bucket_size=2)),
+            TableConfig(name="h", dim=D + 2, features=["h"], dynamic=DynamicTableOptions(2, bucket_size=2)),
         ],
         Adagrad(lr=0.5),
     )
+    assert coll.lookup_groups == [("d",), ("x",), ("y", "z"), ("g", "h")]
+    return coll
+
+
+def features(key: int) -> dict[str, list[list[int]]]:
+    return {"f": [[key]], "a": [[key % 10]], "b": [[key % 10]], "c": [[key % 10]], "g": [[key]], "h": [[key]]}
 
 
 def batch(key: int):
-    return JaggedBatch.from_lists({"f": [[key]], "a": [[key % 10]], "b": [[key % 10]], "c": [[key % 10]]})
+    return JaggedBatch.from_lists(features(key))
 
 
-@pytest.mark.parametrize("table", ["d", "x", "y"])
+@pytest.mark.parametrize("table", ["d", "x", "y", "g"])
 @pytest.mark.parametrize("late", ["after its abort", "after a later step's commit and a forward"])
 def test_a_stale_steps_backward_is_refused_before_any_row_changes(table, late):
     """The backward of a step aborted updates nothing, on any table kind; that of a step a later
@@ -154,7 +163,7 @@ def test_a_stale_steps_backward_is_refused_before_any_row_changes(table, late):
     that took the slot). A fixed table's rows stay its ids': there the late update applies."""
     coll = late_backward_tables()
     for key in (1, 2):
-        train(coll, {"f": [[key]], "a": [[key]], "b": [[key]], "c": [[key]]})
+        train(coll, features(key))
     out_a = coll(batch(3))
     if late == "after its abort":
         coll.abort_step()
@@ -164,8 +173,8 @@ def test_a_stale_steps_backward_is_refused_before_any_row_changes(table, late):
         sum(v.sum() for v in out_b.values()).backward()  # commits step A too (abandoned)
         out_b = coll(batch(5))  # a forward since: slots move
     before = dumps(coll)
-    feature = {"d": "f", "x": "a", "y": "b"}[table]
-    if late != "after its abort" and table != "d":
+    feature = {"d": "f", "x": "a", "y": "b", "g": "g"}[table]
+    if late != "after its abort" and table in ("x", "y"):
         (100 * out_a[feature]).sum().backward()  # a fixed row is its id's: the late update applies
         assert not torch.equal(before[table]["weight"], coll.tables[table].dump()["weight"])
     else:
@@ -180,11 +189,11 @@ def test_two_lookups_before_one_backward_both_apply():
     the earlier one, whose own backward, in the same pass, still applies (nothing changed)."""
     coll, twice = late_backward_tables(), late_backward_tables()
     for c in (coll, twice):
-        train(c, {"f": [[1]], "a": [[1]], "b": [[1]], "c": [[1]]})
+        train(c, features(1))
     first, second = twice(batch(1)), twice(batch(1))
     (sum(v.sum() for v in first.values()) + sum(v.sum() for v in second.values())).backward()
     for _ in range(2):  # the same two updates, one after the other
-        train(coll, {"f": [[1]], "a": [[1]], "b": [[1]], "c": [[1]]})
+        train(coll, features(1))
     assert_same(dumps(coll), dumps(twice))
 
 
