@@ -37,6 +37,8 @@ weight decay only; SGD and Adagrad train as apart.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 import dynarec.kernels.ops
 from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.capacity import whole_buckets
-from dynarec.embedding.config import TableConfig
+from dynarec.embedding.config import Pooling, TableConfig
 from dynarec.embedding.dynamic import (
     AbsentKeys,
     DynamicTable,
@@ -150,20 +152,22 @@ class _Group:
     ) -> tuple[Bags, BagLayout, list[int], tuple[tuple[int, int], ...]]:
         """Every feature of every table as one list of bags: ``(bags, layout, ids a feature, each
         table's (bags, ids))``; ``dims_apart``: each feature's dim in the layout (packed rows)."""
-        inputs, counts, dims = [], [], []
-        for table in self.tables:
-            for f in table.features:
-                s = slices[f.name]
-                inputs.append((f.name, table.config.pooling_of(f), s))
-                counts.append(s.num_ids)
-                dims.append(table.config.dim)
+        features, dims, ends = self._features
+        inputs = [(name, pooling, slices[name]) for name, pooling in features]
+        counts = [s.num_ids for _, _, s in inputs]
         bags, layout = pack(inputs, dims if dims_apart else None)
-        parts, at = [], 0
-        for table in self.tables:
-            shares = layout.features[at : at + len(table.features)]
-            parts.append((sum(f.num_bags for f in shares), sum(counts[at : at + len(table.features)])))
-            at += len(table.features)
-        return bags, layout, counts, tuple(parts)
+        bag_ends = [0, *itertools.accumulate(f.num_bags for f in layout.features)]
+        id_ends = [0, *itertools.accumulate(counts)]
+        parts = tuple((bag_ends[b] - bag_ends[a], id_ends[b] - id_ends[a]) for a, b in itertools.pairwise(ends))
+        return bags, layout, counts, parts
+
+    @functools.cached_property
+    def _features(self) -> tuple[list[tuple[str, Pooling]], list[int], list[int]]:
+        """Every table's features in order: ``(name, pooling)`` and dim of each, and where each
+        table's begin and end in that list (``[0, ..., number of features]``)."""
+        features = [(f.name, t.config.pooling_of(f)) for t in self.tables for f in t.features]
+        dims = [t.config.dim for t in self.tables for _ in t.features]
+        return features, dims, [0, *itertools.accumulate(len(t.features) for t in self.tables)]
 
     def _shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
         """``[sum(counts)]`` int64: ``bases[i]`` once for each of ``counts[i]`` ids (a feature's or

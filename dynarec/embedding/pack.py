@@ -119,16 +119,44 @@ def pack(
             weights.append(w if w is not None else torch.ones(s.num_ids, device=s.values.device))
         dim = None if dims is None else dims[i]
         layout.append(FeatureBags(name, pooling, num_bags, s.lengths, s.max_length, dim, padded or full))
-    all_lengths = _cat(lengths)
-    offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
+    if all(f.pooling != "none" and f.num_bags == s.num_ids and f.max_length <= 1 for f, (*_, s) in zip(layout, inputs)):
+        # every bag holds one id (a sum of B ids of at most 1 each is all ones): no lengths to add
+        offsets = torch.arange(sum(f.num_bags for f in layout) + 1, device=ids[0].device)
+    else:
+        all_lengths = _cat(lengths)
+        offsets = torch.cat([all_lengths.new_zeros(1), torch.cumsum(all_lengths, 0)])
     bags = Bags(_cat(ids), offsets, _cat(weights) if need_weights else None)
     return bags, BagLayout(tuple(layout))
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat``, without its copy for a table of one feature (the tensor itself: no stage
-    writes into its inputs)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    """``torch.cat``, without its copy where the tensors are consecutive pieces of one 1-D
+    tensor (a batch's features in its order, split by ``split_features``: their span is a view)
+    or one tensor (itself). No stage writes into its inputs."""
+    if len(tensors) == 1:
+        return tensors[0]
+    span = _span(tensors)
+    return torch.cat(tensors) if span is None else span
+
+
+def _span(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensors as one view where each 1-D piece follows the last in one storage, else None
+    (also for a tensor needing a gradient: the view's would reach the first piece only)."""
+    first = tensors[0]
+    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    at = start
+    for t in tensors:
+        if (
+            t.dim() != 1
+            or t.requires_grad
+            or t.dtype != first.dtype
+            or (t.numel() > 1 and t.stride(0) != 1)
+            or t.storage_offset() != at
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        at += t.numel()
+    return first.as_strided((at - start,), (1,), start)
 
 
 def unpack(pooled: torch.Tensor, layout: BagLayout) -> dict[str, torch.Tensor]:
