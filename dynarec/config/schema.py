@@ -1019,7 +1019,8 @@ class TrainCfg(Strict):
     gradient_accumulation_steps: Count = 1
     # On a GPU, in one process: the dense model's training forward and backward replayed as CUDA
     # graphs, one per input shape (dynarec/train/graphs.py). Not with mixed_precision or
-    # gradient_accumulation_steps > 1, where the model runs eagerly.
+    # gradient_accumulation_steps > 1, where the model runs eagerly. On any GPU run, a fused
+    # Adam's step replays from a graph too (dynarec/train/optimizer_graph.py).
     cuda_graphs: bool = True
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None

@@ -55,6 +55,7 @@ from dynarec.train.evaluate import Evaluator
 from dynarec.train.input import EVAL_PATH, TRAIN_PATH, FollowOptions, ReadAhead, TrainInput
 from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
+from dynarec.train.optimizer_graph import OptimizerStepGraph, captures_step
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
 from dynarec.train.stop import EvaluationStopped, TrainingStopped
@@ -111,6 +112,12 @@ class Trainer:
         self._frozen_tables = {f.table_name for f in config.features() if f.embedded and not f.trainable}
         self._dense_params = list(self.task.dense.parameters())  # (a walk of every module: once, not a step)
         self.dense_optimizer = config.train.dense_optimizer.build(self._dense_params)
+        # On a GPU the fused Adam's step replays from a CUDA graph (its host work is a step's tenth)
+        self._optimizer_graph = (
+            OptimizerStepGraph(self.dense_optimizer, self._dense_params)
+            if config.train.cuda_graphs and captures_step(self.dense_optimizer, self._dense_params)
+            else None
+        )
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
@@ -290,6 +297,8 @@ class Trainer:
         self.dense_optimizer.load_state_dict(saved)
         for group, mine in zip(self.dense_optimizer.param_groups, settings):
             group.update(mine)
+        if self._optimizer_graph is not None:  # (its graph steps the states replaced here)
+            self._optimizer_graph.reset()
 
     def _check_data_position_kind(self, path: Path, state: dict[str, Any]) -> None:
         """CheckpointError where a checkpoint's data position counts through other files than
@@ -464,7 +473,7 @@ class Trainer:
         if take and clipping is not None:
             nn.utils.clip_grad_norm_(params, clipping.max_norm, clipping.norm_type)
         if take:
-            self.dense_optimizer.step()
+            self._optimizer_graph.step() if self._optimizer_graph is not None else self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
 
     def fit(self, resume: bool = False) -> dict[str, Any]:

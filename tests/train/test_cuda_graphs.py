@@ -278,6 +278,8 @@ def test_training_with_graphs_equals_training_without(tmp_path):
     assert off.task.graphs is None
     assert on.task.graphs.refused is None and on.task.graphs.num_graphs >= 1
     assert on.task.graphs.replays == m_on["step"] == m_off["step"]
+    assert off._optimizer_graph is None
+    assert on._optimizer_graph.refused is None and on._optimizer_graph.replays >= m_on["step"] - 2
     assert m_on["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-4)
     for (name, p), q in zip(off.task.dense.named_parameters(), on.task.dense.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
@@ -290,4 +292,5 @@ def test_no_graphs_off_the_gpu(tmp_path):
     make_data(tmp_path)
     config = load_config(write_config(tmp_path, config_dict()))
     assert config.train.cuda_graphs
-    assert Trainer(config, tmp_path / "m", device="cpu", progress=False).task.graphs is None
+    trainer = Trainer(config, tmp_path / "m", device="cpu", progress=False)
+    assert trainer.task.graphs is None and trainer._optimizer_graph is None
