@@ -16,14 +16,21 @@ from dynarec.embedding.cached_store import CacheHold
 from dynarec.embedding.config import FeatureConfig, TableConfig
 from dynarec.embedding.dynamic import DynamicTable
 from dynarec.embedding.grouped import DynamicTableGroup, ReducerFactory, TableGroup, group_key, packs_dims
-from dynarec.embedding.jagged import FeatureSlice, JaggedBatch, KeyedJaggedLike, as_jagged, split_features
+from dynarec.embedding.jagged import (
+    FeatureSlice,
+    JaggedBatch,
+    KeyedJaggedLike,
+    as_jagged,
+    checked_layout,
+    split_features,
+)
 from dynarec.embedding.memory import check_fits
 from dynarec.embedding.pack import BagLayout, Bags, unpack
 from dynarec.embedding.streams import StagedInput, input_stage
 from dynarec.embedding.table import EmbeddingTable, FixedTable, FoundKeys
 from dynarec.optim.base import OptimizerSpec
 
-__all__ = ["EmbeddingCollection", "check_stays", "checked_slices"]
+__all__ = ["EmbeddingCollection", "check_batch", "check_stays", "checked_slices"]
 
 
 def checked_slices(
@@ -43,18 +50,46 @@ def checked_slices(
     ranges = stats.id_range_per_key if stats is not None else None
     weights_checked = stats is not None and stats.weights_finite is True
     range_of = dict(zip(kjt.keys(), ranges)) if ranges is not None else {}
-    unknown = [k for k in slices if k not in features]
-    if unknown:
-        raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {list(features)}")
-    missing = [f for f in features if f not in slices]
-    if missing:
-        raise ValueError(f"batch is missing feature(s) {missing}")
+    _check_names(list(slices), features)
     for name, s in slices.items():
         validate(name, s.values, range_of.get(name))
         if s.weights is not None and s.num_ids and not weights_checked and not bool(torch.isfinite(s.weights).all()):
             bad = s.weights[~torch.isfinite(s.weights)][0].item()
             raise ValueError(f"feature '{name}': per-sample weight {bad} is not a finite number")
     return slices
+
+
+def check_batch(
+    kjt: KeyedJaggedLike,
+    features: Sequence[str],
+    validate: Callable[[str, torch.Tensor, Optional[tuple[int, int]]], None],
+) -> None:
+    """:func:`checked_slices`' checks of a batch bound for another device, which is split there:
+    without splitting it here where it carries what they read (its ids' ranges, and its weights
+    found finite or none), else on its split."""
+    stats = kjt.host_stats() if isinstance(kjt, JaggedBatch) else None
+    if (
+        stats is None
+        or stats.id_range_per_key is None
+        or (kjt.weights_or_none() is not None and not stats.weights_finite)
+    ):
+        checked_slices(kjt, features, validate, widen=False)
+        return
+    keys, values, *_ = checked_layout(kjt)
+    _check_names(keys, features)
+    unsplit = values[:0]  # (validate reads a given range, not the ids: EmbeddingTable.validate)
+    for name, id_range in zip(keys, stats.id_range_per_key):
+        validate(name, unsplit, id_range)
+
+
+def _check_names(keys: Sequence[str], features: Sequence[str]) -> None:
+    """ValueError naming the batch's features that no table serves, or the served ones it lacks."""
+    unknown = [k for k in keys if k not in features]
+    if unknown:
+        raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {list(features)}")
+    missing = [f for f in features if f not in keys]
+    if missing:
+        raise ValueError(f"batch is missing feature(s) {missing}")
 
 
 def _keys_without_room(
@@ -356,15 +391,12 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         values = kjt.values()
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
-            moving = values.device != self.device
-            slices = checked_slices(
-                kjt,
-                list(self._features),
-                lambda name, ids, r: self._features[name][0].validate(name, ids, r),
-                widen=not moving,
-            )
-            if moving:  # one copy of each of the batch's tensors, sliced there
+            validate = lambda name, ids, r: self._features[name][0].validate(name, ids, r)
+            if values.device != self.device:  # checked here; one copy of each of its tensors, split there
+                check_batch(kjt, list(self._features), validate)
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
+            else:
+                slices = checked_slices(kjt, list(self._features), validate)
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
             holds = {}

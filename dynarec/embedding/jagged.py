@@ -20,7 +20,15 @@ from typing import Optional, Protocol
 
 import torch
 
-__all__ = ["FeatureSlice", "JaggedBatch", "KeyedJaggedLike", "as_jagged", "moved_ids", "split_features"]
+__all__ = [
+    "FeatureSlice",
+    "JaggedBatch",
+    "KeyedJaggedLike",
+    "as_jagged",
+    "checked_layout",
+    "moved_ids",
+    "split_features",
+]
 
 
 class KeyedJaggedLike(Protocol):
@@ -219,6 +227,28 @@ def split_features(kjt: KeyedJaggedLike, widen: bool = True) -> dict[str, Featur
     for lengths that do not add up to the number of values; and for a variable-batch torchrec
     KJT (a batch size per feature), whose lengths do not split into one per sample and feature.
     """
+    keys, values, lengths, weights, stats = checked_layout(kjt)
+    if not keys:
+        return {}
+    # one split a tensor (views), not a slice a feature: this runs on every step's path
+    sizes = list(stats.length_per_key)
+    if widen:
+        values, lengths = values.long(), lengths.long()
+    per_key = lengths.view(len(keys), -1).unbind(0)
+    ids = values.split(sizes)
+    w = weights.float().split(sizes) if weights is not None else (None,) * len(keys)
+    return {
+        key: FeatureSlice(key, ids[i], per_key[i], w[i], sizes[i], stats.max_length_per_key[i])
+        for i, key in enumerate(keys)
+    }
+
+
+def checked_layout(
+    kjt: KeyedJaggedLike,
+) -> tuple[list[str], torch.Tensor, torch.Tensor, Optional[torch.Tensor], _HostStats]:
+    """A KJT-shaped batch's keys, values, lengths, weights and host statistics, its layout
+    checked as :func:`split_features` says (no tensor read where the batch carries its
+    statistics)."""
     variable_stride = getattr(kjt, "variable_stride_per_key", None)
     if variable_stride is not None and variable_stride() and len(set(kjt.stride_per_key())) > 1:  # type: ignore[attr-defined]
         raise ValueError(
@@ -256,16 +286,4 @@ def split_features(kjt: KeyedJaggedLike, widen: bool = True) -> dict[str, Featur
         raise ValueError(f"lengths add up to {total} ids but values holds {values.numel()}")
     if weights is not None and weights.numel() != values.numel():
         raise ValueError(f"weights has {weights.numel()} entries, values {values.numel()}")
-    if not keys:
-        return {}
-    # one split a tensor (views), not a slice a feature: this runs on every step's path
-    sizes = list(stats.length_per_key)
-    if widen:
-        values, lengths = values.long(), lengths.long()
-    per_key = lengths.view(len(keys), -1).unbind(0)
-    ids = values.split(sizes)
-    w = weights.float().split(sizes) if weights is not None else (None,) * len(keys)
-    return {
-        key: FeatureSlice(key, ids[i], per_key[i], w[i], sizes[i], stats.max_length_per_key[i])
-        for i, key in enumerate(keys)
-    }
+    return keys, values, lengths, weights, stats

@@ -268,7 +268,8 @@ class EmbeddingTable(ABC):
         self, feature: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]] = None
     ) -> None:
         """Raises ValueError for ids this table cannot take, before anything is written
-        (``id_range``: their ``(smallest, largest)`` where known; see :func:`check_id_range`)."""
+        (``id_range``: their ``(smallest, largest)`` where known, read instead of ``ids``,
+        which may then be empty: a batch checked before it is split; see :func:`check_id_range`)."""
 
     def initial_weights(self, ids: torch.Tensor) -> torch.Tensor:
         """Key-seeded initial weights ``[n, D]`` of a new row for each id."""

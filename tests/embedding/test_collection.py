@@ -673,3 +673,60 @@ def test_requires_grad_false_freezes_the_tables_until_it_is_undone():
     model.emb.requires_grad_(True)
     model.step(1)
     assert model.emb.tables["a"].step == 2 and model.emb.tables["u"].step == 2
+
+
+def _range_check(seen: list):
+    """A validate hook: a fixed table of 10 rows' id check, recording what it was given."""
+    from dynarec.embedding.table import check_id_range
+
+    def validate(name, ids, id_range):
+        seen.append((name, ids.numel(), id_range))
+        check_id_range("t", name, ids, 10, id_range)
+
+    return validate
+
+
+_GOOD = {"a": [[1, 2], [3]], "b": [[4], []]}
+
+
+@pytest.mark.parametrize(
+    "batch, error",
+    [
+        (JaggedBatch.from_lists({"a": [[1, 12], [3]], "b": [[4], []]}), r"feature 'a': id 12 is out of range"),
+        (JaggedBatch.from_lists({"a": [[1], [3]]}), r"batch is missing feature\(s\) \['b'\]"),
+        (JaggedBatch.from_lists({**_GOOD, "c": [[1], [2]]}), r"batch feature\(s\) \['c'\] are not served"),
+        (
+            JaggedBatch(["a", "b"], torch.tensor([1, 2]), torch.tensor([2, 1, -1, 0])),
+            "feature 'b' has a negative length",
+        ),
+        (
+            JaggedBatch.from_lists(_GOOD, {"a": [[1.0, float("nan")], [1.0]], "b": [[1.0], []]}),
+            "feature 'a': per-sample weight nan is not a finite number",
+        ),
+    ],
+)
+@pytest.mark.parametrize("ranges", [False, True])
+def test_a_batch_bound_for_a_device_is_checked_as_one_split_here(batch, error, ranges):
+    """check_batch (a batch checked on the host, split on its device) refuses what
+    checked_slices refuses, from the batch's id ranges where its maker gave them."""
+    from dynarec.embedding.collection import check_batch, checked_slices
+
+    if ranges:  # each feature's (smallest, largest) id, as a DataLoader worker gives them
+        lengths = batch.lengths().view(len(batch.keys()), -1).sum(1).tolist()
+        pieces = batch.values().split(lengths) if min(lengths) >= 0 else [torch.arange(10)] * len(lengths)
+        batch = batch.with_id_ranges([(int(v.min()), int(v.max())) if v.numel() else (0, -1) for v in pieces])
+    for check in (check_batch, lambda *a: checked_slices(*a, widen=False)):
+        with pytest.raises(ValueError, match=error):
+            check(batch, ["a", "b"], _range_check([]))
+
+
+def test_a_batch_with_its_id_ranges_is_checked_without_a_split():
+    from dynarec.embedding.collection import check_batch
+
+    batch = JaggedBatch.from_lists(_GOOD)
+    seen: list = []
+    check_batch(batch, ["a", "b"], _range_check(seen))  # no ranges: checked on its split
+    assert seen == [("a", 3, None), ("b", 1, None)]
+    seen.clear()
+    check_batch(batch.with_id_ranges([(1, 3), (4, 4)]), ["a", "b"], _range_check(seen))
+    assert seen == [("a", 0, (1, 3)), ("b", 0, (4, 4))]
