@@ -56,7 +56,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -679,15 +679,20 @@ def follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.
 
 
 def refuse_moved_rows(
-    out: torch.Tensor, step: Step, slots: torch.Tensor, index_keys: Callable[[], torch.Tensor], name: str
+    out: torch.Tensor,
+    step: Step,
+    slots: torch.Tensor,
+    index_keys: Callable[[], torch.Tensor],
+    name: Union[str, Callable[[torch.Tensor], str]],
 ) -> None:
     """Refuses the backward of ``out`` (a training lookup of the rows at ``slots`` of an index
     whose keys ``index_keys()`` gives now) where its rows changed keys since: a later step's
     backward may commit ``step`` first (a model's two lookups in one backward, or a backward left
     for later), its rows are no longer pinned then, so their keys are kept aside, and this
     lookup's own backward updates them only where they still hold those keys (a forward since may
-    have given a row to another key: refused, nothing updated). Register it before the output's
-    commit hook."""
+    have given a row to another key: refused, nothing updated). ``name``: the table the error
+    names, or a function of the slots whose keys changed giving it (a group's). Register it
+    before the output's commit hook."""
     kept: list[torch.Tensor] = []
 
     def keep_keys() -> None:  # (the step committed; by a later step's backward where its own has not run)
@@ -695,15 +700,22 @@ def refuse_moved_rows(
             kept.append(index_keys()[slots])
 
     def check(_grad: torch.Tensor) -> None:
-        if kept and not _rows_hold(index_keys(), slots, kept[0]):
-            raise late_backward(name, step, "a later step's backward committed it, and its rows changed keys")
+        if not kept:
+            return
+        changed = _moved_rows(index_keys(), slots, kept[0])
+        if changed is not None:
+            who = name if isinstance(name, str) else name(changed)
+            raise late_backward(who, step, "a later step's backward committed it, and its rows changed keys")
 
     step.on_commit.append(keep_keys)
     out.register_hook(check)
 
 
-def _rows_hold(index_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the rows at ``slots`` hold ``keys`` now (one host read)."""
+def _moved_rows(index_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> Optional[torch.Tensor]:
+    """The slots among ``slots`` that no longer hold their ``keys`` (one host read), or None:
+    every row holds its key still."""
     if slots.numel() and int(slots.max()) >= index_keys.numel():  # (a smaller index loaded since)
-        return False
-    return bool(torch.equal(index_keys[slots], keys))
+        return slots
+    if bool(torch.equal(index_keys[slots], keys)):
+        return None
+    return slots[index_keys[slots] != keys]

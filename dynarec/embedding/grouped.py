@@ -387,9 +387,14 @@ class DynamicTableGroup(_Group):
             self.store.set_learning_rate(self.tables[0].store.lr)
             out = self.store.lookup(rows, offsets, weights, True, step=step.t, row_scores=row_scores)
             if out.requires_grad:  # (the group never grows: no update to count as still to come)
-                refuse_moved_rows(out, step, rows, lambda: self.index.keys, self.tables[0].name)
+                refuse_moved_rows(out, step, rows, lambda: self.index.keys, self._tables_of)
             commit_on_backward(out, list(zip(self.tables, steps)))
         return out if missing_out is None else out + missing_out
+
+    def _tables_of(self, slots: torch.Tensor) -> str:
+        """The names of the tables whose rows ``slots`` are (an error's), joined by ', '."""
+        tables = torch.searchsorted(self._first_slots, slots, right=True) - 1
+        return "', '".join(self.tables[i].name for i in sorted(set(tables.tolist())))
 
     def _in_one_step(self, steps: list[Step]) -> bool:
         """Whether the tables' steps act as one: one id and step counter, the same steps pending,

@@ -141,21 +141,27 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _span(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The tensors as one view where each 1-D piece follows the last in one storage, else None
-    (also for a tensor needing a gradient: the view's would reach the first piece only)."""
+    (also for a tensor needing a gradient: the view's would reach the first piece only). Two
+    storages may begin at one address (views of one numpy array): the span must also lie
+    within the first one's bytes."""
     first = tensors[0]
-    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    storage = first.untyped_storage()
+    address, start = storage.data_ptr(), first.storage_offset()
     at = start
     for t in tensors:
         if (
             t.dim() != 1
             or t.requires_grad
             or t.dtype != first.dtype
+            or t.device != first.device
             or (t.numel() > 1 and t.stride(0) != 1)
             or t.storage_offset() != at
-            or t.untyped_storage().data_ptr() != storage
+            or t.untyped_storage().data_ptr() != address
         ):
             return None
         at += t.numel()
+    if at * first.element_size() > storage.nbytes():
+        return None
     return first.as_strided((at - start,), (1,), start)
 
 

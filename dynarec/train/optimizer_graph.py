@@ -17,6 +17,7 @@ same fused kernels on the same tensors, bit for bit.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Optional
 
@@ -54,6 +55,9 @@ class OptimizerStepGraph:
         self._last: Optional[tuple] = None  # the last eager step's
         self.refused: Optional[str] = None  # why a capture failed (the steps then stay eager)
         self.replays = 0  # steps replayed from the graph
+        # states loaded replace the ones the graph steps: it is forgotten (weakly: no cycle)
+        alive = weakref.ref(self)
+        optimizer.register_load_state_dict_post_hook(lambda _: _forget(alive))
 
     def step(self) -> None:
         key = self._step_key()
@@ -68,14 +72,17 @@ class OptimizerStepGraph:
         self._last = key
 
     def reset(self) -> None:
-        """Forgets the graph: the optimizer's states were replaced (a checkpoint loaded)."""
+        """Forgets the graph (the optimizer's ``load_state_dict`` calls it: the states it steps
+        were replaced)."""
         self.graph = self._captured = self._last = None
 
     def _step_key(self) -> tuple:
-        """What a graph bakes in: each gradient's address and strides (None: no gradient, a
-        parameter the step skips), each group's settings, and the states' count (a step before
-        the first has none: it creates them)."""
-        grads = tuple(None if p.grad is None else (p.grad.data_ptr(), p.grad.stride()) for p in self.params)
+        """What a graph bakes in: each parameter's address, its gradient's address and strides
+        (None: no gradient, a parameter the step skips), each group's settings, and the states'
+        count (a step before the first has none: it creates them)."""
+        grads = tuple(
+            (p.data_ptr(), None if p.grad is None else (p.grad.data_ptr(), p.grad.stride())) for p in self.params
+        )
         groups = tuple(tuple((k, v) for k, v in g.items() if k != "params") for g in self.optimizer.param_groups)
         return grads, groups, len(self.optimizer.state)
 
@@ -98,3 +105,9 @@ class OptimizerStepGraph:
                 g["capturable"] = flag
         self.graph, self._captured = graph, key
         return True
+
+
+def _forget(step_graph: weakref.ref) -> None:
+    alive = step_graph()
+    if alive is not None:
+        alive.reset()

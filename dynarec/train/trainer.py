@@ -297,8 +297,6 @@ class Trainer:
         self.dense_optimizer.load_state_dict(saved)
         for group, mine in zip(self.dense_optimizer.param_groups, settings):
             group.update(mine)
-        if self._optimizer_graph is not None:  # (its graph steps the states replaced here)
-            self._optimizer_graph.reset()
 
     def _check_data_position_kind(self, path: Path, state: dict[str, Any]) -> None:
         """CheckpointError where a checkpoint's data position counts through other files than

@@ -2,6 +2,7 @@
 packed without a copy (their ids one view of the batch's), bags of one id each get their offsets
 without adding lengths, and either way the bags equal those of the general path."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +46,8 @@ def test_a_span_is_refused_where_pieces_do_not_follow_each_other():
     assert _span([whole[0:3], torch.arange(3, 6)]) is None  # another tensor
     assert _span([whole[0:4:2], whole[4:6]]) is None  # strided
     assert _span([whole[0:3], whole[3:6].int()]) is None  # another dtype
+    shared = np.arange(10)  # two storages beginning at one address, the first the shorter
+    assert _span([torch.from_numpy(shared[:4]), torch.from_numpy(shared)[4:]]) is None
     weights = torch.ones(6, requires_grad=True)
     assert _span(list(weights.split(3))) is None  # a gradient would reach the first piece only
 
