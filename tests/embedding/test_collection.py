@@ -730,3 +730,26 @@ def test_a_batch_with_its_id_ranges_is_checked_without_a_split():
     seen.clear()
     check_batch(batch.with_id_ranges([(1, 3), (4, 4)]), ["a", "b"], _range_check(seen))
     assert seen == [("a", 0, (1, 3)), ("b", 0, (4, 4))]
+
+
+def test_a_batch_bound_for_another_device_is_checked_here_and_split_there():
+    """The input stage of a batch on another device than the tables' (here ``cpu`` bound for
+    ``cpu:0``, which torch tells apart: the path a GPU's batches take): checked from its id
+    ranges, copied, split there; the same outputs as the batch on the tables' own device, and
+    the same refusal of an id out of range."""
+    tables = [TableConfig(name="t", dim=4, num_embeddings=10, features=["a", "b"])]
+    there = EmbeddingCollection(tables, Adagrad(lr=0.1), device=torch.device("cpu", 0))
+    here = EmbeddingCollection(tables, Adagrad(lr=0.1))
+    assert torch.device("cpu") != there.device
+    batch = JaggedBatch.from_lists({"a": [[1], [2, 3]], "b": [[4], []]})
+    for b in (batch, batch.with_id_ranges([(1, 3), (4, 4)])):
+        out, expected = there(b), here(b)
+        for k in expected:
+            assert torch.equal(out[k], expected[k]), k
+        sum(v.sum() for v in out.values()).backward()
+        sum(v.sum() for v in expected.values()).backward()
+    bad = JaggedBatch.from_lists({"a": [[1], [12]], "b": [[4], []]})
+    for b in (bad, bad.with_id_ranges([(1, 12), (4, 4)])):
+        with pytest.raises(ValueError, match=r"table 't', feature 'a': id 12 is out of range \[0, 10\)"):
+            there(b)
+    assert torch.equal(there.tables["t"].dump()["weight"], here.tables["t"].dump()["weight"])
