@@ -944,7 +944,8 @@ class DataCfg(Strict):
     batch_size: Count = 1024
     eval_batch_size: Optional[Count] = None
     # DataLoader workers building batches; None: automatic (0 on a CPU device, where they would
-    # compete with the step for the cores; on a GPU as many as the host spares, up to 8).
+    # compete with the step for the cores; on a GPU as many as the host spares, up to 8). At most
+    # the CPUs the process may use (more: that many, said in one line).
     num_workers: Optional[int] = Field(None, ge=0)
     # Keep the first whole epoch's built batches: later epochs train on them instead of reading
     # and building the files again (the same batches). true or "memory": held in memory (every

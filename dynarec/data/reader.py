@@ -53,6 +53,7 @@ __all__ = [
     "read_table",
     "resolve_files",
     "start_worker_server",
+    "usable_workers",
     "worker_context",
 ]
 
@@ -723,6 +724,21 @@ def default_num_workers(device_type: str) -> int:
     if device_type != "cuda":
         return 0
     return max(1, min(8, (os.cpu_count() or 1) - 2))
+
+
+def usable_workers(requested: int, cpus: Optional[int] = None) -> tuple[int, Optional[str]]:
+    """``data.num_workers`` as this host runs them: at most the CPUs this process may use
+    (``cpus``, default the process's affinity), where torch's DataLoader would warn (twice, the
+    training and the eval loader: a TorchEasyRec config's 8 workers on a 2-core machine); and the
+    one line saying so, else None."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested <= cpus:
+        return requested, None
+    return cpus, (
+        f"data.num_workers is {requested}, but this process may use {cpus} CPU(s): {cpus} DataLoader worker(s) "
+        "build the batches"
+    )
 
 
 class BatchLoader:

@@ -33,6 +33,7 @@ from dynarec.data.reader import (
     make_loader,
     resolve_files,
     start_worker_server,
+    usable_workers,
 )
 from dynarec.distributed.context import DistContext, StepFailedError
 from dynarec.train.stop import StopSignal
@@ -103,7 +104,9 @@ class TrainInput:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"  # page-locked batches: their copy overlaps the GPU's work
         workers = config.data.num_workers
-        self.num_workers = default_num_workers(self.device.type) if workers is None else workers
+        self.num_workers, note = usable_workers(default_num_workers(self.device.type) if workers is None else workers)
+        if note is not None and ctx.is_main:
+            print(note, file=sys.stderr, flush=True)
         if self.pin and self.num_workers > 0:
             start_worker_server()  # its workers' imports overlap the model's set-up
         # --follow: the files consumed so far (names and row counts, in order); they must stay the

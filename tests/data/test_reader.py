@@ -223,3 +223,14 @@ def test_a_dictionary_encoded_column_in_one_file_and_plain_strings_in_another_re
     assert (
         first.sparse.values()[:4].tolist() == first.sparse.values()[4:6].tolist() + second.sparse.values()[:2].tolist()
     )
+
+
+def test_usable_workers_are_at_most_the_cpus():
+    from dynarec.data.reader import usable_workers
+
+    assert usable_workers(2, cpus=2) == (2, None)
+    assert usable_workers(0, cpus=1) == (0, None)
+    workers, note = usable_workers(8, cpus=2)
+    assert workers == 2 and note == (
+        "data.num_workers is 8, but this process may use 2 CPU(s): 2 DataLoader worker(s) build the batches"
+    )

@@ -1,4 +1,5 @@
 import os
+import warnings
 
 import torch
 
@@ -69,3 +70,16 @@ def test_the_started_fork_server_serves_the_loaders_workers(tmp_path, monkeypatc
     served = [b.labels for b, _, _ in epochs_of(tmp_path, 2, epochs=1).batches(DataPosition())]
     plain = [b.labels for b, _, _ in epochs_of(tmp_path, 0, epochs=1).batches(DataPosition())]
     assert len(served) == len(plain) and all(torch.equal(a, b) for a, b in zip(served, plain))
+
+
+def test_workers_past_the_cpus_are_as_many_as_the_cpus_with_one_line_saying_so(tmp_path, capsys):
+    """A config's workers (a TorchEasyRec config's 8) on a host with fewer CPUs: as many as the
+    process may use, said in one line, where torch's DataLoader warned in two paragraphs."""
+    cpus = len(os.sched_getaffinity(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="This DataLoader will create")
+        source = epochs_of(tmp_path, cpus + 3, epochs=1)
+        assert source.num_workers == cpus
+        assert sum(1 for _ in source.batches(DataPosition())) > 0
+    err = capsys.readouterr().err
+    assert err.count(f"data.num_workers is {cpus + 3}, but this process may use {cpus} CPU(s)") == 1
