@@ -84,10 +84,11 @@ def check_batch(
 
 def _check_names(keys: Sequence[str], features: Sequence[str]) -> None:
     """ValueError naming the batch's features that no table serves, or the served ones it lacks."""
-    unknown = [k for k in keys if k not in features]
+    served, given = set(features), set(keys)  # (every step: not a list's scan a feature)
+    unknown = [k for k in keys if k not in served]
     if unknown:
         raise ValueError(f"batch feature(s) {unknown} are not served by any table; known: {list(features)}")
-    missing = [f for f in features if f not in keys]
+    missing = [f for f in features if f not in given]
     if missing:
         raise ValueError(f"batch is missing feature(s) {missing}")
 

@@ -716,6 +716,5 @@ def _moved_rows(index_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     every row holds its key still."""
     if slots.numel() and int(slots.max()) >= index_keys.numel():  # (a smaller index loaded since)
         return slots
-    if bool(torch.equal(index_keys[slots], keys)):
-        return None
-    return slots[index_keys[slots] != keys]
+    now = index_keys[slots]
+    return None if bool(torch.equal(now, keys)) else slots[now != keys]

@@ -18,7 +18,6 @@ same fused kernels on the same tensors, bit for bit.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -28,11 +27,11 @@ from dynarec.devices import capture_graph
 __all__ = ["OptimizerStepGraph", "captures_step"]
 
 
-def captures_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> bool:
+def captures_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :class:`OptimizerStepGraph` replays ``optimizer``'s steps: torch's fused Adam or
     AdamW (its ``capturable`` flag changes nothing in the fused kernels) over parameters all on
     one GPU."""
-    devices = {p.device for p in params}
+    devices = {p.device for p in _params(optimizer)}
     return (
         isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         and len(devices) == 1
@@ -42,14 +41,14 @@ def captures_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Pa
 
 
 class OptimizerStepGraph:
-    """``optimizer.step()`` over ``params`` (every parameter it steps), replayed from a CUDA graph
-    where the step matches the captured one (module doc), else run eagerly."""
+    """``optimizer.step()``, replayed from a CUDA graph where the step matches the captured one
+    (module doc), else run eagerly."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
-        if not captures_step(optimizer, params):
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if not captures_step(optimizer):
             raise ValueError(f"{type(optimizer).__name__} over these parameters is not captured (captures_step)")
         self.optimizer = optimizer
-        self.params = list(params)
+        self.params = _params(optimizer)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._captured: Optional[tuple] = None  # the graph's step (_step_key)
         self._last: Optional[tuple] = None  # the last eager step's
@@ -105,6 +104,11 @@ class OptimizerStepGraph:
                 g["capturable"] = flag
         self.graph, self._captured = graph, key
         return True
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Every parameter ``optimizer`` steps, group by group."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _forget(step_graph: weakref.ref) -> None:

@@ -114,8 +114,8 @@ class Trainer:
         self.dense_optimizer = config.train.dense_optimizer.build(self._dense_params)
         # On a GPU the fused Adam's step replays from a CUDA graph (its host work is a step's tenth)
         self._optimizer_graph = (
-            OptimizerStepGraph(self.dense_optimizer, self._dense_params)
-            if config.train.cuda_graphs and captures_step(self.dense_optimizer, self._dense_params)
+            OptimizerStepGraph(self.dense_optimizer)
+            if config.train.cuda_graphs and captures_step(self.dense_optimizer)
             else None
         )
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]

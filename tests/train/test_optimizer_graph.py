@@ -21,15 +21,15 @@ def _model(device: str) -> nn.Module:
 def test_only_fused_adam_on_a_gpu_is_captured():
     model = _model("cpu")
     params = list(model.parameters())
-    assert not captures_step(torch.optim.Adam(params, fused=True), params)  # a CPU's parameters
+    assert not captures_step(torch.optim.Adam(params, fused=True))  # a CPU's parameters
     with pytest.raises(ValueError, match="Adam over these parameters is not captured"):
-        OptimizerStepGraph(torch.optim.Adam(params, fused=True), params)
+        OptimizerStepGraph(torch.optim.Adam(params, fused=True))
     if torch.cuda.is_available():
         params = list(_model("cuda").parameters())
-        assert captures_step(torch.optim.Adam(params, fused=True), params)
-        assert captures_step(torch.optim.AdamW(params, fused=True), params)
-        assert not captures_step(torch.optim.Adam(params), params)  # not fused
-        assert not captures_step(torch.optim.SGD(params, lr=0.1, fused=True), params)
+        assert captures_step(torch.optim.Adam(params, fused=True))
+        assert captures_step(torch.optim.AdamW(params, fused=True))
+        assert not captures_step(torch.optim.Adam(params))  # not fused
+        assert not captures_step(torch.optim.SGD(params, lr=0.1, fused=True))
 
 
 def _same(a: nn.Module, b: nn.Module, opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer) -> None:
@@ -46,7 +46,7 @@ def test_replayed_steps_equal_eager_steps(cls):
     eager = cls(eager_model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     opt = cls(graph_model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     params = list(graph_model.parameters())
-    stepper = OptimizerStepGraph(opt, params)
+    stepper = OptimizerStepGraph(opt)
     # the gradients in buffers of their own (as the dense graphs give them), filled each step
     buffers = [torch.zeros_like(p) for p in params]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -76,7 +76,7 @@ def test_loaded_states_are_stepped_not_the_captured_ones():
     eager = torch.optim.Adam(eager_model.parameters(), lr=1e-2, fused=True)
     opt = torch.optim.Adam(graph_model.parameters(), lr=1e-2, fused=True)
     params = list(graph_model.parameters())
-    stepper = OptimizerStepGraph(opt, params)
+    stepper = OptimizerStepGraph(opt)
     buffers = [torch.zeros_like(p) for p in params]
     saved = None
     for step in range(8):
