@@ -33,7 +33,8 @@ if [ -z "${GPU_SUITE_ONLY:-}" ]; then
         "embedding tests/embedding/test_cuda.py tests/embedding/test_prefetch.py tests/embedding/test_cached_store.py
             tests/embedding/test_half_rows.py"
         "train tests/test_devices.py tests/config/test_tzrec_smoke_train.py tests/train/test_cuda_training.py
-            tests/train/test_cuda_graphs.py tests/train/test_loss_scaling.py tests/train/test_optimizer_graph.py"
+            tests/train/test_cuda_graphs.py tests/train/test_loss_scaling.py tests/train/test_optimizer_graph.py
+            tests/train/test_step_graph.py"
         "data tests/data/test_transport.py tests/data/test_batch_cache.py tests/data/test_shared_decode.py tests/models/test_sid.py
             tests/distributed/test_nccl.py"
     )

@@ -77,7 +77,11 @@ def make_data(root: Path) -> dict:
 
 
 def config_dict(**changes) -> dict:
-    cfg = copy.deepcopy(BASE_CONFIG)
+    return changed(copy.deepcopy(BASE_CONFIG), **changes)
+
+
+def changed(cfg: dict, **changes) -> dict:
+    """``cfg`` with each ``section__key=value`` of ``changes`` set in place; returns it."""
     for path, value in changes.items():
         node = cfg
         *parents, last = path.split("__")

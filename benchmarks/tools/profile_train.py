@@ -182,6 +182,12 @@ def main() -> None:
             f"steps alone, batch {a.batch} on {a.device}: {steps_s * 1e3:.2f} ms a step "
             f"({a.batch / steps_s:,.0f} samples/s)"
         )
+        graphs = getattr(trainer, "step_graphs", None)  # (a tree before whole-step graphs has none)
+        if graphs is not None:
+            refused = f"; capture refused: {graphs.refused}" if graphs.refused else ""
+            print(f"whole-step graphs: {graphs.replays} steps replayed, {graphs.num_graphs} captured{refused}")
+        elif hasattr(trainer, "step_graph_refusal"):
+            print(f"steps eager: {trainer.step_graph_refusal}")
         live = None
         if a.live:
             live = itertools.islice(source, a.steps)

@@ -1023,6 +1023,10 @@ class TrainCfg(Strict):
     # gradient_accumulation_steps > 1, where the model runs eagerly. On any GPU run, a fused
     # Adam's step replays from a graph too (dynarec/train/optimizer_graph.py).
     cuda_graphs: bool = True
+    # With cuda_graphs, on a GPU in one process: a whole training step of fixed tables (lookup,
+    # dense model, loss, fused updates, Adam's step) replayed from two CUDA graphs for each recurring
+    # batch signature, the loss's finiteness read between them (dynarec/train/step_graph.py).
+    whole_step_graphs: bool = False
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

@@ -171,6 +171,19 @@ class Batch:
         )
         return tensors, layout
 
+    def packed_buffer(self) -> Optional[tuple[torch.Tensor, list[Slot], _Layout]]:
+        """``(buffer, slots, layout)`` where the batch's tensors are views of one buffer (a batch
+        from a DataLoader worker, page-locked, or its copy on a device), else None; its ids and
+        lengths may lie in it narrower than they are (see :mod:`dynarec.data.transport`).
+        :meth:`unpacked` makes the batch of such a buffer, wherever it was copied to."""
+        return self._packed
+
+    @staticmethod
+    def unpacked(buffer: torch.Tensor, slots: list[Slot], layout: _Layout) -> Batch:
+        """The batch of :meth:`packed_buffer`'s parts, its tensors views of ``buffer`` (its ids
+        and lengths widened to int64 where ``buffer`` is)."""
+        return _unpacked_batch(buffer, slots, layout)
+
     @property
     def nbytes(self) -> int:
         """The bytes of the batch's tensors as :meth:`to` puts them on a device: a packed batch's

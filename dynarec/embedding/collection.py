@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Union
 
@@ -241,6 +242,7 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     """
 
     _replicas_checked = False  # (a collection pickled before this flag existed)
+    _inputs_checked = False  # (inputs_checked)
 
     def __init__(
         self,
@@ -392,12 +394,11 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         values = kjt.values()
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
-            validate = lambda name, ids, r: self._features[name][0].validate(name, ids, r)
             if values.device != self.device:  # checked here; one copy of each of its tensors, split there
-                check_batch(kjt, list(self._features), validate)
+                self.check(kjt)
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             else:
-                slices = checked_slices(kjt, list(self._features), validate)
+                slices = checked_slices(kjt, list(self._features), self._validate)
             packed = {unit.name: unit.pack(slices) for unit in self._units}
             found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
             holds = {}
@@ -409,7 +410,36 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             staged.hand_over(*(h.slots for h in holds.values() if h is not None))
         return _Prepared(kjt, packed, found, staged, holds)
 
+    @property
+    def units(self) -> list[LookupUnit]:
+        """The lookups a step makes, in order: a :class:`TableGroup` or
+        :class:`DynamicTableGroup`, or a table looked up on its own."""
+        return list(self._units)
+
+    def check(self, kjt: KeyedJaggedLike) -> None:
+        """The checks :meth:`forward` makes of a batch before any table writes (its features,
+        layout and ids, named in the errors), on the batch where it is (no device read for a
+        batch on the host that carries its id ranges), without looking anything up."""
+        check_batch(kjt, list(self._features), self._validate)
+
+    def _validate(self, feature: str, ids: torch.Tensor, id_range: Optional[tuple[int, int]]) -> None:
+        self._features[feature][0].validate(feature, ids, id_range)
+
+    @contextlib.contextmanager
+    def inputs_checked(self) -> Iterator[None]:
+        """Within it, :meth:`forward` takes batches already on this device and checked (by
+        :meth:`check`, on the host): split as they are, with no check, no input stream and
+        nothing prefetched; nothing it runs reads the device. A training step captured in a
+        CUDA graph is looked up so (``dynarec.train.step_graph``)."""
+        self._inputs_checked = True
+        try:
+            yield
+        finally:
+            self._inputs_checked = False
+
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
+        if self._inputs_checked:
+            return self.lookup_slices(split_features(kjt))
         prepared = self._take_prefetched(kjt)
         if prepared is None:
             prepared = self._prepare(kjt)

@@ -129,6 +129,7 @@ class _Group:
     name: str
     bases: list[int]  # each table's first row in the shared store
     _shifts: dict[tuple, torch.Tensor]  # _shift's, by the id counts
+    _kept_shifts: dict[tuple, torch.Tensor]  # _shift's read by captured CUDA graphs (never dropped)
 
     def begin_step(self) -> None:
         """Opens a step of every table, with one id (a group's plan pins its rows for all)."""
@@ -174,6 +175,8 @@ class _Group:
         table's first row, or a table's index); kept for the next batches of the same bases and
         counts (a batch of one id a feature, say: every step's), which then copy and launch
         nothing for it. Read-only: a step adds it or indexes with it."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self._captured_shift(bases, counts, device)
         # One a stream: a tensor is used on the stream it was made on, so dropping it is safe.
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (tuple(bases), tuple(counts), device, stream)
@@ -187,6 +190,22 @@ class _Group:
             if len(self._shifts) >= 4:  # counts that vary from batch to batch: keep the latest few
                 self._shifts.pop(next(iter(self._shifts)))
         self._shifts[key] = shift
+        return shift
+
+    def _captured_shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+        """:meth:`_shift` inside a CUDA graph's capture, which copies nothing from the host: one
+        made already (on any stream), else one built on the device; kept for the process's
+        life, since a graph reads it by address at every replay."""
+        key = (tuple(bases), tuple(counts), device)
+        shift = self._kept_shifts.get(key)
+        if shift is None:
+            made = [t for k, t in self._shifts.items() if k[:3] == key]
+            shift = (
+                made[0]
+                if made
+                else torch.cat([torch.full((c,), b, dtype=torch.int64, device=device) for b, c in zip(bases, counts)])
+            )
+            self._kept_shifts[key] = shift
         return shift
 
 
@@ -214,7 +233,7 @@ class TableGroup(_Group):
         self.store = PackedRowStore(shapes, spec, device, reducer(self.name, rows))
         self.tables: list[FixedTable] = []
         self.bases: list[int] = []
-        self._shifts = {}
+        self._shifts, self._kept_shifts = {}, {}
         base = 0
         for i, (config, (n, _)) in enumerate(zip(configs, shapes)):
             store = RowStoreSlice(self.store, i, reducer(config.name, n))
@@ -243,15 +262,26 @@ class TableGroup(_Group):
         commits each table's step."""
         if not train:
             return self.store.lookup(bags.ids, bags.offsets, bags.weights, False)
-        steps = [t.steps.current for t in self.tables]
-        rates = {t.store.lr for t in self.tables}
-        if len({s.t for s in steps}) > 1 or len(rates) > 1:
+        shared = self.shared_step()
+        if shared is None:
             assert isinstance(bags, GroupBags)
             return self._lookup_apart(bags)
-        self.store.set_learning_rate(rates.pop())
-        out = self.store.lookup(bags.ids, bags.offsets, bags.weights, True, step=steps[0].t)
-        commit_on_backward(out, list(zip(self.tables, steps)))
+        lr, t = shared
+        self.store.set_learning_rate(lr)
+        out = self.store.lookup(bags.ids, bags.offsets, bags.weights, True, step=t)
+        commit_on_backward(out, [(table, table.steps.current) for table in self.tables])
         return out
+
+    def shared_step(self) -> Optional[tuple[float, int]]:
+        """``(learning rate, step counter)`` where every table's are the same (of the step open,
+        or before one opens): a training lookup of all the tables' rows then makes one lookup and
+        one fused update at that rate and step; None where they differ (each table is looked up
+        and updated as its own)."""
+        rates = {t.store.lr for t in self.tables}
+        counters = {t.step for t in self.tables}
+        if len(rates) > 1 or len(counters) > 1:
+            return None
+        return rates.pop(), counters.pop()
 
     def _lookup_apart(self, bags: GroupBags) -> torch.Tensor:
         """Each table's own training lookup of its part of ``bags`` (its rates or step counters
@@ -295,7 +325,7 @@ class DynamicTableGroup(_Group):
         self.index = indexes[0].storage
         self.tables: list[DynamicTable] = []
         self.bases: list[int] = []
-        self._shifts = {}
+        self._shifts, self._kept_shifts = {}, {}
         base = 0
         for i, (config, n) in enumerate(zip(configs, slots)):
             table = DynamicTable(config, spec, device, store=RowStoreSlice(self.store, i), index=indexes[i])

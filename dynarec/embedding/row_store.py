@@ -223,6 +223,7 @@ class _NativeFusedLookup(torch.autograd.Function):
             rounding_seed=store.rounding_seed,
             row_keys=store.row_keys,
             layout=store.layout,
+            hyper=store.captured_hyper,
         )
         if ctx.on_update is not None:
             ctx.on_update()
@@ -253,6 +254,10 @@ class NativeRowStore(RowStore):
     writes_row_scores = True
     #: Packed rows' layout on the device (:class:`PackedRowStore`); None: rows ``[num_rows, dim]``.
     layout: Optional[torch.Tensor] = None
+    #: While a training step's backward is captured in a CUDA graph (``dynarec.train.step_graph``):
+    #: the device buffer its fused update reads the step's scalars from (``kernel_hyper``'s), which
+    #: the graph's owner writes before each replay; None otherwise.
+    captured_hyper: Optional[torch.Tensor] = None
 
     def __init__(
         self,

@@ -13,7 +13,8 @@ backward never came was abandoned, and keeping its rows is what a no-grad forwar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -111,6 +112,19 @@ class StepLifecycle:
         self.pending.pop()
         step.state = "aborted"
         self.t -= 1
+
+    @contextmanager
+    def dry_run(self) -> Iterator[None]:
+        """Around code that runs a step's Python but none of its device work (a training step
+        captured in a CUDA graph): the steps it begins and commits are forgotten after it, the
+        step counter put back (ids stay used: an id is never given twice). Refused while a step
+        is pending."""
+        self.check_idle("a dry run of a step")
+        t = self.t
+        try:
+            yield
+        finally:
+            self.t, self.pending = t, []
 
     def reset(self, t: int) -> None:
         """Sets the step counter (a load); refused while a step is pending."""

@@ -81,24 +81,27 @@ def commit_on_backward(out: torch.Tensor, steps: Sequence[tuple[EmbeddingTable, 
     backward through it (``retain_graph=True``) would update the rows twice and is refused, and
     so is the backward of a step that ``abort_step`` undid (its rows may hold other keys now),
     before any row is updated."""
-    if not out.requires_grad:
-        return
+    if out.requires_grad:
+        out.register_hook(lambda grad: commit_backward(steps))
 
-    def on_backward(grad: torch.Tensor) -> None:
-        for table, step in steps:
-            if step.state == "aborted":
-                raise late_backward(table.name, step, "abort_step() undid that step")
-            if step.backward_ran:
-                raise RuntimeError(
-                    f"table '{table.name}': a second backward through the lookup of training step {step.t} "
-                    "(retain_graph=True?) would apply the fused optimizer to its rows twice; run one backward "
-                    "per training forward"
-                )
-        for table, step in steps:
-            step.backward_ran = True
-            table.steps.commit(step)
 
-    out.register_hook(on_backward)
+def commit_backward(steps: Sequence[tuple[EmbeddingTable, Step]]) -> None:
+    """Commits each table's ``step`` (and its earlier pending steps) as its lookup's backward:
+    refused, before any is committed, for a step that ``abort_step`` undid or whose backward ran
+    already. :func:`commit_on_backward`'s hook, and what a step replayed from a CUDA graph does
+    after its backward's replay (``dynarec.train.step_graph``)."""
+    for table, step in steps:
+        if step.state == "aborted":
+            raise late_backward(table.name, step, "abort_step() undid that step")
+        if step.backward_ran:
+            raise RuntimeError(
+                f"table '{table.name}': a second backward through the lookup of training step {step.t} "
+                "(retain_graph=True?) would apply the fused optimizer to its rows twice; run one backward "
+                "per training forward"
+            )
+    for table, step in steps:
+        step.backward_ran = True
+        table.steps.commit(step)
 
 
 def late_backward(table: str, step: Step, why: str) -> RuntimeError:

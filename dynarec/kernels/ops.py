@@ -81,7 +81,7 @@ SCHEMAS = {
     "bag_update": "(Tensor(a!) weight, Tensor(b!)? momentum1, Tensor(c!)? momentum2, Tensor grad_out, Tensor rows,"
     " Tensor offsets, Tensor? per_sample_weights, Tensor(d!)? scores, int score, int code, int weight_decay_mode,"
     " float lr, float eps, float weight_decay, float beta1, float beta2, float bias1, float bias2,"
-    " Tensor? row_keys=None, int key_offset=0, int rounding_base=0, Tensor? layout=None) -> ()",
+    " Tensor? row_keys=None, int key_offset=0, int rounding_base=0, Tensor? layout=None, Tensor? hyper=None) -> ()",
     "exchange_rows": "(Tensor(a!)[] caches, Tensor slots, Tensor(b!)[] hosts, Tensor? out_rows, Tensor? in_rows) -> ()",
 }
 
@@ -199,13 +199,24 @@ def _fresh(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     return t.clone() if any(ptr == i.untyped_storage().data_ptr() for i in inputs) else t
 
 
+def _no_device_hyper(hyper: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """``bag_update``'s ``hyper`` (the scalars of a step captured in a CUDA graph) is the Triton
+    kernels' alone: elsewhere nothing is captured, and the float arguments are the scalars."""
+    if hyper is not None:
+        raise ValueError(
+            f"dynarec::bag_update: hyper (a captured step's scalars on the device) is read by the Triton kernels "
+            f"only; rows on {weight.device} take the float arguments"
+        )
+
+
 def _states(momentum1: Optional[torch.Tensor], momentum2: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t for name, t in (("momentum1", momentum1), ("momentum2", momentum2)) if t is not None}
 
 
 def _bag_update_cpu(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
                     eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0,
-                    layout=None):  # fmt: skip
+                    layout=None, hyper=None):  # fmt: skip
+    _no_device_hyper(hyper, weight)
     if cpu.ops() is None or layout is not None:  # (float32 rows only: the reference refuses half ones)
         return reference.bag_update(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code,
                                     wd_mode, lr, eps, wd, beta1, beta2, bias1, bias2, layout=layout)  # fmt: skip
@@ -308,14 +319,14 @@ def _pooled_triton(weight, rows, offsets, psw, layout=None, width=0):
 
 def _bag_update_triton(weight, momentum1, momentum2, grad_out, rows, offsets, psw, scores, score, code, wd_mode, lr,
                        eps, wd, beta1, beta2, bias1, bias2, row_keys=None, key_offset=0, rounding_base=0,
-                       layout=None):  # fmt: skip
+                       layout=None, hyper=None):  # fmt: skip
     from dynarec.kernels.gpu import update
 
     update.bag_update(
         _kernel_args(code, wd_mode, eps, wd, beta1, beta2, bias1, bias2), lr=lr, weight=weight,
         states=_states(momentum1, momentum2), rows=rows, offsets=offsets, per_sample_weights=psw, grad_out=grad_out,
         scores=scores, score=score, row_keys=row_keys, key_offset=key_offset, rounding_base=rounding_base,
-        layout=layout,
+        layout=layout, hyper=hyper,
     )  # fmt: skip
 
 

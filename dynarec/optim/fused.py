@@ -26,7 +26,7 @@ from dynarec.optim.base import OptimizerSpec
 from dynarec.optim.registry import definition
 from dynarec.optim.rounding import RowKeys, rounding_base, rounding_noise, stochastic_round
 
-__all__ = ["GradReducer", "RowScores", "bag_gradients", "fused_bag_update", "fused_row_update"]
+__all__ = ["GradReducer", "RowScores", "bag_gradients", "fused_bag_update", "fused_row_update", "kernel_hyper"]
 
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -70,6 +70,24 @@ def fused_row_update(
     definition(spec).native_update(spec, lr=lr, step=step, weight=weight, states=states, rows=rows, grad=grad)
 
 
+def kernel_hyper(
+    spec: OptimizerSpec, *, lr: float, step: int, half: bool, key_offset: int = 0, rounding_seed: int = 0
+) -> list[float]:
+    """The scalars :func:`fused_bag_update`'s kernels read for step ``step`` at rate ``lr``
+    (``dynarec.kernels.gpu.update.HYPER``'s order; ``half``: rows stored in half precision,
+    their rounding draws keyed by ``rounding_seed``, the step and ``key_offset`` plus the row; no
+    row scores): what a step captured in a CUDA graph writes into its update's ``hyper`` buffer
+    before each replay (``dynarec.train.step_graph``). ValueError for an optimizer the kernels
+    do not run."""
+    from dynarec.kernels.gpu.update import hyper_values  # (no Triton needed: plain arithmetic)
+
+    kernel = definition(spec).kernel
+    if kernel is None:
+        raise ValueError(f"{spec!r} is not run by the bag_update kernels: it has no kernel scalars")
+    base = rounding_base(rounding_seed, step) if half else 0
+    return hyper_values(kernel(spec, step), lr, 0, key_offset, base)
+
+
 @torch.no_grad()
 def fused_bag_update(
     spec: OptimizerSpec,
@@ -87,6 +105,7 @@ def fused_bag_update(
     rounding_seed: int = 0,
     row_keys: RowKeys = RowKeys(),
     layout: Optional[torch.Tensor] = None,
+    hyper: Optional[torch.Tensor] = None,
 ) -> None:
     """The update of one step of weighted-sum bags (``rows`` ``[n]``, CSR ``offsets``,
     ``per_sample_weights`` ``[n]`` or None) given their output gradient ``grad_out``
@@ -99,7 +118,9 @@ def fused_bag_update(
     index): by the Triton kernels on CUDA and the C++ kernel on the CPU (torch ops where there
     is neither, and for data-parallel tables). ``layout``: ``weight`` and the states are packed
     rows of several fixed float32 tables (:mod:`dynarec.kernels.packed`; the op's kernels only:
-    no reducer, an optimizer with kernel arguments)."""
+    no reducer, an optimizer with kernel arguments). ``hyper``: the step's scalars on the device,
+    :func:`kernel_hyper`'s, which the kernels read in place of ``lr`` and ``step`` (an update
+    captured in a CUDA graph with its step; the op's Triton kernels only)."""
     if row_scores is not None and not row_scores.live:
         row_scores = None
     if rows.numel() == 0 and reducer is None:
@@ -118,9 +139,11 @@ def fused_bag_update(
         torch.ops.dynarec.bag_update(
             weight, states.get("momentum1"), states.get("momentum2"), grad_out, rows, offsets, per_sample_weights,
             scores, value, int(a.code), int(a.weight_decay_mode), float(lr), a.eps, a.weight_decay, a.beta1, a.beta2,
-            a.bias1, a.bias2, keys, row_keys.offset, base, layout,
+            a.bias1, a.bias2, keys, row_keys.offset, base, layout, hyper,
         )  # fmt: skip
         return
+    if hyper is not None:
+        raise ValueError(f"{spec!r} on these rows is not updated by the bag_update kernels, which alone read hyper")
     torch_bag_update(
         spec, lr, step, weight, states, rows, offsets, per_sample_weights, grad_out, reducer, row_scores, rounding_seed,
         row_keys,

@@ -392,7 +392,9 @@ class DenseGraphs:
         return len(self._graphs)
 
     def __call__(self, *inputs: dict[str, torch.Tensor]) -> Any:
-        if not torch.is_grad_enabled():  # a forward without backward: nothing to replay
+        # a forward without backward: nothing to replay; inside a whole step's capture
+        # (dynarec.train.step_graph): captured there
+        if not torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.dense(*inputs)
         key = _signature(inputs)
         captured = self._graphs.get(key)

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -445,9 +445,18 @@ class ReadAhead:
     loop asks for that batch, after the steps before it: the step it interrupts is not the one
     it belongs to."""
 
-    def __init__(self, batches: Iterator[Item], embeddings):
+    def __init__(
+        self,
+        batches: Iterator[Item],
+        embeddings,
+        replayed: Optional[Callable[[Batch, Optional[int]], bool]] = None,
+    ):
+        """``replayed(batch, global rows)``: whether the step of a batch replays from CUDA
+        graphs (``StepGraphs.takes``), which copy and split the batch themselves: its input
+        stage is not run ahead."""
         self._batches = batches
         self._embeddings = embeddings
+        self._replayed = replayed
         self._read: deque[tuple[str, Any]] = deque()
 
     def read(self, steps_left: Optional[int] = None) -> None:
@@ -466,7 +475,8 @@ class ReadAhead:
                 return
             self._read.append(("item", item))
             if item is not None and isinstance(item[0], Batch):
-                self._embeddings.prefetch(item[0].sparse, item[0].ready)
+                if self._replayed is None or not self._replayed(item[0], item[2]):
+                    self._embeddings.prefetch(item[0].sparse, item[0].ready)
 
     def next(self) -> Optional[Item]:
         """The oldest batch read ahead, else the next one."""

@@ -17,7 +17,9 @@ same fused kernels on the same tensors, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -59,6 +61,10 @@ class OptimizerStepGraph:
         optimizer.register_load_state_dict_post_hook(lambda _: _forget(alive))
 
     def step(self) -> None:
+        if torch.cuda.is_current_stream_capturing():  # inside a whole step's capture: captured there
+            with _capturable(self.optimizer):
+                self.optimizer.step()
+            return
         key = self._step_key()
         if (self.graph is not None and key == self._captured) or (
             key == self._last and self.refused is None and self._capture(key)  # (a capture runs nothing)
@@ -89,21 +95,29 @@ class OptimizerStepGraph:
         """Captures the step (its states exist: an eager step ran); False where the capture
         fails (:attr:`refused` says why; later steps stay eager)."""
         graph = torch.cuda.CUDAGraph()
-        groups = self.optimizer.param_groups
-        flags = [g["capturable"] for g in groups]
-        for g in groups:  # torch refuses to capture a step otherwise; the fused kernels ignore it
-            g["capturable"] = True
         try:
-            with capture_graph(graph):
+            with _capturable(self.optimizer), capture_graph(graph):
                 self.optimizer.step()
         except RuntimeError as e:
             self.refused = str(e).splitlines()[0][:200]
             return False
-        finally:
-            for g, flag in zip(groups, flags):
-                g["capturable"] = flag
         self.graph, self._captured = graph, key
         return True
+
+
+@contextlib.contextmanager
+def _capturable(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Each group's ``capturable`` flag set in the block: torch refuses to capture a step
+    otherwise, and the fused kernels ignore it."""
+    groups = optimizer.param_groups
+    flags = [g["capturable"] for g in groups]
+    for g in groups:
+        g["capturable"] = True
+    try:
+        yield
+    finally:
+        for g, flag in zip(groups, flags):
+            g["capturable"] = flag
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:

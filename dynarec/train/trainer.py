@@ -46,6 +46,7 @@ from dynarec.devices import start_cublas
 from dynarec.distributed.context import DistContext, StepFailedError, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.embedding.cached_store import CacheFullError
+from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.embedding.dynamic import TableFullError
 from dynarec.embedding.streams import current_stream
 from dynarec.files import DirectoryBusyError, DirectoryLock
@@ -58,17 +59,25 @@ from dynarec.train.model_dir import check_not_another_kind, config_record, write
 from dynarec.train.optimizer_graph import OptimizerStepGraph, captures_step
 from dynarec.train.sink import TrainingLog
 from dynarec.train.state import StepRng, check_resumable
+from dynarec.train.step_graph import StepGraphs, step_graph_refusal
 from dynarec.train.stop import EvaluationStopped, TrainingStopped
 from dynarec.train.task import RankingTask
 
 __all__ = ["FollowOptions", "ReadAhead", "Trainer", "TrainingError"]
 
 
-def _call_if_alive(method: Callable[[], Optional[Callable[[str], None]]], reason: str) -> None:
+def _call_if_alive(method: Callable[[], Optional[Callable[..., None]]], reason: str, **kwargs: Any) -> None:
     """Calls the method a ``weakref.WeakMethod`` refers to, if its object still lives."""
     bound = method()
     if bound is not None:
-        bound(reason)
+        bound(reason, **kwargs)
+
+
+def _alive(trainer: weakref.ref) -> Trainer:
+    """The trainer a weak reference refers to (its step graphs call back into it while it lives)."""
+    alive = trainer()
+    assert alive is not None, "the trainer is gone"
+    return alive
 
 
 class TrainingError(RuntimeError):
@@ -121,14 +130,40 @@ class Trainer:
         self._dense_base_lr = [g["lr"] for g in self.dense_optimizer.param_groups]
         self.checkpoints = CheckpointManager(self.model_dir, keep=config.train.keep_checkpoints)
         self.log = TrainingLog(self.model_dir, progress=progress, enabled=self.ctx.is_main)
-        if self.task.graphs is not None:  # weakly: the task must not hold its trainer alive (a cycle)
-            refused = weakref.WeakMethod(self._graphs_refused)
-            self.task.graphs.on_refusal = lambda reason: _call_if_alive(refused, reason)
         self.step = 0
         self.skipped_batches = 0  # batches with a non-finite loss, under nan_policy 'skip_batch'
         self._restored_world_size: Optional[int] = None  # the ranks that wrote the checkpoint restored
         scaling = config.train.grad_scaler
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
+        # On a GPU a recurring step of fixed tables replays whole from CUDA graphs (its host work
+        # bounds it otherwise); weakly: the graphs must not hold their trainer alive (a cycle).
+        alive = weakref.ref(self)
+        self.step_graph_refusal = step_graph_refusal(
+            self.task.embeddings,
+            self.task.dense,
+            self.dense_optimizer,
+            device=self.device,
+            distributed=self.ctx.distributed,
+            cuda_graphs=config.train.cuda_graphs,
+            whole_step=config.train.whole_step_graphs,
+            mixed_precision=config.train.mixed_precision,
+            accumulation_steps=config.train.gradient_accumulation_steps,
+            loss_scaling=self.loss_scaler is not None,
+            draws=self.rng.draws,
+        )
+        self.step_graphs: Optional[StepGraphs] = None
+        if self.step_graph_refusal is None:
+            assert isinstance(self.task.embeddings, EmbeddingCollection)
+            self.step_graphs = StepGraphs(
+                self.task.embeddings,
+                self.dense_optimizer,
+                lambda batch, rows: _alive(alive)._forward_loss(batch, rows)[0],
+                lambda: _alive(alive)._dense_step(),
+            )
+        for graphs, what in ((self.task.graphs, "the dense model runs"), (self.step_graphs, "the whole step runs")):
+            if graphs is not None:
+                refused = weakref.WeakMethod(self._graphs_refused)
+                graphs.on_refusal = partial(_call_if_alive, refused, what=what)
         self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
         # TDM: a batch's rows and its sampled tree nodes' rows, all of them labelled
         self.tree_samples = config.data.tdm_sampler is not None
@@ -136,9 +171,9 @@ class Trainer:
         self.stop_signal = self.input.stop_signal  # SIGTERM during fit: stop after the step, saved
         self._stopping = False
 
-    def _graphs_refused(self, reason: str) -> None:
+    def _graphs_refused(self, reason: str, what: str) -> None:
         print(
-            f"step {self.step + 1}: the dense model runs eagerly: its CUDA graph capture failed ({reason}); "
+            f"step {self.step + 1}: {what} eagerly: its CUDA graph capture failed ({reason}); "
             "train.cuda_graphs: false skips the attempt",
             file=sys.stderr,
             flush=True,
@@ -286,6 +321,8 @@ class Trainer:
             if self.loss_scaler is not None and "loss_scaler" in state:
                 self.loss_scaler.load_state(state["loss_scaler"])
             self._restore_window(state)
+        if self.step_graphs is not None:  # they hold the tables' and states' memory by address
+            self.step_graphs.reset()
         return path
 
     def _load_dense_optimizer(self, saved: dict[str, Any]) -> None:
@@ -381,10 +418,40 @@ class Trainer:
             ) from None
 
     def _step(self, batch: Batch, global_rows: Optional[int]) -> Optional[torch.Tensor]:
-        train = self.config.train
-        held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.step_graphs is not None:
+            replayed = self.step_graphs.forward(batch, global_rows)
+            if replayed is not None:  # the step's forward replayed from its CUDA graph
+                loss, finite = replayed
+                if self._skipped(loss, finite):
+                    return None
+                self.step_graphs.backward()  # the fused updates and the dense optimizer's step
+                self.step += 1
+                return loss
         if batch.ready is not None:  # a batch kept on the device, copied there on another stream
             current_stream(self.device).wait_event(batch.ready)
+        loss, held = self._forward_loss(batch, global_rows)
+        if self._skipped(loss):
+            return None
+        accumulate = self.config.train.gradient_accumulation_steps
+        share = loss / accumulate if accumulate > 1 else loss  # (no op a step without accumulation)
+        if self.loss_scaler is None:
+            share.backward()  # the fused sparse optimizer updates the touched rows here
+        else:
+            self._scaled_backward(share, held)
+        self.step += 1
+        if self.step % accumulate == 0:
+            self._dense_step()
+        if self.step_graphs is not None:
+            self.step_graphs.ran_eagerly()
+        return loss.detach()
+
+    def _forward_loss(
+        self, batch: Batch, global_rows: Optional[int]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The step's forward and loss: ``(loss, held)``, ``held`` the embedding outputs and
+        the leaves the dense model read them as, under loss scaling (else empty)."""
+        train = self.config.train
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
         with self.rng.active():
             if self.loss_scaler is None:
                 logits = self.task(batch, precision=train.mixed_precision)
@@ -407,7 +474,13 @@ class Trainer:
         )
         if penalty is not None:
             loss = loss + penalty
-        bad = not bool(torch.isfinite(loss))
+        return loss, held
+
+    def _skipped(self, loss: torch.Tensor, finite: Optional[torch.Tensor] = None) -> bool:
+        """The check of a step's loss before its backward (``finite``: whether it is finite,
+        where worked out already), agreed by every rank: where it is NaN or infinite, the tables'
+        step is undone and True returned (nan_policy 'skip_batch'), or TrainingError raised."""
+        bad = not bool(torch.isfinite(loss) if finite is None else finite)
         # A stop asked of any rank (SIGTERM) is agreed here too, so that every rank stops after
         # the same step: the step's one collective check carries both flags.
         self._stopping = self.stop_signal.requested is not None
@@ -417,7 +490,7 @@ class Trainer:
             self.task.embeddings.abort_step()
             if self.config.train.nan_policy == "skip_batch":
                 self.skipped_batches += 1
-                return None
+                return True
             latest = self.checkpoints.latest()
             raise TrainingError(
                 f"step {self.step + 1}: the loss is {float(loss.detach())}"
@@ -427,16 +500,7 @@ class Trainer:
                 f"({f'the latest checkpoint is {latest}' if latest else 'no checkpoint was written'}); "
                 "check the input around this step, lower the learning rates, or set train.nan_policy: skip_batch"
             )
-        accumulate = train.gradient_accumulation_steps
-        share = loss / accumulate if accumulate > 1 else loss  # (no op a step without accumulation)
-        if self.loss_scaler is None:
-            share.backward()  # the fused sparse optimizer updates the touched rows here
-        else:
-            self._scaled_backward(share, held)
-        self.step += 1
-        if self.step % accumulate == 0:
-            self._dense_step()
-        return loss.detach()
+        return False
 
     def _scaled_backward(self, loss: torch.Tensor, held: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """FP16 loss scaling (dynarec/train/loss_scaling.py): the scaled loss's backward through the dense
@@ -553,7 +617,8 @@ class Trainer:
         # for this run's ranks (a resume at another world size that trains no step reshards it).
         saved_at = self.step if resume and existing and self._restored_world_size == self.ctx.world_size else None
         item = first
-        ahead = ReadAhead(batches, self.task.embeddings)
+        graphs = self.step_graphs
+        ahead = ReadAhead(batches, self.task.embeddings, None if graphs is None else graphs.takes)
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None

@@ -6,6 +6,7 @@ import torch
 
 from dynarec.kernels import gpu
 from dynarec.optim import Adam, definition
+from tests.matrix import needs_cuda
 
 pytestmark = pytest.mark.skipif(not gpu.HAVE_TRITON, reason="Triton is not installed")
 
@@ -58,3 +59,51 @@ def test_capacities_are_sixteen_sizes_an_octave_and_at_least_256():
     ]  # fmt: skip
     for n in range(1, 200_000, 997):
         assert n <= capacity_for(n) <= max(256, n + n // 16)
+
+
+def test_scalars_given_on_the_device_are_checked_by_name():
+    from dynarec.kernels.gpu import update
+
+    spec = Adam(lr=0.01)
+    args = definition(spec).kernel(spec, 1)
+    weight = torch.zeros(10, 4)
+    with pytest.raises(ValueError, match="hyper must be 13 float64"):
+        update.bag_update(
+            args, lr=0.01, weight=weight, states={}, rows=torch.tensor([1]), offsets=torch.tensor([0, 1]),
+            per_sample_weights=None, grad_out=torch.ones(1, 4), hyper=torch.zeros(13, dtype=torch.float32),
+        )  # fmt: skip
+
+
+@needs_cuda
+def test_an_update_captured_with_its_scalars_on_the_device_replays_each_steps_scalars():
+    """A graph of ``bag_update`` reading ``hyper`` replays the update of whatever scalars the
+    buffer holds (Adam's step counter and rate here), as an eager update of them; inside a
+    capture an update without them is refused (it would read freed host memory at each replay)."""
+    from dynarec.devices import capture_graph
+    from dynarec.kernels.gpu import update
+
+    spec = Adam(lr=0.01, weight_decay=0.01)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 50, (300,), generator=g).cuda()
+    offsets = torch.arange(0, 301, 3).cuda()
+    grad = torch.randn(100, 8, generator=g).cuda()
+    init = torch.randn(50, 8, generator=g).cuda()
+    tables = [(init.clone(), {s.name: torch.zeros(50, 8, device="cuda") for s in spec.state_specs()}) for _ in "ab"]
+    (weight, states), (eager_weight, eager_states) = tables
+    hyper = torch.zeros(len(update.HYPER), dtype=torch.float64, device="cuda")
+    call = dict(rows=rows, offsets=offsets, per_sample_weights=None, grad_out=grad)
+    update.bag_update(definition(spec).kernel(spec, 1), lr=0.01, weight=weight, states=states, **call)  # compiled
+    update.bag_update(definition(spec).kernel(spec, 1), lr=0.01, weight=eager_weight, states=eager_states, **call)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        update.bag_update(definition(spec).kernel(spec, 1), lr=0.0, weight=weight, states=states, hyper=hyper, **call)
+    with pytest.raises(RuntimeError, match="without hyper"), capture_graph(torch.cuda.CUDAGraph()):
+        update.bag_update(definition(spec).kernel(spec, 1), lr=0.01, weight=weight, states=states, **call)
+    for t, lr in ((2, 0.01), (3, 0.005), (4, 0.02)):
+        args = definition(spec).kernel(spec, t)
+        hyper.copy_(torch.tensor(update.hyper_values(args, lr), dtype=torch.float64))
+        graph.replay()
+        update.bag_update(args, lr=lr, weight=eager_weight, states=eager_states, **call)
+        torch.testing.assert_close(weight, eager_weight, rtol=0, atol=0, msg=f"step {t}")
+        for name in states:
+            torch.testing.assert_close(states[name], eager_states[name], rtol=0, atol=0, msg=f"{name}, step {t}")

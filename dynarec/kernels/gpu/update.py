@@ -46,6 +46,7 @@ __all__ = [
     "HYPER",
     "TUNING",
     "Capture",
+    "HostStaging",
     "StaticBagUpdate",
     "Tuning",
     "bag_update",
@@ -496,6 +497,7 @@ def bag_update(
     key_offset: int = 0,
     rounding_base: int = 0,
     layout: Optional[torch.Tensor] = None,
+    hyper: Optional[torch.Tensor] = None,
 ) -> None:
     """Aggregates each unique row's gradient over its occurrences in weighted bags
     (``psw[i] * grad_out[bag(i)]``) and applies the optimizer (``args``: its ``KernelArgs``) to
@@ -514,25 +516,44 @@ def bag_update(
     ``rows`` group rows and ``grad_out`` ``[num_bags, width]``.
 
     On a GPU the step's host work is a few copies and one graph launch once its shapes recur
-    (:data:`CAPTURE`, :class:`StaticBagUpdate`); the kernels and their results are the same."""
+    (:data:`CAPTURE`, :class:`StaticBagUpdate`); the kernels and their results are the same.
+
+    ``hyper``: the step's scalars already on the device (float64, :data:`HYPER`'s order), read
+    by the kernels in place of ``args``, ``lr``, ``score``, ``key_offset`` and
+    ``rounding_base``: an update captured in a CUDA graph with the rest of its step
+    (``dynarec.train.step_graph``), whose owner writes them before each replay. Inside a capture
+    they are required: scalars copied from the host at the capture would be read again, from
+    memory the host has reused since, at every replay."""
+    if hyper is not None:
+        if hyper.dtype != torch.float64 or hyper.numel() != len(HYPER) or hyper.device != weight.device:
+            raise ValueError(
+                f"bag_update: hyper must be {len(HYPER)} float64 on {weight.device}, got {hyper.numel()} "
+                f"{hyper.dtype} on {hyper.device}"
+            )
+    elif weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "bag_update captured in a CUDA graph without hyper: its scalars would be read at every replay from "
+            "host memory given back at the capture; give the update a device buffer of its scalars"
+        )
     if rows.numel() == 0:
         return
     launch = Launch.of(args, weight, per_sample_weights, grad_out, scores, row_keys, layout)
-    hyper = hyper_values(args, lr, score, key_offset, rounding_base)
-    static = _CAPTURED.lookup(launch, weight, states, rows, offsets, per_sample_weights, grad_out, scores, row_keys,
-                              layout)  # fmt: skip
-    if static is not None:
-        static(rows, offsets, per_sample_weights, grad_out, hyper)
-        return
-    device_hyper = (
-        _pinned(hyper).to(weight.device, non_blocking=True)
-        if weight.is_cuda
-        else torch.tensor(hyper, dtype=torch.float64, device=weight.device)
-    )
+    if hyper is None:
+        values = hyper_values(args, lr, score, key_offset, rounding_base)
+        static = _CAPTURED.lookup(launch, weight, states, rows, offsets, per_sample_weights, grad_out, scores,
+                                  row_keys, layout)  # fmt: skip
+        if static is not None:
+            static(rows, offsets, per_sample_weights, grad_out, values)
+            return
+        hyper = (
+            _pinned(values).to(weight.device, non_blocking=True)
+            if weight.is_cuda
+            else torch.tensor(values, dtype=torch.float64, device=weight.device)
+        )
     _run(
         launch, weight, states, rows.to(torch.int32) if launch.int32_rows else rows, offsets, offsets[-1:],
         per_sample_weights.contiguous() if per_sample_weights is not None else None, grad_out.contiguous(),
-        scores, row_keys, layout, device_hyper,
+        scores, row_keys, layout, hyper,
     )  # fmt: skip
 
 
@@ -579,7 +600,7 @@ class StaticBagUpdate:
         self.hyper = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._live = 0  # rows[live:] hold ``beyond`` (all of them, until a step's are copied in)
-        self._staging = _HostStaging(len(HYPER), device)
+        self._staging = HostStaging(len(HYPER), device)
 
     def __call__(
         self,
@@ -634,7 +655,7 @@ class StaticBagUpdate:
         return graph
 
 
-class _HostStaging:
+class HostStaging:
     """A few small rows of page-locked host memory, used in turn to copy values to one device
     tensor without blocking the host: a row is written again only once its last copy is done
     (on a GPU; elsewhere values are copied as they are)."""

@@ -100,6 +100,7 @@ def bag_update(
     key_offset: int = 0,
     rounding_base: int = 0,
     layout: Optional[torch.Tensor] = None,
+    hyper: Optional[torch.Tensor] = None,
 ) -> None:
     """The fused backward + update of one step of bags: each unique row of ``rows`` once, with
     the sum of its occurrences' gradients (``grad_out`` ``[num_bags, D]``), by the optimizer of
@@ -110,7 +111,11 @@ def bag_update(
     Triton kernels' half-precision rounding, not taken here; ``fused_bag_update`` rounds half
     rows in torch ops where neither kernel runs). With a ``layout``
     (:mod:`dynarec.kernels.packed`), ``weight`` and the states are packed rows, ``rows`` group
-    rows and ``grad_out`` ``[num_bags, width]``; each table's rows are updated as its own."""
+    rows and ``grad_out`` ``[num_bags, width]``; each table's rows are updated as its own.
+    ``hyper`` (the scalars of a step captured in a CUDA graph, read on the device) is the Triton
+    kernels' only: refused here."""
+    if hyper is not None:
+        raise ValueError("the reference dynarec::bag_update takes its scalars as float arguments, not hyper")
     if weight.dtype != torch.float32:
         raise ValueError(f"the reference dynarec::bag_update updates float32 rows, not {weight.dtype}")
     if rows.numel() == 0:

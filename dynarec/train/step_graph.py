@@ -1,0 +1,382 @@
+"""A whole training step replayed from two CUDA graphs.
+
+On a GPU a steady step of a model with many tables is host work: TorchEasyRec's DLRM at batch
+8,192 takes 2.3-2.4 ms a step on an H100 against 0.92 ms of device work, spread over some twenty
+pieces of 50-250 µs of Python and launches each (the batch's copy and split, the packing, the
+lookup, the dense model's replays, the loss, the fused update, the optimizer).
+:class:`StepGraphs` captures a step, for a batch signature that recurs (a DLRM's every full
+batch), as two graphs sharing one memory pool:
+
+- ``forward``: the batch unpacked from a device copy of its packed buffer (the one buffer a
+  DataLoader worker's batch travels in), the tables' lookup, the dense model, the loss, and
+  whether the loss is finite;
+- ``backward``: the loss's backward (the dense model's, then the tables' fused updates, which
+  read the step's scalars from device buffers) and the dense optimizer's step.
+
+A step replays them with the one host read of the finiteness flag between them: a step whose loss
+is not finite writes nothing, as an eager one. What the graphs cannot rerun is done around them,
+as the eager step does it: the batch's checks on the host before anything (its ids against the
+tables, from the ranges its maker worked out), its copy into the graph's buffer, each table's
+step opened before the forward and committed after the backward (or aborted), and the fused
+updates' scalars (each lookup's learning rate and step counter: a schedule's rates reach them)
+written before the replay. The replays run the eager step's kernels on the same tensors: the
+results are the eager step's, bit for bit.
+
+A signature (the packed buffer's layout, the features' id counts, the rows the loss is averaged
+over, the tables' rows and the dense optimizer's settings: a graph bakes them in) is captured at
+a step that follows an eager step of it run whole (its kernels compiled, the optimizer's states
+made), and replayed while it recurs; at most ``max_graphs`` are kept. Any other step runs
+eagerly: a group whose tables' rates or step counters differ, a dense learning rate that changes
+every step. Where a capture fails, the step runs eagerly, the reason is reported once
+and no capture is tried again.
+
+Eligible (:func:`step_graph_refusal` names what stands in the way): one process on a GPU with
+``train.cuda_graphs`` and ``train.whole_step_graphs``, fixed tables only, in device memory and
+updated by the fused kernels (dynamic tables insert with host reads), float32 without loss
+scaling, no gradient accumulation, a dense model that draws nothing (dropout) and may be
+captured, and torch's fused Adam or AdamW for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from dynarec.data.batch import Batch
+from dynarec.devices import capture_graph
+from dynarec.embedding.collection import EmbeddingCollection
+from dynarec.embedding.grouped import TableGroup
+from dynarec.embedding.row_store import NativeRowStore, PackedRowStore
+from dynarec.embedding.table import FixedTable, commit_backward
+from dynarec.kernels.gpu.update import HYPER, HostStaging
+from dynarec.optim.fused import kernel_hyper
+from dynarec.optim.registry import definition
+from dynarec.train.optimizer_graph import captures_step
+
+__all__ = ["StepGraphs", "step_graph_refusal"]
+
+Unit = Union[TableGroup, FixedTable]
+
+
+def step_graph_refusal(
+    embeddings: Any,
+    dense: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    device: torch.device,
+    distributed: bool,
+    cuda_graphs: bool,
+    whole_step: bool,
+    mixed_precision: Optional[str],
+    accumulation_steps: int,
+    loss_scaling: bool,
+    draws: bool,
+) -> Optional[str]:
+    """Why a training step of this setup is not replayed from CUDA graphs (module doc), or None
+    where it may be."""
+    if not cuda_graphs:
+        return "train.cuda_graphs is off"
+    if not whole_step:
+        return "train.whole_step_graphs is off"
+    if distributed:
+        return "a multi-process run (its steps exchange gradients between the ranks)"
+    if not isinstance(embeddings, EmbeddingCollection):
+        return "the tables are sharded"
+    if embeddings.frozen:
+        return "the tables are frozen (their lookups open no step)"
+    for unit in embeddings.units:
+        why = _unit_refusal(unit)
+        if why is not None:
+            return why
+    if mixed_precision is not None:
+        return f"train.mixed_precision {mixed_precision}"
+    if loss_scaling:
+        return "train.grad_scaler (the tables' update waits for the overflow check)"
+    if accumulation_steps != 1:
+        return f"train.gradient_accumulation_steps {accumulation_steps}"
+    if draws:
+        return "the dense model draws random numbers (dropout)"
+    if not all(getattr(m, "capturable", True) for m in dense.modules()):
+        return "the dense model keeps something of a forward outside its outputs"
+    if device.type != "cuda":
+        return f"the device is {device}, not a GPU"
+    if not captures_step(optimizer):
+        return f"the dense optimizer is {type(optimizer).__name__}, not torch's fused Adam or AdamW"
+    return None
+
+
+def _unit_refusal(unit: Any) -> Optional[str]:
+    """Why a lookup of the collection cannot be captured, or None."""
+    if not isinstance(unit, (TableGroup, FixedTable)):
+        return f"table(s) {unit.name} are dynamic (their inserts read the device)"
+    store = unit.store
+    if (
+        not isinstance(store, NativeRowStore)
+        or type(store) not in _CAPTURED_STORES
+        or store.page_locked
+        or store.grad_reducer is not None
+    ):
+        return f"table(s) {unit.name} are not rows in device memory of dynarec's native store"
+    if definition(store.spec).kernel is None:
+        return f"table(s) {unit.name}: {store.spec!r} is not run by the fused kernels"
+    return None
+
+
+_CAPTURED_STORES = (NativeRowStore, PackedRowStore)
+# A lookup's update scalars take a row of 16 float64 (128 bytes) in the graph's buffer: each row's
+# address 16-byte aligned, as the eager update's own buffer is (Triton compiles apart for others).
+_HYPER_ROW = 16
+
+
+@dataclass
+class _Captured:
+    """One signature's graphs and what they read and write by address: ``buffer`` (the packed
+    batch's device copy), ``hyper`` (``[lookups, _HYPER_ROW]`` float64: each lookup's update
+    scalars in the first of their row's ``_HYPER_ROW``), ``loss`` and ``finite`` (the forward's
+    outputs)."""
+
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph
+    buffer: torch.Tensor
+    hyper: torch.Tensor
+    loss: torch.Tensor
+    finite: torch.Tensor
+
+
+class StepGraphs:
+    """The training steps of ``embeddings`` and a dense model, replayed from CUDA graphs where
+    the step's signature recurs (module doc).
+
+    ``forward_loss(batch, global_rows)`` is the step's forward and loss (the trainer's, run
+    eagerly for steps not replayed: one definition of the step); ``dense_step()`` its dense
+    optimizer's step and the gradients' release. A replayed step is :meth:`forward`, the
+    caller's decision on its loss, then :meth:`backward` (or the tables' ``abort_step``).
+    """
+
+    def __init__(
+        self,
+        embeddings: EmbeddingCollection,
+        optimizer: torch.optim.Optimizer,
+        forward_loss: Callable[[Batch, Optional[int]], torch.Tensor],
+        dense_step: Callable[[], None],
+        max_graphs: int = 4,
+    ):
+        self.embeddings = embeddings
+        self.optimizer = optimizer
+        self.forward_loss = forward_loss
+        self.dense_step = dense_step
+        self.max_graphs = max_graphs
+        self.units: list[Unit] = list(embeddings.units)  # type: ignore[arg-type]
+        self.tables = [t for u in self.units for t in (u.tables if isinstance(u, TableGroup) else [u])]
+        self.refused: Optional[str] = None  # why a capture failed (no capture is tried again)
+        self.on_refusal: Optional[Callable[[str], None]] = None
+        self.replays = 0
+        self._graphs: dict[tuple, _Captured] = {}
+        self._last: Optional[tuple] = None  # the signature of the last step run eagerly, whole
+        self._eager: Optional[tuple] = None  # that of the step forward() left to run eagerly
+        self._pending: Optional[_Captured] = None  # the graphs of a step whose forward was replayed
+        self._pool: Any = None
+        self._staging: Optional[HostStaging] = None
+        alive = weakref.ref(self)  # optimizer states loaded: the graphs step the old ones
+        optimizer.register_load_state_dict_post_hook(lambda _: _forget(alive))
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Forgets every graph (the tables or the optimizer's states were loaded: the graphs
+        hold the tensors they replaced)."""
+        if self._graphs:
+            torch.cuda.synchronize()
+        self._graphs.clear()
+        self._last = self._pending = self._pool = None
+
+    def takes(self, batch: Batch, global_rows: Optional[int]) -> bool:
+        """Whether :meth:`forward` would replay a step of ``batch`` now, as far as known before
+        the step's learning rates are set (a schedule that changes the dense rate every step is
+        captured for no step): the embeddings' input stage is then not run ahead for it."""
+        key = self._key(batch, global_rows)
+        return key is not None and key in self._graphs
+
+    def ran_eagerly(self) -> None:
+        """Tells that the step :meth:`forward` left to run eagerly ran whole, its backward and
+        dense optimizer's step included (not skipped): its signature may be captured at its next
+        step, whose kernels are compiled and whose optimizer states exist by then."""
+        self._last = self._eager
+
+    def forward(self, batch: Batch, global_rows: Optional[int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's forward replayed (captured first where its signature recurs): ``(loss,
+        finite)``, the loss a copy of the graph's, the flag the graph's own; None where the
+        step is not replayed (nothing was done: run it eagerly). The batch is checked first,
+        and an error raised before anything is written. Each table's step is open on return."""
+        self._pending = None
+        key = self._key(batch, global_rows)
+        captured = None if key is None else self._graphs.get(key)
+        if key is None or (captured is None and not self._may_capture(key)):
+            self._eager = key
+            return None
+        if batch.ready is not None:  # a batch made on another stream (a cached epoch's)
+            torch.cuda.current_stream(self.embeddings.device).wait_event(batch.ready)
+        self.embeddings.check(batch.sparse)
+        if captured is None:
+            captured = self._capture(batch, key, global_rows)
+            if captured is None:
+                return None
+        packed = batch.packed_buffer()
+        assert packed is not None
+        captured.buffer.copy_(packed[0], non_blocking=True)
+        for unit in self.units:  # as the eager lookup opens them
+            unit.begin_step()
+        values: list[float] = []
+        for unit in self.units:
+            values += self._hyper(unit) + [0.0] * (_HYPER_ROW - len(HYPER))
+        assert self._staging is not None
+        self._staging.copy_to(captured.hyper.view(-1), values)
+        captured.forward.replay()
+        self._pending = captured
+        return captured.loss.clone(), captured.finite
+
+    def backward(self) -> None:
+        """The backward of the step :meth:`forward` replayed, then each table's step committed
+        (as its lookup's backward commits it)."""
+        captured, self._pending = self._pending, None
+        assert captured is not None, "backward() without a replayed forward"
+        captured.backward.replay()
+        commit_backward([(t, t.steps.current) for t in self.tables])
+        self.replays += 1
+
+    # -- signatures and captures ---------------------------------------------------------------
+
+    def _may_capture(self, key: tuple) -> bool:
+        return key == self._last and self.refused is None and len(self._graphs) < self.max_graphs
+
+    def _key(self, batch: Batch, global_rows: Optional[int]) -> Optional[tuple]:
+        """What a step's graphs bake in: the packed batch's layout (its slots, keys, id counts
+        per feature and shortest and longest bags), the rows the loss is averaged over, each
+        lookup's path (a group's tables at one rate and step counter, or each its own) and
+        rows' addresses, and the dense optimizer's settings; None for a batch not packed in one
+        buffer, a group whose tables' rates or step counters differ (each is looked up on its own),
+        and tables frozen since."""
+        packed = batch.packed_buffer()
+        if packed is None or not self.embeddings.trains_tables:
+            return None
+        if any(isinstance(u, TableGroup) and u.shared_step() is None for u in self.units):
+            return None
+        buffer, slots, layout = packed
+        stats = layout.stats
+        lookups = tuple(
+            (u.store.weight.data_ptr(), *(s.data_ptr() for s in u.store.states.values())) for u in self.units
+        )
+        groups = tuple(tuple((k, v) for k, v in g.items() if k != "params") for g in self.optimizer.param_groups)
+        return (
+            buffer.numel(),
+            tuple(slots),
+            tuple(layout.keys),
+            stats.length_per_key,
+            stats.min_length_per_key,
+            stats.max_length_per_key,
+            tuple(layout.present),
+            tuple(tuple(k) for k in layout.dict_keys),
+            layout.num_rows,
+            layout.sampled_rows,
+            global_rows,
+            lookups,
+            groups,
+        )
+
+    def _hyper(self, unit: Unit) -> list[float]:
+        """The scalars of ``unit``'s fused update at its current step (:func:`kernel_hyper`), at
+        the rate and step counter its training lookup takes."""
+        store = _store(unit)
+        if isinstance(unit, TableGroup):
+            shared = unit.shared_step()
+            assert shared is not None, "the signature holds the group's path"
+            lr, t = shared
+            store.set_learning_rate(lr)  # (as the lookup sets it)
+        else:
+            lr, t = store.lr, unit.step
+        half = store.weight.dtype != torch.float32
+        return kernel_hyper(
+            store.spec, lr=lr, step=t, half=half, key_offset=store.row_keys.offset, rounding_seed=store.rounding_seed
+        )
+
+    def _capture(self, batch: Batch, key: tuple, global_rows: Optional[int]) -> Optional[_Captured]:
+        """Captures the step of ``batch``'s signature (nothing runs: the tables' steps that its
+        Python opens and commits are forgotten after it); None where the capture fails
+        (:attr:`refused` says why)."""
+        packed = batch.packed_buffer()
+        assert packed is not None
+        source, slots, layout = packed
+        device = self.embeddings.device
+        buffer = torch.empty(source.numel(), dtype=torch.uint8, device=device)
+        hyper = torch.zeros(len(self.units), _HYPER_ROW, dtype=torch.float64, device=device)
+        if self._staging is None:
+            self._staging = HostStaging(hyper.numel(), device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        generator = torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
+        rng = generator.clone_state()
+        stream = torch.cuda.current_stream(device)
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        stores = [_store(u) for u in self.units]
+        try:
+            with _dry_runs(self.tables):
+                with capture_graph(forward, self._pool), self.embeddings.inputs_checked():
+                    loss = self.forward_loss(Batch.unpacked(buffer, slots, layout), global_rows)
+                    finite = torch.isfinite(loss)
+                for store, row in zip(stores, hyper):
+                    store.captured_hyper = row[: len(HYPER)]
+                try:
+                    with capture_graph(backward, self._pool):
+                        loss.backward()
+                        self.dense_step()
+                finally:
+                    for store in stores:
+                        store.captured_hyper = None
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # this setup cannot be captured: its steps run eagerly
+            torch.cuda.set_stream(stream)
+            generator.graphsafe_set_state(rng)
+            self.optimizer.zero_grad(set_to_none=True)  # a backward cut short left gradients never computed
+            torch.cuda.synchronize(device)
+            self._graphs.clear()
+            self._pool = None
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            self.refused = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            if self.on_refusal is not None:
+                self.on_refusal(self.refused)
+            return None
+        captured = _Captured(forward, backward, buffer, hyper, loss.detach(), finite)
+        self._graphs[key] = captured
+        return captured
+
+
+def _store(unit: Unit) -> NativeRowStore:
+    store = unit.store
+    assert isinstance(store, NativeRowStore), "a lookup of another store is refused (step_graph_refusal)"
+    return store
+
+
+@contextlib.contextmanager
+def _dry_runs(tables: Sequence[FixedTable]) -> Iterator[None]:
+    """Every table's step lifecycle in a dry run (:meth:`StepLifecycle.dry_run`) for the block."""
+    with contextlib.ExitStack() as stack:
+        for table in tables:
+            stack.enter_context(table.steps.dry_run())
+        yield
+
+
+def _forget(step_graphs: weakref.ref) -> None:
+    alive = step_graphs()
+    if alive is not None:
+        alive.reset()

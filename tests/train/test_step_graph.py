@@ -1,0 +1,188 @@
+"""A whole training step replayed from CUDA graphs (dynarec.train.step_graph): a trained run
+whose steps replay equals one whose steps run eagerly, a replayed step whose loss is not finite
+writes nothing, a restore forgets the graphs; and, on any machine, what keeps a setup's steps
+eager is named, and the pieces the graphs rely on hold (the update's device scalars refused where
+they are not read, a dry run of a step leaves no trace, a checked batch's forward)."""
+
+import copy
+
+import pytest
+import torch
+
+from dynarec.config import load_config
+from dynarec.embedding import EmbeddingCollection, TableConfig
+from dynarec.embedding.jagged import JaggedBatch
+from dynarec.embedding.step import StepLifecycle, StepPendingError
+from dynarec.kernels.gpu.update import HYPER
+from dynarec.optim import SGD, Adam
+from dynarec.optim.fused import fused_bag_update, kernel_hyper
+from dynarec.train.trainer import Trainer
+from tests.matrix import needs_cuda
+from tests.pipeline_fixtures import changed, config_dict, make_data, write_config
+
+
+def _fixed_config(**changes) -> dict:
+    """The pipeline tests' click log as a DLRM of fixed tables only, read by a DataLoader worker
+    (its batches travel packed in one buffer, which a replay copies): two lookups, three float32
+    tables in one group and a table of bfloat16 rows (stochastically rounded: its scalars carry
+    the step's rounding draws) on its own."""
+    cfg = config_dict()
+    features = [
+        {
+            "id_feature": {
+                "feature_name": "user_id",
+                "embedding_dim": 8,
+                "value_type": "string",
+                "hash_bucket_size": 997,
+            }
+        },
+        {"id_feature": {"feature_name": "age", "embedding_dim": 8, "num_buckets": 8}},
+        {"id_feature": {"feature_name": "item_id", "embedding_dim": 8, "num_buckets": 200}},
+        {"id_feature": {"feature_name": "cate_id", "embedding_dim": 8, "num_buckets": 10, "data_type": "bf16"}},
+        {"raw_feature": {"feature_name": "price", "normalizer": {"log1p": True, "mean": 3.0, "std": 0.8}}},
+    ]
+    cfg["feature_configs"] = features
+    cfg["model"] = {
+        "feature_groups": [{"group_name": "all", "feature_names": ["user_id", "age", "item_id", "cate_id", "price"]}],
+        "dlrm": {"bottom_hidden_units": [8], "top_hidden_units": [8]},
+    }
+    cfg["data"]["num_workers"] = 1
+    cfg["train"].update(nan_policy="skip_batch", whole_step_graphs=True)
+    return changed(cfg, **changes)
+
+
+def _trainer(tmp_path, name: str, device: str = "cuda", **changes) -> Trainer:
+    config = load_config(write_config(tmp_path, _fixed_config(**changes), f"{name}.yaml"))
+    return Trainer(config, tmp_path / f"model-{name}", device=device, progress=False)
+
+
+def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out = {f"dense.{n}": p.detach().clone() for n, p in trainer.task.dense.named_parameters()}
+    for name, table in trainer.task.embeddings.tables.items():
+        out.update({f"{name}.{k}": v.clone() for k, v in table.dump().items()})
+        out[f"{name}.t"] = torch.tensor(table.step)
+    return out
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_a_run_whose_steps_replay_equals_one_whose_steps_run_eagerly(tmp_path):
+    make_data(tmp_path)
+    runs = {}
+    for graphs in (True, False):
+        trainer = _trainer(tmp_path, f"g{graphs}", train__cuda_graphs=graphs)
+        runs[graphs] = (trainer.fit(), trainer)
+    (m_on, on), (m_off, off) = runs[True], runs[False]
+    assert off.step_graphs is None and on.step_graph_refusal is None
+    graphs = on.step_graphs
+    assert graphs is not None and graphs.refused is None and graphs.num_graphs >= 1
+    # every full batch after the first two of an epoch (the first eager, the second captured)
+    assert graphs.replays >= m_on["step"] - 4, (graphs.replays, m_on["step"])
+    assert m_on["step"] == m_off["step"]
+    assert m_on["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-5)
+    want, got = _state(off), _state(on)
+    assert want.keys() == got.keys()
+    assert len(on.task.embeddings.units) == 2
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    on.restore()  # the graphs hold the tables' memory by address: a load forgets them
+    assert graphs.num_graphs == 0
+
+
+@needs_cuda
+def test_a_replayed_step_whose_loss_is_not_finite_writes_nothing(tmp_path):
+    make_data(tmp_path)
+    trainer = _trainer(tmp_path, "nan")
+    batches = trainer.input.batches(trainer.position)
+    items = [next(batches) for _ in range(5)]
+    for batch, _, rows in items[:3]:  # eager, captured, replayed
+        assert trainer.train_step(batch, rows) is not None
+    graphs = trainer.step_graphs
+    assert graphs is not None and graphs.replays == 2 and graphs.refused is None
+    before = _state(trainer)
+    batch, _, rows = items[3]
+    batch.dense["price"][0] = float("inf")  # (a view of the batch's packed buffer)
+    assert graphs.takes(batch, rows)
+    assert trainer.train_step(batch, rows) is None  # nan_policy: skip_batch
+    assert trainer.skipped_batches == 1 and trainer.step == 3 and graphs.replays == 2
+    after = _state(trainer)
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+    batch, _, rows = items[4]
+    assert trainer.train_step(batch, rows) is not None
+    assert graphs.replays == 3 and trainer.step == 4
+    assert all(t.step == 4 for t in trainer.task.embeddings.tables.values())
+
+
+def test_what_keeps_a_setups_steps_eager_is_named(tmp_path):
+    make_data(tmp_path)
+    dynamic = load_config(write_config(tmp_path, config_dict(train__whole_step_graphs=True), "dynamic.yaml"))
+    assert "dynamic" in Trainer(dynamic, tmp_path / "d", device="cpu", progress=False).step_graph_refusal
+    cases = {
+        "train.cuda_graphs is off": {"train__cuda_graphs": False},
+        "gradient_accumulation_steps 2": {"train__gradient_accumulation_steps": 2},
+        "train.whole_step_graphs is off": {"train__whole_step_graphs": False},
+        "the device is cpu, not a GPU": {},
+    }
+    for i, (why, changes) in enumerate(cases.items()):
+        trainer = _trainer(tmp_path, f"r{i}", device="cpu", **changes)
+        assert trainer.step_graphs is None
+        assert why in trainer.step_graph_refusal
+
+
+def test_device_scalars_are_refused_where_no_kernel_reads_them():
+    weight = torch.zeros(4, 2)
+    hyper = torch.zeros(len(HYPER), dtype=torch.float64)
+    rows, offsets, grad = torch.tensor([1, 2]), torch.tensor([0, 1, 2]), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="hyper"):
+        torch.ops.dynarec.bag_update(
+            weight, None, None, grad, rows, offsets, None, None, 0, 0, 0, 0.1, 0.0, 0.0, 0.9, 0.999, 1.0, 1.0,
+            hyper=hyper,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="hyper"):
+        fused_bag_update(
+            SGD(lr=0.1), lr=0.1, step=1, weight=weight, states={}, rows=rows, offsets=offsets,
+            per_sample_weights=None, grad_out=grad, reducer=lambda r, g: (r, g), hyper=hyper,
+        )  # fmt: skip
+    assert weight.abs().sum() == 0
+
+
+def test_kernel_scalars_follow_the_step_and_rate():
+    adam = Adam(lr=0.01, beta1=0.9, beta2=0.99)
+    first, third = (kernel_hyper(adam, lr=0.02, step=t, half=False) for t in (1, 3))
+    at = dict(zip(HYPER, third))
+    assert at["lr"] == 0.02 and first[HYPER.index("lr")] == 0.02
+    assert at["bias1"] == pytest.approx(1 - 0.9**3) and at["bias2"] == pytest.approx(1 - 0.99**3)
+    assert first[HYPER.index("bias1")] == pytest.approx(0.1)
+
+
+def test_a_dry_run_of_a_step_leaves_no_trace():
+    steps = StepLifecycle("table 't'")
+    steps.begin()
+    steps.commit(steps.current)
+    with steps.dry_run():
+        step = steps.begin()
+        assert steps.t == 2
+        steps.commit(step)
+    assert steps.t == 1 and not steps.pending
+    assert steps.begin().t == 2 and steps.current.id > step.id  # (ids are never given twice)
+    with pytest.raises(StepPendingError, match="dry run"), steps.dry_run():
+        pass
+
+
+def test_a_checked_batchs_forward_is_the_forward_and_the_check_names_a_bad_id():
+    tables = [
+        TableConfig("a", 4, num_embeddings=10, features=["fa"]),
+        TableConfig("b", 4, num_embeddings=5, features=["fb"]),
+    ]
+    collection = EmbeddingCollection(tables, SGD(lr=0.1))
+    other = copy.deepcopy(collection)
+    batch = JaggedBatch.from_lists({"fa": [[1, 2], [3]], "fb": [[4], []]})
+    want = collection(batch)
+    with other.inputs_checked():
+        got = other(batch)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    with pytest.raises(ValueError, match="fb"):
+        other.check(JaggedBatch.from_lists({"fa": [[1]], "fb": [[5]]}))
