@@ -19,8 +19,12 @@ as the eager step does it: the batch's checks on the host before anything (its i
 tables, from the ranges its maker worked out), its copy into the graph's buffer, each table's
 step opened before the forward and committed after the backward (or aborted), and the fused
 updates' scalars (each lookup's learning rate and step counter: a schedule's rates reach them)
-written before the replay. The replays run the eager step's kernels on the same tensors: the
-results are the eager step's, bit for bit.
+written before the replay. The replays run the eager step's kernels on the same tensors, so
+the results should be the eager step's bit for bit; ``tests/train/test_step_graph.py`` holds
+them to that.
+
+Status: off by default (``train.whole_step_graphs``). It was written in a session that found no
+GPU to run on, so its CUDA tests have not run yet, and it has not been measured.
 
 A signature (the packed buffer's layout, the features' id counts, the rows the loss is averaged
 over, the tables' rows and the dense optimizer's settings: a graph bakes them in) is captured at
