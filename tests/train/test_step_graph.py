@@ -1,8 +1,9 @@
 """A whole training step replayed from CUDA graphs (dynarec.train.step_graph): a trained run
 whose steps replay equals one whose steps run eagerly, a replayed step whose loss is not finite
 writes nothing, a restore forgets the graphs; and, on any machine, what keeps a setup's steps
-eager is named, and the pieces the graphs rely on hold (the update's device scalars refused where
-they are not read, a dry run of a step leaves no trace, a checked batch's forward)."""
+eager is named, what a signature holds and when it may be captured, the scalars a replay writes,
+and the pieces the graphs rely on hold (the update's device scalars refused where they are not
+read, a dry run of a step leaves no trace, a checked batch's forward)."""
 
 import copy
 
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from dynarec.config import load_config
+from dynarec.data.batch import Batch
 from dynarec.embedding import EmbeddingCollection, TableConfig
+from dynarec.embedding.grouped import TableGroup
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.embedding.step import StepLifecycle, StepPendingError
 from dynarec.kernels.gpu.update import HYPER
 from dynarec.optim import SGD, Adam
 from dynarec.optim.fused import fused_bag_update, kernel_hyper
+from dynarec.train.step_graph import StepGraphs
 from dynarec.train.trainer import Trainer
 from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import changed, config_dict, make_data, write_config
@@ -186,3 +190,51 @@ def test_a_checked_batchs_forward_is_the_forward_and_the_check_names_a_bad_id():
         torch.testing.assert_close(got[name], want[name])
     with pytest.raises(ValueError, match="fb"):
         other.check(JaggedBatch.from_lists({"fa": [[1]], "fb": [[5]]}))
+
+
+def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_path):
+    """The host side of the graphs, on any machine: what a signature holds, and when one may be
+    captured (after an eager step of it ran whole: its optimizer states exist)."""
+    make_data(tmp_path)
+    trainer = _trainer(tmp_path, "keys", device="cpu")
+    embeddings, optimizer = trainer.task.embeddings, trainer.dense_optimizer
+    graphs = StepGraphs(embeddings, optimizer, lambda batch, rows: torch.zeros(()), lambda: None)
+    batches = trainer.input.batches(trainer.position)
+    (first, _, rows), (second, _, _) = next(batches), next(batches)
+    assert first.packed_buffer() is not None  # (from a DataLoader worker)
+    key = graphs._key(first, rows)
+    assert key is not None and graphs._key(second, rows) == key  # full batches of one layout
+    assert graphs._key(first, rows + 1) != key  # the rows the loss is averaged over
+    assert graphs._key(Batch.unpacked(*first.packed()), rows) == key  # (repacked: the same layout)
+    assert not graphs.takes(first, rows)
+    assert graphs.forward(first, rows) is None  # the first step of a signature runs eagerly
+    assert not graphs._may_capture(key)  # ... and is captured only once it ran whole
+    graphs.ran_eagerly()
+    assert graphs._may_capture(key) and not graphs.takes(second, rows)  # (captured at the step: not yet)
+    optimizer.param_groups[0]["lr"] *= 2  # a dense rate baked into a graph
+    assert graphs._key(first, rows) != key
+    group = next(u for u in embeddings.units if isinstance(u, TableGroup))
+    group.tables[0].set_learning_rate(0.5)  # the group's tables apart: each its own lookup
+    assert graphs._key(first, rows) is None
+    group.tables[0].set_learning_rate(group.tables[1].learning_rate)
+    embeddings.requires_grad_(False)  # frozen tables open no step
+    assert graphs._key(first, rows) is None
+
+
+def test_a_replay_writes_the_scalars_each_lookup_would_give_its_update(tmp_path):
+    make_data(tmp_path)
+    trainer = _trainer(tmp_path, "scalars", device="cpu")
+    embeddings = trainer.task.embeddings
+    graphs = StepGraphs(embeddings, trainer.dense_optimizer, lambda batch, rows: torch.zeros(()), lambda: None)
+    group, single = embeddings.units  # three float32 tables, and the bfloat16 one apart
+    for table in group.tables:
+        table.set_learning_rate(0.25)
+    for unit in (group, single):
+        unit.begin_step()
+    store = single.store
+    assert graphs._hyper(group) == kernel_hyper(group.store.spec, lr=0.25, step=1, half=False)
+    assert group.store.lr == 0.25  # (as the group's lookup sets it)
+    assert graphs._hyper(single) == kernel_hyper(
+        store.spec, lr=store.lr, step=1, half=True, key_offset=store.row_keys.offset, rounding_seed=store.rounding_seed
+    )
+    embeddings.abort_step()
