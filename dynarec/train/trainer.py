@@ -160,10 +160,13 @@ class Trainer:
                 lambda batch, rows: _alive(alive)._forward_loss(batch, rows)[0],
                 lambda: _alive(alive)._dense_step(),
             )
-        for graphs, what in ((self.task.graphs, "the dense model runs"), (self.step_graphs, "the whole step runs")):
+        for graphs, what, switch in (
+            (self.task.graphs, "the dense model runs", "cuda_graphs"),
+            (self.step_graphs, "the whole step runs", "whole_step_graphs"),
+        ):
             if graphs is not None:
                 refused = weakref.WeakMethod(self._graphs_refused)
-                graphs.on_refusal = partial(_call_if_alive, refused, what=what)
+                graphs.on_refusal = partial(_call_if_alive, refused, what=what, switch=switch)
         self.scores_candidates = config.candidate_feature() is not None  # a label a candidate, not a row
         # TDM: a batch's rows and its sampled tree nodes' rows, all of them labelled
         self.tree_samples = config.data.tdm_sampler is not None
@@ -171,10 +174,10 @@ class Trainer:
         self.stop_signal = self.input.stop_signal  # SIGTERM during fit: stop after the step, saved
         self._stopping = False
 
-    def _graphs_refused(self, reason: str, what: str) -> None:
+    def _graphs_refused(self, reason: str, what: str, switch: str) -> None:
         print(
             f"step {self.step + 1}: {what} eagerly: its CUDA graph capture failed ({reason}); "
-            "train.cuda_graphs: false skips the attempt",
+            f"train.{switch}: false skips the attempt",
             file=sys.stderr,
             flush=True,
         )
