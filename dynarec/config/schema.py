@@ -1025,8 +1025,9 @@ class TrainCfg(Strict):
     cuda_graphs: bool = True
     # With cuda_graphs, on a GPU in one process: a whole training step of fixed tables (lookup,
     # dense model, loss, fused updates, Adam's step) replayed from two CUDA graphs for each recurring
-    # batch signature, the loss's finiteness read between them (dynarec/train/step_graph.py).
-    whole_step_graphs: bool = False
+    # batch signature, the loss's finiteness read between them (dynarec/train/step_graph.py); the
+    # same results as the eager step, bit for bit. Setups it cannot capture run eagerly.
+    whole_step_graphs: bool = True
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

@@ -36,6 +36,7 @@ gradient accumulator then belongs to the training stream, not to the capture's).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, cast
 
@@ -96,7 +97,9 @@ class _Captured:
         # Warm-up, eagerly: lazy initialisation (cuBLAS workspaces) stays out of the capture, and
         # a pass that waits for the device is refused here, before any capture starts.
         previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():  # (torch's note that the mode is a prototype, on every run)
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+            torch.cuda.set_sync_debug_mode("error")
         try:
             passes()
         finally:

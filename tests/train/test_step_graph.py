@@ -51,7 +51,7 @@ def _fixed_config(**changes) -> dict:
         "dlrm": {"bottom_hidden_units": [8], "top_hidden_units": [8]},
     }
     cfg["data"]["num_workers"] = 1
-    cfg["train"].update(nan_policy="skip_batch", whole_step_graphs=True)
+    cfg["train"].update(nan_policy="skip_batch")  # (train.whole_step_graphs: on by default)
     return changed(cfg, **changes)
 
 
@@ -120,7 +120,7 @@ def test_a_replayed_step_whose_loss_is_not_finite_writes_nothing(tmp_path):
 
 def test_what_keeps_a_setups_steps_eager_is_named(tmp_path):
     make_data(tmp_path)
-    dynamic = load_config(write_config(tmp_path, config_dict(train__whole_step_graphs=True), "dynamic.yaml"))
+    dynamic = load_config(write_config(tmp_path, config_dict(), "dynamic.yaml"))
     assert "dynamic" in Trainer(dynamic, tmp_path / "d", device="cpu", progress=False).step_graph_refusal
     cases = {
         "train.cuda_graphs is off": {"train__cuda_graphs": False},
