@@ -134,6 +134,13 @@ class Batch:
     # event after its copy, which a stream reading the batch waits for. None: nothing to wait for.
     ready: Optional[torch.cuda.Event] = field(default=None, repr=False, compare=False)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A field replaced on a packed batch: the buffer no longer holds the batch (a step replayed
+        # from a CUDA graph, or a copy to a device, would read the old field from it).
+        if name not in ("_packed", "ready") and self.__dict__.get("_packed") is not None:
+            object.__setattr__(self, "_packed", None)
+        object.__setattr__(self, name, value)
+
     def packed(self) -> tuple[torch.Tensor, list[Slot], _Layout]:
         """``(buffer, slots, layout)``: every tensor of the batch packed into one buffer (see
         dynarec.data.transport), and what rebuilds the batch from it besides."""
@@ -173,7 +180,8 @@ class Batch:
 
     def packed_buffer(self) -> Optional[tuple[torch.Tensor, list[Slot], _Layout]]:
         """``(buffer, slots, layout)`` where the batch's tensors are views of one buffer (a batch
-        from a DataLoader worker, page-locked, or its copy on a device), else None; its ids and
+        from a DataLoader worker, page-locked, or its copy on a device, none of its fields replaced
+        since; a tensor of its dicts replaced in place is not seen), else None; its ids and
         lengths may lie in it narrower than they are (see :mod:`dynarec.data.transport`).
         :meth:`unpacked` makes the batch of such a buffer, wherever it was copied to."""
         return self._packed

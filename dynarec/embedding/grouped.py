@@ -194,18 +194,17 @@ class _Group:
 
     def _captured_shift(self, bases: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
         """:meth:`_shift` inside a CUDA graph's capture, which copies nothing from the host: one
-        made already (on any stream), else one built on the device; kept for the process's
-        life, since a graph reads it by address at every replay."""
+        made already (on any stream), kept for the process's life, since a graph reads it by
+        address at every replay; else one built by the graph itself, which rewrites it at each
+        replay. That one is not kept for other captures: graphs sharing a memory pool may reuse
+        its memory while this graph is not replayed."""
         key = (tuple(bases), tuple(counts), device)
         shift = self._kept_shifts.get(key)
         if shift is None:
             made = [t for k, t in self._shifts.items() if k[:3] == key]
-            shift = (
-                made[0]
-                if made
-                else torch.cat([torch.full((c,), b, dtype=torch.int64, device=device) for b, c in zip(bases, counts)])
-            )
-            self._kept_shifts[key] = shift
+            if not made:
+                return torch.cat([torch.full((c,), b, dtype=torch.int64, device=device) for b, c in zip(bases, counts)])
+            shift = self._kept_shifts[key] = made[0]
         return shift
 
 

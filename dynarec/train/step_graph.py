@@ -30,10 +30,12 @@ On by default (``train.whole_step_graphs``). On an H100, TorchEasyRec's ``dlrm_c
 A signature (the packed buffer's layout, the features' id counts, the rows the loss is averaged
 over, the tables' rows and the dense optimizer's settings: a graph bakes them in) is captured at
 a step that follows an eager step of it run whole (its kernels compiled, the optimizer's states
-made), and replayed while it recurs; at most ``max_graphs`` are kept. Any other step runs
+made), and replayed while it recurs; at most ``max_graphs`` are kept, the least recently replayed
+given up for a new one. The signature also holds what the eager step would read afresh: grad mode,
+every module's training flag, every parameter's ``requires_grad``. Any other step runs
 eagerly: a group whose tables' rates or step counters differ, a dense learning rate that changes
-every step. Where a capture fails, the step runs eagerly, the reason is reported once
-and no capture is tried again.
+every step. Where a capture fails (out of memory included), the step runs eagerly, the reason is
+reported once and no capture is tried again.
 
 Eligible (:func:`step_graph_refusal` names what stands in the way): one process on a GPU with
 ``train.cuda_graphs`` and ``train.whole_step_graphs``, fixed tables only, in device memory and
@@ -160,8 +162,10 @@ class StepGraphs:
 
     ``forward_loss(batch, global_rows)`` is the step's forward and loss (the trainer's, run
     eagerly for steps not replayed: one definition of the step); ``dense_step()`` its dense
-    optimizer's step and the gradients' release. A replayed step is :meth:`forward`, the
-    caller's decision on its loss, then :meth:`backward` (or the tables' ``abort_step``).
+    optimizer's step and the gradients' release; ``model`` the module the forward runs (its
+    modules' training flags and parameters' ``requires_grad`` are part of a signature). A
+    replayed step is :meth:`forward`, the caller's decision on its loss, then :meth:`backward`
+    (or the tables' ``abort_step``).
     """
 
     def __init__(
@@ -170,10 +174,13 @@ class StepGraphs:
         optimizer: torch.optim.Optimizer,
         forward_loss: Callable[[Batch, Optional[int]], torch.Tensor],
         dense_step: Callable[[], None],
+        model: nn.Module,
         max_graphs: int = 4,
     ):
         self.embeddings = embeddings
         self.optimizer = optimizer
+        self._modules = list(model.modules())
+        self._parameters = list(model.parameters())
         self.forward_loss = forward_loss
         self.dense_step = dense_step
         self.max_graphs = max_graphs
@@ -223,7 +230,9 @@ class StepGraphs:
         and an error raised before anything is written. Each table's step is open on return."""
         self._pending = None
         key = self._key(batch, global_rows)
-        captured = None if key is None else self._graphs.get(key)
+        captured = None
+        if key is not None and key in self._graphs:
+            captured = self._graphs[key] = self._graphs.pop(key)  # (the most recently replayed last)
         if key is None or (captured is None and not self._may_capture(key)):
             self._eager = key
             return None
@@ -260,17 +269,27 @@ class StepGraphs:
     # -- signatures and captures ---------------------------------------------------------------
 
     def _may_capture(self, key: tuple) -> bool:
-        return key == self._last and self.refused is None and len(self._graphs) < self.max_graphs
+        return key == self._last and self.refused is None
+
+    def _make_room(self) -> None:
+        """Gives up the least recently replayed graphs while ``max_graphs`` are kept (a staircase
+        schedule's old dense rates, say), once the device has replayed them."""
+        if len(self._graphs) >= self.max_graphs:
+            if self.embeddings.device.type == "cuda":
+                torch.cuda.synchronize(self.embeddings.device)
+            while len(self._graphs) >= self.max_graphs:
+                del self._graphs[next(iter(self._graphs))]
 
     def _key(self, batch: Batch, global_rows: Optional[int]) -> Optional[tuple]:
         """What a step's graphs bake in: the packed batch's layout (its slots, keys, id counts
         per feature and shortest and longest bags), the rows the loss is averaged over, each
         lookup's path (a group's tables at one rate and step counter, or each its own) and
-        rows' addresses, and the dense optimizer's settings; None for a batch not packed in one
-        buffer, a group whose tables' rates or step counters differ (each is looked up on its own),
-        and tables frozen since."""
+        rows' addresses, the dense optimizer's settings, and the modules' training flags and
+        parameters' ``requires_grad``; None for a batch not packed in one buffer, a group whose
+        tables' rates or step counters differ (each is looked up on its own), tables frozen
+        since, and grad mode off (an eager step refuses to train then)."""
         packed = batch.packed_buffer()
-        if packed is None or not self.embeddings.trains_tables:
+        if packed is None or not self.embeddings.trains_tables or not torch.is_grad_enabled():
             return None
         if any(isinstance(u, TableGroup) and u.shared_step() is None for u in self.units):
             return None
@@ -294,6 +313,8 @@ class StepGraphs:
             global_rows,
             lookups,
             groups,
+            tuple(m.training for m in self._modules),
+            tuple(p.requires_grad for p in self._parameters),
         )
 
     def _hyper(self, unit: Unit) -> list[float]:
@@ -320,6 +341,7 @@ class StepGraphs:
         assert packed is not None
         source, slots, layout = packed
         device = self.embeddings.device
+        self._make_room()
         buffer = torch.empty(source.numel(), dtype=torch.uint8, device=device)
         hyper = torch.zeros(len(self.units), _HYPER_ROW, dtype=torch.float64, device=device)
         if self._staging is None:
@@ -347,9 +369,7 @@ class StepGraphs:
                 finally:
                     for store in stores:
                         store.captured_hyper = None
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # this setup cannot be captured: its steps run eagerly
+        except Exception as e:  # this setup cannot be captured (or not beside the rest in memory): eager steps
             torch.cuda.set_stream(stream)
             generator.graphsafe_set_state(rng)
             self.optimizer.zero_grad(set_to_none=True)  # a backward cut short left gradients never computed

@@ -159,6 +159,7 @@ class Trainer:
                 self.dense_optimizer,
                 lambda batch, rows: _alive(alive)._forward_loss(batch, rows)[0],
                 lambda: _alive(alive)._dense_step(),
+                self.task,
             )
         for graphs, what, switch in (
             (self.task.graphs, "the dense model runs", "cuda_graphs"),

@@ -241,3 +241,15 @@ def test_a_batch_kept_narrow_trains_the_tables_as_the_int64_batch_does(device):
     for name in wide.tables:
         a, b = wide.tables[name].dump(), narrow.tables[name].dump()
         assert all(torch.equal(a[f], b[f]) for f in a), name
+
+
+def test_a_field_replaced_on_a_packed_batch_leaves_it_unpacked():
+    """A batch from a worker is views of one buffer; a field replaced since is not in it, so the
+    batch no longer claims the buffer (a copy to a device, a replayed step would read the old)."""
+    back = pickle.loads(pickle.dumps(every_field_batch()))
+    assert back.packed_buffer() is not None
+    back.ready = None  # (not a field of the data)
+    assert back.packed_buffer() is not None
+    back.labels = back.labels * 0.5
+    assert back.packed_buffer() is None
+    assert torch.equal(back.to(torch.device("cpu")).labels, back.labels)

@@ -198,7 +198,7 @@ def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_pa
     make_data(tmp_path)
     trainer = _trainer(tmp_path, "keys", device="cpu")
     embeddings, optimizer = trainer.task.embeddings, trainer.dense_optimizer
-    graphs = StepGraphs(embeddings, optimizer, lambda batch, rows: torch.zeros(()), lambda: None)
+    graphs = StepGraphs(embeddings, optimizer, lambda batch, rows: torch.zeros(()), lambda: None, trainer.task)
     batches = trainer.input.batches(trainer.position)
     (first, _, rows), (second, _, _) = next(batches), next(batches)
     assert first.packed_buffer() is not None  # (from a DataLoader worker)
@@ -217,15 +217,40 @@ def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_pa
     group.tables[0].set_learning_rate(0.5)  # the group's tables apart: each its own lookup
     assert graphs._key(first, rows) is None
     group.tables[0].set_learning_rate(group.tables[1].learning_rate)
+    key = graphs._key(first, rows)
+    with torch.no_grad():  # an eager step refuses to train: so does no replay
+        assert graphs._key(first, rows) is None
+    trainer.task.dense.eval()  # a module's mode (a batch norm's statistics) is read afresh by an eager step
+    assert graphs._key(first, rows) != key
+    trainer.task.dense.train()
+    weight = next(trainer.task.dense.parameters())
+    weight.requires_grad_(False)  # a parameter frozen: no gradient, no optimizer step
+    assert graphs._key(first, rows) != key
+    weight.requires_grad_(True)
+    assert graphs._key(first, rows) == key
     embeddings.requires_grad_(False)  # frozen tables open no step
     assert graphs._key(first, rows) is None
+
+
+def test_the_least_recently_replayed_graphs_make_room_for_a_new_one(tmp_path):
+    make_data(tmp_path)
+    trainer = _trainer(tmp_path, "room", device="cpu")
+    graphs = StepGraphs(
+        trainer.task.embeddings, trainer.dense_optimizer, lambda b, r: torch.zeros(()), lambda: None, trainer.task,
+        max_graphs=2,
+    )  # fmt: skip
+    graphs._graphs.update(old=object(), recent=object())  # (as captures leave them: the latest last)
+    graphs._make_room()
+    assert list(graphs._graphs) == ["recent"]
 
 
 def test_a_replay_writes_the_scalars_each_lookup_would_give_its_update(tmp_path):
     make_data(tmp_path)
     trainer = _trainer(tmp_path, "scalars", device="cpu")
     embeddings = trainer.task.embeddings
-    graphs = StepGraphs(embeddings, trainer.dense_optimizer, lambda batch, rows: torch.zeros(()), lambda: None)
+    graphs = StepGraphs(
+        embeddings, trainer.dense_optimizer, lambda batch, rows: torch.zeros(()), lambda: None, trainer.task
+    )
     group, single = embeddings.units  # three float32 tables, and the bfloat16 one apart
     for table in group.tables:
         table.set_learning_rate(0.25)
