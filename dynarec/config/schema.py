@@ -1028,6 +1028,11 @@ class TrainCfg(Strict):
     # batch signature, the loss's finiteness read between them (dynarec/train/step_graph.py); the
     # same results as the eager step, bit for bit. Setups it cannot capture run eagerly.
     whole_step_graphs: bool = True
+    # With whole_step_graphs: tables the graphs cannot capture (dynamic tables, tables in host
+    # memory, FBGEMM's) looked up eagerly around them, their outputs handed to the graphs and
+    # their gradients taken back, so that the rest of such a model's step still replays. Off
+    # until it has run on a GPU.
+    whole_step_graphs_eager_lookups: bool = False
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

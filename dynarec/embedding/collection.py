@@ -243,6 +243,7 @@ class EmbeddingCollection(TableFreezing, nn.Module):
 
     _replicas_checked = False  # (a collection pickled before this flag existed)
     _inputs_checked = False  # (inputs_checked)
+    _given: Mapping[str, tuple[torch.Tensor, BagLayout]] = {}  # (inputs_checked)
 
     def __init__(
         self,
@@ -426,16 +427,40 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         self._features[feature][0].validate(feature, ids, id_range)
 
     @contextlib.contextmanager
-    def inputs_checked(self) -> Iterator[None]:
+    def inputs_checked(self, given: Mapping[str, tuple[torch.Tensor, BagLayout]] = {}) -> Iterator[None]:
         """Within it, :meth:`forward` takes batches already on this device and checked (by
         :meth:`check`, on the host): split as they are, with no check, no input stream and
-        nothing prefetched; nothing it runs reads the device. A training step captured in a
-        CUDA graph is looked up so (``dynarec.train.step_graph``)."""
-        self._inputs_checked = True
+        nothing prefetched; nothing it runs reads the device. ``given``: the units (by name)
+        looked up already, each its output and layout (:meth:`lookup_units`'s): their features
+        are read from it, their tables neither packed nor looked up. A training step captured in
+        a CUDA graph is looked up so (``dynarec.train.step_graph``)."""
+        self._inputs_checked, self._given = True, given
         try:
             yield
         finally:
-            self._inputs_checked = False
+            self._inputs_checked, self._given = False, {}
+
+    def lookup_units(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, BagLayout]]:
+        """The training lookups of the units ``names`` (:attr:`units`' names) alone, of a batch
+        on this device and checked (:meth:`check`): ``{name: (output, layout)}``, each unit's
+        step opened (aborted again where one of them raises) and its output's backward its
+        update, as in :meth:`forward`. A step replayed from CUDA graphs looks up so the units it
+        does not capture, and gives their outputs to the graph (:meth:`inputs_checked`)."""
+        slices = split_features(kjt)
+        out: dict[str, tuple[torch.Tensor, BagLayout]] = {}
+        begun: list[LookupUnit] = []
+        try:
+            for unit in self._units:
+                if unit.name in names:
+                    bags, layout = unit.pack(slices)
+                    unit.begin_step()
+                    begun.append(unit)
+                    out[unit.name] = (unit.lookup(bags, True, unit.find(bags)), layout)
+        except BaseException:
+            for unit in reversed(begun):
+                unit.abort_step()
+            raise
+        return out
 
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
         if self._inputs_checked:
@@ -454,8 +479,9 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     def lookup_slices(self, slices: Mapping[str, FeatureSlice]) -> dict[str, torch.Tensor]:
         """The forward of features already split, checked and on the device (a sharded
         collection's replicated tables); ``slices`` may hold other features too."""
-        packed = {unit.name: unit.pack(slices) for unit in self._units}
-        found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
+        units = [unit for unit in self._units if unit.name not in self._given]
+        packed = {unit.name: unit.pack(slices) for unit in units}
+        found = {unit.name: unit.find(packed[unit.name][0]) for unit in units}
         return self._lookup(packed, found)
 
     def _lookup(
@@ -472,6 +498,10 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             warn_if_replicated(list(self.tables))
         try:
             for unit in self._units:
+                if unit.name in self._given:  # (looked up already: inputs_checked)
+                    output, layout = self._given[unit.name]
+                    out.update(unpack(output, layout))
+                    continue
                 if self.trains_tables:
                     unit.begin_step()
                     begun.append(unit)

@@ -38,19 +38,30 @@ every step. Where a capture fails (out of memory included), the step runs eagerl
 reported once and no capture is tried again.
 
 Eligible (:func:`step_graph_refusal` names what stands in the way): one process on a GPU with
-``train.cuda_graphs`` and ``train.whole_step_graphs``, fixed tables only, in device memory and
-updated by the fused kernels (dynamic tables insert with host reads), float32 without loss
-scaling, no gradient accumulation, a dense model that draws nothing (dropout) and may be
-captured, and torch's fused Adam or AdamW for it.
+``train.cuda_graphs`` and ``train.whole_step_graphs``, float32 without loss scaling, no gradient
+accumulation, a dense model that draws nothing (dropout) and may be captured, and torch's fused
+Adam or AdamW for it. The tables the graphs capture are fixed ones in device memory updated by
+the fused kernels.
+
+The others (:func:`uncaptured_reason`: dynamic tables, whose inserts read the host; tables in
+host memory; FBGEMM's) are looked up eagerly around the graphs, with
+``train.whole_step_graphs_eager_lookups`` (off until it has run on a GPU; without it such a
+model's steps run eagerly): before the forward's replay their lookups run as in an eager step
+(``EmbeddingCollection.lookup_units``: their steps opened, keys inserted), and their outputs
+are copied into leaves the forward graph reads in their place
+(``EmbeddingCollection.inputs_checked(given)``); after the backward's replay their outputs'
+backward runs from the gradients the graph left in those leaves (their fused updates). So a
+DIN's dynamic user table runs eagerly while its fixed tables, attention and MLPs replay. A NaN
+loss aborts their steps with the others'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -59,6 +70,7 @@ from dynarec.data.batch import Batch
 from dynarec.devices import capture_graph
 from dynarec.embedding.collection import EmbeddingCollection
 from dynarec.embedding.grouped import TableGroup
+from dynarec.embedding.pack import BagLayout
 from dynarec.embedding.row_store import NativeRowStore, PackedRowStore
 from dynarec.embedding.table import FixedTable, commit_backward
 from dynarec.kernels.gpu.update import HYPER, HostStaging
@@ -80,6 +92,7 @@ def step_graph_refusal(
     distributed: bool,
     cuda_graphs: bool,
     whole_step: bool,
+    eager_lookups: bool,
     mixed_precision: Optional[str],
     accumulation_steps: int,
     loss_scaling: bool,
@@ -98,9 +111,9 @@ def step_graph_refusal(
     if embeddings.frozen:
         return "the tables are frozen (their lookups open no step)"
     for unit in embeddings.units:
-        why = _unit_refusal(unit)
-        if why is not None:
-            return why
+        why = uncaptured_reason(unit)
+        if why is not None and not eager_lookups:
+            return f"table(s) {unit.name}: {why}; train.whole_step_graphs_eager_lookups is off"
     if mixed_precision is not None:
         return f"train.mixed_precision {mixed_precision}"
     if loss_scaling:
@@ -118,10 +131,11 @@ def step_graph_refusal(
     return None
 
 
-def _unit_refusal(unit: Any) -> Optional[str]:
-    """Why a lookup of the collection cannot be captured, or None."""
+def uncaptured_reason(unit: Any) -> Optional[str]:
+    """Why a lookup of the collection is not captured (it is looked up eagerly around the
+    graphs, its output handed to them), or None where it is."""
     if not isinstance(unit, (TableGroup, FixedTable)):
-        return f"table(s) {unit.name} are dynamic (their inserts read the device)"
+        return "dynamic (a step's inserts read the device)"
     store = unit.store
     if (
         not isinstance(store, NativeRowStore)
@@ -129,9 +143,9 @@ def _unit_refusal(unit: Any) -> Optional[str]:
         or store.page_locked
         or store.grad_reducer is not None
     ):
-        return f"table(s) {unit.name} are not rows in device memory of dynarec's native store"
+        return "not rows in device memory of dynarec's native store"
     if definition(store.spec).kernel is None:
-        return f"table(s) {unit.name}: {store.spec!r} is not run by the fused kernels"
+        return f"{store.spec!r} is not run by the fused kernels"
     return None
 
 
@@ -144,9 +158,10 @@ _HYPER_ROW = 16
 @dataclass
 class _Captured:
     """One signature's graphs and what they read and write by address: ``buffer`` (the packed
-    batch's device copy), ``hyper`` (``[lookups, _HYPER_ROW]`` float64: each lookup's update
-    scalars in the first of their row's ``_HYPER_ROW``), ``loss`` and ``finite`` (the forward's
-    outputs)."""
+    batch's device copy), ``hyper`` (``[lookups, _HYPER_ROW]`` float64: each captured lookup's
+    update scalars in the first of their row's ``_HYPER_ROW``), ``loss`` and ``finite`` (the
+    forward's outputs), and for each lookup not captured its output's copy (``outputs``) and the
+    gradient the backward leaves for it (``grads``), by unit name."""
 
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph
@@ -154,6 +169,8 @@ class _Captured:
     hyper: torch.Tensor
     loss: torch.Tensor
     finite: torch.Tensor
+    outputs: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
 
 
 class StepGraphs:
@@ -184,7 +201,10 @@ class StepGraphs:
         self.forward_loss = forward_loss
         self.dense_step = dense_step
         self.max_graphs = max_graphs
-        self.units: list[Unit] = list(embeddings.units)  # type: ignore[arg-type]
+        units = embeddings.units
+        self.units: list[Unit] = [u for u in units if uncaptured_reason(u) is None]  # type: ignore[misc]
+        # looked up eagerly around the graphs, their outputs handed to them (module doc)
+        self.eager_units: list[Any] = [u for u in units if uncaptured_reason(u) is not None]
         self.tables = [t for u in self.units for t in (u.tables if isinstance(u, TableGroup) else [u])]
         self.refused: Optional[str] = None  # why a capture failed (no capture is tried again)
         self.on_refusal: Optional[Callable[[str], None]] = None
@@ -193,6 +213,7 @@ class StepGraphs:
         self._last: Optional[tuple] = None  # the signature of the last step run eagerly, whole
         self._eager: Optional[tuple] = None  # that of the step forward() left to run eagerly
         self._pending: Optional[_Captured] = None  # the graphs of a step whose forward was replayed
+        self._given: dict[str, tuple[torch.Tensor, BagLayout]] = {}  # its eager lookups' outputs
         self._pool: Any = None
         self._staging: Optional[HostStaging] = None
         alive = weakref.ref(self)  # optimizer states loaded: the graphs step the old ones
@@ -209,6 +230,7 @@ class StepGraphs:
             torch.cuda.synchronize()
         self._graphs.clear()
         self._last = self._pending = self._pool = None
+        self._given = {}
 
     def takes(self, batch: Batch, global_rows: Optional[int]) -> bool:
         """Whether :meth:`forward` would replay a step of ``batch`` now, as far as known before
@@ -228,7 +250,7 @@ class StepGraphs:
         finite)``, the loss a copy of the graph's, the flag the graph's own; None where the
         step is not replayed (nothing was done: run it eagerly). The batch is checked first,
         and an error raised before anything is written. Each table's step is open on return."""
-        self._pending = None
+        self._pending, self._given = None, {}
         key = self._key(batch, global_rows)
         captured = None
         if key is not None and key in self._graphs:
@@ -236,16 +258,32 @@ class StepGraphs:
         if key is None or (captured is None and not self._may_capture(key)):
             self._eager = key
             return None
+        device = self.embeddings.device
         if batch.ready is not None:  # a batch made on another stream (a cached epoch's)
-            torch.cuda.current_stream(self.embeddings.device).wait_event(batch.ready)
+            torch.cuda.current_stream(device).wait_event(batch.ready)
         self.embeddings.check(batch.sparse)
-        if captured is None:
-            captured = self._capture(batch, key, global_rows)
-            if captured is None:
-                return None
         packed = batch.packed_buffer()
         assert packed is not None
-        captured.buffer.copy_(packed[0], non_blocking=True)
+        source, slots, layout = packed
+        if captured is None:
+            self._make_room()
+            buffer = torch.empty(source.numel(), dtype=torch.uint8, device=device)
+            hyper = torch.zeros(len(self.units), _HYPER_ROW, dtype=torch.float64, device=device)
+        else:
+            buffer, hyper = captured.buffer, captured.hyper
+        buffer.copy_(source, non_blocking=True)
+        given = {}
+        if self.eager_units:  # (their steps opened here; aborted by the caller's abort_step)
+            kjt = Batch.unpacked(buffer, slots, layout).sparse
+            given = self.embeddings.lookup_units(kjt, [u.name for u in self.eager_units])
+        if captured is None:
+            captured = self._capture(key, buffer, hyper, given, slots, layout, global_rows)
+            if captured is None:
+                for unit in reversed(self.eager_units):  # the step runs eagerly, from its start
+                    unit.abort_step()
+                return None
+        for name, (output, _) in given.items():
+            captured.outputs[name].copy_(output.detach())
         for unit in self.units:  # as the eager lookup opens them
             unit.begin_step()
         values: list[float] = []
@@ -254,16 +292,20 @@ class StepGraphs:
         assert self._staging is not None
         self._staging.copy_to(captured.hyper.view(-1), values)
         captured.forward.replay()
-        self._pending = captured
+        self._pending, self._given = captured, given
         return captured.loss.clone(), captured.finite
 
     def backward(self) -> None:
-        """The backward of the step :meth:`forward` replayed, then each table's step committed
-        (as its lookup's backward commits it)."""
-        captured, self._pending = self._pending, None
+        """The backward of the step :meth:`forward` replayed, then each captured table's step
+        committed (as its lookup's backward commits it), then the backward of the lookups not
+        captured, from the gradients the replay left for their outputs (their updates)."""
+        captured, given = self._pending, self._given
+        self._pending, self._given = None, {}
         assert captured is not None, "backward() without a replayed forward"
         captured.backward.replay()
         commit_backward([(t, t.steps.current) for t in self.tables])
+        if given:
+            torch.autograd.backward([output for output, _ in given.values()], [captured.grads[n] for n in given])
         self.replays += 1
 
     # -- signatures and captures ---------------------------------------------------------------
@@ -333,17 +375,22 @@ class StepGraphs:
             store.spec, lr=lr, step=t, half=half, key_offset=store.row_keys.offset, rounding_seed=store.rounding_seed
         )
 
-    def _capture(self, batch: Batch, key: tuple, global_rows: Optional[int]) -> Optional[_Captured]:
-        """Captures the step of ``batch``'s signature (nothing runs: the tables' steps that its
-        Python opens and commits are forgotten after it); None where the capture fails
-        (:attr:`refused` says why)."""
-        packed = batch.packed_buffer()
-        assert packed is not None
-        source, slots, layout = packed
+    def _capture(
+        self,
+        key: tuple,
+        buffer: torch.Tensor,
+        hyper: torch.Tensor,
+        given: Mapping[str, tuple[torch.Tensor, BagLayout]],
+        slots: list,
+        layout: Any,
+        global_rows: Optional[int],
+    ) -> Optional[_Captured]:
+        """Captures the step of signature ``key``, whose batch's packed copy ``buffer`` holds,
+        the lookups not captured given (``given``: their outputs and layouts); nothing runs: the
+        captured tables' steps that its Python opens and commits are forgotten after it. None
+        where the capture fails (:attr:`refused` says why); ``slots`` and ``layout``: the
+        packed batch's (``Batch.packed_buffer``)."""
         device = self.embeddings.device
-        self._make_room()
-        buffer = torch.empty(source.numel(), dtype=torch.uint8, device=device)
-        hyper = torch.zeros(len(self.units), _HYPER_ROW, dtype=torch.float64, device=device)
         if self._staging is None:
             self._staging = HostStaging(hyper.numel(), device)
         if self._pool is None:
@@ -355,9 +402,15 @@ class StepGraphs:
         stream = torch.cuda.current_stream(device)
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         stores = [_store(u) for u in self.units]
+        # the outputs of the lookups not captured: leaves the graphs read, and take gradients of
+        outputs = {name: torch.empty_like(out.detach()).requires_grad_() for name, (out, _) in given.items()}
+        inputs = {name: (outputs[name], unit_layout) for name, (_, unit_layout) in given.items()}
         try:
+            for name, (_, unit_layout) in given.items():
+                if any(f.pooling == "none" and not f.padded for f in unit_layout.features):
+                    raise ValueError(f"table(s) {name}: a sequence not padded (its lengths read at each replay)")
             with _dry_runs(self.tables):
-                with capture_graph(forward, self._pool), self.embeddings.inputs_checked():
+                with capture_graph(forward, self._pool), self.embeddings.inputs_checked(inputs):
                     loss = self.forward_loss(Batch.unpacked(buffer, slots, layout), global_rows)
                     finite = torch.isfinite(loss)
                 for store, row in zip(stores, hyper):
@@ -369,6 +422,10 @@ class StepGraphs:
                 finally:
                     for store in stores:
                         store.captured_hyper = None
+            grads = {name: leaf.grad for name, leaf in outputs.items()}
+            for name, grad in grads.items():
+                if grad is None:
+                    raise ValueError(f"table(s) {name}: the loss takes no gradient of their output")
         except Exception as e:  # this setup cannot be captured (or not beside the rest in memory): eager steps
             torch.cuda.set_stream(stream)
             generator.graphsafe_set_state(rng)
@@ -381,7 +438,9 @@ class StepGraphs:
             if self.on_refusal is not None:
                 self.on_refusal(self.refused)
             return None
-        captured = _Captured(forward, backward, buffer, hyper, loss.detach(), finite)
+        captured = _Captured(
+            forward, backward, buffer, hyper, loss.detach(), finite, outputs, cast(dict[str, torch.Tensor], grads)
+        )
         self._graphs[key] = captured
         return captured
 

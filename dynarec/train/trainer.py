@@ -146,6 +146,7 @@ class Trainer:
             distributed=self.ctx.distributed,
             cuda_graphs=config.train.cuda_graphs,
             whole_step=config.train.whole_step_graphs,
+            eager_lookups=config.train.whole_step_graphs_eager_lookups,
             mixed_precision=config.train.mixed_precision,
             accumulation_steps=config.train.gradient_accumulation_steps,
             loss_scaling=self.loss_scaler is not None,

@@ -12,12 +12,12 @@ import torch
 
 from dynarec.config import load_config
 from dynarec.data.batch import Batch
-from dynarec.embedding import EmbeddingCollection, TableConfig
+from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, FeatureConfig, TableConfig
 from dynarec.embedding.grouped import TableGroup
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.embedding.step import StepLifecycle, StepPendingError
 from dynarec.kernels.gpu.update import HYPER
-from dynarec.optim import SGD, Adam
+from dynarec.optim import SGD, Adagrad, Adam
 from dynarec.optim.fused import fused_bag_update, kernel_hyper
 from dynarec.train.step_graph import StepGraphs
 from dynarec.train.trainer import Trainer
@@ -25,21 +25,19 @@ from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import changed, config_dict, make_data, write_config
 
 
-def _fixed_config(**changes) -> dict:
+def _fixed_config(dynamic_user: bool = False, **changes) -> dict:
     """The pipeline tests' click log as a DLRM of fixed tables only, read by a DataLoader worker
     (its batches travel packed in one buffer, which a replay copies): two lookups, three float32
     tables in one group and a table of bfloat16 rows (stochastically rounded: its scalars carry
-    the step's rounding draws) on its own."""
+    the step's rounding draws) on its own. ``dynamic_user``: the user table a dynamic one instead
+    (growing, scored by step: a third lookup, which the graphs do not capture)."""
     cfg = config_dict()
+    user: dict = {"feature_name": "user_id", "embedding_dim": 8, "value_type": "string", "hash_bucket_size": 997}
+    if dynamic_user:
+        del user["hash_bucket_size"]
+        user["dynamicemb"] = {"max_capacity": 4096, "init_capacity": 64, "score_strategy": "step"}
     features = [
-        {
-            "id_feature": {
-                "feature_name": "user_id",
-                "embedding_dim": 8,
-                "value_type": "string",
-                "hash_bucket_size": 997,
-            }
-        },
+        {"id_feature": user},
         {"id_feature": {"feature_name": "age", "embedding_dim": 8, "num_buckets": 8}},
         {"id_feature": {"feature_name": "item_id", "embedding_dim": 8, "num_buckets": 200}},
         {"id_feature": {"feature_name": "cate_id", "embedding_dim": 8, "num_buckets": 10, "data_type": "bf16"}},
@@ -55,8 +53,8 @@ def _fixed_config(**changes) -> dict:
     return changed(cfg, **changes)
 
 
-def _trainer(tmp_path, name: str, device: str = "cuda", **changes) -> Trainer:
-    config = load_config(write_config(tmp_path, _fixed_config(**changes), f"{name}.yaml"))
+def _trainer(tmp_path, name: str, device: str = "cuda", dynamic_user: bool = False, **changes) -> Trainer:
+    config = load_config(write_config(tmp_path, _fixed_config(dynamic_user, **changes), f"{name}.yaml"))
     return Trainer(config, tmp_path / f"model-{name}", device=device, progress=False)
 
 
@@ -70,23 +68,28 @@ def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 @needs_cuda
 @pytest.mark.slow
-def test_a_run_whose_steps_replay_equals_one_whose_steps_run_eagerly(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-tables", "a-dynamic-table-looked-up-eagerly"])
+def test_a_run_whose_steps_replay_equals_one_whose_steps_run_eagerly(tmp_path, dynamic):
     make_data(tmp_path)
     runs = {}
     for graphs in (True, False):
-        trainer = _trainer(tmp_path, f"g{graphs}", train__cuda_graphs=graphs)
+        trainer = _trainer(
+            tmp_path, f"g{graphs}", dynamic_user=dynamic, train__cuda_graphs=graphs,
+            train__whole_step_graphs_eager_lookups=dynamic,
+        )  # fmt: skip
         runs[graphs] = (trainer.fit(), trainer)
     (m_on, on), (m_off, off) = runs[True], runs[False]
     assert off.step_graphs is None and on.step_graph_refusal is None
     graphs = on.step_graphs
     assert graphs is not None and graphs.refused is None and graphs.num_graphs >= 1
+    assert [u.name for u in graphs.eager_units] == (["user_id"] if dynamic else [])
     # every full batch after the first two of an epoch (the first eager, the second captured)
     assert graphs.replays >= m_on["step"] - 4, (graphs.replays, m_on["step"])
     assert m_on["step"] == m_off["step"]
     assert m_on["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-5)
     want, got = _state(off), _state(on)
     assert want.keys() == got.keys()
-    assert len(on.task.embeddings.units) == 2
+    assert len(on.task.embeddings.units) == 2 + dynamic
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     on.restore()  # the graphs hold the tables' memory by address: a load forgets them
@@ -121,7 +124,15 @@ def test_a_replayed_step_whose_loss_is_not_finite_writes_nothing(tmp_path):
 def test_what_keeps_a_setups_steps_eager_is_named(tmp_path):
     make_data(tmp_path)
     dynamic = load_config(write_config(tmp_path, config_dict(), "dynamic.yaml"))
-    assert "dynamic" in Trainer(dynamic, tmp_path / "d", device="cpu", progress=False).step_graph_refusal
+    why = Trainer(dynamic, tmp_path / "d", device="cpu", progress=False).step_graph_refusal
+    assert "user_id: dynamic" in why and "whole_step_graphs_eager_lookups is off" in why
+    eager = _trainer(tmp_path, "e", device="cpu", dynamic_user=True, train__whole_step_graphs_eager_lookups=True)
+    assert eager.step_graph_refusal == "the device is cpu, not a GPU"  # (its dynamic table looked up eagerly)
+    graphs = StepGraphs(
+        eager.task.embeddings, eager.dense_optimizer, lambda b, r: torch.zeros(()), lambda: None, eager.task
+    )
+    assert [u.name for u in graphs.eager_units] == ["user_id"]
+    assert [u.name for u in graphs.units] == ["age+item_id", "cate_id"] and len(graphs.tables) == 3
     cases = {
         "train.cuda_graphs is off": {"train__cuda_graphs": False},
         "gradient_accumulation_steps 2": {"train__gradient_accumulation_steps": 2},
@@ -190,6 +201,45 @@ def test_a_checked_batchs_forward_is_the_forward_and_the_check_names_a_bad_id():
         torch.testing.assert_close(got[name], want[name])
     with pytest.raises(ValueError, match="fb"):
         other.check(JaggedBatch.from_lists({"fa": [[1]], "fb": [[5]]}))
+
+
+@pytest.mark.parametrize("spec", [Adam(lr=0.05), Adagrad(lr=0.1, initial_accumulator_value=0.1)], ids=repr)
+def test_lookups_handed_to_a_graph_train_as_the_collections_own(spec):
+    """The lookups a replayed step runs eagerly (``lookup_units``), their outputs given to the
+    forward (``inputs_checked(given)``) and their backward run from the gradient the rest left
+    for them: the same tables after three steps as the collection's own forward and backward
+    (a dynamic table growing and inserting, a fixed one, a sequence feature of the fixed one)."""
+    tables = [
+        TableConfig("dyn", 4, dynamic=DynamicTableOptions(64, init_capacity=8, bucket_size=4), features=["u"]),
+        TableConfig("fix", 4, num_embeddings=20, features=["i", FeatureConfig("hist", pooling="none")]),
+    ]
+    torch.manual_seed(0)
+    own = EmbeddingCollection(tables, spec)
+    handed = copy.deepcopy(own)
+    weights = torch.randn(3, 4)
+    dyn = next(u for u in handed.units if getattr(u, "name", None) == "dyn")
+    for step in range(3):
+        batch = JaggedBatch.from_lists(
+            {"u": [[10 * step + 1], [7], [10 * step + 9]], "i": [[1], [2], [3]], "hist": [[1, 2], [3], [4, 5, 6]]}
+        )
+        out = own(batch)
+        loss = sum(((out[f] * w).sum() for f, w in zip(("u", "i"), weights)), out["hist"].square().sum())
+        loss.backward()
+        given = handed.lookup_units(batch, ["dyn"])
+        output, layout = given["dyn"]
+        leaf = output.detach().clone().requires_grad_()
+        with handed.inputs_checked({"dyn": (leaf, layout)}):
+            got = handed(batch)
+        assert got.keys() == out.keys()
+        loss = sum(((got[f] * w).sum() for f, w in zip(("u", "i"), weights)), got["hist"].square().sum())
+        loss.backward()  # the rest's update, and the given output's gradient
+        torch.autograd.backward([output], [leaf.grad])  # the dynamic table's update
+    assert dyn.steps.t == 3 and not dyn.steps.pending
+    for name in ("dyn", "fix"):
+        want, have = own.tables[name].dump(), handed.tables[name].dump()
+        assert want.keys() == have.keys()
+        for field in want:
+            torch.testing.assert_close(have[field], want[field], rtol=0, atol=0, msg=f"{name}.{field}")
 
 
 def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_path):
