@@ -19,7 +19,9 @@ leave no trace (the model's buffers, batch-norm statistics say, and the random g
 restored), so the first replayed step starts from the state an eager step would.
 
 Where it runs the model eagerly instead: a signature beyond ``max_graphs`` (each graph keeps its
-own inputs, outputs and gradients), a forward without gradients, and a model that cannot be
+own inputs, outputs and gradients), a forward without gradients, a step run within
+:meth:`DenseGraphs.bypassed` (one whose whole step is to be captured: ``dynarec.train.step_graph``
+replays that signature from its own graphs after it), and a model that cannot be
 captured — one whose forward or backward waits for the device (a host read), or whose capture
 fails otherwise: the reason is reported once and the model stays eager for the run.
 
@@ -35,9 +37,10 @@ gradient accumulator then belongs to the training stream, not to the capture's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, cast
 
 import torch
@@ -389,15 +392,27 @@ class DenseGraphs:
         self._params = [p for p in dense.parameters() if p.requires_grad]
         self._graphs: dict[tuple, _Captured] = {}
         self._pool: Any = None  # one memory pool: a step replays one graph's forward, then its backward
+        self._bypassed = False
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Within it the model runs eagerly, nothing captured: a step whose signature the whole
+        step's graphs capture next time (their capture replaces this one, whose warm-up passes
+        and memory would go to no replay)."""
+        self._bypassed = True
+        try:
+            yield
+        finally:
+            self._bypassed = False
+
     def __call__(self, *inputs: dict[str, torch.Tensor]) -> Any:
         # a forward without backward: nothing to replay; inside a whole step's capture
         # (dynarec.train.step_graph): captured there
-        if not torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        if self._bypassed or not torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.dense(*inputs)
         key = _signature(inputs)
         captured = self._graphs.get(key)

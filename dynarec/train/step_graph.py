@@ -239,6 +239,12 @@ class StepGraphs:
         key = self._key(batch, global_rows)
         return key is not None and key in self._graphs
 
+    @property
+    def captures_next(self) -> bool:
+        """Whether the signature of the step :meth:`forward` left to run eagerly is captured at
+        its next step, should this one run whole (it has one, and no capture failed)."""
+        return self._eager is not None and self.refused is None
+
     def ran_eagerly(self) -> None:
         """Tells that the step :meth:`forward` left to run eagerly ran whole, its backward and
         dense optimizer's step included (not skipped): its signature may be captured at its next

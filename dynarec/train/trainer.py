@@ -434,7 +434,11 @@ class Trainer:
                 return loss
         if batch.ready is not None:  # a batch kept on the device, copied there on another stream
             current_stream(self.device).wait_event(batch.ready)
-        loss, held = self._forward_loss(batch, global_rows)
+        bypass: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.step_graphs is not None and self.step_graphs.captures_next and self.task.graphs is not None:
+            bypass = self.task.graphs.bypassed()  # (the whole step's graphs replace the dense model's)
+        with bypass:
+            loss, held = self._forward_loss(batch, global_rows)
         if self._skipped(loss):
             return None
         accumulate = self.config.train.gradient_accumulation_steps

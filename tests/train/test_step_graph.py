@@ -19,6 +19,7 @@ from dynarec.embedding.step import StepLifecycle, StepPendingError
 from dynarec.kernels.gpu.update import HYPER
 from dynarec.optim import SGD, Adagrad, Adam
 from dynarec.optim.fused import fused_bag_update, kernel_hyper
+from dynarec.train.graphs import DenseGraphs
 from dynarec.train.step_graph import StepGraphs
 from dynarec.train.trainer import Trainer
 from tests.matrix import needs_cuda
@@ -258,6 +259,7 @@ def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_pa
     assert graphs._key(Batch.unpacked(*first.packed()), rows) == key  # (repacked: the same layout)
     assert not graphs.takes(first, rows)
     assert graphs.forward(first, rows) is None  # the first step of a signature runs eagerly
+    assert graphs.captures_next  # (its dense model then runs eagerly too: DenseGraphs.bypassed)
     assert not graphs._may_capture(key)  # ... and is captured only once it ran whole
     graphs.ran_eagerly()
     assert graphs._may_capture(key) and not graphs.takes(second, rows)  # (captured at the step: not yet)
@@ -280,6 +282,28 @@ def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_pa
     assert graphs._key(first, rows) == key
     embeddings.requires_grad_(False)  # frozen tables open no step
     assert graphs._key(first, rows) is None
+
+
+def test_the_dense_graphs_bypassed_run_the_model_eagerly_and_capture_nothing():
+    """The eager step before a whole step's capture runs the dense model as it is: the dense
+    model's own capture (its warm-up passes, its memory) would never be replayed."""
+
+    class Dense(torch.nn.Module):  # (a dense model takes dicts of tensors)
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, inputs):
+            return self.linear(inputs["x"])
+
+    model = Dense()
+    graphs = DenseGraphs(model)
+    x = {"x": torch.randn(4, 3)}
+    with graphs.bypassed():
+        out = graphs(x)  # (on the CPU a capture would fail: none is tried)
+    torch.testing.assert_close(out, model(x))
+    assert graphs.num_graphs == 0 and graphs.replays == 0 and graphs.refused is None
+    assert not graphs._bypassed
 
 
 def test_the_least_recently_replayed_graphs_make_room_for_a_new_one(tmp_path):
