@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from tool_config import profiled_config  # beside this script
 from torch.profiler import ProfilerActivity, profile
 
+from dynarec.bench.common import set_field
 from dynarec.config import config_from_dict
 from dynarec.train.input import ReadAhead
 from dynarec.train.trainer import Trainer
@@ -137,12 +137,7 @@ def main() -> None:
     a = p.parse_args()
     raw, a.batch = profiled_config(a.config, a.batch, a.train_rows, a.workers)
     for item in a.set:
-        key, _, value = item.partition("=")
-        *parents, last = key.split(".")
-        node = raw
-        for k in parents:
-            node = node[k]
-        node[last] = yaml.safe_load(value)
+        set_field(raw, item)
     raw["train"].update(num_epochs=None, num_steps=10**9, log_step_count_steps=10**9)
     on_cuda = a.device.startswith("cuda")
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)

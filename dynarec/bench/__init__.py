@@ -185,6 +185,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help="the peer's tables: an nn.Embedding each, or all rows in one (tables of one dim)",
             )
             p.add_argument(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="a field of the config both sides train, dotted, its value as YAML "
+                "(e.g. train.whole_step_graphs_eager_lookups=true); repeatable",
+            )
+            p.add_argument(
                 "--cache-batches",
                 nargs="?",
                 const="memory",

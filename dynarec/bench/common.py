@@ -38,6 +38,7 @@ __all__ = [
     "ratio",
     "roofline_bytes_per_id",
     "same_dynarec",
+    "set_field",
     "synchronizer",
 ]
 
@@ -304,6 +305,24 @@ def same_dynarec() -> dict[str, str]:
     root = str(Path(dynarec.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join([root, path])}
+
+
+def set_field(raw: dict[str, Any], assignment: str) -> None:
+    """``raw`` (a config's dict) with the field of ``assignment``, ``dotted.key=value`` (the
+    value read as YAML: ``true``, ``4096``, ``[64, 32]``), set in place; ValueError naming it
+    where it is not of that form or a parent on the way is not a section."""
+    import yaml
+
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {assignment!r}: give KEY=VALUE, the key dotted (train.whole_step_graphs=true)")
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {assignment!r}: {part} is not a section of the config")
+    node[last] = yaml.safe_load(value)
 
 
 def cached_click_log(spec: synthetic.SyntheticSpec) -> Path:

@@ -60,7 +60,7 @@ import torch
 import yaml
 from torch import nn
 
-from dynarec.bench.common import cached_click_log, cached_config_data, same_dynarec
+from dynarec.bench.common import cached_click_log, cached_config_data, same_dynarec, set_field
 from dynarec.bench.train import _PlainTorchModel, _tensorize, one_table_rows
 from dynarec.data.generate import GenerateSpec
 from dynarec.data.synthetic import SyntheticSpec
@@ -324,6 +324,8 @@ def bench_e2e(args) -> dict:
         raw = run_settings(raw, data_dir, args.batch, args.epochs, args.workers, args.cache_batches)
         data = {"config": str(args.config), "generate": asdict(generated)}
         rows_are = f"rows generated for {Path(args.config).name} (dynarec make-data --config)"
+    for assignment in getattr(args, "set", None) or ():
+        set_field(raw, assignment)
     meta = json.loads((data_dir / "meta.json").read_text())
     data["bayes_optimal_eval_auc"] = meta["bayes_optimal_eval_auc"]
     samples = args.train_rows * args.epochs
@@ -367,6 +369,7 @@ def bench_e2e(args) -> dict:
         "runs": args.runs,
         "data": data,
         "peer_tables": args.peer,
+        "set": list(getattr(args, "set", None) or ()),
         "command": " ".join(command),
         "dynarec": ours,
         "peer": theirs,
@@ -384,7 +387,7 @@ def bench_e2e(args) -> dict:
     lines = [
         f"dynarec train on {args.device}, batch {args.batch}, {args.epochs} epoch(s) of "
         f"{args.train_rows:,} {rows_are}, DataLoader workers {workers}"
-        f"{cached}; "
+        f"{cached}{'; ' + ', '.join(result['set']) if result['set'] else ''}; "
         f"eval on {eval_rows:,} held-out rows; {args.runs} run(s) a side, interleaved (medians)",
         f"dynarec:     {ours['samples_per_s_report']:>9,.0f} samples/s by its report (rows trained / train_seconds; "
         f"runs {each(ours_runs, 'samples_per_s_report')}), {ours['samples_per_s_wall']:,.0f} by the command's "

@@ -418,3 +418,18 @@ def test_a_bench_refuses_an_option_it_does_not_read(argv, capsys):
 def test_host_tier_refuses_a_zipf_exponent_its_draw_cannot_take(ids, zipf, floor, capsys):
     assert main(["bench", "host-tier", "--ids", ids, "--zipf", zipf, *TINY]) == 2
     assert f"--zipf must be above {floor} with --ids {ids}, got {float(zipf)}" in capsys.readouterr().err
+
+
+def test_set_changes_a_dotted_field_of_the_config_and_names_a_bad_one():
+    from dynarec.bench.common import set_field
+
+    raw = {"train": {"num_epochs": 1}, "data": {"batch_size": 8}}
+    set_field(raw, "train.whole_step_graphs_eager_lookups=true")
+    set_field(raw, "data.batch_size=4096")
+    set_field(raw, "model.dlrm.top_hidden_units=[64, 32]")
+    assert raw["train"] == {"num_epochs": 1, "whole_step_graphs_eager_lookups": True}
+    assert raw["data"]["batch_size"] == 4096 and raw["model"] == {"dlrm": {"top_hidden_units": [64, 32]}}
+    with pytest.raises(ValueError, match="give KEY=VALUE"):
+        set_field(raw, "train.num_epochs")
+    with pytest.raises(ValueError, match="batch_size is not a section"):
+        set_field(raw, "data.batch_size.x=1")
