@@ -288,16 +288,30 @@ class StepGraphs:
                 for unit in reversed(self.eager_units):  # the step runs eagerly, from its start
                     unit.abort_step()
                 return None
-        for name, (output, _) in given.items():
-            captured.outputs[name].copy_(output.detach())
-        for unit in self.units:  # as the eager lookup opens them
-            unit.begin_step()
-        values: list[float] = []
-        for unit in self.units:
-            values += self._hyper(unit) + [0.0] * (_HYPER_ROW - len(HYPER))
-        assert self._staging is not None
-        self._staging.copy_to(captured.hyper.view(-1), values)
-        captured.forward.replay()
+        begun: list[Any] = []
+        try:
+            with torch.no_grad():  # (into the leaves the forward graph reads)
+                for name, (output, _) in given.items():
+                    leaf = captured.outputs[name]
+                    if output.shape != leaf.shape or output.dtype != leaf.dtype:
+                        raise RuntimeError(
+                            f"table(s) {name}: a lookup of {output.dtype} {tuple(output.shape)} for a graph captured "
+                            f"with {leaf.dtype} {tuple(leaf.shape)} under the same signature"
+                        )
+                    leaf.copy_(output)
+            for unit in self.units:  # as the eager lookup opens them
+                unit.begin_step()
+                begun.append(unit)
+            values: list[float] = []
+            for unit in self.units:
+                values += self._hyper(unit) + [0.0] * (_HYPER_ROW - len(HYPER))
+            assert self._staging is not None
+            self._staging.copy_to(captured.hyper.view(-1), values)
+            captured.forward.replay()
+        except BaseException:  # nothing of the step stays: every lookup's step undone
+            for unit in [*reversed(begun), *reversed(self.eager_units)]:
+                unit.abort_step()
+            raise
         self._pending, self._given = captured, given
         return captured.loss.clone(), captured.finite
 
@@ -310,7 +324,7 @@ class StepGraphs:
         assert captured is not None, "backward() without a replayed forward"
         captured.backward.replay()
         commit_backward([(t, t.steps.current) for t in self.tables])
-        if given:
+        if given:  # (the gradients' memory may be another signature's scratch: read now, before any replay)
             torch.autograd.backward([output for output, _ in given.values()], [captured.grads[n] for n in given])
         self.replays += 1
 

@@ -6,6 +6,8 @@ and the pieces the graphs rely on hold (the update's device scalars refused wher
 read, a dry run of a step leaves no trace, a checked batch's forward)."""
 
 import copy
+import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,11 +18,11 @@ from dynarec.embedding import DynamicTableOptions, EmbeddingCollection, FeatureC
 from dynarec.embedding.grouped import TableGroup
 from dynarec.embedding.jagged import JaggedBatch
 from dynarec.embedding.step import StepLifecycle, StepPendingError
-from dynarec.kernels.gpu.update import HYPER
+from dynarec.kernels.gpu.update import HYPER, HostStaging
 from dynarec.optim import SGD, Adagrad, Adam
 from dynarec.optim.fused import fused_bag_update, kernel_hyper
 from dynarec.train.graphs import DenseGraphs
-from dynarec.train.step_graph import StepGraphs
+from dynarec.train.step_graph import StepGraphs, _Captured
 from dynarec.train.trainer import Trainer
 from tests.matrix import needs_cuda
 from tests.pipeline_fixtures import changed, config_dict, make_data, write_config
@@ -241,6 +243,81 @@ def test_lookups_handed_to_a_graph_train_as_the_collections_own(spec):
         assert want.keys() == have.keys()
         for field in want:
             torch.testing.assert_close(have[field], want[field], rtol=0, atol=0, msg=f"{name}.{field}")
+
+
+def _stand_in_graphs(trainer: Trainer) -> StepGraphs:
+    """The trainer's StepGraphs on the CPU, its "graphs" stand-ins that rerun the captured Python
+    at each replay (a forward under ``inputs_checked(given leaves)``, then the backward and the
+    dense step, the leaves' gradients copied out), every lookup handed to them: what runs is
+    ``StepGraphs.forward``/``backward``'s own work around the graphs."""
+    embeddings = trainer.task.embeddings
+    graphs = StepGraphs(
+        embeddings, trainer.dense_optimizer, lambda b, r: trainer._forward_loss(b, r)[0], trainer._dense_step,
+        trainer.task,
+    )  # fmt: skip
+    graphs.eager_units, graphs.units, graphs.tables = list(embeddings.units), [], []
+
+    def capture(key, buffer, hyper, given, slots, layout, global_rows):
+        leaves = {n: torch.empty_like(out.detach()).requires_grad_() for n, (out, _) in given.items()}
+        inputs = {n: (leaves[n], unit_layout) for n, (_, unit_layout) in given.items()}
+        grads = {n: torch.empty_like(leaf) for n, leaf in leaves.items()}
+        ran = {}
+
+        def forward():
+            for leaf in leaves.values():
+                leaf.grad = None
+            with embeddings.inputs_checked(inputs):
+                ran["loss"] = graphs.forward_loss(Batch.unpacked(buffer, slots, layout), global_rows)
+            captured.loss.copy_(ran["loss"].detach())
+            captured.finite.copy_(torch.isfinite(ran["loss"]))
+
+        def backward():
+            ran.pop("loss").backward()
+            graphs.dense_step()
+            for n, leaf in leaves.items():
+                grads[n].copy_(leaf.grad)
+
+        captured = _Captured(
+            SimpleNamespace(replay=forward), SimpleNamespace(replay=backward), buffer, hyper, torch.zeros(()),
+            torch.ones((), dtype=torch.bool), leaves, grads,
+        )  # fmt: skip
+        graphs._staging = HostStaging(hyper.numel(), buffer.device)
+        graphs._graphs[key] = captured
+        return captured
+
+    graphs._capture = capture
+    return graphs
+
+
+def test_steps_replayed_around_eager_lookups_train_as_eager_steps_and_a_nan_one_writes_nothing(tmp_path):
+    """StepGraphs' own work around the graphs, on the CPU (stand-in graphs, every lookup eager: a
+    dynamic user table and the fixed ones): the leaves filled from the eager lookups, their
+    gradients handed back to the lookups' backward, the steps opened and committed, a NaN
+    step's lookups undone. The same tables and dense weights as a trainer's eager steps."""
+    make_data(tmp_path)
+    eager = _trainer(tmp_path, "eager", device="cpu", dynamic_user=True)
+    replayed = _trainer(tmp_path, "replayed", device="cpu", dynamic_user=True)
+    replayed.step_graphs = graphs = _stand_in_graphs(replayed)
+    items = list(itertools.islice(eager.input.batches(eager.position), 6))
+    assert items[-1][0].num_rows == items[0][0].num_rows  # (full batches: one signature)
+    for batch, _, rows in items[:5]:
+        assert eager.train_step(batch, rows) is not None
+        assert replayed.train_step(batch, rows) is not None
+    assert graphs.replays == 4 and graphs.num_graphs == 1  # the first step eager, then captured and replayed
+    want, got = _state(eager), _state(replayed)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    batch, _, rows = items[5]
+    batch.dense["price"][0] = float("inf")  # (a view of the batch's packed buffer)
+    assert replayed.train_step(batch, rows) is None  # nan_policy: skip_batch
+    assert graphs.replays == 4 and replayed.skipped_batches == 1
+    after = _state(replayed)
+    for name in got:
+        torch.testing.assert_close(after[name], got[name], rtol=0, atol=0, msg=name)
+    tables = replayed.task.embeddings.tables.values()
+    assert all(not t.steps.pending and t.step == 5 for t in tables)
+    assert replayed.task.embeddings.tables["user_id"].size == eager.task.embeddings.tables["user_id"].size
 
 
 def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_path):
