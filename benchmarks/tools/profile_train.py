@@ -180,7 +180,9 @@ def main() -> None:
         graphs = getattr(trainer, "step_graphs", None)  # (a tree before whole-step graphs has none)
         if graphs is not None:
             refused = f"; capture refused: {graphs.refused}" if graphs.refused else ""
-            print(f"whole-step graphs: {graphs.replays} steps replayed, {graphs.num_graphs} captured{refused}")
+            eager = [u.name for u in getattr(graphs, "eager_units", [])]
+            around = f"; looked up eagerly around them: {', '.join(eager)}" if eager else ""
+            print(f"whole-step graphs: {graphs.replays} steps replayed, {graphs.num_graphs} captured{around}{refused}")
         elif hasattr(trainer, "step_graph_refusal"):
             print(f"steps eager: {trainer.step_graph_refusal}")
         live = None
