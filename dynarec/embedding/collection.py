@@ -441,26 +441,15 @@ class EmbeddingCollection(TableFreezing, nn.Module):
             self._inputs_checked, self._given = False, {}
 
     def lookup_units(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, BagLayout]]:
-        """The training lookups of the units ``names`` (:attr:`units`' names) alone, of a batch
-        on this device and checked (:meth:`check`): ``{name: (output, layout)}``, each unit's
-        step opened (aborted again where one of them raises) and its output's backward its
-        update, as in :meth:`forward`. A step replayed from CUDA graphs looks up so the units it
+        """The lookups of the units ``names`` (:attr:`units`' names) alone, of a batch on this
+        device and checked (:meth:`check`): ``{name: (output, layout)}``; in training, as in
+        :meth:`forward`, each unit's step opened (aborted again where one of them raises) and
+        its output's backward its update. A step replayed from CUDA graphs looks up so the units it
         does not capture, and gives their outputs to the graph (:meth:`inputs_checked`)."""
         slices = split_features(kjt)
-        out: dict[str, tuple[torch.Tensor, BagLayout]] = {}
-        begun: list[LookupUnit] = []
-        try:
-            for unit in self._units:
-                if unit.name in names:
-                    bags, layout = unit.pack(slices)
-                    unit.begin_step()
-                    begun.append(unit)
-                    out[unit.name] = (unit.lookup(bags, True, unit.find(bags)), layout)
-        except BaseException:
-            for unit in reversed(begun):
-                unit.abort_step()
-            raise
-        return out
+        packed = {unit.name: unit.pack(slices) for unit in self._units if unit.name in names}
+        found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units if unit.name in packed}
+        return self._pooled(packed, found)[0]
 
     def forward(self, kjt: KeyedJaggedLike) -> dict[str, torch.Tensor]:
         if self._inputs_checked:
@@ -490,33 +479,45 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         found: Mapping[str, Optional[FoundKeys]],
         holds: Mapping[str, Optional[CacheHold]] = {},
     ) -> dict[str, torch.Tensor]:
-        """Stages 2 and 3 of every unit, as one training step of every table (or none)."""
-        out: dict[str, torch.Tensor] = {}
-        begun: list[LookupUnit] = []
+        """Stages 2 and 3 of every unit, as one training step of every table (or none); the
+        units of ``inputs_checked(given)`` read from their given outputs."""
         if self.trains_tables and not self._replicas_checked:
             self._replicas_checked = True
             warn_if_replicated(list(self.tables))
+        pooled, begun = self._pooled(packed, found, holds)
+        out: dict[str, torch.Tensor] = {}
+        for unit in self._units:
+            out.update(unpack(*(self._given[unit.name] if unit.name in self._given else pooled[unit.name])))
+        if self.trains_tables and not torch.is_grad_enabled():  # no backward will come to commit it
+            for unit in begun:
+                unit.commit_pending()
+        return out
+
+    def _pooled(
+        self,
+        packed: Mapping[str, tuple[Bags, BagLayout]],
+        found: Mapping[str, Optional[FoundKeys]],
+        holds: Mapping[str, Optional[CacheHold]] = {},
+    ) -> tuple[dict[str, tuple[torch.Tensor, BagLayout]], list[LookupUnit]]:
+        """Stage 2 of the units ``packed`` holds, in order: ``({name: (output, layout)}, the
+        units whose training step it opened)``; where one raises, the steps opened are aborted
+        (the step never happened, on any table)."""
+        out: dict[str, tuple[torch.Tensor, BagLayout]] = {}
+        begun: list[LookupUnit] = []
         try:
             for unit in self._units:
-                if unit.name in self._given:  # (looked up already: inputs_checked)
-                    output, layout = self._given[unit.name]
-                    out.update(unpack(output, layout))
+                if unit.name not in packed:
                     continue
                 if self.trains_tables:
                     unit.begin_step()
                     begun.append(unit)
                 bags, layout = packed[unit.name]
-                out.update(
-                    unpack(unit.lookup(bags, self.trains_tables, found[unit.name], holds.get(unit.name)), layout)
-                )
+                out[unit.name] = (unit.lookup(bags, self.trains_tables, found[unit.name], holds.get(unit.name)), layout)
         except BaseException:
-            for unit in reversed(begun):  # the step never happened, on any table
+            for unit in reversed(begun):
                 unit.abort_step()
             raise
-        if self.trains_tables and not torch.is_grad_enabled():  # no backward will come to commit it
-            for unit in begun:
-                unit.commit_pending()
-        return out
+        return out, begun
 
     def abort_step(self) -> None:
         """Undoes the last training forward on every table (its backward will not run, e.g. its

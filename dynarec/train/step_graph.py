@@ -201,10 +201,10 @@ class StepGraphs:
         self.forward_loss = forward_loss
         self.dense_step = dense_step
         self.max_graphs = max_graphs
-        units = embeddings.units
-        self.units: list[Unit] = [u for u in units if uncaptured_reason(u) is None]  # type: ignore[misc]
-        # looked up eagerly around the graphs, their outputs handed to them (module doc)
-        self.eager_units: list[Any] = [u for u in units if uncaptured_reason(u) is not None]
+        self.units: list[Unit] = []
+        self.eager_units: list[Any] = []  # looked up eagerly around the graphs, their outputs handed to them
+        for unit in embeddings.units:
+            (self.units if uncaptured_reason(unit) is None else self.eager_units).append(unit)  # type: ignore[arg-type]
         self.tables = [t for u in self.units for t in (u.tables if isinstance(u, TableGroup) else [u])]
         self.refused: Optional[str] = None  # why a capture failed (no capture is tried again)
         self.on_refusal: Optional[Callable[[str], None]] = None
