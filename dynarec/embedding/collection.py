@@ -205,6 +205,12 @@ class _Prepared:
     staged: StagedInput
     holds: dict[str, Optional[CacheHold]] = field(default_factory=dict)
 
+    def release(self) -> None:
+        """Lets the rows made resident go (once the lookup has its own stamps on them)."""
+        for hold in self.holds.values():
+            if hold is not None:
+                hold.release()
+
 
 class EmbeddingCollection(TableFreezing, nn.Module):
     """Looks up every configured feature of a KeyedJaggedTensor-shaped batch.
@@ -343,7 +349,9 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     def table_of(self, feature: str) -> EmbeddingTable:
         return self._features[feature][0]
 
-    def prefetch(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> None:
+    def prefetch(
+        self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None, units: Optional[Sequence[str]] = None
+    ) -> None:
         """Runs the input stage of ``kjt``, a batch of a coming forward, now: its checks, its
         copy to the device, its packing and the dynamic tables' hash finds. Call it once this
         step's backward is queued: on a GPU the host's part then overlaps the backward, the copy
@@ -364,9 +372,13 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         undone, or an absent key may have been inserted since), the forward finds again. A
         table whose rows live in host memory makes the batch's rows resident in its device
         cache here too (:meth:`EmbeddingTable.stage_rows`): on a GPU they move beside this step.
-        A batch the checks refuse is left to its own forward, which raises the error."""
+        A batch the checks refuse is left to its own forward, which raises the error.
+
+        ``units`` (names of :attr:`units`): the stage of those alone, for :meth:`lookup_units`
+        (a step replayed from CUDA graphs, which look the others up themselves); a forward of
+        the batch runs the whole stage again."""
         try:
-            prepared = self._prepare(kjt, ready, ahead=True)
+            prepared = self._prepare(kjt, ready, ahead=True, units=units)
         except Exception:  # its own forward raises it, at its own step
             return
         self._prefetched.append(prepared)
@@ -384,14 +396,20 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         return None
 
     def _prepare(
-        self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None, ahead: bool = False
+        self,
+        kjt: KeyedJaggedLike,
+        ready: Optional[torch.cuda.Event] = None,
+        ahead: bool = False,
+        units: Optional[Sequence[str]] = None,
     ) -> _Prepared:
         """Stage 1, before any table writes: on the input stream (CUDA) the checks, the copy, the
         packing and the hash finds run beside the main stream's work (see :mod:`.streams`;
         ``ready``: the event after a device batch was made); ``ahead`` (a batch of a coming
         step), the rows of tables in host memory are made resident too. The checks run there
         too: a device batch's id conversions and the host reads of its checks then follow its
-        ``ready`` event, not the main stream's backward."""
+        ``ready`` event, not the main stream's backward. ``units``: those units' stage alone
+        (default: every unit's)."""
+        selected = [unit for unit in self._units if units is None or unit.name in units]
         values = kjt.values()
         with input_stage(self.device, batch_on_host=values.device.type == "cpu", ready=ready) as staged:
             staged.reads(values, kjt.lengths(), kjt.weights_or_none())
@@ -400,11 +418,11 @@ class EmbeddingCollection(TableFreezing, nn.Module):
                 slices = split_features(as_jagged(kjt).to(self.device, non_blocking=True))
             else:
                 slices = checked_slices(kjt, list(self._features), self._validate)
-            packed = {unit.name: unit.pack(slices) for unit in self._units}
-            found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units}
+            packed = {unit.name: unit.pack(slices) for unit in selected}
+            found = {unit.name: unit.find(packed[unit.name][0]) for unit in selected}
             holds = {}
             if ahead:
-                holds = {unit.name: unit.stage_rows(packed[unit.name][0], found[unit.name]) for unit in self._units}
+                holds = {unit.name: unit.stage_rows(packed[unit.name][0], found[unit.name]) for unit in selected}
             staged.hand_over(*(t for s in slices.values() for t in (s.values, s.lengths, s.weights)))
             staged.hand_over(*(t for bags, _ in packed.values() for t in (bags.ids, bags.offsets, bags.weights)))
             staged.hand_over(*(t for f in found.values() if f is not None for t in f.tensors))
@@ -440,12 +458,24 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         finally:
             self._inputs_checked, self._given = False, {}
 
-    def lookup_units(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, BagLayout]]:
+    def lookup_units(
+        self, kjt: KeyedJaggedLike, names: Sequence[str], prefetched: Optional[KeyedJaggedLike] = None
+    ) -> dict[str, tuple[torch.Tensor, BagLayout]]:
         """The lookups of the units ``names`` (:attr:`units`' names) alone, of a batch on this
         device and checked (:meth:`check`): ``{name: (output, layout)}``; in training, as in
         :meth:`forward`, each unit's step opened (aborted again where one of them raises) and
         its output's backward its update. A step replayed from CUDA graphs looks up so the units it
-        does not capture, and gives their outputs to the graph (:meth:`inputs_checked`)."""
+        does not capture, and gives their outputs to the graph (:meth:`inputs_checked`).
+        ``prefetched``: the batch as given to :meth:`prefetch` (``kjt`` may be its device copy);
+        where its stage was run ahead for these units, their packed bags and finds are taken
+        from it."""
+        prepared = None if prefetched is None else self._take_prefetched(prefetched)
+        if prepared is not None and all(name in prepared.packed for name in names):
+            prepared.staged.take()
+            try:
+                return self._pooled({n: prepared.packed[n] for n in names}, prepared.found, prepared.holds)[0]
+            finally:
+                prepared.release()
         slices = split_features(kjt)
         packed = {unit.name: unit.pack(slices) for unit in self._units if unit.name in names}
         found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units if unit.name in packed}
@@ -455,15 +485,13 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         if self._inputs_checked:
             return self.lookup_slices(split_features(kjt))
         prepared = self._take_prefetched(kjt)
-        if prepared is None:
+        if prepared is None or len(prepared.packed) < len(self._units):  # (none, or some units' alone)
             prepared = self._prepare(kjt)
         prepared.staged.take()
         try:
             return self._lookup(prepared.packed, prepared.found, prepared.holds)
         finally:
-            for hold in prepared.holds.values():  # the lookup's own stamps keep its rows from here
-                if hold is not None:
-                    hold.release()
+            prepared.release()  # the lookup's own stamps keep its rows from here
 
     def lookup_slices(self, slices: Mapping[str, FeatureSlice]) -> dict[str, torch.Tensor]:
         """The forward of features already split, checked and on the device (a sharded

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -449,14 +449,15 @@ class ReadAhead:
         self,
         batches: Iterator[Item],
         embeddings,
-        replayed: Optional[Callable[[Batch, Optional[int]], bool]] = None,
+        ahead_units: Optional[Callable[[Batch, Optional[int]], Optional[Sequence[str]]]] = None,
     ):
-        """``replayed(batch, global rows)``: whether the step of a batch replays from CUDA
-        graphs (``StepGraphs.takes``), which copy and split the batch themselves: its input
-        stage is not run ahead."""
+        """``ahead_units(batch, global rows)``: the units (by name) whose input stage is run
+        ahead for the step of a batch, None for all (``StepGraphs.ahead_units``: a step replayed
+        from CUDA graphs, which copy and split the batch themselves, needs it for the units
+        looked up around them alone)."""
         self._batches = batches
         self._embeddings = embeddings
-        self._replayed = replayed
+        self._ahead_units = ahead_units
         self._read: deque[tuple[str, Any]] = deque()
 
     def read(self, steps_left: Optional[int] = None) -> None:
@@ -475,8 +476,11 @@ class ReadAhead:
                 return
             self._read.append(("item", item))
             if item is not None and isinstance(item[0], Batch):
-                if self._replayed is None or not self._replayed(item[0], item[2]):
+                units = None if self._ahead_units is None else self._ahead_units(item[0], item[2])
+                if units is None:
                     self._embeddings.prefetch(item[0].sparse, item[0].ready)
+                elif units:
+                    self._embeddings.prefetch(item[0].sparse, item[0].ready, units=units)
 
     def next(self) -> Optional[Item]:
         """The oldest batch read ahead, else the next one."""

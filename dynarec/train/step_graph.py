@@ -47,7 +47,9 @@ The others (:func:`uncaptured_reason`: dynamic tables, whose inserts read the ho
 host memory; FBGEMM's) are looked up eagerly around the graphs, with
 ``train.whole_step_graphs_eager_lookups`` (off until it has run on a GPU; without it such a
 model's steps run eagerly): before the forward's replay their lookups run as in an eager step
-(``EmbeddingCollection.lookup_units``: their steps opened, keys inserted), and their outputs
+(``EmbeddingCollection.lookup_units``: their steps opened, keys inserted; their input stage,
+the batch's copy and their hash finds, read ahead while the step before runs, as an eager
+step's: :meth:`StepGraphs.ahead_units`), and their outputs
 are copied into leaves the forward graph reads in their place
 (``EmbeddingCollection.inputs_checked(given)``); after the backward's replay their outputs'
 backward runs from the gradients the graph left in those leaves (their fused updates). So a
@@ -239,6 +241,13 @@ class StepGraphs:
         key = self._key(batch, global_rows)
         return key is not None and key in self._graphs
 
+    def ahead_units(self, batch: Batch, global_rows: Optional[int]) -> Optional[list[str]]:
+        """The units whose input stage (``EmbeddingCollection.prefetch``) is run ahead for a step
+        of ``batch``: None (all) where the step would not be replayed (:meth:`takes`), else
+        those looked up eagerly around the graphs (the graphs copy and split the batch for the
+        others themselves): their finds' host reads then wait for no step's device work."""
+        return [u.name for u in self.eager_units] if self.takes(batch, global_rows) else None
+
     @property
     def captures_next(self) -> bool:
         """Whether the signature of the step :meth:`forward` left to run eagerly is captured at
@@ -281,7 +290,7 @@ class StepGraphs:
         given = {}
         if self.eager_units:  # (their steps opened here; aborted by the caller's abort_step)
             kjt = Batch.unpacked(buffer, slots, layout).sparse
-            given = self.embeddings.lookup_units(kjt, [u.name for u in self.eager_units])
+            given = self.embeddings.lookup_units(kjt, [u.name for u in self.eager_units], prefetched=batch.sparse)
         if captured is None:
             captured = self._capture(key, buffer, hyper, given, slots, layout, global_rows)
             if captured is None:

@@ -627,7 +627,7 @@ class Trainer:
         saved_at = self.step if resume and existing and self._restored_world_size == self.ctx.world_size else None
         item = first
         graphs = self.step_graphs
-        ahead = ReadAhead(batches, self.task.embeddings, None if graphs is None else graphs.takes)
+        ahead = ReadAhead(batches, self.task.embeddings, None if graphs is None else graphs.ahead_units)
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None
