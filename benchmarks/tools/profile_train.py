@@ -39,7 +39,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from dynarec.bench.common import set_field
 from dynarec.config import config_from_dict
-from dynarec.train.input import ReadAhead
 from dynarec.train.trainer import Trainer
 
 
@@ -48,7 +47,7 @@ def _steps(trainer: Trainer, batches, sync) -> float:
     rows)`` items of ``TrainInput.batches``), fed as ``Trainer.fit`` feeds them."""
     start = time.perf_counter()
     items = batches if not isinstance(batches, list) else iter([(b, trainer.position, b.num_rows) for b in batches])
-    ahead = ReadAhead(items, trainer.task.embeddings)
+    ahead = trainer.read_ahead(items)
     item = ahead.next()
     while item is not None:
         trainer.train_step(item[0], item[2])
@@ -74,7 +73,7 @@ def _timeline(trainer: Trainer, items, steps: int, window: int, sync) -> None:
                 return
             yield item
 
-    ahead = ReadAhead(timed(items), trainer.task.embeddings)
+    ahead = trainer.read_ahead(timed(items))
     item = ahead.next()
     ends = [time.perf_counter()]
     stepping: list[float] = []

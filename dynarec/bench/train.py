@@ -161,7 +161,7 @@ def bench_train_step(args) -> dict:
     from dynarec.bench.common import cached_click_log
     from dynarec.data.synthetic import SyntheticSpec
     from dynarec.distributed.context import init_distributed
-    from dynarec.train.trainer import ReadAhead, Trainer
+    from dynarec.train.trainer import Trainer
 
     ctx = init_distributed(args.device, timeout_s=600)
     world, batch = ctx.world_size, args.batch
@@ -183,7 +183,7 @@ def bench_train_step(args) -> dict:
     model_dir = Path(tempfile.mkdtemp(prefix=f"dynarec-bench-train-rank{ctx.rank}-"))
     trainer = Trainer(config, model_dir, device=str(device), progress=False, ctx=ctx)
     # as Trainer.fit: the next batch is read, and its input stage started, while a backward runs
-    ahead = ReadAhead(trainer.input.batches(trainer.position), trainer.task.embeddings)
+    ahead = trainer.read_ahead(trainer.input.batches(trainer.position))
 
     def run_dynarec(steps: int) -> float:
         sync()

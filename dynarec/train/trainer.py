@@ -53,7 +53,7 @@ from dynarec.files import DirectoryBusyError, DirectoryLock
 from dynarec.models.variational_dropout import VariationalDropout, penalties
 from dynarec.train.checkpoint import CheckpointError, CheckpointManager
 from dynarec.train.evaluate import Evaluator
-from dynarec.train.input import EVAL_PATH, TRAIN_PATH, FollowOptions, ReadAhead, TrainInput
+from dynarec.train.input import EVAL_PATH, TRAIN_PATH, FollowOptions, Item, ReadAhead, TrainInput
 from dynarec.train.loss_scaling import LossScaler
 from dynarec.train.model_dir import check_not_another_kind, config_record, write_config_record
 from dynarec.train.optimizer_graph import OptimizerStepGraph, captures_step
@@ -454,6 +454,13 @@ class Trainer:
             self.step_graphs.ran_eagerly()
         return loss.detach()
 
+    def read_ahead(self, batches: Iterator[Item]) -> ReadAhead:
+        """The training loop's read-ahead of ``batches`` (:class:`ReadAhead`): a step replayed
+        from CUDA graphs has its input stage run ahead for the units looked up around them
+        alone (``StepGraphs.ahead_units``)."""
+        graphs = self.step_graphs
+        return ReadAhead(batches, self.task.embeddings, None if graphs is None else graphs.ahead_units)
+
     def _forward_loss(
         self, batch: Batch, global_rows: Optional[int]
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -626,8 +633,7 @@ class Trainer:
         # for this run's ranks (a resume at another world size that trains no step reshards it).
         saved_at = self.step if resume and existing and self._restored_world_size == self.ctx.world_size else None
         item = first
-        graphs = self.step_graphs
-        ahead = ReadAhead(batches, self.task.embeddings, None if graphs is None else graphs.ahead_units)
+        ahead = self.read_ahead(batches)
         # Not in a multi-process run (its input stage is collective), nor when following a
         # directory (reading ahead would hold a step's backward until the next file arrives).
         read_ahead = not self.ctx.distributed and self.input.follow is None
