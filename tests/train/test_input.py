@@ -1,12 +1,15 @@
 import os
 import warnings
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dynarec.config import config_from_dict
+from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition
 from dynarec.distributed.context import single_process
-from dynarec.train.input import TrainInput
+from dynarec.train.input import ReadAhead, TrainInput
 from tests.pipeline_fixtures import config_dict, make_data
 
 
@@ -83,3 +86,32 @@ def test_workers_past_the_cpus_are_as_many_as_the_cpus_with_one_line_saying_so(t
         assert sum(1 for _ in source.batches(DataPosition())) > 0
     err = capsys.readouterr().err
     assert err.count(f"data.num_workers is {cpus + 3}, but this process may use {cpus} CPU(s)") == 1
+
+
+def test_the_read_ahead_runs_each_batchs_input_stage_for_the_units_its_step_asks():
+    """``ReadAhead``: up to ``prefetch_depth`` batches read, each one's input stage run ahead for
+    the units ``ahead_units`` names (all where it says None, none where it names none: a step
+    replayed from CUDA graphs with every table inside them), and an error reading one raised
+    where the loop asks for that batch, after the batches before it."""
+    calls = []
+    embeddings = SimpleNamespace(prefetch_depth=2, prefetch=lambda kjt, ready, **units: calls.append((kjt, units)))
+    batches = [Batch.__new__(Batch) for _ in range(3)]
+    for i, batch in enumerate(batches):
+        object.__setattr__(batch, "sparse", f"kjt{i}")
+        object.__setattr__(batch, "ready", None)
+    units = {0: None, 1: [], 2: ["dyn"]}
+
+    def items():
+        for i, batch in enumerate(batches):
+            yield batch, DataPosition(), i
+        raise DataError("row 7: bad")
+
+    ahead = ReadAhead(items(), embeddings, lambda batch, rows: units[rows])
+    ahead.read()
+    assert calls == [("kjt0", {})]  # (the second needs none ahead)
+    assert ahead.next()[2] == 0 and ahead.next()[2] == 1
+    ahead.read()
+    assert calls[1:] == [("kjt2", {"units": ["dyn"]})]
+    assert ahead.next()[2] == 2
+    with pytest.raises(DataError, match="row 7"):
+        ahead.next()
