@@ -458,18 +458,20 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         finally:
             self._inputs_checked, self._given = False, {}
 
-    def lookup_units(
-        self, kjt: KeyedJaggedLike, names: Sequence[str], prefetched: Optional[KeyedJaggedLike] = None
-    ) -> dict[str, tuple[torch.Tensor, BagLayout]]:
-        """The lookups of the units ``names`` (:attr:`units`' names) alone, of a batch on this
-        device and checked (:meth:`check`): ``{name: (output, layout)}``; in training, as in
-        :meth:`forward`, each unit's step opened (aborted again where one of them raises) and
-        its output's backward its update. A step replayed from CUDA graphs looks up so the units it
-        does not capture, and gives their outputs to the graph (:meth:`inputs_checked`).
-        ``prefetched``: the batch as given to :meth:`prefetch` (``kjt`` may be its device copy);
-        where its stage was run ahead for these units, their packed bags and finds are taken
-        from it."""
-        prepared = None if prefetched is None else self._take_prefetched(prefetched)
+    def prefetched(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> bool:
+        """Whether the input stage of ``kjt`` was run ahead (:meth:`prefetch`) for the units
+        ``names`` (:attr:`units`' names) at least, and is kept."""
+        return any(p.kjt is kjt and all(n in p.packed for n in names) for p in self._prefetched)
+
+    def lookup_units(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, BagLayout]]:
+        """The lookups of the units ``names`` (:attr:`units`' names) alone: ``{name: (output,
+        layout)}``, of a batch whose stage was run ahead for them (:meth:`prefetched`: its packed
+        bags and finds are taken from there), else of a batch on this device and checked
+        (:meth:`check`). In training, as in :meth:`forward`, each unit's step is opened (aborted
+        again where one of them raises) and its output's backward is its update. A step replayed
+        from CUDA graphs looks up so the units it does not capture, and gives their outputs to
+        the graph (:meth:`inputs_checked`)."""
+        prepared = self._take_prefetched(kjt)
         if prepared is not None and all(name in prepared.packed for name in names):
             prepared.staged.take()
             try:

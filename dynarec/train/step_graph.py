@@ -289,8 +289,11 @@ class StepGraphs:
         buffer.copy_(source, non_blocking=True)
         given = {}
         if self.eager_units:  # (their steps opened here; aborted by the caller's abort_step)
-            kjt = Batch.unpacked(buffer, slots, layout).sparse
-            given = self.embeddings.lookup_units(kjt, [u.name for u in self.eager_units], prefetched=batch.sparse)
+            names = [u.name for u in self.eager_units]
+            kjt = batch.sparse  # (its stage read ahead for them, else the graph's device copy of it)
+            if not self.embeddings.prefetched(kjt, names):
+                kjt = Batch.unpacked(buffer, slots, layout).sparse
+            given = self.embeddings.lookup_units(kjt, names)
         if captured is None:
             captured = self._capture(key, buffer, hyper, given, slots, layout, global_rows)
             if captured is None:

@@ -307,14 +307,15 @@ def test_steps_replayed_around_eager_lookups_train_as_eager_steps_and_a_nan_one_
     names = [u.name for u in embeddings.units]
     for step, (batch, _, rows) in enumerate(items[:5]):
         assert eager.train_step(batch, rows) is not None
-        # Read ahead as the trainer's loop does: a step that replays takes its lookups' stage from it
-        # (every unit here); an eager one does not take a stage of some units alone (the first).
+        # Read ahead as the trainer's loop does: a step that replays, or captures, takes its lookups'
+        # stage from it (every unit's here); an eager one given the stage of one unit alone drops it
+        # and runs the whole stage (the first).
         ahead = graphs.ahead_units(batch, rows)
         assert ahead == (None if step < 2 else names)  # (captured at the second step, replayed from the third)
-        embeddings.prefetch(batch.sparse, batch.ready, units=ahead or names[:1])
+        embeddings.prefetch(batch.sparse, batch.ready, units=names[:1] if step == 0 else ahead)
         assert len(embeddings._prefetched) == 1
         assert replayed.train_step(batch, rows) is not None
-        assert not embeddings._prefetched  # taken by the step (a partial stage dropped and run whole)
+        assert not embeddings._prefetched  # taken by the step
     assert graphs.replays == 4 and graphs.num_graphs == 1  # the first step eager, then captured and replayed
     want, got = _state(eager), _state(replayed)
     assert want.keys() == got.keys()
