@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=[],
                 metavar="KEY=VALUE",
                 help="a field of the config both sides train, dotted, its value as YAML "
-                "(e.g. train.whole_step_graphs_eager_lookups=true); repeatable",
+                "(e.g. train.whole_step_graphs_eager_lookups=false); repeatable",
             )
             p.add_argument(
                 "--cache-batches",

@@ -1030,9 +1030,9 @@ class TrainCfg(Strict):
     whole_step_graphs: bool = True
     # With whole_step_graphs: tables the graphs cannot capture (dynamic tables, tables in host
     # memory, FBGEMM's) looked up eagerly around them, their outputs handed to the graphs and
-    # their gradients taken back, so that the rest of such a model's step still replays. Off
-    # until it has run on a GPU.
-    whole_step_graphs_eager_lookups: bool = False
+    # their gradients taken back, so that the rest of such a model's step still replays (their
+    # input stage read ahead as an eager step's); the same results as the eager step, bit for bit.
+    whole_step_graphs_eager_lookups: bool = True
     log_step_count_steps: Count = 50
     eval_every_steps: Optional[Count] = None
     seed: int = 0

@@ -126,10 +126,11 @@ def test_a_replayed_step_whose_loss_is_not_finite_writes_nothing(tmp_path):
 
 def test_what_keeps_a_setups_steps_eager_is_named(tmp_path):
     make_data(tmp_path)
-    dynamic = load_config(write_config(tmp_path, config_dict(), "dynamic.yaml"))
+    off = changed(config_dict(), train__whole_step_graphs_eager_lookups=False)
+    dynamic = load_config(write_config(tmp_path, off, "dynamic.yaml"))
     why = Trainer(dynamic, tmp_path / "d", device="cpu", progress=False).step_graph_refusal
     assert "user_id: dynamic" in why and "whole_step_graphs_eager_lookups is off" in why
-    eager = _trainer(tmp_path, "e", device="cpu", dynamic_user=True, train__whole_step_graphs_eager_lookups=True)
+    eager = _trainer(tmp_path, "e", device="cpu", dynamic_user=True)  # (eager lookups: on by default)
     assert eager.step_graph_refusal == "the device is cpu, not a GPU"  # (its dynamic table looked up eagerly)
     graphs = StepGraphs(
         eager.task.embeddings, eager.dense_optimizer, lambda b, r: torch.zeros(()), lambda: None, eager.task
