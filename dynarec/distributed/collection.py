@@ -20,6 +20,7 @@ StepFailedError naming the failing rank and its message.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -130,7 +131,9 @@ class ShardedEmbeddingCollection(TableFreezing, nn.Module):
                 "with dynarec's checkpoints (Trainer.save / Trainer.restore: written by N ranks, restored on any)"
             )
 
-    def prefetch(self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None) -> None:
+    def prefetch(
+        self, kjt: KeyedJaggedLike, ready: Optional[torch.cuda.Event] = None, units: Optional[Sequence[str]] = None
+    ) -> None:
         """Nothing: a sharded lookup's input stage is collective (every rank's ids go to their
         owners), so it runs inside its own step, in step order on every rank."""
 

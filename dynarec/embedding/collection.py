@@ -478,6 +478,8 @@ class EmbeddingCollection(TableFreezing, nn.Module):
                 return self._pooled({n: prepared.packed[n] for n in names}, prepared.found, prepared.holds)[0]
             finally:
                 prepared.release()
+        if prepared is not None:  # (the stage of other units: its rows made resident let go)
+            prepared.release()
         slices = split_features(kjt)
         packed = {unit.name: unit.pack(slices) for unit in self._units if unit.name in names}
         found = {unit.name: unit.find(packed[unit.name][0]) for unit in self._units if unit.name in packed}
@@ -487,7 +489,10 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         if self._inputs_checked:
             return self.lookup_slices(split_features(kjt))
         prepared = self._take_prefetched(kjt)
-        if prepared is None or len(prepared.packed) < len(self._units):  # (none, or some units' alone)
+        if prepared is not None and len(prepared.packed) < len(self._units):  # (some units' alone)
+            prepared.release()
+            prepared = None
+        if prepared is None:
             prepared = self._prepare(kjt)
         prepared.staged.take()
         try:

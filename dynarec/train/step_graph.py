@@ -243,7 +243,8 @@ class StepGraphs:
     def takes(self, batch: Batch, global_rows: Optional[int]) -> bool:
         """Whether :meth:`forward` would replay a step of ``batch`` now, as far as known before
         the step's learning rates are set (a schedule that changes the dense rate every step is
-        captured for no step): the embeddings' input stage is then not run ahead for it."""
+        captured for no step): the embeddings' input stage is then run ahead for the units
+        looked up around the graphs alone (:meth:`ahead_units`)."""
         key = self._key(batch, global_rows)
         return key is not None and key in self._graphs
 

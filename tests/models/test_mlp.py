@@ -55,7 +55,9 @@ def _rank(rank: int, world: int, init_file: str, queue) -> None:
     for name, module in modules().items():
         normalize_over_ranks(module, dist.group.WORLD)
         results[name] = train_steps(module, x[share], w[share])
-    queue.put((rank, results))
+    # As numpy arrays, pickled whole: a tensor would travel as a file descriptor that the parent
+    # fetches from this process later, and fails to once this process has exited.
+    queue.put((rank, {name: {k: v.numpy() for k, v in r.items()} for name, r in results.items()}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -71,7 +73,10 @@ def test_batch_norm_over_two_ranks_equals_one_process_over_their_rows():
         procs = [ctx.Process(target=_rank, args=(r, 2, os.path.join(d, "init"), queue)) for r in range(2)]
         for p in procs:
             p.start()
-        got = dict(queue.get(timeout=120) for _ in procs)
+        got = {
+            rank: {name: {k: torch.from_numpy(v) for k, v in r.items()} for name, r in results.items()}
+            for rank, results in (queue.get(timeout=120) for _ in procs)
+        }
         for p in procs:
             p.join(timeout=60)
             assert p.exitcode == 0
