@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Union
 
@@ -204,6 +204,10 @@ class _Prepared:
     found: dict[str, Optional[FoundKeys]]
     staged: StagedInput
     holds: dict[str, Optional[CacheHold]] = field(default_factory=dict)
+
+    def covers(self, names: Iterable[str]) -> bool:
+        """Whether the stage was run for the units ``names`` (at least)."""
+        return all(name in self.packed for name in names)
 
     def release(self) -> None:
         """Lets the rows made resident go (once the lookup has its own stamps on them)."""
@@ -461,7 +465,7 @@ class EmbeddingCollection(TableFreezing, nn.Module):
     def prefetched(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> bool:
         """Whether the input stage of ``kjt`` was run ahead (:meth:`prefetch`) for the units
         ``names`` (:attr:`units`' names) at least, and is kept."""
-        return any(p.kjt is kjt and all(n in p.packed for n in names) for p in self._prefetched)
+        return any(p.kjt is kjt and p.covers(names) for p in self._prefetched)
 
     def lookup_units(self, kjt: KeyedJaggedLike, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, BagLayout]]:
         """The lookups of the units ``names`` (:attr:`units`' names) alone: ``{name: (output,
@@ -472,7 +476,7 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         from CUDA graphs looks up so the units it does not capture, and gives their outputs to
         the graph (:meth:`inputs_checked`)."""
         prepared = self._take_prefetched(kjt)
-        if prepared is not None and all(name in prepared.packed for name in names):
+        if prepared is not None and prepared.covers(names):
             prepared.staged.take()
             try:
                 return self._pooled({n: prepared.packed[n] for n in names}, prepared.found, prepared.holds)[0]
@@ -489,7 +493,7 @@ class EmbeddingCollection(TableFreezing, nn.Module):
         if self._inputs_checked:
             return self.lookup_slices(split_features(kjt))
         prepared = self._take_prefetched(kjt)
-        if prepared is not None and len(prepared.packed) < len(self._units):  # (some units' alone)
+        if prepared is not None and not prepared.covers(u.name for u in self._units):  # (some units' alone)
             prepared.release()
             prepared = None
         if prepared is None:

@@ -477,9 +477,7 @@ class ReadAhead:
             self._read.append(("item", item))
             if item is not None and isinstance(item[0], Batch):
                 units = None if self._ahead_units is None else self._ahead_units(item[0], item[2])
-                if units is None:
-                    self._embeddings.prefetch(item[0].sparse, item[0].ready)
-                elif units:
+                if units is None or units:  # (None: every unit's)
                     self._embeddings.prefetch(item[0].sparse, item[0].ready, units=units)
 
     def next(self) -> Optional[Item]:

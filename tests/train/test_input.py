@@ -108,7 +108,7 @@ def test_the_read_ahead_runs_each_batchs_input_stage_for_the_units_its_step_asks
 
     ahead = ReadAhead(items(), embeddings, lambda batch, rows: units[rows])
     ahead.read()
-    assert calls == [("kjt0", {})]  # (the second needs none ahead)
+    assert calls == [("kjt0", {"units": None})]  # (the second needs none ahead)
     assert ahead.next()[2] == 0 and ahead.next()[2] == 1
     ahead.read()
     assert calls[1:] == [("kjt2", {"units": ["dyn"]})]
