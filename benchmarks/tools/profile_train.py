@@ -107,6 +107,21 @@ def _timeline(trainer: Trainer, items, steps: int, window: int, sync) -> None:
     print(f"{done} steps: {done * trainer.input.global_batch_size / total:,.0f} samples/s")
 
 
+def _print_graphs(trainer: Trainer) -> None:
+    """How the steps so far used CUDA graphs: the whole step's and the dense model's."""
+    graphs = getattr(trainer, "step_graphs", None)  # (a tree before whole-step graphs has none)
+    if graphs is not None:
+        refused = f"; capture refused: {graphs.refused}" if graphs.refused else ""
+        eager = [u.name for u in getattr(graphs, "eager_units", [])]
+        around = f"; looked up eagerly around them: {', '.join(eager)}" if eager else ""
+        print(f"whole-step graphs: {graphs.replays} steps replayed, {graphs.num_graphs} captured{around}{refused}")
+    elif hasattr(trainer, "step_graph_refusal"):
+        print(f"steps eager: {trainer.step_graph_refusal}")
+    dense = getattr(trainer.task, "graphs", None)
+    if dense is not None:
+        print(f"dense model's graphs: {dense.replays} replays, {dense.num_graphs} captured")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
@@ -115,6 +130,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--min-history", type=int, default=30, help="the click log's shortest history (up to 30)")
     p.add_argument("--rows-shown", type=int, default=30)
     p.add_argument("--cprofile", action="store_true", help="the host's Python functions over the steps")
     p.add_argument("--torch-profile", action="store_true", help="torch's op table over the steps")
@@ -134,7 +150,7 @@ def main() -> None:
         help="a config field, dotted, its value as YAML (e.g. train.cuda_graphs=false); repeatable",
     )
     a = p.parse_args()
-    raw, a.batch = profiled_config(a.config, a.batch, a.train_rows, a.workers)
+    raw, a.batch = profiled_config(a.config, a.batch, a.train_rows, a.workers, a.min_history)
     for item in a.set:
         set_field(raw, item)
     raw["train"].update(num_epochs=None, num_steps=10**9, log_step_count_steps=10**9)
@@ -147,6 +163,7 @@ def main() -> None:
             torch.set_num_threads(a.threads)
         if a.timeline and not a.held:
             _timeline(trainer, trainer.input.batches(trainer.position), a.timeline, a.window, sync)
+            _print_graphs(trainer)
             return
         source = trainer.input.batches(trainer.position)
         next(source)  # the workers started
@@ -165,6 +182,7 @@ def main() -> None:
                 drain.start()
             try:
                 _timeline(trainer, held, a.timeline, a.window, sync)
+                _print_graphs(trainer)
             finally:
                 stop.set()
                 if a.drain:
@@ -176,14 +194,7 @@ def main() -> None:
             f"steps alone, batch {a.batch} on {a.device}: {steps_s * 1e3:.2f} ms a step "
             f"({a.batch / steps_s:,.0f} samples/s)"
         )
-        graphs = getattr(trainer, "step_graphs", None)  # (a tree before whole-step graphs has none)
-        if graphs is not None:
-            refused = f"; capture refused: {graphs.refused}" if graphs.refused else ""
-            eager = [u.name for u in getattr(graphs, "eager_units", [])]
-            around = f"; looked up eagerly around them: {', '.join(eager)}" if eager else ""
-            print(f"whole-step graphs: {graphs.replays} steps replayed, {graphs.num_graphs} captured{around}{refused}")
-        elif hasattr(trainer, "step_graph_refusal"):
-            print(f"steps eager: {trainer.step_graph_refusal}")
+        _print_graphs(trainer)
         live = None
         if a.live:
             live = itertools.islice(source, a.steps)

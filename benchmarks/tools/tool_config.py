@@ -12,15 +12,18 @@ from dynarec.embedding import EmbeddingCollection
 from dynarec.optim import Adagrad
 
 
-def profiled_config(config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None):
+def profiled_config(
+    config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None, min_history: int = 30
+):
     """``(raw config, batch size)`` a profiling tool runs: ``config``'s (its data paths as they
     are, its batch size), else the e2e benchmark's at ``batch`` over its click log of
-    ``train_rows`` rows (generated on first use); no eval input."""
+    ``train_rows`` rows, histories ``min_history`` to 30 long (generated on first use); no eval
+    input."""
     if config:
         raw = json.loads(load_config(config).model_dump_json())
         batch = raw["data"]["batch_size"]
     else:
-        spec = e2e_spec(train_rows, 10_000)
+        spec = e2e_spec(train_rows, 10_000, min_history)
         raw = e2e_config(spec, cached_click_log(spec), batch, 1, workers)
     raw["data"]["eval_input_path"] = None
     return raw, batch

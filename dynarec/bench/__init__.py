@@ -164,6 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
             p.add_argument("--epochs", type=at_least(1), default=1)
             p.add_argument(
+                "--min-history",
+                type=at_least(1),
+                default=30,
+                help="the click log's shortest history (each row's drawn from it to 30; the demo's data: 3)",
+            )
+            p.add_argument(
                 "--runs", type=at_least(1), default=1, help="runs of each side, interleaved; medians reported"
             )
             p.add_argument(

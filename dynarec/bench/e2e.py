@@ -4,10 +4,11 @@ The benchmark runs the command a user types, ``dynarec train --config C --model-
 as a subprocess — the data stage (Parquet reading, FarmHash hashing, batch building), the first
 epoch (a dynamic table meeting every key for the first time, growing) and the final checkpoint
 and eval included — on a Taobao-like click log: string user, item and category ids, ``|``-joined
-histories of 30 items and their categories, a price, a label (``make_click_log`` with
-``string_ids=True``). The model is the demo's (``resources/demo.yaml``: MultiTowerDIN, a dynamic
-user table, fixed item and category tables each shared by the candidate and the history, here
-over hashed string ids), trained with the demo's optimizers.
+histories of 30 items and their categories (``--min-history L``: of L to 30, drawn uniformly for
+each row, as the demo's data are), a price, a label (``make_click_log`` with ``string_ids=True``).
+The model is the demo's (``resources/demo.yaml``: MultiTowerDIN, a dynamic user table, fixed
+item and category tables each shared by the candidate and the history, here over hashed string
+ids), trained with the demo's optimizers.
 
 Beside it, in the same run and each run in a fresh process of its own (as a user's script runs,
 and as each ``dynarec train`` is), the plain-PyTorch peer a user would write: ``nn.Embedding(sparse=True)``
@@ -68,9 +69,12 @@ from dynarec.data.synthetic import SyntheticSpec
 __all__ = ["bench_e2e", "e2e_config", "e2e_spec", "run_settings", "user_config"]
 
 
-def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
+def e2e_spec(train_rows: int, eval_rows: int, min_history: int = 30) -> SyntheticSpec:
     """The click log at ``train_rows``: the demo's proportions (a user every 10 rows, an item every
-    40, a category every 100 items, at least the demo's 50), every history 30 long, string ids."""
+    40, a category every 100 items, at least the demo's 50), every history ``min_history`` to 30
+    long (default: 30, all of them), string ids."""
+    if not 1 <= min_history <= 30:
+        raise ValueError(f"--min-history must be within 1 and 30, got {min_history}")
     items = max(train_rows // 40, 1000)
     return SyntheticSpec(
         train_rows=train_rows,
@@ -78,7 +82,7 @@ def e2e_spec(train_rows: int, eval_rows: int) -> SyntheticSpec:
         num_users=max(train_rows // 10, 1000),
         num_items=items,
         num_cates=max(items // 100, 50),
-        min_hist_len=30,
+        min_hist_len=min_history,
         max_hist_len=30,
         string_ids=True,
     )
@@ -312,12 +316,15 @@ def bench_e2e(args) -> dict:
 
     eval_rows = args.eval_rows if args.eval_rows is not None else max(args.train_rows // 10, 1000)
     if args.config is None:
-        spec = e2e_spec(args.train_rows, eval_rows)
+        spec = e2e_spec(args.train_rows, eval_rows, getattr(args, "min_history", 30))
         data_dir = cached_click_log(spec)
         raw = e2e_config(spec, data_dir, args.batch, args.epochs, args.workers, args.cache_batches)
         data: dict[str, Any] = {"spec": asdict(spec)}
-        rows_are = "Taobao-like rows (string ids, histories of 30)"
+        lengths = "30" if spec.min_hist_len == 30 else f"{spec.min_hist_len} to 30"
+        rows_are = f"Taobao-like rows (string ids, histories of {lengths})"
     else:
+        if getattr(args, "min_history", 30) != 30:
+            raise ValueError("--min-history shapes the click log of the demo's model; --config's data are made for it")
         raw = user_config(Path(args.config))
         generated = GenerateSpec(train_rows=args.train_rows, eval_rows=eval_rows)
         data_dir = cached_config_data(raw, generated)

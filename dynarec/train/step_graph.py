@@ -34,8 +34,14 @@ made), and replayed while it recurs; at most ``max_graphs`` are kept, the least 
 given up for a new one. The signature also holds what the eager step would read afresh: grad mode,
 every module's training flag, every parameter's ``requires_grad``. Any other step runs
 eagerly: a group whose tables' rates or step counters differ, a dense learning rate that changes
-every step. Where a capture fails (out of memory included), the step runs eagerly, the reason is
-reported once and no capture is tried again.
+every step, and a batch whose features' id counts differ from the batch before's (histories whose
+lengths vary from row to row: replaying those would need the ids in buffers of bucketed
+capacity, not done yet). An eager step expected to be captured next time runs its dense model
+eagerly (the dense model's own graphs would go to no replay), but only while signatures recur:
+where each batch's differs, eager steps keep the dense model's graphs from the second on
+(:attr:`StepGraphs.captures_next`). Where a capture fails (out of memory included), the step
+runs eagerly, the reason is reported once and no capture is tried again. ``Trainer.fit``'s
+report counts the steps replayed (``cuda_graphs``).
 
 Eligible (:func:`step_graph_refusal` names what stands in the way): one process on a GPU with
 ``train.cuda_graphs`` and ``train.whole_step_graphs``, float32 without loss scaling, no gradient
@@ -216,10 +222,13 @@ class StepGraphs:
         self.tables = [t for u in self.units for t in (u.tables if isinstance(u, TableGroup) else [u])]
         self.refused: Optional[str] = None  # why a capture failed (no capture is tried again)
         self.on_refusal: Optional[Callable[[str], None]] = None
-        self.replays = 0
+        self.replays = 0  # steps replayed
+        self.captures = 0  # signatures captured (some may have been given up since: max_graphs)
         self._graphs: dict[tuple, _Captured] = {}
         self._last: Optional[tuple] = None  # the signature of the last step run eagerly, whole
         self._eager: Optional[tuple] = None  # that of the step forward() left to run eagerly
+        # eager steps in a row whose signature was not their step before's (0 after a replay or capture)
+        self._unrepeated = 0
         self._pending: Optional[_Captured] = None  # the graphs of a step whose forward was replayed
         self._given: dict[str, tuple[torch.Tensor, BagLayout]] = {}  # its eager lookups' outputs
         self._pool: Any = None
@@ -257,9 +266,14 @@ class StepGraphs:
 
     @property
     def captures_next(self) -> bool:
-        """Whether the signature of the step :meth:`forward` left to run eagerly is captured at
-        its next step, should this one run whole (it has one, and no capture failed)."""
-        return self._eager is not None and self.refused is None
+        """Whether the signature of the step :meth:`forward` left to run eagerly is expected to
+        be captured at its next step, should this one run whole: it has one, no capture failed,
+        and signatures recur. The step then runs its dense model eagerly, its own CUDA graphs
+        bypassed (``DenseGraphs.bypassed``: their capture would go to no replay). Signatures
+        recur unless the step before also ran eagerly with a signature not its step before's:
+        where every batch's differs (a history whose length varies from row to row changes the
+        features' id counts), the eager steps keep the dense model's graphs from their second on."""
+        return self._eager is not None and self.refused is None and self._unrepeated < 2
 
     def ran_eagerly(self) -> None:
         """Tells that the step :meth:`forward` left to run eagerly ran whole, its backward and
@@ -279,7 +293,9 @@ class StepGraphs:
             captured = self._graphs[key] = self._graphs.pop(key)  # (the most recently replayed last)
         if key is None or (captured is None and not self._may_capture(key)):
             self._eager = key
+            self._unrepeated = self._unrepeated + 1 if key is not None else 0
             return None
+        self._unrepeated = 0
         device = self.embeddings.device
         if batch.ready is not None:  # a batch made on another stream (a cached epoch's)
             torch.cuda.current_stream(device).wait_event(batch.ready)
@@ -481,6 +497,7 @@ class StepGraphs:
             forward, backward, buffer, hyper, loss.detach(), finite, outputs, cast(dict[str, torch.Tensor], grads)
         )
         self._graphs[key] = captured
+        self.captures += 1
         return captured
 
 

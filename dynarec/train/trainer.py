@@ -729,10 +729,26 @@ class Trainer:
             **({"overflow_skipped_steps": self.loss_scaler.skipped_steps} if self.loss_scaler is not None else {}),
             "steps_per_second": (self.step - start_step) / seconds if seconds > 0 else math.nan,
             "epochs": self.log.epochs,
+            **({"cuda_graphs": self.cuda_graphs_report()} if self.device.type == "cuda" else {}),
             "eval": final,
         }
         self.log.finish(report)
         return report
+
+    def cuda_graphs_report(self) -> dict[str, Any]:
+        """How the training steps on a GPU used CUDA graphs since this trainer was made: the
+        whole step's (``whole_step_replayed_steps``, ``whole_step_signatures`` captured, or
+        ``whole_step_refused``: why this setup's steps never replay) and the dense model's
+        (``dense_replays``, ``dense_refused``). A run whose whole steps seldom replay has batches
+        whose signature changes (``dynarec.train.step_graph``: histories of varying length)."""
+        steps, dense = self.step_graphs, self.task.graphs
+        return {
+            "whole_step_replayed_steps": steps.replays if steps is not None else 0,
+            "whole_step_signatures": steps.captures if steps is not None else 0,
+            "whole_step_refused": self.step_graph_refusal if steps is None else steps.refused,
+            "dense_replays": dense.replays if dense is not None else 0,
+            "dense_refused": dense.refused if dense is not None else _NO_DENSE_GRAPHS,
+        }
 
     def _check_not_past_the_end(self, path: Path) -> None:
         """CheckpointError where the checkpoint just restored (``path``) trained past this config's
@@ -786,6 +802,12 @@ class Trainer:
         """Steps still to run (None: until the data ends)."""
         n = self.config.train.num_steps
         return None if n is None else max(n - self.step, 0)
+
+
+_NO_DENSE_GRAPHS = (
+    "none made: train.cuda_graphs off, a multi-process run, mixed precision, gradient accumulation, or a dense "
+    "model that cannot be captured"
+)
 
 
 @contextlib.contextmanager

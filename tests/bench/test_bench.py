@@ -224,6 +224,8 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
         str(epochs),
         "--eval-rows",
         "1000",
+        "--min-history",
+        "3",
     )
     r = report["results"]
     assert r["command"] == "dynarec train --config config.yaml --model-dir model --device cpu"
@@ -245,7 +247,8 @@ def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_ch
         and ours["eval_auc"] < r["data"]["bayes_optimal_eval_auc"]
     )
     # the data are generated once per parameters, outside the timed part
-    assert r["data"]["spec"]["string_ids"] is True and r["data"]["spec"]["min_hist_len"] == 30
+    assert r["data"]["spec"]["string_ids"] is True and r["data"]["spec"]["min_hist_len"] == 3  # (as the demo's)
+    assert "histories of 3 to 30" in " ".join(report["summary"])
 
 
 DLRM_CRITEO = Path(__file__).parents[1] / "config" / "tzrec" / "examples" / "dlrm_criteo.config"
@@ -378,6 +381,7 @@ def test_row_dtype_states_what_half_rows_can_gain_where_bytes_bound_the_step(tmp
     [
         (["e2e", "--runs", "0"], "--runs: 0 is below 1"),
         (["e2e", "--train-rows", "0"], "--train-rows: 0 is below 1"),
+        (["e2e", "--min-history", "0"], "--min-history: 0 is below 1"),
         (["data-stage", "--data-batch", "0"], "--data-batch: 0 is below 1"),
         (["data-stage", "--steps", "-1"], "--steps: -1 is below 1"),
         (["fused-step", "--bags", "0"], "--bags: 0 is below 1"),

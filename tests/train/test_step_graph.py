@@ -89,6 +89,9 @@ def test_a_run_whose_steps_replay_equals_one_whose_steps_run_eagerly(tmp_path, d
     # every full batch after the first two of an epoch (the first eager, the second captured)
     assert graphs.replays >= m_on["step"] - 4, (graphs.replays, m_on["step"])
     assert m_on["step"] == m_off["step"]
+    assert m_on["cuda_graphs"]["whole_step_replayed_steps"] == graphs.replays
+    assert m_on["cuda_graphs"]["whole_step_signatures"] == graphs.captures >= 1
+    assert m_off["cuda_graphs"]["whole_step_refused"] == "train.cuda_graphs is off"
     assert m_on["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-5)
     want, got = _state(off), _state(on)
     assert want.keys() == got.keys()
@@ -97,6 +100,33 @@ def test_a_run_whose_steps_replay_equals_one_whose_steps_run_eagerly(tmp_path, d
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     on.restore()  # the graphs hold the tables' memory by address: a load forgets them
     assert graphs.num_graphs == 0
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_a_din_on_histories_of_varying_length_replays_its_dense_model(tmp_path):
+    """The pipeline's DIN on histories of 3 to 8 ids: each batch's id counts differ, so no whole
+    step replays; its eager steps run the dense model from the dense model's own graphs (from the
+    second step on: the first is bypassed, as its signature might recur), and fit's report says
+    so. The run trains as one whose steps run without any graph (the dense graphs change no
+    result)."""
+    make_data(tmp_path)
+    reports = {}
+    for graphs in (True, False):
+        config = changed(config_dict(), data__num_workers=1, train__cuda_graphs=graphs)
+        trainer = Trainer(load_config(write_config(tmp_path, config, f"din{graphs}.yaml")), tmp_path / f"din{graphs}",
+                          device="cuda", progress=False)  # fmt: skip
+        reports[graphs] = (trainer.fit(), trainer)
+    (report, on), (m_off, off) = reports[True], reports[False]
+    graphs = report["cuda_graphs"]
+    assert graphs["whole_step_refused"] is None and graphs["whole_step_replayed_steps"] == 0
+    assert on.task.graphs is not None and graphs["dense_replays"] == on.task.graphs.replays
+    # every step but the first, less one a dense signature new (the longest history of a batch)
+    assert graphs["dense_replays"] >= report["step"] - 1 - on.task.graphs.num_graphs, (graphs, report["step"])
+    assert report["eval"]["auc"] == pytest.approx(m_off["eval"]["auc"], abs=1e-5)
+    want, got = _state(off), _state(on)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
 @needs_cuda
@@ -375,6 +405,35 @@ def test_a_signature_is_captured_only_after_an_eager_step_of_it_ran_whole(tmp_pa
     assert graphs._key(first, rows) == key
     embeddings.requires_grad_(False)  # frozen tables open no step
     assert graphs._key(first, rows) is None
+
+
+def test_eager_steps_keep_the_dense_graphs_where_no_signature_recurs(tmp_path):
+    """An eager step bypasses the dense model's graphs (``captures_next``) only while signatures
+    recur: the first of a run, or the first after a replay. Where every step's differs from the
+    step's before (a history's lengths vary: its features' id counts; the rows a loss is averaged
+    over stand in for them here), eager steps keep the dense graphs from the second on."""
+    make_data(tmp_path)
+    trainer = _trainer(tmp_path, "varying", device="cpu")
+    graphs = trainer.step_graphs = _stand_in_graphs(trainer)
+    source = trainer.input.batches(trainer.position)
+    items = list(itertools.islice(source, 6))
+    source.close()
+    trainer.input.close()
+    (batch, _, rows), *_ = items
+    expected = [  # (the rows, whether the step replays, captures_next after it)
+        (rows, False, True),  # the run's first step: its signature may recur
+        (rows + 1, False, False),  # a second new signature in a row
+        (rows + 2, False, False),
+        (rows + 2, True, True),  # one recurs: captured (here, a stand-in) and replayed
+        (rows + 3, False, True),  # a new one after a replay
+        (rows + 4, False, False),
+    ]
+    for step, ((batch, _, _), (global_rows, replays, bypass)) in enumerate(zip(items, expected)):
+        before = graphs.replays
+        assert trainer.train_step(batch, global_rows) is not None
+        assert graphs.replays - before == replays, step
+        assert graphs.captures_next == bypass, step
+    assert graphs.num_graphs == 1
 
 
 def test_the_dense_graphs_bypassed_run_the_model_eagerly_and_capture_nothing():
