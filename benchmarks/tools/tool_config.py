@@ -20,6 +20,8 @@ def profiled_config(
     ``train_rows`` rows, histories ``min_history`` to 30 long (generated on first use); no eval
     input."""
     if config:
+        if min_history != 30:
+            raise ValueError("--min-history shapes the e2e benchmark's click log; --config's data are its own")
         raw = json.loads(load_config(config).model_dump_json())
         batch = raw["data"]["batch_size"]
     else:

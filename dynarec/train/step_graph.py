@@ -227,7 +227,8 @@ class StepGraphs:
         self._graphs: dict[tuple, _Captured] = {}
         self._last: Optional[tuple] = None  # the signature of the last step run eagerly, whole
         self._eager: Optional[tuple] = None  # that of the step forward() left to run eagerly
-        # eager steps in a row whose signature was not their step before's (0 after a replay or capture)
+        # eager steps in a row whose signature was not that of the last step run eagerly whole (not
+        # captured next time; 0 after a replay or capture, kept by a step without a signature)
         self._unrepeated = 0
         self._pending: Optional[_Captured] = None  # the graphs of a step whose forward was replayed
         self._given: dict[str, tuple[torch.Tensor, BagLayout]] = {}  # its eager lookups' outputs
@@ -246,8 +247,9 @@ class StepGraphs:
         if self._graphs:
             torch.cuda.synchronize()
         self._graphs.clear()
-        self._last = self._pending = self._pool = None
+        self._last = self._eager = self._pending = self._pool = None
         self._given = {}
+        self._unrepeated = 0
 
     def takes(self, batch: Batch, global_rows: Optional[int]) -> bool:
         """Whether :meth:`forward` would replay a step of ``batch`` now, as far as known before
@@ -270,9 +272,11 @@ class StepGraphs:
         be captured at its next step, should this one run whole: it has one, no capture failed,
         and signatures recur. The step then runs its dense model eagerly, its own CUDA graphs
         bypassed (``DenseGraphs.bypassed``: their capture would go to no replay). Signatures
-        recur unless the step before also ran eagerly with a signature not its step before's:
-        where every batch's differs (a history whose length varies from row to row changes the
-        features' id counts), the eager steps keep the dense model's graphs from their second on."""
+        recur unless the step before also ran eagerly with a signature that could not be
+        captured (not that of the last step run eagerly whole): where every batch's differs (a
+        history whose length varies from row to row changes the features' id counts), the eager
+        steps keep the dense model's graphs from their second on. (A signature that recurs
+        later is still captured: a capture needs only its eager step run whole before it.)"""
         return self._eager is not None and self.refused is None and self._unrepeated < 2
 
     def ran_eagerly(self) -> None:
@@ -293,9 +297,10 @@ class StepGraphs:
             captured = self._graphs[key] = self._graphs.pop(key)  # (the most recently replayed last)
         if key is None or (captured is None and not self._may_capture(key)):
             self._eager = key
-            self._unrepeated = self._unrepeated + 1 if key is not None else 0
+            if key is not None:
+                self._unrepeated += 1
             return None
-        self._unrepeated = 0
+        self._eager, self._unrepeated = None, 0  # (replayed or captured: nothing left to run eagerly)
         device = self.embeddings.device
         if batch.ready is not None:  # a batch made on another stream (a cached epoch's)
             torch.cuda.current_stream(device).wait_event(batch.ready)

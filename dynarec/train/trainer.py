@@ -737,14 +737,14 @@ class Trainer:
 
     def cuda_graphs_report(self) -> dict[str, Any]:
         """How the training steps on a GPU used CUDA graphs since this trainer was made: the
-        whole step's (``whole_step_replayed_steps``, ``whole_step_signatures`` captured, or
+        whole step's (``whole_step_replayed_steps``, ``whole_step_captures`` of signatures, or
         ``whole_step_refused``: why this setup's steps never replay) and the dense model's
         (``dense_replays``, ``dense_refused``). A run whose whole steps seldom replay has batches
         whose signature changes (``dynarec.train.step_graph``: histories of varying length)."""
         steps, dense = self.step_graphs, self.task.graphs
         return {
             "whole_step_replayed_steps": steps.replays if steps is not None else 0,
-            "whole_step_signatures": steps.captures if steps is not None else 0,
+            "whole_step_captures": steps.captures if steps is not None else 0,
             "whole_step_refused": self.step_graph_refusal if steps is None else steps.refused,
             "dense_replays": dense.replays if dense is not None else 0,
             "dense_refused": dense.refused if dense is not None else _NO_DENSE_GRAPHS,

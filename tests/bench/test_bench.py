@@ -211,6 +211,15 @@ def test_cached_click_log_is_one_directory_per_spec_holding_that_spec():
     assert json.loads((path / "meta.json").read_text())["spec"] == asdict(small)
 
 
+def test_e2e_histories_are_30_long_unless_a_shortest_is_given():
+    from dynarec.bench.e2e import e2e_spec
+
+    assert (e2e_spec(1000, 100).min_hist_len, e2e_spec(1000, 100).max_hist_len) == (30, 30)  # issue 27's workload
+    assert (e2e_spec(1000, 100, 3).min_hist_len, e2e_spec(1000, 100, 3).max_hist_len) == (3, 30)  # the demo's
+    with pytest.raises(ValueError, match="--min-history must be within 1 and 30, got 31"):
+        e2e_spec(1000, 100, 31)
+
+
 def test_e2e_runs_the_train_command_and_its_plain_torch_peer_to_a_better_than_chance_auc(tmp_path):
     rows, batch, epochs = 3000, 256, 2
     report = run(
