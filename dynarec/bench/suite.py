@@ -73,6 +73,8 @@ CASES: dict[str, tuple[Case, ...]] = {
     # does), a 64M-slot index, the trainer at batch 4096 with its automatic DataLoader workers.
     "cuda": (
         Case("e2e", ("--device", "cuda", "--batch", "4096", "--train-rows", "2000000")),
+        # histories of 3 to 30, as the demo's data: batches of varying id counts (no whole-step replay)
+        Case("e2e", ("--device", "cuda", "--batch", "4096", "--train-rows", "2000000", "--min-history", "3")),
         Case("fused-step", ("--device", "cuda", *_GPU_SHAPE, "--bags", "65536", "--steps", "30", "--runs", "7")),
         Case("dynamic-step", ("--device", "cuda", *_GPU_SHAPE, "--bags", "262144", "--steps", "10", "--runs", "7")),
         Case(
@@ -436,6 +438,15 @@ def figures_of(benchmark: str, report: dict[str, Any]) -> list[Figure]:
                 )
                 for f in figures
                 if f.baseline == "fixed table, same ids"
+            ]
+        spec = (report["results"].get("data") or {}).get("spec") or {} if benchmark == "e2e" else {}
+        if spec.get("min_hist_len", 0) < spec.get("max_hist_len", 0):  # the varying-history case
+            lengths = f"histories of {spec['min_hist_len']} to {spec['max_hist_len']}"
+            figures = [
+                dataclasses.replace(
+                    f, what=f"{f.what}, {lengths}", headline=f"{f.headline}, {lengths}" if f.headline else None
+                )
+                for f in figures
             ]
         return figures
     return list(_rates(benchmark, report.get("results", report)))

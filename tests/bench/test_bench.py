@@ -385,6 +385,23 @@ def test_row_dtype_states_what_half_rows_can_gain_where_bytes_bound_the_step(tmp
     assert "at most" in report["summary"][-1]
 
 
+def test_the_suites_varying_history_case_is_named_apart_from_the_30_long_one():
+    """The suite's two e2e cases on a GPU (histories all 30 long; 3 to 30) give figures of
+    different names and headlines (the report's data spec says the lengths)."""
+    path = CHECKOUT / "benchmarks/results/2026-12-07-h100-e2e-din-4096-histories-3-30.json"
+    varying = json.loads(path.read_text())
+    fixed = json.loads(json.dumps(varying))
+    fixed["results"]["data"]["spec"]["min_hist_len"] = 30
+    of_fixed, of_varying = figures_of("e2e", fixed), figures_of("e2e", varying)
+    assert [f.headline for f in of_fixed if f.headline] == ["e2e samples/s", "e2e AUC"]
+    assert [f.headline for f in of_varying if f.headline] == [
+        "e2e samples/s, histories of 3 to 30",
+        "e2e AUC, histories of 3 to 30",
+    ]
+    assert {f.what for f in of_varying}.isdisjoint(f.what for f in of_fixed)
+    assert of_varying[0].ratio == varying["results"]["dynarec_over_peer"] > 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
