@@ -515,6 +515,8 @@ from dynarec.train.stop import TrainingStopped
 from dynarec.train.trainer import Trainer
 from tests.train.test_faults import _SigtermAfterFirstEvalBatch
 
+import torch.distributed as dist
+
 ctx = init_distributed("cpu", timeout_s=60)
 trainer = Trainer(load_config(sys.argv[1]), sys.argv[2], progress=False, ctx=ctx)
 if ctx.rank == 1:  # the signal reaches one rank only
@@ -523,6 +525,8 @@ try:
     trainer.fit()
 except TrainingStopped as e:
     print(f"rank {ctx.rank} stopped: {e}", flush=True)
+finally:  # as `dynarec train` ends a rank: a process group left to the interpreter's exit may abort it
+    dist.destroy_process_group()
 """
 
 
