@@ -6,22 +6,21 @@ import json
 from typing import Optional
 
 from dynarec.bench.common import Workload, cached_click_log, make_table
-from dynarec.bench.e2e import e2e_config, e2e_spec
+from dynarec.bench.e2e import HISTORY, e2e_config, e2e_spec, refuse_min_history_with_config
 from dynarec.config import load_config
 from dynarec.embedding import EmbeddingCollection
 from dynarec.optim import Adagrad
 
 
 def profiled_config(
-    config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None, min_history: int = 30
+    config: Optional[str], batch: int, train_rows: int, workers: Optional[int] = None, min_history: int = HISTORY
 ):
     """``(raw config, batch size)`` a profiling tool runs: ``config``'s (its data paths as they
     are, its batch size), else the e2e benchmark's at ``batch`` over its click log of
-    ``train_rows`` rows, histories ``min_history`` to 30 long (generated on first use); no eval
-    input."""
+    ``train_rows`` rows, histories ``min_history`` to ``HISTORY`` long (generated on first use);
+    no eval input."""
     if config:
-        if min_history != 30:
-            raise ValueError("--min-history shapes the e2e benchmark's click log; --config's data are its own")
+        refuse_min_history_with_config(min_history)
         raw = json.loads(load_config(config).model_dump_json())
         batch = raw["data"]["batch_size"]
     else:

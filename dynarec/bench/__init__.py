@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "--min-history",
                 type=at_least(1),
-                default=30,
+                default=30,  # dynarec.bench.e2e.HISTORY (a benchmark's module is imported when it runs)
                 help="the click log's shortest history (each row's drawn from it to 30; the demo's data: 3)",
             )
             p.add_argument(

@@ -66,15 +66,27 @@ from dynarec.bench.train import _PlainTorchModel, _tensorize, one_table_rows
 from dynarec.data.generate import GenerateSpec
 from dynarec.data.synthetic import SyntheticSpec
 
-__all__ = ["bench_e2e", "e2e_config", "e2e_spec", "run_settings", "user_config"]
+__all__ = [
+    "HISTORY",
+    "bench_e2e",
+    "e2e_config",
+    "e2e_spec",
+    "refuse_min_history_with_config",
+    "run_settings",
+    "user_config",
+]
 
 
-def e2e_spec(train_rows: int, eval_rows: int, min_history: int = 30) -> SyntheticSpec:
+#: The click log's longest history (every history this long unless ``--min-history`` is given).
+HISTORY = 30
+
+
+def e2e_spec(train_rows: int, eval_rows: int, min_history: int = HISTORY) -> SyntheticSpec:
     """The click log at ``train_rows``: the demo's proportions (a user every 10 rows, an item every
-    40, a category every 100 items, at least the demo's 50), every history ``min_history`` to 30
-    long (default: 30, all of them), string ids."""
-    if not 1 <= min_history <= 30:
-        raise ValueError(f"--min-history must be within 1 and 30, got {min_history}")
+    40, a category every 100 items, at least the demo's 50), every history ``min_history`` to
+    :data:`HISTORY` long (default: all of them :data:`HISTORY`), string ids."""
+    if not 1 <= min_history <= HISTORY:
+        raise ValueError(f"--min-history must be within 1 and {HISTORY}, got {min_history}")
     items = max(train_rows // 40, 1000)
     return SyntheticSpec(
         train_rows=train_rows,
@@ -83,9 +95,16 @@ def e2e_spec(train_rows: int, eval_rows: int, min_history: int = 30) -> Syntheti
         num_items=items,
         num_cates=max(items // 100, 50),
         min_hist_len=min_history,
-        max_hist_len=30,
+        max_hist_len=HISTORY,
         string_ids=True,
     )
+
+
+def refuse_min_history_with_config(min_history: int) -> None:
+    """ValueError where a shortest history is asked of a config's own data (``--config``): it
+    shapes the e2e click log alone."""
+    if min_history != HISTORY:
+        raise ValueError("--min-history shapes the click log of the demo's model; --config's data are made for it")
 
 
 def e2e_config(
@@ -315,16 +334,16 @@ def bench_e2e(args) -> dict:
     from dynarec.config import config_from_dict
 
     eval_rows = args.eval_rows if args.eval_rows is not None else max(args.train_rows // 10, 1000)
+    min_history = getattr(args, "min_history", HISTORY)  # (the suite's older reports' arguments lack it)
     if args.config is None:
-        spec = e2e_spec(args.train_rows, eval_rows, getattr(args, "min_history", 30))
+        spec = e2e_spec(args.train_rows, eval_rows, min_history)
         data_dir = cached_click_log(spec)
         raw = e2e_config(spec, data_dir, args.batch, args.epochs, args.workers, args.cache_batches)
         data: dict[str, Any] = {"spec": asdict(spec)}
-        lengths = "30" if spec.min_hist_len == 30 else f"{spec.min_hist_len} to 30"
+        lengths = f"{HISTORY}" if min_history == HISTORY else f"{min_history} to {HISTORY}"
         rows_are = f"Taobao-like rows (string ids, histories of {lengths})"
     else:
-        if getattr(args, "min_history", 30) != 30:
-            raise ValueError("--min-history shapes the click log of the demo's model; --config's data are made for it")
+        refuse_min_history_with_config(min_history)
         raw = user_config(Path(args.config))
         generated = GenerateSpec(train_rows=args.train_rows, eval_rows=eval_rows)
         data_dir = cached_config_data(raw, generated)

@@ -439,7 +439,7 @@ def figures_of(benchmark: str, report: dict[str, Any]) -> list[Figure]:
                 for f in figures
                 if f.baseline == "fixed table, same ids"
             ]
-        spec = (report["results"].get("data") or {}).get("spec") or {} if benchmark == "e2e" else {}
+        spec = ((report["results"].get("data") or {}).get("spec") or {}) if benchmark == "e2e" else {}
         if spec.get("min_hist_len", 0) < spec.get("max_hist_len", 0):  # the varying-history case
             lengths = f"histories of {spec['min_hist_len']} to {spec['max_hist_len']}"
             figures = [
