@@ -28,7 +28,7 @@ from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
 from dynarec.train.graphs import DenseGraphs
 
-__all__ = ["RankingTask", "check_dense_fits", "check_servable"]
+__all__ = ["RankingTask", "check_dense_fits", "check_servable", "dense_graph_refusal"]
 
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,20 +108,10 @@ class RankingTask(nn.Module):
             )
             ddp.register_comm_hook(self.ctx.group, _allreduce_sum_hook)
             self._dense_forward = ddp
-        # Captured in training where the graphs can hold: one process (no DDP hooks), float32,
-        # gradients not accumulated over steps (a replay rewrites the buffer a parameter's .grad
-        # was taken from), and a model that keeps nothing of a forward pass outside its outputs.
-        train = config.train
         self.graphs: Optional[DenseGraphs] = None
-        if (
-            train.cuda_graphs
-            and self.device.type == "cuda"
-            and not self.ctx.distributed
-            and train.mixed_precision is None
-            and train.gradient_accumulation_steps == 1
-            # a module whose forward leaves something outside its outputs says so (capturable = False)
-            and all(getattr(m, "capturable", True) for m in self.dense.modules())
-        ):
+        #: Why the dense model has no CUDA graphs (None: it has them).
+        self.dense_graph_refusal = dense_graph_refusal(config, self.device, self.ctx.distributed, self.dense)
+        if self.dense_graph_refusal is None:
             self.graphs = DenseGraphs(self.dense)
         self.sequence_features = sequence_names(config)
         self.element_pooling = element_poolings(config)
@@ -173,3 +163,26 @@ class RankingTask(nn.Module):
         with torch.autocast(self.device.type, dtype=_AUTOCAST[precision]):
             logits = self._dense_forward(emb, lengths, dense, **extra)
         return logits.float(), held
+
+
+def dense_graph_refusal(config: Config, device: torch.device, distributed: bool, dense: nn.Module) -> Optional[str]:
+    """Why the dense model ``dense`` trains without CUDA graphs under ``config`` on ``device``,
+    None where it is captured: in training where the graphs can hold — one process (no DDP
+    hooks), float32, gradients not accumulated over steps (a replay rewrites the buffer a
+    parameter's ``.grad`` was taken from), and a model that keeps nothing of a forward pass outside
+    its outputs (a module that does says so: ``capturable = False``)."""
+    train = config.train
+    if not train.cuda_graphs:
+        return "train.cuda_graphs is off"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not a GPU"
+    if distributed:
+        return "a multi-process run (DistributedDataParallel's hooks run in the backward)"
+    if train.mixed_precision is not None:
+        return f"train.mixed_precision is {train.mixed_precision}"
+    if train.gradient_accumulation_steps != 1:
+        return f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}"
+    kept = sorted({type(m).__name__ for m in dense.modules() if not getattr(m, "capturable", True)})
+    if kept:
+        return f"module(s) {', '.join(kept)} keep something of a forward pass outside their outputs"
+    return None

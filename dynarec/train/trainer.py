@@ -747,7 +747,7 @@ class Trainer:
             "whole_step_captures": steps.captures if steps is not None else 0,
             "whole_step_refused": self.step_graph_refusal if steps is None else steps.refused,
             "dense_replays": dense.replays if dense is not None else 0,
-            "dense_refused": dense.refused if dense is not None else _NO_DENSE_GRAPHS,
+            "dense_refused": dense.refused if dense is not None else self.task.dense_graph_refusal,
         }
 
     def _check_not_past_the_end(self, path: Path) -> None:
@@ -802,12 +802,6 @@ class Trainer:
         """Steps still to run (None: until the data ends)."""
         n = self.config.train.num_steps
         return None if n is None else max(n - self.step, 0)
-
-
-_NO_DENSE_GRAPHS = (
-    "none made: train.cuda_graphs off, a multi-process run, mixed precision, gradient accumulation, or a dense "
-    "model that cannot be captured"
-)
 
 
 @contextlib.contextmanager

@@ -297,3 +297,39 @@ def test_no_graphs_off_the_gpu(tmp_path):
     assert config.train.cuda_graphs
     trainer = Trainer(config, tmp_path / "m", device="cpu", progress=False)
     assert trainer.task.graphs is None and trainer._optimizer_graph is None
+    assert trainer.task.dense_graph_refusal == "the device is cpu, not a GPU"
+    assert trainer.cuda_graphs_report()["dense_refused"] == "the device is cpu, not a GPU"
+
+
+class _KeepsAForward(nn.Module):
+    capturable = False  # (keeps something of a forward pass outside its outputs)
+
+
+@pytest.mark.parametrize(
+    "changes, device, distributed, why",
+    [
+        ({"cuda_graphs": False}, "cuda", False, "train.cuda_graphs is off"),
+        ({}, "cuda", True, "a multi-process run"),
+        ({"mixed_precision": "bf16"}, "cuda", False, "train.mixed_precision is bf16"),
+        ({"gradient_accumulation_steps": 2}, "cuda", False, "train.gradient_accumulation_steps is 2"),
+        ({}, "cuda", False, "module(s) _KeepsAForward keep something of a forward pass"),
+        ({}, "cpu", False, "the device is cpu, not a GPU"),
+    ],
+)
+def test_what_keeps_the_dense_model_off_graphs_is_named(tmp_path, changes, device, distributed, why):
+    from dynarec.train.task import dense_graph_refusal
+
+    raw = config_dict()
+    raw["train"].update(changes)
+    config = load_config(write_config(tmp_path, raw))
+    dense = nn.Sequential(nn.Linear(2, 2), _KeepsAForward()) if why.startswith("module") else nn.Linear(2, 2)
+    assert why in dense_graph_refusal(config, torch.device(device), distributed, dense)
+    assert (
+        dense_graph_refusal(
+            load_config(write_config(tmp_path, config_dict(), "plain.yaml")),
+            torch.device("cuda"),
+            False,
+            nn.Linear(2, 2),
+        )
+        is None
+    )
