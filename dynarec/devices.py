@@ -15,12 +15,13 @@ import torch
 __all__ = [
     "HostMemoryError",
     "StorageSpan",
+    "await_device_start",
     "byte_offset",
     "capture_graph",
     "capturing",
     "check_device",
     "page_lock",
-    "start_cublas",
+    "start_device",
     "storage_spans",
     "synchronize",
     "to_device",
@@ -106,6 +107,7 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     device memory: a training step's first captures gave back the blocks that the steps after
     them allocate again."""
     index = torch.cuda.current_device()
+    await_device_start()  # (its kernels must not run inside the capture)
     side = _CAPTURE_STREAMS.get(index)
     if side is None:
         side = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
@@ -120,29 +122,93 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     main.wait_stream(side)
 
 
-def start_cublas(device: torch.device) -> Optional[threading.Thread]:
-    """Starts cuBLAS on ``device`` (a CUDA device; None elsewhere) in a thread of its own, which
-    it returns, started: a small matrix product and its backward, which load the library and make
-    the handles torch keeps for the threads that run a step's products (the autograd engine's
-    among them). Started before the first batch is awaited, it overlaps the wait: on an H100,
-    dlrm_criteo's first step went from 259.8 to 200.5 ms. Join the thread before a CUDA graph is
-    captured: its work must not run inside a capture. A failure here is left for the step to
-    meet and name."""
+# The thread started by :func:`start_device` for each CUDA device index, until it is awaited.
+_STARTING: dict[int, threading.Thread] = {}
+_STARTING_LOCK = threading.Lock()
+
+
+def start_device(device: torch.device) -> None:
+    """Starts a CUDA ``device`` (nothing elsewhere) in a thread of its own: cuBLAS (the library
+    loaded and the handles torch keeps for the threads that run a step's products, the autograd
+    engine's among them), and the kernels of the ops a training step runs, each run once on a few
+    values (:func:`_first_uses`). torch's CUDA kernels are loaded at their first launch in a
+    process, some tens of milliseconds each (on an H100, ``masked_fill`` 57 ms, ``isfinite``
+    36 ms, ``softmax`` 16 ms): run this way beside the trainer's set-up, they are not paid by the
+    first step. The thread draws no random number and writes no tensor but its own. A capture
+    (:func:`capture_graph`) waits for it first: its work must not run inside one. A failure here is
+    left for the step to meet and name."""
     if device.type != "cuda":
-        return None
+        return
+    # CUDA initialized here, not in the thread: a DataLoader made meanwhile must see it so, and
+    # start its workers from the fork server (a fork beside a thread initializing CUDA is unsafe).
+    torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _STARTING_LOCK:
+        if index in _STARTING:
+            return
 
-    def run() -> None:
-        try:
-            with torch.cuda.device(device):
-                a = torch.ones(16, 16, device=device, requires_grad=True)
-                torch.nn.functional.linear(a, a).sum().backward()
-                torch.cuda.synchronize(device)
-        except Exception:  # the step that needs cuBLAS meets it and names it
-            pass
+        def run() -> None:
+            try:
+                with torch.cuda.device(index):
+                    _first_uses(torch.device("cuda", index))
+                    torch.cuda.synchronize(index)
+            except Exception:  # the step that needs the kernel meets it and names it
+                pass
 
-    thread = threading.Thread(target=run, name="dynarec-start-cublas", daemon=True)
-    thread.start()
-    return thread
+        thread = threading.Thread(target=run, name=f"dynarec-start-cuda-{index}", daemon=True)
+        _STARTING[index] = thread
+        thread.start()
+
+
+def await_device_start(device: Optional[torch.device] = None) -> None:
+    """Waits for :func:`start_device`'s thread of ``device`` (default: every device's)."""
+    with _STARTING_LOCK:
+        if device is None:
+            threads = list(_STARTING.values())
+            _STARTING.clear()
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            threads = [t for t in [_STARTING.pop(index, None)] if t is not None]
+    for thread in threads:
+        thread.join()
+
+
+def _first_uses(device: torch.device) -> None:
+    """The ops of a training step whose kernels the first step would load, on a few values of the
+    dtypes a step gives them: the tables' (ids sorted, made unique, counted, filled, found by
+    position; lengths repeated and summed), the dense model's common ones (products, ReLU,
+    masked softmax, sigmoid cross-entropy, and their backward; a fused Adam step) and the loss's
+    finiteness check."""
+    n = 1 << 16  # ids: past the sizes a sort handles in one block
+    ids = torch.arange(n, dtype=torch.int64, device=device) * 7919 % 4099
+    lengths = ids[:64] % 8
+    torch.sort(ids)
+    torch.sort(ids, stable=True)
+    torch.argsort(ids, stable=True)
+    torch.unique(ids, return_inverse=True, return_counts=True)
+    torch.nonzero(ids < 100)
+    torch.cumsum(lengths, 0)
+    torch.repeat_interleave(lengths)
+    torch.zeros(4099, dtype=torch.int64, device=device).index_fill_(0, ids, 1).index_add_(0, ids, ids)
+    torch.searchsorted(torch.sort(ids).values, ids[:64])
+    x = (torch.arange(64 * 16, dtype=torch.float32, device=device).view(64, 16) / 1024).requires_grad_(True)
+    mask = torch.arange(16, device=device)[None, :] < lengths[:, None]
+    logits = x.masked_fill(~mask, torch.finfo(x.dtype).min)
+    weights = torch.softmax(logits, dim=1) * mask.to(x.dtype)
+    hidden = torch.relu(torch.nn.functional.linear(x, x[:16].detach()))
+    pooled = torch.bmm(weights[:, None, :], hidden[:, :, None]).squeeze(-1).squeeze(-1)
+    scores = torch.cat([pooled, torch.where(mask[:, 0], pooled, 0.0)])
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(scores, torch.ones_like(scores))
+    loss.backward()
+    bool(torch.isfinite(loss).all())
+    # The dense optimizers' default, torch's fused Adam, called as its op: ``torch.optim`` would
+    # import modules (torch._dynamo) in this thread while the trainer's imports them too.
+    param, step = torch.zeros(8, device=device), torch.zeros((), device=device)
+    torch._foreach_add_([step], 1)
+    torch._fused_adam_(
+        [param], [torch.ones_like(param)], [torch.zeros_like(param)], [torch.zeros_like(param)], [], [step],
+        lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 class HostMemoryError(RuntimeError):

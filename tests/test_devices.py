@@ -139,22 +139,32 @@ def test_a_capture_keeps_torchs_cached_memory_and_replays_what_it_captured():
     assert torch.equal(a @ a, torch.eye(64, device="cuda"))  # the device works on
 
 
-def test_cublas_is_started_only_for_a_cuda_device():
-    assert devices.start_cublas(torch.device("cpu")) is None
+def test_a_device_is_started_only_where_it_is_a_cuda_one():
+    before = dict(devices._STARTING)
+    devices.start_device(torch.device("cpu"))
+    assert devices._STARTING == before  # no thread started
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS")
-def test_cublas_started_in_its_thread_leaves_the_device_ready_for_a_capture():
-    thread = devices.start_cublas(torch.device("cuda"))
-    assert thread is not None
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+def test_the_first_uses_run_on_any_device_and_draw_no_random_number():
+    # (on a GPU they run in a thread that swallows errors: a mistake in them shows here)
+    cpu_rng = torch.get_rng_state()
+    devices._first_uses(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), cpu_rng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_a_started_device_is_awaited_by_a_capture_and_draws_no_random_number():
+    rng = torch.cuda.get_rng_state()
+    devices.start_device(torch.device("cuda"))
+    assert devices._STARTING  # (until awaited)
     a = torch.eye(8, device="cuda")
     graph = torch.cuda.CUDAGraph()
-    with devices.capture_graph(graph):  # no library start inside: nothing of it is left to run
+    with devices.capture_graph(graph):  # waits for the thread: none of its work runs inside
         out = a @ a
+    assert not devices._STARTING
     graph.replay()
     assert torch.equal(out, a)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
 
 
 def test_tensors_lying_near_each_other_in_one_storage_form_one_span():

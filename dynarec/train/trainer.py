@@ -42,7 +42,7 @@ from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
 from dynarec.data.tdm_sampler import tree_digest, tree_files
-from dynarec.devices import start_cublas
+from dynarec.devices import start_device
 from dynarec.distributed.context import DistContext, StepFailedError, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.embedding.cached_store import CacheFullError
@@ -107,6 +107,7 @@ class Trainer:
         self.model_dir = Path(model_dir)
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
+        start_device(self.device)  # its kernels load beside the set-up
         self.input = TrainInput(config, self.ctx, self.device, follow)
         # The dense model's initial weights come from the config's seed, and a step's random
         # draws (dropout) from a stream of their own: neither touches the process's global RNG.
@@ -616,10 +617,7 @@ class Trainer:
                 refused = e
         self.ctx.agree(refused, f"checking {self.model_dir / 'config.yaml'}")
         batches = self.input.batches(self.position)
-        cublas = start_cublas(self.device)  # while the first batch is read
         first = next(batches, None) if self._more_steps() else None
-        if cublas is not None:
-            cublas.join()
         if first is not None and self.ctx.distributed:
             self.ctx.agree(first[0] if isinstance(first[0], DataError) else None, "reading the first batch")
         if self.ctx.is_main:
