@@ -155,22 +155,25 @@ def start_device(device: torch.device) -> None:
             except Exception:  # the step that needs the kernel meets it and names it
                 pass
 
-        thread = threading.Thread(target=run, name=f"dynarec-start-cuda-{index}", daemon=True)
+        # Not a daemon: the interpreter waits for it at exit (a daemon thread stopped inside a
+        # torch op at shutdown can abort the process, turning a clean error exit into a crash).
+        thread = threading.Thread(target=run, name=f"dynarec-start-cuda-{index}")
         _STARTING[index] = thread
         thread.start()
 
 
 def await_device_start(device: Optional[torch.device] = None) -> None:
-    """Waits for :func:`start_device`'s thread of ``device`` (default: every device's)."""
+    """Waits for :func:`start_device`'s thread of ``device`` (default: every device's). A thread
+    is forgotten only once it has ended: a :func:`start_device` meanwhile starts none."""
     with _STARTING_LOCK:
-        if device is None:
-            threads = list(_STARTING.values())
-            _STARTING.clear()
-        else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            threads = [t for t in [_STARTING.pop(index, None)] if t is not None]
-    for thread in threads:
+        index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
+        threads = {i: t for i, t in _STARTING.items() if index is None or i == index}
+    for thread in threads.values():
         thread.join()
+    with _STARTING_LOCK:
+        for i, thread in threads.items():
+            if _STARTING.get(i) is thread:
+                del _STARTING[i]
 
 
 def _first_uses(device: torch.device) -> None:

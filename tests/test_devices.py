@@ -153,7 +153,17 @@ def test_the_first_uses_run_on_any_device_and_draw_no_random_number():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_the_first_uses_run_on_a_gpu():
+    # (the thread swallows errors: one only a GPU raises shows here)
+    rng = torch.cuda.get_rng_state()
+    devices._first_uses(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_a_started_device_is_awaited_by_a_capture_and_draws_no_random_number():
+    devices.await_device_start()  # (a thread an earlier test started)
     rng = torch.cuda.get_rng_state()
     devices.start_device(torch.device("cuda"))
     assert devices._STARTING  # (until awaited)
