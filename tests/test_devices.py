@@ -1,5 +1,6 @@
 """dynarec.devices: host memory locked for a GPU (its failure named, with its bytes and the table
-whose rows it is), the device check."""
+whose rows it is), the device check, a device's start (its kernels' first uses, in a thread a
+capture waits for)."""
 
 import gc
 import warnings
