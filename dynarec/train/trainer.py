@@ -42,7 +42,7 @@ from dynarec.config.schema import Config
 from dynarec.data.batch import Batch, DataError
 from dynarec.data.reader import DataPosition, data_files
 from dynarec.data.tdm_sampler import tree_digest, tree_files
-from dynarec.devices import start_device
+from dynarec.devices import check_device, start_device
 from dynarec.distributed.context import DistContext, StepFailedError, single_process
 from dynarec.distributed.reshard import plan_state, tables_for_rank
 from dynarec.embedding.cached_store import CacheFullError
@@ -105,6 +105,8 @@ class Trainer:
         tdm = config.data.tdm_sampler  # a TDM model's node ids are its tree's: checkpoints pin the tree
         self.tree = None if tdm is None else {**tree_files(tdm), "sha256": tree_digest(tdm)}
         self.model_dir = Path(model_dir)
+        if ctx is None or not ctx.distributed:  # a named error where there is no such device, not torch's assertion
+            check_device(str(device), f"Trainer(device='{device}')")
         self.ctx = ctx or single_process(device)
         self.device = self.ctx.device if self.ctx.distributed else torch.device(device)
         start_device(self.device)  # its kernels load beside the set-up

@@ -14,10 +14,12 @@ import pytest
 import yaml
 
 from dynarec.cli import main
+from dynarec.config import load_config
 from dynarec.serving import ExportedModel
 from dynarec.train import checkpoint as checkpoint_module
 from dynarec.train.checkpoint import CheckpointError, load_checkpoint
 from dynarec.train.model_dir import HEADER
+from dynarec.train.trainer import Trainer
 from tests.faults import file_size_limit, fill, read_only, small_disk
 from tests.pipeline_fixtures import config_dict, make_data, write_config
 
@@ -520,4 +522,15 @@ def test_cuda_on_a_build_without_it_is_a_named_error(root, tmp_path, capsys):
     assert train(steps_config(root), tmp_path / "m", "--device", "cuda") == 2
     line = error_line(capsys, "train")
     assert "--device cuda" in line and "README" in line, line
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_trainer_made_for_cuda_on_a_build_without_it_is_a_named_error(root, tmp_path):
+    # (the Python API's counterpart of --device: it met torch's "Torch not compiled with CUDA enabled")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"Trainer\(device='cuda'\): .*README"):
+        Trainer(load_config(steps_config(root)), tmp_path / "m", device="cuda", progress=False)
     assert not (tmp_path / "m").exists()
