@@ -50,9 +50,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dynarec.devices import StorageSpan, byte_offset, capture_graph, storage_spans
 
-__all__ = ["DenseGraphs"]
+__all__ = ["DenseGraphs", "uncapturable_modules"]
 
 Inputs = tuple[dict[str, torch.Tensor], ...]
+
+
+def uncapturable_modules(model: nn.Module) -> list[str]:
+    """The class names (sorted, once each) of ``model``'s modules whose forward keeps something of
+    a pass outside its outputs: they say so with ``capturable = False``, and no graph holds them."""
+    return sorted({type(m).__name__ for m in model.modules() if not getattr(m, "capturable", True)})
 
 
 def _signature(inputs: Inputs) -> tuple:

@@ -90,6 +90,7 @@ from dynarec.embedding.table import FixedTable, commit_backward
 from dynarec.kernels.gpu.update import HYPER, HostStaging
 from dynarec.optim.fused import kernel_hyper
 from dynarec.optim.registry import definition
+from dynarec.train.graphs import uncapturable_modules
 from dynarec.train.optimizer_graph import captures_step
 
 __all__ = ["StepGraphs", "step_graph_refusal"]
@@ -136,8 +137,9 @@ def step_graph_refusal(
         return f"train.gradient_accumulation_steps {accumulation_steps}"
     if draws:
         return "the dense model draws random numbers (dropout)"
-    if not all(getattr(m, "capturable", True) for m in dense.modules()):
-        return "the dense model keeps something of a forward outside its outputs"
+    kept = uncapturable_modules(dense)
+    if kept:
+        return f"the dense model keeps something of a forward outside its outputs ({', '.join(kept)})"
     if device.type != "cuda":
         return f"the device is {device}, not a GPU"
     if not captures_step(optimizer):

@@ -26,7 +26,7 @@ from dynarec.models.inputs import model_inputs
 from dynarec.models.mlp import normalize_over_ranks
 from dynarec.models.registry import build_model
 from dynarec.planner.plan import Plan, plan_from_config
-from dynarec.train.graphs import DenseGraphs
+from dynarec.train.graphs import DenseGraphs, uncapturable_modules
 
 __all__ = ["RankingTask", "check_dense_fits", "check_servable", "dense_graph_refusal"]
 
@@ -182,7 +182,7 @@ def dense_graph_refusal(config: Config, device: torch.device, distributed: bool,
         return f"train.mixed_precision is {train.mixed_precision}"
     if train.gradient_accumulation_steps != 1:
         return f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}"
-    kept = sorted({type(m).__name__ for m in dense.modules() if not getattr(m, "capturable", True)})
+    kept = uncapturable_modules(dense)
     if kept:
         return f"module(s) {', '.join(kept)} keep something of a forward pass outside their outputs"
     return None
