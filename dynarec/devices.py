@@ -162,12 +162,11 @@ def start_device(device: torch.device) -> None:
         thread.start()
 
 
-def await_device_start(device: Optional[torch.device] = None) -> None:
-    """Waits for :func:`start_device`'s thread of ``device`` (default: every device's). A thread
-    is forgotten only once it has ended: a :func:`start_device` meanwhile starts none."""
+def await_device_start() -> None:
+    """Waits for every :func:`start_device` thread. A thread is forgotten only once it has ended:
+    a :func:`start_device` meanwhile starts none."""
     with _STARTING_LOCK:
-        index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
-        threads = {i: t for i, t in _STARTING.items() if index is None or i == index}
+        threads = dict(_STARTING)
     for thread in threads.values():
         thread.join()
     with _STARTING_LOCK:
