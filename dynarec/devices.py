@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import gc
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -24,6 +27,7 @@ __all__ = [
     "start_device",
     "storage_spans",
     "synchronize",
+    "table_tensor",
     "to_device",
 ]
 
@@ -72,6 +76,56 @@ def page_lock(t: torch.Tensor) -> torch.Tensor:
             )
         weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
+
+
+def table_tensor(
+    shape: Sequence[int], fill: float | int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A table's array (rows, optimizer states, an index's keys) ``shape`` of ``dtype``, every
+    element ``fill``. On the CPU its memory is advised to the kernel for transparent huge pages
+    before it is first written (``madvise(MADV_HUGEPAGE)``, where the kernel offers them): a
+    step reads and writes a table's rows at random, and with 4 KiB pages nearly every row
+    costs a page walk (a table of 1M rows of 64 floats spans 64k pages, far past the TLB's
+    reach). Advice only: where the kernel has none to give, the pages are small, nothing fails."""
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if t.device.type == "cpu":
+        _advise_huge_pages(t)
+    return t.fill_(fill)
+
+
+_MADV_HUGEPAGE = 14  # (linux/mman.h)
+
+
+@functools.cache
+def _huge_page_advice() -> Optional[tuple[Any, int]]:
+    """libc's ``madvise`` and the transparent huge page's size in bytes, or None where the kernel
+    offers no transparent huge pages (not Linux, or THP ``never``)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            size = int(f.read())
+    except (OSError, ValueError):
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise, size
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Advises huge pages for the whole huge pages inside ``t``'s memory (a CPU tensor not yet
+    written: pages already touched stay small until the kernel merges them)."""
+    advice = _huge_page_advice()
+    nbytes = t.numel() * t.element_size()
+    if advice is None or nbytes < 2 * (size := advice[1]):
+        return
+    start = -(-t.data_ptr() // size) * size
+    end = (t.data_ptr() + nbytes) // size * size
+    advice[0](start, end - start, _MADV_HUGEPAGE)  # (its result ignored: advice)
 
 
 @contextlib.contextmanager

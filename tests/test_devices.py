@@ -11,6 +11,8 @@ import torch
 from dynarec import devices
 from dynarec.devices import HostMemoryError, page_lock
 from dynarec.embedding import cached_store
+from dynarec.embedding.hash_index import BucketedHashIndex
+from dynarec.embedding.row_store import NativeRowStore
 from dynarec.optim import Adagrad
 
 
@@ -219,3 +221,74 @@ def test_a_packed_batch_moves_to_the_gpu_in_one_copy():
         assert m.is_cuda and m.dtype == t.dtype and m.shape == t.shape and torch.equal(m.cpu(), t)
     one = {moved[i].untyped_storage().data_ptr() for i in (0, 1, 3, 5)}
     assert len(one) == 1 and moved[4].untyped_storage().data_ptr() not in one
+
+
+@pytest.mark.parametrize(
+    "dtype, fill", [(torch.float32, 0.5), (torch.bfloat16, 0), (torch.int64, -1), (torch.uint8, 0)]
+)
+@pytest.mark.parametrize("numel", [0, 1000, 3 << 20])  # below and above the advice's 4 MiB
+def test_a_table_tensor_holds_its_fill_in_its_shape_and_dtype(dtype, fill, numel):
+    t = devices.table_tensor((numel, 2), fill, dtype)
+    assert t.shape == (numel, 2) and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.full((numel, 2), fill, dtype=dtype))
+
+
+def _record_advice(monkeypatch, page: int = 2 << 20) -> list[tuple[int, int, int]]:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(devices, "_huge_page_advice", lambda: (lambda *a: calls.append(a) or 0, page))
+    return calls
+
+
+def test_huge_pages_are_advised_for_the_whole_pages_inside_a_table_tensor(monkeypatch):
+    calls = _record_advice(monkeypatch)
+    page = 2 << 20
+    t = devices.table_tensor((5 << 20,), 0, torch.uint8)  # 5 MiB: one whole page inside at least
+    ((start, length, advice),) = calls
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel()
+    assert advice == 14  # MADV_HUGEPAGE
+    assert start % page == 0 and length % page == 0 and length >= page
+    assert begin <= start < begin + page and end - page < start + length <= end
+    calls.clear()
+    devices.table_tensor(((4 << 20) - 1,), 0, torch.uint8)  # below two pages: none advised
+    devices.table_tensor((8 << 20,), 0, torch.uint8, device="meta")  # not the CPU's memory
+    assert calls == []
+
+
+def test_a_tables_rows_states_and_index_are_advised_huge_pages(monkeypatch):
+    calls = _record_advice(monkeypatch)
+    store = NativeRowStore(1 << 15, 64, Adagrad(lr=0.1))  # 8 MiB of weights, 8 MiB of Adagrad's state
+    index = BucketedHashIndex(1 << 16, 16)  # 1M slots: keys and scores 8 MiB, pins 4 MiB
+    arrays = [store.weight, store.states["momentum1"], index.keys, index.scores, index.storage.all_pins]
+    assert len(calls) == len(arrays)  # (the 1 MiB of tags: too small)
+    for (start, length, _), t in zip(calls, arrays):
+        assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.numel() * t.element_size()
+
+
+def _transparent_huge_pages() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _transparent_huge_pages(), reason="the kernel offers no transparent huge pages")
+def test_a_table_tensor_is_backed_by_huge_pages_where_the_kernel_offers_them():
+    t = devices.table_tensor((16 << 20,), 1.0, torch.float32)  # 64 MiB
+    assert _huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel() * 4) >= 32 << 10  # half of it at least
+    assert torch.equal(t, torch.ones(16 << 20))
+
+
+def _huge_kib_in(begin: int, end: int) -> int:
+    """The AnonHugePages (KiB) of this process's mappings that overlap ``[begin, end)`` (the
+    advice splits an allocation's mapping at its first and last whole huge page)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and begin < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from dynarec.devices import table_tensor
 from dynarec.embedding import insert_plan
 from dynarec.embedding.insert_plan import PIN_WRAP, InsertPlan
 from dynarec.embedding.key_hash import candidate_buckets, key_tags
@@ -215,14 +216,14 @@ class IndexStorage(IndexWrites):
         self.part_starts = torch.tensor(self.part_starts_host, dtype=torch.int64, device=self.device)
         self.num_buckets = self.part_starts_host[-1]
         cap = self.capacity
-        self.keys = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.tags = torch.zeros(cap, dtype=torch.uint8, device=self.device)  # EMPTY_TAG: empty (key_tags)
+        self.keys = table_tensor((cap,), 0, torch.int64, self.device)
+        self.scores = table_tensor((cap,), 0, torch.int64, self.device)
+        self.tags = table_tensor((cap,), 0, torch.uint8, self.device)  # EMPTY_TAG: empty (key_tags)
         # The id of the last training step that pinned the slot (-1: never); a slot is pinned while
         # that step is pending (StepLifecycle). Step ids are never reused (int32: they wrap after
         # 2^31 steps, when a row untouched that long could look pinned for one step), so the pin
         # of an aborted step pins nothing (the pins it replaced are restored: pin's journal).
-        self.all_pins = torch.full((cap + 1,), -1, dtype=torch.int32, device=self.device)  # the last: -1 slots'
+        self.all_pins = table_tensor((cap + 1,), -1, torch.int32, self.device)  # the last: -1 slots'
         # pin_later's, in order: (step id, slots, their first slot, the partitions still holding it)
         self._pending_pins: list[tuple[int, torch.Tensor, int, set[int]]] = []
         # The last write's event and its stream's id, and the last find's event on each stream (CUDA)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import dynarec.kernels.ops  # registers torch.ops.dynarec
-from dynarec.devices import page_lock
+from dynarec.devices import page_lock, table_tensor
 from dynarec.kernels.packed import packed_layout, table_views
 from dynarec.kernels.reference.bags import bags_of_ids
 from dynarec.optim.base import OptimizerSpec
@@ -295,11 +295,9 @@ class NativeRowStore(RowStore):
         if self.records:
             self._allocate_records(num_rows, lock)
             return
-        self._weight = lock(torch.zeros(num_rows, self.dim, dtype=self.dtype, device=self.device))
+        self._weight = lock(table_tensor((num_rows, self.dim), 0, self.dtype, self.device))
         self._states = {
-            s.name: lock(
-                torch.full((num_rows, s.width(self.dim)), s.initial_value, dtype=torch.float32, device=self.device)
-            )
+            s.name: lock(table_tensor((num_rows, s.width(self.dim)), s.initial_value, torch.float32, self.device))
             for s in self.spec.state_specs()
         }
 
@@ -308,7 +306,7 @@ class NativeRowStore(RowStore):
         whole float32 words), then each state's floats."""
         weight_words = -(-self.dim * self.dtype.itemsize // 4)
         widths = [s.width(self.dim) for s in self.spec.state_specs()]
-        records = lock(torch.empty(num_rows, weight_words + sum(widths), dtype=torch.float32, device=self.device))
+        records = lock(table_tensor((num_rows, weight_words + sum(widths)), 0, torch.float32, self.device))
         self._records = records  # held: its memory stays locked while this tensor lives (not its views)
         self._weight = records[:, :weight_words].view(self.dtype)[:, : self.dim]
         self._weight.zero_()
@@ -382,11 +380,9 @@ class PackedRowStore(NativeRowStore):
         if self.layout is None:
             return super()._allocate(num_rows)
         elements = sum(rows * dim for rows, dim in self.shapes)
-        self._weight = torch.zeros(elements, dtype=self.dtype, device=self.device)
+        self._weight = table_tensor((elements,), 0, self.dtype, self.device)
         self._states = {
-            s.name: torch.full(
-                (num_rows if s.rowwise else elements,), s.initial_value, dtype=torch.float32, device=self.device
-            )
+            s.name: table_tensor((num_rows if s.rowwise else elements,), s.initial_value, torch.float32, self.device)
             for s in self.spec.state_specs()
         }
 
