@@ -273,22 +273,25 @@ def _transparent_huge_pages() -> bool:
 
 
 @pytest.mark.skipif(not _transparent_huge_pages(), reason="the kernel offers no transparent huge pages")
-def test_a_table_tensor_is_backed_by_huge_pages_where_the_kernel_offers_them():
+def test_a_table_tensor_is_advised_huge_pages_where_the_kernel_offers_them():
+    # The advice, not its outcome: how many huge pages the kernel gives depends on how fragmented
+    # the host's memory is (the full suite on the VM: 22 of 64 MiB).
     t = devices.table_tensor((16 << 20,), 1.0, torch.float32)  # 64 MiB
-    assert _huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel() * 4) >= 32 << 10  # half of it at least
+    begin = t.data_ptr()
+    assert _advised_bytes_in(begin, begin + t.numel() * 4) >= 60 << 20  # all but the ends
     assert torch.equal(t, torch.ones(16 << 20))
 
 
-def _huge_kib_in(begin: int, end: int) -> int:
-    """The AnonHugePages (KiB) of this process's mappings that overlap ``[begin, end)`` (the
-    advice splits an allocation's mapping at its first and last whole huge page)."""
-    total, inside = 0, False
+def _advised_bytes_in(begin: int, end: int) -> int:
+    """How many bytes of ``[begin, end)`` lie in mappings of this process advised huge pages
+    (``hg`` among their ``VmFlags``)."""
+    total, overlap = 0, 0
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and begin < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1])
+                overlap = max(0, min(hi, end) - max(lo, begin))
+            elif head == "VmFlags:" and "hg" in line.split()[1:]:
+                total += overlap
     return total
