@@ -673,6 +673,19 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
     TORCH_CHECK(row_keys->numel() >= weight.size(0), "row_keys must hold a key per row");
     keys = row_keys->data_ptr<int64_t>();
   }
+  // Each sorted occurrence's bag and weight, gathered once (independent loads, many in flight)
+  // rather than through `order` inside the update, where they were a dependent miss each.
+  std::vector<int64_t> sbag_v(n);
+  std::vector<float> spw_v(pw ? n : 0);
+  int64_t* sbag = sbag_v.data();
+  float* spw = spw_v.data();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t i = order[q];
+      sbag[q] = bag[i];
+      if (pw) spw[q] = pw[i];
+    }
+  });
   const UpdateScalars k(lr, eps, wd, beta1, beta2, bias1, bias2);
   auto run = [&](auto* w_all) {
     using W = std::remove_pointer_t<decltype(w_all)>;
@@ -690,12 +703,14 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
           if (s1) prefetch_span(s1 + ahead * s1_width, s1_width * sizeof(float));
           if (s2) prefetch_span(s2 + ahead * D, D * sizeof(float));
           if (sc) __builtin_prefetch(sc + ahead, 1);
+          for (int64_t q = heads[s + kAhead]; q < heads[s + kAhead + 1]; ++q) {
+            prefetch_span(go + sbag[q] * D, D * sizeof(float));
+          }
         }
         std::fill(g.begin(), g.end(), 0.0f);
         for (int64_t q = heads[s]; q < heads[s + 1]; ++q) {
-          const int64_t i = order[q];
-          const float* gr = go + bag[i] * D;
-          const float scale = pw ? pw[i] : 1.0f;
+          const float* gr = go + sbag[q] * D;
+          const float scale = pw ? spw[q] : 1.0f;
           for (int64_t d = 0; d < D; ++d) g[d] += gr[d] * scale;
         }
         const int64_t row = srow[heads[s]];
