@@ -335,12 +335,14 @@ int64_t fill_rows(torch::Tensor t, const torch::Tensor& rows, double value) {
   return -1;
 }
 
+constexpr int64_t kSortChunk = 1 << 15;  // the fewest ids a thread of stable_row_order sorts
+
 // The stable sort of `n` row indices (all >= 0): `order` such that rows[order] ascends with equal
 // rows in occurrence order, and `sorted` = rows[order] (the permutation a stable sort gives).
-// An LSD radix sort of (row << 32 | position) words over the bits of the largest row: one read
-// for every pass's histogram, then a scatter per pass of at most 11 bits (one pass of up to 16
-// bits where the buckets are no more than 4 per id), in place of at::sort's comparison sort,
-// which is several times slower at a step's size.
+// An LSD radix sort of (row << 32 | position) words over the bits of the largest row: a pass of
+// at most 11 bits each (one pass of up to 16 bits where the buckets are no more than 4 per id),
+// each a count and a scatter, split among the threads by runs of at least kSortChunk ids; in
+// place of at::sort's comparison sort, which is several times slower at a step's size.
 // Returns -1, or the position of the first negative row (then nothing is sorted): errors go back
 // as values, not C++ exceptions (a throw across the extension boundary crashed one torch build).
 int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& order, std::vector<int64_t>& sorted) {
@@ -363,29 +365,52 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
   const int passes = one_pass ? 1 : std::max(1, (bits + 10) / 11);
   const int width = std::max(1, (bits + passes - 1) / passes);
   const int64_t radix = int64_t{1} << width;
+  // The ids split into `chunks` runs, one a thread: each pass counts each run's digits, and each
+  // run scatters its own ids, after those of the runs before it with the same digit (stable).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kSortChunk));
+  const auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
+  const auto each_chunk = [&](auto&& body) {
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) body(c, chunk_begin(c), chunk_begin(c + 1));
+    });
+  };
   std::vector<uint64_t> a(n), b(n);
-  std::vector<int64_t> start(passes * radix, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t r = static_cast<uint64_t>(rows[i]);
-    a[i] = (r << 32) | static_cast<uint64_t>(i);
-    for (int p = 0; p < passes; ++p) ++start[p * radix + ((r >> (p * width)) & (radix - 1))];
-  }
+  std::vector<int64_t> start(chunks * radix);  // [chunk][digit]: counts, then where the chunk writes
   for (int p = 0; p < passes; ++p) {
-    int64_t* st = start.data() + p * radix;
+    const int shift = 32 + p * width;
+    std::fill(start.begin(), start.end(), 0);
+    each_chunk([&](int64_t c, int64_t begin, int64_t end) {
+      int64_t* st = start.data() + c * radix;
+      if (p == 0) {
+        for (int64_t i = begin; i < end; ++i) {
+          const uint64_t r = static_cast<uint64_t>(rows[i]);
+          a[i] = (r << 32) | static_cast<uint64_t>(i);
+          ++st[r & (radix - 1)];
+        }
+      } else {
+        for (int64_t i = begin; i < end; ++i) ++st[(a[i] >> shift) & (radix - 1)];
+      }
+    });
     int64_t sum = 0;
     for (int64_t d = 0; d < radix; ++d) {
-      const int64_t c = st[d];
-      st[d] = sum;
-      sum += c;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t count = start[c * radix + d];
+        start[c * radix + d] = sum;
+        sum += count;
+      }
     }
-    const int shift = 32 + p * width;
-    for (int64_t i = 0; i < n; ++i) b[st[(a[i] >> shift) & (radix - 1)]++] = a[i];
+    each_chunk([&](int64_t c, int64_t begin, int64_t end) {
+      int64_t* st = start.data() + c * radix;
+      for (int64_t i = begin; i < end; ++i) b[st[(a[i] >> shift) & (radix - 1)]++] = a[i];
+    });
     a.swap(b);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    sorted[i] = static_cast<int64_t>(a[i] >> 32);
-    order[i] = static_cast<int64_t>(a[i] & 0xFFFFFFFFULL);
-  }
+  each_chunk([&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      sorted[i] = static_cast<int64_t>(a[i] >> 32);
+      order[i] = static_cast<int64_t>(a[i] & 0xFFFFFFFFULL);
+    }
+  });
   return -1;
 }
 
