@@ -86,7 +86,9 @@ def table_tensor(
     before it is first written (``madvise(MADV_HUGEPAGE)``, where the kernel offers them): a
     step reads and writes a table's rows at random, and with 4 KiB pages nearly every row
     costs a page walk (a table of 1M rows of 64 floats spans 64k pages, far past the TLB's
-    reach). Advice only: where the kernel has none to give, the pages are small, nothing fails."""
+    reach). Advice only: where the kernel has none to give, the pages are small, nothing fails;
+    memory the allocator reuses (glibc serves blocks under its mmap threshold, at most 32 MiB,
+    from memory freed before) keeps the pages it was written on until the kernel merges them."""
     t = torch.empty(tuple(shape), dtype=dtype, device=device)
     if t.device.type == "cpu":
         _advise_huge_pages(t)

@@ -12,7 +12,7 @@ from dynarec import devices
 from dynarec.devices import HostMemoryError, page_lock
 from dynarec.embedding import cached_store
 from dynarec.embedding.hash_index import BucketedHashIndex
-from dynarec.embedding.row_store import NativeRowStore
+from dynarec.embedding.row_store import NativeRowStore, PackedRowStore
 from dynarec.optim import Adagrad
 
 
@@ -258,21 +258,16 @@ def test_a_tables_rows_states_and_index_are_advised_huge_pages(monkeypatch):
     calls = _record_advice(monkeypatch)
     store = NativeRowStore(1 << 15, 64, Adagrad(lr=0.1))  # 8 MiB of weights, 8 MiB of Adagrad's state
     index = BucketedHashIndex(1 << 16, 16)  # 1M slots: keys and scores 8 MiB, pins 4 MiB
+    records = NativeRowStore(1 << 14, 64, Adagrad(lr=0.1), records=True)  # one 8 MiB allocation
+    packed = PackedRowStore([(1 << 15, 64), (1 << 15, 32)], Adagrad(lr=0.1))  # 12 MiB flat, each
     arrays = [store.weight, store.states["momentum1"], index.keys, index.scores, index.storage.all_pins]
+    arrays += [records._records, packed.weight, packed.states["momentum1"]]
     assert len(calls) == len(arrays)  # (the 1 MiB of tags: too small)
     for (start, length, _), t in zip(calls, arrays):
         assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.numel() * t.element_size()
 
 
-def _transparent_huge_pages() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _transparent_huge_pages(), reason="the kernel offers no transparent huge pages")
+@pytest.mark.skipif(devices._huge_page_advice() is None, reason="the kernel offers no transparent huge pages")
 def test_a_table_tensor_is_advised_huge_pages_where_the_kernel_offers_them():
     # The advice, not its outcome: how many huge pages the kernel gives depends on how fragmented
     # the host's memory is (the full suite on the VM: 22 of 64 MiB).

@@ -367,7 +367,8 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
   const int64_t radix = int64_t{1} << width;
   // The ids split into `chunks` runs, one a thread: each pass counts each run's digits, and each
   // run scatters its own ids, after those of the runs before it with the same digit (stable).
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kSortChunk));
+  // (no more runs than keep their counts, a radix each, within the ids' own count)
+  const int64_t chunks = std::max<int64_t>(1, std::min({int64_t{at::get_num_threads()}, n / kSortChunk, n / radix}));
   const auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
   const auto each_chunk = [&](auto&& body) {
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -376,6 +377,7 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
   };
   std::vector<uint64_t> a(n), b(n);
   std::vector<int64_t> start(chunks * radix);  // [chunk][digit]: counts, then where the chunk writes
+  std::vector<int64_t> base(radix);  // per digit: where its next run writes
   for (int p = 0; p < passes; ++p) {
     const int shift = 32 + p * width;
     std::fill(start.begin(), start.end(), 0);
@@ -391,12 +393,23 @@ int64_t stable_row_order(const int64_t* rows, int64_t n, std::vector<int64_t>& o
         for (int64_t i = begin; i < end; ++i) ++st[(a[i] >> shift) & (radix - 1)];
       }
     });
+    // A digit's ids go after every smaller digit's, each run's after the runs before it (each
+    // loop reads the counts row by row).
+    std::fill(base.begin(), base.end(), 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t d = 0; d < radix; ++d) base[d] += start[c * radix + d];
+    }
     int64_t sum = 0;
     for (int64_t d = 0; d < radix; ++d) {
-      for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t count = base[d];
+      base[d] = sum;
+      sum += count;
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t d = 0; d < radix; ++d) {
         const int64_t count = start[c * radix + d];
-        start[c * radix + d] = sum;
-        sum += count;
+        start[c * radix + d] = base[d];
+        base[d] += count;
       }
     }
     each_chunk([&](int64_t c, int64_t begin, int64_t end) {
@@ -728,7 +741,9 @@ int64_t fused_bag_update(torch::Tensor weight, torch::Tensor state1, torch::Tens
           if (s1) prefetch_span(s1 + ahead * s1_width, s1_width * sizeof(float));
           if (s2) prefetch_span(s2 + ahead * D, D * sizeof(float));
           if (sc) __builtin_prefetch(sc + ahead, 1);
-          for (int64_t q = heads[s + kAhead]; q < heads[s + kAhead + 1]; ++q) {
+          // (a hot row's first few: its others come while they are summed)
+          const int64_t from = heads[s + kAhead];
+          for (int64_t q = from; q < std::min(heads[s + kAhead + 1], from + kAhead); ++q) {
             prefetch_span(go + sbag[q] * D, D * sizeof(float));
           }
         }
