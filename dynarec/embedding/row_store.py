@@ -308,8 +308,7 @@ class NativeRowStore(RowStore):
         widths = [s.width(self.dim) for s in self.spec.state_specs()]
         records = lock(table_tensor((num_rows, weight_words + sum(widths)), 0, torch.float32, self.device))
         self._records = records  # held: its memory stays locked while this tensor lives (not its views)
-        self._weight = records[:, :weight_words].view(self.dtype)[:, : self.dim]
-        self._weight.zero_()
+        self._weight = records[:, :weight_words].view(self.dtype)[:, : self.dim]  # (zero: the whole record is)
         self._states, at = {}, weight_words
         for spec, width in zip(self.spec.state_specs(), widths):
             self._states[spec.name] = records[:, at : at + width].fill_(spec.initial_value)
