@@ -80,7 +80,6 @@ __all__ = [
     "AbsentKeys",
     "DynamicTable",
     "TableFullError",
-    "follow_moves",
     "move_rows",
     "present_bags",
     "refuse_moved_rows",
@@ -363,7 +362,7 @@ class DynamicTable(EmbeddingTable):
                 self.index.pin(slots, step.id)  # their new slots (the insert pinned its new rows)
             else:
                 if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
-                    slots = follow_moves(slots, plan.moved_from, plan.moved_to)
+                    slots = torch.ops.dynarec.follow_moves(slots, plan.moved_from, plan.moved_to)
                 slots.index_copy_(0, absent.positions, new_slots[inverse])
         return slots, all_present
 
@@ -614,11 +613,9 @@ class AbsentKeys:
 
     @classmethod
     def of(cls, keys: torch.Tensor, slots: torch.Tensor) -> AbsentKeys:
-        """Those of ``keys`` ``[n]`` whose ``slots`` ``[n]`` are -1 (one host read on a GPU for
-        their number, one for the unique keys')."""
-        positions = torch.nonzero(slots < 0).squeeze(1)
-        unique, inverse, counts = torch.unique(keys[positions], return_inverse=True, return_counts=True)
-        return cls(positions, unique, inverse, counts)
+        """Those of ``keys`` ``[n]`` whose ``slots`` ``[n]`` are -1 (``dynarec::absent_keys``: one
+        host read on a GPU for their number, one for the unique keys')."""
+        return cls(*torch.ops.dynarec.absent_keys(keys, slots))
 
     @classmethod
     def of_parts(
@@ -667,15 +664,6 @@ def present_bags(
     lengths = torch.bincount(bag_of_id[present], minlength=bags.num_bags)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
     return rows[present], offsets, None if bags.weights is None else bags.weights[present]
-
-
-def follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:
-    """``slots`` (-1: none) with each slot ``moved_from[i]`` replaced by ``moved_to[i]`` (a plan's
-    cuckoo moves: distinct sources), without a host read."""
-    order = torch.argsort(moved_from)
-    src, dst = moved_from[order], moved_to[order]
-    at = torch.searchsorted(src, slots).clamp_(max=src.numel() - 1)
-    return torch.where(src[at] == slots, dst[at], slots)
 
 
 def refuse_moved_rows(

@@ -53,7 +53,6 @@ from dynarec.embedding.config import Pooling, TableConfig
 from dynarec.embedding.dynamic import (
     AbsentKeys,
     DynamicTable,
-    follow_moves,
     move_rows,
     present_bags,
     refuse_moved_rows,
@@ -471,7 +470,7 @@ class DynamicTableGroup(_Group):
             if admitted is not None:
                 new_slots = torch.full_like(absent.unique, -1).index_copy_(0, admitted, new_slots)
             if plan.moved_from.numel():  # cuckoo moves: the keys found in a moved row follow it
-                slots = follow_moves(slots, plan.moved_from, plan.moved_to)
+                slots = torch.ops.dynarec.follow_moves(slots, plan.moved_from, plan.moved_to)
             slots.index_copy_(0, absent.positions, new_slots[absent.inverse])
         for t in tables:
             t.served_step = step.id

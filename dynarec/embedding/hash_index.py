@@ -387,16 +387,15 @@ class IndexStorage(IndexWrites):
             self._pin(slots, step_id, offset)
 
     def _pin(self, slots: torch.Tensor, step_id: int, offset: int, journal: Optional[Journal] = None) -> None:
-        at = torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)  # -1s: the spare
         if journal is not None:
+            at = torch.where(slots < 0, self.capacity, slots + offset)  # -1s: the spare, as fill_slots
             saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
 
             def undo() -> None:
                 self.all_pins.index_copy_(0, at, saved)
 
             journal.record(undo)
-        # index_fill_: a scalar fill (duplicates write one value), twice as fast as scatter_ on a CPU
-        self.all_pins.index_fill_(0, at, step_id % PIN_WRAP)
+        torch.ops.dynarec.fill_slots(self.all_pins, slots, step_id % PIN_WRAP, offset)
 
 
 class BucketedHashIndex(IndexWrites):

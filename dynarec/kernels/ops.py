@@ -8,6 +8,9 @@
 | ``plan_insert`` | an insert plan's three steps (free slot, one cuckoo move, eviction) | C++ | Triton |
 | ``place_keys`` | a commit of new keys into free slots | C++ | Triton |
 | ``fill_at`` | ``t[idx] = value`` (a step's scores) | C++ | torch |
+| ``fill_slots`` | ``t[slots + offset] = value`` (a step's pins) | C++ | torch |
+| ``absent_keys`` | the keys a find left without a row: positions, unique keys, inverse, counts | C++ | torch |
+| ``follow_moves`` | slots following a plan's cuckoo moves | C++ | torch |
 | ``fill_rows`` | ``t[rows, :] = value`` (fresh optimizer states) | C++ | torch |
 | ``uniform01`` | key-seeded uniform draws | C++ | Triton |
 | ``uniform_rows`` | the uniform initializer's rows, written in place | C++ | Triton |
@@ -73,6 +76,9 @@ SCHEMAS = {
     "place_keys": "(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) tags, Tensor slots, Tensor new_keys,"
     " Tensor new_scores) -> ()",
     "fill_at": "(Tensor(a!) t, Tensor idx, int value) -> ()",
+    "fill_slots": "(Tensor(a!) t, Tensor slots, int value, int offset=0) -> ()",
+    "absent_keys": "(Tensor keys, Tensor slots) -> (Tensor, Tensor, Tensor, Tensor)",
+    "follow_moves": "(Tensor slots, Tensor moved_from, Tensor moved_to) -> Tensor",
     "fill_rows": "(Tensor(a!) t, Tensor rows, float value) -> ()",
     "uniform01": "(Tensor keys, int dim, int seed, int stream) -> Tensor",
     "uniform_rows": "(Tensor(a!) out, Tensor rows, Tensor keys, int seed, int stream, float bound) -> ()",
@@ -155,6 +161,32 @@ def _fill_at_cpu(t, idx, value):
     bad = k.fill_at(t, idx.contiguous(), int(value))
     if bad >= 0:
         raise IndexError(f"fill_at: index {int(idx[bad])} at position {bad} is outside [0, {t.numel()})")
+
+
+def _fill_slots_cpu(t, slots, value, offset=0):
+    k = cpu.ops()
+    if k is None or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+        return reference.fill_slots(t, slots, value, offset)
+    bad = k.fill_slots(t, slots.long().contiguous(), int(value), int(offset))
+    if bad >= 0:
+        raise IndexError(
+            f"fill_slots: slot {int(slots[bad])} at position {bad} (+ {offset}) is outside [0, {t.numel() - 1})"
+        )
+
+
+def _absent_keys_cpu(keys, slots):
+    k = cpu.ops()
+    if k is None:
+        return reference.absent_keys(keys, slots)
+    positions, unique, inverse, counts = k.absent_keys(keys.long().contiguous(), slots.long().contiguous())
+    return positions, unique, inverse, counts
+
+
+def _follow_moves_cpu(slots, moved_from, moved_to):
+    k = cpu.ops()
+    if k is None:
+        return reference.follow_moves(slots, moved_from, moved_to)
+    return k.follow_moves(slots.long().contiguous(), moved_from.long().contiguous(), moved_to.long().contiguous())
 
 
 def _fill_rows_cpu(t, rows, value):
@@ -364,6 +396,14 @@ def _plan_insert_fake(
     return slots, _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags), _dynamic_int64(tags)
 
 
+def _absent_keys_fake(keys, slots):
+    return _dynamic_int64(keys), _dynamic_int64(keys), _dynamic_int64(keys), _dynamic_int64(keys)
+
+
+def _follow_moves_fake(slots, moved_from, moved_to):
+    return torch.empty_like(slots)
+
+
 def _returns_none(*args: Any) -> None:
     return None
 
@@ -394,6 +434,9 @@ _IMPLS: dict[str, tuple[_Impl, _Impl, Optional[_Impl], Optional[_Impl]]] = {
     "plan_insert": (reference.plan_insert, _plan_insert_fake, _plan_insert_cpu, _plan_insert_triton),
     "place_keys": (reference.place_keys, _returns_none, _place_keys_cpu, _place_keys_triton),
     "fill_at": (reference.fill_at, _returns_none, _fill_at_cpu, None),
+    "fill_slots": (reference.fill_slots, _returns_none, _fill_slots_cpu, None),
+    "absent_keys": (reference.absent_keys, _absent_keys_fake, _absent_keys_cpu, None),
+    "follow_moves": (reference.follow_moves, _follow_moves_fake, _follow_moves_cpu, None),
     "fill_rows": (reference.fill_rows, _returns_none, _fill_rows_cpu, None),
     "uniform01": (reference.uniform01, _uniform01_fake, _uniform01_cpu, _uniform01_triton),
     "uniform_rows": (reference.uniform_rows, _returns_none, _uniform_rows_cpu, _uniform_rows_triton),

@@ -19,6 +19,7 @@ from dynarec import (
 from dynarec.embedding import TableFullError
 from dynarec.embedding.hash_index import PIN_WRAP, candidate_buckets
 from dynarec.embedding.jagged import split_features
+from dynarec.kernels import reference
 from dynarec.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.embedding.test_hash_index import check_invariants, keys_with_buckets
 from tests.matrix import BACKENDS
@@ -748,9 +749,8 @@ def test_write_rows_at_max_capacity_never_evicts_its_own_keys(own):
     assert torch.equal(rows["weight"][:2], torch.full((2, D), 9.0))
 
 
-def test_slots_follow_a_plans_cuckoo_moves():
-    from dynarec.embedding.dynamic import follow_moves
-
+@pytest.mark.parametrize("follow_moves", [torch.ops.dynarec.follow_moves, reference.follow_moves])
+def test_slots_follow_a_plans_cuckoo_moves(follow_moves):
     slots = torch.tensor([5, -1, 7, 5, 2, 9, 0])
     got = follow_moves(slots, torch.tensor([9, 5]), torch.tensor([12, 3]))
     assert torch.equal(got, torch.tensor([3, -1, 7, 3, 2, 12, 0]))

@@ -297,6 +297,53 @@ def test_fill_at_equals_scatter_and_refuses_a_slot_out_of_range():
     assert not index.scores.any()  # refused whole: nothing written
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_fill_slots_equals_its_twin_and_refuses_a_slot_out_of_range(dtype):
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(-1, 100, (1001,), generator=g).to(dtype)  # 1,000 slots and the spare
+    slots = torch.randint(-1, 900, (50_000,), generator=g)  # duplicates and -1s
+    want = t.clone()
+    reference.fill_slots(want, slots, 77, 100)
+    assert cpu.ops().fill_slots(t, slots, 77, 100) == -1
+    assert torch.equal(t, want) and int(t[-1]) == 77  # the -1s wrote the spare
+    before = t.clone()
+    with pytest.raises(IndexError, match=r"fill_slots: slot 901 at position 1 \(\+ 100\) is outside \[0, 1000\)"):
+        torch.ops.dynarec.fill_slots(t, torch.tensor([3, 901]), 5, 100)
+    assert torch.equal(t, before)  # refused whole: nothing written
+
+
+@pytest.mark.parametrize("n, absent_share", [(100_000, 0.05), (5_000, 1.0), (3_000, 0.0)])
+def test_absent_keys_equals_its_twin(n, absent_share):
+    g = torch.Generator().manual_seed(5)
+    keys = torch.cat([EXTREMES, torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)])
+    keys = keys[torch.randint(0, keys.numel(), (n,), generator=g)]  # repeated keys, the extremes among them
+    slots = torch.randint(0, 1 << 20, (n,), generator=g)
+    slots[torch.rand(n, generator=g) < absent_share] = -1
+    got, want = cpu.ops().absent_keys(keys, slots), reference.absent_keys(keys, slots)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if absent_share:
+        assert got[1].numel() < got[0].numel()  # keys repeat among the absent
+
+
+def test_follow_moves_equals_its_twin():
+    g = torch.Generator().manual_seed(6)
+    capacity = 1 << 20
+    moved_from = torch.randperm(capacity - 2, generator=g)[:3_000] + 1  # distinct sources
+    moved_from[:2] = torch.tensor([0, capacity - 1])  # the bitmap's two ends
+    moved_to = torch.randint(0, capacity, (3_000,), generator=g)
+    slots = torch.cat(
+        [
+            moved_from[torch.randint(0, 3_000, (20_000,), generator=g)],
+            torch.randint(-1, capacity, (80_000,), generator=g),
+        ]
+    )
+    slots = slots[torch.randperm(slots.numel(), generator=g)]
+    got = cpu.ops().follow_moves(slots, moved_from, moved_to)
+    assert torch.equal(got, reference.follow_moves(slots, moved_from, moved_to))
+    assert int((got != slots).sum()) >= 19_000  # the moved sources followed (a few moved onto themselves)
+
+
 def test_place_keys_refuses_a_slot_out_of_range():
     index = BucketedHashIndex(4, 4, "cpu")
     new = torch.tensor([5, 9])

@@ -61,6 +61,19 @@ def sample_args():
             ),
         ],
         "fill_at": [(index.scores.clone(), torch.tensor([0, 3, 3]), 1 << 41)],
+        "fill_slots": [  # an index's pins (its last: the spare), -1s and an offset
+            (torch.full((33,), -1, dtype=torch.int32), torch.tensor([0, -1, 3, 3, 31]), 7),
+            (torch.zeros(11, dtype=torch.int64), torch.tensor([-1, 2, 0]), 1 << 41, 8),
+        ],
+        "absent_keys": [
+            (query, torch.tensor([3, -1, 4, -1, -1, 0, 2, -1, -1])),
+            (torch.tensor([5, 5, -3, 5]), torch.tensor([-1, -1, -1, -1])),  # a repeated key
+            (query, torch.zeros_like(query)),  # none absent
+        ],
+        "follow_moves": [
+            (torch.tensor([5, -1, 7, 5, 2, 9, 0]), torch.tensor([9, 5, 0]), torch.tensor([12, 3, 4])),
+            (torch.tensor([1, 2]), torch.tensor([40]), torch.tensor([41])),
+        ],
         "fill_rows": [
             (torch.randn(10, 3), torch.tensor([4, 0, 4]), 0.1),
             (torch.randn(10, 5)[:, 1:4], torch.tensor([9, 2]), -2.5),  # a field of one record a row

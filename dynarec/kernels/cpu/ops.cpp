@@ -316,8 +316,9 @@ int64_t uniform_rows(torch::Tensor out, const torch::Tensor& rows, const torch::
 }
 
 // t[rows[i], :] = value for float32 `t` [rows, width] with unit column stride (the
-// dynarec::fill_rows op: fresh optimizer states), duplicates allowed. Returns -1, or the
-// position of the first row outside t (then nothing is written).
+// dynarec::fill_rows op: fresh optimizer states), duplicates allowed (two threads may write one
+// row, the same value). Returns -1, or the position of the first row outside t (then nothing is
+// written).
 int64_t fill_rows(torch::Tensor t, const torch::Tensor& rows, double value) {
   check_cpu_int64(rows, "rows");
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
@@ -328,10 +329,12 @@ int64_t fill_rows(torch::Tensor t, const torch::Tensor& rows, double value) {
   float* p = t.data_ptr<float>();
   const float v = static_cast<float>(value);
   constexpr int64_t kAhead = 8;  // rows scattered over a large table: each a miss, overlapped
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_span(p + r[i + kAhead] * stride, width * sizeof(float));
-    std::fill_n(p + r[i] * stride, width, v);
-  }
+  at::parallel_for(0, n, kGrain / 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end) prefetch_span(p + r[i + kAhead] * stride, width * sizeof(float));
+      std::fill_n(p + r[i] * stride, width, v);
+    }
+  });
   return -1;
 }
 
@@ -1294,6 +1297,99 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
   return -1;
 }
 
+// t[slots[i] + offset] = value for every i (the dynarec::fill_slots op: a step's pins), a negative
+// slot writing t's last element (the spare an index's pins keep past their slots: -1 is a key
+// without a row); int32 or int64 t, duplicates allowed. One thread, in order: in place of torch's
+// where and index_fill_, two passes over the slots and a temporary. Returns -1, or the position of
+// the first slot whose element is outside t (then nothing is written).
+int64_t fill_slots(torch::Tensor t, const torch::Tensor& slots, int64_t value, int64_t offset) {
+  check_cpu_int64(slots, "slots");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "t must be a contiguous CPU tensor");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t n = slots.numel(), size = t.numel();
+  const auto at = [&](int64_t i) { return s[i] < 0 ? size - 1 : s[i] + offset; };
+  for (int64_t i = 0; i < n; ++i) {
+    if (at(i) < 0 || at(i) >= size) return i;
+  }
+  const auto fill = [&](auto* p) {
+    const auto v = static_cast<std::remove_pointer_t<decltype(p)>>(value);
+    constexpr int64_t kAhead = 16;  // slots scattered over a large index: each a miss, overlapped
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) __builtin_prefetch(p + at(i + kAhead), 1);
+      p[at(i)] = v;
+    }
+  };
+  if (t.scalar_type() == torch::kInt32) {
+    fill(t.data_ptr<int32_t>());
+  } else {
+    TORCH_CHECK(t.scalar_type() == torch::kInt64, "t must be int32 or int64");
+    fill(t.data_ptr<int64_t>());
+  }
+  return -1;
+}
+
+// The keys of a find without a row (the dynarec::absent_keys op): the positions of the negative
+// `slots` (ascending) and those positions' `keys` as torch.unique(sorted, return_inverse,
+// return_counts) gives them: (positions [m], unique [u] ascending, inverse [m], counts [u]). One
+// pass over the slots, then a sort of the m absent keys alone, in place of nonzero, an index and
+// torch.unique's passes.
+std::vector<torch::Tensor> absent_keys(const torch::Tensor& keys, const torch::Tensor& slots) {
+  check_cpu_int64(keys, "keys");
+  check_cpu_int64(slots, "slots");
+  TORCH_CHECK(keys.numel() == slots.numel(), "keys and slots differ in size");
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  std::vector<int64_t> positions;
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    if (s[i] < 0) positions.push_back(i);
+  }
+  const int64_t m = static_cast<int64_t>(positions.size());
+  std::vector<std::pair<int64_t, int64_t>> by_key(m);  // (key, its index among the absent)
+  for (int64_t j = 0; j < m; ++j) by_key[j] = {k[positions[j]], j};
+  std::sort(by_key.begin(), by_key.end());
+  auto inverse = torch::empty({m}, torch::kInt64);
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  std::vector<int64_t> unique, counts;
+  for (int64_t j = 0; j < m; ++j) {
+    if (j == 0 || by_key[j].first != by_key[j - 1].first) unique.push_back(by_key[j].first), counts.push_back(0);
+    inv[by_key[j].second] = static_cast<int64_t>(unique.size()) - 1;
+    ++counts.back();
+  }
+  return {to_tensor(positions), to_tensor(unique), inverse, to_tensor(counts)};
+}
+
+// `slots` with each slot moved_from[i] replaced by moved_to[i] (the dynarec::follow_moves op: a
+// plan's cuckoo moves, distinct sources; a negative slot is kept). A bitmap of the sources
+// answers most slots (not moved) in one read; a moved one is found by binary search among them.
+torch::Tensor follow_moves(const torch::Tensor& slots, const torch::Tensor& moved_from, const torch::Tensor& moved_to) {
+  check_cpu_int64(slots, "slots");
+  check_cpu_int64(moved_from, "moved_from");
+  check_cpu_int64(moved_to, "moved_to");
+  TORCH_CHECK(moved_from.numel() == moved_to.numel(), "moved_from and moved_to differ in size");
+  const int64_t m = moved_from.numel(), n = slots.numel();
+  std::vector<std::pair<int64_t, int64_t>> moves(m);  // (from, to), by source
+  for (int64_t j = 0; j < m; ++j) moves[j] = {moved_from.data_ptr<int64_t>()[j], moved_to.data_ptr<int64_t>()[j]};
+  std::sort(moves.begin(), moves.end());
+  auto out = torch::empty_like(slots);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t lo = m ? std::max<int64_t>(moves.front().first, 0) : 0, hi = m ? moves.back().first : -1;
+  std::vector<uint64_t> moved(hi >= lo ? (hi - lo) / 64 + 1 : 0, 0);  // bit (from - lo): a source
+  for (const auto& mv : moves) {
+    if (mv.first >= lo) moved[(mv.first - lo) / 64] |= 1ULL << ((mv.first - lo) % 64);
+  }
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = s[i];
+      o[i] = slot;
+      if (slot < lo || slot > hi || !(moved[(slot - lo) / 64] >> ((slot - lo) % 64) & 1)) continue;
+      const auto it = std::lower_bound(moves.begin(), moves.end(), std::make_pair(slot, INT64_MIN));
+      o[i] = it->second;
+    }
+  });
+  return out;
+}
+
 // The dynarec::place_keys op: new_keys[i] with new_scores[i] and its tag into slot slots[i] of an
 // index's arrays (distinct, free: key 0 and score 0; -1: not placed; a score of 0 is not written).
 // Returns -1, or the position of the first slot outside the arrays (then nothing is written).
@@ -1347,6 +1443,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_half", &pooled_half, "weighted-sum bags of bf16 / fp16 rows, in float32");
   m.def("stable_sort_rows", &stable_sort_rows, "stable radix sort of row indices: (sorted, order)");
   m.def("fill_at", &fill_at, "t[idx] = value (duplicates allowed); -1 or the first bad position");
+  m.def("fill_slots", &fill_slots, "t[slots + offset] = value, -1s at t's last element; -1 or the first bad position");
+  m.def("absent_keys", &absent_keys, "positions of the negative slots, their keys unique with inverse and counts");
+  m.def("follow_moves", &follow_moves, "slots with a plan's moved sources replaced by their targets");
   m.def("fill_rows", &fill_rows, "t[rows, :] = value (float32 rows); -1 or the first bad position");
   m.def("uniform_rows", &uniform_rows, "the uniform initializer's rows written in place; -1 or the first bad position");
   m.def("place_keys", &place_keys, "new keys with their scores and tags into free slots; -1 or the first bad position");

@@ -5,7 +5,8 @@ the tolerance policy where they sum in another (pooling, the fused update).
 
 - :mod:`.hashing`: ``mix64``, a key's tag and candidate buckets, the two-choice find, the
   key-seeded uniform draws and the uniform initializer's rows;
-- :mod:`.plan`: an insert plan's three steps, and the index writes a commit and a touch make;
+- :mod:`.plan`: an insert plan's three steps, the keys a find left without a row, a plan's moves
+  followed, and the index writes a commit, a touch and a step's pins make;
 - :mod:`.bags`: the pooled lookup, and the fused backward + update of weighted-sum bags;
 - :mod:`.rows`: rows moved between a device cache and host memory, fresh optimizer states.
 
@@ -24,10 +25,19 @@ from dynarec.kernels.reference.hashing import (
     uniform_salt,
     uniform_values,
 )
-from dynarec.kernels.reference.plan import claim_free_slots, fill_at, place_keys, plan_insert
+from dynarec.kernels.reference.plan import (
+    absent_keys,
+    claim_free_slots,
+    fill_at,
+    fill_slots,
+    follow_moves,
+    place_keys,
+    plan_insert,
+)
 from dynarec.kernels.reference.rows import exchange_rows, fill_rows
 
 __all__ = [
+    "absent_keys",
     "aggregate",
     "bag_gradients",
     "bag_update",
@@ -37,7 +47,9 @@ __all__ = [
     "exchange_rows",
     "fill_at",
     "fill_rows",
+    "fill_slots",
     "find",
+    "follow_moves",
     "key_tags",
     "mix64",
     "place_keys",

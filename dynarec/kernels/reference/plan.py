@@ -32,7 +32,7 @@ import torch
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 from dynarec.kernels.reference.hashing import candidate_buckets, key_tags
 
-__all__ = ["claim_free_slots", "fill_at", "place_keys", "plan_insert"]
+__all__ = ["absent_keys", "claim_free_slots", "fill_at", "fill_slots", "follow_moves", "place_keys", "plan_insert"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,36 @@ def place_keys(
 def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     """``t[idx[i]] = value`` for every ``i`` (duplicates allowed)."""
     t.scatter_(0, idx, value)
+
+
+def fill_slots(t: torch.Tensor, slots: torch.Tensor, value: int, offset: int = 0) -> None:
+    """``t[slots[i] + offset] = value`` for every ``i``, a negative slot (:data:`NO_SLOT`: a key
+    without a row) writing ``t``'s last element: the spare an index's pins keep past their slots
+    (a step's pins; duplicates allowed). ``t``: ``[capacity + 1]`` int32 or int64; ``slots``:
+    ``[n]`` int64. No host read: the spare takes the writes a mask would drop."""
+    t.index_fill_(0, torch.where(slots < 0, t.numel() - 1, slots + offset), value)
+
+
+def absent_keys(
+    keys: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys of a find without a row: ``(positions, unique, inverse, counts)``, the positions
+    ``[m]`` (ascending) of the negative ``slots`` ``[n]`` and ``keys[positions]`` as
+    ``torch.unique`` gives them: ``unique`` ``[u]`` (ascending), ``inverse`` ``[m]`` (each
+    position's index into ``unique``), ``counts`` ``[u]`` (on a GPU: a host read for ``m``, one
+    for ``u``)."""
+    positions = torch.nonzero(slots < 0).squeeze(1)
+    unique, inverse, counts = torch.unique(keys[positions], return_inverse=True, return_counts=True)
+    return positions, unique, inverse, counts
+
+
+def follow_moves(slots: torch.Tensor, moved_from: torch.Tensor, moved_to: torch.Tensor) -> torch.Tensor:
+    """``slots`` ``[n]`` (negative: none) with each slot ``moved_from[i]`` replaced by
+    ``moved_to[i]`` (a plan's cuckoo moves: distinct sources, at least one), without a host read."""
+    order = torch.argsort(moved_from)
+    src, dst = moved_from[order], moved_to[order]
+    at = torch.searchsorted(src, slots).clamp_(max=src.numel() - 1)
+    return torch.where(src[at] == slots, dst[at], slots)
 
 
 def _rank_within(groups: torch.Tensor) -> torch.Tensor:
