@@ -388,7 +388,7 @@ class IndexStorage(IndexWrites):
 
     def _pin(self, slots: torch.Tensor, step_id: int, offset: int, journal: Optional[Journal] = None) -> None:
         if journal is not None:
-            at = torch.where(slots < 0, self.capacity, slots + offset)  # -1s: the spare, as fill_slots
+            at = torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)  # as fill_slots
             saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
 
             def undo() -> None:

@@ -138,7 +138,7 @@ def fill_slots(t: torch.Tensor, slots: torch.Tensor, value: int, offset: int = 0
     without a row) writing ``t``'s last element: the spare an index's pins keep past their slots
     (a step's pins; duplicates allowed). ``t``: ``[capacity + 1]`` int32 or int64; ``slots``:
     ``[n]`` int64. No host read: the spare takes the writes a mask would drop."""
-    t.index_fill_(0, torch.where(slots < 0, t.numel() - 1, slots + offset), value)
+    t.index_fill_(0, torch.where(slots < 0, t.numel() - 1, slots if offset == 0 else slots + offset), value)
 
 
 def absent_keys(
