@@ -114,3 +114,21 @@ def test_fbgemm_refuses_a_dim_that_is_not_a_multiple_of_4_by_name():
         EmbeddingCollection(
             [TableConfig(name="t", dim=6, num_embeddings=10, features=["f"], backend="fbgemm")], Adagrad()
         )
+
+
+@pytest.mark.parametrize("kind", ["uniform", "normal", "truncated_normal", "constant"])
+@pytest.mark.parametrize("data_type", ["fp32", "bf16"])
+def test_a_fixed_tables_rows_start_at_their_ids_initial_weights(kind, data_type):
+    """Row ``i`` of a fixed table (of a row-wise shard: its global row) starts at the initializer's
+    values for key ``i``, in the rows' type: written in place, in more than one chunk of rows."""
+    from dynarec.embedding.table import FixedTable
+
+    init = Initializer(kind, value=0.3)
+    config = TableConfig(
+        name="t", dim=8, num_embeddings=140_000, features=["f"], initializer=init, data_type=data_type, seed=3
+    )
+    shard = FixedTable(config, Adagrad(lr=0.1), torch.device("cpu"), rows=(1_000, 140_000))
+    want = init.values(torch.arange(1_000, 140_000), 8, seed=3, default_bound=config.default_bound)
+    assert torch.equal(shard.store.weight, want.to(shard.store.weight.dtype))
+    whole = EmbeddingCollection([config], Adagrad(lr=0.1)).tables["t"]
+    assert torch.equal(whole.store.weight[1_000:], shard.store.weight)
