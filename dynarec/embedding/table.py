@@ -467,13 +467,14 @@ class FixedTable(EmbeddingTable):
         store.row_keys = RowKeys(offset=start)  # half-precision rows' rounding draws: by global row id
         self._store = store
         # Each row's initial weights keyed by its global id, written in place (the uniform
-        # initializer's without float64 temporaries: Initializer.write_rows), 65,536 rows at a time.
-        chunk = 1 << 16
+        # initializer's without float64 temporaries: Initializer.write_rows), 65,536 rows at a
+        # time, on the weights' device (a host tier's rows are on the host).
+        weight, chunk = self._store.weight, 1 << 16
+        seed, bound = self.config.seed, self.config.default_bound
         with torch.no_grad():
             for first in range(0, self.num_embeddings, chunk):
-                ids = torch.arange(first, min(first + chunk, self.num_embeddings), device=self.device)
-                seed, bound = self.config.seed, self.config.default_bound
-                self.initializer.write_rows(self._store.weight, ids, ids + start, seed, bound)  # type: ignore[arg-type]
+                ids = torch.arange(first, min(first + chunk, self.num_embeddings), device=weight.device)
+                self.initializer.write_rows(weight, ids, ids + start, seed, bound)  # type: ignore[arg-type]
 
     @property
     def store(self) -> RowStore:

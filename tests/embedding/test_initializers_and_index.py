@@ -1,5 +1,6 @@
 """Key-seeded initializers and the bucketed hash index."""
 
+import dataclasses
 import math
 
 import pytest
@@ -119,8 +120,9 @@ def test_fbgemm_refuses_a_dim_that_is_not_a_multiple_of_4_by_name():
 @pytest.mark.parametrize("kind", ["uniform", "normal", "truncated_normal", "constant"])
 @pytest.mark.parametrize("data_type", ["fp32", "bf16"])
 def test_a_fixed_tables_rows_start_at_their_ids_initial_weights(kind, data_type):
-    """Row ``i`` of a fixed table (of a row-wise shard: its global row) starts at the initializer's
-    values for key ``i``, in the rows' type: written in place, in more than one chunk of rows."""
+    """Row ``i`` of a fixed table (of a row-wise shard: its global row; of a host tier: its host
+    row) starts at the initializer's values for key ``i``, in the rows' type: written in place,
+    in more than one chunk of rows."""
     from dynarec.embedding.table import FixedTable
 
     init = Initializer(kind, value=0.3)
@@ -132,3 +134,5 @@ def test_a_fixed_tables_rows_start_at_their_ids_initial_weights(kind, data_type)
     assert torch.equal(shard.store.weight, want.to(shard.store.weight.dtype))
     whole = EmbeddingCollection([config], Adagrad(lr=0.1)).tables["t"]
     assert torch.equal(whole.store.weight[1_000:], shard.store.weight)
+    tiered = EmbeddingCollection([dataclasses.replace(config, cache_load_factor=0.05)], Adagrad(lr=0.1)).tables["t"]
+    assert torch.equal(tiered.store.weight, whole.store.weight)
