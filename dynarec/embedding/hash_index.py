@@ -46,6 +46,7 @@ from dynarec.embedding.insert_plan import PIN_WRAP, InsertPlan
 from dynarec.embedding.key_hash import candidate_buckets, key_tags
 from dynarec.embedding.step import Journal
 from dynarec.embedding.streams import current_stream
+from dynarec.kernels.reference import slot_positions
 from dynarec.optim.fused import RowScores
 
 __all__ = [
@@ -388,7 +389,7 @@ class IndexStorage(IndexWrites):
 
     def _pin(self, slots: torch.Tensor, step_id: int, offset: int, journal: Optional[Journal] = None) -> None:
         if journal is not None:
-            at = torch.where(slots < 0, self.capacity, slots if offset == 0 else slots + offset)  # as fill_slots
+            at = slot_positions(slots, offset, self.capacity)  # the pins fill_slots overwrites
             saved = self.all_pins[at]  # (duplicates: one value each, restored alike)
 
             def undo() -> None:

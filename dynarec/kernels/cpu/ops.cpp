@@ -1299,9 +1299,9 @@ int64_t fill_at(torch::Tensor t, const torch::Tensor& idx, int64_t value) {
 
 // t[slots[i] + offset] = value for every i (the dynarec::fill_slots op: a step's pins), a negative
 // slot writing t's last element (the spare an index's pins keep past their slots: -1 is a key
-// without a row); int32 or int64 t, duplicates allowed. One thread, in order: in place of torch's
-// where and index_fill_, two passes over the slots and a temporary. Returns -1, or the position of
-// the first slot whose element is outside t (then nothing is written).
+// without a row); int32 or int64 t, duplicates allowed. One thread, in order, no temporary (in
+// place of torch's where and index_fill_). Returns -1, or the position of the first slot whose
+// element is outside t (then nothing is written).
 int64_t fill_slots(torch::Tensor t, const torch::Tensor& slots, int64_t value, int64_t offset) {
   check_cpu_int64(slots, "slots");
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "t must be a contiguous CPU tensor");

@@ -33,6 +33,7 @@ from dynarec.kernels.reference.plan import (
     follow_moves,
     place_keys,
     plan_insert,
+    slot_positions,
 )
 from dynarec.kernels.reference.rows import exchange_rows, fill_rows
 
@@ -55,6 +56,7 @@ __all__ = [
     "place_keys",
     "plan_insert",
     "pooled",
+    "slot_positions",
     "uniform01",
     "uniform_rows",
     "uniform_salt",

@@ -32,7 +32,16 @@ import torch
 from dynarec.kernels.layout import EMPTY_TAG, NO_SLOT
 from dynarec.kernels.reference.hashing import candidate_buckets, key_tags
 
-__all__ = ["absent_keys", "claim_free_slots", "fill_at", "fill_slots", "follow_moves", "place_keys", "plan_insert"]
+__all__ = [
+    "absent_keys",
+    "claim_free_slots",
+    "fill_at",
+    "fill_slots",
+    "follow_moves",
+    "place_keys",
+    "plan_insert",
+    "slot_positions",
+]
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,13 @@ def fill_slots(t: torch.Tensor, slots: torch.Tensor, value: int, offset: int = 0
     without a row) writing ``t``'s last element: the spare an index's pins keep past their slots
     (a step's pins; duplicates allowed). ``t``: ``[capacity + 1]`` int32 or int64; ``slots``:
     ``[n]`` int64. No host read: the spare takes the writes a mask would drop."""
-    t.index_fill_(0, torch.where(slots < 0, t.numel() - 1, slots if offset == 0 else slots + offset), value)
+    t.index_fill_(0, slot_positions(slots, offset, t.numel() - 1), value)
+
+
+def slot_positions(slots: torch.Tensor, offset: int, spare: int) -> torch.Tensor:
+    """Where :func:`fill_slots` writes each of ``slots`` ``[n]``: ``slot + offset``, a negative
+    slot at ``spare``."""
+    return torch.where(slots < 0, spare, slots if offset == 0 else slots + offset)
 
 
 def absent_keys(
