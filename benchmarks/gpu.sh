@@ -31,6 +31,7 @@ if [ -z "${GPU_SUITE_ONLY:-}" ]; then
             tests/kernels/test_cpu_kernels.py tests/kernels/test_triton_interpreter.py"
         "dynamic tests/embedding/test_hash_index.py tests/embedding/test_grouped.py tests/embedding/test_dynamic_parts.py"
         "embedding tests/embedding/test_cuda.py tests/embedding/test_prefetch.py tests/embedding/test_cached_store.py
+            tests/embedding/test_initializers_and_index.py
             tests/embedding/test_half_rows.py"
         "train tests/test_devices.py tests/config/test_tzrec_smoke_train.py tests/train/test_cuda_training.py
             tests/train/test_cuda_graphs.py tests/train/test_loss_scaling.py tests/train/test_optimizer_graph.py

@@ -2,14 +2,15 @@
 table's training step (``profile_step.py``, ``step_sections.py``)."""
 
 import argparse
+import dataclasses
 import json
 from typing import Optional
 
 from dynarec.bench.common import Workload, cached_click_log, make_table
 from dynarec.bench.e2e import HISTORY, e2e_config, e2e_spec, refuse_min_history_with_config
+from dynarec.bench.steps import OPTIMIZERS
 from dynarec.config import load_config
 from dynarec.embedding import EmbeddingCollection
-from dynarec.optim import Adagrad
 
 
 def profiled_config(
@@ -41,14 +42,17 @@ def add_table_step_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     p.add_argument("--pooling-factor", type=int, default=16)
     p.add_argument("--steps", type=int, default=defaults.get("steps", 5))
     p.add_argument("--new-keys", type=float, default=0.0, help="the share of a step's ids never seen before")
+    p.add_argument("--data-type", choices=["fp32", "bf16", "fp16"], default="fp32", help="the rows' storage type")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
 
 
 def table_step(a: argparse.Namespace):
-    """``(workload, its batches, a collection of its one table "t" with feature "f", Adagrad)``
+    """``(workload, its batches, a collection of its one table "t" with feature "f")``
     from :func:`add_table_step_arguments`' options: 4 batches run cyclically, or with
     ``--new-keys`` a stream of 4 warm-up batches then one a step (and the prefetch's 2)."""
     w = Workload(num_embeddings=a.rows, dim=a.dim, bags=a.bags, pooling_factor=a.pooling_factor, num_batches=4)
     count = w.num_batches + a.steps + 2 if a.new_keys else None
     batches = w.batches(keys_over_int64=a.kind == "dynamic", device=a.device, new_keys=a.new_keys, count=count)
-    coll = EmbeddingCollection([make_table(a.kind, "native", w)], Adagrad(lr=0.05), device=a.device)
+    table = dataclasses.replace(make_table(a.kind, "native", w), data_type=a.data_type)
+    coll = EmbeddingCollection([table], OPTIMIZERS[a.optimizer], device=a.device)
     return w, batches, coll

@@ -11,6 +11,7 @@ from dynarec.embedding.fbgemm_store import check_fbgemm_supports, fbgemm_availab
 from dynarec.embedding.hash_index import BucketedHashIndex
 from dynarec.embedding.initializers import Initializer
 from dynarec.optim import Adagrad
+from tests.matrix import DEVICES
 
 KEYS = torch.arange(-20_000, 20_000) * 7919
 
@@ -119,20 +120,23 @@ def test_fbgemm_refuses_a_dim_that_is_not_a_multiple_of_4_by_name():
 
 @pytest.mark.parametrize("kind", ["uniform", "normal", "truncated_normal", "constant"])
 @pytest.mark.parametrize("data_type", ["fp32", "bf16"])
-def test_a_fixed_tables_rows_start_at_their_ids_initial_weights(kind, data_type):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fixed_tables_rows_start_at_their_ids_initial_weights(kind, data_type, device):
     """Row ``i`` of a fixed table (of a row-wise shard: its global row; of a host tier: its host
-    row) starts at the initializer's values for key ``i``, in the rows' type: written in place,
-    in more than one chunk of rows."""
+    row, on the host beside a GPU table) starts at the initializer's values for key ``i``, in the
+    rows' type: written in place, in more than one chunk of rows."""
     from dynarec.embedding.table import FixedTable
 
     init = Initializer(kind, value=0.3)
     config = TableConfig(
         name="t", dim=8, num_embeddings=140_000, features=["f"], initializer=init, data_type=data_type, seed=3
     )
-    shard = FixedTable(config, Adagrad(lr=0.1), torch.device("cpu"), rows=(1_000, 140_000))
+    shard = FixedTable(config, Adagrad(lr=0.1), torch.device(device), rows=(1_000, 140_000))
     want = init.values(torch.arange(1_000, 140_000), 8, seed=3, default_bound=config.default_bound)
-    assert torch.equal(shard.store.weight, want.to(shard.store.weight.dtype))
-    whole = EmbeddingCollection([config], Adagrad(lr=0.1)).tables["t"]
+    assert torch.equal(shard.store.weight.cpu(), want.to(shard.store.weight.dtype))
+    whole = EmbeddingCollection([config], Adagrad(lr=0.1), device=device).tables["t"]
     assert torch.equal(whole.store.weight[1_000:], shard.store.weight)
-    tiered = EmbeddingCollection([dataclasses.replace(config, cache_load_factor=0.05)], Adagrad(lr=0.1)).tables["t"]
-    assert torch.equal(tiered.store.weight, whole.store.weight)
+    tiered = EmbeddingCollection(
+        [dataclasses.replace(config, cache_load_factor=0.05)], Adagrad(lr=0.1), device=device
+    ).tables["t"]
+    assert torch.equal(tiered.store.weight.cpu(), whole.store.weight.cpu())
