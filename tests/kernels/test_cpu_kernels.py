@@ -62,7 +62,7 @@ def test_uniform01_and_every_initializer(dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("dim", [1, 7, 64])
+@pytest.mark.parametrize("dim", [1, 7, 64, 67])  # (67: whole vectors of 8 and a tail)
 def test_uniform_rows_equal_the_initializers_values_rounded_to_the_row_dtype(dtype, dim):
     """The uniform initializer written in place: the values of its plain-torch draw (float64 ops,
     float32, then the rows' dtype to nearest), rows of a record layout too (a row stride past the

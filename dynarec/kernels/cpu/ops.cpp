@@ -265,6 +265,28 @@ inline double uniform_draw(uint64_t base, int64_t c) {
   return (static_cast<double>(h >> 11) + 0.5) * kScale;
 }
 
+// uniform_rows' values of a key whose base is mix64(key ^ salt): float32((2u - 1) * bound) for
+// columns [0, dim), the float64 steps rounded one by one as torch's mul_, sub_, mul_ and float() do.
+inline void uniform_values(float* out, uint64_t base, int64_t dim, double bound) {
+  for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>((uniform_draw(base, c) * 2.0 - 1.0) * bound);
+}
+
+#if defined(__x86_64__)
+// uniform_values compiled for AVX-512 (DQ: 64-bit multiplies and int64 -> float64 conversions),
+// where GCC vectorizes its columns, 8 at a time: the same IEEE steps, the same bits, about 3x
+// faster than the scalar loop (called only where the CPU has it).
+__attribute__((target("avx512f,avx512dq,avx512vl"))) void uniform_values_avx512(float* out, uint64_t base, int64_t dim,
+                                                                                double bound) {
+  uniform_values(out, base, dim, bound);
+}
+// (__builtin_cpu_init first: a static initializer may run before libgcc's own.)
+const bool kHasAVX512DQ = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512dq") != 0 &&
+         __builtin_cpu_supports("avx512vl") != 0;
+}();
+#endif
+
 // [n, dim] float64 in (0, 1) from 53 hash bits of (seed, stream, key, column) (the
 // dynarec::uniform01 op).
 torch::Tensor uniform01(const torch::Tensor& keys, int64_t dim, int64_t seed, int64_t stream) {
@@ -302,13 +324,21 @@ int64_t uniform_rows(torch::Tensor out, const torch::Tensor& rows, const torch::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain / 32, [&](int64_t begin, int64_t end) {
+      std::vector<float> values(dim);
       for (int64_t i = begin; i < end; ++i) {
         if (i + 4 < end) prefetch_span(o + r[i + 4] * stride, dim * sizeof(scalar_t));
         const uint64_t base = mix64(static_cast<uint64_t>(k[i]) ^ salt);
-        scalar_t* row = o + r[i] * stride;
-        for (int64_t c = 0; c < dim; ++c) {
-          row[c] = static_cast<scalar_t>(static_cast<float>((uniform_draw(base, c) * 2.0 - 1.0) * bound));
+#if defined(__x86_64__)
+        if (kHasAVX512DQ) {
+          uniform_values_avx512(values.data(), base, dim, bound);
+        } else {
+          uniform_values(values.data(), base, dim, bound);
         }
+#else
+        uniform_values(values.data(), base, dim, bound);
+#endif
+        scalar_t* row = o + r[i] * stride;
+        for (int64_t c = 0; c < dim; ++c) row[c] = static_cast<scalar_t>(values[c]);
       }
     });
   });
