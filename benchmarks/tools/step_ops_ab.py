@@ -1,0 +1,64 @@
+"""A fixed table's step and a dynamic table's step on the same ids, in one process, their
+windows of steps alternated (fixed, dynamic, fixed, ...) so that a drifting machine moves both
+alike: each op's own time a step, averaged over the windows, under torch's profiler. Usage:
+
+    python benchmarks/tools/step_ops_ab.py --device cpu --new-keys 0.05
+    python benchmarks/tools/step_ops_ab.py --rows 1000000 --dim 64 --bags 4096 --pooling-factor 20 --threads 1
+
+(the second is ``dynarec bench dynamic-step``'s default shape on one thread).
+"""
+
+import argparse
+from collections import defaultdict
+
+import torch
+from tool_config import add_table_step_arguments, table_step  # beside this script
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_table_step_arguments(p, rows=1_000_000, dim=64, steps=48)
+    p.set_defaults(bags=4096, pooling_factor=20)
+    p.add_argument("--window", type=int, default=8, help="steps of one kind between switches")
+    p.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    kinds = {}
+    for kind in ("fixed", "dynamic"):
+        a.kind = kind
+        kinds[kind] = table_step(a)
+    warm = 4
+
+    def step(kind: str, i: int) -> None:  # as profile_step.py runs one
+        _, batches, coll = kinds[kind]
+        coll(batches[i % len(batches)])["f"].sum().backward()
+        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
+
+    for kind in kinds:
+        for i in range(warm):
+            step(kind, i)
+    windows = max(1, a.steps // a.window)
+    own: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in kinds}
+    devices = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    for w in range(windows):
+        for kind in kinds:
+            with profile(activities=devices) as prof:
+                for i in range(warm + w * a.window, warm + (w + 1) * a.window):
+                    step(kind, i)
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            for e in prof.key_averages():
+                own[kind][e.key] += e.self_cpu_time_total / (windows * a.window) / 1000
+    ids = kinds["fixed"][0].ids_per_step
+    print(f"== {ids:,} ids a step, {windows} windows of {a.window} steps a kind, alternated; ms a step (own time)")
+    ops = sorted(set(own["fixed"]) | set(own["dynamic"]), key=lambda k: -max(own["fixed"][k], own["dynamic"][k]))
+    print(f"{'op':48s} {'fixed':>8s} {'dynamic':>8s}")
+    for op in ops[:20]:
+        print(f"{op[:48]:48s} {own['fixed'][op]:8.3f} {own['dynamic'][op]:8.3f}")
+    print(f"{'all ops':48s} {sum(own['fixed'].values()):8.3f} {sum(own['dynamic'].values()):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
