@@ -1,11 +1,10 @@
 """A fixed table's step and a dynamic table's step on the same ids, in one process, their
 windows of steps alternated (fixed, dynamic, fixed, ...) so that a drifting machine moves both
-alike: each op's own time a step, averaged over the windows, under torch's profiler. Usage:
+alike: each op's own time a step, averaged over the windows, under torch's profiler. The
+default shape is ``dynarec bench dynamic-step``'s (1M rows, dim 64, 4,096 bags of 20). Usage:
 
     python benchmarks/tools/step_ops_ab.py --device cpu --new-keys 0.05
-    python benchmarks/tools/step_ops_ab.py --rows 1000000 --dim 64 --bags 4096 --pooling-factor 20 --threads 1
-
-(the second is ``dynarec bench dynamic-step``'s default shape on one thread).
+    python benchmarks/tools/step_ops_ab.py --new-keys 0.05 --threads 1
 """
 
 import argparse
