@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from tool_config import add_table_step_arguments, table_step  # beside this script
+from tool_config import add_table_step_arguments, run_table_step, table_step  # beside this script
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -29,9 +29,8 @@ def main() -> None:
     a = p.parse_args()
     w, batches, coll = table_step(a)
 
-    def step(i: int) -> None:  # as the trainer runs one: a coming batch's input stage once the backward is queued
-        coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
+    def step(i: int) -> None:
+        run_table_step(coll, batches, i)
 
     warm = w.num_batches
     for i in range(warm):  # warm-up: compiles the kernels, inserts every key of the Zipf draws

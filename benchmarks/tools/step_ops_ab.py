@@ -1,7 +1,8 @@
 """A fixed table's step and a dynamic table's step on the same ids, in one process, their
 windows of steps alternated (fixed, dynamic, fixed, ...) so that a drifting machine moves both
-alike: each op's own time a step, averaged over the windows, under torch's profiler. The
-default shape is ``dynarec bench dynamic-step``'s (1M rows, dim 64, 4,096 bags of 20). Usage:
+alike: each op's own host time a step, averaged over the windows, under torch's profiler (CPU
+only: on a GPU, ``profile_step.py`` gives each kernel's device time). The default shape is
+``dynarec bench dynamic-step``'s (1M rows, dim 64, 4,096 bags of 20). Usage:
 
     python benchmarks/tools/step_ops_ab.py --device cpu --new-keys 0.05
     python benchmarks/tools/step_ops_ab.py --new-keys 0.05 --threads 1
@@ -11,7 +12,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-from tool_config import add_table_step_arguments, table_step  # beside this script
+from tool_config import add_table_step_arguments, run_table_step, table_step  # beside this script
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -22,36 +23,33 @@ def main() -> None:
     p.add_argument("--window", type=int, default=8, help="steps of one kind between switches")
     p.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
     a = p.parse_args()
+    if a.device != "cpu":
+        p.error(
+            f"--device {a.device}: this tool times the ops on the host; on a GPU, profile_step.py times the kernels"
+        )
     if a.threads:
         torch.set_num_threads(a.threads)
-    kinds = {}
-    for kind in ("fixed", "dynamic"):
-        a.kind = kind
-        kinds[kind] = table_step(a)
+    kinds = {kind: table_step(argparse.Namespace(**{**vars(a), "kind": kind})) for kind in ("fixed", "dynamic")}
     warm = 4
 
-    def step(kind: str, i: int) -> None:  # as profile_step.py runs one
+    def step(kind: str, i: int) -> None:
         _, batches, coll = kinds[kind]
-        coll(batches[i % len(batches)])["f"].sum().backward()
-        coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
+        run_table_step(coll, batches, i)
 
     for kind in kinds:
         for i in range(warm):
             step(kind, i)
     windows = max(1, a.steps // a.window)
     own: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in kinds}
-    devices = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
     for w in range(windows):
         for kind in kinds:
-            with profile(activities=devices) as prof:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for i in range(warm + w * a.window, warm + (w + 1) * a.window):
                     step(kind, i)
-                if a.device.startswith("cuda"):
-                    torch.cuda.synchronize()
             for e in prof.key_averages():
                 own[kind][e.key] += e.self_cpu_time_total / (windows * a.window) / 1000
     ids = kinds["fixed"][0].ids_per_step
-    print(f"== {ids:,} ids a step, {windows} windows of {a.window} steps a kind, alternated; ms a step (own time)")
+    print(f"== {ids:,} ids a step, {windows} windows of {a.window} steps a kind, alternated; ms a step (own host time)")
     ops = sorted(set(own["fixed"]) | set(own["dynamic"]), key=lambda k: -max(own["fixed"][k], own["dynamic"][k]))
     print(f"{'op':48s} {'fixed':>8s} {'dynamic':>8s}")
     for op in ops[:20]:

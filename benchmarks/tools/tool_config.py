@@ -1,5 +1,5 @@
 """What a profiling tool runs: the config (``profile_train.py``, ``profile_data.py``), or one
-table's training step (``profile_step.py``, ``step_sections.py``)."""
+table's training step (``profile_step.py``, ``step_sections.py``, ``step_ops_ab.py``)."""
 
 import argparse
 import dataclasses
@@ -56,3 +56,11 @@ def table_step(a: argparse.Namespace):
     table = dataclasses.replace(make_table(a.kind, "native", w), data_type=a.data_type)
     coll = EmbeddingCollection([table], OPTIMIZERS[a.optimizer], device=a.device)
     return w, batches, coll
+
+
+def run_table_step(coll: EmbeddingCollection, batches: list, i: int) -> None:
+    """Step ``i`` of :func:`table_step`'s collection, as the trainer runs one: the forward and
+    backward of batch ``i``, then the input stage of the batch ``prefetch_depth`` on, once the
+    backward is queued."""
+    coll(batches[i % len(batches)])["f"].sum().backward()
+    coll.prefetch(batches[(i + coll.prefetch_depth) % len(batches)])
