@@ -17,7 +17,7 @@ I64, U8, I32, F32 = "*i64", "*u8", "*i32", "*fp32"
 # the step's id count and scalars are read from the device (a captured update replays them)
 STEP = dict(n_ptr=I64, hyper_ptr="*fp64", D="i32", keys_ptr=I64)
 UPDATE = dict(
-    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, grad_ptr=F32, order_ptr=I64, sorted_rows_ptr=I32, bag_ptr=I64,
+    weight_ptr=F32, s1_ptr=F32, s2_ptr=F32, grad_ptr=F32, sorted_rows_ptr=I32, bag_ptr=I64,
     psw_ptr=F32, scores_ptr=I64, part_first_ptr=F32, part_last_ptr=F32, **STEP,
 )  # fmt: skip
 CROSSING = dict(

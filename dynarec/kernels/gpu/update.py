@@ -157,25 +157,47 @@ if HAVE_TRITON:
         return base, dim
 
     @triton.jit
-    def _apply_update(
-        weight_ptr, s1_ptr, s2_ptr, row, live, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-        keys_ptr, key_offset, round_base, layout_ptr, T,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
-    ):  # fmt: skip
-        """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
-        aggregated gradients ``g`` ([R, BLOCK_D] float32): one case per ``KernelCode`` (a code
-        without one does not compile). Rows of a half-precision table (``ROUND``) are read into
-        float32 and stored by :func:`_store_rows`. ``PACKED``: ``row`` are group rows of packed
-        rows (a row-wise state is indexed by them, the weights and element-wise states by
-        :func:`_row_place`)."""
+    def _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, d, D, layout_ptr, T, OPT: tl.constexpr, PACKED: tl.constexpr):
+        """What the update of rows ``row`` ([R] int64, only where ``live``) reads: ``(w, h1, h2)``,
+        their weights in float32 ([R, BLOCK_D]) and the optimizer's states (Adagrad's and Adam's
+        first: [R, BLOCK_D], RowWise Adagrad's: [R]; Adam's second: [R, BLOCK_D]; a state the
+        optimizer has not: ``w``, never read). Loaded ahead of :func:`_update_loaded`, they are
+        in flight while a program does other work."""
         base, dim = _row_place(row, D, layout_ptr, T, PACKED)
         dm = live[:, None] & (d[None, :] < dim[:, None])
         off = base[:, None] + d[None, :]
         w = tl.load(weight_ptr + off, mask=dm, other=0.0).to(tl.float32)
+        h1 = w
+        h2 = w
+        if OPT == _ADAGRAD:
+            h1 = tl.load(s1_ptr + off, mask=dm, other=0.0)
+        elif OPT == _ROWWISE_ADAGRAD:
+            h1 = tl.load(s1_ptr + row, mask=live, other=0.0)
+        elif OPT == _ADAM:
+            h1 = tl.load(s1_ptr + off, mask=dm, other=0.0)
+            h2 = tl.load(s2_ptr + off, mask=dm, other=0.0)
+        return w, h1, h2
+
+    @triton.jit
+    def _update_loaded(
+        weight_ptr, s1_ptr, s2_ptr, row, live, w, h1, h2, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2,
+        decay, keys_ptr, key_offset, round_base, layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
+    ):  # fmt: skip
+        """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
+        aggregated gradients ``g`` ([R, BLOCK_D] float32) and what :func:`_load_rows` read of
+        them (``w``, ``h1``, ``h2``): one case per ``KernelCode`` (a code without one does not
+        compile); the states and the rows stored. Rows of a half-precision table (``ROUND``) are
+        stored by :func:`_store_rows`. ``PACKED``: ``row`` are group rows of packed rows (a
+        row-wise state is indexed by them, the weights and element-wise states by
+        :func:`_row_place`)."""
+        base, dim = _row_place(row, D, layout_ptr, T, PACKED)
+        dm = live[:, None] & (d[None, :] < dim[:, None])
+        off = base[:, None] + d[None, :]
         if OPT == _SGD:
             w = w - lr * g
         elif OPT == _ADAGRAD:  # h += g*g; w -= lr * g / (sqrt(h) + eps)
-            h = tl.load(s1_ptr + off, mask=dm, other=0.0) + g * g
+            h = h1 + g * g
             tl.store(s1_ptr + off, h, mask=dm)
             w = w - lr * g / (tl.sqrt(h) + eps)
         elif OPT == _ROWWISE_ADAGRAD:
@@ -183,7 +205,7 @@ if HAVE_TRITON:
             if WD_MODE == _WD_L2:
                 gu = g + wd * w
             gu = tl.where(dm, gu, 0.0)
-            h = tl.load(s1_ptr + row, mask=live, other=0.0) + tl.sum(gu * gu, axis=1) / dim.to(tl.float32)
+            h = h1 + tl.sum(gu * gu, axis=1) / dim.to(tl.float32)
             tl.store(s1_ptr + row, h, mask=live)
             m = (lr / (tl.sqrt(h) + eps))[:, None]
             if WD_MODE == _WD_DECOUPLED:
@@ -191,8 +213,8 @@ if HAVE_TRITON:
             else:
                 w = w - m * gu
         elif OPT == _ADAM:  # bias correction, decoupled weight decay
-            m1 = tl.load(s1_ptr + off, mask=dm, other=0.0) * beta1 + c1 * g
-            m2 = tl.load(s2_ptr + off, mask=dm, other=0.0) * beta2 + c2 * g * g
+            m1 = h1 * beta1 + c1 * g
+            m2 = h2 * beta2 + c2 * g * g
             tl.store(s1_ptr + off, m1, mask=dm)
             tl.store(s2_ptr + off, m2, mask=dm)
             upd = (m1 / bias1) / (tl.sqrt(m2 / bias2) + eps)
@@ -200,8 +222,21 @@ if HAVE_TRITON:
                 upd = upd + wd * w
             w = w - lr * upd
         else:
-            tl.static_assert(False, "_apply_update has no case for this kernel code")
+            tl.static_assert(False, "_update_loaded has no case for this kernel code")
         _store_rows(weight_ptr, off, dm, w, row, live, d, keys_ptr, key_offset, round_base, ROUND, HAS_KEYS)
+
+    @triton.jit
+    def _apply_update(
+        weight_ptr, s1_ptr, s2_ptr, row, live, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+        keys_ptr, key_offset, round_base, layout_ptr, T,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_load_rows`, then :func:`_update_loaded`: the update of rows read where it runs."""
+        w, h1, h2 = _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, d, D, layout_ptr, T, OPT, PACKED)
+        _update_loaded(
+            weight_ptr, s1_ptr, s2_ptr, row, live, w, h1, h2, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2,
+            c1, c2, decay, keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
+        )  # fmt: skip
 
     @triton.jit
     def _segmented_add(v1, f1, v2, f2):
@@ -222,7 +257,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _update_block_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
         part_first_ptr, part_last_ptr, n_ptr, hyper_ptr, D, keys_ptr, layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
@@ -242,13 +277,12 @@ if HAVE_TRITON:
         row = tl.load(sorted_rows_ptr + p, mask=pm, other=-1).to(tl.int64)
         prev = tl.load(sorted_rows_ptr + p - 1, mask=pm & (p > 0), other=-1).to(tl.int64)
         nxt = tl.load(sorted_rows_ptr + p + 1, mask=(p + 1) < n, other=-1).to(tl.int64)
-        i = tl.load(order_ptr + p, mask=pm, other=0)
-        bag = tl.load(bag_ptr + i, mask=pm, other=0)
+        bag = tl.load(bag_ptr + p, mask=pm, other=0)
         d = tl.arange(0, BLOCK_D)
         dm = (d < D)[None, :]
         g = tl.load(grad_ptr + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm, other=0.0)
         if HAS_W:
-            g = g * tl.load(psw_ptr + i, mask=pm, other=0.0)[:, None]
+            g = g * tl.load(psw_ptr + p, mask=pm, other=0.0)[:, None]
         starts = ((row != prev) | (lane == 0)).to(tl.int32)
         sums, _ = tl.associative_scan((g, tl.broadcast_to(starts[:, None], (L, BLOCK_D))), 0, _segmented_add)
         ends = pm & (row != nxt)  # the last occurrence of a run (sums: the run's total in the block)
@@ -273,7 +307,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _update_run_kernel(
-        weight_ptr, s1_ptr, s2_ptr, grad_ptr, order_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
+        weight_ptr, s1_ptr, s2_ptr, grad_ptr, sorted_rows_ptr, bag_ptr, psw_ptr, scores_ptr,
         part_first_ptr, part_last_ptr, n_ptr, hyper_ptr, D, keys_ptr, layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
         HAS_W: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_D: tl.constexpr, L: tl.constexpr,
@@ -294,26 +328,48 @@ if HAVE_TRITON:
         before = tl.load(sorted_rows_ptr + start - 1, mask=b > 0, other=-1).to(tl.int64)
         row = tl.load(sorted_rows_ptr + start).to(tl.int64)
         first = row == before  # the block's first run began in an earlier block
+        one = tl.full([1], True, tl.int1)
+        # a run's row and states are read when the run before it ends, so they arrive while the
+        # run's gradients are summed (only this program updates a row that starts and ends here)
+        wr, h1, h2 = _load_rows(
+            weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one & (start < end) & ~first, d,
+            D, layout_ptr, T, OPT, PACKED,
+        )  # fmt: skip
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # loads run one occurrence ahead of the sum: the next gradient row and the bag after it
+        # are in flight while this one is added (the sum's order is the occurrences')
+        g = tl.load(grad_ptr + tl.load(bag_ptr + start) * D + d, mask=dm, other=0.0)
+        bag = tl.load(bag_ptr + start + 1, mask=start + 1 < end, other=0)
+        if HAS_W:
+            sw = tl.load(psw_ptr + start)
         p = start
         while p < end:
-            i = tl.load(order_ptr + p)
-            g = tl.load(grad_ptr + tl.load(bag_ptr + i) * D + d, mask=dm, other=0.0)
+            ahead = p + 1 < end
+            g_next = tl.load(grad_ptr + bag * D + d, mask=dm & ahead, other=0.0)
+            bag = tl.load(bag_ptr + p + 2, mask=p + 2 < end, other=0)
             if HAS_W:
-                g = g * tl.load(psw_ptr + i)
+                sw_next = tl.load(psw_ptr + p + 1, mask=ahead, other=0.0)
+                g = g * sw
+                sw = sw_next
             acc += g
+            g = g_next
             nxt = tl.load(sorted_rows_ptr + p + 1, mask=p + 1 < n, other=-1).to(tl.int64)
             if nxt != row:  # the run ends here
                 if HAS_SCORES:
                     tl.store(scores_ptr + row, score.to(tl.int64))
+                wr_next, h1_next, h2_next = _load_rows(
+                    weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + nxt, one & (p + 1 < end), d,
+                    D, layout_ptr, T, OPT, PACKED,
+                )  # fmt: skip
                 if first:
                     tl.store(part_first_ptr + b * BLOCK_D + d, acc)
                 else:
-                    _apply_update(
-                        weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, tl.full([1], True, tl.int1),
+                    _update_loaded(
+                        weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one, wr, h1, h2,
                         acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
                         keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
                     )  # fmt: skip
+                wr, h1, h2 = wr_next, h1_next, h2_next
                 acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                 first = False
                 row = nxt
@@ -446,8 +502,11 @@ def _run(
     last and are never read); ``offsets`` CSR of all ``m``; ``hyper`` the :data:`HYPER` values
     (float64, on the device)."""
     m = rows.numel()
-    bag_of_id = bags_of_ids(offsets, m)
     sorted_rows, order = torch.sort(rows, stable=True)
+    # each occurrence's bag and weight in sorted order: the kernels then read them in sequence
+    # (one gather here instead of a random read a step in every program's loop)
+    sorted_bags = bags_of_ids(offsets, m).index_select(0, order)
+    sorted_psw = psw.index_select(0, order) if psw is not None else grad_out  # not read without weights
     s1, s2 = states.get("momentum1", weight), states.get("momentum2", weight)
     block_d, block = launch.block_d, launch.block
     blocks = triton.cdiv(m, block)
@@ -462,16 +521,15 @@ def _run(
         PACKED=launch.packed, BLOCK_D=block_d, L=block,
     )  # fmt: skip
     runs = dict(HAS_W=launch.has_w, HAS_SCORES=launch.has_scores)
-    psw = psw if psw is not None else grad_out  # not read
     scores = scores if scores is not None else sorted_rows  # not read
     if launch.kernel == "run":
         _update_run_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, part_first, part_last, *rest,
+            weight, s1, s2, grad_out, sorted_rows, sorted_bags, sorted_psw, scores, part_first, part_last, *rest,
             **opt, **runs, num_warps=_tile_warps(block_d),
         )  # fmt: skip
     else:
         _update_block_kernel[(blocks,)](
-            weight, s1, s2, grad_out, order, sorted_rows, bag_of_id, psw, scores, part_first, part_last, *rest,
+            weight, s1, s2, grad_out, sorted_rows, sorted_bags, sorted_psw, scores, part_first, part_last, *rest,
             **opt, **runs, num_warps=_tile_warps(block * block_d),
         )  # fmt: skip
     if blocks > 1:
