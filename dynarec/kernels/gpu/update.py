@@ -1,10 +1,12 @@
 """The fused backward + update on the device: each unique row's gradient aggregated over its
 occurrences in a step's weighted bags, and the optimizer applied to the row, in place.
 
-The ids of a step are sorted by row once (stable) and cut into fixed blocks. A block's runs of
-equal rows are summed (``run``: one occurrence at a time, for wide rows; ``scan``: the block as
-one tile, by a segmented scan, for narrow ones) and their rows updated in one pass; a run
-crossing blocks is finished from the blocks' partial sums, in block order. Static grids (no
+The ids of a step are sorted by row once (stable), each occurrence's bag and weight gathered
+into that order, and cut into fixed blocks. A block's runs of equal rows are summed (``run``: one
+occurrence at a time, for wide rows, its loads one occurrence ahead and a run's row and states
+read when the run before it ends; ``scan``: the block as one tile, by a segmented scan, for
+narrow ones) and their rows updated in one pass; a run crossing blocks is finished from the
+blocks' partial sums, in block order. Static grids (no
 ``unique``, no host sync), and no floating-point value is ever accumulated with atomics: every
 sum has a fixed order, and the result does not depend on timing.
 
