@@ -340,7 +340,7 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         # loads run one occurrence ahead of the sum: the next gradient row and the bag after it
         # are in flight while this one is added (the sum's order is the occurrences')
-        g = tl.load(grad_ptr + tl.load(bag_ptr + start) * D + d, mask=dm, other=0.0)
+        g = tl.load(grad_ptr + tl.load(bag_ptr + start) * D + d, mask=dm & (start < end), other=0.0)
         bag = tl.load(bag_ptr + start + 1, mask=start + 1 < end, other=0)
         if HAS_W:
             sw = tl.load(psw_ptr + start)
