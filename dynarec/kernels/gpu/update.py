@@ -6,9 +6,9 @@ into that order, and cut into fixed blocks. A block's runs of equal rows are sum
 occurrence at a time, for wide rows, its loads one occurrence ahead and a run's row and states
 read when the run before it ends; ``scan``: the block as one tile, by a segmented scan, for
 narrow ones) and their rows updated in one pass; a run crossing blocks is finished from the
-blocks' partial sums, in block order. Static grids (no
-``unique``, no host sync), and no floating-point value is ever accumulated with atomics: every
-sum has a fixed order, and the result does not depend on timing.
+blocks' partial sums, in block order. Static grids (no ``unique``, no host sync), and no
+floating-point value is ever accumulated with atomics: every sum has a fixed order, and the
+result does not depend on timing.
 
 The update is a template over the optimizer: a compile-time code (``KernelCode``) and weight-decay
 mode (``WeightDecayCode``) of ``dynarec.optim.kernel``'s table, one case each in
@@ -159,13 +159,12 @@ if HAVE_TRITON:
         return base, dim
 
     @triton.jit
-    def _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, d, D, layout_ptr, T, OPT: tl.constexpr, PACKED: tl.constexpr):
-        """What the update of rows ``row`` ([R] int64, only where ``live``) reads: ``(w, h1, h2)``,
-        their weights in float32 ([R, BLOCK_D]) and the optimizer's states (Adagrad's and Adam's
-        first: [R, BLOCK_D], RowWise Adagrad's: [R]; Adam's second: [R, BLOCK_D]; a state the
-        optimizer has not: ``w``, never read). Loaded ahead of :func:`_update_loaded`, they are
-        in flight while a program does other work."""
-        base, dim = _row_place(row, D, layout_ptr, T, PACKED)
+    def _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, base, dim, d, OPT: tl.constexpr):
+        """What the update of rows ``row`` ([R] int64, only where ``live``; ``(base, dim)``: their
+        :func:`_row_place`) reads: ``(w, h1, h2)``, their weights in float32 ([R, BLOCK_D]) and
+        the optimizer's states (Adagrad's and Adam's first: [R, BLOCK_D], RowWise Adagrad's: [R];
+        Adam's second: [R, BLOCK_D]; a state the optimizer has not: ``w``, never read). Loaded
+        ahead of :func:`_update_loaded`, they are in flight while a program does other work."""
         dm = live[:, None] & (d[None, :] < dim[:, None])
         off = base[:, None] + d[None, :]
         w = tl.load(weight_ptr + off, mask=dm, other=0.0).to(tl.float32)
@@ -182,18 +181,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _update_loaded(
-        weight_ptr, s1_ptr, s2_ptr, row, live, w, h1, h2, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2,
-        decay, keys_ptr, key_offset, round_base, layout_ptr, T,
-        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
+        weight_ptr, s1_ptr, s2_ptr, row, live, base, dim, w, h1, h2, g, d, lr, eps, wd, beta1, beta2, bias1, bias2,
+        c1, c2, decay, keys_ptr, key_offset, round_base,
+        OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr,
     ):  # fmt: skip
-        """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``) from their
-        aggregated gradients ``g`` ([R, BLOCK_D] float32) and what :func:`_load_rows` read of
-        them (``w``, ``h1``, ``h2``): one case per ``KernelCode`` (a code without one does not
-        compile); the states and the rows stored. Rows of a half-precision table (``ROUND``) are
-        stored by :func:`_store_rows`. ``PACKED``: ``row`` are group rows of packed rows (a
-        row-wise state is indexed by them, the weights and element-wise states by
-        :func:`_row_place`)."""
-        base, dim = _row_place(row, D, layout_ptr, T, PACKED)
+        """The optimizer step of ``R`` rows (``row``: [R] int64, only where ``live``; ``(base,
+        dim)``: their :func:`_row_place`) from their aggregated gradients ``g`` ([R, BLOCK_D]
+        float32) and what :func:`_load_rows` read of them (``w``, ``h1``, ``h2``): one case per
+        ``KernelCode`` (a code without one does not compile); the states and the rows stored.
+        Rows of a half-precision table (``ROUND``) are stored by :func:`_store_rows`. A row-wise
+        state is indexed by ``row`` (group rows, in packed rows), the weights and element-wise
+        states by ``base``."""
         dm = live[:, None] & (d[None, :] < dim[:, None])
         off = base[:, None] + d[None, :]
         if OPT == _SGD:
@@ -233,11 +231,14 @@ if HAVE_TRITON:
         keys_ptr, key_offset, round_base, layout_ptr, T,
         OPT: tl.constexpr, WD_MODE: tl.constexpr, ROUND: tl.constexpr, HAS_KEYS: tl.constexpr, PACKED: tl.constexpr,
     ):  # fmt: skip
-        """:func:`_load_rows`, then :func:`_update_loaded`: the update of rows read where it runs."""
-        w, h1, h2 = _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, d, D, layout_ptr, T, OPT, PACKED)
+        """:func:`_load_rows`, then :func:`_update_loaded`: the update of rows read where it runs.
+        ``PACKED``: ``row`` are group rows of packed rows of layout ``layout_ptr``
+        (:func:`_row_place`)."""
+        base, dim = _row_place(row, D, layout_ptr, T, PACKED)
+        w, h1, h2 = _load_rows(weight_ptr, s1_ptr, s2_ptr, row, live, base, dim, d, OPT)
         _update_loaded(
-            weight_ptr, s1_ptr, s2_ptr, row, live, w, h1, h2, g, d, D, lr, eps, wd, beta1, beta2, bias1, bias2,
-            c1, c2, decay, keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
+            weight_ptr, s1_ptr, s2_ptr, row, live, base, dim, w, h1, h2, g, d, lr, eps, wd, beta1, beta2, bias1,
+            bias2, c1, c2, decay, keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
         )  # fmt: skip
 
     @triton.jit
@@ -333,9 +334,10 @@ if HAVE_TRITON:
         one = tl.full([1], True, tl.int1)
         # a run's row and states are read when the run before it ends, so they arrive while the
         # run's gradients are summed (only this program updates a row that starts and ends here)
+        base, dim = _row_place(tl.zeros([1], dtype=tl.int64) + row, D, layout_ptr, T, PACKED)
         wr, h1, h2 = _load_rows(
-            weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one & (start < end) & ~first, d,
-            D, layout_ptr, T, OPT, PACKED,
+            weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one & (start < end) & ~first, base, dim,
+            d, OPT,
         )  # fmt: skip
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         # loads run one occurrence ahead of the sum: the next gradient row and the bag after it
@@ -359,19 +361,20 @@ if HAVE_TRITON:
             if nxt != row:  # the run ends here
                 if HAS_SCORES:
                     tl.store(scores_ptr + row, score.to(tl.int64))
+                base_next, dim_next = _row_place(tl.zeros([1], dtype=tl.int64) + nxt, D, layout_ptr, T, PACKED)
                 wr_next, h1_next, h2_next = _load_rows(
-                    weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + nxt, one & (p + 1 < end), d,
-                    D, layout_ptr, T, OPT, PACKED,
+                    weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + nxt, one & (p + 1 < end), base_next,
+                    dim_next, d, OPT,
                 )  # fmt: skip
                 if first:
                     tl.store(part_first_ptr + b * BLOCK_D + d, acc)
                 else:
                     _update_loaded(
-                        weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one, wr, h1, h2,
-                        acc[None, :], d, D, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
-                        keys_ptr, key_offset, round_base, layout_ptr, T, OPT, WD_MODE, ROUND, HAS_KEYS, PACKED,
+                        weight_ptr, s1_ptr, s2_ptr, tl.zeros([1], dtype=tl.int64) + row, one, base, dim, wr, h1, h2,
+                        acc[None, :], d, lr, eps, wd, beta1, beta2, bias1, bias2, c1, c2, decay,
+                        keys_ptr, key_offset, round_base, OPT, WD_MODE, ROUND, HAS_KEYS,
                     )  # fmt: skip
-                wr, h1, h2 = wr_next, h1_next, h2_next
+                base, dim, wr, h1, h2 = base_next, dim_next, wr_next, h1_next, h2_next
                 acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                 first = False
                 row = nxt
